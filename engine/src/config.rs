@@ -1,0 +1,650 @@
+//! `config.json`, in every form in use, normalised into one [`ModelConfig`].
+//!
+//! Accepted forms (see SPEC §1 and §5):
+//! - the Hugging Face hub's: top-level `rope_theta` plus `rope_scaling`;
+//! - Transformers v5 `save_pretrained`: `rope_parameters` holding `rope_theta` and the scaling;
+//! - expert counts as `num_local_experts` or `num_experts`, top-k as `num_experts_per_tok` or
+//!   `experts_per_token`.
+//!
+//! Geometry fields have no defaults: a config without `hidden_size` is an error, not a guess.
+//! Fields that Transformers itself defaults (rope betas, eps, window) take its defaults.
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::error::{Error, Result};
+
+/// The model families the engine implements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// OpenAI GPT-OSS (`model_type: gpt_oss`).
+    GptOss,
+    /// Qwen3-MoE (`model_type: qwen3_moe`).
+    Qwen3Moe,
+}
+
+impl Family {
+    /// The `model_type` string.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::GptOss => "gpt_oss",
+            Self::Qwen3Moe => "qwen3_moe",
+        }
+    }
+}
+
+/// Rotary embedding parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeConfig {
+    /// Base θ.
+    pub theta: f64,
+    /// YaRN scaling, when the config asks for it.
+    pub yarn: Option<YarnConfig>,
+}
+
+/// YaRN parameters (Transformers `_compute_yarn_parameters`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct YarnConfig {
+    /// Context extension factor.
+    pub factor: f64,
+    /// β_fast (default 32).
+    pub beta_fast: f64,
+    /// β_slow (default 1).
+    pub beta_slow: f64,
+    /// Pre-training context length L0.
+    pub original_max_position_embeddings: f64,
+    /// Floor/ceil the correction range (Transformers' default: true).
+    pub truncate: bool,
+    /// Explicit attention factor, if given.
+    pub attention_factor: Option<f64>,
+    /// DeepSeek-style mscale pair, if given.
+    pub mscale: Option<f64>,
+    /// DeepSeek-style mscale_all_dim, if given.
+    pub mscale_all_dim: Option<f64>,
+}
+
+/// How the router turns logits into expert weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Routing {
+    /// GPT-OSS: top-k of the logits, then softmax over the k selected.
+    TopKThenSoftmax,
+    /// Qwen3-MoE: softmax over all experts, top-k, optionally renormalised to sum 1.
+    SoftmaxThenTopK {
+        /// `norm_topk_prob`.
+        renormalize: bool,
+    },
+}
+
+/// The expert's activation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Activation {
+    /// GPT-OSS clipped SwiGLU on interleaved gate/up: gate ≤ limit, |up| ≤ limit,
+    /// `(up + 1) · gate · σ(alpha · gate)`.
+    ClippedSwiglu {
+        /// `swiglu_limit` (7.0).
+        limit: f32,
+        /// `swiglu_alpha` (1.702).
+        alpha: f32,
+    },
+    /// Plain SwiGLU on separate gate and up: `silu(gate) · up`.
+    Silu,
+}
+
+/// A model's configuration, normalised across families and config formats.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    /// Model family.
+    pub family: Family,
+    /// Residual width H.
+    pub hidden_size: usize,
+    /// Number of decoder layers.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+    /// Vocabulary size (rows of the embedding and the head).
+    pub vocab_size: usize,
+    /// Experts per MoE layer.
+    pub num_experts: usize,
+    /// Experts chosen per token.
+    pub top_k: usize,
+    /// Per-expert intermediate width I.
+    pub expert_intermediate: usize,
+    /// Intermediate width of dense MLP layers (Qwen3 layers that are not MoE).
+    pub dense_intermediate: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f32,
+    /// Rotary embedding.
+    pub rope: RopeConfig,
+    /// The longest context the model supports.
+    pub max_position_embeddings: usize,
+    /// Sliding window length W (a position sees W keys), for the layers that slide.
+    pub sliding_window: Option<usize>,
+    /// Per layer: does it use the sliding window?
+    pub layer_sliding: Vec<bool>,
+    /// Per layer: is its MLP a mixture of experts (else dense)?
+    pub layer_moe: Vec<bool>,
+    /// q/k/v/o projections carry biases.
+    pub attention_bias: bool,
+    /// Attention sinks (GPT-OSS).
+    pub attention_sinks: bool,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// Router has a bias (GPT-OSS).
+    pub router_bias: bool,
+    /// Experts have biases (GPT-OSS).
+    pub expert_bias: bool,
+    /// Routing rule.
+    pub routing: Routing,
+    /// Expert activation.
+    pub activation: Activation,
+    /// `lm_head` is the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Experts are stored as MXFP4 (`quantization_config.quant_method == "mxfp4"`).
+    pub mxfp4_experts: bool,
+    /// End-of-sequence ids from config.json (may be empty).
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl ModelConfig {
+    /// Reads and normalises `dir/config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        Self::from_json_str(&text, &path)
+    }
+
+    /// Parses config.json text; `path` is used in error messages only.
+    pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
+        let v: Value = serde_json::from_str(text)
+            .map_err(|e| Error::config(path, format!("not valid JSON: {e}")))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| Error::config(path, "config is not a JSON object"))?;
+        let f = Fields { obj, path };
+        let model_type = f.opt_str("model_type")?.ok_or_else(|| {
+            Error::config(path, "missing field \"model_type\"")
+        })?;
+        let cfg = match model_type.as_str() {
+            "gpt_oss" => parse_gpt_oss(&f)?,
+            "qwen3_moe" => parse_qwen3_moe(&f)?,
+            other => {
+                return Err(Error::UnsupportedModel {
+                    found: other.to_string(),
+                })
+            }
+        };
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    /// Width of the concatenated query heads.
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    /// Width of the concatenated key (or value) heads.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    fn validate(&self, path: &Path) -> Result<()> {
+        let err = |m: String| Err(Error::config(path, m));
+        for (name, v) in [
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_layers),
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if v == 0 {
+                return err(format!("{name} must be positive"));
+            }
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return err(format!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return err(format!("head_dim {} must be even for RoPE", self.head_dim));
+        }
+        if self.layer_moe.iter().any(|&m| m) {
+            if self.num_experts == 0 || self.top_k == 0 || self.top_k > self.num_experts {
+                return err(format!(
+                    "need 0 < experts per token ({}) <= experts ({})",
+                    self.top_k, self.num_experts
+                ));
+            }
+            if self.expert_intermediate == 0 {
+                return err("expert intermediate size must be positive".into());
+            }
+        }
+        if self.layer_moe.iter().any(|&m| !m) && self.dense_intermediate == 0 {
+            return err("intermediate_size must be positive for dense MLP layers".into());
+        }
+        if self.mxfp4_experts && self.hidden_size % 32 != 0 {
+            return err(format!(
+                "MXFP4 experts need hidden_size divisible by 32, got {}",
+                self.hidden_size
+            ));
+        }
+        if self.mxfp4_experts && self.expert_intermediate % 32 != 0 {
+            return err(format!(
+                "MXFP4 experts need intermediate_size divisible by 32, got {}",
+                self.expert_intermediate
+            ));
+        }
+        if let Some(w) = self.sliding_window {
+            if w == 0 {
+                return err("sliding_window must be positive".into());
+            }
+        }
+        if !(self.rope.theta > 0.0) {
+            return err("rope_theta must be positive".into());
+        }
+        if let Some(y) = &self.rope.yarn {
+            if !(y.factor > 0.0) || !(y.original_max_position_embeddings > 0.0) {
+                return err("rope scaling factor and original_max_position_embeddings must be positive".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Fields<'a> {
+    obj: &'a Map<String, Value>,
+    path: &'a Path,
+}
+
+impl Fields<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+    fn err(&self, msg: String) -> Error {
+        Error::config(self.path, msg)
+    }
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| usize::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| self.err(format!("field {key:?} must be a non-negative integer, found {v}"))),
+        }
+    }
+    fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?
+            .ok_or_else(|| self.err(format!("missing field {key:?}")))
+    }
+    /// The first of several aliases that is present.
+    fn usize_any(&self, keys: &[&str]) -> Result<usize> {
+        for k in keys {
+            if let Some(v) = self.opt_usize(k)? {
+                return Ok(v);
+            }
+        }
+        Err(self.err(format!("missing field {:?} (or {:?})", keys[0], &keys[1..])))
+    }
+    fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+        opt_f64_in(self.obj, key).map_err(|m| self.err(m))
+    }
+    fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.err(format!("field {key:?} must be true or false, found {v}"))),
+        }
+    }
+    fn opt_str(&self, key: &str) -> Result<Option<String>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(|s| Some(s.to_string()))
+                .ok_or_else(|| self.err(format!("field {key:?} must be a string, found {v}"))),
+        }
+    }
+    fn opt_usize_list(&self, key: &str) -> Result<Option<Vec<usize>>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| {
+                    x.as_u64()
+                        .map(|x| x as usize)
+                        .ok_or_else(|| self.err(format!("field {key:?} must list integers")))
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some),
+            Some(v) => Err(self.err(format!("field {key:?} must be a list, found {v}"))),
+        }
+    }
+    fn eos_ids(&self) -> Result<Vec<u32>> {
+        match self.get("eos_token_id") {
+            None => Ok(Vec::new()),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| {
+                    x.as_u64()
+                        .and_then(|x| u32::try_from(x).ok())
+                        .ok_or_else(|| self.err("eos_token_id must hold integers".into()))
+                })
+                .collect(),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .map(|x| vec![x])
+                .ok_or_else(|| self.err(format!("eos_token_id must be an integer, found {v}"))),
+        }
+    }
+    /// `layer_types` if present: true where a layer slides.
+    fn layer_types(&self, num_layers: usize) -> Result<Option<Vec<bool>>> {
+        let Some(v) = self.get("layer_types") else {
+            return Ok(None);
+        };
+        let a = v
+            .as_array()
+            .ok_or_else(|| self.err("layer_types must be a list".into()))?;
+        if a.len() != num_layers {
+            return Err(self.err(format!(
+                "layer_types has {} entries but num_hidden_layers is {num_layers}",
+                a.len()
+            )));
+        }
+        a.iter()
+            .map(|t| match t.as_str() {
+                Some("sliding_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => Err(self.err(format!(
+                    "layer_types entry {t} is not \"sliding_attention\" or \"full_attention\""
+                ))),
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
+    /// Rotary parameters from `rope_parameters` (v5) or `rope_theta` + `rope_scaling` (hub).
+    fn rope(&self, default_theta: f64) -> Result<RopeConfig> {
+        let params = self.get("rope_parameters").or_else(|| self.get("rope_scaling"));
+        let scaling = match params {
+            None => None,
+            Some(Value::Object(m)) => Some(m),
+            Some(v) => return Err(self.err(format!("rope scaling must be an object, found {v}"))),
+        };
+        let from_v5 = self.get("rope_parameters").is_some();
+        let theta = match scaling.map(|m| opt_f64_in(m, "rope_theta")).transpose().map_err(|m| self.err(m))?.flatten() {
+            Some(t) => t,
+            None => self.opt_f64("rope_theta")?.unwrap_or(default_theta),
+        };
+        let Some(m) = scaling else {
+            return Ok(RopeConfig { theta, yarn: None });
+        };
+        let rope_type = m
+            .get("rope_type")
+            .or_else(|| m.get("type"))
+            .and_then(|t| t.as_str())
+            .unwrap_or("default");
+        let yarn = match rope_type {
+            "default" => None,
+            "yarn" => {
+                let g = |k: &str| opt_f64_in(m, k).map_err(|e| self.err(format!("rope scaling: {e}")));
+                let factor = g("factor")?
+                    .ok_or_else(|| self.err("rope scaling of type yarn has no \"factor\"".into()))?;
+                let original = match g("original_max_position_embeddings")? {
+                    Some(x) => x,
+                    None => self.usize("max_position_embeddings")? as f64 / factor,
+                };
+                let truncate = match m.get("truncate") {
+                    None | Some(Value::Null) => true,
+                    Some(Value::Bool(b)) => *b,
+                    Some(v) => return Err(self.err(format!("rope scaling: truncate must be a boolean, found {v}"))),
+                };
+                let _ = from_v5;
+                Some(YarnConfig {
+                    factor,
+                    beta_fast: g("beta_fast")?.unwrap_or(32.0),
+                    beta_slow: g("beta_slow")?.unwrap_or(1.0),
+                    original_max_position_embeddings: original,
+                    truncate,
+                    attention_factor: g("attention_factor")?,
+                    mscale: g("mscale")?,
+                    mscale_all_dim: g("mscale_all_dim")?,
+                })
+            }
+            other => {
+                return Err(self.err(format!(
+                    "unsupported rope type {other:?} (supported: default, yarn)"
+                )))
+            }
+        };
+        Ok(RopeConfig { theta, yarn })
+    }
+}
+
+fn opt_f64_in(m: &Map<String, Value>, key: &str) -> std::result::Result<Option<f64>, String> {
+    match m.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| format!("field {key:?} must be a number, found {v}")),
+    }
+}
+
+fn parse_gpt_oss(f: &Fields<'_>) -> Result<ModelConfig> {
+    let hidden_size = f.usize("hidden_size")?;
+    let num_layers = f.usize("num_hidden_layers")?;
+    let num_heads = f.usize("num_attention_heads")?;
+    let num_kv_heads = f.usize("num_key_value_heads")?;
+    let head_dim = match f.opt_usize("head_dim")? {
+        Some(d) => d,
+        None => hidden_size / num_heads.max(1),
+    };
+    let sliding_window = f.opt_usize("sliding_window")?;
+    let layer_sliding = match f.layer_types(num_layers)? {
+        Some(t) => t,
+        None => (0..num_layers).map(|i| i % 2 == 0).collect(),
+    };
+    let quant = match f.get("quantization_config") {
+        None => None,
+        Some(Value::Object(q)) => Some(
+            q.get("quant_method")
+                .and_then(|m| m.as_str())
+                .unwrap_or("")
+                .to_string(),
+        ),
+        Some(v) => {
+            return Err(f.err(format!("quantization_config must be an object, found {v}")))
+        }
+    };
+    let mxfp4_experts = match quant.as_deref() {
+        None => false,
+        Some("mxfp4") => true,
+        Some(other) => {
+            return Err(f.err(format!(
+                "unsupported quantization_config.quant_method {other:?} (supported: mxfp4)"
+            )))
+        }
+    };
+    let limit = f.opt_f64("swiglu_limit")?.unwrap_or(7.0) as f32;
+    let alpha = f.opt_f64("swiglu_alpha")?.unwrap_or(1.702) as f32;
+    Ok(ModelConfig {
+        family: Family::GptOss,
+        hidden_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        vocab_size: f.usize("vocab_size")?,
+        num_experts: f.usize_any(&["num_local_experts", "num_experts"])?,
+        top_k: f.usize_any(&["num_experts_per_tok", "experts_per_token"])?,
+        expert_intermediate: f.usize("intermediate_size")?,
+        dense_intermediate: 0,
+        rms_norm_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32,
+        rope: f.rope(150000.0)?,
+        max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(131072),
+        layer_sliding: if sliding_window.is_some() {
+            layer_sliding
+        } else {
+            vec![false; num_layers]
+        },
+        sliding_window,
+        layer_moe: vec![true; num_layers],
+        attention_bias: f.opt_bool("attention_bias")?.unwrap_or(true),
+        attention_sinks: true,
+        qk_norm: false,
+        router_bias: true,
+        expert_bias: true,
+        routing: Routing::TopKThenSoftmax,
+        activation: Activation::ClippedSwiglu { limit, alpha },
+        tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+        mxfp4_experts,
+        eos_token_ids: f.eos_ids()?,
+    })
+}
+
+fn parse_qwen3_moe(f: &Fields<'_>) -> Result<ModelConfig> {
+    let hidden_size = f.usize("hidden_size")?;
+    let num_layers = f.usize("num_hidden_layers")?;
+    let num_heads = f.usize("num_attention_heads")?;
+    let num_kv_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
+    let head_dim = match f.opt_usize("head_dim")? {
+        Some(d) => d,
+        None => hidden_size / num_heads.max(1),
+    };
+    let num_experts = f.usize_any(&["num_experts", "num_local_experts"])?;
+    let step = f.opt_usize("decoder_sparse_step")?.unwrap_or(1);
+    let only = f.opt_usize_list("mlp_only_layers")?.unwrap_or_default();
+    let layer_moe: Vec<bool> = (0..num_layers)
+        .map(|l| !only.contains(&l) && num_experts > 0 && step > 0 && (l + 1) % step == 0)
+        .collect();
+    let use_sliding = f.opt_bool("use_sliding_window")?.unwrap_or(false);
+    let sliding_window = if use_sliding {
+        Some(f.opt_usize("sliding_window")?.unwrap_or(4096))
+    } else {
+        None
+    };
+    let layer_sliding = match (sliding_window, f.layer_types(num_layers)?) {
+        (None, _) => vec![false; num_layers],
+        (Some(_), Some(t)) => t,
+        (Some(_), None) => vec![true; num_layers],
+    };
+    if let Some(Value::Object(q)) = f.get("quantization_config") {
+        return Err(f.err(format!(
+            "quantized Qwen3-MoE checkpoints are not supported (quant_method {})",
+            q.get("quant_method").cloned().unwrap_or(Value::Null)
+        )));
+    }
+    let any_moe = layer_moe.iter().any(|&m| m);
+    Ok(ModelConfig {
+        family: Family::Qwen3Moe,
+        hidden_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        vocab_size: f.usize("vocab_size")?,
+        num_experts,
+        top_k: if any_moe { f.usize_any(&["num_experts_per_tok", "experts_per_token"])? } else { 0 },
+        expert_intermediate: if any_moe { f.usize("moe_intermediate_size")? } else { 0 },
+        dense_intermediate: if layer_moe.iter().all(|&m| m) {
+            f.opt_usize("intermediate_size")?.unwrap_or(0)
+        } else {
+            f.usize("intermediate_size")?
+        },
+        rms_norm_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
+        rope: f.rope(10000.0)?,
+        max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(32768),
+        sliding_window,
+        layer_sliding,
+        layer_moe,
+        attention_bias: f.opt_bool("attention_bias")?.unwrap_or(false),
+        attention_sinks: false,
+        qk_norm: true,
+        router_bias: false,
+        expert_bias: false,
+        routing: Routing::SoftmaxThenTopK {
+            renormalize: f.opt_bool("norm_topk_prob")?.unwrap_or(false),
+        },
+        activation: Activation::Silu,
+        tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+        mxfp4_experts: false,
+        eos_token_ids: f.eos_ids()?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<ModelConfig> {
+        ModelConfig::from_json_str(s, Path::new("config.json"))
+    }
+
+    const GPT: &str = r#"{"model_type":"gpt_oss","hidden_size":64,"num_hidden_layers":2,
+        "num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":100,
+        "num_local_experts":4,"num_experts_per_tok":2,"intermediate_size":32,"sliding_window":8,
+        "rope_theta":150000,"rope_scaling":{"rope_type":"yarn","factor":32.0,"beta_fast":32.0,
+        "beta_slow":1.0,"original_max_position_embeddings":4096,"truncate":false}}"#;
+
+    #[test]
+    fn gpt_oss_hub_form() {
+        let c = parse(GPT).unwrap();
+        assert_eq!(c.family, Family::GptOss);
+        assert_eq!(c.layer_sliding, vec![true, false]);
+        let y = c.rope.yarn.unwrap();
+        assert_eq!(y.factor, 32.0);
+        assert!(!y.truncate);
+        assert_eq!(c.rope.theta, 150000.0);
+    }
+
+    #[test]
+    fn gpt_oss_v5_rope_parameters_and_num_experts_alias() {
+        let s = GPT
+            .replace("\"num_local_experts\"", "\"num_experts\"")
+            .replace("\"rope_theta\":150000,\"rope_scaling\"", "\"rope_parameters\"")
+            .replace("\"truncate\":false}", "\"rope_theta\":5000}");
+        let c = parse(&s).unwrap();
+        assert_eq!(c.num_experts, 4);
+        assert_eq!(c.rope.theta, 5000.0);
+        assert!(c.rope.yarn.unwrap().truncate, "absent truncate means true");
+    }
+
+    #[test]
+    fn errors_name_the_problem() {
+        let e = parse("{not json").unwrap_err().to_string();
+        assert!(e.contains("not valid JSON"), "{e}");
+        let e = parse(&GPT.replace("\"hidden_size\":64,", "")).unwrap_err().to_string();
+        assert!(e.contains("hidden_size"), "{e}");
+        let e = parse(&GPT.replace("gpt_oss", "llama")).unwrap_err().to_string();
+        assert!(e.contains("llama") && e.contains("gpt_oss") && e.contains("qwen3_moe"), "{e}");
+        let e = parse(&GPT.replace("\"num_experts_per_tok\":2", "\"num_experts_per_tok\":9")).unwrap_err().to_string();
+        assert!(e.contains("experts per token"), "{e}");
+        let e = parse(&GPT.replace("\"hidden_size\":64", "\"hidden_size\":\"64\"")).unwrap_err().to_string();
+        assert!(e.contains("hidden_size"), "{e}");
+    }
+
+    #[test]
+    fn qwen_dense_layers_follow_sparse_step_and_only_list() {
+        let s = r#"{"model_type":"qwen3_moe","hidden_size":32,"num_hidden_layers":4,
+            "num_attention_heads":4,"num_key_value_heads":2,"vocab_size":50,"num_experts":4,
+            "num_experts_per_tok":2,"moe_intermediate_size":16,"intermediate_size":64,
+            "decoder_sparse_step":2,"mlp_only_layers":[3],"norm_topk_prob":true}"#;
+        let c = parse(s).unwrap();
+        assert_eq!(c.layer_moe, vec![false, true, false, false]);
+        assert_eq!(c.head_dim, 8);
+        assert_eq!(c.routing, Routing::SoftmaxThenTopK { renormalize: true });
+        assert_eq!(c.sliding_window, None);
+    }
+}

@@ -1,0 +1,23 @@
+//! stormo's engine: the numbers.
+//!
+//! Loads GPT-OSS and Qwen3-MoE checkpoints as published (safetensors, MXFP4 experts),
+//! computes their forward pass in f32 exactly as Transformers does, and takes experts from a
+//! provider (the [`moe::ExpertProvider`] seam) so that RAM, disk and network tiers can serve
+//! them without the model knowing which. It knows nothing of networks or async runtimes.
+
+pub mod config;
+pub mod error;
+pub mod generate;
+pub mod gpt_oss;
+pub mod kernels;
+pub mod layout;
+pub mod model;
+pub mod moe;
+pub mod ops;
+pub mod qwen3_moe;
+pub mod rope;
+pub mod safetensors;
+
+pub use config::{Family, ModelConfig};
+pub use error::{Error, Result};
+pub use model::{LoadOptions, Logits, Model, Observer, Session};

@@ -1,0 +1,700 @@
+//! The shared decoder: loading the dense weights of either family, sessions with a KV cache,
+//! and the block forward used by both prefill and decode.
+//!
+//! Both families are pre-norm decoders with GQA attention and an MoE (or dense) MLP; they
+//! differ in options the [`ModelConfig`] carries (biases, sinks, QK-norm, sliding layers,
+//! routing rule, activation), so one forward serves both, and the family files only say
+//! where their experts lie. Everything is computed in f32; weights stay in their stored format
+//! and are widened inside the kernels.
+//!
+//! A forward processes a block of positions per layer: projections for all positions, RoPE,
+//! the KV write, attention in position order, the routing of all positions, then each expert
+//! of the block's union once for all positions that chose it. Decode is the same with a block
+//! of one, and gives bit-identical results per position.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use crate::config::{Family, ModelConfig};
+use crate::error::{Error, Result};
+use crate::kernels::{matmul, Float, Mat, Vector};
+use crate::layout::{ExpertLayout, Loader, Loc};
+use crate::moe::{self, ExpertData, ExpertProvider, MappedExperts, MoeScratch, PartBytes};
+use crate::ops;
+use crate::rope::Rope;
+use crate::safetensors::Checkpoint;
+
+#[derive(Clone, Copy, Debug)]
+struct MatSpec {
+    fmt: Float,
+    loc: Loc,
+    rows: usize,
+    cols: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct VecSpec {
+    fmt: Float,
+    loc: Loc,
+}
+
+#[derive(Debug)]
+struct Attn {
+    q: MatSpec,
+    k: MatSpec,
+    v: MatSpec,
+    o: MatSpec,
+    biases: Option<[VecSpec; 4]>,
+    sinks: Option<VecSpec>,
+    qk_norm: Option<[VecSpec; 2]>,
+}
+
+#[derive(Debug)]
+enum Mlp {
+    Moe {
+        router: MatSpec,
+        router_bias: Option<VecSpec>,
+    },
+    Dense {
+        gate: MatSpec,
+        up: MatSpec,
+        down: MatSpec,
+    },
+}
+
+#[derive(Debug)]
+struct Layer {
+    input_norm: VecSpec,
+    post_norm: VecSpec,
+    attn: Attn,
+    mlp: Mlp,
+    /// Window length if this layer slides.
+    window: Option<usize>,
+}
+
+/// Options for [`Model::load`].
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    /// Positions per prefill block (bounds activation memory; larger blocks reuse each
+    /// expert across more positions).
+    pub prefill_block: usize,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self { prefill_block: 128 }
+    }
+}
+
+/// A loaded model: configuration, mapped checkpoint, dense weights, and an expert provider.
+#[derive(Debug)]
+pub struct Model {
+    cfg: ModelConfig,
+    ckpt: Arc<Checkpoint>,
+    layout: ExpertLayout,
+    embed: MatSpec,
+    lm_head: MatSpec,
+    final_norm: VecSpec,
+    layers: Vec<Layer>,
+    rope: Rope,
+    experts: Arc<dyn ExpertProvider>,
+    prefill_block: usize,
+}
+
+/// Receives intermediate values of a forward (for tests and diagnostics).
+pub trait Observer {
+    /// Hidden state `index` for the block (`[t, H]`): 0 is the embedding output, `i` the
+    /// residual after layer `i-1`, and `num_layers` the final-normed output of the last layer.
+    fn hidden(&mut self, _index: usize, _xs: &[f32]) {}
+    /// Router logits `[t, E]` of `layer`.
+    fn router(&mut self, _layer: usize, _logits: &[f32]) {}
+}
+
+/// Which logits a forward computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Only for the block's last position (generation).
+    Last,
+    /// For every position of the block.
+    All,
+}
+
+impl Model {
+    /// Loads the model in `dir` with its experts served from the mapped checkpoint.
+    pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Self> {
+        let cfg = ModelConfig::from_dir(dir)?;
+        let ckpt = Arc::new(Checkpoint::open(dir)?);
+        let layout = ExpertLayout::from_checkpoint(&ckpt, &cfg)?;
+        let experts = Arc::new(mapped_provider(&ckpt, &layout));
+        Self::with_provider(cfg, ckpt, layout, experts, opts)
+    }
+
+    /// Loads the dense weights of `ckpt` and takes experts from `experts`.
+    pub fn with_provider(
+        cfg: ModelConfig,
+        ckpt: Arc<Checkpoint>,
+        layout: ExpertLayout,
+        experts: Arc<dyn ExpertProvider>,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
+        let ld = Loader::new(&ckpt, cfg.family);
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let mat = |name: &str, rows: usize, cols: usize| -> Result<MatSpec> {
+            let (fmt, loc) = ld.float(name, &[rows, cols])?;
+            Ok(MatSpec { fmt, loc, rows, cols })
+        };
+        let vec = |name: &str, len: usize| -> Result<VecSpec> {
+            let (fmt, loc) = ld.float(name, &[len])?;
+            Ok(VecSpec { fmt, loc })
+        };
+        let embed = mat("model.embed_tokens.weight", v, h)?;
+        let lm_head = if cfg.tie_word_embeddings && !ld.has("lm_head.weight") {
+            embed
+        } else {
+            mat("lm_head.weight", v, h)?
+        };
+        let final_norm = vec("model.norm.weight", h)?;
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}.");
+            let a = format!("{p}self_attn.");
+            let biases = if cfg.attention_bias {
+                Some([
+                    vec(&format!("{a}q_proj.bias"), qd)?,
+                    vec(&format!("{a}k_proj.bias"), kvd)?,
+                    vec(&format!("{a}v_proj.bias"), kvd)?,
+                    vec(&format!("{a}o_proj.bias"), h)?,
+                ])
+            } else {
+                None
+            };
+            let attn = Attn {
+                q: mat(&format!("{a}q_proj.weight"), qd, h)?,
+                k: mat(&format!("{a}k_proj.weight"), kvd, h)?,
+                v: mat(&format!("{a}v_proj.weight"), kvd, h)?,
+                o: mat(&format!("{a}o_proj.weight"), h, qd)?,
+                biases,
+                sinks: if cfg.attention_sinks {
+                    Some(vec(&format!("{a}sinks"), cfg.num_heads)?)
+                } else {
+                    None
+                },
+                qk_norm: if cfg.qk_norm {
+                    Some([
+                        vec(&format!("{a}q_norm.weight"), cfg.head_dim)?,
+                        vec(&format!("{a}k_norm.weight"), cfg.head_dim)?,
+                    ])
+                } else {
+                    None
+                },
+            };
+            let mlp = if cfg.layer_moe[l] {
+                let router_name = match cfg.family {
+                    Family::GptOss => "router",
+                    Family::Qwen3Moe => "gate",
+                };
+                Mlp::Moe {
+                    router: mat(&format!("{p}mlp.{router_name}.weight"), cfg.num_experts, h)?,
+                    router_bias: if cfg.router_bias {
+                        Some(vec(&format!("{p}mlp.{router_name}.bias"), cfg.num_experts)?)
+                    } else {
+                        None
+                    },
+                }
+            } else {
+                let i = cfg.dense_intermediate;
+                Mlp::Dense {
+                    gate: mat(&format!("{p}mlp.gate_proj.weight"), i, h)?,
+                    up: mat(&format!("{p}mlp.up_proj.weight"), i, h)?,
+                    down: mat(&format!("{p}mlp.down_proj.weight"), h, i)?,
+                }
+            };
+            layers.push(Layer {
+                input_norm: vec(&format!("{p}input_layernorm.weight"), h)?,
+                post_norm: vec(&format!("{p}post_attention_layernorm.weight"), h)?,
+                attn,
+                mlp,
+                window: if cfg.layer_sliding[l] { cfg.sliding_window } else { None },
+            });
+        }
+        let rope = Rope::new(&cfg.rope, cfg.head_dim);
+        Ok(Self {
+            cfg,
+            ckpt,
+            layout,
+            embed,
+            lm_head,
+            final_norm,
+            layers,
+            rope,
+            experts,
+            prefill_block: opts.prefill_block.max(1),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The mapped checkpoint.
+    pub fn checkpoint(&self) -> &Arc<Checkpoint> {
+        &self.ckpt
+    }
+
+    /// Where every expert lies.
+    pub fn expert_layout(&self) -> &ExpertLayout {
+        &self.layout
+    }
+
+    fn bytes(&self, loc: Loc) -> &[u8] {
+        let f = &self.ckpt.files[loc.file];
+        &f.map[loc.offset as usize..(loc.offset + loc.len) as usize]
+    }
+
+    fn mat(&self, m: &MatSpec) -> Mat<'_> {
+        Mat::Dense {
+            fmt: m.fmt,
+            bytes: self.bytes(m.loc),
+            rows: m.rows,
+            cols: m.cols,
+        }
+    }
+
+    fn vector(&self, v: &VecSpec) -> Vector<'_> {
+        Vector {
+            fmt: v.fmt,
+            bytes: self.bytes(v.loc),
+        }
+    }
+
+    /// A new session able to hold `max_context` positions.
+    pub fn session(&self, max_context: usize) -> Result<Session> {
+        if max_context == 0 || max_context > self.cfg.max_position_embeddings {
+            return Err(Error::Input(format!(
+                "context of {max_context} positions is outside 1..={} (max_position_embeddings)",
+                self.cfg.max_position_embeddings
+            )));
+        }
+        let block = self.prefill_block.min(max_context);
+        let kvd = self.cfg.kv_dim();
+        let kv = self
+            .layers
+            .iter()
+            .map(|l| {
+                let cap = match l.window {
+                    Some(w) => (w + block).min(max_context),
+                    None => max_context,
+                };
+                LayerKv {
+                    cap,
+                    k: vec![0.0; cap * kvd],
+                    v: vec![0.0; cap * kvd],
+                }
+            })
+            .collect();
+        let s = Scratch {
+            scores: vec![0.0; self.cfg.num_heads * max_context],
+            ..Scratch::default()
+        };
+        Ok(Session {
+            pos: 0,
+            max_context,
+            block,
+            kv,
+            s,
+            logits: Vec::new(),
+        })
+    }
+
+    /// Checks that `tokens` can be appended to `sess`.
+    pub fn check_input(&self, sess: &Session, tokens: &[u32]) -> Result<()> {
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(Error::Input(format!(
+                "token id {bad} is out of range: the vocabulary has {} ids (0..={})",
+                self.cfg.vocab_size,
+                self.cfg.vocab_size - 1
+            )));
+        }
+        if sess.pos + tokens.len() > sess.max_context {
+            return Err(Error::Input(format!(
+                "{} positions already used + {} new tokens exceed the context of {}",
+                sess.pos,
+                tokens.len(),
+                sess.max_context
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs `tokens` through the model at the session's next positions, in blocks. Returns
+    /// the logits: `[vocab]` for the last token, or `[tokens, vocab]` with [`Logits::All`].
+    pub fn forward<'s>(
+        &self,
+        sess: &'s mut Session,
+        tokens: &[u32],
+        which: Logits,
+        mut obs: Option<&mut dyn Observer>,
+    ) -> Result<&'s [f32]> {
+        self.check_input(sess, tokens)?;
+        if tokens.is_empty() {
+            return Err(Error::Input("no tokens to run".into()));
+        }
+        let v = self.cfg.vocab_size;
+        sess.logits.clear();
+        let block = sess.block;
+        let mut last = Vec::new();
+        for chunk in tokens.chunks(block) {
+            let is_last = chunk.as_ptr_range().end == tokens.as_ptr_range().end;
+            let rows = match which {
+                Logits::All => chunk.len(),
+                Logits::Last if is_last => 1,
+                Logits::Last => 0,
+            };
+            self.forward_block(sess, chunk, rows, obs.as_deref_mut())?;
+            if which == Logits::All {
+                last.extend_from_slice(&sess.s.logits[..rows * v]);
+            }
+        }
+        if which == Logits::All {
+            sess.logits = last;
+        } else {
+            std::mem::swap(&mut sess.logits, &mut sess.s.logits);
+            sess.logits.truncate(v);
+            // keep the scratch buffer's capacity for the next call
+            sess.s.logits.clear();
+        }
+        Ok(&sess.logits)
+    }
+
+    /// One block of `t` positions. Computes logits for the last `logit_rows` positions into
+    /// `sess.s.logits`.
+    fn forward_block<'o>(
+        &self,
+        sess: &mut Session,
+        tokens: &[u32],
+        logit_rows: usize,
+        mut obs: Option<&mut (dyn Observer + 'o)>,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let (t, h) = (tokens.len(), cfg.hidden_size);
+        let (qd, kvd, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+        let p0 = sess.pos;
+        let s = &mut sess.s;
+        s.ensure(t, cfg);
+        let embed = self.mat(&self.embed);
+        for (i, &tok) in tokens.iter().enumerate() {
+            embed.row_into(tok as usize, &mut s.x[i * h..(i + 1) * h]);
+        }
+        if let Some(o) = obs.as_deref_mut() {
+            o.hidden(0, &s.x[..t * h]);
+        }
+        let eps = cfg.rms_norm_eps;
+        for (l, layer) in self.layers.iter().enumerate() {
+            // ---- attention ----
+            let w = self.vector(&layer.input_norm);
+            for i in 0..t {
+                ops::rms_norm(&s.x[i * h..(i + 1) * h], &w, eps, &mut s.h[i * h..(i + 1) * h]);
+            }
+            let a = &layer.attn;
+            let hs = &s.h[..t * h];
+            matmul(&self.mat(&a.q), hs, &mut s.q[..t * qd]);
+            matmul(&self.mat(&a.k), hs, &mut s.k[..t * kvd]);
+            matmul(&self.mat(&a.v), hs, &mut s.v[..t * kvd]);
+            if let Some([bq, bk, bv, _]) = &a.biases {
+                add_bias_rows(&self.vector(bq), &mut s.q[..t * qd]);
+                add_bias_rows(&self.vector(bk), &mut s.k[..t * kvd]);
+                add_bias_rows(&self.vector(bv), &mut s.v[..t * kvd]);
+            }
+            if let Some([qn, kn]) = &a.qk_norm {
+                ops::rms_norm_heads(&mut s.q[..t * qd], hd, &self.vector(qn), eps);
+                ops::rms_norm_heads(&mut s.k[..t * kvd], hd, &self.vector(kn), eps);
+            }
+            for i in 0..t {
+                self.rope.cos_sin(p0 + i, &mut s.cos, &mut s.sin);
+                Rope::apply(&mut s.q[i * qd..(i + 1) * qd], hd, &s.cos, &s.sin);
+                Rope::apply(&mut s.k[i * kvd..(i + 1) * kvd], hd, &s.cos, &s.sin);
+            }
+            let kv = &mut sess.kv[l];
+            for i in 0..t {
+                let slot = (p0 + i) % kv.cap;
+                kv.k[slot * kvd..(slot + 1) * kvd].copy_from_slice(&s.k[i * kvd..(i + 1) * kvd]);
+                kv.v[slot * kvd..(slot + 1) * kvd].copy_from_slice(&s.v[i * kvd..(i + 1) * kvd]);
+            }
+            let sinks = a.sinks.as_ref().map(|v| self.vector(v));
+            attention(cfg, kv, layer.window, p0, t, &s.q[..t * qd], sinks, &mut s.heads, &mut s.scores);
+            for i in 0..t {
+                for head in 0..cfg.num_heads {
+                    let src = &s.heads[(head * t + i) * hd..(head * t + i + 1) * hd];
+                    s.att[i * qd + head * hd..i * qd + (head + 1) * hd].copy_from_slice(src);
+                }
+            }
+            matmul(&self.mat(&a.o), &s.att[..t * qd], &mut s.o[..t * h]);
+            if let Some([_, _, _, bo]) = &a.biases {
+                add_bias_rows(&self.vector(bo), &mut s.o[..t * h]);
+            }
+            for (x, o) in s.x[..t * h].iter_mut().zip(&s.o[..t * h]) {
+                *x += o;
+            }
+
+            // ---- MLP ----
+            let w = self.vector(&layer.post_norm);
+            for i in 0..t {
+                ops::rms_norm(&s.x[i * h..(i + 1) * h], &w, eps, &mut s.h[i * h..(i + 1) * h]);
+            }
+            s.o[..t * h].fill(0.0);
+            match &layer.mlp {
+                Mlp::Moe { router, router_bias } => {
+                    let e = cfg.num_experts;
+                    let m = &mut s.moe;
+                    m.logits.resize(t * e, 0.0);
+                    matmul(&self.mat(router), &s.h[..t * h], &mut m.logits);
+                    if let Some(b) = router_bias {
+                        add_bias_rows(&self.vector(b), &mut m.logits);
+                    }
+                    if let Some(o) = obs.as_deref_mut() {
+                        o.router(l, &m.logits);
+                    }
+                    let logits = std::mem::take(&mut m.logits);
+                    m.plan.route(&logits, e, cfg.top_k, cfg.routing, &mut s.probs);
+                    m.logits = logits;
+                    let schema = self.layout.schemas[l]
+                        .as_ref()
+                        .expect("MoE layer has an expert schema");
+                    moe::moe_block(l, schema, &*self.experts, e, &s.h[..t * h], &mut s.o[..t * h], m)?;
+                }
+                Mlp::Dense { gate, up, down } => {
+                    let view = moe::ExpertView {
+                        gate_up: None,
+                        gate: Some(self.mat(gate)),
+                        up: Some(self.mat(up)),
+                        down: Some(self.mat(down)),
+                        gate_up_bias: None,
+                        down_bias: None,
+                        activation: cfg.activation,
+                    };
+                    moe::expert_forward(&view, &s.h[..t * h], h, cfg.dense_intermediate, &mut s.dense);
+                    s.o[..t * h].copy_from_slice(s.dense.output());
+                }
+            }
+            for (x, o) in s.x[..t * h].iter_mut().zip(&s.o[..t * h]) {
+                *x += o;
+            }
+            if l + 1 < cfg.num_layers {
+                if let Some(o) = obs.as_deref_mut() {
+                    o.hidden(l + 1, &s.x[..t * h]);
+                }
+            }
+        }
+        sess.pos += t;
+
+        // ---- head ----
+        let w = self.vector(&self.final_norm);
+        let need_all_norm = obs.is_some();
+        let first = if need_all_norm { 0 } else { t - logit_rows };
+        for i in first..t {
+            ops::rms_norm(&s.x[i * h..(i + 1) * h], &w, eps, &mut s.h[i * h..(i + 1) * h]);
+        }
+        if let Some(o) = obs.as_deref_mut() {
+            o.hidden(cfg.num_layers, &s.h[..t * h]);
+        }
+        let v = cfg.vocab_size;
+        s.logits.resize(logit_rows * v, 0.0);
+        if logit_rows > 0 {
+            matmul(
+                &self.mat(&self.lm_head),
+                &s.h[(t - logit_rows) * h..t * h],
+                &mut s.logits[..logit_rows * v],
+            );
+        }
+        Ok(())
+    }
+}
+
+fn mapped_provider(ckpt: &Checkpoint, layout: &ExpertLayout) -> MappedExperts {
+    let experts = layout
+        .parts
+        .iter()
+        .map(|layer| {
+            layer
+                .iter()
+                .map(|parts| {
+                    Arc::new(ExpertData::new(
+                        parts
+                            .iter()
+                            .map(|p| {
+                                let s = p.loc.offset as usize;
+                                PartBytes::Mapped(ckpt.files[p.loc.file].clone(), s..s + p.loc.len as usize)
+                            })
+                            .collect(),
+                    ))
+                })
+                .collect()
+        })
+        .collect();
+    MappedExperts::new(experts)
+}
+
+fn add_bias_rows(b: &Vector<'_>, xs: &mut [f32]) {
+    for row in xs.chunks_exact_mut(b.len()) {
+        b.add_to(row);
+    }
+}
+
+/// Attention for `t` queries at positions `p0..p0+t` over the cache. `q` is `[t, nh·d]`;
+/// writes `heads` as `[nh, t, d]`.
+#[allow(clippy::too_many_arguments)]
+fn attention(
+    cfg: &ModelConfig,
+    kv: &LayerKv,
+    window: Option<usize>,
+    p0: usize,
+    t: usize,
+    q: &[f32],
+    sinks: Option<Vector<'_>>,
+    heads: &mut [f32],
+    scores: &mut [f32],
+) {
+    let (nh, d, kvd) = (cfg.num_heads, cfg.head_dim, cfg.kv_dim());
+    let group = nh / cfg.num_kv_heads;
+    let scale = (1.0 / (d as f64).sqrt()) as f32;
+    let span = kv.cap;
+    let per_head = |(head, (out, sc)): (usize, (&mut [f32], &mut [f32]))| {
+        let g = head / group;
+        let sink = sinks.map(|s| s.at(head));
+        for i in 0..t {
+            let p = p0 + i;
+            let lo = match window {
+                Some(w) => (p + 1).saturating_sub(w),
+                None => 0,
+            };
+            let qh = &q[i * nh * d + head * d..i * nh * d + (head + 1) * d];
+            let n = p + 1 - lo;
+            let sc = &mut sc[..n];
+            for (j, s) in sc.iter_mut().enumerate() {
+                let slot = (lo + j) % span;
+                let kj = &kv.k[slot * kvd + g * d..slot * kvd + (g + 1) * d];
+                let mut dot = 0.0;
+                for (a, b) in qh.iter().zip(kj) {
+                    dot += a * b;
+                }
+                *s = dot * scale;
+            }
+            match sink {
+                Some(sv) => ops::softmax_with_sink(sc, sv),
+                None => ops::softmax(sc),
+            }
+            let o = &mut out[i * d..(i + 1) * d];
+            o.fill(0.0);
+            for (j, &pj) in sc.iter().enumerate() {
+                let slot = (lo + j) % span;
+                let vj = &kv.v[slot * kvd + g * d..slot * kvd + (g + 1) * d];
+                for (oo, &vv) in o.iter_mut().zip(vj) {
+                    *oo += pj * vv;
+                }
+            }
+        }
+    };
+    let ctx = scores.len() / nh;
+    let work = t * (p0 + t) * d * nh;
+    let it = heads[..nh * t * d]
+        .chunks_mut(t * d)
+        .zip(scores.chunks_mut(ctx))
+        .enumerate();
+    if work < (1 << 16) {
+        it.for_each(per_head);
+    } else {
+        heads[..nh * t * d]
+            .par_chunks_mut(t * d)
+            .zip(scores.par_chunks_mut(ctx))
+            .enumerate()
+            .for_each(per_head);
+    }
+}
+
+#[derive(Debug)]
+struct LayerKv {
+    cap: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// Buffers reused across blocks so decoding allocates nothing per token.
+#[derive(Debug, Default)]
+struct Scratch {
+    t: usize,
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    heads: Vec<f32>,
+    o: Vec<f32>,
+    scores: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    probs: Vec<f32>,
+    moe: MoeScratch,
+    dense: moe::ExpertScratch,
+    logits: Vec<f32>,
+}
+
+impl Scratch {
+    fn ensure(&mut self, t: usize, cfg: &ModelConfig) {
+        if self.t >= t && !self.x.is_empty() {
+            return;
+        }
+        let (h, qd, kvd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim());
+        self.t = t;
+        self.x.resize(t * h, 0.0);
+        self.h.resize(t * h, 0.0);
+        self.q.resize(t * qd, 0.0);
+        self.k.resize(t * kvd, 0.0);
+        self.v.resize(t * kvd, 0.0);
+        self.att.resize(t * qd, 0.0);
+        self.heads.resize(t * qd, 0.0);
+        self.o.resize(t * h, 0.0);
+        self.cos.resize(cfg.head_dim / 2, 0.0);
+        self.sin.resize(cfg.head_dim / 2, 0.0);
+    }
+}
+
+/// A conversation's state: the KV cache and the position reached.
+#[derive(Debug)]
+pub struct Session {
+    pos: usize,
+    max_context: usize,
+    block: usize,
+    kv: Vec<LayerKv>,
+    s: Scratch,
+    logits: Vec<f32>,
+}
+
+impl Session {
+    /// Positions already in the cache.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+    /// The most positions this session can hold.
+    pub fn max_context(&self) -> usize {
+        self.max_context
+    }
+    /// Forgets everything from position `pos` on, keeping the cache before it, and returns
+    /// the number of positions actually kept. That is `pos` unless a sliding layer's ring has
+    /// already overwritten keys the window at `pos` needs; then it is 0 (recompute from the
+    /// start), never a position whose attention would be wrong.
+    pub fn truncate(&mut self, pos: usize) -> usize {
+        let old = self.pos;
+        let pos = pos.min(old);
+        let intact = self.kv.iter().all(|kv| {
+            // positions old-cap .. old are still held; the window at `pos` needs pos-cap+block..pos
+            kv.cap >= self.max_context || pos + kv.cap >= old + self.block.min(kv.cap)
+        });
+        self.pos = if intact { pos } else { 0 };
+        self.pos
+    }
+}

@@ -1,0 +1,565 @@
+//! Mixture-of-experts: routing into a plan, the seam where expert tiers plug in, and the
+//! computation of one expert over the positions that chose it.
+//!
+//! The router never knows where an expert lives. A layer's routing yields a [`RoutePlan`]
+//! (for each position, its k experts and weights); the union of the plan's experts is asked
+//! of an [`ExpertProvider`] in one call, which may serve them from the mapped checkpoint, a RAM
+//! cache, the disk or a peer; each expert of the union is then computed once for all the
+//! positions that chose it (batch-union), and each position sums its k outputs in slot order.
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::config::{Activation, Routing};
+use crate::error::{Error, Result};
+use crate::kernels::{matmul, Float, Mat, Vector};
+use crate::ops;
+use crate::safetensors::MappedFile;
+
+/// Which piece of an expert a stored part is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Fused, interleaved gate/up weights (GPT-OSS): dense, or MXFP4 blocks.
+    GateUp,
+    /// MXFP4 scales of [`Role::GateUp`].
+    GateUpScales,
+    /// Bias of the fused gate/up projection.
+    GateUpBias,
+    /// Gate projection (Qwen3).
+    Gate,
+    /// Up projection (Qwen3).
+    Up,
+    /// Down projection: dense, or MXFP4 blocks.
+    Down,
+    /// MXFP4 scales of [`Role::Down`].
+    DownScales,
+    /// Bias of the down projection.
+    DownBias,
+}
+
+/// How one part of an expert is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PartFormat {
+    /// Row-major `[out, in]` floats (or a vector for biases).
+    Dense(Float),
+    /// Row-major `[in, out]` floats (Transformers' saved GPT-OSS experts).
+    DenseT(Float),
+    /// MXFP4 nibbles `[out, in/32, 16]`.
+    Mxfp4Blocks,
+    /// E8M0 scales `[out, in/32]`.
+    Mxfp4Scales,
+}
+
+/// One stored part of every expert of a layer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartSchema {
+    /// Which piece.
+    pub role: Role,
+    /// Storage format.
+    pub format: PartFormat,
+    /// Byte length of this part for one expert.
+    pub len: usize,
+}
+
+/// How a layer's experts are laid out: the parts each has, in a fixed order, and the
+/// logical shapes. The same for every expert of the layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertSchema {
+    /// Parts, in the order [`ExpertData`] holds them.
+    pub parts: Vec<PartSchema>,
+    /// Residual width H.
+    pub hidden: usize,
+    /// Intermediate width I.
+    pub intermediate: usize,
+    /// Activation.
+    pub activation: Activation,
+}
+
+impl ExpertSchema {
+    /// Bytes of one expert (all parts).
+    pub fn expert_len(&self) -> usize {
+        self.parts.iter().map(|p| p.len).sum()
+    }
+
+    /// Interprets an expert's parts as matrices.
+    pub fn view<'a>(&self, data: &'a ExpertData) -> ExpertView<'a> {
+        let (h, i) = (self.hidden, self.intermediate);
+        let mut v = ExpertView {
+            gate_up: None,
+            gate: None,
+            up: None,
+            down: None,
+            gate_up_bias: None,
+            down_bias: None,
+            activation: self.activation,
+        };
+        let mut gu_blocks = None;
+        let mut gu_scales = None;
+        let mut d_blocks = None;
+        let mut d_scales = None;
+        for (p, bytes) in self.parts.iter().zip(data.parts()) {
+            let dense = |rows, cols| match p.format {
+                PartFormat::Dense(fmt) => Mat::Dense { fmt, bytes, rows, cols },
+                PartFormat::DenseT(fmt) => Mat::DenseT { fmt, bytes, rows, cols },
+                _ => unreachable!("schema built with a float format for {:?}", p.role),
+            };
+            let vector = || match p.format {
+                PartFormat::Dense(fmt) | PartFormat::DenseT(fmt) => Vector { fmt, bytes },
+                _ => unreachable!("bias stored as floats"),
+            };
+            match (p.role, p.format) {
+                (Role::GateUp, PartFormat::Mxfp4Blocks) => gu_blocks = Some(bytes),
+                (Role::GateUpScales, _) => gu_scales = Some(bytes),
+                (Role::Down, PartFormat::Mxfp4Blocks) => d_blocks = Some(bytes),
+                (Role::DownScales, _) => d_scales = Some(bytes),
+                (Role::GateUp, _) => v.gate_up = Some(dense(2 * i, h)),
+                (Role::Gate, _) => v.gate = Some(dense(i, h)),
+                (Role::Up, _) => v.up = Some(dense(i, h)),
+                (Role::Down, _) => v.down = Some(dense(h, i)),
+                (Role::GateUpBias, _) => v.gate_up_bias = Some(vector()),
+                (Role::DownBias, _) => v.down_bias = Some(vector()),
+            }
+        }
+        if let (Some(blocks), Some(scales)) = (gu_blocks, gu_scales) {
+            v.gate_up = Some(Mat::Mxfp4 { blocks, scales, rows: 2 * i, cols: h });
+        }
+        if let (Some(blocks), Some(scales)) = (d_blocks, d_scales) {
+            v.down = Some(Mat::Mxfp4 { blocks, scales, rows: h, cols: i });
+        }
+        v
+    }
+}
+
+/// An expert's matrices, borrowed from wherever its bytes are.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertView<'a> {
+    /// Fused interleaved gate/up `[2I, H]` (GPT-OSS).
+    pub gate_up: Option<Mat<'a>>,
+    /// Gate `[I, H]` (Qwen3).
+    pub gate: Option<Mat<'a>>,
+    /// Up `[I, H]` (Qwen3).
+    pub up: Option<Mat<'a>>,
+    /// Down `[H, I]`.
+    pub down: Option<Mat<'a>>,
+    /// Bias of gate/up `[2I]`.
+    pub gate_up_bias: Option<Vector<'a>>,
+    /// Bias of down `[H]`.
+    pub down_bias: Option<Vector<'a>>,
+    /// Activation.
+    pub activation: Activation,
+}
+
+/// Where an expert part's bytes are held.
+#[derive(Clone)]
+pub enum PartBytes {
+    /// A range of a mapped checkpoint file.
+    Mapped(Arc<MappedFile>, Range<usize>),
+    /// A range of an owned buffer (a RAM cache slot, bytes from a peer).
+    Owned(Arc<[u8]>, Range<usize>),
+}
+
+impl fmt::Debug for PartBytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Mapped(m, r) => write!(f, "Mapped({}, {r:?})", m.path.display()),
+            Self::Owned(_, r) => write!(f, "Owned({r:?})"),
+        }
+    }
+}
+
+impl PartBytes {
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            Self::Mapped(m, r) => &m.map[r.clone()],
+            Self::Owned(b, r) => &b[r.clone()],
+        }
+    }
+}
+
+/// One expert's bytes, part by part in [`ExpertSchema`] order.
+#[derive(Clone, Debug)]
+pub struct ExpertData {
+    parts: Vec<PartBytes>,
+}
+
+impl ExpertData {
+    /// From parts in schema order.
+    pub fn new(parts: Vec<PartBytes>) -> Self {
+        Self { parts }
+    }
+
+    /// From one contiguous buffer holding the parts back to back in schema order.
+    pub fn from_buffer(buf: Arc<[u8]>, schema: &ExpertSchema) -> Self {
+        let mut off = 0;
+        let parts = schema
+            .parts
+            .iter()
+            .map(|p| {
+                let r = off..off + p.len;
+                off += p.len;
+                PartBytes::Owned(buf.clone(), r)
+            })
+            .collect();
+        Self { parts }
+    }
+
+    /// The parts' bytes.
+    pub fn parts(&self) -> impl Iterator<Item = &[u8]> {
+        self.parts.iter().map(PartBytes::bytes)
+    }
+}
+
+/// Where experts come from: the seam between the MoE computation and the tiers.
+///
+/// `fetch` is given a whole layer's union of experts at once, so a slow tier can work on all
+/// of them in parallel; it appends one handle per requested expert, in request order.
+pub trait ExpertProvider: Send + Sync + fmt::Debug {
+    /// Makes `experts` of `layer` available.
+    fn fetch(&self, layer: usize, experts: &[usize], out: &mut Vec<Arc<ExpertData>>) -> Result<()>;
+
+    /// A hint that `experts` of `layer` will probably be needed soon (prefetch). Default: none.
+    fn hint(&self, _layer: usize, _experts: &[usize]) {}
+}
+
+/// Experts served straight from the mapped checkpoint: every expert resident (or paged in by
+/// the OS). The simplest provider, and the reference the tiers are tested against.
+#[derive(Debug)]
+pub struct MappedExperts {
+    /// `[layer][expert]`; empty for dense layers.
+    experts: Vec<Vec<Arc<ExpertData>>>,
+}
+
+impl MappedExperts {
+    /// From per-layer, per-expert data.
+    pub fn new(experts: Vec<Vec<Arc<ExpertData>>>) -> Self {
+        Self { experts }
+    }
+}
+
+impl ExpertProvider for MappedExperts {
+    fn fetch(&self, layer: usize, experts: &[usize], out: &mut Vec<Arc<ExpertData>>) -> Result<()> {
+        for &e in experts {
+            let d = self
+                .experts
+                .get(layer)
+                .and_then(|l| l.get(e))
+                .ok_or_else(|| Error::Expert {
+                    layer,
+                    expert: e,
+                    reason: "no such expert in the checkpoint".into(),
+                })?;
+            out.push(d.clone());
+        }
+        Ok(())
+    }
+}
+
+/// The routing of a block of positions through one layer.
+#[derive(Clone, Debug, Default)]
+pub struct RoutePlan {
+    /// Experts per position.
+    pub k: usize,
+    /// `[t, k]` expert ids, slot order (descending router score).
+    pub experts: Vec<usize>,
+    /// `[t, k]` weights.
+    pub weights: Vec<f32>,
+}
+
+impl RoutePlan {
+    /// Routes `t` positions given router logits `[t, e]`.
+    pub fn route(&mut self, logits: &[f32], num_experts: usize, k: usize, rule: Routing, probs_scratch: &mut Vec<f32>) {
+        let t = logits.len() / num_experts;
+        self.k = k;
+        self.experts.resize(t * k, 0);
+        self.weights.resize(t * k, 0.0);
+        for p in 0..t {
+            let row = &logits[p * num_experts..(p + 1) * num_experts];
+            let idx = &mut self.experts[p * k..(p + 1) * k];
+            let w = &mut self.weights[p * k..(p + 1) * k];
+            match rule {
+                Routing::TopKThenSoftmax => {
+                    ops::top_k(row, idx);
+                    for (wi, &e) in w.iter_mut().zip(idx.iter()) {
+                        *wi = row[e];
+                    }
+                    ops::softmax(w);
+                }
+                Routing::SoftmaxThenTopK { renormalize } => {
+                    probs_scratch.clear();
+                    probs_scratch.extend_from_slice(row);
+                    ops::softmax(probs_scratch);
+                    ops::top_k(probs_scratch, idx);
+                    for (wi, &e) in w.iter_mut().zip(idx.iter()) {
+                        *wi = probs_scratch[e];
+                    }
+                    if renormalize {
+                        let s: f32 = w.iter().sum();
+                        for wi in w.iter_mut() {
+                            *wi /= s;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Number of positions.
+    pub fn positions(&self) -> usize {
+        if self.k == 0 {
+            0
+        } else {
+            self.experts.len() / self.k
+        }
+    }
+}
+
+/// Scratch for one expert over `n` positions.
+#[derive(Debug, Default)]
+pub struct ExpertScratch {
+    xs: Vec<f32>,
+    h: Vec<f32>,
+    h2: Vec<f32>,
+    act: Vec<f32>,
+    ys: Vec<f32>,
+}
+
+impl ExpertScratch {
+    /// The output of the last [`expert_forward`], `[n, H]`.
+    pub fn output(&self) -> &[f32] {
+        &self.ys
+    }
+}
+
+/// Computes `ys = expert(xs)` for `n` rows of `xs` (`[n, H]`); `ys` is `[n, H]`.
+pub fn expert_forward(v: &ExpertView<'_>, xs: &[f32], hidden: usize, inter: usize, s: &mut ExpertScratch) {
+    let n = xs.len() / hidden;
+    s.act.resize(n * inter, 0.0);
+    match v.activation {
+        Activation::ClippedSwiglu { limit, alpha } => {
+            let gu = v.gate_up.as_ref().expect("GPT-OSS expert has gate_up");
+            s.h.resize(n * 2 * inter, 0.0);
+            matmul(gu, xs, &mut s.h);
+            if let Some(b) = &v.gate_up_bias {
+                for row in s.h.chunks_exact_mut(2 * inter) {
+                    b.add_to(row);
+                }
+            }
+            for (a, g) in s.act.iter_mut().zip(s.h.chunks_exact(2)) {
+                let gate = g[0].min(limit);
+                let up = g[1].clamp(-limit, limit);
+                let glu = gate * ops::sigmoid(gate * alpha);
+                *a = (up + 1.0) * glu;
+            }
+        }
+        Activation::Silu => {
+            let (gm, um) = (
+                v.gate.as_ref().expect("Qwen3 expert has gate"),
+                v.up.as_ref().expect("Qwen3 expert has up"),
+            );
+            s.h.resize(n * inter, 0.0);
+            s.h2.resize(n * inter, 0.0);
+            matmul(gm, xs, &mut s.h);
+            matmul(um, xs, &mut s.h2);
+            for ((a, &g), &u) in s.act.iter_mut().zip(&s.h).zip(&s.h2) {
+                *a = g * ops::sigmoid(g) * u;
+            }
+        }
+    }
+    s.ys.resize(n * hidden, 0.0);
+    matmul(v.down.as_ref().expect("expert has down"), &s.act, &mut s.ys);
+    if let Some(b) = &v.down_bias {
+        for row in s.ys.chunks_exact_mut(hidden) {
+            b.add_to(row);
+        }
+    }
+}
+
+/// Scratch for a whole MoE layer over a block.
+#[derive(Debug, Default)]
+pub struct MoeScratch {
+    /// Router logits `[t, E]`.
+    pub logits: Vec<f32>,
+    /// The plan.
+    pub plan: RoutePlan,
+    union: Vec<usize>,
+    /// For each union member, the (position, slot) pairs that chose it (flattened).
+    members: Vec<(usize, usize)>,
+    member_start: Vec<usize>,
+    fill: Vec<usize>,
+    handles: Vec<Arc<ExpertData>>,
+    /// Per (position, slot) expert output `[t, k, H]`.
+    slot_out: Vec<f32>,
+    expert: ExpertScratch,
+}
+
+impl MoeScratch {
+    /// The experts used by the last block (the union), in first-use order.
+    pub fn union(&self) -> &[usize] {
+        &self.union
+    }
+
+    /// Builds the union of the plan's experts and each one's (position, slot) members.
+    fn gather(&mut self, num_experts: usize) {
+        let (t, k) = (self.plan.positions(), self.plan.k);
+        self.union.clear();
+        self.member_start.clear();
+        self.member_start.resize(num_experts + 1, 0);
+        for &e in &self.plan.experts {
+            self.member_start[e + 1] += 1;
+        }
+        for e in 0..num_experts {
+            if self.member_start[e + 1] > 0 {
+                self.union.push(e);
+            }
+            self.member_start[e + 1] += self.member_start[e];
+        }
+        self.members.resize(t * k, (0, 0));
+        self.fill.clear();
+        self.fill.extend_from_slice(&self.member_start);
+        for p in 0..t {
+            for s in 0..k {
+                let e = self.plan.experts[p * k + s];
+                self.members[self.fill[e]] = (p, s);
+                self.fill[e] += 1;
+            }
+        }
+    }
+}
+
+/// Runs the MoE for a block: `xs` `[t, H]` normalised inputs, adds the result into `out`
+/// `[t, H]`. The plan must already be in `s.plan`.
+pub fn moe_block(
+    layer: usize,
+    schema: &ExpertSchema,
+    provider: &dyn ExpertProvider,
+    num_experts: usize,
+    xs: &[f32],
+    out: &mut [f32],
+    s: &mut MoeScratch,
+) -> Result<()> {
+    let h = schema.hidden;
+    let (t, k) = (s.plan.positions(), s.plan.k);
+    s.gather(num_experts);
+    s.handles.clear();
+    provider.fetch(layer, &s.union, &mut s.handles)?;
+    if s.handles.len() != s.union.len() {
+        return Err(Error::Expert {
+            layer,
+            expert: s.union.first().copied().unwrap_or(0),
+            reason: format!("provider returned {} experts for {} requested", s.handles.len(), s.union.len()),
+        });
+    }
+    s.slot_out.resize(t * k * h, 0.0);
+    for (ui, &e) in s.union.iter().enumerate() {
+        let members = &s.members[s.member_start[e]..s.member_start[e + 1]];
+        let data = &s.handles[ui];
+        check_lengths(layer, e, schema, data)?;
+        let view = schema.view(data);
+        s.expert.xs.clear();
+        for &(p, _) in members {
+            s.expert.xs.extend_from_slice(&xs[p * h..(p + 1) * h]);
+        }
+        let xs_e = std::mem::take(&mut s.expert.xs);
+        expert_forward(&view, &xs_e, h, schema.intermediate, &mut s.expert);
+        s.expert.xs = xs_e;
+        for (j, &(p, slot)) in members.iter().enumerate() {
+            let dst = (p * k + slot) * h;
+            s.slot_out[dst..dst + h].copy_from_slice(&s.expert.ys[j * h..(j + 1) * h]);
+        }
+    }
+    for p in 0..t {
+        let o = &mut out[p * h..(p + 1) * h];
+        for slot in 0..k {
+            let w = s.plan.weights[p * k + slot];
+            let y = &s.slot_out[(p * k + slot) * h..(p * k + slot + 1) * h];
+            for (oi, &yi) in o.iter_mut().zip(y) {
+                *oi += w * yi;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_lengths(layer: usize, expert: usize, schema: &ExpertSchema, data: &ExpertData) -> Result<()> {
+    let n = data.parts.len();
+    if n != schema.parts.len() {
+        return Err(Error::Expert {
+            layer,
+            expert,
+            reason: format!("has {n} parts, expected {}", schema.parts.len()),
+        });
+    }
+    for (p, b) in schema.parts.iter().zip(data.parts()) {
+        if b.len() != p.len {
+            return Err(Error::Expert {
+                layer,
+                expert,
+                reason: format!("part {:?} is {} bytes, expected {}", p.role, b.len(), p.len),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt_oss_routing_is_softmax_over_selected() {
+        let mut plan = RoutePlan::default();
+        let logits = [1.0f32, 3.0, 2.0, -1.0];
+        plan.route(&logits, 4, 2, Routing::TopKThenSoftmax, &mut Vec::new());
+        assert_eq!(plan.experts, vec![1, 2]);
+        let e = (1.0f32).exp();
+        assert!((plan.weights[0] - e / (e + 1.0)).abs() < 1e-6);
+        assert!((plan.weights.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn qwen_routing_renormalises_only_when_asked() {
+        let logits = [0.0f32, 1.0, 2.0, 3.0];
+        let mut a = RoutePlan::default();
+        a.route(&logits, 4, 2, Routing::SoftmaxThenTopK { renormalize: false }, &mut Vec::new());
+        let mut b = RoutePlan::default();
+        b.route(&logits, 4, 2, Routing::SoftmaxThenTopK { renormalize: true }, &mut Vec::new());
+        assert_eq!(a.experts, vec![3, 2]);
+        assert!(a.weights.iter().sum::<f32>() < 0.95);
+        assert!((b.weights.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn clipped_swiglu_edges() {
+        // One expert with H = 1, I = 1: gate_up is the identity into (gate, up) = (x·a, x·b).
+        let gu: Vec<u8> = [1.0f32, 1.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let down: Vec<u8> = 1.0f32.to_le_bytes().to_vec();
+        let v = ExpertView {
+            gate_up: Some(Mat::Dense { fmt: Float::F32, bytes: &gu, rows: 2, cols: 1 }),
+            gate: None,
+            up: None,
+            down: Some(Mat::Dense { fmt: Float::F32, bytes: &down, rows: 1, cols: 1 }),
+            gate_up_bias: None,
+            down_bias: None,
+            activation: Activation::ClippedSwiglu { limit: 7.0, alpha: 1.702 },
+        };
+        let f = |x: f32| {
+            let mut s = ExpertScratch::default();
+            expert_forward(&v, &[x], 1, 1, &mut s);
+            s.ys[0]
+        };
+        let reference = |g: f32, u: f32| {
+            let g = g.min(7.0);
+            let u = u.clamp(-7.0, 7.0);
+            (u + 1.0) * (g * (1.0 / (1.0 + (-(g * 1.702)).exp())))
+        };
+        for x in [-20.0f32, -7.0, -6.99, 0.0, 0.5, 6.99, 7.0, 7.01, 50.0] {
+            assert_eq!(f(x), reference(x, x), "x = {x}");
+        }
+        // above the limit the output is constant: both gate and up saturate
+        assert_eq!(f(8.0), f(100.0));
+        // below -limit, up clamps to -7 but gate keeps falling (no lower clamp on gate)
+        assert_ne!(f(-8.0), f(-9.0));
+    }
+}

@@ -1,0 +1,3 @@
+//! Workspace integration tests, one binary with a module per area.
+
+mod oracle;
