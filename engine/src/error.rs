@@ -8,7 +8,7 @@ use std::path::PathBuf;
 pub enum Error {
     // ---- files ----
     /// An I/O error on a named file.
-    #[error("{path}: {source}")]
+    #[error("{}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
@@ -17,7 +17,7 @@ pub enum Error {
         source: std::io::Error,
     },
     /// A safetensors file is malformed: bad header, offsets out of range, truncated.
-    #[error("{path}: not a valid safetensors file: {reason}")]
+    #[error("{}: not a valid safetensors file: {reason}", path.display())]
     Safetensors {
         /// The file.
         path: PathBuf,
@@ -25,7 +25,7 @@ pub enum Error {
         reason: String,
     },
     /// `config.json` (or the shard index) is not usable.
-    #[error("{path}: {reason}")]
+    #[error("{}: {reason}", path.display())]
     Config {
         /// The file.
         path: PathBuf,

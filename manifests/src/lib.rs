@@ -1,2 +1,9 @@
+//! stormo's root of trust: hashes, the L0 manifest of a checkpoint, per-expert hashes, keys
+//! and signatures.
+
 #![forbid(unsafe_code)]
-//! placeholder
+#![deny(missing_docs)]
+
+pub mod hash;
+
+pub use hash::{ExpertId, Hash};

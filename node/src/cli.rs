@@ -1,0 +1,40 @@
+//! The command line: one subcommand per file in `cmd/`.
+
+use clap::{Parser, Subcommand};
+
+use crate::cmd;
+
+/// stormo: run Mixture-of-Experts models (GPT-OSS, Qwen3-MoE) on CPUs, with experts streamed
+/// from RAM, the local disk, or verified peers over QUIC.
+#[derive(Debug, Parser)]
+#[command(name = "stormo", version, propagate_version = true)]
+pub struct Cli {
+    /// More logging on stderr (-v info, -vv debug). RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Generate tokens from a prompt (greedy), printing the generated ids.
+    Run(cmd::run::Args),
+    /// Build, sign and verify a checkpoint's manifest (tensor and per-expert hashes).
+    #[command(subcommand)]
+    Manifest(cmd::manifest::Command),
+    /// Create and show Ed25519 node and publisher keys.
+    #[command(subcommand)]
+    Key(cmd::key::Command),
+}
+
+/// Runs the chosen subcommand.
+pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Run(a) => cmd::run::run(a),
+        Command::Manifest(c) => cmd::manifest::run(c),
+        Command::Key(c) => cmd::key::run(c),
+    }
+}

@@ -1,0 +1,5 @@
+//! One module per subcommand.
+
+pub mod key;
+pub mod manifest;
+pub mod run;

@@ -1,0 +1,136 @@
+//! `stormo run`: greedy generation from prompt token ids.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use stormo_engine::generate::{greedy, Timings};
+use stormo_engine::safetensors::{self, Dtype};
+use stormo_engine::{LoadOptions, Model};
+
+/// Arguments of `stormo run`.
+#[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("prompt").required(true).args(["prompt_ids", "prompt_ids_file"])))]
+pub struct Args {
+    /// The model directory (config.json and safetensors, as published on Hugging Face).
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Prompt token ids, separated by commas or whitespace (e.g. "1,2,3").
+    #[arg(long, value_name = "IDS", allow_hyphen_values = true)]
+    pub prompt_ids: Option<String>,
+    /// Read the prompt token ids from a file (separated by commas or whitespace).
+    #[arg(long, value_name = "FILE")]
+    pub prompt_ids_file: Option<PathBuf>,
+    /// How many tokens to generate.
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    pub max_new_tokens: usize,
+    /// Stop early when the model emits one of config.json's eos_token_id.
+    #[arg(long)]
+    pub stop_at_eos: bool,
+    /// Print one JSON object on stdout (ids, prompt length, timings) instead of bare ids.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the logits that chose each generated token to this safetensors file, as one f32
+    /// tensor "logits" of shape [generated, vocab].
+    #[arg(long, value_name = "FILE")]
+    pub logits_out: Option<PathBuf>,
+    /// Positions per prefill block: the prompt runs through each layer in blocks this long,
+    /// every expert once per block for all positions that chose it.
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    pub prefill_block: usize,
+}
+
+/// Parses token ids separated by commas and/or whitespace.
+pub fn parse_ids(text: &str, what: &str) -> anyhow::Result<Vec<u32>> {
+    let mut out = Vec::new();
+    for (i, tok) in text
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|s| !s.is_empty())
+        .enumerate()
+    {
+        let id: u32 = tok
+            .parse()
+            .with_context(|| format!("{what}: item {} ({tok:?}) is not a token id (a non-negative integer)", i + 1))?;
+        out.push(id);
+    }
+    if out.is_empty() {
+        bail!("{what}: no token ids given");
+    }
+    Ok(out)
+}
+
+/// Runs `stormo run`.
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let prompt = match (&a.prompt_ids, &a.prompt_ids_file) {
+        (Some(s), _) => parse_ids(s, "--prompt-ids")?,
+        (None, Some(f)) => {
+            let text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            parse_ids(&text, &f.display().to_string())?
+        }
+        (None, None) => bail!("give --prompt-ids or --prompt-ids-file"),
+    };
+    if a.prefill_block == 0 {
+        bail!("--prefill-block must be at least 1");
+    }
+    let model = Model::load(&a.model, &LoadOptions { prefill_block: a.prefill_block })
+        .with_context(|| format!("loading the model in {}", a.model.display()))?;
+    let cfg = model.config();
+    let context = prompt.len() + a.max_new_tokens.max(1) - 1;
+    if context > cfg.max_position_embeddings {
+        bail!(
+            "the prompt ({} tokens) plus {} new tokens needs {context} positions, more than the model's context of {} (max_position_embeddings)",
+            prompt.len(),
+            a.max_new_tokens,
+            cfg.max_position_embeddings
+        );
+    }
+    let mut sess = model.session(context)?;
+    let vocab = cfg.vocab_size;
+    let stop: Vec<u32> = if a.stop_at_eos { cfg.eos_token_ids.clone() } else { Vec::new() };
+    let mut logits = Vec::new();
+    let keep_logits = a.logits_out.is_some();
+    let mut timings = Timings::default();
+    let ids = greedy(
+        &model,
+        &mut sess,
+        &prompt,
+        a.max_new_tokens,
+        &stop,
+        |_, l| {
+            if keep_logits {
+                logits.extend_from_slice(l)
+            }
+        },
+        &mut timings,
+    )?;
+    if let Some(path) = &a.logits_out {
+        let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+        safetensors::write(path, &[("logits", Dtype::F32, &[ids.len(), vocab], &bytes)], None)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    let decode_steps = ids.len().saturating_sub(1);
+    if a.json {
+        let out = serde_json::json!({
+            "generated_ids": ids,
+            "prompt_tokens": prompt.len(),
+            "timings": {
+                "prefill_s": timings.prefill_s,
+                "prefill_tok_s": rate(prompt.len(), timings.prefill_s),
+                "decode_s": timings.decode_s,
+                "decode_tok_s": rate(decode_steps, timings.decode_s),
+            },
+        });
+        println!("{out}");
+    } else {
+        let s: Vec<String> = ids.iter().map(u32::to_string).collect();
+        println!("{}", s.join(" "));
+    }
+    Ok(())
+}
+
+fn rate(n: usize, s: f64) -> f64 {
+    if s > 0.0 {
+        n as f64 / s
+    } else {
+        0.0
+    }
+}

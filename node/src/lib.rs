@@ -1,0 +1,7 @@
+//! stormo's node: composes the engine, manifests and wire protocol into the `stormo` binary.
+
+#![forbid(unsafe_code)]
+
+pub mod cli;
+pub mod cmd;
+pub mod logging;
