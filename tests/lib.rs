@@ -8,7 +8,10 @@ use stormo_engine::safetensors::{open_file, Dtype, MappedFile, TensorInfo};
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
 }
 
 /// A fixture folder by name.
@@ -28,12 +31,18 @@ pub struct Reference {
 
 impl Reference {
     pub fn open(dir: &Path) -> Self {
-        let (file, tensors) = open_file(&dir.join("reference.safetensors"), 0).expect("reference.safetensors");
+        let (file, tensors) =
+            open_file(&dir.join("reference.safetensors"), 0).expect("reference.safetensors");
         Self { file, tensors }
     }
 
     fn info(&self, name: &str) -> &TensorInfo {
-        &self.tensors.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("reference has {name}")).1
+        &self
+            .tensors
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("reference has {name}"))
+            .1
     }
 
     pub fn shape(&self, name: &str) -> Vec<usize> {
@@ -62,5 +71,8 @@ impl Reference {
 /// Largest absolute difference.
 pub fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }

@@ -166,9 +166,9 @@ impl ModelConfig {
             .as_object()
             .ok_or_else(|| Error::config(path, "config is not a JSON object"))?;
         let f = Fields { obj, path };
-        let model_type = f.opt_str("model_type")?.ok_or_else(|| {
-            Error::config(path, "missing field \"model_type\"")
-        })?;
+        let model_type = f
+            .opt_str("model_type")?
+            .ok_or_else(|| Error::config(path, "missing field \"model_type\""))?;
         let cfg = match model_type.as_str() {
             "gpt_oss" => parse_gpt_oss(&f)?,
             "qwen3_moe" => parse_qwen3_moe(&f)?,
@@ -252,7 +252,10 @@ impl ModelConfig {
         }
         if let Some(y) = &self.rope.yarn {
             if !(y.factor > 0.0) || !(y.original_max_position_embeddings > 0.0) {
-                return err("rope scaling factor and original_max_position_embeddings must be positive".into());
+                return err(
+                    "rope scaling factor and original_max_position_embeddings must be positive"
+                        .into(),
+                );
             }
         }
         Ok(())
@@ -278,7 +281,11 @@ impl Fields<'_> {
                 .as_u64()
                 .and_then(|x| usize::try_from(x).ok())
                 .map(Some)
-                .ok_or_else(|| self.err(format!("field {key:?} must be a non-negative integer, found {v}"))),
+                .ok_or_else(|| {
+                    self.err(format!(
+                        "field {key:?} must be a non-negative integer, found {v}"
+                    ))
+                }),
         }
     }
     fn usize(&self, key: &str) -> Result<usize> {
@@ -376,14 +383,21 @@ impl Fields<'_> {
 
     /// Rotary parameters from `rope_parameters` (v5) or `rope_theta` + `rope_scaling` (hub).
     fn rope(&self, default_theta: f64) -> Result<RopeConfig> {
-        let params = self.get("rope_parameters").or_else(|| self.get("rope_scaling"));
+        let params = self
+            .get("rope_parameters")
+            .or_else(|| self.get("rope_scaling"));
         let scaling = match params {
             None => None,
             Some(Value::Object(m)) => Some(m),
             Some(v) => return Err(self.err(format!("rope scaling must be an object, found {v}"))),
         };
         let from_v5 = self.get("rope_parameters").is_some();
-        let theta = match scaling.map(|m| opt_f64_in(m, "rope_theta")).transpose().map_err(|m| self.err(m))?.flatten() {
+        let theta = match scaling
+            .map(|m| opt_f64_in(m, "rope_theta"))
+            .transpose()
+            .map_err(|m| self.err(m))?
+            .flatten()
+        {
             Some(t) => t,
             None => self.opt_f64("rope_theta")?.unwrap_or(default_theta),
         };
@@ -398,9 +412,11 @@ impl Fields<'_> {
         let yarn = match rope_type {
             "default" => None,
             "yarn" => {
-                let g = |k: &str| opt_f64_in(m, k).map_err(|e| self.err(format!("rope scaling: {e}")));
-                let factor = g("factor")?
-                    .ok_or_else(|| self.err("rope scaling of type yarn has no \"factor\"".into()))?;
+                let g =
+                    |k: &str| opt_f64_in(m, k).map_err(|e| self.err(format!("rope scaling: {e}")));
+                let factor = g("factor")?.ok_or_else(|| {
+                    self.err("rope scaling of type yarn has no \"factor\"".into())
+                })?;
                 let original = match g("original_max_position_embeddings")? {
                     Some(x) => x,
                     None => self.usize("max_position_embeddings")? as f64 / factor,
@@ -408,7 +424,11 @@ impl Fields<'_> {
                 let truncate = match m.get("truncate") {
                     None | Some(Value::Null) => true,
                     Some(Value::Bool(b)) => *b,
-                    Some(v) => return Err(self.err(format!("rope scaling: truncate must be a boolean, found {v}"))),
+                    Some(v) => {
+                        return Err(self.err(format!(
+                            "rope scaling: truncate must be a boolean, found {v}"
+                        )))
+                    }
                 };
                 let _ = from_v5;
                 Some(YarnConfig {
@@ -464,9 +484,7 @@ fn parse_gpt_oss(f: &Fields<'_>) -> Result<ModelConfig> {
                 .unwrap_or("")
                 .to_string(),
         ),
-        Some(v) => {
-            return Err(f.err(format!("quantization_config must be an object, found {v}")))
-        }
+        Some(v) => return Err(f.err(format!("quantization_config must be an object, found {v}"))),
     };
     let mxfp4_experts = match quant.as_deref() {
         None => false,
@@ -556,8 +574,16 @@ fn parse_qwen3_moe(f: &Fields<'_>) -> Result<ModelConfig> {
         head_dim,
         vocab_size: f.usize("vocab_size")?,
         num_experts,
-        top_k: if any_moe { f.usize_any(&["num_experts_per_tok", "experts_per_token"])? } else { 0 },
-        expert_intermediate: if any_moe { f.usize("moe_intermediate_size")? } else { 0 },
+        top_k: if any_moe {
+            f.usize_any(&["num_experts_per_tok", "experts_per_token"])?
+        } else {
+            0
+        },
+        expert_intermediate: if any_moe {
+            f.usize("moe_intermediate_size")?
+        } else {
+            0
+        },
         dense_intermediate: if layer_moe.iter().all(|&m| m) {
             f.opt_usize("intermediate_size")?.unwrap_or(0)
         } else {
@@ -613,7 +639,10 @@ mod tests {
     fn gpt_oss_v5_rope_parameters_and_num_experts_alias() {
         let s = GPT
             .replace("\"num_local_experts\"", "\"num_experts\"")
-            .replace("\"rope_theta\":150000,\"rope_scaling\"", "\"rope_parameters\"")
+            .replace(
+                "\"rope_theta\":150000,\"rope_scaling\"",
+                "\"rope_parameters\"",
+            )
             .replace("\"truncate\":false}", "\"rope_theta\":5000}");
         let c = parse(&s).unwrap();
         assert_eq!(c.num_experts, 4);
@@ -625,13 +654,24 @@ mod tests {
     fn errors_name_the_problem() {
         let e = parse("{not json").unwrap_err().to_string();
         assert!(e.contains("not valid JSON"), "{e}");
-        let e = parse(&GPT.replace("\"hidden_size\":64,", "")).unwrap_err().to_string();
+        let e = parse(&GPT.replace("\"hidden_size\":64,", ""))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("hidden_size"), "{e}");
-        let e = parse(&GPT.replace("gpt_oss", "llama")).unwrap_err().to_string();
-        assert!(e.contains("llama") && e.contains("gpt_oss") && e.contains("qwen3_moe"), "{e}");
-        let e = parse(&GPT.replace("\"num_experts_per_tok\":2", "\"num_experts_per_tok\":9")).unwrap_err().to_string();
+        let e = parse(&GPT.replace("gpt_oss", "llama"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("llama") && e.contains("gpt_oss") && e.contains("qwen3_moe"),
+            "{e}"
+        );
+        let e = parse(&GPT.replace("\"num_experts_per_tok\":2", "\"num_experts_per_tok\":9"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("experts per token"), "{e}");
-        let e = parse(&GPT.replace("\"hidden_size\":64", "\"hidden_size\":\"64\"")).unwrap_err().to_string();
+        let e = parse(&GPT.replace("\"hidden_size\":64", "\"hidden_size\":\"64\""))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("hidden_size"), "{e}");
     }
 

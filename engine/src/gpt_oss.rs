@@ -29,33 +29,97 @@ pub(crate) fn expert_layout(
     let n = |s: &str| format!("{p}{s}");
     if mxfp4 {
         let loc = ld.bytes(&blocks_name, &[e, 2 * i, h / 32, 16])?;
-        split_fused(&blocks_name, loc, e, Role::GateUp, PartFormat::Mxfp4Blocks, &mut schema, &mut parts);
+        split_fused(
+            &blocks_name,
+            loc,
+            e,
+            Role::GateUp,
+            PartFormat::Mxfp4Blocks,
+            &mut schema,
+            &mut parts,
+        );
         let name = n("gate_up_proj_scales");
         let loc = ld.bytes(&name, &[e, 2 * i, h / 32])?;
-        split_fused(&name, loc, e, Role::GateUpScales, PartFormat::Mxfp4Scales, &mut schema, &mut parts);
+        split_fused(
+            &name,
+            loc,
+            e,
+            Role::GateUpScales,
+            PartFormat::Mxfp4Scales,
+            &mut schema,
+            &mut parts,
+        );
     } else {
         let name = n("gate_up_proj");
         let (fmt, loc) = ld.float(&name, &[e, h, 2 * i])?;
-        split_fused(&name, loc, e, Role::GateUp, PartFormat::DenseT(fmt), &mut schema, &mut parts);
+        split_fused(
+            &name,
+            loc,
+            e,
+            Role::GateUp,
+            PartFormat::DenseT(fmt),
+            &mut schema,
+            &mut parts,
+        );
     }
     let name = n("gate_up_proj_bias");
     let (fmt, loc) = ld.float(&name, &[e, 2 * i])?;
-    split_fused(&name, loc, e, Role::GateUpBias, PartFormat::Dense(fmt), &mut schema, &mut parts);
+    split_fused(
+        &name,
+        loc,
+        e,
+        Role::GateUpBias,
+        PartFormat::Dense(fmt),
+        &mut schema,
+        &mut parts,
+    );
     if mxfp4 {
         let name = n("down_proj_blocks");
         let loc = ld.bytes(&name, &[e, h, i / 32, 16])?;
-        split_fused(&name, loc, e, Role::Down, PartFormat::Mxfp4Blocks, &mut schema, &mut parts);
+        split_fused(
+            &name,
+            loc,
+            e,
+            Role::Down,
+            PartFormat::Mxfp4Blocks,
+            &mut schema,
+            &mut parts,
+        );
         let name = n("down_proj_scales");
         let loc = ld.bytes(&name, &[e, h, i / 32])?;
-        split_fused(&name, loc, e, Role::DownScales, PartFormat::Mxfp4Scales, &mut schema, &mut parts);
+        split_fused(
+            &name,
+            loc,
+            e,
+            Role::DownScales,
+            PartFormat::Mxfp4Scales,
+            &mut schema,
+            &mut parts,
+        );
     } else {
         let name = n("down_proj");
         let (fmt, loc) = ld.float(&name, &[e, i, h])?;
-        split_fused(&name, loc, e, Role::Down, PartFormat::DenseT(fmt), &mut schema, &mut parts);
+        split_fused(
+            &name,
+            loc,
+            e,
+            Role::Down,
+            PartFormat::DenseT(fmt),
+            &mut schema,
+            &mut parts,
+        );
     }
     let name = n("down_proj_bias");
     let (fmt, loc) = ld.float(&name, &[e, h])?;
-    split_fused(&name, loc, e, Role::DownBias, PartFormat::Dense(fmt), &mut schema, &mut parts);
+    split_fused(
+        &name,
+        loc,
+        e,
+        Role::DownBias,
+        PartFormat::Dense(fmt),
+        &mut schema,
+        &mut parts,
+    );
     Ok((
         ExpertSchema {
             parts: schema,

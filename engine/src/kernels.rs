@@ -204,7 +204,9 @@ impl Mat<'_> {
     #[inline]
     fn dot_row(&self, r: usize, x: &[f32]) -> f32 {
         match *self {
-            Self::Dense { fmt, bytes, cols, .. } => {
+            Self::Dense {
+                fmt, bytes, cols, ..
+            } => {
                 let w = &bytes[r * cols * fmt.size()..(r + 1) * cols * fmt.size()];
                 match fmt {
                     Float::F32 => scalar::dot_f32(w, x),
@@ -212,9 +214,18 @@ impl Mat<'_> {
                     Float::F16 => scalar::dot_f16(w, x),
                 }
             }
-            Self::Mxfp4 { blocks, scales, cols, .. } => {
+            Self::Mxfp4 {
+                blocks,
+                scales,
+                cols,
+                ..
+            } => {
                 let nb = cols / 32;
-                scalar::dot_mxfp4(&blocks[r * nb * 16..(r + 1) * nb * 16], &scales[r * nb..(r + 1) * nb], x)
+                scalar::dot_mxfp4(
+                    &blocks[r * nb * 16..(r + 1) * nb * 16],
+                    &scales[r * nb..(r + 1) * nb],
+                    x,
+                )
             }
             Self::DenseT { .. } => unreachable!("dot_row is not defined for input-major weights"),
         }
@@ -223,16 +234,25 @@ impl Mat<'_> {
     /// Row `r` widened to f32 (embedding lookup).
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
         match *self {
-            Self::Dense { fmt, bytes, cols, .. } => {
+            Self::Dense {
+                fmt, bytes, cols, ..
+            } => {
                 let s = fmt.size();
                 fmt.widen_into(&bytes[r * cols * s..(r + 1) * cols * s], out)
             }
-            Self::DenseT { fmt, bytes, rows, .. } => {
+            Self::DenseT {
+                fmt, bytes, rows, ..
+            } => {
                 for (i, o) in out.iter_mut().enumerate() {
                     *o = fmt.at(bytes, i * rows + r);
                 }
             }
-            Self::Mxfp4 { blocks, scales, cols, .. } => {
+            Self::Mxfp4 {
+                blocks,
+                scales,
+                cols,
+                ..
+            } => {
                 let nb = cols / 32;
                 for (k, o) in out.iter_mut().enumerate() {
                     let b = blocks[r * nb * 16 + k / 2];
@@ -250,7 +270,9 @@ pub fn matvec(w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
     assert_eq!(y.len(), w.rows(), "matvec output width");
     let work = w.rows() * w.cols();
     match *w {
-        Mat::DenseT { fmt, bytes, rows, .. } => {
+        Mat::DenseT {
+            fmt, bytes, rows, ..
+        } => {
             let chunk = 256;
             let f = fmt.widen_fn();
             if work < PAR_THRESHOLD {
@@ -371,7 +393,10 @@ mod tests {
     fn bf16_and_f16_widening() {
         for v in [0.0f32, -0.0, 1.0, -2.5, 3.140625, 1e-30, f32::INFINITY] {
             let b = (v.to_bits() >> 16) as u16;
-            assert_eq!(bf16_at(&b.to_le_bytes(), 0).to_bits(), v.to_bits() & 0xffff_0000);
+            assert_eq!(
+                bf16_at(&b.to_le_bytes(), 0).to_bits(),
+                v.to_bits() & 0xffff_0000
+            );
         }
         let h = half::f16::from_f32(0.333);
         assert_eq!(f16_at(&h.to_bits().to_le_bytes(), 0), h.to_f32());
@@ -387,7 +412,9 @@ mod tests {
         }
         // matmul gives each position exactly what matvec gives it alone
         let t = 3;
-        let xs: Vec<f32> = (0..t * w.cols()).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let xs: Vec<f32> = (0..t * w.cols())
+            .map(|_| rng.gen_range(-1.0..1.0))
+            .collect();
         let mut ys = vec![0f32; t * w.rows()];
         matmul(w, &xs, &mut ys);
         for p in 0..t {
@@ -412,14 +439,40 @@ mod tests {
                         }
                     })
                     .collect();
-                check(&Mat::Dense { fmt, bytes: &bytes, rows, cols }, &mut rng);
-                check(&Mat::DenseT { fmt, bytes: &bytes, rows, cols }, &mut rng);
+                check(
+                    &Mat::Dense {
+                        fmt,
+                        bytes: &bytes,
+                        rows,
+                        cols,
+                    },
+                    &mut rng,
+                );
+                check(
+                    &Mat::DenseT {
+                        fmt,
+                        bytes: &bytes,
+                        rows,
+                        cols,
+                    },
+                    &mut rng,
+                );
             }
         }
         for &(rows, cols) in &[(1, 32), (5, 64), (33, 96), (700, 320)] {
             let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| rng.gen()).collect();
-            let scales: Vec<u8> = (0..rows * cols / 32).map(|_| rng.gen_range(120..134)).collect();
-            check(&Mat::Mxfp4 { blocks: &blocks, scales: &scales, rows, cols }, &mut rng);
+            let scales: Vec<u8> = (0..rows * cols / 32)
+                .map(|_| rng.gen_range(120..134))
+                .collect();
+            check(
+                &Mat::Mxfp4 {
+                    blocks: &blocks,
+                    scales: &scales,
+                    rows,
+                    cols,
+                },
+                &mut rng,
+            );
         }
     }
 }

@@ -143,7 +143,12 @@ impl Model {
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let mat = |name: &str, rows: usize, cols: usize| -> Result<MatSpec> {
             let (fmt, loc) = ld.float(name, &[rows, cols])?;
-            Ok(MatSpec { fmt, loc, rows, cols })
+            Ok(MatSpec {
+                fmt,
+                loc,
+                rows,
+                cols,
+            })
         };
         let vec = |name: &str, len: usize| -> Result<VecSpec> {
             let (fmt, loc) = ld.float(name, &[len])?;
@@ -217,7 +222,11 @@ impl Model {
                 post_norm: vec(&format!("{p}post_attention_layernorm.weight"), h)?,
                 attn,
                 mlp,
-                window: if cfg.layer_sliding[l] { cfg.sliding_window } else { None },
+                window: if cfg.layer_sliding[l] {
+                    cfg.sliding_window
+                } else {
+                    None
+                },
             });
         }
         let rope = Rope::new(&cfg.rope, cfg.head_dim);
@@ -397,7 +406,12 @@ impl Model {
             // ---- attention ----
             let w = self.vector(&layer.input_norm);
             for i in 0..t {
-                ops::rms_norm(&s.x[i * h..(i + 1) * h], &w, eps, &mut s.h[i * h..(i + 1) * h]);
+                ops::rms_norm(
+                    &s.x[i * h..(i + 1) * h],
+                    &w,
+                    eps,
+                    &mut s.h[i * h..(i + 1) * h],
+                );
             }
             let a = &layer.attn;
             let hs = &s.h[..t * h];
@@ -425,7 +439,17 @@ impl Model {
                 kv.v[slot * kvd..(slot + 1) * kvd].copy_from_slice(&s.v[i * kvd..(i + 1) * kvd]);
             }
             let sinks = a.sinks.as_ref().map(|v| self.vector(v));
-            attention(cfg, kv, layer.window, p0, t, &s.q[..t * qd], sinks, &mut s.heads, &mut s.scores);
+            attention(
+                cfg,
+                kv,
+                layer.window,
+                p0,
+                t,
+                &s.q[..t * qd],
+                sinks,
+                &mut s.heads,
+                &mut s.scores,
+            );
             for i in 0..t {
                 for head in 0..cfg.num_heads {
                     let src = &s.heads[(head * t + i) * hd..(head * t + i + 1) * hd];
@@ -443,11 +467,19 @@ impl Model {
             // ---- MLP ----
             let w = self.vector(&layer.post_norm);
             for i in 0..t {
-                ops::rms_norm(&s.x[i * h..(i + 1) * h], &w, eps, &mut s.h[i * h..(i + 1) * h]);
+                ops::rms_norm(
+                    &s.x[i * h..(i + 1) * h],
+                    &w,
+                    eps,
+                    &mut s.h[i * h..(i + 1) * h],
+                );
             }
             s.o[..t * h].fill(0.0);
             match &layer.mlp {
-                Mlp::Moe { router, router_bias } => {
+                Mlp::Moe {
+                    router,
+                    router_bias,
+                } => {
                     let e = cfg.num_experts;
                     let m = &mut s.moe;
                     m.logits.resize(t * e, 0.0);
@@ -459,12 +491,21 @@ impl Model {
                         o.router(l, &m.logits);
                     }
                     let logits = std::mem::take(&mut m.logits);
-                    m.plan.route(&logits, e, cfg.top_k, cfg.routing, &mut s.probs);
+                    m.plan
+                        .route(&logits, e, cfg.top_k, cfg.routing, &mut s.probs);
                     m.logits = logits;
                     let schema = self.layout.schemas[l]
                         .as_ref()
                         .expect("MoE layer has an expert schema");
-                    moe::moe_block(l, schema, &*self.experts, e, &s.h[..t * h], &mut s.o[..t * h], m)?;
+                    moe::moe_block(
+                        l,
+                        schema,
+                        &*self.experts,
+                        e,
+                        &s.h[..t * h],
+                        &mut s.o[..t * h],
+                        m,
+                    )?;
                 }
                 Mlp::Dense { gate, up, down } => {
                     let view = moe::ExpertView {
@@ -476,7 +517,13 @@ impl Model {
                         down_bias: None,
                         activation: cfg.activation,
                     };
-                    moe::expert_forward(&view, &s.h[..t * h], h, cfg.dense_intermediate, &mut s.dense);
+                    moe::expert_forward(
+                        &view,
+                        &s.h[..t * h],
+                        h,
+                        cfg.dense_intermediate,
+                        &mut s.dense,
+                    );
                     s.o[..t * h].copy_from_slice(s.dense.output());
                 }
             }
@@ -496,7 +543,12 @@ impl Model {
         let need_all_norm = obs.is_some();
         let first = if need_all_norm { 0 } else { t - logit_rows };
         for i in first..t {
-            ops::rms_norm(&s.x[i * h..(i + 1) * h], &w, eps, &mut s.h[i * h..(i + 1) * h]);
+            ops::rms_norm(
+                &s.x[i * h..(i + 1) * h],
+                &w,
+                eps,
+                &mut s.h[i * h..(i + 1) * h],
+            );
         }
         if let Some(o) = obs.as_deref_mut() {
             o.hidden(cfg.num_layers, &s.h[..t * h]);
@@ -527,7 +579,10 @@ fn mapped_provider(ckpt: &Checkpoint, layout: &ExpertLayout) -> MappedExperts {
                             .iter()
                             .map(|p| {
                                 let s = p.loc.offset as usize;
-                                PartBytes::Mapped(ckpt.files[p.loc.file].clone(), s..s + p.loc.len as usize)
+                                PartBytes::Mapped(
+                                    ckpt.files[p.loc.file].clone(),
+                                    s..s + p.loc.len as usize,
+                                )
                             })
                             .collect(),
                     ))

@@ -100,8 +100,18 @@ impl ExpertSchema {
         let mut d_scales = None;
         for (p, bytes) in self.parts.iter().zip(data.parts()) {
             let dense = |rows, cols| match p.format {
-                PartFormat::Dense(fmt) => Mat::Dense { fmt, bytes, rows, cols },
-                PartFormat::DenseT(fmt) => Mat::DenseT { fmt, bytes, rows, cols },
+                PartFormat::Dense(fmt) => Mat::Dense {
+                    fmt,
+                    bytes,
+                    rows,
+                    cols,
+                },
+                PartFormat::DenseT(fmt) => Mat::DenseT {
+                    fmt,
+                    bytes,
+                    rows,
+                    cols,
+                },
                 _ => unreachable!("schema built with a float format for {:?}", p.role),
             };
             let vector = || match p.format {
@@ -122,10 +132,20 @@ impl ExpertSchema {
             }
         }
         if let (Some(blocks), Some(scales)) = (gu_blocks, gu_scales) {
-            v.gate_up = Some(Mat::Mxfp4 { blocks, scales, rows: 2 * i, cols: h });
+            v.gate_up = Some(Mat::Mxfp4 {
+                blocks,
+                scales,
+                rows: 2 * i,
+                cols: h,
+            });
         }
         if let (Some(blocks), Some(scales)) = (d_blocks, d_scales) {
-            v.down = Some(Mat::Mxfp4 { blocks, scales, rows: h, cols: i });
+            v.down = Some(Mat::Mxfp4 {
+                blocks,
+                scales,
+                rows: h,
+                cols: i,
+            });
         }
         v
     }
@@ -269,7 +289,14 @@ pub struct RoutePlan {
 
 impl RoutePlan {
     /// Routes `t` positions given router logits `[t, e]`.
-    pub fn route(&mut self, logits: &[f32], num_experts: usize, k: usize, rule: Routing, probs_scratch: &mut Vec<f32>) {
+    pub fn route(
+        &mut self,
+        logits: &[f32],
+        num_experts: usize,
+        k: usize,
+        rule: Routing,
+        probs_scratch: &mut Vec<f32>,
+    ) {
         let t = logits.len() / num_experts;
         self.k = k;
         self.experts.resize(t * k, 0);
@@ -333,7 +360,13 @@ impl ExpertScratch {
 }
 
 /// Computes `ys = expert(xs)` for `n` rows of `xs` (`[n, H]`); `ys` is `[n, H]`.
-pub fn expert_forward(v: &ExpertView<'_>, xs: &[f32], hidden: usize, inter: usize, s: &mut ExpertScratch) {
+pub fn expert_forward(
+    v: &ExpertView<'_>,
+    xs: &[f32],
+    hidden: usize,
+    inter: usize,
+    s: &mut ExpertScratch,
+) {
     let n = xs.len() / hidden;
     s.act.resize(n * inter, 0.0);
     match v.activation {
@@ -448,7 +481,11 @@ pub fn moe_block(
         return Err(Error::Expert {
             layer,
             expert: s.union.first().copied().unwrap_or(0),
-            reason: format!("provider returned {} experts for {} requested", s.handles.len(), s.union.len()),
+            reason: format!(
+                "provider returned {} experts for {} requested",
+                s.handles.len(),
+                s.union.len()
+            ),
         });
     }
     s.slot_out.resize(t * k * h, 0.0);
@@ -482,7 +519,12 @@ pub fn moe_block(
     Ok(())
 }
 
-fn check_lengths(layer: usize, expert: usize, schema: &ExpertSchema, data: &ExpertData) -> Result<()> {
+fn check_lengths(
+    layer: usize,
+    expert: usize,
+    schema: &ExpertSchema,
+    data: &ExpertData,
+) -> Result<()> {
     let n = data.parts.len();
     if n != schema.parts.len() {
         return Err(Error::Expert {
@@ -522,9 +564,21 @@ mod tests {
     fn qwen_routing_renormalises_only_when_asked() {
         let logits = [0.0f32, 1.0, 2.0, 3.0];
         let mut a = RoutePlan::default();
-        a.route(&logits, 4, 2, Routing::SoftmaxThenTopK { renormalize: false }, &mut Vec::new());
+        a.route(
+            &logits,
+            4,
+            2,
+            Routing::SoftmaxThenTopK { renormalize: false },
+            &mut Vec::new(),
+        );
         let mut b = RoutePlan::default();
-        b.route(&logits, 4, 2, Routing::SoftmaxThenTopK { renormalize: true }, &mut Vec::new());
+        b.route(
+            &logits,
+            4,
+            2,
+            Routing::SoftmaxThenTopK { renormalize: true },
+            &mut Vec::new(),
+        );
         assert_eq!(a.experts, vec![3, 2]);
         assert!(a.weights.iter().sum::<f32>() < 0.95);
         assert!((b.weights.iter().sum::<f32>() - 1.0).abs() < 1e-6);
@@ -536,13 +590,26 @@ mod tests {
         let gu: Vec<u8> = [1.0f32, 1.0].iter().flat_map(|v| v.to_le_bytes()).collect();
         let down: Vec<u8> = 1.0f32.to_le_bytes().to_vec();
         let v = ExpertView {
-            gate_up: Some(Mat::Dense { fmt: Float::F32, bytes: &gu, rows: 2, cols: 1 }),
+            gate_up: Some(Mat::Dense {
+                fmt: Float::F32,
+                bytes: &gu,
+                rows: 2,
+                cols: 1,
+            }),
             gate: None,
             up: None,
-            down: Some(Mat::Dense { fmt: Float::F32, bytes: &down, rows: 1, cols: 1 }),
+            down: Some(Mat::Dense {
+                fmt: Float::F32,
+                bytes: &down,
+                rows: 1,
+                cols: 1,
+            }),
             gate_up_bias: None,
             down_bias: None,
-            activation: Activation::ClippedSwiglu { limit: 7.0, alpha: 1.702 },
+            activation: Activation::ClippedSwiglu {
+                limit: 7.0,
+                alpha: 1.702,
+            },
         };
         let f = |x: f32| {
             let mut s = ExpertScratch::default();

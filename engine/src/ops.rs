@@ -96,8 +96,14 @@ mod tests {
     #[test]
     fn rms_norm_reference() {
         let x = [1.0f32, -2.0, 3.0, 0.5];
-        let wb: Vec<u8> = [1.0f32, 2.0, 0.5, -1.0].iter().flat_map(|v| v.to_le_bytes()).collect();
-        let w = Vector { fmt: Float::F32, bytes: &wb };
+        let wb: Vec<u8> = [1.0f32, 2.0, 0.5, -1.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let w = Vector {
+            fmt: Float::F32,
+            bytes: &wb,
+        };
         let mut out = [0f32; 4];
         rms_norm(&x, &w, 1e-5, &mut out);
         let ms = (1.0 + 4.0 + 9.0 + 0.25) / 4.0;

@@ -50,7 +50,11 @@ impl Rope {
             _ => get_mscale(factor, 1.0),
         };
         let (low, high) = correction_range(y, base, dim);
-        let (low, high) = if low == high { (low, high + 0.001) } else { (low, high) };
+        let (low, high) = if low == high {
+            (low, high + 0.001)
+        } else {
+            (low, high)
+        };
         let inv_freq = pos_freq
             .iter()
             .enumerate()
@@ -134,15 +138,29 @@ mod tests {
         assert!((high - 17.3980).abs() < 1e-4, "high {high}");
         let r = Rope::new(&cfg, 64);
         for (i, want) in [1.0f32, 0.68904, 0.47478, 0.32715].iter().enumerate() {
-            assert!((r.inv_freq[i] - want).abs() < 1e-5, "inv_freq[{i}] = {}", r.inv_freq[i]);
+            assert!(
+                (r.inv_freq[i] - want).abs() < 1e-5,
+                "inv_freq[{i}] = {}",
+                r.inv_freq[i]
+            );
         }
-        assert!((r.inv_freq[31] / 3.0235e-7 - 1.0).abs() < 1e-4, "{}", r.inv_freq[31]);
+        assert!(
+            (r.inv_freq[31] / 3.0235e-7 - 1.0).abs() < 1e-4,
+            "{}",
+            r.inv_freq[31]
+        );
         assert!((r.attention_scaling as f64 - 1.3465735902799727).abs() < 1e-7);
     }
 
     #[test]
     fn default_rope_is_plain_powers() {
-        let r = Rope::new(&RopeConfig { theta: 10000.0, yarn: None }, 8);
+        let r = Rope::new(
+            &RopeConfig {
+                theta: 10000.0,
+                yarn: None,
+            },
+            8,
+        );
         assert_eq!(r.attention_scaling, 1.0);
         assert_eq!(r.inv_freq[0], 1.0);
         assert!((r.inv_freq[2] - 0.01).abs() < 1e-9);

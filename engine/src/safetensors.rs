@@ -300,8 +300,8 @@ pub fn parse_header(
     }
     let header = std::str::from_utf8(&bytes[8..8 + n as usize])
         .map_err(|_| bad("header is not UTF-8".into()))?;
-    let json: serde_json::Value =
-        serde_json::from_str(header.trim_end_matches(' ')).map_err(|e| bad(format!("header JSON: {e}")))?;
+    let json: serde_json::Value = serde_json::from_str(header.trim_end_matches(' '))
+        .map_err(|e| bad(format!("header JSON: {e}")))?;
     let obj = json
         .as_object()
         .ok_or_else(|| bad("header is not a JSON object".into()))?;
@@ -331,7 +331,10 @@ pub fn parse_header(
             let d = d
                 .as_u64()
                 .ok_or_else(|| bad(format!("tensor {name:?} has a non-integer dimension")))?;
-            shape.push(usize::try_from(d).map_err(|_| bad(format!("tensor {name:?}: dimension too large")))?);
+            shape.push(
+                usize::try_from(d)
+                    .map_err(|_| bad(format!("tensor {name:?}: dimension too large")))?,
+            );
         }
         let offs = e
             .get("data_offsets")
@@ -419,7 +422,10 @@ pub fn write(
     use std::io::Write;
     let mut header = serde_json::Map::new();
     if let Some(m) = metadata {
-        header.insert("__metadata__".into(), serde_json::to_value(m).expect("string map"));
+        header.insert(
+            "__metadata__".into(),
+            serde_json::to_value(m).expect("string map"),
+        );
     }
     let mut offset = 0u64;
     for (name, dtype, shape, bytes) in tensors {

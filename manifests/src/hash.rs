@@ -80,7 +80,9 @@ impl<'de> serde::Deserialize<'de> for Hash {
 }
 
 /// One expert of a model: its layer and its index in that layer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub struct ExpertId {
     /// Decoder layer.
     pub layer: u16,

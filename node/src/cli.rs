@@ -28,6 +28,10 @@ pub enum Command {
     /// Create and show Ed25519 node and publisher keys.
     #[command(subcommand)]
     Key(cmd::key::Command),
+    /// Turn text into token ids with the model's tokenizer, or ids back into text.
+    Tokenize(cmd::tokenize::Args),
+    /// Write a random-weight checkpoint with a real model's geometry and layout.
+    Synth(cmd::synth::Args),
 }
 
 /// Runs the chosen subcommand.
@@ -36,5 +40,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Run(a) => cmd::run::run(a),
         Command::Manifest(c) => cmd::manifest::run(c),
         Command::Key(c) => cmd::key::run(c),
+        Command::Tokenize(a) => cmd::tokenize::run(a),
+        Command::Synth(a) => cmd::synth::run(a),
     }
 }

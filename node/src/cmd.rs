@@ -3,3 +3,5 @@
 pub mod key;
 pub mod manifest;
 pub mod run;
+pub mod synth;
+pub mod tokenize;

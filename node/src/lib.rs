@@ -2,6 +2,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod chat;
 pub mod cli;
 pub mod cmd;
 pub mod logging;

@@ -44,14 +44,26 @@ fn prompt_forward_matches_transformers() {
         let want_hidden = r.f32("hidden_states");
         let want_router = r.f32("router_logits");
         for block in [256, 37, 1] {
-            let model = Model::load(&dir, &LoadOptions { prefill_block: block }).unwrap();
+            let model = Model::load(
+                &dir,
+                &LoadOptions {
+                    prefill_block: block,
+                },
+            )
+            .unwrap();
             let cfg = model.config().clone();
             let (t, h, e) = (ids.len(), cfg.hidden_size, cfg.num_experts);
             let mut sess = model.session(t).unwrap();
             let mut cap = Capture::default();
-            let logits = model.forward(&mut sess, &ids, Logits::All, Some(&mut cap)).unwrap().to_vec();
+            let logits = model
+                .forward(&mut sess, &ids, Logits::All, Some(&mut cap))
+                .unwrap()
+                .to_vec();
             let err = max_abs(&logits, &want_logits);
-            assert!(err < 1e-3, "{name} block {block}: prompt logits max abs error {err}");
+            assert!(
+                err < 1e-3,
+                "{name} block {block}: prompt logits max abs error {err}"
+            );
             for (i, got) in cap.hidden.iter().enumerate() {
                 let want = &want_hidden[i * t * h..(i + 1) * t * h];
                 let err = max_abs(got, want);
@@ -63,7 +75,11 @@ fn prompt_forward_matches_transformers() {
                 for p in 0..t {
                     let got = &cap.router[l][p * e..(p + 1) * e];
                     let want = &want_router[(l * t + p) * e..(l * t + p + 1) * e];
-                    assert_eq!(top_set(got, cfg.top_k), top_set(want, cfg.top_k), "{name}: layer {l} position {p}");
+                    assert_eq!(
+                        top_set(got, cfg.top_k),
+                        top_set(want, cfg.top_k),
+                        "{name}: layer {l} position {p}"
+                    );
                 }
             }
             if block == 1 {
@@ -71,7 +87,11 @@ fn prompt_forward_matches_transformers() {
                 let model256 = Model::load(&dir, &LoadOptions { prefill_block: 256 }).unwrap();
                 let mut s2 = model256.session(t).unwrap();
                 let all = model256.forward(&mut s2, &ids, Logits::All, None).unwrap();
-                assert_eq!(all, &logits[..], "{name}: one-position blocks differ from one block");
+                assert_eq!(
+                    all,
+                    &logits[..],
+                    "{name}: one-position blocks differ from one block"
+                );
             }
         }
     }
@@ -90,7 +110,16 @@ fn greedy_generation_matches_transformers() {
         let v = model.config().vocab_size;
         let mut sess = model.session(ids.len() + want_ids.len()).unwrap();
         let mut got_logits = Vec::new();
-        let got = greedy(&model, &mut sess, &ids, want_ids.len(), &[], |_, l| got_logits.extend_from_slice(l), &mut Timings::default()).unwrap();
+        let got = greedy(
+            &model,
+            &mut sess,
+            &ids,
+            want_ids.len(),
+            &[],
+            |_, l| got_logits.extend_from_slice(l),
+            &mut Timings::default(),
+        )
+        .unwrap();
         assert_eq!(got, want_ids, "{name}: generated ids");
         let err = max_abs(&got_logits, &want_logits);
         eprintln!("{name}: generated logits max abs error {err:.2e}");

@@ -26,7 +26,10 @@ pub(crate) fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
     debug_assert_eq!(w.len(), x.len() * 4);
     let mut acc = [0f32; LANES];
     let n = x.len() / LANES * LANES;
-    for (wc, xc) in w[..n * 4].chunks_exact(LANES * 4).zip(x[..n].chunks_exact(LANES)) {
+    for (wc, xc) in w[..n * 4]
+        .chunks_exact(LANES * 4)
+        .zip(x[..n].chunks_exact(LANES))
+    {
         for l in 0..LANES {
             let b = &wc[l * 4..l * 4 + 4];
             acc[l] += f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * xc[l];
@@ -45,7 +48,10 @@ pub(crate) fn dot_bf16(w: &[u8], x: &[f32]) -> f32 {
     debug_assert_eq!(w.len(), x.len() * 2);
     let mut acc = [0f32; LANES];
     let n = x.len() / LANES * LANES;
-    for (wc, xc) in w[..n * 2].chunks_exact(LANES * 2).zip(x[..n].chunks_exact(LANES)) {
+    for (wc, xc) in w[..n * 2]
+        .chunks_exact(LANES * 2)
+        .zip(x[..n].chunks_exact(LANES))
+    {
         for l in 0..LANES {
             acc[l] += bf16_to_f32(wc[2 * l], wc[2 * l + 1]) * xc[l];
         }
@@ -62,7 +68,10 @@ pub(crate) fn dot_f16(w: &[u8], x: &[f32]) -> f32 {
     debug_assert_eq!(w.len(), x.len() * 2);
     let mut acc = [0f32; LANES];
     let n = x.len() / LANES * LANES;
-    for (wc, xc) in w[..n * 2].chunks_exact(LANES * 2).zip(x[..n].chunks_exact(LANES)) {
+    for (wc, xc) in w[..n * 2]
+        .chunks_exact(LANES * 2)
+        .zip(x[..n].chunks_exact(LANES))
+    {
         for l in 0..LANES {
             acc[l] += f16_to_f32(wc[2 * l], wc[2 * l + 1]) * xc[l];
         }
@@ -94,7 +103,15 @@ pub(crate) fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
 
 /// `y[o] += Σ_i x[i] · W[i, o]` for a row-major `[in, out]` matrix, over the output columns
 /// `o0 .. o0 + y.len()`. `w` is the whole matrix; `out` its row length.
-pub(crate) fn gemv_t(dtype_size: usize, widen: fn(&[u8], usize) -> f32, w: &[u8], out: usize, o0: usize, x: &[f32], y: &mut [f32]) {
+pub(crate) fn gemv_t(
+    dtype_size: usize,
+    widen: fn(&[u8], usize) -> f32,
+    w: &[u8],
+    out: usize,
+    o0: usize,
+    x: &[f32],
+    y: &mut [f32],
+) {
     y.fill(0.0);
     for (i, &xi) in x.iter().enumerate() {
         let row = &w[(i * out + o0) * dtype_size..(i * out + o0 + y.len()) * dtype_size];

@@ -47,9 +47,12 @@ pub fn parse_ids(text: &str, what: &str) -> anyhow::Result<Vec<u32>> {
         .filter(|s| !s.is_empty())
         .enumerate()
     {
-        let id: u32 = tok
-            .parse()
-            .with_context(|| format!("{what}: item {} ({tok:?}) is not a token id (a non-negative integer)", i + 1))?;
+        let id: u32 = tok.parse().with_context(|| {
+            format!(
+                "{what}: item {} ({tok:?}) is not a token id (a non-negative integer)",
+                i + 1
+            )
+        })?;
         out.push(id);
     }
     if out.is_empty() {
@@ -63,7 +66,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let prompt = match (&a.prompt_ids, &a.prompt_ids_file) {
         (Some(s), _) => parse_ids(s, "--prompt-ids")?,
         (None, Some(f)) => {
-            let text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            let text =
+                std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
             parse_ids(&text, &f.display().to_string())?
         }
         (None, None) => bail!("give --prompt-ids or --prompt-ids-file"),
@@ -71,8 +75,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.prefill_block == 0 {
         bail!("--prefill-block must be at least 1");
     }
-    let model = Model::load(&a.model, &LoadOptions { prefill_block: a.prefill_block })
-        .with_context(|| format!("loading the model in {}", a.model.display()))?;
+    let model = Model::load(
+        &a.model,
+        &LoadOptions {
+            prefill_block: a.prefill_block,
+        },
+    )
+    .with_context(|| format!("loading the model in {}", a.model.display()))?;
     let cfg = model.config();
     let context = prompt.len() + a.max_new_tokens.max(1) - 1;
     if context > cfg.max_position_embeddings {
@@ -85,7 +94,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let mut sess = model.session(context)?;
     let vocab = cfg.vocab_size;
-    let stop: Vec<u32> = if a.stop_at_eos { cfg.eos_token_ids.clone() } else { Vec::new() };
+    let stop: Vec<u32> = if a.stop_at_eos {
+        cfg.eos_token_ids.clone()
+    } else {
+        Vec::new()
+    };
     let mut logits = Vec::new();
     let keep_logits = a.logits_out.is_some();
     let mut timings = Timings::default();
@@ -104,8 +117,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     )?;
     if let Some(path) = &a.logits_out {
         let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
-        safetensors::write(path, &[("logits", Dtype::F32, &[ids.len(), vocab], &bytes)], None)
-            .with_context(|| format!("writing {}", path.display()))?;
+        safetensors::write(
+            path,
+            &[("logits", Dtype::F32, &[ids.len(), vocab], &bytes)],
+            None,
+        )
+        .with_context(|| format!("writing {}", path.display()))?;
     }
     let decode_steps = ids.len().saturating_sub(1);
     if a.json {

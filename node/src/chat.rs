@@ -1,0 +1,1 @@
+//! Text for people: tokenizers and chat formats. (Not implemented yet.)
