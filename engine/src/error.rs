@@ -92,6 +92,18 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &["gpt_oss", "qwen3_moe"];
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// The message with every cause appended (`a: b: c`), for places that keep only a string.
+    pub fn chain(&self) -> String {
+        let mut s = self.to_string();
+        let mut src = std::error::Error::source(self);
+        while let Some(e) = src {
+            s.push_str(": ");
+            s.push_str(&e.to_string());
+            src = e.source();
+        }
+        s
+    }
+
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {
             path: path.into(),

@@ -31,6 +31,8 @@ pub struct PartLoc {
 /// The layout of every expert of a model.
 #[derive(Clone, Debug, Default)]
 pub struct ExpertLayout {
+    /// The files [`Loc::file`] indexes, with the lengths they were validated at.
+    pub files: Vec<(std::path::PathBuf, u64)>,
     /// Per layer: the schema of its experts (None for dense layers).
     pub schemas: Vec<Option<ExpertSchema>>,
     /// `[layer][expert]`: the parts, in schema order.
@@ -42,7 +44,10 @@ impl ExpertLayout {
     /// dtype and shape.
     pub fn from_checkpoint(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Self> {
         let ld = Loader::new(ckpt, cfg.family);
-        let mut out = Self::default();
+        let mut out = Self {
+            files: ckpt.files.iter().map(|f| (f.path.clone(), f.len)).collect(),
+            ..Self::default()
+        };
         for l in 0..cfg.num_layers {
             if !cfg.layer_moe[l] {
                 out.schemas.push(None);
@@ -57,6 +62,18 @@ impl ExpertLayout {
             out.parts.push(parts);
         }
         Ok(out)
+    }
+
+    /// Record length of every expert, `[layer][expert]` (empty for dense layers).
+    pub fn sizes(&self) -> Vec<Vec<u64>> {
+        self.schemas
+            .iter()
+            .zip(&self.parts)
+            .map(|(s, p)| match s {
+                Some(s) => vec![s.expert_len() as u64; p.len()],
+                None => Vec::new(),
+            })
+            .collect()
     }
 
     /// Every tensor name that holds expert bytes (so the rest are dense).
@@ -168,4 +185,63 @@ pub(crate) fn split_fused(
             },
         });
     }
+}
+
+/// Checks that a schema has exactly the parts the family's experts need, with the lengths the
+/// config implies (used for schemas read from a store index rather than from tensors).
+pub(crate) fn check_schema(
+    schema: &ExpertSchema,
+    cfg: &ModelConfig,
+) -> std::result::Result<(), String> {
+    use crate::config::Activation;
+    let (h, i) = (cfg.hidden_size, cfg.expert_intermediate);
+    let dense_len = |f: PartFormat, n: usize| match f {
+        PartFormat::Dense(x) | PartFormat::DenseT(x) => Some(n * x.size()),
+        _ => None,
+    };
+    let want: Vec<(Role, usize)> = match cfg.activation {
+        Activation::ClippedSwiglu { .. } => {
+            let mx = schema
+                .parts
+                .iter()
+                .any(|p| p.format == PartFormat::Mxfp4Blocks);
+            let mut v = vec![(Role::GateUp, if mx { 2 * i * h / 2 } else { 2 * i * h })];
+            if mx {
+                v.push((Role::GateUpScales, 2 * i * h / 32));
+            }
+            v.push((Role::GateUpBias, 2 * i));
+            v.push((Role::Down, if mx { h * i / 2 } else { h * i }));
+            if mx {
+                v.push((Role::DownScales, h * i / 32));
+            }
+            v.push((Role::DownBias, h));
+            v
+        }
+        Activation::Silu => vec![(Role::Gate, i * h), (Role::Up, i * h), (Role::Down, h * i)],
+    };
+    if schema.parts.len() != want.len() {
+        return Err(format!(
+            "{} expert parts, expected {}",
+            schema.parts.len(),
+            want.len()
+        ));
+    }
+    for (p, (role, n)) in schema.parts.iter().zip(want) {
+        if p.role != role {
+            return Err(format!("part {:?} where {role:?} was expected", p.role));
+        }
+        let len = match p.format {
+            PartFormat::Mxfp4Blocks | PartFormat::Mxfp4Scales => Some(n),
+            f => dense_len(f, n),
+        };
+        let bias_ok = !matches!(role, Role::GateUpBias | Role::DownBias)
+            || matches!(p.format, PartFormat::Dense(_));
+        if len != Some(p.len) || !bias_ok {
+            return Err(format!(
+                "part {role:?} ({:?}, {} bytes) does not fit the config",
+                p.format, p.len
+            ));
+        }
+    }
+    Ok(())
 }

@@ -17,7 +17,8 @@ pub mod ops;
 pub mod qwen3_moe;
 pub mod rope;
 pub mod safetensors;
+pub mod tiers;
 
 pub use config::{Family, ModelConfig};
 pub use error::{Error, Result};
-pub use model::{LoadOptions, Logits, Model, Observer, Session};
+pub use model::{LoadOptions, Logits, Model, ModelFiles, Observer, Session};

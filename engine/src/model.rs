@@ -12,7 +12,7 @@
 //! of the block's union once for all positions that chose it. Decode is the same with a block
 //! of one, and gives bit-identical results per position.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -24,7 +24,8 @@ use crate::layout::{ExpertLayout, Loader, Loc};
 use crate::moe::{self, ExpertData, ExpertProvider, MappedExperts, MoeScratch, PartBytes};
 use crate::ops;
 use crate::rope::Rope;
-use crate::safetensors::Checkpoint;
+use crate::safetensors::{Checkpoint, MappedFile};
+use crate::tiers::{self, disk::DiskFile, DiskTier};
 
 #[derive(Clone, Copy, Debug)]
 struct MatSpec {
@@ -88,12 +89,119 @@ impl Default for LoadOptions {
     }
 }
 
+/// A model folder, opened and checked: its config, the mapped checkpoint (or the dense part of
+/// a converted store), and where every expert lies. The first stage of loading; the caller then
+/// chooses where experts come from and builds the [`Model`].
+#[derive(Debug)]
+pub struct ModelFiles {
+    /// The folder.
+    pub dir: PathBuf,
+    /// Its configuration.
+    pub cfg: ModelConfig,
+    /// The mapped safetensors files (dense tensors, and experts unless a store).
+    pub ckpt: Arc<Checkpoint>,
+    /// Where every expert lies.
+    pub layout: Arc<ExpertLayout>,
+}
+
+impl ModelFiles {
+    /// Opens `dir`: a checkpoint as published, or a store written by `stormo convert`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let cfg = ModelConfig::from_dir(dir)?;
+        let ckpt = Arc::new(Checkpoint::open(dir)?);
+        let layout = if tiers::store::is_store(dir) {
+            tiers::store::open(dir, &cfg)?
+        } else {
+            ExpertLayout::from_checkpoint(&ckpt, &cfg)?
+        };
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            cfg,
+            ckpt,
+            layout: Arc::new(layout),
+        })
+    }
+
+    /// Whether the experts live in a converted flat store.
+    pub fn is_store(&self) -> bool {
+        tiers::store::is_store(&self.dir)
+    }
+
+    /// A provider that serves every expert from memory-mapped files.
+    pub fn mapped_experts(&self) -> Result<MappedExperts> {
+        let maps: Vec<Arc<MappedFile>> = if self.is_store() {
+            self.layout
+                .files
+                .iter()
+                .map(|(p, len)| map_file(p, *len))
+                .collect::<Result<_>>()?
+        } else {
+            self.ckpt.files.clone()
+        };
+        let experts = self
+            .layout
+            .parts
+            .iter()
+            .map(|layer| {
+                layer
+                    .iter()
+                    .map(|parts| {
+                        Arc::new(ExpertData::new(
+                            parts
+                                .iter()
+                                .map(|p| {
+                                    let s = p.loc.offset as usize;
+                                    PartBytes::Mapped(
+                                        maps[p.loc.file].clone(),
+                                        s..s + p.loc.len as usize,
+                                    )
+                                })
+                                .collect(),
+                        ))
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(MappedExperts::new(experts))
+    }
+
+    /// A disk tier reading experts with positioned reads on `threads` I/O threads (O_DIRECT for
+    /// a store where the filesystem allows it); `allowed[layer][expert]` limits what it holds.
+    pub fn disk_tier(&self, threads: usize, allowed: Option<Vec<Vec<bool>>>) -> Result<DiskTier> {
+        let direct = self.is_store();
+        let files = self
+            .layout
+            .files
+            .iter()
+            .map(|(p, len)| DiskFile::open(p.clone(), *len, direct))
+            .collect::<Result<_>>()?;
+        Ok(DiskTier::new(files, self.layout.clone(), threads, allowed))
+    }
+}
+
+fn map_file(path: &Path, len: u64) -> Result<Arc<MappedFile>> {
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: read-only mapping; see `safetensors::open_file`.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    if map.len() as u64 != len {
+        return Err(Error::Safetensors {
+            path: path.to_path_buf(),
+            reason: format!("file is {} bytes, expected {len}", map.len()),
+        });
+    }
+    Ok(Arc::new(MappedFile {
+        path: path.to_path_buf(),
+        len,
+        map,
+    }))
+}
+
 /// A loaded model: configuration, mapped checkpoint, dense weights, and an expert provider.
 #[derive(Debug)]
 pub struct Model {
     cfg: ModelConfig,
     ckpt: Arc<Checkpoint>,
-    layout: ExpertLayout,
+    layout: Arc<ExpertLayout>,
     embed: MatSpec,
     lm_head: MatSpec,
     final_norm: VecSpec,
@@ -122,23 +230,22 @@ pub enum Logits {
 }
 
 impl Model {
-    /// Loads the model in `dir` with its experts served from the mapped checkpoint.
+    /// Loads the model in `dir` with every expert served from memory-mapped files.
     pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Self> {
-        let cfg = ModelConfig::from_dir(dir)?;
-        let ckpt = Arc::new(Checkpoint::open(dir)?);
-        let layout = ExpertLayout::from_checkpoint(&ckpt, &cfg)?;
-        let experts = Arc::new(mapped_provider(&ckpt, &layout));
-        Self::with_provider(cfg, ckpt, layout, experts, opts)
+        let files = ModelFiles::open(dir)?;
+        let experts = Arc::new(files.mapped_experts()?);
+        Self::new(files, experts, opts)
     }
 
-    /// Loads the dense weights of `ckpt` and takes experts from `experts`.
-    pub fn with_provider(
-        cfg: ModelConfig,
-        ckpt: Arc<Checkpoint>,
-        layout: ExpertLayout,
+    /// Loads the dense weights of `files` and takes experts from `experts`.
+    pub fn new(
+        files: ModelFiles,
         experts: Arc<dyn ExpertProvider>,
         opts: &LoadOptions,
     ) -> Result<Self> {
+        let ModelFiles {
+            cfg, ckpt, layout, ..
+        } = files;
         let ld = Loader::new(&ckpt, cfg.family);
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let mat = |name: &str, rows: usize, cols: usize| -> Result<MatSpec> {
@@ -255,7 +362,7 @@ impl Model {
     }
 
     /// Where every expert lies.
-    pub fn expert_layout(&self) -> &ExpertLayout {
+    pub fn expert_layout(&self) -> &Arc<ExpertLayout> {
         &self.layout
     }
 
@@ -530,6 +637,9 @@ impl Model {
             for (x, o) in s.x[..t * h].iter_mut().zip(&s.o[..t * h]) {
                 *x += o;
             }
+            if self.experts.wants_hints() {
+                self.predict_next(l, t, s);
+            }
             if l + 1 < cfg.num_layers {
                 if let Some(o) = obs.as_deref_mut() {
                     o.hidden(l + 1, &s.x[..t * h]);
@@ -566,31 +676,48 @@ impl Model {
     }
 }
 
-fn mapped_provider(ckpt: &Checkpoint, layout: &ExpertLayout) -> MappedExperts {
-    let experts = layout
-        .parts
-        .iter()
-        .map(|layer| {
-            layer
-                .iter()
-                .map(|parts| {
-                    Arc::new(ExpertData::new(
-                        parts
-                            .iter()
-                            .map(|p| {
-                                let s = p.loc.offset as usize;
-                                PartBytes::Mapped(
-                                    ckpt.files[p.loc.file].clone(),
-                                    s..s + p.loc.len as usize,
-                                )
-                            })
-                            .collect(),
-                    ))
-                })
-                .collect()
-        })
-        .collect();
-    MappedExperts::new(experts)
+impl Model {
+    /// Predicts the experts of layer `l + 1` from the residual after layer `l`, through layer
+    /// `l + 1`'s norm and router, and hints them to the provider so they load while layer
+    /// `l + 1`'s attention runs. Never changes the output: the real routing happens as usual.
+    fn predict_next(&self, l: usize, t: usize, s: &mut Scratch) {
+        let Some(next) = self.layers.get(l + 1) else {
+            return;
+        };
+        let Mlp::Moe {
+            router,
+            router_bias,
+        } = &next.mlp
+        else {
+            return;
+        };
+        let (h, e, k) = (self.cfg.hidden_size, self.cfg.num_experts, self.cfg.top_k);
+        let w = self.vector(&next.post_norm);
+        for i in 0..t {
+            ops::rms_norm(
+                &s.x[i * h..(i + 1) * h],
+                &w,
+                self.cfg.rms_norm_eps,
+                &mut s.h[i * h..(i + 1) * h],
+            );
+        }
+        s.pred_logits.resize(t * e, 0.0);
+        matmul(&self.mat(router), &s.h[..t * h], &mut s.pred_logits);
+        if let Some(b) = router_bias {
+            add_bias_rows(&self.vector(b), &mut s.pred_logits);
+        }
+        s.pred
+            .route(&s.pred_logits, e, k, self.cfg.routing, &mut s.probs);
+        s.pred_set.clear();
+        s.pred_set.resize(e, false);
+        for &x in &s.pred.experts {
+            s.pred_set[x] = true;
+        }
+        s.pred_union.clear();
+        s.pred_union.extend((0..e).filter(|&x| s.pred_set[x]));
+        self.experts.hint(l + 1, &s.pred_union);
+        s.predicted_for = Some(l + 1);
+    }
 }
 
 fn add_bias_rows(b: &Vector<'_>, xs: &mut [f32]) {
@@ -696,6 +823,13 @@ struct Scratch {
     moe: MoeScratch,
     dense: moe::ExpertScratch,
     logits: Vec<f32>,
+    pred: moe::RoutePlan,
+    pred_logits: Vec<f32>,
+    pred_set: Vec<bool>,
+    pred_union: Vec<usize>,
+    predicted_for: Option<usize>,
+    pred_hits: u64,
+    pred_total: u64,
 }
 
 impl Scratch {
@@ -734,6 +868,12 @@ impl Session {
     pub fn position(&self) -> usize {
         self.pos
     }
+    /// Of the (position, expert) choices made in layers whose experts were predicted (for
+    /// prefetch), the number predicted correctly and the total.
+    pub fn prediction(&self) -> (u64, u64) {
+        (self.s.pred_hits, self.s.pred_total)
+    }
+
     /// The most positions this session can hold.
     pub fn max_context(&self) -> usize {
         self.max_context

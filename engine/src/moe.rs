@@ -241,6 +241,17 @@ pub trait ExpertProvider: Send + Sync + fmt::Debug {
 
     /// A hint that `experts` of `layer` will probably be needed soon (prefetch). Default: none.
     fn hint(&self, _layer: usize, _experts: &[usize]) {}
+
+    /// Whether [`hint`](Self::hint) does anything (so the model can skip predicting).
+    fn wants_hints(&self) -> bool {
+        false
+    }
+
+    /// The most experts of `layer` that one `fetch` should ask for (a RAM budget may hold only
+    /// so many at once). Default: no limit.
+    fn max_batch(&self, _layer: usize) -> usize {
+        usize::MAX
+    }
 }
 
 /// Experts served straight from the mapped checkpoint: every expert resident (or paged in by
@@ -475,37 +486,45 @@ pub fn moe_block(
     let h = schema.hidden;
     let (t, k) = (s.plan.positions(), s.plan.k);
     s.gather(num_experts);
-    s.handles.clear();
-    provider.fetch(layer, &s.union, &mut s.handles)?;
-    if s.handles.len() != s.union.len() {
-        return Err(Error::Expert {
-            layer,
-            expert: s.union.first().copied().unwrap_or(0),
-            reason: format!(
-                "provider returned {} experts for {} requested",
-                s.handles.len(),
-                s.union.len()
-            ),
-        });
-    }
     s.slot_out.resize(t * k * h, 0.0);
-    for (ui, &e) in s.union.iter().enumerate() {
-        let members = &s.members[s.member_start[e]..s.member_start[e + 1]];
-        let data = &s.handles[ui];
-        check_lengths(layer, e, schema, data)?;
-        let view = schema.view(data);
-        s.expert.xs.clear();
-        for &(p, _) in members {
-            s.expert.xs.extend_from_slice(&xs[p * h..(p + 1) * h]);
+    let group = provider.max_batch(layer).max(1);
+    let mut g0 = 0;
+    while g0 < s.union.len() {
+        let g1 = (g0 + group).min(s.union.len());
+        s.handles.clear();
+        provider.fetch(layer, &s.union[g0..g1], &mut s.handles)?;
+        if s.handles.len() != g1 - g0 {
+            return Err(Error::Expert {
+                layer,
+                expert: s.union[g0],
+                reason: format!(
+                    "provider returned {} experts for {} requested",
+                    s.handles.len(),
+                    g1 - g0
+                ),
+            });
         }
-        let xs_e = std::mem::take(&mut s.expert.xs);
-        expert_forward(&view, &xs_e, h, schema.intermediate, &mut s.expert);
-        s.expert.xs = xs_e;
-        for (j, &(p, slot)) in members.iter().enumerate() {
-            let dst = (p * k + slot) * h;
-            s.slot_out[dst..dst + h].copy_from_slice(&s.expert.ys[j * h..(j + 1) * h]);
+        for ui in g0..g1 {
+            let e = s.union[ui];
+            let members = &s.members[s.member_start[e]..s.member_start[e + 1]];
+            let data = &s.handles[ui - g0];
+            check_lengths(layer, e, schema, data)?;
+            let view = schema.view(data);
+            s.expert.xs.clear();
+            for &(p, _) in members {
+                s.expert.xs.extend_from_slice(&xs[p * h..(p + 1) * h]);
+            }
+            let xs_e = std::mem::take(&mut s.expert.xs);
+            expert_forward(&view, &xs_e, h, schema.intermediate, &mut s.expert);
+            s.expert.xs = xs_e;
+            for (j, &(p, slot)) in members.iter().enumerate() {
+                let dst = (p * k + slot) * h;
+                s.slot_out[dst..dst + h].copy_from_slice(&s.expert.ys[j * h..(j + 1) * h]);
+            }
         }
+        g0 = g1;
     }
+    s.handles.clear();
     for p in 0..t {
         let o = &mut out[p * h..(p + 1) * h];
         for slot in 0..k {

@@ -1,3 +1,4 @@
 //! Workspace integration tests, one binary with a module per area.
 
 mod oracle;
+mod tiers;

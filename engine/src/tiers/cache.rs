@@ -1,0 +1,479 @@
+//! The RAM tier: a byte-budgeted cache of expert records over the lower tiers.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use super::{Completion, ExpertKey, Priority, Tier};
+use crate::error::{Error, Result};
+use crate::moe::{ExpertData, ExpertProvider};
+
+/// Settings of the RAM tier.
+#[derive(Clone, Debug)]
+pub struct TierConfig {
+    /// Byte budget for cached experts (raised to at least one layer's top-k).
+    pub budget: u64,
+    /// Load predicted experts of the next layer while the current one computes.
+    pub prefetch: bool,
+    /// Share of the budget that hot experts (by usage counts) may hold and keep.
+    pub hot_fraction: f64,
+}
+
+impl Default for TierConfig {
+    fn default() -> Self {
+        Self {
+            budget: u64::MAX,
+            prefetch: true,
+            hot_fraction: 0.5,
+        }
+    }
+}
+
+/// Counters of one lower tier.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TierStats {
+    /// The tier's name.
+    pub name: String,
+    /// Experts it delivered.
+    pub loads: u64,
+    /// Bytes it delivered.
+    pub bytes: u64,
+    /// Loads that failed there.
+    pub failures: u64,
+}
+
+/// What the tiers did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ExpertStats {
+    /// Experts asked for by the model (one per expert per block per layer).
+    pub requests: u64,
+    /// Of those, found ready in RAM.
+    pub ram_hits: u64,
+    /// Prefetched experts that were then used.
+    pub prefetch_used: u64,
+    /// Prefetched experts evicted (or left) unused.
+    pub prefetch_wasted: u64,
+    /// Loads that failed in one tier and were retried in the next.
+    pub fallbacks: u64,
+    /// Seconds the model waited for experts.
+    pub wait_s: f64,
+    /// Per lower tier, in order.
+    pub tiers: Vec<TierStats>,
+}
+
+enum State {
+    Loading,
+    Ready(Arc<ExpertData>),
+    Failed(String),
+}
+
+struct Entry {
+    state: State,
+    /// Bytes reserved in the budget.
+    len: u64,
+    /// LRU clock of the last use.
+    stamp: u64,
+    /// Loaded by a prefetch and not used yet.
+    unused_prefetch: bool,
+    /// A hot expert (evicted last).
+    hot: bool,
+    /// Index of the tier currently loading it.
+    tier: usize,
+}
+
+struct Inner {
+    map: HashMap<ExpertKey, Entry>,
+    /// Requests per expert since start, `[layer][expert]` (the hot-store's counts).
+    usage: Vec<Vec<u64>>,
+    used: u64,
+    clock: u64,
+    stats: ExpertStats,
+}
+
+/// The RAM cache over lower tiers; an [`ExpertProvider`] for the model.
+pub struct TieredExperts {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    inner: Mutex<Inner>,
+    ready: Condvar,
+    tiers: Vec<Arc<dyn Tier>>,
+    /// Size of every expert record, `[layer][expert]`.
+    sizes: Vec<Vec<u64>>,
+    budget: u64,
+    hot_budget: u64,
+    prefetch: bool,
+}
+
+impl std::fmt::Debug for TieredExperts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TieredExperts")
+            .field("budget", &self.shared.budget)
+            .field("tiers", &self.shared.tiers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TieredExperts {
+    /// A cache over `tiers` (tried in order). `sizes[layer][expert]` is each record's length;
+    /// `top_k` sets the smallest budget (one layer's top-k of the largest experts).
+    pub fn new(
+        tiers: Vec<Arc<dyn Tier>>,
+        sizes: Vec<Vec<u64>>,
+        top_k: usize,
+        cfg: &TierConfig,
+    ) -> Self {
+        let largest = sizes.iter().flatten().copied().max().unwrap_or(0);
+        let everything: u64 = sizes.iter().flatten().sum();
+        let budget = cfg
+            .budget
+            .max(largest * top_k as u64)
+            .min(everything.max(largest));
+        let stats = ExpertStats {
+            tiers: tiers
+                .iter()
+                .map(|t| TierStats {
+                    name: t.name().to_string(),
+                    ..TierStats::default()
+                })
+                .collect(),
+            ..ExpertStats::default()
+        };
+        Self {
+            shared: Arc::new(Shared {
+                inner: Mutex::new(Inner {
+                    map: HashMap::new(),
+                    usage: sizes.iter().map(|l| vec![0; l.len()]).collect(),
+                    used: 0,
+                    clock: 0,
+                    stats,
+                }),
+                ready: Condvar::new(),
+                tiers,
+                sizes,
+                budget,
+                hot_budget: (budget as f64 * cfg.hot_fraction.clamp(0.0, 1.0)) as u64,
+                prefetch: cfg.prefetch,
+            }),
+        }
+    }
+
+    /// The effective budget in bytes.
+    pub fn budget(&self) -> u64 {
+        self.shared.budget
+    }
+
+    /// Bytes held (ready or loading).
+    pub fn used(&self) -> u64 {
+        self.shared.lock().used
+    }
+
+    /// A snapshot of the counters. Prefetched experts still unused count as wasted.
+    pub fn stats(&self) -> ExpertStats {
+        let g = self.shared.lock();
+        let mut s = g.stats.clone();
+        s.prefetch_wasted += g.map.values().filter(|e| e.unused_prefetch).count() as u64;
+        s
+    }
+
+    /// Requests per expert since start, `[layer][expert]`.
+    pub fn usage(&self) -> Vec<Vec<u64>> {
+        self.shared.lock().usage.clone()
+    }
+
+    /// Starts loading `keys` as hot experts (kept in preference to others), in the background,
+    /// up to the hot share of the budget. Returns how many were queued.
+    pub fn preload_hot(&self, keys: &[ExpertKey]) -> usize {
+        let mut g = self.shared.lock();
+        let mut hot_bytes: u64 = g.map.values().filter(|e| e.hot).map(|e| e.len).sum();
+        let mut batch: Vec<Vec<ExpertKey>> = vec![Vec::new(); self.shared.tiers.len()];
+        let mut n = 0;
+        for &k in keys {
+            let Some(len) = self.shared.size(k) else {
+                continue;
+            };
+            if hot_bytes + len > self.shared.hot_budget {
+                break;
+            }
+            if let Some(e) = g.map.get_mut(&k) {
+                e.hot = true;
+                hot_bytes += e.len;
+                continue;
+            }
+            let Some(tier) = self.shared.first_tier(k, 0) else {
+                continue;
+            };
+            if !self.shared.make_room(&mut g, len, false) {
+                break;
+            }
+            g.map.insert(
+                k,
+                Entry {
+                    state: State::Loading,
+                    len,
+                    stamp: 0,
+                    unused_prefetch: false,
+                    hot: true,
+                    tier,
+                },
+            );
+            g.used += len;
+            hot_bytes += len;
+            batch[tier].push(k);
+            n += 1;
+        }
+        drop(g);
+        self.shared.start(batch, Priority::Prefetch);
+        n
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().expect("expert cache lock")
+    }
+
+    fn size(&self, k: ExpertKey) -> Option<u64> {
+        self.sizes
+            .get(k.layer as usize)?
+            .get(k.expert as usize)
+            .copied()
+    }
+
+    fn first_tier(&self, k: ExpertKey, from: usize) -> Option<usize> {
+        (from..self.tiers.len()).find(|&i| self.tiers[i].holds(k))
+    }
+
+    /// Evicts until `len` more bytes fit. Demand loads may overshoot when everything held is in
+    /// use; prefetches may not.
+    fn make_room(&self, g: &mut Inner, len: u64, demand: bool) -> bool {
+        while g.used + len > self.budget {
+            // least recently used ready entry that nobody holds; hot ones only as a last resort
+            let victim = g
+                .map
+                .iter()
+                .filter(|(_, e)| matches!(&e.state, State::Ready(d) if Arc::strong_count(d) == 1))
+                .min_by_key(|(_, e)| (e.hot, e.stamp))
+                .map(|(k, _)| *k);
+            let failed = g
+                .map
+                .iter()
+                .find(|(_, e)| matches!(e.state, State::Failed(_)))
+                .map(|(k, _)| *k);
+            match victim.or(failed) {
+                Some(k) => {
+                    let e = g.map.remove(&k).expect("victim present");
+                    g.used -= e.len;
+                    if e.unused_prefetch {
+                        g.stats.prefetch_wasted += 1;
+                    }
+                }
+                None => return demand,
+            }
+        }
+        true
+    }
+
+    fn start(self: &Arc<Self>, batches: Vec<Vec<ExpertKey>>, priority: Priority) {
+        for (tier, keys) in batches.into_iter().enumerate() {
+            if keys.is_empty() {
+                continue;
+            }
+            let me = self.clone();
+            let done: Completion = Arc::new(move |k, r| me.complete(k, r, priority));
+            self.tiers[tier].load(&keys, priority, done);
+        }
+    }
+
+    fn complete(self: &Arc<Self>, k: ExpertKey, r: Result<Arc<ExpertData>>, priority: Priority) {
+        let mut g = self.lock();
+        let Some(tier) = g.map.get(&k).map(|e| e.tier) else {
+            return;
+        };
+        match r {
+            Ok(data) => {
+                let bytes: u64 = data.parts().map(|p| p.len() as u64).sum();
+                let t = &mut g.stats.tiers[tier];
+                t.loads += 1;
+                t.bytes += bytes;
+                if let Some(e) = g.map.get_mut(&k) {
+                    e.state = State::Ready(data);
+                }
+            }
+            Err(err) => {
+                g.stats.tiers[tier].failures += 1;
+                tracing::warn!(
+                    "expert {k} from {}: {}",
+                    self.tiers[tier].name(),
+                    err.chain()
+                );
+                if let Some(next) = self.first_tier(k, tier + 1) {
+                    g.stats.fallbacks += 1;
+                    if let Some(e) = g.map.get_mut(&k) {
+                        e.tier = next;
+                    }
+                    drop(g);
+                    let me = self.clone();
+                    let done: Completion = Arc::new(move |k, r| me.complete(k, r, priority));
+                    self.tiers[next].load(&[k], priority, done);
+                    return;
+                }
+                if let Some(e) = g.map.get_mut(&k) {
+                    e.state = State::Failed(err.chain());
+                }
+            }
+        }
+        drop(g);
+        self.ready.notify_all();
+    }
+}
+
+impl ExpertProvider for TieredExperts {
+    fn fetch(&self, layer: usize, experts: &[usize], out: &mut Vec<Arc<ExpertData>>) -> Result<()> {
+        let sh = &self.shared;
+        let mut g = sh.lock();
+        g.clock += 1;
+        let clock = g.clock;
+        let mut batch: Vec<Vec<ExpertKey>> = vec![Vec::new(); sh.tiers.len()];
+        for &e in experts {
+            let k = ExpertKey::new(layer, e);
+            g.stats.requests += 1;
+            if let Some(u) = g.usage.get_mut(layer).and_then(|l| l.get_mut(e)) {
+                *u += 1;
+            }
+            let retry = matches!(g.map.get(&k).map(|e| &e.state), Some(State::Failed(_)));
+            if retry {
+                let old = g.map.remove(&k).expect("present");
+                g.used -= old.len;
+            }
+            if let Some(entry) = g.map.get_mut(&k) {
+                entry.stamp = clock;
+                if entry.unused_prefetch {
+                    entry.unused_prefetch = false;
+                    g.stats.prefetch_used += 1;
+                }
+                if matches!(g.map[&k].state, State::Ready(_)) {
+                    g.stats.ram_hits += 1;
+                }
+                continue;
+            }
+            let len = sh.size(k).ok_or_else(|| Error::Expert {
+                layer,
+                expert: e,
+                reason: "no such expert".into(),
+            })?;
+            let tier = sh.first_tier(k, 0).ok_or_else(|| Error::Expert {
+                layer,
+                expert: e,
+                reason: "no tier holds it (not on local disk, and no peer serves it)".into(),
+            })?;
+            sh.make_room(&mut g, len, true);
+            g.map.insert(
+                k,
+                Entry {
+                    state: State::Loading,
+                    len,
+                    stamp: clock,
+                    unused_prefetch: false,
+                    hot: false,
+                    tier,
+                },
+            );
+            g.used += len;
+            batch[tier].push(k);
+        }
+        drop(g);
+        sh.start(batch, Priority::Demand);
+        let t0 = Instant::now();
+        let mut g = sh.lock();
+        let base = out.len();
+        loop {
+            out.truncate(base);
+            let mut pending = false;
+            for &e in experts {
+                let k = ExpertKey::new(layer, e);
+                match g.map.get(&k).map(|en| &en.state) {
+                    Some(State::Ready(d)) => out.push(d.clone()),
+                    Some(State::Loading) => {
+                        pending = true;
+                        break;
+                    }
+                    Some(State::Failed(msg)) => {
+                        return Err(Error::Expert {
+                            layer,
+                            expert: e,
+                            reason: msg.clone(),
+                        })
+                    }
+                    None => {
+                        return Err(Error::Expert {
+                            layer,
+                            expert: e,
+                            reason: "evicted while loading (cache budget too small)".into(),
+                        })
+                    }
+                }
+            }
+            if !pending {
+                break;
+            }
+            g = sh.ready.wait(g).expect("expert cache lock");
+        }
+        g.stats.wait_s += t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn hint(&self, layer: usize, experts: &[usize]) {
+        let sh = &self.shared;
+        if !sh.prefetch {
+            return;
+        }
+        let mut g = sh.lock();
+        let mut batch: Vec<Vec<ExpertKey>> = vec![Vec::new(); sh.tiers.len()];
+        for &e in experts {
+            let k = ExpertKey::new(layer, e);
+            if g.map.contains_key(&k) {
+                continue;
+            }
+            let (Some(len), Some(tier)) = (sh.size(k), sh.first_tier(k, 0)) else {
+                continue;
+            };
+            if !sh.make_room(&mut g, len, false) {
+                break;
+            }
+            let stamp = g.clock;
+            g.map.insert(
+                k,
+                Entry {
+                    state: State::Loading,
+                    len,
+                    stamp,
+                    unused_prefetch: true,
+                    hot: false,
+                    tier,
+                },
+            );
+            g.used += len;
+            batch[tier].push(k);
+        }
+        drop(g);
+        sh.start(batch, Priority::Prefetch);
+    }
+
+    fn wants_hints(&self) -> bool {
+        self.shared.prefetch
+    }
+
+    fn max_batch(&self, layer: usize) -> usize {
+        let largest = self
+            .shared
+            .sizes
+            .get(layer)
+            .and_then(|s| s.iter().max())
+            .copied()
+            .unwrap_or(1)
+            .max(1);
+        (self.shared.budget / largest).max(1) as usize
+    }
+}

@@ -1,0 +1,201 @@
+//! Placement decides only speed: the same ids and bit-identical logits whether experts are
+//! mapped, cached in RAM under any budget, prefetched or not, read from the original checkpoint
+//! or from a converted flat store. One test body runs across all of these.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use stormo_engine::generate::{greedy, Timings};
+use stormo_engine::moe::ExpertProvider;
+use stormo_engine::tiers::{store, Tier, TierConfig, TieredExperts};
+use stormo_engine::{LoadOptions, Model, ModelFiles};
+use stormo_tests::{fixture, Reference, MODEL_FIXTURES};
+
+#[derive(Clone, Copy, Debug)]
+enum Budget {
+    Minimum,
+    Half,
+    Everything,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Placement {
+    Mapped,
+    Tiered { budget: Budget, prefetch: bool },
+}
+
+fn placements() -> Vec<Placement> {
+    let mut v = vec![Placement::Mapped];
+    for budget in [Budget::Minimum, Budget::Half, Budget::Everything] {
+        for prefetch in [false, true] {
+            v.push(Placement::Tiered { budget, prefetch });
+        }
+    }
+    v
+}
+
+struct Outcome {
+    ids: Vec<u32>,
+    logits: Vec<f32>,
+    stats: Option<stormo_engine::tiers::ExpertStats>,
+}
+
+fn generate(dir: &Path, placement: Placement, prompt: &[u32], n: usize, block: usize) -> Outcome {
+    let files = ModelFiles::open(dir).unwrap();
+    let mut tiered = None;
+    let provider: Arc<dyn ExpertProvider> = match placement {
+        Placement::Mapped => Arc::new(files.mapped_experts().unwrap()),
+        Placement::Tiered { budget, prefetch } => {
+            let sizes = files.layout.sizes();
+            let total: u64 = sizes.iter().flatten().sum();
+            let budget = match budget {
+                Budget::Minimum => 0,
+                Budget::Half => total / 2,
+                Budget::Everything => total,
+            };
+            let disk: Arc<dyn Tier> = Arc::new(files.disk_tier(3, None).unwrap());
+            let cfg = TierConfig {
+                budget,
+                prefetch,
+                ..TierConfig::default()
+            };
+            let t = Arc::new(TieredExperts::new(vec![disk], sizes, files.cfg.top_k, &cfg));
+            tiered = Some(t.clone());
+            t
+        }
+    };
+    let model = Model::new(
+        files,
+        provider,
+        &LoadOptions {
+            prefill_block: block,
+        },
+    )
+    .unwrap();
+    let mut sess = model.session(prompt.len() + n).unwrap();
+    let mut logits = Vec::new();
+    let ids = greedy(
+        &model,
+        &mut sess,
+        prompt,
+        n,
+        &[],
+        |_, l| logits.extend_from_slice(l),
+        &mut Timings::default(),
+    )
+    .unwrap();
+    Outcome {
+        ids,
+        logits,
+        stats: tiered.map(|t| t.stats()),
+    }
+}
+
+#[test]
+fn placement_decides_only_speed() {
+    for name in MODEL_FIXTURES {
+        let dir = fixture(name);
+        let r = Reference::open(&dir);
+        let prompt = r.ids("input_ids");
+        let want = r.ids("generated_ids");
+        let n = 12;
+        let converted = tempfile::tempdir().unwrap();
+        let store_dir = converted.path().join("store");
+        store::convert(&dir, &store_dir, |_, _| {}).unwrap();
+        let base = generate(&dir, Placement::Mapped, &prompt, n, 64);
+        assert_eq!(base.ids, want[..n], "{name}: mapped ids");
+        for src in [&dir, &store_dir] {
+            for p in placements() {
+                let o = generate(src, p, &prompt, n, 64);
+                assert_eq!(o.ids, base.ids, "{name} {p:?} from {}", src.display());
+                assert!(
+                    o.logits
+                        .iter()
+                        .zip(&base.logits)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{name} {p:?} from {}: logits differ",
+                    src.display()
+                );
+                if let (Placement::Tiered { budget, prefetch }, Some(s)) = (p, &o.stats) {
+                    assert!(s.requests > 0);
+                    assert_eq!(s.tiers[0].failures, 0);
+                    if !prefetch {
+                        assert_eq!(s.prefetch_used + s.prefetch_wasted, 0, "{p:?}");
+                    }
+                    if let Budget::Minimum = budget {
+                        assert!(s.tiers[0].loads > 0);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// With prefetch on and room in the budget, predictions are issued and some are used.
+#[test]
+fn prefetch_predicts_and_is_used() {
+    let dir = fixture("gptoss-tiny-mxfp4");
+    let r = Reference::open(&dir);
+    let prompt = r.ids("input_ids");
+    let o = generate(
+        &dir,
+        Placement::Tiered {
+            budget: Budget::Half,
+            prefetch: true,
+        },
+        &prompt,
+        8,
+        16,
+    );
+    let s = o.stats.unwrap();
+    assert!(s.prefetch_used > 0, "{s:?}");
+}
+
+/// A checkpoint file that shrinks while the engine runs gives a clear error, never garbage.
+#[test]
+fn truncated_while_running_is_an_error() {
+    let src = fixture("gptoss-tiny-mxfp4");
+    let d = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), d.path().join(f)).unwrap();
+    }
+    let files = ModelFiles::open(d.path()).unwrap();
+    let disk: Arc<dyn Tier> = Arc::new(files.disk_tier(2, None).unwrap());
+    let cfg = TierConfig {
+        budget: 0,
+        prefetch: false,
+        ..TierConfig::default()
+    };
+    let t = Arc::new(TieredExperts::new(
+        vec![disk],
+        files.layout.sizes(),
+        files.cfg.top_k,
+        &cfg,
+    ));
+    let model = Model::new(files, t, &LoadOptions::default()).unwrap();
+    let mut sess = model.session(64).unwrap();
+    model
+        .forward(&mut sess, &[1, 2, 3], stormo_engine::Logits::Last, None)
+        .unwrap();
+    // shrink the file (the dense part stays mapped and readable: only expert bytes go)
+    let p = d.path().join("model.safetensors");
+    let len = std::fs::metadata(&p).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(len - 1)
+        .unwrap();
+    let mut err = None;
+    for tok in 4..40u32 {
+        if let Err(e) = model.forward(&mut sess, &[tok], stormo_engine::Logits::Last, None) {
+            err = Some(e.to_string());
+            break;
+        }
+    }
+    let err = err.expect("a shrunken file must fail a later expert read");
+    assert!(
+        err.contains("model.safetensors") && err.contains("changed size"),
+        "{err}"
+    );
+}
