@@ -1,12 +1,29 @@
 //! Matrix kernels over weights as they lie in the checkpoint: f32, bf16, f16 and MXFP4.
 //!
 //! The seam: [`Mat`] describes a weight matrix by reference (no copy, no dequantisation);
-//! [`matvec`] and [`matmul`] compute `y = W·x` for one or many positions. Both call the same
-//! per-row dot product, so a position's output is bit-identical whether it was computed alone
-//! (decode) or in a block (prefill). The row kernels live in `scalar` (the reference); SIMD
-//! tiers slot in beside it and are selected once at run time.
+//! [`matvec`] and [`matmul`] compute `y = W·x` for one or many positions.
+//!
+//! Kernels come in tiers ([`Tier`]): `scalar` (the reference, everywhere), `avx2` (AVX2 + FMA
+//! + F16C) and `avx512` (AVX-512 F/BW) on x86-64. The best tier this CPU runs is detected once;
+//! `STORMO_SIMD=scalar|avx2|avx512` forces a lower one for the whole process and [`with_tier`]
+//! for one thread's calls (tests run one body against every tier in [`Tier::available`]).
+//! Different tiers sum in different orders, so they agree to rounding, not to the bit.
+//!
+//! Within a tier, a position's output is bit-identical whether it was computed alone
+//! ([`matvec`], decode) or in a block ([`matmul`], prefill): every kernel keeps one accumulator
+//! per (row, position) whose summation order does not depend on how many rows or positions a
+//! call interleaves. Prefill blocks read each weight row once per group of up to four positions
+//! (weights from cache for the rest), decode streams the matrix once split across the rayon
+//! pool. MXFP4 is decoded in registers; no dequantised copy of any weight is ever made.
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod scalar;
+
+use std::cell::Cell;
+use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
@@ -176,8 +193,289 @@ pub enum Mat<'a> {
     },
 }
 
-/// Work (multiply-adds) below which a kernel runs on the calling thread.
-const PAR_THRESHOLD: usize = 1 << 16;
+// ---- element codes and scale tables shared by the SIMD tiers ----
+
+/// Element-format codes for const-generic kernels.
+pub(crate) const F32: u8 = 0;
+/// bf16.
+pub(crate) const BF16: u8 = 1;
+/// f16.
+pub(crate) const F16: u8 = 2;
+
+/// Bytes per element of a format code.
+#[inline(always)]
+pub(crate) const fn code_size(code: u8) -> usize {
+    if code == F32 {
+        4
+    } else {
+        2
+    }
+}
+
+const fn e8m0_const(s: u8) -> f32 {
+    match s {
+        0 => f32::from_bits(0x0040_0000),
+        255 => f32::INFINITY,
+        s => f32::from_bits((s as u32) << 23),
+    }
+}
+
+const fn scale_table(half: bool) -> [f32; 256] {
+    let mut t = [0f32; 256];
+    let mut s = 0;
+    while s < 256 {
+        // Halving a power of two (or 2^-127, or inf) is exact.
+        t[s] = if half {
+            e8m0_const(s as u8) / 2.0
+        } else {
+            e8m0_const(s as u8)
+        };
+        s += 1;
+    }
+    t
+}
+
+/// [`e8m0_to_f32`] by byte.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) static SCALE: [f32; 256] = scale_table(false);
+/// Half of [`e8m0_to_f32`] by byte (for kernels that decode FP4 as doubled integers).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) static HALF_SCALE: [f32; 256] = scale_table(true);
+
+// ---- tiers and dispatch ----
+
+/// A kernel tier: an instruction set the kernels are written for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
+pub enum Tier {
+    /// Portable reference kernels.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+    /// x86-64 AVX-512 F and BW (plus AVX2 + FMA + F16C).
+    Avx512,
+}
+
+impl Tier {
+    /// Every tier, lowest first.
+    pub const ALL: [Self; 3] = [Self::Scalar, Self::Avx2, Self::Avx512];
+
+    /// The name `STORMO_SIMD` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Scalar => "scalar",
+            Self::Avx2 => "avx2",
+            Self::Avx512 => "avx512",
+        }
+    }
+
+    /// Parses a tier name (`scalar`, `avx2`, `avx512`).
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|t| t.name().eq_ignore_ascii_case(s.trim()))
+    }
+
+    /// True if this CPU runs the tier.
+    pub fn is_supported(self) -> bool {
+        match self {
+            Self::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => avx2::supported(),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => avx512::supported(),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// The best tier this CPU runs.
+    pub fn detected() -> Self {
+        Self::ALL
+            .into_iter()
+            .rev()
+            .find(|t| t.is_supported())
+            .unwrap_or(Self::Scalar)
+    }
+
+    /// Every tier this CPU runs, lowest first.
+    pub fn available() -> Vec<Self> {
+        Self::ALL.into_iter().filter(|t| t.is_supported()).collect()
+    }
+
+    /// The process-wide tier: [`Tier::detected`], lowered by `STORMO_SIMD` if set. Decided
+    /// once, on first use.
+    pub fn process() -> Self {
+        static TIER: OnceLock<Tier> = OnceLock::new();
+        *TIER.get_or_init(|| {
+            let best = Self::detected();
+            let Ok(want) = std::env::var("STORMO_SIMD") else {
+                return best;
+            };
+            let (tier, note) = resolve(&want, best);
+            if let Some(note) = note {
+                tracing::warn!("{note}");
+            }
+            tracing::debug!(tier = tier.name(), "kernel tier");
+            tier
+        })
+    }
+
+    /// The tier kernels called from this thread use: the innermost [`with_tier`], else
+    /// [`Tier::process`].
+    pub fn active() -> Self {
+        FORCED.with(Cell::get).unwrap_or_else(Self::process)
+    }
+}
+
+impl std::fmt::Display for Tier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The tier a `STORMO_SIMD` value selects on a CPU whose best tier is `best`, and a warning if
+/// the value could not be honoured as given.
+fn resolve(value: &str, best: Tier) -> (Tier, Option<String>) {
+    if value.trim().is_empty() || value.trim().eq_ignore_ascii_case("auto") {
+        return (best, None);
+    }
+    match Tier::parse(value) {
+        Some(t) if t <= best && t.is_supported() => (t, None),
+        Some(t) => (
+            best,
+            Some(format!(
+                "STORMO_SIMD={value}: this CPU does not support {t}; using {best}"
+            )),
+        ),
+        None => (
+            best,
+            Some(format!(
+                "STORMO_SIMD={value}: unknown tier (expected scalar, avx2, avx512 or auto); \
+                 using {best}"
+            )),
+        ),
+    }
+}
+
+thread_local! {
+    static FORCED: Cell<Option<Tier>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with this thread's kernel calls forced to `tier` (work they hand to the rayon pool
+/// uses the same tier). Nests; restores the previous tier afterwards, even on panic.
+///
+/// # Panics
+/// If this CPU does not support `tier` (see [`Tier::available`]).
+pub fn with_tier<R>(tier: Tier, f: impl FnOnce() -> R) -> R {
+    assert!(
+        tier.is_supported(),
+        "this CPU does not support the {tier} tier"
+    );
+    struct Restore(Option<Tier>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FORCED.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(FORCED.with(|c| c.replace(Some(tier))));
+    f()
+}
+
+/// Output slices, one per position, for input-major kernels.
+pub(crate) type Outs<'a> = [&'a mut [f32]];
+
+/// Panics unless a row kernel's arguments are in bounds (the SIMD tiers read through raw
+/// pointers after this check).
+pub(crate) fn check_rows(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &[f32]) {
+    let (rows, cols) = (w.rows(), w.cols());
+    assert!(r0 + n <= rows, "kernel rows {r0}+{n} beyond {rows}");
+    assert!(
+        xs.len() >= p * cols,
+        "kernel input holds fewer than {p} positions"
+    );
+    assert!(
+        out.len() >= p * n,
+        "kernel output holds fewer than {p} x {n}"
+    );
+    assert!(p <= 4, "kernel takes at most 4 positions");
+    match *w {
+        Mat::Dense { fmt, bytes, .. } => {
+            assert!(
+                bytes.len() >= rows * cols * fmt.size(),
+                "dense weights too short"
+            )
+        }
+        Mat::Mxfp4 { blocks, scales, .. } => {
+            assert_eq!(cols % 32, 0, "MXFP4 width {cols} is not a multiple of 32");
+            assert!(blocks.len() >= rows * cols / 2, "MXFP4 blocks too short");
+            assert!(scales.len() >= rows * cols / 32, "MXFP4 scales too short");
+        }
+        Mat::DenseT { .. } => panic!("row kernels do not take input-major weights"),
+    }
+}
+
+/// Panics unless an input-major kernel's arguments are in bounds.
+pub(crate) fn check_cols_t(w: &Mat<'_>, o0: usize, n: usize, xs: &[f32], outs: &Outs<'_>) {
+    let Mat::DenseT {
+        fmt,
+        bytes,
+        rows,
+        cols,
+    } = *w
+    else {
+        panic!("input-major kernels take only DenseT weights")
+    };
+    assert!(o0 + n <= rows, "kernel columns {o0}+{n} beyond {rows}");
+    assert!(
+        bytes.len() >= rows * cols * fmt.size(),
+        "input-major weights too short"
+    );
+    assert!(
+        xs.len() >= outs.len() * cols,
+        "kernel input holds too few positions"
+    );
+    assert!(outs.iter().all(|o| o.len() >= n), "kernel output too short");
+}
+
+/// Row kernel of `tier`: rows `r0 .. r0 + n`, `p <= 4` positions, `out` `[p, n]`.
+fn rows_in(tier: Tier, w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
+    match tier {
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx2 => avx2::rows(w, r0, n, xs, p, out),
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx512 => avx512::rows(w, r0, n, xs, p, out),
+        _ => scalar::rows(w, r0, n, xs, p, out),
+    }
+}
+
+/// Input-major kernel of `tier`: output columns `o0 .. o0 + n` for `outs.len()` positions.
+fn cols_t_in(tier: Tier, w: &Mat<'_>, o0: usize, n: usize, xs: &[f32], outs: &mut Outs<'_>) {
+    match tier {
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx2 => avx2::cols_t(w, o0, n, xs, outs),
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx512 => avx512::cols_t(w, o0, n, xs, outs),
+        _ => scalar::cols_t(w, o0, n, xs, outs),
+    }
+}
+
+/// Bytes of weights below which a call stays on the calling thread (waking the pool costs
+/// more than reading this much).
+const SERIAL_BYTES: usize = 96 << 10;
+/// Smallest share of weights worth handing to another thread.
+const MIN_TASK_BYTES: usize = 24 << 10;
+
+/// How many tasks to split `bytes` of weights into: one if small, else enough for every
+/// thread to take several (so a slow or busy core does not hold the others up).
+fn tasks_for(bytes: usize) -> usize {
+    let threads = rayon::current_num_threads();
+    if threads <= 1 || bytes < SERIAL_BYTES {
+        1
+    } else {
+        (threads * 6).min(bytes / MIN_TASK_BYTES).max(threads)
+    }
+}
 
 impl Mat<'_> {
     /// Output width.
@@ -197,37 +495,6 @@ impl Mat<'_> {
         match *self {
             Self::Dense { bytes, .. } | Self::DenseT { bytes, .. } => bytes.len(),
             Self::Mxfp4 { blocks, scales, .. } => blocks.len() + scales.len(),
-        }
-    }
-
-    /// Dot product of output row `r` with `x` (not for `DenseT`).
-    #[inline]
-    fn dot_row(&self, r: usize, x: &[f32]) -> f32 {
-        match *self {
-            Self::Dense {
-                fmt, bytes, cols, ..
-            } => {
-                let w = &bytes[r * cols * fmt.size()..(r + 1) * cols * fmt.size()];
-                match fmt {
-                    Float::F32 => scalar::dot_f32(w, x),
-                    Float::BF16 => scalar::dot_bf16(w, x),
-                    Float::F16 => scalar::dot_f16(w, x),
-                }
-            }
-            Self::Mxfp4 {
-                blocks,
-                scales,
-                cols,
-                ..
-            } => {
-                let nb = cols / 32;
-                scalar::dot_mxfp4(
-                    &blocks[r * nb * 16..(r + 1) * nb * 16],
-                    &scales[r * nb..(r + 1) * nb],
-                    x,
-                )
-            }
-            Self::DenseT { .. } => unreachable!("dot_row is not defined for input-major weights"),
         }
     }
 
@@ -264,78 +531,153 @@ impl Mat<'_> {
     }
 }
 
-/// `y = W·x` for one position.
+/// `y = W·x` for one position, with the thread's [`Tier::active`] kernels.
 pub fn matvec(w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
+    matvec_in(Tier::active(), w, x, y)
+}
+
+fn matvec_in(tier: Tier, w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), w.cols(), "matvec input width");
     assert_eq!(y.len(), w.rows(), "matvec output width");
-    let work = w.rows() * w.cols();
-    match *w {
-        Mat::DenseT {
-            fmt, bytes, rows, ..
-        } => {
-            let chunk = 256;
-            let f = fmt.widen_fn();
-            if work < PAR_THRESHOLD {
-                for (c, yc) in y.chunks_mut(chunk).enumerate() {
-                    scalar::gemv_t(fmt.size(), f, bytes, rows, c * chunk, x, yc);
-                }
-            } else {
-                y.par_chunks_mut(chunk).enumerate().for_each(|(c, yc)| {
-                    scalar::gemv_t(fmt.size(), f, bytes, rows, c * chunk, x, yc)
-                });
-            }
+    let rows = w.rows();
+    if rows == 0 {
+        return;
+    }
+    let tasks = tasks_for(w.byte_len());
+    if let Mat::DenseT { .. } = w {
+        // Output columns: every task reads a band of each input row.
+        let chunk = rows.div_ceil(tasks).next_multiple_of(16).min(rows);
+        let run = |(c, yc): (usize, &mut [f32])| {
+            let n = yc.len();
+            cols_t_in(tier, w, c * chunk, n, x, &mut [yc]);
+        };
+        if tasks == 1 {
+            y.chunks_mut(chunk).enumerate().for_each(run);
+        } else {
+            y.par_chunks_mut(chunk).enumerate().for_each(run);
         }
-        _ => {
-            if work < PAR_THRESHOLD {
-                for (r, yr) in y.iter_mut().enumerate() {
-                    *yr = w.dot_row(r, x);
-                }
-            } else {
-                let chunk = (w.rows() / (rayon::current_num_threads() * 8)).clamp(16, 1024);
-                y.par_chunks_mut(chunk).enumerate().for_each(|(c, yc)| {
-                    for (i, yr) in yc.iter_mut().enumerate() {
-                        *yr = w.dot_row(c * chunk + i, x);
-                    }
-                });
-            }
-        }
+        return;
+    }
+    let chunk = rows.div_ceil(tasks).next_multiple_of(4).min(rows);
+    let run = |(c, yc): (usize, &mut [f32])| {
+        let n = yc.len();
+        rows_in(tier, w, c * chunk, n, x, 1, yc);
+    };
+    if tasks == 1 {
+        run((0, y));
+    } else {
+        y.par_chunks_mut(chunk).enumerate().for_each(run);
     }
 }
 
+/// Positions a prefill kernel call takes at once (each weight row is read once per group).
+const GROUP: usize = 4;
+/// Most rows in one prefill tile.
+const MAX_TILE: usize = 64;
+/// Bytes of weights a prefill tile aims for (re-read from L1/L2 for every position group).
+const TILE_BYTES: usize = 24 << 10;
+
 /// `ys[t] = W·xs[t]` for `t` positions; `xs` is `[t, cols]`, `ys` is `[t, rows]`, row-major.
-/// Each output equals what [`matvec`] gives for that position alone, bit for bit.
+/// Each output equals what [`matvec`] gives for that position alone, bit for bit (within a
+/// tier).
 pub fn matmul(w: &Mat<'_>, xs: &[f32], ys: &mut [f32]) {
+    matmul_in(Tier::active(), w, xs, ys)
+}
+
+fn matmul_in(tier: Tier, w: &Mat<'_>, xs: &[f32], ys: &mut [f32]) {
     let (rows, cols) = (w.rows(), w.cols());
+    if cols == 0 {
+        assert!(xs.is_empty(), "matmul input width");
+        ys.fill(0.0);
+        return;
+    }
     assert_eq!(xs.len() % cols, 0, "matmul input width");
     let t = xs.len() / cols;
     assert_eq!(ys.len(), t * rows, "matmul output size");
     if t == 1 {
-        return matvec(w, xs, ys);
+        return matvec_in(tier, w, xs, ys);
     }
-    if let Mat::DenseT { .. } = w {
-        // Input-major weights: one gemv per position (the kernel streams the matrix by rows).
-        return ys
-            .chunks_mut(rows)
-            .zip(xs.chunks(cols))
-            .for_each(|(y, x)| matvec(w, x, y));
+    if rows == 0 || t == 0 {
+        return;
     }
-    // Tiles of output rows: each weight row is read once for all positions of the block.
     let ptr = SendPtr(ys.as_mut_ptr());
-    let tile = 16;
-    let run = |tile_idx: usize| {
-        let r0 = tile_idx * tile;
-        let r1 = (r0 + tile).min(rows);
-        for r in r0..r1 {
-            for (p, x) in xs.chunks_exact(cols).enumerate() {
-                let v = w.dot_row(r, x);
-                // SAFETY: each (p, r) is written by exactly one tile (tiles partition the
-                // rows) and `p * rows + r < t * rows == ys.len()`; `ys` outlives the loop.
-                unsafe { *ptr.get().add(p * rows + r) = v };
+    let work = w.byte_len().saturating_mul(t.min(8));
+    if let Mat::DenseT { .. } = w {
+        // Bands of output columns; each band reads its part of every input row once per
+        // group of positions.
+        let tasks = tasks_for(work);
+        let chunk = rows.div_ceil(tasks).next_multiple_of(16).min(rows);
+        let run = |c: usize| {
+            let o0 = c * chunk;
+            let n = chunk.min(rows - o0);
+            for g in (0..t).step_by(GROUP) {
+                let p = GROUP.min(t - g);
+                // SAFETY: band `o0 .. o0 + n` of positions `g .. g + p`: bands partition the
+                // columns, so no two tasks write the same element, and
+                // `(g + q) * rows + o0 + n <= t * rows == ys.len()`; `ys` outlives the loop.
+                let mut outs: [&mut [f32]; GROUP] = std::array::from_fn(|q| unsafe {
+                    if q < p {
+                        std::slice::from_raw_parts_mut(ptr.get().add((g + q) * rows + o0), n)
+                    } else {
+                        &mut []
+                    }
+                });
+                cols_t_in(
+                    tier,
+                    w,
+                    o0,
+                    n,
+                    &xs[g * cols..(g + p) * cols],
+                    &mut outs[..p],
+                );
+            }
+        };
+        let bands = rows.div_ceil(chunk);
+        if tasks == 1 {
+            (0..bands).for_each(run);
+        } else {
+            (0..bands).into_par_iter().for_each(run);
+        }
+        return;
+    }
+    // Tiles of output rows small enough to stay in cache while every group of positions
+    // passes over them.
+    let row_bytes = (w.byte_len() / rows).max(1);
+    let mut tile = (TILE_BYTES / row_bytes).clamp(4, MAX_TILE) / 4 * 4;
+    let tasks = tasks_for(work);
+    if tasks > 1 {
+        // Enough tiles for every thread.
+        tile = tile.min(rows.div_ceil(tasks).next_multiple_of(4)).max(4);
+    }
+    let tile = tile.min(rows);
+    let run = |k: usize| {
+        let r0 = k * tile;
+        let n = tile.min(rows - r0);
+        let mut buf = [0f32; GROUP * MAX_TILE];
+        for g in (0..t).step_by(GROUP) {
+            let p = GROUP.min(t - g);
+            rows_in(
+                tier,
+                w,
+                r0,
+                n,
+                &xs[g * cols..(g + p) * cols],
+                p,
+                &mut buf[..p * n],
+            );
+            for q in 0..p {
+                // SAFETY: tiles partition the rows, so element `(g + q, r0 .. r0 + n)` is
+                // written by this tile alone, and `(g + q) * rows + r0 + n <= ys.len()`; `ys`
+                // outlives the loop.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(ptr.get().add((g + q) * rows + r0), n)
+                };
+                dst.copy_from_slice(&buf[q * n..(q + 1) * n]);
             }
         }
     };
     let n_tiles = rows.div_ceil(tile);
-    if rows * cols * t < PAR_THRESHOLD {
+    if tasks == 1 {
         (0..n_tiles).for_each(run);
     } else {
         (0..n_tiles).into_par_iter().for_each(run);
@@ -402,47 +744,153 @@ mod tests {
         assert_eq!(f16_at(&h.to_bits().to_le_bytes(), 0), h.to_f32());
     }
 
+    /// Every tier this CPU runs; a test body loops over these.
+    fn tiers() -> Vec<Tier> {
+        let t = Tier::available();
+        assert_eq!(t[0], Tier::Scalar);
+        t
+    }
+
+    fn rand_x(n: usize, rng: &mut rand::rngs::StdRng) -> Vec<f32> {
+        (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect()
+    }
+
+    /// `matvec` against the f64 reference, and `matmul` bit-identical to `matvec` per position
+    /// for block sizes covering every position-group remainder.
     fn check(w: &Mat<'_>, rng: &mut rand::rngs::StdRng) {
-        let x: Vec<f32> = (0..w.cols()).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let tier = Tier::active();
+        let x = rand_x(w.cols(), rng);
         let mut y = vec![0f32; w.rows()];
         matvec(w, &x, &mut y);
         let r = reference(w, &x);
-        for (a, b) in y.iter().zip(&r) {
-            assert!((*a as f64 - b).abs() < 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+        // Rounding error of an f32 sum in any order: bounded by the sum of |terms|.
+        let mut row = vec![0f32; w.cols()];
+        for (i, (a, b)) in y.iter().zip(&r).enumerate() {
+            w.row_into(i, &mut row);
+            let mag: f64 = row
+                .iter()
+                .zip(&x)
+                .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                .sum();
+            let tol = 1e-6 * (mag + 1.0) * (w.cols() as f64).sqrt().max(1.0);
+            assert!(
+                (*a as f64 - b).abs() <= tol,
+                "{tier} {w:?} row {i}: {a} vs {b} (tolerance {tol})"
+            );
         }
-        // matmul gives each position exactly what matvec gives it alone
-        let t = 3;
-        let xs: Vec<f32> = (0..t * w.cols())
-            .map(|_| rng.gen_range(-1.0..1.0))
-            .collect();
-        let mut ys = vec![0f32; t * w.rows()];
-        matmul(w, &xs, &mut ys);
-        for p in 0..t {
-            let mut y1 = vec![0f32; w.rows()];
-            matvec(w, &xs[p * w.cols()..(p + 1) * w.cols()], &mut y1);
-            assert_eq!(&ys[p * w.rows()..(p + 1) * w.rows()], &y1[..]);
+        for t in [2, 3, 4, 5, 6, 7, 9] {
+            let xs = rand_x(t * w.cols(), rng);
+            let mut ys = vec![f32::NAN; t * w.rows()];
+            matmul(w, &xs, &mut ys);
+            for p in 0..t {
+                let mut y1 = vec![0f32; w.rows()];
+                matvec(w, &xs[p * w.cols()..(p + 1) * w.cols()], &mut y1);
+                let got = &ys[p * w.rows()..(p + 1) * w.rows()];
+                for (r, (a, b)) in got.iter().zip(&y1).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{tier}: matmul position {p} of {t}, row {r}: {a} vs matvec {b}"
+                    );
+                }
+            }
         }
     }
 
+    fn dense_bytes(fmt: Float, n: usize, rng: &mut rand::rngs::StdRng) -> Vec<u8> {
+        (0..n)
+            .flat_map(|_| {
+                let v: f32 = rng.gen_range(-1.0..1.0);
+                match fmt {
+                    Float::F32 => v.to_le_bytes().to_vec(),
+                    Float::BF16 => ((v.to_bits() >> 16) as u16).to_le_bytes().to_vec(),
+                    Float::F16 => half::f16::from_f32(v).to_bits().to_le_bytes().to_vec(),
+                }
+            })
+            .collect()
+    }
+
     #[test]
-    fn kernels_match_reference_on_odd_shapes() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-        for &(rows, cols) in &[(1, 1), (3, 7), (17, 33), (64, 96), (300, 257), (1030, 130)] {
-            for fmt in [Float::F32, Float::BF16, Float::F16] {
-                let bytes: Vec<u8> = (0..rows * cols)
-                    .flat_map(|_| {
-                        let v: f32 = rng.gen_range(-1.0..1.0);
-                        match fmt {
-                            Float::F32 => v.to_le_bytes().to_vec(),
-                            Float::BF16 => ((v.to_bits() >> 16) as u16).to_le_bytes().to_vec(),
-                            Float::F16 => half::f16::from_f32(v).to_bits().to_le_bytes().to_vec(),
-                        }
-                    })
-                    .collect();
+    fn every_tier_matches_reference_on_odd_shapes() {
+        for tier in tiers() {
+            with_tier(tier, || {
+                assert_eq!(Tier::active(), tier);
+                let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+                let shapes = [
+                    (1, 1),
+                    (3, 7),
+                    (5, 8),
+                    (17, 33),
+                    (9, 47),
+                    (64, 96),
+                    (300, 257),
+                    (1030, 130),
+                    (77, 1000),
+                ];
+                for &(rows, cols) in &shapes {
+                    for fmt in [Float::F32, Float::BF16, Float::F16] {
+                        // One spare byte up front: weights need not be aligned.
+                        let mut bytes = vec![0u8];
+                        bytes.extend(dense_bytes(fmt, rows * cols, &mut rng));
+                        let bytes = &bytes[1..];
+                        check(
+                            &Mat::Dense {
+                                fmt,
+                                bytes,
+                                rows,
+                                cols,
+                            },
+                            &mut rng,
+                        );
+                        check(
+                            &Mat::DenseT {
+                                fmt,
+                                bytes,
+                                rows,
+                                cols,
+                            },
+                            &mut rng,
+                        );
+                    }
+                }
+                for &(rows, cols) in &[(1, 32), (5, 64), (33, 96), (7, 2880), (700, 320)] {
+                    let mut blocks: Vec<u8> = vec![0];
+                    blocks.extend((0..rows * cols / 2).map(|_| rng.gen::<u8>()));
+                    let scales: Vec<u8> = (0..rows * cols / 32)
+                        .map(|_| rng.gen_range(120..134))
+                        .collect();
+                    check(
+                        &Mat::Mxfp4 {
+                            blocks: &blocks[1..],
+                            scales: &scales,
+                            rows,
+                            cols,
+                        },
+                        &mut rng,
+                    );
+                }
+            })
+        }
+    }
+
+    /// Large matrices take the threaded paths (several tasks), which small ones do not.
+    #[test]
+    fn every_tier_matches_reference_when_threaded() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let (rows, cols) = (1157, 288);
+        assert!(tasks_for(rows * cols / 2) > 1 || rayon::current_num_threads() == 1);
+        let bf = dense_bytes(Float::BF16, rows * cols, &mut rng);
+        let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| rng.gen()).collect();
+        let scales: Vec<u8> = (0..rows * cols / 32)
+            .map(|_| rng.gen_range(118..136))
+            .collect();
+        for tier in tiers() {
+            with_tier(tier, || {
+                let fmt = Float::BF16;
                 check(
                     &Mat::Dense {
                         fmt,
-                        bytes: &bytes,
+                        bytes: &bf,
                         rows,
                         cols,
                     },
@@ -451,27 +899,123 @@ mod tests {
                 check(
                     &Mat::DenseT {
                         fmt,
-                        bytes: &bytes,
+                        bytes: &bf,
                         rows,
                         cols,
                     },
                     &mut rng,
                 );
+                let (blocks, scales) = (&blocks[..], &scales[..]);
+                check(
+                    &Mat::Mxfp4 {
+                        blocks,
+                        scales,
+                        rows,
+                        cols,
+                    },
+                    &mut rng,
+                );
+            })
+        }
+    }
+
+    /// Every E8M0 scale byte, including the subnormal (0) and infinite (255) ends, decodes as
+    /// the reference does in every tier.
+    #[test]
+    fn every_tier_handles_extreme_mxfp4_scales() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (rows, cols) = (256, 64);
+        let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| rng.gen()).collect();
+        let scales: Vec<u8> = (0..rows * cols / 32).map(|i| (i / 2) as u8).collect();
+        let w = Mat::Mxfp4 {
+            blocks: &blocks,
+            scales: &scales,
+            rows,
+            cols,
+        };
+        let x = rand_x(cols, &mut rng);
+        let mut want = vec![0f32; rows];
+        with_tier(Tier::Scalar, || matvec(&w, &x, &mut want));
+        let mut row = vec![0f32; cols];
+        let mag: Vec<f64> = (0..rows)
+            .map(|r| {
+                w.row_into(r, &mut row);
+                row.iter()
+                    .zip(&x)
+                    .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                    .sum()
+            })
+            .collect();
+        for tier in tiers() {
+            let mut y = vec![0f32; rows];
+            with_tier(tier, || matvec(&w, &x, &mut y));
+            for (r, (a, b)) in y.iter().zip(&want).enumerate() {
+                if !b.is_finite() {
+                    // Scale 255 (inf): a lane that sums to zero gives NaN in a SIMD tier
+                    // where the reference gives ±inf; both are non-finite.
+                    assert!(!a.is_finite(), "{tier} row {r}: {a} vs {b}");
+                    continue;
+                }
+                let tol = 1e-5 * mag[r] + 1e-44;
+                assert!(
+                    ((*a - *b) as f64).abs() <= tol,
+                    "{tier} row {r} (scale byte {r}): {a} vs {b}"
+                );
             }
         }
-        for &(rows, cols) in &[(1, 32), (5, 64), (33, 96), (700, 320)] {
-            let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| rng.gen()).collect();
-            let scales: Vec<u8> = (0..rows * cols / 32)
-                .map(|_| rng.gen_range(120..134))
-                .collect();
-            check(
-                &Mat::Mxfp4 {
-                    blocks: &blocks,
-                    scales: &scales,
-                    rows,
-                    cols,
-                },
-                &mut rng,
+    }
+
+    #[test]
+    fn simd_switch_values() {
+        let best = Tier::detected();
+        assert_eq!(resolve("scalar", best), (Tier::Scalar, None));
+        assert_eq!(resolve(" SCALAR ", best), (Tier::Scalar, None));
+        assert_eq!(resolve("auto", best), (best, None));
+        assert_eq!(resolve("", best), (best, None));
+        let (t, note) = resolve("sse9", best);
+        assert_eq!(t, best);
+        assert!(note.expect("unknown tier warns").contains("unknown tier"));
+        // Asking for more than the CPU has falls back to what it has, with a warning.
+        let (t, note) = resolve("avx512", Tier::Scalar);
+        assert_eq!(t, Tier::Scalar);
+        assert!(note
+            .expect("unsupported tier warns")
+            .contains("does not support"));
+        for t in Tier::ALL {
+            assert_eq!(Tier::parse(t.name()), Some(t));
+        }
+    }
+
+    #[test]
+    fn with_tier_nests_and_restores() {
+        let outer = Tier::active();
+        with_tier(Tier::Scalar, || {
+            assert_eq!(Tier::active(), Tier::Scalar);
+            let best = Tier::detected();
+            with_tier(best, || assert_eq!(Tier::active(), best));
+            assert_eq!(Tier::active(), Tier::Scalar);
+        });
+        assert_eq!(Tier::active(), outer);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn detection_finds_avx2_when_the_cpu_has_it() {
+        let has = std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c");
+        assert_eq!(Tier::available().contains(&Tier::Avx2), has);
+        assert_eq!(Tier::detected() >= Tier::Avx2, has);
+    }
+
+    #[test]
+    fn half_scales_are_exact_halves() {
+        for s in 0..=255u8 {
+            assert_eq!(SCALE[s as usize], e8m0_to_f32(s), "scale {s}");
+            assert_eq!(
+                HALF_SCALE[s as usize] * 2.0,
+                e8m0_to_f32(s),
+                "half scale {s}"
             );
         }
     }

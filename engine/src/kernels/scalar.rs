@@ -2,7 +2,7 @@
 //! fallback on CPUs without a faster tier. Eight independent accumulators keep the summation
 //! order fixed (and let the compiler vectorise) without any target-specific code.
 
-use super::FP4_LUT;
+use super::{Float, Mat, Outs, FP4_LUT};
 
 const LANES: usize = 8;
 
@@ -101,22 +101,81 @@ pub(crate) fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     total
 }
 
-/// `y[o] += Σ_i x[i] · W[i, o]` for a row-major `[in, out]` matrix, over the output columns
-/// `o0 .. o0 + y.len()`. `w` is the whole matrix; `out` its row length.
-pub(crate) fn gemv_t(
-    dtype_size: usize,
-    widen: fn(&[u8], usize) -> f32,
-    w: &[u8],
-    out: usize,
-    o0: usize,
-    x: &[f32],
-    y: &mut [f32],
-) {
+/// Dot product of output row `r` of a row-major matrix with `x`.
+fn dot_row(w: &Mat<'_>, r: usize, x: &[f32]) -> f32 {
+    match *w {
+        Mat::Dense {
+            fmt, bytes, cols, ..
+        } => {
+            let row = &bytes[r * cols * fmt.size()..(r + 1) * cols * fmt.size()];
+            match fmt {
+                Float::F32 => dot_f32(row, x),
+                Float::BF16 => dot_bf16(row, x),
+                Float::F16 => dot_f16(row, x),
+            }
+        }
+        Mat::Mxfp4 {
+            blocks,
+            scales,
+            cols,
+            ..
+        } => {
+            let nb = cols / 32;
+            dot_mxfp4(
+                &blocks[r * nb * 16..(r + 1) * nb * 16],
+                &scales[r * nb..(r + 1) * nb],
+                x,
+            )
+        }
+        Mat::DenseT { .. } => unreachable!("row kernels do not take input-major weights"),
+    }
+}
+
+/// Output rows `r0 .. r0 + n` of a row-major matrix for `p` positions `xs` (`[p, cols]`)
+/// into `out` (`[p, n]`).
+pub(crate) fn rows(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
+    super::check_rows(w, r0, n, xs, p, out);
+    let cols = w.cols();
+    for i in 0..n {
+        for q in 0..p {
+            out[q * n + i] = dot_row(w, r0 + i, &xs[q * cols..(q + 1) * cols]);
+        }
+    }
+}
+
+/// Output columns `o0 .. o0 + n` of an input-major matrix for `outs.len()` positions.
+pub(crate) fn cols_t(w: &Mat<'_>, o0: usize, n: usize, xs: &[f32], outs: &mut Outs<'_>) {
+    super::check_cols_t(w, o0, n, xs, outs);
+    let Mat::DenseT {
+        fmt,
+        bytes,
+        rows,
+        cols,
+    } = *w
+    else {
+        unreachable!("check_cols_t accepts only DenseT")
+    };
+    for (q, y) in outs.iter_mut().enumerate() {
+        gemv_t(
+            fmt,
+            bytes,
+            rows,
+            o0,
+            &xs[q * cols..(q + 1) * cols],
+            &mut y[..n],
+        );
+    }
+}
+
+/// `y[o] = Σ_i x[i] · W[i, o0 + o]` for a row-major `[in, out]` matrix `w` with rows of `out`
+/// elements.
+fn gemv_t(fmt: Float, w: &[u8], out: usize, o0: usize, x: &[f32], y: &mut [f32]) {
+    let size = fmt.size();
     y.fill(0.0);
     for (i, &xi) in x.iter().enumerate() {
-        let row = &w[(i * out + o0) * dtype_size..(i * out + o0 + y.len()) * dtype_size];
+        let row = &w[(i * out + o0) * size..(i * out + o0 + y.len()) * size];
         for (o, yo) in y.iter_mut().enumerate() {
-            *yo += xi * widen(row, o);
+            *yo += xi * fmt.at(row, o);
         }
     }
 }

@@ -1,0 +1,438 @@
+//! The AVX2 + FMA + F16C tier (x86-64 since Haswell / Zen).
+//!
+//! Row-major kernels keep one 8-lane accumulator per (row, position): lane `l` sums the
+//! products of elements `i ≡ l (mod 8)` in increasing `i`, then [`hsum`] reduces the lanes in a
+//! fixed order and a scalar tail adds the leftover elements with fused multiply-adds. How many
+//! rows (`R`) and positions (`P`) one call interleaves changes only which loads are shared, never
+//! a position's arithmetic, so a block of positions gets exactly what each position gets alone.
+//!
+//! MXFP4 nibbles are decoded in registers: a byte shuffle maps each nibble to twice its FP4
+//! value as an int8 (exact integers), which widens to f32; the block's sum is multiplied by half
+//! its E8M0 scale, so the doubled integers cost no precision.
+
+use std::arch::x86_64::*;
+
+use super::{Float, Mat, Outs, BF16, F16, F32, HALF_SCALE};
+
+/// Twice the FP4 E2M1 value of each nibble, as int8 (both 128-bit lanes).
+const FP4_X2: [i8; 32] = [
+    0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, //
+    0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+];
+
+/// True if this CPU runs the tier.
+pub(super) fn supported() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+/// Output rows `r0 .. r0 + n` of a row-major matrix (`Dense` or `Mxfp4`) for `p` positions
+/// `xs` (`[p, cols]`, `p <= 4`) into `out` (`[p, n]`).
+pub(super) fn rows(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
+    if !supported() {
+        return super::scalar::rows(w, r0, n, xs, p, out);
+    }
+    super::check_rows(w, r0, n, xs, p, out);
+    // SAFETY: the CPU supports avx2, fma and f16c (checked above) and `check_rows` verified
+    // that rows `r0 .. r0 + n`, `p` positions of `xs` and `p * n` outputs are in bounds.
+    unsafe { rows_impl(w, r0, n, xs, p, out) }
+}
+
+/// Output columns `o0 .. o0 + n` of an input-major matrix (`DenseT`) for `outs.len()`
+/// positions.
+pub(super) fn cols_t(w: &Mat<'_>, o0: usize, n: usize, xs: &[f32], outs: &mut Outs<'_>) {
+    if !supported() {
+        return super::scalar::cols_t(w, o0, n, xs, outs);
+    }
+    super::check_cols_t(w, o0, n, xs, outs);
+    let Mat::DenseT {
+        fmt,
+        bytes,
+        rows,
+        cols,
+    } = *w
+    else {
+        unreachable!("check_cols_t accepts only DenseT")
+    };
+    let mut i = 0;
+    while i < outs.len() {
+        let p = (outs.len() - i).min(2);
+        let x = &xs[i * cols..];
+        // SAFETY: the CPU supports the tier (checked above); `check_cols_t` verified that the
+        // matrix holds `rows * cols` elements, `o0 + n <= rows`, each output has `n` elements
+        // and `xs` holds `outs.len()` positions of `cols`.
+        unsafe {
+            let y = &mut outs[i..i + p];
+            match (fmt, p) {
+                (Float::F32, 1) => dense_t::<F32, 1>(bytes, rows, cols, o0, n, x, y),
+                (Float::F32, _) => dense_t::<F32, 2>(bytes, rows, cols, o0, n, x, y),
+                (Float::BF16, 1) => dense_t::<BF16, 1>(bytes, rows, cols, o0, n, x, y),
+                (Float::BF16, _) => dense_t::<BF16, 2>(bytes, rows, cols, o0, n, x, y),
+                (Float::F16, 1) => dense_t::<F16, 1>(bytes, rows, cols, o0, n, x, y),
+                (Float::F16, _) => dense_t::<F16, 2>(bytes, rows, cols, o0, n, x, y),
+            }
+        }
+        i += p;
+    }
+}
+
+/// # Safety
+/// The CPU must support avx2, fma and f16c, and the bounds `check_rows` verifies must hold.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_impl(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
+    // SAFETY (whole body): forwarded from the caller's contract.
+    unsafe {
+        match *w {
+            Mat::Dense {
+                fmt, bytes, cols, ..
+            } => match fmt {
+                Float::F32 => dense_rows::<F32>(bytes, cols, r0, n, xs, p, out),
+                Float::BF16 => dense_rows::<BF16>(bytes, cols, r0, n, xs, p, out),
+                Float::F16 => dense_rows::<F16>(bytes, cols, r0, n, xs, p, out),
+            },
+            Mat::Mxfp4 {
+                blocks,
+                scales,
+                cols,
+                ..
+            } => mxfp4_rows(blocks, scales, cols, r0, n, xs, p, out),
+            Mat::DenseT { .. } => unreachable!("check_rows rejects DenseT"),
+        }
+    }
+}
+
+/// Dispatches rows and positions to the `R x P` kernels.
+///
+/// # Safety
+/// As [`rows_impl`]; `bytes` holds at least `(r0 + n) * cols` elements of format `FMT`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dense_rows<const FMT: u8>(
+    bytes: &[u8],
+    cols: usize,
+    r0: usize,
+    n: usize,
+    xs: &[f32],
+    p: usize,
+    out: &mut [f32],
+) {
+    let row_bytes = cols * super::code_size(FMT);
+    let base = bytes.as_ptr();
+    let x = |q: usize| xs[q * cols..].as_ptr();
+    macro_rules! run {
+        ($r:literal, $p:literal, $i:expr) => {{
+            let i = $i;
+            // SAFETY: rows `r0 + i .. r0 + i + $r` are in bounds (caller), as are the positions.
+            let ws: [*const u8; $r] =
+                std::array::from_fn(|k| unsafe { base.add((r0 + i + k) * row_bytes) });
+            let xp: [*const f32; $p] = std::array::from_fn(x);
+            // SAFETY: pointers to whole rows of `cols` elements (caller's contract).
+            let v = unsafe { dense_dot::<FMT, $r, $p>(ws, xp, cols) };
+            for k in 0..$r {
+                for q in 0..$p {
+                    out[q * n + i + k] = v[k][q];
+                }
+            }
+        }};
+    }
+    macro_rules! sweep {
+        ($r:literal, $p:literal) => {{
+            let mut i = 0;
+            while i + $r <= n {
+                run!($r, $p, i);
+                i += $r;
+            }
+            while i < n {
+                run!(1, $p, i);
+                i += 1;
+            }
+        }};
+    }
+    match p {
+        1 => sweep!(4, 1),
+        2 => sweep!(2, 2),
+        3 => sweep!(2, 3),
+        _ => sweep!(2, 4),
+    }
+}
+
+/// Loads 8 elements of format `FMT` starting at element `i` of `w`, widened to f32.
+///
+/// # Safety
+/// The CPU supports the tier and elements `i .. i + 8` are readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load8<const FMT: u8>(w: *const u8, i: usize) -> __m256 {
+    // SAFETY: forwarded from the caller; all loads are unaligned.
+    unsafe {
+        match FMT {
+            F32 => _mm256_loadu_ps(w.add(4 * i) as *const f32),
+            F16 => _mm256_cvtph_ps(_mm_loadu_si128(w.add(2 * i) as *const __m128i)),
+            _ => {
+                let h = _mm_loadu_si128(w.add(2 * i) as *const __m128i);
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            }
+        }
+    }
+}
+
+/// Widens element `i` of `w` (the scalar tail).
+///
+/// # Safety
+/// Element `i` is readable.
+#[inline(always)]
+unsafe fn load1<const FMT: u8>(w: *const u8, i: usize) -> f32 {
+    // SAFETY: forwarded from the caller.
+    let b = unsafe {
+        std::slice::from_raw_parts(w.add(i * super::code_size(FMT)), super::code_size(FMT))
+    };
+    match FMT {
+        F32 => super::f32_at(b, 0),
+        F16 => super::f16_at(b, 0),
+        _ => super::bf16_at(b, 0),
+    }
+}
+
+/// Sums the 8 lanes in a fixed order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+    _mm_cvtss_f32(s)
+}
+
+/// Dot products of `R` rows with `P` positions, `n` elements each.
+///
+/// # Safety
+/// The CPU supports the tier; each `w[k]` points to `n` readable elements of format `FMT` and
+/// each `x[q]` to `n` readable f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
+    w: [*const u8; R],
+    x: [*const f32; P],
+    n: usize,
+) -> [[f32; P]; R] {
+    let mut acc = [[_mm256_setzero_ps(); P]; R];
+    let main = n / 8 * 8;
+    let mut i = 0;
+    while i < main {
+        for k in 0..R {
+            // SAFETY: `i + 8 <= n` (caller's bounds).
+            let wv = unsafe { load8::<FMT>(w[k], i) };
+            for q in 0..P {
+                // SAFETY: as above, for `x[q]`.
+                let xv = unsafe { _mm256_loadu_ps(x[q].add(i)) };
+                acc[k][q] = _mm256_fmadd_ps(wv, xv, acc[k][q]);
+            }
+        }
+        i += 8;
+    }
+    let mut out = [[0f32; P]; R];
+    for k in 0..R {
+        for q in 0..P {
+            let mut s = hsum(acc[k][q]);
+            for j in main..n {
+                // SAFETY: `j < n` (caller's bounds).
+                s = unsafe { load1::<FMT>(w[k], j).mul_add(*x[q].add(j), s) };
+            }
+            out[k][q] = s;
+        }
+    }
+    out
+}
+
+/// Dispatches MXFP4 rows and positions to the `R x P` kernels.
+///
+/// # Safety
+/// As [`rows_impl`]: rows `r0 .. r0 + n` of `blocks`/`scales` and `p` positions in bounds.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn mxfp4_rows(
+    blocks: &[u8],
+    scales: &[u8],
+    cols: usize,
+    r0: usize,
+    n: usize,
+    xs: &[f32],
+    p: usize,
+    out: &mut [f32],
+) {
+    let nb = cols / 32;
+    let (bb, sb) = (blocks.as_ptr(), scales.as_ptr());
+    let x = |q: usize| xs[q * cols..].as_ptr();
+    macro_rules! run {
+        ($r:literal, $p:literal, $i:expr) => {{
+            let i = $i;
+            // SAFETY: rows `r0 + i .. r0 + i + $r` are in bounds (caller).
+            let b: [*const u8; $r] =
+                std::array::from_fn(|k| unsafe { bb.add((r0 + i + k) * nb * 16) });
+            // SAFETY: as above.
+            let s: [*const u8; $r] = std::array::from_fn(|k| unsafe { sb.add((r0 + i + k) * nb) });
+            let xp: [*const f32; $p] = std::array::from_fn(x);
+            // SAFETY: whole rows of `nb` blocks and positions of `cols` f32 (caller).
+            let v = unsafe { mxfp4_dot::<$r, $p>(b, s, xp, nb) };
+            for k in 0..$r {
+                for q in 0..$p {
+                    out[q * n + i + k] = v[k][q];
+                }
+            }
+        }};
+    }
+    macro_rules! sweep {
+        ($r:literal, $p:literal) => {{
+            let mut i = 0;
+            while i + $r <= n {
+                run!($r, $p, i);
+                i += $r;
+            }
+            while i < n {
+                run!(1, $p, i);
+                i += 1;
+            }
+        }};
+    }
+    match p {
+        1 => sweep!(4, 1),
+        2 => sweep!(1, 2),
+        3 => sweep!(1, 3),
+        _ => sweep!(1, 4),
+    }
+}
+
+/// 32 weights of one MXFP4 block (16 bytes at `b`), as four vectors of 8 f32 in element
+/// order, each twice its FP4 value.
+///
+/// # Safety
+/// The CPU supports the tier and 16 bytes at `b` are readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_block(b: *const u8, lut: __m256i, low: __m256i) -> [__m256; 4] {
+    // SAFETY: 16 readable bytes (caller); unaligned load.
+    let v = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(b as *const __m128i) });
+    let lo = _mm256_and_si256(v, low);
+    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+    // Byte j holds elements 2j (low nibble) and 2j+1 (high): interleave to element order,
+    // elements 0..16 in the low lane and 16..32 in the high lane.
+    let e = _mm256_blend_epi32::<0xf0>(_mm256_unpacklo_epi8(lo, hi), _mm256_unpackhi_epi8(lo, hi));
+    let q = _mm256_shuffle_epi8(lut, e);
+    let (q0, q1) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
+    let f = |h: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h));
+    [
+        f(q0),
+        f(_mm_srli_si128::<8>(q0)),
+        f(q1),
+        f(_mm_srli_si128::<8>(q1)),
+    ]
+}
+
+/// Dot products of `R` MXFP4 rows (`nb` blocks each) with `P` positions.
+///
+/// # Safety
+/// The CPU supports the tier; each `b[k]` points to `16 * nb` readable bytes, each `s[k]` to
+/// `nb`, each `x[q]` to `32 * nb` f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn mxfp4_dot<const R: usize, const P: usize>(
+    b: [*const u8; R],
+    s: [*const u8; R],
+    x: [*const f32; P],
+    nb: usize,
+) -> [[f32; P]; R] {
+    // SAFETY: a 32-byte table read unaligned.
+    let lut = unsafe { _mm256_loadu_si256(FP4_X2.as_ptr() as *const __m256i) };
+    let low = _mm256_set1_epi8(0x0f);
+    let mut acc = [[_mm256_setzero_ps(); P]; R];
+    for blk in 0..nb {
+        for k in 0..R {
+            // SAFETY: `blk < nb` (caller's bounds).
+            let w = unsafe { decode_block(b[k].add(16 * blk), lut, low) };
+            // SAFETY: as above.
+            let sc = _mm256_set1_ps(HALF_SCALE[unsafe { *s[k].add(blk) } as usize]);
+            for q in 0..P {
+                // SAFETY: elements `32 * blk .. 32 * blk + 32` of a position (caller).
+                unsafe {
+                    let xp = x[q].add(32 * blk);
+                    let mut t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xp));
+                    t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp.add(8)), t);
+                    t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp.add(16)), t);
+                    t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp.add(24)), t);
+                    acc[k][q] = _mm256_fmadd_ps(t, sc, acc[k][q]);
+                }
+            }
+        }
+    }
+    let mut out = [[0f32; P]; R];
+    for k in 0..R {
+        for q in 0..P {
+            out[k][q] = hsum(acc[k][q]);
+        }
+    }
+    out
+}
+
+/// `y[q][o] = Σ_i x[q][i] · W[i, o0 + o]` for `P` positions, with one fused multiply-add per
+/// input in increasing `i` for every output (so chunking and grouping never change a value).
+/// Four input rows are applied per pass over `y`, which stays in L1.
+///
+/// # Safety
+/// The CPU supports the tier; `w` holds `cols` rows of `ld` elements of format `FMT`,
+/// `o0 + n <= ld`, `x` holds `P` positions of `cols` f32 and each `y[q]` has `n` elements.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dense_t<const FMT: u8, const P: usize>(
+    w: &[u8],
+    ld: usize,
+    cols: usize,
+    o0: usize,
+    n: usize,
+    x: &[f32],
+    y: &mut [&mut [f32]],
+) {
+    let size = super::code_size(FMT);
+    let base = w.as_ptr();
+    let n8 = n / 8 * 8;
+    for yq in y.iter_mut() {
+        yq[..n].fill(0.0);
+    }
+    let mut i = 0;
+    while i < cols {
+        let kk = (cols - i).min(4);
+        // Input rows i .. i + kk, starting at output o0.
+        // SAFETY: `i + k < cols` rows of `ld` elements, `o0 < ld` (caller).
+        let rows: [*const u8; 4] =
+            std::array::from_fn(|k| unsafe { base.add(((i + k.min(kk - 1)) * ld + o0) * size) });
+        let bx: [[__m256; 4]; P] = std::array::from_fn(|q| {
+            std::array::from_fn(|k| _mm256_set1_ps(x[q * cols + i + k.min(kk - 1)]))
+        });
+        let mut j = 0;
+        while j < n8 {
+            // SAFETY: `j + 8 <= n` and `o0 + n <= ld`.
+            let wv: [__m256; 4] = std::array::from_fn(|k| unsafe { load8::<FMT>(rows[k], j) });
+            for q in 0..P {
+                let yp = y[q][j..j + 8].as_mut_ptr();
+                // SAFETY: 8 elements of `y[q]` at `j` (bounds by the slice above).
+                unsafe {
+                    let mut v = _mm256_loadu_ps(yp);
+                    for k in 0..kk {
+                        v = _mm256_fmadd_ps(bx[q][k], wv[k], v);
+                    }
+                    _mm256_storeu_ps(yp, v);
+                }
+            }
+            j += 8;
+        }
+        for j in n8..n {
+            for q in 0..P {
+                let mut v = y[q][j];
+                for k in 0..kk {
+                    // SAFETY: `j < n`, rows as above.
+                    v = x[q * cols + i + k].mul_add(unsafe { load1::<FMT>(rows[k], j) }, v);
+                }
+                y[q][j] = v;
+            }
+        }
+        i += kk;
+    }
+}
