@@ -1,0 +1,596 @@
+//! Verifying a local checkpoint against its manifest, byte for byte.
+//!
+//! Every metadata file, every safetensors header (re-parsed and compared tensor by tensor),
+//! every tensor, every expert record and every file's SHA-256 is checked, and each mismatch is
+//! named in a [`Problem`]: which tensor or expert differs (and which chunks of the record),
+//! which file is truncated or missing, which tensor is missing or moved. The files are read
+//! through positioned reads only, so a damaged or truncated file is reported, never mapped.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use crate::build::{MAX_META_LEN, META_FILES};
+use crate::hash::{ExpertId, Hash};
+use crate::hashing::{self, Plan, Progress, Span};
+use crate::manifest::{Manifest, TensorDtype};
+
+/// Upper bound on a safetensors header read for comparison.
+const MAX_HEADER_LEN: u64 = 100 << 20;
+
+/// How to verify.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct VerifyOptions<'a> {
+    /// Where to report progress, if anywhere.
+    pub progress: Option<&'a Progress>,
+}
+
+/// Why verification could not run at all (a mismatch is a [`Problem`], not an error).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum VerifyError {
+    /// The model folder does not exist or is not a folder.
+    #[error("{}: not a model folder", path.display())]
+    NotADirectory {
+        /// The path given.
+        path: PathBuf,
+    },
+}
+
+/// One way the local checkpoint differs from its manifest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Problem {
+    /// A metadata file of the manifest is absent.
+    MetaMissing {
+        /// File name.
+        name: String,
+    },
+    /// A metadata file's bytes differ.
+    MetaDiffers {
+        /// File name.
+        name: String,
+    },
+    /// A metadata file (config, tokenizer...) is present but not in the manifest.
+    MetaUnexpected {
+        /// File name.
+        name: String,
+    },
+    /// A weight file is absent or cannot be opened.
+    FileMissing {
+        /// File name.
+        file: String,
+        /// The operating system's reason.
+        reason: String,
+    },
+    /// A weight file is shorter than the manifest says.
+    FileTruncated {
+        /// File name.
+        file: String,
+        /// Length in the manifest.
+        expected: u64,
+        /// Length on disk.
+        found: u64,
+    },
+    /// A weight file is longer than the manifest says.
+    FileTooLong {
+        /// File name.
+        file: String,
+        /// Length in the manifest.
+        expected: u64,
+        /// Length on disk.
+        found: u64,
+    },
+    /// A read failed.
+    FileUnreadable {
+        /// File name.
+        file: String,
+        /// The reason.
+        reason: String,
+    },
+    /// A weight file's SHA-256 differs although every tensor in it matches: the header or the
+    /// padding changed.
+    FileBytesDiffer {
+        /// File name.
+        file: String,
+    },
+    /// A safetensors header does not parse.
+    HeaderInvalid {
+        /// File name.
+        file: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A tensor of the manifest is not in its file's header.
+    TensorMissing {
+        /// Tensor name.
+        name: String,
+        /// The file that should hold it.
+        file: String,
+    },
+    /// A header holds a tensor the manifest does not list.
+    TensorUnexpected {
+        /// Tensor name.
+        name: String,
+        /// The file that holds it.
+        file: String,
+    },
+    /// A tensor's header entry (dtype, shape, offset, length or file) differs.
+    TensorLayout {
+        /// Tensor name.
+        name: String,
+        /// What differs.
+        what: String,
+    },
+    /// A tensor's bytes differ.
+    TensorDiffers {
+        /// Tensor name.
+        name: String,
+        /// Its file.
+        file: String,
+    },
+    /// A tensor's bytes could not be read (they lie past the end of a truncated file).
+    TensorUnreadable {
+        /// Tensor name.
+        name: String,
+        /// Its file.
+        file: String,
+    },
+    /// An expert record's bytes differ.
+    ExpertDiffers {
+        /// The expert.
+        id: ExpertId,
+        /// The chunks that differ.
+        chunks: Vec<u32>,
+        /// The tensors whose bytes those chunks hold.
+        tensors: Vec<String>,
+    },
+    /// An expert record could not be read in full.
+    ExpertUnreadable {
+        /// The expert.
+        id: ExpertId,
+    },
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::MetaMissing { name } => write!(f, "metadata file {name} is missing"),
+            Self::MetaDiffers { name } => write!(f, "metadata file {name} differs"),
+            Self::MetaUnexpected { name } => {
+                write!(f, "metadata file {name} is present but not in the manifest")
+            }
+            Self::FileMissing { file, reason } => write!(f, "file {file} is missing: {reason}"),
+            Self::FileTruncated {
+                file,
+                expected,
+                found,
+            } => write!(
+                f,
+                "file {file} is truncated: {found} bytes, expected {expected} ({} missing)",
+                expected - found
+            ),
+            Self::FileTooLong {
+                file,
+                expected,
+                found,
+            } => write!(
+                f,
+                "file {file} is too long: {found} bytes, expected {expected}"
+            ),
+            Self::FileUnreadable { file, reason } => {
+                write!(f, "file {file} could not be read: {reason}")
+            }
+            Self::FileBytesDiffer { file } => write!(
+                f,
+                "file {file}: SHA-256 differs while every tensor matches (header or padding bytes changed)"
+            ),
+            Self::HeaderInvalid { file, reason } => {
+                write!(f, "file {file}: safetensors header is invalid: {reason}")
+            }
+            Self::TensorMissing { name, file } => {
+                write!(f, "tensor {name} is missing (expected in {file})")
+            }
+            Self::TensorUnexpected { name, file } => {
+                write!(f, "tensor {name} in {file} is not in the manifest")
+            }
+            Self::TensorLayout { name, what } => write!(f, "tensor {name}: {what}"),
+            Self::TensorDiffers { name, file } => {
+                write!(f, "tensor {name} differs (bytes in {file})")
+            }
+            Self::TensorUnreadable { name, file } => write!(
+                f,
+                "tensor {name} could not be read (past the end of {file})"
+            ),
+            Self::ExpertDiffers {
+                id,
+                chunks,
+                tensors,
+            } => write!(
+                f,
+                "expert {id} (layer {}, expert {}) differs: chunk(s) {chunks:?}, in tensor(s) {}",
+                id.layer,
+                id.expert,
+                tensors.join(", ")
+            ),
+            Self::ExpertUnreadable { id } => {
+                write!(f, "expert {id} could not be read in full")
+            }
+        }
+    }
+}
+
+/// The outcome of a verification.
+#[derive(Clone, Debug)]
+pub struct VerifyReport {
+    /// The manifest's model id.
+    pub model_id: Hash,
+    /// Tensors checked.
+    pub tensors: usize,
+    /// Expert records checked.
+    pub experts: usize,
+    /// Bytes of weight files checked.
+    pub bytes: u64,
+    /// Everything that differs; empty when the checkpoint is exactly the manifest's.
+    pub problems: Vec<Problem>,
+}
+
+impl VerifyReport {
+    /// No problems.
+    pub fn is_ok(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// Checks every byte of the checkpoint in `dir` against `manifest`.
+pub fn verify(
+    dir: &Path,
+    manifest: &Manifest,
+    opts: &VerifyOptions<'_>,
+) -> Result<VerifyReport, VerifyError> {
+    if !dir.is_dir() {
+        return Err(VerifyError::NotADirectory {
+            path: dir.to_path_buf(),
+        });
+    }
+    let mut problems = Vec::new();
+    check_meta(dir, manifest, &mut problems);
+
+    // Headers.
+    let mut layout_bad = vec![false; manifest.tensors.len()];
+    for (fi, wf) in manifest.files.iter().enumerate() {
+        let path = dir.join(&wf.name);
+        let Ok(found) = read_header(&path, wf.len) else {
+            continue; // missing or unreadable: reported from the hashing pass
+        };
+        match found {
+            Err(reason) => {
+                problems.push(Problem::HeaderInvalid {
+                    file: wf.name.clone(),
+                    reason,
+                });
+                for (i, t) in manifest.tensors.iter().enumerate() {
+                    if t.file as usize == fi {
+                        layout_bad[i] = true;
+                    }
+                }
+            }
+            Ok(header) => compare_header(manifest, fi, &header, &mut layout_bad, &mut problems),
+        }
+    }
+
+    let plan = Plan {
+        dir: dir.to_path_buf(),
+        files: manifest
+            .files
+            .iter()
+            .map(|f| (f.name.clone(), f.len))
+            .collect(),
+        tensors: manifest
+            .tensors
+            .iter()
+            .map(|t| Span {
+                file: t.file as usize,
+                offset: t.offset,
+                len: t.len,
+            })
+            .collect(),
+        experts: manifest
+            .experts
+            .iter()
+            .map(|e| {
+                e.parts
+                    .iter()
+                    .map(|p| Span {
+                        file: manifest.tensors[p.tensor as usize].file as usize,
+                        offset: p.offset,
+                        len: p.len,
+                    })
+                    .collect()
+            })
+            .collect(),
+        chunk_size: manifest.chunk_size,
+    };
+    let hashed = hashing::run(&plan, opts.progress);
+
+    // Files.
+    let mut file_gone = vec![false; manifest.files.len()];
+    for (fi, (wf, out)) in manifest.files.iter().zip(&hashed.files).enumerate() {
+        let file = wf.name.clone();
+        match out.len {
+            None => {
+                file_gone[fi] = true;
+                problems.push(Problem::FileMissing {
+                    file,
+                    reason: out.error.clone().unwrap_or_default(),
+                });
+                continue;
+            }
+            Some(found) if found < wf.len => problems.push(Problem::FileTruncated {
+                file: file.clone(),
+                expected: wf.len,
+                found,
+            }),
+            Some(found) if found > wf.len => problems.push(Problem::FileTooLong {
+                file: file.clone(),
+                expected: wf.len,
+                found,
+            }),
+            Some(_) => {}
+        }
+        if out.sha256.is_none() {
+            problems.push(Problem::FileUnreadable {
+                file,
+                reason: out.error.clone().unwrap_or_default(),
+            });
+        }
+    }
+
+    // Tensors.
+    let mut file_explained = vec![false; manifest.files.len()];
+    for (i, (t, h)) in manifest.tensors.iter().zip(&hashed.tensors).enumerate() {
+        let fi = t.file as usize;
+        if file_gone[fi] {
+            continue;
+        }
+        let file = manifest.files[fi].name.clone();
+        if layout_bad[i] {
+            file_explained[fi] = true;
+            continue;
+        }
+        match h {
+            None => {
+                file_explained[fi] = true;
+                problems.push(Problem::TensorUnreadable {
+                    name: t.name.clone(),
+                    file,
+                });
+            }
+            Some(h) if *h != t.hash => {
+                file_explained[fi] = true;
+                problems.push(Problem::TensorDiffers {
+                    name: t.name.clone(),
+                    file,
+                });
+            }
+            Some(_) => {}
+        }
+    }
+
+    // Experts.
+    for (e, h) in manifest.experts.iter().zip(&hashed.experts) {
+        let in_gone_file = e
+            .parts
+            .iter()
+            .any(|p| file_gone[manifest.tensors[p.tensor as usize].file as usize]);
+        match h {
+            None if in_gone_file => {}
+            None => problems.push(Problem::ExpertUnreadable { id: e.id }),
+            Some((hash, chunks)) if *hash != e.hash => {
+                let bad: Vec<u32> = chunks
+                    .iter()
+                    .zip(&e.chunks)
+                    .enumerate()
+                    .filter(|(_, (a, b))| a != b)
+                    .map(|(i, _)| i as u32)
+                    .collect();
+                let mut tensors: Vec<String> = Vec::new();
+                for &c in &bad {
+                    let Some(r) = e.chunk_range(manifest.chunk_size, c) else {
+                        continue;
+                    };
+                    let mut at = 0u64;
+                    for p in &e.parts {
+                        let (lo, hi) = (at, at + p.len);
+                        at = hi;
+                        if lo < r.end && r.start < hi {
+                            let name = &manifest.tensors[p.tensor as usize].name;
+                            if !tensors.contains(name) {
+                                tensors.push(name.clone());
+                            }
+                        }
+                    }
+                }
+                problems.push(Problem::ExpertDiffers {
+                    id: e.id,
+                    chunks: bad,
+                    tensors,
+                });
+            }
+            Some(_) => {}
+        }
+    }
+
+    // Whole-file hashes not explained by anything above.
+    for (fi, (wf, out)) in manifest.files.iter().zip(&hashed.files).enumerate() {
+        if let (Some(sha), Some(len)) = (out.sha256, out.len) {
+            if sha != wf.sha256 && !file_explained[fi] && len == wf.len {
+                problems.push(Problem::FileBytesDiffer {
+                    file: wf.name.clone(),
+                });
+            }
+        }
+    }
+
+    Ok(VerifyReport {
+        model_id: manifest.model_id(),
+        tensors: manifest.tensors.len(),
+        experts: manifest.experts.len(),
+        bytes: manifest.total_file_bytes(),
+        problems,
+    })
+}
+
+fn check_meta(dir: &Path, manifest: &Manifest, problems: &mut Vec<Problem>) {
+    for m in &manifest.identity.meta {
+        let path = dir.join(&m.name);
+        let bytes = match std::fs::metadata(&path) {
+            Ok(md) if md.len() <= MAX_META_LEN && md.is_file() => std::fs::read(&path).ok(),
+            Ok(_) => None,
+            Err(_) => {
+                problems.push(Problem::MetaMissing {
+                    name: m.name.clone(),
+                });
+                continue;
+            }
+        };
+        match bytes {
+            Some(b) if b.len() as u64 == m.len && Hash::of(&b) == m.hash => {}
+            _ => problems.push(Problem::MetaDiffers {
+                name: m.name.clone(),
+            }),
+        }
+    }
+    for name in META_FILES {
+        if !manifest.identity.meta.iter().any(|m| m.name == *name) && dir.join(name).is_file() {
+            problems.push(Problem::MetaUnexpected {
+                name: (*name).to_string(),
+            });
+        }
+    }
+}
+
+/// One header entry, as the file holds it.
+struct Entry {
+    dtype: TensorDtype,
+    shape: Vec<u64>,
+    offset: u64,
+    len: u64,
+}
+
+/// Reads and parses a file's safetensors header. Outer error: the file cannot be opened
+/// (reported elsewhere); inner error: the header is invalid.
+fn read_header(
+    path: &Path,
+    expected_len: u64,
+) -> std::io::Result<Result<BTreeMap<String, Entry>, String>> {
+    let mut f = File::open(path)?;
+    let len = f.metadata()?.len();
+    let mut n8 = [0u8; 8];
+    if f.read_exact(&mut n8).is_err() {
+        return Ok(Err(format!("file is {len} bytes, too short for a header")));
+    }
+    let n = u64::from_le_bytes(n8);
+    if n > MAX_HEADER_LEN || 8 + n > len {
+        return Ok(Err(format!(
+            "header length {n} is implausible for a {len}-byte file"
+        )));
+    }
+    let mut buf = vec![0u8; 8 + n as usize];
+    buf[..8].copy_from_slice(&n8);
+    if let Err(e) = f.read_exact(&mut buf[8..]) {
+        return Ok(Err(format!("reading the header: {e}")));
+    }
+    // Judge tensor ranges against the length the file should have; truncation is reported
+    // separately, with the tensors it cuts off.
+    let judged = len.max(expected_len);
+    Ok(
+        match stormo_engine::safetensors::parse_header(path, &buf, judged, 0) {
+            Err(e) => Err(e.to_string()),
+            Ok(list) => Ok(list
+                .into_iter()
+                .map(|(name, t)| {
+                    (
+                        name,
+                        Entry {
+                            dtype: t.dtype.into(),
+                            shape: t.shape.iter().map(|&d| d as u64).collect(),
+                            offset: t.offset,
+                            len: t.len,
+                        },
+                    )
+                })
+                .collect()),
+        },
+    )
+}
+
+fn compare_header(
+    manifest: &Manifest,
+    fi: usize,
+    header: &BTreeMap<String, Entry>,
+    layout_bad: &mut [bool],
+    problems: &mut Vec<Problem>,
+) {
+    let file = &manifest.files[fi].name;
+    let by_name: HashMap<&str, usize> = manifest
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.name.as_str(), i))
+        .collect();
+    for (i, t) in manifest.tensors.iter().enumerate() {
+        if t.file as usize != fi {
+            continue;
+        }
+        let Some(h) = header.get(&t.name) else {
+            layout_bad[i] = true;
+            problems.push(Problem::TensorMissing {
+                name: t.name.clone(),
+                file: file.clone(),
+            });
+            continue;
+        };
+        let mut what = Vec::new();
+        if h.dtype != t.dtype {
+            what.push(format!("dtype is {}, expected {}", h.dtype, t.dtype));
+        }
+        if h.shape != t.shape {
+            what.push(format!("shape is {:?}, expected {:?}", h.shape, t.shape));
+        }
+        if h.offset != t.offset || h.len != t.len {
+            what.push(format!(
+                "bytes at [{}, +{}), expected [{}, +{})",
+                h.offset, h.len, t.offset, t.len
+            ));
+        }
+        if !what.is_empty() {
+            layout_bad[i] = true;
+            problems.push(Problem::TensorLayout {
+                name: t.name.clone(),
+                what: what.join("; "),
+            });
+        }
+    }
+    for name in header.keys() {
+        match by_name.get(name.as_str()) {
+            Some(&i) if manifest.tensors[i].file as usize == fi => {}
+            Some(&i) => {
+                layout_bad[i] = true;
+                problems.push(Problem::TensorLayout {
+                    name: name.clone(),
+                    what: format!(
+                        "found in {file}, expected in {}",
+                        manifest.files[manifest.tensors[i].file as usize].name
+                    ),
+                });
+            }
+            None => problems.push(Problem::TensorUnexpected {
+                name: name.clone(),
+                file: file.clone(),
+            }),
+        }
+    }
+}
