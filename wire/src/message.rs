@@ -1,0 +1,1240 @@
+//! The messages nodes exchange, their tags and their limits.
+//!
+//! This module owns the *body* encoding of every message (a one-byte tag followed by the
+//! postcard encoding of the message's struct) and the semantic limits checked on both encode and
+//! decode. Framing (the length prefix) lives in [`crate::frame`].
+//!
+//! Tags are explicit constants in [`tag`], never derived from the order of a Rust enum, so
+//! adding a message can never renumber an existing one. Tags not listed there are reserved:
+//! decoding one yields [`DecodeError::UnknownTag`].
+
+use std::fmt;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use stormo_manifests::{ExpertId, Hash};
+
+use crate::frame::DecodeError;
+use crate::inventory::ExpertSet;
+
+/// The one-byte tag that starts every frame body, one constant per message.
+///
+/// A tag below 128 is also the postcard varint of the same number, so a body reads as the
+/// postcard encoding of an enum whose variant indices are these tags. Tags 11 to 127 are reserved
+/// for later messages of this protocol version line; 128 to 255 are never used (they would not
+/// be a one-byte varint).
+pub mod tag {
+    /// [`super::Hello`].
+    pub const HELLO: u8 = 0;
+    /// [`super::Inventory`].
+    pub const INVENTORY: u8 = 1;
+    /// [`super::InventoryUpdate`].
+    pub const INVENTORY_UPDATE: u8 = 2;
+    /// [`super::Get`].
+    pub const GET: u8 = 3;
+    /// [`super::Data`].
+    pub const DATA: u8 = 4;
+    /// [`super::End`].
+    pub const END: u8 = 5;
+    /// [`super::GetManifest`].
+    pub const GET_MANIFEST: u8 = 6;
+    /// [`super::Cancel`].
+    pub const CANCEL: u8 = 7;
+    /// [`super::Ping`].
+    pub const PING: u8 = 8;
+    /// [`super::Pong`].
+    pub const PONG: u8 = 9;
+    /// [`super::ErrorMessage`].
+    pub const ERROR: u8 = 10;
+    /// The first reserved tag: 11 up to and including 127 are free for new messages.
+    pub const FIRST_RESERVED: u8 = 11;
+}
+
+/// The largest payload of one [`Data`] message: 1 MiB.
+pub const MAX_DATA_LEN: usize = 1 << 20;
+/// The most model ids one [`Hello`] may list.
+pub const MAX_MODELS: usize = 256;
+/// The longest [`ErrorMessage::message`], in bytes of UTF-8.
+pub const MAX_ERROR_MESSAGE_LEN: usize = 1024;
+/// The most experts one [`InventoryUpdate`] may name (added and removed together).
+pub const MAX_UPDATE_EXPERTS: usize = 16 * 1024;
+/// The largest manifest a client accepts by default, in bytes (it arrives as [`Data`] frames).
+pub const MAX_MANIFEST_LEN: u64 = 64 << 20;
+
+/// Identifies one request within a connection. Chosen by the requester; the responder echoes
+/// it in every answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RequestId(pub u64);
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// A node's identity: its 32-byte Ed25519 public key, the same key its TLS handshake proved.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct NodeId(pub [u8; 32]);
+
+impl NodeId {
+    /// The first 5 bytes in hex, for logs.
+    pub fn short(&self) -> String {
+        hex(&self.0[..5])
+    }
+}
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&hex(&self.0))
+    }
+}
+
+impl fmt::Debug for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "NodeId({})", self.short())
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use fmt::Write;
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        write!(s, "{b:02x}").expect("writing to a String cannot fail");
+    }
+    s
+}
+
+/// An error code carried by [`ErrorMessage`], also suitable as a QUIC application close code.
+///
+/// Unknown codes decode fine (a newer peer may send one) and print as `unknown(N)`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ErrorCode(pub u16);
+
+impl ErrorCode {
+    /// No error: a graceful close.
+    pub const NO_ERROR: Self = Self(0);
+    /// The responder does not hold what was asked for (model, expert or manifest).
+    pub const NOT_FOUND: Self = Self(1);
+    /// The responder is at its concurrency limit; ask again later or ask another peer.
+    pub const BUSY: Self = Self(2);
+    /// The request was malformed (empty range, duplicate request id, ...).
+    pub const BAD_REQUEST: Self = Self(3);
+    /// The peer speaks a protocol version this node does not.
+    pub const UNSUPPORTED_VERSION: Self = Self(4);
+    /// The responder failed for its own reasons (e.g. a disk read error).
+    pub const INTERNAL: Self = Self(5);
+    /// The requested byte range lies outside the resource.
+    pub const OUT_OF_RANGE: Self = Self(6);
+    /// The peer broke the protocol (undecodable frame, unexpected message); the connection
+    /// closes with this code.
+    pub const PROTOCOL_VIOLATION: Self = Self(7);
+    /// The node is not admitted (private swarm) or its identity does not match its Hello.
+    pub const FORBIDDEN: Self = Self(8);
+
+    /// The constant's name, or `None` for a code this version does not know.
+    pub fn name(self) -> Option<&'static str> {
+        Some(match self {
+            Self::NO_ERROR => "no error",
+            Self::NOT_FOUND => "not found",
+            Self::BUSY => "busy",
+            Self::BAD_REQUEST => "bad request",
+            Self::UNSUPPORTED_VERSION => "unsupported version",
+            Self::INTERNAL => "internal",
+            Self::OUT_OF_RANGE => "out of range",
+            Self::PROTOCOL_VIOLATION => "protocol violation",
+            Self::FORBIDDEN => "forbidden",
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.name() {
+            Some(n) => f.write_str(n),
+            None => write!(f, "unknown({})", self.0),
+        }
+    }
+}
+
+impl fmt::Debug for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ErrorCode({}: {self})", self.0)
+    }
+}
+
+/// Limits a node announces in its [`Hello`] and enforces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    /// Requests from this peer the node serves at once; more are answered [`ErrorCode::BUSY`].
+    pub max_concurrent_requests: u32,
+}
+
+/// The first message each side sends on a connection's control stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// [`crate::PROTOCOL_VERSION`] of the sender.
+    pub version: u32,
+    /// The sender's Ed25519 public key; must equal the key its TLS handshake proved.
+    pub node: NodeId,
+    /// The ids of the models whose manifest (and possibly experts) the sender serves.
+    /// At most [`MAX_MODELS`].
+    pub models: Vec<Hash>,
+    /// What the sender will serve to this peer at once.
+    pub limits: Limits,
+}
+
+/// The full set of experts of one model that the sender holds and serves. Replaces any earlier
+/// inventory of the same model from that sender.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Inventory {
+    /// The model id.
+    pub model: Hash,
+    /// Which experts, as a bitmap.
+    pub experts: ExpertSet,
+}
+
+/// A change to the sender's last [`Inventory`] of `model`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InventoryUpdate {
+    /// The model id.
+    pub model: Hash,
+    /// Experts the sender now holds.
+    pub added: Vec<ExpertId>,
+    /// Experts the sender no longer holds.
+    pub removed: Vec<ExpertId>,
+}
+
+/// A byte range `[offset, offset + len)` within a resource.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ByteRange {
+    /// The first byte.
+    pub offset: u64,
+    /// How many bytes; never zero in a valid request.
+    pub len: u64,
+}
+
+impl ByteRange {
+    /// One past the last byte, or `None` if that overflows `u64`.
+    pub fn end(&self) -> Option<u64> {
+        self.offset.checked_add(self.len)
+    }
+}
+
+/// How urgently a requester needs an answer. Responders serve [`Priority::Now`] first (a QUIC
+/// node maps it to stream priority).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Priority {
+    /// The requester's inference is waiting for this.
+    Now,
+    /// A prefetch hint: useful soon, not yet needed.
+    Prefetch,
+}
+
+/// Asks for the bytes of one expert, whole or a range of them. Answered by [`Data`] frames in
+/// increasing offset order then [`End`], or by an [`ErrorMessage`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Get {
+    /// Chosen by the requester, unique among its outstanding requests on this connection.
+    pub request_id: RequestId,
+    /// The model id.
+    pub model: Hash,
+    /// Which expert.
+    pub expert: ExpertId,
+    /// `None` for the whole expert; otherwise a non-empty range of its bytes.
+    pub range: Option<ByteRange>,
+    /// Needed now or prefetch.
+    pub priority: Priority,
+}
+
+/// Asks for a model's manifest as opaque bytes (its format belongs to `stormo-manifests`).
+/// Answered like [`Get`]: [`Data`] frames from offset 0, then [`End`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GetManifest {
+    /// Chosen by the requester.
+    pub request_id: RequestId,
+    /// The model id, as listed in the responder's [`Hello`].
+    pub model: Hash,
+}
+
+/// A piece of a resource being streamed for a request.
+///
+/// `offset` is the position of `bytes` within the whole resource (not within the requested
+/// range). `bytes` is 1 to [`MAX_DATA_LEN`] bytes long. Encoded as the varints `request_id`,
+/// `offset`, `bytes.len()` and then the raw bytes, exactly as postcard encodes
+/// `(u64, u64, &[u8])`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Data {
+    /// The request being answered.
+    pub request_id: RequestId,
+    /// Offset of `bytes[0]` within the resource.
+    pub offset: u64,
+    /// The bytes.
+    pub bytes: Bytes,
+}
+
+impl fmt::Debug for Data {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Data")
+            .field("request_id", &self.request_id)
+            .field("offset", &self.offset)
+            .field("len", &self.bytes.len())
+            .finish()
+    }
+}
+
+/// The responder sent every byte of the request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct End {
+    /// The request that is complete.
+    pub request_id: RequestId,
+}
+
+/// The requester no longer wants the answer to a request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cancel {
+    /// The request to drop.
+    pub request_id: RequestId,
+}
+
+/// Asks the peer to echo `nonce` in a [`Pong`], to measure round-trip time.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ping {
+    /// Any value; echoed.
+    pub nonce: u64,
+}
+
+impl Ping {
+    /// The answer to this ping.
+    pub fn pong(&self) -> Pong {
+        Pong { nonce: self.nonce }
+    }
+}
+
+/// The answer to a [`Ping`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pong {
+    /// The ping's nonce.
+    pub nonce: u64,
+}
+
+/// A request failed, or (with no request id) the connection is about to close.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorMessage {
+    /// The failed request, or `None` for an error about the whole connection.
+    pub request_id: Option<RequestId>,
+    /// What kind of failure.
+    pub code: ErrorCode,
+    /// Human-readable detail, at most [`MAX_ERROR_MESSAGE_LEN`] bytes.
+    pub message: String,
+}
+
+impl ErrorMessage {
+    /// An error for `request_id`, with `message` cut to [`MAX_ERROR_MESSAGE_LEN`] bytes at a
+    /// character boundary so it always encodes.
+    pub fn new(request_id: Option<RequestId>, code: ErrorCode, message: impl Into<String>) -> Self {
+        let mut message = message.into();
+        if message.len() > MAX_ERROR_MESSAGE_LEN {
+            let mut cut = MAX_ERROR_MESSAGE_LEN;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            message.truncate(cut);
+        }
+        Self {
+            request_id,
+            code,
+            message,
+        }
+    }
+}
+
+/// Every message of the protocol.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[allow(clippy::large_enum_variant)]
+pub enum Message {
+    /// Tag 0.
+    Hello(Hello),
+    /// Tag 1.
+    Inventory(Inventory),
+    /// Tag 2.
+    InventoryUpdate(InventoryUpdate),
+    /// Tag 3.
+    Get(Get),
+    /// Tag 4.
+    Data(Data),
+    /// Tag 5.
+    End(End),
+    /// Tag 6.
+    GetManifest(GetManifest),
+    /// Tag 7.
+    Cancel(Cancel),
+    /// Tag 8.
+    Ping(Ping),
+    /// Tag 9.
+    Pong(Pong),
+    /// Tag 10.
+    Error(ErrorMessage),
+}
+
+/// Why a message cannot be encoded (it breaks a limit of the protocol).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EncodeError {
+    /// The message breaks a limit; `reason` says which.
+    #[error("cannot encode {message}: {reason}")]
+    Invalid {
+        /// The message's name.
+        message: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The encoded frame would exceed the frame limit.
+    #[error("{message} encodes to {len} bytes, over the frame limit of {max}")]
+    TooLarge {
+        /// The message's name.
+        message: &'static str,
+        /// Its encoded body length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+}
+
+impl Message {
+    /// The message's tag (see [`tag`]).
+    pub fn tag(&self) -> u8 {
+        match self {
+            Self::Hello(_) => tag::HELLO,
+            Self::Inventory(_) => tag::INVENTORY,
+            Self::InventoryUpdate(_) => tag::INVENTORY_UPDATE,
+            Self::Get(_) => tag::GET,
+            Self::Data(_) => tag::DATA,
+            Self::End(_) => tag::END,
+            Self::GetManifest(_) => tag::GET_MANIFEST,
+            Self::Cancel(_) => tag::CANCEL,
+            Self::Ping(_) => tag::PING,
+            Self::Pong(_) => tag::PONG,
+            Self::Error(_) => tag::ERROR,
+        }
+    }
+
+    /// The message's name, for errors and logs.
+    pub fn name(&self) -> &'static str {
+        tag_name(self.tag()).expect("every message has a named tag")
+    }
+
+    /// The request this message belongs to, if it belongs to one. A QUIC node uses this to
+    /// route a message to the stream of its request; messages without one go on the control
+    /// stream.
+    pub fn request_id(&self) -> Option<RequestId> {
+        match self {
+            Self::Get(m) => Some(m.request_id),
+            Self::Data(m) => Some(m.request_id),
+            Self::End(m) => Some(m.request_id),
+            Self::GetManifest(m) => Some(m.request_id),
+            Self::Cancel(m) => Some(m.request_id),
+            Self::Error(m) => m.request_id,
+            Self::Hello(_)
+            | Self::Inventory(_)
+            | Self::InventoryUpdate(_)
+            | Self::Ping(_)
+            | Self::Pong(_) => None,
+        }
+    }
+
+    /// Checks the protocol's limits on this message's contents (the same checks decoding
+    /// applies). `Err` names the limit broken.
+    pub fn validate(&self) -> Result<(), String> {
+        match self {
+            Self::Hello(h) => {
+                if h.models.len() > MAX_MODELS {
+                    return Err(format!(
+                        "{} model ids, over the limit of {MAX_MODELS}",
+                        h.models.len()
+                    ));
+                }
+                if h.limits.max_concurrent_requests == 0 {
+                    return Err("max_concurrent_requests is 0".into());
+                }
+            }
+            Self::Inventory(i) => i.experts.validate().map_err(|e| e.to_string())?,
+            Self::InventoryUpdate(u) => {
+                let n = u.added.len() + u.removed.len();
+                if n > MAX_UPDATE_EXPERTS {
+                    return Err(format!(
+                        "{n} experts in one update, over the limit of {MAX_UPDATE_EXPERTS}"
+                    ));
+                }
+            }
+            Self::Get(g) => {
+                if let Some(r) = g.range {
+                    if r.len == 0 {
+                        return Err("empty byte range".into());
+                    }
+                    if r.end().is_none() {
+                        return Err(format!("byte range {}+{} overflows u64", r.offset, r.len));
+                    }
+                }
+            }
+            Self::Data(d) => {
+                if d.bytes.is_empty() {
+                    return Err("empty data".into());
+                }
+                if d.bytes.len() > MAX_DATA_LEN {
+                    return Err(format!(
+                        "{} bytes of data, over the limit of {MAX_DATA_LEN}",
+                        d.bytes.len()
+                    ));
+                }
+                if d.offset.checked_add(d.bytes.len() as u64).is_none() {
+                    return Err(format!("data at offset {} overflows u64", d.offset));
+                }
+            }
+            Self::Error(e) => {
+                if e.message.len() > MAX_ERROR_MESSAGE_LEN {
+                    return Err(format!(
+                        "error message of {} bytes, over the limit of {MAX_ERROR_MESSAGE_LEN}",
+                        e.message.len()
+                    ));
+                }
+            }
+            Self::End(_)
+            | Self::GetManifest(_)
+            | Self::Cancel(_)
+            | Self::Ping(_)
+            | Self::Pong(_) => {}
+        }
+        Ok(())
+    }
+
+    /// Appends the frame body (tag + postcard payload) to `out`, after checking the limits.
+    /// On error nothing is appended.
+    pub fn encode_body(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+        self.validate().map_err(|reason| EncodeError::Invalid {
+            message: self.name(),
+            reason,
+        })?;
+        let start = out.len();
+        out.push(self.tag());
+        let res = match self {
+            Self::Hello(m) => put(m, out),
+            Self::Inventory(m) => put(m, out),
+            Self::InventoryUpdate(m) => put(m, out),
+            Self::Get(m) => put(m, out),
+            Self::Data(m) => {
+                out.extend_from_slice(&data_header_fields(m.request_id, m.offset, m.bytes.len()));
+                out.extend_from_slice(&m.bytes);
+                Ok(())
+            }
+            Self::End(m) => put(m, out),
+            Self::GetManifest(m) => put(m, out),
+            Self::Cancel(m) => put(m, out),
+            Self::Ping(m) => put(m, out),
+            Self::Pong(m) => put(m, out),
+            Self::Error(m) => put(m, out),
+        };
+        // Serializing into a Vec has no failure mode for these types (no maps of unknown
+        // length, no custom errors); surface it as Invalid rather than panic all the same.
+        if let Err(e) = res {
+            out.truncate(start);
+            return Err(EncodeError::Invalid {
+                message: self.name(),
+                reason: e.to_string(),
+            });
+        }
+        let len = out.len() - start;
+        if len > crate::frame::MAX_FRAME_LEN {
+            out.truncate(start);
+            return Err(EncodeError::TooLarge {
+                message: self.name(),
+                len,
+                max: crate::frame::MAX_FRAME_LEN,
+            });
+        }
+        Ok(())
+    }
+
+    /// Decodes one frame body (tag + payload, without the length prefix). `Data` payloads are
+    /// slices of `body`, not copies.
+    pub fn decode_body(body: Bytes) -> Result<Self, DecodeError> {
+        let Some((&t, payload)) = body.split_first() else {
+            return Err(DecodeError::EmptyFrame);
+        };
+        let msg = match t {
+            tag::HELLO => Self::Hello(take_all(t, payload)?),
+            tag::INVENTORY => Self::Inventory(take_all(t, payload)?),
+            tag::INVENTORY_UPDATE => Self::InventoryUpdate(take_all(t, payload)?),
+            tag::GET => Self::Get(take_all(t, payload)?),
+            tag::DATA => Self::Data(decode_data(&body)?),
+            tag::END => Self::End(take_all(t, payload)?),
+            tag::GET_MANIFEST => Self::GetManifest(take_all(t, payload)?),
+            tag::CANCEL => Self::Cancel(take_all(t, payload)?),
+            tag::PING => Self::Ping(take_all(t, payload)?),
+            tag::PONG => Self::Pong(take_all(t, payload)?),
+            tag::ERROR => Self::Error(take_all(t, payload)?),
+            other => return Err(DecodeError::UnknownTag(other)),
+        };
+        msg.validate().map_err(|reason| DecodeError::Invalid {
+            message: msg.name(),
+            reason,
+        })?;
+        Ok(msg)
+    }
+}
+
+/// The name of the message with tag `t`, or `None` for a reserved tag.
+pub fn tag_name(t: u8) -> Option<&'static str> {
+    Some(match t {
+        tag::HELLO => "Hello",
+        tag::INVENTORY => "Inventory",
+        tag::INVENTORY_UPDATE => "InventoryUpdate",
+        tag::GET => "Get",
+        tag::DATA => "Data",
+        tag::END => "End",
+        tag::GET_MANIFEST => "GetManifest",
+        tag::CANCEL => "Cancel",
+        tag::PING => "Ping",
+        tag::PONG => "Pong",
+        tag::ERROR => "Error",
+        _ => return None,
+    })
+}
+
+fn put<T: Serialize>(m: &T, out: &mut Vec<u8>) -> postcard::Result<()> {
+    out.extend_from_slice(&postcard::to_allocvec(m)?);
+    Ok(())
+}
+
+fn take_all<'de, T: Deserialize<'de>>(t: u8, payload: &'de [u8]) -> Result<T, DecodeError> {
+    let message = tag_name(t).expect("take_all is only called for known tags");
+    let (value, rest) = postcard::take_from_bytes(payload)
+        .map_err(|source| DecodeError::Malformed { message, source })?;
+    if !rest.is_empty() {
+        return Err(DecodeError::TrailingBytes {
+            message,
+            extra: rest.len(),
+        });
+    }
+    Ok(value)
+}
+
+/// The varints that follow the Data tag: request id, offset, payload length (at most 30 bytes).
+fn data_header_fields(request_id: RequestId, offset: u64, len: usize) -> Vec<u8> {
+    postcard::to_allocvec(&(request_id.0, offset, len as u64))
+        .expect("three u64 varints always serialize")
+}
+
+fn decode_data(body: &Bytes) -> Result<Data, DecodeError> {
+    let payload = &body[1..];
+    let ((request_id, offset, len), rest) = postcard::take_from_bytes::<(u64, u64, u64)>(payload)
+        .map_err(|source| DecodeError::Malformed {
+        message: "Data",
+        source,
+    })?;
+    if len > MAX_DATA_LEN as u64 {
+        return Err(DecodeError::Invalid {
+            message: "Data",
+            reason: format!("{len} bytes of data, over the limit of {MAX_DATA_LEN}"),
+        });
+    }
+    let len = len as usize;
+    if rest.len() < len {
+        return Err(DecodeError::Malformed {
+            message: "Data",
+            source: postcard::Error::DeserializeUnexpectedEnd,
+        });
+    }
+    if rest.len() > len {
+        return Err(DecodeError::TrailingBytes {
+            message: "Data",
+            extra: rest.len() - len,
+        });
+    }
+    let start = body.len() - len;
+    Ok(Data {
+        request_id: RequestId(request_id),
+        offset,
+        bytes: body.slice(start..),
+    })
+}
+
+/// The frame header and Data header for a Data message whose payload the caller writes itself
+/// (zero-copy sending from a RAM cache or a mapped file): write the returned bytes, then the
+/// `len` payload bytes. `len` must be 1 to [`MAX_DATA_LEN`].
+pub fn data_frame_prefix(request_id: RequestId, offset: u64, len: usize) -> Vec<u8> {
+    assert!(
+        (1..=MAX_DATA_LEN).contains(&len),
+        "data payload length {len} outside 1..={MAX_DATA_LEN}"
+    );
+    let fields = data_header_fields(request_id, offset, len);
+    let body_len = 1 + fields.len() + len;
+    let mut out = Vec::with_capacity(4 + 1 + fields.len());
+    out.extend_from_slice(&(body_len as u32).to_le_bytes());
+    out.push(tag::DATA);
+    out.extend_from_slice(&fields);
+    out
+}
+
+macro_rules! impl_from {
+    ($($t:ident),*) => {$(
+        impl From<$t> for Message {
+            fn from(m: $t) -> Self {
+                Self::$t(m)
+            }
+        }
+    )*};
+}
+impl_from!(
+    Hello,
+    Inventory,
+    InventoryUpdate,
+    Get,
+    Data,
+    End,
+    GetManifest,
+    Cancel,
+    Ping,
+    Pong
+);
+
+impl From<ErrorMessage> for Message {
+    fn from(m: ErrorMessage) -> Self {
+        Self::Error(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Golden bytes: every message encoded by hand, field by field. If one of these changes, the
+    //! protocol changed: bump [`crate::PROTOCOL_VERSION`] and the ALPN.
+    use super::*;
+    use crate::frame::{encode_frame, FrameDecoder, MAX_FRAME_LEN};
+    use crate::inventory::ExpertSet;
+
+    /// Checks `msg` encodes to exactly the concatenation of `parts`, and decodes back.
+    fn golden(msg: Message, parts: &[&[u8]]) {
+        let expected: Vec<u8> = parts.concat();
+        let got = encode_frame(&msg).unwrap();
+        assert_eq!(got, expected, "encoding of {msg:?}");
+        let mut dec = FrameDecoder::new();
+        let mut input = &expected[..];
+        assert_eq!(dec.decode(&mut input).unwrap(), Some(msg));
+        assert!(input.is_empty());
+        dec.finish().unwrap();
+    }
+
+    fn h(b: u8) -> Hash {
+        Hash([b; 32])
+    }
+
+    #[test]
+    fn golden_hello() {
+        golden(
+            Message::Hello(Hello {
+                version: 1,
+                node: NodeId([0xab; 32]),
+                models: vec![h(0x11)],
+                limits: Limits {
+                    max_concurrent_requests: 300,
+                },
+            }),
+            &[
+                &[69, 0, 0, 0], // frame length 69, u32 LE
+                &[0],           // tag: Hello
+                &[1],           // version 1 (varint)
+                &[0xab; 32],    // node id: 32 raw bytes
+                &[1],           // models: 1 entry
+                &[0x11; 32],    //   model id: 32 raw bytes
+                &[0xac, 0x02],  // max_concurrent_requests 300 = 0x2c|0x80, 300>>7
+            ],
+        );
+    }
+
+    #[test]
+    fn golden_inventory() {
+        let mut experts = ExpertSet::new(2, 3).unwrap();
+        experts
+            .insert(ExpertId {
+                layer: 0,
+                expert: 1,
+            })
+            .unwrap(); // bit 1
+        experts
+            .insert(ExpertId {
+                layer: 1,
+                expert: 2,
+            })
+            .unwrap(); // bit 1*3+2 = 5
+        golden(
+            Message::Inventory(Inventory {
+                model: h(0x22),
+                experts,
+            }),
+            &[
+                &[37, 0, 0, 0], // frame length 37
+                &[1],           // tag: Inventory
+                &[0x22; 32],    // model id
+                &[2],           // layers 2
+                &[3],           // experts per layer 3
+                &[1],           // bitmap: 1 byte (6 bits)
+                &[0b0010_0010], //   bits 1 and 5, LSB first
+            ],
+        );
+    }
+
+    #[test]
+    fn golden_inventory_update() {
+        golden(
+            Message::InventoryUpdate(InventoryUpdate {
+                model: h(0x33),
+                added: vec![ExpertId {
+                    layer: 1,
+                    expert: 200,
+                }],
+                removed: vec![],
+            }),
+            &[
+                &[38, 0, 0, 0], // frame length 38
+                &[2],           // tag: InventoryUpdate
+                &[0x33; 32],    // model id
+                &[1],           // added: 1 entry
+                &[1],           //   layer 1
+                &[0xc8, 0x01],  //   expert 200 (varint)
+                &[0],           // removed: empty
+            ],
+        );
+    }
+
+    #[test]
+    fn golden_get() {
+        golden(
+            Message::Get(Get {
+                request_id: RequestId(5),
+                model: h(0x44),
+                expert: ExpertId {
+                    layer: 2,
+                    expert: 7,
+                },
+                range: Some(ByteRange {
+                    offset: 1 << 20,
+                    len: 1 << 16,
+                }),
+                priority: Priority::Prefetch,
+            }),
+            &[
+                &[44, 0, 0, 0],      // frame length 44
+                &[3],                // tag: Get
+                &[5],                // request id 5
+                &[0x44; 32],         // model id
+                &[2, 7],             // expert: layer 2, expert 7
+                &[1],                // range: Some
+                &[0x80, 0x80, 0x40], //   offset 2^20 (varint)
+                &[0x80, 0x80, 0x04], //   len 2^16 (varint)
+                &[1],                // priority: Prefetch
+            ],
+        );
+        golden(
+            Message::Get(Get {
+                request_id: RequestId(0),
+                model: h(0x44),
+                expert: ExpertId {
+                    layer: 0,
+                    expert: 0,
+                },
+                range: None,
+                priority: Priority::Now,
+            }),
+            &[
+                &[38, 0, 0, 0], // frame length 38
+                &[3],           // tag: Get
+                &[0],           // request id 0
+                &[0x44; 32],    // model id
+                &[0, 0],        // expert 0:0
+                &[0],           // range: None (whole expert)
+                &[0],           // priority: Now
+            ],
+        );
+    }
+
+    #[test]
+    fn golden_data_and_its_zero_copy_prefix() {
+        let msg = Message::Data(Data {
+            request_id: RequestId(300),
+            offset: 128,
+            bytes: Bytes::from_static(&[0xde, 0xad, 0xbe, 0xef]),
+        });
+        let parts: &[&[u8]] = &[
+            &[10, 0, 0, 0],            // frame length 10
+            &[4],                      // tag: Data
+            &[0xac, 0x02],             // request id 300
+            &[0x80, 0x01],             // offset 128
+            &[4],                      // 4 bytes follow
+            &[0xde, 0xad, 0xbe, 0xef], // the bytes
+        ];
+        golden(msg, parts);
+        let prefix = data_frame_prefix(RequestId(300), 128, 4);
+        assert_eq!(prefix, parts[..5].concat());
+    }
+
+    #[test]
+    fn golden_end_manifest_cancel_ping_pong() {
+        golden(
+            Message::End(End {
+                request_id: RequestId(300),
+            }),
+            &[
+                &[3, 0, 0, 0], // frame length 3
+                &[5],          // tag: End
+                &[0xac, 0x02], // request id 300
+            ],
+        );
+        golden(
+            Message::GetManifest(GetManifest {
+                request_id: RequestId(0),
+                model: h(0x55),
+            }),
+            &[
+                &[34, 0, 0, 0], // frame length 34
+                &[6],           // tag: GetManifest
+                &[0],           // request id 0
+                &[0x55; 32],    // model id
+            ],
+        );
+        golden(
+            Message::Cancel(Cancel {
+                request_id: RequestId(7),
+            }),
+            &[
+                &[2, 0, 0, 0], // frame length 2
+                &[7],          // tag: Cancel
+                &[7],          // request id 7
+            ],
+        );
+        golden(
+            Message::Ping(Ping { nonce: u64::MAX }),
+            &[
+                &[11, 0, 0, 0], // frame length 11
+                &[8],           // tag: Ping
+                &[0xff; 9],     // nonce u64::MAX: nine 7-bit groups with continuation...
+                &[0x01],        // ...and the last bit
+            ],
+        );
+        golden(
+            Message::Pong(Pong { nonce: 1 }),
+            &[
+                &[2, 0, 0, 0], // frame length 2
+                &[9],          // tag: Pong
+                &[1],          // nonce 1
+            ],
+        );
+    }
+
+    #[test]
+    fn golden_error() {
+        golden(
+            Message::Error(ErrorMessage::new(
+                Some(RequestId(9)),
+                ErrorCode::BUSY,
+                "busy",
+            )),
+            &[
+                &[9, 0, 0, 0], // frame length 9
+                &[10],         // tag: Error
+                &[1, 9],       // request id: Some(9)
+                &[2],          // code 2: busy
+                &[4],          // message: 4 bytes of UTF-8
+                b"busy",
+            ],
+        );
+        golden(
+            Message::Error(ErrorMessage::new(None, ErrorCode::UNSUPPORTED_VERSION, "")),
+            &[
+                &[4, 0, 0, 0], // frame length 4
+                &[10],         // tag: Error
+                &[0],          // request id: None (connection-level)
+                &[4],          // code 4: unsupported version
+                &[0],          // message: empty
+            ],
+        );
+    }
+
+    #[test]
+    fn error_codes_are_pinned() {
+        let codes = [
+            (ErrorCode::NO_ERROR, 0),
+            (ErrorCode::NOT_FOUND, 1),
+            (ErrorCode::BUSY, 2),
+            (ErrorCode::BAD_REQUEST, 3),
+            (ErrorCode::UNSUPPORTED_VERSION, 4),
+            (ErrorCode::INTERNAL, 5),
+            (ErrorCode::OUT_OF_RANGE, 6),
+            (ErrorCode::PROTOCOL_VIOLATION, 7),
+            (ErrorCode::FORBIDDEN, 8),
+        ];
+        for (c, n) in codes {
+            assert_eq!(c.0, n);
+            assert!(c.name().is_some());
+        }
+        assert_eq!(ErrorCode(999).to_string(), "unknown(999)");
+        assert_eq!(crate::ALPN, b"stormo/1");
+    }
+
+    #[test]
+    fn long_error_messages_are_cut_at_a_char_boundary() {
+        let e = ErrorMessage::new(None, ErrorCode::INTERNAL, "é".repeat(MAX_ERROR_MESSAGE_LEN));
+        assert!(e.message.len() <= MAX_ERROR_MESSAGE_LEN);
+        assert_eq!(e.message.len(), MAX_ERROR_MESSAGE_LEN); // 512 two-byte chars
+        encode_frame(&Message::Error(e)).unwrap();
+    }
+
+    /// The largest valid message of every kind fits a frame: the frame limit never refuses a
+    /// valid message.
+    #[test]
+    fn largest_valid_messages_fit_the_frame_limit() {
+        let max_expert = ExpertId {
+            layer: u16::MAX,
+            expert: u16::MAX,
+        };
+        let mut full = ExpertSet::new(256, 4096).unwrap();
+        for l in [0, 255] {
+            full.insert(ExpertId {
+                layer: l,
+                expert: 4095,
+            })
+            .unwrap();
+        }
+        let big: Vec<Message> = vec![
+            Message::Hello(Hello {
+                version: u32::MAX,
+                node: NodeId([0xff; 32]),
+                models: vec![h(1); MAX_MODELS],
+                limits: Limits {
+                    max_concurrent_requests: u32::MAX,
+                },
+            }),
+            Message::Inventory(Inventory {
+                model: h(2),
+                experts: full,
+            }),
+            Message::InventoryUpdate(InventoryUpdate {
+                model: h(3),
+                added: vec![max_expert; MAX_UPDATE_EXPERTS / 2],
+                removed: vec![max_expert; MAX_UPDATE_EXPERTS / 2],
+            }),
+            Message::Get(Get {
+                request_id: RequestId(u64::MAX),
+                model: h(4),
+                expert: max_expert,
+                range: Some(ByteRange {
+                    offset: u64::MAX - 1,
+                    len: 1,
+                }),
+                priority: Priority::Prefetch,
+            }),
+            Message::Data(Data {
+                request_id: RequestId(u64::MAX),
+                offset: u64::MAX - MAX_DATA_LEN as u64,
+                bytes: Bytes::from(vec![7; MAX_DATA_LEN]),
+            }),
+            Message::Error(ErrorMessage::new(
+                Some(RequestId(u64::MAX)),
+                ErrorCode(u16::MAX),
+                "x".repeat(MAX_ERROR_MESSAGE_LEN),
+            )),
+        ];
+        for m in big {
+            let f = encode_frame(&m).unwrap_or_else(|e| panic!("{}: {e}", m.name()));
+            assert!(f.len() - 4 <= MAX_FRAME_LEN);
+            let mut dec = FrameDecoder::new();
+            assert_eq!(dec.decode(&mut &f[..]).unwrap(), Some(m));
+        }
+    }
+
+    #[test]
+    fn over_limit_messages_are_refused_on_encode() {
+        let bad: Vec<Message> = vec![
+            Message::Hello(Hello {
+                version: 1,
+                node: NodeId([0; 32]),
+                models: vec![h(1); MAX_MODELS + 1],
+                limits: Limits {
+                    max_concurrent_requests: 1,
+                },
+            }),
+            Message::Hello(Hello {
+                version: 1,
+                node: NodeId([0; 32]),
+                models: vec![],
+                limits: Limits {
+                    max_concurrent_requests: 0,
+                },
+            }),
+            Message::Data(Data {
+                request_id: RequestId(0),
+                offset: 0,
+                bytes: Bytes::from(vec![0; MAX_DATA_LEN + 1]),
+            }),
+            Message::Data(Data {
+                request_id: RequestId(0),
+                offset: 0,
+                bytes: Bytes::new(),
+            }),
+            Message::Data(Data {
+                request_id: RequestId(0),
+                offset: u64::MAX,
+                bytes: Bytes::from_static(b"x"),
+            }),
+            Message::Get(Get {
+                request_id: RequestId(0),
+                model: h(0),
+                expert: ExpertId {
+                    layer: 0,
+                    expert: 0,
+                },
+                range: Some(ByteRange { offset: 3, len: 0 }),
+                priority: Priority::Now,
+            }),
+            Message::InventoryUpdate(InventoryUpdate {
+                model: h(0),
+                added: vec![
+                    ExpertId {
+                        layer: 0,
+                        expert: 0
+                    };
+                    MAX_UPDATE_EXPERTS + 1
+                ],
+                removed: vec![],
+            }),
+            Message::Error(ErrorMessage {
+                request_id: None,
+                code: ErrorCode::INTERNAL,
+                message: "x".repeat(MAX_ERROR_MESSAGE_LEN + 1),
+            }),
+        ];
+        for m in bad {
+            let mut out = vec![1, 2, 3];
+            let err = crate::frame::append_frame(&m, &mut out).unwrap_err();
+            assert!(matches!(err, EncodeError::Invalid { .. }), "{err}");
+            assert_eq!(out, [1, 2, 3], "nothing appended on error");
+        }
+    }
+
+    fn decode_one(frame: &[u8]) -> Result<Option<Message>, DecodeError> {
+        FrameDecoder::new().decode(&mut &frame[..])
+    }
+
+    fn framed(body: &[u8]) -> Vec<u8> {
+        let mut f = (body.len() as u32).to_le_bytes().to_vec();
+        f.extend_from_slice(body);
+        f
+    }
+
+    #[test]
+    fn reserved_tags_are_unknown() {
+        for t in tag::FIRST_RESERVED..=255 {
+            assert_eq!(
+                decode_one(&framed(&[t, 0, 0])),
+                Err(DecodeError::UnknownTag(t))
+            );
+            assert_eq!(tag_name(t), None);
+        }
+    }
+
+    #[test]
+    fn malformed_bodies_name_the_message_and_the_fault() {
+        // A varint cut short.
+        assert!(matches!(
+            decode_one(&framed(&[tag::END, 0x80])),
+            Err(DecodeError::Malformed { message: "End", .. })
+        ));
+        // A byte after a complete Cancel.
+        assert_eq!(
+            decode_one(&framed(&[tag::CANCEL, 7, 0])),
+            Err(DecodeError::TrailingBytes {
+                message: "Cancel",
+                extra: 1
+            })
+        );
+        // Option tag 2.
+        let mut get = vec![tag::GET, 0];
+        get.extend_from_slice(&[0; 32]);
+        get.extend_from_slice(&[0, 0, 2]);
+        assert!(matches!(
+            decode_one(&framed(&get)),
+            Err(DecodeError::Malformed { message: "Get", .. })
+        ));
+        // Priority 2 does not exist.
+        get.truncate(get.len() - 1);
+        get.extend_from_slice(&[0, 2]);
+        assert!(matches!(
+            decode_one(&framed(&get)),
+            Err(DecodeError::Malformed { message: "Get", .. })
+        ));
+        // Invalid UTF-8 in an error message.
+        assert!(matches!(
+            decode_one(&framed(&[tag::ERROR, 0, 1, 2, 0xff, 0xfe])),
+            Err(DecodeError::Malformed {
+                message: "Error",
+                ..
+            })
+        ));
+        // Data announcing more bytes than the frame holds, fewer, and over the limit.
+        assert!(matches!(
+            decode_one(&framed(&[tag::DATA, 0, 0, 3, 1, 2])),
+            Err(DecodeError::Malformed {
+                message: "Data",
+                ..
+            })
+        ));
+        assert_eq!(
+            decode_one(&framed(&[tag::DATA, 0, 0, 1, 1, 2])),
+            Err(DecodeError::TrailingBytes {
+                message: "Data",
+                extra: 1
+            })
+        );
+        assert!(matches!(
+            decode_one(&framed(&[tag::DATA, 0, 0, 0x81, 0x80, 0x40])),
+            Err(DecodeError::Invalid {
+                message: "Data",
+                ..
+            })
+        ));
+        // Empty data.
+        assert!(matches!(
+            decode_one(&framed(&[tag::DATA, 0, 0, 0])),
+            Err(DecodeError::Invalid {
+                message: "Data",
+                ..
+            })
+        ));
+        // An inventory whose padding bits are set.
+        let mut inv = vec![tag::INVENTORY];
+        inv.extend_from_slice(&[0; 32]);
+        inv.extend_from_slice(&[1, 3, 1, 0b1000]);
+        assert!(matches!(
+            decode_one(&framed(&inv)),
+            Err(DecodeError::Invalid {
+                message: "Inventory",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn data_payload_is_a_slice_of_the_frame() {
+        let f = encode_frame(&Message::Data(Data {
+            request_id: RequestId(1),
+            offset: 0,
+            bytes: Bytes::from(vec![9; 1000]),
+        }))
+        .unwrap();
+        let body = Bytes::copy_from_slice(&f[4..]);
+        let Message::Data(d) = Message::decode_body(body.clone()).unwrap() else {
+            panic!("not data")
+        };
+        let inside = body.as_ptr_range();
+        assert!(inside.contains(&d.bytes.as_ptr()), "payload was copied");
+    }
+}
