@@ -17,6 +17,7 @@ pub mod ops;
 pub mod qwen3_moe;
 pub mod rope;
 pub mod safetensors;
+pub mod sampling;
 pub mod tiers;
 
 pub use config::{Family, ModelConfig};

@@ -1,0 +1,1101 @@
+//! Byte-level BPE tokenizers read from a model folder's Hugging Face `tokenizer.json`.
+//!
+//! Owns: loading `tokenizer.json` (vocab, merges, added tokens, normalizer, pre-tokenizer),
+//! encoding text to ids exactly as the `tokenizers` library does for byte-level BPE models
+//! (GPT-OSS's o200k_harmony, Qwen2/Qwen3), decoding ids back to bytes, and an incremental
+//! decoder for streaming that only emits whole characters.
+//!
+//! The pipeline for [`Tokenizer::encode`]:
+//! 1. Added tokens are cut out of the raw text first (leftmost, then longest match). Added
+//!    tokens marked `special` are only recognized when the caller allows it; the others are
+//!    always recognized, as the `tokenizers` library does (Qwen's `<think>` is one).
+//! 2. Each remaining segment is normalized (NFC/NFD/NFKC/NFKD or a sequence of them).
+//! 3. The pre-tokenizer splits it into pieces: `Split` with a regex (lookaheads included, via
+//!    `fancy-regex`, the engine tiktoken uses) and/or `ByteLevel` with its GPT-2 regex.
+//! 4. Each piece, as UTF-8 bytes, goes through BPE: with `ignore_merges` a piece that is
+//!    itself in the vocab is one token; otherwise the lowest-ranked merge applies first,
+//!    leftmost on ties, using a heap over a linked list of symbols (O(n log n) per piece, so a
+//!    long run of one letter is not quadratic).
+//!
+//! Non-goals: WordPiece/Unigram models, `add_prefix_space`, BPE dropout, `byte_fallback`,
+//! added tokens with `lstrip`/`rstrip`/`single_word`. These are refused at load with a clear
+//! error rather than tokenized slightly wrong. Post-processors (BOS/EOS templates) are not
+//! applied: chat templates in this crate write every special token themselves.
+//!
+//! Decoding: each id maps to its bytes (added tokens to their content). Joining the bytes of
+//! a whole sequence is exact; a single id may end inside a UTF-8 character, so streaming
+//! output goes through [`StreamDecoder`], which holds back an incomplete trailing character
+//! until the bytes that complete it arrive and turns bytes that can never form a character
+//! into U+FFFD.
+
+use std::borrow::Cow;
+use std::collections::{BinaryHeap, HashMap};
+use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::path::{Path, PathBuf};
+
+use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+use unicode_normalization::UnicodeNormalization;
+
+/// A token id.
+pub type TokenId = u32;
+
+/// Why a `tokenizer.json` could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LoadError {
+    /// The file could not be read.
+    #[error("cannot read tokenizer file {}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not JSON of the expected shape.
+    #[error("tokenizer.json is not valid")]
+    Json(#[source] serde_json::Error),
+    /// A feature this implementation does not support (refused rather than approximated).
+    #[error("tokenizer.json uses something not supported: {0}")]
+    Unsupported(String),
+    /// The file is inconsistent (a merge producing an unknown token, an id used twice, ...).
+    #[error("tokenizer.json is inconsistent: {0}")]
+    Invalid(String),
+}
+
+/// Why text could not be encoded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EncodeError {
+    /// The pre-tokenizer regex gave up (fancy-regex's backtracking limit).
+    #[error("pre-tokenizer regex failed on the input")]
+    Regex(#[source] Box<fancy_regex::Error>),
+}
+
+/// Why ids could not be decoded.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// An id that is not in the vocabulary.
+    #[error("token id {id} is not in the vocabulary (ids go up to {max})")]
+    UnknownId {
+        /// The offending id.
+        id: TokenId,
+        /// The largest id the vocabulary has.
+        max: TokenId,
+    },
+}
+
+/// A minimal FxHash (rustc's hasher): fast for short keys; keys come from the tokenizer file
+/// and lookups never insert, so untrusted text cannot grow a table.
+#[derive(Default, Clone, Copy)]
+struct FxHasher(u64);
+
+impl Hasher for FxHasher {
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            self.write_u64(u64::from_le_bytes(c.try_into().expect("chunk of 8")));
+        }
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let mut buf = [0u8; 8];
+            buf[..rest.len()].copy_from_slice(rest);
+            self.write_u64(u64::from_le_bytes(buf) ^ ((rest.len() as u64) << 59));
+        }
+    }
+    #[inline]
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    #[inline]
+    fn write_usize(&mut self, v: usize) {
+        self.write_u64(v as u64);
+    }
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type FxMap<K, V> = HashMap<K, V, BuildHasherDefault<FxHasher>>;
+
+/// GPT-2's byte-to-character table: byte-level tokens spell byte `b` as `BYTE_CHARS[b]`.
+fn byte_chars() -> [char; 256] {
+    let mut out = ['\0'; 256];
+    let mut n = 0u32;
+    for b in 0..256u32 {
+        let printable = (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
+        let c = if printable {
+            b
+        } else {
+            n += 1;
+            255 + n
+        };
+        out[b as usize] = char::from_u32(c).expect("code points below 0x200 are chars");
+    }
+    out
+}
+
+/// The inverse of [`byte_chars`], indexed by code point (all below 0x144).
+fn char_bytes() -> Vec<Option<u8>> {
+    let mut table = vec![None; 0x200];
+    for (b, c) in byte_chars().iter().enumerate() {
+        table[*c as usize] = Some(b as u8);
+    }
+    table
+}
+
+fn byte_level_decode(token: &str, table: &[Option<u8>]) -> Option<Vec<u8>> {
+    token
+        .chars()
+        .map(|c| table.get(c as usize).copied().flatten())
+        .collect()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NormForm {
+    Nfc,
+    Nfd,
+    Nfkc,
+    Nfkd,
+}
+
+/// The GPT-2 pattern a `ByteLevel` pre-tokenizer with `use_regex: true` applies.
+const GPT2_PATTERN: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SplitBehavior {
+    /// Matches and the gaps between them are separate pieces.
+    Isolated,
+    /// Matches are dropped, the gaps kept.
+    Removed,
+}
+
+#[derive(Debug)]
+struct SplitStep {
+    regex: fancy_regex::Regex,
+    behavior: SplitBehavior,
+}
+
+/// Where an added token sits.
+#[derive(Debug, Clone, Copy)]
+struct Added {
+    id: TokenId,
+    special: bool,
+}
+
+/// A byte-level BPE tokenizer loaded from `tokenizer.json`. Cheap to share (`Sync`): encode
+/// and decode take `&self`.
+pub struct Tokenizer {
+    /// Token bytes to id, for the ordinary (non-added) vocabulary.
+    encoder: FxMap<Box<[u8]>, TokenId>,
+    /// The id of each single byte.
+    byte_ids: [TokenId; 256],
+    /// `(left << 32) | right` to `(rank, merged id)`.
+    merges: FxMap<u64, (u32, TokenId)>,
+    ignore_merges: bool,
+    /// Added tokens by content.
+    added: FxMap<Box<[u8]>, Added>,
+    /// Distinct added-token lengths, longest first.
+    added_lens: Vec<usize>,
+    /// Which bytes start an added token.
+    added_first: [bool; 256],
+    /// Bytes of every id: `spans[id] = (start, len)` into `bytes`, `len == u32::MAX` if unused.
+    spans: Vec<(u32, u32)>,
+    bytes: Vec<u8>,
+    /// Whether each id is a special added token.
+    special: Vec<bool>,
+    normalizers: Vec<NormForm>,
+    splits: Vec<SplitStep>,
+}
+
+impl fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab", &self.encoder.len())
+            .field("merges", &self.merges.len())
+            .field("added", &self.added.len())
+            .field("normalizers", &self.normalizers)
+            .field("splits", &self.splits.len())
+            .finish()
+    }
+}
+
+// ---- tokenizer.json, as read ----
+
+/// A string borrowed from the file when it has no escapes.
+#[derive(Deserialize)]
+struct Str<'a>(#[serde(borrow)] Cow<'a, str>);
+
+struct VocabJson<'a>(Vec<(Cow<'a, str>, TokenId)>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for VocabJson<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = VocabJson<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a map from token to id")
+            }
+            fn visit_map<M: MapAccess<'de>>(self, mut m: M) -> Result<Self::Value, M::Error> {
+                let mut out = Vec::with_capacity(m.size_hint().unwrap_or(0));
+                while let Some((k, v)) = m.next_entry::<Str<'de>, TokenId>()? {
+                    out.push((k.0, v));
+                }
+                Ok(VocabJson(out))
+            }
+        }
+        d.deserialize_map(V(std::marker::PhantomData))
+    }
+}
+
+/// A merge, written either `"a b"` (older files) or `["a", "b"]`.
+struct MergeJson<'a>(Cow<'a, str>, Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for MergeJson<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = MergeJson<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a merge: \"a b\" or [\"a\", \"b\"]")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, s: &'de str) -> Result<Self::Value, E> {
+                let (a, b) = s
+                    .split_once(' ')
+                    .ok_or_else(|| E::custom(format!("merge {s:?} has no space")))?;
+                Ok(MergeJson(Cow::Borrowed(a), Cow::Borrowed(b)))
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
+                let (a, b) = s
+                    .split_once(' ')
+                    .ok_or_else(|| E::custom(format!("merge {s:?} has no space")))?;
+                Ok(MergeJson(Cow::Owned(a.into()), Cow::Owned(b.into())))
+            }
+            fn visit_seq<S: SeqAccess<'de>>(self, mut s: S) -> Result<Self::Value, S::Error> {
+                let a: Str<'de> = s
+                    .next_element()?
+                    .ok_or_else(|| de::Error::invalid_length(0, &self))?;
+                let b: Str<'de> = s
+                    .next_element()?
+                    .ok_or_else(|| de::Error::invalid_length(1, &self))?;
+                if s.next_element::<de::IgnoredAny>()?.is_some() {
+                    return Err(de::Error::invalid_length(3, &self));
+                }
+                Ok(MergeJson(a.0, b.0))
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
+}
+
+#[derive(Deserialize)]
+struct AddedTokenJson<'a> {
+    id: TokenId,
+    #[serde(borrow)]
+    content: Cow<'a, str>,
+    #[serde(default)]
+    single_word: bool,
+    #[serde(default)]
+    lstrip: bool,
+    #[serde(default)]
+    rstrip: bool,
+    #[serde(default)]
+    special: bool,
+}
+
+#[derive(Deserialize)]
+struct ModelJson<'a> {
+    #[serde(rename = "type", default)]
+    kind: Option<String>,
+    #[serde(borrow)]
+    vocab: VocabJson<'a>,
+    #[serde(borrow)]
+    merges: Vec<MergeJson<'a>>,
+    #[serde(default)]
+    ignore_merges: bool,
+    #[serde(default)]
+    dropout: Option<f64>,
+    #[serde(default)]
+    continuing_subword_prefix: Option<String>,
+    #[serde(default)]
+    end_of_word_suffix: Option<String>,
+    #[serde(default)]
+    byte_fallback: bool,
+}
+
+#[derive(Deserialize)]
+struct TokenizerJson<'a> {
+    #[serde(default, borrow)]
+    added_tokens: Vec<AddedTokenJson<'a>>,
+    #[serde(default)]
+    normalizer: Option<serde_json::Value>,
+    #[serde(default)]
+    pre_tokenizer: Option<serde_json::Value>,
+    #[serde(default)]
+    decoder: Option<serde_json::Value>,
+    #[serde(borrow)]
+    model: ModelJson<'a>,
+}
+
+fn type_of(v: &serde_json::Value) -> &str {
+    v.get("type").and_then(|t| t.as_str()).unwrap_or("")
+}
+
+fn parse_normalizer(v: &serde_json::Value, out: &mut Vec<NormForm>) -> Result<(), LoadError> {
+    match type_of(v) {
+        "NFC" => out.push(NormForm::Nfc),
+        "NFD" => out.push(NormForm::Nfd),
+        "NFKC" => out.push(NormForm::Nfkc),
+        "NFKD" => out.push(NormForm::Nfkd),
+        "Sequence" => {
+            let list = v
+                .get("normalizers")
+                .and_then(|n| n.as_array())
+                .ok_or_else(|| {
+                    LoadError::Invalid("normalizer Sequence without \"normalizers\"".into())
+                })?;
+            for n in list {
+                parse_normalizer(n, out)?;
+            }
+        }
+        other => {
+            return Err(LoadError::Unsupported(format!(
+                "normalizer type {other:?} (supported: NFC, NFD, NFKC, NFKD, Sequence)"
+            )))
+        }
+    }
+    Ok(())
+}
+
+fn compile(pattern: &str) -> Result<fancy_regex::Regex, LoadError> {
+    fancy_regex::Regex::new(pattern).map_err(|e| {
+        LoadError::Unsupported(format!(
+            "pre-tokenizer regex {pattern:?} does not compile: {e}"
+        ))
+    })
+}
+
+fn parse_pre_tokenizer(v: &serde_json::Value, out: &mut Vec<SplitStep>) -> Result<(), LoadError> {
+    match type_of(v) {
+        "Sequence" => {
+            let list = v
+                .get("pretokenizers")
+                .and_then(|n| n.as_array())
+                .ok_or_else(|| {
+                    LoadError::Invalid("pre_tokenizer Sequence without \"pretokenizers\"".into())
+                })?;
+            for p in list {
+                parse_pre_tokenizer(p, out)?;
+            }
+        }
+        "Split" => {
+            let pattern = v.get("pattern").ok_or_else(|| {
+                LoadError::Invalid("Split pre-tokenizer without \"pattern\"".into())
+            })?;
+            let regex = if let Some(r) = pattern.get("Regex").and_then(|r| r.as_str()) {
+                compile(r)?
+            } else if let Some(s) = pattern.get("String").and_then(|r| r.as_str()) {
+                compile(&fancy_regex::escape(s))?
+            } else {
+                return Err(LoadError::Invalid(format!(
+                    "Split pattern {pattern} is neither {{\"Regex\": ..}} nor {{\"String\": ..}}"
+                )));
+            };
+            if v.get("invert").and_then(|i| i.as_bool()).unwrap_or(false) {
+                return Err(LoadError::Unsupported("Split with invert: true".into()));
+            }
+            let behavior = match v.get("behavior").and_then(|b| b.as_str()) {
+                Some("Isolated") => SplitBehavior::Isolated,
+                Some("Removed") => SplitBehavior::Removed,
+                other => {
+                    return Err(LoadError::Unsupported(format!(
+                        "Split behavior {other:?} (supported: Isolated, Removed)"
+                    )))
+                }
+            };
+            out.push(SplitStep { regex, behavior });
+        }
+        "ByteLevel" => {
+            if v.get("add_prefix_space")
+                .and_then(|b| b.as_bool())
+                .unwrap_or(false)
+            {
+                return Err(LoadError::Unsupported(
+                    "ByteLevel pre-tokenizer with add_prefix_space: true".into(),
+                ));
+            }
+            // The tokenizers library defaults use_regex to true.
+            if v.get("use_regex").and_then(|b| b.as_bool()).unwrap_or(true) {
+                out.push(SplitStep {
+                    regex: compile(GPT2_PATTERN)?,
+                    behavior: SplitBehavior::Isolated,
+                });
+            }
+        }
+        other => {
+            return Err(LoadError::Unsupported(format!(
+                "pre-tokenizer type {other:?} (supported: Sequence, Split, ByteLevel)"
+            )))
+        }
+    }
+    Ok(())
+}
+
+fn check_decoder(v: &serde_json::Value) -> Result<(), LoadError> {
+    match type_of(v) {
+        "ByteLevel" => Ok(()),
+        "Sequence" => {
+            let list = v
+                .get("decoders")
+                .and_then(|n| n.as_array())
+                .ok_or_else(|| {
+                    LoadError::Invalid("decoder Sequence without \"decoders\"".into())
+                })?;
+            list.iter().try_for_each(check_decoder)
+        }
+        other => Err(LoadError::Unsupported(format!(
+            "decoder type {other:?} (only byte-level tokenizers are supported)"
+        ))),
+    }
+}
+
+/// Reused buffers for one encode call.
+#[derive(Default)]
+struct Scratch {
+    syms: Vec<Sym>,
+    heap: BinaryHeap<std::cmp::Reverse<(u32, u32)>>,
+}
+
+#[derive(Clone, Copy)]
+struct Sym {
+    id: TokenId,
+    next: u32,
+    prev: u32,
+    alive: bool,
+}
+
+const NONE: u32 = u32::MAX;
+
+impl Tokenizer {
+    /// Loads `DIR/tokenizer.json`.
+    pub fn from_model_dir(dir: &Path) -> Result<Self, LoadError> {
+        Self::from_file(&dir.join("tokenizer.json"))
+    }
+
+    /// Loads a `tokenizer.json` file.
+    pub fn from_file(path: &Path) -> Result<Self, LoadError> {
+        let bytes = std::fs::read(path).map_err(|source| LoadError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_json(&bytes)
+    }
+
+    /// Builds a tokenizer from the bytes of a `tokenizer.json`.
+    pub fn from_json(json: &[u8]) -> Result<Self, LoadError> {
+        let file: TokenizerJson<'_> = serde_json::from_slice(json).map_err(LoadError::Json)?;
+        let model = file.model;
+        if let Some(kind) = model.kind.as_deref() {
+            if kind != "BPE" {
+                return Err(LoadError::Unsupported(format!(
+                    "model type {kind:?} (only BPE)"
+                )));
+            }
+        }
+        if model.dropout.is_some_and(|d| d > 0.0) {
+            return Err(LoadError::Unsupported("BPE dropout".into()));
+        }
+        if model
+            .continuing_subword_prefix
+            .as_deref()
+            .is_some_and(|s| !s.is_empty())
+            || model
+                .end_of_word_suffix
+                .as_deref()
+                .is_some_and(|s| !s.is_empty())
+        {
+            return Err(LoadError::Unsupported(
+                "continuing_subword_prefix / end_of_word_suffix".into(),
+            ));
+        }
+        if model.byte_fallback {
+            return Err(LoadError::Unsupported("byte_fallback".into()));
+        }
+        if let Some(d) = &file.decoder {
+            check_decoder(d)?;
+        }
+        let mut normalizers = Vec::new();
+        if let Some(n) = file.normalizer.as_ref().filter(|n| !n.is_null()) {
+            parse_normalizer(n, &mut normalizers)?;
+        }
+        let mut splits = Vec::new();
+        if let Some(p) = file.pre_tokenizer.as_ref().filter(|p| !p.is_null()) {
+            parse_pre_tokenizer(p, &mut splits)?;
+        }
+
+        let table = char_bytes();
+        // Vocabulary: token string (byte-level spelling) to bytes.
+        let max_vocab = model.vocab.0.iter().map(|(_, id)| *id).max();
+        let max_added = file.added_tokens.iter().map(|t| t.id).max();
+        let max_id = max_vocab.max(max_added).ok_or_else(|| {
+            LoadError::Invalid("the vocabulary and the added tokens are empty".into())
+        })?;
+        if max_id >= u32::MAX - 1 {
+            return Err(LoadError::Invalid(format!(
+                "token id {max_id} is too large"
+            )));
+        }
+        let n_ids = max_id as usize + 1;
+        let mut spans = vec![(0u32, u32::MAX); n_ids];
+        let mut bytes = Vec::new();
+        let mut encoder: FxMap<Box<[u8]>, TokenId> = FxMap::default();
+        encoder.reserve(model.vocab.0.len());
+        for (tok, id) in &model.vocab.0 {
+            let b = byte_level_decode(tok, &table).ok_or_else(|| {
+                LoadError::Unsupported(format!(
+                    "vocab token {tok:?} is not in byte-level (GPT-2) spelling"
+                ))
+            })?;
+            let slot = &mut spans[*id as usize];
+            if slot.1 != u32::MAX {
+                return Err(LoadError::Invalid(format!(
+                    "id {id} appears twice in the vocab"
+                )));
+            }
+            *slot = (bytes.len() as u32, b.len() as u32);
+            bytes.extend_from_slice(&b);
+            if encoder.insert(b.into_boxed_slice(), *id).is_some() {
+                return Err(LoadError::Invalid(format!("token {tok:?} appears twice")));
+            }
+        }
+        let mut byte_ids = [0; 256];
+        let bc = byte_chars();
+        for (b, slot) in byte_ids.iter_mut().enumerate() {
+            *slot = *encoder.get(&[b as u8][..]).ok_or_else(|| {
+                LoadError::Invalid(format!(
+                    "byte-level vocab has no token for byte 0x{b:02x} ({:?})",
+                    bc[b]
+                ))
+            })?;
+        }
+        let id_of = |s: &str| -> Result<TokenId, LoadError> {
+            let b = byte_level_decode(s, &table).ok_or_else(|| {
+                LoadError::Invalid(format!("merge part {s:?} is not in byte-level spelling"))
+            })?;
+            encoder
+                .get(&b[..])
+                .copied()
+                .ok_or_else(|| LoadError::Invalid(format!("merge part {s:?} is not in the vocab")))
+        };
+        let mut merges: FxMap<u64, (u32, TokenId)> = FxMap::default();
+        merges.reserve(model.merges.len());
+        for (rank, MergeJson(a, b)) in model.merges.iter().enumerate() {
+            let (ia, ib) = (id_of(a)?, id_of(b)?);
+            let joined = format!("{a}{b}");
+            let new = id_of(&joined).map_err(|_| {
+                LoadError::Invalid(format!(
+                    "merge {a:?} {b:?} makes {joined:?}, not in the vocab"
+                ))
+            })?;
+            // The first occurrence of a pair wins, as in the tokenizers library.
+            merges
+                .entry((u64::from(ia) << 32) | u64::from(ib))
+                .or_insert((rank as u32, new));
+        }
+
+        let mut special = vec![false; n_ids];
+        let mut added: FxMap<Box<[u8]>, Added> = FxMap::default();
+        let mut added_first = [false; 256];
+        let mut added_lens = Vec::new();
+        for t in &file.added_tokens {
+            if t.single_word || t.lstrip || t.rstrip {
+                return Err(LoadError::Unsupported(format!(
+                    "added token {:?} uses single_word/lstrip/rstrip",
+                    t.content
+                )));
+            }
+            if t.content.is_empty() {
+                return Err(LoadError::Invalid(format!("added token {} is empty", t.id)));
+            }
+            let b = t.content.as_bytes();
+            let slot = &mut spans[t.id as usize];
+            // An added token may repeat a vocab entry (same id); its content is its text.
+            *slot = (bytes.len() as u32, b.len() as u32);
+            bytes.extend_from_slice(b);
+            special[t.id as usize] = t.special;
+            added_first[b[0] as usize] = true;
+            if !added_lens.contains(&b.len()) {
+                added_lens.push(b.len());
+            }
+            added.insert(
+                b.into(),
+                Added {
+                    id: t.id,
+                    special: t.special,
+                },
+            );
+        }
+        added_lens.sort_unstable_by(|a, b| b.cmp(a));
+        if bytes.len() > u32::MAX as usize {
+            return Err(LoadError::Invalid("vocabulary bytes exceed 4 GiB".into()));
+        }
+        Ok(Self {
+            encoder,
+            byte_ids,
+            merges,
+            ignore_merges: model.ignore_merges,
+            added,
+            added_lens,
+            added_first,
+            spans,
+            bytes,
+            special,
+            normalizers,
+            splits,
+        })
+    }
+
+    /// One past the largest id (the size of an embedding table that covers every token).
+    pub fn vocab_size(&self) -> usize {
+        self.spans.len()
+    }
+
+    /// The id of a token given by its text: an added token by its content (`<|start|>`,
+    /// `<|im_end|>`), otherwise the vocab token whose bytes are the text's UTF-8.
+    pub fn token_to_id(&self, token: &str) -> Option<TokenId> {
+        match self.added.get(token.as_bytes()) {
+            Some(a) => Some(a.id),
+            None => self.encoder.get(token.as_bytes()).copied(),
+        }
+    }
+
+    /// The bytes of a token (an added token's content), or `None` for an unknown id.
+    pub fn token_bytes(&self, id: TokenId) -> Option<&[u8]> {
+        let &(start, len) = self.spans.get(id as usize)?;
+        if len == u32::MAX {
+            return None;
+        }
+        Some(&self.bytes[start as usize..(start + len) as usize])
+    }
+
+    /// Whether `id` is an added token marked special.
+    pub fn is_special(&self, id: TokenId) -> bool {
+        self.special.get(id as usize).copied().unwrap_or(false)
+    }
+
+    /// Encodes text. With `allow_special`, special added tokens written in the text
+    /// (`<|start|>`) become their ids; without it they are ordinary text. Added tokens that
+    /// are not special are always recognized (as the `tokenizers` library does).
+    pub fn encode(&self, text: &str, allow_special: bool) -> Result<Vec<TokenId>, EncodeError> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 1);
+        self.encode_into(text, allow_special, &mut out)?;
+        Ok(out)
+    }
+
+    /// Encodes text with every added token treated as ordinary text, not even the non-special
+    /// ones: what chat templates use for message content so that a user cannot forge
+    /// structure. (Equal to tiktoken's `encode_ordinary` for o200k_harmony.)
+    pub fn encode_ordinary(&self, text: &str) -> Result<Vec<TokenId>, EncodeError> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 1);
+        let mut scratch = Scratch::default();
+        self.encode_segment(text, &mut out, &mut scratch)?;
+        Ok(out)
+    }
+
+    /// [`Tokenizer::encode`], appending to `out`.
+    pub fn encode_into(
+        &self,
+        text: &str,
+        allow_special: bool,
+        out: &mut Vec<TokenId>,
+    ) -> Result<(), EncodeError> {
+        let mut scratch = Scratch::default();
+        let b = text.as_bytes();
+        let mut seg_start = 0;
+        let mut i = 0;
+        while i < b.len() {
+            if self.added_first[b[i] as usize] {
+                if let Some((len, id)) = self.added_at(&b[i..], allow_special) {
+                    // Both ends are char boundaries: the match is whole UTF-8 text.
+                    self.encode_segment(&text[seg_start..i], out, &mut scratch)?;
+                    out.push(id);
+                    i += len;
+                    seg_start = i;
+                    continue;
+                }
+            }
+            i += 1;
+        }
+        self.encode_segment(&text[seg_start..], out, &mut scratch)
+    }
+
+    fn added_at(&self, rest: &[u8], allow_special: bool) -> Option<(usize, TokenId)> {
+        for &len in &self.added_lens {
+            if len > rest.len() {
+                continue;
+            }
+            if let Some(a) = self.added.get(&rest[..len]) {
+                if allow_special || !a.special {
+                    return Some((len, a.id));
+                }
+            }
+        }
+        None
+    }
+
+    fn normalize<'t>(&self, text: &'t str) -> Cow<'t, str> {
+        let mut s = Cow::Borrowed(text);
+        for form in &self.normalizers {
+            let quick = match form {
+                NormForm::Nfc => unicode_normalization::is_nfc_quick(s.chars()),
+                NormForm::Nfd => unicode_normalization::is_nfd_quick(s.chars()),
+                NormForm::Nfkc => unicode_normalization::is_nfkc_quick(s.chars()),
+                NormForm::Nfkd => unicode_normalization::is_nfkd_quick(s.chars()),
+            };
+            if quick == unicode_normalization::IsNormalized::Yes {
+                continue;
+            }
+            s = Cow::Owned(match form {
+                NormForm::Nfc => s.nfc().collect(),
+                NormForm::Nfd => s.nfd().collect(),
+                NormForm::Nfkc => s.nfkc().collect(),
+                NormForm::Nfkd => s.nfkd().collect(),
+            });
+        }
+        s
+    }
+
+    /// Normalizes, pre-tokenizes and BPE-encodes text that holds no added token.
+    fn encode_segment(
+        &self,
+        text: &str,
+        out: &mut Vec<TokenId>,
+        scratch: &mut Scratch,
+    ) -> Result<(), EncodeError> {
+        if text.is_empty() {
+            return Ok(());
+        }
+        let text = self.normalize(text);
+        let text = text.as_ref();
+        match self.splits.as_slice() {
+            [] => self.bpe(text.as_bytes(), out, scratch),
+            [only] => {
+                // The common case (one Split): no intermediate list of pieces.
+                for_each_piece(only, text, |p| self.bpe(p.as_bytes(), out, scratch))?;
+            }
+            [first, rest @ ..] => {
+                let mut pieces = Vec::new();
+                for_each_piece(first, text, |p| pieces.push(p))?;
+                for step in rest {
+                    let mut next = Vec::with_capacity(pieces.len());
+                    for p in &pieces {
+                        for_each_piece(step, p, |q| next.push(q))?;
+                    }
+                    pieces = next;
+                }
+                for p in pieces {
+                    self.bpe(p.as_bytes(), out, scratch);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[inline]
+    fn merge_of(&self, a: TokenId, b: TokenId) -> Option<(u32, TokenId)> {
+        self.merges
+            .get(&((u64::from(a) << 32) | u64::from(b)))
+            .copied()
+    }
+
+    /// Byte-pair encodes one piece.
+    fn bpe(&self, piece: &[u8], out: &mut Vec<TokenId>, s: &mut Scratch) {
+        use std::cmp::Reverse;
+        match piece.len() {
+            0 => return,
+            1 => {
+                out.push(self.byte_ids[piece[0] as usize]);
+                return;
+            }
+            _ => {}
+        }
+        if self.ignore_merges {
+            if let Some(&id) = self.encoder.get(piece) {
+                out.push(id);
+                return;
+            }
+        }
+        let n = piece.len();
+        s.syms.clear();
+        s.syms.extend(piece.iter().enumerate().map(|(i, &b)| Sym {
+            id: self.byte_ids[b as usize],
+            prev: if i == 0 { NONE } else { i as u32 - 1 },
+            next: if i + 1 == n { NONE } else { i as u32 + 1 },
+            alive: true,
+        }));
+        s.heap.clear();
+        for i in 0..n - 1 {
+            if let Some((rank, _)) = self.merge_of(s.syms[i].id, s.syms[i + 1].id) {
+                s.heap.push(Reverse((rank, i as u32)));
+            }
+        }
+        // Lowest rank first, leftmost on ties; stale entries are skipped: an entry is current
+        // exactly when the pair now at its position still has its rank (ranks are unique).
+        while let Some(Reverse((rank, pos))) = s.heap.pop() {
+            let left = s.syms[pos as usize];
+            if !left.alive || left.next == NONE {
+                continue;
+            }
+            let right = s.syms[left.next as usize];
+            let Some((r, new)) = self.merge_of(left.id, right.id) else {
+                continue;
+            };
+            if r != rank {
+                continue;
+            }
+            s.syms[left.next as usize].alive = false;
+            let after = right.next;
+            {
+                let l = &mut s.syms[pos as usize];
+                l.id = new;
+                l.next = after;
+            }
+            if after != NONE {
+                s.syms[after as usize].prev = pos;
+                if let Some((r, _)) = self.merge_of(new, s.syms[after as usize].id) {
+                    s.heap.push(Reverse((r, pos)));
+                }
+            }
+            if left.prev != NONE {
+                if let Some((r, _)) = self.merge_of(s.syms[left.prev as usize].id, new) {
+                    s.heap.push(Reverse((r, left.prev)));
+                }
+            }
+        }
+        let mut i = 0;
+        while i != NONE {
+            out.push(s.syms[i as usize].id);
+            i = s.syms[i as usize].next;
+        }
+    }
+
+    /// The bytes of `ids` joined. Special tokens are left out with `skip_special`.
+    pub fn decode_bytes(
+        &self,
+        ids: &[TokenId],
+        skip_special: bool,
+    ) -> Result<Vec<u8>, DecodeError> {
+        let mut out = Vec::with_capacity(ids.len() * 4);
+        for &id in ids {
+            if skip_special && self.is_special(id) {
+                continue;
+            }
+            out.extend_from_slice(self.bytes_of(id)?);
+        }
+        Ok(out)
+    }
+
+    /// `ids` as text. Exact whenever the ids hold whole UTF-8 characters (any output of
+    /// [`Tokenizer::encode`] does); bytes that are not valid UTF-8 become U+FFFD.
+    pub fn decode(&self, ids: &[TokenId], skip_special: bool) -> Result<String, DecodeError> {
+        let bytes = self.decode_bytes(ids, skip_special)?;
+        Ok(match String::from_utf8(bytes) {
+            Ok(s) => s,
+            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        })
+    }
+
+    fn bytes_of(&self, id: TokenId) -> Result<&[u8], DecodeError> {
+        self.token_bytes(id).ok_or(DecodeError::UnknownId {
+            id,
+            max: self.spans.len().saturating_sub(1) as TokenId,
+        })
+    }
+}
+
+/// Calls `f` with each piece `step` cuts `text` into.
+fn for_each_piece<'t>(
+    step: &SplitStep,
+    text: &'t str,
+    mut f: impl FnMut(&'t str),
+) -> Result<(), EncodeError> {
+    let mut last = 0;
+    for m in step.regex.find_iter(text) {
+        let m = m.map_err(|e| EncodeError::Regex(Box::new(e)))?;
+        if m.start() == m.end() {
+            continue;
+        }
+        if m.start() > last {
+            f(&text[last..m.start()]);
+        }
+        if step.behavior == SplitBehavior::Isolated {
+            f(m.as_str());
+        }
+        last = m.end();
+    }
+    if last < text.len() {
+        f(&text[last..]);
+    }
+    Ok(())
+}
+
+/// Turns a stream of bytes into text that only ever holds whole characters.
+///
+/// Bytes that end inside a character are held until the rest arrives; a sequence that can
+/// never become valid UTF-8 is replaced by one U+FFFD per maximal invalid run (as
+/// `String::from_utf8_lossy` does), so the concatenation of everything emitted plus
+/// [`Utf8Stream::finish`] equals the lossy decoding of all the bytes at once.
+#[derive(Debug, Default, Clone)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+    out: String,
+}
+
+impl Utf8Stream {
+    /// A stream with nothing pending.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds bytes; returns the text they complete (maybe empty). Reuses an internal buffer.
+    pub fn push(&mut self, bytes: &[u8]) -> &str {
+        self.out.clear();
+        self.pending.extend_from_slice(bytes);
+        let mut start = 0;
+        loop {
+            match std::str::from_utf8(&self.pending[start..]) {
+                Ok(s) => {
+                    self.out.push_str(s);
+                    start = self.pending.len();
+                    break;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    let s = std::str::from_utf8(&self.pending[start..start + valid])
+                        .expect("valid_up_to marks valid UTF-8");
+                    self.out.push_str(s);
+                    start += valid;
+                    match e.error_len() {
+                        Some(bad) => {
+                            self.out.push('\u{FFFD}');
+                            start += bad;
+                        }
+                        // An incomplete character at the end: wait for more bytes.
+                        None => break,
+                    }
+                }
+            }
+        }
+        self.pending.drain(..start);
+        &self.out
+    }
+
+    /// Whether bytes of an incomplete character are held back.
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Ends the stream: what is held back, as U+FFFD (empty if nothing is pending).
+    pub fn finish(&mut self) -> String {
+        let s = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        s
+    }
+}
+
+/// Decodes ids one at a time for streaming, emitting only whole characters (see
+/// [`Utf8Stream`]). Holds no reference to the tokenizer, so it can live in a session.
+#[derive(Debug, Default, Clone)]
+pub struct StreamDecoder {
+    utf8: Utf8Stream,
+    skip_special: bool,
+}
+
+impl StreamDecoder {
+    /// A decoder; with `skip_special`, special tokens produce no text.
+    pub fn new(skip_special: bool) -> Self {
+        Self {
+            utf8: Utf8Stream::new(),
+            skip_special,
+        }
+    }
+
+    /// Adds one id; returns the text it completes (maybe empty).
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: TokenId) -> Result<&str, DecodeError> {
+        if self.skip_special && tokenizer.is_special(id) {
+            return Ok(self.utf8.push(&[]));
+        }
+        let bytes = tokenizer.bytes_of(id)?;
+        Ok(self.utf8.push(bytes))
+    }
+
+    /// Ends the stream (see [`Utf8Stream::finish`]).
+    pub fn finish(&mut self) -> String {
+        self.utf8.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_table_is_gpt2s() {
+        let t = byte_chars();
+        assert_eq!(t[b' ' as usize], 'Ġ');
+        assert_eq!(t[b'\n' as usize], 'Ċ');
+        assert_eq!(t[b'a' as usize], 'a');
+        assert_eq!(t[0], 'Ā');
+        let inv = char_bytes();
+        for b in 0..=255u8 {
+            assert_eq!(inv[t[b as usize] as usize], Some(b));
+        }
+    }
+
+    #[test]
+    fn utf8_stream_holds_split_characters() {
+        let text = "a€b😀";
+        let bytes = text.as_bytes();
+        let mut s = Utf8Stream::new();
+        let mut got = String::new();
+        for b in bytes {
+            got.push_str(s.push(std::slice::from_ref(b)));
+        }
+        assert!(!s.has_pending());
+        assert_eq!(got, text);
+        // "€" split after its first byte: nothing until complete.
+        let mut s = Utf8Stream::new();
+        assert_eq!(s.push(&bytes[..2]), "a");
+        assert!(s.has_pending());
+        assert_eq!(s.push(&bytes[2..4]), "€");
+    }
+
+    #[test]
+    fn utf8_stream_replaces_like_lossy() {
+        let cases: [&[u8]; 4] = [
+            b"ok\xffok",
+            b"\xe2\x82",
+            b"\xe2\x82x\xf0\x9f\x98\x80\x80",
+            b"\xc3\xa9\xed\xa0\x80z",
+        ];
+        for bytes in cases {
+            for cut in 0..=bytes.len() {
+                let mut s = Utf8Stream::new();
+                let mut got = s.push(&bytes[..cut]).to_string();
+                got.push_str(s.push(&bytes[cut..]));
+                got.push_str(&s.finish());
+                assert_eq!(
+                    got,
+                    String::from_utf8_lossy(bytes),
+                    "{bytes:?} cut at {cut}"
+                );
+            }
+        }
+    }
+}
