@@ -76,3 +76,46 @@ pub fn max_abs(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// The generated fixtures under `fixtures/extra/` (one folder each, see tests/oracle/README.md),
+/// sorted by name.
+pub fn extra_fixtures() -> Vec<PathBuf> {
+    let root = repo_root().join("fixtures").join("extra");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", root.display()))
+        .map(|e| e.expect("directory entry").path())
+        .filter(|p| p.join("config.json").is_file())
+        .collect();
+    dirs.sort();
+    dirs
+}
+
+/// Hidden states and router logits recorded by one forward pass, keyed by index and layer.
+#[derive(Debug, Default)]
+pub struct Capture {
+    pub hidden: Vec<Vec<f32>>,
+    pub router: Vec<Vec<f32>>,
+}
+
+impl stormo_engine::Observer for Capture {
+    fn hidden(&mut self, index: usize, xs: &[f32]) {
+        if self.hidden.len() <= index {
+            self.hidden.resize(index + 1, Vec::new());
+        }
+        self.hidden[index].extend_from_slice(xs);
+    }
+    fn router(&mut self, layer: usize, logits: &[f32]) {
+        if self.router.len() <= layer {
+            self.router.resize(layer + 1, Vec::new());
+        }
+        self.router[layer].extend_from_slice(logits);
+    }
+}
+
+/// The indices of the `k` largest entries of `row`, sorted ascending (a top-k set).
+pub fn top_set(row: &[f32], k: usize) -> Vec<usize> {
+    let mut idx = vec![0; k];
+    stormo_engine::ops::top_k(row, &mut idx);
+    idx.sort_unstable();
+    idx
+}

@@ -1,5 +1,6 @@
 //! Workspace integration tests, one binary with a module per area.
 
 mod chat;
+mod extra_oracle;
 mod oracle;
 mod tiers;
