@@ -601,6 +601,14 @@ impl Model {
                     m.plan
                         .route(&logits, e, cfg.top_k, cfg.routing, &mut s.probs);
                     m.logits = logits;
+                    if s.predicted_for == Some(l) {
+                        // share of this block's (position, expert) choices that were predicted
+                        for &x in &m.plan.experts {
+                            s.pred_total += 1;
+                            s.pred_hits += s.pred_set.get(x).copied().unwrap_or(false) as u64;
+                        }
+                        s.predicted_for = None;
+                    }
                     let schema = self.layout.schemas[l]
                         .as_ref()
                         .expect("MoE layer has an expert schema");

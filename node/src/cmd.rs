@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod convert;
 pub mod key;
 pub mod manifest;
 pub mod run;

@@ -5,4 +5,6 @@
 pub mod chat;
 pub mod cli;
 pub mod cmd;
+pub mod experts;
 pub mod logging;
+pub mod progress;

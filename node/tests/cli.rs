@@ -18,8 +18,11 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn stormo(args: &[&str]) -> Output {
+    // keep usage counts (the hot-store) out of the fixture folders
+    let cache = std::env::temp_dir().join(format!("stormo-cli-test-{}", std::process::id()));
     Command::new(env!("CARGO_BIN_EXE_stormo"))
         .args(args)
+        .env("XDG_CACHE_HOME", cache)
         .output()
         .expect("run stormo")
 }
@@ -86,6 +89,7 @@ fn run_model(dir: &Path, ids: &str) -> Output {
         dir.to_str().unwrap(),
         "--prompt-ids",
         ids,
+        "--no-hot-store",
         "--max-new-tokens",
         "2",
     ])
@@ -121,6 +125,7 @@ fn run_prints_the_reference_ids_and_json() {
         dir.to_str().unwrap(),
         "--prompt-ids-file",
         ids_file.to_str().unwrap(),
+        "--no-hot-store",
         "--max-new-tokens",
         &n,
         "--json",
@@ -151,6 +156,7 @@ fn run_prints_the_reference_ids_and_json() {
         dir.to_str().unwrap(),
         "--prompt-ids",
         &ids.join(","),
+        "--no-hot-store",
         "--max-new-tokens",
         "3",
     ]);
@@ -307,4 +313,76 @@ fn bad_prompts() {
     // fits exactly: 7 prompt + 2 new needs 8 positions
     let o = run_model(d.path(), "1,2,3,4,5,6,7");
     assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn convert_then_run_is_bit_identical_and_refuses_to_overwrite() {
+    let src = fixture("qwen3moe-tiny");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("store");
+    let o = stormo(&[
+        "convert",
+        "--model",
+        src.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out.join("experts.bin").is_file() && out.join("stormo-store.json").is_file());
+    let run = |dir: &Path, extra: &[&str]| {
+        let l = tmp
+            .path()
+            .join(format!("logits-{}.safetensors", extra.len()));
+        let mut args = vec![
+            "run",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            "5,6,7,8,9",
+            "--max-new-tokens",
+            "6",
+            "--no-hot-store",
+            "--logits-out",
+            l.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let o = stormo(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        (
+            String::from_utf8(o.stdout).unwrap(),
+            std::fs::read(&l).unwrap(),
+        )
+    };
+    let a = run(&src, &["--mmap-experts"]);
+    let b = run(&out, &["--expert-cache", "0"]);
+    assert_eq!(
+        a, b,
+        "store and original give the same ids and logits bytes"
+    );
+    // a second convert into the same folder is refused and leaves it intact
+    let before = std::fs::read(out.join("experts.bin")).unwrap();
+    let o = stormo(&[
+        "convert",
+        "--model",
+        src.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "-q",
+    ]);
+    assert_clean_error(&o, &["not empty"]);
+    assert_eq!(std::fs::read(out.join("experts.bin")).unwrap(), before);
+    assert_clean_error(&run_bad_cache(&src), &["--expert-cache", "parsecs"]);
+}
+
+fn run_bad_cache(dir: &Path) -> Output {
+    stormo(&[
+        "run",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+        "--expert-cache",
+        "5 parsecs",
+    ])
 }

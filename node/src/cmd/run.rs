@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use stormo_engine::generate::{greedy, Timings};
 use stormo_engine::safetensors::{self, Dtype};
-use stormo_engine::{LoadOptions, Model};
+use stormo_engine::{LoadOptions, Model, ModelFiles};
+
+use crate::experts::{ExpertArgs, Experts};
 
 /// Arguments of `stormo run`.
 #[derive(Debug, clap::Args)]
@@ -37,6 +39,12 @@ pub struct Args {
     /// every expert once per block for all positions that chose it.
     #[arg(long, default_value_t = 128, value_name = "N")]
     pub prefill_block: usize,
+    /// Print expert statistics (hits, loads, waits, prefetch) on stderr.
+    #[arg(long)]
+    pub stats: bool,
+    /// Where experts come from.
+    #[command(flatten)]
+    pub experts: ExpertArgs,
 }
 
 /// Parses token ids separated by commas and/or whitespace.
@@ -75,15 +83,27 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.prefill_block == 0 {
         bail!("--prefill-block must be at least 1");
     }
-    let model = Model::load(
-        &a.model,
+    let files = ModelFiles::open(&a.model)
+        .with_context(|| format!("loading the model in {}", a.model.display()))?;
+    let context = prompt.len() + a.max_new_tokens.max(1) - 1;
+    let max_pos = files.cfg.max_position_embeddings;
+    let experts = Experts::build(
+        &files,
+        &a.experts,
+        context.min(max_pos),
+        Vec::new(),
+        true,
+        None,
+    )?;
+    let model = Model::new(
+        files,
+        experts.provider.clone(),
         &LoadOptions {
             prefill_block: a.prefill_block,
         },
     )
     .with_context(|| format!("loading the model in {}", a.model.display()))?;
     let cfg = model.config();
-    let context = prompt.len() + a.max_new_tokens.max(1) - 1;
     if context > cfg.max_position_embeddings {
         bail!(
             "the prompt ({} tokens) plus {} new tokens needs {context} positions, more than the model's context of {} (max_position_embeddings)",
@@ -125,6 +145,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .with_context(|| format!("writing {}", path.display()))?;
     }
     let decode_steps = ids.len().saturating_sub(1);
+    experts.finish()?;
+    let prediction = sess.prediction();
+    if a.stats {
+        eprintln!("{}", experts.table(prediction));
+    }
     if a.json {
         let out = serde_json::json!({
             "generated_ids": ids,
@@ -135,6 +160,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 "decode_s": timings.decode_s,
                 "decode_tok_s": rate(decode_steps, timings.decode_s),
             },
+            "experts": experts.json(prediction),
         });
         println!("{out}");
     } else {

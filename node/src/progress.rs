@@ -1,0 +1,153 @@
+//! Progress on stderr for long work: a line redrawn in place on a terminal, an occasional plain
+//! line otherwise (logs, CI).
+
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+
+/// Reports `done` of `total` bytes with rate and ETA.
+#[derive(Debug)]
+pub struct Progress {
+    what: String,
+    start: Instant,
+    last: Option<Instant>,
+    tty: bool,
+    quiet: bool,
+}
+
+impl Progress {
+    /// A progress line for `what` (e.g. "converting").
+    pub fn new(what: &str) -> Self {
+        Self {
+            what: what.to_string(),
+            start: Instant::now(),
+            last: None,
+            tty: std::io::stderr().is_terminal(),
+            quiet: false,
+        }
+    }
+
+    /// Silences it.
+    pub fn quiet(mut self, q: bool) -> Self {
+        self.quiet = q;
+        self
+    }
+
+    /// Updates the line (rate-limited).
+    pub fn update(&mut self, done: u64, total: u64) {
+        if self.quiet {
+            return;
+        }
+        let every = if self.tty {
+            Duration::from_millis(200)
+        } else {
+            Duration::from_secs(5)
+        };
+        let now = Instant::now();
+        if self.last.is_some_and(|l| now - l < every) && done < total {
+            return;
+        }
+        self.last = Some(now);
+        let secs = (now - self.start).as_secs_f64().max(1e-9);
+        let rate = done as f64 / secs;
+        let eta = if rate > 0.0 {
+            (total.saturating_sub(done)) as f64 / rate
+        } else {
+            0.0
+        };
+        let pct = if total > 0 {
+            100.0 * done as f64 / total as f64
+        } else {
+            100.0
+        };
+        let line = format!(
+            "{}: {} / {} ({pct:.0}%), {}/s, ETA {eta:.0}s",
+            self.what,
+            human_bytes(done),
+            human_bytes(total),
+            human_bytes(rate as u64)
+        );
+        let mut e = std::io::stderr().lock();
+        if self.tty {
+            let _ = write!(e, "\r\x1b[2K{line}");
+        } else {
+            let _ = writeln!(e, "{line}");
+        }
+        let _ = e.flush();
+    }
+
+    /// Ends the line.
+    pub fn finish(&mut self) {
+        if !self.quiet && self.tty && self.last.is_some() {
+            eprintln!();
+        }
+    }
+}
+
+/// Bytes in binary units ("1.5 GiB").
+pub fn human_bytes(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < U.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
+}
+
+/// Parses a size: a number with an optional unit. `KiB`/`MiB`/`GiB`/`TiB` and bare `K`/`M`/`G`/`T`
+/// are binary; `KB`/`MB`/`GB`/`TB` are decimal; `B` or no unit is bytes. Decimals are allowed.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (examples: 0, 512MiB, 6GiB, 1.5G)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tib" => 1024.0f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        u => {
+            return Err(format!(
+                "{s:?}: unknown size unit {u:?} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+            ))
+        }
+    };
+    let v = n * mult;
+    if !v.is_finite() || v < 0.0 || v > u64::MAX as f64 {
+        return Err(format!("{s:?} is out of range"));
+    }
+    Ok(v as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("0"), Ok(0));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("6GiB"), Ok(6 << 30));
+        assert_eq!(parse_size("1.5G"), Ok(3 << 29));
+        assert_eq!(parse_size("2GB"), Ok(2_000_000_000));
+        assert_eq!(parse_size(" 10 k "), Ok(10240));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("5 parsecs").is_err());
+        assert!(parse_size("-1G").is_err());
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+    }
+}
