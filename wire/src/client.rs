@@ -199,6 +199,12 @@ pub enum StartError {
     /// The expert's length is zero.
     #[error("an expert of length 0 cannot be fetched")]
     EmptyExpert,
+    /// The range is too large to hold in memory here.
+    #[error("cannot reserve {len} bytes for the answer")]
+    TooLarge {
+        /// Bytes asked for.
+        len: u64,
+    },
     /// The verifier does not fit the request.
     #[error("verifier does not fit the request: {0}")]
     Verifier(String),
@@ -480,6 +486,14 @@ impl Requests {
                 )));
             }
         }
+        // An exact range was sized by the caller (from the manifest); reserve it now, and refuse
+        // a size this process cannot hold rather than abort. A manifest grows as its bytes
+        // arrive, bounded by the caller's limit.
+        let mut buf = Vec::new();
+        if exact {
+            buf.try_reserve_exact((end - start) as usize)
+                .map_err(|_| StartError::TooLarge { len: end - start })?;
+        }
         let id = RequestId(self.next_id);
         self.next_id += 1;
         let msg = match fetch.resource {
@@ -497,13 +511,6 @@ impl Requests {
         };
         self.transmits.push_back(msg);
         let timeout = fetch.timeout.unwrap_or(self.config.timeout);
-        // An exact range was sized by the caller (from the manifest); a manifest grows as
-        // its bytes arrive, bounded by the caller's limit.
-        let buf = if exact {
-            Vec::with_capacity((end - start) as usize)
-        } else {
-            Vec::new()
-        };
         self.pending.insert(
             id,
             Pending {

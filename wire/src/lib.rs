@@ -41,6 +41,10 @@
 //!   [`GetManifest`] (and possibly [`Cancel`] later, or resets the stream); the responder writes
 //!   [`Data`]\* then [`End`], or an [`ErrorMessage`], then finishes the stream.
 //!   [`Message::request_id`] routes each message from `poll_transmit` to its stream.
+//!   Request ids are per direction: answers on streams this node opened go to its
+//!   [`Requests`], requests on streams the peer opened go to its [`Server`], and the two id
+//!   spaces never mix. Closing a request's stream early (reset / stop) means the same as
+//!   [`Cancel`]: feed the [`Server`] a `Cancel` for it.
 //! - A frame that does not decode closes the connection with
 //!   [`ErrorCode::PROTOCOL_VIOLATION`]; it never takes down the node.
 //!

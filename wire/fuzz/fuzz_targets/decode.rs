@@ -35,7 +35,17 @@ fuzz_target!(|input: &[u8]| {
     let mut client = Requests::new(RequestsConfig::default());
     let model = Hash::of(b"fuzz");
     for e in 0..4 {
-        let _ = client.start(now, Fetch::expert(model, ExpertId { layer: 0, expert: e }, 4096));
+        let _ = client.start(
+            now,
+            Fetch::expert(
+                model,
+                ExpertId {
+                    layer: 0,
+                    expert: e,
+                },
+                4096,
+            ),
+        );
     }
     let _ = client.start(now, Fetch::manifest(model, 1 << 16));
     let mut server = Server::new(ServerConfig { max_concurrent: 2 });

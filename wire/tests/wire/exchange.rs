@@ -723,3 +723,19 @@ fn hello_exchange_and_inventory_tracking() {
     .unwrap();
     assert_eq!(view.iter().collect::<Vec<_>>(), vec![expert(23, 31)]);
 }
+
+#[test]
+fn impossible_sizes_are_refused_not_aborted() {
+    let mut c = Requests::new(RequestsConfig::default());
+    let now = std::time::Instant::now();
+    assert_eq!(
+        c.start(now, Fetch::expert(model(), expert(0, 0), u64::MAX)),
+        Err(StartError::TooLarge { len: u64::MAX })
+    );
+    assert_eq!(
+        c.start(now, Fetch::expert(model(), expert(0, 0), 0)),
+        Err(StartError::EmptyExpert)
+    );
+    assert!(c.poll_transmit().is_none());
+    assert_eq!(c.outstanding(), 0);
+}
