@@ -63,7 +63,7 @@
 //! # Messages
 //! | tag | message | fields (in order) | sent on |
 //! |---|---|---|---|
-//! | 0 | [`Hello`] | version u32, node [u8;32], models Vec\<Hash\> (≤ [`MAX_MODELS`]), limits {max_concurrent_requests u32} | control |
+//! | 0 | [`Hello`] | version u32, node `[u8; 32]`, models Vec\<Hash\> (≤ [`MAX_MODELS`]), limits {max_concurrent_requests u32} | control |
 //! | 1 | [`Inventory`] | model Hash, experts {layers u16, experts_per_layer u16, bitmap Vec\<u8\>} | control |
 //! | 2 | [`InventoryUpdate`] | model Hash, added Vec\<ExpertId\>, removed Vec\<ExpertId\> (≤ [`MAX_UPDATE_EXPERTS`] together) | control |
 //! | 3 | [`Get`] | request_id u64, model Hash, expert {layer u16, expert u16}, range Option\<{offset u64, len u64}\>, priority {0 Now, 1 Prefetch} | request |
