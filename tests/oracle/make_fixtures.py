@@ -249,6 +249,34 @@ CASES = [
         ),
     ),
     dict(
+        name="gptoss-hub-no-rope-scaling",
+        family="gpt_oss",
+        layout="pretrained",
+        dtype="bf16",
+        config_form="hub",
+        # config.json has rope_theta but no rope_scaling: Transformers' GptOssConfig then applies
+        # its default YaRN (factor 32, beta 32/1, L0 4096, truncate false), as the model uses
+        drop_rope_scaling=True,
+        shards=1,
+        prompt_len=26,
+        gen=20,
+        seed=17,
+        cfg=dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=16,
+            vocab_size=359,
+            sliding_window=9,
+            rope_parameters=dict(YARN_HUB, rope_theta=20000.0),
+            max_position_embeddings=131072,
+        ),
+    ),
+    dict(
         name="qwen3-dense-layers-hub",
         family="qwen3_moe",
         layout="qwen",
@@ -645,6 +673,8 @@ def hub_config(case, config):
         "output_router_logits": False,
         "router_aux_loss_coef": 0.9 if fam == "gpt_oss" else 0.001,
     }
+    if case.get("drop_rope_scaling"):
+        del d["rope_scaling"]
     if fam == "gpt_oss":
         experts_key = "num_experts" if case.get("num_experts_key") else "num_local_experts"
         d.update(
