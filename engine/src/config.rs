@@ -414,12 +414,23 @@ impl Fields<'_> {
             "yarn" => {
                 let g =
                     |k: &str| opt_f64_in(m, k).map_err(|e| self.err(format!("rope scaling: {e}")));
-                let factor = g("factor")?.ok_or_else(|| {
-                    self.err("rope scaling of type yarn has no \"factor\"".into())
-                })?;
-                let original = match g("original_max_position_embeddings")? {
-                    Some(x) => x,
-                    None => self.usize("max_position_embeddings")? as f64 / factor,
+                // As Transformers' standardize_rope_params: a top-level
+                // original_max_position_embeddings wins, then the scaling dict's, then
+                // max_position_embeddings; a missing factor is max_position / original.
+                let max_pos = self.opt_usize("max_position_embeddings")?;
+                let original = match (self.opt_f64("original_max_position_embeddings")?, g("original_max_position_embeddings")?, max_pos) {
+                    (Some(x), _, _) | (None, Some(x), _) => x,
+                    (None, None, Some(m)) => m as f64,
+                    (None, None, None) => {
+                        return Err(self.err("rope scaling of type yarn needs original_max_position_embeddings or max_position_embeddings".into()))
+                    }
+                };
+                let factor = match (g("factor")?, max_pos) {
+                    (Some(f), _) => f,
+                    (None, Some(m)) => m as f64 / original,
+                    (None, None) => {
+                        return Err(self.err("rope scaling of type yarn has no \"factor\"".into()))
+                    }
                 };
                 let truncate = match m.get("truncate") {
                     None | Some(Value::Null) => true,
