@@ -28,6 +28,8 @@ pub enum Command {
     /// Create and show Ed25519 node and publisher keys.
     #[command(subcommand)]
     Key(cmd::key::Command),
+    /// Measure prefill and decode speed beside the machine's memory and disk bandwidth.
+    Bench(cmd::bench::Args),
     /// Write a checkpoint's experts as a flat store of 4 KiB-aligned records (one read each).
     Convert(cmd::convert::Args),
     /// Turn text into token ids with the model's tokenizer, or ids back into text.
@@ -44,6 +46,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Key(c) => cmd::key::run(c),
         Command::Tokenize(a) => cmd::tokenize::run(a),
         Command::Convert(a) => cmd::convert::run(a),
+        Command::Bench(a) => cmd::bench::run(a),
         Command::Synth(a) => cmd::synth::run(a),
     }
 }

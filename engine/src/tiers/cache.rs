@@ -335,7 +335,8 @@ impl ExpertProvider for TieredExperts {
         let mut g = sh.lock();
         g.clock += 1;
         let clock = g.clock;
-        let mut batch: Vec<Vec<ExpertKey>> = vec![Vec::new(); sh.tiers.len()];
+        // allocated on the first miss only: an all-hit fetch allocates nothing
+        let mut batch: Vec<Vec<ExpertKey>> = Vec::new();
         for &e in experts {
             let k = ExpertKey::new(layer, e);
             g.stats.requests += 1;
@@ -381,6 +382,9 @@ impl ExpertProvider for TieredExperts {
                 },
             );
             g.used += len;
+            if batch.is_empty() {
+                batch.resize(sh.tiers.len(), Vec::new());
+            }
             batch[tier].push(k);
         }
         drop(g);
@@ -430,7 +434,8 @@ impl ExpertProvider for TieredExperts {
             return;
         }
         let mut g = sh.lock();
-        let mut batch: Vec<Vec<ExpertKey>> = vec![Vec::new(); sh.tiers.len()];
+        // allocated on the first miss only: an all-hit fetch allocates nothing
+        let mut batch: Vec<Vec<ExpertKey>> = Vec::new();
         for &e in experts {
             let k = ExpertKey::new(layer, e);
             if g.map.contains_key(&k) {
@@ -455,6 +460,9 @@ impl ExpertProvider for TieredExperts {
                 },
             );
             g.used += len;
+            if batch.is_empty() {
+                batch.resize(sh.tiers.len(), Vec::new());
+            }
             batch[tier].push(k);
         }
         drop(g);

@@ -1,0 +1,311 @@
+//! `stormo bench`: prefill and decode speed of a model on this machine, beside the physical
+//! bounds measured by the same command (memory and disk bandwidth).
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use rayon::prelude::*;
+use stormo_engine::generate::argmax;
+use stormo_engine::{LoadOptions, Logits, Model, ModelFiles};
+
+use crate::experts::{ExpertArgs, Experts};
+use crate::progress::{human_bytes, parse_size};
+
+/// Arguments of `stormo bench`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The model directory.
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Prompt lengths to time prefill at (comma separated).
+    #[arg(
+        long,
+        default_value = "64,128",
+        value_delimiter = ',',
+        value_name = "N,.."
+    )]
+    pub prompt_tokens: Vec<usize>,
+    /// Tokens to decode after the last prompt.
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    pub decode_tokens: usize,
+    /// Seed of the random prompt tokens.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Warm the expert cache with one untimed prefill first (experts resident, as in a
+    /// long-running server), instead of timing from a cold cache.
+    #[arg(long)]
+    pub warm: bool,
+    /// Size of the buffer used to measure memory bandwidth.
+    #[arg(long, default_value = "1GiB", value_name = "SIZE")]
+    pub mem_test: String,
+    /// Bytes to read from the checkpoint to measure disk bandwidth (0 skips it).
+    #[arg(long, default_value = "1GiB", value_name = "SIZE")]
+    pub disk_test: String,
+    /// Positions per prefill block.
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    pub prefill_block: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Where experts come from.
+    #[command(flatten)]
+    pub experts: ExpertArgs,
+}
+
+/// Memory read bandwidth in bytes/s: the median of 5 parallel sums over a `bytes` buffer.
+pub fn memory_bandwidth(bytes: usize) -> f64 {
+    let n = (bytes / 8).max(1 << 16);
+    let buf: Vec<u64> = (0..n as u64).collect();
+    let mut rates: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            let s: u64 = buf
+                .par_chunks(1 << 16)
+                .map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))
+                .sum();
+            std::hint::black_box(s);
+            (n * 8) as f64 / t.elapsed().as_secs_f64()
+        })
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    rates[2]
+}
+
+/// Disk read bandwidth in bytes/s over the largest checkpoint file (O_DIRECT where allowed, so
+/// the page cache does not flatter it). Returns the rate and whether O_DIRECT was used.
+fn disk_bandwidth(files: &ModelFiles, limit: u64) -> anyhow::Result<Option<(f64, bool)>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let Some((path, len)) = files.layout.files.iter().max_by_key(|f| f.1).cloned() else {
+        return Ok(None);
+    };
+    let want = limit.min(len) as usize / (4 << 20) * (4 << 20);
+    if want == 0 {
+        return Ok(None);
+    }
+    let (mut f, direct) = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc_o_direct())
+        .open(&path)
+    {
+        Ok(f) => (f, true),
+        Err(_) => (
+            std::fs::File::open(&path).with_context(|| path.display().to_string())?,
+            false,
+        ),
+    };
+    // a 4 KiB-aligned window of a larger buffer (O_DIRECT needs aligned memory)
+    let mut raw = vec![0u8; (4 << 20) + 4096];
+    let skew = raw.as_ptr() as usize % 4096;
+    let off = if skew == 0 { 0 } else { 4096 - skew };
+    let buf = &mut raw[off..off + (4 << 20)];
+    let t = Instant::now();
+    let mut done = 0;
+    while done < want {
+        let n = f.read(buf).with_context(|| path.display().to_string())?;
+        if n == 0 {
+            break;
+        }
+        done += n;
+    }
+    Ok(Some((done as f64 / t.elapsed().as_secs_f64(), direct)))
+}
+
+fn libc_o_direct() -> i32 {
+    // O_DIRECT differs by architecture; the engine links libc for it.
+    #[cfg(any(target_arch = "aarch64", target_arch = "arm"))]
+    {
+        0o200000
+    }
+    #[cfg(not(any(target_arch = "aarch64", target_arch = "arm")))]
+    {
+        0o40000
+    }
+}
+
+fn peak_rss() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let l = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    Some(l.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+}
+
+/// Bytes each decoded token must read: every dense weight except the embedding table (one row),
+/// the head, and top-k experts in every MoE layer.
+pub fn bytes_per_token(files: &ModelFiles) -> u64 {
+    let cfg = &files.cfg;
+    let expert_names = files.layout.expert_tensor_names();
+    let mut dense = 0u64;
+    for (name, t) in &files.ckpt.tensors {
+        if expert_names.contains(name.as_str()) {
+            continue;
+        }
+        if name == "model.embed_tokens.weight" && !cfg.tie_word_embeddings {
+            dense += t.len / cfg.vocab_size.max(1) as u64;
+        } else {
+            dense += t.len;
+        }
+    }
+    let experts: u64 = files
+        .layout
+        .sizes()
+        .iter()
+        .filter(|l| !l.is_empty())
+        .map(|l| l[0] * cfg.top_k as u64)
+        .sum();
+    dense + experts
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // splitmix64
+        self.0 = self.0.wrapping_add(0x9e3779b97f4a7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
+        z ^ (z >> 31)
+    }
+}
+
+/// Runs `stormo bench`.
+pub fn run(a: Args) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !a.prompt_tokens.is_empty() && a.prompt_tokens.iter().all(|&p| p > 0),
+        "--prompt-tokens needs positive lengths"
+    );
+    let mem_test = parse_size(&a.mem_test).map_err(|e| anyhow::anyhow!("--mem-test: {e}"))?;
+    let disk_test = parse_size(&a.disk_test).map_err(|e| anyhow::anyhow!("--disk-test: {e}"))?;
+    let files = ModelFiles::open(&a.model)
+        .with_context(|| format!("loading the model in {}", a.model.display()))?;
+    let max_p = *a.prompt_tokens.iter().max().expect("non-empty");
+    let context = max_p + a.decode_tokens;
+    anyhow::ensure!(
+        context <= files.cfg.max_position_embeddings,
+        "{context} positions exceed the model's context"
+    );
+    let say = |m: String| {
+        if !a.json {
+            eprintln!("{m}");
+        }
+    };
+    say("measuring memory bandwidth...".into());
+    let mem_bw = memory_bandwidth(mem_test as usize);
+    say("measuring disk bandwidth...".into());
+    let disk = if disk_test > 0 {
+        disk_bandwidth(&files, disk_test)?
+    } else {
+        None
+    };
+    let bpt = bytes_per_token(&files);
+    let vocab = files.cfg.vocab_size as u64;
+    let experts = Experts::build(&files, &a.experts, context, Vec::new(), true, None)?;
+    let model = Model::new(
+        files,
+        experts.provider.clone(),
+        &LoadOptions {
+            prefill_block: a.prefill_block,
+        },
+    )?;
+    let mut rng = Rng(a.seed);
+    let mut prompt =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next() % vocab) as u32).collect() };
+    if a.warm {
+        say("warming the expert cache...".into());
+        let mut s = model.session(max_p)?;
+        model.forward(&mut s, &prompt(max_p), Logits::Last, None)?;
+    }
+    let mut prefill = Vec::new();
+    let mut last = None;
+    for &p in &a.prompt_tokens {
+        say(format!("prefill of {p} tokens..."));
+        let mut s = model.session(context)?;
+        let toks = prompt(p);
+        let t = Instant::now();
+        let l = model.forward(&mut s, &toks, Logits::Last, None)?;
+        let secs = t.elapsed().as_secs_f64();
+        let next = argmax(l);
+        prefill.push(serde_json::json!({"tokens": p, "seconds": secs, "tok_s": p as f64 / secs}));
+        last = Some((s, next));
+    }
+    let (mut sess, mut tok) = last.expect("at least one prompt");
+    say(format!("decoding {} tokens...", a.decode_tokens));
+    let before = experts.stats();
+    let t = Instant::now();
+    for _ in 0..a.decode_tokens {
+        let l = model.forward(&mut sess, &[tok], Logits::Last, None)?;
+        tok = argmax(l);
+    }
+    let dsecs = t.elapsed().as_secs_f64();
+    let after = experts.stats();
+    let decode_tok_s = a.decode_tokens as f64 / dsecs;
+    let bound = mem_bw / bpt as f64;
+    let tier_bytes = |s: &Option<stormo_engine::tiers::ExpertStats>, name: &str| {
+        s.as_ref()
+            .and_then(|s| s.tiers.iter().find(|t| t.name == name).map(|t| t.bytes))
+            .unwrap_or(0)
+    };
+    let disk_per_tok = (tier_bytes(&after, "disk") - tier_bytes(&before, "disk")) as f64
+        / a.decode_tokens.max(1) as f64;
+    let out = serde_json::json!({
+        "model": a.model.display().to_string(),
+        "threads": rayon::current_num_threads(),
+        "simd": stormo_engine::kernels::Tier::process().name(),
+        "memory_bandwidth_gb_s": mem_bw / 1e9,
+        "disk_bandwidth_gb_s": disk.map(|d| d.0 / 1e9),
+        "disk_direct_io": disk.map(|d| d.1),
+        "bytes_per_decoded_token": bpt,
+        "decode_bound_tok_s": bound,
+        "prefill": prefill,
+        "decode": {"tokens": a.decode_tokens, "seconds": dsecs, "tok_s": decode_tok_s, "fraction_of_memory_bound": decode_tok_s / bound, "disk_bytes_per_token": disk_per_tok},
+        "experts": experts.json(sess.prediction()),
+        "peak_rss_bytes": peak_rss(),
+    });
+    experts.finish()?;
+    if a.json {
+        println!("{out}");
+        return Ok(());
+    }
+    println!("model            {}", a.model.display());
+    println!(
+        "threads          {} (kernels: {})",
+        rayon::current_num_threads(),
+        stormo_engine::kernels::Tier::process().name()
+    );
+    println!("memory           {:.1} GB/s read", mem_bw / 1e9);
+    if let Some((d, direct)) = disk {
+        println!(
+            "disk             {:.2} GB/s read{}",
+            d / 1e9,
+            if direct {
+                " (O_DIRECT)"
+            } else {
+                " (page cache may help)"
+            }
+        );
+    }
+    println!(
+        "per decoded token {} must be read: bound {:.2} tok/s at memory speed",
+        human_bytes(bpt),
+        bound
+    );
+    for p in out["prefill"].as_array().expect("list") {
+        println!(
+            "prefill {:>5} tok {:>8.2} tok/s",
+            p["tokens"],
+            p["tok_s"].as_f64().unwrap_or(0.0)
+        );
+    }
+    println!(
+        "decode  {:>5} tok {:>8.2} tok/s = {:.0}% of the memory bound; disk {} per token",
+        a.decode_tokens,
+        decode_tok_s,
+        100.0 * decode_tok_s / bound,
+        human_bytes(disk_per_tok as u64)
+    );
+    println!("{}", experts.table(sess.prediction()));
+    if let Some(r) = peak_rss() {
+        println!("peak RSS         {}", human_bytes(r));
+    }
+    Ok(())
+}
