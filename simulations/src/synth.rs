@@ -28,9 +28,8 @@
 //! embedding ~ N(0, 0.02), norms ~ N(1, 0.05), biases ~ N(0, 0.02), sinks ~ N(0, 0.5). MXFP4
 //! experts draw each 4-bit code from a rounded Gaussian and each block's E8M0 scale from two
 //! neighbouring exponents, mixed so the dequantised weights have the same N(0, 1/fan_in)
-//! variance. With [`HotExperts`], a seeded subset of each layer's experts gets a router bias
-//! (GPT-OSS) or a larger router row (Qwen3, whose router has no bias), so routing is skewed
-//! as in real models.
+//! variance. With [`HotExperts`] (GPT-OSS), a seeded subset of each layer's experts gets a
+//! larger router bias, so routing is skewed as in real models.
 //!
 //! # Determinism
 //! Element `i` of tensor `t` is a pure function of (seed, name of `t`, `i`), so the bytes do
@@ -247,13 +246,15 @@ impl Geometry {
     }
 }
 
-/// Skewed routing: a seeded subset of each layer's experts is preferred by the router.
+/// Skewed routing: a seeded subset of each layer's experts is preferred by the router, through
+/// its bias. GPT-OSS only: Qwen3-MoE's router has no bias, and scaling its rows instead does not
+/// make experts reliably hot with random weights (the hidden states share a component across
+/// positions, so a larger row pushes its expert's logit down as often as up).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct HotExperts {
     /// Share of each layer's experts that are hot, in (0, 1]; at least one expert is hot.
     pub fraction: f64,
-    /// GPT-OSS: added to the hot experts' router bias (router logits are ~N(0, 1)).
-    /// Qwen3: the hot experts' router rows are scaled by `1 + bias`.
+    /// Added to the hot experts' router bias (router logits are about N(0, 1)).
     pub bias: f32,
 }
 
@@ -328,6 +329,13 @@ impl SynthError {
 pub fn plan(opts: &SynthOptions) -> Result<Plan, SynthError> {
     opts.geometry.validate()?;
     if let Some(h) = opts.hot {
+        if opts.geometry.family != Family::GptOss {
+            return Err(SynthError::Option(
+                "--hot-experts needs a router bias; Qwen3-MoE's router has no bias, so skewed \
+                 routing is only available for the GPT-OSS presets"
+                    .into(),
+            ));
+        }
         if !(h.fraction > 0.0 && h.fraction <= 1.0) {
             return Err(SynthError::Option(format!(
                 "hot-experts fraction must be in (0, 1], got {}",

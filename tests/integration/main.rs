@@ -3,4 +3,5 @@
 mod chat;
 mod extra_oracle;
 mod oracle;
+mod synth;
 mod tiers;

@@ -1,14 +1,286 @@
-//! `stormo synth`: random-weight checkpoints at real geometry. (Not implemented yet.)
+//! `stormo synth`: random-weight checkpoints at real geometry, in the published layout.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use stormo_simulations::synth::{self, HotExperts, Overrides, Preset, Progress, SynthOptions};
+
+/// A published model to imitate.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum PresetArg {
+    /// openai/gpt-oss-20b: 24 layers, 32 MXFP4 experts per layer (about 13.8 GB).
+    #[value(name = "gpt-oss-20b")]
+    GptOss20b,
+    /// openai/gpt-oss-120b: 36 layers, 128 MXFP4 experts per layer (about 65 GB).
+    #[value(name = "gpt-oss-120b")]
+    GptOss120b,
+    /// Qwen/Qwen3-30B-A3B: 48 layers, 128 BF16 experts per layer (about 61 GB).
+    #[value(name = "qwen3-30b-a3b")]
+    Qwen3_30bA3b,
+}
+
+impl From<PresetArg> for Preset {
+    fn from(p: PresetArg) -> Self {
+        match p {
+            PresetArg::GptOss20b => Self::GptOss20b,
+            PresetArg::GptOss120b => Self::GptOss120b,
+            PresetArg::Qwen3_30bA3b => Self::Qwen3_30bA3b,
+        }
+    }
+}
+
+/// Geometry overrides, for small test and demo models.
+#[derive(Debug, clap::Args)]
+#[command(next_help_heading = "Geometry overrides (default: the preset's)")]
+pub struct GeometryArgs {
+    /// Decoder layers.
+    #[arg(long, value_name = "N")]
+    pub layers: Option<usize>,
+    /// Residual width (a multiple of 32 for GPT-OSS).
+    #[arg(long, value_name = "N")]
+    pub hidden: Option<usize>,
+    /// Per-expert intermediate width (a multiple of 32 for GPT-OSS).
+    #[arg(long, value_name = "N")]
+    pub intermediate: Option<usize>,
+    /// Experts per layer.
+    #[arg(long, value_name = "N")]
+    pub experts: Option<usize>,
+    /// Experts chosen per token.
+    #[arg(long, value_name = "N")]
+    pub top_k: Option<usize>,
+    /// Vocabulary size (eos/pad/bos ids beyond it are moved to its last ids).
+    #[arg(long, value_name = "N")]
+    pub vocab: Option<usize>,
+    /// Query heads.
+    #[arg(long, value_name = "N")]
+    pub heads: Option<usize>,
+    /// Key/value heads (must divide --heads).
+    #[arg(long, value_name = "N")]
+    pub kv_heads: Option<usize>,
+    /// Width of each head (even).
+    #[arg(long, value_name = "N")]
+    pub head_dim: Option<usize>,
+}
 
 /// Arguments of `stormo synth`.
+///
+/// Writes a checkpoint with random weights but the exact geometry and on-disk layout of a
+/// published model: sharded safetensors with `model.safetensors.index.json`, `config.json` and
+/// `generation_config.json` as the Hugging Face hub ships them (GPT-OSS experts in MXFP4,
+/// everything else BF16). The same seed always gives byte-identical files. Weights are drawn
+/// so a forward pass stays finite with varied logits; they carry no knowledge.
+///
+/// Example: `stormo synth --preset gpt-oss-20b --out /data/gpt-oss-20b` (13.8 GB), or a small
+/// model with the real vocabulary: `stormo synth --preset gpt-oss-20b --layers 2 --hidden 256
+/// --intermediate 256 --experts 8 --heads 4 --kv-heads 2 --out /tmp/small`.
 #[derive(Debug, clap::Args)]
+#[command(verbatim_doc_comment)]
 pub struct Args {
-    /// Where to write the checkpoint.
+    /// The published model whose geometry and layout to reproduce.
+    #[arg(long, value_enum)]
+    pub preset: PresetArg,
+    /// Where to write the checkpoint (created if missing).
     #[arg(long, value_name = "DIR")]
-    pub out: std::path::PathBuf,
+    pub out: PathBuf,
+    /// Seed of every weight: the same seed gives byte-identical files.
+    #[arg(long, default_value_t = 0, value_name = "S")]
+    pub seed: u64,
+    #[command(flatten)]
+    pub geometry: GeometryArgs,
+    /// Skew routing: this share of each layer's experts (chosen from the seed) is hot.
+    #[arg(long, value_name = "FRACTION")]
+    pub hot_experts: Option<f64>,
+    /// How strongly hot experts are preferred: added to their router bias (GPT-OSS, router
+    /// logits are about N(0,1)); their router rows are scaled by 1 + B (Qwen3, no router bias).
+    #[arg(
+        long,
+        value_name = "B",
+        default_value_t = 2.0,
+        requires = "hot_experts"
+    )]
+    pub hot_bias: f32,
+    /// Largest shard (tensor bytes), e.g. 4.8GB, 512MiB or 1000000 (default: as the hub's,
+    /// 4.8 GB for GPT-OSS and 4 GB for Qwen3).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub shard_size: Option<u64>,
+    /// Replace the checkpoint files already in --out.
+    #[arg(long)]
+    pub force: bool,
+    /// Print the files that would be written, and their sizes, without writing anything.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// No progress on stderr.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+/// Parses a byte count: a number with an optional unit (B, KB, MB, GB, TB in powers of 1000;
+/// KiB, MiB, GiB, TiB in powers of 1024).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let x: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 4.8GB, 512MiB, 1000000)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" | "k" => 1e3,
+        "mb" | "m" => 1e6,
+        "gb" | "g" => 1e9,
+        "tb" | "t" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        u => return Err(format!("unknown size unit {u:?} in {s:?}")),
+    };
+    let v = x * mult;
+    if !(v >= 1.0 && v < 1e18) {
+        return Err(format!("size {s:?} must be at least one byte"));
+    }
+    Ok(v as u64)
+}
+
+fn gb(b: u64) -> String {
+    format!("{:.2} GB", b as f64 / 1e9)
+}
+
+fn secs(d: Duration) -> String {
+    let s = d.as_secs();
+    if s >= 60 {
+        format!("{}m{:02}s", s / 60, s % 60)
+    } else {
+        format!("{:.1}s", d.as_secs_f64())
+    }
+}
+
+fn progress_line(p: &Progress) -> String {
+    let pct = if p.total > 0 {
+        100.0 * p.written as f64 / p.total as f64
+    } else {
+        100.0
+    };
+    let eta = p.eta().map_or_else(|| "?".to_string(), secs);
+    format!(
+        "synth: {} / {} ({pct:.0}%), {:.2} GB/s, ETA {eta}",
+        gb(p.written),
+        gb(p.total),
+        p.rate() / 1e9
+    )
 }
 
 /// Runs `stormo synth`.
-pub fn run(_a: Args) -> anyhow::Result<()> {
-    anyhow::bail!("stormo synth is not implemented yet")
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let g = &a.geometry;
+    let preset: Preset = a.preset.into();
+    let geometry = preset.geometry().with(&Overrides {
+        layers: g.layers,
+        hidden: g.hidden,
+        intermediate: g.intermediate,
+        experts: g.experts,
+        top_k: g.top_k,
+        vocab: g.vocab,
+        heads: g.heads,
+        kv_heads: g.kv_heads,
+        head_dim: g.head_dim,
+    });
+    let opts = SynthOptions {
+        geometry,
+        seed: a.seed,
+        hot: a.hot_experts.map(|fraction| HotExperts {
+            fraction,
+            bias: a.hot_bias,
+        }),
+        shard_bytes: a.shard_size,
+    };
+    let plan = synth::plan(&opts)?;
+    if a.dry_run {
+        println!(
+            "{} ({} layers, {} experts of {}, hidden {}, vocab {}), seed {}: {} in {} shards",
+            preset,
+            geometry.layers,
+            geometry.experts,
+            geometry.intermediate,
+            geometry.hidden,
+            geometry.vocab,
+            a.seed,
+            gb(plan.files_size()),
+            plan.shards.len()
+        );
+        for s in &plan.shards {
+            println!("  {}  {} bytes", s.file_name, s.file_len());
+        }
+        println!(
+            "  model.safetensors.index.json  total_size {}",
+            plan.total_size()
+        );
+        return Ok(());
+    }
+
+    let tty = std::io::stderr().is_terminal();
+    let mut last_line = std::time::Instant::now();
+    let mut on_progress = |p: &Progress| {
+        if a.quiet {
+            return;
+        }
+        let mut err = std::io::stderr().lock();
+        if tty {
+            let _ = write!(err, "\r{:<70}", progress_line(p));
+            let _ = err.flush();
+        } else if last_line.elapsed() >= Duration::from_secs(5) || p.written == p.total {
+            last_line = std::time::Instant::now();
+            let _ = writeln!(err, "{}", progress_line(p));
+        }
+    };
+    let report = synth::write(&plan, &a.out, a.force, &mut on_progress)
+        .with_context(|| format!("writing the checkpoint to {}", a.out.display()))?;
+    if tty && !a.quiet {
+        eprintln!();
+    }
+    if report.bytes == 0 {
+        bail!("nothing was written");
+    }
+    let rate = report.bytes as f64 / report.elapsed.as_secs_f64().max(1e-9);
+    println!(
+        "wrote {} ({}, seed {}) to {}: {} in {} files, {} ({:.2} GB/s)",
+        preset,
+        if plan.shards.len() == 1 {
+            "1 shard".to_string()
+        } else {
+            format!("{} shards", plan.shards.len())
+        },
+        a.seed,
+        a.out.display(),
+        gb(report.bytes),
+        report.files.len(),
+        secs(report.elapsed),
+        rate / 1e9
+    );
+    if opts.hot.is_some() {
+        for (l, hot) in plan.hot_experts.iter().enumerate() {
+            let list: Vec<String> = hot.iter().map(usize::to_string).collect();
+            println!("  layer {l}: hot experts {}", list.join(","));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_size("4.8GB"), Ok(4_800_000_000));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("1000"), Ok(1000));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("GB").is_err());
+    }
 }

@@ -16,14 +16,11 @@ const QWEN3_SHARD_BYTES: u64 = 4_000_000_000;
 /// How a tensor's values are drawn.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Fill {
-    /// BF16: `mean + shift[r] + std · scale[r] · z` for row `r` of `row_len` elements, z ~ N(0,1).
-    /// Empty `shift`/`scale` mean 0 and 1 for every row.
+    /// BF16: element `i` is `mean + shift[i] + std · z`, z ~ N(0, 1) (an empty `shift` is 0).
     Bf16 {
         mean: f32,
         std: f32,
-        row_len: usize,
         shift: Vec<f32>,
-        scale: Vec<f32>,
     },
     /// U8 MXFP4 blocks: two random FP4 codes per byte.
     Fp4Blocks,
@@ -36,22 +33,14 @@ impl Fill {
         Self::Bf16 {
             mean,
             std,
-            row_len: 1,
             shift: Vec::new(),
-            scale: Vec::new(),
         }
     }
 
     /// Writes bytes `[start, start + out.len())` of a tensor drawn from stream `key`.
     pub(crate) fn fill(&self, key: u64, start: u64, out: &mut [u8]) {
         match self {
-            Self::Bf16 {
-                mean,
-                std,
-                row_len,
-                shift,
-                scale,
-            } => {
+            Self::Bf16 { mean, std, shift } => {
                 // Byte ranges handed out by the writer are even; a stray odd start would only
                 // shift which half of an element is written, never change an element's value.
                 let first = start / 2;
@@ -59,10 +48,8 @@ impl Fill {
                 let mut i = first;
                 let mut pos = 0usize;
                 while pos < out.len() {
-                    let r = (i / *row_len as u64) as usize;
-                    let sh = shift.get(r).copied().unwrap_or(0.0);
-                    let sc = scale.get(r).copied().unwrap_or(1.0);
-                    let v = mean + sh + std * sc * rng::gauss(rng::draw(key, i));
+                    let sh = shift.get(i as usize).copied().unwrap_or(0.0);
+                    let v = mean + sh + std * rng::gauss(rng::draw(key, i));
                     let b = rng::bf16_bits(v).to_le_bytes();
                     let from = if pos == 0 { skip } else { 0 };
                     for &byte in &b[from..] {
@@ -432,9 +419,7 @@ fn gpt_oss_layer(b: &mut Builder, g: &Geometry, l: usize, hot: &[usize], hot_bia
         Fill::Bf16 {
             mean: 0.0,
             std: BIAS_STD,
-            row_len: 1,
             shift,
-            scale: Vec::new(),
         },
     );
     b.linear(format!("{p}mlp.router.weight"), e, h);
@@ -463,7 +448,7 @@ fn gpt_oss_layer(b: &mut Builder, g: &Geometry, l: usize, hot: &[usize], hot_bia
     );
 }
 
-fn qwen3_layer(b: &mut Builder, g: &Geometry, l: usize, hot: &[usize], hot_bias: f32) {
+fn qwen3_layer(b: &mut Builder, g: &Geometry, l: usize) {
     let p = format!("model.layers.{l}.");
     let (h, e, i) = (g.hidden, g.experts, g.intermediate);
     let (q, kv) = (g.heads * g.head_dim, g.kv_heads * g.head_dim);
@@ -490,22 +475,7 @@ fn qwen3_layer(b: &mut Builder, g: &Geometry, l: usize, hot: &[usize], hot_bias:
         1.0,
         NORM_STD,
     );
-    let mut scale = vec![1.0; e];
-    for &x in hot {
-        scale[x] = 1.0 + hot_bias;
-    }
-    b.push(
-        format!("{p}mlp.gate.weight"),
-        Dtype::BF16,
-        vec![e, h],
-        Fill::Bf16 {
-            mean: 0.0,
-            std: (1.0 / h as f64).sqrt() as f32,
-            row_len: h,
-            shift: Vec::new(),
-            scale,
-        },
-    );
+    b.linear(format!("{p}mlp.gate.weight"), e, h);
     for x in 0..e {
         let n = format!("{p}mlp.experts.{x}.");
         b.linear(format!("{n}gate_proj.weight"), i, h);
@@ -553,7 +523,7 @@ pub(crate) fn build(opts: &SynthOptions) -> Plan {
                 EMBED_STD,
             );
             for l in 0..g.layers {
-                qwen3_layer(&mut b, g, l, &hot_experts[l], hot_bias);
+                qwen3_layer(&mut b, g, l);
             }
             b.bf16("model.norm.weight".into(), vec![g.hidden], 1.0, NORM_STD);
             b.linear("lm_head.weight".into(), g.vocab, g.hidden);
