@@ -545,7 +545,9 @@ fn matvec_in(tier: Tier, w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
     }
     let tasks = tasks_for(w.byte_len());
     if let Mat::DenseT { .. } = w {
-        // Output columns: every task reads a band of each input row.
+        // Bands of output columns, one per thread: every task reads its band of each input
+        // row, and narrower bands would turn the stream into short strided reads.
+        let tasks = tasks.min(rayon::current_num_threads());
         let chunk = rows.div_ceil(tasks).next_multiple_of(16).min(rows);
         let run = |(c, yc): (usize, &mut [f32])| {
             let n = yc.len();
@@ -605,7 +607,7 @@ fn matmul_in(tier: Tier, w: &Mat<'_>, xs: &[f32], ys: &mut [f32]) {
     if let Mat::DenseT { .. } = w {
         // Bands of output columns; each band reads its part of every input row once per
         // group of positions.
-        let tasks = tasks_for(work);
+        let tasks = tasks_for(work).min(rayon::current_num_threads());
         let chunk = rows.div_ceil(tasks).next_multiple_of(16).min(rows);
         let run = |c: usize| {
             let o0 = c * chunk;
