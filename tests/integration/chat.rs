@@ -10,12 +10,15 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, OnceLock};
 
 use serde_json::Value;
+use stormo_engine::Family;
 use stormo_node::chat::chatml::{self, ChatMl};
 use stormo_node::chat::harmony::{
     self, Content, DeveloperContent, Harmony, Message, ReasoningEffort, RenderOptions, Role,
     StreamEvent, SystemContent,
 };
-use stormo_node::chat::{StreamDecoder, Tokenizer};
+use stormo_node::chat::{
+    ChatFormat, OutputDelta, PromptOptions, StreamDecoder, Tokenizer, Turn, TurnRole,
+};
 use stormo_tests::fixture;
 
 fn o200k_dir() -> PathBuf {
@@ -769,4 +772,86 @@ fn bad_tokenizer_files_are_clear_errors() {
     json["normalizer"] = serde_json::json!({"type": "Lowercase"});
     let err = Tokenizer::from_json(&serde_json::to_vec(&json).expect("json")).expect_err("norm");
     assert!(format!("{err}").contains("Lowercase"), "{err}");
+}
+
+// ---- ChatFormat: one API over both formats ----
+
+#[test]
+fn chat_format_harmony_renders_and_streams() {
+    let f = ChatFormat::for_family(Family::GptOss, o200k().clone()).expect("Harmony vocab");
+    // The reference multi-turn render, from OpenAI-style turns.
+    let turns = [
+        Turn::new(TurnRole::User, "Hi!"),
+        Turn::new(TurnRole::Assistant, "Hello! How can I help?"),
+        Turn::new(TurnRole::User, "Tell me a joke about woodpeckers."),
+    ];
+    let ids = f
+        .render_prompt(&turns, &PromptOptions::default())
+        .expect("render");
+    assert_eq!(ids, ids_of(&reference()["harmony_renders"][2]["ids"]));
+    // A system turn becomes developer instructions (the reference's second render).
+    let turns = [
+        Turn::new(TurnRole::System, "Answer in Italian."),
+        Turn::new(
+            TurnRole::User,
+            "Come si chiama un uccello che tamburella sugli alberi?",
+        ),
+    ];
+    let opts = PromptOptions {
+        reasoning_effort: ReasoningEffort::Low,
+        ..Default::default()
+    };
+    let ids = f.render_prompt(&turns, &opts).expect("render");
+    assert_eq!(ids, ids_of(&reference()["harmony_renders"][1]["ids"]));
+
+    let completion = ids_of(&reference()["harmony_parse"]["completion_ids"]);
+    let mut p = f.output_parser();
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for &id in &completion {
+        match p.push(id).expect("push") {
+            Some(OutputDelta::Reasoning(r)) => reasoning.push_str(&r),
+            Some(OutputDelta::Content(c)) => content.push_str(&c),
+            None => {}
+        }
+    }
+    assert_eq!(reasoning, "Simple arithmetic.");
+    assert_eq!(content, "2 + 2 = 4.");
+    assert!(f.stop_tokens().contains(completion.last().expect("ids")));
+}
+
+#[test]
+fn chat_format_chatml_renders_and_streams() {
+    let (tok, _dir) = qwen();
+    let f = ChatFormat::for_family(Family::Qwen3Moe, tok.clone()).expect("ChatML vocab");
+    let ids = f
+        .render_prompt(
+            &[
+                Turn::new(TurnRole::Developer, "Be brief."),
+                Turn::new(TurnRole::User, "Hi"),
+            ],
+            &PromptOptions::default(),
+        )
+        .expect("render");
+    assert_eq!(
+        tok.decode(&ids, false).expect("decode"),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let generated = tok
+        .encode(
+            "<think>\nthe user greets\n</think>\n\nHello 🔥!<|im_end|>",
+            true,
+        )
+        .expect("encode");
+    let mut p = f.output_parser();
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for &id in &generated {
+        match p.push(id).expect("push") {
+            Some(OutputDelta::Reasoning(r)) => reasoning.push_str(&r),
+            Some(OutputDelta::Content(c)) => content.push_str(&c),
+            None => {}
+        }
+    }
+    assert_eq!(reasoning, "\nthe user greets\n");
+    assert_eq!(content, "\n\nHello 🔥!");
+    assert!(f.stop_tokens().contains(generated.last().expect("ids")));
 }

@@ -88,8 +88,8 @@ pub enum DecodeError {
     },
 }
 
-/// A minimal FxHash (rustc's hasher): fast for short keys; keys come from the tokenizer file
-/// and lookups never insert, so untrusted text cannot grow a table.
+/// A minimal FxHash-style hasher with a final mix: fast for short keys; keys come from the
+/// tokenizer file and lookups never insert, so untrusted text cannot grow a table.
 #[derive(Default, Clone, Copy)]
 struct FxHasher(u64);
 
@@ -117,7 +117,15 @@ impl Hasher for FxHasher {
     }
     #[inline]
     fn finish(&self) -> u64 {
-        self.0
+        // Multiplication only carries bits upward, and hashbrown picks buckets by the low
+        // bits: without this final mix, keys differing only in high bits (the left id of a
+        // merge pair) would all share a bucket. murmur3's fmix64.
+        let mut h = self.0;
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        h ^ (h >> 33)
     }
 }
 
@@ -584,20 +592,27 @@ impl Tokenizer {
                 ))
             })?;
         }
-        let id_of = |s: &str| -> Result<TokenId, LoadError> {
-            let b = byte_level_decode(s, &table).ok_or_else(|| {
-                LoadError::Invalid(format!("merge part {s:?} is not in byte-level spelling"))
-            })?;
-            encoder
-                .get(&b[..])
+        // Merges name tokens by their spelling: look them up as strings, no decoding, and
+        // join each pair in one reused buffer.
+        let mut by_str: FxMap<&str, TokenId> = FxMap::default();
+        by_str.reserve(model.vocab.0.len());
+        for (tok, id) in &model.vocab.0 {
+            by_str.insert(tok.as_ref(), *id);
+        }
+        let id_of = |s: &str| {
+            by_str
+                .get(s)
                 .copied()
                 .ok_or_else(|| LoadError::Invalid(format!("merge part {s:?} is not in the vocab")))
         };
         let mut merges: FxMap<u64, (u32, TokenId)> = FxMap::default();
         merges.reserve(model.merges.len());
+        let mut joined = String::new();
         for (rank, MergeJson(a, b)) in model.merges.iter().enumerate() {
             let (ia, ib) = (id_of(a)?, id_of(b)?);
-            let joined = format!("{a}{b}");
+            joined.clear();
+            joined.push_str(a);
+            joined.push_str(b);
             let new = id_of(&joined).map_err(|_| {
                 LoadError::Invalid(format!(
                     "merge {a:?} {b:?} makes {joined:?}, not in the vocab"
