@@ -93,7 +93,7 @@ pub(crate) struct FileOutcome {
 pub(crate) struct Outcome {
     pub(crate) files: Vec<FileOutcome>,
     pub(crate) tensors: Vec<Option<Hash>>,
-    pub(crate) experts: Vec<Option<(Hash, Vec<Hash>)>>,
+    pub(crate) experts: Vec<Option<RecordHashes>>,
 }
 
 /// How far each file's reader has got (u64::MAX once it has stopped).
@@ -178,10 +178,10 @@ pub(crate) fn run(plan: &Plan, progress: Option<&Progress>) -> Outcome {
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let next_file = AtomicUsize::new(0);
     let next_expert = AtomicUsize::new(0);
-    let file_out: Vec<Mutex<(FileOutcome, Vec<(usize, Option<Hash>)>)>> = (0..nfiles)
+    let file_out: Vec<Mutex<FileResult>> = (0..nfiles)
         .map(|_| Mutex::new((FileOutcome::default(), Vec::new())))
         .collect();
-    let expert_out: Vec<Mutex<Option<(Hash, Vec<Hash>)>>> =
+    let expert_out: Vec<Mutex<Option<RecordHashes>>> =
         (0..plan.experts.len()).map(|_| Mutex::new(None)).collect();
 
     std::thread::scope(|s| {
@@ -246,6 +246,10 @@ pub(crate) fn run(plan: &Plan, progress: Option<&Progress>) -> Outcome {
 }
 
 type Block = Arc<(Vec<u8>, u64, usize)>;
+/// A record's hash and its chunk hashes.
+type RecordHashes = (Hash, Vec<Hash>);
+/// One file's outcome and its tensors' hashes.
+type FileResult = (FileOutcome, Vec<(usize, Option<Hash>)>);
 
 /// Reads one file sequentially; SHA-256 and the tensors' BLAKE3 on two threads.
 fn hash_file(
@@ -255,7 +259,7 @@ fn hash_file(
     index: usize,
     marks: &Watermarks,
     progress: Option<&Progress>,
-) -> (FileOutcome, Vec<(usize, Option<Hash>)>) {
+) -> FileResult {
     let (sha_tx, sha_rx) = sync_channel::<Block>(BUFFERS);
     let (t_tx, t_rx) = sync_channel::<Block>(BUFFERS);
     let (back_tx, back_rx) = sync_channel::<Block>(2 * BUFFERS + 2);
@@ -407,7 +411,7 @@ fn hash_expert(
     chunk_size: u32,
     buf: &mut [u8],
     progress: Option<&Progress>,
-) -> Option<(Hash, Vec<Hash>)> {
+) -> Option<RecordHashes> {
     let total: u64 = spans.iter().map(|s| s.len).sum();
     let mut h = RecordHasher::new(chunk_size, total);
     for s in spans {

@@ -100,6 +100,11 @@ impl SecretKey {
         Self(SigningKey::from_bytes(seed))
     }
 
+    /// The 32-byte seed (for building the node's TLS key); zeroized when dropped.
+    pub fn seed(&self) -> Zeroizing<[u8; 32]> {
+        Zeroizing::new(self.0.to_bytes())
+    }
+
     /// Its public key.
     pub fn public(&self) -> PublicKey {
         PublicKey(self.0.verifying_key().to_bytes())

@@ -1,17 +1,310 @@
-//! `stormo manifest`: build, sign and verify manifests. (Not implemented yet.)
+//! `stormo manifest`: build, sign, verify and show a checkpoint's L0 manifest.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use stormo_manifests::manifest::DEFAULT_CHUNK_SIZE;
+use stormo_manifests::{
+    read_manifest, BuildOptions, ManifestPaths, ManifestSignature, Progress, PublicKey, SecretKey,
+    VerifyOptions,
+};
+
+const PATHS_HELP: &str = "Files: by default the manifest is written beside the model as \
+DIR/stormo-manifest.bin (canonical bytes; the model id is their BLAKE3), \
+DIR/stormo-manifest.json (a readable view) and DIR/stormo-manifest.sig (the signature). \
+For a read-only model folder pass --out/--manifest FILE.bin; the .json and .sig go beside it.";
 
 /// Manifest subcommands.
 #[derive(Debug, clap::Subcommand)]
+#[command(after_help = PATHS_HELP)]
 pub enum Command {
-    /// Write the L0 manifest of a checkpoint.
+    /// Hash a checkpoint and write its L0 manifest (.bin and .json) and print its model id.
+    ///
+    /// Records every tensor (name, dtype, shape, bytes, quantization, file, offset, BLAKE3),
+    /// every safetensors file's SHA-256 (as the Hugging Face Hub lists it), the config and
+    /// tokenizer hashes, and per expert its record's BLAKE3 and chunk hashes.
+    #[command(after_help = PATHS_HELP)]
     Build {
-        /// The model directory.
+        /// The model folder (config.json and safetensors).
         #[arg(long)]
-        model: std::path::PathBuf,
+        model: PathBuf,
+        /// Where to write the manifest (default DIR/stormo-manifest.bin); the JSON view is
+        /// written beside it with a .json extension.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Chunk size of the per-expert chunk hashes, in KiB (a power of two, 16 to 65536).
+        #[arg(long, default_value_t = DEFAULT_CHUNK_SIZE / 1024)]
+        chunk_kib: u32,
+    },
+    /// Sign a manifest with a publisher's secret key (writes the .sig beside the manifest).
+    #[command(after_help = PATHS_HELP)]
+    Sign {
+        /// The model folder.
+        #[arg(long)]
+        model: PathBuf,
+        /// The secret key file (`stormo key generate`).
+        #[arg(long)]
+        key: PathBuf,
+        /// The manifest (default DIR/stormo-manifest.bin).
+        #[arg(long)]
+        manifest: Option<PathBuf>,
+    },
+    /// Check the signature and every local byte against the manifest.
+    ///
+    /// Reports exactly which tensor or expert differs, which file is truncated and what is
+    /// missing, and exits non-zero on any mismatch. With --trust, the manifest must carry a
+    /// valid signature by one of those keys; without it, a signature present is checked and
+    /// its key shown but not trusted.
+    #[command(after_help = PATHS_HELP)]
+    Verify {
+        /// The model folder.
+        #[arg(long)]
+        model: PathBuf,
+        /// The manifest (default DIR/stormo-manifest.bin).
+        #[arg(long)]
+        manifest: Option<PathBuf>,
+        /// A trusted publisher key (64 hex characters); repeat for several.
+        #[arg(long = "trust", value_name = "PUBKEY")]
+        trust: Vec<PublicKey>,
+        /// Check only the signature, not the local bytes.
+        #[arg(long)]
+        signature_only: bool,
+    },
+    /// Print a manifest's model id and summary (or its JSON view with --json).
+    Show {
+        /// The manifest file.
+        #[arg(long)]
+        manifest: PathBuf,
+        /// Print the JSON view.
+        #[arg(long)]
+        json: bool,
     },
 }
 
 /// Runs a manifest subcommand.
-pub fn run(_c: Command) -> anyhow::Result<()> {
-    anyhow::bail!("stormo manifest is not implemented yet")
+pub fn run(c: Command) -> anyhow::Result<()> {
+    match c {
+        Command::Build {
+            model,
+            out,
+            chunk_kib,
+        } => build(&model, out.as_deref(), chunk_kib),
+        Command::Sign {
+            model,
+            key,
+            manifest,
+        } => sign(&model, &key, manifest.as_deref()),
+        Command::Verify {
+            model,
+            manifest,
+            trust,
+            signature_only,
+        } => verify(&model, manifest.as_deref(), &trust, signature_only),
+        Command::Show { manifest, json } => {
+            let (m, bytes) = read_manifest(&manifest)?;
+            if json {
+                println!("{}", m.to_json());
+            } else {
+                println!("model id   {}", stormo_manifests::Hash::of(&bytes));
+                println!("family     {}", m.identity.family);
+                println!(
+                    "files      {} ({} bytes)",
+                    m.files.len(),
+                    m.total_file_bytes()
+                );
+                println!("tensors    {}", m.tensors.len());
+                println!("experts    {}", m.experts.len());
+                println!("chunk size {} bytes", m.chunk_size);
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Prints progress on stderr every half second while `work` runs, if stderr is a terminal or
+/// the job is large.
+fn with_progress<T>(what: &str, work: impl FnOnce(&Progress) -> T) -> T {
+    let progress = Progress::new();
+    let done = AtomicBool::new(false);
+    let tty = std::io::stderr().is_terminal();
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut shown = false;
+            let mut last = 0.0f64;
+            // Only jobs longer than a second; every half second on a terminal, 5 s otherwise.
+            let every = if tty { 0.5 } else { 5.0 };
+            while !done.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(50));
+                let secs = start.elapsed().as_secs_f64();
+                let (d, t) = progress.get();
+                if secs < 1.0 || t == 0 || secs - last < every {
+                    continue;
+                }
+                last = secs;
+                let pct = 100.0 * d as f64 / t as f64;
+                let mbs = d as f64 / 1e6 / secs;
+                if tty {
+                    eprint!(
+                        "\r{what}: {pct:5.1}% of {:.2} GB, {mbs:.0} MB/s   ",
+                        t as f64 / 1e9
+                    );
+                } else {
+                    eprintln!(
+                        "{what}: {pct:.1}% of {:.2} GB, {mbs:.0} MB/s",
+                        t as f64 / 1e9
+                    );
+                }
+                shown = true;
+            }
+            if shown && tty {
+                eprintln!();
+            }
+        });
+        let out = work(&progress);
+        done.store(true, Ordering::Relaxed);
+        out
+    })
+}
+
+fn build(model: &Path, out: Option<&Path>, chunk_kib: u32) -> anyhow::Result<()> {
+    let paths = ManifestPaths::resolve(model, out);
+    let chunk_size = chunk_kib
+        .checked_mul(1024)
+        .context("--chunk-kib is too large")?;
+    let start = Instant::now();
+    let m = with_progress("hashing", |p| {
+        stormo_manifests::build(
+            model,
+            &BuildOptions {
+                chunk_size,
+                progress: Some(p),
+            },
+        )
+    })
+    .with_context(|| format!("building the manifest of {}", model.display()))?;
+    let secs = start.elapsed().as_secs_f64();
+    let bytes = m.encode();
+    write_atomic(&paths.bin, &bytes)?;
+    write_atomic(&paths.json, m.to_json().as_bytes())?;
+    let total = m.total_file_bytes();
+    eprintln!(
+        "hashed {} tensors, {} experts, {:.2} GB in {secs:.1} s ({:.0} MB/s)",
+        m.tensors.len(),
+        m.experts.len(),
+        total as f64 / 1e9,
+        total as f64 / 1e6 / secs.max(1e-9)
+    );
+    eprintln!("wrote {} and {}", paths.bin.display(), paths.json.display());
+    if paths.sig.exists() {
+        eprintln!(
+            "note: {} is from an earlier manifest; sign again if the model changed",
+            paths.sig.display()
+        );
+    }
+    println!("{}", stormo_manifests::Hash::of(&bytes));
+    Ok(())
+}
+
+fn sign(model: &Path, key: &Path, manifest: Option<&Path>) -> anyhow::Result<()> {
+    let paths = ManifestPaths::resolve(model, manifest);
+    let (m, _) = read_manifest(&paths.bin).context("run `stormo manifest build` first?")?;
+    let key = SecretKey::load(key).context("cannot use the secret key")?;
+    let sig = ManifestSignature::sign(&key, &m);
+    write_atomic(&paths.sig, &sig.to_bytes())?;
+    eprintln!(
+        "signed model id {} as {}; wrote {}",
+        sig.model_id,
+        sig.publisher,
+        paths.sig.display()
+    );
+    Ok(())
+}
+
+fn verify(
+    model: &Path,
+    manifest: Option<&Path>,
+    trust: &[PublicKey],
+    signature_only: bool,
+) -> anyhow::Result<()> {
+    let paths = ManifestPaths::resolve(model, manifest);
+    let (m, bytes) = read_manifest(&paths.bin)?;
+    let id = stormo_manifests::Hash::of(&bytes);
+    println!("manifest {} (model id {id})", paths.bin.display());
+
+    match std::fs::metadata(&paths.sig) {
+        Ok(md) if md.len() <= 4096 => {
+            let raw = std::fs::read(&paths.sig)
+                .with_context(|| format!("reading {}", paths.sig.display()))?;
+            let sig = ManifestSignature::from_bytes(&raw)
+                .with_context(|| paths.sig.display().to_string())?;
+            if trust.is_empty() {
+                sig.check(&bytes)
+                    .with_context(|| format!("signature {}", paths.sig.display()))?;
+                println!(
+                    "signature: valid, by {} (NOT pinned: pass --trust {} to require it)",
+                    sig.publisher, sig.publisher
+                );
+            } else {
+                sig.verify(&bytes, trust)
+                    .with_context(|| format!("signature {}", paths.sig.display()))?;
+                println!("signature: valid, by trusted key {}", sig.publisher);
+            }
+        }
+        Ok(md) => bail!(
+            "{}: {} bytes is not a signature file",
+            paths.sig.display(),
+            md.len()
+        ),
+        Err(_) if trust.is_empty() => println!("signature: none ({})", paths.sig.display()),
+        Err(e) => bail!(
+            "--trust was given but the manifest is not signed ({}: {e})",
+            paths.sig.display()
+        ),
+    }
+    if signature_only {
+        return Ok(());
+    }
+
+    let report = with_progress("verifying", |p| {
+        stormo_manifests::verify(model, &m, &VerifyOptions { progress: Some(p) })
+    })?;
+    if report.is_ok() {
+        println!(
+            "OK: {} tensors, {} experts, {} files ({} bytes) match the manifest",
+            report.tensors,
+            report.experts,
+            m.files.len(),
+            report.bytes
+        );
+        return Ok(());
+    }
+    const SHOWN: usize = 200;
+    for p in report.problems.iter().take(SHOWN) {
+        println!("MISMATCH {p}");
+    }
+    if report.problems.len() > SHOWN {
+        println!("... and {} more", report.problems.len() - SHOWN);
+    }
+    bail!(
+        "{} does not match its manifest: {} problem(s)",
+        model.display(),
+        report.problems.len()
+    )
+}
+
+/// Writes a file through a temporary name and a rename, so a reader never sees half of it.
+fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    let name = path
+        .file_name()
+        .with_context(|| format!("{} is not a file path", path.display()))?;
+    let mut tmp_name = name.to_os_string();
+    tmp_name.push(".tmp");
+    let tmp = path.with_file_name(tmp_name);
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
 }
