@@ -5,3 +5,4 @@ mod extra_oracle;
 mod oracle;
 mod synth;
 mod tiers;
+mod manifests;
