@@ -478,11 +478,13 @@ fn parse_gpt_oss(f: &Fields<'_>) -> Result<ModelConfig> {
     let num_layers = f.usize("num_hidden_layers")?;
     let num_heads = f.usize("num_attention_heads")?;
     let num_kv_heads = f.usize("num_key_value_heads")?;
-    let head_dim = match f.opt_usize("head_dim")? {
-        Some(d) => d,
-        None => hidden_size / num_heads.max(1),
+    // Absent fields take GptOssConfig's defaults: head_dim 64, sliding_window 128 (an explicit
+    // null turns the window off), YaRN as the published model uses it.
+    let head_dim = f.opt_usize("head_dim")?.unwrap_or(64);
+    let sliding_window = match f.obj.get("sliding_window") {
+        None => Some(128),
+        Some(_) => f.opt_usize("sliding_window")?,
     };
-    let sliding_window = f.opt_usize("sliding_window")?;
     let layer_sliding = match f.layer_types(num_layers)? {
         Some(t) => t,
         None => (0..num_layers).map(|i| i % 2 == 0).collect(),
@@ -521,7 +523,22 @@ fn parse_gpt_oss(f: &Fields<'_>) -> Result<ModelConfig> {
         expert_intermediate: f.usize("intermediate_size")?,
         dense_intermediate: 0,
         rms_norm_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32,
-        rope: f.rope(150000.0)?,
+        rope: {
+            let mut r = f.rope(150000.0)?;
+            if f.get("rope_parameters").is_none() && f.get("rope_scaling").is_none() {
+                r.yarn = Some(YarnConfig {
+                    factor: 32.0,
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
+                    original_max_position_embeddings: 4096.0,
+                    truncate: false,
+                    attention_factor: None,
+                    mscale: None,
+                    mscale_all_dim: None,
+                });
+            }
+            r
+        },
         max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(131072),
         layer_sliding: if sliding_window.is_some() {
             layer_sliding

@@ -19,11 +19,7 @@ use stormo_tests::{extra_fixtures, max_abs, top_set, Capture, Reference};
 
 /// Fixtures on which the engine is known to disagree with Transformers, with the reason. The test
 /// requires these to still fail, so a fix shows up as a test failure asking to remove the entry.
-const KNOWN_ENGINE_MISMATCHES: &[(&str, &str)] = &[(
-    "gptoss-hub-no-rope-scaling",
-    "config.json without rope_scaling: Transformers' GptOssConfig applies its default YaRN \
-     (factor 32, beta 32/1, L0 4096, truncate false); the engine uses plain RoPE",
-)];
+const KNOWN_ENGINE_MISMATCHES: &[(&str, &str)] = &[];
 
 const TOL: f32 = 1e-3;
 
