@@ -138,7 +138,7 @@ unsafe fn dense_rows<const FMT: u8>(
     macro_rules! sweep {
         ($r:literal, $p:literal) => {{
             let mut i = 0;
-            while i + $r <= n {
+            while n - i >= $r {
                 run!($r, $p, i);
                 i += $r;
             }
@@ -284,7 +284,7 @@ unsafe fn mxfp4_rows(
     macro_rules! sweep {
         ($r:literal, $p:literal) => {{
             let mut i = 0;
-            while i + $r <= n {
+            while n - i >= $r {
                 run!($r, $p, i);
                 i += $r;
             }
@@ -423,6 +423,8 @@ unsafe fn dense_t<const FMT: u8, const P: usize>(
             }
             j += 8;
         }
+        // Indexes several outputs at once; an iterator would hide the shared `j`.
+        #[allow(clippy::needless_range_loop)]
         for j in n8..n {
             for q in 0..P {
                 let mut v = y[q][j];

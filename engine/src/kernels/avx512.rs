@@ -136,7 +136,7 @@ unsafe fn dense_rows<const FMT: u8>(
     macro_rules! sweep {
         ($r:literal, $p:literal) => {{
             let mut i = 0;
-            while i + $r <= n {
+            while n - i >= $r {
                 run!($r, $p, i);
                 i += $r;
             }
@@ -285,7 +285,7 @@ unsafe fn mxfp4_rows(
     macro_rules! sweep {
         ($r:literal, $p:literal) => {{
             let mut i = 0;
-            while i + $r <= n {
+            while n - i >= $r {
                 run!($r, $p, i);
                 i += $r;
             }
@@ -399,6 +399,8 @@ unsafe fn dense_t<const FMT: u8, const P: usize>(
             }
             j += 16;
         }
+        // Indexes several outputs at once; an iterator would hide the shared `j`.
+        #[allow(clippy::needless_range_loop)]
         for j in n16..n {
             for q in 0..P {
                 let mut v = y[q][j];
