@@ -25,6 +25,8 @@ pub enum Command {
     /// Build, sign and verify a checkpoint's manifest (tensor and per-expert hashes).
     #[command(subcommand)]
     Manifest(cmd::manifest::Command),
+    /// Serve this node's manifest and experts to peers over QUIC.
+    Serve(cmd::serve::Args),
     /// Create and show Ed25519 node and publisher keys.
     #[command(subcommand)]
     Key(cmd::key::Command),
@@ -44,6 +46,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Run(a) => cmd::run::run(a),
         Command::Manifest(c) => cmd::manifest::run(c),
         Command::Key(c) => cmd::key::run(c),
+        Command::Serve(a) => cmd::serve::run(a),
         Command::Tokenize(a) => cmd::tokenize::run(a),
         Command::Convert(a) => cmd::convert::run(a),
         Command::Bench(a) => cmd::bench::run(a),

@@ -5,5 +5,6 @@ pub mod convert;
 pub mod key;
 pub mod manifest;
 pub mod run;
+pub mod serve;
 pub mod synth;
 pub mod tokenize;

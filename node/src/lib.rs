@@ -7,4 +7,5 @@ pub mod cli;
 pub mod cmd;
 pub mod experts;
 pub mod logging;
+pub mod net;
 pub mod progress;

@@ -8,6 +8,7 @@ use stormo_engine::safetensors::{self, Dtype};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 
 use crate::experts::{ExpertArgs, Experts};
+use crate::net::{self, tier::PeerTier, PeerArgs};
 
 /// Arguments of `stormo run`.
 #[derive(Debug, clap::Args)]
@@ -45,6 +46,17 @@ pub struct Args {
     /// Where experts come from.
     #[command(flatten)]
     pub experts: ExpertArgs,
+    /// Peers below the disk (the network tier).
+    #[command(flatten)]
+    pub net: PeerArgs,
+    /// Use no local experts: every expert comes from peers (the node holds only the dense
+    /// weights, routers and the manifest).
+    #[arg(long, requires = "peers")]
+    pub no_local_experts: bool,
+    /// Use only these local experts: `0-15` (the same experts in every layer) or per layer
+    /// `0:0-7,1:8-15` (layers not named: none); the others come from peers.
+    #[arg(long, value_name = "SPEC", conflicts_with = "no_local_experts")]
+    pub only_experts: Option<String>,
 }
 
 /// Parses token ids separated by commas and/or whitespace.
@@ -87,13 +99,28 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .with_context(|| format!("loading the model in {}", a.model.display()))?;
     let context = prompt.len() + a.max_new_tokens.max(1) - 1;
     let max_pos = files.cfg.max_position_embeddings;
+    let allowed = a
+        .only_experts
+        .as_deref()
+        .map(|spec| {
+            let shape: Vec<usize> = files.layout.parts.iter().map(Vec::len).collect();
+            net::parse_only_experts(spec, &shape)
+        })
+        .transpose()?;
+    let mut lower: Vec<std::sync::Arc<dyn stormo_engine::tiers::Tier>> = Vec::new();
+    let mut peer_tier = None;
+    if !a.net.peers.is_empty() {
+        let t = std::sync::Arc::new(peer_tier_for(&files, &a.model, &a.net)?);
+        peer_tier = Some(t.clone());
+        lower.push(t);
+    }
     let experts = Experts::build(
         &files,
         &a.experts,
         context.min(max_pos),
-        Vec::new(),
-        true,
-        None,
+        lower,
+        !a.no_local_experts,
+        allowed,
     )?;
     let model = Model::new(
         files,
@@ -145,6 +172,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .with_context(|| format!("writing {}", path.display()))?;
     }
     let decode_steps = ids.len().saturating_sub(1);
+    if let Some(t) = &peer_tier {
+        t.close();
+    }
     experts.finish()?;
     let prediction = sess.prediction();
     if a.stats {
@@ -168,6 +198,36 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         println!("{}", s.join(" "));
     }
     Ok(())
+}
+
+/// The network tier for a node of `dir`: its identity, the accepted manifest (checked
+/// against the checkpoint's layout) and the peers.
+pub fn peer_tier_for(
+    files: &ModelFiles,
+    dir: &std::path::Path,
+    args: &PeerArgs,
+) -> anyhow::Result<PeerTier> {
+    let secret = net::node_key(args.key.as_deref())?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("stormo-net")
+        .enable_all()
+        .build()
+        .context("starting the network runtime")?;
+    let (manifest, id, _) = net::resolve_manifest(dir, args, &secret, &rt)?;
+    net::serve::check_layout(&manifest, &files.layout.sizes())
+        .context("the manifest does not describe this checkpoint")?;
+    let rt = std::sync::Arc::new(rt);
+    let tier = PeerTier::connect(
+        &secret,
+        &args.peers,
+        std::sync::Arc::new(manifest),
+        id,
+        files.layout.schemas.clone(),
+        args.config()?,
+        Some(rt.handle().clone()),
+    )?;
+    Ok(tier.keep_runtime(rt))
 }
 
 fn rate(n: usize, s: f64) -> f64 {

@@ -1,0 +1,110 @@
+//! `stormo serve`: serve this node's manifest and experts to peers over QUIC.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+
+use crate::experts::ExpertArgs;
+use crate::net::{self, serve, tls::Admission};
+
+/// Arguments of `stormo serve`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The model directory (a full or partial checkpoint with its stormo-manifest.bin).
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// The manifest, if not DIR/stormo-manifest.bin.
+    #[arg(long, value_name = "FILE")]
+    pub manifest: Option<PathBuf>,
+    /// Where to listen for peers (UDP), e.g. 0.0.0.0:4433 or 127.0.0.1:0.
+    #[arg(long, value_name = "ADDR")]
+    pub listen: SocketAddr,
+    /// This node's secret key (from `stormo key generate`); without it an ephemeral key is
+    /// made and printed, which peers cannot allow-list across restarts.
+    #[arg(long, value_name = "FILE")]
+    pub key: Option<PathBuf>,
+    /// Admit the peer with this node key (64 hex); repeatable. Without --allow, --allow-file
+    /// or --allow-any nobody can connect.
+    #[arg(long, value_name = "KEY")]
+    pub allow: Vec<String>,
+    /// Admit the node keys listed in this file (one per line, `#` comments).
+    #[arg(long, value_name = "FILE")]
+    pub allow_file: Option<PathBuf>,
+    /// Admit any node key (a public node). Must be asked for explicitly.
+    #[arg(long, conflicts_with_all = ["allow", "allow_file"])]
+    pub allow_any: bool,
+    /// Serve only these experts: `0-15` (the same experts in every layer) or per layer
+    /// `0:0-7,1:8-15` (layers not named: none).
+    #[arg(long, value_name = "SPEC")]
+    pub only_experts: Option<String>,
+    /// Requests of one peer served at once; more are answered busy.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub per_peer: u32,
+    /// Requests of all peers served at once; more are answered busy.
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    pub max_requests: usize,
+    /// Where served experts come from (RAM cache over the local disk).
+    #[command(flatten)]
+    pub experts: ExpertArgs,
+}
+
+/// Runs `stormo serve` until interrupted.
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let secret = net::node_key(a.key.as_deref())?;
+    let admission = if a.allow_any {
+        tracing::warn!("--allow-any: any node may fetch from this one");
+        Admission::Any
+    } else {
+        let keys = net::allow_list(&a.allow, a.allow_file.as_deref())?;
+        if keys.is_empty() {
+            tracing::warn!("no --allow, --allow-file or --allow-any: no peer can connect");
+        }
+        Admission::Keys(keys.iter().map(|k| *k.as_bytes()).collect())
+    };
+    anyhow::ensure!(a.per_peer >= 1, "--per-peer must be at least 1");
+    anyhow::ensure!(a.max_requests >= 1, "--max-requests must be at least 1");
+    let (holdings, experts) = serve::open_holdings(
+        &a.model,
+        a.manifest.as_deref(),
+        &a.experts,
+        a.only_experts.as_deref(),
+    )?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("stormo-serve")
+        .enable_all()
+        .build()
+        .context("starting the network runtime")?;
+    let model = holdings.model_id();
+    let n = holdings.inventory.len();
+    let holdings = Arc::new(holdings);
+    rt.block_on(async move {
+        let h = serve::start(
+            &secret,
+            a.listen,
+            holdings,
+            serve::ServeConfig {
+                per_peer: a.per_peer,
+                node_limit: a.max_requests,
+                admission,
+            },
+        )?;
+        eprintln!(
+            "serving model {} ({n} experts) on {} as node {}",
+            model.to_hex(),
+            h.local_addr(),
+            secret.public()
+        );
+        println!("{}@{}", secret.public(), h.local_addr());
+        tokio::signal::ctrl_c()
+            .await
+            .context("waiting for Ctrl-C")?;
+        eprintln!("shutting down");
+        h.close();
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), h.wait_idle()).await;
+        anyhow::Ok(())
+    })?;
+    experts.finish()
+}

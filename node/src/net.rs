@@ -1,0 +1,467 @@
+//! The network tier: serving and fetching verified experts over QUIC.
+//!
+//! - [`tls`]: TLS 1.3 with both sides authenticated by their Ed25519 node keys (raw public
+//!   keys), and the admission policy of a private swarm.
+//! - [`serve`]: the serving side (`stormo serve`): hello and inventory on a control stream,
+//!   one stream per request answered from the node's expert tiers, per-peer and node-wide
+//!   limits answered `busy`.
+//! - [`tier`]: the fetching side, a [`stormo_engine::tiers::Tier`] named "peer" that streams
+//!   each expert from a peer holding it, verifies every chunk against the manifest, and moves
+//!   on to another peer on any failure.
+//!
+//! Helpers here: node identity ([`node_key`]), peer names ([`PeerAddr`]), expert subsets
+//! ([`parse_only_experts`]), a tuned UDP endpoint ([`bind`]) and framed reads ([`FramedRecv`]).
+
+pub mod serve;
+pub mod tier;
+pub mod tls;
+
+use std::fmt;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use stormo_manifests::{
+    read_manifest, Hash, Manifest, ManifestPaths, ManifestSignature, PublicKey, SecretKey,
+};
+use stormo_wire::{DecodeError, FrameDecoder, Message};
+
+/// UDP socket buffer size: the default ~200 KiB drops packets of a 13 MB expert on loopback.
+pub const SOCKET_BUFFER: usize = 4 << 20;
+/// The longest a connection attempt (QUIC handshake plus Hello) may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The node's identity: the key in `path`, or a new ephemeral key (with a warning: peers
+/// cannot allow-list a key that changes every start).
+pub fn node_key(path: Option<&Path>) -> anyhow::Result<SecretKey> {
+    match path {
+        Some(p) => SecretKey::load(p).context("cannot use the node key (--key)"),
+        None => {
+            let k = SecretKey::generate();
+            tracing::warn!(
+                "no --key given: using an ephemeral node key {} (create one with `stormo key generate --out FILE`)",
+                k.public()
+            );
+            Ok(k)
+        }
+    }
+}
+
+/// A peer named `KEY@HOST:PORT`: its Ed25519 node key (64 hex) and where it listens.
+#[derive(Clone, PartialEq, Eq)]
+pub struct PeerAddr {
+    /// The key it must prove.
+    pub key: PublicKey,
+    /// Its address.
+    pub addr: SocketAddr,
+}
+
+impl fmt::Debug for PeerAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self}")
+    }
+}
+
+impl fmt::Display for PeerAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}@{}", short_key(&self.key), self.addr)
+    }
+}
+
+/// The first 8 hex characters of a key, for logs.
+pub fn short_key(k: &PublicKey) -> String {
+    k.to_hex()[..8].to_string()
+}
+
+impl FromStr for PeerAddr {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> anyhow::Result<Self> {
+        let s = s.trim();
+        let Some((key, addr)) = s.split_once('@') else {
+            anyhow::bail!(
+                "peer {s:?}: expected KEY@HOST:PORT (the peer's 64-hex node key, then its address)"
+            );
+        };
+        let key: PublicKey = key
+            .parse()
+            .with_context(|| format!("peer {s:?}: the part before '@'"))?;
+        let addr = addr
+            .to_socket_addrs()
+            .with_context(|| format!("peer {s:?}: {addr:?} is not HOST:PORT"))?
+            .next()
+            .with_context(|| format!("peer {s:?}: {addr:?} resolves to no address"))?;
+        Ok(Self { key, addr })
+    }
+}
+
+/// Reads the allow-list: keys from `--allow` and from `--allow-file` (one 64-hex key per line;
+/// blank lines and `#` comments skipped).
+pub fn allow_list(keys: &[String], file: Option<&Path>) -> anyhow::Result<Vec<PublicKey>> {
+    let mut out = Vec::new();
+    for k in keys {
+        out.push(k.parse().context("--allow")?);
+    }
+    if let Some(p) = file {
+        let text =
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        for (i, line) in text.lines().enumerate() {
+            let line = line.split('#').next().unwrap_or("").trim();
+            if line.is_empty() {
+                continue;
+            }
+            out.push(
+                line.parse()
+                    .with_context(|| format!("{} line {}", p.display(), i + 1))?,
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// Parses `--only-experts`: `A-B,C` (these experts in every layer) or `L:A-B,L:C,M:D-E` (per
+/// layer; layers not named get none). Returns `[layer][expert]` flags for `shape` (experts per
+/// layer, 0 for dense layers).
+pub fn parse_only_experts(spec: &str, shape: &[usize]) -> anyhow::Result<Vec<Vec<bool>>> {
+    let spec = spec.trim();
+    anyhow::ensure!(
+        !spec.is_empty(),
+        "--only-experts: empty (e.g. 0-15 or 0:0-7,1:8-15)"
+    );
+    let per_layer = spec.contains(':');
+    let mut out: Vec<Vec<bool>> = shape.iter().map(|&n| vec![false; n]).collect();
+    let experts_max = shape.iter().copied().max().unwrap_or(0);
+    let mut mark = |layer: Option<usize>, lo: usize, hi: usize| -> anyhow::Result<()> {
+        let layers: Vec<usize> = match layer {
+            Some(l) => {
+                anyhow::ensure!(
+                    l < shape.len(),
+                    "--only-experts: layer {l} does not exist (the model has {} layers)",
+                    shape.len()
+                );
+                vec![l]
+            }
+            None => (0..shape.len()).collect(),
+        };
+        anyhow::ensure!(
+            hi < experts_max,
+            "--only-experts: expert {hi} does not exist (layers have {experts_max} experts)"
+        );
+        for l in layers {
+            for e in lo..=hi.min(shape[l].saturating_sub(1)) {
+                if e < shape[l] {
+                    out[l][e] = true;
+                }
+            }
+        }
+        Ok(())
+    };
+    for item in spec.split(',').map(str::trim) {
+        let (layer, range) = if per_layer {
+            let Some((l, r)) = item.split_once(':') else {
+                anyhow::bail!("--only-experts: {item:?} has no layer (per-layer form is LAYER:A-B; do not mix with plain ranges)");
+            };
+            let l: usize = l
+                .trim()
+                .parse()
+                .map_err(|_| anyhow::anyhow!("--only-experts: {l:?} is not a layer number"))?;
+            (Some(l), r.trim())
+        } else {
+            (None, item)
+        };
+        let num = |t: &str| -> anyhow::Result<usize> {
+            t.trim()
+                .parse()
+                .map_err(|_| anyhow::anyhow!("--only-experts: {t:?} is not an expert number"))
+        };
+        let (lo, hi) = match range.split_once('-') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => {
+                let n = num(range)?;
+                (n, n)
+            }
+        };
+        anyhow::ensure!(lo <= hi, "--only-experts: range {range:?} is backwards");
+        mark(layer, lo, hi)?;
+    }
+    Ok(out)
+}
+
+/// A UDP endpoint on `addr` with [`SOCKET_BUFFER`] socket buffers, serving with `server` if
+/// given. Must be called inside a tokio runtime.
+pub fn bind(
+    addr: SocketAddr,
+    server: Option<quinn::ServerConfig>,
+) -> anyhow::Result<quinn::Endpoint> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let sock = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))
+        .context("creating a UDP socket")?;
+    for (what, r) in [
+        ("receive", sock.set_recv_buffer_size(SOCKET_BUFFER)),
+        ("send", sock.set_send_buffer_size(SOCKET_BUFFER)),
+    ] {
+        if let Err(e) = r {
+            tracing::warn!("could not set the UDP {what} buffer to {SOCKET_BUFFER} bytes: {e}");
+        }
+    }
+    sock.bind(&addr.into())
+        .with_context(|| format!("binding UDP {addr}"))?;
+    let udp: std::net::UdpSocket = sock.into();
+    quinn::Endpoint::new(
+        quinn::EndpointConfig::default(),
+        server,
+        udp,
+        Arc::new(quinn::TokioRuntime),
+    )
+    .with_context(|| format!("starting QUIC on {addr}"))
+}
+
+/// Why a framed read stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// The peer's bytes are not a valid frame (close the connection).
+    #[error("malformed frame: {0}")]
+    Decode(#[from] DecodeError),
+    /// The stream or connection failed.
+    #[error("{0}")]
+    Stream(#[from] quinn::ReadError),
+}
+
+/// Messages from a QUIC receive stream, one frame at a time.
+#[derive(Debug)]
+pub struct FramedRecv {
+    recv: quinn::RecvStream,
+    dec: FrameDecoder,
+    buf: bytes::Bytes,
+}
+
+impl FramedRecv {
+    /// Frames up to `max` bytes from `recv`.
+    pub fn new(recv: quinn::RecvStream, max: usize) -> Self {
+        Self {
+            recv,
+            dec: FrameDecoder::with_max(max),
+            buf: bytes::Bytes::new(),
+        }
+    }
+
+    /// The next message, or `None` at a clean end of the stream.
+    pub async fn next(&mut self) -> Result<Option<Message>, ReadError> {
+        loop {
+            if !self.buf.is_empty() {
+                let mut input: &[u8] = &self.buf;
+                let before = input.len();
+                let m = self.dec.decode(&mut input)?;
+                let used = before - input.len();
+                let _ = self.buf.split_to(used);
+                if let Some(m) = m {
+                    return Ok(Some(m));
+                }
+                continue;
+            }
+            match self.recv.read_chunk(1 << 20, true).await? {
+                Some(c) => self.buf = c.bytes,
+                None => {
+                    self.dec.finish()?;
+                    return Ok(None);
+                }
+            }
+        }
+    }
+
+    /// The underlying stream (to stop it).
+    pub fn stream(&mut self) -> &mut quinn::RecvStream {
+        &mut self.recv
+    }
+}
+
+/// Writes one message as a frame.
+pub async fn write_message(send: &mut quinn::SendStream, m: &Message) -> anyhow::Result<()> {
+    let f = stormo_wire::encode_frame(m).context("encoding a message")?;
+    send.write_all(&f).await.context("writing to the stream")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_addr_parses_and_names_what_is_wrong() {
+        let key = SecretKey::from_seed(&[1; 32]).public();
+        let p: PeerAddr = format!("{key}@127.0.0.1:4433").parse().unwrap();
+        assert_eq!(p.key, key);
+        assert_eq!(p.addr, "127.0.0.1:4433".parse().unwrap());
+        let e = format!("{:#}", "127.0.0.1:4433".parse::<PeerAddr>().unwrap_err());
+        assert!(e.contains("KEY@HOST:PORT"), "{e}");
+        let e = format!("{:#}", "abc@127.0.0.1:1".parse::<PeerAddr>().unwrap_err());
+        assert!(e.contains("before '@'"), "{e}");
+        let e = format!(
+            "{:#}",
+            format!("{key}@127.0.0.1").parse::<PeerAddr>().unwrap_err()
+        );
+        assert!(e.contains("HOST:PORT"), "{e}");
+    }
+
+    #[test]
+    fn only_experts_both_forms() {
+        let shape = [8, 8, 0];
+        let all = parse_only_experts("0-2,5", &shape).unwrap();
+        assert_eq!(all[0], [true, true, true, false, false, true, false, false]);
+        assert_eq!(all[1], all[0]);
+        assert!(all[2].is_empty());
+        let per = parse_only_experts("0:0-1,1:7", &shape).unwrap();
+        assert_eq!(
+            per[0],
+            [true, true, false, false, false, false, false, false]
+        );
+        assert_eq!(
+            per[1],
+            [false, false, false, false, false, false, false, true]
+        );
+        for bad in ["", "3-1", "0-8", "x", "5:0", "0:1,2", "0:a-b"] {
+            assert!(parse_only_experts(bad, &shape).is_err(), "{bad:?} accepted");
+        }
+    }
+}
+
+/// Options of a node that fetches from peers (shared by `run` and `pull`).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct PeerArgs {
+    /// A peer to fetch experts (or the manifest) from, as KEY@HOST:PORT: its 64-hex node key
+    /// and address. Repeatable.
+    #[arg(long = "peer", value_name = "KEY@HOST:PORT")]
+    pub peers: Vec<PeerAddr>,
+    /// This node's secret key (from `stormo key generate`), which peers allow-list. Without
+    /// it an ephemeral key is used.
+    #[arg(long, value_name = "FILE")]
+    pub key: Option<PathBuf>,
+    /// Accept a manifest signed by this publisher key (64 hex; the signature is read from
+    /// beside the manifest, stormo-manifest.sig). Repeatable.
+    #[arg(long, value_name = "PUBKEY")]
+    pub trust: Vec<PublicKey>,
+    /// Accept only the manifest with this model id (64 hex, as `stormo manifest build`
+    /// prints).
+    #[arg(long, value_name = "ID")]
+    pub model_id: Option<Hash>,
+    /// The manifest file, if not DIR/stormo-manifest.bin. When it does not exist and peers
+    /// are given, the manifest is fetched from a peer (and checked the same way).
+    #[arg(long, value_name = "FILE")]
+    pub manifest: Option<PathBuf>,
+    /// Seconds one expert request to a peer may take in all before another peer is tried.
+    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    pub peer_timeout: f64,
+}
+
+impl PeerArgs {
+    /// The timeouts these options give.
+    pub fn config(&self) -> anyhow::Result<tier::PeerConfig> {
+        anyhow::ensure!(
+            self.peer_timeout.is_finite() && self.peer_timeout > 0.0,
+            "--peer-timeout must be a positive number of seconds"
+        );
+        let t = Duration::from_secs_f64(self.peer_timeout);
+        Ok(tier::PeerConfig {
+            request_timeout: t,
+            idle_timeout: t.min(Duration::from_secs(5)),
+            ..tier::PeerConfig::default()
+        })
+    }
+}
+
+/// Accepts manifest `bytes` only if its id equals `model_id` (when given) and its signature
+/// `sig` (the .sig file's bytes) verifies against one of `trust` (when given); at least one of
+/// the two must be given. Returns the manifest and its id.
+pub fn accept_manifest(
+    bytes: &[u8],
+    sig: Option<&[u8]>,
+    trust: &[PublicKey],
+    model_id: Option<Hash>,
+) -> anyhow::Result<(Manifest, Hash)> {
+    anyhow::ensure!(
+        model_id.is_some() || !trust.is_empty(),
+        "say which manifest to accept: --trust PUBKEY (the publisher's key) or --model-id ID"
+    );
+    let id = Hash::of(bytes);
+    if let Some(want) = model_id {
+        anyhow::ensure!(
+            id == want,
+            "manifest refused: its model id is {id}, not the pinned --model-id {want}"
+        );
+    }
+    if !trust.is_empty() {
+        let sig = sig.context(
+            "manifest refused: --trust needs its signature (stormo-manifest.sig beside it), and there is none",
+        )?;
+        let sig =
+            ManifestSignature::from_bytes(sig).context("manifest refused: the signature file")?;
+        sig.verify(bytes, trust)
+            .context("manifest refused: its signature does not verify against --trust")?;
+    }
+    let m = Manifest::decode(bytes).context("manifest refused: not a valid manifest")?;
+    Ok((m, id))
+}
+
+/// The manifest for a node of `dir`: the local file (`args.manifest` or
+/// `DIR/stormo-manifest.bin`) when it exists, else fetched from the first peer that answers;
+/// accepted only as [`accept_manifest`] says.
+pub fn resolve_manifest(
+    dir: &Path,
+    args: &PeerArgs,
+    secret: &SecretKey,
+    rt: &tokio::runtime::Runtime,
+) -> anyhow::Result<(Manifest, Hash, Vec<u8>)> {
+    let paths = ManifestPaths::resolve(dir, args.manifest.as_deref());
+    let sig = std::fs::read(&paths.sig).ok();
+    let bytes = if paths.bin.exists() {
+        let (_, bytes) = read_manifest(&paths.bin)?;
+        bytes
+    } else {
+        anyhow::ensure!(
+            !args.peers.is_empty(),
+            "no manifest at {} and no --peer to fetch it from",
+            paths.bin.display()
+        );
+        anyhow::ensure!(
+            args.model_id.is_some() || sig.is_some(),
+            "no manifest at {}: fetching it from a peer needs --model-id ID (or its signature file there with --trust)",
+            paths.bin.display()
+        );
+        let want = match (args.model_id, &sig) {
+            (Some(id), _) => Some(id),
+            (None, Some(s)) => Some(
+                ManifestSignature::from_bytes(s)
+                    .context("the signature file")?
+                    .model_id,
+            ),
+            (None, None) => None,
+        };
+        let cfg = args.config()?;
+        let mut last = None;
+        let mut got = None;
+        for p in &args.peers {
+            match rt.block_on(tier::fetch_manifest(secret, p, want, cfg)) {
+                Ok((_, b)) => {
+                    got = Some(b);
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!("{e:#}");
+                    last = Some(e);
+                }
+            }
+        }
+        match got {
+            Some(b) => b,
+            None => {
+                return Err(last
+                    .unwrap_or_else(|| anyhow::anyhow!("no peer"))
+                    .context("no peer supplied the manifest"))
+            }
+        }
+    };
+    let (m, id) = accept_manifest(&bytes, sig.as_deref(), &args.trust, args.model_id)?;
+    Ok((m, id, bytes))
+}

@@ -1,0 +1,577 @@
+//! Serving experts and the manifest to peers over QUIC.
+//!
+//! One task per connection and one per stream. The connecting side's first stream is its
+//! control stream (its first frame is a `Hello`); every other stream carries one request (its
+//! first frame is a `Get` or `GetManifest`). Requests are admitted by a per-peer
+//! [`stormo_wire::Server`] (beyond its limit: `busy`) and a node-wide limit (also `busy`);
+//! expert records come from the node's expert provider (its RAM cache when hot, else its
+//! disk), fetched on tokio's blocking threads so the async threads never stall. A frame that
+//! does not decode, or a message that has no place where it arrived, closes that connection
+//! with `PROTOCOL_VIOLATION`; other connections and the node carry on.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use anyhow::Context;
+use bytes::Bytes;
+use stormo_engine::moe::ExpertProvider;
+use stormo_manifests::{ExpertId, Hash, Manifest, SecretKey};
+use stormo_wire::{
+    data_frame_prefix, expect_hello, ErrorCode, ExpertSet, Hello, Inventory, Message, NodeId,
+    Resource, ServeRequest, Server, ServerConfig, ServerEvent, PROTOCOL_VERSION,
+};
+use tokio::sync::Semaphore;
+
+use super::tls::{self, Admission};
+use super::{FramedRecv, ReadError};
+
+/// Bytes per `Data` frame sent.
+const DATA_CHUNK: usize = 256 << 10;
+/// The largest frame accepted from a peer (requests and control messages are small; an
+/// inventory bitmap of the largest model fits).
+const MAX_INBOUND_FRAME: usize = 256 << 10;
+
+/// What a node serves: one model's manifest and the experts it holds.
+pub struct Holdings {
+    /// The manifest's canonical bytes.
+    pub manifest_bytes: Bytes,
+    /// The manifest, decoded.
+    pub manifest: Arc<Manifest>,
+    /// Where expert records come from (the node's tiers).
+    pub experts: Arc<dyn ExpertProvider>,
+    /// The experts served (announced in the inventory).
+    pub inventory: ExpertSet,
+}
+
+impl std::fmt::Debug for Holdings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Holdings")
+            .field("model", &self.model_id())
+            .field("experts", &self.inventory.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Holdings {
+    /// The model id.
+    pub fn model_id(&self) -> Hash {
+        Hash::of(&self.manifest_bytes)
+    }
+
+    /// The inventory of every expert of `manifest` whose `allowed[layer][expert]` flag is set
+    /// (all of them when `allowed` is `None`).
+    pub fn inventory_of(
+        manifest: &Manifest,
+        allowed: Option<&[Vec<bool>]>,
+    ) -> anyhow::Result<ExpertSet> {
+        let layers = manifest
+            .experts
+            .iter()
+            .map(|e| e.id.layer + 1)
+            .max()
+            .unwrap_or(0);
+        let per = manifest
+            .experts
+            .iter()
+            .map(|e| e.id.expert + 1)
+            .max()
+            .unwrap_or(0);
+        let mut set = ExpertSet::new(layers.max(1), per.max(1)).context("inventory size")?;
+        for e in &manifest.experts {
+            let ok = allowed.is_none_or(|a| {
+                a.get(e.id.layer as usize)
+                    .and_then(|l| l.get(e.id.expert as usize))
+                    .copied()
+                    .unwrap_or(false)
+            });
+            if ok {
+                set.insert(e.id).context("inventory")?;
+            }
+        }
+        Ok(set)
+    }
+}
+
+/// Limits of a serving node.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    /// Requests of one peer served at once (more: `busy`).
+    pub per_peer: u32,
+    /// Requests of all peers served at once (more: `busy`).
+    pub node_limit: usize,
+    /// Who may connect.
+    pub admission: Admission,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            per_peer: 8,
+            node_limit: 32,
+            admission: Admission::Keys(Default::default()),
+        }
+    }
+}
+
+/// Counters of a serving node.
+#[derive(Debug, Default)]
+pub struct ServeStats {
+    /// Connections accepted (past TLS).
+    pub connections: AtomicU64,
+    /// Requests answered in full.
+    pub served: AtomicU64,
+    /// Bytes of expert and manifest data sent.
+    pub bytes: AtomicU64,
+    /// Requests answered `busy`.
+    pub busy: AtomicU64,
+    /// Connections closed for a protocol violation.
+    pub violations: AtomicU64,
+}
+
+/// A running server. Dropping it does not stop it; call [`ServerHandle::close`].
+#[derive(Debug)]
+pub struct ServerHandle {
+    endpoint: quinn::Endpoint,
+    addr: SocketAddr,
+    /// Its counters.
+    pub stats: Arc<ServeStats>,
+}
+
+impl ServerHandle {
+    /// Where it listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Closes every connection and stops accepting.
+    pub fn close(&self) {
+        self.endpoint.close(0u32.into(), b"shutting down");
+    }
+
+    /// Waits until every connection is closed.
+    pub async fn wait_idle(&self) {
+        self.endpoint.wait_idle().await;
+    }
+}
+
+struct Shared {
+    key: NodeId,
+    holdings: Arc<Holdings>,
+    cfg: ServeConfig,
+    node_slots: Arc<Semaphore>,
+    stats: Arc<ServeStats>,
+}
+
+/// Starts serving `holdings` on `listen` as `secret`. Must be called inside a tokio runtime;
+/// the server runs on it until closed.
+pub fn start(
+    secret: &SecretKey,
+    listen: SocketAddr,
+    holdings: Arc<Holdings>,
+    cfg: ServeConfig,
+) -> anyhow::Result<ServerHandle> {
+    let streams = cfg.per_peer.saturating_mul(2).max(4) + 1;
+    let sc = tls::server_config(secret, cfg.admission.clone(), streams)?;
+    let endpoint = super::bind(listen, Some(sc))?;
+    let addr = endpoint.local_addr().context("the bound address")?;
+    let stats = Arc::new(ServeStats::default());
+    let shared = Arc::new(Shared {
+        key: NodeId(*secret.public().as_bytes()),
+        holdings,
+        node_slots: Arc::new(Semaphore::new(cfg.node_limit.max(1))),
+        cfg,
+        stats: stats.clone(),
+    });
+    let ep = endpoint.clone();
+    tokio::spawn(async move {
+        while let Some(incoming) = ep.accept().await {
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                let remote = incoming.remote_address();
+                match tokio::time::timeout(super::CONNECT_TIMEOUT, incoming).await {
+                    Ok(Ok(conn)) => connection(shared, conn).await,
+                    Ok(Err(e)) => tracing::info!("connection from {remote} failed: {e}"),
+                    Err(_) => tracing::info!("connection from {remote} timed out in the handshake"),
+                }
+            });
+        }
+    });
+    Ok(ServerHandle {
+        endpoint,
+        addr,
+        stats,
+    })
+}
+
+fn violation(shared: &Shared, conn: &quinn::Connection, peer: &str, why: &str) {
+    tracing::warn!("peer {peer}: {why}; closing its connection");
+    shared.stats.violations.fetch_add(1, Ordering::Relaxed);
+    conn.close(
+        u32::from(ErrorCode::PROTOCOL_VIOLATION.0).into(),
+        why.as_bytes(),
+    );
+}
+
+async fn connection(shared: Arc<Shared>, conn: quinn::Connection) {
+    let Some(key) = tls::peer_key(&conn) else {
+        conn.close(u32::from(ErrorCode::FORBIDDEN.0).into(), b"no node key");
+        return;
+    };
+    let peer = format!("{}@{}", hex8(&key), conn.remote_address());
+    shared.stats.connections.fetch_add(1, Ordering::Relaxed);
+    tracing::info!("peer {peer} connected");
+    let server = Arc::new(Mutex::new(Server::new(ServerConfig {
+        max_concurrent: shared.cfg.per_peer,
+    })));
+    loop {
+        let (send, recv) = match conn.accept_bi().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::info!("peer {peer} gone: {e}");
+                return;
+            }
+        };
+        let (shared, conn, server, peer) =
+            (shared.clone(), conn.clone(), server.clone(), peer.clone());
+        tokio::spawn(async move {
+            stream(&shared, &conn, &server, &peer, NodeId(key), send, recv).await;
+        });
+    }
+}
+
+fn hex8(key: &[u8; 32]) -> String {
+    key[..4].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn stream(
+    shared: &Shared,
+    conn: &quinn::Connection,
+    server: &Mutex<Server>,
+    peer: &str,
+    key: NodeId,
+    mut send: quinn::SendStream,
+    recv: quinn::RecvStream,
+) {
+    let mut recv = FramedRecv::new(recv, MAX_INBOUND_FRAME);
+    let first = match recv.next().await {
+        Ok(Some(m)) => m,
+        Ok(None) => return,
+        Err(ReadError::Decode(e)) => return violation(shared, conn, peer, &e.to_string()),
+        Err(ReadError::Stream(_)) => return,
+    };
+    match first {
+        Message::Hello(_) => control(shared, conn, peer, key, first, send, recv).await,
+        Message::Get(_) | Message::GetManifest(_) => {
+            let (out, events) = {
+                let mut s = server.lock().expect("server state lock");
+                if let Err(e) = s.handle_message(first) {
+                    drop(s);
+                    return violation(shared, conn, peer, &e.to_string());
+                }
+                drain(&mut s)
+            };
+            for m in &out {
+                if super::write_message(&mut send, m).await.is_err() {
+                    return;
+                }
+            }
+            for ev in events {
+                if let ServerEvent::Serve(req) = ev {
+                    serve_one(shared, server, peer, req, &mut send).await;
+                }
+            }
+            let _ = send.finish();
+            // Wait for the peer to read everything (or give up on it) before dropping.
+            let _ = tokio::time::timeout(tls::IDLE_TIMEOUT, send.stopped()).await;
+        }
+        other => violation(
+            shared,
+            conn,
+            peer,
+            &format!("a stream opened with a {} message", other.name()),
+        ),
+    }
+}
+
+fn drain(s: &mut Server) -> (Vec<Message>, Vec<ServerEvent>) {
+    let mut out = Vec::new();
+    while let Some(m) = s.poll_transmit() {
+        out.push(m);
+    }
+    let mut ev = Vec::new();
+    while let Some(e) = s.poll_event() {
+        ev.push(e);
+    }
+    (out, ev)
+}
+
+async fn control(
+    shared: &Shared,
+    conn: &quinn::Connection,
+    peer: &str,
+    key: NodeId,
+    first: Message,
+    mut send: quinn::SendStream,
+    mut recv: FramedRecv,
+) {
+    if let Err(e) = expect_hello(first, &key) {
+        tracing::warn!("peer {peer}: {e}");
+        let _ = super::write_message(&mut send, &Message::Error(e.to_message())).await;
+        let _ = send.finish();
+        let _ = tokio::time::timeout(std::time::Duration::from_millis(200), send.stopped()).await;
+        conn.close(u32::from(e.code().0).into(), e.to_string().as_bytes());
+        return;
+    }
+    let h = &shared.holdings;
+    let hello = Message::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        node: shared.key,
+        models: vec![h.model_id()],
+        limits: stormo_wire::Limits {
+            max_concurrent_requests: shared.cfg.per_peer,
+        },
+    });
+    let inv = Message::Inventory(Inventory {
+        model: h.model_id(),
+        experts: h.inventory.clone(),
+    });
+    for m in [&hello, &inv] {
+        if super::write_message(&mut send, m).await.is_err() {
+            return;
+        }
+    }
+    loop {
+        match recv.next().await {
+            Ok(Some(Message::Ping(p))) => {
+                if super::write_message(&mut send, &Message::Pong(p.pong()))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            Ok(Some(Message::Inventory(_) | Message::InventoryUpdate(_) | Message::Pong(_))) => {}
+            Ok(Some(Message::Error(e))) => {
+                tracing::info!("peer {peer} closes: {} {}", e.code, e.message);
+                return;
+            }
+            Ok(Some(other)) => {
+                return violation(
+                    shared,
+                    conn,
+                    peer,
+                    &format!("unexpected {} on the control stream", other.name()),
+                )
+            }
+            Ok(None) | Err(ReadError::Stream(_)) => return,
+            Err(ReadError::Decode(e)) => return violation(shared, conn, peer, &e.to_string()),
+        }
+    }
+}
+
+fn fail(
+    server: &Mutex<Server>,
+    id: stormo_wire::RequestId,
+    code: ErrorCode,
+    msg: String,
+) -> Vec<Message> {
+    let mut s = server.lock().expect("server state lock");
+    s.fail(id, code, msg);
+    drain(&mut s).0
+}
+
+async fn serve_one(
+    shared: &Shared,
+    server: &Mutex<Server>,
+    peer: &str,
+    req: ServeRequest,
+    send: &mut quinn::SendStream,
+) {
+    let id = req.id;
+    let answer = match shared.node_slots.clone().try_acquire_owned() {
+        Err(_) => {
+            shared.stats.busy.fetch_add(1, Ordering::Relaxed);
+            Err((
+                ErrorCode::BUSY,
+                "the node is serving its limit of requests".to_string(),
+            ))
+        }
+        Ok(permit) => resolve(shared, &req).await.map(|b| (b, permit)),
+    };
+    let (bytes, offset, _permit) = match answer {
+        Ok(((bytes, offset), permit)) => (bytes, offset, permit),
+        Err((code, msg)) => {
+            for m in fail(server, id, code, msg) {
+                let _ = super::write_message(send, &m).await;
+            }
+            return;
+        }
+    };
+    if req.priority == stormo_wire::Priority::Prefetch {
+        let _ = send.set_priority(-1);
+    }
+    let mut off = offset;
+    for chunk in bytes.chunks(DATA_CHUNK) {
+        if !server.lock().expect("server state lock").is_active(id) {
+            return;
+        }
+        let prefix = data_frame_prefix(id, off, chunk.len());
+        let sent = async {
+            send.write_all(&prefix).await?;
+            send.write_all(chunk).await
+        }
+        .await;
+        if sent.is_err() {
+            // The peer reset or stopped the stream: the same as a Cancel.
+            let mut s = server.lock().expect("server state lock");
+            let _ = s.handle_message(Message::Cancel(stormo_wire::Cancel { request_id: id }));
+            let _ = drain(&mut s);
+            return;
+        }
+        off += chunk.len() as u64;
+    }
+    let out = {
+        let mut s = server.lock().expect("server state lock");
+        s.complete(id);
+        drain(&mut s).0
+    };
+    for m in &out {
+        if super::write_message(send, m).await.is_err() {
+            return;
+        }
+    }
+    shared.stats.served.fetch_add(1, Ordering::Relaxed);
+    shared
+        .stats
+        .bytes
+        .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    tracing::debug!("served {} ({} bytes) to {peer}", req.resource, bytes.len());
+}
+
+/// The bytes to send for `req` and their offset in the resource, or the error to answer.
+async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (ErrorCode, String)> {
+    let h = &shared.holdings;
+    match req.resource {
+        Resource::Manifest { model } => {
+            if model != h.model_id() {
+                return Err((
+                    ErrorCode::NOT_FOUND,
+                    format!("no manifest of {}", model.short()),
+                ));
+            }
+            Ok((h.manifest_bytes.clone(), 0))
+        }
+        Resource::Expert { model, expert } => {
+            if model != h.model_id() {
+                return Err((
+                    ErrorCode::NOT_FOUND,
+                    format!("model {} is not served here", model.short()),
+                ));
+            }
+            let entry = h.manifest.expert(expert);
+            let (Some(entry), true) = (entry, h.inventory.contains(expert)) else {
+                return Err((
+                    ErrorCode::NOT_FOUND,
+                    format!("expert {expert} is not held here"),
+                ));
+            };
+            let range = req.resolve(entry.len)?;
+            let record = record(h.experts.clone(), expert).await.map_err(|e| {
+                tracing::warn!("reading expert {expert} to serve it: {e:#}");
+                (
+                    ErrorCode::INTERNAL,
+                    format!("reading expert {expert} failed"),
+                )
+            })?;
+            if record.len() as u64 != entry.len {
+                return Err((
+                    ErrorCode::INTERNAL,
+                    format!("expert {expert} has an unexpected length"),
+                ));
+            }
+            let start = range.offset as usize;
+            let end = start + range.len as usize;
+            Ok((record.slice(start..end), range.offset))
+        }
+    }
+}
+
+/// Expert `id`'s record (its parts back to back), from the provider on a blocking thread.
+pub async fn record(experts: Arc<dyn ExpertProvider>, id: ExpertId) -> anyhow::Result<Bytes> {
+    tokio::task::spawn_blocking(move || -> anyhow::Result<Bytes> {
+        let mut out = Vec::with_capacity(1);
+        experts.fetch(id.layer as usize, &[id.expert as usize], &mut out)?;
+        let data = out.pop().context("the provider returned no expert")?;
+        let len: usize = data.parts().map(<[u8]>::len).sum();
+        let mut buf = Vec::with_capacity(len);
+        for p in data.parts() {
+            buf.extend_from_slice(p);
+        }
+        Ok(Bytes::from(buf))
+    })
+    .await
+    .context("the expert reader panicked")?
+}
+
+/// Opens what a node in `dir` serves: the manifest (`manifest`, or `DIR/stormo-manifest.bin`),
+/// checked against the checkpoint's layout, and its experts through the tiers of `args`,
+/// restricted to `only` (an `--only-experts` spec) when given.
+pub fn open_holdings(
+    dir: &std::path::Path,
+    manifest: Option<&std::path::Path>,
+    args: &crate::experts::ExpertArgs,
+    only: Option<&str>,
+) -> anyhow::Result<(Holdings, crate::experts::Experts)> {
+    let files = stormo_engine::ModelFiles::open(dir)
+        .with_context(|| format!("loading the model in {}", dir.display()))?;
+    let path = stormo_manifests::ManifestPaths::resolve(dir, manifest).bin;
+    let (m, bytes) = stormo_manifests::read_manifest(&path).with_context(|| {
+        format!(
+            "reading the manifest (create it with `stormo manifest build --model {}`)",
+            dir.display()
+        )
+    })?;
+    check_layout(&m, &files.layout.sizes())?;
+    let allowed = only
+        .map(|s| {
+            let shape: Vec<usize> = files.layout.parts.iter().map(Vec::len).collect();
+            super::parse_only_experts(s, &shape)
+        })
+        .transpose()?;
+    let inventory = Holdings::inventory_of(&m, allowed.as_deref())?;
+    let experts = crate::experts::Experts::build(&files, args, 1, Vec::new(), true, allowed)?;
+    Ok((
+        Holdings {
+            manifest_bytes: Bytes::from(bytes),
+            manifest: Arc::new(m),
+            experts: experts.provider.clone(),
+            inventory,
+        },
+        experts,
+    ))
+}
+
+/// Checks that `m` lists exactly the experts of a checkpoint with record sizes `sizes`.
+pub fn check_layout(m: &Manifest, sizes: &[Vec<u64>]) -> anyhow::Result<()> {
+    let n: usize = sizes.iter().map(Vec::len).sum();
+    anyhow::ensure!(
+        m.experts.len() == n,
+        "the manifest lists {} experts, the checkpoint has {n}",
+        m.experts.len()
+    );
+    for e in &m.experts {
+        let want = sizes
+            .get(e.id.layer as usize)
+            .and_then(|l| l.get(e.id.expert as usize));
+        anyhow::ensure!(
+            want == Some(&e.len),
+            "expert {} is {} bytes in the manifest but {:?} in the checkpoint",
+            e.id,
+            e.len,
+            want
+        );
+    }
+    Ok(())
+}

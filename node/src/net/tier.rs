@@ -1,0 +1,688 @@
+//! The network tier: a [`Tier`] named "peer" that fetches experts from a set of peers.
+//!
+//! For each requested expert it picks a peer whose inventory holds it (fewest requests in
+//! flight, then the shortest expected time from measured round trip and throughput), streams
+//! the record on its own QUIC stream through a [`Requests`], checks every chunk against the
+//! manifest as it arrives and the whole record before completing. On any failure (a bad chunk,
+//! a timeout, `busy`, a lost connection, a peer that does not hold what it advertised, another
+//! protocol version) it logs a warning naming the peer, puts the peer on a growing back-off,
+//! and goes on with another peer, resuming after the verified prefix; only when no peer can
+//! supply the expert does it complete with an error, so the tiers above fall back. Keys are
+//! fetched in parallel, each on its own task. Prefetch loads are sent with the `Prefetch`
+//! priority. Every wait is bounded: the connect (handshake plus hello), each request's overall
+//! deadline and the gap between two frames.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use stormo_engine::moe::{ExpertData, ExpertSchema};
+use stormo_engine::tiers::{Completion, ExpertKey, Priority, Tier};
+use stormo_manifests::{ExpertId, Hash, Manifest, SecretKey};
+use stormo_wire::{
+    expect_hello, ByteRange, ChunkVerifier, Event, ExpertSet, Fetch, FetchError, Hello, Message,
+    NodeId, Requests, RequestsConfig, MAX_FRAME_LEN, MAX_MANIFEST_LEN, PROTOCOL_VERSION,
+};
+use tokio::sync::Semaphore;
+
+use super::{tls, FramedRecv, PeerAddr, ReadError};
+
+/// Timeouts of the network tier.
+#[derive(Clone, Copy, Debug)]
+pub struct PeerConfig {
+    /// The longest a connection (QUIC handshake, hello and inventory) may take.
+    pub connect_timeout: Duration,
+    /// The overall deadline of one expert request.
+    pub request_timeout: Duration,
+    /// The longest wait for the first frame of an answer or between two frames.
+    pub idle_timeout: Duration,
+}
+
+impl Default for PeerConfig {
+    fn default() -> Self {
+        Self {
+            connect_timeout: super::CONNECT_TIMEOUT,
+            request_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Throughput assumed for a peer not yet measured (bytes per second).
+const DEFAULT_RATE: f64 = 100e6;
+/// The longest a failing peer is avoided.
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+struct Link {
+    conn: quinn::Connection,
+    slots: Arc<Semaphore>,
+}
+
+#[derive(Default)]
+struct PeerState {
+    inventory: Option<ExpertSet>,
+    in_flight: u32,
+    failures: u32,
+    avoid_until: Option<Instant>,
+    rate: Option<f64>,
+    rtt: Option<Duration>,
+}
+
+struct Peer {
+    addr: PeerAddr,
+    client: quinn::ClientConfig,
+    link: tokio::sync::Mutex<Option<Arc<Link>>>,
+    state: Mutex<PeerState>,
+}
+
+impl Peer {
+    fn state(&self) -> std::sync::MutexGuard<'_, PeerState> {
+        self.state.lock().expect("peer state lock")
+    }
+
+    /// Notes a failure: warns naming the peer, and avoids it for a while.
+    fn mark(&self, what: &str, err: &dyn fmt::Display) {
+        let mut s = self.state();
+        s.failures += 1;
+        let backoff = Duration::from_millis(500)
+            .saturating_mul(1 << s.failures.min(8))
+            .min(MAX_BACKOFF);
+        s.avoid_until = Some(Instant::now() + backoff);
+        tracing::warn!(
+            "peer {} failed {what}: {err}; avoiding it for {:.1}s",
+            self.addr,
+            backoff.as_secs_f64()
+        );
+    }
+}
+
+struct Inner {
+    cfg: PeerConfig,
+    me: NodeId,
+    endpoint: quinn::Endpoint,
+    model: Hash,
+    manifest: Arc<Manifest>,
+    schemas: Vec<Option<ExpertSchema>>,
+    peers: Vec<Arc<Peer>>,
+}
+
+/// The network tier. See the module docs.
+pub struct PeerTier {
+    inner: Arc<Inner>,
+    rt: tokio::runtime::Handle,
+    _own: Option<OwnedRuntime>,
+}
+
+/// A runtime shut down without waiting when the tier goes (possibly on one of its own threads,
+/// where a blocking drop would panic).
+struct OwnedRuntime(Option<Arc<tokio::runtime::Runtime>>);
+
+impl Drop for OwnedRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take().and_then(|a| Arc::try_unwrap(a).ok()) {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl fmt::Debug for PeerTier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let peers: Vec<String> = self
+            .inner
+            .peers
+            .iter()
+            .map(|p| p.addr.to_string())
+            .collect();
+        f.debug_struct("PeerTier")
+            .field("model", &self.inner.model.short())
+            .field("peers", &peers)
+            .finish()
+    }
+}
+
+/// A verifier of one expert's chunks against the manifest.
+struct ChunkCheck {
+    manifest: Arc<Manifest>,
+    id: ExpertId,
+    len: u64,
+}
+
+impl ChunkVerifier for ChunkCheck {
+    fn chunk_len(&self) -> u64 {
+        u64::from(self.manifest.chunk_size)
+    }
+    fn resource_len(&self) -> u64 {
+        self.len
+    }
+    fn verify_chunk(
+        &mut self,
+        index: u64,
+        bytes: &[u8],
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let index = u32::try_from(index).map_err(|_| "chunk index out of range")?;
+        self.manifest
+            .verify_chunk(self.id, index, bytes)
+            .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+    }
+}
+
+/// A QUIC client endpoint on an ephemeral port of the right address family.
+fn client_endpoint(peers: &[PeerAddr]) -> anyhow::Result<quinn::Endpoint> {
+    let v6 = peers.iter().any(|p| p.addr.is_ipv6());
+    let any: std::net::SocketAddr = if v6 { "[::]:0" } else { "0.0.0.0:0" }
+        .parse()
+        .expect("a literal address");
+    super::bind(any, None)
+}
+
+/// Connects to `peer`: QUIC handshake, hello both ways (version and key checked) and the
+/// peer's inventory of `model`, all within `timeout`.
+async fn connect(
+    endpoint: &quinn::Endpoint,
+    client: quinn::ClientConfig,
+    peer: &PeerAddr,
+    me: NodeId,
+    model: Option<Hash>,
+    timeout: Duration,
+) -> anyhow::Result<(quinn::Connection, Hello, Option<ExpertSet>)> {
+    let fut = async {
+        let conn = endpoint
+            .connect_with(client, peer.addr, "stormo")
+            .context("starting the connection")?
+            .await
+            .context("QUIC handshake")?;
+        let (mut send, recv) = conn.open_bi().await.context("opening the control stream")?;
+        let hello = Message::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            node: me,
+            models: Vec::new(),
+            limits: stormo_wire::Limits {
+                max_concurrent_requests: 0,
+            },
+        });
+        super::write_message(&mut send, &hello).await?;
+        let mut frames = FramedRecv::new(recv, MAX_FRAME_LEN);
+        let first = frames
+            .next()
+            .await
+            .context("reading the peer's hello")?
+            .context("the peer closed the control stream before its hello")?;
+        if let Message::Error(e) = &first {
+            anyhow::bail!("the peer refused us: {} {}", e.code, e.message);
+        }
+        let theirs = expect_hello(first, &NodeId(*peer.key.as_bytes()))?;
+        let mut inv = None;
+        if let Some(model) = model {
+            anyhow::ensure!(
+                theirs.models.contains(&model),
+                "the peer does not serve model {}",
+                model.short()
+            );
+            loop {
+                match frames.next().await.context("reading the inventory")? {
+                    Some(Message::Inventory(i)) if i.model == model => {
+                        i.experts.validate().context("the peer's inventory")?;
+                        inv = Some(i.experts);
+                        break;
+                    }
+                    Some(Message::Inventory(_) | Message::Pong(_)) => {}
+                    Some(other) => {
+                        anyhow::bail!("unexpected {} before the inventory", other.name())
+                    }
+                    None => anyhow::bail!("the control stream ended before the inventory"),
+                }
+            }
+        }
+        // Keep the control stream open (the peer treats its end as a goodbye) and drain it.
+        tokio::spawn(async move {
+            let _send = send;
+            while let Ok(Some(_)) = frames.next().await {}
+        });
+        Ok((conn, theirs, inv))
+    };
+    tokio::time::timeout(timeout, fut)
+        .await
+        .map_err(|_| anyhow::anyhow!("no answer within {:.1}s", timeout.as_secs_f64()))?
+}
+
+impl PeerTier {
+    /// Connects to `peers` (in parallel, each bounded by the connect timeout) as `secret`, for
+    /// the model of `manifest` whose experts have `schemas` (`files.layout.schemas`). Peers
+    /// that cannot be reached are warned about and retried later. Runs on `rt` if given, else
+    /// on a runtime of its own.
+    pub fn connect(
+        secret: &SecretKey,
+        peers: &[PeerAddr],
+        manifest: Arc<Manifest>,
+        model: Hash,
+        schemas: Vec<Option<ExpertSchema>>,
+        cfg: PeerConfig,
+        rt: Option<tokio::runtime::Handle>,
+    ) -> anyhow::Result<Self> {
+        let (rt, own) = match rt {
+            Some(h) => (h, None),
+            None => {
+                let r = Arc::new(
+                    tokio::runtime::Builder::new_multi_thread()
+                        .worker_threads(2)
+                        .thread_name("stormo-net")
+                        .enable_all()
+                        .build()
+                        .context("starting the network runtime")?,
+                );
+                (r.handle().clone(), Some(r))
+            }
+        };
+        let endpoint = {
+            let _g = rt.enter();
+            client_endpoint(peers)?
+        };
+        let mut ps = Vec::new();
+        for p in peers {
+            ps.push(Arc::new(Peer {
+                addr: p.clone(),
+                client: tls::client_config(secret, &p.key)?,
+                link: tokio::sync::Mutex::new(None),
+                state: Mutex::new(PeerState::default()),
+            }));
+        }
+        let inner = Arc::new(Inner {
+            cfg,
+            me: NodeId(*secret.public().as_bytes()),
+            endpoint,
+            model,
+            manifest,
+            schemas,
+            peers: ps,
+        });
+        let i2 = inner.clone();
+        rt.block_on(async move {
+            let tasks: Vec<_> = i2
+                .peers
+                .iter()
+                .map(|p| {
+                    let (i, p) = (i2.clone(), p.clone());
+                    tokio::spawn(async move {
+                        if let Err(e) = link(&i, &p).await {
+                            p.mark("to connect", &format!("{e:#}"));
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                let _ = t.await;
+            }
+        });
+        let reachable = inner
+            .peers
+            .iter()
+            .filter(|p| p.state().inventory.is_some())
+            .count();
+        tracing::info!("{reachable} of {} peers reachable", inner.peers.len());
+        Ok(Self {
+            inner,
+            rt,
+            _own: own.map(|r| OwnedRuntime(Some(r))),
+        })
+    }
+
+    /// How many experts each peer advertised (in `peers` order; `None`: not reached).
+    pub fn inventories(&self) -> Vec<Option<usize>> {
+        self.inner
+            .peers
+            .iter()
+            .map(|p| p.state().inventory.as_ref().map(ExpertSet::len))
+            .collect()
+    }
+
+    /// Keeps `rt` alive as long as the tier (when the tier runs on it).
+    pub fn keep_runtime(mut self, rt: Arc<tokio::runtime::Runtime>) -> Self {
+        self._own = Some(OwnedRuntime(Some(rt)));
+        self
+    }
+
+    /// Closes every connection.
+    pub fn close(&self) {
+        self.inner.endpoint.close(0u32.into(), b"done");
+    }
+}
+
+/// The live link to `peer`, connecting if there is none (or the last one closed).
+async fn link(inner: &Inner, peer: &Peer) -> anyhow::Result<Arc<Link>> {
+    let mut g = peer.link.lock().await;
+    if let Some(l) = g.as_ref() {
+        if l.conn.close_reason().is_none() {
+            return Ok(l.clone());
+        }
+        tracing::info!("peer {}: connection lost, reconnecting", peer.addr);
+        *g = None;
+    }
+    let (conn, hello, inv) = connect(
+        &inner.endpoint,
+        peer.client.clone(),
+        &peer.addr,
+        inner.me,
+        Some(inner.model),
+        inner.cfg.connect_timeout,
+    )
+    .await?;
+    let slots = hello.limits.max_concurrent_requests.clamp(1, 64) as usize;
+    let l = Arc::new(Link {
+        conn,
+        slots: Arc::new(Semaphore::new(slots)),
+    });
+    {
+        let mut s = peer.state();
+        s.inventory = inv;
+        s.rtt = Some(l.conn.rtt());
+    }
+    *g = Some(l.clone());
+    Ok(l)
+}
+
+/// Fetches a manifest from `peer` and returns its bytes, unchecked (check them against the
+/// trusted key or the pinned id before use). `model` is the id to ask for; `None` asks for
+/// the peer's only model.
+pub async fn fetch_manifest(
+    secret: &SecretKey,
+    peer: &PeerAddr,
+    model: Option<Hash>,
+    cfg: PeerConfig,
+) -> anyhow::Result<(Hash, Vec<u8>)> {
+    let endpoint = client_endpoint(std::slice::from_ref(peer))?;
+    let client = tls::client_config(secret, &peer.key)?;
+    let me = NodeId(*secret.public().as_bytes());
+    let (conn, hello, _) = connect(&endpoint, client, peer, me, None, cfg.connect_timeout)
+        .await
+        .with_context(|| format!("peer {peer}"))?;
+    let model = match model {
+        Some(m) => {
+            anyhow::ensure!(
+                hello.models.contains(&m),
+                "peer {peer} does not serve model {}",
+                m.short()
+            );
+            m
+        }
+        None => match hello.models.as_slice() {
+            [m] => *m,
+            [] => anyhow::bail!("peer {peer} serves no model"),
+            _ => anyhow::bail!("peer {peer} serves several models; name one with --model-id"),
+        },
+    };
+    let mut req = Requests::new(RequestsConfig {
+        timeout: cfg.request_timeout,
+        idle_timeout: cfg.idle_timeout,
+        max_outstanding: 1,
+    });
+    req.start(Instant::now(), Fetch::manifest(model, MAX_MANIFEST_LEN))
+        .context("starting the manifest request")?;
+    let out = run_request(&conn, &mut req, None).await;
+    endpoint.close(0u32.into(), b"done");
+    match out {
+        Ok(bytes) => Ok((model, bytes)),
+        Err(e) => Err(anyhow::anyhow!("peer {peer}: fetching the manifest: {e}")),
+    }
+}
+
+/// Why one attempt at one peer failed.
+#[derive(Debug, thiserror::Error)]
+enum AttemptError {
+    #[error("{0}")]
+    Fetch(FetchError, Vec<u8>),
+    #[error("{0:#}")]
+    Other(anyhow::Error),
+}
+
+/// Sends the request queued in `req` on a new stream of `conn` and drives it to its end.
+async fn run_request(
+    conn: &quinn::Connection,
+    req: &mut Requests,
+    priority: Option<i32>,
+) -> Result<Vec<u8>, AttemptError> {
+    let (mut send, recv) = conn
+        .open_bi()
+        .await
+        .map_err(|e| AttemptError::Other(anyhow::anyhow!("opening a stream: {e}")))?;
+    if let Some(p) = priority {
+        let _ = send.set_priority(p);
+    }
+    while let Some(m) = req.poll_transmit() {
+        super::write_message(&mut send, &m)
+            .await
+            .map_err(AttemptError::Other)?;
+    }
+    let _ = send.finish();
+    let mut frames = FramedRecv::new(recv, MAX_FRAME_LEN);
+    loop {
+        if let Some(ev) = req.poll_event() {
+            return match ev {
+                Event::Completed(c) => Ok(c.bytes),
+                Event::Failed(f) => {
+                    let _ = frames.stream().stop(0u32.into());
+                    let _ = send.reset(0u32.into());
+                    Err(AttemptError::Fetch(f.error, f.verified))
+                }
+            };
+        }
+        let deadline = req
+            .poll_timeout()
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
+        tokio::select! {
+            m = frames.next() => match m {
+                Ok(Some(msg)) => {
+                    if let Err(e) = req.handle_message(Instant::now(), msg) {
+                        conn.close(u32::from(stormo_wire::ErrorCode::PROTOCOL_VIOLATION.0).into(), e.to_string().as_bytes());
+                        req.connection_lost(&e.to_string());
+                    }
+                }
+                Ok(None) => req.connection_lost("the stream ended early"),
+                Err(ReadError::Decode(e)) => {
+                    conn.close(u32::from(stormo_wire::ErrorCode::PROTOCOL_VIOLATION.0).into(), e.to_string().as_bytes());
+                    req.connection_lost(&format!("malformed frame: {e}"));
+                }
+                Err(e) => req.connection_lost(&e.to_string()),
+            },
+            _ = tokio::time::sleep_until(deadline.into()) => req.handle_timeout(Instant::now()),
+        }
+        // Messages queued by the state machine (a Cancel after a failure) are replaced by the
+        // stream reset above.
+        while req.poll_transmit().is_some() {}
+    }
+}
+
+fn expert_id(key: ExpertKey) -> Option<ExpertId> {
+    Some(ExpertId {
+        layer: u16::try_from(key.layer).ok()?,
+        expert: u16::try_from(key.expert).ok()?,
+    })
+}
+
+impl Inner {
+    /// The best peer for `id` among those not in `tried`: holders not avoided first, then
+    /// fewest in flight, then shortest expected time.
+    fn choose(&self, id: ExpertId, len: u64, tried: &HashSet<usize>) -> Option<usize> {
+        let now = Instant::now();
+        let mut best: Option<(bool, u32, f64, usize)> = None;
+        for (i, p) in self.peers.iter().enumerate() {
+            if tried.contains(&i) {
+                continue;
+            }
+            let s = p.state();
+            let holds = s.inventory.as_ref().is_some_and(|inv| inv.contains(id));
+            // A peer never reached may hold it; try it last.
+            let unknown = s.inventory.is_none();
+            if !holds && !unknown {
+                continue;
+            }
+            let avoided = unknown || s.avoid_until.is_some_and(|t| t > now);
+            let expect = s.rtt.map_or(0.001, |r| r.as_secs_f64())
+                + len as f64 / s.rate.unwrap_or(DEFAULT_RATE);
+            let cand = (avoided, s.in_flight, expect, i);
+            if best.as_ref().is_none_or(|b| {
+                (cand.0, cand.1) < (b.0, b.1) || ((cand.0, cand.1) == (b.0, b.1) && cand.2 < b.2)
+            }) {
+                best = Some(cand);
+            }
+        }
+        best.map(|b| b.3)
+    }
+
+    async fn fetch(&self, key: ExpertKey, priority: Priority) -> Result<Arc<ExpertData>, String> {
+        let id = expert_id(key).ok_or("expert index out of range")?;
+        let entry = self
+            .manifest
+            .expert(id)
+            .ok_or_else(|| format!("expert {id} is not in the manifest"))?;
+        let len = entry.len;
+        let schema = self
+            .schemas
+            .get(key.layer as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| format!("layer {} has no experts", key.layer))?;
+        let mut tried = HashSet::new();
+        let mut prefix: Vec<u8> = Vec::new();
+        let mut errors = Vec::new();
+        while let Some(i) = self.choose(id, len, &tried) {
+            tried.insert(i);
+            let peer = &self.peers[i];
+            peer.state().in_flight += 1;
+            let started = Instant::now();
+            let got = self.attempt(peer, id, len, &mut prefix, priority).await;
+            peer.state().in_flight -= 1;
+            match got {
+                Ok(record) => {
+                    if let Err(e) = self.manifest.verify_record(id, &record) {
+                        peer.mark(&format!("on expert {id}"), &e);
+                        errors.push(format!("{}: {e}", peer.addr));
+                        prefix.clear();
+                        continue;
+                    }
+                    let secs = started.elapsed().as_secs_f64().max(1e-6);
+                    {
+                        let mut s = peer.state();
+                        let r = len as f64 / secs;
+                        s.rate = Some(s.rate.map_or(r, |old| 0.8 * old + 0.2 * r));
+                        s.failures = 0;
+                        s.avoid_until = None;
+                    }
+                    let buf: Arc<[u8]> = Arc::from(record);
+                    return Ok(Arc::new(ExpertData::from_buffer(buf, schema)));
+                }
+                Err(e) => {
+                    peer.mark(&format!("on expert {id}"), &e);
+                    errors.push(format!("{}: {e}", peer.addr));
+                }
+            }
+        }
+        if errors.is_empty() {
+            Err(format!("no peer holds expert {id}"))
+        } else {
+            Err(format!(
+                "no peer could supply expert {id} ({})",
+                errors.join("; ")
+            ))
+        }
+    }
+
+    /// One attempt at `peer`: fetches the bytes after `prefix` (a verified prefix from an
+    /// earlier attempt) and returns the whole record, or extends `prefix` with what verified.
+    async fn attempt(
+        &self,
+        peer: &Peer,
+        id: ExpertId,
+        len: u64,
+        prefix: &mut Vec<u8>,
+        priority: Priority,
+    ) -> Result<Vec<u8>, AttemptError> {
+        let l = link(self, peer).await.map_err(AttemptError::Other)?;
+        let _permit =
+            tokio::time::timeout(self.cfg.request_timeout, l.slots.clone().acquire_owned())
+                .await
+                .map_err(|_| {
+                    AttemptError::Other(anyhow::anyhow!(
+                        "no request slot within the request timeout"
+                    ))
+                })?
+                .map_err(|_| AttemptError::Other(anyhow::anyhow!("link closed")))?;
+        let mut req = Requests::new(RequestsConfig {
+            timeout: self.cfg.request_timeout,
+            idle_timeout: self.cfg.idle_timeout,
+            max_outstanding: 1,
+        });
+        let wire_priority = match priority {
+            Priority::Demand => stormo_wire::Priority::Now,
+            Priority::Prefetch => stormo_wire::Priority::Prefetch,
+        };
+        let mut fetch = Fetch::expert(self.model, id, len)
+            .priority(wire_priority)
+            .verifier(Box::new(ChunkCheck {
+                manifest: self.manifest.clone(),
+                id,
+                len,
+            }));
+        let have = prefix.len() as u64;
+        if have > 0 {
+            fetch = fetch.range(ByteRange {
+                offset: have,
+                len: len - have,
+            });
+        }
+        req.start(Instant::now(), fetch)
+            .map_err(|e| AttemptError::Other(anyhow::anyhow!("{e}")))?;
+        let stream_priority = match priority {
+            Priority::Demand => 1,
+            Priority::Prefetch => 0,
+        };
+        match run_request(&l.conn, &mut req, Some(stream_priority)).await {
+            Ok(bytes) => {
+                let mut all = std::mem::take(prefix);
+                all.extend_from_slice(&bytes);
+                Ok(all)
+            }
+            Err(AttemptError::Fetch(e, verified)) => {
+                prefix.extend_from_slice(&verified);
+                Err(AttemptError::Fetch(e, Vec::new()))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Tier for PeerTier {
+    fn name(&self) -> &str {
+        "peer"
+    }
+
+    fn holds(&self, key: ExpertKey) -> bool {
+        let Some(id) = expert_id(key) else {
+            return false;
+        };
+        self.inner.manifest.expert(id).is_some()
+            && self.inner.peers.iter().any(|p| {
+                p.state()
+                    .inventory
+                    .as_ref()
+                    .is_none_or(|inv| inv.contains(id))
+            })
+    }
+
+    fn load(&self, keys: &[ExpertKey], priority: Priority, done: Completion) {
+        for &key in keys {
+            let inner = self.inner.clone();
+            let done = done.clone();
+            self.rt.spawn(async move {
+                let r = inner.fetch(key, priority).await.map_err(|reason| {
+                    stormo_engine::Error::Expert {
+                        layer: key.layer as usize,
+                        expert: key.expert as usize,
+                        reason: format!("from peers: {reason}"),
+                    }
+                });
+                done(key, r);
+            });
+        }
+    }
+}
