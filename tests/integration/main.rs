@@ -6,3 +6,4 @@ mod oracle;
 mod synth;
 mod tiers;
 mod manifests;
+mod network;

@@ -58,6 +58,39 @@ const MAX_BACKOFF: Duration = Duration::from_secs(60);
 struct Link {
     conn: quinn::Connection,
     slots: Arc<Semaphore>,
+    reqs: Mutex<LinkRequests>,
+}
+
+/// The outstanding requests of one connection (request ids are per connection), with the
+/// events that arrived for each, picked up by the task that owns the request.
+struct LinkRequests {
+    req: Requests,
+    events: std::collections::HashMap<stormo_wire::RequestId, Event>,
+}
+
+impl LinkRequests {
+    fn new(cfg: RequestsConfig) -> Mutex<Self> {
+        Mutex::new(Self {
+            req: Requests::new(cfg),
+            events: Default::default(),
+        })
+    }
+
+    fn pump(&mut self) {
+        while let Some(e) = self.req.poll_event() {
+            let id = match &e {
+                Event::Completed(c) => c.id,
+                Event::Failed(f) => f.id,
+            };
+            self.events.insert(id, e);
+        }
+        // Cancels are carried by stream resets instead.
+        while self.req.poll_transmit().is_some() {}
+    }
+}
+
+fn lock(m: &Mutex<LinkRequests>) -> std::sync::MutexGuard<'_, LinkRequests> {
+    m.lock().expect("link requests lock")
 }
 
 #[derive(Default)]
@@ -65,6 +98,7 @@ struct PeerState {
     inventory: Option<ExpertSet>,
     in_flight: u32,
     failures: u32,
+    failures_total: u32,
     avoid_until: Option<Instant>,
     rate: Option<f64>,
     rtt: Option<Duration>,
@@ -86,6 +120,7 @@ impl Peer {
     fn mark(&self, what: &str, err: &dyn fmt::Display) {
         let mut s = self.state();
         s.failures += 1;
+        s.failures_total += 1;
         let backoff = Duration::from_millis(500)
             .saturating_mul(1 << s.failures.min(8))
             .min(MAX_BACKOFF);
@@ -106,6 +141,9 @@ struct Inner {
     manifest: Arc<Manifest>,
     schemas: Vec<Option<ExpertSchema>>,
     peers: Vec<Arc<Peer>>,
+    /// Held while choosing a peer and counting the request in flight, so that concurrent
+    /// loads spread over the peers.
+    choosing: Mutex<()>,
 }
 
 /// The network tier. See the module docs.
@@ -198,8 +236,9 @@ async fn connect(
             version: PROTOCOL_VERSION,
             node: me,
             models: Vec::new(),
+            // A fetching node serves nothing on this connection; the protocol wants at least 1.
             limits: stormo_wire::Limits {
-                max_concurrent_requests: 0,
+                max_concurrent_requests: 1,
             },
         });
         super::write_message(&mut send, &hello).await?;
@@ -296,6 +335,7 @@ impl PeerTier {
             manifest,
             schemas,
             peers: ps,
+            choosing: Mutex::new(()),
         });
         let i2 = inner.clone();
         rt.block_on(async move {
@@ -343,6 +383,15 @@ impl PeerTier {
         self
     }
 
+    /// Failures so far per peer, in `peers` order.
+    pub fn failures(&self) -> Vec<(PeerAddr, u32)> {
+        self.inner
+            .peers
+            .iter()
+            .map(|p| (p.addr.clone(), p.state().failures_total))
+            .collect()
+    }
+
     /// Closes every connection.
     pub fn close(&self) {
         self.inner.endpoint.close(0u32.into(), b"done");
@@ -372,6 +421,11 @@ async fn link(inner: &Inner, peer: &Peer) -> anyhow::Result<Arc<Link>> {
     let l = Arc::new(Link {
         conn,
         slots: Arc::new(Semaphore::new(slots)),
+        reqs: LinkRequests::new(RequestsConfig {
+            timeout: inner.cfg.request_timeout,
+            idle_timeout: inner.cfg.idle_timeout,
+            max_outstanding: 64,
+        }),
     });
     {
         let mut s = peer.state();
@@ -412,14 +466,12 @@ pub async fn fetch_manifest(
             _ => anyhow::bail!("peer {peer} serves several models; name one with --model-id"),
         },
     };
-    let mut req = Requests::new(RequestsConfig {
+    let reqs = LinkRequests::new(RequestsConfig {
         timeout: cfg.request_timeout,
         idle_timeout: cfg.idle_timeout,
         max_outstanding: 1,
     });
-    req.start(Instant::now(), Fetch::manifest(model, MAX_MANIFEST_LEN))
-        .context("starting the manifest request")?;
-    let out = run_request(&conn, &mut req, None).await;
+    let out = run_request(&conn, &reqs, Fetch::manifest(model, MAX_MANIFEST_LEN), None).await;
     endpoint.close(0u32.into(), b"done");
     match out {
         Ok(bytes) => Ok((model, bytes)),
@@ -436,10 +488,12 @@ enum AttemptError {
     Other(anyhow::Error),
 }
 
-/// Sends the request queued in `req` on a new stream of `conn` and drives it to its end.
+/// Starts `fetch` among the requests of `conn`, sends it on a new stream and drives it to
+/// its end.
 async fn run_request(
     conn: &quinn::Connection,
-    req: &mut Requests,
+    reqs: &Mutex<LinkRequests>,
+    fetch: Fetch,
     priority: Option<i32>,
 ) -> Result<Vec<u8>, AttemptError> {
     let (mut send, recv) = conn
@@ -449,47 +503,76 @@ async fn run_request(
     if let Some(p) = priority {
         let _ = send.set_priority(p);
     }
-    while let Some(m) = req.poll_transmit() {
-        super::write_message(&mut send, &m)
-            .await
-            .map_err(AttemptError::Other)?;
+    let (id, out) = {
+        let mut g = lock(reqs);
+        let id = g
+            .req
+            .start(Instant::now(), fetch)
+            .map_err(|e| AttemptError::Other(anyhow::anyhow!("{e}")))?;
+        let mut out = Vec::new();
+        while let Some(m) = g.req.poll_transmit() {
+            if m.request_id() == Some(id) {
+                out.push(m);
+            }
+        }
+        (id, out)
+    };
+    let give_up = |why: String| {
+        lock(reqs).req.cancel(id);
+        AttemptError::Other(anyhow::anyhow!(why))
+    };
+    for m in &out {
+        if let Err(e) = super::write_message(&mut send, m).await {
+            return Err(give_up(format!("{e:#}")));
+        }
     }
     let _ = send.finish();
     let mut frames = FramedRecv::new(recv, MAX_FRAME_LEN);
     loop {
-        if let Some(ev) = req.poll_event() {
-            return match ev {
-                Event::Completed(c) => Ok(c.bytes),
-                Event::Failed(f) => {
-                    let _ = frames.stream().stop(0u32.into());
-                    let _ = send.reset(0u32.into());
-                    Err(AttemptError::Fetch(f.error, f.verified))
-                }
-            };
+        let deadline = {
+            let mut g = lock(reqs);
+            g.pump();
+            if let Some(ev) = g.events.remove(&id) {
+                drop(g);
+                return match ev {
+                    Event::Completed(c) => Ok(c.bytes),
+                    Event::Failed(f) => {
+                        let _ = frames.stream().stop(0u32.into());
+                        let _ = send.reset(0u32.into());
+                        Err(AttemptError::Fetch(f.error, f.verified))
+                    }
+                };
+            }
+            g.req.poll_timeout()
         }
-        let deadline = req
-            .poll_timeout()
-            .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
+        .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
         tokio::select! {
             m = frames.next() => match m {
                 Ok(Some(msg)) => {
-                    if let Err(e) = req.handle_message(Instant::now(), msg) {
+                    let r = lock(reqs).req.handle_message(Instant::now(), msg);
+                    if let Err(e) = r {
                         conn.close(u32::from(stormo_wire::ErrorCode::PROTOCOL_VIOLATION.0).into(), e.to_string().as_bytes());
-                        req.connection_lost(&e.to_string());
+                        return Err(give_up(e.to_string()));
                     }
                 }
-                Ok(None) => req.connection_lost("the stream ended early"),
+                Ok(None) => {
+                    // The answer may have completed with the last frame.
+                    let mut g = lock(reqs);
+                    g.pump();
+                    if g.events.contains_key(&id) {
+                        continue;
+                    }
+                    drop(g);
+                    return Err(give_up("the stream ended before the answer".into()));
+                }
                 Err(ReadError::Decode(e)) => {
                     conn.close(u32::from(stormo_wire::ErrorCode::PROTOCOL_VIOLATION.0).into(), e.to_string().as_bytes());
-                    req.connection_lost(&format!("malformed frame: {e}"));
+                    return Err(give_up(format!("malformed frame: {e}")));
                 }
-                Err(e) => req.connection_lost(&e.to_string()),
+                Err(e) => return Err(give_up(e.to_string())),
             },
-            _ = tokio::time::sleep_until(deadline.into()) => req.handle_timeout(Instant::now()),
+            _ = tokio::time::sleep_until(deadline.into()) => lock(reqs).req.handle_timeout(Instant::now()),
         }
-        // Messages queued by the state machine (a Cancel after a failure) are replaced by the
-        // stream reset above.
-        while req.poll_transmit().is_some() {}
     }
 }
 
@@ -545,10 +628,17 @@ impl Inner {
         let mut tried = HashSet::new();
         let mut prefix: Vec<u8> = Vec::new();
         let mut errors = Vec::new();
-        while let Some(i) = self.choose(id, len, &tried) {
+        loop {
+            let i = {
+                let _g = self.choosing.lock().expect("choosing lock");
+                let Some(i) = self.choose(id, len, &tried) else {
+                    break;
+                };
+                self.peers[i].state().in_flight += 1;
+                i
+            };
             tried.insert(i);
             let peer = &self.peers[i];
-            peer.state().in_flight += 1;
             let started = Instant::now();
             let got = self.attempt(peer, id, len, &mut prefix, priority).await;
             peer.state().in_flight -= 1;
@@ -607,11 +697,6 @@ impl Inner {
                     ))
                 })?
                 .map_err(|_| AttemptError::Other(anyhow::anyhow!("link closed")))?;
-        let mut req = Requests::new(RequestsConfig {
-            timeout: self.cfg.request_timeout,
-            idle_timeout: self.cfg.idle_timeout,
-            max_outstanding: 1,
-        });
         let wire_priority = match priority {
             Priority::Demand => stormo_wire::Priority::Now,
             Priority::Prefetch => stormo_wire::Priority::Prefetch,
@@ -630,13 +715,11 @@ impl Inner {
                 len: len - have,
             });
         }
-        req.start(Instant::now(), fetch)
-            .map_err(|e| AttemptError::Other(anyhow::anyhow!("{e}")))?;
         let stream_priority = match priority {
             Priority::Demand => 1,
             Priority::Prefetch => 0,
         };
-        match run_request(&l.conn, &mut req, Some(stream_priority)).await {
+        match run_request(&l.conn, &l.reqs, fetch, Some(stream_priority)).await {
             Ok(bytes) => {
                 let mut all = std::mem::take(prefix);
                 all.extend_from_slice(&bytes);

@@ -1,0 +1,546 @@
+//! The network tier with real QUIC on 127.0.0.1: servers in-process (each on its own tokio
+//! runtime, so that one can be killed), a client whose experts all come from peers.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use stormo_engine::generate::{greedy, Timings};
+use stormo_engine::moe::{ExpertData, ExpertProvider};
+use stormo_engine::tiers::{Tier, TierConfig, TieredExperts};
+use stormo_engine::{LoadOptions, Model, ModelFiles};
+use stormo_manifests::{build, BuildOptions, Hash, ManifestSignature, SecretKey};
+use stormo_node::experts::ExpertArgs;
+use stormo_node::net::serve::{self, Holdings, ServeConfig, ServerHandle};
+use stormo_node::net::tier::{PeerConfig, PeerTier};
+use stormo_node::net::tls::Admission;
+use stormo_node::net::{self, PeerAddr, PeerArgs};
+use stormo_tests::{fixture, Reference, MODEL_FIXTURES};
+
+/// Short timeouts so that failure cases finish quickly.
+fn quick() -> PeerConfig {
+    PeerConfig {
+        connect_timeout: Duration::from_secs(1),
+        request_timeout: Duration::from_secs(3),
+        idle_timeout: Duration::from_millis(700),
+    }
+}
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    publisher: SecretKey,
+    id: Hash,
+}
+
+/// A copy of fixture `name` with a manifest built and signed there.
+fn setup(name: &str) -> Fixture {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for e in std::fs::read_dir(fixture(name)).expect("fixture dir") {
+        let e = e.expect("entry");
+        let n = e.file_name().to_string_lossy().into_owned();
+        if !n.starts_with("reference") {
+            std::fs::copy(e.path(), dir.path().join(&n)).expect("copy");
+        }
+    }
+    let m = build(dir.path(), &BuildOptions::default()).expect("manifest builds");
+    let publisher = SecretKey::from_seed(&[42; 32]);
+    std::fs::write(dir.path().join("stormo-manifest.bin"), m.encode()).expect("write manifest");
+    std::fs::write(
+        dir.path().join("stormo-manifest.sig"),
+        ManifestSignature::sign(&publisher, &m).to_bytes(),
+    )
+    .expect("write signature");
+    Fixture {
+        id: m.model_id(),
+        dir,
+        publisher,
+    }
+}
+
+fn expert_args() -> ExpertArgs {
+    ExpertArgs {
+        expert_cache: "auto".into(),
+        no_prefetch: false,
+        mmap_experts: false,
+        io_threads: 2,
+        no_hot_store: true,
+    }
+}
+
+struct Node {
+    key: SecretKey,
+    handle: Arc<ServerHandle>,
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl Node {
+    fn addr(&self) -> PeerAddr {
+        PeerAddr {
+            key: self.key.public(),
+            addr: self.handle.local_addr(),
+        }
+    }
+    fn served(&self) -> u64 {
+        self.handle.stats.served.load(Ordering::Relaxed)
+    }
+    fn kill(&mut self) {
+        self.handle.close();
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// Serves `holdings` as node key `seed` to `admission`.
+fn start_node(seed: u8, holdings: Holdings, admission: Admission) -> Node {
+    let key = SecretKey::from_seed(&[seed; 32]);
+    let rt = runtime();
+    let handle = rt
+        .block_on(async {
+            serve::start(
+                &key,
+                "127.0.0.1:0".parse().expect("address"),
+                Arc::new(holdings),
+                ServeConfig {
+                    per_peer: 8,
+                    node_limit: 32,
+                    admission,
+                },
+            )
+        })
+        .expect("server starts");
+    Node {
+        key,
+        handle: Arc::new(handle),
+        rt: Some(rt),
+    }
+}
+
+/// A node serving the experts of `dir` named by `only` (an --only-experts spec).
+fn serve_dir(seed: u8, dir: &Path, only: Option<&str>, admission: Admission) -> Node {
+    let (h, _experts) = serve::open_holdings(dir, None, &expert_args(), only).expect("holdings");
+    start_node(seed, h, admission)
+}
+
+const CLIENT_SEED: u8 = 1;
+
+fn client_key() -> SecretKey {
+    SecretKey::from_seed(&[CLIENT_SEED; 32])
+}
+
+fn allow_client() -> Admission {
+    Admission::Keys([*client_key().public().as_bytes()].into())
+}
+
+/// Every expert `e` of `n` with `e % 3 != i`: three such nodes hold each expert twice and no
+/// node holds all.
+fn two_of_three(i: usize, n: usize) -> String {
+    let v: Vec<String> = (0..n)
+        .filter(|e| e % 3 != i)
+        .map(|e| e.to_string())
+        .collect();
+    v.join(",")
+}
+
+fn peer_args(f: &Fixture, peers: Vec<PeerAddr>) -> PeerArgs {
+    PeerArgs {
+        peers,
+        key: None,
+        trust: vec![f.publisher.public()],
+        model_id: None,
+        manifest: None,
+        peer_timeout: 3.0,
+    }
+}
+
+/// The peer tier of a client of `f` (key [`CLIENT_SEED`]).
+fn peer_tier(f: &Fixture, peers: Vec<PeerAddr>) -> Arc<PeerTier> {
+    let files = ModelFiles::open(f.dir.path()).expect("model files");
+    let args = peer_args(f, peers);
+    let rt = runtime();
+    let (m, id, _) =
+        net::resolve_manifest(f.dir.path(), &args, &client_key(), &rt).expect("manifest accepted");
+    serve::check_layout(&m, &files.layout.sizes()).expect("layout");
+    let rt = Arc::new(rt);
+    let t = PeerTier::connect(
+        &client_key(),
+        &args.peers,
+        Arc::new(m),
+        id,
+        files.layout.schemas.clone(),
+        quick(),
+        Some(rt.handle().clone()),
+    )
+    .expect("tier");
+    Arc::new(t.keep_runtime(rt))
+}
+
+/// Greedy ids of fixture `name` with every expert from `tier` (no local experts), smallest
+/// RAM budget so that experts are fetched again and again.
+fn generate_from(f: &Fixture, name: &str, tier: Arc<PeerTier>) -> (Vec<u32>, Vec<u32>, u64) {
+    let files = ModelFiles::open(f.dir.path()).expect("model files");
+    let r = Reference::open(&fixture(name));
+    let prompt = r.ids("input_ids");
+    let want = r.ids("generated_ids");
+    let sizes = files.layout.sizes();
+    let cfg = TierConfig {
+        budget: 0,
+        prefetch: true,
+        ..TierConfig::default()
+    };
+    let t = Arc::new(TieredExperts::new(
+        vec![tier as Arc<dyn Tier>],
+        sizes,
+        files.cfg.top_k,
+        &cfg,
+    ));
+    let model = Model::new(files, t.clone(), &LoadOptions::default()).expect("model");
+    let mut sess = model.session(prompt.len() + want.len()).expect("session");
+    let got = greedy(
+        &model,
+        &mut sess,
+        &prompt,
+        want.len(),
+        &[],
+        |_, _| {},
+        &mut Timings::default(),
+    )
+    .expect("generation with experts from peers");
+    let loads = t.stats().tiers[0].loads;
+    (got, want, loads)
+}
+
+fn experts_per_layer(f: &Fixture) -> usize {
+    let files = ModelFiles::open(f.dir.path()).expect("model files");
+    files.layout.parts.iter().map(Vec::len).max().unwrap_or(0)
+}
+
+/// Three nodes, each holding two thirds of the experts; a client with no local experts
+/// generates exactly the reference ids on every fixture.
+#[test]
+fn peers_holding_parts_supply_exact_generation_on_every_fixture() {
+    for name in MODEL_FIXTURES {
+        let f = setup(name);
+        let n = experts_per_layer(&f);
+        let nodes: Vec<Node> = (0..3)
+            .map(|i| {
+                serve_dir(
+                    10 + i as u8,
+                    f.dir.path(),
+                    Some(&two_of_three(i, n)),
+                    allow_client(),
+                )
+            })
+            .collect();
+        let tier = peer_tier(&f, nodes.iter().map(Node::addr).collect());
+        assert!(
+            tier.inventories().iter().all(|i| i.is_some_and(|n| n > 0)),
+            "{name}: every peer reached"
+        );
+        let (got, want, loads) = generate_from(&f, name, tier.clone());
+        assert_eq!(got, want, "{name}: ids with every expert from peers");
+        assert!(loads > 0, "{name}: no expert came from peers");
+        let served: u64 = nodes.iter().map(Node::served).sum();
+        assert!(served >= loads, "{name}: {served} served for {loads} loads");
+        assert!(
+            tier.failures().iter().all(|(_, n)| *n == 0),
+            "{name}: {:?}",
+            tier.failures()
+        );
+        tier.close();
+    }
+}
+
+/// Flips one byte of every expert tensor's data in `dir` (after the manifest was built).
+fn corrupt_experts(dir: &Path) {
+    let files = ModelFiles::open(dir).expect("model files");
+    let mut edits: Vec<(std::path::PathBuf, u64)> = Vec::new();
+    for layer in &files.layout.parts {
+        for parts in layer {
+            let p = &parts[0];
+            edits.push((
+                files.layout.files[p.loc.file].0.clone(),
+                p.loc.offset + p.loc.len / 2,
+            ));
+        }
+    }
+    drop(files);
+    for (path, off) in edits {
+        let mut b = std::fs::read(&path).expect("read");
+        b[off as usize] ^= 0x5a;
+        std::fs::write(&path, b).expect("write");
+    }
+}
+
+/// A node whose files were corrupted after its manifest was made serves wrong bytes: the
+/// client detects it, names it (its failure count), and still generates the exact ids.
+#[test]
+fn corrupt_peer_is_detected_and_named_and_output_is_identical() {
+    let name = "qwen3moe-tiny";
+    let f = setup(name);
+    let bad_dir = tempfile::tempdir().expect("tempdir");
+    for e in std::fs::read_dir(f.dir.path()).expect("dir") {
+        let e = e.expect("entry");
+        std::fs::copy(e.path(), bad_dir.path().join(e.file_name())).expect("copy");
+    }
+    corrupt_experts(bad_dir.path());
+    let bad = serve_dir(20, bad_dir.path(), None, allow_client());
+    let good = serve_dir(21, f.dir.path(), None, allow_client());
+    let tier = peer_tier(&f, vec![bad.addr(), good.addr()]);
+    let (got, want, _) = generate_from(&f, name, tier.clone());
+    assert_eq!(got, want, "ids with a lying peer");
+    let fails = tier.failures();
+    assert!(
+        fails[0].1 > 0,
+        "the corrupt peer was never caught: {fails:?}"
+    );
+    assert_eq!(fails[1].1, 0, "the good peer was blamed: {fails:?}");
+    assert_eq!(fails[0].0, bad.addr());
+}
+
+/// An expert provider that stalls far past the client's timeouts (a peer that accepts and
+/// never answers its requests).
+#[derive(Debug)]
+struct Stall;
+
+impl ExpertProvider for Stall {
+    fn fetch(
+        &self,
+        _layer: usize,
+        _experts: &[usize],
+        _out: &mut Vec<Arc<ExpertData>>,
+    ) -> stormo_engine::Result<()> {
+        std::thread::sleep(Duration::from_secs(4));
+        Err(stormo_engine::Error::Expert {
+            layer: 0,
+            expert: 0,
+            reason: "stalled".into(),
+        })
+    }
+}
+
+/// An expert provider that kills its node after a few fetches (a peer dying mid-run).
+struct KillAfter {
+    inner: Arc<dyn ExpertProvider>,
+    left: AtomicUsize,
+    handle: Arc<OnceLock<Arc<ServerHandle>>>,
+}
+
+impl std::fmt::Debug for KillAfter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KillAfter")
+    }
+}
+
+impl ExpertProvider for KillAfter {
+    fn fetch(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        out: &mut Vec<Arc<ExpertData>>,
+    ) -> stormo_engine::Result<()> {
+        if self.left.fetch_sub(1, Ordering::SeqCst) <= 1 {
+            if let Some(h) = self.handle.get() {
+                h.close();
+            }
+        }
+        self.inner.fetch(layer, experts, out)
+    }
+}
+
+/// A peer killed mid-run, a peer that never answers requests, and a peer that never even
+/// says hello: the run finishes with the same ids, in bounded time, from the good peer.
+#[test]
+fn killed_stalled_and_silent_peers_fall_back_to_another() {
+    let name = "gptoss-tiny-mxfp4";
+    let f = setup(name);
+    let start = Instant::now();
+    // Killed after 3 records.
+    let (h, _e) = serve::open_holdings(f.dir.path(), None, &expert_args(), None).expect("holdings");
+    let cell = Arc::new(OnceLock::new());
+    let h = Holdings {
+        experts: Arc::new(KillAfter {
+            inner: h.experts.clone(),
+            left: AtomicUsize::new(3),
+            handle: cell.clone(),
+        }),
+        ..h
+    };
+    let dying = start_node(30, h, allow_client());
+    cell.set(dying.handle.clone()).expect("set once");
+    // Hello and inventory, then silence on every request.
+    let (h, _e) = serve::open_holdings(f.dir.path(), None, &expert_args(), None).expect("holdings");
+    let stalled = start_node(
+        31,
+        Holdings {
+            experts: Arc::new(Stall),
+            ..h
+        },
+        allow_client(),
+    );
+    // Accepts QUIC connections and never says anything.
+    let silent_key = SecretKey::from_seed(&[32; 32]);
+    let silent_rt = runtime();
+    let silent_ep = silent_rt.block_on(async {
+        let sc = net::tls::server_config(&silent_key, Admission::Any, 8).expect("config");
+        let ep = net::bind("127.0.0.1:0".parse().expect("address"), Some(sc)).expect("bind");
+        let e2 = ep.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Some(inc) = e2.accept().await {
+                if let Ok(c) = inc.await {
+                    held.push(c);
+                }
+            }
+        });
+        ep
+    });
+    let silent = PeerAddr {
+        key: silent_key.public(),
+        addr: silent_ep.local_addr().expect("address"),
+    };
+    let good = serve_dir(33, f.dir.path(), None, allow_client());
+    let tier = peer_tier(&f, vec![dying.addr(), stalled.addr(), silent, good.addr()]);
+    let (got, want, _) = generate_from(&f, name, tier.clone());
+    assert_eq!(got, want, "ids with failing peers");
+    let fails = tier.failures();
+    assert!(fails[0].1 > 0, "the killed peer was not noticed: {fails:?}");
+    assert!(
+        fails[1].1 > 0,
+        "the stalled peer was not noticed: {fails:?}"
+    );
+    assert!(fails[2].1 > 0, "the silent peer was not noticed: {fails:?}");
+    assert_eq!(fails[3].1, 0, "the good peer was blamed: {fails:?}");
+    assert!(good.served() > 0);
+    assert!(
+        start.elapsed() < Duration::from_secs(40),
+        "took {:?}",
+        start.elapsed()
+    );
+    silent_ep.close(0u32.into(), b"");
+    silent_rt.shutdown_background();
+}
+
+/// In private mode a node key not on the allow-list cannot connect; a listed one can.
+#[test]
+fn unknown_node_key_is_refused_in_private_mode() {
+    let f = setup("qwen3moe-tiny");
+    let node = serve_dir(40, f.dir.path(), None, allow_client());
+    let rt = runtime();
+    let stranger = SecretKey::from_seed(&[99; 32]);
+    let e = rt
+        .block_on(net::tier::fetch_manifest(
+            &stranger,
+            &node.addr(),
+            None,
+            quick(),
+        ))
+        .expect_err("a stranger was admitted");
+    assert!(format!("{e:#}").contains(&node.addr().to_string()), "{e:#}");
+    assert_eq!(node.handle.stats.connections.load(Ordering::Relaxed), 0);
+    let (id, bytes) = rt
+        .block_on(net::tier::fetch_manifest(
+            &client_key(),
+            &node.addr(),
+            None,
+            quick(),
+        ))
+        .expect("the allowed key is admitted");
+    assert_eq!(id, f.id);
+    assert_eq!(Hash::of(&bytes), f.id);
+}
+
+/// A manifest not signed by the trusted key, or whose id is not the pinned one, is refused,
+/// whether local or fetched from a peer.
+#[test]
+fn untrusted_or_unpinned_manifest_is_refused() {
+    let f = setup("qwen3moe-tiny");
+    let bytes = std::fs::read(f.dir.path().join("stormo-manifest.bin")).expect("manifest");
+    let sig = std::fs::read(f.dir.path().join("stormo-manifest.sig")).expect("sig");
+    let other = SecretKey::from_seed(&[7; 32]).public();
+    net::accept_manifest(&bytes, Some(&sig), &[f.publisher.public()], None).expect("trusted");
+    net::accept_manifest(&bytes, None, &[], Some(f.id)).expect("pinned");
+    let e = net::accept_manifest(&bytes, Some(&sig), &[other], None).expect_err("untrusted");
+    assert!(format!("{e:#}").contains("signature"), "{e:#}");
+    let e = net::accept_manifest(&bytes, Some(&sig), &[], Some(Hash::of(b"x"))).expect_err("pin");
+    assert!(format!("{e:#}").contains("--model-id"), "{e:#}");
+    let e = net::accept_manifest(&bytes, Some(&sig), &[], None).expect_err("no policy");
+    assert!(format!("{e:#}").contains("--trust"), "{e:#}");
+    // Fetched from a peer (no local manifest): the pinned id must match.
+    let node = serve_dir(50, f.dir.path(), None, allow_client());
+    let client_dir = tempfile::tempdir().expect("tempdir");
+    let rt = runtime();
+    let mut args = peer_args(&f, vec![node.addr()]);
+    args.trust.clear();
+    args.model_id = Some(Hash::of(b"another model"));
+    let e = net::resolve_manifest(client_dir.path(), &args, &client_key(), &rt)
+        .expect_err("another id accepted");
+    assert!(format!("{e:#}").contains("does not serve model"), "{e:#}");
+    args.model_id = Some(f.id);
+    let (_, id, _) =
+        net::resolve_manifest(client_dir.path(), &args, &client_key(), &rt).expect("pinned id");
+    assert_eq!(id, f.id);
+}
+
+/// Malformed and oversized frames close only the offending connection; the node keeps
+/// serving others.
+#[test]
+fn malformed_or_oversized_message_closes_only_that_connection() {
+    let f = setup("qwen3moe-tiny");
+    let node = serve_dir(60, f.dir.path(), None, allow_client());
+    let rt = runtime();
+    let key = client_key();
+    for garbage in [
+        vec![0xff, 0xff, 0xff, 0x7f, 3], // oversized length
+        vec![2, 0, 0, 0, 0x7f, 0],       // reserved tag
+        vec![3, 0, 0, 0, 3, 0xff, 0xff], // Get with a truncated body
+    ] {
+        let reason = rt.block_on(async {
+            let cc = net::tls::client_config(&key, &key_pub(&node)).expect("client config");
+            let ep = net::bind("127.0.0.1:0".parse().expect("address"), None).expect("bind");
+            let conn = ep
+                .connect_with(cc, node.handle.local_addr(), "stormo")
+                .expect("connect")
+                .await
+                .expect("handshake");
+            let (mut send, _recv) = conn.open_bi().await.expect("stream");
+            send.write_all(&garbage).await.expect("write");
+            let r = tokio::time::timeout(Duration::from_secs(5), conn.closed())
+                .await
+                .expect("the server closed the connection");
+            ep.close(0u32.into(), b"");
+            r
+        });
+        match reason {
+            quinn::ConnectionError::ApplicationClosed(c) => assert_eq!(
+                c.error_code,
+                quinn::VarInt::from_u32(u32::from(stormo_wire::ErrorCode::PROTOCOL_VIOLATION.0))
+            ),
+            other => panic!("closed for another reason: {other}"),
+        }
+    }
+    assert_eq!(node.handle.stats.violations.load(Ordering::Relaxed), 3);
+    let (id, _) = rt
+        .block_on(net::tier::fetch_manifest(&key, &node.addr(), None, quick()))
+        .expect("the node still serves");
+    assert_eq!(id, f.id);
+}
+
+fn key_pub(n: &Node) -> stormo_manifests::PublicKey {
+    n.key.public()
+}
