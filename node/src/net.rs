@@ -150,10 +150,10 @@ pub fn parse_only_experts(spec: &str, shape: &[usize]) -> anyhow::Result<Vec<Vec
             "--only-experts: expert {hi} does not exist (layers have {experts_max} experts)"
         );
         for l in layers {
-            for e in lo..=hi.min(shape[l].saturating_sub(1)) {
-                if e < shape[l] {
-                    out[l][e] = true;
-                }
+            let row = &mut out[l];
+            let end = (hi + 1).min(row.len());
+            if lo < end {
+                row[lo..end].iter_mut().for_each(|f| *f = true);
             }
         }
         Ok(())
