@@ -144,6 +144,8 @@ struct Inner {
     /// Held while choosing a peer and counting the request in flight, so that concurrent
     /// loads spread over the peers.
     choosing: Mutex<()>,
+    /// Set by [`PeerTier::close`]: failures after it are the shutdown, not the peers'.
+    closing: std::sync::atomic::AtomicBool,
 }
 
 /// The network tier. See the module docs.
@@ -336,6 +338,7 @@ impl PeerTier {
             schemas,
             peers: ps,
             choosing: Mutex::new(()),
+            closing: Default::default(),
         });
         let i2 = inner.clone();
         rt.block_on(async move {
@@ -394,6 +397,9 @@ impl PeerTier {
 
     /// Closes every connection.
     pub fn close(&self) {
+        self.inner
+            .closing
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         self.inner.endpoint.close(0u32.into(), b"done");
     }
 }
@@ -660,6 +666,9 @@ impl Inner {
                     }
                     let buf: Arc<[u8]> = Arc::from(record);
                     return Ok(Arc::new(ExpertData::from_buffer(buf, schema)));
+                }
+                Err(_) if self.closing.load(std::sync::atomic::Ordering::SeqCst) => {
+                    return Err("the network tier is closed".into());
                 }
                 Err(e) => {
                     peer.mark(&format!("on expert {id}"), &e);
