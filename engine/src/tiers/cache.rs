@@ -204,7 +204,7 @@ impl TieredExperts {
             let Some(tier) = self.shared.first_tier(k, 0) else {
                 continue;
             };
-            if !self.shared.make_room(&mut g, len, false) {
+            if !self.shared.make_room(&mut g, len, false, None) {
                 break;
             }
             g.map.insert(
@@ -247,13 +247,25 @@ impl Shared {
 
     /// Evicts until `len` more bytes fit. Demand loads may overshoot when everything held is in
     /// use; prefetches may not.
-    fn make_room(&self, g: &mut Inner, len: u64, demand: bool) -> bool {
+    fn make_room(
+        &self,
+        g: &mut Inner,
+        len: u64,
+        demand: bool,
+        keep: Option<(usize, &[usize])>,
+    ) -> bool {
+        let kept = |k: &ExpertKey| {
+            keep.is_some_and(|(l, es)| k.layer as usize == l && es.contains(&(k.expert as usize)))
+        };
         while g.used + len > self.budget {
-            // least recently used ready entry that nobody holds; hot ones only as a last resort
+            // least recently used ready entry that nobody holds and the current request does not
+            // need; hot ones only as a last resort
             let victim = g
                 .map
                 .iter()
-                .filter(|(_, e)| matches!(&e.state, State::Ready(d) if Arc::strong_count(d) == 1))
+                .filter(|(k, e)| {
+                    !kept(k) && matches!(&e.state, State::Ready(d) if Arc::strong_count(d) == 1)
+                })
                 .min_by_key(|(_, e)| (e.hot, e.stamp))
                 .map(|(k, _)| *k);
             let failed = g
@@ -369,7 +381,7 @@ impl ExpertProvider for TieredExperts {
                 expert: e,
                 reason: "no tier holds it (not on local disk, and no peer serves it)".into(),
             })?;
-            sh.make_room(&mut g, len, true);
+            sh.make_room(&mut g, len, true, Some((layer, experts)));
             g.map.insert(
                 k,
                 Entry {
@@ -444,7 +456,7 @@ impl ExpertProvider for TieredExperts {
             let (Some(len), Some(tier)) = (sh.size(k), sh.first_tier(k, 0)) else {
                 continue;
             };
-            if !sh.make_room(&mut g, len, false) {
+            if !sh.make_room(&mut g, len, false, None) {
                 break;
             }
             let stamp = g.clock;

@@ -171,8 +171,13 @@ impl Drop for IoPool {
             q.prefetch.clear();
             cv.notify_all();
         }
+        // The pool may be dropped by one of its own threads (a job held the last reference to
+        // the tier): never join that one.
+        let me = std::thread::current().id();
         for t in self.threads.drain(..) {
-            let _ = t.join();
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
         }
     }
 }
