@@ -2,8 +2,8 @@
 
 mod chat;
 mod extra_oracle;
+mod manifests;
+mod network;
 mod oracle;
 mod synth;
 mod tiers;
-mod manifests;
-mod network;
