@@ -116,34 +116,13 @@ pub struct Args {
     pub quiet: bool,
 }
 
-/// Parses a byte count: a number with an optional unit (B, KB, MB, GB, TB in powers of 1000;
-/// KiB, MiB, GiB, TiB in powers of 1024).
+/// A shard size: [`crate::progress::parse_size`] (one size syntax across the CLI), at least one
+/// byte.
 pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let x: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (e.g. 4.8GB, 512MiB, 1000000)"))?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "kb" | "k" => 1e3,
-        "mb" | "m" => 1e6,
-        "gb" | "g" => 1e9,
-        "tb" | "t" => 1e12,
-        "kib" => 1024.0,
-        "mib" => 1024.0 * 1024.0,
-        "gib" => 1024.0 * 1024.0 * 1024.0,
-        "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        u => return Err(format!("unknown size unit {u:?} in {s:?}")),
-    };
-    let v = x * mult;
-    if !(v >= 1.0 && v < 1e18) {
-        return Err(format!("size {s:?} must be at least one byte"));
+    match crate::progress::parse_size(s)? {
+        0 => Err(format!("size {s:?} must be at least one byte")),
+        v => Ok(v),
     }
-    Ok(v as u64)
 }
 
 fn gb(b: u64) -> String {
