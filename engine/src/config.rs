@@ -207,13 +207,13 @@ impl ModelConfig {
                 return err(format!("{name} must be positive"));
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return err(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return err(format!("head_dim {} must be even for RoPE", self.head_dim));
         }
         if self.layer_moe.iter().any(|&m| m) {
@@ -230,13 +230,13 @@ impl ModelConfig {
         if self.layer_moe.iter().any(|&m| !m) && self.dense_intermediate == 0 {
             return err("intermediate_size must be positive for dense MLP layers".into());
         }
-        if self.mxfp4_experts && self.hidden_size % 32 != 0 {
+        if self.mxfp4_experts && !self.hidden_size.is_multiple_of(32) {
             return err(format!(
                 "MXFP4 experts need hidden_size divisible by 32, got {}",
                 self.hidden_size
             ));
         }
-        if self.mxfp4_experts && self.expert_intermediate % 32 != 0 {
+        if self.mxfp4_experts && !self.expert_intermediate.is_multiple_of(32) {
             return err(format!(
                 "MXFP4 experts need intermediate_size divisible by 32, got {}",
                 self.expert_intermediate
@@ -247,11 +247,12 @@ impl ModelConfig {
                 return err("sliding_window must be positive".into());
             }
         }
-        if !(self.rope.theta > 0.0) {
+        if self.rope.theta.is_nan() || self.rope.theta <= 0.0 {
             return err("rope_theta must be positive".into());
         }
         if let Some(y) = &self.rope.yarn {
-            if !(y.factor > 0.0) || !(y.original_max_position_embeddings > 0.0) {
+            let positive = |v: f64| v > 0.0;
+            if !positive(y.factor) || !positive(y.original_max_position_embeddings) {
                 return err(
                     "rope scaling factor and original_max_position_embeddings must be positive"
                         .into(),

@@ -180,6 +180,18 @@ pub enum Mat<'a> {
         /// Input width.
         cols: usize,
     },
+    /// Row-scaled 8-bit integers (the opt-in approximate format for attention and head
+    /// weights): element `(r, c)` is `q[r * cols + c] as i8 * scales[r]`.
+    Q8 {
+        /// Row-major `[rows, cols]` two's-complement bytes.
+        q: &'a [u8],
+        /// One scale per row.
+        scales: &'a [f32],
+        /// Output width.
+        rows: usize,
+        /// Input width.
+        cols: usize,
+    },
     /// MXFP4: `blocks` `[rows, cols/32, 16]`, `scales` `[rows, cols/32]`.
     Mxfp4 {
         /// Packed nibbles.
@@ -201,14 +213,17 @@ pub(crate) const F32: u8 = 0;
 pub(crate) const BF16: u8 = 1;
 /// f16.
 pub(crate) const F16: u8 = 2;
+/// int8 (the row-scaled [`Mat::Q8`] format; kernels sum raw integers times inputs and apply
+/// the row's scale to the sum).
+pub(crate) const I8: u8 = 3;
 
 /// Bytes per element of a format code.
 #[inline(always)]
 pub(crate) const fn code_size(code: u8) -> usize {
-    if code == F32 {
-        4
-    } else {
-        2
+    match code {
+        F32 => 4,
+        I8 => 1,
+        _ => 2,
     }
 }
 
@@ -406,6 +421,10 @@ pub(crate) fn check_rows(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize,
                 "dense weights too short"
             )
         }
+        Mat::Q8 { q, scales, .. } => {
+            assert!(q.len() >= rows * cols, "int8 weights too short");
+            assert!(scales.len() >= rows, "int8 row scales too short");
+        }
         Mat::Mxfp4 { blocks, scales, .. } => {
             assert_eq!(cols % 32, 0, "MXFP4 width {cols} is not a multiple of 32");
             assert!(blocks.len() >= rows * cols / 2, "MXFP4 blocks too short");
@@ -481,19 +500,26 @@ impl Mat<'_> {
     /// Output width.
     pub fn rows(&self) -> usize {
         match *self {
-            Self::Dense { rows, .. } | Self::DenseT { rows, .. } | Self::Mxfp4 { rows, .. } => rows,
+            Self::Dense { rows, .. }
+            | Self::DenseT { rows, .. }
+            | Self::Q8 { rows, .. }
+            | Self::Mxfp4 { rows, .. } => rows,
         }
     }
     /// Input width.
     pub fn cols(&self) -> usize {
         match *self {
-            Self::Dense { cols, .. } | Self::DenseT { cols, .. } | Self::Mxfp4 { cols, .. } => cols,
+            Self::Dense { cols, .. }
+            | Self::DenseT { cols, .. }
+            | Self::Q8 { cols, .. }
+            | Self::Mxfp4 { cols, .. } => cols,
         }
     }
     /// Bytes of weights the matrix occupies.
     pub fn byte_len(&self) -> usize {
         match *self {
             Self::Dense { bytes, .. } | Self::DenseT { bytes, .. } => bytes.len(),
+            Self::Q8 { q, scales, .. } => q.len() + 4 * scales.len(),
             Self::Mxfp4 { blocks, scales, .. } => blocks.len() + scales.len(),
         }
     }
@@ -512,6 +538,13 @@ impl Mat<'_> {
             } => {
                 for (i, o) in out.iter_mut().enumerate() {
                     *o = fmt.at(bytes, i * rows + r);
+                }
+            }
+            Self::Q8 {
+                q, scales, cols, ..
+            } => {
+                for (o, &b) in out.iter_mut().zip(&q[r * cols..(r + 1) * cols]) {
+                    *o = b as i8 as f32 * scales[r];
                 }
             }
             Self::Mxfp4 {
@@ -854,6 +887,18 @@ mod tests {
                             &mut rng,
                         );
                     }
+                    let mut q = vec![0u8];
+                    q.extend((0..rows * cols).map(|_| rng.gen::<u8>()));
+                    let scales: Vec<f32> = (0..rows).map(|_| rng.gen_range(0.0..0.02)).collect();
+                    check(
+                        &Mat::Q8 {
+                            q: &q[1..],
+                            scales: &scales,
+                            rows,
+                            cols,
+                        },
+                        &mut rng,
+                    );
                 }
                 for &(rows, cols) in &[(1, 32), (5, 64), (33, 96), (7, 2880), (700, 320)] {
                     let mut blocks: Vec<u8> = vec![0];
@@ -904,6 +949,16 @@ mod tests {
                         bytes: &bf,
                         rows,
                         cols,
+                    },
+                    &mut rng,
+                );
+                let q8_scales: Vec<f32> = (0..rows).map(|r| 1e-3 * (r % 7) as f32).collect();
+                check(
+                    &Mat::Q8 {
+                        q: &blocks[..rows * cols / 2],
+                        scales: &q8_scales,
+                        rows,
+                        cols: cols / 2,
                     },
                     &mut rng,
                 );

@@ -33,6 +33,41 @@ struct MatSpec {
     loc: Loc,
     rows: usize,
     cols: usize,
+    /// Index into [`Model::q8`] when the matrix runs from an 8-bit copy.
+    q8: Option<usize>,
+}
+
+/// An owned row-scaled 8-bit copy of a dense matrix ([`Mat::Q8`]).
+#[derive(Debug)]
+struct Q8Mat {
+    q: Vec<u8>,
+    scales: Vec<f32>,
+}
+
+impl Q8Mat {
+    /// Quantizes `w` row by row: scale = max |w| / 127, q = round(w / scale).
+    fn quantize(w: &Mat<'_>) -> Self {
+        use rayon::prelude::*;
+        let (rows, cols) = (w.rows(), w.cols());
+        let mut q = vec![0u8; rows * cols];
+        let mut scales = vec![0f32; rows];
+        q.par_chunks_mut(cols.max(1))
+            .zip(scales.par_iter_mut())
+            .enumerate()
+            .for_each_init(
+                || vec![0f32; cols],
+                |row, (r, (qr, s))| {
+                    w.row_into(r, row);
+                    let max = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    *s = max / 127.0;
+                    let inv = if max > 0.0 { 127.0 / max } else { 0.0 };
+                    for (b, v) in qr.iter_mut().zip(row.iter()) {
+                        *b = (v * inv).round().clamp(-127.0, 127.0) as i8 as u8;
+                    }
+                },
+            );
+        Self { q, scales }
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -81,11 +116,18 @@ pub struct LoadOptions {
     /// Positions per prefill block (bounds activation memory; larger blocks reuse each
     /// expert across more positions).
     pub prefill_block: usize,
+    /// Run the attention projections and the output head from row-scaled 8-bit copies made
+    /// at load (half the bytes of bf16 per token). Approximate: an opt-in whose agreement with
+    /// the exact path is measured, never the default.
+    pub int8_attn_head: bool,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { prefill_block: 128 }
+        Self {
+            prefill_block: 128,
+            int8_attn_head: false,
+        }
     }
 }
 
@@ -209,6 +251,8 @@ pub struct Model {
     rope: Rope,
     experts: Arc<dyn ExpertProvider>,
     prefill_block: usize,
+    /// 8-bit copies of matrices ([`LoadOptions::int8_attn_head`]).
+    q8: Vec<Q8Mat>,
 }
 
 /// Receives intermediate values of a forward (for tests and diagnostics).
@@ -255,6 +299,7 @@ impl Model {
                 loc,
                 rows,
                 cols,
+                q8: None,
             })
         };
         let vec = |name: &str, len: usize| -> Result<VecSpec> {
@@ -337,7 +382,7 @@ impl Model {
             });
         }
         let rope = Rope::new(&cfg.rope, cfg.head_dim);
-        Ok(Self {
+        let mut model = Self {
             cfg,
             ckpt,
             layout,
@@ -348,7 +393,69 @@ impl Model {
             rope,
             experts,
             prefill_block: opts.prefill_block.max(1),
-        })
+            q8: Vec::new(),
+        };
+        if opts.int8_attn_head {
+            model.quantize_attn_head();
+        }
+        Ok(model)
+    }
+
+    /// Makes the 8-bit copies of every attention projection and of the output head (the
+    /// embedding lookup keeps the exact rows, even when the head is tied to it).
+    fn quantize_attn_head(&mut self) {
+        fn push(m: &mut MatSpec, specs: &mut Vec<MatSpec>) {
+            m.q8 = Some(specs.len());
+            specs.push(*m);
+        }
+        let mut specs: Vec<MatSpec> = Vec::new();
+        push(&mut self.lm_head, &mut specs);
+        for l in &mut self.layers {
+            let a = &mut l.attn;
+            for m in [&mut a.q, &mut a.k, &mut a.v, &mut a.o] {
+                push(m, &mut specs);
+            }
+        }
+        let q8: Vec<Q8Mat> = specs
+            .iter()
+            .map(|m| {
+                let q = Q8Mat::quantize(&self.dense(m));
+                self.release(m.loc);
+                q
+            })
+            .collect();
+        self.q8 = q8;
+    }
+
+    /// Tells the OS that the mapped pages wholly inside `loc` are not needed now (they are
+    /// read back from the file if ever touched again), so tensors that run from 8-bit copies
+    /// stop counting in the resident set.
+    fn release(&self, loc: Loc) {
+        const PAGE: u64 = 4096;
+        let map = &self.ckpt.files[loc.file].map;
+        let start = loc.offset.next_multiple_of(PAGE);
+        let end = (loc.offset + loc.len) / PAGE * PAGE;
+        if end > start {
+            // Advice only: a failure leaves the pages resident, which costs memory, not
+            // correctness.
+            // SAFETY: the map is a read-only file mapping, so dropping its pages loses nothing:
+            // a later access reads the same bytes from the file again.
+            let _ = unsafe {
+                map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    start as usize,
+                    (end - start) as usize,
+                )
+            };
+        }
+    }
+
+    /// Bytes of the 8-bit copies held in RAM (0 unless [`LoadOptions::int8_attn_head`]).
+    pub fn int8_bytes(&self) -> u64 {
+        self.q8
+            .iter()
+            .map(|m| (m.q.len() + 4 * m.scales.len()) as u64)
+            .sum()
     }
 
     /// The configuration.
@@ -372,6 +479,19 @@ impl Model {
     }
 
     fn mat(&self, m: &MatSpec) -> Mat<'_> {
+        match m.q8 {
+            Some(i) => Mat::Q8 {
+                q: &self.q8[i].q,
+                scales: &self.q8[i].scales,
+                rows: m.rows,
+                cols: m.cols,
+            },
+            None => self.dense(m),
+        }
+    }
+
+    /// The matrix as stored in the checkpoint.
+    fn dense(&self, m: &MatSpec) -> Mat<'_> {
         Mat::Dense {
             fmt: m.fmt,
             bytes: self.bytes(m.loc),
@@ -668,7 +788,7 @@ impl Model {
                 &mut s.h[i * h..(i + 1) * h],
             );
         }
-        if let Some(o) = obs.as_deref_mut() {
+        if let Some(o) = obs {
             o.hidden(cfg.num_layers, &s.h[..t * h]);
         }
         let v = cfg.vocab_size;

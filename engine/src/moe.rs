@@ -345,11 +345,7 @@ impl RoutePlan {
 
     /// Number of positions.
     pub fn positions(&self) -> usize {
-        if self.k == 0 {
-            0
-        } else {
-            self.experts.len() / self.k
-        }
+        self.experts.len().checked_div(self.k).unwrap_or(0)
     }
 }
 

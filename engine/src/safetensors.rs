@@ -437,7 +437,7 @@ pub fn write(
         offset = end;
     }
     let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).expect("json");
-    while (8 + h.len()) % 8 != 0 {
+    while !(8 + h.len()).is_multiple_of(8) {
         h.push(b' ');
     }
     let mut f = std::io::BufWriter::new(File::create(path)?);

@@ -53,6 +53,7 @@ fn check(dir: &Path) -> Result<String, String> {
             dir,
             &LoadOptions {
                 prefill_block: block,
+                ..LoadOptions::default()
             },
         )
         .map_err(|e| format!("{name}: load: {e}"))?;

@@ -2,6 +2,7 @@
 
 mod chat;
 mod extra_oracle;
+mod int8;
 mod manifests;
 mod network;
 mod oracle;

@@ -48,6 +48,7 @@ fn prompt_forward_matches_transformers() {
                 &dir,
                 &LoadOptions {
                     prefill_block: block,
+                    ..LoadOptions::default()
                 },
             )
             .unwrap();
@@ -84,7 +85,14 @@ fn prompt_forward_matches_transformers() {
             }
             if block == 1 {
                 // token-by-token and block prefill agree to the bit
-                let model256 = Model::load(&dir, &LoadOptions { prefill_block: 256 }).unwrap();
+                let model256 = Model::load(
+                    &dir,
+                    &LoadOptions {
+                        prefill_block: 256,
+                        ..LoadOptions::default()
+                    },
+                )
+                .unwrap();
                 let mut s2 = model256.session(t).unwrap();
                 let all = model256.forward(&mut s2, &ids, Logits::All, None).unwrap();
                 assert_eq!(

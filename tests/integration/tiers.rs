@@ -69,6 +69,7 @@ fn generate(dir: &Path, placement: Placement, prompt: &[u32], n: usize, block: u
         provider,
         &LoadOptions {
             prefill_block: block,
+            ..LoadOptions::default()
         },
     )
     .unwrap();

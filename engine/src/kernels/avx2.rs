@@ -12,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Float, Mat, Outs, BF16, F16, F32, HALF_SCALE};
+use super::{Float, Mat, Outs, BF16, F16, F32, HALF_SCALE, I8};
 
 /// Twice the FP4 E2M1 value of each nibble, as int8 (both 128-bit lanes).
 const FP4_X2: [i8; 32] = [
@@ -97,6 +97,14 @@ unsafe fn rows_impl(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out:
                 cols,
                 ..
             } => mxfp4_rows(blocks, scales, cols, r0, n, xs, p, out),
+            Mat::Q8 {
+                q, scales, cols, ..
+            } => {
+                dense_rows::<I8>(q, cols, r0, n, xs, p, out);
+                for (i, v) in out[..p * n].iter_mut().enumerate() {
+                    *v *= scales[r0 + i % n];
+                }
+            }
             Mat::DenseT { .. } => unreachable!("check_rows rejects DenseT"),
         }
     }
@@ -168,6 +176,9 @@ unsafe fn load8<const FMT: u8>(w: *const u8, i: usize) -> __m256 {
         match FMT {
             F32 => _mm256_loadu_ps(w.add(4 * i) as *const f32),
             F16 => _mm256_cvtph_ps(_mm_loadu_si128(w.add(2 * i) as *const __m128i)),
+            I8 => _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                w.add(i) as *const __m128i
+            ))),
             _ => {
                 let h = _mm_loadu_si128(w.add(2 * i) as *const __m128i);
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
@@ -189,6 +200,7 @@ unsafe fn load1<const FMT: u8>(w: *const u8, i: usize) -> f32 {
     match FMT {
         F32 => super::f32_at(b, 0),
         F16 => super::f16_at(b, 0),
+        I8 => b[0] as i8 as f32,
         _ => super::bf16_at(b, 0),
     }
 }

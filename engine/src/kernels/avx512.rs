@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Float, Mat, Outs, BF16, F16, F32, FP4_LUT, SCALE};
+use super::{Float, Mat, Outs, BF16, F16, F32, FP4_LUT, I8, SCALE};
 
 /// True if this CPU runs the tier.
 pub(super) fn supported() -> bool {
@@ -95,6 +95,14 @@ unsafe fn rows_impl(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out:
                 cols,
                 ..
             } => mxfp4_rows(blocks, scales, cols, r0, n, xs, p, out),
+            Mat::Q8 {
+                q, scales, cols, ..
+            } => {
+                dense_rows::<I8>(q, cols, r0, n, xs, p, out);
+                for (i, v) in out[..p * n].iter_mut().enumerate() {
+                    *v *= scales[r0 + i % n];
+                }
+            }
             Mat::DenseT { .. } => unreachable!("check_rows rejects DenseT"),
         }
     }
@@ -166,6 +174,9 @@ unsafe fn load16<const FMT: u8>(w: *const u8, i: usize) -> __m512 {
         match FMT {
             F32 => _mm512_loadu_ps(w.add(4 * i) as *const f32),
             F16 => _mm512_cvtph_ps(_mm256_loadu_si256(w.add(2 * i) as *const __m256i)),
+            I8 => _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                w.add(i) as *const __m128i
+            ))),
             _ => {
                 let h = _mm256_loadu_si256(w.add(2 * i) as *const __m256i);
                 _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
@@ -187,6 +198,7 @@ unsafe fn load1<const FMT: u8>(w: *const u8, i: usize) -> f32 {
     match FMT {
         F32 => super::f32_at(b, 0),
         F16 => super::f16_at(b, 0),
+        I8 => b[0] as i8 as f32,
         _ => super::bf16_at(b, 0),
     }
 }

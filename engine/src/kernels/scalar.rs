@@ -83,6 +83,23 @@ pub(crate) fn dot_f16(w: &[u8], x: &[f32]) -> f32 {
     s
 }
 
+/// Dot product of an int8 row (raw integers, unscaled) with `x`.
+pub(crate) fn dot_i8(w: &[u8], x: &[f32]) -> f32 {
+    debug_assert_eq!(w.len(), x.len());
+    let mut acc = [0f32; LANES];
+    let n = x.len() / LANES * LANES;
+    for (wc, xc) in w[..n].chunks_exact(LANES).zip(x[..n].chunks_exact(LANES)) {
+        for l in 0..LANES {
+            acc[l] += wc[l] as i8 as f32 * xc[l];
+        }
+    }
+    let mut s = reduce(acc);
+    for i in n..x.len() {
+        s += w[i] as i8 as f32 * x[i];
+    }
+    s
+}
+
 /// Dot product of one MXFP4 row (`cols/2` packed bytes, `cols/32` E8M0 scales) with `x`.
 /// Each 32-element block is summed, then multiplied by its power-of-two scale (exact).
 pub(crate) fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
@@ -114,6 +131,9 @@ fn dot_row(w: &Mat<'_>, r: usize, x: &[f32]) -> f32 {
                 Float::F16 => dot_f16(row, x),
             }
         }
+        Mat::Q8 {
+            q, scales, cols, ..
+        } => dot_i8(&q[r * cols..(r + 1) * cols], x) * scales[r],
         Mat::Mxfp4 {
             blocks,
             scales,

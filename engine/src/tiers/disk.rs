@@ -253,7 +253,7 @@ impl DiskInner {
         });
         let first = &parts[0].loc;
         let file = &self.files[first.file];
-        if contiguous && file.direct && first.offset as usize % ALIGN == 0 {
+        if contiguous && file.direct && (first.offset as usize).is_multiple_of(ALIGN) {
             let padded = total.div_ceil(ALIGN) * ALIGN;
             let mut buf = zeroed(padded + ALIGN);
             let base = {
