@@ -89,6 +89,34 @@ impl Experts {
                 usage_path: None,
             });
         }
+        let mut tiers: Vec<Arc<dyn Tier>> = Vec::new();
+        if local_disk {
+            tiers.push(Self::disk_tier(files, args, allowed)?);
+        }
+        tiers.extend(lower);
+        Self::build_tiers(files, args, context, tiers)
+    }
+
+    /// The local disk tier of `files` with the options' I/O threads, restricted to `allowed`.
+    pub fn disk_tier(
+        files: &ModelFiles,
+        args: &ExpertArgs,
+        allowed: Option<Vec<Vec<bool>>>,
+    ) -> anyhow::Result<Arc<dyn Tier>> {
+        Ok(Arc::new(files.disk_tier(args.io_threads.max(1), allowed)?))
+    }
+
+    /// The RAM cache over `tiers`, tried in order.
+    pub fn build_tiers(
+        files: &ModelFiles,
+        args: &ExpertArgs,
+        context: usize,
+        tiers: Vec<Arc<dyn Tier>>,
+    ) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            !args.mmap_experts,
+            "--mmap-experts serves every local expert; it cannot be combined with peers, an expert directory or expert subsets"
+        );
         let sizes = files.layout.sizes();
         let all: u64 = sizes.iter().flatten().sum();
         let budget = if args.expert_cache.trim().eq_ignore_ascii_case("auto") {
@@ -98,11 +126,6 @@ impl Experts {
         } else {
             parse_size(&args.expert_cache).map_err(|e| anyhow::anyhow!("--expert-cache: {e}"))?
         };
-        let mut tiers: Vec<Arc<dyn Tier>> = Vec::new();
-        if local_disk {
-            tiers.push(Arc::new(files.disk_tier(args.io_threads.max(1), allowed)?));
-        }
-        tiers.extend(lower);
         let cfg = TierConfig {
             budget: budget.min(all),
             prefetch: !args.no_prefetch,
@@ -165,7 +188,7 @@ impl Experts {
             "budget_bytes": self.tiered.as_ref().map(|t| t.budget()),
             "prediction_accuracy": if prediction.1 > 0 { Some(prediction.0 as f64 / prediction.1 as f64) } else { None },
         });
-        for name in ["disk", "peer"] {
+        for name in ["disk", "dir", "peer"] {
             let t = s.tiers.iter().find(|t| t.name == name);
             o[format!("{name}_loads")] = t.map_or(0, |t| t.loads).into();
             o[format!("{name}_bytes")] = t.map_or(0, |t| t.bytes).into();

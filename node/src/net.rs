@@ -12,6 +12,7 @@
 //! Helpers here: node identity ([`node_key`]), peer names ([`PeerAddr`]), expert subsets
 //! ([`parse_only_experts`]), a tuned UDP endpoint ([`bind`]) and framed reads ([`FramedRecv`]).
 
+pub mod expert_dir;
 pub mod serve;
 pub mod tier;
 pub mod tls;
@@ -353,6 +354,24 @@ pub struct PeerArgs {
     /// Seconds one expert request to a peer may take in all before another peer is tried.
     #[arg(long, default_value_t = 30.0, value_name = "SECS")]
     pub peer_timeout: f64,
+    /// Also keep the verified experts fetched from peers in this directory (one file per
+    /// expert under a folder named by the model id, written atomically, verified again when
+    /// read), so later runs find them there: a tier between the local disk and the peers.
+    #[arg(long, value_name = "DIR")]
+    pub expert_dir: Option<PathBuf>,
+    /// The most the expert directory may hold for this model (least recently used experts
+    /// are evicted), e.g. 20GiB.
+    #[arg(
+        long,
+        default_value = "16GiB",
+        value_name = "SIZE",
+        requires = "expert_dir"
+    )]
+    pub expert_dir_limit: String,
+    /// Ask peers before the local disk (for a slow local disk or when peers hold the experts
+    /// in RAM): the local disk becomes the fallback, and races slow peer answers.
+    #[arg(long, requires = "peers")]
+    pub peers_first: bool,
 }
 
 impl PeerArgs {
@@ -369,6 +388,130 @@ impl PeerArgs {
             ..tier::PeerConfig::default()
         })
     }
+}
+
+/// The tiers below the RAM cache of a node that runs a model, from its options.
+#[derive(Debug, Default)]
+pub struct NodeTiers {
+    /// In the order they are tried.
+    pub tiers: Vec<Arc<dyn stormo_engine::tiers::Tier>>,
+    /// The network tier, when there are peers.
+    pub peer: Option<Arc<tier::PeerTier>>,
+    /// The expert directory, when `--expert-dir` is given.
+    pub dir: Option<Arc<expert_dir::ExpertDir>>,
+}
+
+impl NodeTiers {
+    /// Closes the network tier (at the end of a run, so that its failures are not blamed on
+    /// peers).
+    pub fn close(&self) {
+        if let Some(p) = &self.peer {
+            p.close();
+        }
+    }
+
+    /// Adds the network's own figures to the `"experts"` object of `--json`.
+    pub fn add_json(&self, o: &mut serde_json::Value) {
+        if let Some(p) = &self.peer {
+            let h = p.hedge_stats();
+            o["peer_hedges"] = h.hedges.into();
+            o["peer_hedge_wins"] = h.hedge_wins.into();
+            o["peer_local_wins"] = h.local_wins.into();
+        }
+        if let Some(d) = &self.dir {
+            o["dir_held"] = (d.len() as u64).into();
+            o["dir_held_bytes"] = d.used().into();
+        }
+    }
+}
+
+/// Composes the tiers of a node running the model in `dir` (`files`): the local disk (unless
+/// `local_disk` is false; restricted to `allowed`), the expert directory and the peers of
+/// `args`, disk first unless `--peers-first`.
+pub fn node_tiers(
+    files: &stormo_engine::ModelFiles,
+    dir: &Path,
+    args: &PeerArgs,
+    experts: &crate::experts::ExpertArgs,
+    local_disk: bool,
+    allowed: Option<Vec<Vec<bool>>>,
+) -> anyhow::Result<NodeTiers> {
+    let disk = if local_disk {
+        Some(crate::experts::Experts::disk_tier(files, experts, allowed)?)
+    } else {
+        None
+    };
+    if args.peers.is_empty() && args.expert_dir.is_none() {
+        return Ok(NodeTiers {
+            tiers: disk.into_iter().collect(),
+            ..NodeTiers::default()
+        });
+    }
+    let secret = node_key(args.key.as_deref())?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("stormo-net")
+        .enable_all()
+        .build()
+        .context("starting the network runtime")?;
+    let (manifest, id, _) = resolve_manifest(dir, args, &secret, &rt)?;
+    serve::check_layout(&manifest, &files.layout.sizes())
+        .context("the manifest does not describe this checkpoint")?;
+    let manifest = Arc::new(manifest);
+    let store = match &args.expert_dir {
+        Some(d) => {
+            let limit = crate::progress::parse_size(&args.expert_dir_limit)
+                .map_err(|e| anyhow::anyhow!("--expert-dir-limit: {e}"))?;
+            Some(Arc::new(expert_dir::ExpertDir::open(
+                d,
+                id,
+                limit,
+                manifest.clone(),
+                files.layout.schemas.clone(),
+            )?))
+        }
+        None => None,
+    };
+    let rt = Arc::new(rt);
+    let peer = if args.peers.is_empty() {
+        None
+    } else {
+        let t = tier::PeerTier::connect(
+            &secret,
+            &args.peers,
+            manifest,
+            id,
+            files.layout.schemas.clone(),
+            args.config()?,
+            Some(rt.handle().clone()),
+        )?
+        .keep_runtime(rt);
+        if let Some(s) = &store {
+            t.set_expert_dir(s.clone());
+        }
+        if let (true, Some(d)) = (args.peers_first, &disk) {
+            t.set_local(d.clone());
+        }
+        Some(Arc::new(t))
+    };
+    let mut tiers: Vec<Arc<dyn stormo_engine::tiers::Tier>> = Vec::new();
+    if !args.peers_first {
+        tiers.extend(disk.clone());
+    }
+    if let Some(s) = &store {
+        tiers.push(Arc::new(expert_dir::DirTier(s.clone())));
+    }
+    if let Some(p) = &peer {
+        tiers.push(p.clone());
+    }
+    if args.peers_first {
+        tiers.extend(disk);
+    }
+    Ok(NodeTiers {
+        tiers,
+        peer,
+        dir: store,
+    })
 }
 
 /// Accepts manifest `bytes` only if its id equals `model_id` (when given) and its signature

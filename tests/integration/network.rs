@@ -24,6 +24,7 @@ fn quick() -> PeerConfig {
         connect_timeout: Duration::from_secs(1),
         request_timeout: Duration::from_secs(3),
         idle_timeout: Duration::from_millis(700),
+        ..PeerConfig::default()
     }
 }
 
@@ -165,6 +166,9 @@ fn peer_args(f: &Fixture, peers: Vec<PeerAddr>) -> PeerArgs {
         model_id: None,
         manifest: None,
         peer_timeout: 3.0,
+        expert_dir: None,
+        expert_dir_limit: "16GiB".into(),
+        peers_first: false,
     }
 }
 
@@ -190,10 +194,9 @@ fn peer_tier(f: &Fixture, peers: Vec<PeerAddr>) -> Arc<PeerTier> {
     Arc::new(t.keep_runtime(rt))
 }
 
-/// Greedy ids of fixture `name` with every expert from `tier` (no local experts), a RAM
-/// budget of half the experts so that experts are fetched again and again. (The smallest
-/// budget with prefetch can fail a demand load with "evicted while loading" in the engine's
-/// cache, whatever the tier below; see the report.)
+/// Greedy ids of fixture `name` with every expert from `tier` (no local experts), at the
+/// smallest RAM budget (one layer's top-k) with prefetch, so that experts are fetched again
+/// and again.
 fn generate_from(f: &Fixture, name: &str, tier: Arc<PeerTier>) -> (Vec<u32>, Vec<u32>, u64) {
     let files = ModelFiles::open(f.dir.path()).expect("model files");
     let r = Reference::open(&fixture(name));
@@ -201,7 +204,7 @@ fn generate_from(f: &Fixture, name: &str, tier: Arc<PeerTier>) -> (Vec<u32>, Vec
     let want = r.ids("generated_ids");
     let sizes = files.layout.sizes();
     let cfg = TierConfig {
-        budget: sizes.iter().flatten().sum::<u64>() / 2,
+        budget: 0,
         prefetch: true,
         ..TierConfig::default()
     };
@@ -422,9 +425,11 @@ fn killed_stalled_and_silent_peers_fall_back_to_another() {
     assert_eq!(got, want, "ids with failing peers");
     let fails = tier.failures();
     assert!(fails[0].1 > 0, "the killed peer was not noticed: {fails:?}");
+    // A stalled demand request is raced by a hedge (and loses); a stalled prefetch times out.
+    let lost = tier.races_lost();
     assert!(
-        fails[1].1 > 0,
-        "the stalled peer was not noticed: {fails:?}"
+        fails[1].1 > 0 || lost[1] > 0,
+        "the stalled peer was not noticed: {fails:?}, races lost {lost:?}"
     );
     assert!(fails[2].1 > 0, "the silent peer was not noticed: {fails:?}");
     assert_eq!(fails[3].1, 0, "the good peer was blamed: {fails:?}");
@@ -545,4 +550,424 @@ fn malformed_or_oversized_message_closes_only_that_connection() {
 
 fn key_pub(n: &Node) -> stormo_manifests::PublicKey {
     n.key.public()
+}
+
+/// An expert provider that answers, but only after `delay` (a slow peer).
+struct Slow {
+    inner: Arc<dyn ExpertProvider>,
+    delay: Duration,
+}
+
+impl std::fmt::Debug for Slow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Slow")
+    }
+}
+
+impl ExpertProvider for Slow {
+    fn fetch(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        out: &mut Vec<Arc<ExpertData>>,
+    ) -> stormo_engine::Result<()> {
+        std::thread::sleep(self.delay);
+        self.inner.fetch(layer, experts, out)
+    }
+}
+
+/// A node serving every expert of `dir`, each answer delayed by `delay`.
+fn serve_slow(seed: u8, dir: &Path, delay: Duration, admission: Admission) -> Node {
+    let (h, _e) = serve::open_holdings(dir, None, &expert_args(), None).expect("holdings");
+    let h = Holdings {
+        experts: Arc::new(Slow {
+            inner: h.experts.clone(),
+            delay,
+        }),
+        ..h
+    };
+    start_node(seed, h, admission)
+}
+
+/// A slow peer (it answers every request, late, well within the timeouts) is raced by a
+/// hedge to a fast one: the run gives the same ids, hedges win, and the slow peer is not
+/// blamed for failures.
+#[test]
+fn slow_peer_is_hedged_and_not_blamed() {
+    let name = "qwen3moe-tiny";
+    let f = setup(name);
+    let slow = serve_slow(80, f.dir.path(), Duration::from_millis(400), allow_client());
+    let fast = serve_dir(81, f.dir.path(), None, allow_client());
+    let files = ModelFiles::open(f.dir.path()).expect("model files");
+    let args = peer_args(&f, vec![slow.addr(), fast.addr()]);
+    let rt = runtime();
+    let (m, id, _) =
+        net::resolve_manifest(f.dir.path(), &args, &client_key(), &rt).expect("manifest");
+    let rt = Arc::new(rt);
+    let tier = Arc::new(
+        PeerTier::connect(
+            &client_key(),
+            &args.peers,
+            Arc::new(m),
+            id,
+            files.layout.schemas.clone(),
+            PeerConfig {
+                request_timeout: Duration::from_secs(20),
+                idle_timeout: Duration::from_secs(10),
+                hedge_min: Duration::from_millis(20),
+                hedge_max: Duration::from_millis(100),
+                ..PeerConfig::default()
+            },
+            Some(rt.handle().clone()),
+        )
+        .expect("tier")
+        .keep_runtime(rt),
+    );
+    let (got, want, _) = generate_from(&f, name, tier.clone());
+    assert_eq!(got, want, "ids with a slow peer");
+    let h = tier.hedge_stats();
+    assert!(h.hedges > 0 && h.hedge_wins > 0, "no race won: {h:?}");
+    assert!(tier.races_lost()[0] > 0, "{:?}", tier.races_lost());
+    let fails = tier.failures();
+    assert!(
+        fails.iter().all(|(_, n)| *n == 0),
+        "a slow peer is not a failing one: {fails:?}"
+    );
+    assert!(fast.served() > 0);
+    tier.close();
+}
+
+/// Runs fixture `name` as `stormo run` composes a node: the tiers from `args` (local disk
+/// unless `no_local`), the smallest RAM budget, then returns the ids, the reference ids and
+/// the `--json` experts object.
+fn run_node(
+    f: &Fixture,
+    name: &str,
+    args: &PeerArgs,
+    no_local: bool,
+) -> (Vec<u32>, Vec<u32>, serde_json::Value, net::NodeTiers) {
+    let files = ModelFiles::open(f.dir.path()).expect("model files");
+    let mut ea = expert_args();
+    ea.expert_cache = "0".into();
+    let key_dir = tempfile::tempdir().expect("tempdir");
+    let mut args = args.clone();
+    if args.key.is_none() {
+        let p = key_dir.path().join("client.key");
+        client_key().write_new(&p).expect("key file");
+        args.key = Some(p);
+    }
+    let tiers =
+        net::node_tiers(&files, f.dir.path(), &args, &ea, !no_local, None).expect("tiers compose");
+    let experts = stormo_node::experts::Experts::build_tiers(&files, &ea, 512, tiers.tiers.clone())
+        .expect("experts");
+    let r = Reference::open(&fixture(name));
+    let prompt = r.ids("input_ids");
+    let want = r.ids("generated_ids");
+    let model =
+        Model::new(files, experts.provider.clone(), &LoadOptions::default()).expect("model");
+    let mut sess = model.session(prompt.len() + want.len()).expect("session");
+    let got = greedy(
+        &model,
+        &mut sess,
+        &prompt,
+        want.len(),
+        &[],
+        |_, _| {},
+        &mut Timings::default(),
+    )
+    .expect("generation");
+    tiers.close();
+    let mut json = experts.json(sess.prediction());
+    tiers.add_json(&mut json);
+    (got, want, json, tiers)
+}
+
+/// Waits (bounded) until the background stores into `dir` have ended.
+fn settle(dir: &net::expert_dir::ExpertDir) {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n = dir.len();
+        std::thread::sleep(Duration::from_millis(200));
+        let tmp = std::fs::read_dir(dir.root())
+            .expect("expert dir")
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().ends_with(".tmp"));
+        if (dir.len() == n && !tmp) || Instant::now() > until {
+            return;
+        }
+    }
+}
+
+fn num(j: &serde_json::Value, k: &str) -> u64 {
+    j[k].as_u64()
+        .unwrap_or_else(|| panic!("--json has no number {k:?}: {j}"))
+}
+
+/// A node with its own experts that asks peers first (`--peers-first`): one peer lies
+/// (corrupt files) and one dies after a few records; the run finishes with the reference ids
+/// from the local disk, and `--json` counts the peer loads, failures and fallbacks.
+#[test]
+fn peers_first_falls_back_to_the_local_disk_when_peers_lie_or_die() {
+    let name = "gptoss-tiny-mxfp4";
+    let f = setup(name);
+    let bad_dir = tempfile::tempdir().expect("tempdir");
+    for e in std::fs::read_dir(f.dir.path()).expect("dir") {
+        let e = e.expect("entry");
+        std::fs::copy(e.path(), bad_dir.path().join(e.file_name())).expect("copy");
+    }
+    corrupt_experts(bad_dir.path());
+    let liar = serve_dir(90, bad_dir.path(), None, allow_client());
+    let (h, _e) = serve::open_holdings(f.dir.path(), None, &expert_args(), None).expect("holdings");
+    let cell = Arc::new(OnceLock::new());
+    let dying = start_node(
+        91,
+        Holdings {
+            experts: Arc::new(KillAfter {
+                inner: h.experts.clone(),
+                left: AtomicUsize::new(6),
+                handle: cell.clone(),
+            }),
+            ..h
+        },
+        allow_client(),
+    );
+    cell.set(dying.handle.clone()).expect("set once");
+    let mut args = peer_args(&f, vec![dying.addr(), liar.addr()]);
+    args.peers_first = true;
+    args.peer_timeout = 2.0;
+    let (got, want, j, tiers) = run_node(&f, name, &args, false);
+    assert_eq!(got, want, "ids when peers lie or die");
+    assert!(
+        num(&j, "peer_loads") > 0,
+        "the dying peer served nothing first: {j}"
+    );
+    assert!(num(&j, "peer_bytes") > 0, "{j}");
+    assert!(num(&j, "peer_failures") > 0, "{j}");
+    assert!(num(&j, "fallbacks") > 0, "{j}");
+    assert_eq!(
+        num(&j, "fallbacks"),
+        num(&j, "peer_failures"),
+        "each failure fell back: {j}"
+    );
+    assert!(num(&j, "disk_loads") > 0, "{j}");
+    let fails = tiers.peer.as_ref().expect("peer tier").failures();
+    assert!(fails[1].1 > 0, "the liar was not named: {fails:?}");
+}
+
+/// `--expert-dir`: experts fetched from peers are kept there; with the peers gone, the next
+/// run gets the same ids from the directory; a record damaged on disk is caught when read
+/// back and fetched again; a lower limit evicts down to it.
+#[test]
+fn expert_dir_keeps_fetched_experts_for_the_next_run() {
+    let name = "qwen3moe-tiny";
+    let f = setup(name);
+    let store = tempfile::tempdir().expect("tempdir");
+    let mut peer = serve_dir(100, f.dir.path(), None, allow_client());
+    let mut args = peer_args(&f, vec![peer.addr()]);
+    args.expert_dir = Some(store.path().to_path_buf());
+    let (got, want, j, tiers) = run_node(&f, name, &args, true);
+    assert_eq!(got, want, "first run, from the peer");
+    assert!(num(&j, "peer_loads") > 0, "{j}");
+    // Experts evicted from RAM come back from the directory, not the peer, already in run 1.
+    assert!(num(&j, "dir_loads") > 0, "{j}");
+    // Stores run in the background after each load: wait for them.
+    let dir = tiers.dir.clone().expect("expert dir");
+    settle(&dir);
+    let held = dir.len();
+    assert!(held > 0, "nothing was stored");
+    let root = dir.root().to_path_buf();
+    assert!(root.ends_with(f.id.to_hex()));
+    let files: Vec<_> = std::fs::read_dir(&root).expect("dir").flatten().collect();
+    assert_eq!(
+        files.len(),
+        held,
+        "one file per record, no temporary files left"
+    );
+    drop(tiers);
+    peer.kill();
+
+    // Second run: no peers at all, the experts come from the directory.
+    let mut again = peer_args(&f, Vec::new());
+    again.expert_dir = Some(store.path().to_path_buf());
+    let (got, _, j, _) = run_node(&f, name, &again, true);
+    assert_eq!(got, want, "second run, from the expert directory");
+    assert!(num(&j, "dir_loads") > 0, "{j}");
+    assert_eq!(num(&j, "peer_loads"), 0, "{j}");
+
+    // A damaged record is refused when read back, deleted, and fetched from a peer again.
+    let victim = files[0].path();
+    let mut b = std::fs::read(&victim).expect("record");
+    b[0] ^= 1;
+    std::fs::write(&victim, b).expect("damage");
+    let peer2 = serve_dir(101, f.dir.path(), None, allow_client());
+    let mut third = peer_args(&f, vec![peer2.addr()]);
+    third.expert_dir = Some(store.path().to_path_buf());
+    let (got, _, j, t3) = run_node(&f, name, &third, true);
+    assert_eq!(got, want, "third run, one record damaged");
+    settle(t3.dir.as_ref().expect("expert dir"));
+    assert!(
+        num(&j, "dir_failures") > 0,
+        "the damage was not caught: {j}"
+    );
+    assert!(num(&j, "fallbacks") > 0, "{j}");
+
+    // A smaller limit evicts down to it, files included.
+    let m = stormo_manifests::read_manifest(&f.dir.path().join("stormo-manifest.bin"))
+        .expect("manifest")
+        .0;
+    let rec = m.experts[0].len;
+    let small = net::expert_dir::ExpertDir::open(
+        store.path(),
+        f.id,
+        2 * rec,
+        Arc::new(m),
+        ModelFiles::open(f.dir.path())
+            .expect("files")
+            .layout
+            .schemas
+            .clone(),
+    )
+    .expect("reopen");
+    assert_eq!(small.len(), 2);
+    assert_eq!(std::fs::read_dir(&root).expect("dir").count(), 2);
+}
+
+/// Many concurrent fetchers (4 connections, 32 requests) against one slow server with
+/// per-peer and node-wide limits: every request ends with data or `busy` in bounded time,
+/// the server's buffered bytes stay within its limit, and it keeps serving afterwards.
+#[test]
+fn many_fetchers_get_data_or_busy_and_server_memory_stays_bounded() {
+    let name = "qwen3moe-tiny";
+    let f = setup(name);
+    let (h, _e) = serve::open_holdings(f.dir.path(), None, &expert_args(), None).expect("holdings");
+    let max_record = h
+        .manifest
+        .experts
+        .iter()
+        .map(|e| e.len)
+        .max()
+        .expect("experts");
+    let keys: Vec<_> = h
+        .manifest
+        .experts
+        .iter()
+        .map(|e| stormo_engine::tiers::ExpertKey::new(e.id.layer.into(), e.id.expert.into()))
+        .collect();
+    let node_limit = 6;
+    let key = SecretKey::from_seed(&[110; 32]);
+    let rt = runtime();
+    let handle = rt
+        .block_on(async {
+            serve::start(
+                &key,
+                "127.0.0.1:0".parse().expect("address"),
+                Arc::new(Holdings {
+                    experts: Arc::new(Slow {
+                        inner: h.experts.clone(),
+                        delay: Duration::from_millis(150),
+                    }),
+                    ..h
+                }),
+                ServeConfig {
+                    per_peer: 4,
+                    node_limit,
+                    admission: Admission::Any,
+                },
+            )
+        })
+        .expect("server starts");
+    let node = Node {
+        key,
+        handle: Arc::new(handle),
+        rt: Some(rt),
+    };
+    let files = ModelFiles::open(f.dir.path()).expect("model files");
+    let manifest = Arc::new(
+        stormo_manifests::read_manifest(&f.dir.path().join("stormo-manifest.bin"))
+            .expect("manifest")
+            .0,
+    );
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut tiers = Vec::new();
+    let mut sent = 0;
+    for c in 0..4u8 {
+        let t = PeerTier::connect(
+            &SecretKey::from_seed(&[120 + c; 32]),
+            &[node.addr()],
+            manifest.clone(),
+            f.id,
+            files.layout.schemas.clone(),
+            PeerConfig {
+                hedge_max: Duration::from_secs(60),
+                hedge_min: Duration::from_secs(60),
+                ..quick()
+            },
+            None,
+        )
+        .expect("client");
+        let batch: Vec<_> = keys
+            .iter()
+            .cycle()
+            .skip(c as usize * 8)
+            .take(8)
+            .copied()
+            .collect();
+        sent += batch.len();
+        let tx = tx.clone();
+        t.load(
+            &batch,
+            stormo_engine::tiers::Priority::Demand,
+            Arc::new(
+                move |k: stormo_engine::tiers::ExpertKey,
+                      r: stormo_engine::Result<Arc<ExpertData>>| {
+                    let _ = tx.send((k, r.map(|_| ()).map_err(|e| e.to_string())));
+                },
+            ),
+        );
+        tiers.push(t);
+    }
+    let (mut ok, mut busy) = (0, 0);
+    for _ in 0..sent {
+        let (k, r) = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("a request hung");
+        match r {
+            Ok(()) => ok += 1,
+            Err(e) if e.contains("busy") => busy += 1,
+            Err(e) => panic!("expert {k}: neither data nor busy: {e}"),
+        }
+    }
+    assert_eq!(sent, 32);
+    assert!(ok > 0 && busy > 0, "{ok} answered, {busy} busy");
+    let stats = &node.handle.stats;
+    assert!(stats.busy.load(Ordering::Relaxed) > 0);
+    let peak = stats.buffered_peak.load(Ordering::Relaxed);
+    assert!(peak > 0, "the gauge never moved");
+    assert!(
+        peak <= node_limit as u64 * max_record,
+        "{peak} bytes buffered, more than {node_limit} records"
+    );
+    for t in &tiers {
+        t.close();
+    }
+    let until = Instant::now() + Duration::from_secs(5);
+    while stats.buffered.load(Ordering::Relaxed) > 0 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        stats.buffered.load(Ordering::Relaxed),
+        0,
+        "answers left in memory"
+    );
+    // Still serving.
+    let rt = runtime();
+    let (id, _) = rt
+        .block_on(net::tier::fetch_manifest(
+            &client_key(),
+            &node.addr(),
+            None,
+            quick(),
+        ))
+        .expect("the node still serves");
+    assert_eq!(id, f.id);
 }

@@ -8,7 +8,7 @@ use stormo_engine::safetensors::{self, Dtype};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 
 use crate::experts::{ExpertArgs, Experts};
-use crate::net::{self, tier::PeerTier, PeerArgs};
+use crate::net::{self, PeerArgs};
 
 /// Arguments of `stormo run`.
 #[derive(Debug, clap::Args)]
@@ -112,21 +112,32 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             net::parse_only_experts(spec, &shape)
         })
         .transpose()?;
-    let mut lower: Vec<std::sync::Arc<dyn stormo_engine::tiers::Tier>> = Vec::new();
-    let mut peer_tier = None;
-    if !a.net.peers.is_empty() {
-        let t = std::sync::Arc::new(peer_tier_for(&files, &a.model, &a.net)?);
-        peer_tier = Some(t.clone());
-        lower.push(t);
-    }
-    let experts = Experts::build(
-        &files,
-        &a.experts,
-        context.min(max_pos),
-        lower,
-        !a.no_local_experts,
-        allowed,
-    )?;
+    let (tiers, experts) = if a.experts.mmap_experts {
+        anyhow::ensure!(
+            a.net.peers.is_empty() && a.net.expert_dir.is_none(),
+            "--mmap-experts serves every local expert; it cannot be combined with --peer or --expert-dir"
+        );
+        let e = Experts::build(
+            &files,
+            &a.experts,
+            context.min(max_pos),
+            Vec::new(),
+            !a.no_local_experts,
+            allowed,
+        )?;
+        (net::NodeTiers::default(), e)
+    } else {
+        let t = net::node_tiers(
+            &files,
+            &a.model,
+            &a.net,
+            &a.experts,
+            !a.no_local_experts,
+            allowed,
+        )?;
+        let e = Experts::build_tiers(&files, &a.experts, context.min(max_pos), t.tiers.clone())?;
+        (t, e)
+    };
     let model = Model::new(
         files,
         experts.provider.clone(),
@@ -178,15 +189,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .with_context(|| format!("writing {}", path.display()))?;
     }
     let decode_steps = ids.len().saturating_sub(1);
-    if let Some(t) = &peer_tier {
-        t.close();
-    }
+    tiers.close();
     experts.finish()?;
     let prediction = sess.prediction();
     if a.stats {
         eprintln!("{}", experts.table(prediction));
     }
     if a.json {
+        let mut experts_json = experts.json(prediction);
+        tiers.add_json(&mut experts_json);
         let out = serde_json::json!({
             "generated_ids": ids,
             "prompt_tokens": prompt.len(),
@@ -196,7 +207,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 "decode_s": timings.decode_s,
                 "decode_tok_s": rate(decode_steps, timings.decode_s),
             },
-            "experts": experts.json(prediction),
+            "experts": experts_json,
         });
         println!("{out}");
     } else {
@@ -204,36 +215,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         println!("{}", s.join(" "));
     }
     Ok(())
-}
-
-/// The network tier for a node of `dir`: its identity, the accepted manifest (checked
-/// against the checkpoint's layout) and the peers.
-pub fn peer_tier_for(
-    files: &ModelFiles,
-    dir: &std::path::Path,
-    args: &PeerArgs,
-) -> anyhow::Result<PeerTier> {
-    let secret = net::node_key(args.key.as_deref())?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("stormo-net")
-        .enable_all()
-        .build()
-        .context("starting the network runtime")?;
-    let (manifest, id, _) = net::resolve_manifest(dir, args, &secret, &rt)?;
-    net::serve::check_layout(&manifest, &files.layout.sizes())
-        .context("the manifest does not describe this checkpoint")?;
-    let rt = std::sync::Arc::new(rt);
-    let tier = PeerTier::connect(
-        &secret,
-        &args.peers,
-        std::sync::Arc::new(manifest),
-        id,
-        files.layout.schemas.clone(),
-        args.config()?,
-        Some(rt.handle().clone()),
-    )?;
-    Ok(tier.keep_runtime(rt))
 }
 
 fn rate(n: usize, s: f64) -> f64 {

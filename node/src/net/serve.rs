@@ -127,6 +127,28 @@ pub struct ServeStats {
     pub busy: AtomicU64,
     /// Connections closed for a protocol violation.
     pub violations: AtomicU64,
+    /// Bytes of answers held in memory now (records read for requests being sent). Bounded by
+    /// the node-wide request limit times the largest record.
+    pub buffered: AtomicU64,
+    /// The most `buffered` has been.
+    pub buffered_peak: AtomicU64,
+}
+
+/// Counts `n` bytes in [`ServeStats::buffered`] while alive.
+struct Buffered<'a>(&'a ServeStats, u64);
+
+impl<'a> Buffered<'a> {
+    fn new(stats: &'a ServeStats, n: u64) -> Self {
+        let now = stats.buffered.fetch_add(n, Ordering::Relaxed) + n;
+        stats.buffered_peak.fetch_max(now, Ordering::Relaxed);
+        Self(stats, n)
+    }
+}
+
+impl Drop for Buffered<'_> {
+    fn drop(&mut self) {
+        self.0.buffered.fetch_sub(self.1, Ordering::Relaxed);
+    }
 }
 
 /// A running server. Dropping it does not stop it; call [`ServerHandle::close`].
@@ -398,7 +420,19 @@ async fn serve_one(
                 "the node is serving its limit of requests".to_string(),
             ))
         }
-        Ok(permit) => resolve(shared, &req).await.map(|b| (b, permit)),
+        Ok(permit) => {
+            // A requester that gives up (a hedge won elsewhere) stops the stream: free its
+            // slot now rather than after the read.
+            tokio::select! {
+                r = resolve(shared, &req) => r.map(|b| (b, permit)),
+                _ = send.stopped() => {
+                    let mut s = server.lock().expect("server state lock");
+                    let _ = s.handle_message(Message::Cancel(stormo_wire::Cancel { request_id: id }));
+                    let _ = drain(&mut s);
+                    return;
+                }
+            }
+        }
     };
     let (bytes, offset, _permit) = match answer {
         Ok(((bytes, offset), permit)) => (bytes, offset, permit),
@@ -409,6 +443,7 @@ async fn serve_one(
             return;
         }
     };
+    let _held = Buffered::new(&shared.stats, bytes.len() as u64);
     if req.priority == stormo_wire::Priority::Prefetch {
         let _ = send.set_priority(-1);
     }

@@ -38,6 +38,10 @@ pub struct PeerConfig {
     pub request_timeout: Duration,
     /// The longest wait for the first frame of an answer or between two frames.
     pub idle_timeout: Duration,
+    /// The shortest delay before a demand request is hedged (raced by a second request).
+    pub hedge_min: Duration,
+    /// The longest delay before a demand request is hedged.
+    pub hedge_max: Duration,
 }
 
 impl Default for PeerConfig {
@@ -46,14 +50,31 @@ impl Default for PeerConfig {
             connect_timeout: super::CONNECT_TIMEOUT,
             request_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(5),
+            hedge_min: Duration::from_millis(20),
+            hedge_max: Duration::from_secs(2),
         }
     }
+}
+
+/// Counters of the network tier's races.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HedgeStats {
+    /// Demand requests raced by a second request (to another peer or the local disk).
+    pub hedges: u64,
+    /// Races won by the second request.
+    pub hedge_wins: u64,
+    /// Races won by the local disk.
+    pub local_wins: u64,
 }
 
 /// Throughput assumed for a peer not yet measured (bytes per second).
 const DEFAULT_RATE: f64 = 100e6;
 /// The longest a failing peer is avoided.
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
+/// Fetch durations remembered per peer (for its latency quantiles).
+const LATENCY_SAMPLES: usize = 32;
+/// Samples needed before quantiles replace the estimate from round trip and throughput.
+const MIN_SAMPLES: usize = 4;
 
 struct Link {
     conn: quinn::Connection,
@@ -102,7 +123,56 @@ struct PeerState {
     avoid_until: Option<Instant>,
     rate: Option<f64>,
     rtt: Option<Duration>,
+    /// Seconds of its recent whole-expert fetches, newest last (a race it lost counts with
+    /// the time it had taken so far: a lower bound).
+    recent: std::collections::VecDeque<f64>,
+    /// Races it lost (it was slow; not a failure).
+    races_lost: u32,
 }
+
+impl PeerState {
+    fn sample(&mut self, secs: f64) {
+        if self.recent.len() == LATENCY_SAMPLES {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(secs);
+    }
+
+    /// The `q` quantile of the recent fetch times, once there are enough of them.
+    fn quantile(&self, q: f64) -> Option<f64> {
+        if self.recent.len() < MIN_SAMPLES {
+            return None;
+        }
+        let mut v: Vec<f64> = self.recent.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        let at = ((v.len() - 1) as f64 * q).round() as usize;
+        v.get(at).copied()
+    }
+
+    /// Seconds a fetch of `len` bytes is expected to take: the median of recent fetches, or
+    /// before there are enough, round trip plus `len` over the measured (or assumed) rate.
+    fn expected(&self, len: u64) -> f64 {
+        self.quantile(0.5).unwrap_or_else(|| {
+            self.rtt.map_or(0.001, |r| r.as_secs_f64())
+                + len as f64 / self.rate.unwrap_or(DEFAULT_RATE)
+        })
+    }
+}
+
+/// One request counted in flight at a peer, uncounted when dropped (also when a race is lost
+/// and its future dropped).
+struct InFlight(Arc<Peer>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut s = self.0.state();
+        s.in_flight = s.in_flight.saturating_sub(1);
+    }
+}
+
+/// How one try at one peer ended: the verified record, or why not (naming the peer) and the
+/// verified prefix it left.
+type TryResult = Result<Vec<u8>, (String, Vec<u8>)>;
 
 struct Peer {
     addr: PeerAddr,
@@ -146,6 +216,12 @@ struct Inner {
     choosing: Mutex<()>,
     /// Set by [`PeerTier::close`]: failures after it are the shutdown, not the peers'.
     closing: std::sync::atomic::AtomicBool,
+    /// A local tier (the disk) that a slow demand request is raced against when no other
+    /// peer holds the expert.
+    local: std::sync::OnceLock<Arc<dyn Tier>>,
+    /// Where verified experts are also written (`--expert-dir`).
+    store: std::sync::OnceLock<Arc<super::expert_dir::ExpertDir>>,
+    hedges: Mutex<HedgeStats>,
 }
 
 /// The network tier. See the module docs.
@@ -339,6 +415,9 @@ impl PeerTier {
             peers: ps,
             choosing: Mutex::new(()),
             closing: Default::default(),
+            local: Default::default(),
+            store: Default::default(),
+            hedges: Default::default(),
         });
         let i2 = inner.clone();
         rt.block_on(async move {
@@ -384,6 +463,32 @@ impl PeerTier {
     pub fn keep_runtime(mut self, rt: Arc<tokio::runtime::Runtime>) -> Self {
         self._own = Some(OwnedRuntime(Some(rt)));
         self
+    }
+
+    /// Races `local` (the node's disk tier) against demand requests that are slow to come
+    /// from a peer when no other peer holds the expert. Set once; later calls are ignored.
+    pub fn set_local(&self, local: Arc<dyn Tier>) {
+        let _ = self.inner.local.set(local);
+    }
+
+    /// Also writes every verified expert to `dir` (in the background, after the load
+    /// completes). Set once; later calls are ignored.
+    pub fn set_expert_dir(&self, dir: Arc<super::expert_dir::ExpertDir>) {
+        let _ = self.inner.store.set(dir);
+    }
+
+    /// The races so far.
+    pub fn hedge_stats(&self) -> HedgeStats {
+        *self.inner.hedges.lock().expect("hedge stats lock")
+    }
+
+    /// Races lost so far per peer (slower than a hedge), in `peers` order.
+    pub fn races_lost(&self) -> Vec<u32> {
+        self.inner
+            .peers
+            .iter()
+            .map(|p| p.state().races_lost)
+            .collect()
     }
 
     /// Failures so far per peer, in `peers` order.
@@ -523,6 +628,9 @@ async fn run_request(
         }
         (id, out)
     };
+    // Whatever ends this request (also the future being dropped when a race is lost), it
+    // leaves nothing behind in the link's requests.
+    let _outstanding = Outstanding { reqs, id };
     let give_up = |why: String| {
         lock(reqs).req.cancel(id);
         AttemptError::Other(anyhow::anyhow!(why))
@@ -582,6 +690,22 @@ async fn run_request(
     }
 }
 
+/// Cancels a request and drops its event when dropped.
+struct Outstanding<'a> {
+    reqs: &'a Mutex<LinkRequests>,
+    id: stormo_wire::RequestId,
+}
+
+impl Drop for Outstanding<'_> {
+    fn drop(&mut self) {
+        let mut g = lock(self.reqs);
+        g.req.cancel(self.id);
+        g.events.remove(&self.id);
+        // Cancels are carried by the streams' resets.
+        while g.req.poll_transmit().is_some() {}
+    }
+}
+
 fn expert_id(key: ExpertKey) -> Option<ExpertId> {
     Some(ExpertId {
         layer: u16::try_from(key.layer).ok()?,
@@ -607,8 +731,7 @@ impl Inner {
                 continue;
             }
             let avoided = unknown || s.avoid_until.is_some_and(|t| t > now);
-            let expect = s.rtt.map_or(0.001, |r| r.as_secs_f64())
-                + len as f64 / s.rate.unwrap_or(DEFAULT_RATE);
+            let expect = s.expected(len);
             let cand = (avoided, s.in_flight, expect, i);
             if best.as_ref().is_none_or(|b| {
                 (cand.0, cand.1) < (b.0, b.1) || ((cand.0, cand.1) == (b.0, b.1) && cand.2 < b.2)
@@ -617,6 +740,108 @@ impl Inner {
             }
         }
         best.map(|b| b.3)
+    }
+
+    /// Chooses a peer for `id` not in `tried` (adding it there) and counts a request in
+    /// flight at it.
+    fn pick(
+        &self,
+        id: ExpertId,
+        len: u64,
+        tried: &mut HashSet<usize>,
+    ) -> Option<(usize, InFlight)> {
+        let _g = self.choosing.lock().expect("choosing lock");
+        let i = self.choose(id, len, tried)?;
+        tried.insert(i);
+        let p = self.peers[i].clone();
+        p.state().in_flight += 1;
+        Some((i, InFlight(p)))
+    }
+
+    /// How long a demand request to peer `i` runs before it is hedged: the p95 of its recent
+    /// fetch times (before there are enough, three times the expected time), within the
+    /// configured bounds and never past the request timeout.
+    fn hedge_delay(&self, i: usize, len: u64) -> Duration {
+        let s = self.peers[i].state();
+        let secs = s.quantile(0.95).unwrap_or_else(|| 3.0 * s.expected(len));
+        let max = self.cfg.hedge_max.min(self.cfg.request_timeout);
+        Duration::from_secs_f64(secs.clamp(0.0, 1e6)).clamp(self.cfg.hedge_min.min(max), max)
+    }
+
+    fn count(&self, f: impl FnOnce(&mut HedgeStats)) {
+        f(&mut self.hedges.lock().expect("hedge stats lock"));
+    }
+
+    /// Starts loading `key` from the local tier, if there is one and it holds the key.
+    fn local_load(
+        &self,
+        key: ExpertKey,
+    ) -> Option<tokio::sync::oneshot::Receiver<stormo_engine::Result<Arc<ExpertData>>>> {
+        let local = self.local.get()?;
+        if !local.holds(key) {
+            return None;
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let tx = Mutex::new(Some(tx));
+        local.load(
+            &[key],
+            Priority::Demand,
+            Arc::new(
+                move |_: ExpertKey, r: stormo_engine::Result<Arc<ExpertData>>| {
+                    if let Some(tx) = tx.lock().expect("oneshot lock").take() {
+                        let _ = tx.send(r);
+                    }
+                },
+            ),
+        );
+        Some(rx)
+    }
+
+    /// One try at peer `i` (counted in flight by `f`), resuming after `prefix`; the whole
+    /// record is verified before it is returned. Failures mark the peer (unless the tier is
+    /// closing); successes feed its latency and throughput.
+    async fn try_peer(
+        &self,
+        i: usize,
+        f: InFlight,
+        id: ExpertId,
+        len: u64,
+        mut prefix: Vec<u8>,
+        priority: Priority,
+    ) -> TryResult {
+        let peer = &self.peers[i];
+        let started = Instant::now();
+        let got = self.attempt(peer, id, len, &mut prefix, priority).await;
+        drop(f);
+        let closing = self.closing.load(std::sync::atomic::Ordering::SeqCst);
+        match got {
+            Ok(record) => {
+                if let Err(e) = self.manifest.verify_record(id, &record) {
+                    peer.mark(&format!("on expert {id}"), &e);
+                    return Err((format!("{}: {e}", peer.addr), Vec::new()));
+                }
+                let secs = started.elapsed().as_secs_f64().max(1e-6);
+                let mut s = peer.state();
+                let r = len as f64 / secs;
+                s.rate = Some(s.rate.map_or(r, |old| 0.8 * old + 0.2 * r));
+                s.sample(secs);
+                s.failures = 0;
+                s.avoid_until = None;
+                Ok(record)
+            }
+            Err(_) if closing => Err(("the network tier is closed".into(), prefix)),
+            Err(e) => {
+                peer.mark(&format!("on expert {id}"), &e);
+                Err((format!("{}: {e}", peer.addr), prefix))
+            }
+        }
+    }
+
+    /// Notes that peer `i` lost a race after `elapsed` (a lower bound of its fetch time).
+    fn lost(&self, i: usize, elapsed: Duration) {
+        let mut s = self.peers[i].state();
+        s.sample(elapsed.as_secs_f64());
+        s.races_lost += 1;
     }
 
     async fn fetch(&self, key: ExpertKey, priority: Priority) -> Result<Arc<ExpertData>, String> {
@@ -631,48 +856,136 @@ impl Inner {
             .get(key.layer as usize)
             .and_then(Option::as_ref)
             .ok_or_else(|| format!("layer {} has no experts", key.layer))?;
+        let done = |record: Vec<u8>| {
+            let buf: Arc<[u8]> = Arc::from(record);
+            if let Some(dir) = self.store.get() {
+                let (dir, buf) = (dir.clone(), buf.clone());
+                tokio::task::spawn_blocking(move || dir.store(id, &buf));
+            }
+            Arc::new(ExpertData::from_buffer(buf, schema))
+        };
         let mut tried = HashSet::new();
         let mut prefix: Vec<u8> = Vec::new();
         let mut errors = Vec::new();
+        let mut local_tried = false;
         loop {
-            let i = {
-                let _g = self.choosing.lock().expect("choosing lock");
-                let Some(i) = self.choose(id, len, &tried) else {
-                    break;
-                };
-                self.peers[i].state().in_flight += 1;
-                i
+            if self.closing.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err("the network tier is closed".into());
+            }
+            let Some((i, f)) = self.pick(id, len, &mut tried) else {
+                break;
             };
-            tried.insert(i);
-            let peer = &self.peers[i];
             let started = Instant::now();
-            let got = self.attempt(peer, id, len, &mut prefix, priority).await;
-            peer.state().in_flight -= 1;
-            match got {
-                Ok(record) => {
-                    if let Err(e) = self.manifest.verify_record(id, &record) {
-                        peer.mark(&format!("on expert {id}"), &e);
-                        errors.push(format!("{}: {e}", peer.addr));
-                        prefix.clear();
-                        continue;
-                    }
-                    let secs = started.elapsed().as_secs_f64().max(1e-6);
+            let delay = self.hedge_delay(i, len);
+            let prefix_in = std::mem::take(&mut prefix);
+            let mut a = std::pin::pin!(self.try_peer(i, f, id, len, prefix_in, priority));
+            let first = if priority == Priority::Demand {
+                tokio::select! {
+                    r = &mut a => Some(r),
+                    _ = tokio::time::sleep(delay) => None,
+                }
+            } else {
+                Some(a.as_mut().await)
+            };
+            let r = match first {
+                Some(r) => r,
+                None => {
+                    // Slow: race a second request.
+                    if let Some((j, g)) = self.pick(id, len, &mut tried) {
+                        self.count(|h| h.hedges += 1);
+                        tracing::debug!(
+                            "expert {id}: {} slower than {:.1} ms, hedging with {}",
+                            self.peers[i].addr,
+                            delay.as_secs_f64() * 1e3,
+                            self.peers[j].addr
+                        );
+                        let mut b =
+                            std::pin::pin!(self.try_peer(j, g, id, len, Vec::new(), priority));
+                        let (r, b_first) = tokio::select! {
+                            r = &mut a => (r, false),
+                            r = &mut b => (r, true),
+                        };
+                        let (loser, winner_hedge) = if b_first { (i, true) } else { (j, false) };
+                        match r {
+                            Ok(record) => {
+                                self.lost(loser, started.elapsed());
+                                if winner_hedge {
+                                    self.count(|h| h.hedge_wins += 1);
+                                }
+                                return Ok(done(record));
+                            }
+                            Err((e, p1)) => {
+                                errors.push(e);
+                                let r2 = if b_first {
+                                    a.as_mut().await
+                                } else {
+                                    b.as_mut().await
+                                };
+                                match r2 {
+                                    Ok(record) => {
+                                        if !b_first {
+                                            self.count(|h| h.hedge_wins += 1);
+                                        }
+                                        return Ok(done(record));
+                                    }
+                                    Err((e, p2)) => {
+                                        prefix = if p1.len() >= p2.len() { p1 } else { p2 };
+                                        Err((e, Vec::new()))
+                                    }
+                                }
+                            }
+                        }
+                    } else if let Some(rx) = (!local_tried).then(|| self.local_load(key)).flatten()
                     {
-                        let mut s = peer.state();
-                        let r = len as f64 / secs;
-                        s.rate = Some(s.rate.map_or(r, |old| 0.8 * old + 0.2 * r));
-                        s.failures = 0;
-                        s.avoid_until = None;
+                        local_tried = true;
+                        self.count(|h| h.hedges += 1);
+                        tracing::debug!(
+                            "expert {id}: {} slower than {:.1} ms, hedging with the local disk",
+                            self.peers[i].addr,
+                            delay.as_secs_f64() * 1e3
+                        );
+                        let mut rx = rx;
+                        tokio::select! {
+                            r = &mut a => match r {
+                                Ok(record) => return Ok(done(record)),
+                                Err((e, p)) => {
+                                    errors.push(e);
+                                    prefix = p;
+                                    match rx.await {
+                                        Ok(Ok(d)) => {
+                                            self.count(|h| h.local_wins += 1);
+                                            return Ok(d);
+                                        }
+                                        Ok(Err(e)) => Err((format!("local disk: {e}"), std::mem::take(&mut prefix))),
+                                        Err(_) => Err(("local disk: dropped the load".into(), std::mem::take(&mut prefix))),
+                                    }
+                                }
+                            },
+                            l = &mut rx => match l {
+                                Ok(Ok(d)) => {
+                                    self.lost(i, started.elapsed());
+                                    self.count(|h| h.local_wins += 1);
+                                    return Ok(d);
+                                }
+                                Ok(Err(e)) => {
+                                    errors.push(format!("local disk: {e}"));
+                                    a.as_mut().await
+                                }
+                                Err(_) => a.as_mut().await,
+                            },
+                        }
+                    } else {
+                        a.as_mut().await
                     }
-                    let buf: Arc<[u8]> = Arc::from(record);
-                    return Ok(Arc::new(ExpertData::from_buffer(buf, schema)));
                 }
-                Err(_) if self.closing.load(std::sync::atomic::Ordering::SeqCst) => {
-                    return Err("the network tier is closed".into());
-                }
-                Err(e) => {
-                    peer.mark(&format!("on expert {id}"), &e);
-                    errors.push(format!("{}: {e}", peer.addr));
+            };
+            match r {
+                Ok(record) => return Ok(done(record)),
+                Err((e, p)) => {
+                    errors.push(e);
+                    if p.len() > prefix.len() {
+                        prefix = p;
+                    }
                 }
             }
         }
