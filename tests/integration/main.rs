@@ -2,6 +2,7 @@
 
 mod chat;
 mod extra_oracle;
+mod http;
 mod manifests;
 mod network;
 mod oracle;
