@@ -293,7 +293,7 @@ pub fn reply(
         None => ControlFlow::Continue(()),
     })?;
     if let Some(d) = stream.finish() {
-        take(d, printer, &mut io_err);
+        let _ = take(d, printer, &mut io_err);
     }
     if let Some(e) = io_err {
         return Err(e).context("writing the reply");

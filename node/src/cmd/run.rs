@@ -165,10 +165,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             net::parse_only_experts(spec, &shape)
         })
         .transpose()?;
-    let mut lower: Vec<std::sync::Arc<dyn stormo_engine::tiers::Tier>> = Vec::new();
+    let mut lower: Vec<Arc<dyn stormo_engine::tiers::Tier>> = Vec::new();
     let mut peer_tier = None;
     if !a.net.peers.is_empty() {
-        let t = std::sync::Arc::new(peer_tier_for(&files, &a.model, &a.net)?);
+        let t = Arc::new(peer_tier_for(&files, &a.model, &a.net)?);
         peer_tier = Some(t.clone());
         lower.push(t);
     }
@@ -345,11 +345,11 @@ pub fn peer_tier_for(
     let (manifest, id, _) = net::resolve_manifest(dir, args, &secret, &rt)?;
     net::serve::check_layout(&manifest, &files.layout.sizes())
         .context("the manifest does not describe this checkpoint")?;
-    let rt = std::sync::Arc::new(rt);
+    let rt = Arc::new(rt);
     let tier = PeerTier::connect(
         &secret,
         &args.peers,
-        std::sync::Arc::new(manifest),
+        Arc::new(manifest),
         id,
         files.layout.schemas.clone(),
         args.config()?,
