@@ -763,7 +763,8 @@ impl Reply {
                     self.tokens += 1;
                     match self.stream.push(id) {
                         Some(OutputDelta::Content(t)) => {
-                            if self.content(&t) {
+                            let hit = self.content(&t);
+                            if hit {
                                 // Closing the channel cancels the generation.
                                 self.events.close();
                                 self.finished = true;
