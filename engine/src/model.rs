@@ -509,6 +509,13 @@ impl Model {
 
     /// A new session able to hold `max_context` positions.
     pub fn session(&self, max_context: usize) -> Result<Session> {
+        self.session_with_rewind(max_context, 0)
+    }
+
+    /// A new session whose sliding layers keep `rewind` positions more than their window
+    /// needs, so that [`Session::truncate`] can go back that far without a recompute (a chat
+    /// that re-renders its last reply). `rewind >= max_context` keeps everything.
+    pub fn session_with_rewind(&self, max_context: usize, rewind: usize) -> Result<Session> {
         if max_context == 0 || max_context > self.cfg.max_position_embeddings {
             return Err(Error::Input(format!(
                 "context of {max_context} positions is outside 1..={} (max_position_embeddings)",
@@ -522,7 +529,7 @@ impl Model {
             .iter()
             .map(|l| {
                 let cap = match l.window {
-                    Some(w) => (w + block).min(max_context),
+                    Some(w) => (w + block).saturating_add(rewind).min(max_context),
                     None => max_context,
                 };
                 LayerKv {

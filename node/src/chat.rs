@@ -9,7 +9,10 @@
 //! format for a model family, renders a prompt, names the stop ids and parses streamed output
 //! into reasoning and answer text.
 //!
-//! Non-goals here: sessions, KV reuse, sampling (in `stormo_engine::sampling`), servers.
+//! [`session`] keeps a conversation's KV cache between turns and reuses the longest common
+//! prefix of each new render.
+//!
+//! Non-goals here: sampling (in `stormo_engine::sampling`), servers (in `crate::http`).
 
 use std::sync::Arc;
 
@@ -17,6 +20,8 @@ use stormo_engine::Family;
 
 pub mod chatml;
 pub mod harmony;
+pub mod reply;
+pub mod session;
 pub mod tokenizer;
 
 pub use tokenizer::{

@@ -20,12 +20,12 @@ pub struct Cli {
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Generate tokens from a prompt (greedy), printing the generated ids.
+    /// Generate from a text prompt (through the model's chat format) or from token ids.
     Run(cmd::run::Args),
     /// Build, sign and verify a checkpoint's manifest (tensor and per-expert hashes).
     #[command(subcommand)]
     Manifest(cmd::manifest::Command),
-    /// Serve this node's manifest and experts to peers over QUIC.
+    /// Serve experts to peers over QUIC (--listen) and/or an OpenAI-compatible HTTP API (--http).
     Serve(cmd::serve::Args),
     /// Create and show Ed25519 node and publisher keys.
     #[command(subcommand)]
@@ -38,6 +38,8 @@ pub enum Command {
     Tokenize(cmd::tokenize::Args),
     /// Write a random-weight checkpoint with a real model's geometry and layout.
     Synth(cmd::synth::Args),
+    /// Talk with a model in the terminal (streams tokens, keeps the session between turns).
+    Chat(cmd::chat::Args),
 }
 
 /// Runs the chosen subcommand.
@@ -51,5 +53,6 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Convert(a) => cmd::convert::run(a),
         Command::Bench(a) => cmd::bench::run(a),
         Command::Synth(a) => cmd::synth::run(a),
+        Command::Chat(a) => cmd::chat::run(a),
     }
 }

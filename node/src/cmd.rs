@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub mod bench;
+pub mod chat;
 pub mod convert;
 pub mod key;
 pub mod manifest;

@@ -6,6 +6,7 @@ pub mod chat;
 pub mod cli;
 pub mod cmd;
 pub mod experts;
+pub mod http;
 pub mod logging;
 pub mod net;
 pub mod progress;

@@ -855,3 +855,275 @@ fn chat_format_chatml_renders_and_streams() {
     assert_eq!(content, "\n\nHello 🔥!");
     assert!(f.stop_tokens().contains(generated.last().expect("ids")));
 }
+
+// ---- Sessions: longest-common-prefix KV reuse ----
+
+mod sessions {
+    use std::ops::ControlFlow;
+    use std::sync::Arc;
+
+    use stormo_engine::sampling::SamplingParams;
+    use stormo_engine::{LoadOptions, Model};
+    use stormo_node::chat::session::{ChatSession, FinishReason, GenerateOptions, SessionError};
+    use stormo_tests::fixture;
+
+    use super::Gen;
+
+    fn load(name: &str) -> Arc<Model> {
+        let opts = LoadOptions { prefill_block: 16 };
+        Arc::new(Model::load(&fixture(name), &opts).expect("fixture model loads"))
+    }
+
+    fn ids(g: &mut Gen, n: usize, vocab: usize) -> Vec<u32> {
+        (0..n).map(|_| g.below(vocab) as u32).collect()
+    }
+
+    fn lcp(a: &[u32], b: &[u32]) -> usize {
+        let mut n = 0;
+        while n < a.len() && n < b.len() && a[n] == b[n] {
+            n += 1;
+        }
+        n
+    }
+
+    fn opts(max_new: usize, sampling: SamplingParams) -> GenerateOptions {
+        GenerateOptions {
+            max_new_tokens: max_new,
+            stop: Vec::new(),
+            sampling,
+        }
+    }
+
+    /// The tokens a fresh session computes for the whole prompt (no reuse possible).
+    fn full_recompute(model: &Arc<Model>, prompt: &[u32], o: &GenerateOptions) -> Vec<u32> {
+        let mut s = ChatSession::new(model.clone(), 512).expect("session");
+        let g = s.generate(prompt, o, |_| ControlFlow::Continue(())).expect("generate");
+        assert_eq!(g.reused, 0, "a fresh session has nothing to reuse");
+        g.ids
+    }
+
+    /// Several turns through one session give the tokens of a full recompute each time, and
+    /// reuse exactly the common prefix of the new prompt and the ids already in the cache
+    /// (prompt and generated ids, all but the last generated one, which is never run).
+    fn turns_match_full_recompute(name: &str) {
+        let model = load(name);
+        let vocab = model.config().vocab_size;
+        let mut g = Gen(0x5e55_1011);
+        let mut sess = ChatSession::new(model.clone(), 512).expect("session");
+        let sampled = SamplingParams {
+            temperature: 0.9,
+            top_p: 0.95,
+            seed: 7,
+            ..SamplingParams::default()
+        };
+        let p1 = ids(&mut g, 24, vocab);
+        let mut expected_cache: Vec<u32> = Vec::new();
+        let mut prompts = vec![p1.clone()];
+        let mut last_prompt = p1;
+        let mut streamed = Vec::new();
+        for turn in 0..5 {
+            let prompt = prompts[turn].clone();
+            let o = opts(6, if turn % 2 == 0 { SamplingParams::default() } else { sampled });
+            streamed.clear();
+            let got = sess
+                .generate(&prompt, &o, |id| {
+                    streamed.push(id);
+                    ControlFlow::Continue(())
+                })
+                .expect("turn runs");
+            let want_reused = lcp(&expected_cache, &prompt).min(prompt.len() - 1);
+            assert_eq!(got.reused, want_reused, "{name} turn {turn}: positions reused");
+            assert_eq!(got.prompt_tokens, prompt.len());
+            assert_eq!(got.finish, FinishReason::Length);
+            assert_eq!(got.ids, streamed, "the callback sees every generated id");
+            let reference = full_recompute(&model, &prompt, &o);
+            assert_eq!(got.ids, reference, "{name} turn {turn}: tokens differ from a full recompute");
+            expected_cache = prompt.clone();
+            expected_cache.extend_from_slice(&got.ids[..got.ids.len() - 1]);
+            assert_eq!(sess.cached(), &expected_cache[..], "{name} turn {turn}: cached ids");
+            // The next turn's prompt.
+            let next = match turn {
+                // A prefix extension: the reply and a new user turn appended.
+                0 | 3 => [&prompt[..], &got.ids[..], &ids(&mut g, 5, vocab)[..]].concat(),
+                // Not a prefix extension: the reply re-rendered differently (its last id
+                // replaced, as Harmony turns `<|return|>` into `<|end|>`), then new ids.
+                1 => {
+                    let mut reply = got.ids.clone();
+                    *reply.last_mut().expect("a reply") ^= 1;
+                    [&prompt[..], &reply[..], &ids(&mut g, 4, vocab)[..]].concat()
+                }
+                // Diverges early: an earlier turn edited.
+                2 => {
+                    let mut p = last_prompt.clone();
+                    p.truncate(10);
+                    [&p[..], &ids(&mut g, 7, vocab)[..]].concat()
+                }
+                _ => prompt.clone(),
+            };
+            last_prompt = prompt;
+            prompts.push(next);
+        }
+        // The same prompt again reuses all but its last position.
+        let again = prompts[4].clone();
+        let got = sess
+            .generate(&again, &opts(3, SamplingParams::default()), |_| {
+                ControlFlow::Continue(())
+            })
+            .expect("repeat runs");
+        assert_eq!(got.reused, again.len() - 1);
+        assert_eq!(
+            got.ids,
+            full_recompute(&model, &again, &opts(3, SamplingParams::default()))
+        );
+    }
+
+    #[test]
+    fn session_turns_match_full_recompute_gptoss() {
+        turns_match_full_recompute("gptoss-tiny-mxfp4");
+    }
+
+    #[test]
+    fn session_turns_match_full_recompute_qwen3() {
+        turns_match_full_recompute("qwen3moe-tiny");
+    }
+
+    /// GPT-OSS's sliding layers: a turn that goes back further than the window still reuses
+    /// the common prefix (the session keeps every position), with the same tokens.
+    #[test]
+    fn session_rewinds_past_the_sliding_window() {
+        let model = load("gptoss-tiny-mxfp4");
+        let window = model.config().sliding_window.expect("gpt-oss slides");
+        let vocab = model.config().vocab_size;
+        let mut g = Gen(99);
+        let long = ids(&mut g, 2 * window + 40, vocab);
+        let mut sess = ChatSession::new(model.clone(), 512).expect("session");
+        let o = opts(2, SamplingParams::default());
+        sess.generate(&long, &o, |_| ControlFlow::Continue(()))
+            .expect("long turn");
+        let edited = [&long[..20], &ids(&mut g, 9, vocab)[..]].concat();
+        let got = sess
+            .generate(&edited, &o, |_| ControlFlow::Continue(()))
+            .expect("edited turn");
+        assert_eq!(got.reused, lcp(&long, &edited));
+        assert!(got.reused >= 20);
+        assert_eq!(got.ids, full_recompute(&model, &edited, &o));
+    }
+
+    /// A prompt longer than the context is refused before the cache is touched; a callback's
+    /// Break stops generation; the session goes on after both.
+    #[test]
+    fn session_refuses_prompts_beyond_the_context_without_touching_the_cache() {
+        let model = load("qwen3moe-tiny");
+        let vocab = model.config().vocab_size;
+        let mut g = Gen(3);
+        let mut sess = ChatSession::new(model.clone(), 40).expect("session");
+        let p = ids(&mut g, 30, vocab);
+        let got = sess
+            .generate(&p, &opts(50, SamplingParams::default()), |_| {
+                ControlFlow::Continue(())
+            })
+            .expect("fits");
+        assert_eq!(got.finish, FinishReason::ContextFull, "stops when the context is full");
+        assert_eq!(got.ids.len(), 40 - 30 + 1);
+        let before = sess.cached().to_vec();
+        assert_eq!(before.len(), 40);
+        let too_long = [&p[..], &ids(&mut g, 11, vocab)[..]].concat();
+        let err = sess
+            .generate(&too_long, &opts(1, SamplingParams::default()), |_| {
+                ControlFlow::Continue(())
+            })
+            .expect_err("41 tokens do not fit 40 positions");
+        assert!(matches!(err, SessionError::PromptTooLong { prompt: 41, context: 40 }), "{err}");
+        assert!(err.to_string().contains("41"), "{err}");
+        let bad = [&p[..5], &[vocab as u32][..]].concat();
+        let err = sess
+            .generate(&bad, &opts(1, SamplingParams::default()), |_| {
+                ControlFlow::Continue(())
+            })
+            .expect_err("id out of range");
+        assert!(matches!(err, SessionError::TokenOutOfRange { .. }), "{err}");
+        assert_eq!(sess.cached(), &before[..], "refused prompts leave the cache alone");
+        let mut n = 0;
+        let got = sess
+            .generate(&p, &opts(10, SamplingParams::default()), |_| {
+                n += 1;
+                if n == 2 {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            })
+            .expect("runs");
+        assert_eq!(got.finish, FinishReason::Cancelled);
+        assert_eq!(got.ids.len(), 2);
+        assert_eq!(got.reused, 29);
+    }
+}
+
+// ---- `stormo chat` without a terminal ----
+
+/// Two turns piped in: both are answered, the second reuses the first's cached prompt, and
+/// /reset starts over (nothing reused).
+#[test]
+fn chat_answers_piped_turns_and_reports_reuse() {
+    use clap::Parser;
+    use stormo_node::cmd::chat::{converse, Args};
+
+    #[derive(Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        args: Args,
+    }
+    let dir = crate::http::synth_model();
+    let w = Wrap::try_parse_from([
+        "chat",
+        "--model",
+        dir.to_str().expect("utf-8 path"),
+        "--max-new-tokens",
+        "64",
+        "--context",
+        "512",
+        "--reasoning",
+        "show",
+        "--seed",
+        "4",
+    ])
+    .expect("chat arguments parse");
+    let tm = crate::http::text_model(512);
+    let input = "Hello there\n/bogus\nAnd again?\n/reset\nHello there\n/quit\nnever read\n";
+    let mut out = Vec::new();
+    let mut notes = Vec::new();
+    converse(&w.args, &tm, input.as_bytes(), &mut out, &mut notes, false, false)
+        .expect("conversation runs");
+    let notes = String::from_utf8(notes).expect("utf-8");
+    let out = String::from_utf8(out).expect("utf-8");
+    let stats: Vec<&str> = notes.lines().filter(|l| l.starts_with("[prompt")).collect();
+    assert_eq!(stats.len(), 3, "three replies: {notes}");
+    assert!(notes.contains("unknown command /bogus"), "{notes}");
+    assert!(notes.contains("(conversation reset)"), "{notes}");
+    // A random-weight model leaves Harmony's header unfinished; past that the reply shows as
+    // plain text, so there is text to see.
+    assert!(out.chars().any(|c| !c.is_whitespace()), "replies were printed: {out:?}");
+    let reused = |l: &str| -> usize {
+        l.split(", ")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("a reuse count in {l}"))
+    };
+    let first_prompt = tm
+        .format
+        .render_prompt(
+            &[Turn::new(TurnRole::User, "Hello there")],
+            &PromptOptions::default(),
+        )
+        .expect("render")
+        .len();
+    assert_eq!(reused(stats[0]), 0, "{}", stats[0]);
+    assert!(
+        reused(stats[1]) >= first_prompt,
+        "the second turn reuses at least the first prompt ({first_prompt}): {}",
+        stats[1]
+    );
+    assert_eq!(reused(stats[2]), 0, "after /reset: {}", stats[2]);
+}

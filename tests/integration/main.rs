@@ -2,6 +2,7 @@
 
 mod chat;
 mod extra_oracle;
+mod http;
 mod int8;
 mod manifests;
 mod network;

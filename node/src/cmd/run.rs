@@ -1,22 +1,47 @@
-//! `stormo run`: greedy generation from prompt token ids.
+//! `stormo run`: generation from a text prompt (rendered through the model's chat format,
+//! streamed as text) or from prompt token ids (greedy, printing ids).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use stormo_engine::generate::{greedy, Timings};
 use stormo_engine::safetensors::{self, Dtype};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 
+use crate::chat::reply::ReplyStream;
+use crate::chat::session::{ChatSession, GenerateOptions};
+use crate::chat::{ChatFormat, Tokenizer, Turn, TurnRole};
+use crate::cmd::chat::{load_tokenizer, prompt_options, Printer, ReasoningDisplay, SamplingArgs};
 use crate::experts::{ExpertArgs, Experts};
 use crate::net::{self, PeerArgs};
 
 /// Arguments of `stormo run`.
 #[derive(Debug, clap::Args)]
-#[command(group(clap::ArgGroup::new("prompt").required(true).args(["prompt_ids", "prompt_ids_file"])))]
+#[command(group(clap::ArgGroup::new("prompt").required(true).args(["prompt", "prompt_ids", "prompt_ids_file"])))]
 pub struct Args {
     /// The model directory (config.json and safetensors, as published on Hugging Face).
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
+    /// The prompt as text: sent as one user turn through the model's chat format (Harmony
+    /// for GPT-OSS, ChatML for Qwen3), the reply streamed to stdout. Needs DIR/tokenizer.json.
+    #[arg(long, value_name = "TEXT", allow_hyphen_values = true)]
+    pub prompt: Option<String>,
+    /// With --prompt: use the text as it is, without the chat template.
+    #[arg(long, requires = "prompt")]
+    pub raw: bool,
+    /// With --prompt: GPT-OSS reasoning effort.
+    #[arg(long, default_value = "medium", value_parser = ["low", "medium", "high"])]
+    pub reasoning_effort: String,
+    /// With --prompt: Qwen3 without thinking (an empty think block).
+    #[arg(long)]
+    pub no_thinking: bool,
+    /// With --prompt: how the model's reasoning is shown.
+    #[arg(long, value_enum, default_value_t = ReasoningDisplay::Auto)]
+    pub reasoning: ReasoningDisplay,
+    /// With --prompt: sampling (greedy unless --temperature is given).
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Prompt token ids, separated by commas or whitespace (e.g. "1,2,3").
     #[arg(long, value_name = "IDS", allow_hyphen_values = true)]
     pub prompt_ids: Option<String>,
@@ -26,15 +51,17 @@ pub struct Args {
     /// How many tokens to generate.
     #[arg(long, default_value_t = 16, value_name = "N")]
     pub max_new_tokens: usize,
-    /// Stop early when the model emits one of config.json's eos_token_id.
+    /// Stop early when the model emits one of config.json's eos_token_id (with --prompt the
+    /// chat format's stop tokens always stop; with --raw these ids do).
     #[arg(long)]
     pub stop_at_eos: bool,
-    /// Print one JSON object on stdout (ids, prompt length, timings) instead of bare ids.
+    /// Print one JSON object on stdout (ids, text with --prompt, prompt length, timings)
+    /// instead of bare ids or streamed text.
     #[arg(long)]
     pub json: bool,
     /// Write the logits that chose each generated token to this safetensors file, as one f32
     /// tensor "logits" of shape [generated, vocab].
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with = "prompt")]
     pub logits_out: Option<PathBuf>,
     /// Positions per prefill block: the prompt runs through each layer in blocks this long,
     /// every expert once per block for all positions that chose it.
@@ -86,16 +113,47 @@ pub fn parse_ids(text: &str, what: &str) -> anyhow::Result<Vec<u32>> {
     Ok(out)
 }
 
+/// A text prompt, tokenized: the ids and how to read the reply.
+struct TextPrompt {
+    tokenizer: Arc<Tokenizer>,
+    format: Option<ChatFormat>,
+}
+
 /// Runs `stormo run`.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let prompt = match (&a.prompt_ids, &a.prompt_ids_file) {
-        (Some(s), _) => parse_ids(s, "--prompt-ids")?,
-        (None, Some(f)) => {
+    let mut text = None;
+    let prompt = match (&a.prompt, &a.prompt_ids, &a.prompt_ids_file) {
+        (Some(t), _, _) => {
+            let tokenizer = load_tokenizer(&a.model)?;
+            let cfg = stormo_engine::ModelConfig::from_dir(&a.model)
+                .with_context(|| format!("loading the model in {}", a.model.display()))?;
+            let (ids, format) = if a.raw {
+                (tokenizer.encode(t, false)?, None)
+            } else {
+                let format =
+                    ChatFormat::for_family(cfg.family, tokenizer.clone()).with_context(|| {
+                        format!(
+                            "the tokenizer in {} does not fit the model",
+                            a.model.display()
+                        )
+                    })?;
+                let popts = prompt_options(&a.reasoning_effort, a.no_thinking)?;
+                let ids = format.render_prompt(&[Turn::new(TurnRole::User, t.clone())], &popts)?;
+                (ids, Some(format))
+            };
+            if ids.is_empty() {
+                bail!("--prompt: the text has no tokens");
+            }
+            text = Some(TextPrompt { tokenizer, format });
+            ids
+        }
+        (None, Some(s), _) => parse_ids(s, "--prompt-ids")?,
+        (None, None, Some(f)) => {
             let text =
                 std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
             parse_ids(&text, &f.display().to_string())?
         }
-        (None, None) => bail!("give --prompt-ids or --prompt-ids-file"),
+        (None, None, None) => bail!("give --prompt, --prompt-ids or --prompt-ids-file"),
     };
     if a.prefill_block == 0 {
         bail!("--prefill-block must be at least 1");
@@ -155,6 +213,76 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             a.max_new_tokens,
             cfg.max_position_embeddings
         );
+    }
+    if let Some(tp) = text {
+        let sampling = a.sampling.params(0.0)?;
+        let mut stop = match &tp.format {
+            Some(f) => f.stop_tokens(),
+            None => cfg.eos_token_ids.clone(),
+        };
+        if a.stop_at_eos {
+            stop.extend_from_slice(&cfg.eos_token_ids);
+        }
+        let mut stream = match &tp.format {
+            Some(f) => ReplyStream::chat(f),
+            None => ReplyStream::plain(tp.tokenizer.clone()),
+        };
+        let model = Arc::new(model);
+        let mut sess = ChatSession::new(model, context)?;
+        let opts = GenerateOptions {
+            max_new_tokens: a.max_new_tokens,
+            stop,
+            sampling,
+        };
+        let mut printer = Printer::new(
+            if a.json {
+                ReasoningDisplay::Hide
+            } else {
+                a.reasoning
+            },
+            std::io::IsTerminal::is_terminal(&std::io::stdout()),
+        );
+        let mut out: Box<dyn std::io::Write> = if a.json {
+            Box::new(std::io::sink())
+        } else {
+            Box::new(std::io::stdout())
+        };
+        let (g, reasoning, content) = crate::cmd::chat::reply(
+            &mut sess,
+            &mut stream,
+            &prompt,
+            &opts,
+            &mut printer,
+            &mut out,
+        )?;
+        tiers.close();
+        experts.finish()?;
+        let prediction = sess.engine_session().prediction();
+        if a.stats {
+            eprintln!("{}", experts.table(prediction));
+        }
+        if a.json {
+            let mut experts_json = experts.json(prediction);
+            tiers.add_json(&mut experts_json);
+            let decode_steps = g.ids.len().saturating_sub(1);
+            let out = serde_json::json!({
+                "text": content,
+                "reasoning": reasoning,
+                "generated_ids": g.ids,
+                "prompt_ids": prompt,
+                "prompt_tokens": prompt.len(),
+                "finish_reason": g.finish.openai(),
+                "timings": {
+                    "prefill_s": g.prefill_s,
+                    "prefill_tok_s": rate(prompt.len(), g.prefill_s),
+                    "decode_s": g.decode_s,
+                    "decode_tok_s": rate(decode_steps, g.decode_s),
+                },
+                "experts": experts_json,
+            });
+            println!("{out}");
+        }
+        return Ok(());
     }
     let mut sess = model.session(context)?;
     let vocab = cfg.vocab_size;

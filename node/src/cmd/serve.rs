@@ -1,4 +1,5 @@
-//! `stormo serve`: serve this node's manifest and experts to peers over QUIC.
+//! `stormo serve`: serve this node's manifest and experts to peers over QUIC (`--listen`),
+//! and/or an OpenAI-compatible HTTP API (`--http`, see [`crate::http`]), in one process.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -19,8 +20,8 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub manifest: Option<PathBuf>,
     /// Where to listen for peers (UDP), e.g. 0.0.0.0:4433 or 127.0.0.1:0.
-    #[arg(long, value_name = "ADDR")]
-    pub listen: SocketAddr,
+    #[arg(long, value_name = "ADDR", required_unless_present = "http")]
+    pub listen: Option<SocketAddr>,
     /// This node's secret key (from `stormo key generate`); without it an ephemeral key is
     /// made and printed, which peers cannot allow-list across restarts.
     #[arg(long, value_name = "FILE")]
@@ -48,10 +49,21 @@ pub struct Args {
     /// Where served experts come from (RAM cache over the local disk).
     #[command(flatten)]
     pub experts: ExpertArgs,
+    /// The HTTP API for people and their tools.
+    #[command(flatten)]
+    pub http: crate::http::HttpArgs,
 }
 
 /// Runs `stormo serve` until interrupted.
 pub fn run(a: Args) -> anyhow::Result<()> {
+    let http = match a.http.config()? {
+        Some(cfg) => Some((crate::http::load(&a.model, &a.experts, &cfg)?, cfg)),
+        None => None,
+    };
+    let Some(listen) = a.listen else {
+        let (tm, cfg) = http.context("give --listen, --http, or both")?;
+        return serve_http_only(tm, cfg);
+    };
     let secret = net::node_key(a.key.as_deref())?;
     let admission = if a.allow_any {
         tracing::warn!("--allow-any: any node may fetch from this one");
@@ -81,9 +93,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let n = holdings.inventory.len();
     let holdings = Arc::new(holdings);
     rt.block_on(async move {
+        let web = match http {
+            Some((tm, cfg)) => Some(start_http(tm, cfg).await?),
+            None => None,
+        };
         let h = serve::start(
             &secret,
-            a.listen,
+            listen,
             holdings,
             serve::ServeConfig {
                 per_peer: a.per_peer,
@@ -104,7 +120,45 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         eprintln!("shutting down");
         h.close();
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), h.wait_idle()).await;
+        if let Some(w) = web {
+            w.close()?;
+        }
         anyhow::Ok(())
     })?;
     experts.finish()
+}
+
+async fn start_http(
+    tm: crate::cmd::chat::TextModel,
+    cfg: crate::http::HttpConfig,
+) -> anyhow::Result<crate::http::HttpServer> {
+    let name = tm.name.clone();
+    let w = crate::http::start(tm, cfg).await?;
+    eprintln!(
+        "serving {name} over HTTP (OpenAI API) at http://{}/v1",
+        w.local_addr()
+    );
+    Ok(w)
+}
+
+/// `stormo serve --http` without `--listen`: the HTTP API alone.
+fn serve_http_only(
+    tm: crate::cmd::chat::TextModel,
+    cfg: crate::http::HttpConfig,
+) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("stormo-http")
+        .enable_all()
+        .build()
+        .context("starting the HTTP runtime")?;
+    rt.block_on(async move {
+        let w = start_http(tm, cfg).await?;
+        println!("http://{}/v1", w.local_addr());
+        tokio::signal::ctrl_c()
+            .await
+            .context("waiting for Ctrl-C")?;
+        eprintln!("shutting down");
+        w.close()
+    })
 }

@@ -1,0 +1,262 @@
+//! Conversations that keep their KV cache between turns.
+//!
+//! A [`ChatSession`] owns an engine [`Session`] and the ids whose keys and values it holds.
+//! Each turn hands it the whole conversation rendered again (chat formats are not
+//! prefix-preserving between turns: Harmony drops earlier reasoning and turns `<|return|>`
+//! into `<|end|>`), and it reuses the longest common prefix of the new ids and the cached ids,
+//! truncates the cache to it and computes only the rest. The tokens are the same as a full
+//! recompute's, because a block forward is bit-identical per position to decoding one by one.
+//!
+//! Every emitted token except the last is run through the model to produce the next one, and
+//! enters the cached ids at that moment, so the cache's positions always match its ids. The
+//! last emitted token (usually a stop token) is not run: nothing needs its logits, and the
+//! next turn's render decides whether it belongs in the cache (a `<|return|>` does not); if
+//! it does, the longest common prefix leaves it to be computed with the rest of the new turn.
+//!
+//! A prompt that does not fit the context is refused before the cache is touched.
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::time::Instant;
+
+use stormo_engine::sampling::{Sampler, SamplingError, SamplingParams};
+use stormo_engine::{Logits, Model, Session};
+
+use super::TokenId;
+
+/// Why a turn could not run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SessionError {
+    /// Nothing to run.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// The prompt does not fit the session's context.
+    #[error("the prompt has {prompt} tokens, more than the context of {context} positions holds")]
+    PromptTooLong {
+        /// Tokens in the prompt.
+        prompt: usize,
+        /// Positions in the session.
+        context: usize,
+    },
+    /// An id outside the model's vocabulary.
+    #[error("token id {id} is out of range: the model's vocabulary has {vocab} ids")]
+    TokenOutOfRange {
+        /// The id.
+        id: TokenId,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// Sampling settings or logits were unusable.
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    /// The engine failed.
+    #[error(transparent)]
+    Engine(#[from] stormo_engine::Error),
+}
+
+/// How a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// The model emitted one of the stop ids (the last generated id).
+    Stop,
+    /// `max_new_tokens` were generated.
+    Length,
+    /// The context is full.
+    ContextFull,
+    /// The caller's callback asked to stop.
+    Cancelled,
+}
+
+impl FinishReason {
+    /// OpenAI's name for it (`stop` or `length`).
+    pub fn openai(self) -> &'static str {
+        match self {
+            Self::Stop | Self::Cancelled => "stop",
+            Self::Length | Self::ContextFull => "length",
+        }
+    }
+}
+
+/// Settings of one generation.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    /// At most this many new tokens (at least 1).
+    pub max_new_tokens: usize,
+    /// Ids that end the turn; the stop id is returned as the last generated id.
+    pub stop: Vec<TokenId>,
+    /// How tokens are chosen.
+    pub sampling: SamplingParams,
+}
+
+/// What a generation did.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// The generated ids, including a final stop id.
+    pub ids: Vec<TokenId>,
+    /// Tokens in the prompt.
+    pub prompt_tokens: usize,
+    /// Prompt positions taken from the cache instead of computed.
+    pub reused: usize,
+    /// How it ended.
+    pub finish: FinishReason,
+    /// Seconds spent on the prompt (the part not reused).
+    pub prefill_s: f64,
+    /// Seconds spent producing tokens after the first.
+    pub decode_s: f64,
+}
+
+/// A conversation's engine state: the KV cache and the ids it holds.
+#[derive(Debug)]
+pub struct ChatSession {
+    model: Arc<Model>,
+    sess: Session,
+    /// The ids whose keys and values are in the cache; `len() == sess.position()`.
+    cached: Vec<TokenId>,
+}
+
+/// Length of the longest common prefix.
+pub fn common_prefix(a: &[TokenId], b: &[TokenId]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl ChatSession {
+    /// A session of `context` positions. Sliding-window layers keep the whole context, so a
+    /// turn can always go back to the common prefix without recomputing from the start.
+    pub fn new(model: Arc<Model>, context: usize) -> Result<Self, SessionError> {
+        let sess = model.session_with_rewind(context, context)?;
+        Ok(Self {
+            model,
+            sess,
+            cached: Vec::new(),
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// Positions the session holds.
+    pub fn context(&self) -> usize {
+        self.sess.max_context()
+    }
+
+    /// The ids whose keys and values are in the cache.
+    pub fn cached(&self) -> &[TokenId] {
+        &self.cached
+    }
+
+    /// The engine session (expert prediction statistics).
+    pub fn engine_session(&self) -> &Session {
+        &self.sess
+    }
+
+    /// Forgets the conversation.
+    pub fn reset(&mut self) {
+        self.sess.truncate(0);
+        self.cached.clear();
+    }
+
+    /// Runs `prompt` (a whole rendered conversation), reusing the cached common prefix, then
+    /// generates. `on_token` sees each generated id as it is chosen and may stop the
+    /// generation with `ControlFlow::Break`. On an engine error the cache is dropped (the
+    /// next turn recomputes), never left inconsistent.
+    pub fn generate(
+        &mut self,
+        prompt: &[TokenId],
+        opts: &GenerateOptions,
+        mut on_token: impl FnMut(TokenId) -> ControlFlow<()>,
+    ) -> Result<Generation, SessionError> {
+        if prompt.is_empty() {
+            return Err(SessionError::EmptyPrompt);
+        }
+        let context = self.context();
+        if prompt.len() > context {
+            return Err(SessionError::PromptTooLong {
+                prompt: prompt.len(),
+                context,
+            });
+        }
+        let vocab = self.model.config().vocab_size;
+        if let Some(&id) = prompt.iter().find(|&&id| id as usize >= vocab) {
+            return Err(SessionError::TokenOutOfRange { id, vocab });
+        }
+        let mut sampler = Sampler::new(opts.sampling)?;
+        let res = self.generate_inner(prompt, opts, &mut sampler, &mut on_token);
+        if res.is_err() {
+            self.reset();
+        }
+        res
+    }
+
+    fn generate_inner(
+        &mut self,
+        prompt: &[TokenId],
+        opts: &GenerateOptions,
+        sampler: &mut Sampler,
+        on_token: &mut impl FnMut(TokenId) -> ControlFlow<()>,
+    ) -> Result<Generation, SessionError> {
+        // The last prompt token is always run: its logits choose the first new token.
+        let want = common_prefix(&self.cached, prompt).min(prompt.len() - 1);
+        let kept = self.sess.truncate(want);
+        self.cached.truncate(kept);
+        debug_assert_eq!(self.cached.len(), self.sess.position());
+        let t0 = Instant::now();
+        let model = Arc::clone(&self.model);
+        let rest = &prompt[kept..];
+        let mut logits = model.forward(&mut self.sess, rest, Logits::Last, None)?;
+        self.cached.extend_from_slice(rest);
+        let prefill_s = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let mut history = prompt.to_vec();
+        let mut ids = Vec::new();
+        let finish = loop {
+            let tok = sampler.sample(logits, &history)?;
+            ids.push(tok);
+            history.push(tok);
+            let flow = on_token(tok);
+            if opts.stop.contains(&tok) {
+                break FinishReason::Stop;
+            }
+            if flow.is_break() {
+                break FinishReason::Cancelled;
+            }
+            if ids.len() >= opts.max_new_tokens.max(1) {
+                break FinishReason::Length;
+            }
+            if self.sess.position() >= self.sess.max_context() {
+                break FinishReason::ContextFull;
+            }
+            logits = model.forward(&mut self.sess, &[tok], Logits::Last, None)?;
+            self.cached.push(tok);
+        };
+        Ok(Generation {
+            ids,
+            prompt_tokens: prompt.len(),
+            reused: kept,
+            finish,
+            prefill_s,
+            decode_s: t1.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn common_prefix_counts_equal_leading_ids() {
+        assert_eq!(common_prefix(&[1, 2, 3], &[1, 2, 4, 5]), 2);
+        assert_eq!(common_prefix(&[], &[1]), 0);
+        assert_eq!(common_prefix(&[1, 2], &[1, 2, 3]), 2);
+        assert_eq!(common_prefix(&[7], &[8]), 0);
+    }
+
+    #[test]
+    fn finish_reasons_use_openai_names() {
+        assert_eq!(FinishReason::Stop.openai(), "stop");
+        assert_eq!(FinishReason::ContextFull.openai(), "length");
+    }
+}

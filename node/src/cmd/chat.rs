@@ -1,0 +1,439 @@
+//! `stormo chat`: an interactive conversation in the terminal, plus the pieces `run --prompt`
+//! and the HTTP server share (loading a model with its tokenizer, sampling options).
+//!
+//! The conversation keeps one [`ChatSession`]: each turn renders the whole conversation again
+//! and computes only what differs from the cache. Reads one line per turn from standard
+//! input, so it also works in a pipe (`printf 'hi\nmore\n' | stormo chat --model DIR`).
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use stormo_engine::sampling::SamplingParams;
+use stormo_engine::{LoadOptions, Model, ModelFiles};
+
+use crate::chat::harmony::ReasoningEffort;
+use crate::chat::reply::ReplyStream;
+use crate::chat::session::{ChatSession, GenerateOptions, Generation};
+use crate::chat::{ChatFormat, OutputDelta, PromptOptions, Tokenizer, Turn, TurnRole};
+use crate::experts::{ExpertArgs, Experts};
+
+/// Sampling options shared by `run --prompt`, `chat` (and the defaults of the HTTP server).
+#[derive(Debug, Clone, clap::Args)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 is greedy (the most likely token every time).
+    #[arg(long, value_name = "T")]
+    pub temperature: Option<f32>,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass (0, 1].
+    #[arg(long, default_value_t = 1.0, value_name = "P")]
+    pub top_p: f32,
+    /// Keep only the K most likely tokens (0: all).
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    pub top_k: usize,
+    /// Penalty (> 0) on tokens already in the conversation; 1 is none.
+    #[arg(long, default_value_t = 1.0, value_name = "R")]
+    pub repetition_penalty: f32,
+    /// Seed of the sampler: the same seed gives the same tokens.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    /// The engine's settings; `default_temperature` when --temperature is not given.
+    pub fn params(&self, default_temperature: f32) -> anyhow::Result<SamplingParams> {
+        let p = SamplingParams {
+            temperature: self.temperature.unwrap_or(default_temperature),
+            top_k: self.top_k,
+            top_p: self.top_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+        };
+        p.validate().context("sampling options")?;
+        Ok(p)
+    }
+}
+
+/// How reasoning (Harmony `analysis`, Qwen `<think>`) is shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ReasoningDisplay {
+    /// Dimmed on a terminal, left out otherwise.
+    Auto,
+    /// Dimmed (ANSI faint), even when not a terminal.
+    Dim,
+    /// As plain text.
+    Show,
+    /// Left out.
+    Hide,
+}
+
+/// Loads `dir/tokenizer.json`, naming the file when it is missing.
+pub fn load_tokenizer(dir: &Path) -> anyhow::Result<Arc<Tokenizer>> {
+    let path = dir.join("tokenizer.json");
+    if !path.is_file() {
+        bail!(
+            "no tokenizer at {}: text prompts need the model folder's tokenizer.json (as \
+             published with the model); without it use --prompt-ids",
+            path.display()
+        );
+    }
+    let t0 = std::time::Instant::now();
+    let tok = Tokenizer::from_file(&path)
+        .with_context(|| format!("loading the tokenizer {}", path.display()))?;
+    tracing::info!(
+        "tokenizer {} loaded in {:.2} s",
+        path.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(Arc::new(tok))
+}
+
+/// A model loaded for text: weights, tokenizer, chat format, and its experts.
+#[derive(Debug)]
+pub struct TextModel {
+    /// The model.
+    pub model: Arc<Model>,
+    /// Its tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// Its chat format.
+    pub format: ChatFormat,
+    /// Where its experts come from.
+    pub experts: Experts,
+    /// A name for it (the folder's name).
+    pub name: String,
+}
+
+/// Loads `dir` for text with room for `context` positions: the tokenizer first (a missing
+/// one is the quickest error), then the weights.
+pub fn load_text_model(
+    dir: &Path,
+    experts: &ExpertArgs,
+    context: usize,
+    load: &LoadOptions,
+) -> anyhow::Result<TextModel> {
+    anyhow::ensure!(load.prefill_block >= 1, "--prefill-block must be at least 1");
+    anyhow::ensure!(context >= 1, "--context must be at least 1");
+    let tokenizer = load_tokenizer(dir)?;
+    let files =
+        ModelFiles::open(dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+    let max = files.cfg.max_position_embeddings;
+    if context > max {
+        bail!("--context {context} is more than the model's context of {max} (max_position_embeddings)");
+    }
+    let format = ChatFormat::for_family(files.cfg.family, tokenizer.clone())
+        .with_context(|| format!("the tokenizer in {} does not fit the model", dir.display()))?;
+    let experts = Experts::build(&files, experts, context, Vec::new(), true, None)?;
+    let model = Model::new(
+        files,
+        experts.provider.clone(),
+        load,
+    )
+    .with_context(|| format!("loading the model in {}", dir.display()))?;
+    let name = std::fs::canonicalize(dir)
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "stormo".into());
+    Ok(TextModel {
+        model: Arc::new(model),
+        tokenizer,
+        format,
+        experts,
+        name,
+    })
+}
+
+/// Writes reasoning and answer text to a terminal or pipe as it arrives.
+#[derive(Debug)]
+pub struct Printer {
+    dim: bool,
+    show_reasoning: bool,
+    in_reasoning: bool,
+}
+
+const DIM: &str = "\x1b[2m";
+const RESET: &str = "\x1b[0m";
+
+impl Printer {
+    /// A printer with `display`, for a terminal if `tty`.
+    pub fn new(display: ReasoningDisplay, tty: bool) -> Self {
+        let (show_reasoning, dim) = match display {
+            ReasoningDisplay::Auto => (tty, tty),
+            ReasoningDisplay::Dim => (true, true),
+            ReasoningDisplay::Show => (true, false),
+            ReasoningDisplay::Hide => (false, false),
+        };
+        Self {
+            dim,
+            show_reasoning,
+            in_reasoning: false,
+        }
+    }
+
+    /// Prints one piece.
+    pub fn print(&mut self, out: &mut dyn Write, d: &OutputDelta) -> std::io::Result<()> {
+        match d {
+            OutputDelta::Reasoning(t) if self.show_reasoning => {
+                if !self.in_reasoning && self.dim {
+                    out.write_all(DIM.as_bytes())?;
+                }
+                self.in_reasoning = true;
+                out.write_all(t.as_bytes())?;
+            }
+            OutputDelta::Reasoning(_) => {}
+            OutputDelta::Content(t) => {
+                if self.in_reasoning {
+                    if self.dim {
+                        out.write_all(RESET.as_bytes())?;
+                    }
+                    out.write_all(b"\n\n")?;
+                    self.in_reasoning = false;
+                }
+                out.write_all(t.as_bytes())?;
+            }
+        }
+        out.flush()
+    }
+
+    /// Ends a reply.
+    pub fn end(&mut self, out: &mut dyn Write) -> std::io::Result<()> {
+        if self.in_reasoning && self.dim {
+            out.write_all(RESET.as_bytes())?;
+        }
+        self.in_reasoning = false;
+        out.write_all(b"\n")?;
+        out.flush()
+    }
+}
+
+/// Arguments of `stormo chat`.
+#[derive(Debug, clap::Args)]
+#[command(
+    after_help = "Type a message and press Enter; each line is one turn. Commands:\n  \
+                  /reset   forget the conversation\n  \
+                  /quit    leave (also /exit, or end of input)\n  \
+                  /help    this list\n\n\
+                  Example: printf 'Hello\\nAnd again?\\n' | stormo chat --model DIR"
+)]
+pub struct Args {
+    /// The model directory (config.json, safetensors and tokenizer.json).
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// A system prompt (Harmony: developer instructions).
+    #[arg(long, value_name = "TEXT")]
+    pub system: Option<String>,
+    /// GPT-OSS reasoning effort.
+    #[arg(long, default_value = "medium", value_parser = ["low", "medium", "high"])]
+    pub reasoning_effort: String,
+    /// Qwen3: turn thinking off (an empty think block).
+    #[arg(long)]
+    pub no_thinking: bool,
+    /// How the model's reasoning is shown.
+    #[arg(long, value_enum, default_value_t = ReasoningDisplay::Auto)]
+    pub reasoning: ReasoningDisplay,
+    /// Positions the conversation may hold (prompt and replies); the KV cache is sized for it.
+    #[arg(long, default_value_t = 4096, value_name = "N")]
+    pub context: usize,
+    /// At most this many tokens per reply.
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    pub max_new_tokens: usize,
+    /// Sampling (the chat default temperature is 0.7: greedy decoding tends to loop).
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Positions per prefill block.
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    pub prefill_block: usize,
+    /// Run attention projections and the output head from 8-bit row-scaled copies
+    /// (approximate, faster; see `stormo run --help`).
+    #[arg(long)]
+    pub int8_attn_head: bool,
+    /// No statistics line on stderr after each reply.
+    #[arg(long)]
+    pub quiet: bool,
+    /// Where experts come from.
+    #[command(flatten)]
+    pub experts: ExpertArgs,
+}
+
+/// Options of a prompt render from the command line.
+pub fn prompt_options(effort: &str, no_thinking: bool) -> anyhow::Result<PromptOptions> {
+    Ok(PromptOptions {
+        reasoning_effort: ReasoningEffort::parse(effort)
+            .with_context(|| format!("unknown reasoning effort {effort:?}"))?,
+        date: None,
+        enable_thinking: !no_thinking,
+    })
+}
+
+/// Runs one reply: generates after `prompt`, printing as it goes. Returns the generation and
+/// the reply's reasoning and answer text.
+pub fn reply(
+    sess: &mut ChatSession,
+    stream: &mut ReplyStream,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    printer: &mut Printer,
+    out: &mut dyn Write,
+) -> anyhow::Result<(Generation, String, String)> {
+    let mut reasoning = String::new();
+    let mut content = String::new();
+    let mut io_err = None;
+    let mut take = |d: OutputDelta,
+                    printer: &mut Printer,
+                    io_err: &mut Option<std::io::Error>|
+     -> ControlFlow<()> {
+        match &d {
+            OutputDelta::Reasoning(t) => reasoning.push_str(t),
+            OutputDelta::Content(t) => content.push_str(t),
+        }
+        if let Err(e) = printer.print(out, &d) {
+            *io_err = Some(e);
+            return ControlFlow::Break(());
+        }
+        ControlFlow::Continue(())
+    };
+    let g = sess.generate(prompt, opts, |id| match stream.push(id) {
+        Some(d) => take(d, printer, &mut io_err),
+        None => ControlFlow::Continue(()),
+    })?;
+    if let Some(d) = stream.finish() {
+        let _ = take(d, printer, &mut io_err);
+    }
+    if let Some(e) = io_err {
+        return Err(e).context("writing the reply");
+    }
+    printer.end(out).context("writing the reply")?;
+    Ok((g, reasoning, content))
+}
+
+/// Runs `stormo chat`.
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let load = LoadOptions {
+        prefill_block: a.prefill_block,
+        int8_attn_head: a.int8_attn_head,
+    };
+    let tm = load_text_model(&a.model, &a.experts, a.context, &load)?;
+    let interactive = std::io::stdin().is_terminal();
+    let tty = std::io::stdout().is_terminal();
+    converse(
+        &a,
+        &tm,
+        std::io::stdin().lock(),
+        &mut std::io::stdout(),
+        &mut std::io::stderr(),
+        interactive,
+        tty,
+    )?;
+    tm.experts.finish()
+}
+
+/// The conversation loop: reads turns from `input` (one line each), writes replies to `out`
+/// and notes (prompts, statistics, command answers) to `notes`. `interactive` shows a prompt
+/// and colours the notes; `tty` says whether `out` is a terminal (dimmed reasoning).
+pub fn converse(
+    a: &Args,
+    tm: &TextModel,
+    input: impl BufRead,
+    out: &mut dyn Write,
+    notes: &mut dyn Write,
+    interactive: bool,
+    tty: bool,
+) -> anyhow::Result<()> {
+    let sampling = a.sampling.params(0.7)?;
+    let popts = prompt_options(&a.reasoning_effort, a.no_thinking)?;
+    anyhow::ensure!(a.max_new_tokens >= 1, "--max-new-tokens must be at least 1");
+    let mut sess = ChatSession::new(tm.model.clone(), a.context)?;
+    let mut printer = Printer::new(a.reasoning, tty);
+    if interactive {
+        writeln!(
+            notes,
+            "stormo chat with {} ({} positions). /help for commands, /quit to leave.",
+            tm.name, a.context
+        )?;
+    }
+    let mut turns: Vec<Turn> = Vec::new();
+    if let Some(s) = &a.system {
+        turns.push(Turn::new(TurnRole::System, s.clone()));
+    }
+    let system_turns = turns.len();
+    let mut lines = input.lines();
+    let mut turn_no = 0u64;
+    loop {
+        if interactive {
+            write!(notes, "> ")?;
+            notes.flush()?;
+        }
+        let Some(line) = lines.next() else { break };
+        let line = line.context("reading standard input")?;
+        let text = line.trim_end_matches('\r');
+        match text.trim() {
+            "" => continue,
+            "/quit" | "/exit" | "/q" => break,
+            "/reset" => {
+                turns.truncate(system_turns);
+                sess.reset();
+                writeln!(notes, "(conversation reset)")?;
+                continue;
+            }
+            "/help" | "/?" => {
+                writeln!(
+                    notes,
+                    "/reset forgets the conversation; /quit leaves; anything else is a message."
+                )?;
+                continue;
+            }
+            t if t.starts_with('/') && !t.contains(' ') => {
+                writeln!(
+                    notes,
+                    "unknown command {t}: /help lists them (start with a space to send it as text)"
+                )?;
+                continue;
+            }
+            _ => {}
+        }
+        turns.push(Turn::new(TurnRole::User, text));
+        let prompt = tm.format.render_prompt(&turns, &popts)?;
+        if prompt.len() >= a.context {
+            turns.pop();
+            writeln!(
+                notes,
+                "the conversation ({} tokens) no longer fits the context of {} positions: /reset to start over, or a larger --context",
+                prompt.len(),
+                a.context
+            )?;
+            continue;
+        }
+        let opts = GenerateOptions {
+            max_new_tokens: a.max_new_tokens,
+            stop: tm.format.stop_tokens(),
+            sampling: SamplingParams {
+                seed: sampling.seed.wrapping_add(turn_no),
+                ..sampling
+            },
+        };
+        turn_no += 1;
+        let mut stream = ReplyStream::chat(&tm.format);
+        let (g, reasoning, content) =
+            reply(&mut sess, &mut stream, &prompt, &opts, &mut printer, out)?;
+        turns.push(Turn {
+            reasoning: (!reasoning.is_empty()).then_some(reasoning),
+            ..Turn::new(TurnRole::Assistant, content)
+        });
+        if !a.quiet {
+            let decode = g.ids.len().saturating_sub(1);
+            writeln!(
+                notes,
+                "{}[prompt {} tokens, {} reused from the cache, {} computed; reply {} tokens ({}); {:.1} tok/s]{}",
+                if interactive { DIM } else { "" },
+                g.prompt_tokens,
+                g.reused,
+                g.prompt_tokens - g.reused,
+                g.ids.len(),
+                g.finish.openai(),
+                if g.decode_s > 0.0 { decode as f64 / g.decode_s } else { 0.0 },
+                if interactive { RESET } else { "" },
+            )?;
+        }
+    }
+    Ok(())
+}
