@@ -38,6 +38,11 @@ pub enum Command {
     Tokenize(cmd::tokenize::Args),
     /// Write a random-weight checkpoint with a real model's geometry and layout.
     Synth(cmd::synth::Args),
+    /// Run a swarm scenario of real nodes on this machine (latency, loss, churn) and report it.
+    Swarm(cmd::swarm::Args),
+    /// Show the whole idea in about a minute: a small model, nodes on 127.0.0.1, a
+    /// generation on a node with no experts, every expert verified.
+    Demo(cmd::demo::Args),
 }
 
 /// Runs the chosen subcommand.
@@ -51,5 +56,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Convert(a) => cmd::convert::run(a),
         Command::Bench(a) => cmd::bench::run(a),
         Command::Synth(a) => cmd::synth::run(a),
+        Command::Swarm(a) => cmd::swarm::run(a),
+        Command::Demo(a) => cmd::demo::run(a),
     }
 }
