@@ -276,14 +276,15 @@ impl From<LinkSpec> for LinkJson {
     }
 }
 
-/// Experts per layer and total expert bytes of `model`.
-fn expert_shape(model: &Path) -> Result<(usize, u64), SwarmError> {
+/// Experts per layer, MoE layers and total expert bytes of `model`.
+fn expert_shape(model: &Path) -> Result<(usize, usize, u64), SwarmError> {
     let files = stormo_engine::ModelFiles::open(model).map_err(|e| {
         SwarmError::Model(format!("cannot open the model in {}: {e}", model.display()))
     })?;
     let n = files.layout.parts.iter().map(Vec::len).max().unwrap_or(0);
+    let layers = files.layout.parts.iter().filter(|l| !l.is_empty()).count();
     let bytes = files.layout.sizes().iter().flatten().sum();
-    Ok((n, bytes))
+    Ok((n, layers, bytes))
 }
 
 /// The experts `e` of `n` with `e % 4` in `residues`, as an `--only-experts` list.
@@ -325,7 +326,7 @@ pub fn run_scenario(
 ) -> Result<SwarmReport, SwarmError> {
     let link = opts.link.unwrap_or_else(|| scenario.default_link());
     link.validate().map_err(SwarmError::Model)?;
-    let (n_experts, expert_bytes) = expert_shape(&opts.model)?;
+    let (n_experts, n_layers, expert_bytes) = expert_shape(&opts.model)?;
     if n_experts < 4 {
         return Err(SwarmError::Model(format!(
             "the model has {n_experts} experts per layer; the scenarios need at least 4"
@@ -413,11 +414,13 @@ pub fn run_scenario(
     let mut client = c.spawn_run("swarm", &args)?;
     if scenario == Scenario::Churn {
         let victim = 1;
+        let one_expert = expert_bytes / (n_layers * n_experts).max(1) as u64;
         let mut killed_at: Option<Instant> = None;
         let mut restarted = false;
         while !client.finished() {
             let t = client.started.elapsed().as_secs_f64();
-            if killed_at.is_none() && c.nodes[victim].link().down_bytes > 0 {
+            // Mid-run: once the victim has sent about three experts' worth.
+            if killed_at.is_none() && c.nodes[victim].link().down_bytes > 3 * one_expert {
                 c.kill(victim);
                 killed_at = Some(Instant::now());
                 let e = format!(

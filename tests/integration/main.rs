@@ -1,9 +1,11 @@
 //! Workspace integration tests, one binary with a module per area.
 
 mod chat;
+mod demo;
 mod extra_oracle;
 mod manifests;
 mod network;
 mod oracle;
+mod swarm;
 mod synth;
 mod tiers;

@@ -1,0 +1,52 @@
+//! `stormo swarm`: real serve processes behind shaping relays, a node killed mid-run, and the
+//! token-exactness verdict.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+use crate::demo::stormo_exe;
+
+/// Churn: a holder is killed (SIGKILL) mid-run and restarted; with every expert held twice
+/// the run finishes with the local run's ids, and the failures are counted.
+#[test]
+fn churn_keeps_the_output_exact_and_counts_the_failures() {
+    let out = Command::new(stormo_exe())
+        .args([
+            "swarm",
+            "--scenario",
+            "churn",
+            "--json",
+            "--max-new-tokens",
+            "32",
+        ])
+        .output()
+        .expect("run stormo swarm");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stormo swarm failed: {err}");
+    let v: Value = serde_json::from_slice(&out.stdout).expect("swarm --json is JSON");
+    let r = &v[0];
+    assert_eq!(r["scenario"], "churn");
+    assert_eq!(r["swarm"]["ids"], r["local"]["ids"], "{r}");
+    assert_eq!(r["token_exact"], true);
+    assert!(r["swarm"]["peer_loads"].as_u64().unwrap_or(0) > 0, "{r}");
+    let victim = &r["nodes"][1];
+    assert_eq!(victim["kills"], 1, "{victim}");
+    assert_eq!(victim["starts"], 2, "{victim}");
+    assert!(r["events"].as_array().is_some_and(|e| e.len() == 2), "{r}");
+    assert!(
+        r["swarm"]["peer_failures"].as_u64().unwrap_or(0) > 0,
+        "the kill went unnoticed: {r}"
+    );
+}
+
+#[test]
+fn unknown_scenario_is_a_clear_error() {
+    let out = Command::new(stormo_exe())
+        .args(["swarm", "--scenario", "lan5"])
+        .output()
+        .expect("run stormo swarm");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("lan4") && !err.contains("panicked"), "{err}");
+}
