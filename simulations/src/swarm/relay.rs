@@ -391,6 +391,11 @@ mod tests {
             rtt >= Duration::from_millis(40),
             "round trip {rtt:?} < 2 x delay"
         );
+        // The pacer counts after its send returns, which may be after the echo arrived.
+        let t = Instant::now();
+        while r.counts().down_bytes < 5 && t.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let k = r.counts();
         assert_eq!((k.up_bytes, k.down_bytes), (5, 5));
         stop.store(true, Ordering::Relaxed);
