@@ -40,6 +40,11 @@ pub enum Command {
     Synth(cmd::synth::Args),
     /// Talk with a model in the terminal (streams tokens, keeps the session between turns).
     Chat(cmd::chat::Args),
+    /// Run a swarm scenario of real nodes on this machine (latency, loss, churn) and report it.
+    Swarm(cmd::swarm::Args),
+    /// Show the whole idea in about a minute: a small model, nodes on 127.0.0.1, a
+    /// generation on a node with no experts, every expert verified.
+    Demo(cmd::demo::Args),
 }
 
 /// Runs the chosen subcommand.
@@ -54,5 +59,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(a) => cmd::bench::run(a),
         Command::Synth(a) => cmd::synth::run(a),
         Command::Chat(a) => cmd::chat::run(a),
+        Command::Swarm(a) => cmd::swarm::run(a),
+        Command::Demo(a) => cmd::demo::run(a),
     }
 }

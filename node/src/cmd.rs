@@ -3,9 +3,11 @@
 pub mod bench;
 pub mod chat;
 pub mod convert;
+pub mod demo;
 pub mod key;
 pub mod manifest;
 pub mod run;
 pub mod serve;
+pub mod swarm;
 pub mod synth;
 pub mod tokenize;

@@ -1,11 +1,13 @@
 //! Workspace integration tests, one binary with a module per area.
 
 mod chat;
+mod demo;
 mod extra_oracle;
 mod http;
 mod int8;
 mod manifests;
 mod network;
 mod oracle;
+mod swarm;
 mod synth;
 mod tiers;

@@ -118,6 +118,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .await
             .context("waiting for Ctrl-C")?;
         eprintln!("shutting down");
+        let st = &h.stats;
+        eprintln!(
+            "served {} requests ({} bytes) over {} connections",
+            st.served.load(std::sync::atomic::Ordering::Relaxed),
+            st.bytes.load(std::sync::atomic::Ordering::Relaxed),
+            st.connections.load(std::sync::atomic::Ordering::Relaxed)
+        );
         h.close();
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), h.wait_idle()).await;
         if let Some(w) = web {

@@ -105,6 +105,10 @@ pub struct Args {
     /// 4.8 GB for GPT-OSS and 4 GB for Qwen3).
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub shard_size: Option<u64>,
+    /// Copy this tokenizer.json into the checkpoint (its ids must fit the model's vocabulary,
+    /// e.g. the o200k_harmony tokenizer with GPT-OSS's 201088 ids).
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
     /// Replace the checkpoint files already in --out.
     #[arg(long)]
     pub force: bool,
@@ -178,6 +182,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         shard_bytes: a.shard_size,
     };
     let plan = synth::plan(&opts)?;
+    if let Some(t) = &a.tokenizer {
+        check_tokenizer(t, geometry.vocab)?;
+        let dest = a.out.join("tokenizer.json");
+        if dest.exists() && !a.force && !a.dry_run {
+            bail!(
+                "{} already exists; choose an empty folder or pass --force to replace it",
+                dest.display()
+            );
+        }
+    }
     if a.dry_run {
         println!(
             "{} ({} layers, {} experts of {}, hidden {}, vocab {}), seed {}: {} in {} shards",
@@ -198,6 +212,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "  model.safetensors.index.json  total_size {}",
             plan.total_size()
         );
+        if let Some(t) = &a.tokenizer {
+            println!("  tokenizer.json  copied from {}", t.display());
+        }
         return Ok(());
     }
 
@@ -224,6 +241,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if report.bytes == 0 {
         bail!("nothing was written");
     }
+    if let Some(t) = &a.tokenizer {
+        let dest = a.out.join("tokenizer.json");
+        std::fs::copy(t, &dest)
+            .with_context(|| format!("copying {} to {}", t.display(), dest.display()))?;
+    }
     let rate = report.bytes as f64 / report.elapsed.as_secs_f64().max(1e-9);
     println!(
         "wrote {} ({}, seed {}) to {}: {} in {} files, {} ({:.2} GB/s)",
@@ -245,6 +267,22 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             let list: Vec<String> = hot.iter().map(usize::to_string).collect();
             println!("  layer {l}: hot experts {}", list.join(","));
         }
+    }
+    Ok(())
+}
+
+/// Checks that the tokenizer in `path` loads and that every id it can produce is below
+/// `vocab` (the model's embedding rows).
+pub fn check_tokenizer(path: &std::path::Path, vocab: usize) -> anyhow::Result<()> {
+    let tok = crate::chat::Tokenizer::from_file(path)
+        .with_context(|| format!("--tokenizer {}", path.display()))?;
+    let n = tok.vocab_size();
+    if n > vocab {
+        bail!(
+            "--tokenizer {}: its ids go up to {}, but the model's vocabulary has only {vocab} ids (give --vocab {n} or more)",
+            path.display(),
+            n - 1
+        );
     }
     Ok(())
 }

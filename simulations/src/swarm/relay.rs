@@ -1,0 +1,474 @@
+//! A UDP relay between one client and one server that imposes a link's latency, bandwidth
+//! and loss: the portable way to shape a QUIC link on loopback (no network namespaces, no tc,
+//! no root).
+//!
+//! The client is given the relay's address instead of the server's. Datagrams from the client
+//! go out of a second socket to the server, so the server sees the relay as its peer; answers
+//! come back the same way. Each direction is a FIFO with a token bucket: a datagram leaves
+//! `delay` after the link has finished "transmitting" it at `bandwidth`, is dropped with
+//! probability `loss`, and is dropped when more than `queue_bytes` wait (a router's tail drop).
+//! Every byte is counted, so the relay also measures how much each peer sent.
+
+use std::net::{SocketAddr, UdpSocket};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How a link behaves, the same in both directions.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkSpec {
+    /// One-way delay.
+    pub delay: Duration,
+    /// Bytes per second, or unlimited.
+    pub bandwidth: Option<u64>,
+    /// Probability that a datagram is lost, in [0, 1).
+    pub loss: f64,
+    /// Bytes that may wait in one direction's queue before datagrams are dropped.
+    pub queue_bytes: usize,
+}
+
+impl LinkSpec {
+    /// A link that only relays (and counts).
+    pub fn ideal() -> Self {
+        Self {
+            delay: Duration::ZERO,
+            bandwidth: None,
+            loss: 0.0,
+            queue_bytes: 64 << 20,
+        }
+    }
+
+    /// A 1 Gbit/s LAN with 0.25 ms one-way delay.
+    pub fn lan() -> Self {
+        Self {
+            delay: Duration::from_micros(250),
+            bandwidth: Some(125_000_000),
+            loss: 0.0,
+            queue_bytes: 4 << 20,
+        }
+    }
+
+    /// A 100 Mbit/s internet path with 20 ms one-way delay and 0.5% loss.
+    pub fn wan() -> Self {
+        Self {
+            delay: Duration::from_millis(20),
+            bandwidth: Some(12_500_000),
+            loss: 0.005,
+            queue_bytes: 1 << 20,
+        }
+    }
+
+    /// Checks that the numbers make sense.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(0.0..1.0).contains(&self.loss) {
+            return Err(format!("loss {} is not in [0, 1)", self.loss));
+        }
+        if self.bandwidth == Some(0) {
+            return Err("bandwidth 0 would carry nothing".into());
+        }
+        if self.queue_bytes < 65_536 {
+            return Err(format!(
+                "a queue of {} bytes cannot hold one large datagram (at least 65536)",
+                self.queue_bytes
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What a relay carried, counted as UDP payload bytes.
+#[derive(Debug, Default)]
+pub struct LinkStats {
+    /// Client to server, delivered.
+    pub up_bytes: AtomicU64,
+    /// Server to client, delivered.
+    pub down_bytes: AtomicU64,
+    /// Datagrams dropped by the loss probability.
+    pub lost: AtomicU64,
+    /// Datagrams dropped because the queue was full.
+    pub overflowed: AtomicU64,
+}
+
+/// A copy of [`LinkStats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct LinkCounts {
+    /// Client to server, delivered.
+    pub up_bytes: u64,
+    /// Server to client, delivered.
+    pub down_bytes: u64,
+    /// Datagrams dropped by the loss probability.
+    pub lost: u64,
+    /// Datagrams dropped because the queue was full.
+    pub overflowed: u64,
+}
+
+impl LinkStats {
+    /// The counts now.
+    pub fn snapshot(&self) -> LinkCounts {
+        LinkCounts {
+            up_bytes: self.up_bytes.load(Ordering::Relaxed),
+            down_bytes: self.down_bytes.load(Ordering::Relaxed),
+            lost: self.lost.load(Ordering::Relaxed),
+            overflowed: self.overflowed.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A running relay; stops (and joins its threads) on drop.
+#[derive(Debug)]
+pub struct Relay {
+    addr: SocketAddr,
+    target: Arc<Mutex<SocketAddr>>,
+    stats: Arc<LinkStats>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// The largest UDP payload.
+const MAX_DATAGRAM: usize = 65_536;
+/// Socket buffers: QUIC on loopback loses packets with the default ~200 KiB.
+const SOCKET_BUFFER: usize = 4 << 20;
+/// How often blocked threads look at the stop flag.
+const POLL: Duration = Duration::from_millis(50);
+
+fn udp_socket() -> std::io::Result<UdpSocket> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let s = Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::UDP))?;
+    // Best effort: a smaller buffer only means more loss under load.
+    let _ = s.set_recv_buffer_size(SOCKET_BUFFER);
+    let _ = s.set_send_buffer_size(SOCKET_BUFFER);
+    let any: SocketAddr = "127.0.0.1:0".parse().expect("a literal address");
+    s.bind(&any.into())?;
+    let u: UdpSocket = s.into();
+    u.set_read_timeout(Some(POLL))?;
+    Ok(u)
+}
+
+/// A splitmix64 step: the relay's loss draws, reproducible from the seed.
+fn next_u64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Where a direction sends: the server (fixed until [`Relay::set_target`]) or the client
+/// (whoever last sent to the front socket).
+#[derive(Clone)]
+enum Dest {
+    Server(Arc<Mutex<SocketAddr>>),
+    Client(Arc<Mutex<Option<SocketAddr>>>),
+}
+
+impl Dest {
+    fn get(&self) -> Option<SocketAddr> {
+        match self {
+            Self::Server(a) => Some(*a.lock().unwrap_or_else(|e| e.into_inner())),
+            Self::Client(a) => *a.lock().unwrap_or_else(|e| e.into_inner()),
+        }
+    }
+}
+
+struct Direction {
+    spec: LinkSpec,
+    from: UdpSocket,
+    to: UdpSocket,
+    dest: Dest,
+    /// Set to the sender of each datagram read (the client's address, for the up direction).
+    learn: Option<Arc<Mutex<Option<SocketAddr>>>>,
+    delivered: fn(&LinkStats) -> &AtomicU64,
+    seed: u64,
+}
+
+impl Relay {
+    /// Starts relaying to the server at `target` with `spec` on both directions; loss draws
+    /// come from `seed`.
+    pub fn start(target: SocketAddr, spec: LinkSpec, seed: u64) -> std::io::Result<Self> {
+        spec.validate()
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let front = udp_socket()?;
+        let back = udp_socket()?;
+        let addr = front.local_addr()?;
+        let target = Arc::new(Mutex::new(target));
+        let client = Arc::new(Mutex::new(None));
+        let stats = Arc::new(LinkStats::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::new();
+        let dirs = [
+            Direction {
+                spec,
+                from: front.try_clone()?,
+                to: back.try_clone()?,
+                dest: Dest::Server(target.clone()),
+                learn: Some(client.clone()),
+                delivered: |s| &s.up_bytes,
+                seed,
+            },
+            Direction {
+                spec,
+                from: back,
+                to: front,
+                dest: Dest::Client(client),
+                learn: None,
+                delivered: |s| &s.down_bytes,
+                seed: seed ^ 0x5eed_d0e5,
+            },
+        ];
+        for d in dirs {
+            threads.extend(spawn_direction(d, stats.clone(), stop.clone())?);
+        }
+        Ok(Self {
+            addr,
+            target,
+            stats,
+            stop,
+            threads,
+        })
+    }
+
+    /// The address to give the client in place of the server's.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Points the relay at a server's new address (a node restarted on another port).
+    pub fn set_target(&self, target: SocketAddr) {
+        *self.target.lock().unwrap_or_else(|e| e.into_inner()) = target;
+    }
+
+    /// What the link has carried so far.
+    pub fn counts(&self) -> LinkCounts {
+        self.stats.snapshot()
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Starts the reader and the pacer of one direction.
+fn spawn_direction(
+    d: Direction,
+    stats: Arc<LinkStats>,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<[JoinHandle<()>; 2]> {
+    let (tx, rx) = mpsc::channel::<(Instant, Vec<u8>)>();
+    let queued = Arc::new(AtomicUsize::new(0));
+    let Direction {
+        spec,
+        from,
+        to,
+        dest,
+        learn,
+        delivered,
+        seed,
+    } = d;
+    let (q2, s2, stop2) = (queued.clone(), stats.clone(), stop.clone());
+    let reader = std::thread::Builder::new()
+        .name("swarm-relay-in".into())
+        .spawn(move || {
+            let mut buf = vec![0u8; MAX_DATAGRAM];
+            let mut rng = seed;
+            // When the link finishes transmitting what it has accepted so far.
+            let mut free_at = Instant::now();
+            while !stop2.load(Ordering::Relaxed) {
+                let (n, src) = match from.recv_from(&mut buf) {
+                    Ok(x) => x,
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) =>
+                    {
+                        continue
+                    }
+                    // ICMP port unreachable from a killed server surfaces here: keep going.
+                    Err(_) => continue,
+                };
+                if let Some(l) = &learn {
+                    *l.lock().unwrap_or_else(|e| e.into_inner()) = Some(src);
+                }
+                if spec.loss > 0.0
+                    && (next_u64(&mut rng) >> 11) as f64 / (1u64 << 53) as f64 > 1.0 - spec.loss
+                {
+                    s2.lost.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                if q2.load(Ordering::Relaxed) + n > spec.queue_bytes {
+                    s2.overflowed.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                let now = Instant::now();
+                free_at = free_at.max(now);
+                if let Some(bw) = spec.bandwidth {
+                    free_at += Duration::from_secs_f64(n as f64 / bw as f64);
+                }
+                q2.fetch_add(n, Ordering::Relaxed);
+                if tx.send((free_at + spec.delay, buf[..n].to_vec())).is_err() {
+                    break;
+                }
+            }
+        })?;
+    let pacer = std::thread::Builder::new()
+        .name("swarm-relay-out".into())
+        .spawn(move || loop {
+            let (due, pkt) = match rx.recv_timeout(POLL) {
+                Ok(x) => x,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            };
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+            queued.fetch_sub(pkt.len(), Ordering::Relaxed);
+            if let Some(to_addr) = dest.get() {
+                if to.send_to(&pkt, to_addr).is_ok() {
+                    delivered(&stats).fetch_add(pkt.len() as u64, Ordering::Relaxed);
+                }
+            }
+        })?;
+    Ok([reader, pacer])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An echo server on loopback, stopped by its flag.
+    fn echo() -> (SocketAddr, Arc<AtomicBool>, JoinHandle<()>) {
+        let s = udp_socket().unwrap();
+        let addr = s.local_addr().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let st = stop.clone();
+        let h = std::thread::spawn(move || {
+            let mut buf = [0u8; 2048];
+            while !st.load(Ordering::Relaxed) {
+                if let Ok((n, src)) = s.recv_from(&mut buf) {
+                    let _ = s.send_to(&buf[..n], src);
+                }
+            }
+        });
+        (addr, stop, h)
+    }
+
+    fn client() -> UdpSocket {
+        let c = udp_socket().unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        c
+    }
+
+    #[test]
+    fn relays_both_ways_with_the_delay_and_counts_bytes() {
+        let (addr, stop, h) = echo();
+        let spec = LinkSpec {
+            delay: Duration::from_millis(20),
+            ..LinkSpec::ideal()
+        };
+        let r = Relay::start(addr, spec, 1).unwrap();
+        let c = client();
+        let t = Instant::now();
+        c.send_to(b"hello", r.addr()).unwrap();
+        let mut buf = [0u8; 64];
+        let (n, from) = c.recv_from(&mut buf).unwrap();
+        let rtt = t.elapsed();
+        assert_eq!(&buf[..n], b"hello");
+        assert_eq!(from, r.addr(), "the answer comes from the relay");
+        assert!(
+            rtt >= Duration::from_millis(40),
+            "round trip {rtt:?} < 2 x delay"
+        );
+        // The pacer counts after its send returns, which may be after the echo arrived.
+        let t = Instant::now();
+        while r.counts().down_bytes < 5 && t.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let k = r.counts();
+        assert_eq!((k.up_bytes, k.down_bytes), (5, 5));
+        stop.store(true, Ordering::Relaxed);
+        h.join().unwrap();
+    }
+
+    #[test]
+    fn bandwidth_paces_and_loss_drops_about_its_share() {
+        let (addr, stop, h) = echo();
+        // 100 datagrams of 1000 bytes at 200 kB/s: the echoes take at least 0.5 s to
+        // cross the up link.
+        let spec = LinkSpec {
+            bandwidth: Some(200_000),
+            ..LinkSpec::ideal()
+        };
+        let r = Relay::start(addr, spec, 2).unwrap();
+        let c = client();
+        let t = Instant::now();
+        for _ in 0..100 {
+            c.send_to(&[7u8; 1000], r.addr()).unwrap();
+        }
+        let mut buf = [0u8; 2048];
+        for _ in 0..100 {
+            c.recv_from(&mut buf).unwrap();
+        }
+        assert!(
+            t.elapsed() >= Duration::from_millis(490),
+            "{:?}",
+            t.elapsed()
+        );
+        drop(r);
+        let spec = LinkSpec {
+            loss: 0.3,
+            ..LinkSpec::ideal()
+        };
+        let r = Relay::start(addr, spec, 3).unwrap();
+        c.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        for _ in 0..400 {
+            c.send_to(&[1u8; 10], r.addr()).unwrap();
+        }
+        let mut got = 0;
+        while c.recv_from(&mut buf).is_ok() {
+            got += 1;
+        }
+        let k = r.counts();
+        // Each echo crosses the link twice: about 0.7^2 = 49% come back.
+        assert!((120..280).contains(&got), "{got} of 400 came back");
+        // Every datagram was either lost on one of the two crossings or came back.
+        assert_eq!(k.lost + k.down_bytes / 10, 400, "accounting: {k:?}");
+        assert_eq!(got, k.down_bytes / 10);
+        stop.store(true, Ordering::Relaxed);
+        h.join().unwrap();
+    }
+
+    #[test]
+    fn nonsense_specs_are_refused() {
+        let a: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        for s in [
+            LinkSpec {
+                loss: 1.0,
+                ..LinkSpec::ideal()
+            },
+            LinkSpec {
+                bandwidth: Some(0),
+                ..LinkSpec::ideal()
+            },
+            LinkSpec {
+                queue_bytes: 100,
+                ..LinkSpec::ideal()
+            },
+        ] {
+            assert!(Relay::start(a, s, 0).is_err(), "{s:?}");
+        }
+    }
+}

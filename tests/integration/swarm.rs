@@ -1,0 +1,53 @@
+//! `stormo swarm`: real serve processes behind shaping relays, a node killed mid-run, and the
+//! token-exactness verdict.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+use crate::demo::stormo_exe;
+
+/// Churn: a holder is killed (SIGKILL) mid-run and restarted; with every expert held twice
+/// the run finishes with the local run's ids, and the failures are counted.
+#[test]
+fn churn_kills_a_holder_mid_run_and_the_output_stays_exact() {
+    let out = Command::new(stormo_exe())
+        .args([
+            "swarm",
+            "--scenario",
+            "churn",
+            "--json",
+            "--max-new-tokens",
+            "32",
+        ])
+        .output()
+        .expect("run stormo swarm");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stormo swarm failed: {err}");
+    let v: Value = serde_json::from_slice(&out.stdout).expect("swarm --json is JSON");
+    let r = &v[0];
+    assert_eq!(r["scenario"], "churn");
+    assert_eq!(r["swarm"]["ids"], r["local"]["ids"], "{r}");
+    assert_eq!(r["token_exact"], true);
+    assert!(r["swarm"]["peer_loads"].as_u64().unwrap_or(0) > 0, "{r}");
+    let victim = &r["nodes"][1];
+    assert_eq!(victim["kills"], 1, "{victim}");
+    assert_eq!(victim["starts"], 2, "{victim}");
+    assert!(r["events"].as_array().is_some_and(|e| e.len() == 2), "{r}");
+    // Killed mid-run: after it had sent expert data, before the run ended.
+    assert!(
+        victim["link"]["down_bytes"].as_u64().unwrap_or(0) > 0,
+        "{victim}"
+    );
+}
+
+#[test]
+fn unknown_scenario_is_a_clear_error() {
+    let out = Command::new(stormo_exe())
+        .args(["swarm", "--scenario", "lan5"])
+        .output()
+        .expect("run stormo swarm");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("lan4") && !err.contains("panicked"), "{err}");
+}
