@@ -63,3 +63,14 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Demo(a) => cmd::demo::run(a),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// clap's own consistency checks over every subcommand (conflicting names, groups that
+    /// name missing arguments, ...), which otherwise fire only when that command runs.
+    #[test]
+    fn command_line_definition_is_consistent() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
+    }
+}

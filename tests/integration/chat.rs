@@ -870,7 +870,10 @@ mod sessions {
     use super::Gen;
 
     fn load(name: &str) -> Arc<Model> {
-        let opts = LoadOptions { prefill_block: 16 };
+        let opts = LoadOptions {
+            prefill_block: 16,
+            ..LoadOptions::default()
+        };
         Arc::new(Model::load(&fixture(name), &opts).expect("fixture model loads"))
     }
 

@@ -76,7 +76,7 @@ pub(crate) fn expert_args() -> ExpertArgs {
 }
 
 pub(crate) fn text_model(context: usize) -> TextModel {
-    load_text_model(synth_model(), &expert_args(), context, 128).expect("model loads")
+    load_text_model(synth_model(), &expert_args(), context, &Default::default()).expect("model loads")
 }
 
 /// A server on its own runtime, stopped when dropped.

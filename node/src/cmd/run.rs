@@ -18,7 +18,7 @@ use crate::net::{self, PeerArgs};
 
 /// Arguments of `stormo run`.
 #[derive(Debug, clap::Args)]
-#[command(group(clap::ArgGroup::new("prompt").required(true).args(["prompt", "prompt_ids", "prompt_ids_file"])))]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_ids", "prompt_ids_file"])))]
 pub struct Args {
     /// The model directory (config.json and safetensors, as published on Hugging Face).
     #[arg(long, value_name = "DIR")]

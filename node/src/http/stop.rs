@@ -92,7 +92,7 @@ mod tests {
     #[test]
     fn releases_held_text_that_turns_out_not_to_stop() {
         let (out, hit, rest) = run(&["STOP"], &["ST", "ay", " ST"]);
-        assert_eq!(out, ["", "STay ", ""]);
+        assert_eq!(out, ["", "STay", " "]);
         assert!(!hit);
         assert_eq!(rest, "ST");
     }
