@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use crate::build::{MAX_META_LEN, META_FILES};
 use crate::hash::{ExpertId, Hash};
-use crate::hashing::{self, Plan, Progress, Span};
+use crate::hashing::{self, IoMode, Plan, Progress, Span, PENDING_BUDGET};
 use crate::manifest::{Manifest, TensorDtype};
 
 /// Upper bound on a safetensors header read for comparison.
@@ -25,6 +25,8 @@ const MAX_HEADER_LEN: u64 = 100 << 20;
 pub struct VerifyOptions<'a> {
     /// Where to report progress, if anywhere.
     pub progress: Option<&'a Progress>,
+    /// How the weight files are read.
+    pub io: IoMode,
 }
 
 /// Why verification could not run at all (a mismatch is a [`Problem`], not an error).
@@ -312,6 +314,8 @@ pub fn verify(
             })
             .collect(),
         chunk_size: manifest.chunk_size,
+        io: opts.io,
+        pending_budget: PENDING_BUDGET,
     };
     let hashed = hashing::run(&plan, opts.progress);
 
