@@ -261,8 +261,8 @@ fn build(model: &Path, out: Option<&Path>, chunk_kib: u32, io: IoMode) -> anyhow
 
 fn sign(model: &Path, key: &Path, manifest: Option<&Path>) -> anyhow::Result<()> {
     let paths = ManifestPaths::resolve(model, manifest);
-    let (m, _) = read_manifest(&paths.bin).context("run `stormo manifest build` first?")?;
     let key = SecretKey::load(key).context("cannot use the secret key")?;
+    let (m, _) = read_manifest(&paths.bin).context("run `stormo manifest build` first?")?;
     let sig = ManifestSignature::sign(&key, &m);
     write_atomic(&paths.sig, &sig.to_bytes())?;
     eprintln!(
