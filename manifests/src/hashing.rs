@@ -255,7 +255,7 @@ fn read_blocks(
         while n < want {
             let at = pos + n as u64;
             let r = match direct {
-                Some(d) if n % ALIGN == 0 && at % ALIGN as u64 == 0 => {
+                Some(d) if n.is_multiple_of(ALIGN) && at.is_multiple_of(ALIGN as u64) => {
                     let to = want.next_multiple_of(ALIGN);
                     read_at(d, &mut buf[start + n..start + to], at)
                 }
