@@ -10,7 +10,7 @@ use stormo_engine::safetensors::Checkpoint;
 use stormo_engine::ModelConfig;
 use stormo_manifests::{
     build, build_reference, verify, BuildOptions, ExpertId, Hash, IoMode, Manifest,
-    ManifestSignature, Problem, SecretKey, SignatureError, VerifyOptions,
+    ManifestSignature, Problem, Progress, SecretKey, SignatureError, VerifyOptions,
 };
 use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 use stormo_tests::{fixture, MODEL_FIXTURES};
@@ -67,12 +67,13 @@ fn pipelined_build_is_byte_identical_to_the_reference() {
             .expect("reference build")
             .encode();
         for io in [IoMode::Buffered, IoMode::Direct] {
+            let progress = Progress::new();
             let got = build(
                 dir,
                 &BuildOptions {
                     chunk_size: chunk,
                     io,
-                    ..BuildOptions::default()
+                    progress: Some(&progress),
                 },
             )
             .expect("build");
@@ -80,6 +81,9 @@ fn pipelined_build_is_byte_identical_to_the_reference() {
                 got.encode() == want,
                 "{what}, {io:?}: differs from reference"
             );
+            // Every byte read exactly once: no expert record was read a second time.
+            let files = got.total_file_bytes();
+            assert_eq!(progress.get(), (files, files), "{what}, {io:?}");
         }
         want
     };
