@@ -16,7 +16,7 @@
 //!   the readers are done with positioned reads (the only bytes ever read twice; none for the
 //!   checkpoints stormo knows).
 //!
-//! Up to one file per core is read at a time. A block's buffer returns to its reader's pool
+//! Up to one file per core (at most eight) is read at a time. A block's buffer returns to its reader's pool
 //! when the last consumer drops it. Nothing here panics on a short, missing or unreadable
 //! file: what could not be hashed comes back as `None` with the reason.
 //!
@@ -42,6 +42,8 @@ const BUFFERS: usize = 6;
 /// Alignment of `O_DIRECT` buffers, offsets and lengths (the largest logical block size in
 /// common use).
 const ALIGN: usize = 4096;
+/// Most files read at once (each has its own SHA-256 thread; eight of them outrun any disk).
+const MAX_FILES_AT_ONCE: usize = 8;
 /// Bytes per positioned read of deferred expert parts.
 const PIECE: usize = 1 << 20;
 /// Default bound on the expert bytes held aside while waiting for earlier parts.
@@ -352,7 +354,7 @@ pub fn read_files(
     let failed: Mutex<Option<std::io::Error>> = Mutex::new(None);
     let total = AtomicU64::new(0);
     std::thread::scope(|s| {
-        for _ in 0..cores().min(opened.len()) {
+        for _ in 0..cores().min(MAX_FILES_AT_ONCE).min(opened.len()) {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(f) = opened.get(i) else { break };
@@ -549,7 +551,7 @@ pub(crate) fn run(plan: &Plan, progress: Option<&Progress>) -> Outcome {
         .collect();
 
     std::thread::scope(|s| {
-        for _ in 0..cores().min(nfiles) {
+        for _ in 0..cores().min(MAX_FILES_AT_ONCE).min(nfiles) {
             s.spawn(|| loop {
                 let f = next_file.fetch_add(1, Ordering::Relaxed);
                 if f >= nfiles {
