@@ -6,13 +6,14 @@
 //! - `build`: manifest build throughput against a raw sequential read of the same files in
 //!   the same run. By default on a scratch Qwen3-MoE-layout checkpoint written to a temporary
 //!   folder under /tmp (about 550 MB, `STORMO_BENCH_MB` to change) and deleted afterwards;
-//!   `STORMO_BENCH_MODEL=DIR` benchmarks a real checkpoint instead. The scratch files are in
-//!   the page cache, so both figures are cache-warm (CPU-bound); drop caches between runs for
-//!   cold-disk figures.
+//!   `STORMO_BENCH_MODEL=DIR` benchmarks a real checkpoint instead. Both passes read the
+//!   same way (`STORMO_BENCH_IO=buffered`, the default: the scratch files are in the page
+//!   cache, so both figures are CPU-bound; `STORMO_BENCH_IO=direct`: both read from the disk
+//!   with O_DIRECT). For a multi-GB checkpoint `stormo manifest bench` does the same in fewer
+//!   passes.
 //!
 //! Run: `cargo bench -p stormo-manifests --bench manifest`.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -22,7 +23,7 @@ use stormo_manifests::manifest::{
     chunk_count, ExpertEntry, ExpertPart, Manifest, MetaFile, ModelIdentity, Quant, Sha256,
     TensorDtype, TensorEntry, WeightFile, DEFAULT_CHUNK_SIZE,
 };
-use stormo_manifests::{build, BuildOptions, ExpertId, Hash};
+use stormo_manifests::{build, read_files, BuildOptions, ExpertId, Hash, IoMode};
 
 fn noise(n: usize, seed: u64) -> Vec<u8> {
     let mut s = seed | 1;
@@ -166,22 +167,6 @@ fn safetensors_files(dir: &Path) -> Vec<PathBuf> {
     v
 }
 
-fn raw_read(files: &[PathBuf]) -> u64 {
-    let mut buf = vec![0u8; 8 << 20];
-    let mut total = 0;
-    for f in files {
-        let mut f = std::fs::File::open(f).expect("open");
-        loop {
-            let n = f.read(&mut buf).expect("read");
-            if n == 0 {
-                break;
-            }
-            total += n as u64;
-        }
-    }
-    total
-}
-
 fn build_vs_read(c: &mut Criterion) {
     let scratch;
     let dir = match std::env::var_os("STORMO_BENCH_MODEL") {
@@ -204,13 +189,32 @@ fn build_vs_read(c: &mut Criterion) {
         .iter()
         .map(|f| std::fs::metadata(f).expect("metadata").len())
         .sum();
+    let names: Vec<String> = files
+        .iter()
+        .map(|f| {
+            f.file_name()
+                .and_then(|n| n.to_str())
+                .expect("UTF-8 file name")
+                .to_string()
+        })
+        .collect();
+    let io: IoMode = std::env::var("STORMO_BENCH_IO")
+        .unwrap_or_else(|_| "buffered".into())
+        .parse()
+        .expect("STORMO_BENCH_IO is direct or buffered");
+    let opts = BuildOptions {
+        io,
+        ..BuildOptions::default()
+    };
     let mut g = c.benchmark_group("build");
     g.sample_size(10);
     g.measurement_time(Duration::from_secs(20));
     g.throughput(Throughput::Bytes(bytes));
-    g.bench_function("raw_read", |b| b.iter(|| raw_read(&files)));
+    g.bench_function("raw_read", |b| {
+        b.iter(|| read_files(&dir, &names, io, None).expect("read"))
+    });
     g.bench_function("manifest_build", |b| {
-        b.iter(|| build(&dir, &BuildOptions::default()).expect("build"))
+        b.iter(|| build(&dir, &opts).expect("build"))
     });
     g.finish();
     // `scratch` (if any) is deleted here.

@@ -14,7 +14,7 @@ use stormo_engine::safetensors::Checkpoint;
 use stormo_engine::ModelConfig;
 
 use crate::hash::{ExpertId, Hash};
-use crate::hashing::{self, Plan, Progress, Span};
+use crate::hashing::{self, IoMode, Plan, Progress, Span, PENDING_BUDGET};
 use crate::manifest::{
     is_plain_file_name, ExpertEntry, ExpertPart, Manifest, MetaFile, ModelIdentity, Quant,
     TensorEntry, WeightFile, DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, MXFP4_BLOCK,
@@ -45,6 +45,8 @@ pub struct BuildOptions<'a> {
     pub chunk_size: u32,
     /// Where to report progress, if anywhere.
     pub progress: Option<&'a Progress>,
+    /// How the weight files are read.
+    pub io: IoMode,
 }
 
 impl Default for BuildOptions<'_> {
@@ -52,6 +54,7 @@ impl Default for BuildOptions<'_> {
         Self {
             chunk_size: DEFAULT_CHUNK_SIZE,
             progress: None,
+            io: IoMode::Buffered,
         }
     }
 }
@@ -118,8 +121,29 @@ pub enum BuildError {
     Unsupported(String),
 }
 
-/// Builds the manifest of the checkpoint in `dir`.
+/// Builds the manifest of the checkpoint in `dir`: one read of every byte, hashed in a
+/// pipeline on all cores (see the crate's hashing notes).
 pub fn build(dir: &Path, opts: &BuildOptions<'_>) -> Result<Manifest, BuildError> {
+    build_with(dir, opts, false)
+}
+
+/// Builds the same manifest as [`build`] the plain way: each tensor and expert record read
+/// whole and hashed one after another, on one thread. Slow; for tests that hold the pipeline
+/// to it.
+#[doc(hidden)]
+pub fn build_reference(dir: &Path, chunk_size: u32) -> Result<Manifest, BuildError> {
+    let opts = BuildOptions {
+        chunk_size,
+        ..BuildOptions::default()
+    };
+    build_with(dir, &opts, true)
+}
+
+fn build_with(
+    dir: &Path,
+    opts: &BuildOptions<'_>,
+    reference: bool,
+) -> Result<Manifest, BuildError> {
     let cs = opts.chunk_size;
     if !cs.is_power_of_two() || !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&cs) {
         return Err(BuildError::ChunkSize(cs));
@@ -260,8 +284,14 @@ pub fn build(dir: &Path, opts: &BuildOptions<'_>) -> Result<Manifest, BuildError
             })
             .collect(),
         chunk_size: cs,
+        io: opts.io,
+        pending_budget: PENDING_BUDGET,
     };
-    let hashed = hashing::run(&plan, opts.progress);
+    let hashed = if reference {
+        hashing::reference(&plan)
+    } else {
+        hashing::run(&plan, opts.progress)
+    };
 
     let mut files = Vec::with_capacity(names.len());
     for ((name, len, _), out) in names.iter().zip(hashed.files) {

@@ -11,8 +11,10 @@
 //!   files), and per expert the byte ranges of its record, its length, its BLAKE3 and its
 //!   chunk hashes (256 KiB chunks by default). Canonical postcard encoding behind a magic
 //!   and a version; the **model id** is the BLAKE3 of those bytes.
-//! - [`build()`]: builds a manifest from a checkpoint folder, hashing while reading, one
-//!   sequential pass per file, on all cores, with [`Progress`].
+//! - [`build()`]: builds a manifest from a checkpoint folder, reading every byte once
+//!   (optionally `O_DIRECT`, [`IoMode`]) and computing every hash from the same buffers in a
+//!   pipeline on all cores, with [`Progress`]; [`read_files`] reads the same files the same
+//!   way without hashing, the bound a build is measured against.
 //! - [`verify()`]: checks a local checkpoint against a manifest and names every difference.
 //! - [`record`]: [`Manifest::verify_record`] and [`Manifest::verify_chunk`], what the node
 //!   runs on every expert (or chunk) from a peer or disk before using it.
@@ -42,9 +44,9 @@ pub mod verify;
 
 use std::path::{Path, PathBuf};
 
-pub use build::{build, BuildError, BuildOptions};
+pub use build::{build, build_reference, BuildError, BuildOptions};
 pub use hash::{ExpertId, Hash};
-pub use hashing::Progress;
+pub use hashing::{read_files, IoMode, Progress};
 pub use keys::{KeyError, PublicKey, SecretKey};
 pub use manifest::{DecodeError, Manifest};
 pub use record::RecordError;

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use crate::build::{MAX_META_LEN, META_FILES};
 use crate::hash::{ExpertId, Hash};
-use crate::hashing::{self, Plan, Progress, Span};
+use crate::hashing::{self, IoMode, Plan, Progress, Span, PENDING_BUDGET};
 use crate::manifest::{Manifest, TensorDtype};
 
 /// Upper bound on a safetensors header read for comparison.
@@ -25,6 +25,8 @@ const MAX_HEADER_LEN: u64 = 100 << 20;
 pub struct VerifyOptions<'a> {
     /// Where to report progress, if anywhere.
     pub progress: Option<&'a Progress>,
+    /// How the weight files are read.
+    pub io: IoMode,
 }
 
 /// Why verification could not run at all (a mismatch is a [`Problem`], not an error).
@@ -64,6 +66,12 @@ pub enum Problem {
         file: String,
         /// The operating system's reason.
         reason: String,
+    },
+    /// A safetensors file the manifest does not list, which the engine would load (the
+    /// folder has no index and no `model.safetensors`, so every `*.safetensors` is loaded).
+    FileUnexpected {
+        /// File name.
+        file: String,
     },
     /// A weight file is shorter than the manifest says.
     FileTruncated {
@@ -163,6 +171,10 @@ impl fmt::Display for Problem {
                 write!(f, "metadata file {name} is present but not in the manifest")
             }
             Self::FileMissing { file, reason } => write!(f, "file {file} is missing: {reason}"),
+            Self::FileUnexpected { file } => write!(
+                f,
+                "file {file} is not in the manifest, and the engine would load it"
+            ),
             Self::FileTruncated {
                 file,
                 expected,
@@ -257,6 +269,7 @@ pub fn verify(
     }
     let mut problems = Vec::new();
     check_meta(dir, manifest, &mut problems);
+    check_unlisted(dir, manifest, &mut problems);
 
     // Headers.
     let mut layout_bad = vec![false; manifest.tensors.len()];
@@ -312,6 +325,8 @@ pub fn verify(
             })
             .collect(),
         chunk_size: manifest.chunk_size,
+        io: opts.io,
+        pending_budget: PENDING_BUDGET,
     };
     let hashed = hashing::run(&plan, opts.progress);
 
@@ -468,6 +483,34 @@ fn check_meta(dir: &Path, manifest: &Manifest, problems: &mut Vec<Problem>) {
             problems.push(Problem::MetaUnexpected {
                 name: (*name).to_string(),
             });
+        }
+    }
+}
+
+/// Safetensors files the engine would load that the manifest does not list. With an index
+/// (a metadata file, checked above) the index names the files; else `model.safetensors` alone
+/// if present; else every `*.safetensors` in the folder.
+fn check_unlisted(dir: &Path, manifest: &Manifest, problems: &mut Vec<Problem>) {
+    if dir.join("model.safetensors.index.json").exists() {
+        return;
+    }
+    let loaded: Vec<String> = if dir.join("model.safetensors").exists() {
+        vec!["model.safetensors".to_string()]
+    } else {
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return;
+        };
+        let mut v: Vec<String> = rd
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".safetensors"))
+            .collect();
+        v.sort();
+        v
+    };
+    for name in loaded {
+        if !manifest.files.iter().any(|f| f.name == name) {
+            problems.push(Problem::FileUnexpected { file: name });
         }
     }
 }

@@ -9,9 +9,10 @@ use stormo_engine::layout::ExpertLayout;
 use stormo_engine::safetensors::Checkpoint;
 use stormo_engine::ModelConfig;
 use stormo_manifests::{
-    build, verify, BuildOptions, ExpertId, Hash, Manifest, ManifestSignature, Problem, SecretKey,
-    SignatureError, VerifyOptions,
+    build, build_reference, verify, BuildOptions, ExpertId, Hash, IoMode, Manifest,
+    ManifestSignature, Problem, Progress, SecretKey, SignatureError, VerifyOptions,
 };
+use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 use stormo_tests::{fixture, MODEL_FIXTURES};
 
 /// The model id of `gptoss-tiny-mxfp4` with the default 256 KiB chunks. It depends only on
@@ -53,6 +54,95 @@ fn golden_model_id_is_stable_across_paths_and_runs() {
     // The decoder gives back the same manifest and id.
     let back = Manifest::decode(&a.encode()).expect("decodes");
     assert_eq!(back.model_id(), a.model_id());
+}
+
+/// The pipelined builder (both I/O modes) writes byte for byte the manifest of the plain
+/// reference builder, on every fixture and on synthesised checkpoints of both families with
+/// many small shards (expert records whose parts lie in different files).
+#[test]
+fn pipelined_build_is_byte_identical_to_the_reference() {
+    let chunk = 16 * 1024;
+    let both = |dir: &Path, what: &str| {
+        let want = build_reference(dir, chunk)
+            .expect("reference build")
+            .encode();
+        for io in [IoMode::Buffered, IoMode::Direct] {
+            let progress = Progress::new();
+            let got = build(
+                dir,
+                &BuildOptions {
+                    chunk_size: chunk,
+                    io,
+                    progress: Some(&progress),
+                },
+            )
+            .expect("build");
+            assert!(
+                got.encode() == want,
+                "{what}, {io:?}: differs from reference"
+            );
+            // Every byte read exactly once: no expert record was read a second time.
+            let files = got.total_file_bytes();
+            assert_eq!(progress.get(), (files, files), "{what}, {io:?}");
+        }
+        want
+    };
+    for name in MODEL_FIXTURES {
+        both(&fixture(name), name);
+    }
+    // On disk (not tmpfs), so that O_DIRECT is really used where Linux allows it.
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    for preset in [Preset::GptOss20b, Preset::Qwen3_30bA3b] {
+        let o = Overrides {
+            layers: Some(3),
+            hidden: Some(128),
+            intermediate: Some(256),
+            experts: Some(8),
+            top_k: Some(2),
+            vocab: Some(256),
+            heads: Some(4),
+            kv_heads: Some(2),
+            head_dim: Some(32),
+        };
+        let mut opts = SynthOptions::new(preset.geometry().with(&o), 7);
+        opts.shard_bytes = Some(96 << 10);
+        let plan = synth::plan(&opts).expect("plan");
+        let tmp = tempfile::tempdir_in(root).expect("tempdir");
+        synth::write(&plan, tmp.path(), false, &mut |_| {}).expect("synth");
+        let shards = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .ends_with(".safetensors")
+            })
+            .count();
+        assert!(shards >= 4, "{preset:?}: only {shards} shards");
+        let bytes = both(tmp.path(), preset.name());
+        let m = Manifest::decode(&bytes).unwrap();
+        let spans_files = m.experts.iter().any(|e| {
+            let files: BTreeSet<u32> = e
+                .parts
+                .iter()
+                .map(|p| m.tensors[p.tensor as usize].file)
+                .collect();
+            files.len() > 1
+        });
+        assert!(spans_files, "{preset:?}: no expert spans two shards");
+        assert!(m.experts.iter().any(|e| e.chunks.len() > 1));
+        let report = verify(
+            tmp.path(),
+            &m,
+            &VerifyOptions {
+                io: IoMode::Direct,
+                ..VerifyOptions::default()
+            },
+        )
+        .unwrap();
+        assert!(report.is_ok(), "{:?}", report.problems);
+    }
 }
 
 /// Each fixture builds, verifies clean, lists every tensor and expert the engine sees, and
@@ -260,6 +350,44 @@ fn truncation_missing_tensor_and_missing_files_are_reported() {
     }));
 }
 
+/// In a folder without an index or `model.safetensors` the engine loads every
+/// `*.safetensors`: one the manifest does not list is reported (and is harmless elsewhere).
+#[test]
+fn an_unlisted_file_the_engine_would_load_is_reported() {
+    let tmp = copy_fixture("gptoss-tiny-mxfp4");
+    let dir = tmp.path();
+    std::fs::rename(
+        dir.join("model.safetensors"),
+        dir.join("model-a.safetensors"),
+    )
+    .unwrap();
+    let m = build_default(dir);
+    assert!(check(dir, &m).is_empty());
+    std::fs::copy(
+        dir.join("model-a.safetensors"),
+        dir.join("model-b.safetensors"),
+    )
+    .unwrap();
+    assert_eq!(
+        check(dir, &m),
+        vec![Problem::FileUnexpected {
+            file: "model-b.safetensors".into()
+        }]
+    );
+    // With model.safetensors present only that file is loaded: then it is the stranger.
+    std::fs::rename(
+        dir.join("model-b.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    assert_eq!(
+        check(dir, &m),
+        vec![Problem::FileUnexpected {
+            file: "model.safetensors".into()
+        }]
+    );
+}
+
 #[test]
 fn signature_failures_on_real_manifests_are_distinct() {
     let key = SecretKey::from_seed(&[42; 32]);
@@ -309,6 +437,19 @@ fn cli_build_sign_verify_round_trip_and_failures() {
     );
     stormo(&["key", "show", "--key", k]).unwrap();
     let public = SecretKey::load(Path::new(k)).unwrap().public().to_string();
+    #[cfg(unix)]
+    {
+        // A secret key others may read is refused by every command that loads it.
+        use std::os::unix::fs::PermissionsExt;
+        let loose = keys.path().join("loose.key");
+        std::fs::copy(k, &loose).unwrap();
+        std::fs::set_permissions(&loose, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let l = loose.to_str().unwrap();
+        let e = stormo(&["key", "show", "--key", l]).unwrap_err();
+        assert!(format!("{e:#}").contains("too open"), "{e:#}");
+        let e = stormo(&["manifest", "sign", "--model", d, "--key", l]).unwrap_err();
+        assert!(format!("{e:#}").contains("too open"), "{e:#}");
+    }
 
     stormo(&["manifest", "build", "--model", d]).unwrap();
     assert!(dir.join("stormo-manifest.bin").is_file());
@@ -320,6 +461,19 @@ fn cli_build_sign_verify_round_trip_and_failures() {
     let stranger = SecretKey::from_seed(&[5; 32]).public().to_string();
     let e = stormo(&["manifest", "verify", "--model", d, "--trust", &stranger]).unwrap_err();
     assert!(format!("{e:#}").contains("not a trusted key"), "{e:#}");
+
+    // The manifest changed after signing (rebuilt with other chunks): the CLI says so, in
+    // words distinct from the untrusted key's; building it back restores the signed bytes.
+    stormo(&["manifest", "build", "--model", d, "--chunk-kib", "32"]).unwrap();
+    let e = stormo(&["manifest", "verify", "--model", d, "--trust", &public]).unwrap_err();
+    let altered = format!("{e:#}");
+    assert!(!altered.contains("not a trusted key"), "{altered}");
+    assert!(altered.contains("altered"), "{altered}");
+    stormo(&["manifest", "build", "--model", d]).unwrap();
+    stormo(&[
+        "manifest", "verify", "--model", d, "--trust", &public, "--io", "buffered",
+    ])
+    .unwrap();
 
     // One byte of an expert weight flipped: non-zero exit.
     let path = dir.join("model.safetensors");

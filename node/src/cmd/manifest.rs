@@ -8,14 +8,24 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use stormo_manifests::manifest::DEFAULT_CHUNK_SIZE;
 use stormo_manifests::{
-    read_manifest, BuildOptions, ManifestPaths, ManifestSignature, Progress, PublicKey, SecretKey,
-    VerifyOptions,
+    read_manifest, BuildOptions, IoMode, ManifestPaths, ManifestSignature, Progress, PublicKey,
+    SecretKey, VerifyOptions,
 };
 
 const PATHS_HELP: &str = "Files: by default the manifest is written beside the model as \
 DIR/stormo-manifest.bin (canonical bytes; the model id is their BLAKE3), \
 DIR/stormo-manifest.json (a readable view) and DIR/stormo-manifest.sig (the signature). \
 For a read-only model folder pass --out/--manifest FILE.bin; the .json and .sig go beside it.";
+
+/// How the weight files are read (shared by build, verify and bench).
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct IoArgs {
+    /// How to read the weight files: `direct` (O_DIRECT: straight from the disk, the page
+    /// cache left alone; falls back to buffered where the file system refuses it, with a
+    /// warning) or `buffered` (through the page cache: faster for files already cached).
+    #[arg(long, value_name = "MODE", default_value = "direct")]
+    io: IoMode,
+}
 
 /// Manifest subcommands.
 #[derive(Debug, clap::Subcommand)]
@@ -38,6 +48,8 @@ pub enum Command {
         /// Chunk size of the per-expert chunk hashes, in KiB (a power of two, 16 to 65536).
         #[arg(long, default_value_t = DEFAULT_CHUNK_SIZE / 1024)]
         chunk_kib: u32,
+        #[command(flatten)]
+        io: IoArgs,
     },
     /// Sign a manifest with a publisher's secret key (writes the .sig beside the manifest).
     #[command(after_help = PATHS_HELP)]
@@ -72,6 +84,25 @@ pub enum Command {
         /// Check only the signature, not the local bytes.
         #[arg(long)]
         signature_only: bool,
+        #[command(flatten)]
+        io: IoArgs,
+    },
+    /// Measure build throughput against a raw read of the same files, in the same run.
+    ///
+    /// Each round reads every safetensors file of the model the way a build does (same block
+    /// size, I/O mode and files at once) without hashing, then builds the manifest (written
+    /// nowhere), and prints both rates in MB/s and their ratio. Compare like with like: with
+    /// `--io direct` (the default) both passes read from the disk; with `--io buffered` both
+    /// read whatever the page cache holds.
+    Bench {
+        /// The model folder.
+        #[arg(long)]
+        model: PathBuf,
+        /// Rounds of (read, build).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+        rounds: u32,
+        #[command(flatten)]
+        io: IoArgs,
     },
     /// Print a manifest's model id and summary (or its JSON view with --json).
     Show {
@@ -91,7 +122,8 @@ pub fn run(c: Command) -> anyhow::Result<()> {
             model,
             out,
             chunk_kib,
-        } => build(&model, out.as_deref(), chunk_kib),
+            io,
+        } => build(&model, out.as_deref(), chunk_kib, io.io),
         Command::Sign {
             model,
             key,
@@ -102,7 +134,9 @@ pub fn run(c: Command) -> anyhow::Result<()> {
             manifest,
             trust,
             signature_only,
-        } => verify(&model, manifest.as_deref(), &trust, signature_only),
+            io,
+        } => verify(&model, manifest.as_deref(), &trust, signature_only, io.io),
+        Command::Bench { model, rounds, io } => bench(&model, rounds, io.io),
         Command::Show { manifest, json } => {
             let (m, bytes) = read_manifest(&manifest)?;
             if json {
@@ -147,16 +181,19 @@ fn with_progress<T>(what: &str, work: impl FnOnce(&Progress) -> T) -> T {
                 last = secs;
                 let pct = 100.0 * d as f64 / t as f64;
                 let mbs = d as f64 / 1e6 / secs;
-                if tty {
-                    eprint!(
-                        "\r{what}: {pct:5.1}% of {:.2} GB, {mbs:.0} MB/s   ",
-                        t as f64 / 1e9
-                    );
+                let eta = if d > 0 {
+                    format!("{:.0} s", t.saturating_sub(d) as f64 / (d as f64 / secs))
                 } else {
-                    eprintln!(
-                        "{what}: {pct:.1}% of {:.2} GB, {mbs:.0} MB/s",
-                        t as f64 / 1e9
-                    );
+                    "?".to_string()
+                };
+                let line = format!(
+                    "{what}: {pct:5.1}% of {:.2} GB, {mbs:.0} MB/s, ETA {eta}",
+                    t as f64 / 1e9
+                );
+                if tty {
+                    eprint!("\r{line}   ");
+                } else {
+                    eprintln!("{line}");
                 }
                 shown = true;
             }
@@ -170,20 +207,33 @@ fn with_progress<T>(what: &str, work: impl FnOnce(&Progress) -> T) -> T {
     })
 }
 
-fn build(model: &Path, out: Option<&Path>, chunk_kib: u32) -> anyhow::Result<()> {
+/// Warns when O_DIRECT was asked for but some files were read through the page cache.
+fn warn_fallbacks(io: IoMode, p: &Progress) {
+    if io == IoMode::Direct && p.direct_fallbacks() > 0 {
+        eprintln!(
+            "warning: {} file(s) read through the page cache: the file system refused O_DIRECT",
+            p.direct_fallbacks()
+        );
+    }
+}
+
+fn build(model: &Path, out: Option<&Path>, chunk_kib: u32, io: IoMode) -> anyhow::Result<()> {
     let paths = ManifestPaths::resolve(model, out);
     let chunk_size = chunk_kib
         .checked_mul(1024)
         .context("--chunk-kib is too large")?;
     let start = Instant::now();
     let m = with_progress("hashing", |p| {
-        stormo_manifests::build(
+        let m = stormo_manifests::build(
             model,
             &BuildOptions {
                 chunk_size,
                 progress: Some(p),
+                io,
             },
-        )
+        );
+        warn_fallbacks(io, p);
+        m
     })
     .with_context(|| format!("building the manifest of {}", model.display()))?;
     let secs = start.elapsed().as_secs_f64();
@@ -211,8 +261,8 @@ fn build(model: &Path, out: Option<&Path>, chunk_kib: u32) -> anyhow::Result<()>
 
 fn sign(model: &Path, key: &Path, manifest: Option<&Path>) -> anyhow::Result<()> {
     let paths = ManifestPaths::resolve(model, manifest);
-    let (m, _) = read_manifest(&paths.bin).context("run `stormo manifest build` first?")?;
     let key = SecretKey::load(key).context("cannot use the secret key")?;
+    let (m, _) = read_manifest(&paths.bin).context("run `stormo manifest build` first?")?;
     let sig = ManifestSignature::sign(&key, &m);
     write_atomic(&paths.sig, &sig.to_bytes())?;
     eprintln!(
@@ -229,6 +279,7 @@ fn verify(
     manifest: Option<&Path>,
     trust: &[PublicKey],
     signature_only: bool,
+    io: IoMode,
 ) -> anyhow::Result<()> {
     let paths = ManifestPaths::resolve(model, manifest);
     let (m, bytes) = read_manifest(&paths.bin)?;
@@ -269,9 +320,25 @@ fn verify(
         return Ok(());
     }
 
+    let start = Instant::now();
     let report = with_progress("verifying", |p| {
-        stormo_manifests::verify(model, &m, &VerifyOptions { progress: Some(p) })
+        let r = stormo_manifests::verify(
+            model,
+            &m,
+            &VerifyOptions {
+                progress: Some(p),
+                io,
+            },
+        );
+        warn_fallbacks(io, p);
+        r
     })?;
+    let secs = start.elapsed().as_secs_f64();
+    eprintln!(
+        "checked {:.2} GB in {secs:.1} s ({:.0} MB/s)",
+        report.bytes as f64 / 1e9,
+        report.bytes as f64 / 1e6 / secs.max(1e-9)
+    );
     if report.is_ok() {
         println!(
             "OK: {} tensors, {} experts, {} files ({} bytes) match the manifest",
@@ -294,6 +361,70 @@ fn verify(
         model.display(),
         report.problems.len()
     )
+}
+
+fn bench(model: &Path, rounds: u32, io: IoMode) -> anyhow::Result<()> {
+    let ckpt = stormo_engine::safetensors::Checkpoint::open(model)
+        .with_context(|| format!("opening the checkpoint in {}", model.display()))?;
+    let names: Vec<String> = ckpt
+        .files
+        .iter()
+        .map(|f| {
+            f.path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .map(str::to_string)
+                .with_context(|| format!("{}: not a UTF-8 file name", f.path.display()))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let bytes: u64 = ckpt.files.iter().map(|f| f.len).sum();
+    drop(ckpt);
+    println!(
+        "{}: {} files, {:.2} GB, --io {}",
+        model.display(),
+        names.len(),
+        bytes as f64 / 1e9,
+        match io {
+            IoMode::Direct => "direct",
+            _ => "buffered",
+        }
+    );
+    let mut ratios = Vec::new();
+    for round in 1..=rounds {
+        let t = Instant::now();
+        let read = with_progress("reading", |p| {
+            let r = stormo_manifests::read_files(model, &names, io, Some(p));
+            warn_fallbacks(io, p);
+            r
+        })?;
+        let read_mbs = read as f64 / 1e6 / t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let m = with_progress("building", |p| {
+            let m = stormo_manifests::build(
+                model,
+                &BuildOptions {
+                    progress: Some(p),
+                    io,
+                    ..BuildOptions::default()
+                },
+            );
+            warn_fallbacks(io, p);
+            m
+        })?;
+        let build_mbs = m.total_file_bytes() as f64 / 1e6 / t.elapsed().as_secs_f64();
+        let ratio = build_mbs / read_mbs;
+        ratios.push(ratio);
+        println!(
+            "round {round}: raw read {read_mbs:.0} MB/s, manifest build {build_mbs:.0} MB/s, \
+             build/read {ratio:.2}"
+        );
+    }
+    ratios.sort_by(f64::total_cmp);
+    println!(
+        "median build/read ratio over {rounds} round(s): {:.2}",
+        ratios[ratios.len() / 2]
+    );
+    Ok(())
 }
 
 /// Writes a file through a temporary name and a rename, so a reader never sees half of it.
