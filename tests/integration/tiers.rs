@@ -5,6 +5,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use clap::Parser;
+
 use stormo_engine::generate::{greedy, Timings};
 use stormo_engine::moe::ExpertProvider;
 use stormo_engine::tiers::{store, Tier, TierConfig, TieredExperts};
@@ -198,5 +200,92 @@ fn truncated_while_running_is_an_error() {
     assert!(
         err.contains("model.safetensors") && err.contains("changed size"),
         "{err}"
+    );
+}
+
+/// What a process needs beside its budget, dense weights and KV cache: the binary's pages,
+/// thread stacks, scratch activations, I/O buffers in flight and the allocator's slack. The
+/// README states this figure.
+const RSS_OVERHEAD: u64 = 48 << 20;
+
+/// Peak resident memory of `stormo bench` (a child process, so the figure is its own).
+fn bench_peak_rss(dir: &Path, placement: &[&str]) -> u64 {
+    let out = std::process::Command::new(crate::demo::stormo_exe())
+        .args(["bench", "--model"])
+        .arg(dir)
+        .args(["--prompt-tokens", "64", "--decode-tokens", "8"])
+        .args([
+            "--mem-test",
+            "1MiB",
+            "--disk-test",
+            "0",
+            "--no-hot-store",
+            "--json",
+        ])
+        .args(placement)
+        .output()
+        .expect("running stormo bench");
+    assert!(
+        out.status.success(),
+        "stormo bench {placement:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench JSON");
+    v["peak_rss_bytes"].as_u64().expect("peak_rss_bytes")
+}
+
+/// Memory is bounded: with experts larger than the budget, peak RSS stays within budget +
+/// dense + KV + the stated overhead, where mapping the experts instead exceeds that bound.
+#[test]
+fn peak_rss_stays_within_the_expert_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().to_str().unwrap();
+    let cli = stormo_node::cli::Cli::try_parse_from([
+        "stormo",
+        "synth",
+        "--preset",
+        "gpt-oss-20b",
+        "--layers",
+        "2",
+        "--hidden",
+        "512",
+        "--intermediate",
+        "2048",
+        "--experts",
+        "64",
+        "--vocab",
+        "1000",
+        "--quiet",
+        "--out",
+        out,
+    ])
+    .unwrap();
+    stormo_node::cli::dispatch(cli).unwrap();
+    let files = ModelFiles::open(dir.path()).unwrap();
+    let all: u64 = files.layout.sizes().iter().flatten().sum();
+    let fixed =
+        stormo_node::experts::dense_bytes(&files) + stormo_node::experts::kv_bytes(&files, 72);
+    for budget in [8u64 << 20, 48 << 20] {
+        assert!(
+            budget * 3 < all,
+            "the experts ({all} bytes) must dwarf the budget"
+        );
+        let arg = format!("{}MiB", budget >> 20);
+        let peak = bench_peak_rss(dir.path(), &["--expert-cache", &arg]);
+        let bound = fixed + budget + RSS_OVERHEAD;
+        eprintln!(
+            "budget {arg}: peak RSS {} MiB, bound {} MiB (experts {} MiB, dense + KV {} MiB)",
+            peak >> 20,
+            bound >> 20,
+            all >> 20,
+            fixed >> 20
+        );
+        assert!(peak <= bound, "budget {arg}: peak RSS {peak} above {bound}");
+    }
+    let mapped = bench_peak_rss(dir.path(), &["--mmap-experts"]);
+    eprintln!("mapped experts: peak RSS {} MiB", mapped >> 20);
+    assert!(
+        mapped > fixed + (48 << 20) + RSS_OVERHEAD,
+        "mapped experts should exceed the bound the budgets keep ({mapped})"
     );
 }
