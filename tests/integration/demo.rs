@@ -79,7 +79,8 @@ fn out_pid(_stderr: &str) -> String {
     "none".into()
 }
 
-fn synth(args: &[&str]) -> anyhow::Result<()> {
+/// `stormo synth --preset gpt-oss-20b --quiet ARGS`, in process.
+pub(crate) fn synth(args: &[&str]) -> anyhow::Result<()> {
     let mut all = vec!["stormo", "synth", "--preset", "gpt-oss-20b", "--quiet"];
     all.extend_from_slice(args);
     dispatch(Cli::try_parse_from(all)?)

@@ -12,7 +12,6 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use clap::Parser;
 use serde_json::{json, Value};
 use stormo_node::chat::{PromptOptions, Turn, TurnRole};
 use stormo_node::cmd::chat::{load_text_model, TextModel};
@@ -26,11 +25,7 @@ pub(crate) fn synth_model() -> &'static Path {
     DIR.get_or_init(|| {
         let dir = tempfile::tempdir().expect("temp dir");
         let out = dir.path().to_str().expect("utf-8 temp path");
-        let cli = stormo_node::cli::Cli::try_parse_from([
-            "stormo",
-            "synth",
-            "--preset",
-            "gpt-oss-20b",
+        crate::demo::synth(&[
             "--layers",
             "2",
             "--hidden",
@@ -49,12 +44,10 @@ pub(crate) fn synth_model() -> &'static Path {
             "32",
             "--seed",
             "5",
-            "--quiet",
             "--out",
             out,
         ])
-        .expect("synth arguments parse");
-        stormo_node::cli::dispatch(cli).expect("stormo synth writes the model");
+        .expect("stormo synth writes the model");
         std::fs::copy(
             fixture("o200k-harmony").join("tokenizer.json"),
             dir.path().join("tokenizer.json"),
@@ -76,7 +69,8 @@ pub(crate) fn expert_args() -> ExpertArgs {
 }
 
 pub(crate) fn text_model(context: usize) -> TextModel {
-    load_text_model(synth_model(), &expert_args(), context, &Default::default()).expect("model loads")
+    load_text_model(synth_model(), &expert_args(), context, &Default::default())
+        .expect("model loads")
 }
 
 /// A server on its own runtime, stopped when dropped.

@@ -5,8 +5,6 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use clap::Parser;
-
 use stormo_engine::generate::{greedy, Timings};
 use stormo_engine::moe::ExpertProvider;
 use stormo_engine::tiers::{store, Tier, TierConfig, TieredExperts};
@@ -240,11 +238,7 @@ fn bench_peak_rss(dir: &Path, placement: &[&str]) -> u64 {
 fn peak_rss_stays_within_the_expert_budget() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().to_str().unwrap();
-    let cli = stormo_node::cli::Cli::try_parse_from([
-        "stormo",
-        "synth",
-        "--preset",
-        "gpt-oss-20b",
+    crate::demo::synth(&[
         "--layers",
         "2",
         "--hidden",
@@ -255,12 +249,10 @@ fn peak_rss_stays_within_the_expert_budget() {
         "64",
         "--vocab",
         "1000",
-        "--quiet",
         "--out",
         out,
     ])
     .unwrap();
-    stormo_node::cli::dispatch(cli).unwrap();
     let files = ModelFiles::open(dir.path()).unwrap();
     let all: u64 = files.layout.sizes().iter().flatten().sum();
     let fixed =
