@@ -112,7 +112,10 @@ pub fn load_text_model(
     context: usize,
     load: &LoadOptions,
 ) -> anyhow::Result<TextModel> {
-    anyhow::ensure!(load.prefill_block >= 1, "--prefill-block must be at least 1");
+    anyhow::ensure!(
+        load.prefill_block >= 1,
+        "--prefill-block must be at least 1"
+    );
     anyhow::ensure!(context >= 1, "--context must be at least 1");
     let tokenizer = load_tokenizer(dir)?;
     let files =
@@ -124,12 +127,8 @@ pub fn load_text_model(
     let format = ChatFormat::for_family(files.cfg.family, tokenizer.clone())
         .with_context(|| format!("the tokenizer in {} does not fit the model", dir.display()))?;
     let experts = Experts::build(&files, experts, context, Vec::new(), true, None)?;
-    let model = Model::new(
-        files,
-        experts.provider.clone(),
-        load,
-    )
-    .with_context(|| format!("loading the model in {}", dir.display()))?;
+    let model = Model::new(files, experts.provider.clone(), load)
+        .with_context(|| format!("loading the model in {}", dir.display()))?;
     let name = std::fs::canonicalize(dir)
         .ok()
         .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
@@ -222,15 +221,9 @@ pub struct Args {
     /// A system prompt (Harmony: developer instructions).
     #[arg(long, value_name = "TEXT")]
     pub system: Option<String>,
-    /// GPT-OSS reasoning effort.
-    #[arg(long, default_value = "medium", value_parser = ["low", "medium", "high"])]
-    pub reasoning_effort: String,
-    /// Qwen3: turn thinking off (an empty think block).
-    #[arg(long)]
-    pub no_thinking: bool,
-    /// How the model's reasoning is shown.
-    #[arg(long, value_enum, default_value_t = ReasoningDisplay::Auto)]
-    pub reasoning: ReasoningDisplay,
+    /// How prompts are rendered and reasoning shown.
+    #[command(flatten)]
+    pub render: RenderArgs,
     /// Positions the conversation may hold (prompt and replies); the KV cache is sized for it.
     #[arg(long, default_value_t = 4096, value_name = "N")]
     pub context: usize,
@@ -253,6 +246,27 @@ pub struct Args {
     /// Where experts come from.
     #[command(flatten)]
     pub experts: ExpertArgs,
+}
+
+/// How a conversation is rendered and the reply's reasoning shown (`run --prompt`, `chat`).
+#[derive(Debug, clap::Args)]
+pub struct RenderArgs {
+    /// GPT-OSS reasoning effort.
+    #[arg(long, default_value = "medium", value_parser = ["low", "medium", "high"])]
+    pub reasoning_effort: String,
+    /// Qwen3: turn thinking off (an empty think block).
+    #[arg(long)]
+    pub no_thinking: bool,
+    /// How the model's reasoning is shown.
+    #[arg(long, value_enum, default_value_t = ReasoningDisplay::Auto)]
+    pub reasoning: ReasoningDisplay,
+}
+
+impl RenderArgs {
+    /// The render options these arguments ask for.
+    pub fn prompt_options(&self) -> anyhow::Result<PromptOptions> {
+        prompt_options(&self.reasoning_effort, self.no_thinking)
+    }
 }
 
 /// Options of a prompt render from the command line.
@@ -340,10 +354,10 @@ pub fn converse(
     tty: bool,
 ) -> anyhow::Result<()> {
     let sampling = a.sampling.params(0.7)?;
-    let popts = prompt_options(&a.reasoning_effort, a.no_thinking)?;
+    let popts = a.render.prompt_options()?;
     anyhow::ensure!(a.max_new_tokens >= 1, "--max-new-tokens must be at least 1");
     let mut sess = ChatSession::new(tm.model.clone(), a.context)?;
-    let mut printer = Printer::new(a.reasoning, tty);
+    let mut printer = Printer::new(a.render.reasoning, tty);
     if interactive {
         writeln!(
             notes,

@@ -12,7 +12,7 @@ use stormo_engine::{LoadOptions, Model, ModelFiles};
 use crate::chat::reply::ReplyStream;
 use crate::chat::session::{ChatSession, GenerateOptions};
 use crate::chat::{ChatFormat, Tokenizer, Turn, TurnRole};
-use crate::cmd::chat::{load_tokenizer, prompt_options, Printer, ReasoningDisplay, SamplingArgs};
+use crate::cmd::chat::{load_tokenizer, Printer, ReasoningDisplay, RenderArgs, SamplingArgs};
 use crate::experts::{ExpertArgs, Experts};
 use crate::net::{self, PeerArgs};
 
@@ -30,15 +30,9 @@ pub struct Args {
     /// With --prompt: use the text as it is, without the chat template.
     #[arg(long, requires = "prompt")]
     pub raw: bool,
-    /// With --prompt: GPT-OSS reasoning effort.
-    #[arg(long, default_value = "medium", value_parser = ["low", "medium", "high"])]
-    pub reasoning_effort: String,
-    /// With --prompt: Qwen3 without thinking (an empty think block).
-    #[arg(long)]
-    pub no_thinking: bool,
-    /// With --prompt: how the model's reasoning is shown.
-    #[arg(long, value_enum, default_value_t = ReasoningDisplay::Auto)]
-    pub reasoning: ReasoningDisplay,
+    /// With --prompt: how it is rendered and the reasoning shown.
+    #[command(flatten)]
+    pub render: RenderArgs,
     /// With --prompt: sampling (greedy unless --temperature is given).
     #[command(flatten)]
     pub sampling: SamplingArgs,
@@ -137,7 +131,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                             a.model.display()
                         )
                     })?;
-                let popts = prompt_options(&a.reasoning_effort, a.no_thinking)?;
+                let popts = a.render.prompt_options()?;
                 let ids = format.render_prompt(&[Turn::new(TurnRole::User, t.clone())], &popts)?;
                 (ids, Some(format))
             };
@@ -238,7 +232,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             if a.json {
                 ReasoningDisplay::Hide
             } else {
-                a.reasoning
+                a.render.reasoning
             },
             std::io::IsTerminal::is_terminal(&std::io::stdout()),
         );
