@@ -158,8 +158,25 @@ fn decode(c: &mut Criterion) {
             },
         ),
     ];
+    let q8_head = head.as_ref().map(|h| {
+        // Row-scaled 8-bit copy of the head (the --int8-attn-head format); the bytes of the
+        // bf16 head serve as its integers: the kernel's speed does not depend on the values.
+        let scales = vec![1e-3f32; 201_088];
+        (h[..201_088 * 2880].to_vec(), scales)
+    });
     if let Some(h) = &head {
         mats.push(("bf16_lm_head_201088x2880", dense(h, 201_088, 2880)));
+    }
+    if let Some((q, scales)) = &q8_head {
+        mats.push((
+            "q8_lm_head_201088x2880",
+            Mat::Q8 {
+                q,
+                scales,
+                rows: 201_088,
+                cols: 2880,
+            },
+        ));
     }
     let pool = one_thread();
     let all = format!("{}t", rayon::current_num_threads());

@@ -894,11 +894,7 @@ fn attention(
             for (j, s) in sc.iter_mut().enumerate() {
                 let slot = (lo + j) % span;
                 let kj = &kv.k[slot * kvd + g * d..slot * kvd + (g + 1) * d];
-                let mut dot = 0.0;
-                for (a, b) in qh.iter().zip(kj) {
-                    dot += a * b;
-                }
-                *s = dot * scale;
+                *s = ops::dot(qh, kj) * scale;
             }
             match sink {
                 Some(sv) => ops::softmax_with_sink(sc, sv),

@@ -21,6 +21,25 @@ pub fn rms_norm_heads(x: &mut [f32], width: usize, w: &crate::kernels::Vector<'_
     }
 }
 
+/// Dot product of two f32 slices of equal length in a fixed order: eight interleaved partial
+/// sums (lane `l` takes elements `i ≡ l mod 8`), reduced pairwise, then the tail. The same
+/// order on every CPU, and written so the compiler keeps the lanes in vector registers.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let n = a.len().min(b.len()) / 8 * 8;
+    let mut acc = [0f32; 8];
+    for (ac, bc) in a[..n].chunks_exact(8).zip(b[..n].chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] += ac[l] * bc[l];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in a[n..].iter().zip(&b[n..]) {
+        s += x * y;
+    }
+    s
+}
+
 /// Logistic sigmoid.
 #[inline]
 pub fn sigmoid(x: f32) -> f32 {
@@ -90,6 +109,25 @@ fn greater(a: f32, b: f32) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn dot_sums_in_its_fixed_order() {
+        let a: Vec<f32> = (0..19).map(|i| 1.0 + i as f32 * 0.37).collect();
+        let b: Vec<f32> = (0..19).map(|i| 0.5 - i as f32 * 0.11).collect();
+        let mut acc = [0f32; 8];
+        for i in 0..16 {
+            acc[i % 8] += a[i] * b[i];
+        }
+        let mut want =
+            ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        for i in 16..19 {
+            want += a[i] * b[i];
+        }
+        assert_eq!(super::dot(&a, &b).to_bits(), want.to_bits());
+        let exact: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
+        assert!((super::dot(&a, &b) as f64 - exact).abs() < 1e-4);
+        assert_eq!(super::dot(&[], &[]), 0.0);
+    }
+
     use super::*;
     use crate::kernels::{Float, Vector};
 
