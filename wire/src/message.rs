@@ -1063,7 +1063,7 @@ mod tests {
                 len: 1 << 20,
             }),
             &[
-                &[50, 0, 0, 0],      // frame length 50
+                &[51, 0, 0, 0],      // frame length 51
                 &[11],               // tag: GetFile
                 &[3],                // request id 3
                 &[0x66; 32],         // model id

@@ -167,7 +167,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             a.model.display(),
             net::pull::MARKER_FILE
         );
-        tracing::info!("{} was pulled without experts: --no-local-experts", a.model.display());
+        tracing::info!(
+            "{} was pulled without experts: --no-local-experts",
+            a.model.display()
+        );
     }
     let files = ModelFiles::open(&a.model)
         .with_context(|| format!("loading the model in {}", a.model.display()))?;

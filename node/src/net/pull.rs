@@ -258,7 +258,10 @@ async fn fetch_manifest(
                         break;
                     }
                 }
-                Some(found.context("the peer has no signature of its manifest (needed by --trust)")?)
+                Some(
+                    found
+                        .context("the peer has no signature of its manifest (needed by --trust)")?,
+                )
             };
             let want = match (opts.model_id, &sig) {
                 (Some(id), _) => id,
@@ -275,7 +278,8 @@ async fn fetch_manifest(
                 want.short()
             );
             let bytes = l.manifest(want).await?;
-            let (m, id) = super::accept_manifest(&bytes, sig.as_deref(), &opts.trust, opts.model_id)?;
+            let (m, id) =
+                super::accept_manifest(&bytes, sig.as_deref(), &opts.trust, opts.model_id)?;
             anyhow::Ok((m, id, bytes, sig))
         };
         match attempt.await {
@@ -343,7 +347,12 @@ async fn fetch_header(
     report: &mut PullReport,
 ) -> anyhow::Result<Vec<u8>> {
     let file = &m.files[index];
-    anyhow::ensure!(file.len >= 8, "{}: {} bytes, too short", file.name, file.len);
+    anyhow::ensure!(
+        file.len >= 8,
+        "{}: {} bytes, too short",
+        file.name,
+        file.len
+    );
     let head = fetch_whole(links, model, &file.name, 8, report).await?;
     let n = u64::from_le_bytes(head[..8].try_into().expect("8 bytes fetched"));
     anyhow::ensure!(
@@ -358,13 +367,9 @@ async fn fetch_header(
         rest = fetch_whole_range(links, model, &file.name, 8, n, report).await?;
     }
     header.extend_from_slice(&rest);
-    let parsed = stormo_engine::safetensors::parse_header(
-        Path::new(&file.name),
-        &header,
-        file.len,
-        index,
-    )
-    .with_context(|| format!("{}: the peer's header", file.name))?;
+    let parsed =
+        stormo_engine::safetensors::parse_header(Path::new(&file.name), &header, file.len, index)
+            .with_context(|| format!("{}: the peer's header", file.name))?;
     let listed = m
         .tensors
         .iter()
@@ -378,7 +383,10 @@ async fn fetch_header(
     );
     for (name, info) in &parsed {
         let t = m.tensor(name).with_context(|| {
-            format!("{}: the peer's header lists {name:?}, which the manifest does not", file.name)
+            format!(
+                "{}: the peer's header lists {name:?}, which the manifest does not",
+                file.name
+            )
         })?;
         let shape: Vec<u64> = info.shape.iter().map(|&d| d as u64).collect();
         anyhow::ensure!(
@@ -460,7 +468,9 @@ async fn fetch_tensor_from(
         while next < end && inflight.len() < window {
             let n = (end - next).min(RANGE);
             let (l, name, off) = (l.clone(), name.to_string(), next);
-            inflight.push_back(tokio::spawn(async move { l.file(model, &name, off, n).await }));
+            inflight.push_back(tokio::spawn(
+                async move { l.file(model, &name, off, n).await },
+            ));
             next += n;
         }
         let Some(h) = inflight.pop_front() else { break };

@@ -304,7 +304,7 @@ async fn stream(
     };
     match first {
         Message::Hello(_) => control(shared, conn, peer, key, first, send, recv).await,
-        Message::Get(_) | Message::GetManifest(_) => {
+        Message::Get(_) | Message::GetManifest(_) | Message::GetFile(_) => {
             let (out, events) = {
                 let mut s = server.lock().expect("server state lock");
                 if let Err(e) = s.handle_message(first) {
@@ -657,8 +657,8 @@ async fn read_range(
 ) -> anyhow::Result<Bytes> {
     tokio::task::spawn_blocking(move || -> anyhow::Result<Bytes> {
         use std::io::{Read, Seek, SeekFrom};
-        let mut f = std::fs::File::open(&path)
-            .with_context(|| format!("opening {}", path.display()))?;
+        let mut f =
+            std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
         f.seek(SeekFrom::Start(range.offset))?;
         let len = usize::try_from(range.len).context("range too large")?;
         let mut buf = vec![0u8; len];

@@ -650,11 +650,7 @@ impl PeerLink {
     }
 
     async fn request(&self, fetch: Fetch) -> anyhow::Result<Vec<u8>> {
-        let _slot = self
-            .slots
-            .acquire()
-            .await
-            .context("the link is closed")?;
+        let _slot = self.slots.acquire().await.context("the link is closed")?;
         run_request(&self.conn, &self.reqs, fetch, None)
             .await
             .map_err(|e| anyhow::anyhow!("peer {}: {e}", self.peer))
