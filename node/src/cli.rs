@@ -27,6 +27,9 @@ pub enum Command {
     Manifest(cmd::manifest::Command),
     /// Serve experts to peers over QUIC (--listen) and/or an OpenAI-compatible HTTP API (--http).
     Serve(cmd::serve::Args),
+    /// Fetch a model folder (manifest, config, tokenizer, dense weights; --with-experts: all)
+    /// from peers, every byte verified against the manifest.
+    Pull(cmd::pull::Args),
     /// Create and show Ed25519 node and publisher keys.
     #[command(subcommand)]
     Key(cmd::key::Command),
@@ -53,6 +56,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Run(a) => cmd::run::run(a),
         Command::Manifest(c) => cmd::manifest::run(c),
         Command::Key(c) => cmd::key::run(c),
+        Command::Pull(a) => cmd::pull::run(a),
         Command::Serve(a) => cmd::serve::run(a),
         Command::Tokenize(a) => cmd::tokenize::run(a),
         Command::Convert(a) => cmd::convert::run(a),

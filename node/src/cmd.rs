@@ -6,6 +6,7 @@ pub mod convert;
 pub mod demo;
 pub mod key;
 pub mod manifest;
+pub mod pull;
 pub mod run;
 pub mod serve;
 pub mod swarm;

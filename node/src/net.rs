@@ -13,6 +13,7 @@
 //! ([`parse_only_experts`]), a tuned UDP endpoint ([`bind`]) and framed reads ([`FramedRecv`]).
 
 pub mod expert_dir;
+pub mod pull;
 pub mod serve;
 pub mod tier;
 pub mod tls;

@@ -971,3 +971,174 @@ fn many_fetchers_get_data_or_busy_and_server_memory_stays_bounded() {
         .expect("the node still serves");
     assert_eq!(id, f.id);
 }
+
+/// `stormo pull` into an empty folder (manifest accepted by the publisher's key, its
+/// signature fetched too): a sparse dense-only folder whose dense bytes equal the source's
+/// and whose expert bytes are holes; a node with no local experts runs from it and gives
+/// exactly the fixture's ids; the source node and a pulled folder refuse to serve experts.
+#[test]
+fn pull_dense_part_then_run_from_it_with_peers() {
+    use stormo_node::net::pull::{self, PullOptions, Pulled};
+    let name = "gptoss-tiny-mxfp4";
+    let f = setup(name);
+    let node = serve_dir(40, f.dir.path(), None, allow_client());
+    let out = tempfile::tempdir().expect("tempdir");
+    let opts = PullOptions {
+        peers: vec![node.addr()],
+        model_id: None,
+        trust: vec![f.publisher.public()],
+        out: out.path().to_path_buf(),
+        with_experts: false,
+        cfg: quick(),
+    };
+    let rt = runtime();
+    let r = pull::pull(&client_key(), &opts, &rt).expect("pull succeeds");
+    assert_eq!(r.model_id, Some(f.id));
+    assert!(
+        Pulled::dense_only(out.path()).expect("marker"),
+        "marker says dense only"
+    );
+    let m = stormo_manifests::Manifest::decode(
+        &std::fs::read(out.path().join("stormo-manifest.bin")).expect("manifest saved"),
+    )
+    .expect("manifest");
+    assert_eq!(m.model_id(), f.id);
+    for meta in &m.identity.meta {
+        assert_eq!(
+            std::fs::read(out.path().join(&meta.name)).expect("meta file"),
+            std::fs::read(f.dir.path().join(&meta.name)).expect("source"),
+            "{}",
+            meta.name
+        );
+    }
+    let experts = serve::expert_tensors(&m);
+    assert!(!experts.is_empty());
+    for (i, t) in m.tensors.iter().enumerate() {
+        let file = &m.files[t.file as usize].name;
+        let got = std::fs::read(out.path().join(file)).expect("pulled file");
+        let src = std::fs::read(f.dir.path().join(file)).expect("source file");
+        assert_eq!(got.len(), src.len());
+        let (a, b) = (t.offset as usize, (t.offset + t.len) as usize);
+        if experts.contains(&i) {
+            assert!(
+                got[a..b].iter().all(|&x| x == 0),
+                "{} is not a hole",
+                t.name
+            );
+        } else {
+            assert_eq!(got[a..b], src[a..b], "{}", t.name);
+        }
+    }
+    assert_eq!(r.tensors, m.tensors.len() - experts.len());
+    // A second pull keeps what is complete and verified.
+    let again = pull::pull(&client_key(), &opts, &rt).expect("second pull");
+    assert_eq!(again.tensors, 0, "nothing refetched");
+    // Run from the pulled folder with every expert from the peer.
+    let pulled = Fixture {
+        dir: out,
+        publisher: SecretKey::from_seed(&[42; 32]),
+        id: f.id,
+    };
+    let tier = peer_tier(&pulled, vec![node.addr()]);
+    let (got, want, loads) = generate_from(&pulled, name, tier.clone());
+    assert_eq!(got, want, "ids from the pulled folder");
+    assert!(loads > 0);
+    tier.close();
+    // The pulled folder serves no experts and no expert bytes.
+    let (h, _e) = serve::open_holdings(pulled.dir.path(), None, &expert_args(), None)
+        .expect("holdings of the pulled folder");
+    assert_eq!(h.inventory.len(), 0);
+    let share = h.files.clone().expect("files shared");
+    assert!(share.dense_only);
+}
+
+/// A peer serving a corrupted dense tensor: the pull fails naming the tensor and leaves no
+/// safetensors file (final or temporary) behind.
+#[test]
+fn pull_refuses_a_corrupted_dense_tensor_and_writes_nothing_half_done() {
+    use stormo_node::net::pull::{self, PullOptions};
+    let f = setup("gptoss-tiny-bf16");
+    let m = stormo_manifests::Manifest::decode(
+        &std::fs::read(f.dir.path().join("stormo-manifest.bin")).expect("manifest"),
+    )
+    .expect("manifest");
+    let experts = serve::expert_tensors(&m);
+    let (i, victim) = m
+        .tensors
+        .iter()
+        .enumerate()
+        .find(|(i, t)| !experts.contains(i) && t.len > 0)
+        .expect("a dense tensor");
+    let _ = i;
+    let path = f.dir.path().join(&m.files[victim.file as usize].name);
+    let mut bytes = std::fs::read(&path).expect("read");
+    bytes[victim.offset as usize] ^= 0xff;
+    std::fs::write(&path, bytes).expect("corrupt");
+    let node = serve_dir(41, f.dir.path(), None, allow_client());
+    let out = tempfile::tempdir().expect("tempdir");
+    let opts = PullOptions {
+        peers: vec![node.addr()],
+        model_id: Some(f.id),
+        trust: vec![],
+        out: out.path().to_path_buf(),
+        with_experts: false,
+        cfg: quick(),
+    };
+    let err = format!(
+        "{:#}",
+        pull::pull(&client_key(), &opts, &runtime()).expect_err("corruption detected")
+    );
+    assert!(err.contains(&victim.name), "{err}");
+    for e in std::fs::read_dir(out.path()).expect("list") {
+        let n = e.expect("entry").file_name().to_string_lossy().into_owned();
+        assert!(!n.contains("safetensors"), "{n} left behind");
+    }
+}
+
+/// The server's file policy: names that are paths are refused before any file is opened,
+/// names the manifest does not list are not found, and ranges past a file's end are refused.
+#[test]
+fn pull_server_refuses_paths_and_unlisted_files() {
+    let f = setup("gptoss-tiny-bf16");
+    let node = serve_dir(42, f.dir.path(), None, allow_client());
+    let rt = runtime();
+    rt.block_on(async {
+        let link = net::tier::PeerLink::connect(&client_key(), &node.addr(), quick())
+            .await
+            .expect("connect");
+        for bad in ["../config.json", "..", "/etc/passwd", "sub/config.json"] {
+            // The client refuses to even send these; the server's refusal is unit-tested in
+            // wire (server.rs) and node (serve.rs).
+            assert!(link.file(f.id, bad, 0, 1).await.is_err(), "{bad}");
+        }
+        let e = format!(
+            "{:#}",
+            link.file(f.id, "reference.json", 0, 1).await.unwrap_err()
+        );
+        assert!(e.contains("not found"), "{e}");
+        let e = format!(
+            "{:#}",
+            link.file(f.id, "stormo-manifest.bin", 0, 1)
+                .await
+                .unwrap_err()
+        );
+        assert!(e.contains("not found"), "{e}");
+        let len = std::fs::metadata(f.dir.path().join("config.json"))
+            .expect("config")
+            .len();
+        let e = format!(
+            "{:#}",
+            link.file(f.id, "config.json", len, 1).await.unwrap_err()
+        );
+        assert!(e.contains("out of range"), "{e}");
+        let b = link
+            .file(f.id, "config.json", 0, len)
+            .await
+            .expect("config served");
+        assert_eq!(
+            b,
+            std::fs::read(f.dir.path().join("config.json")).expect("read")
+        );
+        link.close();
+    });
+}

@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 use stormo_manifests::{ExpertId, Hash};
 
 use crate::message::{
-    ByteRange, Cancel, Data, End, ErrorCode, ErrorMessage, Get, GetManifest, Limits, Message,
-    Priority, RequestId,
+    check_file_name, ByteRange, Cancel, Data, End, ErrorCode, ErrorMessage, Get, GetFile,
+    GetManifest, Limits, Message, Priority, RequestId, MAX_FILE_RANGE_LEN,
 };
 
 /// Verifies a resource chunk by chunk as it streams in. The manifests crate implements this
@@ -52,7 +52,7 @@ pub trait ChunkVerifier: Send {
 }
 
 /// What a request is for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Resource {
     /// Bytes of one expert.
     Expert {
@@ -66,6 +66,13 @@ pub enum Resource {
         /// The model id.
         model: Hash,
     },
+    /// A file of the model folder, by its manifest name.
+    File {
+        /// The model id.
+        model: Hash,
+        /// The file's name.
+        name: String,
+    },
 }
 
 impl fmt::Display for Resource {
@@ -73,6 +80,7 @@ impl fmt::Display for Resource {
         match self {
             Self::Expert { model, expert } => write!(f, "expert {expert} of {}", model.short()),
             Self::Manifest { model } => write!(f, "manifest of {}", model.short()),
+            Self::File { model, name } => write!(f, "file {name:?} of {}", model.short()),
         }
     }
 }
@@ -122,6 +130,23 @@ impl Fetch {
             resource: Resource::Manifest { model },
             len: max_len,
             range: None,
+            priority: Priority::Now,
+            timeout: None,
+            verifier: None,
+        }
+    }
+
+    /// Bytes `range` of the file `name` of the model folder (at most
+    /// [`crate::MAX_FILE_RANGE_LEN`] of them). No chunk verifier applies: check what arrives
+    /// against the manifest's hashes of the tensors or files it holds.
+    pub fn file(model: Hash, name: impl Into<String>, range: ByteRange) -> Self {
+        Self {
+            resource: Resource::File {
+                model,
+                name: name.into(),
+            },
+            len: range.end().unwrap_or(u64::MAX),
+            range: Some(range),
             priority: Priority::Now,
             timeout: None,
             verifier: None,
@@ -462,6 +487,28 @@ impl Requests {
                 }
             }
             Resource::Manifest { .. } => (0, fetch.len, false),
+            Resource::File { ref name, .. } => {
+                let bad = |r: ByteRange| StartError::BadRange {
+                    offset: r.offset,
+                    len: r.len,
+                    expert_len: fetch.len,
+                };
+                let r = fetch.range.expect("Fetch::file always sets a range");
+                match r.end() {
+                    Some(end) if r.len > 0 && r.len <= MAX_FILE_RANGE_LEN => {
+                        if check_file_name(name).is_err() {
+                            return Err(bad(r));
+                        }
+                        if fetch.verifier.is_some() {
+                            return Err(StartError::Verifier(
+                                "a file range is checked by the caller, not by chunks".into(),
+                            ));
+                        }
+                        (r.offset, end, true)
+                    }
+                    _ => return Err(bad(r)),
+                }
+            }
         };
         if let Some(v) = &fetch.verifier {
             if !exact {
@@ -496,18 +543,28 @@ impl Requests {
         }
         let id = RequestId(self.next_id);
         self.next_id += 1;
-        let msg = match fetch.resource {
-            Resource::Expert { model, expert } => Message::Get(Get {
+        let msg = match &fetch.resource {
+            &Resource::Expert { model, expert } => Message::Get(Get {
                 request_id: id,
                 model,
                 expert,
                 range: fetch.range,
                 priority: fetch.priority,
             }),
-            Resource::Manifest { model } => Message::GetManifest(GetManifest {
+            &Resource::Manifest { model } => Message::GetManifest(GetManifest {
                 request_id: id,
                 model,
             }),
+            Resource::File { model, name } => {
+                let r = fetch.range.expect("Fetch::file always sets a range");
+                Message::GetFile(GetFile {
+                    request_id: id,
+                    model: *model,
+                    name: name.clone(),
+                    offset: r.offset,
+                    len: r.len,
+                })
+            }
         };
         self.transmits.push_back(msg);
         let timeout = fetch.timeout.unwrap_or(self.config.timeout);

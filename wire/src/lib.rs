@@ -37,8 +37,8 @@
 //!   sends [`Hello`] first (check the peer's with [`expect_hello`], against the key TLS proved),
 //!   then [`Inventory`] for each model it serves, later [`InventoryUpdate`]s, [`Ping`]/[`Pong`],
 //!   and a connection-level [`ErrorMessage`] (no request id) before closing.
-//! - **One bidirectional stream per request**, opened by the requester: it writes [`Get`] or
-//!   [`GetManifest`] (and possibly [`Cancel`] later, or resets the stream); the responder writes
+//! - **One bidirectional stream per request**, opened by the requester: it writes [`Get`],
+//!   [`GetManifest`] or [`GetFile`] (and possibly [`Cancel`] later, or resets the stream); the responder writes
 //!   [`Data`]\* then [`End`], or an [`ErrorMessage`], then finishes the stream.
 //!   [`Message::request_id`] routes each message from `poll_transmit` to its stream.
 //!   Request ids are per direction: answers on streams this node opened go to its
@@ -74,10 +74,12 @@
 //! | 8 | [`Ping`] | nonce u64 | control |
 //! | 9 | [`Pong`] | nonce u64 | control |
 //! | 10 | [`ErrorMessage`] | request_id Option\<u64\>, code u16, message String (≤ [`MAX_ERROR_MESSAGE_LEN`]) | either |
-//! | 11–127 | reserved | decoding yields [`DecodeError::UnknownTag`] | |
+//! | 11 | [`GetFile`] | request_id u64, model Hash, name String (≤ [`MAX_FILE_NAME_LEN`]), offset u64, len u64 (1..=[`MAX_FILE_RANGE_LEN`]) | request |
+//! | 12–127 | reserved | decoding yields [`DecodeError::UnknownTag`] | |
 //!
 //! A manifest is answered like an expert, as `Data` frames from offset 0 and `End`, so it
 //! is bounded by the requester's limit ([`MAX_MANIFEST_LEN`] by default), not by the frame size.
+//! A file range ([`GetFile`], for `stormo pull`) is answered the same way, from its offset.
 //!
 //! # Stepping it
 //! ```
@@ -125,10 +127,10 @@ pub use handshake::{expect_hello, HelloError};
 pub use inventory::{ExpertSet, InventoryError};
 pub use latency::{Pinger, RttEstimator};
 pub use message::{
-    data_frame_prefix, tag, ByteRange, Cancel, Data, EncodeError, End, ErrorCode, ErrorMessage,
-    Get, GetManifest, Hello, Inventory, InventoryUpdate, Limits, Message, NodeId, Ping, Pong,
-    Priority, RequestId, MAX_DATA_LEN, MAX_ERROR_MESSAGE_LEN, MAX_MANIFEST_LEN, MAX_MODELS,
-    MAX_UPDATE_EXPERTS,
+    check_file_name, data_frame_prefix, tag, ByteRange, Cancel, Data, EncodeError, End, ErrorCode,
+    ErrorMessage, Get, GetFile, GetManifest, Hello, Inventory, InventoryUpdate, Limits, Message,
+    NodeId, Ping, Pong, Priority, RequestId, MAX_DATA_LEN, MAX_ERROR_MESSAGE_LEN,
+    MAX_FILE_NAME_LEN, MAX_FILE_RANGE_LEN, MAX_MANIFEST_LEN, MAX_MODELS, MAX_UPDATE_EXPERTS,
 };
 pub use server::{DataChunks, ServeRequest, Server, ServerConfig, ServerEvent, ServerStats};
 

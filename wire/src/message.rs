@@ -46,8 +46,10 @@ pub mod tag {
     pub const PONG: u8 = 9;
     /// [`super::ErrorMessage`].
     pub const ERROR: u8 = 10;
-    /// The first reserved tag: 11 up to and including 127 are free for new messages.
-    pub const FIRST_RESERVED: u8 = 11;
+    /// [`super::GetFile`].
+    pub const GET_FILE: u8 = 11;
+    /// The first reserved tag: 12 up to and including 127 are free for new messages.
+    pub const FIRST_RESERVED: u8 = 12;
 }
 
 /// The largest payload of one [`Data`] message: 1 MiB.
@@ -60,6 +62,11 @@ pub const MAX_ERROR_MESSAGE_LEN: usize = 1024;
 pub const MAX_UPDATE_EXPERTS: usize = 16 * 1024;
 /// The largest manifest a client accepts by default, in bytes (it arrives as [`Data`] frames).
 pub const MAX_MANIFEST_LEN: u64 = 64 << 20;
+/// The longest [`GetFile::name`], in bytes of UTF-8.
+pub const MAX_FILE_NAME_LEN: usize = 255;
+/// The most bytes one [`GetFile`] may ask for: a responder holds at most this much per
+/// request, so larger files are fetched as several ranges.
+pub const MAX_FILE_RANGE_LEN: u64 = 16 << 20;
 
 /// Identifies one request within a connection. Chosen by the requester; the responder echoes
 /// it in every answer.
@@ -257,6 +264,62 @@ pub struct GetManifest {
     pub model: Hash,
 }
 
+/// Asks for a byte range of one file of the model folder, named as the model's manifest
+/// names it (`config.json`, a tokenizer file, a safetensors file or its index). Answered like
+/// [`Get`]: [`Data`] frames from `offset` in increasing order, then [`End`]; or an
+/// [`ErrorMessage`] (`not found` for a file the manifest does not list, `out of range` past
+/// its end, `bad request` for a name that is not a plain file name).
+///
+/// A name is a manifest name, never a path: it is refused if it is empty, `.` or `..`, or
+/// holds `/`, `\` or NUL ([`check_file_name`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GetFile {
+    /// Chosen by the requester.
+    pub request_id: RequestId,
+    /// The model id.
+    pub model: Hash,
+    /// The file's name in the model folder; at most [`MAX_FILE_NAME_LEN`] bytes.
+    pub name: String,
+    /// The first byte asked for.
+    pub offset: u64,
+    /// How many bytes: 1 to [`MAX_FILE_RANGE_LEN`].
+    pub len: u64,
+}
+
+impl GetFile {
+    /// The range asked for.
+    pub fn range(&self) -> ByteRange {
+        ByteRange {
+            offset: self.offset,
+            len: self.len,
+        }
+    }
+}
+
+/// Checks that `name` is a plain file name of a model folder, not a path: not empty, not `.`
+/// or `..`, no `/`, `\` or NUL, at most [`MAX_FILE_NAME_LEN`] bytes. `Err` says why.
+pub fn check_file_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("empty file name".into());
+    }
+    if name.len() > MAX_FILE_NAME_LEN {
+        return Err(format!(
+            "file name of {} bytes, over the limit of {MAX_FILE_NAME_LEN}",
+            name.len()
+        ));
+    }
+    if name == "." || name == ".." {
+        return Err(format!("{name:?} is not a file name"));
+    }
+    if let Some(c) = name.chars().find(|c| matches!(c, '/' | '\\' | '\0')) {
+        return Err(format!(
+            "file name {:?} holds {c:?}: names are manifest names, not paths",
+            name.escape_debug().to_string()
+        ));
+    }
+    Ok(())
+}
+
 /// A piece of a resource being streamed for a request.
 ///
 /// `offset` is the position of `bytes` within the whole resource (not within the requested
@@ -375,6 +438,8 @@ pub enum Message {
     Pong(Pong),
     /// Tag 10.
     Error(ErrorMessage),
+    /// Tag 11.
+    GetFile(GetFile),
 }
 
 /// Why a message cannot be encoded (it breaks a limit of the protocol).
@@ -416,6 +481,7 @@ impl Message {
             Self::Ping(_) => tag::PING,
             Self::Pong(_) => tag::PONG,
             Self::Error(_) => tag::ERROR,
+            Self::GetFile(_) => tag::GET_FILE,
         }
     }
 
@@ -434,6 +500,7 @@ impl Message {
             Self::End(m) => Some(m.request_id),
             Self::GetManifest(m) => Some(m.request_id),
             Self::Cancel(m) => Some(m.request_id),
+            Self::GetFile(m) => Some(m.request_id),
             Self::Error(m) => m.request_id,
             Self::Hello(_)
             | Self::Inventory(_)
@@ -499,6 +566,28 @@ impl Message {
                     ));
                 }
             }
+            Self::GetFile(g) => {
+                // Only the length limits here: a bad name is the responder's to refuse with
+                // `bad request` (the peer's error, not a broken connection).
+                if g.name.len() > MAX_FILE_NAME_LEN {
+                    return Err(format!(
+                        "file name of {} bytes, over the limit of {MAX_FILE_NAME_LEN}",
+                        g.name.len()
+                    ));
+                }
+                if g.len == 0 {
+                    return Err("empty byte range".into());
+                }
+                if g.len > MAX_FILE_RANGE_LEN {
+                    return Err(format!(
+                        "{} bytes asked for, over the limit of {MAX_FILE_RANGE_LEN}",
+                        g.len
+                    ));
+                }
+                if g.range().end().is_none() {
+                    return Err(format!("byte range {}+{} overflows u64", g.offset, g.len));
+                }
+            }
             Self::End(_)
             | Self::GetManifest(_)
             | Self::Cancel(_)
@@ -533,6 +622,7 @@ impl Message {
             Self::Ping(m) => put(m, out),
             Self::Pong(m) => put(m, out),
             Self::Error(m) => put(m, out),
+            Self::GetFile(m) => put(m, out),
         };
         // Serializing into a Vec has no failure mode for these types (no maps of unknown
         // length, no custom errors); surface it as Invalid rather than panic all the same.
@@ -573,6 +663,7 @@ impl Message {
             tag::PING => Self::Ping(take_all(t, payload)?),
             tag::PONG => Self::Pong(take_all(t, payload)?),
             tag::ERROR => Self::Error(take_all(t, payload)?),
+            tag::GET_FILE => Self::GetFile(take_all(t, payload)?),
             other => return Err(DecodeError::UnknownTag(other)),
         };
         msg.validate().map_err(|reason| DecodeError::Invalid {
@@ -597,6 +688,7 @@ pub fn tag_name(t: u8) -> Option<&'static str> {
         tag::PING => "Ping",
         tag::PONG => "Pong",
         tag::ERROR => "Error",
+        tag::GET_FILE => "GetFile",
         _ => return None,
     })
 }
@@ -695,7 +787,8 @@ impl_from!(
     GetManifest,
     Cancel,
     Ping,
-    Pong
+    Pong,
+    GetFile
 );
 
 impl From<ErrorMessage> for Message {
@@ -957,6 +1050,103 @@ mod tests {
                 &[0],          // message: empty
             ],
         );
+    }
+
+    #[test]
+    fn golden_get_file() {
+        golden(
+            Message::GetFile(GetFile {
+                request_id: RequestId(3),
+                model: h(0x66),
+                name: "config.json".into(),
+                offset: 300,
+                len: 1 << 20,
+            }),
+            &[
+                &[51, 0, 0, 0],      // frame length 51
+                &[11],               // tag: GetFile
+                &[3],                // request id 3
+                &[0x66; 32],         // model id
+                &[11],               // name: 11 bytes of UTF-8
+                b"config.json",      //
+                &[0xac, 0x02],       // offset 300 (varint)
+                &[0x80, 0x80, 0x40], // len 2^20 (varint)
+            ],
+        );
+    }
+
+    #[test]
+    fn get_file_limits_are_checked_both_ways() {
+        let get = |name: String, offset: u64, len: u64| {
+            Message::GetFile(GetFile {
+                request_id: RequestId(0),
+                model: h(0),
+                name,
+                offset,
+                len,
+            })
+        };
+        let longest = get(
+            "n".repeat(MAX_FILE_NAME_LEN),
+            u64::MAX - MAX_FILE_RANGE_LEN,
+            MAX_FILE_RANGE_LEN,
+        );
+        let f = encode_frame(&longest).unwrap();
+        assert_eq!(decode_one(&f).unwrap(), Some(longest));
+        for bad in [
+            get("n".repeat(MAX_FILE_NAME_LEN + 1), 0, 1),
+            get("a".into(), 0, 0),
+            get("a".into(), 0, MAX_FILE_RANGE_LEN + 1),
+            get("a".into(), u64::MAX, 1),
+        ] {
+            assert!(
+                matches!(encode_frame(&bad), Err(EncodeError::Invalid { .. })),
+                "{bad:?}"
+            );
+            // Hand-encoded, the decoder refuses it too.
+            let Message::GetFile(g) = &bad else {
+                unreachable!()
+            };
+            let mut body = vec![tag::GET_FILE];
+            body.extend_from_slice(&postcard::to_allocvec(g).unwrap());
+            assert!(
+                matches!(
+                    decode_one(&framed(&body)),
+                    Err(DecodeError::Invalid {
+                        message: "GetFile",
+                        ..
+                    })
+                ),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn file_names_are_names_not_paths() {
+        for ok in [
+            "config.json",
+            "model-00001-of-00002.safetensors",
+            "tokenizer.json",
+            "..x",
+            "a..b",
+        ] {
+            check_file_name(ok).unwrap();
+        }
+        for bad in [
+            "",
+            ".",
+            "..",
+            "../config.json",
+            "a/b",
+            "/etc/passwd",
+            "a\\b",
+            "C:\\x",
+            "a\0b",
+        ] {
+            assert!(check_file_name(bad).is_err(), "{bad:?} accepted");
+        }
+        assert!(check_file_name(&"x".repeat(MAX_FILE_NAME_LEN + 1)).is_err());
     }
 
     #[test]

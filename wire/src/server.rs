@@ -16,8 +16,8 @@ use bytes::Bytes;
 
 use crate::client::{Resource, UnexpectedMessage};
 use crate::message::{
-    ByteRange, Data, End, ErrorCode, ErrorMessage, Limits, Message, Priority, RequestId,
-    MAX_DATA_LEN,
+    check_file_name, ByteRange, Data, End, ErrorCode, ErrorMessage, Limits, Message, Priority,
+    RequestId, MAX_DATA_LEN,
 };
 
 /// Settings of a [`Server`].
@@ -40,7 +40,8 @@ pub struct ServeRequest {
     pub id: RequestId,
     /// What is asked for.
     pub resource: Resource,
-    /// For an expert, the range asked for (`None`: all of it). Always `None` for a manifest.
+    /// For an expert, the range asked for (`None`: all of it). Always `None` for a manifest,
+    /// always `Some` for a file.
     pub range: Option<ByteRange>,
     /// How urgent (map it to the stream's priority).
     pub priority: Priority,
@@ -137,7 +138,9 @@ impl Server {
         self.stats
     }
 
-    /// Feeds a message the peer sent on a request path: `Get`, `GetManifest` or `Cancel`.
+    /// Feeds a message the peer sent on a request path: `Get`, `GetManifest`, `GetFile` or
+    /// `Cancel`. A `GetFile` whose name is a path rather than a file name (`..`, `/`, ...) is
+    /// answered `bad request` without being admitted.
     /// Any other message is an `Err` (close the connection with
     /// [`ErrorCode::PROTOCOL_VIOLATION`]).
     pub fn handle_message(&mut self, msg: Message) -> Result<(), UnexpectedMessage> {
@@ -157,6 +160,26 @@ impl Server {
                 None,
                 Priority::Now,
             ),
+            Message::GetFile(g) => {
+                let range = g.range();
+                if let Err(why) = check_file_name(&g.name) {
+                    // Refused before it is admitted, whatever the caller's file policy.
+                    if !self.active.contains_key(&g.request_id) {
+                        self.stats.bad += 1;
+                        self.answer_error(g.request_id, ErrorCode::BAD_REQUEST, why);
+                        return Ok(());
+                    }
+                }
+                (
+                    g.request_id,
+                    Resource::File {
+                        model: g.model,
+                        name: g.name,
+                    },
+                    Some(range),
+                    Priority::Now,
+                )
+            }
             Message::Cancel(c) => {
                 if self.active.remove(&c.request_id).is_some() {
                     self.stats.cancelled += 1;
@@ -200,7 +223,7 @@ impl Server {
             return Ok(());
         }
         self.stats.admitted += 1;
-        self.active.insert(id, resource);
+        self.active.insert(id, resource.clone());
         self.events.push_back(ServerEvent::Serve(ServeRequest {
             id,
             resource,
@@ -287,5 +310,58 @@ impl Iterator for DataChunks {
             offset,
             bytes,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::GetFile;
+    use stormo_manifests::Hash;
+
+    fn get_file(id: u64, name: &str) -> Message {
+        Message::GetFile(GetFile {
+            request_id: RequestId(id),
+            model: Hash([1; 32]),
+            name: name.into(),
+            offset: 0,
+            len: 10,
+        })
+    }
+
+    #[test]
+    fn file_names_that_are_paths_are_refused_unadmitted() {
+        let mut s = Server::new(ServerConfig::default());
+        for (i, name) in ["..", "../config.json", "/etc/passwd", "a/b", "a\\b", ""]
+            .into_iter()
+            .enumerate()
+        {
+            s.handle_message(get_file(i as u64, name)).unwrap();
+            assert_eq!(s.poll_event(), None, "{name:?} admitted");
+            match s.poll_transmit() {
+                Some(Message::Error(e)) => {
+                    assert_eq!(e.request_id, Some(RequestId(i as u64)));
+                    assert_eq!(e.code, ErrorCode::BAD_REQUEST, "{name:?}");
+                }
+                other => panic!("{name:?}: {other:?}"),
+            }
+        }
+        assert_eq!(s.active(), 0);
+        assert_eq!(s.stats().bad, 6);
+        // A plain name is admitted with its range.
+        s.handle_message(get_file(9, "config.json")).unwrap();
+        let Some(ServerEvent::Serve(req)) = s.poll_event() else {
+            panic!("not admitted")
+        };
+        assert_eq!(
+            req.resource,
+            Resource::File {
+                model: Hash([1; 32]),
+                name: "config.json".into()
+            }
+        );
+        assert_eq!(req.range, Some(ByteRange { offset: 0, len: 10 }));
+        assert_eq!(req.resolve(5).unwrap_err().0, ErrorCode::OUT_OF_RANGE);
+        assert_eq!(req.resolve(10).unwrap(), ByteRange { offset: 0, len: 10 });
     }
 }

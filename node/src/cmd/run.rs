@@ -152,6 +152,20 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.prefill_block == 0 {
         bail!("--prefill-block must be at least 1");
     }
+    // A folder pulled without experts holds holes where the experts are: never use them.
+    let no_local_experts = a.no_local_experts || net::pull::Pulled::dense_only(&a.model)?;
+    if no_local_experts && !a.no_local_experts {
+        anyhow::ensure!(
+            !a.net.peers.is_empty() && a.only_experts.is_none() && !a.experts.mmap_experts,
+            "{} was pulled without experts ({}): run it with --peer (its experts come from peers; --only-experts and --mmap-experts do not apply)",
+            a.model.display(),
+            net::pull::MARKER_FILE
+        );
+        tracing::info!(
+            "{} was pulled without experts: --no-local-experts",
+            a.model.display()
+        );
+    }
     let files = ModelFiles::open(&a.model)
         .with_context(|| format!("loading the model in {}", a.model.display()))?;
     let context = prompt.len() + a.max_new_tokens.max(1) - 1;
@@ -174,7 +188,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             &a.experts,
             context.min(max_pos),
             Vec::new(),
-            !a.no_local_experts,
+            !no_local_experts,
             allowed,
         )?;
         (net::NodeTiers::default(), e)
@@ -184,7 +198,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             &a.model,
             &a.net,
             &a.experts,
-            !a.no_local_experts,
+            !no_local_experts,
             allowed,
         )?;
         let e = Experts::build_tiers(&files, &a.experts, context.min(max_pos), t.tiers.clone())?;

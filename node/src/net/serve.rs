@@ -42,7 +42,26 @@ pub struct Holdings {
     pub experts: Arc<dyn ExpertProvider>,
     /// The experts served (announced in the inventory).
     pub inventory: ExpertSet,
+    /// The model folder's files served to `stormo pull` (`None`: none).
+    pub files: Option<Arc<FileShare>>,
 }
+
+/// The files of a model folder a node serves by name (`GetFile`): only the manifest's
+/// metadata and safetensors files and the manifest's signature, each only within its length,
+/// read from `dir` and never from a path built out of a peer's bytes.
+#[derive(Debug)]
+pub struct FileShare {
+    /// The model folder.
+    pub dir: std::path::PathBuf,
+    /// The manifest's signature file, served as `stormo-manifest.sig`, when there is one.
+    pub sig: Option<Bytes>,
+    /// The folder was pulled without experts (its expert bytes are holes): serve only ranges
+    /// that lie outside every expert tensor.
+    pub dense_only: bool,
+}
+
+/// The name the manifest's signature is served under.
+pub const SIG_FILE: &str = "stormo-manifest.sig";
 
 impl std::fmt::Debug for Holdings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -285,7 +304,7 @@ async fn stream(
     };
     match first {
         Message::Hello(_) => control(shared, conn, peer, key, first, send, recv).await,
-        Message::Get(_) | Message::GetManifest(_) => {
+        Message::Get(_) | Message::GetManifest(_) | Message::GetFile(_) => {
             let (out, events) = {
                 let mut s = server.lock().expect("server state lock");
                 if let Err(e) = s.handle_message(first) {
@@ -489,6 +508,33 @@ async fn serve_one(
 async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (ErrorCode, String)> {
     let h = &shared.holdings;
     match req.resource {
+        Resource::File {
+            model, ref name, ..
+        } => {
+            if model != h.model_id() {
+                return Err((
+                    ErrorCode::NOT_FOUND,
+                    format!("model {} is not served here", model.short()),
+                ));
+            }
+            let Some(share) = h.files.clone() else {
+                return Err((ErrorCode::NOT_FOUND, "this node serves no files".into()));
+            };
+            match file_source(&h.manifest, &share, name, req)? {
+                FileSource::Bytes(b, range) => {
+                    let (s, e) = (range.offset as usize, (range.offset + range.len) as usize);
+                    Ok((b.slice(s..e), range.offset))
+                }
+                FileSource::Disk(range) => {
+                    let path = share.dir.join(name);
+                    let bytes = read_range(path, range).await.map_err(|e| {
+                        tracing::warn!("reading {name} to serve it: {e:#}");
+                        (ErrorCode::INTERNAL, format!("reading {name} failed"))
+                    })?;
+                    Ok((bytes, range.offset))
+                }
+            }
+        }
         Resource::Manifest { model } => {
             if model != h.model_id() {
                 return Err((
@@ -533,6 +579,97 @@ async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (E
     }
 }
 
+/// Where the bytes of a `GetFile` come from.
+#[derive(Debug)]
+enum FileSource {
+    /// Held in memory (the signature).
+    Bytes(Bytes, stormo_wire::ByteRange),
+    /// This range of the file of that name in the folder.
+    Disk(stormo_wire::ByteRange),
+}
+
+/// Decides whether `name` may be served for `req` and from where: only a file the manifest
+/// lists (or the signature), only within its length, and from a dense-only folder only
+/// outside the expert tensors. Names are compared with the manifest's names, never joined
+/// into a path before they matched one.
+fn file_source(
+    m: &Manifest,
+    share: &FileShare,
+    name: &str,
+    req: &ServeRequest,
+) -> Result<FileSource, (ErrorCode, String)> {
+    stormo_wire::check_file_name(name).map_err(|why| (ErrorCode::BAD_REQUEST, why))?;
+    let not_found = || {
+        (
+            ErrorCode::NOT_FOUND,
+            format!("{name:?} is not a file of this model's manifest"),
+        )
+    };
+    if name == SIG_FILE {
+        let sig = share.sig.clone().ok_or_else(not_found)?;
+        let range = req.resolve(sig.len() as u64)?;
+        return Ok(FileSource::Bytes(sig, range));
+    }
+    if let Some(meta) = m.identity.meta.iter().find(|f| f.name == name) {
+        return Ok(FileSource::Disk(req.resolve(meta.len)?));
+    }
+    let (index, file) = m
+        .files
+        .iter()
+        .enumerate()
+        .find(|(_, f)| f.name == name)
+        .ok_or_else(not_found)?;
+    let range = req.resolve(file.len)?;
+    if share.dense_only {
+        let end = range.offset + range.len;
+        let experts = expert_tensors(m);
+        let hit = m.tensors.iter().enumerate().find(|(i, t)| {
+            t.file as usize == index
+                && experts.contains(i)
+                && t.offset < end
+                && range.offset < t.offset + t.len
+        });
+        if let Some((_, t)) = hit {
+            return Err((
+                ErrorCode::NOT_FOUND,
+                format!(
+                    "{name} bytes {}+{} include expert tensor {}, which this node does not hold",
+                    range.offset, range.len, t.name
+                ),
+            ));
+        }
+    }
+    Ok(FileSource::Disk(range))
+}
+
+/// The indices (into `m.tensors`) of the tensors that hold expert bytes.
+pub fn expert_tensors(m: &Manifest) -> std::collections::BTreeSet<usize> {
+    m.experts
+        .iter()
+        .flat_map(|e| e.parts.iter().map(|p| p.tensor as usize))
+        .collect()
+}
+
+/// Reads `range` of the file at `path` on a blocking thread.
+async fn read_range(
+    path: std::path::PathBuf,
+    range: stormo_wire::ByteRange,
+) -> anyhow::Result<Bytes> {
+    tokio::task::spawn_blocking(move || -> anyhow::Result<Bytes> {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut f =
+            std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+        f.seek(SeekFrom::Start(range.offset))?;
+        let len = usize::try_from(range.len).context("range too large")?;
+        let mut buf = vec![0u8; len];
+        f.read_exact(&mut buf)
+            .with_context(|| format!("reading {}", path.display()))?;
+        Ok(Bytes::from(buf))
+    })
+    .await
+    .context("the file reader panicked")?
+}
+
 /// Expert `id`'s record (its parts back to back), from the provider on a blocking thread.
 pub async fn record(experts: Arc<dyn ExpertProvider>, id: ExpertId) -> anyhow::Result<Bytes> {
     tokio::task::spawn_blocking(move || -> anyhow::Result<Bytes> {
@@ -569,12 +706,27 @@ pub fn open_holdings(
         )
     })?;
     check_layout(&m, &files.layout.sizes())?;
-    let allowed = only
-        .map(|s| {
+    let pulled = super::pull::Pulled::read(dir)?;
+    let dense_only = pulled.as_ref().is_some_and(|p| !p.experts);
+    if dense_only {
+        tracing::warn!(
+            "{} was pulled without experts: serving its manifest and dense files only, no experts",
+            dir.display()
+        );
+    }
+    let allowed = if dense_only {
+        let shape: Vec<usize> = files.layout.parts.iter().map(Vec::len).collect();
+        Some(shape.iter().map(|&n| vec![false; n]).collect())
+    } else {
+        only.map(|s| {
             let shape: Vec<usize> = files.layout.parts.iter().map(Vec::len).collect();
             super::parse_only_experts(s, &shape)
         })
-        .transpose()?;
+        .transpose()?
+    };
+    let sig = std::fs::read(stormo_manifests::ManifestPaths::resolve(dir, manifest).sig)
+        .ok()
+        .map(Bytes::from);
     let inventory = Holdings::inventory_of(&m, allowed.as_deref())?;
     let experts = crate::experts::Experts::build(&files, args, 1, Vec::new(), true, allowed)?;
     Ok((
@@ -583,6 +735,11 @@ pub fn open_holdings(
             manifest: Arc::new(m),
             experts: experts.provider.clone(),
             inventory,
+            files: Some(Arc::new(FileShare {
+                dir: dir.to_path_buf(),
+                sig,
+                dense_only,
+            })),
         },
         experts,
     ))

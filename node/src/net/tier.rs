@@ -590,6 +590,100 @@ pub async fn fetch_manifest(
     }
 }
 
+/// One connection to one peer for whole requests (a manifest, file ranges), several at once:
+/// what `stormo pull` fetches through. Every request is bounded by the timeouts of the
+/// [`PeerConfig`] it was opened with.
+pub struct PeerLink {
+    endpoint: quinn::Endpoint,
+    conn: quinn::Connection,
+    hello: Hello,
+    reqs: Mutex<LinkRequests>,
+    slots: Arc<Semaphore>,
+    /// The peer.
+    pub peer: PeerAddr,
+}
+
+impl fmt::Debug for PeerLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PeerLink")
+            .field("peer", &self.peer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PeerLink {
+    /// Connects to `peer` as `secret` (handshake and hello within the connect timeout).
+    pub async fn connect(
+        secret: &SecretKey,
+        peer: &PeerAddr,
+        cfg: PeerConfig,
+    ) -> anyhow::Result<Self> {
+        let endpoint = client_endpoint(std::slice::from_ref(peer))?;
+        let client = tls::client_config(secret, &peer.key)?;
+        let me = NodeId(*secret.public().as_bytes());
+        let (conn, hello, _) = connect(&endpoint, client, peer, me, None, cfg.connect_timeout)
+            .await
+            .with_context(|| format!("peer {peer}"))?;
+        let limit = hello.limits.max_concurrent_requests.clamp(1, 64);
+        Ok(Self {
+            endpoint,
+            conn,
+            reqs: LinkRequests::new(RequestsConfig {
+                timeout: cfg.request_timeout,
+                idle_timeout: cfg.idle_timeout,
+                max_outstanding: limit,
+            }),
+            slots: Arc::new(Semaphore::new(limit as usize)),
+            hello,
+            peer: peer.clone(),
+        })
+    }
+
+    /// The model ids the peer serves (from its hello).
+    pub fn models(&self) -> &[Hash] {
+        &self.hello.models
+    }
+
+    /// How many requests the peer serves at once for this node.
+    pub fn max_concurrent(&self) -> usize {
+        self.hello.limits.max_concurrent_requests.clamp(1, 64) as usize
+    }
+
+    async fn request(&self, fetch: Fetch) -> anyhow::Result<Vec<u8>> {
+        let _slot = self.slots.acquire().await.context("the link is closed")?;
+        run_request(&self.conn, &self.reqs, fetch, None)
+            .await
+            .map_err(|e| anyhow::anyhow!("peer {}: {e}", self.peer))
+    }
+
+    /// The manifest of `model`, unchecked (check it against the pinned id or trusted key).
+    pub async fn manifest(&self, model: Hash) -> anyhow::Result<Vec<u8>> {
+        self.request(Fetch::manifest(model, MAX_MANIFEST_LEN))
+            .await
+            .context("fetching the manifest")
+    }
+
+    /// Bytes `offset..offset + len` of the file `name` of `model` (at most
+    /// [`stormo_wire::MAX_FILE_RANGE_LEN`]), unchecked.
+    pub async fn file(
+        &self,
+        model: Hash,
+        name: &str,
+        offset: u64,
+        len: u64,
+    ) -> anyhow::Result<Vec<u8>> {
+        self.request(Fetch::file(model, name, ByteRange { offset, len }))
+            .await
+            .with_context(|| format!("fetching {name} bytes {offset}+{len}"))
+    }
+
+    /// Closes the connection.
+    pub fn close(&self) {
+        self.conn.close(0u32.into(), b"done");
+        self.endpoint.close(0u32.into(), b"done");
+    }
+}
+
 /// Why one attempt at one peer failed.
 #[derive(Debug, thiserror::Error)]
 enum AttemptError {
