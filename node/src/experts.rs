@@ -81,6 +81,13 @@ impl Experts {
         local_disk: bool,
         allowed: Option<Vec<Vec<bool>>>,
     ) -> anyhow::Result<Self> {
+        if local_disk && crate::net::pull::Pulled::dense_only(&files.dir)? {
+            anyhow::bail!(
+                "{} was pulled without its experts (see {}): its expert bytes are holes; run it with `stormo run --peer ...` so experts come from peers",
+                files.dir.display(),
+                crate::net::pull::MARKER_FILE
+            );
+        }
         if args.mmap_experts {
             anyhow::ensure!(lower.is_empty() && local_disk && allowed.is_none(), "--mmap-experts serves every local expert; it cannot be combined with peers or expert subsets");
             return Ok(Self {
