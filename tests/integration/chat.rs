@@ -1130,3 +1130,161 @@ fn chat_answers_piped_turns_and_reports_reuse() {
     );
     assert_eq!(reused(stats[2]), 0, "after /reset: {}", stats[2]);
 }
+
+// ---- `stormo run --prompt` and `stormo chat` through the binary ----
+
+/// Runs the stormo binary with its cache (the hot store) in a temporary folder.
+fn stormo_bin(args: &[&str], cache: &std::path::Path) -> std::process::Output {
+    Command::new(crate::demo::stormo_exe())
+        .args(args)
+        .env("XDG_CACHE_HOME", cache)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run the stormo binary")
+}
+
+fn json_of(out: &std::process::Output, what: &str) -> Value {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{what} failed: {err}");
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{what} --json is not JSON ({e}): {err}"))
+}
+
+/// `stormo run --prompt TEXT --json` on a synthetic GPT-OSS with the real vocabulary: the
+/// prompt ids are the library's Harmony render of the text as one user turn (default
+/// reasoning effort), and the generated ids are what a greedy `--prompt-ids` run of those
+/// same ids makes (up to a Harmony stop token, where the text run ends).
+#[test]
+fn run_prompt_renders_harmony_and_generates_as_prompt_ids() {
+    let dir = crate::http::synth_model();
+    let d = dir.to_str().expect("utf-8 path");
+    let cache = tempfile::tempdir().expect("temp dir");
+    let text = "Why is the sky blue?  Ünïcödé 😀 <|start|> fn main() {}";
+    let common = [
+        "--model",
+        d,
+        "--max-new-tokens",
+        "6",
+        "--no-hot-store",
+        "--json",
+    ];
+
+    let mut args = vec!["run", "--prompt", text];
+    args.extend_from_slice(&common);
+    let v = json_of(&stormo_bin(&args, cache.path()), "run --prompt");
+    let prompt = ids_of(&v["prompt_ids"]);
+    let format =
+        ChatFormat::for_family(Family::GptOss, o200k().clone()).expect("o200k fits Harmony");
+    let popts = stormo_node::cmd::chat::prompt_options("medium", false).expect("options");
+    let want = format
+        .render_prompt(&[Turn::new(TurnRole::User, text)], &popts)
+        .expect("render");
+    assert_eq!(
+        prompt, want,
+        "--prompt is not the Harmony render of the text"
+    );
+    assert_eq!(v["prompt_tokens"], want.len());
+    // The text is user content: the special token written in it is not a special token.
+    let start = o200k().token_to_id("<|start|>").expect("<|start|>");
+    assert_eq!(
+        prompt.iter().filter(|&&i| i == start).count(),
+        3,
+        "{prompt:?}"
+    );
+    let generated = ids_of(&v["generated_ids"]);
+    assert!(!generated.is_empty(), "nothing generated: {v}");
+    assert!(v["text"].is_string(), "{v}");
+
+    let joined: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let joined = joined.join(",");
+    let mut args = vec!["run", "--prompt-ids", &joined];
+    args.extend_from_slice(&common);
+    let w = json_of(&stormo_bin(&args, cache.path()), "run --prompt-ids");
+    let by_ids = ids_of(&w["generated_ids"]);
+    assert_eq!(by_ids.len(), 6, "{w}");
+    assert_eq!(
+        generated[..],
+        by_ids[..generated.len()],
+        "--prompt generated other ids than --prompt-ids of its own prompt"
+    );
+    if v["finish_reason"] == "length" {
+        assert_eq!(generated, by_ids);
+    } else {
+        let stop = format.stop_tokens();
+        let last = generated.last().expect("non-empty");
+        assert!(
+            stop.contains(last),
+            "finished early without a stop token: {v}"
+        );
+    }
+}
+
+/// Text prompts without the model folder's tokenizer.json: `stormo run --prompt` and `stormo
+/// chat` fail with exit code 1, naming the missing file, without a panic or any output.
+#[test]
+fn run_prompt_and_chat_without_a_tokenizer_are_clear_errors() {
+    let src = crate::http::synth_model();
+    let dir = tempfile::tempdir().expect("temp dir");
+    // The model without its tokenizer: every other file linked in.
+    for e in std::fs::read_dir(src).expect("model dir").flatten() {
+        if e.file_name() != "tokenizer.json" {
+            std::os::unix::fs::symlink(e.path(), dir.path().join(e.file_name()))
+                .expect("link a model file");
+        }
+    }
+    let d = dir.path().to_str().expect("utf-8 path");
+    let missing = dir.path().join("tokenizer.json");
+    let missing = missing.to_str().expect("utf-8 path");
+    let cache = tempfile::tempdir().expect("temp dir");
+    for args in [
+        vec!["run", "--model", d, "--prompt", "Hello", "--no-hot-store"],
+        vec![
+            "run",
+            "--model",
+            d,
+            "--prompt",
+            "Hello",
+            "--json",
+            "--no-hot-store",
+        ],
+        vec!["chat", "--model", d, "--no-hot-store"],
+    ] {
+        let out = stormo_bin(&args, cache.path());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+        assert!(
+            err.contains(missing),
+            "{args:?} does not name {missing}: {err}"
+        );
+        assert!(
+            out.stdout.is_empty(),
+            "{args:?} printed {:?}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    // The same model with the tokenizer runs, so the error above is about the tokenizer.
+    std::os::unix::fs::symlink(
+        src.join("tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .expect("link the tokenizer");
+    let out = stormo_bin(
+        &[
+            "run",
+            "--model",
+            d,
+            "--prompt",
+            "Hello",
+            "--max-new-tokens",
+            "1",
+            "--no-hot-store",
+        ],
+        cache.path(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

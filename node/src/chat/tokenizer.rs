@@ -131,6 +131,113 @@ impl Hasher for FxHasher {
 
 type FxMap<K, V> = HashMap<K, V, BuildHasherDefault<FxHasher>>;
 
+fn hash_bytes(bytes: &[u8]) -> u64 {
+    let mut h = FxHasher::default();
+    h.write(bytes);
+    h.finish()
+}
+
+/// One slot of [`VocabTable`]: the key is `arena[start..start + len]`.
+#[derive(Clone, Copy)]
+struct Slot {
+    /// The high half of the key's hash; `u32::MAX` in `id` marks an empty slot.
+    tag: u32,
+    id: TokenId,
+    start: u32,
+    len: u32,
+}
+
+const EMPTY_SLOT: Slot = Slot {
+    tag: 0,
+    id: u32::MAX,
+    start: 0,
+    len: 0,
+};
+
+/// Token bytes to id for the ordinary vocabulary: an open-addressing table (linear probing,
+/// at most half full) whose keys are spans of the tokenizer's byte arena, so loading makes no
+/// allocation per token and a lookup touches one slot and the key's bytes. Ids are below
+/// `u32::MAX - 1` (checked at load), so `u32::MAX` can mark empty slots.
+struct VocabTable {
+    slots: Vec<Slot>,
+    mask: usize,
+    len: usize,
+}
+
+impl VocabTable {
+    fn with_capacity(n: usize) -> Self {
+        let size = (n.max(4) * 2).next_power_of_two();
+        Self {
+            slots: vec![EMPTY_SLOT; size],
+            mask: size - 1,
+            len: 0,
+        }
+    }
+
+    /// The id of `key`, whose bytes the arena holds at the slot's span.
+    #[inline]
+    fn get(&self, key: &[u8], arena: &[u8]) -> Option<TokenId> {
+        let h = hash_bytes(key);
+        let tag = (h >> 32) as u32;
+        let mut i = h as usize & self.mask;
+        loop {
+            let s = self.slots[i];
+            if s.id == u32::MAX {
+                return None;
+            }
+            if s.tag == tag
+                && s.len as usize == key.len()
+                && &arena[s.start as usize..(s.start + s.len) as usize] == key
+            {
+                return Some(s.id);
+            }
+            i = (i + 1) & self.mask;
+        }
+    }
+
+    /// Adds `arena[start..start + len]` as `id`; returns the id already there for the same
+    /// bytes instead, if any. The table never gets more than half full: its capacity was
+    /// sized for every key.
+    fn insert(&mut self, arena: &[u8], start: u32, len: u32, id: TokenId) -> Option<TokenId> {
+        let key = &arena[start as usize..(start + len) as usize];
+        let h = hash_bytes(key);
+        let tag = (h >> 32) as u32;
+        let mut i = h as usize & self.mask;
+        loop {
+            let s = self.slots[i];
+            if s.id == u32::MAX {
+                break;
+            }
+            if s.tag == tag
+                && s.len == len
+                && &arena[s.start as usize..(s.start + s.len) as usize] == key
+            {
+                return Some(s.id);
+            }
+            i = (i + 1) & self.mask;
+        }
+        if (self.len + 1) * 2 > self.slots.len() {
+            self.grow(arena);
+            return self.insert(arena, start, len, id);
+        }
+        self.slots[i] = Slot {
+            tag,
+            id,
+            start,
+            len,
+        };
+        self.len += 1;
+        None
+    }
+
+    fn grow(&mut self, arena: &[u8]) {
+        let old = std::mem::replace(self, Self::with_capacity(self.slots.len()));
+        for s in old.slots.into_iter().filter(|s| s.id != u32::MAX) {
+            self.insert(arena, s.start, s.len, s.id);
+        }
+    }
+}
+
 /// GPT-2's byte-to-character table: byte-level tokens spell byte `b` as `BYTE_CHARS[b]`.
 fn byte_chars() -> [char; 256] {
     let mut out = ['\0'; 256];
@@ -157,11 +264,22 @@ fn char_bytes() -> Vec<Option<u8>> {
     table
 }
 
-fn byte_level_decode(token: &str, table: &[Option<u8>]) -> Option<Vec<u8>> {
-    token
-        .chars()
-        .map(|c| table.get(c as usize).copied().flatten())
-        .collect()
+/// Appends the bytes a byte-level token spells to `out`; `false` (with `out` partly
+/// written) if a character is not in the GPT-2 table.
+fn byte_level_decode_into(token: &str, table: &[Option<u8>], out: &mut Vec<u8>) -> bool {
+    // Printable ASCII spells itself: copy runs of it at once.
+    let b = token.as_bytes();
+    if b.iter().all(|&c| (0x21..=0x7e).contains(&c)) {
+        out.extend_from_slice(b);
+        return true;
+    }
+    for c in token.chars() {
+        match table.get(c as usize).copied().flatten() {
+            Some(x) => out.push(x),
+            None => return false,
+        }
+    }
+    true
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,8 +318,8 @@ struct Added {
 /// A byte-level BPE tokenizer loaded from `tokenizer.json`. Cheap to share (`Sync`): encode
 /// and decode take `&self`.
 pub struct Tokenizer {
-    /// Token bytes to id, for the ordinary (non-added) vocabulary.
-    encoder: FxMap<Box<[u8]>, TokenId>,
+    /// Token bytes to id, for the ordinary (non-added) vocabulary; keys live in `bytes`.
+    encoder: VocabTable,
     /// The id of each single byte.
     byte_ids: [TokenId; 256],
     /// `(left << 32) | right` to `(rank, merged id)`.
@@ -225,7 +343,7 @@ pub struct Tokenizer {
 impl fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Tokenizer")
-            .field("vocab", &self.encoder.len())
+            .field("vocab", &self.encoder.len)
             .field("merges", &self.merges.len())
             .field("added", &self.added.len())
             .field("normalizers", &self.normalizers)
@@ -490,6 +608,67 @@ struct Sym {
 
 const NONE: u32 = u32::MAX;
 
+/// Merges per parallel task when resolving them to ids.
+const MERGE_CHUNK: usize = 1 << 14;
+
+/// Resolves merges, written as byte-level spellings, to `(left << 32) | right` keys with
+/// their rank and merged id. Each part is decoded to bytes in a reused buffer and looked up in
+/// the vocabulary table; the merged token is the two parts' bytes together (decoding is per
+/// character, so that equals the lookup of the joined spelling). Chunks run in parallel; the
+/// first inconsistent merge (lowest rank) is the error reported, and the first occurrence of a
+/// pair wins, as in the tokenizers library.
+fn resolve_merges(
+    merges: &[MergeJson<'_>],
+    vocab: &VocabTable,
+    arena: &[u8],
+    table: &[Option<u8>],
+) -> Result<FxMap<u64, (u32, TokenId)>, LoadError> {
+    use rayon::prelude::*;
+    if merges.len() > u32::MAX as usize {
+        return Err(LoadError::Invalid(format!(
+            "{} merges is more than ranks can number",
+            merges.len()
+        )));
+    }
+    let resolve_chunk = |chunk: &[MergeJson<'_>]| -> Result<Vec<(u64, TokenId)>, LoadError> {
+        let mut out = Vec::with_capacity(chunk.len());
+        let mut buf = Vec::with_capacity(64);
+        let missing = |s: &str| LoadError::Invalid(format!("merge part {s:?} is not in the vocab"));
+        for MergeJson(a, b) in chunk {
+            buf.clear();
+            if !byte_level_decode_into(a, table, &mut buf) {
+                return Err(missing(a));
+            }
+            let la = buf.len();
+            if !byte_level_decode_into(b, table, &mut buf) {
+                return Err(missing(b));
+            }
+            let ia = vocab.get(&buf[..la], arena).ok_or_else(|| missing(a))?;
+            let ib = vocab.get(&buf[la..], arena).ok_or_else(|| missing(b))?;
+            let new = vocab.get(&buf, arena).ok_or_else(|| {
+                LoadError::Invalid(format!(
+                    "merge {a:?} {b:?} makes {:?}, not in the vocab",
+                    format!("{a}{b}")
+                ))
+            })?;
+            out.push(((u64::from(ia) << 32) | u64::from(ib), new));
+        }
+        Ok(out)
+    };
+    let resolved: Vec<Result<Vec<(u64, TokenId)>, LoadError>> =
+        merges.par_chunks(MERGE_CHUNK).map(resolve_chunk).collect();
+    let mut map: FxMap<u64, (u32, TokenId)> = FxMap::default();
+    map.reserve(merges.len());
+    let mut rank = 0u32;
+    for chunk in resolved {
+        for (key, new) in chunk? {
+            map.entry(key).or_insert((rank, new));
+            rank += 1;
+        }
+    }
+    Ok(map)
+}
+
 impl Tokenizer {
     /// Loads `DIR/tokenizer.json`.
     pub fn from_model_dir(dir: &Path) -> Result<Self, LoadError> {
@@ -548,7 +727,6 @@ impl Tokenizer {
         }
 
         let table = char_bytes();
-        // Vocabulary: token string (byte-level spelling) to bytes.
         let max_vocab = model.vocab.0.iter().map(|(_, id)| *id).max();
         let max_added = file.added_tokens.iter().map(|t| t.id).max();
         let max_id = max_vocab.max(max_added).ok_or_else(|| {
@@ -560,70 +738,44 @@ impl Tokenizer {
             )));
         }
         let n_ids = max_id as usize + 1;
+        // Vocabulary: each token's bytes (decoded from its byte-level spelling) go once into
+        // the arena; the table indexes them there.
         let mut spans = vec![(0u32, u32::MAX); n_ids];
-        let mut bytes = Vec::new();
-        let mut encoder: FxMap<Box<[u8]>, TokenId> = FxMap::default();
-        encoder.reserve(model.vocab.0.len());
+        let mut bytes = Vec::with_capacity(model.vocab.0.iter().map(|(t, _)| t.len()).sum());
+        let mut encoder = VocabTable::with_capacity(model.vocab.0.len());
         for (tok, id) in &model.vocab.0 {
-            let b = byte_level_decode(tok, &table).ok_or_else(|| {
-                LoadError::Unsupported(format!(
+            let start = bytes.len();
+            if !byte_level_decode_into(tok, &table, &mut bytes) {
+                return Err(LoadError::Unsupported(format!(
                     "vocab token {tok:?} is not in byte-level (GPT-2) spelling"
-                ))
-            })?;
+                )));
+            }
+            if bytes.len() > u32::MAX as usize {
+                return Err(LoadError::Invalid("vocabulary bytes exceed 4 GiB".into()));
+            }
+            let (start, len) = (start as u32, (bytes.len() - start) as u32);
             let slot = &mut spans[*id as usize];
             if slot.1 != u32::MAX {
                 return Err(LoadError::Invalid(format!(
                     "id {id} appears twice in the vocab"
                 )));
             }
-            *slot = (bytes.len() as u32, b.len() as u32);
-            bytes.extend_from_slice(&b);
-            if encoder.insert(b.into_boxed_slice(), *id).is_some() {
+            *slot = (start, len);
+            if encoder.insert(&bytes, start, len, *id).is_some() {
                 return Err(LoadError::Invalid(format!("token {tok:?} appears twice")));
             }
         }
         let mut byte_ids = [0; 256];
         let bc = byte_chars();
         for (b, slot) in byte_ids.iter_mut().enumerate() {
-            *slot = *encoder.get(&[b as u8][..]).ok_or_else(|| {
+            *slot = encoder.get(&[b as u8], &bytes).ok_or_else(|| {
                 LoadError::Invalid(format!(
                     "byte-level vocab has no token for byte 0x{b:02x} ({:?})",
                     bc[b]
                 ))
             })?;
         }
-        // Merges name tokens by their spelling: look them up as strings, no decoding, and
-        // join each pair in one reused buffer.
-        let mut by_str: FxMap<&str, TokenId> = FxMap::default();
-        by_str.reserve(model.vocab.0.len());
-        for (tok, id) in &model.vocab.0 {
-            by_str.insert(tok.as_ref(), *id);
-        }
-        let id_of = |s: &str| {
-            by_str
-                .get(s)
-                .copied()
-                .ok_or_else(|| LoadError::Invalid(format!("merge part {s:?} is not in the vocab")))
-        };
-        let mut merges: FxMap<u64, (u32, TokenId)> = FxMap::default();
-        merges.reserve(model.merges.len());
-        let mut joined = String::new();
-        for (rank, MergeJson(a, b)) in model.merges.iter().enumerate() {
-            let (ia, ib) = (id_of(a)?, id_of(b)?);
-            joined.clear();
-            joined.push_str(a);
-            joined.push_str(b);
-            let new = id_of(&joined).map_err(|_| {
-                LoadError::Invalid(format!(
-                    "merge {a:?} {b:?} makes {joined:?}, not in the vocab"
-                ))
-            })?;
-            // The first occurrence of a pair wins, as in the tokenizers library.
-            merges
-                .entry((u64::from(ia) << 32) | u64::from(ib))
-                .or_insert((rank as u32, new));
-        }
-
+        let merges = resolve_merges(&model.merges, &encoder, &bytes, &table)?;
         let mut special = vec![false; n_ids];
         let mut added: FxMap<Box<[u8]>, Added> = FxMap::default();
         let mut added_first = [false; 256];
@@ -686,7 +838,7 @@ impl Tokenizer {
     pub fn token_to_id(&self, token: &str) -> Option<TokenId> {
         match self.added.get(token.as_bytes()) {
             Some(a) => Some(a.id),
-            None => self.encoder.get(token.as_bytes()).copied(),
+            None => self.encoder.get(token.as_bytes(), &self.bytes),
         }
     }
 
@@ -841,7 +993,7 @@ impl Tokenizer {
             _ => {}
         }
         if self.ignore_merges {
-            if let Some(&id) = self.encoder.get(piece) {
+            if let Some(id) = self.encoder.get(piece, &self.bytes) {
                 out.push(id);
                 return;
             }
