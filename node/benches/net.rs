@@ -134,6 +134,7 @@ async fn quic(buf: Arc<Vec<u8>>, reps: usize) -> anyhow::Result<Vec<f64>> {
 fn expert_args(cache: &str) -> ExpertArgs {
     ExpertArgs {
         expert_cache: cache.into(),
+        prefetch: true,
         no_prefetch: false,
         mmap_experts: false,
         io_threads: 2,

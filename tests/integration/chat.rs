@@ -900,7 +900,9 @@ mod sessions {
     /// The tokens a fresh session computes for the whole prompt (no reuse possible).
     fn full_recompute(model: &Arc<Model>, prompt: &[u32], o: &GenerateOptions) -> Vec<u32> {
         let mut s = ChatSession::new(model.clone(), 512).expect("session");
-        let g = s.generate(prompt, o, |_| ControlFlow::Continue(())).expect("generate");
+        let g = s
+            .generate(prompt, o, |_| ControlFlow::Continue(()))
+            .expect("generate");
         assert_eq!(g.reused, 0, "a fresh session has nothing to reuse");
         g.ids
     }
@@ -926,7 +928,14 @@ mod sessions {
         let mut streamed = Vec::new();
         for turn in 0..5 {
             let prompt = prompts[turn].clone();
-            let o = opts(6, if turn % 2 == 0 { SamplingParams::default() } else { sampled });
+            let o = opts(
+                6,
+                if turn % 2 == 0 {
+                    SamplingParams::default()
+                } else {
+                    sampled
+                },
+            );
             streamed.clear();
             let got = sess
                 .generate(&prompt, &o, |id| {
@@ -935,15 +944,25 @@ mod sessions {
                 })
                 .expect("turn runs");
             let want_reused = lcp(&expected_cache, &prompt).min(prompt.len() - 1);
-            assert_eq!(got.reused, want_reused, "{name} turn {turn}: positions reused");
+            assert_eq!(
+                got.reused, want_reused,
+                "{name} turn {turn}: positions reused"
+            );
             assert_eq!(got.prompt_tokens, prompt.len());
             assert_eq!(got.finish, FinishReason::Length);
             assert_eq!(got.ids, streamed, "the callback sees every generated id");
             let reference = full_recompute(&model, &prompt, &o);
-            assert_eq!(got.ids, reference, "{name} turn {turn}: tokens differ from a full recompute");
+            assert_eq!(
+                got.ids, reference,
+                "{name} turn {turn}: tokens differ from a full recompute"
+            );
             expected_cache = prompt.clone();
             expected_cache.extend_from_slice(&got.ids[..got.ids.len() - 1]);
-            assert_eq!(sess.cached(), &expected_cache[..], "{name} turn {turn}: cached ids");
+            assert_eq!(
+                sess.cached(),
+                &expected_cache[..],
+                "{name} turn {turn}: cached ids"
+            );
             // The next turn's prompt.
             let next = match turn {
                 // A prefix extension: the reply and a new user turn appended.
@@ -1026,7 +1045,11 @@ mod sessions {
                 ControlFlow::Continue(())
             })
             .expect("fits");
-        assert_eq!(got.finish, FinishReason::ContextFull, "stops when the context is full");
+        assert_eq!(
+            got.finish,
+            FinishReason::ContextFull,
+            "stops when the context is full"
+        );
         assert_eq!(got.ids.len(), 40 - 30 + 1);
         let before = sess.cached().to_vec();
         assert_eq!(before.len(), 40);
@@ -1036,7 +1059,16 @@ mod sessions {
                 ControlFlow::Continue(())
             })
             .expect_err("41 tokens do not fit 40 positions");
-        assert!(matches!(err, SessionError::PromptTooLong { prompt: 41, context: 40 }), "{err}");
+        assert!(
+            matches!(
+                err,
+                SessionError::PromptTooLong {
+                    prompt: 41,
+                    context: 40
+                }
+            ),
+            "{err}"
+        );
         assert!(err.to_string().contains("41"), "{err}");
         let bad = [&p[..5], &[vocab as u32][..]].concat();
         let err = sess
@@ -1045,7 +1077,11 @@ mod sessions {
             })
             .expect_err("id out of range");
         assert!(matches!(err, SessionError::TokenOutOfRange { .. }), "{err}");
-        assert_eq!(sess.cached(), &before[..], "refused prompts leave the cache alone");
+        assert_eq!(
+            sess.cached(),
+            &before[..],
+            "refused prompts leave the cache alone"
+        );
         let mut n = 0;
         let got = sess
             .generate(&p, &opts(10, SamplingParams::default()), |_| {
@@ -1096,8 +1132,16 @@ fn chat_answers_piped_turns_and_reports_reuse() {
     let input = "Hello there\n/bogus\nAnd again?\n/reset\nHello there\n/quit\nnever read\n";
     let mut out = Vec::new();
     let mut notes = Vec::new();
-    converse(&w.args, &tm, input.as_bytes(), &mut out, &mut notes, false, false)
-        .expect("conversation runs");
+    converse(
+        &w.args,
+        &tm,
+        input.as_bytes(),
+        &mut out,
+        &mut notes,
+        false,
+        false,
+    )
+    .expect("conversation runs");
     let notes = String::from_utf8(notes).expect("utf-8");
     let out = String::from_utf8(out).expect("utf-8");
     let stats: Vec<&str> = notes.lines().filter(|l| l.starts_with("[prompt")).collect();
@@ -1106,7 +1150,10 @@ fn chat_answers_piped_turns_and_reports_reuse() {
     assert!(notes.contains("(conversation reset)"), "{notes}");
     // A random-weight model leaves Harmony's header unfinished; past that the reply shows as
     // plain text, so there is text to see.
-    assert!(out.chars().any(|c| !c.is_whitespace()), "replies were printed: {out:?}");
+    assert!(
+        out.chars().any(|c| !c.is_whitespace()),
+        "replies were printed: {out:?}"
+    );
     let reused = |l: &str| -> usize {
         l.split(", ")
             .nth(1)

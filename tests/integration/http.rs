@@ -61,6 +61,7 @@ pub(crate) fn synth_model() -> &'static Path {
 pub(crate) fn expert_args() -> ExpertArgs {
     ExpertArgs {
         expert_cache: "64MiB".into(),
+        prefetch: false,
         no_prefetch: false,
         mmap_experts: true,
         io_threads: 1,

@@ -62,6 +62,7 @@ fn setup(name: &str) -> Fixture {
 fn expert_args() -> ExpertArgs {
     ExpertArgs {
         expert_cache: "auto".into(),
+        prefetch: true,
         no_prefetch: false,
         mmap_experts: false,
         io_threads: 2,
