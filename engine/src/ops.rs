@@ -122,10 +122,10 @@ mod tests {
         for i in 16..19 {
             want += a[i] * b[i];
         }
-        assert_eq!(super::dot(&a, &b).to_bits(), want.to_bits());
+        assert_eq!(dot(&a, &b).to_bits(), want.to_bits());
         let exact: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
-        assert!((super::dot(&a, &b) as f64 - exact).abs() < 1e-4);
-        assert_eq!(super::dot(&[], &[]), 0.0);
+        assert!((dot(&a, &b) as f64 - exact).abs() < 1e-4);
+        assert_eq!(dot(&[], &[]), 0.0);
     }
 
     use super::*;

@@ -215,13 +215,13 @@ impl Geometry {
                 return bad(format!("{name} must be between 1 and {MAX_DIM}, got {v}"));
             }
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return bad(format!(
                 "heads ({}) must be a multiple of kv-heads ({})",
                 self.heads, self.kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!(
                 "head-dim must be even for RoPE, got {}",
                 self.head_dim

@@ -72,7 +72,7 @@ impl Fill {
                 let mut k = start;
                 let mut pos = 0usize;
                 // Unaligned head, one byte at a time.
-                while pos < out.len() && k % 4 != 0 {
+                while pos < out.len() && !k.is_multiple_of(4) {
                     out[pos] = byte_at(k, rng::draw(key, k / 4));
                     pos += 1;
                     k += 1;
