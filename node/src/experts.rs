@@ -87,7 +87,11 @@ impl Experts {
         local_disk: bool,
         allowed: Option<Vec<Vec<bool>>>,
     ) -> anyhow::Result<Self> {
-        if local_disk && crate::net::pull::Pulled::dense_only(&files.dir)? {
+        let uses_local = local_disk
+            && allowed
+                .as_ref()
+                .is_none_or(|a| a.iter().flatten().any(|&on| on));
+        if uses_local && crate::net::pull::Pulled::dense_only(&files.dir)? {
             anyhow::bail!(
                 "{} was pulled without its experts (see {}): its expert bytes are holes; run it with `stormo run --peer ...` so experts come from peers",
                 files.dir.display(),
