@@ -18,6 +18,22 @@ use stormo_node::net::tls::Admission;
 use stormo_node::net::{self, PeerAddr, PeerArgs};
 use stormo_tests::{fixture, Reference, MODEL_FIXTURES};
 
+/// `n` greedy ids after `prompt`, and the session that made them.
+fn greedy_ids(model: &Model, prompt: &[u32], n: usize) -> (Vec<u32>, stormo_engine::Session) {
+    let mut sess = model.session(prompt.len() + n).expect("session");
+    let got = greedy(
+        model,
+        &mut sess,
+        prompt,
+        n,
+        &[],
+        |_, _| {},
+        &mut Timings::default(),
+    )
+    .expect("generation");
+    (got, sess)
+}
+
 /// Short timeouts so that failure cases finish quickly.
 fn quick() -> PeerConfig {
     PeerConfig {
@@ -216,17 +232,7 @@ fn generate_from(f: &Fixture, name: &str, tier: Arc<PeerTier>) -> (Vec<u32>, Vec
         &cfg,
     ));
     let model = Model::new(files, t.clone(), &LoadOptions::default()).expect("model");
-    let mut sess = model.session(prompt.len() + want.len()).expect("session");
-    let got = greedy(
-        &model,
-        &mut sess,
-        &prompt,
-        want.len(),
-        &[],
-        |_, _| {},
-        &mut Timings::default(),
-    )
-    .expect("generation with experts from peers");
+    let (got, _) = greedy_ids(&model, &prompt, want.len());
     let loads = t.stats().tiers[0].loads;
     (got, want, loads)
 }
@@ -666,17 +672,7 @@ fn run_node(
     let want = r.ids("generated_ids");
     let model =
         Model::new(files, experts.provider.clone(), &LoadOptions::default()).expect("model");
-    let mut sess = model.session(prompt.len() + want.len()).expect("session");
-    let got = greedy(
-        &model,
-        &mut sess,
-        &prompt,
-        want.len(),
-        &[],
-        |_, _| {},
-        &mut Timings::default(),
-    )
-    .expect("generation");
+    let (got, sess) = greedy_ids(&model, &prompt, want.len());
     tiers.close();
     let mut json = experts.json(sess.prediction());
     tiers.add_json(&mut json);
