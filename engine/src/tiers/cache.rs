@@ -13,7 +13,9 @@ use crate::moe::{ExpertData, ExpertProvider};
 pub struct TierConfig {
     /// Byte budget for cached experts (raised to at least one layer's top-k).
     pub budget: u64,
-    /// Load predicted experts of the next layer while the current one computes.
+    /// Load predicted experts of the next layer while the current one computes. Off by
+    /// default: at gpt-oss-20b geometry with budgets below the experts it read more from disk
+    /// and ran slower (README, Performance).
     pub prefetch: bool,
     /// Share of the budget that hot experts (by usage counts) may hold and keep.
     pub hot_fraction: f64,
@@ -23,7 +25,7 @@ impl Default for TierConfig {
     fn default() -> Self {
         Self {
             budget: u64::MAX,
-            prefetch: true,
+            prefetch: false,
             hot_fraction: 0.5,
         }
     }
