@@ -278,6 +278,18 @@ fn peers_holding_parts_supply_exact_generation_on_every_fixture() {
     }
 }
 
+/// A copy of the model folder `src` whose experts are then corrupted (its manifest still
+/// describes the original bytes).
+fn corrupted_copy(src: &Path) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for e in std::fs::read_dir(src).expect("dir") {
+        let e = e.expect("entry");
+        std::fs::copy(e.path(), dir.path().join(e.file_name())).expect("copy");
+    }
+    corrupt_experts(dir.path());
+    dir
+}
+
 /// Flips one byte of every expert tensor's data in `dir` (after the manifest was built).
 fn corrupt_experts(dir: &Path) {
     let files = ModelFiles::open(dir).expect("model files");
@@ -305,12 +317,7 @@ fn corrupt_experts(dir: &Path) {
 fn corrupt_peer_is_detected_and_named_and_output_is_identical() {
     let name = "qwen3moe-tiny";
     let f = setup(name);
-    let bad_dir = tempfile::tempdir().expect("tempdir");
-    for e in std::fs::read_dir(f.dir.path()).expect("dir") {
-        let e = e.expect("entry");
-        std::fs::copy(e.path(), bad_dir.path().join(e.file_name())).expect("copy");
-    }
-    corrupt_experts(bad_dir.path());
+    let bad_dir = corrupted_copy(f.dir.path());
     let bad = serve_dir(20, bad_dir.path(), None, allow_client());
     let good = serve_dir(21, f.dir.path(), None, allow_client());
     let tier = peer_tier(&f, vec![bad.addr(), good.addr()]);
@@ -707,12 +714,7 @@ fn num(j: &serde_json::Value, k: &str) -> u64 {
 fn peers_first_falls_back_to_the_local_disk_when_peers_lie_or_die() {
     let name = "gptoss-tiny-mxfp4";
     let f = setup(name);
-    let bad_dir = tempfile::tempdir().expect("tempdir");
-    for e in std::fs::read_dir(f.dir.path()).expect("dir") {
-        let e = e.expect("entry");
-        std::fs::copy(e.path(), bad_dir.path().join(e.file_name())).expect("copy");
-    }
-    corrupt_experts(bad_dir.path());
+    let bad_dir = corrupted_copy(f.dir.path());
     let liar = serve_dir(90, bad_dir.path(), None, allow_client());
     let (h, _e) = serve::open_holdings(f.dir.path(), None, &expert_args(), None).expect("holdings");
     let cell = Arc::new(OnceLock::new());
