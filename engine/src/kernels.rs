@@ -235,16 +235,11 @@ const fn e8m0_const(s: u8) -> f32 {
     }
 }
 
-const fn scale_table(half: bool) -> [f32; 256] {
+const fn scale_table() -> [f32; 256] {
     let mut t = [0f32; 256];
     let mut s = 0;
     while s < 256 {
-        // Halving a power of two (or 2^-127, or inf) is exact.
-        t[s] = if half {
-            e8m0_const(s as u8) / 2.0
-        } else {
-            e8m0_const(s as u8)
-        };
+        t[s] = e8m0_const(s as u8);
         s += 1;
     }
     t
@@ -252,10 +247,7 @@ const fn scale_table(half: bool) -> [f32; 256] {
 
 /// [`e8m0_to_f32`] by byte.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) static SCALE: [f32; 256] = scale_table(false);
-/// Half of [`e8m0_to_f32`] by byte (for kernels that decode FP4 as doubled integers).
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) static HALF_SCALE: [f32; 256] = scale_table(true);
+pub(crate) static SCALE: [f32; 256] = scale_table();
 
 // ---- tiers and dispatch ----
 
@@ -572,6 +564,46 @@ pub fn matvec(w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
 fn matvec_in(tier: Tier, w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), w.cols(), "matvec input width");
     assert_eq!(y.len(), w.rows(), "matvec output width");
+    in_kernel_order(tier, w, x, |x| matvec_ordered(tier, w, x, y))
+}
+
+/// How `tier`'s MXFP4 kernels want their inputs arranged within each block of 32, if not in
+/// element order.
+fn mxfp4_input_order(tier: Tier) -> Option<fn(&[f32], &mut [f32])> {
+    match tier {
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx2 => Some(avx2::mxfp4_permute),
+        _ => None,
+    }
+}
+
+thread_local! {
+    /// Reused buffer for permuted kernel inputs (taken while in use, so a nested call on the
+    /// same thread gets a fresh one instead of a conflict).
+    static INPUT: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+}
+
+/// Runs `f` on `xs` arranged as `tier`'s kernels for `w` want them (a permuted copy for
+/// MXFP4 on tiers that decode blocks out of element order; `xs` itself otherwise).
+fn in_kernel_order<R>(tier: Tier, w: &Mat<'_>, xs: &[f32], f: impl FnOnce(&[f32]) -> R) -> R {
+    let permute = match w {
+        Mat::Mxfp4 { .. } => mxfp4_input_order(tier),
+        _ => None,
+    };
+    let Some(permute) = permute else {
+        return f(xs);
+    };
+    let mut buf = INPUT.take();
+    buf.clear();
+    buf.resize(xs.len(), 0.0);
+    permute(xs, &mut buf);
+    let r = f(&buf);
+    INPUT.set(buf);
+    r
+}
+
+/// [`matvec_in`] on inputs already in the kernel's order.
+fn matvec_ordered(tier: Tier, w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
     let rows = w.rows();
     if rows == 0 {
         return;
@@ -629,12 +661,21 @@ fn matmul_in(tier: Tier, w: &Mat<'_>, xs: &[f32], ys: &mut [f32]) {
     assert_eq!(xs.len() % cols, 0, "matmul input width");
     let t = xs.len() / cols;
     assert_eq!(ys.len(), t * rows, "matmul output size");
-    if t == 1 {
-        return matvec_in(tier, w, xs, ys);
-    }
     if rows == 0 || t == 0 {
         return;
     }
+    in_kernel_order(tier, w, xs, |xs| {
+        if t == 1 {
+            matvec_ordered(tier, w, xs, ys)
+        } else {
+            matmul_ordered(tier, w, xs, ys, t)
+        }
+    })
+}
+
+/// [`matmul_in`] of `t > 1` positions on inputs already in the kernel's order.
+fn matmul_ordered(tier: Tier, w: &Mat<'_>, xs: &[f32], ys: &mut [f32], t: usize) {
+    let (rows, cols) = (w.rows(), w.cols());
     let ptr = SendPtr(ys.as_mut_ptr());
     let work = w.byte_len().saturating_mul(t.min(8));
     if let Mat::DenseT { .. } = w {
@@ -1066,14 +1107,9 @@ mod tests {
     }
 
     #[test]
-    fn half_scales_are_exact_halves() {
+    fn scale_table_matches_e8m0() {
         for s in 0..=255u8 {
             assert_eq!(SCALE[s as usize], e8m0_to_f32(s), "scale {s}");
-            assert_eq!(
-                HALF_SCALE[s as usize] * 2.0,
-                e8m0_to_f32(s),
-                "half scale {s}"
-            );
         }
     }
 }

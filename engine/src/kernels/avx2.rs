@@ -12,13 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Float, Mat, Outs, BF16, F16, F32, HALF_SCALE, I8};
-
-/// Twice the FP4 E2M1 value of each nibble, as int8 (both 128-bit lanes).
-const FP4_X2: [i8; 32] = [
-    0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, //
-    0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-];
+use super::{Float, Mat, Outs, BF16, F16, F32, I8, SCALE};
 
 /// True if this CPU runs the tier.
 pub(super) fn supported() -> bool {
@@ -307,40 +301,100 @@ unsafe fn mxfp4_rows(
         }};
     }
     match p {
-        1 => sweep!(4, 1),
+        1 => sweep!(1, 1),
         2 => sweep!(1, 2),
         3 => sweep!(1, 3),
         _ => sweep!(1, 4),
     }
 }
 
-/// 32 weights of one MXFP4 block (16 bytes at `b`), as four vectors of 8 f32 in element
-/// order, each twice its FP4 value.
+/// The order in which [`decode_block`] yields a block's 32 weights: lane `k` of the four
+/// vectors holds element `MXFP4_ORDER[k]` of the block. Kernel inputs are permuted to match once
+/// per call ([`mxfp4_permute`]), so the decode needs no interleaving shuffles.
+pub(super) const MXFP4_ORDER: [usize; 32] = [
+    0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, //
+    16, 18, 20, 22, 17, 19, 21, 23, 24, 26, 28, 30, 25, 27, 29, 31,
+];
+
+/// Rearranges positions of `cols` inputs (a multiple of 32) into [`MXFP4_ORDER`] within each
+/// block of 32.
+pub(super) fn mxfp4_permute(xs: &[f32], out: &mut [f32]) {
+    for (o, x) in out.chunks_exact_mut(32).zip(xs.chunks_exact(32)) {
+        for (d, &k) in o.iter_mut().zip(&MXFP4_ORDER) {
+            *d = x[k];
+        }
+    }
+}
+
+/// High and low bytes of each FP4 value as bf16 (exact: FP4 values have two mantissa bits),
+/// by nibble, in both 128-bit lanes.
+const FP4_BF16: ([u8; 32], [u8; 32]) = {
+    let mut hi = [0u8; 32];
+    let mut lo = [0u8; 32];
+    let mut i = 0;
+    while i < 32 {
+        let bits = super::FP4_LUT[i % 16].to_bits();
+        hi[i] = (bits >> 24) as u8;
+        lo[i] = (bits >> 16) as u8;
+        i += 1;
+    }
+    (hi, lo)
+};
+
+/// Constants of [`decode_block`], loaded once per call.
+#[derive(Clone, Copy)]
+struct Fp4Consts {
+    hi: __m256i,
+    lo: __m256i,
+    nibble: __m256i,
+    shifts: __m256i,
+}
+
+impl Fp4Consts {
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn new() -> Self {
+        // SAFETY: 32-byte tables read unaligned.
+        unsafe {
+            Self {
+                hi: _mm256_loadu_si256(FP4_BF16.0.as_ptr() as *const __m256i),
+                lo: _mm256_loadu_si256(FP4_BF16.1.as_ptr() as *const __m256i),
+                nibble: _mm256_set1_epi8(0x0f),
+                shifts: _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4),
+            }
+        }
+    }
+}
+
+/// 32 weights of one MXFP4 block (16 bytes at `b`) as four vectors of 8 f32, unscaled, in
+/// [`MXFP4_ORDER`]: the low lane takes the low nibbles (even elements), the high lane the high
+/// nibbles, two byte shuffles give each value's bf16 bytes and interleaving them with zeros
+/// gives the f32.
 ///
 /// # Safety
 /// The CPU supports the tier and 16 bytes at `b` are readable.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode_block(b: *const u8, lut: __m256i, low: __m256i) -> [__m256; 4] {
+unsafe fn decode_block(b: *const u8, c: Fp4Consts) -> [__m256; 4] {
     // SAFETY: 16 readable bytes (caller); unaligned load.
     let v = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(b as *const __m128i) });
-    let lo = _mm256_and_si256(v, low);
-    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
-    // Byte j holds elements 2j (low nibble) and 2j+1 (high): interleave to element order,
-    // elements 0..16 in the low lane and 16..32 in the high lane.
-    let e = _mm256_blend_epi32::<0xf0>(_mm256_unpacklo_epi8(lo, hi), _mm256_unpackhi_epi8(lo, hi));
-    let q = _mm256_shuffle_epi8(lut, e);
-    let (q0, q1) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
-    let f = |h: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h));
+    let idx = _mm256_and_si256(_mm256_srlv_epi32(v, c.shifts), c.nibble);
+    let hb = _mm256_shuffle_epi8(c.hi, idx);
+    let lb = _mm256_shuffle_epi8(c.lo, idx);
+    let w0 = _mm256_unpacklo_epi8(lb, hb);
+    let w1 = _mm256_unpackhi_epi8(lb, hb);
+    let z = _mm256_setzero_si256();
     [
-        f(q0),
-        f(_mm_srli_si128::<8>(q0)),
-        f(q1),
-        f(_mm_srli_si128::<8>(q1)),
+        _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, w0)),
+        _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, w0)),
+        _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, w1)),
+        _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, w1)),
     ]
 }
 
-/// Dot products of `R` MXFP4 rows (`nb` blocks each) with `P` positions.
+/// Dot products of `R` MXFP4 rows (`nb` blocks each) with `P` positions in [`MXFP4_ORDER`].
+/// Per (row, position): each block's 32 products are summed in lanes, the sum scaled by the
+/// block's E8M0 scale and added to the accumulator.
 ///
 /// # Safety
 /// The CPU supports the tier; each `b[k]` points to `16 * nb` readable bytes, each `s[k]` to
@@ -353,16 +407,14 @@ unsafe fn mxfp4_dot<const R: usize, const P: usize>(
     x: [*const f32; P],
     nb: usize,
 ) -> [[f32; P]; R] {
-    // SAFETY: a 32-byte table read unaligned.
-    let lut = unsafe { _mm256_loadu_si256(FP4_X2.as_ptr() as *const __m256i) };
-    let low = _mm256_set1_epi8(0x0f);
+    let c = Fp4Consts::new();
     let mut acc = [[_mm256_setzero_ps(); P]; R];
     for blk in 0..nb {
         for k in 0..R {
             // SAFETY: `blk < nb` (caller's bounds).
-            let w = unsafe { decode_block(b[k].add(16 * blk), lut, low) };
+            let w = unsafe { decode_block(b[k].add(16 * blk), c) };
             // SAFETY: as above.
-            let sc = _mm256_set1_ps(HALF_SCALE[unsafe { *s[k].add(blk) } as usize]);
+            let sc = _mm256_set1_ps(SCALE[unsafe { *s[k].add(blk) } as usize]);
             for q in 0..P {
                 // SAFETY: elements `32 * blk .. 32 * blk + 32` of a position (caller).
                 unsafe {
