@@ -567,9 +567,12 @@ fn matvec_in(tier: Tier, w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
     in_kernel_order(tier, w, x, |x| matvec_ordered(tier, w, x, y))
 }
 
+/// Rearranges kernel inputs (`xs` into `out`, same length).
+type Permute = fn(&[f32], &mut [f32]);
+
 /// How `tier`'s MXFP4 kernels want their inputs arranged within each block of 32, if not in
 /// element order.
-fn mxfp4_input_order(tier: Tier) -> Option<fn(&[f32], &mut [f32])> {
+fn mxfp4_input_order(tier: Tier) -> Option<Permute> {
     match tier {
         #[cfg(target_arch = "x86_64")]
         Tier::Avx2 => Some(avx2::mxfp4_permute),
