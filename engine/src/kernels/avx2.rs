@@ -108,6 +108,7 @@ unsafe fn rows_impl(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out:
 ///
 /// # Safety
 /// As [`rows_impl`]; `bytes` holds at least `(r0 + n) * cols` elements of format `FMT`.
+#[inline(never)] // a profile shows each kernel apart
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dense_rows<const FMT: u8>(
     bytes: &[u8],
@@ -255,6 +256,7 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
 /// # Safety
 /// As [`rows_impl`]: rows `r0 .. r0 + n` of `blocks`/`scales` and `p` positions in bounds.
 #[allow(clippy::too_many_arguments)]
+#[inline(never)] // a profile shows each kernel apart
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn mxfp4_rows(
     blocks: &[u8],
@@ -444,6 +446,7 @@ unsafe fn mxfp4_dot<const R: usize, const P: usize>(
 /// # Safety
 /// The CPU supports the tier; `w` holds `cols` rows of `ld` elements of format `FMT`,
 /// `o0 + n <= ld`, `x` holds `P` positions of `cols` f32 and each `y[q]` has `n` elements.
+#[inline(never)] // a profile shows each kernel apart
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dense_t<const FMT: u8, const P: usize>(
     w: &[u8],

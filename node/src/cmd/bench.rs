@@ -33,8 +33,9 @@ pub struct Args {
     /// Seed of the random prompt tokens.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Warm the expert cache with one untimed prefill first (experts resident, as in a
-    /// long-running server), instead of timing from a cold cache.
+    /// Warm the expert cache before timing, as in a long-running server: load every expert
+    /// when the cache budget holds them all (experts resident), else run one untimed prefill
+    /// of the longest prompt. Without it, timing starts from a cold cache.
     #[arg(long)]
     pub warm: bool,
     /// Size of the buffer used to measure memory bandwidth.
@@ -222,6 +223,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let bpt = bytes_per_token(&files, a.int8_attn_head);
     let vocab = files.cfg.vocab_size as u64;
     let experts = Experts::build(&files, &a.experts, context, Vec::new(), true, None)?;
+    let sizes = files.layout.sizes();
     let model = Model::new(
         files,
         experts.provider.clone(),
@@ -235,8 +237,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next() % vocab) as u32).collect() };
     if a.warm {
         say("warming the expert cache...".into());
-        let mut s = model.session(max_p)?;
-        model.forward(&mut s, &prompt(max_p), Logits::Last, None)?;
+        let all: u64 = sizes.iter().flatten().sum();
+        match &experts.tiered {
+            Some(t) if t.budget() >= all => {
+                // Every expert fits: load them all, so decode and prefill run resident.
+                let mut out = Vec::new();
+                for (layer, l) in sizes.iter().enumerate() {
+                    let ids: Vec<usize> = (0..l.len()).collect();
+                    let batch = experts.provider.max_batch(layer).max(1);
+                    for chunk in ids.chunks(batch) {
+                        experts.provider.fetch(layer, chunk, &mut out)?;
+                        out.clear();
+                    }
+                }
+            }
+            _ => {
+                let mut s = model.session(max_p)?;
+                model.forward(&mut s, &prompt(max_p), Logits::Last, None)?;
+            }
+        }
     }
     let mut prefill = Vec::new();
     let mut last = None;
