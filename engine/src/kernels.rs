@@ -405,7 +405,10 @@ pub(crate) fn check_rows(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize,
         out.len() >= p * n,
         "kernel output holds fewer than {p} x {n}"
     );
-    assert!(p <= 4, "kernel takes at most 4 positions");
+    assert!(
+        p <= MAX_POSITIONS,
+        "kernel takes at most {MAX_POSITIONS} positions"
+    );
     match *w {
         Mat::Dense { fmt, bytes, .. } => {
             assert!(
@@ -642,6 +645,18 @@ fn matvec_ordered(tier: Tier, w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
 
 /// Positions a prefill kernel call takes at once (each weight row is read once per group).
 const GROUP: usize = 4;
+/// Most positions any row kernel takes (see [`group_for`]).
+const MAX_POSITIONS: usize = 8;
+
+/// Positions per row-kernel call for `w` on `tier`: more where decoding the weights costs
+/// more than the multiply-adds (MXFP4 on AVX2).
+fn group_for(tier: Tier, w: &Mat<'_>) -> usize {
+    match (tier, w) {
+        #[cfg(target_arch = "x86_64")]
+        (Tier::Avx2, Mat::Mxfp4 { .. }) => avx2::MXFP4_POSITIONS,
+        _ => GROUP,
+    }
+}
 /// Most rows in one prefill tile.
 const MAX_TILE: usize = 64;
 /// Bytes of weights a prefill tile aims for (re-read from L1/L2 for every position group).
@@ -732,9 +747,10 @@ fn matmul_ordered(tier: Tier, w: &Mat<'_>, xs: &[f32], ys: &mut [f32], t: usize)
     let run = |k: usize| {
         let r0 = k * tile;
         let n = tile.min(rows - r0);
-        let mut buf = [0f32; GROUP * MAX_TILE];
-        for g in (0..t).step_by(GROUP) {
-            let p = GROUP.min(t - g);
+        let group = group_for(tier, w);
+        let mut buf = [0f32; MAX_POSITIONS * MAX_TILE];
+        for g in (0..t).step_by(group) {
+            let p = group.min(t - g);
             rows_in(
                 tier,
                 w,

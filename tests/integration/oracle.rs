@@ -1,6 +1,7 @@
 //! The engine against Transformers' outputs on the oracle fixtures.
 
 use stormo_engine::generate::{argmax, greedy, Timings};
+use stormo_engine::kernels::{with_tier, Tier};
 use stormo_engine::{LoadOptions, Logits, Model, Observer};
 use stormo_tests::{fixture, max_abs, Reference, MODEL_FIXTURES};
 
@@ -135,5 +136,60 @@ fn greedy_generation_matches_transformers() {
         for (i, row) in got_logits.chunks(v).enumerate() {
             assert_eq!(argmax(row), want_ids[i]);
         }
+    }
+}
+
+/// Every fixture, main and extra, generates the reference's greedy ids with each SIMD tier
+/// this CPU runs forced in turn (the scalar reference included), logits within 1e-3.
+#[test]
+fn every_simd_tier_generates_the_reference_tokens() {
+    let mut cases: Vec<(String, Vec<u32>, Vec<u32>, std::path::PathBuf)> = MODEL_FIXTURES
+        .iter()
+        .map(|name| {
+            let dir = fixture(name);
+            let r = Reference::open(&dir);
+            (
+                name.to_string(),
+                r.ids("input_ids"),
+                r.ids("generated_ids"),
+                dir,
+            )
+        })
+        .collect();
+    for dir in stormo_tests::extra_fixtures() {
+        let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
+        let j: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let ids = |k: &str| -> Vec<u32> {
+            j[k].as_array()
+                .unwrap_or_else(|| panic!("{}: {k}", dir.display()))
+                .iter()
+                .map(|v| v.as_u64().expect("id") as u32)
+                .collect()
+        };
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        cases.push((name, ids("input_ids"), ids("generated_ids"), dir));
+    }
+    assert!(cases.len() > MODEL_FIXTURES.len(), "extra fixtures found");
+    let tiers = Tier::available();
+    assert!(tiers.contains(&Tier::Scalar));
+    for tier in tiers {
+        for (name, ids, want, dir) in &cases {
+            let model = Model::load(dir, &LoadOptions::default()).unwrap();
+            let mut sess = model.session(ids.len() + want.len()).unwrap();
+            let got = with_tier(tier, || {
+                greedy(
+                    &model,
+                    &mut sess,
+                    ids,
+                    want.len(),
+                    &[],
+                    |_, _| {},
+                    &mut Timings::default(),
+                )
+            })
+            .unwrap();
+            assert_eq!(&got, want, "{name} with the {tier} kernels: generated ids");
+        }
+        eprintln!("{tier}: {} fixtures token-exact", cases.len());
     }
 }

@@ -22,12 +22,16 @@ pub(super) fn supported() -> bool {
 }
 
 /// Output rows `r0 .. r0 + n` of a row-major matrix (`Dense` or `Mxfp4`) for `p` positions
-/// `xs` (`[p, cols]`, `p <= 4`) into `out` (`[p, n]`).
+/// `xs` (`[p, cols]`, `p <= 4`, or [`MXFP4_POSITIONS`] for MXFP4) into `out` (`[p, n]`).
 pub(super) fn rows(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
     if !supported() {
         return super::scalar::rows(w, r0, n, xs, p, out);
     }
     super::check_rows(w, r0, n, xs, p, out);
+    assert!(
+        p <= 4 || matches!(w, Mat::Mxfp4 { .. }) && p <= MXFP4_POSITIONS,
+        "kernel takes at most 4 positions ({MXFP4_POSITIONS} for MXFP4)"
+    );
     // SAFETY: the CPU supports avx2, fma and f16c (checked above) and `check_rows` verified
     // that rows `r0 .. r0 + n`, `p` positions of `xs` and `p * n` outputs are in bounds.
     unsafe { rows_impl(w, r0, n, xs, p, out) }
@@ -251,7 +255,12 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
     out
 }
 
-/// Dispatches MXFP4 rows and positions to the `R x P` kernels.
+/// Rows of an MXFP4 matrix for `p <= MXFP4_POSITIONS` positions: one row at a time (a
+/// single sequential stream of weights) for one position; for several, slabs of
+/// [`SLAB`] blocks so the slab's inputs of every position stay in L1 while each row of the
+/// tile passes over them, with the accumulators kept between slabs. Either way a (row,
+/// position)'s blocks are accumulated in increasing order by the same arithmetic
+/// ([`mxfp4_acc`]), so the result does not depend on `p`.
 ///
 /// # Safety
 /// As [`rows_impl`]: rows `r0 .. r0 + n` of `blocks`/`scales` and `p` positions in bounds.
@@ -268,45 +277,86 @@ unsafe fn mxfp4_rows(
     p: usize,
     out: &mut [f32],
 ) {
+    // SAFETY (whole body): bounds forwarded from the caller.
+    unsafe {
+        match p {
+            1 => mxfp4_tile::<1>(blocks, scales, cols, r0, n, xs, out),
+            2 => mxfp4_tile::<2>(blocks, scales, cols, r0, n, xs, out),
+            3 => mxfp4_tile::<3>(blocks, scales, cols, r0, n, xs, out),
+            4 => mxfp4_tile::<4>(blocks, scales, cols, r0, n, xs, out),
+            5 => mxfp4_tile::<5>(blocks, scales, cols, r0, n, xs, out),
+            6 => mxfp4_tile::<6>(blocks, scales, cols, r0, n, xs, out),
+            7 => mxfp4_tile::<7>(blocks, scales, cols, r0, n, xs, out),
+            _ => mxfp4_tile::<8>(blocks, scales, cols, r0, n, xs, out),
+        }
+    }
+}
+
+/// Most positions one MXFP4 kernel call takes.
+pub(super) const MXFP4_POSITIONS: usize = 8;
+/// Blocks per column slab when several positions share a call (8 positions x 16 blocks of
+/// inputs = 16 KiB).
+const SLAB: usize = 16;
+/// Rows whose accumulators a multi-position call keeps at once.
+const SLAB_ROWS: usize = 32;
+
+/// [`mxfp4_rows`] for `P` positions.
+///
+/// # Safety
+/// As [`mxfp4_rows`].
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn mxfp4_tile<const P: usize>(
+    blocks: &[u8],
+    scales: &[u8],
+    cols: usize,
+    r0: usize,
+    n: usize,
+    xs: &[f32],
+    out: &mut [f32],
+) {
     let nb = cols / 32;
     let (bb, sb) = (blocks.as_ptr(), scales.as_ptr());
-    let x = |q: usize| xs[q * cols..].as_ptr();
-    macro_rules! run {
-        ($r:literal, $p:literal, $i:expr) => {{
-            let i = $i;
-            // SAFETY: rows `r0 + i .. r0 + i + $r` are in bounds (caller).
-            let b: [*const u8; $r] =
-                std::array::from_fn(|k| unsafe { bb.add((r0 + i + k) * nb * 16) });
-            // SAFETY: as above.
-            let s: [*const u8; $r] = std::array::from_fn(|k| unsafe { sb.add((r0 + i + k) * nb) });
-            let xp: [*const f32; $p] = std::array::from_fn(x);
-            // SAFETY: whole rows of `nb` blocks and positions of `cols` f32 (caller).
-            let v = unsafe { mxfp4_dot::<$r, $p>(b, s, xp, nb) };
-            for k in 0..$r {
-                for q in 0..$p {
-                    out[q * n + i + k] = v[k][q];
+    let x: [*const f32; P] = std::array::from_fn(|q| xs[q * cols..].as_ptr());
+    let c = Fp4Consts::new();
+    // SAFETY: rows `r0 + i` for `i < n` are in bounds (caller).
+    let row = |i: usize| unsafe { (bb.add((r0 + i) * nb * 16), sb.add((r0 + i) * nb)) };
+    if P == 1 {
+        for (i, o) in out[..n].iter_mut().enumerate() {
+            let (b, s) = row(i);
+            let mut acc = [_mm256_setzero_ps(); P];
+            // SAFETY: a whole row of `nb` blocks and a position of `cols` f32 (caller).
+            unsafe { mxfp4_acc::<P>(b, s, x, 0, nb, c, &mut acc) };
+            *o = hsum(acc[0]);
+        }
+        return;
+    }
+    let mut acc = [[_mm256_setzero_ps(); P]; SLAB_ROWS];
+    for i0 in (0..n).step_by(SLAB_ROWS) {
+        let m = SLAB_ROWS.min(n - i0);
+        acc[..m].fill([_mm256_setzero_ps(); P]);
+        for b0 in (0..nb).step_by(SLAB) {
+            let b1 = nb.min(b0 + SLAB);
+            for (k, a) in acc[..m].iter_mut().enumerate() {
+                let (b, s) = row(i0 + k);
+                // Rows lie apart, so the hardware does not see this walk as a stream: fetch
+                // the slab of the row after next while this one computes (a hint, harmless
+                // past the end).
+                let ahead = 2 * nb * 16;
+                for off in (16 * b0..16 * b1).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(ahead + off) as *const i8);
                 }
+                _mm_prefetch::<_MM_HINT_T0>(s.wrapping_add(2 * nb + b0) as *const i8);
+                // SAFETY: blocks `b0 .. b1 <= nb` of a row and of each position (caller).
+                unsafe { mxfp4_acc::<P>(b, s, x, b0, b1, c, a) };
             }
-        }};
-    }
-    macro_rules! sweep {
-        ($r:literal, $p:literal) => {{
-            let mut i = 0;
-            while n - i >= $r {
-                run!($r, $p, i);
-                i += $r;
+        }
+        for (k, a) in acc[..m].iter().enumerate() {
+            for q in 0..P {
+                out[q * n + i0 + k] = hsum(a[q]);
             }
-            while i < n {
-                run!(1, $p, i);
-                i += 1;
-            }
-        }};
-    }
-    match p {
-        1 => sweep!(1, 1),
-        2 => sweep!(1, 2),
-        3 => sweep!(1, 3),
-        _ => sweep!(1, 4),
+        }
     }
 }
 
@@ -394,49 +444,41 @@ unsafe fn decode_block(b: *const u8, c: Fp4Consts) -> [__m256; 4] {
     ]
 }
 
-/// Dot products of `R` MXFP4 rows (`nb` blocks each) with `P` positions in [`MXFP4_ORDER`].
-/// Per (row, position): each block's 32 products are summed in lanes, the sum scaled by the
-/// block's E8M0 scale and added to the accumulator.
+/// Adds blocks `b0 .. b1` of one MXFP4 row (`b`, scales `s`) times `P` positions in
+/// [`MXFP4_ORDER`] to `acc`: per position, each block's 32 products are summed in lanes, the
+/// sum scaled by the block's E8M0 scale and added to the position's accumulator.
 ///
 /// # Safety
-/// The CPU supports the tier; each `b[k]` points to `16 * nb` readable bytes, each `s[k]` to
-/// `nb`, each `x[q]` to `32 * nb` f32.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn mxfp4_dot<const R: usize, const P: usize>(
-    b: [*const u8; R],
-    s: [*const u8; R],
+/// The CPU supports the tier; `b` points to `16 * b1` readable bytes, `s` to `b1`, each `x[q]`
+/// to `32 * b1` f32.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn mxfp4_acc<const P: usize>(
+    b: *const u8,
+    s: *const u8,
     x: [*const f32; P],
-    nb: usize,
-) -> [[f32; P]; R] {
-    let c = Fp4Consts::new();
-    let mut acc = [[_mm256_setzero_ps(); P]; R];
-    for blk in 0..nb {
-        for k in 0..R {
-            // SAFETY: `blk < nb` (caller's bounds).
-            let w = unsafe { decode_block(b[k].add(16 * blk), c) };
-            // SAFETY: as above.
-            let sc = _mm256_set1_ps(SCALE[unsafe { *s[k].add(blk) } as usize]);
+    b0: usize,
+    b1: usize,
+    c: Fp4Consts,
+    acc: &mut [__m256; P],
+) {
+    let mut a = *acc;
+    for blk in b0..b1 {
+        // SAFETY: `blk < b1` (caller's bounds); the CPU supports the tier (caller).
+        unsafe {
+            let w = decode_block(b.add(16 * blk), c);
+            let sc = _mm256_set1_ps(SCALE[*s.add(blk) as usize]);
             for q in 0..P {
-                // SAFETY: elements `32 * blk .. 32 * blk + 32` of a position (caller).
-                unsafe {
-                    let xp = x[q].add(32 * blk);
-                    let mut t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xp));
-                    t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp.add(8)), t);
-                    t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp.add(16)), t);
-                    t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp.add(24)), t);
-                    acc[k][q] = _mm256_fmadd_ps(t, sc, acc[k][q]);
-                }
+                let xp = x[q].add(32 * blk);
+                let mut t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xp));
+                t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp.add(8)), t);
+                t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp.add(16)), t);
+                t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp.add(24)), t);
+                a[q] = _mm256_fmadd_ps(t, sc, a[q]);
             }
         }
     }
-    let mut out = [[0f32; P]; R];
-    for k in 0..R {
-        for q in 0..P {
-            out[k][q] = hsum(acc[k][q]);
-        }
-    }
-    out
+    *acc = a;
 }
 
 /// `y[q][o] = Σ_i x[q][i] · W[i, o0 + o]` for `P` positions, with one fused multiply-add per

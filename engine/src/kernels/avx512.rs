@@ -25,6 +25,7 @@ pub(super) fn rows(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: 
         return super::scalar::rows(w, r0, n, xs, p, out);
     }
     super::check_rows(w, r0, n, xs, p, out);
+    assert!(p <= 4, "kernel takes at most 4 positions");
     // SAFETY: the CPU supports the tier (checked above) and `check_rows` verified that rows
     // `r0 .. r0 + n`, `p` positions of `xs` and `p * n` outputs are in bounds.
     unsafe { rows_impl(w, r0, n, xs, p, out) }
