@@ -559,6 +559,36 @@ impl Mat<'_> {
     }
 }
 
+/// The machine's floating-point peak for `tier`'s kernels, in FLOP/s: every thread of the
+/// rayon pool runs independent fused multiply-adds on registers (f32 lanes of the tier's
+/// vector width; the scalar tier's `mul_add`) for about `seconds`. Kernel rates in
+/// `stormo bench` are reported against it.
+///
+/// # Panics
+/// If this CPU does not support `tier`.
+pub fn peak_flops(tier: Tier, seconds: f64) -> f64 {
+    assert!(tier.is_supported(), "this CPU does not support {tier}");
+    let threads = rayon::current_num_threads();
+    let per_thread: Vec<f64> = (0..threads)
+        .into_par_iter()
+        .map(|_| {
+            let mut flops = 0f64;
+            let start = std::time::Instant::now();
+            while start.elapsed().as_secs_f64() < seconds {
+                flops += match tier {
+                    #[cfg(target_arch = "x86_64")]
+                    Tier::Avx2 => avx2::fma_burst(),
+                    #[cfg(target_arch = "x86_64")]
+                    Tier::Avx512 => avx512::fma_burst(),
+                    _ => scalar::fma_burst(),
+                };
+            }
+            flops / start.elapsed().as_secs_f64()
+        })
+        .collect();
+    per_thread.iter().sum()
+}
+
 /// `y = W·x` for one position, with the thread's [`Tier::active`] kernels.
 pub fn matvec(w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
     matvec_in(Tier::active(), w, x, y)
@@ -1123,6 +1153,14 @@ mod tests {
             && std::arch::is_x86_feature_detected!("f16c");
         assert_eq!(Tier::available().contains(&Tier::Avx2), has);
         assert_eq!(Tier::detected() >= Tier::Avx2, has);
+    }
+
+    #[test]
+    fn peak_flops_is_positive_for_every_tier() {
+        for tier in Tier::available() {
+            let f = peak_flops(tier, 0.01);
+            assert!(f.is_finite() && f > 1e6, "{tier}: {f} FLOP/s");
+        }
     }
 
     #[test]

@@ -547,3 +547,29 @@ unsafe fn dense_t<const FMT: u8, const P: usize>(
         i += kk;
     }
 }
+
+/// Floating-point operations done by a burst of 8-lane fused multiply-adds on 12 independent
+/// register accumulators (for [`super::peak_flops`]).
+pub(super) fn fma_burst() -> f64 {
+    assert!(supported(), "the CPU runs AVX2 and FMA");
+    // SAFETY: the CPU supports the tier (asserted above).
+    unsafe { fma_burst_impl() }
+}
+
+/// # Safety
+/// The CPU supports avx2 and fma.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fma_burst_impl() -> f64 {
+    const CHAINS: usize = 12;
+    const STEPS: usize = 1 << 14;
+    let a = _mm256_set1_ps(std::hint::black_box(0.999_999));
+    let b = _mm256_set1_ps(std::hint::black_box(1e-7));
+    let mut acc = [_mm256_set1_ps(std::hint::black_box(1.0)); CHAINS];
+    for _ in 0..STEPS {
+        for v in acc.iter_mut() {
+            *v = _mm256_fmadd_ps(*v, a, b);
+        }
+    }
+    std::hint::black_box(acc);
+    (2 * 8 * CHAINS * STEPS) as f64
+}

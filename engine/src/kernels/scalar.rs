@@ -199,3 +199,19 @@ fn gemv_t(fmt: Float, w: &[u8], out: usize, o0: usize, x: &[f32], y: &mut [f32])
         }
     }
 }
+
+/// Floating-point operations done by a burst of independent `mul_add` chains (for
+/// [`super::peak_flops`]).
+pub(crate) fn fma_burst() -> f64 {
+    const CHAINS: usize = 8;
+    const STEPS: usize = 1 << 16;
+    let mut acc = std::hint::black_box([1.0f32; CHAINS]);
+    let (a, b) = std::hint::black_box((0.999_999f32, 1e-7f32));
+    for _ in 0..STEPS {
+        for v in acc.iter_mut() {
+            *v = v.mul_add(a, b);
+        }
+    }
+    std::hint::black_box(acc);
+    (2 * CHAINS * STEPS) as f64
+}

@@ -79,6 +79,27 @@ pub fn memory_bandwidth(bytes: usize) -> f64 {
     rates[2]
 }
 
+/// Floating-point operations of the matrix products one prompt token costs (two per weight
+/// it multiplies: attention projections, router, top-k experts or the dense MLP), and those of
+/// the head, paid once per prefill. Attention over the cache is left out (a few percent at
+/// these prompt lengths).
+pub fn prefill_flops(cfg: &stormo_engine::ModelConfig) -> (f64, f64) {
+    let h = cfg.hidden_size as f64;
+    let attn = h * cfg.head_dim as f64 * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) as f64;
+    let per_layer = |moe: bool| {
+        if moe {
+            attn + h * cfg.num_experts as f64
+                + 3.0 * h * (cfg.expert_intermediate * cfg.top_k) as f64
+        } else {
+            attn + 3.0 * h * cfg.dense_intermediate as f64
+        }
+    };
+    let weights: f64 = (0..cfg.num_layers)
+        .map(|l| per_layer(cfg.layer_moe.get(l).copied().unwrap_or(true)))
+        .sum();
+    (2.0 * weights, 2.0 * h * cfg.vocab_size as f64)
+}
+
 /// Disk read bandwidth in bytes/s over the largest checkpoint file (O_DIRECT where allowed, so
 /// the page cache does not flatter it). Returns the rate and whether O_DIRECT was used.
 fn disk_bandwidth(files: &ModelFiles, limit: u64) -> anyhow::Result<Option<(f64, bool)>> {
@@ -220,6 +241,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         None
     };
+    say("measuring the floating-point peak...".into());
+    let tier = stormo_engine::kernels::Tier::process();
+    let peak = stormo_engine::kernels::peak_flops(tier, 0.5);
+    let (flops_tok, flops_head) = prefill_flops(&files.cfg);
     let bpt = bytes_per_token(&files, a.int8_attn_head);
     let vocab = files.cfg.vocab_size as u64;
     let experts = Experts::build(&files, &a.experts, context, Vec::new(), true, None)?;
@@ -267,7 +292,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let l = model.forward(&mut s, &toks, Logits::Last, None)?;
         let secs = t.elapsed().as_secs_f64();
         let next = argmax(l);
-        prefill.push(serde_json::json!({"tokens": p, "seconds": secs, "tok_s": p as f64 / secs}));
+        let gflop_s = (flops_tok * p as f64 + flops_head) / secs / 1e9;
+        prefill.push(serde_json::json!({
+            "tokens": p, "seconds": secs, "tok_s": p as f64 / secs,
+            "gflop_s": gflop_s, "fraction_of_peak": gflop_s * 1e9 / peak,
+        }));
         last = Some((s, next));
     }
     let (mut sess, mut tok) = last.expect("at least one prompt");
@@ -298,6 +327,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "disk_direct_io": disk.map(|d| d.1),
         "bytes_per_decoded_token": bpt,
         "decode_bound_tok_s": bound,
+        "peak_gflop_s": peak / 1e9,
+        "prefill_gflop_per_token": flops_tok / 1e9,
         "prefill": prefill,
         "decode": {"tokens": a.decode_tokens, "seconds": dsecs, "tok_s": decode_tok_s, "fraction_of_memory_bound": decode_tok_s / bound, "disk_bytes_per_token": disk_per_tok},
         "experts": experts.json(sess.prediction()),
@@ -331,11 +362,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         human_bytes(bpt),
         bound
     );
+    println!(
+        "floating point    {:.1} GFLOP/s peak ({} fused multiply-adds on registers, all threads); prefill costs {:.2} GFLOP per token",
+        peak / 1e9,
+        tier.name(),
+        flops_tok / 1e9
+    );
     for p in out["prefill"].as_array().expect("list") {
         println!(
-            "prefill {:>5} tok {:>8.2} tok/s",
+            "prefill {:>5} tok {:>8.2} tok/s = {:.1} GFLOP/s, {:.0}% of the peak",
             p["tokens"],
-            p["tok_s"].as_f64().unwrap_or(0.0)
+            p["tok_s"].as_f64().unwrap_or(0.0),
+            p["gflop_s"].as_f64().unwrap_or(0.0),
+            100.0 * p["fraction_of_peak"].as_f64().unwrap_or(0.0)
         );
     }
     println!(
