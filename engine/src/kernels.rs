@@ -6,8 +6,8 @@
 //! Kernels come in tiers ([`Tier`]): `scalar` (the reference, everywhere), `avx2` (AVX2, FMA
 //! and F16C) and `avx512` (AVX-512 F/BW) on x86-64, `neon` on AArch64. The best tier this CPU
 //! runs is detected once; `STORMO_SIMD=scalar|neon|avx2|avx512` forces a lower one for the whole
-//! process and [`with_tier`]
-//! for one thread's calls (tests run one body against every tier in [`Tier::available`]).
+//! process and [`with_tier`] for one thread's calls (tests run one body against every tier in
+//! [`Tier::available`]).
 //! Different tiers sum in different orders, so they agree to rounding, not to the bit.
 //!
 //! Within a tier, a position's output is bit-identical whether it was computed alone
