@@ -4,6 +4,8 @@
 #
 #   bash .ci/neon-emulated.sh            # the kernel tests (about 2 min to build, 15 s to run)
 #   bash .ci/neon-emulated.sh ''         # every engine unit test (about 30 s to run)
+#   bash .ci/neon-emulated.sh --oracle   # every oracle fixture token-exact with each tier
+#                                        # (about 7 min to build the integration tests)
 #
 # Needs (Debian): qemu-user gcc-aarch64-linux-gnu libc6-dev-arm64-cross, installed with
 # apt-get if missing, and the Rust target aarch64-unknown-linux-gnu (rustup target add).
@@ -22,4 +24,12 @@ rustup target list --installed | grep -qx aarch64-unknown-linux-gnu ||
 
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu"
-cargo test --target aarch64-unknown-linux-gnu -p stormo-engine --lib -- --test-threads 2 $filter
+if [ "$filter" = --oracle ]; then
+  # ring and other C dependencies of the node build with the cross compiler.
+  export CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc
+  export AR_aarch64_unknown_linux_gnu=aarch64-linux-gnu-ar
+  cargo test --target aarch64-unknown-linux-gnu -p stormo-tests --test integration -- \
+    --test-threads 2 --nocapture oracle::
+else
+  cargo test --target aarch64-unknown-linux-gnu -p stormo-engine --lib -- --test-threads 2 $filter
+fi
