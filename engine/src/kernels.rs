@@ -4,9 +4,10 @@
 //! [`matvec`] and [`matmul`] compute `y = W·x` for one or many positions.
 //!
 //! Kernels come in tiers ([`Tier`]): `scalar` (the reference, everywhere), `avx2` (AVX2, FMA
-//! and F16C) and `avx512` (AVX-512 F/BW) on x86-64. The best tier this CPU runs is detected once;
-//! `STORMO_SIMD=scalar|avx2|avx512` forces a lower one for the whole process and [`with_tier`]
-//! for one thread's calls (tests run one body against every tier in [`Tier::available`]).
+//! and F16C) and `avx512` (AVX-512 F/BW) on x86-64, `neon` on AArch64. The best tier this CPU
+//! runs is detected once; `STORMO_SIMD=scalar|neon|avx2|avx512` forces a lower one for the whole
+//! process and [`with_tier`] for one thread's calls (tests run one body against every tier in
+//! [`Tier::available`]).
 //! Different tiers sum in different orders, so they agree to rounding, not to the bit.
 //!
 //! Within a tier, a position's output is bit-identical whether it was computed alone
@@ -20,6 +21,8 @@
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod scalar;
 
 use std::cell::Cell;
@@ -246,7 +249,10 @@ const fn scale_table() -> [f32; 256] {
 }
 
 /// [`e8m0_to_f32`] by byte.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(dead_code)
+)]
 pub(crate) static SCALE: [f32; 256] = scale_table();
 
 // ---- tiers and dispatch ----
@@ -257,6 +263,8 @@ pub(crate) static SCALE: [f32; 256] = scale_table();
 pub enum Tier {
     /// Portable reference kernels.
     Scalar,
+    /// AArch64 NEON (Advanced SIMD).
+    Neon,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
     /// x86-64 AVX-512 F and BW (plus AVX2 + FMA + F16C).
@@ -264,19 +272,20 @@ pub enum Tier {
 }
 
 impl Tier {
-    /// Every tier, lowest first.
-    pub const ALL: [Self; 3] = [Self::Scalar, Self::Avx2, Self::Avx512];
+    /// Every tier, lowest first (a CPU runs scalar and the tiers of its own architecture).
+    pub const ALL: [Self; 4] = [Self::Scalar, Self::Neon, Self::Avx2, Self::Avx512];
 
     /// The name `STORMO_SIMD` takes.
     pub fn name(self) -> &'static str {
         match self {
             Self::Scalar => "scalar",
+            Self::Neon => "neon",
             Self::Avx2 => "avx2",
             Self::Avx512 => "avx512",
         }
     }
 
-    /// Parses a tier name (`scalar`, `avx2`, `avx512`).
+    /// Parses a tier name (`scalar`, `neon`, `avx2`, `avx512`).
     pub fn parse(s: &str) -> Option<Self> {
         Self::ALL
             .into_iter()
@@ -291,7 +300,8 @@ impl Tier {
             Self::Avx2 => avx2::supported(),
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => avx512::supported(),
-            #[cfg(not(target_arch = "x86_64"))]
+            #[cfg(target_arch = "aarch64")]
+            Self::Neon => neon::supported(),
             _ => false,
         }
     }
@@ -358,7 +368,7 @@ fn resolve(value: &str, best: Tier) -> (Tier, Option<String>) {
         None => (
             best,
             Some(format!(
-                "STORMO_SIMD={value}: unknown tier (expected scalar, avx2, avx512 or auto); \
+                "STORMO_SIMD={value}: unknown tier (expected scalar, neon, avx2, avx512 or auto); \
                  using {best}"
             )),
         ),
@@ -459,6 +469,8 @@ fn rows_in(tier: Tier, w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, o
         Tier::Avx2 => avx2::rows(w, r0, n, xs, p, out),
         #[cfg(target_arch = "x86_64")]
         Tier::Avx512 => avx512::rows(w, r0, n, xs, p, out),
+        #[cfg(target_arch = "aarch64")]
+        Tier::Neon => neon::rows(w, r0, n, xs, p, out),
         _ => scalar::rows(w, r0, n, xs, p, out),
     }
 }
@@ -470,6 +482,8 @@ fn cols_t_in(tier: Tier, w: &Mat<'_>, o0: usize, n: usize, xs: &[f32], outs: &mu
         Tier::Avx2 => avx2::cols_t(w, o0, n, xs, outs),
         #[cfg(target_arch = "x86_64")]
         Tier::Avx512 => avx512::cols_t(w, o0, n, xs, outs),
+        #[cfg(target_arch = "aarch64")]
+        Tier::Neon => neon::cols_t(w, o0, n, xs, outs),
         _ => scalar::cols_t(w, o0, n, xs, outs),
     }
 }
@@ -1153,6 +1167,14 @@ mod tests {
             && std::arch::is_x86_feature_detected!("f16c");
         assert_eq!(Tier::available().contains(&Tier::Avx2), has);
         assert_eq!(Tier::detected() >= Tier::Avx2, has);
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    #[test]
+    fn detection_finds_neon_when_the_cpu_has_it() {
+        let has = std::arch::is_aarch64_feature_detected!("neon");
+        assert_eq!(Tier::available().contains(&Tier::Neon), has);
+        assert_eq!(Tier::detected() == Tier::Neon, has);
     }
 
     #[test]
