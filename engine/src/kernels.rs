@@ -14,8 +14,11 @@
 //! ([`matvec`], decode) or in a block ([`matmul`], prefill): every kernel keeps one accumulator
 //! per (row, position) whose summation order does not depend on how many rows or positions a
 //! call interleaves. Prefill blocks read each weight row once per group of up to four positions
-//! (weights from cache for the rest), decode streams the matrix once split across the rayon
-//! pool. MXFP4 is decoded in registers; no dequantised copy of any weight is ever made.
+//! (eight for MXFP4 on AVX2; weights from cache for the rest), decode streams the matrix once
+//! split across the rayon pool. MXFP4 is decoded in registers; no dequantised copy of any
+//! weight is ever made. A tier may want MXFP4 inputs permuted within each block of 32 (AVX2
+//! does, so its shuffles need no interleaving): [`matvec`] and [`matmul`] permute them once per
+//! call into a reused thread-local buffer.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
