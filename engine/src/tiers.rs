@@ -1,7 +1,7 @@
 //! Expert tiers: a RAM cache with a byte budget over the local disk, and below the disk any
 //! other [`Tier`] (the network, in the node crate) that the engine knows only through the trait.
 //!
-//! - [`TieredExperts`] is an [`ExpertProvider`]: it serves hits from RAM and sends misses to the
+//! - [`TieredExperts`] is an [`ExpertProvider`](crate::moe::ExpertProvider): it serves hits from RAM and sends misses to the
 //!   first lower tier that holds the expert, falling back to the next on failure. Demand loads
 //!   block the caller; prefetch hints start loads that land in the cache while the model
 //!   computes. The cache keeps within its budget by evicting the least recently used expert that
