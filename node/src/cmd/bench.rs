@@ -399,10 +399,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bound
     );
     println!(
-        "floating point    {:.1} GFLOP/s peak ({} fused multiply-adds on registers, all threads); prefill costs {:.2} GFLOP per token",
+        "floating point    {:.1} GFLOP/s peak ({} fused multiply-adds on registers, all threads); prefill costs {} per token",
         peak / 1e9,
         tier.name(),
-        flops_tok / 1e9
+        if flops_tok >= 1e9 {
+            format!("{:.2} GFLOP", flops_tok / 1e9)
+        } else {
+            format!("{:.3} MFLOP", flops_tok / 1e6)
+        }
     );
     for p in out["prefill"].as_array().expect("list") {
         println!(
