@@ -434,3 +434,28 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// gpt-oss-20b's prefill cost, counted by hand from its published geometry: attention
+    /// 2880 x 64 x (2 x 64 + 2 x 8) weights, router 32 x 2880, four experts of 3 x 2880 x 2880,
+    /// over 24 layers, two FLOPs per weight; the head 2 x 2880 x 201088 once.
+    #[test]
+    fn prefill_flops_at_gpt_oss_20b_geometry() {
+        let text = r#"{"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+            "vocab_size": 201088, "num_local_experts": 32, "num_experts_per_tok": 4,
+            "intermediate_size": 2880, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+            "sliding_window": 128, "max_position_embeddings": 131072}"#;
+        let cfg =
+            stormo_engine::ModelConfig::from_json_str(text, std::path::Path::new("config.json"))
+                .expect("a gpt-oss config");
+        let (tok, head) = prefill_flops(&cfg);
+        let per_layer = 2880 * 64 * (128 + 16) + 32 * 2880 + 4 * 3 * 2880 * 2880;
+        assert_eq!(tok, 2.0 * 24.0 * per_layer as f64);
+        assert!((tok / 1e9 - 6.056).abs() < 1e-3, "{tok}");
+        assert_eq!(head, 2.0 * 2880.0 * 201_088.0);
+    }
+}
