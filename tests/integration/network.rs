@@ -1141,3 +1141,56 @@ fn pull_server_refuses_paths_and_unlisted_files() {
         link.close();
     });
 }
+
+/// `serve --http --listen` shares one expert cache between the model it runs and the node it
+/// serves: three nodes serving two thirds of the experts each through a model's own cache
+/// (`open_holdings_sharing`) give a client the reference ids, the shared caches answer the
+/// requests (their request counts grow), and each node still announces only its inventory.
+#[test]
+fn a_node_serving_through_a_models_expert_cache_gives_the_reference_ids() {
+    let name = "gptoss-tiny-mxfp4";
+    let f = setup(name);
+    let files = ModelFiles::open(f.dir.path()).expect("model files");
+    let n = experts_per_layer(&f);
+    let shared: Vec<stormo_node::experts::Experts> = (0..3)
+        .map(|_| {
+            stormo_node::experts::Experts::build(&files, &expert_args(), 64, Vec::new(), true, None)
+                .expect("the model's expert cache")
+        })
+        .collect();
+    let nodes: Vec<Node> = shared
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let h = serve::open_holdings_sharing(
+                f.dir.path(),
+                None,
+                Some(&two_of_three(i, n)),
+                e.provider.clone(),
+            )
+            .expect("holdings");
+            assert_eq!(
+                h.inventory.len(),
+                files.cfg.num_layers * (n - (0..n).filter(|e| e % 3 == i).count()),
+                "node {i} announces only its share"
+            );
+            start_node(40 + i as u8, h, allow_client())
+        })
+        .collect();
+    let tier = peer_tier(&f, nodes.iter().map(Node::addr).collect());
+    let (got, want, loads) = generate_from(&f, name, tier.clone());
+    assert_eq!(
+        got, want,
+        "{name}: ids with every expert from sharing peers"
+    );
+    assert!(loads > 0, "{name}: no expert came from peers");
+    let requests: u64 = shared
+        .iter()
+        .map(|e| e.stats().expect("tiered").requests)
+        .sum();
+    assert!(
+        requests >= loads,
+        "{requests} shared-cache requests for {loads} loads"
+    );
+    tier.close();
+}

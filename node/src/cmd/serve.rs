@@ -77,12 +77,27 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     anyhow::ensure!(a.per_peer >= 1, "--per-peer must be at least 1");
     anyhow::ensure!(a.max_requests >= 1, "--max-requests must be at least 1");
-    let (holdings, experts) = serve::open_holdings(
-        &a.model,
-        a.manifest.as_deref(),
-        &a.experts,
-        a.only_experts.as_deref(),
-    )?;
+    // With the HTTP API too, the server shares the model's expert cache (one budget).
+    let (holdings, experts) = match &http {
+        Some((tm, _)) => (
+            serve::open_holdings_sharing(
+                &a.model,
+                a.manifest.as_deref(),
+                a.only_experts.as_deref(),
+                tm.experts.provider.clone(),
+            )?,
+            None,
+        ),
+        None => {
+            let (h, e) = serve::open_holdings(
+                &a.model,
+                a.manifest.as_deref(),
+                &a.experts,
+                a.only_experts.as_deref(),
+            )?;
+            (h, Some(e))
+        }
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("stormo-serve")
@@ -132,7 +147,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         anyhow::Ok(())
     })?;
-    experts.finish()
+    match experts {
+        Some(e) => e.finish(),
+        None => Ok(()),
+    }
 }
 
 async fn start_http(

@@ -696,6 +696,40 @@ pub fn open_holdings(
     args: &crate::experts::ExpertArgs,
     only: Option<&str>,
 ) -> anyhow::Result<(Holdings, crate::experts::Experts)> {
+    let mut built = None;
+    let h = holdings(dir, manifest, only, |files, allowed| {
+        let e = crate::experts::Experts::build(files, args, 1, Vec::new(), true, allowed)?;
+        let provider = e.provider.clone();
+        built = Some(e);
+        Ok(provider)
+    })?;
+    Ok((h, built.expect("holdings() builds the experts it returns")))
+}
+
+/// As [`open_holdings`], serving experts through `provider`, the expert cache of a model
+/// this process also runs (`stormo serve --http` with `--listen`), so the node keeps one cache
+/// within one budget instead of two. Requests outside the inventory (`only`) are refused by
+/// the server before they reach the provider.
+pub fn open_holdings_sharing(
+    dir: &std::path::Path,
+    manifest: Option<&std::path::Path>,
+    only: Option<&str>,
+    provider: Arc<dyn ExpertProvider>,
+) -> anyhow::Result<Holdings> {
+    holdings(dir, manifest, only, |_, _| Ok(provider))
+}
+
+/// Opens the manifest and inventory of `dir`; `experts` makes the provider from the files
+/// and the experts allowed.
+fn holdings(
+    dir: &std::path::Path,
+    manifest: Option<&std::path::Path>,
+    only: Option<&str>,
+    experts: impl FnOnce(
+        &stormo_engine::ModelFiles,
+        Option<Vec<Vec<bool>>>,
+    ) -> anyhow::Result<Arc<dyn ExpertProvider>>,
+) -> anyhow::Result<Holdings> {
     let files = stormo_engine::ModelFiles::open(dir)
         .with_context(|| format!("loading the model in {}", dir.display()))?;
     let path = stormo_manifests::ManifestPaths::resolve(dir, manifest).bin;
@@ -728,21 +762,18 @@ pub fn open_holdings(
         .ok()
         .map(Bytes::from);
     let inventory = Holdings::inventory_of(&m, allowed.as_deref())?;
-    let experts = crate::experts::Experts::build(&files, args, 1, Vec::new(), true, allowed)?;
-    Ok((
-        Holdings {
-            manifest_bytes: Bytes::from(bytes),
-            manifest: Arc::new(m),
-            experts: experts.provider.clone(),
-            inventory,
-            files: Some(Arc::new(FileShare {
-                dir: dir.to_path_buf(),
-                sig,
-                dense_only,
-            })),
-        },
+    let experts = experts(&files, allowed)?;
+    Ok(Holdings {
+        manifest_bytes: Bytes::from(bytes),
+        manifest: Arc::new(m),
         experts,
-    ))
+        inventory,
+        files: Some(Arc::new(FileShare {
+            dir: dir.to_path_buf(),
+            sig,
+            dense_only,
+        })),
+    })
 }
 
 /// Checks that `m` lists exactly the experts of a checkpoint with record sizes `sizes`.
