@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use libfuzzer_sys::fuzz_target;
 use stormo_manifests::{ExpertId, Hash};
 use stormo_wire::{
-    encode_frame, DecodeError, Fetch, FrameDecoder, Message, Requests, RequestsConfig, Server,
-    ServerConfig,
+    encode_frame, ByteRange, DecodeError, Fetch, FrameDecoder, Message, Requests, RequestsConfig,
+    Server, ServerConfig,
 };
 
 fn decode(data: &[u8], step: usize) -> (Vec<Message>, Option<DecodeError>) {
@@ -48,6 +48,18 @@ fuzz_target!(|input: &[u8]| {
         );
     }
     let _ = client.start(now, Fetch::manifest(model, 1 << 16));
+    // A file range in flight too, so GetFile answers (data, errors, ends) reach the client.
+    let _ = client.start(
+        now,
+        Fetch::file(
+            model,
+            "model.safetensors",
+            ByteRange {
+                offset: 0,
+                len: 1 << 20,
+            },
+        ),
+    );
     let mut server = Server::new(ServerConfig { max_concurrent: 2 });
     for m in whole.0 {
         let again = encode_frame(&m).expect("a decoded message encodes");
