@@ -1194,3 +1194,52 @@ fn a_node_serving_through_a_models_expert_cache_gives_the_reference_ids() {
     );
     tier.close();
 }
+
+/// `stormo pull --with-experts`: every file comes back byte for byte (experts included), the
+/// marker says so, the folder runs on its own (no peers, local experts) to the fixture's ids,
+/// and it can serve every expert in turn.
+#[test]
+fn pull_with_experts_gives_a_complete_folder_that_runs_and_serves() {
+    use stormo_node::net::pull::{self, PullOptions, Pulled};
+    let name = "gptoss-tiny-mxfp4";
+    let f = setup(name);
+    let node = serve_dir(50, f.dir.path(), None, allow_client());
+    let out = tempfile::tempdir().expect("tempdir");
+    let opts = PullOptions {
+        peers: vec![node.addr()],
+        model_id: None,
+        trust: vec![f.publisher.public()],
+        out: out.path().to_path_buf(),
+        with_experts: true,
+        cfg: quick(),
+    };
+    let r = pull::pull(&client_key(), &opts, &runtime()).expect("pull succeeds");
+    assert_eq!(r.model_id, Some(f.id));
+    assert!(
+        !Pulled::dense_only(out.path()).expect("marker"),
+        "marker says experts were pulled"
+    );
+    let m = stormo_manifests::Manifest::decode(
+        &std::fs::read(out.path().join("stormo-manifest.bin")).expect("manifest saved"),
+    )
+    .expect("manifest");
+    assert_eq!(r.tensors, m.tensors.len(), "every tensor fetched");
+    for file in &m.files {
+        assert_eq!(
+            std::fs::read(out.path().join(&file.name)).expect("pulled file"),
+            std::fs::read(f.dir.path().join(&file.name)).expect("source file"),
+            "{}",
+            file.name
+        );
+    }
+    // Runs alone: local experts from the pulled files.
+    let r = Reference::open(&fixture(name));
+    let model = Model::load(out.path(), &LoadOptions::default()).expect("pulled model loads");
+    let want = r.ids("generated_ids");
+    let (got, _) = greedy_ids(&model, &r.ids("input_ids"), want.len());
+    assert_eq!(got, want, "ids from the pulled folder alone");
+    // And serves every expert.
+    let (h, _e) = serve::open_holdings(out.path(), None, &expert_args(), None)
+        .expect("holdings of the pulled folder");
+    assert_eq!(h.inventory.len(), m.experts.len());
+}
