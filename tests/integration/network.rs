@@ -15,7 +15,7 @@ use stormo_node::experts::ExpertArgs;
 use stormo_node::net::serve::{self, Holdings, ServeConfig, ServerHandle};
 use stormo_node::net::tier::{PeerConfig, PeerTier};
 use stormo_node::net::tls::Admission;
-use stormo_node::net::{self, PeerAddr, PeerArgs};
+use stormo_node::net::{self, pull, PeerAddr, PeerArgs};
 use stormo_tests::{fixture, Reference, MODEL_FIXTURES};
 
 /// `n` greedy ids after `prompt`, and the session that made them.
@@ -971,25 +971,30 @@ fn many_fetchers_get_data_or_busy_and_server_memory_stays_bounded() {
     assert_eq!(id, f.id);
 }
 
+/// Pull options for `f` from `node` into `out` (the test client's key trusts `f`'s publisher).
+fn pull_options(f: &Fixture, node: &Node, out: &Path, with_experts: bool) -> pull::PullOptions {
+    pull::PullOptions {
+        peers: vec![node.addr()],
+        model_id: None,
+        trust: vec![f.publisher.public()],
+        out: out.to_path_buf(),
+        with_experts,
+        cfg: quick(),
+    }
+}
+
 /// `stormo pull` into an empty folder (manifest accepted by the publisher's key, its
 /// signature fetched too): a sparse dense-only folder whose dense bytes equal the source's
 /// and whose expert bytes are holes; a node with no local experts runs from it and gives
 /// exactly the fixture's ids; the source node and a pulled folder refuse to serve experts.
 #[test]
 fn pull_dense_part_then_run_from_it_with_peers() {
-    use stormo_node::net::pull::{self, PullOptions, Pulled};
+    use stormo_node::net::pull::Pulled;
     let name = "gptoss-tiny-mxfp4";
     let f = setup(name);
     let node = serve_dir(40, f.dir.path(), None, allow_client());
     let out = tempfile::tempdir().expect("tempdir");
-    let opts = PullOptions {
-        peers: vec![node.addr()],
-        model_id: None,
-        trust: vec![f.publisher.public()],
-        out: out.path().to_path_buf(),
-        with_experts: false,
-        cfg: quick(),
-    };
+    let opts = pull_options(&f, &node, out.path(), false);
     let rt = runtime();
     let r = pull::pull(&client_key(), &opts, &rt).expect("pull succeeds");
     assert_eq!(r.model_id, Some(f.id));
@@ -1055,7 +1060,7 @@ fn pull_dense_part_then_run_from_it_with_peers() {
 /// safetensors file (final or temporary) behind.
 #[test]
 fn pull_refuses_a_corrupted_dense_tensor_and_writes_nothing_half_done() {
-    use stormo_node::net::pull::{self, PullOptions};
+    use stormo_node::net::pull::PullOptions;
     let f = setup("gptoss-tiny-bf16");
     let m = stormo_manifests::Manifest::decode(
         &std::fs::read(f.dir.path().join("stormo-manifest.bin")).expect("manifest"),
@@ -1200,19 +1205,12 @@ fn a_node_serving_through_a_models_expert_cache_gives_the_reference_ids() {
 /// and it can serve every expert in turn.
 #[test]
 fn pull_with_experts_gives_a_complete_folder_that_runs_and_serves() {
-    use stormo_node::net::pull::{self, PullOptions, Pulled};
+    use stormo_node::net::pull::Pulled;
     let name = "gptoss-tiny-mxfp4";
     let f = setup(name);
     let node = serve_dir(50, f.dir.path(), None, allow_client());
     let out = tempfile::tempdir().expect("tempdir");
-    let opts = PullOptions {
-        peers: vec![node.addr()],
-        model_id: None,
-        trust: vec![f.publisher.public()],
-        out: out.path().to_path_buf(),
-        with_experts: true,
-        cfg: quick(),
-    };
+    let opts = pull_options(&f, &node, out.path(), true);
     let r = pull::pull(&client_key(), &opts, &runtime()).expect("pull succeeds");
     assert_eq!(r.model_id, Some(f.id));
     assert!(
