@@ -177,19 +177,26 @@ impl VocabTable {
     /// The id of `key`, whose bytes the arena holds at the slot's span.
     #[inline]
     fn get(&self, key: &[u8], arena: &[u8]) -> Option<TokenId> {
+        self.probe(key, arena).ok()
+    }
+
+    /// Linear probing for `key`: its id, or the empty slot where it would go (with its hash
+    /// tag).
+    #[inline]
+    fn probe(&self, key: &[u8], arena: &[u8]) -> Result<TokenId, (usize, u32)> {
         let h = hash_bytes(key);
         let tag = (h >> 32) as u32;
         let mut i = h as usize & self.mask;
         loop {
             let s = self.slots[i];
             if s.id == u32::MAX {
-                return None;
+                return Err((i, tag));
             }
             if s.tag == tag
                 && s.len as usize == key.len()
                 && &arena[s.start as usize..(s.start + s.len) as usize] == key
             {
-                return Some(s.id);
+                return Ok(s.id);
             }
             i = (i + 1) & self.mask;
         }
@@ -200,22 +207,10 @@ impl VocabTable {
     /// sized for every key.
     fn insert(&mut self, arena: &[u8], start: u32, len: u32, id: TokenId) -> Option<TokenId> {
         let key = &arena[start as usize..(start + len) as usize];
-        let h = hash_bytes(key);
-        let tag = (h >> 32) as u32;
-        let mut i = h as usize & self.mask;
-        loop {
-            let s = self.slots[i];
-            if s.id == u32::MAX {
-                break;
-            }
-            if s.tag == tag
-                && s.len == len
-                && &arena[s.start as usize..(s.start + s.len) as usize] == key
-            {
-                return Some(s.id);
-            }
-            i = (i + 1) & self.mask;
-        }
+        let (i, tag) = match self.probe(key, arena) {
+            Ok(found) => return Some(found),
+            Err(empty) => empty,
+        };
         if (self.len + 1) * 2 > self.slots.len() {
             self.grow(arena);
             return self.insert(arena, start, len, id);
