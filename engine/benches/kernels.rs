@@ -79,6 +79,15 @@ impl Mxfp4Data {
             cols: self.cols,
         }
     }
+    /// The same weights on int8-quantized inputs (`--int8-experts`).
+    fn int8(&self) -> Mat<'_> {
+        Mat::Mxfp4Int8 {
+            blocks: &self.blocks,
+            scales: &self.scales,
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
 }
 
 fn dense(bytes: &[u8], rows: usize, cols: usize) -> Mat<'_> {
@@ -146,6 +155,7 @@ fn decode(c: &mut Criterion) {
     let mut mats: Vec<(&str, Mat<'_>)> = vec![
         ("mxfp4_gate_up_5760x2880", gate_up.mat()),
         ("mxfp4_down_2880x2880", down.mat()),
+        ("mxfp4_int8_in_gate_up_5760x2880", gate_up.int8()),
         ("bf16_q_proj_4096x2880", dense(&q, 4096, 2880)),
         ("bf16_o_proj_2880x4096", dense(&o, 2880, 4096)),
         (
@@ -209,6 +219,7 @@ fn prefill(c: &mut Criterion) {
     let mats: Vec<(&str, Mat<'_>)> = vec![
         ("mxfp4_gate_up_5760x2880", gate_up.mat()),
         ("mxfp4_down_2880x2880", down.mat()),
+        ("mxfp4_int8_in_gate_up_5760x2880", gate_up.int8()),
         ("bf16_q_proj_4096x2880", dense(&q, 4096, 2880)),
         (
             "bf16T_gate_up_5760x2880",

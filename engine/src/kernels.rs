@@ -24,6 +24,7 @@
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod int8x;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod scalar;
@@ -200,6 +201,19 @@ pub enum Mat<'a> {
     },
     /// MXFP4: `blocks` `[rows, cols/32, 16]`, `scales` `[rows, cols/32]`.
     Mxfp4 {
+        /// Packed nibbles.
+        blocks: &'a [u8],
+        /// E8M0 scales.
+        scales: &'a [u8],
+        /// Output width.
+        rows: usize,
+        /// Input width.
+        cols: usize,
+    },
+    /// The same MXFP4 weights multiplied by int8-quantized inputs (blocks of 32 inputs rounded
+    /// to int8 with one scale each; products summed in integers). The opt-in approximate
+    /// `--int8-experts` path; see `int8x`.
+    Mxfp4Int8 {
         /// Packed nibbles.
         blocks: &'a [u8],
         /// E8M0 scales.
@@ -433,7 +447,7 @@ pub(crate) fn check_rows(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize,
             assert!(q.len() >= rows * cols, "int8 weights too short");
             assert!(scales.len() >= rows, "int8 row scales too short");
         }
-        Mat::Mxfp4 { blocks, scales, .. } => {
+        Mat::Mxfp4 { blocks, scales, .. } | Mat::Mxfp4Int8 { blocks, scales, .. } => {
             assert_eq!(cols % 32, 0, "MXFP4 width {cols} is not a multiple of 32");
             assert!(blocks.len() >= rows * cols / 2, "MXFP4 blocks too short");
             assert!(scales.len() >= rows * cols / 32, "MXFP4 scales too short");
@@ -467,6 +481,9 @@ pub(crate) fn check_cols_t(w: &Mat<'_>, o0: usize, n: usize, xs: &[f32], outs: &
 
 /// Row kernel of `tier`: rows `r0 .. r0 + n`, `p <= 4` positions, `out` `[p, n]`.
 fn rows_in(tier: Tier, w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
+    if let Mat::Mxfp4Int8 { .. } = w {
+        return int8x::rows(tier, w, r0, n, xs, p, out);
+    }
     match tier {
         #[cfg(target_arch = "x86_64")]
         Tier::Avx2 => avx2::rows(w, r0, n, xs, p, out),
@@ -515,7 +532,8 @@ impl Mat<'_> {
             Self::Dense { rows, .. }
             | Self::DenseT { rows, .. }
             | Self::Q8 { rows, .. }
-            | Self::Mxfp4 { rows, .. } => rows,
+            | Self::Mxfp4 { rows, .. }
+            | Self::Mxfp4Int8 { rows, .. } => rows,
         }
     }
     /// Input width.
@@ -524,7 +542,8 @@ impl Mat<'_> {
             Self::Dense { cols, .. }
             | Self::DenseT { cols, .. }
             | Self::Q8 { cols, .. }
-            | Self::Mxfp4 { cols, .. } => cols,
+            | Self::Mxfp4 { cols, .. }
+            | Self::Mxfp4Int8 { cols, .. } => cols,
         }
     }
     /// Bytes of weights the matrix occupies.
@@ -532,7 +551,9 @@ impl Mat<'_> {
         match *self {
             Self::Dense { bytes, .. } | Self::DenseT { bytes, .. } => bytes.len(),
             Self::Q8 { q, scales, .. } => q.len() + 4 * scales.len(),
-            Self::Mxfp4 { blocks, scales, .. } => blocks.len() + scales.len(),
+            Self::Mxfp4 { blocks, scales, .. } | Self::Mxfp4Int8 { blocks, scales, .. } => {
+                blocks.len() + scales.len()
+            }
         }
     }
 
@@ -560,6 +581,12 @@ impl Mat<'_> {
                 }
             }
             Self::Mxfp4 {
+                blocks,
+                scales,
+                cols,
+                ..
+            }
+            | Self::Mxfp4Int8 {
                 blocks,
                 scales,
                 cols,
@@ -640,20 +667,31 @@ thread_local! {
     static INPUT: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
-/// Runs `f` on `xs` arranged as `tier`'s kernels for `w` want them (a permuted copy for
-/// MXFP4 on tiers that decode blocks out of element order; `xs` itself otherwise).
+/// Runs `f` on `xs` arranged as `tier`'s kernels for `w` want them: a permuted copy for
+/// MXFP4 on tiers that decode blocks out of element order, the int8-quantized layout of
+/// [`int8x::quantize`] for [`Mat::Mxfp4Int8`], `xs` itself otherwise.
 fn in_kernel_order<R>(tier: Tier, w: &Mat<'_>, xs: &[f32], f: impl FnOnce(&[f32]) -> R) -> R {
-    let permute = match w {
-        Mat::Mxfp4 { .. } => mxfp4_input_order(tier),
-        _ => None,
-    };
-    let Some(permute) = permute else {
-        return f(xs);
-    };
     let mut buf = INPUT.take();
-    buf.clear();
-    buf.resize(xs.len(), 0.0);
-    permute(xs, &mut buf);
+    match w {
+        Mat::Mxfp4 { .. } => {
+            let Some(permute) = mxfp4_input_order(tier) else {
+                INPUT.set(buf);
+                return f(xs);
+            };
+            buf.clear();
+            buf.resize(xs.len(), 0.0);
+            permute(xs, &mut buf);
+        }
+        Mat::Mxfp4Int8 { cols, .. } => {
+            buf.clear();
+            buf.resize(xs.len(), 0.0);
+            int8x::quantize(xs, *cols, &mut buf);
+        }
+        _ => {
+            INPUT.set(buf);
+            return f(xs);
+        }
+    }
     let r = f(&buf);
     INPUT.set(buf);
     r
@@ -705,6 +743,10 @@ fn group_for(tier: Tier, w: &Mat<'_>) -> usize {
     match (tier, w) {
         #[cfg(target_arch = "x86_64")]
         (Tier::Avx2, Mat::Mxfp4 { .. }) => avx2::MXFP4_POSITIONS,
+        #[cfg(target_arch = "x86_64")]
+        (Tier::Avx2 | Tier::Avx512, Mat::Mxfp4Int8 { .. }) => int8x::POSITIONS,
+        #[cfg(target_arch = "aarch64")]
+        (Tier::Neon, Mat::Mxfp4Int8 { .. }) => int8x::POSITIONS,
         _ => GROUP,
     }
 }
@@ -1028,6 +1070,121 @@ mod tests {
                     );
                 }
             })
+        }
+    }
+
+    /// The int8-input MXFP4 path in every tier: `matvec` equals the scalar reference on the
+    /// same quantized inputs up to f32 summation order; the result lies within the input
+    /// rounding (half a step of each block's scale, times the weights) of the exact product;
+    /// `matmul` is bit-identical to `matvec` per position; threaded shapes included.
+    #[test]
+    fn int8_input_mxfp4_matches_reference_and_exact_product_in_every_tier() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+        for &(rows, cols) in &[
+            (1, 32),
+            (5, 64),
+            (33, 96),
+            (7, 2880),
+            (700, 320),
+            (1157, 288),
+        ] {
+            let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| rng.gen()).collect();
+            let scales: Vec<u8> = (0..rows * cols / 32)
+                .map(|_| rng.gen_range(118..136))
+                .collect();
+            let w = Mat::Mxfp4Int8 {
+                blocks: &blocks,
+                scales: &scales,
+                rows,
+                cols,
+            };
+            let exact_w = Mat::Mxfp4 {
+                blocks: &blocks,
+                scales: &scales,
+                rows,
+                cols,
+            };
+            // Inputs of mixed magnitudes across blocks, one block all zero.
+            let mut x = rand_x(cols, &mut rng);
+            for (b, xb) in x.chunks_mut(32).enumerate() {
+                let m = [1.0, 0.01, 30.0, 0.0][b % 4];
+                xb.iter_mut().for_each(|v| *v *= m);
+            }
+            let mut q = vec![0f32; cols];
+            int8x::quantize(&x, cols, &mut q);
+            let mut want = vec![0f32; rows];
+            int8x::reference_rows(&blocks, &scales, cols, 0, rows, &q, 1, &mut want);
+            let exact = reference(&exact_w, &x);
+            let mut row = vec![0f32; cols];
+            for tier in tiers() {
+                with_tier(tier, || {
+                    let mut y = vec![f32::NAN; rows];
+                    matvec(&w, &x, &mut y);
+                    for r in 0..rows {
+                        exact_w.row_into(r, &mut row);
+                        let (mut mag, mut step) = (0f64, 0f64);
+                        for (b, (wb, xb)) in row.chunks(32).zip(x.chunks(32)).enumerate() {
+                            let d = q[b] as f64;
+                            for (&a, &v) in wb.iter().zip(xb) {
+                                mag += (a as f64 * v as f64).abs();
+                                step += (a as f64).abs() * d / 2.0;
+                            }
+                        }
+                        let tol = 1e-6 * (mag + 1.0) * (cols as f64).sqrt();
+                        assert!(
+                            (y[r] as f64 - want[r] as f64).abs() <= tol,
+                            "{tier} {rows}x{cols} row {r}: {} vs reference {}",
+                            y[r],
+                            want[r]
+                        );
+                        assert!(
+                            (y[r] as f64 - exact[r]).abs() <= step * 1.001 + tol,
+                            "{tier} {rows}x{cols} row {r}: {} vs exact {} (rounding bound {step})",
+                            y[r],
+                            exact[r]
+                        );
+                    }
+                    for t in [2, 3, 4, 5, 9] {
+                        let xs = rand_x(t * cols, &mut rng);
+                        let mut ys = vec![f32::NAN; t * rows];
+                        matmul(&w, &xs, &mut ys);
+                        for p in 0..t {
+                            let mut y1 = vec![0f32; rows];
+                            matvec(&w, &xs[p * cols..(p + 1) * cols], &mut y1);
+                            let got = &ys[p * rows..(p + 1) * rows];
+                            assert!(
+                                got.iter().zip(&y1).all(|(a, b)| a.to_bits() == b.to_bits()),
+                                "{tier}: int8 matmul position {p} of {t} differs from matvec"
+                            );
+                        }
+                    }
+                })
+            }
+        }
+    }
+
+    /// Non-finite inputs give NaN outputs on the int8 path, as products with them do on the
+    /// exact path, rather than being rounded away.
+    #[test]
+    fn int8_input_mxfp4_propagates_non_finite_inputs() {
+        let blocks = vec![0x21u8; 4 * 64 / 2];
+        let scales = vec![127u8; 4 * 2];
+        let w = Mat::Mxfp4Int8 {
+            blocks: &blocks,
+            scales: &scales,
+            rows: 4,
+            cols: 64,
+        };
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut x = vec![0.5f32; 64];
+            x[40] = bad;
+            for tier in tiers() {
+                with_tier(tier, || {
+                    let mut y = vec![0f32; 4];
+                    matvec(&w, &x, &mut y);
+                    assert!(y.iter().all(|v| v.is_nan()), "{tier} {bad}: {y:?}");
+                })
+            }
         }
     }
 

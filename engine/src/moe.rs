@@ -170,6 +170,38 @@ pub struct ExpertView<'a> {
     pub activation: Activation,
 }
 
+impl ExpertView<'_> {
+    /// The same expert with its MXFP4 matrices taking int8-quantized inputs
+    /// ([`Mat::Mxfp4Int8`], the opt-in `--int8-experts` path); float matrices unchanged.
+    pub fn with_int8_inputs(mut self) -> Self {
+        for m in [
+            &mut self.gate_up,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.down,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if let Mat::Mxfp4 {
+                blocks,
+                scales,
+                rows,
+                cols,
+            } = *m
+            {
+                *m = Mat::Mxfp4Int8 {
+                    blocks,
+                    scales,
+                    rows,
+                    cols,
+                };
+            }
+        }
+        self
+    }
+}
+
 /// Where an expert part's bytes are held.
 #[derive(Clone)]
 pub enum PartBytes {
@@ -469,7 +501,9 @@ impl MoeScratch {
 }
 
 /// Runs the MoE for a block: `xs` `[t, H]` normalised inputs, adds the result into `out`
-/// `[t, H]`. The plan must already be in `s.plan`.
+/// `[t, H]`. The plan must already be in `s.plan`. With `int8_inputs`, MXFP4 experts take
+/// int8-quantized inputs ([`ExpertView::with_int8_inputs`]).
+#[allow(clippy::too_many_arguments)]
 pub fn moe_block(
     layer: usize,
     schema: &ExpertSchema,
@@ -477,6 +511,7 @@ pub fn moe_block(
     num_experts: usize,
     xs: &[f32],
     out: &mut [f32],
+    int8_inputs: bool,
     s: &mut MoeScratch,
 ) -> Result<()> {
     let h = schema.hidden;
@@ -505,7 +540,10 @@ pub fn moe_block(
             let members = &s.members[s.member_start[e]..s.member_start[e + 1]];
             let data = &s.handles[ui - g0];
             check_lengths(layer, e, schema, data)?;
-            let view = schema.view(data);
+            let mut view = schema.view(data);
+            if int8_inputs {
+                view = view.with_int8_inputs();
+            }
             s.expert.xs.clear();
             for &(p, _) in members {
                 s.expert.xs.extend_from_slice(&xs[p * h..(p + 1) * h]);

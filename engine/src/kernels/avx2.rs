@@ -104,6 +104,7 @@ unsafe fn rows_impl(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out:
                 }
             }
             Mat::DenseT { .. } => unreachable!("check_rows rejects DenseT"),
+            Mat::Mxfp4Int8 { .. } => unreachable!("kernels::rows_in routes Mxfp4Int8 to int8x"),
         }
     }
 }
@@ -207,7 +208,7 @@ unsafe fn load1<const FMT: u8>(w: *const u8, i: usize) -> f32 {
 /// Sums the 8 lanes in a fixed order.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256) -> f32 {
+pub(super) fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));

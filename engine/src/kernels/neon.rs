@@ -119,6 +119,7 @@ unsafe fn rows_impl(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out:
                 }
             }
             Mat::DenseT { .. } => unreachable!("check_rows rejects DenseT"),
+            Mat::Mxfp4Int8 { .. } => unreachable!("kernels::rows_in routes Mxfp4Int8 to int8x"),
         }
     }
 }

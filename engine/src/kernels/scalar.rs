@@ -148,6 +148,7 @@ fn dot_row(w: &Mat<'_>, r: usize, x: &[f32]) -> f32 {
             )
         }
         Mat::DenseT { .. } => unreachable!("row kernels do not take input-major weights"),
+        Mat::Mxfp4Int8 { .. } => unreachable!("kernels::rows_in routes Mxfp4Int8 to int8x"),
     }
 }
 

@@ -53,6 +53,12 @@ pub struct Args {
     /// path is the default; the README gives the measured agreement).
     #[arg(long)]
     pub int8_attn_head: bool,
+    /// Multiply MXFP4 experts by inputs rounded to int8 in blocks of 32 (integer products;
+    /// fewer instructions per weight than the exact path, which matters where the expert
+    /// kernel, not memory, is the limit). Approximate (the exact path is the default; the
+    /// README gives the measured agreement).
+    #[arg(long)]
+    pub int8_experts: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -302,6 +308,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         &LoadOptions {
             prefill_block: a.prefill_block,
             int8_attn_head: a.int8_attn_head,
+            int8_experts: a.int8_experts,
         },
     )?;
     let mut rng = Rng(a.seed);
@@ -374,6 +381,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "model": a.model.display().to_string(),
         "threads": rayon::current_num_threads(),
         "simd": stormo_engine::kernels::Tier::process().name(),
+        "int8_attn_head": a.int8_attn_head,
+        "int8_experts": a.int8_experts,
         "memory_bandwidth_gb_s": mem_bw / 1e9,
         "memory_bandwidth_at_start_gb_s": mem_before / 1e9,
         "disk_bandwidth_gb_s": disk.map(|d| d.0 / 1e9),
@@ -393,10 +402,22 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     println!("model            {}", a.model.display());
+    let approx: Vec<&str> = [
+        (a.int8_attn_head, "int8 attention/head"),
+        (a.int8_experts, "int8 expert inputs"),
+    ]
+    .iter()
+    .filter_map(|&(on, what)| on.then_some(what))
+    .collect();
     println!(
-        "threads          {} (kernels: {})",
+        "threads          {} (kernels: {}; {})",
         rayon::current_num_threads(),
-        stormo_engine::kernels::Tier::process().name()
+        stormo_engine::kernels::Tier::process().name(),
+        if approx.is_empty() {
+            "exact".to_string()
+        } else {
+            format!("approximate: {}", approx.join(", "))
+        }
     );
     println!(
         "memory           {:.1} GB/s read (median between decoded tokens; {:.1} at start)",

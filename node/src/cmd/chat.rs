@@ -240,6 +240,10 @@ pub struct Args {
     /// (approximate, faster; see `stormo run --help`).
     #[arg(long)]
     pub int8_attn_head: bool,
+    /// Multiply MXFP4 experts by int8-rounded inputs (approximate, faster where the expert
+    /// kernel is the limit; see `stormo run --help`).
+    #[arg(long)]
+    pub int8_experts: bool,
     /// No statistics line on stderr after each reply.
     #[arg(long)]
     pub quiet: bool,
@@ -325,6 +329,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let load = LoadOptions {
         prefill_block: a.prefill_block,
         int8_attn_head: a.int8_attn_head,
+        int8_experts: a.int8_experts,
     };
     let tm = load_text_model(&a.model, &a.experts, a.context, &load)?;
     let interactive = std::io::stdin().is_terminal();

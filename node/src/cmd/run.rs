@@ -66,6 +66,12 @@ pub struct Args {
     /// path is the default; the README gives the measured agreement).
     #[arg(long)]
     pub int8_attn_head: bool,
+    /// Multiply MXFP4 experts by inputs rounded to int8 in blocks of 32 (integer products;
+    /// fewer instructions per weight than the exact path, which matters where the expert
+    /// kernel, not memory, is the limit). Approximate (the exact path is the default; the
+    /// README gives the measured agreement).
+    #[arg(long)]
+    pub int8_experts: bool,
     /// Print expert statistics (hits, loads, waits, prefetch) on stderr.
     #[arg(long)]
     pub stats: bool,
@@ -210,6 +216,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         &LoadOptions {
             prefill_block: a.prefill_block,
             int8_attn_head: a.int8_attn_head,
+            int8_experts: a.int8_experts,
         },
     )
     .with_context(|| format!("loading the model in {}", a.model.display()))?;
