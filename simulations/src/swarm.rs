@@ -445,6 +445,19 @@ pub fn run_scenario(
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+        if killed_at.is_some() && !restarted {
+            // The run outlived neither the kill nor the restart delay (a fast machine): bring
+            // the node back all the same, so every scenario ends with the victim restarted,
+            // and say when.
+            c.start(victim)?;
+            let t = client.started.elapsed().as_secs_f64();
+            let e = format!(
+                "{t:.2}s: restarted {} (after the run had ended)",
+                c.nodes[victim].name
+            );
+            log(&e);
+            events.push(e);
+        }
         if killed_at.is_none() {
             return Err(SwarmError::Failed {
                 what: "churn".into(),
