@@ -62,8 +62,8 @@ fn position(xs: &[f32], cols: usize, q: usize) -> (&[f32], impl Fn(usize) -> i8 
 /// Most positions one SIMD call takes (one row's decode shared by all of them).
 pub(super) const POSITIONS: usize = 8;
 
-/// Rows `r0 .. r0 + n` for `p` quantized positions on `tier` (the AVX2 kernel where the CPU
-/// has AVX2, else the scalar reference).
+/// Rows `r0 .. r0 + n` for `p` quantized positions on `tier`: the AVX2 kernel for the AVX2
+/// and AVX-512 tiers, the NEON kernel for NEON, else the scalar reference.
 pub(super) fn rows(
     tier: super::Tier,
     w: &Mat<'_>,
