@@ -20,6 +20,24 @@
 //! does, so its shuffles need no interleaving): [`matvec`] and [`matmul`] permute them once per
 //! call into a reused thread-local buffer.
 
+/// `$f::<P>(args)` with `P` the const for `$p` positions, 1 to 8 (8 for anything larger):
+/// position counts as const generics, so each kernel's per-position loops unroll.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_macros))] // the x86 kernels use it
+macro_rules! with_positions {
+    ($p:expr, $f:ident($($a:expr),* $(,)?)) => {
+        match $p {
+            1 => $f::<1>($($a),*),
+            2 => $f::<2>($($a),*),
+            3 => $f::<3>($($a),*),
+            4 => $f::<4>($($a),*),
+            5 => $f::<5>($($a),*),
+            6 => $f::<6>($($a),*),
+            7 => $f::<7>($($a),*),
+            _ => $f::<8>($($a),*),
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]

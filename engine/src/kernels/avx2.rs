@@ -279,18 +279,7 @@ unsafe fn mxfp4_rows(
     out: &mut [f32],
 ) {
     // SAFETY (whole body): bounds forwarded from the caller.
-    unsafe {
-        match p {
-            1 => mxfp4_tile::<1>(blocks, scales, cols, r0, n, xs, out),
-            2 => mxfp4_tile::<2>(blocks, scales, cols, r0, n, xs, out),
-            3 => mxfp4_tile::<3>(blocks, scales, cols, r0, n, xs, out),
-            4 => mxfp4_tile::<4>(blocks, scales, cols, r0, n, xs, out),
-            5 => mxfp4_tile::<5>(blocks, scales, cols, r0, n, xs, out),
-            6 => mxfp4_tile::<6>(blocks, scales, cols, r0, n, xs, out),
-            7 => mxfp4_tile::<7>(blocks, scales, cols, r0, n, xs, out),
-            _ => mxfp4_tile::<8>(blocks, scales, cols, r0, n, xs, out),
-        }
-    }
+    unsafe { with_positions!(p, mxfp4_tile(blocks, scales, cols, r0, n, xs, out)) }
 }
 
 /// Most positions one MXFP4 kernel call takes.

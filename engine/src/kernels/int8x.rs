@@ -214,18 +214,7 @@ unsafe fn avx2_rows(
     out: &mut [f32],
 ) {
     // SAFETY (whole body): bounds forwarded from the caller.
-    unsafe {
-        match p {
-            1 => avx2_tile::<1>(blocks, scales, cols, r0, n, xs, out),
-            2 => avx2_tile::<2>(blocks, scales, cols, r0, n, xs, out),
-            3 => avx2_tile::<3>(blocks, scales, cols, r0, n, xs, out),
-            4 => avx2_tile::<4>(blocks, scales, cols, r0, n, xs, out),
-            5 => avx2_tile::<5>(blocks, scales, cols, r0, n, xs, out),
-            6 => avx2_tile::<6>(blocks, scales, cols, r0, n, xs, out),
-            7 => avx2_tile::<7>(blocks, scales, cols, r0, n, xs, out),
-            _ => avx2_tile::<8>(blocks, scales, cols, r0, n, xs, out),
-        }
-    }
+    unsafe { with_positions!(p, avx2_tile(blocks, scales, cols, r0, n, xs, out)) }
 }
 
 /// [`avx2_rows`] for `P` positions.
