@@ -41,7 +41,8 @@ pub(super) fn quantize(xs: &[f32], cols: usize, out: &mut [f32]) {
                 bytes[16 + k] = round_i8(xb[2 * k + 1] * inv);
             }
             for (slot, c) in q[b * 8..b * 8 + 8].iter_mut().zip(bytes.chunks_exact(4)) {
-                *slot = f32::from_bits(u32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                // Native order: the slot's bytes in memory are the values, as kernels read them.
+                *slot = f32::from_bits(u32::from_ne_bytes([c[0], c[1], c[2], c[3]]));
             }
         }
     }
@@ -51,12 +52,14 @@ fn round_i8(v: f32) -> u8 {
     v.round().clamp(-127.0, 127.0) as i8 as u8
 }
 
-/// The quantized block scales and int8 bytes of one position.
-fn position(xs: &[f32], cols: usize, q: usize) -> (&[f32], impl Fn(usize) -> i8 + '_) {
+/// The quantized block scales and int8 values of one position.
+fn position(xs: &[f32], cols: usize, q: usize) -> (&[f32], &[i8]) {
     let x = &xs[q * cols..(q + 1) * cols];
     let (d, rest) = x.split_at(cols / 32);
-    let byte = move |i: usize| rest[i / 4].to_bits().to_le_bytes()[i % 4] as i8;
-    (d, byte)
+    // SAFETY: the slots' memory read as bytes: in bounds (`4 * rest.len()` bytes), `i8` has
+    // no alignment or validity requirements, and nothing writes `xs` while it is borrowed.
+    let bytes = unsafe { std::slice::from_raw_parts(rest.as_ptr() as *const i8, 4 * rest.len()) };
+    (d, bytes)
 }
 
 /// Most positions one SIMD call takes (one row's decode shared by all of them).
@@ -185,7 +188,7 @@ pub(super) fn reference_rows(
                 for (k, &wbyte) in wb.iter().enumerate() {
                     let even = W2[(wbyte & 15) as usize] as i32;
                     let odd = W2[(wbyte >> 4) as usize] as i32;
-                    isum += even * byte(b * 32 + k) as i32 + odd * byte(b * 32 + 16 + k) as i32;
+                    isum += even * byte[b * 32 + k] as i32 + odd * byte[b * 32 + 16 + k] as i32;
                 }
                 acc += isum as f32 * (d[b] * (SCALE[scales[r * nb + b] as usize] * 0.5));
             }
