@@ -689,26 +689,24 @@ thread_local! {
 /// MXFP4 on tiers that decode blocks out of element order, the int8-quantized layout of
 /// [`int8x::quantize`] for [`Mat::Mxfp4Int8`], `xs` itself otherwise.
 fn in_kernel_order<R>(tier: Tier, w: &Mat<'_>, xs: &[f32], f: impl FnOnce(&[f32]) -> R) -> R {
+    enum Arrange {
+        Permute(Permute),
+        Quantize(usize),
+    }
+    let arrange = match *w {
+        Mat::Mxfp4 { .. } => mxfp4_input_order(tier).map(Arrange::Permute),
+        Mat::Mxfp4Int8 { cols, .. } => Some(Arrange::Quantize(cols)),
+        _ => None,
+    };
+    let Some(arrange) = arrange else {
+        return f(xs);
+    };
     let mut buf = INPUT.take();
-    match w {
-        Mat::Mxfp4 { .. } => {
-            let Some(permute) = mxfp4_input_order(tier) else {
-                INPUT.set(buf);
-                return f(xs);
-            };
-            buf.clear();
-            buf.resize(xs.len(), 0.0);
-            permute(xs, &mut buf);
-        }
-        Mat::Mxfp4Int8 { cols, .. } => {
-            buf.clear();
-            buf.resize(xs.len(), 0.0);
-            int8x::quantize(xs, *cols, &mut buf);
-        }
-        _ => {
-            INPUT.set(buf);
-            return f(xs);
-        }
+    buf.clear();
+    buf.resize(xs.len(), 0.0);
+    match arrange {
+        Arrange::Permute(permute) => permute(xs, &mut buf),
+        Arrange::Quantize(cols) => int8x::quantize(xs, cols, &mut buf),
     }
     let r = f(&buf);
     INPUT.set(buf);

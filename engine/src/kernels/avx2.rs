@@ -383,13 +383,44 @@ const FP4_BF16: ([u8; 32], [u8; 32]) = {
     (hi, lo)
 };
 
+/// Splits MXFP4 blocks into their nibbles (constants loaded once per call); shared by
+/// [`decode_block`] and the int8-input kernel.
+#[derive(Clone, Copy)]
+pub(super) struct NibbleSplit {
+    nibble: __m256i,
+    shifts: __m256i,
+}
+
+impl NibbleSplit {
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn new() -> Self {
+        Self {
+            nibble: _mm256_set1_epi8(0x0f),
+            shifts: _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4),
+        }
+    }
+
+    /// The 32 nibbles of the block of 16 bytes at `b`, one per byte: the low lane holds the
+    /// low nibbles (the block's even elements), the high lane the high ones (odd elements).
+    ///
+    /// # Safety
+    /// The CPU supports the tier and 16 bytes at `b` are readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn split(self, b: *const u8) -> __m256i {
+        // SAFETY: 16 readable bytes (caller); unaligned load.
+        let v = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(b as *const __m128i) });
+        _mm256_and_si256(_mm256_srlv_epi32(v, self.shifts), self.nibble)
+    }
+}
+
 /// Constants of [`decode_block`], loaded once per call.
 #[derive(Clone, Copy)]
 struct Fp4Consts {
     hi: __m256i,
     lo: __m256i,
-    nibble: __m256i,
-    shifts: __m256i,
+    split: NibbleSplit,
     upper: __m256i,
 }
 
@@ -402,8 +433,7 @@ impl Fp4Consts {
             Self {
                 hi: _mm256_loadu_si256(FP4_BF16.0.as_ptr() as *const __m256i),
                 lo: _mm256_loadu_si256(FP4_BF16.1.as_ptr() as *const __m256i),
-                nibble: _mm256_set1_epi8(0x0f),
-                shifts: _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4),
+                split: NibbleSplit::new(),
                 upper: _mm256_set1_epi32(-65536),
             }
         }
@@ -420,9 +450,8 @@ impl Fp4Consts {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn decode_block(b: *const u8, c: Fp4Consts) -> [__m256; 4] {
-    // SAFETY: 16 readable bytes (caller); unaligned load.
-    let v = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(b as *const __m128i) });
-    let idx = _mm256_and_si256(_mm256_srlv_epi32(v, c.shifts), c.nibble);
+    // SAFETY: 16 readable bytes (caller).
+    let idx = unsafe { c.split.split(b) };
     let hb = _mm256_shuffle_epi8(c.hi, idx);
     let lb = _mm256_shuffle_epi8(c.lo, idx);
     let w0 = _mm256_unpacklo_epi8(lb, hb);

@@ -93,11 +93,11 @@ pub(super) fn rows(
     {
         // SAFETY: the tier was detected on this CPU (both imply AVX2 and FMA); bounds
         // checked above.
-        unsafe { avx2_rows(blocks, scales, cols, r0, n, xs, p, out) };
+        unsafe { with_positions!(p, avx2_tile(blocks, scales, cols, r0, n, xs, out)) };
         return;
     }
     #[cfg(target_arch = "aarch64")]
-    if tier == super::Tier::Neon && super::neon::supported() {
+    if tier == super::Tier::Neon && p <= POSITIONS && super::neon::supported() {
         // SAFETY: NEON detected on this CPU; bounds checked above.
         unsafe { neon_rows(blocks, scales, cols, r0, n, xs, p, out) };
         return;
@@ -197,36 +197,15 @@ pub(super) fn reference_rows(
     }
 }
 
-/// AVX2 kernel for 1-8 positions: per block the nibbles index two byte tables (|2w| and
+/// AVX2 kernel for `P` (1-8) positions: per block the nibbles index two byte tables (|2w| and
 /// 2w), `sign` moves each weight's sign onto its input, `maddubs`/`madd` sum the 32 products
 /// into eight 32-bit lanes, which are converted and scaled into f32 accumulators.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; rows `r0 .. r0 + n` and `p <= 8` positions are in bounds.
+/// The CPU has AVX2 and FMA; rows `r0 .. r0 + n` and `P` positions are in bounds.
 #[allow(clippy::too_many_arguments)]
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn avx2_rows(
-    blocks: &[u8],
-    scales: &[u8],
-    cols: usize,
-    r0: usize,
-    n: usize,
-    xs: &[f32],
-    p: usize,
-    out: &mut [f32],
-) {
-    // SAFETY (whole body): bounds forwarded from the caller.
-    unsafe { with_positions!(p, avx2_tile(blocks, scales, cols, r0, n, xs, out)) }
-}
-
-/// [`avx2_rows`] for `P` positions.
-///
-/// # Safety
-/// As [`avx2_rows`].
-#[allow(clippy::too_many_arguments)]
-#[cfg(target_arch = "x86_64")]
-#[inline]
+#[inline(never)] // a profile shows each kernel apart
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2_tile<const P: usize>(
     blocks: &[u8],
@@ -255,8 +234,7 @@ unsafe fn avx2_tile<const P: usize>(
     unsafe {
         let abs = _mm256_loadu_si256(ABS.as_ptr() as *const __m256i);
         let signed = _mm256_loadu_si256(SIGNED.as_ptr() as *const __m256i);
-        let nibble = _mm256_set1_epi8(0x0f);
-        let shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+        let split = super::avx2::NibbleSplit::new();
         let ones = _mm256_set1_epi16(1);
         let d: [*const f32; P] = std::array::from_fn(|q| xs.as_ptr().add(q * cols));
         let qx: [*const u8; P] = std::array::from_fn(|q| d[q].add(nb) as *const u8);
@@ -265,8 +243,7 @@ unsafe fn avx2_tile<const P: usize>(
             let s = scales.as_ptr().add((r0 + i) * nb);
             let mut acc = [_mm256_setzero_ps(); P];
             for blk in 0..nb {
-                let v = _mm256_broadcastsi128_si256(_mm_loadu_si128(b.add(16 * blk) as *const _));
-                let idx = _mm256_and_si256(_mm256_srlv_epi32(v, shifts), nibble);
+                let idx = split.split(b.add(16 * blk));
                 let wa = _mm256_shuffle_epi8(abs, idx);
                 let ws = _mm256_shuffle_epi8(signed, idx);
                 let half = _mm256_set1_ps(SCALE[*s.add(blk) as usize] * 0.5);

@@ -380,7 +380,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let out = serde_json::json!({
         "model": a.model.display().to_string(),
         "threads": rayon::current_num_threads(),
-        "simd": stormo_engine::kernels::Tier::process().name(),
+        "simd": tier.name(),
         "int8_attn_head": a.int8_attn_head,
         "int8_experts": a.int8_experts,
         "memory_bandwidth_gb_s": mem_bw / 1e9,
@@ -412,7 +412,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     println!(
         "threads          {} (kernels: {}; {})",
         rayon::current_num_threads(),
-        stormo_engine::kernels::Tier::process().name(),
+        tier.name(),
         if approx.is_empty() {
             "exact".to_string()
         } else {
@@ -441,7 +441,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bound
     );
     println!(
-        "floating point    {:.1} GFLOP/s peak ({} fused multiply-adds on registers, all threads); prefill costs {} per token",
+        "floating point   {:.1} GFLOP/s peak ({} fused multiply-adds on registers, all threads); prefill costs {} per token",
         peak / 1e9,
         tier.name(),
         if flops_tok >= 1e9 {
