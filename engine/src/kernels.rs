@@ -1,7 +1,8 @@
 //! Matrix kernels over weights as they lie in the checkpoint: f32, bf16, f16 and MXFP4.
 //!
 //! The seam: [`Mat`] describes a weight matrix by reference (no copy, no dequantisation);
-//! [`matvec`] and [`matmul`] compute `y = W·x` for one or many positions.
+//! [`matvec`] and [`matmul`] compute `y = W·x` for one or many positions, [`matmul_batch`]
+//! several independent products in one parallel region.
 //!
 //! Kernels come in tiers ([`Tier`]): `scalar` (the reference, everywhere), `avx2` (AVX2, FMA
 //! and F16C) and `avx512` (AVX-512 F/BW) on x86-64, `neon` on AArch64. The best tier this CPU
@@ -657,13 +658,9 @@ fn peak_round(tier: Tier, seconds: f64) -> f64 {
 
 /// `y = W·x` for one position, with the thread's [`Tier::active`] kernels.
 pub fn matvec(w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
-    matvec_in(Tier::active(), w, x, y)
-}
-
-fn matvec_in(tier: Tier, w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), w.cols(), "matvec input width");
     assert_eq!(y.len(), w.rows(), "matvec output width");
-    in_kernel_order(tier, w, x, |x| matvec_ordered(tier, w, x, y))
+    matmul_in(Tier::active(), w, x, y)
 }
 
 /// Rearranges kernel inputs (`xs` into `out`, same length).
@@ -679,73 +676,40 @@ fn mxfp4_input_order(tier: Tier) -> Option<Permute> {
     }
 }
 
-thread_local! {
-    /// Reused buffer for permuted kernel inputs (taken while in use, so a nested call on the
-    /// same thread gets a fresh one instead of a conflict).
-    static INPUT: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+/// How `tier`'s kernels for a matrix want their inputs, when not as given.
+#[derive(Clone, Copy)]
+enum Arrange {
+    /// Permuted within each block of 32 (MXFP4 on tiers that decode out of element order).
+    Permute(Permute),
+    /// Quantized as [`int8x::quantize`] lays them out, rows of `cols` inputs.
+    Quantize(usize),
 }
 
-/// Runs `f` on `xs` arranged as `tier`'s kernels for `w` want them: a permuted copy for
-/// MXFP4 on tiers that decode blocks out of element order, the int8-quantized layout of
-/// [`int8x::quantize`] for [`Mat::Mxfp4Int8`], `xs` itself otherwise.
-fn in_kernel_order<R>(tier: Tier, w: &Mat<'_>, xs: &[f32], f: impl FnOnce(&[f32]) -> R) -> R {
-    enum Arrange {
-        Permute(Permute),
-        Quantize(usize),
-    }
-    let arrange = match *w {
-        Mat::Mxfp4 { .. } => mxfp4_input_order(tier).map(Arrange::Permute),
-        Mat::Mxfp4Int8 { cols, .. } => Some(Arrange::Quantize(cols)),
-        _ => None,
-    };
-    let Some(arrange) = arrange else {
-        return f(xs);
-    };
-    let mut buf = INPUT.take();
-    buf.clear();
-    buf.resize(xs.len(), 0.0);
-    match arrange {
-        Arrange::Permute(permute) => permute(xs, &mut buf),
-        Arrange::Quantize(cols) => int8x::quantize(xs, cols, &mut buf),
-    }
-    let r = f(&buf);
-    INPUT.set(buf);
-    r
-}
-
-/// [`matvec_in`] on inputs already in the kernel's order.
-fn matvec_ordered(tier: Tier, w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
-    let rows = w.rows();
-    if rows == 0 {
-        return;
-    }
-    let tasks = tasks_for(w.byte_len());
-    if let Mat::DenseT { .. } = w {
-        // Bands of output columns, one per thread: every task reads its band of each input
-        // row, and narrower bands would turn the stream into short strided reads.
-        let tasks = tasks.min(rayon::current_num_threads());
-        let chunk = rows.div_ceil(tasks).next_multiple_of(16).min(rows);
-        let run = |(c, yc): (usize, &mut [f32])| {
-            let n = yc.len();
-            cols_t_in(tier, w, c * chunk, n, x, &mut [yc]);
-        };
-        if tasks == 1 {
-            y.chunks_mut(chunk).enumerate().for_each(run);
-        } else {
-            y.par_chunks_mut(chunk).enumerate().for_each(run);
+impl Arrange {
+    /// The arrangement `tier`'s kernels want for `w`'s inputs (`None`: as given).
+    fn of(tier: Tier, w: &Mat<'_>) -> Option<Self> {
+        match *w {
+            Mat::Mxfp4 { .. } => mxfp4_input_order(tier).map(Arrange::Permute),
+            Mat::Mxfp4Int8 { cols, .. } => Some(Self::Quantize(cols)),
+            _ => None,
         }
-        return;
     }
-    let chunk = rows.div_ceil(tasks).next_multiple_of(4).min(rows);
-    let run = |(c, yc): (usize, &mut [f32])| {
-        let n = yc.len();
-        rows_in(tier, w, c * chunk, n, x, 1, yc);
-    };
-    if tasks == 1 {
-        run((0, y));
-    } else {
-        y.par_chunks_mut(chunk).enumerate().for_each(run);
+
+    /// `xs` arranged into `buf` (resized to fit).
+    fn apply(self, xs: &[f32], buf: &mut Vec<f32>) {
+        buf.clear();
+        buf.resize(xs.len(), 0.0);
+        match self {
+            Self::Permute(permute) => permute(xs, buf),
+            Self::Quantize(cols) => int8x::quantize(xs, cols, buf),
+        }
     }
+}
+
+thread_local! {
+    /// Reused buffers for arranged kernel inputs, one per product of a batch (taken while in
+    /// use, so a nested call on the same thread gets fresh ones instead of a conflict).
+    static INPUTS: Cell<Vec<Vec<f32>>> = const { Cell::new(Vec::new()) };
 }
 
 /// Positions a prefill kernel call takes at once (each weight row is read once per group).
@@ -779,112 +743,249 @@ pub fn matmul(w: &Mat<'_>, xs: &[f32], ys: &mut [f32]) {
 }
 
 fn matmul_in(tier: Tier, w: &Mat<'_>, xs: &[f32], ys: &mut [f32]) {
-    let (rows, cols) = (w.rows(), w.cols());
-    if cols == 0 {
-        assert!(xs.is_empty(), "matmul input width");
-        ys.fill(0.0);
-        return;
-    }
-    assert_eq!(xs.len() % cols, 0, "matmul input width");
-    let t = xs.len() / cols;
-    assert_eq!(ys.len(), t * rows, "matmul output size");
-    if rows == 0 || t == 0 {
-        return;
-    }
-    in_kernel_order(tier, w, xs, |xs| {
-        if t == 1 {
-            matvec_ordered(tier, w, xs, ys)
-        } else {
-            matmul_ordered(tier, w, xs, ys, t)
-        }
-    })
+    batch_in(tier, &mut [Product { w: *w, xs, ys }])
 }
 
-/// [`matmul_in`] of `t > 1` positions on inputs already in the kernel's order.
-fn matmul_ordered(tier: Tier, w: &Mat<'_>, xs: &[f32], ys: &mut [f32], t: usize) {
+/// One product of a [`matmul_batch`]: `ys = W·xs` over `t` positions, shaped as for
+/// [`matmul`].
+#[derive(Debug)]
+pub struct Product<'a> {
+    /// The weights.
+    pub w: Mat<'a>,
+    /// Inputs `[t, cols]`.
+    pub xs: &'a [f32],
+    /// Outputs `[t, rows]`.
+    pub ys: &'a mut [f32],
+}
+
+impl Product<'_> {
+    /// A product of nothing (fills unused slots of a batch).
+    fn empty() -> Self {
+        Product {
+            w: Mat::Dense {
+                fmt: Float::F32,
+                bytes: &[],
+                rows: 0,
+                cols: 0,
+            },
+            xs: &[],
+            ys: &mut [],
+        }
+    }
+}
+
+/// Most products one parallel region of [`matmul_batch`] takes (more run in several).
+const MAX_BATCH: usize = 16;
+
+/// Computes independent products in one parallel region: every output is what [`matmul`]
+/// gives for its product alone, bit for bit (within a tier), but the pool's threads are handed
+/// work once for all of them, not once per matrix. Decode spends most of its time in a few
+/// such groups (a layer's selected experts' projections): one region each saves the hand-offs,
+/// and a thread done with one matrix moves on to the next instead of waiting at a barrier.
+///
+/// # Panics
+/// If a product's input or output length does not fit its matrix (as [`matmul`]).
+pub fn matmul_batch<'a>(products: impl IntoIterator<Item = Product<'a>>) {
+    let tier = Tier::active();
+    let mut products = products.into_iter().peekable();
+    while products.peek().is_some() {
+        let mut batch: [Product<'a>; MAX_BATCH] = std::array::from_fn(|_| Product::empty());
+        let mut n = 0;
+        for (slot, p) in batch.iter_mut().zip(products.by_ref()) {
+            *slot = p;
+            n += 1;
+        }
+        batch_in(tier, &mut batch[..n]);
+    }
+}
+
+/// A product ready for the row kernels: inputs arranged, output rows split into tiles.
+#[derive(Clone, Copy)]
+struct Planned<'a> {
+    w: Mat<'a>,
+    xs: &'a [f32],
+    ys: SendPtr,
+    t: usize,
+    /// Rows per task.
+    tile: usize,
+}
+
+/// [`matmul_batch`] on one tier, at most [`MAX_BATCH`] products.
+fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
+    debug_assert!(ps.len() <= MAX_BATCH);
+    let mut t_of = [0usize; MAX_BATCH];
+    for (p, t) in ps.iter_mut().zip(&mut t_of) {
+        let (rows, cols) = (p.w.rows(), p.w.cols());
+        if cols == 0 {
+            assert!(p.xs.is_empty(), "matmul input width");
+            p.ys.fill(0.0);
+            continue;
+        }
+        assert_eq!(p.xs.len() % cols, 0, "matmul input width");
+        *t = p.xs.len() / cols;
+        assert_eq!(p.ys.len(), *t * rows, "matmul output size");
+        if let Mat::DenseT { .. } = p.w {
+            // Input-major weights have their own column-band split.
+            if rows > 0 && *t > 0 {
+                dense_t_in(tier, &p.w, p.xs, p.ys, *t);
+            }
+            *t = 0;
+        }
+    }
+    let work = |p: &Product<'_>, t: usize| p.w.byte_len().saturating_mul(t.min(8));
+    let total: usize = ps.iter().zip(&t_of).map(|(p, &t)| work(p, t)).sum();
+    if ps
+        .iter()
+        .zip(&t_of)
+        .all(|(p, &t)| t == 0 || p.w.rows() == 0)
+    {
+        return;
+    }
+    let tasks = tasks_for(total);
+
+    let mut bufs = INPUTS.take();
+    if bufs.len() < ps.len() {
+        bufs.resize_with(ps.len(), Vec::new);
+    }
+    let mut arranged = [false; MAX_BATCH];
+    for (i, p) in ps.iter().enumerate() {
+        if t_of[i] > 0 && p.w.rows() > 0 {
+            if let Some(a) = Arrange::of(tier, &p.w) {
+                a.apply(p.xs, &mut bufs[i]);
+                arranged[i] = true;
+            }
+        }
+    }
+    let mut plans: [Option<Planned<'_>>; MAX_BATCH] = [None; MAX_BATCH];
+    // `starts[i]`: the first task of product `i`; tasks are numbered across all products.
+    let mut starts = [0usize; MAX_BATCH + 1];
+    for (i, p) in ps.iter_mut().enumerate() {
+        let (t, rows) = (t_of[i], p.w.rows());
+        let n_tiles = if t == 0 || rows == 0 {
+            0
+        } else {
+            // This product's share of the tasks, at least one.
+            let share = (tasks * work(p, t)).div_ceil(total.max(1)).max(1);
+            let tile = if t == 1 {
+                rows.div_ceil(share).next_multiple_of(4)
+            } else {
+                // Tiles small enough to stay in cache while every group of positions passes
+                // over them, and enough of them for the product's share of the threads.
+                let row_bytes = (p.w.byte_len() / rows).max(1);
+                let tile = (TILE_BYTES / row_bytes).clamp(4, MAX_TILE) / 4 * 4;
+                if share > 1 {
+                    tile.min(rows.div_ceil(share).next_multiple_of(4)).max(4)
+                } else {
+                    tile
+                }
+            }
+            .min(rows);
+            plans[i] = Some(Planned {
+                w: p.w,
+                xs: if arranged[i] { &bufs[i][..] } else { p.xs },
+                ys: SendPtr(p.ys.as_mut_ptr()),
+                t,
+                tile,
+            });
+            rows.div_ceil(tile)
+        };
+        starts[i + 1] = starts[i] + n_tiles;
+    }
+    let n = ps.len();
+    let run = |k: usize| {
+        // The product task `k` belongs to: the last with `starts[i] <= k` (few products, so a
+        // scan).
+        let i = (0..n).rfind(|&i| starts[i] <= k && starts[i + 1] > k);
+        let Some(plan) = i.and_then(|i| plans[i].map(|p| (p, k - starts[i]))) else {
+            return;
+        };
+        let (p, tile_no) = plan;
+        run_tile(tier, &p, tile_no * p.tile);
+    };
+    let all = starts[n];
+    if tasks == 1 || all == 1 {
+        (0..all).for_each(run);
+    } else {
+        (0..all).into_par_iter().for_each(run);
+    }
+    INPUTS.set(bufs);
+}
+
+/// Rows `r0 .. r0 + tile` (clipped to the matrix) of every position of a planned product.
+fn run_tile(tier: Tier, p: &Planned<'_>, r0: usize) {
+    let (rows, cols, t) = (p.w.rows(), p.w.cols(), p.t);
+    let n = p.tile.min(rows - r0);
+    if t == 1 {
+        // SAFETY: tiles partition the rows of the product's output (`[rows]` for one
+        // position), so `r0 .. r0 + n` is written by this task alone and lies within it; the
+        // output outlives the batch's region.
+        let out = unsafe { std::slice::from_raw_parts_mut(p.ys.get().add(r0), n) };
+        rows_in(tier, &p.w, r0, n, p.xs, 1, out);
+        return;
+    }
+    let group = group_for(tier, &p.w);
+    let mut buf = [0f32; MAX_POSITIONS * MAX_TILE];
+    for g in (0..t).step_by(group) {
+        let q_n = group.min(t - g);
+        rows_in(
+            tier,
+            &p.w,
+            r0,
+            n,
+            &p.xs[g * cols..(g + q_n) * cols],
+            q_n,
+            &mut buf[..q_n * n],
+        );
+        for q in 0..q_n {
+            // SAFETY: tiles partition the rows, so element `(g + q, r0 .. r0 + n)` is
+            // written by this task alone, and `(g + q) * rows + r0 + n <= t * rows`, the
+            // output's length; the output outlives the batch's region.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut(p.ys.get().add((g + q) * rows + r0), n) };
+            dst.copy_from_slice(&buf[q * n..(q + 1) * n]);
+        }
+    }
+}
+
+/// `ys = W·xs` for input-major weights ([`Mat::DenseT`]), `t >= 1` positions: bands of
+/// output columns, one per thread, each reading its part of every input row once per group
+/// of positions (narrower bands would turn the stream into short strided reads).
+fn dense_t_in(tier: Tier, w: &Mat<'_>, xs: &[f32], ys: &mut [f32], t: usize) {
     let (rows, cols) = (w.rows(), w.cols());
     let ptr = SendPtr(ys.as_mut_ptr());
     let work = w.byte_len().saturating_mul(t.min(8));
-    if let Mat::DenseT { .. } = w {
-        // Bands of output columns; each band reads its part of every input row once per
-        // group of positions.
-        let tasks = tasks_for(work).min(rayon::current_num_threads());
-        let chunk = rows.div_ceil(tasks).next_multiple_of(16).min(rows);
-        let run = |c: usize| {
-            let o0 = c * chunk;
-            let n = chunk.min(rows - o0);
-            for g in (0..t).step_by(GROUP) {
-                let p = GROUP.min(t - g);
-                // SAFETY: band `o0 .. o0 + n` of positions `g .. g + p`: bands partition the
-                // columns, so no two tasks write the same element, and
-                // `(g + q) * rows + o0 + n <= t * rows == ys.len()`; `ys` outlives the loop.
-                let mut outs: [&mut [f32]; GROUP] = std::array::from_fn(|q| unsafe {
-                    if q < p {
-                        std::slice::from_raw_parts_mut(ptr.get().add((g + q) * rows + o0), n)
-                    } else {
-                        &mut []
-                    }
-                });
-                cols_t_in(
-                    tier,
-                    w,
-                    o0,
-                    n,
-                    &xs[g * cols..(g + p) * cols],
-                    &mut outs[..p],
-                );
-            }
-        };
-        let bands = rows.div_ceil(chunk);
-        if tasks == 1 {
-            (0..bands).for_each(run);
-        } else {
-            (0..bands).into_par_iter().for_each(run);
-        }
-        return;
-    }
-    // Tiles of output rows small enough to stay in cache while every group of positions
-    // passes over them.
-    let row_bytes = (w.byte_len() / rows).max(1);
-    let mut tile = (TILE_BYTES / row_bytes).clamp(4, MAX_TILE) / 4 * 4;
-    let tasks = tasks_for(work);
-    if tasks > 1 {
-        // Enough tiles for every thread.
-        tile = tile.min(rows.div_ceil(tasks).next_multiple_of(4)).max(4);
-    }
-    let tile = tile.min(rows);
-    let run = |k: usize| {
-        let r0 = k * tile;
-        let n = tile.min(rows - r0);
-        let group = group_for(tier, w);
-        let mut buf = [0f32; MAX_POSITIONS * MAX_TILE];
-        for g in (0..t).step_by(group) {
-            let p = group.min(t - g);
-            rows_in(
+    let tasks = tasks_for(work).min(rayon::current_num_threads());
+    let chunk = rows.div_ceil(tasks).next_multiple_of(16).min(rows);
+    let run = |c: usize| {
+        let o0 = c * chunk;
+        let n = chunk.min(rows - o0);
+        for g in (0..t).step_by(GROUP) {
+            let p = GROUP.min(t - g);
+            // SAFETY: band `o0 .. o0 + n` of positions `g .. g + p`: bands partition the
+            // columns, so no two tasks write the same element, and
+            // `(g + q) * rows + o0 + n <= t * rows == ys.len()`; `ys` outlives the loop.
+            let mut outs: [&mut [f32]; GROUP] = std::array::from_fn(|q| unsafe {
+                if q < p {
+                    std::slice::from_raw_parts_mut(ptr.get().add((g + q) * rows + o0), n)
+                } else {
+                    &mut []
+                }
+            });
+            cols_t_in(
                 tier,
                 w,
-                r0,
+                o0,
                 n,
                 &xs[g * cols..(g + p) * cols],
-                p,
-                &mut buf[..p * n],
+                &mut outs[..p],
             );
-            for q in 0..p {
-                // SAFETY: tiles partition the rows, so element `(g + q, r0 .. r0 + n)` is
-                // written by this tile alone, and `(g + q) * rows + r0 + n <= ys.len()`; `ys`
-                // outlives the loop.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(ptr.get().add((g + q) * rows + r0), n)
-                };
-                dst.copy_from_slice(&buf[q * n..(q + 1) * n]);
-            }
         }
     };
-    let n_tiles = rows.div_ceil(tile);
+    let bands = rows.div_ceil(chunk);
     if tasks == 1 {
-        (0..n_tiles).for_each(run);
+        (0..bands).for_each(run);
     } else {
-        (0..n_tiles).into_par_iter().for_each(run);
+        (0..bands).into_par_iter().for_each(run);
     }
 }
 
@@ -1256,6 +1357,120 @@ mod tests {
                     },
                     &mut rng,
                 );
+            })
+        }
+    }
+
+    /// A batch gives each product exactly what `matmul` gives it alone, in every tier: mixed
+    /// formats, large (threaded) and tiny products, one and many positions, empty and
+    /// zero-width products, input-major weights, and more products than one region takes.
+    #[test]
+    fn batch_equals_each_product_alone_in_every_tier() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let (rows, cols) = (1157, 288);
+        let bf = dense_bytes(Float::BF16, rows * cols, &mut rng);
+        let f32s = dense_bytes(Float::F32, 37 * 19, &mut rng);
+        let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| rng.gen()).collect();
+        let scales: Vec<u8> = (0..rows * cols / 32)
+            .map(|_| rng.gen_range(118..136))
+            .collect();
+        let q8_scales: Vec<f32> = (0..rows).map(|r| 1e-3 * (r % 7 + 1) as f32).collect();
+        let (b, s) = (&blocks[..], &scales[..]);
+        let mut mats = vec![
+            Mat::Mxfp4 {
+                blocks: b,
+                scales: s,
+                rows,
+                cols,
+            },
+            Mat::Mxfp4Int8 {
+                blocks: b,
+                scales: s,
+                rows: 301,
+                cols,
+            },
+            Mat::Dense {
+                fmt: Float::BF16,
+                bytes: &bf,
+                rows,
+                cols,
+            },
+            Mat::DenseT {
+                fmt: Float::BF16,
+                bytes: &bf,
+                rows: 96,
+                cols: 288,
+            },
+            Mat::Dense {
+                fmt: Float::F32,
+                bytes: &f32s,
+                rows: 37,
+                cols: 19,
+            },
+            Mat::Q8 {
+                q: &blocks[..rows * 96],
+                scales: &q8_scales,
+                rows,
+                cols: 96,
+            },
+            Mat::Mxfp4 {
+                blocks: b,
+                scales: s,
+                rows: 0,
+                cols,
+            },
+            Mat::Dense {
+                fmt: Float::F32,
+                bytes: &[],
+                rows: 5,
+                cols: 0,
+            },
+        ];
+        // More products than one region takes.
+        for r in 1..=MAX_BATCH {
+            mats.push(Mat::Mxfp4 {
+                blocks: b,
+                scales: s,
+                rows: 4 * r + 1,
+                cols,
+            });
+        }
+        for tier in tiers() {
+            with_tier(tier, || {
+                for t in [1, 3, 9] {
+                    let xs: Vec<Vec<f32>> = mats
+                        .iter()
+                        .map(|w| rand_x(t * w.cols(), &mut rng))
+                        .collect();
+                    let alone: Vec<Vec<f32>> = mats
+                        .iter()
+                        .zip(&xs)
+                        .map(|(w, x)| {
+                            let mut y = vec![f32::NAN; t * w.rows()];
+                            matmul(w, x, &mut y);
+                            y
+                        })
+                        .collect();
+                    let mut ys: Vec<Vec<f32>> =
+                        mats.iter().map(|w| vec![f32::NAN; t * w.rows()]).collect();
+                    matmul_batch(
+                        mats.iter()
+                            .zip(&xs)
+                            .zip(&mut ys)
+                            .map(|((w, x), y)| Product {
+                                w: *w,
+                                xs: x,
+                                ys: y,
+                            }),
+                    );
+                    for (i, (got, want)) in ys.iter().zip(&alone).enumerate() {
+                        let same = got
+                            .iter()
+                            .zip(want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{tier}: product {i} ({:?}), {t} positions", mats[i]);
+                    }
+                }
             })
         }
     }

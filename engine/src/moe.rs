@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use crate::config::{Activation, Routing};
 use crate::error::{Error, Result};
-use crate::kernels::{matmul, Float, Mat, Vector};
+use crate::kernels::{matmul_batch, Float, Mat, Product, Vector};
 use crate::ops;
 use crate::safetensors::MappedFile;
 
@@ -398,7 +398,8 @@ impl ExpertScratch {
     }
 }
 
-/// Computes `ys = expert(xs)` for `n` rows of `xs` (`[n, H]`); `ys` is `[n, H]`.
+/// Computes `ys = expert(xs)` for `n` rows of `xs` (`[n, H]`); `ys` is `[n, H]`
+/// ([`ExpertScratch::output`]).
 pub fn expert_forward(
     v: &ExpertView<'_>,
     xs: &[f32],
@@ -406,44 +407,88 @@ pub fn expert_forward(
     inter: usize,
     s: &mut ExpertScratch,
 ) {
-    let n = xs.len() / hidden;
-    s.act.resize(n * inter, 0.0);
-    match v.activation {
-        Activation::ClippedSwiglu { limit, alpha } => {
-            let gu = v.gate_up.as_ref().expect("GPT-OSS expert has gate_up");
-            s.h.resize(n * 2 * inter, 0.0);
-            matmul(gu, xs, &mut s.h);
-            if let Some(b) = &v.gate_up_bias {
-                for row in s.h.chunks_exact_mut(2 * inter) {
-                    b.add_to(row);
-                }
-            }
-            for (a, g) in s.act.iter_mut().zip(s.h.chunks_exact(2)) {
-                let gate = g[0].min(limit);
-                let up = g[1].clamp(-limit, limit);
-                let glu = gate * ops::sigmoid(gate * alpha);
-                *a = (up + 1.0) * glu;
+    s.xs.clear();
+    s.xs.extend_from_slice(xs);
+    experts_forward(|_| *v, std::slice::from_mut(s), hidden, inter);
+}
+
+/// Computes `ys = expert(xs)` for several experts, each over its own positions: expert `i`
+/// is `view(i)`, its inputs `[n_i, H]` are in `scratch[i]` and its output lands there too
+/// ([`ExpertScratch::output`]). Each
+/// output is what the expert alone would give, bit for bit; the experts' gate/up projections
+/// share one parallel region and their down projections another
+/// ([`matmul_batch`](crate::kernels::matmul_batch)).
+pub(crate) fn experts_forward<'v>(
+    view: impl Fn(usize) -> ExpertView<'v>,
+    scratch: &mut [ExpertScratch],
+    hidden: usize,
+    inter: usize,
+) {
+    for (i, s) in scratch.iter_mut().enumerate() {
+        let n = s.xs.len() / hidden;
+        match view(i).activation {
+            Activation::ClippedSwiglu { .. } => s.h.resize(n * 2 * inter, 0.0),
+            Activation::Silu => {
+                s.h.resize(n * inter, 0.0);
+                s.h2.resize(n * inter, 0.0);
             }
         }
-        Activation::Silu => {
-            let (gm, um) = (
-                v.gate.as_ref().expect("Qwen3 expert has gate"),
-                v.up.as_ref().expect("Qwen3 expert has up"),
-            );
-            s.h.resize(n * inter, 0.0);
-            s.h2.resize(n * inter, 0.0);
-            matmul(gm, xs, &mut s.h);
-            matmul(um, xs, &mut s.h2);
-            for ((a, &g), &u) in s.act.iter_mut().zip(&s.h).zip(&s.h2) {
-                *a = g * ops::sigmoid(g) * u;
+        s.act.resize(n * inter, 0.0);
+        s.ys.resize(n * hidden, 0.0);
+    }
+    matmul_batch(scratch.iter_mut().enumerate().flat_map(|(i, s)| {
+        let v = view(i);
+        let ExpertScratch { xs, h, h2, .. } = s;
+        let (first, second) = match v.activation {
+            Activation::ClippedSwiglu { .. } => {
+                (v.gate_up.expect("GPT-OSS expert has gate_up"), None)
+            }
+            Activation::Silu => (
+                v.gate.expect("Qwen3 expert has gate"),
+                Some(v.up.expect("Qwen3 expert has up")),
+            ),
+        };
+        let xs = &xs[..];
+        std::iter::once(Product {
+            w: first,
+            xs,
+            ys: h,
+        })
+        .chain(second.map(|w| Product { w, xs, ys: h2 }))
+    }));
+    for (i, s) in scratch.iter_mut().enumerate() {
+        let v = view(i);
+        match v.activation {
+            Activation::ClippedSwiglu { limit, alpha } => {
+                if let Some(b) = &v.gate_up_bias {
+                    for row in s.h.chunks_exact_mut(2 * inter) {
+                        b.add_to(row);
+                    }
+                }
+                for (a, g) in s.act.iter_mut().zip(s.h.chunks_exact(2)) {
+                    let gate = g[0].min(limit);
+                    let up = g[1].clamp(-limit, limit);
+                    let glu = gate * ops::sigmoid(gate * alpha);
+                    *a = (up + 1.0) * glu;
+                }
+            }
+            Activation::Silu => {
+                for ((a, &g), &u) in s.act.iter_mut().zip(&s.h).zip(&s.h2) {
+                    *a = g * ops::sigmoid(g) * u;
+                }
             }
         }
     }
-    s.ys.resize(n * hidden, 0.0);
-    matmul(v.down.as_ref().expect("expert has down"), &s.act, &mut s.ys);
-    if let Some(b) = &v.down_bias {
-        for row in s.ys.chunks_exact_mut(hidden) {
-            b.add_to(row);
+    matmul_batch(scratch.iter_mut().enumerate().map(|(i, s)| Product {
+        w: view(i).down.expect("expert has down"),
+        xs: &s.act,
+        ys: &mut s.ys,
+    }));
+    for (i, s) in scratch.iter_mut().enumerate() {
+        if let Some(b) = &view(i).down_bias {
+            for row in s.ys.chunks_exact_mut(hidden) {
+                b.add_to(row);
+            }
         }
     }
 }
@@ -463,7 +508,8 @@ pub struct MoeScratch {
     handles: Vec<Arc<ExpertData>>,
     /// Per (position, slot) expert output `[t, k, H]`.
     slot_out: Vec<f32>,
-    expert: ExpertScratch,
+    /// One per expert of a fetched group.
+    experts: Vec<ExpertScratch>,
 }
 
 impl MoeScratch {
@@ -535,25 +581,37 @@ pub fn moe_block(
                 ),
             });
         }
+        if s.experts.len() < g1 - g0 {
+            s.experts.resize_with(g1 - g0, ExpertScratch::default);
+        }
         for ui in g0..g1 {
             let e = s.union[ui];
-            let members = &s.members[s.member_start[e]..s.member_start[e + 1]];
-            let data = &s.handles[ui - g0];
-            check_lengths(layer, e, schema, data)?;
-            let mut view = schema.view(data);
+            check_lengths(layer, e, schema, &s.handles[ui - g0])?;
+            let x = &mut s.experts[ui - g0].xs;
+            x.clear();
+            for &(p, _) in &s.members[s.member_start[e]..s.member_start[e + 1]] {
+                x.extend_from_slice(&xs[p * h..(p + 1) * h]);
+            }
+        }
+        let handles = &s.handles;
+        let view = |i: usize| {
+            let v = schema.view(&handles[i]);
             if int8_inputs {
-                view = view.with_int8_inputs();
+                v.with_int8_inputs()
+            } else {
+                v
             }
-            s.expert.xs.clear();
-            for &(p, _) in members {
-                s.expert.xs.extend_from_slice(&xs[p * h..(p + 1) * h]);
-            }
-            let xs_e = std::mem::take(&mut s.expert.xs);
-            expert_forward(&view, &xs_e, h, schema.intermediate, &mut s.expert);
-            s.expert.xs = xs_e;
-            for (j, &(p, slot)) in members.iter().enumerate() {
+        };
+        experts_forward(view, &mut s.experts[..g1 - g0], h, schema.intermediate);
+        for ui in g0..g1 {
+            let e = s.union[ui];
+            let ys = &s.experts[ui - g0].ys;
+            for (j, &(p, slot)) in s.members[s.member_start[e]..s.member_start[e + 1]]
+                .iter()
+                .enumerate()
+            {
                 let dst = (p * k + slot) * h;
-                s.slot_out[dst..dst + h].copy_from_slice(&s.expert.ys[j * h..(j + 1) * h]);
+                s.slot_out[dst..dst + h].copy_from_slice(&ys[j * h..(j + 1) * h]);
             }
         }
         g0 = g1;

@@ -282,6 +282,11 @@ unsafe fn mxfp4_rows(
     unsafe { with_positions!(p, mxfp4_tile(blocks, scales, cols, r0, n, xs, out)) }
 }
 
+/// How far ahead (bytes of blocks) the one-position MXFP4 kernel prefetches: measured on a
+/// Zen 3 core streaming from DRAM, 2-4 KiB ahead read about 20% faster than none, 512 bytes
+/// hardly changed anything.
+const PREFETCH: usize = 4096;
+
 /// Most positions one MXFP4 kernel call takes.
 pub(super) const MXFP4_POSITIONS: usize = 8;
 /// Blocks per column slab when several positions share a call (8 positions x 16 blocks of
@@ -486,6 +491,15 @@ unsafe fn mxfp4_acc<const P: usize>(
 ) {
     let mut a = *acc;
     for blk in b0..b1 {
+        if P == 1 && blk % 4 == 0 {
+            // One position decodes slower than memory streams, and the hardware prefetcher
+            // alone then keeps too few lines in flight: ask for the weights (and scales)
+            // PREFETCH bytes ahead, once per cache line (a hint, harmless past the end).
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(16 * blk + PREFETCH) as *const i8);
+            if blk % 64 == 0 {
+                _mm_prefetch::<_MM_HINT_T0>(s.wrapping_add(blk + PREFETCH / 16) as *const i8);
+            }
+        }
         // SAFETY: `blk < b1` (caller's bounds); the CPU supports the tier (caller).
         unsafe {
             let w = decode_block(b.add(16 * blk), c);
