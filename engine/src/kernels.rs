@@ -814,7 +814,10 @@ struct Planned<'a> {
 fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
     debug_assert!(ps.len() <= MAX_BATCH);
     let mut t_of = [0usize; MAX_BATCH];
-    for (p, t) in ps.iter_mut().zip(&mut t_of) {
+    // Where each product's task writes (taken while the outputs are borrowed mutably).
+    let mut outs = [SendPtr(std::ptr::null_mut()); MAX_BATCH];
+    for ((p, t), out) in ps.iter_mut().zip(&mut t_of).zip(&mut outs) {
+        *out = SendPtr(p.ys.as_mut_ptr());
         let (rows, cols) = (p.w.rows(), p.w.cols());
         if cols == 0 {
             assert!(p.xs.is_empty(), "matmul input width");
@@ -831,14 +834,14 @@ fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
             }
             *t = 0;
         }
+        if rows == 0 {
+            *t = 0;
+        }
     }
+    // From here a product with `t == 0` has nothing left to compute.
     let work = |p: &Product<'_>, t: usize| p.w.byte_len().saturating_mul(t.min(8));
     let total: usize = ps.iter().zip(&t_of).map(|(p, &t)| work(p, t)).sum();
-    if ps
-        .iter()
-        .zip(&t_of)
-        .all(|(p, &t)| t == 0 || p.w.rows() == 0)
-    {
+    if total == 0 {
         return;
     }
     let tasks = tasks_for(total);
@@ -847,21 +850,19 @@ fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
     if bufs.len() < ps.len() {
         bufs.resize_with(ps.len(), Vec::new);
     }
-    let mut arranged = [false; MAX_BATCH];
-    for (i, p) in ps.iter().enumerate() {
-        if t_of[i] > 0 && p.w.rows() > 0 {
-            if let Some(a) = Arrange::of(tier, &p.w) {
-                a.apply(p.xs, &mut bufs[i]);
-                arranged[i] = true;
-            }
+    let arrange = |i: usize| Arrange::of(tier, &ps[i].w).filter(|_| t_of[i] > 0);
+    for (i, buf) in bufs.iter_mut().enumerate().take(ps.len()) {
+        if let Some(a) = arrange(i) {
+            a.apply(ps[i].xs, buf);
         }
     }
     let mut plans: [Option<Planned<'_>>; MAX_BATCH] = [None; MAX_BATCH];
     // `starts[i]`: the first task of product `i`; tasks are numbered across all products.
     let mut starts = [0usize; MAX_BATCH + 1];
-    for (i, p) in ps.iter_mut().enumerate() {
+    for i in 0..ps.len() {
+        let p = &ps[i];
         let (t, rows) = (t_of[i], p.w.rows());
-        let n_tiles = if t == 0 || rows == 0 {
+        let n_tiles = if t == 0 {
             0
         } else {
             // This product's share of the tasks, at least one.
@@ -882,8 +883,8 @@ fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
             .min(rows);
             plans[i] = Some(Planned {
                 w: p.w,
-                xs: if arranged[i] { &bufs[i][..] } else { p.xs },
-                ys: SendPtr(p.ys.as_mut_ptr()),
+                xs: if arrange(i).is_some() { &bufs[i] } else { p.xs },
+                ys: outs[i],
                 t,
                 tile,
             });
@@ -893,14 +894,10 @@ fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
     }
     let n = ps.len();
     let run = |k: usize| {
-        // The product task `k` belongs to: the last with `starts[i] <= k` (few products, so a
-        // scan).
-        let i = (0..n).rfind(|&i| starts[i] <= k && starts[i + 1] > k);
-        let Some(plan) = i.and_then(|i| plans[i].map(|p| (p, k - starts[i]))) else {
-            return;
-        };
-        let (p, tile_no) = plan;
-        run_tile(tier, &p, tile_no * p.tile);
+        // The product task `k` belongs to: the one whose tasks end after `k` first.
+        let i = starts[1..=n].partition_point(|&end| end <= k);
+        let p = plans[i].expect("a product with tasks has a plan");
+        run_tile(tier, &p, (k - starts[i]) * p.tile);
     };
     let all = starts[n];
     if tasks == 1 || all == 1 {

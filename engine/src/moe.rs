@@ -384,7 +384,6 @@ impl RoutePlan {
 /// Scratch for one expert over `n` positions.
 #[derive(Debug, Default)]
 pub struct ExpertScratch {
-    xs: Vec<f32>,
     h: Vec<f32>,
     h2: Vec<f32>,
     act: Vec<f32>,
@@ -407,25 +406,24 @@ pub fn expert_forward(
     inter: usize,
     s: &mut ExpertScratch,
 ) {
-    s.xs.clear();
-    s.xs.extend_from_slice(xs);
-    experts_forward(|_| *v, std::slice::from_mut(s), hidden, inter);
+    experts_forward(|_| *v, |_| xs, std::slice::from_mut(s), hidden, inter);
 }
 
 /// Computes `ys = expert(xs)` for several experts, each over its own positions: expert `i`
-/// is `view(i)`, its inputs `[n_i, H]` are in `scratch[i]` and its output lands there too
+/// is `view(i)`, its inputs `[n_i, H]` are `input(i)` and its output lands in `scratch[i]`
 /// ([`ExpertScratch::output`]). Each
 /// output is what the expert alone would give, bit for bit; the experts' gate/up projections
 /// share one parallel region and their down projections another
 /// ([`matmul_batch`](crate::kernels::matmul_batch)).
-pub(crate) fn experts_forward<'v>(
+pub(crate) fn experts_forward<'v, 'x>(
     view: impl Fn(usize) -> ExpertView<'v>,
+    input: impl Fn(usize) -> &'x [f32],
     scratch: &mut [ExpertScratch],
     hidden: usize,
     inter: usize,
 ) {
     for (i, s) in scratch.iter_mut().enumerate() {
-        let n = s.xs.len() / hidden;
+        let n = input(i).len() / hidden;
         match view(i).activation {
             Activation::ClippedSwiglu { .. } => s.h.resize(n * 2 * inter, 0.0),
             Activation::Silu => {
@@ -438,7 +436,7 @@ pub(crate) fn experts_forward<'v>(
     }
     matmul_batch(scratch.iter_mut().enumerate().flat_map(|(i, s)| {
         let v = view(i);
-        let ExpertScratch { xs, h, h2, .. } = s;
+        let ExpertScratch { h, h2, .. } = s;
         let (first, second) = match v.activation {
             Activation::ClippedSwiglu { .. } => {
                 (v.gate_up.expect("GPT-OSS expert has gate_up"), None)
@@ -448,7 +446,7 @@ pub(crate) fn experts_forward<'v>(
                 Some(v.up.expect("Qwen3 expert has up")),
             ),
         };
-        let xs = &xs[..];
+        let xs = input(i);
         std::iter::once(Product {
             w: first,
             xs,
@@ -510,6 +508,8 @@ pub struct MoeScratch {
     slot_out: Vec<f32>,
     /// One per expert of a fetched group.
     experts: Vec<ExpertScratch>,
+    /// Each fetched expert's inputs `[n_e, H]`, gathered from its positions.
+    inputs: Vec<Vec<f32>>,
 }
 
 impl MoeScratch {
@@ -583,11 +583,12 @@ pub fn moe_block(
         }
         if s.experts.len() < g1 - g0 {
             s.experts.resize_with(g1 - g0, ExpertScratch::default);
+            s.inputs.resize_with(g1 - g0, Vec::new);
         }
         for ui in g0..g1 {
             let e = s.union[ui];
             check_lengths(layer, e, schema, &s.handles[ui - g0])?;
-            let x = &mut s.experts[ui - g0].xs;
+            let x = &mut s.inputs[ui - g0];
             x.clear();
             for &(p, _) in &s.members[s.member_start[e]..s.member_start[e + 1]] {
                 x.extend_from_slice(&xs[p * h..(p + 1) * h]);
@@ -602,7 +603,14 @@ pub fn moe_block(
                 v
             }
         };
-        experts_forward(view, &mut s.experts[..g1 - g0], h, schema.intermediate);
+        let inputs = &s.inputs;
+        experts_forward(
+            view,
+            |i| &inputs[i],
+            &mut s.experts[..g1 - g0],
+            h,
+            schema.intermediate,
+        );
         for ui in g0..g1 {
             let e = s.union[ui];
             let ys = &s.experts[ui - g0].ys;
