@@ -1058,7 +1058,7 @@ mod tests {
     }
 
     /// `matvec` against the f64 reference, and `matmul` bit-identical to `matvec` per position
-    /// for block sizes covering every position-group remainder.
+    /// for block sizes covering every position-group remainder and several whole groups.
     fn check(w: &Mat<'_>, rng: &mut rand::rngs::StdRng) {
         let tier = Tier::active();
         let x = rand_x(w.cols(), rng);
@@ -1080,7 +1080,7 @@ mod tests {
                 "{tier} {w:?} row {i}: {a} vs {b} (tolerance {tol})"
             );
         }
-        for t in [2, 3, 4, 5, 6, 7, 9] {
+        for t in [2, 3, 4, 5, 6, 7, 9, 17] {
             let xs = rand_x(t * w.cols(), rng);
             let mut ys = vec![f32::NAN; t * w.rows()];
             matmul(w, &xs, &mut ys);
