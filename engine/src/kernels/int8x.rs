@@ -62,6 +62,10 @@ fn position(xs: &[f32], cols: usize, q: usize) -> (&[f32], &[i8]) {
     (d, bytes)
 }
 
+/// How far ahead (bytes of blocks) the one-position AVX2 kernel prefetches.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH: usize = 4096;
+
 /// Most positions one SIMD call takes (one row's decode shared by all of them).
 pub(super) const POSITIONS: usize = 8;
 
@@ -243,6 +247,17 @@ unsafe fn avx2_tile<const P: usize>(
             let s = scales.as_ptr().add((r0 + i) * nb);
             let mut acc = [_mm256_setzero_ps(); P];
             for blk in 0..nb {
+                if P == 1 && blk % 4 == 0 {
+                    // As the exact one-position kernel: the weights (and scales) PREFETCH
+                    // bytes ahead, a line at a time (a hint, harmless past the end; measured
+                    // paired per decoded token: +7-8% decode with `--int8-experts`).
+                    _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(16 * blk + PREFETCH) as *const i8);
+                    if blk % 64 == 0 {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            s.wrapping_add(blk + PREFETCH / 16) as *const i8
+                        );
+                    }
+                }
                 let idx = split.split(b.add(16 * blk));
                 let wa = _mm256_shuffle_epi8(abs, idx);
                 let ws = _mm256_shuffle_epi8(signed, idx);
