@@ -626,7 +626,7 @@ impl Mat<'_> {
 /// rayon pool at once runs independent fused multiply-adds on registers (f32 lanes of the
 /// tier's vector width; the scalar tier's `mul_add`) for about `seconds`; the best of three
 /// such rounds (a ceiling: a busy host only lowers it). Kernel rates in `stormo bench` are
-/// reported against it.
+/// reported against it (the higher of a measurement before and one after the timed work).
 ///
 /// # Panics
 /// If this CPU does not support `tier`.
