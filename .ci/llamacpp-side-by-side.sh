@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# `stormo bench` beside llama.cpp's `llama-bench` on this machine, on the same
+# gpt-oss-20b-geometry checkpoint, alternated twice so both see the same minutes of a noisy host.
+# llama.cpp is commit 0c1e570, the commit of the figures the speed issue quotes, taken from the
+# llama-cpp-python 0.3.36 source package on PyPI (sha256 pinned below). Not part of `.ci/run`:
+# it downloads about 4 GB (PyTorch and friends, for llama.cpp's own checkpoint converter), needs
+# about 35 GB of disk besides the checkpoint, and takes 30-40 minutes on 2 cores.
+#
+#   stormo synth --preset gpt-oss-20b --out /tmp/g20
+#   bash .ci/llamacpp-side-by-side.sh /tmp/g20 exact          # BF16 GGUF vs stormo exact
+#   bash .ci/llamacpp-side-by-side.sh /tmp/g20 int8-experts   # BF16 GGUF vs --int8-experts
+#   bash .ci/llamacpp-side-by-side.sh /tmp/g20 both           # Q8_0 GGUF vs both opt-ins
+#
+# What llama.cpp computes in these layouts: its CPU MXFP4 kernel multiplies by activations
+# rounded to 8-bit blocks (as `--int8-experts` does), and its BF16 kernel by activations rounded
+# to bf16, so the BF16 GGUF sits between stormo's exact path and `--int8-experts`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+model="${1:?usage: llamacpp-side-by-side.sh MODEL_DIR [exact|int8-experts|both]}"
+mode="${2:-exact}"
+work="${WORK:-/tmp/stormo-llamacpp}"
+case "$mode" in
+  exact) flags=(); outtype=bf16 ;;
+  int8-experts) flags=(--int8-experts); outtype=bf16 ;;
+  both) flags=(--int8-attn-head --int8-experts); outtype=q8_0 ;;
+  *) echo "unknown mode '$mode': exact, int8-experts or both" >&2; exit 2 ;;
+esac
+mkdir -p "$work"
+
+src="$work/llama_cpp_python-0.3.36/vendor/llama.cpp"
+if [ ! -d "$src" ]; then
+  tarball="$work/llama_cpp_python-0.3.36.tar.gz"
+  curl -fsSL -o "$tarball" \
+    https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/llama_cpp_python-0.3.36.tar.gz
+  echo "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e  $tarball" | sha256sum -c -
+  tar xzf "$tarball" -C "$work"
+fi
+
+if [ ! -x "$work/venv/bin/python" ]; then
+  python3 -m venv "$work/venv"
+  "$work/venv/bin/pip" install --quiet cmake ninja torch numpy 'transformers==4.57.6' \
+    sentencepiece 'protobuf<5' safetensors
+fi
+export PATH="$work/venv/bin:$PATH"
+
+bench="$src/build/bin/llama-bench"
+if [ ! -x "$bench" ]; then
+  cmake -S "$src" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+  cmake --build "$src/build" --target llama-bench -j "$(nproc)"
+fi
+
+# llama.cpp's converter reads the vocabulary from the checkpoint directory.
+[ -f "$model/tokenizer.json" ] || cp fixtures/o200k-harmony/tokenizer.json "$model/"
+[ -f "$model/tokenizer_config.json" ] ||
+  echo '{"tokenizer_class": "PreTrainedTokenizerFast"}' > "$model/tokenizer_config.json"
+gguf="$work/model-$outtype.gguf"
+if [ ! -f "$gguf" ]; then
+  PYTHONPATH="$src/gguf-py" python "$src/convert_hf_to_gguf.py" "$model" \
+    --outfile "$gguf.partial" --outtype "$outtype"
+  mv "$gguf.partial" "$gguf"
+fi
+
+cargo build --release --quiet
+for i in 1 2; do
+  echo "stormo run $i..." >&2
+  ./target/release/stormo bench --model "$model" --warm --expert-cache 10GiB --no-hot-store \
+    --disk-test 0 --prompt-tokens 64 --decode-tokens 32 "${flags[@]}" --json \
+    > "$work/stormo-$mode-$i.json"
+  echo "llama-bench run $i..." >&2
+  /usr/bin/time -v "$bench" -m "$gguf" -t 2 -p 64 -n 32 -r 3 -o json \
+    > "$work/llama-$mode-$i.json" 2> "$work/llama-$mode-$i.time"
+done
+
+python3 - "$work" "$mode" <<'EOF'
+import json, re, sys
+work, mode = sys.argv[1], sys.argv[2]
+for i in (1, 2):
+    s = json.load(open(f"{work}/stormo-{mode}-{i}.json"))
+    l = {(r["n_prompt"], r["n_gen"]): r for r in json.load(open(f"{work}/llama-{mode}-{i}.json"))}
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)",
+                    open(f"{work}/llama-{mode}-{i}.time").read())
+    print(f"run {i}: memory {s['memory_bandwidth_gb_s']:.1f} GB/s")
+    print(f"  stormo  decode {s['decode']['tok_s']:.2f} tok/s, prefill 64 {s['prefill'][0]['tok_s']:.2f} tok/s, "
+          f"peak RSS {s['peak_rss_bytes'] / 2**30:.2f} GiB")
+    print(f"  llama   decode {l[(0, 32)]['avg_ts']:.2f} tok/s, prefill 64 {l[(64, 0)]['avg_ts']:.2f} tok/s, "
+          f"peak RSS {int(rss.group(1)) / 2**20:.2f} GiB" if rss else "")
+EOF
