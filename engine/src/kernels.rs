@@ -839,7 +839,8 @@ fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
         }
     }
     // From here a product with `t == 0` has nothing left to compute.
-    let work = |p: &Product<'_>, t: usize| p.w.byte_len().saturating_mul(t.min(8));
+    // Weights are read once per group of positions.
+    let work = |p: &Product<'_>, t: usize| p.w.byte_len().saturating_mul(t.min(MAX_POSITIONS));
     let total: usize = ps.iter().zip(&t_of).map(|(p, &t)| work(p, t)).sum();
     if total == 0 {
         return;
@@ -866,7 +867,7 @@ fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
             0
         } else {
             // This product's share of the tasks, at least one.
-            let share = (tasks * work(p, t)).div_ceil(total.max(1)).max(1);
+            let share = (tasks * work(p, t)).div_ceil(total).max(1);
             let tile = if t == 1 {
                 rows.div_ceil(share).next_multiple_of(4)
             } else {
@@ -950,7 +951,7 @@ fn run_tile(tier: Tier, p: &Planned<'_>, r0: usize) {
 fn dense_t_in(tier: Tier, w: &Mat<'_>, xs: &[f32], ys: &mut [f32], t: usize) {
     let (rows, cols) = (w.rows(), w.cols());
     let ptr = SendPtr(ys.as_mut_ptr());
-    let work = w.byte_len().saturating_mul(t.min(8));
+    let work = w.byte_len().saturating_mul(t.min(MAX_POSITIONS));
     let tasks = tasks_for(work).min(rayon::current_num_threads());
     let chunk = rows.div_ceil(tasks).next_multiple_of(16).min(rows);
     let run = |c: usize| {

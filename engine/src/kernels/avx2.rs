@@ -135,7 +135,7 @@ unsafe fn dense_rows<const FMT: u8>(
                 std::array::from_fn(|k| unsafe { base.add((r0 + i + k) * row_bytes) });
             let xp: [*const f32; $p] = std::array::from_fn(x);
             // SAFETY: pointers to whole rows of `cols` elements (caller's contract).
-            let v = unsafe { dense_dot::<FMT, $r, $p>(ws, xp, cols, $r * row_bytes) };
+            let v = unsafe { dense_dot::<FMT, $r, $p>(ws, xp, cols) };
             for k in 0..$r {
                 for q in 0..$p {
                     out[q * n + i + k] = v[k][q];
@@ -215,27 +215,25 @@ pub(super) fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// Dot products of `R` rows with `P` positions, `n` elements each. With one position (decode)
-/// it also prefetches, a cache line at a time, the rows `ahead` bytes further (the next group
-/// of rows): each row is a short stream, too short for the hardware prefetcher to ramp up
-/// before it ends (measured standalone on Zen 3: int8 rows of 2880 read 6.0 -> 8.8 GB/s on
-/// one core, 8.5-9.4 -> 10.8-11.4 on two).
+/// Dot products of `R` consecutive rows with `P` positions, `n` elements each. With one
+/// position (decode) it also prefetches, a cache line at a time, the next `R` rows: each row
+/// is a stream too short for the hardware prefetcher to ramp up before it ends (README,
+/// Kernels).
 ///
 /// # Safety
 /// The CPU supports the tier; each `w[k]` points to `n` readable elements of format `FMT` and
-/// each `x[q]` to `n` readable f32. (`ahead` may point anywhere: a prefetch is a hint.)
+/// each `x[q]` to `n` readable f32. (The prefetches may point past the matrix: a hint.)
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
     w: [*const u8; R],
     x: [*const f32; P],
     n: usize,
-    ahead: usize,
 ) -> [[f32; P]; R] {
     let mut acc = [[_mm256_setzero_ps(); P]; R];
     let main = n / 8 * 8;
     let size = super::code_size(FMT);
-    let per_line = 64 / size;
+    let (per_line, ahead) = (64 / size, R * n * size);
     let mut i = 0;
     while i < main {
         if P == 1 && i % per_line == 0 {

@@ -135,7 +135,7 @@ unsafe fn dense_rows<const FMT: u8>(
                 std::array::from_fn(|k| unsafe { base.add((r0 + i + k) * row_bytes) });
             let xp: [*const f32; $p] = std::array::from_fn(x);
             // SAFETY: pointers to whole rows of `cols` elements (caller's contract).
-            let v = unsafe { dense_dot::<FMT, $r, $p>(ws, xp, cols, $r * row_bytes) };
+            let v = unsafe { dense_dot::<FMT, $r, $p>(ws, xp, cols) };
             for k in 0..$r {
                 for q in 0..$p {
                     out[q * n + i + k] = v[k][q];
@@ -220,24 +220,24 @@ fn hsum(v: __m512) -> f32 {
 
 /// Dot products of `R` rows with `P` positions, `n` elements each.
 ///
-/// With one position (decode) it also prefetches the rows `ahead` bytes further, a cache line
-/// at a time, as the AVX2 tier does (measured there; not measured on AVX-512 hardware).
+/// The rows are consecutive. With one position (decode) it also prefetches the next `R` rows,
+/// a cache line at a time, as the AVX2 tier does (measured there; not measured on AVX-512
+/// hardware).
 ///
 /// # Safety
 /// The CPU supports the tier; each `w[k]` points to `n` readable elements of format `FMT` and
-/// each `x[q]` to `n` readable f32. (`ahead` may point anywhere: a prefetch is a hint.)
+/// each `x[q]` to `n` readable f32. (The prefetches may point past the matrix: a hint.)
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
     w: [*const u8; R],
     x: [*const f32; P],
     n: usize,
-    ahead: usize,
 ) -> [[f32; P]; R] {
     let mut acc = [[_mm512_setzero_ps(); P]; R];
     let main = n / 16 * 16;
     let size = super::code_size(FMT);
-    let per_line = 64 / size;
+    let (per_line, ahead) = (64 / size, R * n * size);
     let mut i = 0;
     while i < main {
         if P == 1 && i % per_line == 0 {
@@ -299,7 +299,7 @@ unsafe fn mxfp4_rows(
             let s: [*const u8; $r] = std::array::from_fn(|k| unsafe { sb.add((r0 + i + k) * nb) });
             let xp: [*const f32; $p] = std::array::from_fn(x);
             // SAFETY: whole rows of `nb` blocks and positions of `cols` f32 (caller).
-            let v = unsafe { mxfp4_dot::<$r, $p>(b, s, xp, nb, $r) };
+            let v = unsafe { mxfp4_dot::<$r, $p>(b, s, xp, nb) };
             for k in 0..$r {
                 for q in 0..$p {
                     out[q * n + i + k] = v[k][q];
@@ -328,8 +328,8 @@ unsafe fn mxfp4_rows(
     }
 }
 
-/// Dot products of `R` MXFP4 rows (`nb` blocks each) with `P` positions. With one position it
-/// also prefetches the next `group` rows' blocks and scales (short row streams; see
+/// Dot products of `R` consecutive MXFP4 rows (`nb` blocks each) with `P` positions. With one
+/// position it also prefetches the next `R` rows' blocks and scales (short row streams; see
 /// [`dense_dot`]).
 ///
 /// # Safety
@@ -342,7 +342,6 @@ unsafe fn mxfp4_dot<const R: usize, const P: usize>(
     s: [*const u8; R],
     x: [*const f32; P],
     nb: usize,
-    group: usize,
 ) -> [[f32; P]; R] {
     // SAFETY: the 16-entry table read unaligned.
     let lut = unsafe { _mm512_loadu_ps(FP4_LUT.as_ptr()) };
@@ -352,9 +351,9 @@ unsafe fn mxfp4_dot<const R: usize, const P: usize>(
         if P == 1 && blk % 4 == 0 {
             for k in 0..R {
                 // A hint: harmless past the end.
-                _mm_prefetch::<_MM_HINT_T0>(b[k].wrapping_add((group * nb + blk) * 16) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(b[k].wrapping_add((R * nb + blk) * 16) as *const i8);
                 if blk % 64 == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(s[k].wrapping_add(group * nb + blk) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(s[k].wrapping_add(R * nb + blk) as *const i8);
                 }
             }
         }

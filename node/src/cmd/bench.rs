@@ -336,6 +336,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
         }
     }
+    // (tokens, seconds, GFLOP/s) per prompt; reported against the peak once it is final.
     let mut prefill = Vec::new();
     let mut last = None;
     for &p in &a.prompt_tokens {
@@ -346,10 +347,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let l = model.forward(&mut s, &toks, Logits::Last, None)?;
         let secs = t.elapsed().as_secs_f64();
         let next = argmax(l);
-        let gflop_s = (flops_tok * p as f64 + flops_head) / secs / 1e9;
-        prefill.push(serde_json::json!({
-            "tokens": p, "seconds": secs, "tok_s": p as f64 / secs, "gflop_s": gflop_s,
-        }));
+        prefill.push((p, secs, (flops_tok * p as f64 + flops_head) / secs / 1e9));
         last = Some((s, next));
     }
     let (mut sess, mut tok) = last.expect("at least one prompt");
@@ -371,11 +369,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // Measured again at the end, keeping the higher: on a shared VM another tenant (or the
     // kernel reclaiming memory after a previous run) can hold a core for a moment, which
     // halved the first measurement in some runs.
+    say("measuring the floating-point peak again...".into());
     let peak = peak.max(stormo_engine::kernels::peak_flops(tier, 0.6));
-    for p in &mut prefill {
-        let f = p["gflop_s"].as_f64().unwrap_or(0.0) * 1e9 / peak;
-        p["fraction_of_peak"] = f.into();
-    }
+    let prefill: Vec<_> = prefill
+        .iter()
+        .map(|&(p, secs, gflop_s)| {
+            serde_json::json!({
+                "tokens": p, "seconds": secs, "tok_s": p as f64 / secs,
+                "gflop_s": gflop_s, "fraction_of_peak": gflop_s * 1e9 / peak,
+            })
+        })
+        .collect();
     let bound = mem_bw / bpt as f64;
     let tier_bytes = |s: &Option<stormo_engine::tiers::ExpertStats>, name: &str| {
         s.as_ref()
