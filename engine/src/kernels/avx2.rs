@@ -6,9 +6,9 @@
 //! rows (`R`) and positions (`P`) one call interleaves changes only which loads are shared, never
 //! a position's arithmetic, so a block of positions gets exactly what each position gets alone.
 //!
-//! MXFP4 nibbles are decoded in registers: a byte shuffle maps each nibble to twice its FP4
-//! value as an int8 (exact integers), which widens to f32; the block's sum is multiplied by half
-//! its E8M0 scale, so the doubled integers cost no precision.
+//! MXFP4 weights are dequantized exactly on the fly, never copied out of the checkpoint's
+//! format: two byte shuffles of per-scale tables give each nibble's value times its block's
+//! scale as bf16 bytes, which widen to f32 (see [`decode_scaled`]).
 
 use std::arch::x86_64::*;
 
@@ -266,12 +266,16 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
     out
 }
 
-/// Rows of an MXFP4 matrix for `p <= MXFP4_POSITIONS` positions: one row at a time (a
-/// single sequential stream of weights) for one position; for several, slabs of
-/// [`SLAB`] blocks so the slab's inputs of every position stay in L1 while each row of the
-/// tile passes over them, with the accumulators kept between slabs. Either way a (row,
-/// position)'s blocks are accumulated in increasing order by the same arithmetic
-/// ([`mxfp4_acc`]), so the result does not depend on `p`.
+/// Rows of an MXFP4 matrix for `p <= MXFP4_POSITIONS` positions.
+///
+/// Every (row, position) is the same computation whatever `p` and `n`: its weights dequantized
+/// exactly ([`decode_scaled`]: each FP4 value times its block's E8M0 scale, as
+/// [`mxfp4_value`](super::mxfp4_value) gives it), then one 8-lane accumulator takes a fused
+/// multiply-add per vector of 8 weights in increasing order (the block's four vectors, block
+/// after block), and [`hsum`] reduces the lanes. One position ([`mxfp4_dot`]) streams four
+/// rows at a time, decoding in registers; several ([`mxfp4_block`]) decode a slab of rows into
+/// an L1 buffer once and multiply it by every position in register tiles. So a block of
+/// positions gets exactly what each position gets alone.
 ///
 /// # Safety
 /// As [`rows_impl`]: rows `r0 .. r0 + n` of `blocks`/`scales` and `p` positions in bounds.
@@ -288,84 +292,230 @@ unsafe fn mxfp4_rows(
     p: usize,
     out: &mut [f32],
 ) {
-    // SAFETY (whole body): bounds forwarded from the caller.
-    unsafe { with_positions!(p, mxfp4_tile(blocks, scales, cols, r0, n, xs, out)) }
-}
-
-/// How far ahead (bytes of blocks) the one-position MXFP4 kernel prefetches: measured on a
-/// Zen 3 core streaming from DRAM, 2-4 KiB ahead read about 20% faster than none, 512 bytes
-/// hardly changed anything.
-const PREFETCH: usize = 4096;
-
-/// Most positions one MXFP4 kernel call takes.
-pub(super) const MXFP4_POSITIONS: usize = 8;
-/// Blocks per column slab when several positions share a call (8 positions x 16 blocks of
-/// inputs = 16 KiB).
-const SLAB: usize = 16;
-/// Rows whose accumulators a multi-position call keeps at once.
-const SLAB_ROWS: usize = 32;
-
-/// [`mxfp4_rows`] for `P` positions.
-///
-/// # Safety
-/// As [`mxfp4_rows`].
-#[allow(clippy::too_many_arguments)]
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn mxfp4_tile<const P: usize>(
-    blocks: &[u8],
-    scales: &[u8],
-    cols: usize,
-    r0: usize,
-    n: usize,
-    xs: &[f32],
-    out: &mut [f32],
-) {
     let nb = cols / 32;
     let (bb, sb) = (blocks.as_ptr(), scales.as_ptr());
-    let x: [*const f32; P] = std::array::from_fn(|q| xs[q * cols..].as_ptr());
+    if p > 1 {
+        // SAFETY: bounds forwarded from the caller.
+        return unsafe { mxfp4_block(bb, sb, nb, r0, n, xs, p, out) };
+    }
+    let x = xs.as_ptr();
     let c = Fp4Consts::new();
     // SAFETY: rows `r0 + i` for `i < n` are in bounds (caller).
     let row = |i: usize| unsafe { (bb.add((r0 + i) * nb * 16), sb.add((r0 + i) * nb)) };
-    if P == 1 {
-        for (i, o) in out[..n].iter_mut().enumerate() {
-            let (b, s) = row(i);
-            let mut acc = [_mm256_setzero_ps(); P];
-            // SAFETY: a whole row of `nb` blocks and a position of `cols` f32 (caller).
-            unsafe { mxfp4_acc::<P>(b, s, x, 0, nb, c, &mut acc) };
-            *o = hsum(acc[0]);
-        }
-        return;
+    macro_rules! run {
+        ($r:literal, $i:expr) => {{
+            let i = $i;
+            let b: [*const u8; $r] = std::array::from_fn(|k| row(i + k).0);
+            let s: [*const u8; $r] = std::array::from_fn(|k| row(i + k).1);
+            // SAFETY: whole rows of `nb` blocks and a position of `cols` f32 (caller).
+            let v = unsafe { mxfp4_dot::<$r>(b, s, x, nb, c) };
+            out[i..i + $r].copy_from_slice(&v);
+        }};
     }
-    let mut acc = [[_mm256_setzero_ps(); P]; SLAB_ROWS];
-    for i0 in (0..n).step_by(SLAB_ROWS) {
-        let m = SLAB_ROWS.min(n - i0);
-        acc[..m].fill([_mm256_setzero_ps(); P]);
-        for b0 in (0..nb).step_by(SLAB) {
-            let b1 = nb.min(b0 + SLAB);
-            for (k, a) in acc[..m].iter_mut().enumerate() {
-                let (b, s) = row(i0 + k);
-                // Rows lie apart, so the hardware does not see this walk as a stream: fetch
-                // the slab of the row after next while this one computes (a hint, harmless
-                // past the end).
-                let ahead = 2 * nb * 16;
-                for off in (16 * b0..16 * b1).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(ahead + off) as *const i8);
+    let mut i = 0;
+    while n - i >= 4 {
+        run!(4, i);
+        i += 4;
+    }
+    match n - i {
+        3 => run!(3, i),
+        2 => run!(2, i),
+        1 => run!(1, i),
+        _ => {}
+    }
+}
+
+/// Most positions one MXFP4 kernel call takes: the weights are decoded once per call, so all
+/// of an expert's positions in a prefill block of 128 tokens (about 16 on GPT-OSS) share one.
+pub(super) const MXFP4_POSITIONS: usize = 32;
+/// Rows [`mxfp4_block`] decodes and accumulates at once.
+const CHUNK_ROWS: usize = 16;
+/// Blocks per slab in [`mxfp4_block`]: one cache line of each row's weights, 512 bytes of
+/// inputs per position, so the decoded slab (8 KiB) and the inputs it meets stay in L1.
+const SLAB: usize = 4;
+
+/// The dot products of `R` consecutive rows (`b`, `s`: each row's blocks and scales) with one
+/// position `x` in [`MXFP4_ORDER`]: per row one accumulator, four fused multiply-adds per
+/// block in order. Four rows give the core four independent chains (one alone waits on each
+/// multiply-add's latency); while they compute, the next `R` rows are prefetched, a line at a
+/// time (each row is a stream too short for the hardware prefetcher to ramp up on).
+///
+/// # Safety
+/// The CPU supports the tier; each `b[k]` points to `16 * nb` readable bytes, `s[k]` to `nb`,
+/// `x` to `32 * nb` f32. (The prefetches may point past the matrix: a hint.)
+#[inline(always)]
+unsafe fn mxfp4_dot<const R: usize>(
+    b: [*const u8; R],
+    s: [*const u8; R],
+    x: *const f32,
+    nb: usize,
+    c: Fp4Consts,
+) -> [f32; R] {
+    let mut a = [_mm256_setzero_ps(); R];
+    let ahead = R * nb * 16;
+    for blk in 0..nb {
+        if blk % 4 == 0 {
+            for bk in b {
+                _mm_prefetch::<_MM_HINT_T0>(bk.wrapping_add(ahead + 16 * blk) as *const i8);
+            }
+            if blk % 64 == 0 {
+                for sk in s {
+                    _mm_prefetch::<_MM_HINT_T0>(sk.wrapping_add(R * nb + blk) as *const i8);
                 }
-                _mm_prefetch::<_MM_HINT_T0>(s.wrapping_add(2 * nb + b0) as *const i8);
-                // SAFETY: blocks `b0 .. b1 <= nb` of a row and of each position (caller).
-                unsafe { mxfp4_acc::<P>(b, s, x, b0, b1, c, a) };
             }
         }
-        for (k, a) in acc[..m].iter().enumerate() {
-            for q in 0..P {
-                out[q * n + i0 + k] = hsum(a[q]);
+        // SAFETY: block `blk < nb` of every row and of the position (caller).
+        unsafe {
+            let xp = x.add(32 * blk);
+            for k in 0..R {
+                let w = decode_scaled(b[k].add(16 * blk), *s[k].add(blk), c);
+                let mut acc = a[k];
+                for (j, wv) in w.iter().enumerate() {
+                    acc = _mm256_fmadd_ps(*wv, _mm256_loadu_ps(xp.add(8 * j)), acc);
+                }
+                a[k] = acc;
+            }
+        }
+    }
+    a.map(|v| hsum(v))
+}
+
+/// A slab of dequantized weights: [`CHUNK_ROWS`] rows of [`SLAB`] blocks in [`MXFP4_ORDER`].
+#[repr(C, align(32))]
+struct Slab {
+    w: [[[f32; 32]; SLAB]; CHUNK_ROWS],
+}
+
+/// [`mxfp4_rows`] for `2 <= p <= MXFP4_POSITIONS` positions: chunks of [`CHUNK_ROWS`] rows,
+/// walked in slabs of [`SLAB`] blocks. Each slab is decoded once into an L1 buffer, then tiles
+/// of 2 rows x 4 positions multiply it ([`mxfp4_tile`]: eight accumulators in registers, each
+/// input vector loaded once for both rows, each weight vector once for four positions). The
+/// accumulators of the chunk's (row, position)s live in a buffer between slabs.
+///
+/// # Safety
+/// As [`mxfp4_rows`], with `bb`/`sb` the matrix's blocks and scales and `nb` its blocks per
+/// row.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn mxfp4_block(
+    bb: *const u8,
+    sb: *const u8,
+    nb: usize,
+    r0: usize,
+    n: usize,
+    xs: &[f32],
+    p: usize,
+    out: &mut [f32],
+) {
+    debug_assert!((2..=MXFP4_POSITIONS).contains(&p));
+    let cols = nb * 32;
+    let c = Fp4Consts::new();
+    let mut slab = Slab {
+        w: [[[0.0; 32]; SLAB]; CHUNK_ROWS],
+    };
+    let mut acc = [[_mm256_setzero_ps(); MXFP4_POSITIONS]; CHUNK_ROWS];
+    for c0 in (0..n).step_by(CHUNK_ROWS) {
+        let m = CHUNK_ROWS.min(n - c0);
+        for a in &mut acc[..m] {
+            a[..p].fill(_mm256_setzero_ps());
+        }
+        for b0 in (0..nb).step_by(SLAB) {
+            let k = SLAB.min(nb - b0);
+            for (i, dst) in slab.w[..m].iter_mut().enumerate() {
+                let row = r0 + c0 + i;
+                // SAFETY: row `row < r0 + n` and blocks `b0 .. b0 + k <= nb` (caller).
+                let (b, s) = unsafe { (bb.add(row * nb * 16 + 16 * b0), sb.add(row * nb + b0)) };
+                // The same slab of the next chunk's row, fetched while this one computes (the
+                // walk jumps between rows, so the hardware does not see it as a stream; a
+                // hint, harmless past the end).
+                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(CHUNK_ROWS * nb * 16) as *const i8);
+                for (j, d) in dst[..k].iter_mut().enumerate() {
+                    // SAFETY: block `b0 + j` of the row (above); 32 f32 of the buffer.
+                    unsafe {
+                        let w = decode_scaled(b.add(16 * j), *s.add(j), c);
+                        for (v, o) in w.iter().zip(d.chunks_exact_mut(8)) {
+                            _mm256_storeu_ps(o.as_mut_ptr(), *v);
+                        }
+                    }
+                }
+            }
+            let mut i = 0;
+            while i < m {
+                let two = m - i >= 2;
+                let mut q = 0;
+                while q < p {
+                    // SAFETY: positions `q .. q + 4.min(p - q) <= p` hold `cols` f32 each and
+                    // the slab's blocks lie within them (caller); rows `i (+ 1) < m`.
+                    unsafe {
+                        let x = xs.as_ptr().add(q * cols + 32 * b0);
+                        let a = acc.as_mut_ptr().add(i) as *mut __m256;
+                        let a = a.add(q);
+                        match (two, (p - q).min(4)) {
+                            (true, 4) => mxfp4_tile::<2, 4>(&slab, i, x, cols, k, a),
+                            (true, 3) => mxfp4_tile::<2, 3>(&slab, i, x, cols, k, a),
+                            (true, 2) => mxfp4_tile::<2, 2>(&slab, i, x, cols, k, a),
+                            (true, _) => mxfp4_tile::<2, 1>(&slab, i, x, cols, k, a),
+                            (false, 4) => mxfp4_tile::<1, 4>(&slab, i, x, cols, k, a),
+                            (false, 3) => mxfp4_tile::<1, 3>(&slab, i, x, cols, k, a),
+                            (false, 2) => mxfp4_tile::<1, 2>(&slab, i, x, cols, k, a),
+                            (false, _) => mxfp4_tile::<1, 1>(&slab, i, x, cols, k, a),
+                        }
+                    }
+                    q += 4;
+                }
+                i += if two { 2 } else { 1 };
+            }
+        }
+        for (i, a) in acc[..m].iter().enumerate() {
+            for (q, v) in a[..p].iter().enumerate() {
+                out[q * n + c0 + i] = hsum(*v);
             }
         }
     }
 }
 
-/// The order in which [`decode_block`] yields a block's 32 weights: lane `k` of the four
+/// Adds `k` decoded blocks of slab rows `i .. i + R` times `Q` positions (`x`: the slab's first
+/// input of the first position, positions `cols` apart) to the accumulators at `acc` (row `r`,
+/// position `q` at `acc + r * MXFP4_POSITIONS + q`), by [`mxfp4_dot`]'s arithmetic.
+///
+/// # Safety
+/// The CPU supports the tier; `x` points to `Q` positions of `32 * k` readable f32, `cols`
+/// apart; `i + R <= CHUNK_ROWS`, `k <= SLAB`, and the `R x Q` accumulators are in bounds.
+#[inline(always)]
+unsafe fn mxfp4_tile<const R: usize, const Q: usize>(
+    slab: &Slab,
+    i: usize,
+    x: *const f32,
+    cols: usize,
+    k: usize,
+    acc: *mut __m256,
+) {
+    // SAFETY (whole body): the bounds above (caller).
+    unsafe {
+        let at = |r: usize, q: usize| acc.add(r * MXFP4_POSITIONS + q);
+        let mut a: [[__m256; Q]; R] = std::array::from_fn(|r| std::array::from_fn(|q| *at(r, q)));
+        for blk in 0..k {
+            for j in 0..4 {
+                let w: [__m256; R] =
+                    std::array::from_fn(|r| _mm256_load_ps(slab.w[i + r][blk][8 * j..].as_ptr()));
+                for q in 0..Q {
+                    let xv = _mm256_loadu_ps(x.add(q * cols + 32 * blk + 8 * j));
+                    for (ar, wr) in a.iter_mut().zip(&w) {
+                        ar[q] = _mm256_fmadd_ps(*wr, xv, ar[q]);
+                    }
+                }
+            }
+        }
+        for (r, ar) in a.iter().enumerate() {
+            for (q, v) in ar.iter().enumerate() {
+                *at(r, q) = *v;
+            }
+        }
+    }
+}
+
+/// The order in which [`decode_scaled`] yields a block's 32 weights: lane `k` of the four
 /// vectors holds element `MXFP4_ORDER[k]` of the block. Kernel inputs are permuted to match once
 /// per call ([`mxfp4_permute`]), so the decode needs no interleaving shuffles.
 pub(super) const MXFP4_ORDER: [usize; 32] = [
@@ -383,23 +533,35 @@ pub(super) fn mxfp4_permute(xs: &[f32], out: &mut [f32]) {
     }
 }
 
-/// High and low bytes of each FP4 value as bf16 (exact: FP4 values have two mantissa bits),
-/// by nibble, in both 128-bit lanes.
-const FP4_BF16: ([u8; 32], [u8; 32]) = {
-    let mut hi = [0u8; 32];
-    let mut lo = [0u8; 32];
-    let mut i = 0;
-    while i < 32 {
-        let bits = super::FP4_LUT[i % 16].to_bits();
-        hi[i] = (bits >> 24) as u8;
-        lo[i] = (bits >> 16) as u8;
-        i += 1;
+/// High and low bytes of every dequantized MXFP4 value as bf16, by E8M0 scale byte: entry
+/// `s` holds `mxfp4_value(nibble, s)` for the 16 nibbles, repeated in both 128-bit lanes, high
+/// bytes then low bytes (one cache line per scale). Exact: an FP4 value times a power of two has
+/// at most two significant bits, which bf16 holds, subnormals included; at scales 253 and 254
+/// the larger values overflow to ±inf, as dequantizing to f32 or bf16 does (a test checks
+/// every entry against [`mxfp4_value`](super::mxfp4_value)).
+#[repr(C, align(64))]
+struct Scaled([[[u8; 32]; 2]; 256]);
+
+static SCALED: Scaled = {
+    let mut t = [[[0u8; 32]; 2]; 256];
+    let mut s = 0;
+    while s < 256 {
+        let mut i = 0;
+        while i < 32 {
+            let v = super::FP4_LUT[i % 16];
+            let w = if v == 0.0 { v } else { v * SCALE[s] };
+            let bits = w.to_bits();
+            t[s][0][i] = (bits >> 24) as u8;
+            t[s][1][i] = (bits >> 16) as u8;
+            i += 1;
+        }
+        s += 1;
     }
-    (hi, lo)
+    Scaled(t)
 };
 
 /// Splits MXFP4 blocks into their nibbles (constants loaded once per call); shared by
-/// [`decode_block`] and the int8-input kernel.
+/// [`decode_scaled`] and the int8-input kernel.
 #[derive(Clone, Copy)]
 pub(super) struct NibbleSplit {
     nibble: __m256i,
@@ -430,11 +592,9 @@ impl NibbleSplit {
     }
 }
 
-/// Constants of [`decode_block`], loaded once per call.
+/// Constants of [`decode_scaled`], loaded once per call.
 #[derive(Clone, Copy)]
 struct Fp4Consts {
-    hi: __m256i,
-    lo: __m256i,
     split: NibbleSplit,
     upper: __m256i,
 }
@@ -443,32 +603,36 @@ impl Fp4Consts {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn new() -> Self {
-        // SAFETY: 32-byte tables read unaligned.
-        unsafe {
-            Self {
-                hi: _mm256_loadu_si256(FP4_BF16.0.as_ptr() as *const __m256i),
-                lo: _mm256_loadu_si256(FP4_BF16.1.as_ptr() as *const __m256i),
-                split: NibbleSplit::new(),
-                upper: _mm256_set1_epi32(-65536),
-            }
+        Self {
+            split: NibbleSplit::new(),
+            upper: _mm256_set1_epi32(-65536),
         }
     }
 }
 
-/// 32 weights of one MXFP4 block (16 bytes at `b`) as four vectors of 8 f32, unscaled, in
-/// [`MXFP4_ORDER`]: the low lane takes the low nibbles (even elements), the high lane the high
-/// nibbles, two byte shuffles give each value's bf16 bytes, interleaving those gives bf16 pairs,
-/// and a shift or a mask of each pair gives the f32 (7 shuffle-port operations per block).
+/// The 32 weights of one MXFP4 block (16 bytes at `b`, E8M0 scale byte `s`) dequantized, as
+/// four vectors of 8 f32 in [`MXFP4_ORDER`]: the low lane takes the low nibbles (even
+/// elements), the high lane the high nibbles, two byte shuffles of the scale's [`SCALED`]
+/// tables give each value's bf16 bytes, interleaving those gives bf16 pairs, and a shift or a
+/// mask of each pair gives the f32 (7 shuffle-port operations per block; the scale costs two
+/// table loads, no arithmetic).
 ///
 /// # Safety
 /// The CPU supports the tier and 16 bytes at `b` are readable.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode_block(b: *const u8, c: Fp4Consts) -> [__m256; 4] {
-    // SAFETY: 16 readable bytes (caller).
-    let idx = unsafe { c.split.split(b) };
-    let hb = _mm256_shuffle_epi8(c.hi, idx);
-    let lb = _mm256_shuffle_epi8(c.lo, idx);
+unsafe fn decode_scaled(b: *const u8, s: u8, c: Fp4Consts) -> [__m256; 4] {
+    let t = &SCALED.0[s as usize];
+    // SAFETY: 16 readable bytes (caller); the tables are 32 bytes each, read unaligned.
+    let (idx, hi, lo) = unsafe {
+        (
+            c.split.split(b),
+            _mm256_loadu_si256(t[0].as_ptr() as *const __m256i),
+            _mm256_loadu_si256(t[1].as_ptr() as *const __m256i),
+        )
+    };
+    let hb = _mm256_shuffle_epi8(hi, idx);
+    let lb = _mm256_shuffle_epi8(lo, idx);
     let w0 = _mm256_unpacklo_epi8(lb, hb);
     let w1 = _mm256_unpackhi_epi8(lb, hb);
     // Each 32-bit lane holds two bf16 values: shifting up gives the lower as f32, masking
@@ -481,50 +645,12 @@ unsafe fn decode_block(b: *const u8, c: Fp4Consts) -> [__m256; 4] {
     ]
 }
 
-/// Adds blocks `b0 .. b1` of one MXFP4 row (`b`, scales `s`) times `P` positions in
-/// [`MXFP4_ORDER`] to `acc`: per position, each block's 32 products are summed in lanes, the
-/// sum scaled by the block's E8M0 scale and added to the position's accumulator.
-///
-/// # Safety
-/// The CPU supports the tier; `b` points to `16 * b1` readable bytes, `s` to `b1`, each `x[q]`
-/// to `32 * b1` f32.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn mxfp4_acc<const P: usize>(
-    b: *const u8,
-    s: *const u8,
-    x: [*const f32; P],
-    b0: usize,
-    b1: usize,
-    c: Fp4Consts,
-    acc: &mut [__m256; P],
-) {
-    let mut a = *acc;
-    for blk in b0..b1 {
-        if P == 1 && blk % 4 == 0 {
-            // One position decodes slower than memory streams, and the hardware prefetcher
-            // alone then keeps too few lines in flight: ask for the weights (and scales)
-            // PREFETCH bytes ahead, once per cache line (a hint, harmless past the end).
-            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(16 * blk + PREFETCH) as *const i8);
-            if blk % 64 == 0 {
-                _mm_prefetch::<_MM_HINT_T0>(s.wrapping_add(blk + PREFETCH / 16) as *const i8);
-            }
-        }
-        // SAFETY: `blk < b1` (caller's bounds); the CPU supports the tier (caller).
-        unsafe {
-            let w = decode_block(b.add(16 * blk), c);
-            let sc = _mm256_set1_ps(SCALE[*s.add(blk) as usize]);
-            for q in 0..P {
-                let xp = x[q].add(32 * blk);
-                let mut t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xp));
-                t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp.add(8)), t);
-                t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp.add(16)), t);
-                t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp.add(24)), t);
-                a[q] = _mm256_fmadd_ps(t, sc, a[q]);
-            }
-        }
-    }
-    *acc = a;
+/// [`SCALED`] entry `s`, nibble `n`, as the f32 the kernels decode (for tests).
+#[cfg(test)]
+pub(super) fn scaled_value(s: u8, n: u8) -> f32 {
+    let t = &SCALED.0[s as usize];
+    let bits = ((t[0][n as usize] as u32) << 24) | ((t[1][n as usize] as u32) << 16);
+    f32::from_bits(bits)
 }
 
 /// `y[q][o] = Σ_i x[q][i] · W[i, o0 + o]` for `P` positions, with one fused multiply-add per
