@@ -11,6 +11,7 @@
 //! scale as bf16 bytes, which widen to f32 (see [`decode_scaled`]).
 
 use std::arch::x86_64::*;
+use std::cell::Cell;
 
 use super::{Float, Mat, Outs, BF16, F16, F32, I8, SCALE};
 
@@ -328,8 +329,10 @@ unsafe fn mxfp4_rows(
 /// Most positions one MXFP4 kernel call takes: the weights are decoded once per call, so all
 /// of an expert's positions in a prefill block of 128 tokens (about 16 on GPT-OSS) share one.
 pub(super) const MXFP4_POSITIONS: usize = 32;
-/// Rows [`mxfp4_block`] decodes and accumulates at once.
+/// Rows [`mxfp4_block`] decodes at once.
 const CHUNK_ROWS: usize = 16;
+/// Rows whose accumulators [`mxfp4_block`] keeps at once (the largest prefill tile).
+const MAX_ROWS: usize = 64;
 /// Blocks per slab in [`mxfp4_block`]: one cache line of each row's weights, 512 bytes of
 /// inputs per position, so the decoded slab (8 KiB) and the inputs it meets stay in L1.
 const SLAB: usize = 4;
@@ -380,10 +383,15 @@ unsafe fn mxfp4_dot<const R: usize>(
     a.map(|v| hsum(v))
 }
 
-/// A slab of dequantized weights: [`CHUNK_ROWS`] rows of [`SLAB`] blocks in [`MXFP4_ORDER`].
-#[repr(C, align(32))]
-struct Slab {
-    w: [[[f32; 32]; SLAB]; CHUNK_ROWS],
+/// Vectors of [`mxfp4_block`]'s scratch: the accumulators (`MAX_ROWS` rows of
+/// `MXFP4_POSITIONS`), then the slab of dequantized weights (`CHUNK_ROWS` rows of `SLAB`
+/// blocks of four vectors in [`MXFP4_ORDER`]).
+const SCRATCH: usize = MAX_ROWS * MXFP4_POSITIONS + CHUNK_ROWS * SLAB * 4;
+
+thread_local! {
+    /// [`mxfp4_block`]'s scratch (72 KiB), kept by each thread between calls instead of being
+    /// set up on the stack by every call (taken while in use).
+    static BLOCK_SCRATCH: Cell<Vec<__m256>> = const { Cell::new(Vec::new()) };
 }
 
 /// [`mxfp4_rows`] for `2 <= p <= MXFP4_POSITIONS` positions: chunks of [`CHUNK_ROWS`] rows,
@@ -411,80 +419,88 @@ unsafe fn mxfp4_block(
     debug_assert!((2..=MXFP4_POSITIONS).contains(&p));
     let cols = nb * 32;
     let c = Fp4Consts::new();
-    let mut slab = Slab {
-        w: [[[0.0; 32]; SLAB]; CHUNK_ROWS],
-    };
-    let mut acc = [[_mm256_setzero_ps(); MXFP4_POSITIONS]; CHUNK_ROWS];
-    for c0 in (0..n).step_by(CHUNK_ROWS) {
-        let m = CHUNK_ROWS.min(n - c0);
-        for a in &mut acc[..m] {
+    let mut scratch = BLOCK_SCRATCH.take();
+    scratch.resize(SCRATCH, _mm256_setzero_ps());
+    // The accumulators of every row of a group of up to MAX_ROWS rows, so each slab of inputs,
+    // once in L1, meets all the group's rows before the next slab.
+    let (acc, slab) = scratch.split_at_mut(MAX_ROWS * MXFP4_POSITIONS);
+    for g0 in (0..n).step_by(MAX_ROWS) {
+        let g = MAX_ROWS.min(n - g0);
+        for a in acc[..g * MXFP4_POSITIONS].chunks_exact_mut(MXFP4_POSITIONS) {
             a[..p].fill(_mm256_setzero_ps());
         }
         for b0 in (0..nb).step_by(SLAB) {
             let k = SLAB.min(nb - b0);
-            for (i, dst) in slab.w[..m].iter_mut().enumerate() {
-                let row = r0 + c0 + i;
-                // SAFETY: row `row < r0 + n` and blocks `b0 .. b0 + k <= nb` (caller).
-                let (b, s) = unsafe { (bb.add(row * nb * 16 + 16 * b0), sb.add(row * nb + b0)) };
-                // The same slab of the next chunk's row, fetched while this one computes (the
-                // walk jumps between rows, so the hardware does not see it as a stream; a
-                // hint, harmless past the end).
-                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(CHUNK_ROWS * nb * 16) as *const i8);
-                for (j, d) in dst[..k].iter_mut().enumerate() {
-                    // SAFETY: block `b0 + j` of the row (above); 32 f32 of the buffer.
-                    unsafe {
-                        let w = decode_scaled(b.add(16 * j), *s.add(j), c);
-                        for (v, o) in w.iter().zip(d.chunks_exact_mut(8)) {
-                            _mm256_storeu_ps(o.as_mut_ptr(), *v);
-                        }
+            for c0 in (0..g).step_by(CHUNK_ROWS) {
+                let m = CHUNK_ROWS.min(g - c0);
+                for (i, dst) in slab.chunks_exact_mut(SLAB * 4).take(m).enumerate() {
+                    let row = r0 + g0 + c0 + i;
+                    // SAFETY: row `row < r0 + n` and blocks `b0 .. b0 + k <= nb` (caller).
+                    let (b, s) =
+                        unsafe { (bb.add(row * nb * 16 + 16 * b0), sb.add(row * nb + b0)) };
+                    // The row's slab after next, fetched while this one computes (the walk
+                    // jumps between rows, so the hardware does not see it as a stream; a hint,
+                    // harmless past the end).
+                    _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(2 * 16 * SLAB) as *const i8);
+                    for (j, d) in dst.chunks_exact_mut(4).take(k).enumerate() {
+                        // SAFETY: block `b0 + j` of the row (above).
+                        let w = unsafe { decode_scaled(b.add(16 * j), *s.add(j), c) };
+                        d.copy_from_slice(&w);
                     }
                 }
-            }
-            let mut i = 0;
-            while i < m {
-                let two = m - i >= 2;
-                let mut q = 0;
-                while q < p {
-                    // SAFETY: positions `q .. q + 4.min(p - q) <= p` hold `cols` f32 each and
-                    // the slab's blocks lie within them (caller); rows `i (+ 1) < m`.
-                    unsafe {
-                        let x = xs.as_ptr().add(q * cols + 32 * b0);
-                        let a = acc.as_mut_ptr().add(i) as *mut __m256;
-                        let a = a.add(q);
-                        match (two, (p - q).min(4)) {
-                            (true, 4) => mxfp4_tile::<2, 4>(&slab, i, x, cols, k, a),
-                            (true, 3) => mxfp4_tile::<2, 3>(&slab, i, x, cols, k, a),
-                            (true, 2) => mxfp4_tile::<2, 2>(&slab, i, x, cols, k, a),
-                            (true, _) => mxfp4_tile::<2, 1>(&slab, i, x, cols, k, a),
-                            (false, 4) => mxfp4_tile::<1, 4>(&slab, i, x, cols, k, a),
-                            (false, 3) => mxfp4_tile::<1, 3>(&slab, i, x, cols, k, a),
-                            (false, 2) => mxfp4_tile::<1, 2>(&slab, i, x, cols, k, a),
-                            (false, _) => mxfp4_tile::<1, 1>(&slab, i, x, cols, k, a),
+                let mut i = 0;
+                while i < m {
+                    let two = m - i >= 2;
+                    let mut q = 0;
+                    while q < p {
+                        // SAFETY: positions `q .. q + 4.min(p - q) <= p` hold `cols` f32 each
+                        // and the slab's blocks lie within them (caller); accumulator rows
+                        // `c0 + i (+ 1) < g <= MAX_ROWS`.
+                        unsafe {
+                            let x = xs.as_ptr().add(q * cols + 32 * b0);
+                            let a = acc.as_mut_ptr().add((c0 + i) * MXFP4_POSITIONS + q);
+                            let slab = slab.as_ptr();
+                            match (two, (p - q).min(4)) {
+                                (true, 4) => mxfp4_tile::<2, 4>(slab, i, x, cols, k, a),
+                                (true, 3) => mxfp4_tile::<2, 3>(slab, i, x, cols, k, a),
+                                (true, 2) => mxfp4_tile::<2, 2>(slab, i, x, cols, k, a),
+                                (true, _) => mxfp4_tile::<2, 1>(slab, i, x, cols, k, a),
+                                (false, 4) => mxfp4_tile::<1, 4>(slab, i, x, cols, k, a),
+                                (false, 3) => mxfp4_tile::<1, 3>(slab, i, x, cols, k, a),
+                                (false, 2) => mxfp4_tile::<1, 2>(slab, i, x, cols, k, a),
+                                (false, _) => mxfp4_tile::<1, 1>(slab, i, x, cols, k, a),
+                            }
                         }
+                        q += 4;
                     }
-                    q += 4;
+                    i += if two { 2 } else { 1 };
                 }
-                i += if two { 2 } else { 1 };
             }
         }
-        for (i, a) in acc[..m].iter().enumerate() {
+        for (i, a) in acc[..g * MXFP4_POSITIONS]
+            .chunks_exact(MXFP4_POSITIONS)
+            .enumerate()
+        {
             for (q, v) in a[..p].iter().enumerate() {
-                out[q * n + c0 + i] = hsum(*v);
+                out[q * n + g0 + i] = hsum(*v);
             }
         }
     }
+    BLOCK_SCRATCH.set(scratch);
 }
 
-/// Adds `k` decoded blocks of slab rows `i .. i + R` times `Q` positions (`x`: the slab's first
-/// input of the first position, positions `cols` apart) to the accumulators at `acc` (row `r`,
-/// position `q` at `acc + r * MXFP4_POSITIONS + q`), by [`mxfp4_dot`]'s arithmetic.
+/// Adds `k` decoded blocks of slab rows `i .. i + R` (`slab`: block `blk` of row `i` is the four
+/// vectors at `slab + (i * SLAB + blk) * 4`) times `Q` positions (`x`: the slab's first input of
+/// the first position, positions `cols` apart) to the accumulators at `acc` (row `r`, position
+/// `q` at `acc + r * MXFP4_POSITIONS + q`), by [`mxfp4_dot`]'s arithmetic.
 ///
 /// # Safety
 /// The CPU supports the tier; `x` points to `Q` positions of `32 * k` readable f32, `cols`
-/// apart; `i + R <= CHUNK_ROWS`, `k <= SLAB`, and the `R x Q` accumulators are in bounds.
+/// apart; `slab` to a whole slab, `i + R <= CHUNK_ROWS`, `k <= SLAB`; the `R x Q` accumulators
+/// are in bounds.
 #[inline(always)]
 unsafe fn mxfp4_tile<const R: usize, const Q: usize>(
-    slab: &Slab,
+    slab: *const __m256,
     i: usize,
     x: *const f32,
     cols: usize,
@@ -498,7 +514,7 @@ unsafe fn mxfp4_tile<const R: usize, const Q: usize>(
         for blk in 0..k {
             for j in 0..4 {
                 let w: [__m256; R] =
-                    std::array::from_fn(|r| _mm256_load_ps(slab.w[i + r][blk][8 * j..].as_ptr()));
+                    std::array::from_fn(|r| *slab.add(((i + r) * SLAB + blk) * 4 + j));
                 for q in 0..Q {
                     let xv = _mm256_loadu_ps(x.add(q * cols + 32 * blk + 8 * j));
                     for (ar, wr) in a.iter_mut().zip(&w) {
