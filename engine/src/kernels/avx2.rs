@@ -394,11 +394,13 @@ thread_local! {
     static BLOCK_SCRATCH: Cell<Vec<__m256>> = const { Cell::new(Vec::new()) };
 }
 
-/// [`mxfp4_rows`] for `2 <= p <= MXFP4_POSITIONS` positions: chunks of [`CHUNK_ROWS`] rows,
-/// walked in slabs of [`SLAB`] blocks. Each slab is decoded once into an L1 buffer, then tiles
-/// of 2 rows x 4 positions multiply it ([`mxfp4_tile`]: eight accumulators in registers, each
-/// input vector loaded once for both rows, each weight vector once for four positions). The
-/// accumulators of the chunk's (row, position)s live in a buffer between slabs.
+/// [`mxfp4_rows`] for `2 <= p <= MXFP4_POSITIONS` positions: groups of up to [`MAX_ROWS`]
+/// rows, walked in slabs of [`SLAB`] blocks. For each slab, chunk after chunk of [`CHUNK_ROWS`]
+/// rows is decoded once into an L1 buffer, then tiles of 2 rows x 4 positions multiply it
+/// ([`mxfp4_tile`]: eight accumulators in registers, each input vector loaded once for both
+/// rows, each weight vector once for four positions). The accumulators of the group's (row,
+/// position)s live in the thread's scratch between slabs, so each slab of inputs meets all the
+/// group's rows while it is in L1.
 ///
 /// # Safety
 /// As [`mxfp4_rows`], with `bb`/`sb` the matrix's blocks and scales and `nb` its blocks per
