@@ -18,9 +18,10 @@
 //! (32 for MXFP4 on AVX2, 8 for its int8-input form; weights from cache for the rest), decode
 //! streams the matrix once split across the rayon pool. MXFP4 is decoded on the fly, in
 //! registers (the AVX2 prefill kernel stages a few rows' slab of 4 blocks, 8 KiB, in an L1
-//! buffer it reuses, as a GEMM packs its panels); no dequantised copy of a matrix is ever made. A tier may want MXFP4 inputs permuted within each block of 32 (AVX2
-//! does, so its shuffles need no interleaving): [`matvec`] and [`matmul`] permute them once per
-//! call into a reused thread-local buffer.
+//! buffer it reuses, as a GEMM packs its panels); no dequantised copy of a matrix is ever made.
+//! A tier may want MXFP4 inputs permuted within each block of 32 (AVX2 does, so its shuffles
+//! need no interleaving): [`matvec`] and [`matmul`] permute them once per call into a reused
+//! thread-local buffer.
 
 /// `$f::<P>(args)` with `P` the const for `$p` positions, 1 to 8 (8 for anything larger):
 /// position counts as const generics, so each kernel's per-position loops unroll.
@@ -740,16 +741,17 @@ const MAX_TILE: usize = 64;
 /// Bytes of weights a prefill tile aims for (re-read from L1/L2 for every position group).
 const TILE_BYTES: usize = 24 << 10;
 
-/// Bytes of weights a prefill tile of `w` aims for on `tier`.
-fn tile_bytes(tier: Tier, w: &Mat<'_>) -> usize {
+/// Rows of a prefill tile of `w` (rows of `row_bytes`) on `tier`, before the split among
+/// threads: a multiple of 4 in `4 ..= MAX_TILE`.
+fn tile_rows(tier: Tier, w: &Mat<'_>, row_bytes: usize) -> usize {
     match (tier, w) {
         // The AVX2 MXFP4 kernel takes all of a tile's positions (up to 32) in one call and reads
-        // each weight once, so its tile need not stay in cache between groups; a larger one lets
-        // each slab of inputs, once in L1, meet more rows (measured paired in one `stormo bench`
-        // run: 64-row tiles against 16-row ones, 128-token prefill 7-17% faster).
+        // each weight once, so its tile need not stay in cache between groups; the largest lets
+        // each slab of inputs, once in L1, meet the most rows (measured paired in one `stormo
+        // bench` run: 64-row tiles against 16-row ones, 128-token prefill 7-17% faster).
         #[cfg(target_arch = "x86_64")]
-        (Tier::Avx2, Mat::Mxfp4 { .. }) => MAX_TILE * 1536,
-        _ => TILE_BYTES,
+        (Tier::Avx2, Mat::Mxfp4 { .. }) => MAX_TILE,
+        _ => (TILE_BYTES / row_bytes).clamp(4, MAX_TILE) / 4 * 4,
     }
 }
 
@@ -891,8 +893,7 @@ fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
             } else {
                 // Tiles small enough to stay in cache while every group of positions passes
                 // over them, and enough of them for the product's share of the threads.
-                let row_bytes = (p.w.byte_len() / rows).max(1);
-                let tile = (tile_bytes(tier, &p.w) / row_bytes).clamp(4, MAX_TILE) / 4 * 4;
+                let tile = tile_rows(tier, &p.w, (p.w.byte_len() / rows).max(1));
                 if share > 1 {
                     tile.min(rows.div_ceil(share).next_multiple_of(4)).max(4)
                 } else {

@@ -248,9 +248,10 @@ unsafe fn avx2_tile<const P: usize>(
             let mut acc = [_mm256_setzero_ps(); P];
             for blk in 0..nb {
                 if P == 1 && blk % 4 == 0 {
-                    // As the exact one-position kernel: the weights (and scales) PREFETCH
-                    // bytes ahead, a line at a time (a hint, harmless past the end; measured
-                    // paired per decoded token: +7-8% decode with `--int8-experts`).
+                    // One position decodes slower than memory streams and the hardware
+                    // prefetcher alone keeps too few lines in flight: the weights (and scales)
+                    // PREFETCH bytes ahead, a line at a time (a hint, harmless past the end;
+                    // measured paired per decoded token: +7-8% decode with `--int8-experts`).
                     _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(16 * blk + PREFETCH) as *const i8);
                     if blk % 64 == 0 {
                         _mm_prefetch::<_MM_HINT_T0>(
