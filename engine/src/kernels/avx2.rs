@@ -396,9 +396,9 @@ thread_local! {
 
 /// [`mxfp4_rows`] for `2 <= p <= MXFP4_POSITIONS` positions: groups of up to [`MAX_ROWS`]
 /// rows, walked in slabs of [`SLAB`] blocks. For each slab, chunk after chunk of [`CHUNK_ROWS`]
-/// rows is decoded once into an L1 buffer, then tiles of 2 rows x 4 positions multiply it
-/// ([`mxfp4_tile`]: eight accumulators in registers, each input vector loaded once for both
-/// rows, each weight vector once for four positions). The accumulators of the group's (row,
+/// rows is decoded once into an L1 buffer, then tiles of 3 (or 2) rows x 4 positions multiply
+/// it ([`mxfp4_tile`]: twelve accumulators in registers, each input vector loaded once for the
+/// tile's rows, each weight vector once for four positions). The accumulators of the group's (row,
 /// position)s live in the thread's scratch between slabs, so each slab of inputs meets all the
 /// group's rows while it is in L1.
 ///
@@ -452,30 +452,41 @@ unsafe fn mxfp4_block(
                 }
                 let mut i = 0;
                 while i < m {
-                    let two = m - i >= 2;
+                    // Three rows per tile where they divide evenly enough (16 rows: 3, 3, 3,
+                    // 3, 2, 2): twelve independent chains of multiply-adds keep both FMA
+                    // pipes busy through their latency, where eight just match it.
+                    let r = match m - i {
+                        1 => 1,
+                        2 | 4 => 2,
+                        _ => 3,
+                    };
                     let mut q = 0;
                     while q < p {
                         // SAFETY: positions `q .. q + 4.min(p - q) <= p` hold `cols` f32 each
-                        // and the slab's blocks lie within them (caller); accumulator rows
-                        // `c0 + i (+ 1) < g <= MAX_ROWS`.
+                        // and the slab's blocks lie within them (caller); slab rows
+                        // `i .. i + r <= m` and accumulator rows `c0 + i + r <= g <= MAX_ROWS`.
                         unsafe {
                             let x = xs.as_ptr().add(q * cols + 32 * b0);
                             let a = acc.as_mut_ptr().add((c0 + i) * MXFP4_POSITIONS + q);
                             let slab = slab.as_ptr();
-                            match (two, (p - q).min(4)) {
-                                (true, 4) => mxfp4_tile::<2, 4>(slab, i, x, cols, k, a),
-                                (true, 3) => mxfp4_tile::<2, 3>(slab, i, x, cols, k, a),
-                                (true, 2) => mxfp4_tile::<2, 2>(slab, i, x, cols, k, a),
-                                (true, _) => mxfp4_tile::<2, 1>(slab, i, x, cols, k, a),
-                                (false, 4) => mxfp4_tile::<1, 4>(slab, i, x, cols, k, a),
-                                (false, 3) => mxfp4_tile::<1, 3>(slab, i, x, cols, k, a),
-                                (false, 2) => mxfp4_tile::<1, 2>(slab, i, x, cols, k, a),
-                                (false, _) => mxfp4_tile::<1, 1>(slab, i, x, cols, k, a),
+                            match (r, (p - q).min(4)) {
+                                (3, 4) => mxfp4_tile::<3, 4>(slab, i, x, cols, k, a),
+                                (3, 3) => mxfp4_tile::<3, 3>(slab, i, x, cols, k, a),
+                                (3, 2) => mxfp4_tile::<3, 2>(slab, i, x, cols, k, a),
+                                (3, _) => mxfp4_tile::<3, 1>(slab, i, x, cols, k, a),
+                                (2, 4) => mxfp4_tile::<2, 4>(slab, i, x, cols, k, a),
+                                (2, 3) => mxfp4_tile::<2, 3>(slab, i, x, cols, k, a),
+                                (2, 2) => mxfp4_tile::<2, 2>(slab, i, x, cols, k, a),
+                                (2, _) => mxfp4_tile::<2, 1>(slab, i, x, cols, k, a),
+                                (_, 4) => mxfp4_tile::<1, 4>(slab, i, x, cols, k, a),
+                                (_, 3) => mxfp4_tile::<1, 3>(slab, i, x, cols, k, a),
+                                (_, 2) => mxfp4_tile::<1, 2>(slab, i, x, cols, k, a),
+                                (_, _) => mxfp4_tile::<1, 1>(slab, i, x, cols, k, a),
                             }
                         }
                         q += 4;
                     }
-                    i += if two { 2 } else { 1 };
+                    i += r;
                 }
             }
         }
