@@ -65,10 +65,10 @@ cargo build --release --quiet
 for i in 1 2; do
   echo "stormo run $i..." >&2
   ./target/release/stormo bench --model "$model" --warm --expert-cache 10GiB --no-hot-store \
-    --disk-test 0 --prompt-tokens 64 --decode-tokens 32 "${flags[@]}" --json \
+    --disk-test 0 --prompt-tokens 64,128 --decode-tokens 32 "${flags[@]}" --json \
     > "$work/stormo-$mode-$i.json"
   echo "llama-bench run $i..." >&2
-  /usr/bin/time -v "$bench" -m "$gguf" -t 2 -p 64 -n 32 -r 3 -o json \
+  /usr/bin/time -v "$bench" -m "$gguf" -t 2 -p 64,128 -n 32 -r 3 -o json \
     > "$work/llama-$mode-$i.json" 2> "$work/llama-$mode-$i.time"
 done
 
@@ -81,8 +81,8 @@ for i in (1, 2):
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)",
                     open(f"{work}/llama-{mode}-{i}.time").read())
     print(f"run {i}: memory {s['memory_bandwidth_gb_s']:.1f} GB/s")
-    print(f"  stormo  decode {s['decode']['tok_s']:.2f} tok/s, prefill 64 {s['prefill'][0]['tok_s']:.2f} tok/s, "
+    print(f"  stormo  decode {s['decode']['tok_s']:.2f} tok/s, prefill 64 / 128 {s['prefill'][0]['tok_s']:.2f} / {s['prefill'][1]['tok_s']:.2f} tok/s, "
           f"peak RSS {s['peak_rss_bytes'] / 2**30:.2f} GiB")
-    print(f"  llama   decode {l[(0, 32)]['avg_ts']:.2f} tok/s, prefill 64 {l[(64, 0)]['avg_ts']:.2f} tok/s, "
+    print(f"  llama   decode {l[(0, 32)]['avg_ts']:.2f} tok/s, prefill 64 / 128 {l[(64, 0)]['avg_ts']:.2f} / {l[(128, 0)]['avg_ts']:.2f} tok/s, "
           f"peak RSS {int(rss.group(1)) / 2**20:.2f} GiB" if rss else "")
 EOF

@@ -34,8 +34,9 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Warm the expert cache before timing, as in a long-running server: load every expert
-    /// when the cache budget holds them all (experts resident), else run one untimed prefill
-    /// of the longest prompt. Without it, timing starts from a cold cache.
+    /// when the cache budget holds them all (experts resident) and run one untimed forward
+    /// pass of a few tokens (so the dense weights are in memory too), else run one untimed
+    /// prefill of the longest prompt. Without it, timing starts from a cold cache.
     #[arg(long)]
     pub warm: bool,
     /// Size of the buffer read to measure memory bandwidth, at start and between decoded
@@ -132,6 +133,9 @@ impl MemoryProbe {
 /// it multiplies: attention projections, router, top-k experts or the dense MLP), and those of
 /// the head, paid once per prefill. Attention over the cache is left out (a few percent at
 /// these prompt lengths).
+/// Tokens of the untimed forward pass `--warm` runs when every expert is resident.
+const WARM_TOKENS: usize = 8;
+
 pub fn prefill_flops(cfg: &stormo_engine::ModelConfig) -> (f64, f64) {
     let h = cfg.hidden_size as f64;
     let attn = h * cfg.head_dim as f64 * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) as f64;
@@ -329,6 +333,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                         out.clear();
                     }
                 }
+                // And a short forward pass, so the dense weights (mapped from the checkpoint)
+                // are in memory too: otherwise the first prefill pays for reading them from
+                // disk whenever the page cache has dropped them (after another program read a
+                // large file, say), and measures the disk rather than the kernels.
+                let n = WARM_TOKENS.min(max_p);
+                let mut s = model.session(n)?;
+                model.forward(&mut s, &prompt(n), Logits::Last, None)?;
             }
             _ => {
                 let mut s = model.session(max_p)?;
