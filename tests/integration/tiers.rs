@@ -281,3 +281,60 @@ fn peak_rss_stays_within_the_expert_budget() {
         "mapped experts should exceed the bound the budgets keep ({mapped})"
     );
 }
+
+/// `stormo bench --warm` with a budget that holds every expert loads them all before timing
+/// (so nothing is read from disk while decoding) and runs its untimed forward pass even when
+/// the prompts are shorter than that pass.
+#[test]
+fn bench_warm_makes_experts_resident_with_short_prompts() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().to_str().unwrap();
+    crate::demo::synth(&[
+        "--layers",
+        "2",
+        "--hidden",
+        "256",
+        "--intermediate",
+        "512",
+        "--experts",
+        "16",
+        "--vocab",
+        "1000",
+        "--out",
+        out,
+    ])
+    .unwrap();
+    let run = std::process::Command::new(crate::demo::stormo_exe())
+        .args([
+            "bench",
+            "--model",
+            out,
+            "--warm",
+            "--expert-cache",
+            "256MiB",
+        ])
+        .args(["--prompt-tokens", "3", "--decode-tokens", "6"])
+        .args([
+            "--mem-test",
+            "1MiB",
+            "--disk-test",
+            "0",
+            "--no-hot-store",
+            "--json",
+        ])
+        .output()
+        .expect("running stormo bench");
+    assert!(
+        run.status.success(),
+        "stormo bench --warm: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&run.stdout).expect("bench JSON");
+    assert_eq!(v["prefill"][0]["tokens"].as_u64(), Some(3), "{v}");
+    assert_eq!(v["decode"]["tokens"].as_u64(), Some(6), "{v}");
+    assert_eq!(
+        v["decode"]["disk_bytes_per_token"].as_f64(),
+        Some(0.0),
+        "every expert resident after --warm: {v}"
+    );
+}
