@@ -206,12 +206,12 @@ fn truncated_while_running_is_an_error() {
 /// README states this figure.
 const RSS_OVERHEAD: u64 = 48 << 20;
 
-/// Peak resident memory of `stormo bench` (a child process, so the figure is its own).
-fn bench_peak_rss(dir: &Path, placement: &[&str]) -> u64 {
+/// The JSON report of `stormo bench` on `dir` (a child process, so its peak RSS is its own)
+/// with small probes and no hot-store, plus `args`.
+fn bench_json(dir: &Path, args: &[&str]) -> serde_json::Value {
     let out = std::process::Command::new(crate::demo::stormo_exe())
         .args(["bench", "--model"])
         .arg(dir)
-        .args(["--prompt-tokens", "64", "--decode-tokens", "8"])
         .args([
             "--mem-test",
             "1MiB",
@@ -220,16 +220,44 @@ fn bench_peak_rss(dir: &Path, placement: &[&str]) -> u64 {
             "--no-hot-store",
             "--json",
         ])
-        .args(placement)
+        .args(args)
         .output()
         .expect("running stormo bench");
     assert!(
         out.status.success(),
-        "stormo bench {placement:?}: {}",
+        "stormo bench {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench JSON");
-    v["peak_rss_bytes"].as_u64().expect("peak_rss_bytes")
+    serde_json::from_slice(&out.stdout).expect("bench JSON")
+}
+
+/// Peak resident memory of `stormo bench` with a 64-token prompt and `placement`.
+fn bench_peak_rss(dir: &Path, placement: &[&str]) -> u64 {
+    let mut args = vec!["--prompt-tokens", "64", "--decode-tokens", "8"];
+    args.extend_from_slice(placement);
+    bench_json(dir, &args)["peak_rss_bytes"]
+        .as_u64()
+        .expect("peak_rss_bytes")
+}
+
+/// A 2-layer synthetic model of `hidden`, `intermediate` and `experts` in `dir`.
+fn synth_small(dir: &Path, hidden: &str, intermediate: &str, experts: &str) {
+    let out = dir.to_str().unwrap();
+    crate::demo::synth(&[
+        "--layers",
+        "2",
+        "--hidden",
+        hidden,
+        "--intermediate",
+        intermediate,
+        "--experts",
+        experts,
+        "--vocab",
+        "1000",
+        "--out",
+        out,
+    ])
+    .unwrap();
 }
 
 /// Memory is bounded: with experts larger than the budget, peak RSS stays within budget +
@@ -237,22 +265,7 @@ fn bench_peak_rss(dir: &Path, placement: &[&str]) -> u64 {
 #[test]
 fn peak_rss_stays_within_the_expert_budget() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().to_str().unwrap();
-    crate::demo::synth(&[
-        "--layers",
-        "2",
-        "--hidden",
-        "512",
-        "--intermediate",
-        "2048",
-        "--experts",
-        "64",
-        "--vocab",
-        "1000",
-        "--out",
-        out,
-    ])
-    .unwrap();
+    synth_small(dir.path(), "512", "2048", "64");
     let files = ModelFiles::open(dir.path()).unwrap();
     let all: u64 = files.layout.sizes().iter().flatten().sum();
     let fixed =
@@ -288,48 +301,19 @@ fn peak_rss_stays_within_the_expert_budget() {
 #[test]
 fn bench_warm_makes_experts_resident_with_short_prompts() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().to_str().unwrap();
-    crate::demo::synth(&[
-        "--layers",
-        "2",
-        "--hidden",
-        "256",
-        "--intermediate",
-        "512",
-        "--experts",
-        "16",
-        "--vocab",
-        "1000",
-        "--out",
-        out,
-    ])
-    .unwrap();
-    let run = std::process::Command::new(crate::demo::stormo_exe())
-        .args([
-            "bench",
-            "--model",
-            out,
+    synth_small(dir.path(), "256", "512", "16");
+    let v = bench_json(
+        dir.path(),
+        &[
             "--warm",
             "--expert-cache",
             "256MiB",
-        ])
-        .args(["--prompt-tokens", "3", "--decode-tokens", "6"])
-        .args([
-            "--mem-test",
-            "1MiB",
-            "--disk-test",
-            "0",
-            "--no-hot-store",
-            "--json",
-        ])
-        .output()
-        .expect("running stormo bench");
-    assert!(
-        run.status.success(),
-        "stormo bench --warm: {}",
-        String::from_utf8_lossy(&run.stderr)
+            "--prompt-tokens",
+            "3",
+            "--decode-tokens",
+            "6",
+        ],
     );
-    let v: serde_json::Value = serde_json::from_slice(&run.stdout).expect("bench JSON");
     assert_eq!(v["prefill"][0]["tokens"].as_u64(), Some(3), "{v}");
     assert_eq!(v["decode"]["tokens"].as_u64(), Some(6), "{v}");
     assert_eq!(
