@@ -1113,7 +1113,8 @@ fn chat_answers_piped_turns_and_reports_reuse() {
         #[command(flatten)]
         args: Args,
     }
-    let dir = crate::http::synth_model();
+    let model = crate::http::synth_model();
+    let dir = model.path();
     let w = Wrap::try_parse_from([
         "chat",
         "--model",
@@ -1128,7 +1129,7 @@ fn chat_answers_piped_turns_and_reports_reuse() {
         "4",
     ])
     .expect("chat arguments parse");
-    let tm = crate::http::text_model(512);
+    let tm = crate::http::text_model(dir, 512);
     let input = "Hello there\n/bogus\nAnd again?\n/reset\nHello there\n/quit\nnever read\n";
     let mut out = Vec::new();
     let mut notes = Vec::new();
@@ -1203,7 +1204,8 @@ fn json_of(out: &std::process::Output, what: &str) -> Value {
 /// same ids makes (up to a Harmony stop token, where the text run ends).
 #[test]
 fn run_prompt_renders_harmony_and_generates_as_prompt_ids() {
-    let dir = crate::http::synth_model();
+    let model = crate::http::synth_model();
+    let dir = model.path();
     let d = dir.to_str().expect("utf-8 path");
     let cache = tempfile::tempdir().expect("temp dir");
     let text = "Why is the sky blue?  Ünïcödé 😀 <|start|> fn main() {}";
@@ -1270,7 +1272,8 @@ fn run_prompt_renders_harmony_and_generates_as_prompt_ids() {
 /// chat` fail with exit code 1, naming the missing file, without a panic or any output.
 #[test]
 fn run_prompt_and_chat_without_a_tokenizer_are_clear_errors() {
-    let src = crate::http::synth_model();
+    let model = crate::http::synth_model();
+    let src = model.path();
     let dir = tempfile::tempdir().expect("temp dir");
     // The model without its tokenizer: every other file linked in.
     for e in std::fs::read_dir(src).expect("model dir").flatten() {

@@ -9,7 +9,6 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -19,43 +18,42 @@ use stormo_node::experts::ExpertArgs;
 use stormo_node::http::{self, HttpConfig, HttpServer};
 use stormo_tests::fixture;
 
-/// The synthetic model folder, written once per test run.
-pub(crate) fn synth_model() -> &'static Path {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let out = dir.path().to_str().expect("utf-8 temp path");
-        crate::demo::synth(&[
-            "--layers",
-            "2",
-            "--hidden",
-            "64",
-            "--intermediate",
-            "64",
-            "--experts",
-            "4",
-            "--top-k",
-            "2",
-            "--heads",
-            "2",
-            "--kv-heads",
-            "1",
-            "--head-dim",
-            "32",
-            "--seed",
-            "5",
-            "--out",
-            out,
-        ])
-        .expect("stormo synth writes the model");
-        std::fs::copy(
-            fixture("o200k-harmony").join("tokenizer.json"),
-            dir.path().join("tokenizer.json"),
-        )
-        .expect("copy tokenizer.json");
-        dir
-    })
-    .path()
+/// A synthetic model folder (the same model on every call: the seed is fixed), removed when
+/// the returned handle drops. Each test writes its own (a fraction of a second) rather than
+/// sharing one held in a static, which is never dropped and so would leave the folder behind
+/// after every run.
+pub(crate) fn synth_model() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = dir.path().to_str().expect("utf-8 temp path");
+    crate::demo::synth(&[
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--intermediate",
+        "64",
+        "--experts",
+        "4",
+        "--top-k",
+        "2",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "32",
+        "--seed",
+        "5",
+        "--out",
+        out,
+    ])
+    .expect("stormo synth writes the model");
+    std::fs::copy(
+        fixture("o200k-harmony").join("tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .expect("copy tokenizer.json");
+    dir
 }
 
 pub(crate) fn expert_args() -> ExpertArgs {
@@ -69,16 +67,16 @@ pub(crate) fn expert_args() -> ExpertArgs {
     }
 }
 
-pub(crate) fn text_model(context: usize) -> TextModel {
-    load_text_model(synth_model(), &expert_args(), context, &Default::default())
-        .expect("model loads")
+pub(crate) fn text_model(dir: &Path, context: usize) -> TextModel {
+    load_text_model(dir, &expert_args(), context, &Default::default()).expect("model loads")
 }
 
-/// A server on its own runtime, stopped when dropped.
+/// A server on its own runtime, stopped when dropped (then its model folder is removed).
 struct Server {
     rt: Option<tokio::runtime::Runtime>,
     srv: Option<HttpServer>,
     addr: SocketAddr,
+    _model: tempfile::TempDir,
 }
 
 impl Server {
@@ -94,14 +92,16 @@ impl Server {
             max_body: 64 << 10,
             context,
         };
+        let model = synth_model();
         let srv = rt
-            .block_on(http::start(text_model(context), cfg))
+            .block_on(http::start(text_model(model.path(), context), cfg))
             .expect("server starts");
         let addr = srv.local_addr();
         Self {
             rt: Some(rt),
             srv: Some(srv),
             addr,
+            _model: model,
         }
     }
 }
@@ -395,7 +395,8 @@ fn http_streams_what_it_answers_whole_and_honours_stop() {
         assert_eq!(got, cut, "stop {stop:?} (stream: {stream})");
     }
     // Chat: usage counts the rendered prompt; the whole and streamed answers agree.
-    let tm = text_model(64);
+    let model = synth_model();
+    let tm = text_model(model.path(), 64);
     let msgs = [Turn::new(TurnRole::User, "Hello there")];
     let ids = tm
         .format
