@@ -86,9 +86,9 @@ pub(crate) fn synth(args: &[&str]) -> anyhow::Result<()> {
     dispatch(Cli::try_parse_from(all)?)
 }
 
-const SMALL: &[&str] = &[
-    "--layers",
-    "1",
+/// A tiny GPT-OSS shape for `stormo synth` (all but the layer count), shared by the tests that
+/// write one.
+pub(crate) const SMALL_SHAPE: &[&str] = &[
     "--hidden",
     "64",
     "--intermediate",
@@ -108,7 +108,7 @@ fn synth_copies_a_tokenizer_that_fits_and_refuses_one_that_does_not() {
     let tok = fixture("o200k-harmony").join("tokenizer.json");
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("m");
-    let mut args = SMALL.to_vec();
+    let mut args = [&["--layers", "1"], SMALL_SHAPE].concat();
     let tok_s = tok.to_string_lossy().into_owned();
     let out_s = out.to_string_lossy().into_owned();
     args.extend(["--vocab", "1000", "--tokenizer", &tok_s, "--out", &out_s]);
@@ -119,14 +119,14 @@ fn synth_copies_a_tokenizer_that_fits_and_refuses_one_that_does_not() {
         !out.join("config.json").exists(),
         "wrote files before refusing"
     );
-    let mut args = SMALL.to_vec();
+    let mut args = [&["--layers", "1"], SMALL_SHAPE].concat();
     args.extend(["--vocab", "201088", "--tokenizer", &tok_s, "--out", &out_s]);
     synth(&args).expect("synth with the tokenizer");
     assert_eq!(
         std::fs::read(out.join("tokenizer.json")).expect("copied"),
         std::fs::read(&tok).expect("fixture")
     );
-    let mut args = SMALL.to_vec();
+    let mut args = [&["--layers", "1"], SMALL_SHAPE].concat();
     let missing = dir.path().join("nope.json").to_string_lossy().into_owned();
     args.extend(["--tokenizer", &missing, "--out", &out_s, "--force"]);
     let e = synth(&args).expect_err("a missing tokenizer accepted");

@@ -25,29 +25,9 @@ use stormo_tests::fixture;
 pub(crate) fn synth_model() -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("temp dir");
     let out = dir.path().to_str().expect("utf-8 temp path");
-    crate::demo::synth(&[
-        "--layers",
-        "2",
-        "--hidden",
-        "64",
-        "--intermediate",
-        "64",
-        "--experts",
-        "4",
-        "--top-k",
-        "2",
-        "--heads",
-        "2",
-        "--kv-heads",
-        "1",
-        "--head-dim",
-        "32",
-        "--seed",
-        "5",
-        "--out",
-        out,
-    ])
-    .expect("stormo synth writes the model");
+    let mut args = vec!["--layers", "2", "--top-k", "2", "--seed", "5", "--out", out];
+    args.extend_from_slice(crate::demo::SMALL_SHAPE);
+    crate::demo::synth(&args).expect("stormo synth writes the model");
     std::fs::copy(
         fixture("o200k-harmony").join("tokenizer.json"),
         dir.path().join("tokenizer.json"),
