@@ -56,7 +56,7 @@ struct Server {
     rt: Option<tokio::runtime::Runtime>,
     srv: Option<HttpServer>,
     addr: SocketAddr,
-    _model: tempfile::TempDir,
+    model: tempfile::TempDir,
 }
 
 impl Server {
@@ -81,7 +81,7 @@ impl Server {
             rt: Some(rt),
             srv: Some(srv),
             addr,
-            _model: model,
+            model,
         }
     }
 }
@@ -375,8 +375,7 @@ fn http_streams_what_it_answers_whole_and_honours_stop() {
         assert_eq!(got, cut, "stop {stop:?} (stream: {stream})");
     }
     // Chat: usage counts the rendered prompt; the whole and streamed answers agree.
-    let model = synth_model();
-    let tm = text_model(model.path(), 64);
+    let tm = text_model(srv.model.path(), 64);
     let msgs = [Turn::new(TurnRole::User, "Hello there")];
     let ids = tm
         .format

@@ -296,8 +296,9 @@ fn peak_rss_stays_within_the_expert_budget() {
 }
 
 /// `stormo bench --warm` with a budget that holds every expert loads them all before timing
-/// (so nothing is read from disk while decoding) and runs its untimed forward pass even when
-/// the prompts are shorter than that pass.
+/// (so nothing is read from disk while decoding), and its untimed forward pass runs with a
+/// prompt shorter than the pass. (That the pass leaves the dense weights in the page cache
+/// is not observable here.)
 #[test]
 fn bench_warm_makes_experts_resident_with_short_prompts() {
     let dir = tempfile::tempdir().unwrap();

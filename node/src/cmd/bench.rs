@@ -129,13 +129,13 @@ impl MemoryProbe {
     }
 }
 
+/// Tokens of the untimed forward pass `--warm` runs when every expert is resident.
+const WARM_TOKENS: usize = 8;
+
 /// Floating-point operations of the matrix products one prompt token costs (two per weight
 /// it multiplies: attention projections, router, top-k experts or the dense MLP), and those of
 /// the head, paid once per prefill. Attention over the cache is left out (a few percent at
 /// these prompt lengths).
-/// Tokens of the untimed forward pass `--warm` runs when every expert is resident.
-const WARM_TOKENS: usize = 8;
-
 pub fn prefill_flops(cfg: &stormo_engine::ModelConfig) -> (f64, f64) {
     let h = cfg.hidden_size as f64;
     let attn = h * cfg.head_dim as f64 * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) as f64;
