@@ -8,7 +8,8 @@
 //! and F16C) and `avx512` (AVX-512 F/BW) on x86-64, `neon` on AArch64. The best tier this CPU
 //! runs is detected once; `STORMO_SIMD=scalar|neon|avx2|avx512` forces a lower one for the whole
 //! process and [`with_tier`] for one thread's calls (tests run one body against every tier in
-//! [`Tier::available`]).
+//! [`Tier::available`]). The process-wide tier must first pass a self-check against an f64
+//! reference (`verify`), else the next lower tier is used, with a warning.
 //! Different tiers sum in different orders, so they agree to rounding, not to the bit.
 //!
 //! Within a tier, a position's output is bit-identical whether it was computed alone
@@ -49,6 +50,7 @@ mod int8x;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod scalar;
+mod verify;
 
 use std::cell::Cell;
 use std::sync::OnceLock;
@@ -358,18 +360,27 @@ impl Tier {
         Self::ALL.into_iter().filter(|t| t.is_supported()).collect()
     }
 
-    /// The process-wide tier: [`Tier::detected`], lowered by `STORMO_SIMD` if set. Decided
-    /// once, on first use.
+    /// The process-wide tier: [`Tier::detected`], lowered by `STORMO_SIMD` if set, then by
+    /// one tier at a time while it fails its self-check (a few small products of every
+    /// weight format against an f64 reference, a few milliseconds; a failure is logged as a
+    /// warning). Decided once, on first use.
     pub fn process() -> Self {
         static TIER: OnceLock<Tier> = OnceLock::new();
         *TIER.get_or_init(|| {
             let best = Self::detected();
-            let Ok(want) = std::env::var("STORMO_SIMD") else {
-                return best;
+            let want = match std::env::var("STORMO_SIMD") {
+                Ok(want) => {
+                    let (tier, note) = resolve(&want, best);
+                    if let Some(note) = note {
+                        tracing::warn!("{note}");
+                    }
+                    tier
+                }
+                Err(_) => best,
             };
-            let (tier, note) = resolve(&want, best);
-            if let Some(note) = note {
-                tracing::warn!("{note}");
+            let (tier, warnings) = verify::first_passing(want, self_check);
+            for w in warnings {
+                tracing::warn!("{w}");
             }
             tracing::debug!(tier = tier.name(), "kernel tier");
             tier
@@ -410,6 +421,19 @@ fn resolve(value: &str, best: Tier) -> (Tier, Option<String>) {
                  using {best}"
             )),
         ),
+    }
+}
+
+/// [`verify::self_check`] of `tier`, on a one-thread pool of its own: it runs while
+/// [`Tier::process`] is being decided, when threads of the global pool may be waiting for that
+/// decision.
+fn self_check(tier: Tier) -> Result<(), String> {
+    match rayon::ThreadPoolBuilder::new().num_threads(1).build() {
+        Ok(pool) => pool.install(|| verify::self_check(tier)),
+        Err(e) => {
+            tracing::debug!("no thread for the kernel self-check ({e}); running it here");
+            verify::self_check(tier)
+        }
     }
 }
 
@@ -1025,15 +1049,7 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    fn reference(w: &Mat<'_>, x: &[f32]) -> Vec<f64> {
-        let mut row = vec![0f32; w.cols()];
-        (0..w.rows())
-            .map(|r| {
-                w.row_into(r, &mut row);
-                row.iter().zip(x).map(|(&a, &b)| a as f64 * b as f64).sum()
-            })
-            .collect()
-    }
+    use verify::reference;
 
     #[test]
     fn fp4_codes_and_scales() {
@@ -1082,56 +1098,11 @@ mod tests {
     /// `matvec` against the f64 reference, and `matmul` bit-identical to `matvec` per position
     /// for block sizes covering every position-group remainder and several whole groups.
     fn check(w: &Mat<'_>, rng: &mut rand::rngs::StdRng) {
-        let tier = Tier::active();
-        let x = rand_x(w.cols(), rng);
-        let mut y = vec![0f32; w.rows()];
-        matvec(w, &x, &mut y);
-        let r = reference(w, &x);
-        // Rounding error of an f32 sum in any order: bounded by the sum of |terms|.
-        let mut row = vec![0f32; w.cols()];
-        for (i, (a, b)) in y.iter().zip(&r).enumerate() {
-            w.row_into(i, &mut row);
-            let mag: f64 = row
-                .iter()
-                .zip(&x)
-                .map(|(&a, &b)| (a as f64 * b as f64).abs())
-                .sum();
-            let tol = 1e-6 * (mag + 1.0) * (w.cols() as f64).sqrt().max(1.0);
-            assert!(
-                (*a as f64 - b).abs() <= tol,
-                "{tier} {w:?} row {i}: {a} vs {b} (tolerance {tol})"
-            );
+        let blocks = [2, 3, 4, 5, 6, 7, 9, 17, 37];
+        let r = verify::check_mat(Tier::active(), w, &blocks, &mut verify::Gen::new(rng.gen()));
+        if let Err(e) = r {
+            panic!("{e}");
         }
-        for t in [2, 3, 4, 5, 6, 7, 9, 17, 37] {
-            let xs = rand_x(t * w.cols(), rng);
-            let mut ys = vec![f32::NAN; t * w.rows()];
-            matmul(w, &xs, &mut ys);
-            for p in 0..t {
-                let mut y1 = vec![0f32; w.rows()];
-                matvec(w, &xs[p * w.cols()..(p + 1) * w.cols()], &mut y1);
-                let got = &ys[p * w.rows()..(p + 1) * w.rows()];
-                for (r, (a, b)) in got.iter().zip(&y1).enumerate() {
-                    assert_eq!(
-                        a.to_bits(),
-                        b.to_bits(),
-                        "{tier}: matmul position {p} of {t}, row {r}: {a} vs matvec {b}"
-                    );
-                }
-            }
-        }
-    }
-
-    fn dense_bytes(fmt: Float, n: usize, rng: &mut rand::rngs::StdRng) -> Vec<u8> {
-        (0..n)
-            .flat_map(|_| {
-                let v: f32 = rng.gen_range(-1.0..1.0);
-                match fmt {
-                    Float::F32 => v.to_le_bytes().to_vec(),
-                    Float::BF16 => ((v.to_bits() >> 16) as u16).to_le_bytes().to_vec(),
-                    Float::F16 => half::f16::from_f32(v).to_bits().to_le_bytes().to_vec(),
-                }
-            })
-            .collect()
     }
 
     #[test]
@@ -1155,7 +1126,7 @@ mod tests {
                     for fmt in [Float::F32, Float::BF16, Float::F16] {
                         // One spare byte up front: weights need not be aligned.
                         let mut bytes = vec![0u8];
-                        bytes.extend(dense_bytes(fmt, rows * cols, &mut rng));
+                        bytes.extend(verify::Gen::new(rng.gen()).dense(fmt, rows * cols));
                         let bytes = &bytes[1..];
                         check(
                             &Mat::Dense {
@@ -1330,7 +1301,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         let (rows, cols) = (1157, 288);
         assert!(tasks_for(rows * cols / 2) > 1 || rayon::current_num_threads() == 1);
-        let bf = dense_bytes(Float::BF16, rows * cols, &mut rng);
+        let bf = verify::Gen::new(rng.gen()).dense(Float::BF16, rows * cols);
         let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| rng.gen()).collect();
         let scales: Vec<u8> = (0..rows * cols / 32)
             .map(|_| rng.gen_range(118..136))
@@ -1387,8 +1358,8 @@ mod tests {
     fn batch_equals_each_product_alone_in_every_tier() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         let (rows, cols) = (1157, 288);
-        let bf = dense_bytes(Float::BF16, rows * cols, &mut rng);
-        let f32s = dense_bytes(Float::F32, 37 * 19, &mut rng);
+        let bf = verify::Gen::new(rng.gen()).dense(Float::BF16, rows * cols);
+        let f32s = verify::Gen::new(rng.gen()).dense(Float::F32, 37 * 19);
         let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| rng.gen()).collect();
         let scales: Vec<u8> = (0..rows * cols / 32)
             .map(|_| rng.gen_range(118..136))

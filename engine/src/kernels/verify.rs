@@ -1,0 +1,302 @@
+//! Known-answer checks of a tier's kernels against an f64 reference.
+//!
+//! The unit tests run every tier this CPU has on many shapes. A machine elsewhere may have a
+//! tier this project's test machines lack (the AVX-512 tier has not run on the machine these
+//! kernels were tuned on), so [`Tier::process`](super::Tier::process) also runs
+//! [`self_check`] once, on a few small matrices of every format, before the process uses a
+//! tier: a tier that fails it is not used, the next lower one is, with a warning. A kernel that
+//! goes wrong only on shapes the check does not cover would still get through; the check is a
+//! guard against a tier that is wrong everywhere (an instruction misread, a CPU or OS quirk),
+//! not a proof.
+
+use super::{matmul_in, Float, Mat, Tier};
+
+/// A small deterministic generator (xorshift64*), so the check needs no random-number crate
+/// outside tests and gives the same matrices on every run.
+pub(crate) struct Gen(u64);
+
+impl Gen {
+    /// A generator from `seed` (any value).
+    pub(crate) fn new(seed: u64) -> Self {
+        Self(seed ^ 0x9e37_79b9_7f4a_7c15 | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// A value in `[-1, 1)`.
+    pub(crate) fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u32 << 23) as f32 - 1.0
+    }
+
+    /// A byte.
+    pub(crate) fn byte(&mut self) -> u8 {
+        (self.next() >> 56) as u8
+    }
+
+    /// `n` values in `[-1, 1)`.
+    pub(crate) fn units(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.unit()).collect()
+    }
+
+    /// `n` elements in `[-1, 1)` stored as `fmt`, little-endian.
+    pub(crate) fn dense(&mut self, fmt: Float, n: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(n * fmt.size());
+        for _ in 0..n {
+            let v = self.unit();
+            match fmt {
+                Float::F32 => out.extend(v.to_le_bytes()),
+                Float::BF16 => out.extend(((v.to_bits() >> 16) as u16).to_le_bytes()),
+                Float::F16 => out.extend(half::f16::from_f32(v).to_bits().to_le_bytes()),
+            }
+        }
+        out
+    }
+}
+
+/// `W·x` in f64 from the dequantized rows.
+pub(crate) fn reference(w: &Mat<'_>, x: &[f32]) -> Vec<f64> {
+    let mut row = vec![0f32; w.cols()];
+    (0..w.rows())
+        .map(|r| {
+            w.row_into(r, &mut row);
+            row.iter().zip(x).map(|(&a, &b)| a as f64 * b as f64).sum()
+        })
+        .collect()
+}
+
+/// Checks `tier`'s kernels on `w` (see [`check_with`]).
+pub(crate) fn check_mat(
+    tier: Tier,
+    w: &Mat<'_>,
+    blocks: &[usize],
+    g: &mut Gen,
+) -> Result<(), String> {
+    check_with(w, blocks, g, |w, xs, ys| matmul_in(tier, w, xs, ys))
+        .map_err(|e| format!("{tier} kernels on {}: {e}", describe(w)))
+}
+
+/// `w`'s format and shape, in a few words (its `Debug` form lists every byte).
+fn describe(w: &Mat<'_>) -> String {
+    let kind = match *w {
+        Mat::Dense { fmt, .. } => format!("{fmt:?}"),
+        Mat::DenseT { fmt, .. } => format!("input-major {fmt:?}"),
+        Mat::Q8 { .. } => "Q8".into(),
+        Mat::Mxfp4 { .. } => "MXFP4".into(),
+        Mat::Mxfp4Int8 { .. } => "MXFP4 (int8 inputs)".into(),
+    };
+    format!("{kind} {}x{}", w.rows(), w.cols())
+}
+
+/// Checks `kernel` (`ys = W·xs` for any number of positions) on `w`: one position against
+/// [`reference`] (to the rounding error of an f32 sum in any order, bounded by the sum of the
+/// terms' magnitudes), then blocks of each of `blocks` positions bit-identical, position by
+/// position, to one position alone. Inputs come from `g`. The error names the first output
+/// that is wrong.
+pub(crate) fn check_with(
+    w: &Mat<'_>,
+    blocks: &[usize],
+    g: &mut Gen,
+    kernel: impl Fn(&Mat<'_>, &[f32], &mut [f32]),
+) -> Result<(), String> {
+    let (rows, cols) = (w.rows(), w.cols());
+    let x = g.units(cols);
+    let mut y = vec![f32::NAN; rows];
+    kernel(w, &x, &mut y);
+    let want = reference(w, &x);
+    let mut row = vec![0f32; cols];
+    for (i, (&a, &b)) in y.iter().zip(&want).enumerate() {
+        w.row_into(i, &mut row);
+        let mag: f64 = row
+            .iter()
+            .zip(&x)
+            .map(|(&a, &b)| (a as f64 * b as f64).abs())
+            .sum();
+        let tol = 1e-6 * (mag + 1.0) * (cols as f64).sqrt().max(1.0);
+        let err = (a as f64 - b).abs();
+        if err.is_nan() || err > tol {
+            return Err(format!("row {i}: {a} against {b} (tolerance {tol:.3e})"));
+        }
+    }
+    for &t in blocks {
+        let xs = g.units(t * cols);
+        let mut ys = vec![f32::NAN; t * rows];
+        kernel(w, &xs, &mut ys);
+        let mut y1 = vec![f32::NAN; rows];
+        for p in 0..t {
+            kernel(w, &xs[p * cols..(p + 1) * cols], &mut y1);
+            let got = &ys[p * rows..(p + 1) * rows];
+            if let Some(r) = (0..rows).find(|&r| got[r].to_bits() != y1[r].to_bits()) {
+                return Err(format!(
+                    "position {p} of a block of {t}, row {r}: {} against {} alone",
+                    got[r], y1[r]
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Matrices of every format the kernels take, small but of odd sizes (row and column tails,
+/// several position groups, a full-width MXFP4 row), checked on `tier` with [`check_mat`].
+/// A few milliseconds on a SIMD tier.
+pub(crate) fn self_check(tier: Tier) -> Result<(), String> {
+    let mut g = Gen::new(0x5eed);
+    let blocks = [2, 5, 33];
+    for (rows, cols) in [(37, 101), (6, 8)] {
+        for fmt in [Float::F32, Float::BF16, Float::F16] {
+            // One spare byte up front: weights need not be aligned.
+            let mut bytes = vec![0u8];
+            bytes.extend(g.dense(fmt, rows * cols));
+            let bytes = &bytes[1..];
+            check_mat(
+                tier,
+                &Mat::Dense {
+                    fmt,
+                    bytes,
+                    rows,
+                    cols,
+                },
+                &blocks,
+                &mut g,
+            )?;
+            check_mat(
+                tier,
+                &Mat::DenseT {
+                    fmt,
+                    bytes,
+                    rows,
+                    cols,
+                },
+                &blocks,
+                &mut g,
+            )?;
+        }
+        let q: Vec<u8> = (0..rows * cols).map(|_| g.byte()).collect();
+        let scales: Vec<f32> = (0..rows).map(|_| (g.unit() + 1.0) * 0.01).collect();
+        check_mat(
+            tier,
+            &Mat::Q8 {
+                q: &q,
+                scales: &scales,
+                rows,
+                cols,
+            },
+            &blocks,
+            &mut g,
+        )?;
+    }
+    for (rows, cols) in [(37, 96), (5, 2880)] {
+        let blocks_: Vec<u8> = (0..rows * cols / 2).map(|_| g.byte()).collect();
+        let scales: Vec<u8> = (0..rows * cols / 32).map(|_| 120 + g.byte() % 14).collect();
+        let w = Mat::Mxfp4 {
+            blocks: &blocks_,
+            scales: &scales,
+            rows,
+            cols,
+        };
+        check_mat(tier, &w, &blocks, &mut g)?;
+    }
+    Ok(())
+}
+
+/// The first tier from `start` down that passes `check` (scalar, the reference, is not
+/// checked), with a warning for each one that failed.
+pub(crate) fn first_passing(
+    start: Tier,
+    check: impl Fn(Tier) -> Result<(), String>,
+) -> (Tier, Vec<String>) {
+    let mut warnings = Vec::new();
+    let mut tier = start;
+    while tier != Tier::Scalar {
+        let Err(e) = check(tier) else { break };
+        let lower = Tier::ALL
+            .into_iter()
+            .rev()
+            .find(|t| *t < tier && t.is_supported())
+            .unwrap_or(Tier::Scalar);
+        warnings.push(format!(
+            "the {tier} kernels failed their self-check on this CPU, so the slower {lower} \
+             kernels are used instead (please report this with the CPU model): {e}"
+        ));
+        tier = lower;
+    }
+    (tier, warnings)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_available_tier_passes_the_self_check() {
+        for tier in Tier::available() {
+            assert_eq!(self_check(tier), Ok(()), "{tier}");
+        }
+    }
+
+    /// The check can fail: a wrong output for one position, a NaN, and a block whose positions
+    /// differ in the last bit from one position alone are each caught and named.
+    #[test]
+    fn check_catches_wrong_results() {
+        let (rows, cols) = (9, 64);
+        let mut g = Gen::new(3);
+        let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| g.byte()).collect();
+        let scales: Vec<u8> = (0..rows * cols / 32).map(|_| 127).collect();
+        let w = Mat::Mxfp4 {
+            blocks: &blocks,
+            scales: &scales,
+            rows,
+            cols,
+        };
+        let right = |w: &Mat<'_>, xs: &[f32], ys: &mut [f32]| matmul_in(Tier::Scalar, w, xs, ys);
+        assert_eq!(check_with(&w, &[2, 5], &mut Gen::new(4), right), Ok(()));
+        let off = |w: &Mat<'_>, xs: &[f32], ys: &mut [f32]| {
+            right(w, xs, ys);
+            ys[3] += 0.25;
+        };
+        let e = check_with(&w, &[2, 5], &mut Gen::new(4), off).unwrap_err();
+        assert!(e.starts_with("row 3:"), "{e}");
+        let nan = |w: &Mat<'_>, xs: &[f32], ys: &mut [f32]| {
+            right(w, xs, ys);
+            ys[8] = f32::NAN;
+        };
+        let e = check_with(&w, &[2, 5], &mut Gen::new(4), nan).unwrap_err();
+        assert!(e.starts_with("row 8:"), "{e}");
+        let block = |w: &Mat<'_>, xs: &[f32], ys: &mut [f32]| {
+            right(w, xs, ys);
+            if xs.len() == 5 * cols {
+                ys[2 * rows + 6] = f32::from_bits(ys[2 * rows + 6].to_bits() ^ 1);
+            }
+        };
+        let e = check_with(&w, &[2, 5], &mut Gen::new(4), block).unwrap_err();
+        assert!(e.starts_with("position 2 of a block of 5, row 6:"), "{e}");
+    }
+
+    #[test]
+    fn a_failing_tier_falls_to_the_next_lower_one() {
+        let best = Tier::detected();
+        let (tier, warnings) = first_passing(best, |t| {
+            if t == best {
+                Err("broken".into())
+            } else {
+                Ok(())
+            }
+        });
+        if best == Tier::Scalar {
+            assert_eq!((tier, warnings.len()), (Tier::Scalar, 0));
+        } else {
+            assert!(tier < best && tier.is_supported(), "{tier} below {best}");
+            assert_eq!(warnings.len(), 1);
+            assert!(warnings[0].contains("broken") && warnings[0].contains(best.name()));
+        }
+        let (tier, warnings) = first_passing(best, |_| Err("all broken".into()));
+        assert_eq!(tier, Tier::Scalar);
+        assert_eq!(warnings.len(), Tier::available().len() - 1);
+        assert_eq!(first_passing(best, |_| Ok(())), (best, vec![]));
+    }
+}
