@@ -153,28 +153,22 @@ pub(crate) fn self_check(tier: Tier) -> Result<(), String> {
             let mut bytes = vec![0u8];
             bytes.extend(g.dense(fmt, rows * cols));
             let bytes = &bytes[1..];
-            check_mat(
-                tier,
-                &Mat::Dense {
+            for w in [
+                Mat::Dense {
                     fmt,
                     bytes,
                     rows,
                     cols,
                 },
-                &blocks,
-                &mut g,
-            )?;
-            check_mat(
-                tier,
-                &Mat::DenseT {
+                Mat::DenseT {
                     fmt,
                     bytes,
                     rows,
                     cols,
                 },
-                &blocks,
-                &mut g,
-            )?;
+            ] {
+                check_mat(tier, &w, &blocks, &mut g)?;
+            }
         }
         let q: Vec<u8> = (0..rows * cols).map(|_| g.byte()).collect();
         let scales: Vec<f32> = (0..rows).map(|_| (g.unit() + 1.0) * 0.01).collect();
