@@ -361,7 +361,7 @@ impl Tier {
     }
 
     /// The process-wide tier: [`Tier::detected`], lowered by `STORMO_SIMD` if set, then by
-    /// one tier at a time while it fails its self-check (a few small products of every
+    /// one tier at a time while it fails its self-check (a few small products of every exact
     /// weight format against an f64 reference, a few milliseconds; a failure is logged as a
     /// warning). Decided once, on first use.
     pub fn process() -> Self {
