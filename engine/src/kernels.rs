@@ -367,18 +367,8 @@ impl Tier {
     pub fn process() -> Self {
         static TIER: OnceLock<Tier> = OnceLock::new();
         *TIER.get_or_init(|| {
-            let best = Self::detected();
-            let want = match std::env::var("STORMO_SIMD") {
-                Ok(want) => {
-                    let (tier, note) = resolve(&want, best);
-                    if let Some(note) = note {
-                        tracing::warn!("{note}");
-                    }
-                    tier
-                }
-                Err(_) => best,
-            };
-            let (tier, warnings) = verify::first_passing(want, self_check);
+            let simd = std::env::var("STORMO_SIMD").ok();
+            let (tier, warnings) = decide(simd.as_deref(), Self::detected(), self_check);
             for w in warnings {
                 tracing::warn!("{w}");
             }
@@ -422,6 +412,20 @@ fn resolve(value: &str, best: Tier) -> (Tier, Option<String>) {
             )),
         ),
     }
+}
+
+/// The process-wide tier on a CPU whose best is `best`, given `STORMO_SIMD`'s value (if set)
+/// and a self-check (`check`): the requested tier, lowered while it fails the check; with the
+/// warnings to log.
+fn decide(
+    simd: Option<&str>,
+    best: Tier,
+    check: impl Fn(Tier) -> Result<(), String>,
+) -> (Tier, Vec<String>) {
+    let (want, note) = simd.map_or((best, None), |v| resolve(v, best));
+    let (tier, mut warnings) = verify::first_passing(want, check);
+    warnings.splice(0..0, note);
+    (tier, warnings)
 }
 
 /// [`verify::self_check`] of `tier`, on a one-thread pool of its own: it runs while
@@ -1098,8 +1102,9 @@ mod tests {
     /// `matvec` against the f64 reference, and `matmul` bit-identical to `matvec` per position
     /// for block sizes covering every position-group remainder and several whole groups.
     fn check(w: &Mat<'_>, rng: &mut rand::rngs::StdRng) {
-        let blocks = [2, 3, 4, 5, 6, 7, 9, 17, 37];
-        let r = verify::check_mat(Tier::active(), w, &blocks, &mut verify::Gen::new(rng.gen()));
+        let block_sizes = [2, 3, 4, 5, 6, 7, 9, 17, 37];
+        let mut g = verify::Gen::new(rng.gen());
+        let r = verify::check_mat(Tier::active(), w, &block_sizes, &mut g);
         if let Err(e) = r {
             panic!("{e}");
         }
@@ -1553,6 +1558,30 @@ mod tests {
             .contains("does not support"));
         for t in Tier::ALL {
             assert_eq!(Tier::parse(t.name()), Some(t));
+        }
+    }
+
+    /// The process-wide decision: `STORMO_SIMD` picks the starting tier, the self-check lowers
+    /// it, and both warnings are kept, the switch's first.
+    #[test]
+    fn process_tier_is_switched_then_checked() {
+        let best = Tier::detected();
+        let broken = |t: Tier| {
+            if t == best {
+                Err("broken".to_string())
+            } else {
+                Ok(())
+            }
+        };
+        assert_eq!(decide(None, best, |_| Ok(())), (best, vec![]));
+        assert_eq!(decide(Some("scalar"), best, broken), (Tier::Scalar, vec![]));
+        let (tier, warnings) = decide(Some("sse9"), best, broken);
+        if best == Tier::Scalar {
+            assert_eq!((tier, warnings.len()), (Tier::Scalar, 1));
+        } else {
+            assert!(tier < best, "{tier} below {best}");
+            assert_eq!(warnings.len(), 2, "{warnings:?}");
+            assert!(warnings[0].contains("unknown tier") && warnings[1].contains("broken"));
         }
     }
 

@@ -18,7 +18,7 @@ pub(crate) struct Gen(u64);
 impl Gen {
     /// A generator from `seed` (any value).
     pub(crate) fn new(seed: u64) -> Self {
-        Self(seed ^ 0x9e37_79b9_7f4a_7c15 | 1)
+        Self((seed ^ 0x9e37_79b9_7f4a_7c15) | 1)
     }
 
     fn next(&mut self) -> u64 {
@@ -73,10 +73,10 @@ pub(crate) fn reference(w: &Mat<'_>, x: &[f32]) -> Vec<f64> {
 pub(crate) fn check_mat(
     tier: Tier,
     w: &Mat<'_>,
-    blocks: &[usize],
+    block_sizes: &[usize],
     g: &mut Gen,
 ) -> Result<(), String> {
-    check_with(w, blocks, g, |w, xs, ys| matmul_in(tier, w, xs, ys))
+    check_with(w, block_sizes, g, |w, xs, ys| matmul_in(tier, w, xs, ys))
         .map_err(|e| format!("{tier} kernels on {}: {e}", describe(w)))
 }
 
@@ -94,12 +94,12 @@ fn describe(w: &Mat<'_>) -> String {
 
 /// Checks `kernel` (`ys = W·xs` for any number of positions) on `w`: one position against
 /// [`reference`] (to the rounding error of an f32 sum in any order, bounded by the sum of the
-/// terms' magnitudes), then blocks of each of `blocks` positions bit-identical, position by
+/// terms' magnitudes), then blocks of each of `block_sizes` positions bit-identical, position by
 /// position, to one position alone. Inputs come from `g`. The error names the first output
 /// that is wrong.
 pub(crate) fn check_with(
     w: &Mat<'_>,
-    blocks: &[usize],
+    block_sizes: &[usize],
     g: &mut Gen,
     kernel: impl Fn(&Mat<'_>, &[f32], &mut [f32]),
 ) -> Result<(), String> {
@@ -122,7 +122,7 @@ pub(crate) fn check_with(
             return Err(format!("row {i}: {a} against {b} (tolerance {tol:.3e})"));
         }
     }
-    for &t in blocks {
+    for &t in block_sizes {
         let xs = g.units(t * cols);
         let mut ys = vec![f32::NAN; t * rows];
         kernel(w, &xs, &mut ys);
@@ -147,8 +147,7 @@ pub(crate) fn check_with(
 /// milliseconds on a SIMD tier.
 pub(crate) fn self_check(tier: Tier) -> Result<(), String> {
     let mut g = Gen::new(0x5eed);
-    let blocks = [2, 5, 33];
-    // (`blocks`: positions per product checked against single positions.)
+    let block_sizes = [2, 5, 33];
     for (rows, cols) in [(37, 101), (6, 8)] {
         for fmt in [Float::F32, Float::BF16, Float::F16] {
             // One spare byte up front: weights need not be aligned.
@@ -169,7 +168,7 @@ pub(crate) fn self_check(tier: Tier) -> Result<(), String> {
                     cols,
                 },
             ] {
-                check_mat(tier, &w, &blocks, &mut g)?;
+                check_mat(tier, &w, &block_sizes, &mut g)?;
             }
         }
         let q: Vec<u8> = (0..rows * cols).map(|_| g.byte()).collect();
@@ -182,7 +181,7 @@ pub(crate) fn self_check(tier: Tier) -> Result<(), String> {
                 rows,
                 cols,
             },
-            &blocks,
+            &block_sizes,
             &mut g,
         )?;
     }
@@ -195,7 +194,7 @@ pub(crate) fn self_check(tier: Tier) -> Result<(), String> {
             rows,
             cols,
         };
-        check_mat(tier, &w, &blocks, &mut g)?;
+        check_mat(tier, &w, &block_sizes, &mut g)?;
     }
     Ok(())
 }
