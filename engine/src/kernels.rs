@@ -8,8 +8,9 @@
 //! and F16C) and `avx512` (AVX-512 F/BW) on x86-64, `neon` on AArch64. The best tier this CPU
 //! runs is detected once; `STORMO_SIMD=scalar|neon|avx2|avx512` forces a lower one for the whole
 //! process and [`with_tier`] for one thread's calls (tests run one body against every tier in
-//! [`Tier::available`]). The process-wide tier must first pass a self-check against an f64
-//! reference (`verify`), else the next lower tier is used, with a warning.
+//! [`Tier::available`], which in tests includes the AVX-512 tier run in software on CPUs
+//! without it: `avx512_emulated`). The process-wide tier must first pass a self-check against
+//! an f64 reference (`verify`), else the next lower tier is used, with a warning.
 //! Different tiers sum in different orders, so they agree to rounding, not to the bit.
 //!
 //! Within a tier, a position's output is bit-identical whether it was computed alone
@@ -46,6 +47,8 @@ macro_rules! with_positions {
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(all(target_arch = "x86_64", any(test, feature = "emulated-avx512")))]
+mod avx512_emulated;
 mod int8x;
 #[cfg(target_arch = "aarch64")]
 mod neon;
@@ -332,8 +335,8 @@ impl Tier {
             .find(|t| t.name().eq_ignore_ascii_case(s.trim()))
     }
 
-    /// True if this CPU runs the tier.
-    pub fn is_supported(self) -> bool {
+    /// True if this CPU runs the tier's instructions.
+    pub fn is_native(self) -> bool {
         match self {
             Self::Scalar => true,
             #[cfg(target_arch = "x86_64")]
@@ -346,16 +349,32 @@ impl Tier {
         }
     }
 
-    /// The best tier this CPU runs.
+    /// True if the tier can run here: natively, or (in tests and with the `emulated-avx512`
+    /// feature) the AVX-512 tier in software on an AVX2 CPU, much slower, never chosen by
+    /// [`Tier::detected`].
+    pub fn is_supported(self) -> bool {
+        self.is_native() || self.is_emulated()
+    }
+
+    /// True if the tier runs here only in software emulation (see [`Tier::is_supported`]).
+    pub fn is_emulated(self) -> bool {
+        #[cfg(all(target_arch = "x86_64", any(test, feature = "emulated-avx512")))]
+        if self == Self::Avx512 && !self.is_native() {
+            return avx512_emulated::supported();
+        }
+        false
+    }
+
+    /// The best tier this CPU runs natively.
     pub fn detected() -> Self {
         Self::ALL
             .into_iter()
             .rev()
-            .find(|t| t.is_supported())
+            .find(|t| t.is_native())
             .unwrap_or(Self::Scalar)
     }
 
-    /// Every tier this CPU runs, lowest first.
+    /// Every tier this CPU runs (emulated ones included), lowest first.
     pub fn available() -> Vec<Self> {
         Self::ALL.into_iter().filter(|t| t.is_supported()).collect()
     }
@@ -397,7 +416,7 @@ fn resolve(value: &str, best: Tier) -> (Tier, Option<String>) {
         return (best, None);
     }
     match Tier::parse(value) {
-        Some(t) if t <= best && t.is_supported() => (t, None),
+        Some(t) if t <= best && t.is_native() => (t, None),
         Some(t) => (
             best,
             Some(format!(
@@ -537,7 +556,13 @@ fn rows_in(tier: Tier, w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, o
         #[cfg(target_arch = "x86_64")]
         Tier::Avx2 => avx2::rows(w, r0, n, xs, p, out),
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 => avx512::rows(w, r0, n, xs, p, out),
+        Tier::Avx512 => {
+            #[cfg(any(test, feature = "emulated-avx512"))]
+            if Tier::Avx512.is_emulated() {
+                return avx512_emulated::rows(w, r0, n, xs, p, out);
+            }
+            avx512::rows(w, r0, n, xs, p, out)
+        }
         #[cfg(target_arch = "aarch64")]
         Tier::Neon => neon::rows(w, r0, n, xs, p, out),
         _ => scalar::rows(w, r0, n, xs, p, out),
@@ -550,7 +575,13 @@ fn cols_t_in(tier: Tier, w: &Mat<'_>, o0: usize, n: usize, xs: &[f32], outs: &mu
         #[cfg(target_arch = "x86_64")]
         Tier::Avx2 => avx2::cols_t(w, o0, n, xs, outs),
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 => avx512::cols_t(w, o0, n, xs, outs),
+        Tier::Avx512 => {
+            #[cfg(any(test, feature = "emulated-avx512"))]
+            if Tier::Avx512.is_emulated() {
+                return avx512_emulated::cols_t(w, o0, n, xs, outs);
+            }
+            avx512::cols_t(w, o0, n, xs, outs)
+        }
         #[cfg(target_arch = "aarch64")]
         Tier::Neon => neon::cols_t(w, o0, n, xs, outs),
         _ => scalar::cols_t(w, o0, n, xs, outs),
@@ -677,7 +708,7 @@ fn peak_round(tier: Tier, seconds: f64) -> f64 {
                 #[cfg(target_arch = "x86_64")]
                 Tier::Avx2 => avx2::fma_burst(),
                 #[cfg(target_arch = "x86_64")]
-                Tier::Avx512 => avx512::fma_burst(),
+                Tier::Avx512 if tier.is_native() => avx512::fma_burst(),
                 _ => scalar::fma_burst(),
             };
         }
@@ -1605,6 +1636,50 @@ mod tests {
             && std::arch::is_x86_feature_detected!("f16c");
         assert_eq!(Tier::available().contains(&Tier::Avx2), has);
         assert_eq!(Tier::detected() >= Tier::Avx2, has);
+    }
+
+    /// Where the CPU has AVX2 but not AVX-512 (as the machines this project is tested on),
+    /// the AVX-512 tier still runs in the tests, in software, and is never chosen for real
+    /// work; and it is its own kernels that run, not a fallback: they sum in 16 lanes, so
+    /// their results differ from the scalar ones in the last bits, within rounding.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_tier_runs_in_tests_natively_or_emulated() {
+        let (native, emulated) = (Tier::Avx512.is_native(), Tier::Avx512.is_emulated());
+        assert!(!(native && emulated));
+        assert_eq!(emulated, Tier::Avx2.is_native() && !native);
+        assert_eq!(
+            Tier::available().contains(&Tier::Avx512),
+            native || emulated
+        );
+        if !Tier::Avx512.is_supported() {
+            return;
+        }
+        if emulated {
+            assert!(Tier::detected() < Tier::Avx512);
+            assert_eq!(resolve("avx512", Tier::detected()).0, Tier::detected());
+        }
+        let (rows, cols) = (64, 2880);
+        let mut g = verify::Gen::new(11);
+        let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| g.byte()).collect();
+        let scales: Vec<u8> = (0..rows * cols / 32).map(|_| 120 + g.byte() % 8).collect();
+        let w = Mat::Mxfp4 {
+            blocks: &blocks,
+            scales: &scales,
+            rows,
+            cols,
+        };
+        let x = g.units(cols);
+        let (mut wide, mut scalar) = (vec![0f32; rows], vec![0f32; rows]);
+        matmul_in(Tier::Avx512, &w, &x, &mut wide);
+        matmul_in(Tier::Scalar, &w, &x, &mut scalar);
+        verify::check_mat(Tier::Avx512, &w, &[3, 17], &mut g).unwrap();
+        assert!(
+            wide.iter()
+                .zip(&scalar)
+                .any(|(a, b)| a.to_bits() != b.to_bits()),
+            "the avx512 results equal the scalar ones bit for bit: is the tier falling back?"
+        );
     }
 
     #[cfg(target_arch = "aarch64")]
