@@ -3,9 +3,13 @@
 //! The same structure as the AVX2 tier with 16 lanes: one accumulator per (row, position),
 //! lane `l` summing elements `i ≡ l (mod 16)` in increasing `i`, a fixed lane reduction and a
 //! fused scalar tail; so a position's result never depends on how many rows or positions a
-//! call interleaves. With 32 vector registers, prefill kernels interleave 4 rows × 4 positions.
-//! MXFP4 nibbles index a 16-entry f32 table with one permute (`vpermps`), giving exact FP4
-//! values; each block's sum is multiplied by its E8M0 scale.
+//! call interleaves. With 32 vector registers, dense prefill kernels interleave 4 rows × 4
+//! positions. MXFP4 nibbles index the block's scale's row of a table of exactly dequantized
+//! values (FP4 value times E8M0 scale) with one permute (`vpermps`) per 16 weights, so a block
+//! costs two multiply-adds per position; prefill decodes a slab of rows once per call of up
+//! to 32 positions, as the AVX2 tier does. This VM has no AVX-512: the tier's kernels are
+//! tested in software emulation (`avx512_emulated`) and guarded by the runtime self-check,
+//! but their speed has not been measured.
 
 use std::arch::x86_64::*;
 
@@ -19,13 +23,16 @@ pub(super) fn supported() -> bool {
 }
 
 /// Output rows `r0 .. r0 + n` of a row-major matrix (`Dense` or `Mxfp4`) for `p` positions
-/// `xs` (`[p, cols]`, `p <= 4`) into `out` (`[p, n]`).
+/// `xs` (`[p, cols]`, `p <= 4`, or [`POSITIONS`] for MXFP4) into `out` (`[p, n]`).
 pub(super) fn rows(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
     if !supported() {
         return super::scalar::rows(w, r0, n, xs, p, out);
     }
     super::check_rows(w, r0, n, xs, p, out);
-    assert!(p <= 4, "kernel takes at most 4 positions");
+    assert!(
+        p <= 4 || matches!(w, Mat::Mxfp4 { .. }) && p <= POSITIONS,
+        "kernel takes at most 4 positions ({POSITIONS} for MXFP4)"
+    );
     // SAFETY: the CPU supports the tier (checked above) and `check_rows` verified that rows
     // `r0 .. r0 + n`, `p` positions of `xs` and `p * n` outputs are in bounds.
     unsafe { rows_impl(w, r0, n, xs, p, out) }
@@ -270,7 +277,16 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
     out
 }
 
-/// Dispatches MXFP4 rows and positions to the `R x P` kernels.
+/// Rows of an MXFP4 matrix for `p <= POSITIONS` positions.
+///
+/// Every (row, position) is the same computation whatever `p` and `n`: its weights dequantized
+/// exactly ([`decode`]: each FP4 value times its block's E8M0 scale, as
+/// [`mxfp4_value`](super::mxfp4_value) gives it), then one 16-lane accumulator takes two fused
+/// multiply-adds per block (elements 0-15, then 16-31), block after block, and [`hsum`] reduces
+/// the lanes. One position ([`mxfp4_dot`]) streams four rows at a time, decoding in registers;
+/// several ([`mxfp4_block`]) decode a slab of rows into an L1 buffer once and multiply it by
+/// every position in register tiles. So a block of positions gets exactly what each position
+/// gets alone.
 ///
 /// # Safety
 /// As [`rows_impl`]: rows `r0 .. r0 + n` of `blocks`/`scales` and `p` positions in bounds.
@@ -288,67 +304,109 @@ unsafe fn mxfp4_rows(
 ) {
     let nb = cols / 32;
     let (bb, sb) = (blocks.as_ptr(), scales.as_ptr());
-    let x = |q: usize| xs[q * cols..].as_ptr();
+    if p > 1 {
+        // SAFETY: bounds forwarded from the caller.
+        return unsafe { mxfp4_block(bb, sb, nb, r0, n, xs, p, out) };
+    }
+    let x = xs.as_ptr();
+    // SAFETY: rows `r0 + i` for `i < n` are in bounds (caller).
+    let row = |i: usize| unsafe { (bb.add((r0 + i) * nb * 16), sb.add((r0 + i) * nb)) };
     macro_rules! run {
-        ($r:literal, $p:literal, $i:expr) => {{
+        ($r:literal, $i:expr) => {{
             let i = $i;
-            // SAFETY: rows `r0 + i .. r0 + i + $r` are in bounds (caller).
-            let b: [*const u8; $r] =
-                std::array::from_fn(|k| unsafe { bb.add((r0 + i + k) * nb * 16) });
-            // SAFETY: as above.
-            let s: [*const u8; $r] = std::array::from_fn(|k| unsafe { sb.add((r0 + i + k) * nb) });
-            let xp: [*const f32; $p] = std::array::from_fn(x);
-            // SAFETY: whole rows of `nb` blocks and positions of `cols` f32 (caller).
-            let v = unsafe { mxfp4_dot::<$r, $p>(b, s, xp, nb) };
-            for k in 0..$r {
-                for q in 0..$p {
-                    out[q * n + i + k] = v[k][q];
-                }
-            }
+            let b: [*const u8; $r] = std::array::from_fn(|k| row(i + k).0);
+            let s: [*const u8; $r] = std::array::from_fn(|k| row(i + k).1);
+            // SAFETY: whole rows of `nb` blocks and a position of `cols` f32 (caller).
+            let v = unsafe { mxfp4_dot::<$r>(b, s, x, nb) };
+            out[i..i + $r].copy_from_slice(&v);
         }};
     }
-    macro_rules! sweep {
-        ($r:literal, $p:literal) => {{
-            let mut i = 0;
-            while n - i >= $r {
-                run!($r, $p, i);
-                i += $r;
-            }
-            while i < n {
-                run!(1, $p, i);
-                i += 1;
-            }
-        }};
+    let mut i = 0;
+    while n - i >= 4 {
+        run!(4, i);
+        i += 4;
     }
-    match p {
-        1 => sweep!(4, 1),
-        2 => sweep!(2, 2),
-        3 => sweep!(2, 3),
-        _ => sweep!(2, 4),
+    while i < n {
+        run!(1, i);
+        i += 1;
     }
 }
 
-/// Dot products of `R` consecutive MXFP4 rows (`nb` blocks each) with `P` positions. With one
-/// position it also prefetches the next `R` rows' blocks and scales (short row streams; see
-/// [`dense_dot`]).
+/// Most positions one MXFP4 call takes: the weights are decoded once per call, so all of an
+/// expert's positions in a prefill block of 128 tokens (about 16 on GPT-OSS) share one decode.
+pub(super) const POSITIONS: usize = 32;
+/// Rows [`mxfp4_block`] decodes at once.
+const CHUNK_ROWS: usize = 16;
+/// Rows whose accumulators [`mxfp4_block`] keeps at once.
+const MAX_ROWS: usize = 32;
+/// Blocks per slab in [`mxfp4_block`]: one cache line of each row's weights, 512 bytes of
+/// inputs per position; the decoded slab is 8 KiB.
+const SLAB: usize = 4;
+
+/// Every dequantized MXFP4 value by E8M0 scale byte: entry `s` holds
+/// [`mxfp4_value`](super::mxfp4_value)`(nibble, s)` for the 16 nibbles (one 64-byte line per
+/// scale; at scales 253 and 254 the larger values overflow to ±inf, as dequantizing does).
+#[repr(C, align(64))]
+struct Scaled([[f32; 16]; 256]);
+
+static SCALED: Scaled = {
+    let mut t = [[0f32; 16]; 256];
+    let mut s = 0;
+    while s < 256 {
+        let mut i = 0;
+        while i < 16 {
+            let v = FP4_LUT[i];
+            t[s][i] = if v == 0.0 { v } else { v * SCALE[s] };
+            i += 1;
+        }
+        s += 1;
+    }
+    Scaled(t)
+};
+
+/// The 32 weights of one MXFP4 block (16 bytes at `b`, E8M0 scale byte `s`) dequantized, in
+/// element order: each nibble indexes the scale's [`SCALED`] row with one permute per 16.
+///
+/// # Safety
+/// The CPU supports the tier and 16 bytes at `b` are readable.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn decode(b: *const u8, s: u8) -> [__m512; 2] {
+    let low = _mm_set1_epi8(0x0f);
+    // SAFETY: 16 readable bytes (caller); the table row is 64 bytes.
+    let (v, t) = unsafe {
+        (
+            _mm_loadu_si128(b as *const __m128i),
+            _mm512_loadu_ps(SCALED.0[s as usize].as_ptr()),
+        )
+    };
+    let lo = _mm_and_si128(v, low);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), low);
+    // Byte j holds elements 2j (low nibble) and 2j+1 (high): interleave.
+    [
+        _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), t),
+        _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), t),
+    ]
+}
+
+/// The dot products of `R` consecutive MXFP4 rows (`nb` blocks each) with one position `x`,
+/// by [`mxfp4_rows`]' arithmetic; while they compute, the next `R` rows' blocks and scales are
+/// prefetched (short row streams; see [`dense_dot`]).
 ///
 /// # Safety
 /// The CPU supports the tier; each `b[k]` points to `16 * nb` readable bytes, each `s[k]` to
-/// `nb`, each `x[q]` to `32 * nb` f32.
+/// `nb`, `x` to `32 * nb` f32. (The prefetches may point past the matrix: a hint.)
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-unsafe fn mxfp4_dot<const R: usize, const P: usize>(
+unsafe fn mxfp4_dot<const R: usize>(
     b: [*const u8; R],
     s: [*const u8; R],
-    x: [*const f32; P],
+    x: *const f32,
     nb: usize,
-) -> [[f32; P]; R] {
-    // SAFETY: the 16-entry table read unaligned.
-    let lut = unsafe { _mm512_loadu_ps(FP4_LUT.as_ptr()) };
-    let low = _mm_set1_epi8(0x0f);
-    let mut acc = [[_mm512_setzero_ps(); P]; R];
+) -> [f32; R] {
+    let mut acc = [_mm512_setzero_ps(); R];
     for blk in 0..nb {
-        if P == 1 && blk % 4 == 0 {
+        if blk % 4 == 0 {
             for k in 0..R {
                 // A hint: harmless past the end.
                 _mm_prefetch::<_MM_HINT_T0>(b[k].wrapping_add((R * nb + blk) * 16) as *const i8);
@@ -357,34 +415,166 @@ unsafe fn mxfp4_dot<const R: usize, const P: usize>(
                 }
             }
         }
-        for k in 0..R {
-            // SAFETY: `blk < nb` (caller's bounds); unaligned load of 16 bytes.
-            let v = unsafe { _mm_loadu_si128(b[k].add(16 * blk) as *const __m128i) };
-            let lo = _mm_and_si128(v, low);
-            let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), low);
-            // Byte j holds elements 2j (low nibble) and 2j+1 (high): interleave.
-            let w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), lut);
-            let w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), lut);
-            // SAFETY: as above.
-            let sc = _mm512_set1_ps(SCALE[unsafe { *s[k].add(blk) } as usize]);
-            for q in 0..P {
-                // SAFETY: elements `32 * blk .. 32 * blk + 32` of a position (caller).
-                unsafe {
-                    let xp = x[q].add(32 * blk);
-                    let t = _mm512_mul_ps(w0, _mm512_loadu_ps(xp));
-                    let t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp.add(16)), t);
-                    acc[k][q] = _mm512_fmadd_ps(t, sc, acc[k][q]);
-                }
+        // SAFETY: block `blk < nb` of every row and of the position (caller).
+        unsafe {
+            let (x0, x1) = (
+                _mm512_loadu_ps(x.add(32 * blk)),
+                _mm512_loadu_ps(x.add(32 * blk + 16)),
+            );
+            for k in 0..R {
+                let [w0, w1] = decode(b[k].add(16 * blk), *s[k].add(blk));
+                acc[k] = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, acc[k]));
             }
         }
     }
-    let mut out = [[0f32; P]; R];
-    for k in 0..R {
-        for q in 0..P {
-            out[k][q] = hsum(acc[k][q]);
+    acc.map(|v| hsum(v))
+}
+
+/// Vectors of [`mxfp4_block`]'s scratch: the accumulators (`MAX_ROWS` rows of `POSITIONS`),
+/// then the slab (`CHUNK_ROWS` rows of `SLAB` blocks of two vectors).
+const SCRATCH: usize = MAX_ROWS * POSITIONS + CHUNK_ROWS * SLAB * 2;
+
+thread_local! {
+    /// [`mxfp4_block`]'s scratch (72 KiB), kept by each thread between calls (taken while in
+    /// use).
+    static BLOCK_SCRATCH: std::cell::Cell<Vec<__m512>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// [`mxfp4_rows`] for `2 <= p <= POSITIONS` positions, as the AVX2 tier's prefill kernel:
+/// groups of up to [`MAX_ROWS`] rows walked in slabs of [`SLAB`] blocks; for each slab, chunk
+/// after chunk of [`CHUNK_ROWS`] rows is decoded once into an L1 buffer, then tiles of 4 rows
+/// x 4 positions multiply it ([`tile`]: sixteen accumulators in registers, each input vector
+/// loaded once for four rows, each weight vector once for four positions). The group's
+/// accumulators live in the thread's scratch between slabs.
+///
+/// # Safety
+/// As [`mxfp4_rows`], with `bb`/`sb` the matrix's blocks and scales and `nb` its blocks per
+/// row.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn mxfp4_block(
+    bb: *const u8,
+    sb: *const u8,
+    nb: usize,
+    r0: usize,
+    n: usize,
+    xs: &[f32],
+    p: usize,
+    out: &mut [f32],
+) {
+    debug_assert!((2..=POSITIONS).contains(&p));
+    let cols = nb * 32;
+    let mut scratch = BLOCK_SCRATCH.take();
+    scratch.resize(SCRATCH, _mm512_setzero_ps());
+    let (acc, slab) = scratch.split_at_mut(MAX_ROWS * POSITIONS);
+    for g0 in (0..n).step_by(MAX_ROWS) {
+        let g = MAX_ROWS.min(n - g0);
+        for a in acc[..g * POSITIONS].chunks_exact_mut(POSITIONS) {
+            a[..p].fill(_mm512_setzero_ps());
+        }
+        for b0 in (0..nb).step_by(SLAB) {
+            let k = SLAB.min(nb - b0);
+            for c0 in (0..g).step_by(CHUNK_ROWS) {
+                let m = CHUNK_ROWS.min(g - c0);
+                for (i, dst) in slab.chunks_exact_mut(SLAB * 2).take(m).enumerate() {
+                    let row = r0 + g0 + c0 + i;
+                    // SAFETY: row `row < r0 + n` and blocks `b0 .. b0 + k <= nb` (caller).
+                    let (b, s) =
+                        unsafe { (bb.add(row * nb * 16 + 16 * b0), sb.add(row * nb + b0)) };
+                    // The row's slab after next (a hint, harmless past the end).
+                    _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(2 * 16 * SLAB) as *const i8);
+                    for (j, d) in dst.chunks_exact_mut(2).take(k).enumerate() {
+                        // SAFETY: block `b0 + j` of the row (above).
+                        let w = unsafe { decode(b.add(16 * j), *s.add(j)) };
+                        d.copy_from_slice(&w);
+                    }
+                }
+                let mut i = 0;
+                while i < m {
+                    let r = (m - i).min(4);
+                    let mut q = 0;
+                    while q < p {
+                        // SAFETY: positions `q .. q + 4.min(p - q) <= p` hold `cols` f32 each
+                        // and the slab's blocks lie within them (caller); slab rows
+                        // `i .. i + r <= m` and accumulator rows `c0 + i + r <= g <= MAX_ROWS`.
+                        unsafe {
+                            let x = xs.as_ptr().add(q * cols + 32 * b0);
+                            let a = acc.as_mut_ptr().add((c0 + i) * POSITIONS + q);
+                            let slab = slab.as_ptr();
+                            macro_rules! go {
+                                ($r:literal) => {
+                                    match (p - q).min(4) {
+                                        4 => tile::<$r, 4>(slab, i, x, cols, k, a),
+                                        3 => tile::<$r, 3>(slab, i, x, cols, k, a),
+                                        2 => tile::<$r, 2>(slab, i, x, cols, k, a),
+                                        _ => tile::<$r, 1>(slab, i, x, cols, k, a),
+                                    }
+                                };
+                            }
+                            match r {
+                                4 => go!(4),
+                                3 => go!(3),
+                                2 => go!(2),
+                                _ => go!(1),
+                            }
+                        }
+                        q += 4;
+                    }
+                    i += r;
+                }
+            }
+        }
+        for (i, a) in acc[..g * POSITIONS].chunks_exact(POSITIONS).enumerate() {
+            for (q, v) in a[..p].iter().enumerate() {
+                out[q * n + g0 + i] = hsum(*v);
+            }
         }
     }
-    out
+    BLOCK_SCRATCH.set(scratch);
+}
+
+/// Adds `k` decoded blocks of slab rows `i .. i + R` (block `blk` of row `i` is the two
+/// vectors at `slab + (i * SLAB + blk) * 2`) times `Q` positions (`x`: the slab's first input
+/// of the first position, positions `cols` apart) to the accumulators at `acc` (row `r`,
+/// position `q` at `acc + r * POSITIONS + q`), by [`mxfp4_rows`]' arithmetic.
+///
+/// # Safety
+/// The CPU supports the tier; `x` points to `Q` positions of `32 * k` readable f32, `cols`
+/// apart; `slab` to a whole slab, `i + R <= CHUNK_ROWS`, `k <= SLAB`; the `R x Q` accumulators
+/// are in bounds.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn tile<const R: usize, const Q: usize>(
+    slab: *const __m512,
+    i: usize,
+    x: *const f32,
+    cols: usize,
+    k: usize,
+    acc: *mut __m512,
+) {
+    // SAFETY (whole body): the bounds above (caller).
+    unsafe {
+        let at = |r: usize, q: usize| acc.add(r * POSITIONS + q);
+        let mut a: [[__m512; Q]; R] = std::array::from_fn(|r| std::array::from_fn(|q| *at(r, q)));
+        for blk in 0..k {
+            for j in 0..2 {
+                let w: [__m512; R] =
+                    std::array::from_fn(|r| *slab.add(((i + r) * SLAB + blk) * 2 + j));
+                for q in 0..Q {
+                    let xv = _mm512_loadu_ps(x.add(q * cols + 32 * blk + 16 * j));
+                    for (ar, wr) in a.iter_mut().zip(&w) {
+                        ar[q] = _mm512_fmadd_ps(*wr, xv, ar[q]);
+                    }
+                }
+            }
+        }
+        for (r, ar) in a.iter().enumerate() {
+            for (q, v) in ar.iter().enumerate() {
+                *at(r, q) = *v;
+            }
+        }
+    }
 }
 
 /// `y[q][o] = Σ_i x[q][i] · W[i, o0 + o]` for `P` positions, one fused multiply-add per input

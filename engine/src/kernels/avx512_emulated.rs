@@ -17,7 +17,7 @@
 use soft::{
     __m512, _mm512_castps512_ps256, _mm512_castps_pd, _mm512_castsi512_ps, _mm512_cvtepi32_ps,
     _mm512_cvtepi8_epi32, _mm512_cvtepu16_epi32, _mm512_cvtepu8_epi32, _mm512_cvtph_ps,
-    _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mul_ps, _mm512_permutexvar_ps,
+    _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_permutexvar_ps,
     _mm512_set1_ps, _mm512_setzero_ps, _mm512_slli_epi32, _mm512_storeu_ps,
 };
 
@@ -87,10 +87,6 @@ mod soft {
     /// `a * b + c` per lane, rounded once.
     pub(super) fn _mm512_fmadd_ps(a: __m512, b: __m512, c: __m512) -> __m512 {
         map(|i| a.0[i].mul_add(b.0[i], c.0[i]))
-    }
-
-    pub(super) fn _mm512_mul_ps(a: __m512, b: __m512) -> __m512 {
-        map(|i| a.0[i] * b.0[i])
     }
 
     /// `vpermps`: lane `i` takes lane `idx[i] mod 16` of `a`.
