@@ -17,11 +17,11 @@
 //! ([`matvec`], decode) or in a block ([`matmul`], prefill): every kernel keeps one accumulator
 //! per (row, position) whose summation order does not depend on how many rows or positions a
 //! call interleaves. Prefill blocks read each weight row once per group of up to four
-//! positions (32 for MXFP4 on AVX2 and AVX-512, 8 for its int8-input form; weights from cache
+//! positions (32 for MXFP4 on the SIMD tiers, 8 for its int8-input form; weights from cache
 //! for the rest), decode streams the matrix once split across the rayon pool. MXFP4 is decoded
-//! on the fly, in registers (the AVX2 and AVX-512 prefill kernels stage a few rows' slab of 4
-//! blocks, 8 KiB, in an L1 buffer they reuse, as a GEMM packs its panels); no dequantised copy
-//! of a matrix is ever made.
+//! on the fly, in registers (the SIMD prefill kernels stage a few rows' slab of 4 blocks,
+//! 8 KiB, in an L1 buffer they reuse, as a GEMM packs its panels); no dequantised copy of a
+//! matrix is ever made.
 //! A tier may want MXFP4 inputs permuted within each block of 32 (AVX2 does, so its shuffles
 //! need no interleaving): [`matvec`] and [`matmul`] permute them once per call into a reused
 //! thread-local buffer.
@@ -783,13 +783,15 @@ const GROUP: usize = 4;
 const MAX_POSITIONS: usize = 32;
 
 /// Positions per row-kernel call for `w` on `tier`: more where decoding the weights costs
-/// more than the multiply-adds (MXFP4 on AVX2 and AVX-512).
+/// more than the multiply-adds (MXFP4 on AVX2, AVX-512 and NEON).
 fn group_for(tier: Tier, w: &Mat<'_>) -> usize {
     match (tier, w) {
         #[cfg(target_arch = "x86_64")]
         (Tier::Avx2, Mat::Mxfp4 { .. }) => avx2::MXFP4_POSITIONS,
         #[cfg(target_arch = "x86_64")]
         (Tier::Avx512, Mat::Mxfp4 { .. }) => avx512::POSITIONS,
+        #[cfg(target_arch = "aarch64")]
+        (Tier::Neon, Mat::Mxfp4 { .. }) => neon::MXFP4_POSITIONS,
         #[cfg(target_arch = "x86_64")]
         (Tier::Avx2 | Tier::Avx512, Mat::Mxfp4Int8 { .. }) => int8x::POSITIONS,
         #[cfg(target_arch = "aarch64")]
@@ -811,9 +813,11 @@ fn tile_rows(tier: Tier, w: &Mat<'_>, row_bytes: usize) -> usize {
         // each weight once, so its tile need not stay in cache between groups; the largest lets
         // each slab of inputs, once in L1, meet the most rows (measured paired in one `stormo
         // bench` run: 64-row tiles against 16-row ones, 128-token prefill 7-17% faster). The
-        // AVX-512 kernel has the same structure (not measured: no AVX-512 here).
+        // AVX-512 and NEON kernels have the same structure (not measured: neither runs here).
         #[cfg(target_arch = "x86_64")]
         (Tier::Avx2 | Tier::Avx512, Mat::Mxfp4 { .. }) => MAX_TILE,
+        #[cfg(target_arch = "aarch64")]
+        (Tier::Neon, Mat::Mxfp4 { .. }) => MAX_TILE,
         _ => (TILE_BYTES / row_bytes).clamp(4, MAX_TILE) / 4 * 4,
     }
 }

@@ -11,13 +11,15 @@
 //! integer arithmetic on the bits ([`f16_to_f32`], exact for every value including subnormals;
 //! the `FCVTL` intrinsics need a newer Rust than the workspace's minimum).
 //!
-//! MXFP4 is decoded in registers and in element order, so inputs are never permuted: the low
-//! nibbles of a block's 16 bytes are its even elements and the high nibbles its odd ones; two
-//! byte zips put the 32 nibbles in element order, and per 16 nibbles two table lookups (`TBL`)
-//! give the high and low bytes of each FP4 value as bf16 (exact: FP4 values have a two-bit
-//! mantissa), which a zip and a long shift turn into f32. Each block's 32 products are summed
-//! in two 4-lane vectors, which are multiplied by the block's E8M0 scale (a power of two) and
-//! added to the accumulator.
+//! MXFP4 is decoded in element order, so inputs are never permuted: the low nibbles of a
+//! block's 16 bytes are its even elements and the high nibbles its odd ones; two byte zips put
+//! the 32 nibbles in element order, and per 16 nibbles two table lookups (`TBL`) in the block's
+//! scale's tables give the high and low bytes of each dequantized value (FP4 value times E8M0
+//! scale) as bf16 (exact: at most two significant bits), which a zip and a long shift turn into
+//! f32. Each (row, position) then takes a fused multiply-add per 4 weights, no per-block scale
+//! multiply. Decode reads four rows at a time in registers; prefill decodes a slab of rows
+//! once per call of up to 32 positions into an L1 buffer and multiplies it in register tiles,
+//! as the AVX2 tier does. Tested under QEMU (`.ci/neon-emulated.sh`); speed not measured.
 
 use std::arch::aarch64::*;
 
@@ -32,15 +34,15 @@ pub(super) fn supported() -> bool {
 const POSITIONS: usize = 4;
 
 /// Output rows `r0 .. r0 + n` of a row-major matrix (`Dense`, `Q8` or `Mxfp4`) for `p <= 4`
-/// positions `xs` (`[p, cols]`) into `out` (`[p, n]`).
+/// positions (`p <= MXFP4_POSITIONS` for MXFP4) `xs` (`[p, cols]`) into `out` (`[p, n]`).
 pub(super) fn rows(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
     if !supported() {
         return super::scalar::rows(w, r0, n, xs, p, out);
     }
     super::check_rows(w, r0, n, xs, p, out);
     assert!(
-        p <= POSITIONS,
-        "neon kernels take at most {POSITIONS} positions"
+        p <= POSITIONS || matches!(w, Mat::Mxfp4 { .. }) && p <= MXFP4_POSITIONS,
+        "neon kernels take at most {POSITIONS} positions ({MXFP4_POSITIONS} for MXFP4)"
     );
     // SAFETY: the CPU supports neon (checked above) and `check_rows` verified that rows
     // `r0 .. r0 + n`, `p` positions of `xs` and `p * n` outputs are in bounds.
@@ -86,7 +88,8 @@ pub(super) fn cols_t(w: &Mat<'_>, o0: usize, n: usize, xs: &[f32], outs: &mut Ou
 }
 
 /// # Safety
-/// The CPU must support neon, and the bounds `check_rows` verifies must hold, with `p <= 4`.
+/// The CPU must support neon, and the bounds `check_rows` verifies must hold, with `p <= 4`
+/// (`MXFP4_POSITIONS` for MXFP4).
 #[target_feature(enable = "neon")]
 unsafe fn rows_impl(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
     // SAFETY (whole body): forwarded from the caller's contract.
@@ -104,12 +107,7 @@ unsafe fn rows_impl(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out:
                 scales,
                 cols,
                 ..
-            } => match p {
-                1 => mxfp4_tile::<1>(blocks, scales, cols, r0, n, xs, out),
-                2 => mxfp4_tile::<2>(blocks, scales, cols, r0, n, xs, out),
-                3 => mxfp4_tile::<3>(blocks, scales, cols, r0, n, xs, out),
-                _ => mxfp4_tile::<4>(blocks, scales, cols, r0, n, xs, out),
-            },
+            } => mxfp4_rows(blocks, scales, cols, r0, n, xs, p, out),
             Mat::Q8 {
                 q, scales, cols, ..
             } => {
@@ -313,123 +311,122 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
     out
 }
 
-/// Blocks per column slab when several positions share a call (4 positions x 32 blocks of
-/// inputs = 16 KiB, which stays in L1 while the slab's rows pass over it).
-const SLAB: usize = 32;
-/// Rows whose accumulators a multi-position call keeps at once.
-const SLAB_ROWS: usize = 32;
-
-/// Rows of an MXFP4 matrix for `P <= 4` positions: one row at a time (a single sequential
-/// stream of weights) for one position; for several, slabs of [`SLAB`] blocks so the slab's
-/// inputs of every position stay in L1 while each row of the tile passes over them, with the
-/// accumulators kept between slabs. Either way a (row, position)'s blocks are accumulated in
-/// increasing order by the same arithmetic ([`mxfp4_acc`]), so the result does not depend on
-/// `P`.
+/// Rows of an MXFP4 matrix for `p <= MXFP4_POSITIONS` positions.
+///
+/// Every (row, position) is the same computation whatever `p` and `n`: its weights dequantized
+/// exactly ([`decode_scaled`]: each FP4 value times its block's E8M0 scale, as
+/// [`mxfp4_value`](super::mxfp4_value) gives it), then the accumulator's two 4-lane vectors
+/// take a fused multiply-add per 8 weights (elements `i mod 8 < 4` into the first), block after
+/// block, and [`hsum`] reduces them. One position ([`mxfp4_dot`]) streams four rows at a time,
+/// decoding in registers; several ([`mxfp4_block`]) decode a slab of rows into an L1 buffer
+/// once and multiply it by every position in register tiles. So a block of positions gets
+/// exactly what each position gets alone.
 ///
 /// # Safety
-/// As [`rows_impl`]: rows `r0 .. r0 + n` of `blocks`/`scales` and `P` positions in bounds.
+/// As [`rows_impl`]: rows `r0 .. r0 + n` of `blocks`/`scales` and `p` positions in bounds.
 #[allow(clippy::too_many_arguments)]
 #[inline(never)] // a profile shows each kernel apart
 #[target_feature(enable = "neon")]
-unsafe fn mxfp4_tile<const P: usize>(
+unsafe fn mxfp4_rows(
     blocks: &[u8],
     scales: &[u8],
     cols: usize,
     r0: usize,
     n: usize,
     xs: &[f32],
+    p: usize,
     out: &mut [f32],
 ) {
     let nb = cols / 32;
     let (bb, sb) = (blocks.as_ptr(), scales.as_ptr());
-    let x: [*const f32; P] = std::array::from_fn(|q| xs[q * cols..].as_ptr());
-    let c = Fp4Consts::new();
+    if p > 1 {
+        // SAFETY: bounds forwarded from the caller.
+        return unsafe { mxfp4_block(bb, sb, nb, r0, n, xs, p, out) };
+    }
+    let x = xs.as_ptr();
     // SAFETY: rows `r0 + i` for `i < n` are in bounds (caller).
     let row = |i: usize| unsafe { (bb.add((r0 + i) * nb * 16), sb.add((r0 + i) * nb)) };
-    let z = [vdupq_n_f32(0.0); 2];
-    if P == 1 {
-        for (i, o) in out[..n].iter_mut().enumerate() {
-            let (b, s) = row(i);
-            let mut acc = [z; P];
-            // SAFETY: a whole row of `nb` blocks and a position of `cols` f32 (caller).
-            unsafe { mxfp4_acc::<P>(b, s, x, 0, nb, c, &mut acc) };
-            *o = hsum(acc[0]);
-        }
-        return;
+    macro_rules! run {
+        ($r:literal, $i:expr) => {{
+            let i = $i;
+            let b: [*const u8; $r] = std::array::from_fn(|k| row(i + k).0);
+            let s: [*const u8; $r] = std::array::from_fn(|k| row(i + k).1);
+            // SAFETY: whole rows of `nb` blocks and a position of `cols` f32 (caller).
+            let v = unsafe { mxfp4_dot::<$r>(b, s, x, nb) };
+            out[i..i + $r].copy_from_slice(&v);
+        }};
     }
-    let mut acc = [[z; P]; SLAB_ROWS];
-    for i0 in (0..n).step_by(SLAB_ROWS) {
-        let m = SLAB_ROWS.min(n - i0);
-        acc[..m].fill([z; P]);
-        for b0 in (0..nb).step_by(SLAB) {
-            let b1 = nb.min(b0 + SLAB);
-            for (k, a) in acc[..m].iter_mut().enumerate() {
-                let (b, s) = row(i0 + k);
-                // SAFETY: blocks `b0 .. b1 <= nb` of a row and of each position (caller).
-                unsafe { mxfp4_acc::<P>(b, s, x, b0, b1, c, a) };
-            }
-        }
-        for (k, a) in acc[..m].iter().enumerate() {
-            for q in 0..P {
-                out[q * n + i0 + k] = hsum(a[q]);
-            }
-        }
-    }
-}
-
-/// High and low bytes of each FP4 value as bf16 (exact: FP4 values have two mantissa bits),
-/// by nibble.
-const FP4_BF16: ([u8; 16], [u8; 16]) = {
-    let mut hi = [0u8; 16];
-    let mut lo = [0u8; 16];
     let mut i = 0;
-    while i < 16 {
-        let bits = super::FP4_LUT[i].to_bits();
-        hi[i] = (bits >> 24) as u8;
-        lo[i] = (bits >> 16) as u8;
+    while n - i >= 4 {
+        run!(4, i);
+        i += 4;
+    }
+    while i < n {
+        run!(1, i);
         i += 1;
     }
-    (hi, lo)
+}
+
+/// Most positions one MXFP4 call takes: the weights are decoded once per call, so all of an
+/// expert's positions in a prefill block of 128 tokens (about 16 on GPT-OSS) share one decode.
+pub(super) const MXFP4_POSITIONS: usize = 32;
+/// Rows [`mxfp4_block`] decodes at once.
+const CHUNK_ROWS: usize = 16;
+/// Rows whose accumulators [`mxfp4_block`] keeps at once.
+const MAX_ROWS: usize = 64;
+/// Blocks per slab in [`mxfp4_block`]: one cache line of each row's weights, 512 bytes of
+/// inputs per position; the decoded slab is 8 KiB.
+const SLAB: usize = 4;
+
+/// High and low bytes of every dequantized MXFP4 value as bf16, by E8M0 scale byte: entry `s`
+/// holds `mxfp4_value(nibble, s)` for the 16 nibbles, high bytes then low bytes (exact: an FP4
+/// value times a power of two has at most two significant bits, which bf16 holds, subnormals
+/// included; at scales 253 and 254 the larger values overflow to ±inf, as dequantizing does).
+#[repr(C, align(32))]
+struct Scaled([[[u8; 16]; 2]; 256]);
+
+static SCALED: Scaled = {
+    let mut t = [[[0u8; 16]; 2]; 256];
+    let mut s = 0;
+    while s < 256 {
+        let mut i = 0;
+        while i < 16 {
+            let v = super::FP4_LUT[i];
+            let w = if v == 0.0 { v } else { v * SCALE[s] };
+            let bits = w.to_bits();
+            t[s][0][i] = (bits >> 24) as u8;
+            t[s][1][i] = (bits >> 16) as u8;
+            i += 1;
+        }
+        s += 1;
+    }
+    Scaled(t)
 };
 
-/// Constants of [`decode_block`], loaded once per call.
-#[derive(Clone, Copy)]
-struct Fp4Consts {
-    hi: uint8x16_t,
-    lo: uint8x16_t,
-    nibble: uint8x16_t,
-}
-
-impl Fp4Consts {
-    #[inline]
-    #[target_feature(enable = "neon")]
-    fn new() -> Self {
-        // SAFETY: 16-byte tables.
-        unsafe {
-            Self {
-                hi: vld1q_u8(FP4_BF16.0.as_ptr()),
-                lo: vld1q_u8(FP4_BF16.1.as_ptr()),
-                nibble: vdupq_n_u8(0x0f),
-            }
-        }
-    }
-}
-
-/// The 32 weights of one MXFP4 block (16 bytes at `b`) as eight vectors of 4 f32, unscaled,
-/// in element order.
+/// The 32 weights of one MXFP4 block (16 bytes at `b`, E8M0 scale byte `s`) dequantized, as
+/// eight vectors of 4 f32 in element order: two byte zips put the nibbles in element order,
+/// per 16 nibbles two table lookups (`TBL`) in the scale's [`SCALED`] tables give each value's
+/// bf16 bytes, and a zip and a long shift turn those into f32.
 ///
 /// # Safety
 /// The CPU supports the tier and 16 bytes at `b` are readable.
 #[inline]
 #[target_feature(enable = "neon")]
-unsafe fn decode_block(b: *const u8, c: Fp4Consts) -> [float32x4_t; 8] {
-    // SAFETY: 16 readable bytes (caller); byte loads need no alignment.
-    let v = unsafe { vld1q_u8(b) };
-    let even = vandq_u8(v, c.nibble);
+unsafe fn decode_scaled(b: *const u8, s: u8) -> [float32x4_t; 8] {
+    let t = &SCALED.0[s as usize];
+    // SAFETY: 16 readable bytes (caller) and two 16-byte tables; byte loads need no alignment.
+    let (v, hi, lo) = unsafe {
+        (
+            vld1q_u8(b),
+            vld1q_u8(t[0].as_ptr()),
+            vld1q_u8(t[1].as_ptr()),
+        )
+    };
+    let even = vandq_u8(v, vdupq_n_u8(0x0f));
     let odd = vshrq_n_u8::<4>(v);
     let widen = |idx: uint8x16_t| {
-        let hb = vqtbl1q_u8(c.hi, idx);
-        let lb = vqtbl1q_u8(c.lo, idx);
+        let hb = vqtbl1q_u8(hi, idx);
+        let lb = vqtbl1q_u8(lo, idx);
         let h0 = vreinterpretq_u16_u8(vzip1q_u8(lb, hb));
         let h1 = vreinterpretq_u16_u8(vzip2q_u8(lb, hb));
         [
@@ -444,45 +441,180 @@ unsafe fn decode_block(b: *const u8, c: Fp4Consts) -> [float32x4_t; 8] {
     [a0, a1, a2, a3, b0, b1, b2, b3]
 }
 
-/// Adds blocks `b0 .. b1` of one MXFP4 row (`b`, scales `s`) times `P` positions to `acc`:
-/// per position, each block's 32 products are summed in two 4-lane vectors (elements
-/// `i mod 8 < 4` in the first), each scaled by the block's E8M0 scale and added to the
-/// position's accumulator.
+/// The dot products of `R` consecutive MXFP4 rows (`nb` blocks each) with one position `x`, by
+/// [`mxfp4_rows`]' arithmetic (the rows give the core independent chains of multiply-adds).
 ///
 /// # Safety
-/// The CPU supports the tier; `b` points to `16 * b1` readable bytes, `s` to `b1`, each `x[q]`
-/// to `32 * b1` f32.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn mxfp4_acc<const P: usize>(
-    b: *const u8,
-    s: *const u8,
-    x: [*const f32; P],
-    b0: usize,
-    b1: usize,
-    c: Fp4Consts,
-    acc: &mut [[float32x4_t; 2]; P],
-) {
-    let mut a = *acc;
-    for blk in b0..b1 {
-        // SAFETY: `blk < b1` (caller's bounds); the CPU supports the tier (caller).
+/// The CPU supports the tier; each `b[k]` points to `16 * nb` readable bytes, each `s[k]` to
+/// `nb`, `x` to `32 * nb` f32.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn mxfp4_dot<const R: usize>(
+    b: [*const u8; R],
+    s: [*const u8; R],
+    x: *const f32,
+    nb: usize,
+) -> [f32; R] {
+    let mut acc = [[vdupq_n_f32(0.0); 2]; R];
+    for blk in 0..nb {
+        // SAFETY: block `blk < nb` of every row and of the position (caller).
         unsafe {
-            let w = decode_block(b.add(16 * blk), c);
-            let sc = vdupq_n_f32(SCALE[*s.add(blk) as usize]);
-            for (q, a) in a.iter_mut().enumerate() {
-                let xp = x[q].add(32 * blk);
-                let mut t0 = vmulq_f32(w[0], vld1q_f32(xp));
-                let mut t1 = vmulq_f32(w[1], vld1q_f32(xp.add(4)));
-                for k in 1..4 {
-                    t0 = vfmaq_f32(t0, w[2 * k], vld1q_f32(xp.add(8 * k)));
-                    t1 = vfmaq_f32(t1, w[2 * k + 1], vld1q_f32(xp.add(8 * k + 4)));
+            let xp = x.add(32 * blk);
+            for k in 0..R {
+                let w = decode_scaled(b[k].add(16 * blk), *s[k].add(blk));
+                let [mut a0, mut a1] = acc[k];
+                for j in 0..4 {
+                    a0 = vfmaq_f32(a0, w[2 * j], vld1q_f32(xp.add(8 * j)));
+                    a1 = vfmaq_f32(a1, w[2 * j + 1], vld1q_f32(xp.add(8 * j + 4)));
                 }
-                a[0] = vfmaq_f32(a[0], t0, sc);
-                a[1] = vfmaq_f32(a[1], t1, sc);
+                acc[k] = [a0, a1];
             }
         }
     }
-    *acc = a;
+    acc.map(|a| hsum(a))
+}
+
+/// Vectors of [`mxfp4_block`]'s scratch: the accumulators (`MAX_ROWS` rows of
+/// `MXFP4_POSITIONS` pairs), then the slab (`CHUNK_ROWS` rows of `SLAB` blocks of 8 vectors).
+const SCRATCH: usize = MAX_ROWS * MXFP4_POSITIONS * 2 + CHUNK_ROWS * SLAB * 8;
+
+thread_local! {
+    /// [`mxfp4_block`]'s scratch (72 KiB), kept by each thread between calls (taken while in
+    /// use).
+    static BLOCK_SCRATCH: std::cell::Cell<Vec<float32x4_t>> =
+        const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// [`mxfp4_rows`] for `2 <= p <= MXFP4_POSITIONS` positions, as the AVX2 tier's prefill
+/// kernel: groups of up to [`MAX_ROWS`] rows walked in slabs of [`SLAB`] blocks; for each slab,
+/// chunk after chunk of [`CHUNK_ROWS`] rows is decoded once into an L1 buffer, then tiles of 2
+/// rows x 4 positions multiply it ([`tile`]: sixteen accumulator vectors in registers, each
+/// input vector loaded once for both rows, each weight vector once for four positions). The
+/// group's accumulators live in the thread's scratch between slabs.
+///
+/// # Safety
+/// As [`mxfp4_rows`], with `bb`/`sb` the matrix's blocks and scales and `nb` its blocks per
+/// row.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn mxfp4_block(
+    bb: *const u8,
+    sb: *const u8,
+    nb: usize,
+    r0: usize,
+    n: usize,
+    xs: &[f32],
+    p: usize,
+    out: &mut [f32],
+) {
+    debug_assert!((2..=MXFP4_POSITIONS).contains(&p));
+    let cols = nb * 32;
+    let mut scratch = BLOCK_SCRATCH.take();
+    scratch.resize(SCRATCH, vdupq_n_f32(0.0));
+    let (acc, slab) = scratch.split_at_mut(MAX_ROWS * MXFP4_POSITIONS * 2);
+    let stride = MXFP4_POSITIONS * 2;
+    for g0 in (0..n).step_by(MAX_ROWS) {
+        let g = MAX_ROWS.min(n - g0);
+        for a in acc[..g * stride].chunks_exact_mut(stride) {
+            a[..2 * p].fill(vdupq_n_f32(0.0));
+        }
+        for b0 in (0..nb).step_by(SLAB) {
+            let k = SLAB.min(nb - b0);
+            for c0 in (0..g).step_by(CHUNK_ROWS) {
+                let m = CHUNK_ROWS.min(g - c0);
+                for (i, dst) in slab.chunks_exact_mut(SLAB * 8).take(m).enumerate() {
+                    let row = r0 + g0 + c0 + i;
+                    // SAFETY: row `row < r0 + n` and blocks `b0 .. b0 + k <= nb` (caller).
+                    let (b, s) =
+                        unsafe { (bb.add(row * nb * 16 + 16 * b0), sb.add(row * nb + b0)) };
+                    for (j, d) in dst.chunks_exact_mut(8).take(k).enumerate() {
+                        // SAFETY: block `b0 + j` of the row (above).
+                        let w = unsafe { decode_scaled(b.add(16 * j), *s.add(j)) };
+                        d.copy_from_slice(&w);
+                    }
+                }
+                let mut i = 0;
+                while i < m {
+                    let r = (m - i).min(2);
+                    let mut q = 0;
+                    while q < p {
+                        // SAFETY: positions `q .. q + 4.min(p - q) <= p` hold `cols` f32 each
+                        // and the slab's blocks lie within them (caller); slab rows
+                        // `i .. i + r <= m` and accumulator rows `c0 + i + r <= g <= MAX_ROWS`.
+                        unsafe {
+                            let x = xs.as_ptr().add(q * cols + 32 * b0);
+                            let a = acc.as_mut_ptr().add((c0 + i) * stride + 2 * q);
+                            let slab = slab.as_ptr();
+                            match (r, (p - q).min(4)) {
+                                (2, 4) => tile::<2, 4>(slab, i, x, cols, k, a),
+                                (2, 3) => tile::<2, 3>(slab, i, x, cols, k, a),
+                                (2, 2) => tile::<2, 2>(slab, i, x, cols, k, a),
+                                (2, _) => tile::<2, 1>(slab, i, x, cols, k, a),
+                                (_, 4) => tile::<1, 4>(slab, i, x, cols, k, a),
+                                (_, 3) => tile::<1, 3>(slab, i, x, cols, k, a),
+                                (_, 2) => tile::<1, 2>(slab, i, x, cols, k, a),
+                                (_, _) => tile::<1, 1>(slab, i, x, cols, k, a),
+                            }
+                        }
+                        q += 4;
+                    }
+                    i += r;
+                }
+            }
+        }
+        for (i, a) in acc[..g * stride].chunks_exact(stride).enumerate() {
+            for q in 0..p {
+                out[q * n + g0 + i] = hsum([a[2 * q], a[2 * q + 1]]);
+            }
+        }
+    }
+    BLOCK_SCRATCH.set(scratch);
+}
+
+/// Adds `k` decoded blocks of slab rows `i .. i + R` (block `blk` of row `i` is the eight
+/// vectors at `slab + (i * SLAB + blk) * 8`) times `Q` positions (`x`: the slab's first input
+/// of the first position, positions `cols` apart) to the accumulators at `acc` (row `r`,
+/// position `q`: the pair at `acc + r * 2 * MXFP4_POSITIONS + 2 * q`), by [`mxfp4_rows`]'
+/// arithmetic.
+///
+/// # Safety
+/// The CPU supports the tier; `x` points to `Q` positions of `32 * k` readable f32, `cols`
+/// apart; `slab` to a whole slab, `i + R <= CHUNK_ROWS`, `k <= SLAB`; the `R x Q` accumulators
+/// are in bounds.
+#[inline(always)]
+unsafe fn tile<const R: usize, const Q: usize>(
+    slab: *const float32x4_t,
+    i: usize,
+    x: *const f32,
+    cols: usize,
+    k: usize,
+    acc: *mut float32x4_t,
+) {
+    // SAFETY (whole body): the bounds above (caller).
+    unsafe {
+        let at = |r: usize, q: usize, h: usize| acc.add(r * 2 * MXFP4_POSITIONS + 2 * q + h);
+        let mut a: [[[float32x4_t; 2]; Q]; R] =
+            std::array::from_fn(|r| std::array::from_fn(|q| [*at(r, q, 0), *at(r, q, 1)]));
+        for blk in 0..k {
+            for j in 0..8 {
+                let w: [float32x4_t; R] =
+                    std::array::from_fn(|r| *slab.add(((i + r) * SLAB + blk) * 8 + j));
+                for q in 0..Q {
+                    let xv = vld1q_f32(x.add(q * cols + 32 * blk + 4 * j));
+                    for (ar, wr) in a.iter_mut().zip(&w) {
+                        ar[q][j % 2] = vfmaq_f32(ar[q][j % 2], *wr, xv);
+                    }
+                }
+            }
+        }
+        for (r, ar) in a.iter().enumerate() {
+            for (q, v) in ar.iter().enumerate() {
+                *at(r, q, 0) = v[0];
+                *at(r, q, 1) = v[1];
+            }
+        }
+    }
 }
 
 /// `y[q][o] = Σ_i x[q][i] · W[i, o0 + o]` for `P` positions, with one fused multiply-add per
@@ -581,26 +713,31 @@ mod tests {
         }
     }
 
-    /// Every byte decodes to the FP4 values of its two nibbles, low nibble first, in element
-    /// order across the block.
+    /// Every byte decodes, at every scale, to the dequantized values of its two nibbles, low
+    /// nibble first, in element order across the block.
     #[test]
     fn mxfp4_block_decodes_in_element_order() {
-        // SAFETY: AArch64 always has neon.
-        let c = unsafe { Fp4Consts::new() };
-        for start in (0..256usize).step_by(16) {
-            let block: [u8; 16] = std::array::from_fn(|j| (start + j * 7 % 16) as u8);
-            // SAFETY: 16 readable bytes.
-            let w = unsafe { decode_block(block.as_ptr(), c) };
-            let mut got = [0f32; 32];
-            for (k, v) in w.iter().enumerate() {
-                // SAFETY: four f32 written inside `got`.
-                unsafe { vst1q_f32(got[4 * k..].as_mut_ptr(), *v) };
-            }
-            for (e, g) in got.iter().enumerate() {
-                let b = block[e / 2];
-                let nib = if e % 2 == 0 { b & 15 } else { b >> 4 };
-                let want = super::super::FP4_LUT[nib as usize];
-                assert_eq!(g.to_bits(), want.to_bits(), "byte {b:#04x} element {e}");
+        for scale in 0..=255u8 {
+            for start in (0..256usize).step_by(16) {
+                let block: [u8; 16] = std::array::from_fn(|j| (start + j * 7 % 16) as u8);
+                // SAFETY: 16 readable bytes; AArch64 always has neon.
+                let w = unsafe { decode_scaled(block.as_ptr(), scale) };
+                let mut got = [0f32; 32];
+                for (k, v) in w.iter().enumerate() {
+                    // SAFETY: four f32 written inside `got`.
+                    unsafe { vst1q_f32(got[4 * k..].as_mut_ptr(), *v) };
+                }
+                for (e, g) in got.iter().enumerate() {
+                    let b = block[e / 2];
+                    let nib = if e % 2 == 0 { b & 15 } else { b >> 4 };
+                    let want = super::super::mxfp4_value(nib, scale);
+                    let same = g.to_bits() == want.to_bits()
+                        || (scale >= 253 && g.is_infinite() && want.is_finite());
+                    assert!(
+                        same,
+                        "byte {b:#04x} element {e} scale {scale}: {g} vs {want}"
+                    );
+                }
             }
         }
     }
