@@ -337,7 +337,9 @@ unsafe fn mxfp4_rows(
 pub(super) const POSITIONS: usize = 32;
 /// Rows [`mxfp4_block`] decodes at once.
 const CHUNK_ROWS: usize = 16;
-/// Rows whose accumulators [`mxfp4_block`] keeps at once.
+/// Rows whose accumulators [`mxfp4_block`] keeps at once: half the AVX2 tier's 64, since each
+/// accumulator is twice the size (the scratch stays at 72 KiB); a 64-row prefill tile thus
+/// meets each slab of inputs twice. Not measured (no AVX-512 here).
 const MAX_ROWS: usize = 32;
 /// Blocks per slab in [`mxfp4_block`]: one cache line of each row's weights, 512 bytes of
 /// inputs per position; the decoded slab is 8 KiB.

@@ -30,7 +30,7 @@ pub(super) fn supported() -> bool {
     std::arch::is_aarch64_feature_detected!("neon")
 }
 
-/// Most positions one row-kernel call takes.
+/// Most positions one dense (or Q8) row-kernel call takes; MXFP4 takes [`MXFP4_POSITIONS`].
 const POSITIONS: usize = 4;
 
 /// Output rows `r0 .. r0 + n` of a row-major matrix (`Dense`, `Q8` or `Mxfp4`) for `p <= 4`
