@@ -1670,8 +1670,7 @@ mod tests {
         }
         let (rows, cols) = (64, 2880);
         let mut g = verify::Gen::new(11);
-        let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| g.byte()).collect();
-        let scales: Vec<u8> = (0..rows * cols / 32).map(|_| 120 + g.byte() % 8).collect();
+        let (blocks, scales) = g.mxfp4(rows, cols);
         let w = Mat::Mxfp4 {
             blocks: &blocks,
             scales: &scales,

@@ -44,6 +44,16 @@ impl Gen {
         (0..n).map(|_| self.unit()).collect()
     }
 
+    /// The blocks and scales of a random MXFP4 matrix (`cols` a multiple of 32), its scales
+    /// near 1 (2^-7 to 2^6), so products stay far from overflow.
+    pub(crate) fn mxfp4(&mut self, rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>) {
+        let blocks = (0..rows * cols / 2).map(|_| self.byte()).collect();
+        let scales = (0..rows * cols / 32)
+            .map(|_| 120 + self.byte() % 14)
+            .collect();
+        (blocks, scales)
+    }
+
     /// `n` elements in `[-1, 1)` stored as `fmt`, little-endian.
     pub(crate) fn dense(&mut self, fmt: Float, n: usize) -> Vec<u8> {
         let mut out = Vec::with_capacity(n * fmt.size());
@@ -187,10 +197,9 @@ pub(crate) fn self_check(tier: Tier) -> Result<(), String> {
         )?;
     }
     for (rows, cols) in [(37, 96), (5, 2880)] {
-        let nibbles: Vec<u8> = (0..rows * cols / 2).map(|_| g.byte()).collect();
-        let scales: Vec<u8> = (0..rows * cols / 32).map(|_| 120 + g.byte() % 14).collect();
+        let (blocks, scales) = g.mxfp4(rows, cols);
         let w = Mat::Mxfp4 {
-            blocks: &nibbles,
+            blocks: &blocks,
             scales: &scales,
             rows,
             cols,
