@@ -17,7 +17,7 @@ pub struct ExpertArgs {
     /// RAM budget for cached experts: a size such as 0, 512MiB, 6GiB, or "auto" (the RAM
     /// available, less the dense weights, the KV cache and a reserve for the system). Never less
     /// than one layer's top-k experts, never more than all of them.
-    #[arg(long, default_value = "auto", value_name = "SIZE")]
+    #[arg(long, default_value = "auto", value_name = "SIZE", value_parser = cache_size)]
     pub expert_cache: String,
     /// Prefetch the next layer's predicted experts into the cache while the current layer
     /// computes. Off by default: measured at gpt-oss-20b geometry with budgets below the
@@ -38,6 +38,15 @@ pub struct ExpertArgs {
     /// Neither preload the most used experts at start nor record usage counts.
     #[arg(long)]
     pub no_hot_store: bool,
+}
+
+/// `--expert-cache` as given, if it is "auto" or a size [`parse_size`] reads: checked when the
+/// arguments are parsed, so a bad value is reported before any work starts.
+fn cache_size(s: &str) -> Result<String, String> {
+    if s.trim().eq_ignore_ascii_case("auto") {
+        return Ok(s.to_owned());
+    }
+    parse_size(s).map(|_| s.to_owned())
 }
 
 /// The provider built from [`ExpertArgs`], with what is needed to report on it.

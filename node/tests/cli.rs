@@ -372,7 +372,14 @@ fn convert_then_run_is_bit_identical_and_refuses_to_overwrite() {
     ]);
     assert_clean_error(&o, &["not empty"]);
     assert_eq!(std::fs::read(out.join("experts.bin")).unwrap(), before);
-    assert_clean_error(&run_bad_cache(&src), &["--expert-cache", "parsecs"]);
+    // A bad size is a usage error, reported when the arguments are parsed (exit code 2).
+    let o = run_bad_cache(&src);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "exit code; stderr: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    for n in ["--expert-cache", "parsecs"] {
+        assert!(err.contains(n), "stderr should mention {n:?}: {err}");
+    }
 }
 
 fn run_bad_cache(dir: &Path) -> Output {
