@@ -46,7 +46,7 @@ fn cache_size(s: &str) -> Result<String, String> {
     if s.trim().eq_ignore_ascii_case("auto") {
         return Ok(s.to_owned());
     }
-    parse_size(s).map(|_| s.to_owned())
+    crate::progress::size_arg(s)
 }
 
 /// The provider built from [`ExpertArgs`], with what is needed to report on it.

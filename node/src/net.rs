@@ -366,7 +366,8 @@ pub struct PeerArgs {
         long,
         default_value = "16GiB",
         value_name = "SIZE",
-        requires = "expert_dir"
+        requires = "expert_dir",
+        value_parser = crate::progress::size_arg
     )]
     pub expert_dir_limit: String,
     /// Ask peers before the local disk (for a slow local disk or when peers hold the experts

@@ -99,6 +99,12 @@ pub fn human_bytes(b: u64) -> String {
     }
 }
 
+/// A size argument as given, if [`parse_size`] reads it: for clap's `value_parser`, so a bad
+/// size is a usage error reported before any work starts.
+pub fn size_arg(s: &str) -> Result<String, String> {
+    parse_size(s).map(|_| s.to_owned())
+}
+
 /// Parses a size: a number with an optional unit. `KiB`/`MiB`/`GiB`/`TiB` and bare `K`/`M`/`G`/`T`
 /// are binary; `KB`/`MB`/`GB`/`TB` are decimal; `B` or no unit is bytes. Decimals are allowed.
 pub fn parse_size(s: &str) -> Result<u64, String> {

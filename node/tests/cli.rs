@@ -31,6 +31,17 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// Fails unless the command was refused as a usage error (clap's exit code 2), without a panic,
+/// with `needles` in stderr.
+fn assert_usage_error(o: &Output, needles: &[&str]) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "exit code; stderr: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    for n in needles {
+        assert!(err.contains(n), "stderr should mention {n:?}: {err}");
+    }
+}
+
 /// Fails unless the command failed cleanly: non-zero exit, no panic, stderr mentions `needles`.
 fn assert_clean_error(o: &Output, needles: &[&str]) {
     let err = stderr(o);
@@ -373,13 +384,23 @@ fn convert_then_run_is_bit_identical_and_refuses_to_overwrite() {
     assert_clean_error(&o, &["not empty"]);
     assert_eq!(std::fs::read(out.join("experts.bin")).unwrap(), before);
     // A bad size is a usage error, reported when the arguments are parsed (exit code 2).
-    let o = run_bad_cache(&src);
-    let err = stderr(&o);
-    assert_eq!(o.status.code(), Some(2), "exit code; stderr: {err}");
-    assert!(!err.contains("panicked"), "panic: {err}");
-    for n in ["--expert-cache", "parsecs"] {
-        assert!(err.contains(n), "stderr should mention {n:?}: {err}");
-    }
+    assert_usage_error(&run_bad_cache(&src), &["--expert-cache", "parsecs"]);
+    let o = stormo(&[
+        "run",
+        "--model",
+        src.to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+        "--expert-dir",
+        tmp.path().join("cache-store").to_str().unwrap(),
+        "--expert-dir-limit",
+        "3 furlongs",
+    ]);
+    assert_usage_error(&o, &["--expert-dir-limit", "furlongs"]);
+    assert!(
+        !tmp.path().join("cache-store").exists(),
+        "nothing created on a usage error"
+    );
 }
 
 fn run_bad_cache(dir: &Path) -> Output {
