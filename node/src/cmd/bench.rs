@@ -40,7 +40,8 @@ pub struct Args {
     #[arg(long)]
     pub warm: bool,
     /// Size of the buffer read to measure memory bandwidth, at start and between decoded
-    /// tokens (it stays allocated, so it counts in the peak RSS reported).
+    /// tokens (it stays allocated, so it counts in the peak RSS reported). At least 512 KiB;
+    /// a buffer that fits the last-level cache measures the cache, not memory.
     #[arg(long, default_value = "256MiB", value_name = "SIZE")]
     pub mem_test: String,
     /// Bytes to read from the checkpoint to measure disk bandwidth (0 skips it).
@@ -100,6 +101,11 @@ impl MemoryProbe {
             buf,
             samples: Vec::new(),
         })
+    }
+
+    /// Bytes the probe reads.
+    pub fn bytes(&self) -> u64 {
+        self.buf.len() as u64
     }
 
     /// Reads the whole buffer once on every thread of the pool; records and returns the rate
@@ -493,7 +499,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         println!(
             "peak RSS         {} (with the {} bandwidth probe)",
             human_bytes(r),
-            human_bytes(mem_test)
+            human_bytes(probe.bytes())
         );
     }
     Ok(())
