@@ -50,6 +50,21 @@ pub enum Command {
     Demo(cmd::demo::Args),
 }
 
+/// `e` as one line for the user: each cause after its context, except a cause the text
+/// already ends with (an error whose message includes its source, as many I/O errors with a
+/// path do, would otherwise repeat it).
+pub fn error_message(e: &anyhow::Error) -> String {
+    let mut msg = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !msg.ends_with(&c) {
+            msg.push_str(": ");
+            msg.push_str(&c);
+        }
+    }
+    msg
+}
+
 /// Runs the chosen subcommand.
 pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
@@ -76,5 +91,20 @@ mod tests {
     fn command_line_definition_is_consistent() {
         use clap::CommandFactory;
         super::Cli::command().debug_assert();
+    }
+
+    /// A cause already at the end of the message is not repeated; others follow their context.
+    #[test]
+    fn error_message_names_each_cause_once() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("/k: {source}")]
+        struct WithPath {
+            source: std::io::Error,
+        }
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "not found");
+        let e = anyhow::Error::new(WithPath { source: io }).context("reading the key");
+        assert_eq!(super::error_message(&e), "reading the key: /k: not found");
+        let e = anyhow::anyhow!("inner").context("middle").context("outer");
+        assert_eq!(super::error_message(&e), "outer: middle: inner");
     }
 }

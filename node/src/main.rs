@@ -12,7 +12,7 @@ fn main() -> ExitCode {
     match stormo_node::cli::dispatch(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", stormo_node::cli::error_message(&e));
             ExitCode::FAILURE
         }
     }
