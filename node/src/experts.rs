@@ -21,8 +21,8 @@ pub struct ExpertArgs {
     pub expert_cache: String,
     /// Prefetch the next layer's predicted experts into the cache while the current layer
     /// computes. Off by default: measured at gpt-oss-20b geometry with budgets below the
-    /// experts, it read 17-36% more from disk and was slower in prefill and decode (README,
-    /// Performance).
+    /// experts, it read 38-58% more from disk per decoded token and decoded 7-17% slower
+    /// (README, Performance).
     #[arg(long, conflicts_with = "no_prefetch")]
     pub prefetch: bool,
     /// Do not prefetch (the default; kept so scripts that say so keep working).

@@ -227,7 +227,7 @@ pub enum ReadError {
     #[error("malformed frame: {0}")]
     Decode(#[from] DecodeError),
     /// The stream or connection failed.
-    #[error("{0}")]
+    #[error(transparent)]
     Stream(#[from] quinn::ReadError),
 }
 

@@ -334,7 +334,12 @@ impl Shared {
                     return;
                 }
                 if let Some(e) = g.map.get_mut(&k) {
-                    e.state = State::Failed(err.chain());
+                    // The reason alone where the error already names this expert: `get`
+                    // wraps the stored message in `Error::Expert` again.
+                    e.state = State::Failed(match err {
+                        Error::Expert { reason, .. } => reason,
+                        err => err.chain(),
+                    });
                 }
             }
         }

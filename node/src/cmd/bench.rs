@@ -469,7 +469,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bound
     );
     println!(
-        "floating point   {:.1} GFLOP/s peak ({} fused multiply-adds on registers, all threads); prefill costs {} per token",
+        "floating point   {:.1} GFLOP/s peak ({} fused multiply-adds on registers, all threads); prefill costs {} per token and one output-head pass per prompt",
         peak / 1e9,
         tier.name(),
         if flops_tok >= 1e9 {

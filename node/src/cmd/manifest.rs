@@ -420,10 +420,10 @@ fn bench(model: &Path, rounds: u32, io: IoMode) -> anyhow::Result<()> {
         );
     }
     ratios.sort_by(f64::total_cmp);
-    println!(
-        "median build/read ratio over {rounds} round(s): {:.2}",
-        ratios[ratios.len() / 2]
-    );
+    let n = ratios.len();
+    // The middle value; with an even count, the mean of the two middle ones.
+    let median = (ratios[(n - 1) / 2] + ratios[n / 2]) / 2.0;
+    println!("median build/read ratio over {rounds} round(s): {median:.2}");
     Ok(())
 }
 

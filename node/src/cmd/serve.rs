@@ -12,15 +12,22 @@ use crate::net::{self, serve, tls::Admission};
 
 /// Arguments of `stormo serve`.
 #[derive(Debug, clap::Args)]
+#[command(group(
+    clap::ArgGroup::new("endpoint")
+        .args(["listen", "http"])
+        .required(true)
+        .multiple(true)
+))]
 pub struct Args {
-    /// The model directory (a full or partial checkpoint with its stormo-manifest.bin).
+    /// The model directory (a full or partial checkpoint; serving peers with --listen also
+    /// needs its stormo-manifest.bin).
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
     /// The manifest, if not DIR/stormo-manifest.bin.
     #[arg(long, value_name = "FILE")]
     pub manifest: Option<PathBuf>,
     /// Where to listen for peers (UDP), e.g. 0.0.0.0:4433 or 127.0.0.1:0.
-    #[arg(long, value_name = "ADDR", required_unless_present = "http")]
+    #[arg(long, value_name = "ADDR")]
     pub listen: Option<SocketAddr>,
     /// This node's secret key (from `stormo key generate`); without it an ephemeral key is
     /// made and printed, which peers cannot allow-list across restarts.

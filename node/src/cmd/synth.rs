@@ -258,7 +258,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.seed,
         a.out.display(),
         gb(report.bytes),
-        report.files.len(),
+        report.files.len() + usize::from(a.tokenizer.is_some()),
         secs(report.elapsed),
         rate / 1e9
     );

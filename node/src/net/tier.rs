@@ -362,6 +362,19 @@ async fn connect(
     tokio::time::timeout(timeout, fut)
         .await
         .map_err(|_| anyhow::anyhow!("no answer within {:.1}s", timeout.as_secs_f64()))?
+        .map_err(|e| {
+            // Either side refusing the other's key ends the connection with this reason, in
+            // the handshake or (TLS 1.3: the server checks the client last) at the first read.
+            if format!("{e:#}").contains("ApplicationVerificationFailure") {
+                e.context(
+                    "a key was refused (the peer's must be the NODE given in NODE@ADDR, and \
+                     this node's must be on the peer's --allow list unless it serves with \
+                     --allow-any)",
+                )
+            } else {
+                e
+            }
+        })
 }
 
 impl PeerTier {
