@@ -434,6 +434,7 @@ pub fn converse(
         let mut stream = ReplyStream::chat(&tm.format);
         let (g, reasoning, content) =
             reply(&mut sess, &mut stream, &prompt, &opts, &mut printer, out)?;
+        let silent = content.is_empty() && reasoning.is_empty() && !g.ids.is_empty();
         turns.push(Turn {
             reasoning: (!reasoning.is_empty()).then_some(reasoning),
             ..Turn::new(TurnRole::Assistant, content)
@@ -442,7 +443,7 @@ pub fn converse(
             let decode = g.ids.len().saturating_sub(1);
             writeln!(
                 notes,
-                "{}[prompt {} tokens, {} reused from the cache, {} computed; reply {} tokens ({}); {:.1} tok/s]{}",
+                "{}[prompt {} tokens, {} reused from the cache, {} computed; reply {} tokens ({}); {:.1} tok/s{}]{}",
                 if interactive { DIM } else { "" },
                 g.prompt_tokens,
                 g.reused,
@@ -450,6 +451,12 @@ pub fn converse(
                 g.ids.len(),
                 g.finish.openai(),
                 if g.decode_s > 0.0 { decode as f64 / g.decode_s } else { 0.0 },
+                if silent {
+                    "; no message in the model's chat format (a random-weight model's rarely \
+                     has one)"
+                } else {
+                    ""
+                },
                 if interactive { RESET } else { "" },
             )?;
         }

@@ -270,6 +270,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             &mut printer,
             &mut out,
         )?;
+        if !a.json && content.is_empty() && reasoning.is_empty() && !g.ids.is_empty() {
+            eprintln!(
+                "note: the {} generated ids hold no message in the model's chat format (a \
+                 random-weight model's rarely do); --raw prints them as plain text, --json \
+                 lists them",
+                g.ids.len()
+            );
+        }
         tiers.close();
         experts.finish()?;
         let prediction = sess.engine_session().prediction();
