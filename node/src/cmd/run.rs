@@ -162,8 +162,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let no_local_experts = a.no_local_experts || net::pull::Pulled::dense_only(&a.model)?;
     if no_local_experts && !a.no_local_experts {
         anyhow::ensure!(
-            !a.net.peers.is_empty() && a.only_experts.is_none() && !a.experts.mmap_experts,
-            "{} was pulled without experts ({}): run it with --peer (its experts come from peers; --only-experts and --mmap-experts do not apply)",
+            (!a.net.peers.is_empty() || a.net.expert_dir.is_some())
+                && a.only_experts.is_none()
+                && !a.experts.mmap_experts,
+            "{} was pulled without experts ({}): run it with --peer or --expert-dir (its experts come from peers, or from experts kept earlier; --only-experts and --mmap-experts do not apply)",
             a.model.display(),
             net::pull::MARKER_FILE
         );
