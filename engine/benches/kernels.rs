@@ -192,7 +192,7 @@ fn decode(c: &mut Criterion) {
     let all = format!("{}t", rayon::current_num_threads());
     // Native tiers only: with the integration tests' `emulated-avx512` feature unified into the
     // build (`cargo bench --workspace`), the AVX-512 tier would otherwise be timed in software.
-    for tier in Tier::ALL.into_iter().filter(|t| t.is_native()) {
+    for tier in Tier::native() {
         let mut g = c.benchmark_group(format!("{tier}/matvec"));
         g.sample_size(10);
         g.warm_up_time(std::time::Duration::from_millis(500));
@@ -233,7 +233,7 @@ fn prefill(c: &mut Criterion) {
             },
         ),
     ];
-    for tier in Tier::ALL.into_iter().filter(|t| t.is_native()) {
+    for tier in Tier::native() {
         let mut g = c.benchmark_group(format!("{tier}/matmul64"));
         g.sample_size(10);
         g.warm_up_time(std::time::Duration::from_millis(500));

@@ -375,6 +375,11 @@ impl Tier {
             .unwrap_or(Self::Scalar)
     }
 
+    /// Every tier this CPU runs natively, lowest first.
+    pub fn native() -> Vec<Self> {
+        Self::ALL.into_iter().filter(|t| t.is_native()).collect()
+    }
+
     /// Every tier this CPU runs (emulated ones included), lowest first.
     pub fn available() -> Vec<Self> {
         Self::ALL.into_iter().filter(|t| t.is_supported()).collect()
@@ -1700,7 +1705,7 @@ mod tests {
 
     #[test]
     fn peak_flops_is_positive_for_every_native_tier() {
-        for tier in Tier::ALL.into_iter().filter(|t| t.is_native()) {
+        for tier in Tier::native() {
             let f = peak_flops(tier, 0.01);
             assert!(f.is_finite() && f > 1e6, "{tier}: {f} FLOP/s");
         }

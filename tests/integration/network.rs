@@ -473,6 +473,7 @@ fn unknown_node_key_is_refused_in_private_mode() {
         ))
         .expect_err("a stranger was admitted");
     assert!(format!("{e:#}").contains(&node.addr().to_string()), "{e:#}");
+    assert!(format!("{e:#}").contains("a key was refused"), "{e:#}");
     assert_eq!(node.handle.stats.connections.load(Ordering::Relaxed), 0);
     let (id, bytes) = rt
         .block_on(net::tier::fetch_manifest(

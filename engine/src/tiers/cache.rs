@@ -504,3 +504,47 @@ impl ExpertProvider for TieredExperts {
         (self.shared.budget / largest).max(1) as usize
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tier whose every load fails the way the network tier's do: with an error that
+    /// already names the expert.
+    #[derive(Debug)]
+    struct Refusing;
+
+    impl Tier for Refusing {
+        fn name(&self) -> &str {
+            "refusing"
+        }
+        fn holds(&self, _: ExpertKey) -> bool {
+            true
+        }
+        fn load(&self, keys: &[ExpertKey], _: Priority, done: Completion) {
+            for &k in keys {
+                let e = Error::Expert {
+                    layer: k.layer as usize,
+                    expert: k.expert as usize,
+                    reason: "no peer could supply it".into(),
+                };
+                done(k, Err(e));
+            }
+        }
+    }
+
+    /// A failure is reported once, naming the expert once, and not cached as data.
+    #[test]
+    fn a_failed_load_names_the_expert_once() {
+        let cache = TieredExperts::new(
+            vec![Arc::new(Refusing)],
+            vec![vec![64; 4]],
+            1,
+            &TierConfig::default(),
+        );
+        let mut out = Vec::new();
+        let e = cache.fetch(0, &[2], &mut out).unwrap_err().to_string();
+        assert_eq!(e, "expert 2 of layer 0: no peer could supply it");
+        assert!(out.is_empty());
+    }
+}
