@@ -42,13 +42,13 @@ pub struct Args {
     /// Size of the buffer read to measure memory bandwidth, at start and between decoded
     /// tokens (it stays allocated, so it counts in the peak RSS reported). At least 512 KiB;
     /// a buffer that fits the last-level cache measures the cache, not memory.
-    #[arg(long, default_value = "256MiB", value_name = "SIZE")]
+    #[arg(long, default_value = "256MiB", value_name = "SIZE", value_parser = mem_test_size)]
     pub mem_test: String,
     /// Bytes to read from the checkpoint to measure disk bandwidth (0 skips it).
-    #[arg(long, default_value = "1GiB", value_name = "SIZE")]
+    #[arg(long, default_value = "1GiB", value_name = "SIZE", value_parser = crate::progress::size_arg)]
     pub disk_test: String,
-    /// Positions per prefill block.
-    #[arg(long, default_value_t = 128, value_name = "N")]
+    /// Positions per prefill block (at least 1).
+    #[arg(long, default_value_t = 128, value_name = "N", value_parser = positive)]
     pub prefill_block: usize,
     /// Run attention projections and the output head from 8-bit row-scaled copies made at
     /// load: about a third fewer bytes per decoded token on GPT-OSS, approximate (the exact
@@ -69,6 +69,24 @@ pub struct Args {
     pub experts: ExpertArgs,
 }
 
+/// A `--mem-test` size: a size of at least 512 KiB (a smaller probe would only time the cache).
+fn mem_test_size(s: &str) -> Result<String, String> {
+    let n = parse_size(s)?;
+    if n < MemoryProbe::MIN as u64 {
+        return Err(format!("{s:?} is smaller than the probe's minimum of 512 KiB"));
+    }
+    Ok(s.to_owned())
+}
+
+/// A count of at least 1.
+fn positive(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        Ok(_) => Err("must be at least 1".into()),
+        Err(_) => Err(format!("{s:?} is not a whole number")),
+    }
+}
+
 /// Measures memory read bandwidth: parallel sums over an anonymous mapping much larger than
 /// the caches (advised to use transparent huge pages where the system allows), read in
 /// 512 KiB pieces per task: the best this simple stream reaches, the ceiling decode is judged
@@ -80,9 +98,12 @@ pub struct MemoryProbe {
 }
 
 impl MemoryProbe {
-    /// A probe over `bytes` of memory (at least 512 KiB).
+    /// The smallest probe buffer, in bytes (smaller sizes are raised to it).
+    pub const MIN: usize = 512 << 10;
+
+    /// A probe over `bytes` of memory (at least [`Self::MIN`]).
     pub fn new(bytes: usize) -> anyhow::Result<Self> {
-        let len = bytes.max(512 << 10) / 8 * 8;
+        let len = bytes.max(Self::MIN) / 8 * 8;
         let mut buf = memmap2::MmapMut::map_anon(len).with_context(|| {
             format!(
                 "mapping {} for the bandwidth probe",
@@ -527,5 +548,34 @@ mod tests {
         assert_eq!(tok, 2.0 * 24.0 * per_layer as f64);
         assert!((tok / 1e9 - 6.056).abs() < 1e-3, "{tok}");
         assert_eq!(head, 2.0 * 2880.0 * 201_088.0);
+    }
+
+    /// Sizes and counts the run could not use are usage errors naming the argument, before
+    /// any work starts (they were once raised or used silently).
+    #[test]
+    fn bad_arguments_are_refused_at_parse_time() {
+        use clap::Parser;
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["stormo", "bench", "--model", "m"];
+            argv.extend_from_slice(extra);
+            crate::cli::Cli::try_parse_from(argv).map_err(|e| e.to_string())
+        };
+        for (args, needle) in [
+            (&["--prefill-block", "0"][..], "--prefill-block"),
+            (&["--prefill-block", "x"], "--prefill-block"),
+            (&["--mem-test", "1KiB"], "minimum of 512 KiB"),
+            (&["--mem-test", "lots"], "--mem-test"),
+            (&["--disk-test", "1 parsec"], "--disk-test"),
+        ] {
+            let err = parse(args).expect_err(&format!("{args:?} must be refused"));
+            assert!(err.contains(needle), "{args:?}: {err}");
+        }
+        for args in [
+            &["--prefill-block", "1"][..],
+            &["--mem-test", "512KiB"],
+            &["--disk-test", "0"],
+        ] {
+            parse(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        }
     }
 }
