@@ -37,6 +37,59 @@ pub fn greedy(
     mut on_token: impl FnMut(u32, &[f32]),
     timings: &mut Timings,
 ) -> Result<Vec<u32>> {
+    generate(
+        model,
+        sess,
+        prompt,
+        max_new,
+        stop,
+        timings,
+        |sess, tokens| {
+            let logits = model.forward(sess, tokens, Logits::Last, None)?;
+            let tok = argmax(logits);
+            on_token(tok, logits);
+            Ok(tok)
+        },
+    )
+}
+
+/// [`greedy`] without the logits: each token through [`Model::forward_greedy`], so a model
+/// with a screened head ([`LoadOptions::screened_head`](crate::LoadOptions::screened_head))
+/// reads only the head rows it needs. The same ids as [`greedy`].
+pub fn greedy_ids(
+    model: &Model,
+    sess: &mut Session,
+    prompt: &[u32],
+    max_new: usize,
+    stop: &[u32],
+    mut on_token: impl FnMut(u32),
+    timings: &mut Timings,
+) -> Result<Vec<u32>> {
+    generate(
+        model,
+        sess,
+        prompt,
+        max_new,
+        stop,
+        timings,
+        |sess, tokens| {
+            let tok = model.forward_greedy(sess, tokens, None)?.token;
+            on_token(tok);
+            Ok(tok)
+        },
+    )
+}
+
+/// The loop of [`greedy`] and [`greedy_ids`]: `step` runs tokens and returns the next one.
+fn generate(
+    model: &Model,
+    sess: &mut Session,
+    prompt: &[u32],
+    max_new: usize,
+    stop: &[u32],
+    timings: &mut Timings,
+    mut step: impl FnMut(&mut Session, &[u32]) -> Result<u32>,
+) -> Result<Vec<u32>> {
     let total = prompt.len() + max_new.saturating_sub(1);
     if sess.position() + total > sess.max_context() {
         return Err(crate::Error::Input(format!(
@@ -52,17 +105,15 @@ pub fn greedy(
         return Ok(out);
     }
     let t0 = std::time::Instant::now();
-    let mut logits = model.forward(sess, prompt, Logits::Last, None)?;
+    let mut tok = step(sess, prompt)?;
     timings.prefill_s = t0.elapsed().as_secs_f64();
     let t1 = std::time::Instant::now();
     loop {
-        let tok = argmax(logits);
-        on_token(tok, logits);
         out.push(tok);
         if out.len() == max_new || stop.contains(&tok) {
             break;
         }
-        logits = model.forward(sess, &[tok], Logits::Last, None)?;
+        tok = step(sess, &[tok])?;
     }
     timings.decode_s = t1.elapsed().as_secs_f64();
     Ok(out)

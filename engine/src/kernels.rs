@@ -730,6 +730,44 @@ pub fn matvec(w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
     matmul_in(Tier::active(), w, x, y)
 }
 
+/// Some rows of `W·x` for one position: `y[i]` is row `rows[i]` of what [`matvec`] gives,
+/// bit for bit (every row kernel computes each row on its own, whatever rows share its call;
+/// [`verify::check_mat`] checks it for every tier). For a few rows of a large matrix (the
+/// screened output head), on the calling thread.
+///
+/// # Panics
+/// If `w` is input-major ([`Mat::DenseT`]), a row is out of range, or the lengths disagree.
+pub fn matvec_rows(w: &Mat<'_>, rows: &[usize], x: &[f32], y: &mut [f32]) {
+    matvec_rows_in(Tier::active(), w, rows, x, y)
+}
+
+fn matvec_rows_in(tier: Tier, w: &Mat<'_>, rows: &[usize], x: &[f32], y: &mut [f32]) {
+    assert!(
+        !matches!(w, Mat::DenseT { .. }),
+        "matvec_rows takes row-major matrices"
+    );
+    assert_eq!(x.len(), w.cols(), "matvec_rows input width");
+    assert_eq!(y.len(), rows.len(), "matvec_rows output length");
+    if rows.is_empty() {
+        return;
+    }
+    if w.cols() == 0 {
+        return y.fill(0.0);
+    }
+    let mut buf = Vec::new();
+    let x = match Arrange::of(tier, w) {
+        Some(a) => {
+            a.apply(x, &mut buf);
+            &buf[..]
+        }
+        None => x,
+    };
+    for (&r, out) in rows.iter().zip(y) {
+        assert!(r < w.rows(), "row {r} of a matrix of {} rows", w.rows());
+        rows_in(tier, w, r, 1, x, 1, std::slice::from_mut(out));
+    }
+}
+
 /// Rearranges kernel inputs (`xs` into `out`, same length).
 type Permute = fn(&[f32], &mut [f32]);
 

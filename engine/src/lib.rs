@@ -22,4 +22,4 @@ pub mod tiers;
 
 pub use config::{Family, ModelConfig};
 pub use error::{Error, Result};
-pub use model::{LoadOptions, Logits, Model, ModelFiles, Observer, Session};
+pub use model::{Choice, LoadOptions, Logits, Model, ModelFiles, Observer, ScreenStats, Session};

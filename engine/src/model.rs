@@ -27,6 +27,10 @@ use crate::rope::Rope;
 use crate::safetensors::{Checkpoint, MappedFile};
 use crate::tiers::{self, disk::DiskFile, DiskTier};
 
+mod head;
+pub use head::{Choice, ScreenStats};
+use head::{HeadScreen, ScreenScratch};
+
 #[derive(Clone, Copy, Debug)]
 struct MatSpec {
     fmt: Float,
@@ -45,28 +49,42 @@ struct Q8Mat {
 }
 
 impl Q8Mat {
-    /// Quantizes `w` row by row: scale = max |w| / 127, q = round(w / scale).
-    fn quantize(w: &Mat<'_>) -> Self {
+    /// Quantizes `w` row by row: scale = max |w| / 127, q = round(w / scale). Also gives,
+    /// per row, `[max |w|, max |w - scale·q|]` (in f64, where both are exact).
+    fn quantize(w: &Mat<'_>) -> (Self, Vec<[f64; 2]>) {
         use rayon::prelude::*;
         let (rows, cols) = (w.rows(), w.cols());
         let mut q = vec![0u8; rows * cols];
         let mut scales = vec![0f32; rows];
+        let mut err = vec![[0f64; 2]; rows];
         q.par_chunks_mut(cols.max(1))
             .zip(scales.par_iter_mut())
+            .zip(err.par_iter_mut())
             .enumerate()
             .for_each_init(
                 || vec![0f32; cols],
-                |row, (r, (qr, s))| {
+                |row, (r, ((qr, s), e))| {
                     w.row_into(r, row);
                     let max = row.iter().fold(0f32, |m, v| m.max(v.abs()));
                     *s = max / 127.0;
                     let inv = if max > 0.0 { 127.0 / max } else { 0.0 };
+                    let mut worst = 0f64;
                     for (b, v) in qr.iter_mut().zip(row.iter()) {
-                        *b = (v * inv).round().clamp(-127.0, 127.0) as i8 as u8;
+                        let k = (v * inv).round().clamp(-127.0, 127.0) as i8;
+                        *b = k as u8;
+                        let d = (*v as f64 - *s as f64 * k as f64).abs();
+                        // A NaN (from a NaN or infinite weight) sticks: that row's bound is
+                        // then unusable (`f64::max` would drop it).
+                        worst = if d.is_nan() || worst.is_nan() {
+                            f64::NAN
+                        } else {
+                            worst.max(d)
+                        };
                     }
+                    *e = [max as f64, worst];
                 },
             );
-        Self { q, scales }
+        (Self { q, scales }, err)
     }
 }
 
@@ -125,6 +143,13 @@ pub struct LoadOptions {
     /// opt-in whose agreement with the exact path is measured, never the default. Experts
     /// stored as floats are unaffected.
     pub int8_experts: bool,
+    /// Keep an 8-bit copy of the output head to find greedy tokens ([`Model::forward_greedy`])
+    /// reading about half the head's bytes: the same tokens as the whole exact head, always
+    /// (see the `head` module). Costs the copy's memory (half the bytes of a bf16 head) and a
+    /// pass over the head at load; the exact head's mapped pages are then released and read
+    /// back only for the rows needed. Ignored with `int8_attn_head` (the head is then 8-bit
+    /// anyway).
+    pub screened_head: bool,
 }
 
 impl Default for LoadOptions {
@@ -133,6 +158,7 @@ impl Default for LoadOptions {
             prefill_block: 128,
             int8_attn_head: false,
             int8_experts: false,
+            screened_head: false,
         }
     }
 }
@@ -261,6 +287,8 @@ pub struct Model {
     int8_experts: bool,
     /// 8-bit copies of matrices ([`LoadOptions::int8_attn_head`]).
     q8: Vec<Q8Mat>,
+    /// [`LoadOptions::screened_head`].
+    screen: Option<HeadScreen>,
 }
 
 /// Receives intermediate values of a forward (for tests and diagnostics).
@@ -270,6 +298,15 @@ pub trait Observer {
     fn hidden(&mut self, _index: usize, _xs: &[f32]) {}
     /// Router logits `[t, E]` of `layer`.
     fn router(&mut self, _layer: usize, _logits: &[f32]) {}
+}
+
+/// What a block computes after its last layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Head {
+    /// Logits for the block's last `n` positions.
+    Rows(usize),
+    /// The greedy choice for the last position ([`Model::forward_greedy`]).
+    Greedy,
 }
 
 /// Which logits a forward computes.
@@ -403,9 +440,13 @@ impl Model {
             prefill_block: opts.prefill_block.max(1),
             int8_experts: opts.int8_experts,
             q8: Vec::new(),
+            screen: None,
         };
         if opts.int8_attn_head {
             model.quantize_attn_head();
+        } else if opts.screened_head {
+            model.screen = Some(HeadScreen::build(&model.dense(&model.lm_head)));
+            model.release(model.lm_head.loc);
         }
         Ok(model)
     }
@@ -428,7 +469,7 @@ impl Model {
         let q8: Vec<Q8Mat> = specs
             .iter()
             .map(|m| {
-                let q = Q8Mat::quantize(&self.dense(m));
+                let (q, _) = Q8Mat::quantize(&self.dense(m));
                 self.release(m.loc);
                 q
             })
@@ -459,12 +500,21 @@ impl Model {
         }
     }
 
-    /// Bytes of the 8-bit copies held in RAM (0 unless [`LoadOptions::int8_attn_head`]).
+    /// Bytes of the 8-bit copies held in RAM ([`LoadOptions::int8_attn_head`],
+    /// [`LoadOptions::screened_head`]).
     pub fn int8_bytes(&self) -> u64 {
-        self.q8
+        let q8: u64 = self
+            .q8
             .iter()
             .map(|m| (m.q.len() + 4 * m.scales.len()) as u64)
-            .sum()
+            .sum();
+        q8 + self.screen.as_ref().map_or(0, HeadScreen::bytes)
+    }
+
+    /// Whether greedy tokens are found through an 8-bit screen of the head
+    /// ([`LoadOptions::screened_head`]).
+    pub fn has_screened_head(&self) -> bool {
+        self.screen.is_some()
     }
 
     /// The configuration.
@@ -606,7 +656,7 @@ impl Model {
                 Logits::Last if is_last => 1,
                 Logits::Last => 0,
             };
-            self.forward_block(sess, chunk, rows, obs.as_deref_mut())?;
+            self.forward_block(sess, chunk, Head::Rows(rows), obs.as_deref_mut())?;
             if which == Logits::All {
                 last.extend_from_slice(&sess.s.logits[..rows * v]);
             }
@@ -622,15 +672,38 @@ impl Model {
         Ok(&sess.logits)
     }
 
-    /// One block of `t` positions. Computes logits for the last `logit_rows` positions into
-    /// `sess.s.logits`.
+    /// Runs `tokens` as [`forward`](Self::forward) does and returns the greedy choice for
+    /// the last one: always the token (and logit) the exact head's
+    /// [`argmax`](crate::generate::argmax) gives, found through the 8-bit screen when the
+    /// model has one ([`LoadOptions::screened_head`]; [`Session::screen_stats`] counts how).
+    pub fn forward_greedy(
+        &self,
+        sess: &mut Session,
+        tokens: &[u32],
+        mut obs: Option<&mut dyn Observer>,
+    ) -> Result<Choice> {
+        self.check_input(sess, tokens)?;
+        if tokens.is_empty() {
+            return Err(Error::Input("no tokens to run".into()));
+        }
+        let mut choice = None;
+        for chunk in tokens.chunks(sess.block) {
+            let is_last = chunk.as_ptr_range().end == tokens.as_ptr_range().end;
+            let head = if is_last { Head::Greedy } else { Head::Rows(0) };
+            choice = self.forward_block(sess, chunk, head, obs.as_deref_mut())?;
+        }
+        Ok(choice.expect("the last block chooses"))
+    }
+
+    /// One block of `t` positions. Computes the `head` work for its last positions: logits
+    /// into `sess.s.logits`, or the greedy choice (returned).
     fn forward_block<'o>(
         &self,
         sess: &mut Session,
         tokens: &[u32],
-        logit_rows: usize,
+        head: Head,
         mut obs: Option<&mut (dyn Observer + 'o)>,
-    ) -> Result<()> {
+    ) -> Result<Option<Choice>> {
         let cfg = &self.cfg;
         let (t, h) = (tokens.len(), cfg.hidden_size);
         let (qd, kvd, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
@@ -796,7 +869,11 @@ impl Model {
         // ---- head ----
         let w = self.vector(&self.final_norm);
         let need_all_norm = obs.is_some();
-        let first = if need_all_norm { 0 } else { t - logit_rows };
+        let normed = match head {
+            Head::Rows(n) => n,
+            Head::Greedy => 1,
+        };
+        let first = if need_all_norm { 0 } else { t - normed };
         for i in first..t {
             ops::rms_norm(
                 &s.x[i * h..(i + 1) * h],
@@ -809,15 +886,34 @@ impl Model {
             o.hidden(cfg.num_layers, &s.h[..t * h]);
         }
         let v = cfg.vocab_size;
+        let head_mat = self.mat(&self.lm_head);
+        let logit_rows = match head {
+            Head::Rows(n) => n,
+            Head::Greedy => {
+                let x = &s.h[(t - 1) * h..t * h];
+                let screened = self
+                    .screen
+                    .as_ref()
+                    .and_then(|sc| sc.choose(&head_mat, x, &mut s.screen, &mut s.screen_stats));
+                if let Some(c) = screened {
+                    return Ok(Some(c));
+                }
+                s.screen_stats.full += 1;
+                1
+            }
+        };
         s.logits.resize(logit_rows * v, 0.0);
         if logit_rows > 0 {
             matmul(
-                &self.mat(&self.lm_head),
+                &head_mat,
                 &s.h[(t - logit_rows) * h..t * h],
                 &mut s.logits[..logit_rows * v],
             );
         }
-        Ok(())
+        Ok(match head {
+            Head::Greedy => Some(Choice::of(&s.logits[..v])),
+            Head::Rows(_) => None,
+        })
     }
 }
 
@@ -971,6 +1067,8 @@ struct Scratch {
     predicted_for: Option<usize>,
     pred_hits: u64,
     pred_total: u64,
+    screen: ScreenScratch,
+    screen_stats: ScreenStats,
 }
 
 impl Scratch {
@@ -1013,6 +1111,11 @@ impl Session {
     /// prefetch), the number predicted correctly and the total.
     pub fn prediction(&self) -> (u64, u64) {
         (self.s.pred_hits, self.s.pred_total)
+    }
+
+    /// How this session's greedy tokens were chosen ([`Model::forward_greedy`]).
+    pub fn screen_stats(&self) -> ScreenStats {
+        self.s.screen_stats
     }
 
     /// The most positions this session can hold.

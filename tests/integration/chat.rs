@@ -870,8 +870,13 @@ mod sessions {
     use super::Gen;
 
     fn load(name: &str) -> Arc<Model> {
+        load_with(name, false)
+    }
+
+    fn load_with(name: &str, screened_head: bool) -> Arc<Model> {
         let opts = LoadOptions {
             prefill_block: 16,
+            screened_head,
             ..LoadOptions::default()
         };
         Arc::new(Model::load(&fixture(name), &opts).expect("fixture model loads"))
@@ -910,8 +915,11 @@ mod sessions {
     /// Several turns through one session give the tokens of a full recompute each time, and
     /// reuse exactly the common prefix of the new prompt and the ids already in the cache
     /// (prompt and generated ids, all but the last generated one, which is never run).
-    fn turns_match_full_recompute(name: &str) {
-        let model = load(name);
+    /// With `screened`, the session's model finds greedy tokens through its screened head
+    /// (the sampled turns use the whole head) and the full recomputes run without one.
+    fn turns_match_full_recompute(name: &str, screened: bool) {
+        let model = load_with(name, screened);
+        let plain = load(name);
         let vocab = model.config().vocab_size;
         let mut g = Gen(0x5e55_1011);
         let mut sess = ChatSession::new(model.clone(), 512).expect("session");
@@ -951,7 +959,7 @@ mod sessions {
             assert_eq!(got.prompt_tokens, prompt.len());
             assert_eq!(got.finish, FinishReason::Length);
             assert_eq!(got.ids, streamed, "the callback sees every generated id");
-            let reference = full_recompute(&model, &prompt, &o);
+            let reference = full_recompute(&plain, &prompt, &o);
             assert_eq!(
                 got.ids, reference,
                 "{name} turn {turn}: tokens differ from a full recompute"
@@ -995,18 +1003,32 @@ mod sessions {
         assert_eq!(got.reused, again.len() - 1);
         assert_eq!(
             got.ids,
-            full_recompute(&model, &again, &opts(3, SamplingParams::default()))
+            full_recompute(&plain, &again, &opts(3, SamplingParams::default()))
         );
+        let st = sess.screen_stats();
+        if screened {
+            // The greedy turns' tokens (3 x 6 + 3), all but the sampled turns' (2 x 6).
+            assert_eq!(st.screened + st.full, 21, "{name}: greedy choices");
+            assert!(st.screened > 0, "{name}: the screen decided none");
+        } else {
+            assert_eq!(
+                st,
+                Default::default(),
+                "{name}: no screen, no screened choice"
+            );
+        }
     }
 
     #[test]
     fn session_turns_match_full_recompute_gptoss() {
-        turns_match_full_recompute("gptoss-tiny-mxfp4");
+        turns_match_full_recompute("gptoss-tiny-mxfp4", false);
+        turns_match_full_recompute("gptoss-tiny-mxfp4", true);
     }
 
     #[test]
     fn session_turns_match_full_recompute_qwen3() {
-        turns_match_full_recompute("qwen3moe-tiny");
+        turns_match_full_recompute("qwen3moe-tiny", false);
+        turns_match_full_recompute("qwen3moe-tiny", true);
     }
 
     /// GPT-OSS's sliding layers: a turn that goes back further than the window still reuses

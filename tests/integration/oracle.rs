@@ -1,6 +1,6 @@
 //! The engine against Transformers' outputs on the oracle fixtures.
 
-use stormo_engine::generate::{argmax, greedy, Timings};
+use stormo_engine::generate::{argmax, greedy, greedy_ids, Timings};
 use stormo_engine::kernels::{with_tier, Tier};
 use stormo_engine::{LoadOptions, Logits, Model, Observer};
 use stormo_tests::{fixture, max_abs, Reference, MODEL_FIXTURES};
@@ -172,6 +172,8 @@ fn every_simd_tier_generates_the_reference_tokens() {
     assert!(cases.len() > MODEL_FIXTURES.len(), "extra fixtures found");
     let tiers = Tier::available();
     assert!(tiers.contains(&Tier::Scalar));
+    // Tokens chosen through the screen, exact rows they read, whole-head fallbacks.
+    let mut screened = (0u64, 0u64, 0u64);
     for tier in tiers {
         for (name, ids, want, dir) in &cases {
             let model = Model::load(dir, &LoadOptions::default()).unwrap();
@@ -189,7 +191,42 @@ fn every_simd_tier_generates_the_reference_tokens() {
             })
             .unwrap();
             assert_eq!(&got, want, "{name} with the {tier} kernels: generated ids");
+            // The same ids through the screened head (8-bit screen, exact candidates).
+            let opts = LoadOptions {
+                screened_head: true,
+                ..LoadOptions::default()
+            };
+            let model = Model::load(dir, &opts).unwrap();
+            let mut sess = model.session(ids.len() + want.len()).unwrap();
+            let got = with_tier(tier, || {
+                greedy_ids(
+                    &model,
+                    &mut sess,
+                    ids,
+                    want.len(),
+                    &[],
+                    |_| {},
+                    &mut Timings::default(),
+                )
+            })
+            .unwrap();
+            assert_eq!(&got, want, "{name}, {tier} kernels, screened head: ids");
+            let st = sess.screen_stats();
+            assert_eq!(st.screened + st.full, want.len() as u64, "{name}: choices");
+            screened.0 += st.screened;
+            screened.1 += st.exact_rows;
+            screened.2 += st.full;
         }
-        eprintln!("{tier}: {} fixtures token-exact", cases.len());
+        eprintln!(
+            "{tier}: {} fixtures token-exact, with and without the screened head",
+            cases.len()
+        );
     }
+    // The screen must have decided, or the test above proves nothing about it.
+    let (n, rows, full) = screened;
+    eprintln!("screened head: {n} tokens, {rows} exact rows in all, {full} whole-head passes");
+    assert!(
+        n > 10 * full,
+        "the screen decided {n} tokens and gave up on {full}"
+    );
 }

@@ -88,7 +88,34 @@ pub(crate) fn check_mat(
     g: &mut Gen,
 ) -> Result<(), String> {
     check_with(w, block_sizes, g, |w, xs, ys| matmul_in(tier, w, xs, ys))
+        .and_then(|()| check_rows_alone(tier, w, g))
         .map_err(|e| format!("{tier} kernels on {}: {e}", describe(w)))
+}
+
+/// [`matvec_rows_in`](super::matvec_rows_in) on `tier`: rows asked for alone, backwards and
+/// repeated, bit-identical to the same rows of the whole product (row-major matrices).
+fn check_rows_alone(tier: Tier, w: &Mat<'_>, g: &mut Gen) -> Result<(), String> {
+    if matches!(w, Mat::DenseT { .. }) {
+        return Ok(());
+    }
+    let (rows, cols) = (w.rows(), w.cols());
+    let x = g.units(cols);
+    let mut all = vec![f32::NAN; rows];
+    matmul_in(tier, w, &x, &mut all);
+    let pick: Vec<usize> = (0..rows).rev().chain((0..rows).step_by(3)).collect();
+    let mut got = vec![f32::NAN; pick.len()];
+    super::matvec_rows_in(tier, w, &pick, &x, &mut got);
+    match pick
+        .iter()
+        .zip(&got)
+        .find(|&(&r, v)| v.to_bits() != all[r].to_bits())
+    {
+        Some((&r, v)) => Err(format!(
+            "row {r} computed alone: {v} against {} in the whole product",
+            all[r]
+        )),
+        None => Ok(()),
+    }
 }
 
 /// `w`'s format and shape, in a few words (its `Debug` form lists every byte).

@@ -132,6 +132,11 @@ impl ChatSession {
         })
     }
 
+    /// How this session's greedy tokens were chosen (see [`Model::forward_greedy`]).
+    pub fn screen_stats(&self) -> stormo_engine::ScreenStats {
+        self.sess.screen_stats()
+    }
+
     /// The model.
     pub fn model(&self) -> &Arc<Model> {
         &self.model
@@ -204,15 +209,34 @@ impl ChatSession {
         debug_assert_eq!(self.cached.len(), self.sess.position());
         let t0 = Instant::now();
         let model = Arc::clone(&self.model);
+        // Greedy without a penalty needs only the argmax: through the model's screened head
+        // when it has one (the same token as the sampler would pick from the whole logits).
+        let screened = model.has_screened_head()
+            && opts.sampling.is_greedy()
+            && opts.sampling.repetition_penalty == 1.0;
+        let mut step = |sess: &mut Session,
+                        tokens: &[TokenId],
+                        history: &[TokenId]|
+         -> Result<TokenId, SessionError> {
+            if screened {
+                let c = model.forward_greedy(sess, tokens, None)?;
+                if c.logit == f32::NEG_INFINITY {
+                    return Err(SamplingError::NoFiniteLogit.into());
+                }
+                Ok(c.token)
+            } else {
+                let logits = model.forward(sess, tokens, Logits::Last, None)?;
+                Ok(sampler.sample(logits, history)?)
+            }
+        };
         let rest = &prompt[kept..];
-        let mut logits = model.forward(&mut self.sess, rest, Logits::Last, None)?;
+        let mut history = prompt.to_vec();
+        let mut tok = step(&mut self.sess, rest, &history)?;
         self.cached.extend_from_slice(rest);
         let prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let mut history = prompt.to_vec();
         let mut ids = Vec::new();
         let finish = loop {
-            let tok = sampler.sample(logits, &history)?;
             ids.push(tok);
             history.push(tok);
             let flow = on_token(tok);
@@ -228,8 +252,9 @@ impl ChatSession {
             if self.sess.position() >= self.sess.max_context() {
                 break FinishReason::ContextFull;
             }
-            logits = model.forward(&mut self.sess, &[tok], Logits::Last, None)?;
+            let next = step(&mut self.sess, &[tok], &history)?;
             self.cached.push(tok);
+            tok = next;
         };
         Ok(Generation {
             ids,

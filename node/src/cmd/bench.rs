@@ -7,8 +7,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use rayon::prelude::*;
-use stormo_engine::generate::argmax;
-use stormo_engine::{LoadOptions, Logits, Model, ModelFiles};
+use stormo_engine::{LoadOptions, Model, ModelFiles};
 
 use crate::experts::{ExpertArgs, Experts};
 use crate::progress::{human_bytes, parse_size};
@@ -61,6 +60,12 @@ pub struct Args {
     /// README gives the measured agreement).
     #[arg(long)]
     pub int8_experts: bool,
+    /// Compute every row of the exact output head for each token (the decode and each
+    /// prompt's last position are greedy). By default an 8-bit copy of the head finds the
+    /// few rows that can hold the largest logit and only those are computed exactly: the same
+    /// tokens, about half the head's bytes read per token.
+    #[arg(long)]
+    pub full_head: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -73,7 +78,9 @@ pub struct Args {
 fn mem_test_size(s: &str) -> Result<String, String> {
     let n = parse_size(s)?;
     if n < MemoryProbe::MIN as u64 {
-        return Err(format!("{s:?} is smaller than the probe's minimum of 512 KiB"));
+        return Err(format!(
+            "{s:?} is smaller than the probe's minimum of 512 KiB"
+        ));
     }
     Ok(s.to_owned())
 }
@@ -239,7 +246,7 @@ fn peak_rss() -> Option<u64> {
 
 /// Bytes each decoded token must read: every dense weight except the embedding table (one row),
 /// the head, and top-k experts in every MoE layer.
-pub fn bytes_per_token(files: &ModelFiles, int8_attn_head: bool) -> u64 {
+pub fn bytes_per_token(files: &ModelFiles, int8_attn_head: bool, screened_head: bool) -> u64 {
     let cfg = &files.cfg;
     let expert_names = files.layout.expert_tensor_names();
     let mut dense = 0u64;
@@ -262,9 +269,13 @@ pub fn bytes_per_token(files: &ModelFiles, int8_attn_head: bool) -> u64 {
             // One row looked up per token; when tied it is also the head.
             dense += t.len / cfg.vocab_size.max(1) as u64;
             if cfg.tie_word_embeddings && !files.ckpt.tensors.contains_key("lm_head.weight") {
-                dense += if int8_attn_head { int8(t) } else { t.len };
+                dense += if int8_attn_head || screened_head {
+                    int8(t)
+                } else {
+                    t.len
+                };
             }
-        } else if int8_attn_head && (head || is_attn(name)) {
+        } else if (int8_attn_head && (head || is_attn(name))) || (screened_head && head) {
             dense += int8(t);
         } else {
             dense += t.len;
@@ -329,8 +340,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let tier = stormo_engine::kernels::Tier::process();
     let peak = stormo_engine::kernels::peak_flops(tier, 0.6);
     let (flops_tok, flops_head) = prefill_flops(&files.cfg);
-    let bpt = bytes_per_token(&files, a.int8_attn_head);
+    let bpt = bytes_per_token(&files, a.int8_attn_head, !a.full_head);
+    let bpt_full_head = bytes_per_token(&files, a.int8_attn_head, false);
     let vocab = files.cfg.vocab_size as u64;
+    let files_vocab = files.cfg.vocab_size;
     let experts = Experts::build(&files, &a.experts, context, Vec::new(), true, None)?;
     let sizes = files.layout.sizes();
     let model = Model::new(
@@ -340,6 +353,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             prefill_block: a.prefill_block,
             int8_attn_head: a.int8_attn_head,
             int8_experts: a.int8_experts,
+            screened_head: !a.full_head,
         },
     )?;
     let mut rng = Rng(a.seed);
@@ -366,11 +380,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 // large file, say), and measures the disk rather than the kernels.
                 let n = WARM_TOKENS.min(max_p);
                 let mut s = model.session(n)?;
-                model.forward(&mut s, &prompt(n), Logits::Last, None)?;
+                model.forward_greedy(&mut s, &prompt(n), None)?;
             }
             _ => {
                 let mut s = model.session(max_p)?;
-                model.forward(&mut s, &prompt(max_p), Logits::Last, None)?;
+                model.forward_greedy(&mut s, &prompt(max_p), None)?;
             }
         }
     }
@@ -382,27 +396,34 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let mut s = model.session(context)?;
         let toks = prompt(p);
         let t = Instant::now();
-        let l = model.forward(&mut s, &toks, Logits::Last, None)?;
+        let next = model.forward_greedy(&mut s, &toks, None)?.token;
         let secs = t.elapsed().as_secs_f64();
-        let next = argmax(l);
         prefill.push((p, secs, (flops_tok * p as f64 + flops_head) / secs / 1e9));
         last = Some((s, next));
     }
     let (mut sess, mut tok) = last.expect("at least one prompt");
     say(format!("decoding {} tokens...", a.decode_tokens));
     let before = experts.stats();
+    let screen_before = sess.screen_stats();
     // The host's memory bandwidth drifts (other tenants): sample it between decoded tokens so
     // the bound is measured over the same minutes as the decode it judges.
     let mut dsecs = 0.0;
     for _ in 0..a.decode_tokens {
         let t = Instant::now();
-        let l = model.forward(&mut sess, &[tok], Logits::Last, None)?;
-        tok = argmax(l);
+        tok = model.forward_greedy(&mut sess, &[tok], None)?.token;
         dsecs += t.elapsed().as_secs_f64();
         probe.sample();
     }
     let mem_bw = probe.take().unwrap_or(mem_before);
     let after = experts.stats();
+    let screen = {
+        let (a, b) = (sess.screen_stats(), screen_before);
+        stormo_engine::ScreenStats {
+            screened: a.screened - b.screened,
+            exact_rows: a.exact_rows - b.exact_rows,
+            full: a.full - b.full,
+        }
+    };
     let decode_tok_s = a.decode_tokens as f64 / dsecs;
     // Measured again at the end, keeping the higher: on a shared VM another tenant (or the
     // kernel reclaiming memory after a previous run) can hold a core for a moment, which
@@ -437,6 +458,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "disk_bandwidth_gb_s": disk.map(|d| d.0 / 1e9),
         "disk_direct_io": disk.map(|d| d.1),
         "bytes_per_decoded_token": bpt,
+        "bytes_per_decoded_token_full_head": bpt_full_head,
+        "screened_head": model.has_screened_head(),
+        "head_exact_rows_per_token": screen.exact_rows as f64 / screen.screened.max(1) as f64,
+        "head_full_passes": screen.full,
         "decode_bound_tok_s": bound,
         "peak_gflop_s": peak / 1e9,
         "prefill_gflop_per_token": flops_tok / 1e9,
@@ -485,8 +510,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     println!(
-        "per decoded token {} must be read: bound {:.2} tok/s at memory speed",
+        "per decoded token {} must be read{}: bound {:.2} tok/s at memory speed",
         human_bytes(bpt),
+        if model.has_screened_head() {
+            format!(
+                " (the head through its 8-bit screen; {} with --full-head)",
+                human_bytes(bpt_full_head)
+            )
+        } else {
+            String::new()
+        },
         bound
     );
     println!(
@@ -515,6 +548,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         100.0 * decode_tok_s / bound,
         human_bytes(disk_per_tok as u64)
     );
+    if model.has_screened_head() {
+        println!(
+            "head             screened: {:.1} exact rows per decoded token on average (of {}); the whole head computed for {} of {} tokens",
+            screen.exact_rows as f64 / screen.screened.max(1) as f64,
+            files_vocab,
+            screen.full,
+            a.decode_tokens
+        );
+    }
     println!("{}", experts.table(sess.prediction()));
     if let Some(r) = peak_rss() {
         println!(

@@ -244,6 +244,11 @@ pub struct Args {
     /// kernel is the limit; see `stormo run --help`).
     #[arg(long)]
     pub int8_experts: bool,
+    /// Compute the whole exact output head for every token even when sampling is greedy
+    /// (--temperature 0, no penalty), instead of screening it with an 8-bit copy (the same
+    /// tokens; see `stormo run --help`).
+    #[arg(long)]
+    pub full_head: bool,
     /// No statistics line on stderr after each reply.
     #[arg(long)]
     pub quiet: bool,
@@ -326,10 +331,13 @@ pub fn reply(
 
 /// Runs `stormo chat`.
 pub fn run(a: Args) -> anyhow::Result<()> {
+    let sampling = a.sampling.params(0.7)?;
     let load = LoadOptions {
         prefill_block: a.prefill_block,
         int8_attn_head: a.int8_attn_head,
         int8_experts: a.int8_experts,
+        // Only greedy replies use the screen; a sampled chat would hold the copy for nothing.
+        screened_head: !a.full_head && sampling.is_greedy() && sampling.repetition_penalty == 1.0,
     };
     let tm = load_text_model(&a.model, &a.experts, a.context, &load)?;
     let interactive = std::io::stdin().is_terminal();

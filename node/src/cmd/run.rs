@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use stormo_engine::generate::{greedy, Timings};
+use stormo_engine::generate::{greedy, greedy_ids, Timings};
 use stormo_engine::safetensors::{self, Dtype};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 
@@ -72,6 +72,13 @@ pub struct Args {
     /// README gives the measured agreement).
     #[arg(long)]
     pub int8_experts: bool,
+    /// Compute every row of the exact output head for each greedy token. By default an
+    /// 8-bit copy of the head made at load finds the few rows that can hold the largest
+    /// logit and only those are computed exactly: the same tokens, bit for bit, with about
+    /// half the head's bytes read per token (the copy replaces the bf16 head in memory).
+    /// Sampling with a temperature or a repetition penalty always uses the whole head.
+    #[arg(long)]
+    pub full_head: bool,
     /// Print expert statistics (hits, loads, waits, prefetch) on stderr.
     #[arg(long)]
     pub stats: bool,
@@ -117,6 +124,19 @@ pub fn parse_ids(text: &str, what: &str) -> anyhow::Result<Vec<u32>> {
 struct TextPrompt {
     tokenizer: Arc<Tokenizer>,
     format: Option<ChatFormat>,
+}
+
+/// Whether `stormo run` keeps a screen of the head: unless --full-head, when every token is
+/// greedy (ids, or a text prompt sampled greedily without a penalty) and no logits are written.
+fn screened_head(a: &Args) -> anyhow::Result<bool> {
+    let greedy = match &a.prompt {
+        Some(_) => {
+            let p = a.sampling.params(0.0)?;
+            p.is_greedy() && p.repetition_penalty == 1.0
+        }
+        None => true,
+    };
+    Ok(!a.full_head && greedy && a.logits_out.is_none())
 }
 
 /// Runs `stormo run`.
@@ -219,6 +239,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             prefill_block: a.prefill_block,
             int8_attn_head: a.int8_attn_head,
             int8_experts: a.int8_experts,
+            screened_head: screened_head(&a)?,
         },
     )
     .with_context(|| format!("loading the model in {}", a.model.display()))?;
@@ -319,19 +340,28 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut logits = Vec::new();
     let keep_logits = a.logits_out.is_some();
     let mut timings = Timings::default();
-    let ids = greedy(
-        &model,
-        &mut sess,
-        &prompt,
-        a.max_new_tokens,
-        &stop,
-        |_, l| {
-            if keep_logits {
-                logits.extend_from_slice(l)
-            }
-        },
-        &mut timings,
-    )?;
+    let ids = if keep_logits {
+        greedy(
+            &model,
+            &mut sess,
+            &prompt,
+            a.max_new_tokens,
+            &stop,
+            |_, l| logits.extend_from_slice(l),
+            &mut timings,
+        )?
+    } else {
+        // Through the screened head when the model keeps one: the same ids.
+        greedy_ids(
+            &model,
+            &mut sess,
+            &prompt,
+            a.max_new_tokens,
+            &stop,
+            |_| {},
+            &mut timings,
+        )?
+    };
     if let Some(path) = &a.logits_out {
         let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
         safetensors::write(

@@ -1,0 +1,311 @@
+//! The screened greedy head: the exact argmax of the output head without reading every exact
+//! row.
+//!
+//! Greedy decoding needs only the index of the largest logit. An 8-bit row-scaled copy of the
+//! head (half the bytes of bf16) gives every logit approximately, and for each row a bound on
+//! how far the exact logit can lie from the approximate one: the quantization error of the
+//! row (`max |w - scale·q|`, recorded at load) times `‖x‖₁`, plus the rounding of both f32
+//! dot products in any summation order. Every row whose upper bound reaches the best lower
+//! bound is a candidate; the rows that hold the exact maximum are always among them. The
+//! candidates' exact logits are then computed by the same row kernel as the whole head
+//! ([`matvec_rows`], bit for bit), and the first largest wins, as in
+//! [`argmax`](crate::generate::argmax). So the token is the exact path's token, always; the
+//! screen only decides how many exact rows are read (a handful on a trained or random model).
+//! Where the bound cannot be trusted (a non-finite input, weight or approximation) or would
+//! leave too many candidates, the whole exact head is computed instead.
+
+use crate::kernels::{matvec, matvec_rows, Mat};
+
+use super::Q8Mat;
+
+/// The unit roundoff of f32.
+const U: f64 = f32::EPSILON as f64 / 2.0;
+
+/// Above this share of the rows as candidates, the whole exact head is cheaper to read.
+const MAX_CANDIDATE_SHARE: usize = 8;
+
+/// An 8-bit copy of the output head and, per row, its error bound per unit of `‖x‖₁`.
+#[derive(Debug)]
+pub(super) struct HeadScreen {
+    q8: Q8Mat,
+    slack: Vec<f64>,
+}
+
+/// The greedy choice: the token and its exact logit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Choice {
+    /// Index of the largest logit, the first one on ties; NaN never wins (0 if none is a
+    /// number or larger than `-inf`).
+    pub token: u32,
+    /// Its logit as the exact head computes it (`-inf` if no logit is larger).
+    pub logit: f32,
+}
+
+impl Choice {
+    /// The first largest of `logits` (what [`argmax`](crate::generate::argmax) picks).
+    pub fn of(logits: &[f32]) -> Self {
+        Self::of_rows(logits.iter().copied().enumerate())
+    }
+
+    /// The first largest of `(row, logit)` pairs given in increasing row order.
+    fn of_rows(it: impl Iterator<Item = (usize, f32)>) -> Self {
+        let mut best = Self {
+            token: 0,
+            logit: f32::NEG_INFINITY,
+        };
+        for (r, v) in it {
+            if v > best.logit {
+                best = Self {
+                    token: r as u32,
+                    logit: v,
+                };
+            }
+        }
+        best
+    }
+}
+
+/// How greedy tokens were chosen in a session.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ScreenStats {
+    /// Tokens chosen through the screen.
+    pub screened: u64,
+    /// Exact head rows computed for them, in all.
+    pub exact_rows: u64,
+    /// Tokens for which the whole exact head was computed (no screen, or one that could not
+    /// decide).
+    pub full: u64,
+}
+
+/// Buffers of [`HeadScreen::choose`], kept by the session.
+#[derive(Debug, Default)]
+pub(super) struct ScreenScratch {
+    approx: Vec<f32>,
+    rows: Vec<usize>,
+    exact: Vec<f32>,
+}
+
+impl HeadScreen {
+    /// The screen of `head` (row-major): its 8-bit copy and each row's slack.
+    pub(super) fn build(head: &Mat<'_>) -> Self {
+        let (q8, err) = Q8Mat::quantize(head);
+        let n = head.cols() as f64 + 2.0;
+        // Either dot product, in any order, fused or not, is off its real value by at most
+        // gamma times the sum of its terms' magnitudes (Higham, Accuracy and Stability of
+        // Numerical Algorithms, 2nd ed., section 3.1); each term is at most max|w|·|x_i|
+        // (scale·127 <= max|w|·(1 + u) for the 8-bit one), and the 8-bit logit's final
+        // product by the scale adds one more rounding.
+        let gamma = n * U / (1.0 - n * U);
+        let slack = err
+            .iter()
+            .map(|&[max, quant]| {
+                let s = (quant + max * (2.0 * gamma + 3.0 * U)) * (1.0 + 1.0 / 64.0);
+                if s.is_finite() {
+                    s
+                } else {
+                    f64::INFINITY
+                }
+            })
+            .collect();
+        Self { q8, slack }
+    }
+
+    /// Bytes held in RAM.
+    pub(super) fn bytes(&self) -> u64 {
+        (self.q8.q.len() + 4 * self.q8.scales.len() + 8 * self.slack.len()) as u64
+    }
+
+    /// The greedy choice for the normed hidden state `x` of `head` (the exact matrix this
+    /// screen was built from), or `None` when the screen cannot decide (the caller computes
+    /// the whole head).
+    pub(super) fn choose(
+        &self,
+        head: &Mat<'_>,
+        x: &[f32],
+        sc: &mut ScreenScratch,
+        stats: &mut ScreenStats,
+    ) -> Option<Choice> {
+        let (rows, cols) = (head.rows(), head.cols());
+        debug_assert_eq!(self.slack.len(), rows);
+        let l1: f64 = x.iter().map(|&v| (v as f64).abs()).sum();
+        if !l1.is_finite() {
+            return None;
+        }
+        let q = Mat::Q8 {
+            q: &self.q8.q,
+            scales: &self.q8.scales,
+            rows,
+            cols,
+        };
+        sc.approx.resize(rows, 0.0);
+        matvec(&q, x, &mut sc.approx);
+        // Underflow adds at most a few multiples of the smallest subnormal per operation.
+        const TINY: f64 = 1e-30;
+        let mut floor = f64::NEG_INFINITY;
+        for (&a, &s) in sc.approx.iter().zip(&self.slack) {
+            let a = a as f64;
+            if !a.is_finite() {
+                return None;
+            }
+            floor = floor.max(a - (s * l1 + TINY));
+        }
+        if !floor.is_finite() {
+            return None;
+        }
+        sc.rows.clear();
+        sc.rows.extend(
+            sc.approx
+                .iter()
+                .zip(&self.slack)
+                .enumerate()
+                .filter(|&(_, (&a, &s))| a as f64 + (s * l1 + TINY) >= floor)
+                .map(|(r, _)| r),
+        );
+        if sc.rows.len() > rows / MAX_CANDIDATE_SHARE {
+            return None;
+        }
+        sc.exact.resize(sc.rows.len(), 0.0);
+        matvec_rows(head, &sc.rows, x, &mut sc.exact);
+        stats.screened += 1;
+        stats.exact_rows += sc.rows.len() as u64;
+        Some(Choice::of_rows(
+            sc.rows.iter().copied().zip(sc.exact.iter().copied()),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{with_tier, Float, Tier};
+    use rand::{Rng, SeedableRng};
+
+    fn encode(fmt: Float, v: &[f32]) -> Vec<u8> {
+        match fmt {
+            Float::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Float::BF16 => v
+                .iter()
+                .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+                .collect(),
+            Float::F16 => v
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+        }
+    }
+
+    /// The screen's choice (with its statistics) and the whole exact head's.
+    fn both(
+        fmt: Float,
+        w: &[f32],
+        rows: usize,
+        x: &[f32],
+    ) -> (Option<Choice>, Choice, ScreenStats) {
+        let bytes = encode(fmt, w);
+        let head = Mat::Dense {
+            fmt,
+            bytes: &bytes,
+            rows,
+            cols: x.len(),
+        };
+        let screen = HeadScreen::build(&head);
+        let mut all = vec![0.0; rows];
+        matvec(&head, x, &mut all);
+        let mut stats = ScreenStats::default();
+        let got = screen.choose(&head, x, &mut ScreenScratch::default(), &mut stats);
+        (got, Choice::of(&all), stats)
+    }
+
+    fn normal(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<f32> {
+        // The sum of a few uniforms: roughly normal, with a long enough tail for a max.
+        (0..n)
+            .map(|_| (0..4).map(|_| rng.gen_range(-1.0f32..1.0)).sum::<f32>())
+            .collect()
+    }
+
+    /// On random heads and inputs, in every tier and float format, the screen decides (no
+    /// fallback), reads a small share of the rows, and picks the exact head's token and logit.
+    #[test]
+    fn screen_picks_the_exact_argmax_reading_few_rows() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (rows, cols) = (4001, 136);
+        let w = normal(&mut rng, rows * cols);
+        for tier in Tier::available() {
+            with_tier(tier, || {
+                for fmt in [Float::BF16, Float::F16, Float::F32] {
+                    let mut exact_rows = 0;
+                    for _ in 0..8 {
+                        let x = normal(&mut rng, cols);
+                        let (got, want, stats) = both(fmt, &w, rows, &x);
+                        assert_eq!(got, Some(want), "{tier} {fmt:?}");
+                        exact_rows += stats.exact_rows;
+                    }
+                    assert!(
+                        exact_rows < 8 * 40,
+                        "{tier} {fmt:?}: {exact_rows} exact rows"
+                    );
+                }
+            });
+        }
+    }
+
+    /// Exact ties go to the first row, as the whole head's argmax does; a row one bf16 step
+    /// away from the best is told apart by its exact logit, whichever way the step goes.
+    #[test]
+    fn ties_and_near_ties_are_decided_exactly() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        let (rows, cols) = (3000, 64);
+        let mut w = normal(&mut rng, rows * cols);
+        let x = normal(&mut rng, cols);
+        let (_, best, _) = both(Float::BF16, &w, rows, &x);
+        let b = best.token as usize;
+        let row: Vec<f32> = w[b * cols..(b + 1) * cols].to_vec();
+        // Two copies of the best row, one before it and one after: the first copy wins.
+        let (early, late) = ((b + 7) % rows, (b + 1500) % rows);
+        for r in [early, late] {
+            w[r * cols..(r + 1) * cols].copy_from_slice(&row);
+        }
+        let (got, want, _) = both(Float::BF16, &w, rows, &x);
+        assert_eq!(want.token as usize, b.min(early).min(late));
+        assert_eq!(got, Some(want));
+        // The copy after the best nudged by one bf16 step in its largest term, up or down.
+        let k = (0..cols)
+            .max_by(|&i, &j| (row[i] * x[i]).abs().total_cmp(&(row[j] * x[j]).abs()))
+            .unwrap();
+        for up in [true, false] {
+            let mut w = w.clone();
+            w[early * cols..(early + 1) * cols].copy_from_slice(&normal(&mut rng, cols));
+            let v = &mut w[late * cols + k];
+            let bits = v.to_bits() >> 16;
+            let grow = (up == (x[k] > 0.0)) == (*v > 0.0);
+            *v = f32::from_bits((if grow { bits + 1 } else { bits - 1 }) << 16);
+            let (got, want, _) = both(Float::BF16, &w, rows, &x);
+            assert_eq!(got, Some(want), "nudged {}", if up { "up" } else { "down" });
+        }
+    }
+
+    /// Non-finite weights make their rows candidates (NaN never wins, +inf does); non-finite
+    /// or all-zero inputs leave the choice to the whole head.
+    #[test]
+    fn non_finite_values_never_mislead_the_screen() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let (rows, cols) = (2000, 48);
+        let w = normal(&mut rng, rows * cols);
+        let x = normal(&mut rng, cols);
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut w = w.clone();
+            w[17 * cols + 5] = bad;
+            let (got, want, _) = both(Float::BF16, &w, rows, &x);
+            if let Some(got) = got {
+                assert_eq!(got, want, "weight {bad}");
+            }
+            if bad.is_nan() {
+                assert!(got.is_some(), "one NaN row need not stop the screen");
+            }
+        }
+        let mut nan_x = x.clone();
+        nan_x[3] = f32::NAN;
+        assert_eq!(both(Float::BF16, &w, rows, &nan_x).0, None);
+        assert_eq!(both(Float::BF16, &w, rows, &vec![0.0; cols]).0, None);
+    }
+}
