@@ -298,7 +298,7 @@ fn peak_rss_stays_within_the_expert_budget() {
 /// `stormo bench --warm` with a budget that holds every expert loads them all before timing
 /// (so nothing is read from disk while decoding), and its untimed forward pass runs with a
 /// prompt shorter than the pass. (That the pass leaves the dense weights in the page cache
-/// is not observable here.)
+/// is not observable here.) The screened head's options report what they did.
 #[test]
 fn bench_warm_makes_experts_resident_with_short_prompts() {
     let dir = tempfile::tempdir().unwrap();
@@ -322,4 +322,23 @@ fn bench_warm_makes_experts_resident_with_short_prompts() {
         Some(0.0),
         "every expert resident after --warm: {v}"
     );
+    // Greedy decoding goes through the screened head by default: fewer bytes per token.
+    assert_eq!(v["screened_head"], true, "{v}");
+    let bytes = |v: &serde_json::Value, k: &str| v[k].as_u64().expect(k);
+    assert!(
+        bytes(&v, "bytes_per_decoded_token") < bytes(&v, "bytes_per_decoded_token_full_head"),
+        "{v}"
+    );
+    let short = ["--prompt-tokens", "3", "--decode-tokens", "4"];
+    let full = bench_json(dir.path(), &[&short[..], &["--full-head"]].concat());
+    assert_eq!(full["screened_head"], false, "{full}");
+    assert_eq!(
+        bytes(&full, "bytes_per_decoded_token"),
+        bytes(&v, "bytes_per_decoded_token_full_head")
+    );
+    let paired = bench_json(dir.path(), &[&short[..], &["--pair-full-head"]].concat());
+    for k in ["screened_head", "full_head"] {
+        let tok_s = paired["paired_tok_s"][k].as_f64().unwrap_or(0.0);
+        assert!(tok_s > 0.0, "{k}: {paired}");
+    }
 }

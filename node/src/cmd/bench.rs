@@ -7,7 +7,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use rayon::prelude::*;
-use stormo_engine::{LoadOptions, Model, ModelFiles};
+use stormo_engine::generate::argmax;
+use stormo_engine::{LoadOptions, Logits, Model, ModelFiles};
 
 use crate::experts::{ExpertArgs, Experts};
 use crate::progress::{human_bytes, parse_size};
@@ -66,6 +67,11 @@ pub struct Args {
     /// tokens, about half the head's bytes read per token.
     #[arg(long)]
     pub full_head: bool,
+    /// Alternate decoded tokens between the screened head and the whole exact head, and
+    /// report both speeds: a paired comparison, fair on a machine whose memory speed drifts
+    /// between runs (the decode line then mixes the two).
+    #[arg(long, conflicts_with_all = ["full_head", "int8_attn_head"])]
+    pub pair_full_head: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -408,12 +414,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // The host's memory bandwidth drifts (other tenants): sample it between decoded tokens so
     // the bound is measured over the same minutes as the decode it judges.
     let mut dsecs = 0.0;
-    for _ in 0..a.decode_tokens {
+    // Seconds and tokens decoded through the screen and through the whole head when paired.
+    let mut paired = [(0.0, 0u32); 2];
+    for i in 0..a.decode_tokens {
         let t = Instant::now();
-        tok = model.forward_greedy(&mut sess, &[tok], None)?.token;
-        dsecs += t.elapsed().as_secs_f64();
+        let whole = a.pair_full_head && i % 2 == 1;
+        tok = if whole {
+            argmax(model.forward(&mut sess, &[tok], Logits::Last, None)?)
+        } else {
+            model.forward_greedy(&mut sess, &[tok], None)?.token
+        };
+        let secs = t.elapsed().as_secs_f64();
+        dsecs += secs;
+        paired[whole as usize].0 += secs;
+        paired[whole as usize].1 += 1;
         probe.sample();
     }
+    let paired = a.pair_full_head.then(|| paired.map(|(s, n)| n as f64 / s));
     let mem_bw = probe.take().unwrap_or(mem_before);
     let after = experts.stats();
     let screen = {
@@ -462,6 +479,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "screened_head": model.has_screened_head(),
         "head_exact_rows_per_token": screen.exact_rows as f64 / screen.screened.max(1) as f64,
         "head_full_passes": screen.full,
+        "paired_tok_s": paired.map(|[s, f]| serde_json::json!({"screened_head": s, "full_head": f})),
         "decode_bound_tok_s": bound,
         "peak_gflop_s": peak / 1e9,
         "prefill_gflop_per_token": flops_tok / 1e9,
@@ -548,13 +566,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         100.0 * decode_tok_s / bound,
         human_bytes(disk_per_tok as u64)
     );
+    if let Some([s, f]) = paired {
+        println!(
+            "paired           screened head {s:.2} tok/s, whole exact head {f:.2} tok/s (alternate decoded tokens): {:.3}x",
+            s / f
+        );
+    }
     if model.has_screened_head() {
         println!(
-            "head             screened: {:.1} exact rows per decoded token on average (of {}); the whole head computed for {} of {} tokens",
+            "head             screened: {:.1} exact rows per decoded token on average (of {}); the whole head computed for {} of {} greedy tokens",
             screen.exact_rows as f64 / screen.screened.max(1) as f64,
             files_vocab,
             screen.full,
-            a.decode_tokens
+            screen.screened + screen.full
         );
     }
     println!("{}", experts.table(sess.prediction()));
