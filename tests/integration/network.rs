@@ -1242,3 +1242,62 @@ fn pull_with_experts_gives_a_complete_folder_that_runs_and_serves() {
         .expect("holdings of the pulled folder");
     assert_eq!(h.inventory.len(), m.experts.len());
 }
+
+/// The CLI on a folder pulled without experts: `stormo run --peer --expert-dir` keeps the
+/// experts it fetches; with the server gone, `--expert-dir` alone gives the same ids; an empty
+/// directory gives a clean error naming what is missing, not a panic.
+#[test]
+fn pulled_folder_runs_from_the_expert_dir_alone() {
+    let name = "gptoss-tiny-mxfp4";
+    let f = setup(name);
+    let mut node = serve_dir(46, f.dir.path(), None, allow_client());
+    let out = tempfile::tempdir().expect("tempdir");
+    pull::pull(
+        &client_key(),
+        &pull_options(&f, &node, out.path(), false),
+        &runtime(),
+    )
+    .expect("pull succeeds");
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let key = scratch.path().join("client.key");
+    client_key().write_new(&key).expect("key file");
+    let (store, empty) = (scratch.path().join("store"), scratch.path().join("empty"));
+    std::fs::create_dir(&empty).expect("empty dir");
+    let r = Reference::open(&fixture(name));
+    let prompt: Vec<String> = r.ids("input_ids").iter().map(u32::to_string).collect();
+    let want = r.ids("generated_ids");
+    let run = |dir: &Path, extra: &[String]| {
+        std::process::Command::new(crate::demo::stormo_exe())
+            .args(["run", "--json", "--model"])
+            .arg(out.path())
+            .args(["--prompt-ids", &prompt.join(",")])
+            .args(["--max-new-tokens", &want.len().to_string()])
+            .arg("--key")
+            .arg(&key)
+            .args(["--trust", &f.publisher.public().to_string()])
+            .arg("--expert-dir")
+            .arg(dir)
+            .args(extra)
+            .output()
+            .expect("running stormo")
+    };
+    let ids = |o: &std::process::Output| -> Vec<u32> {
+        assert!(
+            o.status.success(),
+            "stormo run: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+        serde_json::from_value(j["generated_ids"].clone()).expect("ids")
+    };
+    let peer = format!("{}@{}", node.addr().key, node.addr().addr);
+    let first = run(&store, &["--peer".into(), peer]);
+    assert_eq!(ids(&first), want, "with the peer");
+    node.kill();
+    let second = run(&store, &[]);
+    assert_eq!(ids(&second), want, "from the expert directory alone");
+    let none = run(&empty, &[]);
+    assert!(!none.status.success(), "an empty directory cannot serve");
+    let err = String::from_utf8_lossy(&none.stderr);
+    assert!(err.contains("expert") && !err.contains("panicked"), "{err}");
+}
