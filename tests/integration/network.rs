@@ -1299,5 +1299,8 @@ fn pulled_folder_runs_from_the_expert_dir_alone() {
     let none = run(&empty, &[]);
     assert!(!none.status.success(), "an empty directory cannot serve");
     let err = String::from_utf8_lossy(&none.stderr);
-    assert!(err.contains("expert") && !err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("of layer") && err.contains("no tier holds it") && !err.contains("panicked"),
+        "{err}"
+    );
 }

@@ -11,8 +11,9 @@
 //! ([`matvec_rows`], bit for bit), and the first largest wins, as in
 //! [`argmax`](crate::generate::argmax). So the token is the exact path's token, always; the
 //! screen only decides how many exact rows are read (a handful on a trained or random model).
-//! Where the bound cannot be trusted (a non-finite input, weight or approximation) or would
-//! leave too many candidates, the whole exact head is computed instead.
+//! Where the bound cannot be trusted (a non-finite input or approximation, exact sums that
+//! could overflow, a winner below the bound) or would leave too many candidates, the whole
+//! exact head is computed instead; rows with non-finite weights are always candidates.
 
 use crate::kernels::{matvec, matvec_rows, Mat};
 
@@ -29,6 +30,9 @@ const MAX_CANDIDATE_SHARE: usize = 8;
 pub(super) struct HeadScreen {
     q8: Q8Mat,
     slack: Vec<f64>,
+    /// The largest `|w|` of the rows with a finite slack: with `‖x‖₁` it bounds every partial
+    /// sum of their exact dot products, which the error bound needs to stay finite.
+    max_w: f64,
 }
 
 /// The greedy choice: the token and its exact logit.
@@ -91,23 +95,35 @@ impl HeadScreen {
         let (q8, err) = Q8Mat::quantize(head);
         let n = head.cols() as f64 + 2.0;
         // Either dot product, in any order, fused or not, is off its real value by at most
-        // gamma times the sum of its terms' magnitudes (Higham, Accuracy and Stability of
-        // Numerical Algorithms, 2nd ed., section 3.1); each term is at most max|w|·|x_i|
-        // (scale·127 <= max|w|·(1 + u) for the 8-bit one), and the 8-bit logit's final
-        // product by the scale adds one more rounding.
+        // gamma times the sum of its terms' magnitudes, as long as nothing overflows (Higham,
+        // Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1; `choose`
+        // checks the overflow). The exact terms are at most max|w|·|x_i|, the 8-bit ones
+        // scale·127·|x_i| (in f64, exact: not always within max|w|·(1 + u) when the scale is
+        // subnormal), and the 8-bit logit's final product by the scale adds one rounding. The
+        // margin covers the products of these small factors while gamma <= 1/128 (up to about
+        // 130,000 columns); wider rows get no screen.
         let gamma = n * U / (1.0 - n * U);
-        let slack = err
+        let usable = n * U < 1.0 / 128.0;
+        let slack: Vec<f64> = err
             .iter()
-            .map(|&[max, quant]| {
-                let s = (quant + max * (2.0 * gamma + 3.0 * U)) * (1.0 + 1.0 / 64.0);
-                if s.is_finite() {
+            .zip(&q8.scales)
+            .map(|(&[max, quant], &scale)| {
+                let big = max.max(scale as f64 * 127.0);
+                let s = (quant + big * (2.0 * gamma + 3.0 * U)) * (1.0 + 1.0 / 64.0);
+                if s.is_finite() && usable {
                     s
                 } else {
                     f64::INFINITY
                 }
             })
             .collect();
-        Self { q8, slack }
+        let max_w = err
+            .iter()
+            .zip(&slack)
+            .filter(|&(_, s)| s.is_finite())
+            .map(|(&[max, _], _)| max)
+            .fold(0.0, f64::max);
+        Self { q8, slack, max_w }
     }
 
     /// Bytes held in RAM.
@@ -128,7 +144,9 @@ impl HeadScreen {
         let (rows, cols) = (head.rows(), head.cols());
         debug_assert_eq!(self.slack.len(), rows);
         let l1: f64 = x.iter().map(|&v| (v as f64).abs()).sum();
-        if !l1.is_finite() {
+        // No partial sum of a screened row's exact logit may overflow (the bound assumes it;
+        // rows with an infinite slack are always computed exactly, as the whole head would).
+        if !l1.is_finite() || self.max_w * l1 * 2.0 >= f32::MAX as f64 {
             return None;
         }
         let q = Mat::Q8 {
@@ -166,11 +184,19 @@ impl HeadScreen {
         }
         sc.exact.resize(sc.rows.len(), 0.0);
         matvec_rows(head, &sc.rows, x, &mut sc.exact);
+        let choice = Choice::of_rows(sc.rows.iter().copied().zip(sc.exact.iter().copied()));
+        // The row that set the floor is a candidate with a finite exact logit at or above it,
+        // so the winner is a number; anything else means the bound did not hold: say so by
+        // computing the whole head rather than guess.
+        let above = (choice.logit as f64)
+            .partial_cmp(&floor)
+            .is_some_and(|o| o.is_ge());
+        if !above && choice.logit != f32::INFINITY {
+            return None;
+        }
         stats.screened += 1;
         stats.exact_rows += sc.rows.len() as u64;
-        Some(Choice::of_rows(
-            sc.rows.iter().copied().zip(sc.exact.iter().copied()),
-        ))
+        Some(choice)
     }
 }
 
@@ -281,6 +307,79 @@ mod tests {
             *v = f32::from_bits((if grow { bits + 1 } else { bits - 1 }) << 16);
             let (got, want, _) = both(Float::BF16, &w, rows, &x);
             assert_eq!(got, Some(want), "nudged {}", if up { "up" } else { "down" });
+        }
+    }
+
+    /// Two rows whose 8-bit logits are in the wrong order by nearly their whole bounds: row A's
+    /// weights sit 0.49 of a step below the 8-bit grid (its 8-bit logit too high), row B's 0.49
+    /// above it with a tenth of its terms one step lower (too low), on positive inputs. B's
+    /// exact logit is the larger, by about 8% of the inputs' sum, while its 8-bit logit is 90%
+    /// below A's: only bounds of at least 90% of the real quantization error find it.
+    #[test]
+    fn a_row_misordered_by_quantization_is_still_found() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(6);
+        let (rows, cols) = (300, 64);
+        // Other rows: small weights, far below A and B (which carry 127 · x[0]).
+        let mut w: Vec<f32> = (0..rows * cols).map(|_| rng.gen_range(-3.0..3.0)).collect();
+        let x: Vec<f32> = (0..cols)
+            .map(|i| {
+                if i == 0 {
+                    40.0
+                } else {
+                    rng.gen_range(0.5..1.5)
+                }
+            })
+            .collect();
+        let rest: f32 = x[1..].iter().sum();
+        let (a, b) = (7, 3);
+        let mut lowered = 0.0;
+        for i in 0..cols {
+            let k = rng.gen_range(-100..=100) as f32;
+            // Both rows' largest weight is 127, so both scales are exactly 1.
+            let (wa, mut wb) = if i == 0 {
+                (127.0, 127.0)
+            } else {
+                (k - 0.49, k + 0.49)
+            };
+            if i > 0 && lowered < 0.9 * rest {
+                wb -= 1.0;
+                lowered += x[i];
+            }
+            w[a * cols + i] = wa;
+            w[b * cols + i] = wb;
+        }
+        for tier in Tier::available() {
+            with_tier(tier, || {
+                let (got, want, stats) = both(Float::F32, &w, rows, &x);
+                assert_eq!(want.token as usize, b, "{tier}: the construction");
+                assert_eq!(got, Some(want), "{tier}");
+                assert!(stats.exact_rows >= 2, "{tier}");
+            });
+        }
+    }
+
+    /// A head whose exact arithmetic overflows on one row (its lanes reach ±inf and sum to
+    /// NaN, where its 8-bit logit is a large finite number) leaves the choice to the whole
+    /// head: the bound would not hold.
+    #[test]
+    fn overflowing_exact_rows_fall_back_to_the_whole_head() {
+        let (rows, cols) = (64, 32);
+        let mut w: Vec<f32> = (0..rows * cols).map(|i| (i % 7) as f32 * 0.01).collect();
+        let x = vec![1.0f32; cols];
+        let r = 10 * cols;
+        w[r] = 2e38;
+        w[r + 8] = 2e38;
+        w[r + 1] = -2e38;
+        w[r + 9] = -2e38;
+        w[r + 2] = 3e38;
+        for tier in Tier::available() {
+            with_tier(tier, || {
+                let (got, want, _) = both(Float::F32, &w, rows, &x);
+                assert!(
+                    got.is_none() || got == Some(want),
+                    "{tier}: {got:?} against {want:?}"
+                );
+            });
         }
     }
 
