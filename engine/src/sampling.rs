@@ -61,6 +61,13 @@ impl SamplingParams {
         self.temperature == 0.0 || self.top_k == 1
     }
 
+    /// Whether the choice is the argmax of the logits as the model gives them (greedy with no
+    /// penalty), so a model's screened head can make it
+    /// ([`Model::forward_greedy`](crate::Model::forward_greedy)).
+    pub fn is_plain_argmax(&self) -> bool {
+        self.is_greedy() && self.repetition_penalty == 1.0
+    }
+
     /// Checks the ranges.
     pub fn validate(&self) -> Result<(), SamplingError> {
         let bad = |what: &str| Err(SamplingError::InvalidParams(what.to_string()));

@@ -81,6 +81,22 @@ pub struct ScreenStats {
     pub full: u64,
 }
 
+impl ScreenStats {
+    /// What was counted since `before` (an earlier reading of the same session).
+    pub fn since(self, before: Self) -> Self {
+        Self {
+            screened: self.screened - before.screened,
+            exact_rows: self.exact_rows - before.exact_rows,
+            full: self.full - before.full,
+        }
+    }
+
+    /// Exact rows per screened token on average (0 if none was screened).
+    pub fn rows_per_token(&self) -> f64 {
+        self.exact_rows as f64 / self.screened.max(1) as f64
+    }
+}
+
 /// Buffers of [`HeadScreen::choose`], kept by the session.
 #[derive(Debug, Default)]
 pub(super) struct ScreenScratch {

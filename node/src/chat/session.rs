@@ -211,9 +211,7 @@ impl ChatSession {
         let model = Arc::clone(&self.model);
         // Greedy without a penalty needs only the argmax: through the model's screened head
         // when it has one (the same token as the sampler would pick from the whole logits).
-        let screened = model.has_screened_head()
-            && opts.sampling.is_greedy()
-            && opts.sampling.repetition_penalty == 1.0;
+        let screened = model.has_screened_head() && opts.sampling.is_plain_argmax();
         let mut step = |sess: &mut Session,
                         tokens: &[TokenId],
                         history: &[TokenId]|

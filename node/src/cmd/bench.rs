@@ -349,7 +349,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let bpt = bytes_per_token(&files, a.int8_attn_head, !a.full_head);
     let bpt_full_head = bytes_per_token(&files, a.int8_attn_head, false);
     let vocab = files.cfg.vocab_size as u64;
-    let files_vocab = files.cfg.vocab_size;
     let experts = Experts::build(&files, &a.experts, context, Vec::new(), true, None)?;
     let sizes = files.layout.sizes();
     let model = Model::new(
@@ -433,14 +432,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let paired = a.pair_full_head.then(|| paired.map(|(s, n)| n as f64 / s));
     let mem_bw = probe.take().unwrap_or(mem_before);
     let after = experts.stats();
-    let screen = {
-        let (a, b) = (sess.screen_stats(), screen_before);
-        stormo_engine::ScreenStats {
-            screened: a.screened - b.screened,
-            exact_rows: a.exact_rows - b.exact_rows,
-            full: a.full - b.full,
-        }
-    };
+    let screen = sess.screen_stats().since(screen_before);
     let decode_tok_s = a.decode_tokens as f64 / dsecs;
     // Measured again at the end, keeping the higher: on a shared VM another tenant (or the
     // kernel reclaiming memory after a previous run) can hold a core for a moment, which
@@ -477,7 +469,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "bytes_per_decoded_token": bpt,
         "bytes_per_decoded_token_full_head": bpt_full_head,
         "screened_head": model.has_screened_head(),
-        "head_exact_rows_per_token": screen.exact_rows as f64 / screen.screened.max(1) as f64,
+        "head_exact_rows_per_token": screen.rows_per_token(),
         "head_full_passes": screen.full,
         "paired_tok_s": paired.map(|[s, f]| serde_json::json!({"screened_head": s, "full_head": f})),
         "decode_bound_tok_s": bound,
@@ -575,8 +567,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if model.has_screened_head() {
         println!(
             "head             screened: {:.1} exact rows per decoded token on average (of {}); the whole head computed for {} of {} greedy tokens",
-            screen.exact_rows as f64 / screen.screened.max(1) as f64,
-            files_vocab,
+            screen.rows_per_token(),
+            vocab,
             screen.full,
             screen.screened + screen.full
         );

@@ -337,7 +337,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         int8_attn_head: a.int8_attn_head,
         int8_experts: a.int8_experts,
         // Only greedy replies use the screen; a sampled chat would hold the copy for nothing.
-        screened_head: !a.full_head && sampling.is_greedy() && sampling.repetition_penalty == 1.0,
+        screened_head: !a.full_head && sampling.is_plain_argmax(),
     };
     let tm = load_text_model(&a.model, &a.experts, a.context, &load)?;
     let interactive = std::io::stdin().is_terminal();

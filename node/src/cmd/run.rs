@@ -130,10 +130,7 @@ struct TextPrompt {
 /// greedy (ids, or a text prompt sampled greedily without a penalty) and no logits are written.
 fn screened_head(a: &Args) -> anyhow::Result<bool> {
     let greedy = match &a.prompt {
-        Some(_) => {
-            let p = a.sampling.params(0.0)?;
-            p.is_greedy() && p.repetition_penalty == 1.0
-        }
+        Some(_) => a.sampling.params(0.0)?.is_plain_argmax(),
         None => true,
     };
     Ok(!a.full_head && greedy && a.logits_out.is_none())
