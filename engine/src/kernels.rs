@@ -771,12 +771,24 @@ fn matvec_rows_in(tier: Tier, w: &Mat<'_>, rows: &[usize], x: &[f32], y: &mut [f
 /// Rearranges kernel inputs (`xs` into `out`, same length).
 type Permute = fn(&[f32], &mut [f32]);
 
+/// `xs` (blocks of 32) into `out` with element `order[k]` of each block at its place `k`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the x86 tiers permute
+fn permute_blocks(order: &[usize; 32], xs: &[f32], out: &mut [f32]) {
+    for (o, x) in out.chunks_exact_mut(32).zip(xs.chunks_exact(32)) {
+        for (d, &k) in o.iter_mut().zip(order) {
+            *d = x[k];
+        }
+    }
+}
+
 /// How `tier`'s MXFP4 kernels want their inputs arranged within each block of 32, if not in
 /// element order.
 fn mxfp4_input_order(tier: Tier) -> Option<Permute> {
     match tier {
         #[cfg(target_arch = "x86_64")]
         Tier::Avx2 => Some(avx2::mxfp4_permute),
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx512 => Some(avx512::mxfp4_permute),
         _ => None,
     }
 }

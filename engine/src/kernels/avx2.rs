@@ -555,11 +555,7 @@ pub(super) const MXFP4_ORDER: [usize; 32] = [
 /// Rearranges positions of `cols` inputs (a multiple of 32) into [`MXFP4_ORDER`] within each
 /// block of 32.
 pub(super) fn mxfp4_permute(xs: &[f32], out: &mut [f32]) {
-    for (o, x) in out.chunks_exact_mut(32).zip(xs.chunks_exact(32)) {
-        for (d, &k) in o.iter_mut().zip(&MXFP4_ORDER) {
-            *d = x[k];
-        }
-    }
+    super::permute_blocks(&MXFP4_ORDER, xs, out);
 }
 
 /// High and low bytes of every dequantized MXFP4 value as bf16, by E8M0 scale byte: entry

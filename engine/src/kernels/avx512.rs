@@ -6,8 +6,11 @@
 //! call interleaves. With 32 vector registers, dense prefill kernels interleave 4 rows × 4
 //! positions. MXFP4 nibbles index the block's scale's row of a table of exactly dequantized
 //! values (FP4 value times E8M0 scale) with one permute (`vpermps`) per 16 weights, so a block
-//! costs two multiply-adds per position; prefill decodes a slab of rows once per call of up
-//! to 32 positions, as the AVX2 tier does. This VM has no AVX-512: the tier's kernels are
+//! costs two multiply-adds per position; the block's 16 bytes are broadcast to the four
+//! 128-bit lanes and one variable shift per 16 weights brings each lane's nibble to the bits
+//! `vpermps` reads, so its weights come out of element order and the inputs are permuted to
+//! match ([`MXFP4_ORDER`]). Prefill decodes a slab of rows once per call of up to 32
+//! positions, as the AVX2 tier does. This VM has no AVX-512: the tier's kernels are
 //! tested in software emulation (`avx512_emulated`) and guarded by the runtime self-check,
 //! but their speed has not been measured.
 
@@ -309,6 +312,7 @@ unsafe fn mxfp4_rows(
         return unsafe { mxfp4_block(bb, sb, nb, r0, n, xs, p, out) };
     }
     let x = xs.as_ptr();
+    let c = Shifts::new();
     // SAFETY: rows `r0 + i` for `i < n` are in bounds (caller).
     let row = |i: usize| unsafe { (bb.add((r0 + i) * nb * 16), sb.add((r0 + i) * nb)) };
     macro_rules! run {
@@ -317,7 +321,7 @@ unsafe fn mxfp4_rows(
             let b: [*const u8; $r] = std::array::from_fn(|k| row(i + k).0);
             let s: [*const u8; $r] = std::array::from_fn(|k| row(i + k).1);
             // SAFETY: whole rows of `nb` blocks and a position of `cols` f32 (caller).
-            let v = unsafe { mxfp4_dot::<$r>(b, s, x, nb) };
+            let v = unsafe { mxfp4_dot::<$r>(b, s, x, nb, c) };
             out[i..i + $r].copy_from_slice(&v);
         }};
     }
@@ -366,28 +370,63 @@ static SCALED: Scaled = {
     Scaled(t)
 };
 
+/// The order in which [`decode`] yields a block's 32 weights: lane `l` of its two vectors holds
+/// element `MXFP4_ORDER[l]` (the first vector) or `MXFP4_ORDER[16 + l]` of the block. Lane `l`
+/// sees the block's 32-bit word `l % 4` (elements `8 * (l % 4) ..`, two per byte, low nibble
+/// first) and takes its nibble `l / 4` in the first vector, `4 + l / 4` in the second.
+pub(super) const MXFP4_ORDER: [usize; 32] = {
+    let mut o = [0; 32];
+    let mut l = 0;
+    while l < 16 {
+        o[l] = 8 * (l % 4) + l / 4;
+        o[16 + l] = 8 * (l % 4) + 4 + l / 4;
+        l += 1;
+    }
+    o
+};
+
+/// Rearranges positions of `cols` inputs (a multiple of 32) into [`MXFP4_ORDER`] within each
+/// block of 32.
+pub(super) fn mxfp4_permute(xs: &[f32], out: &mut [f32]) {
+    super::permute_blocks(&MXFP4_ORDER, xs, out);
+}
+
+/// Bit offsets of [`decode`]'s nibbles: lane `l` of the first vector shifts its word right by
+/// `4 * (l / 4)`, of the second by `16 + 4 * (l / 4)`.
+#[derive(Clone, Copy)]
+struct Shifts([__m512i; 2]);
+
+impl Shifts {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    fn new() -> Self {
+        let first = _mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+        let second = _mm_add_epi8(first, _mm_set1_epi8(16));
+        Self([_mm512_cvtepu8_epi32(first), _mm512_cvtepu8_epi32(second)])
+    }
+}
+
 /// The 32 weights of one MXFP4 block (16 bytes at `b`, E8M0 scale byte `s`) dequantized, in
-/// element order: each nibble indexes the scale's [`SCALED`] row with one permute per 16.
+/// [`MXFP4_ORDER`]: the block is broadcast to every 128-bit lane (a load), one variable shift
+/// per vector brings each lane's nibble to its low four bits, and `vpermps`, which reads only
+/// those, looks it up in the scale's [`SCALED`] row. Two shifts and two permutes per block
+/// (the permutes are the only shuffles).
 ///
 /// # Safety
 /// The CPU supports the tier and 16 bytes at `b` are readable.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-unsafe fn decode(b: *const u8, s: u8) -> [__m512; 2] {
-    let low = _mm_set1_epi8(0x0f);
+unsafe fn decode(b: *const u8, s: u8, c: Shifts) -> [__m512; 2] {
     // SAFETY: 16 readable bytes (caller); the table row is 64 bytes.
     let (v, t) = unsafe {
         (
-            _mm_loadu_si128(b as *const __m128i),
+            _mm512_broadcast_i32x4(_mm_loadu_si128(b as *const __m128i)),
             _mm512_loadu_ps(SCALED.0[s as usize].as_ptr()),
         )
     };
-    let lo = _mm_and_si128(v, low);
-    let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), low);
-    // Byte j holds elements 2j (low nibble) and 2j+1 (high): interleave.
     [
-        _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), t),
-        _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), t),
+        _mm512_permutexvar_ps(_mm512_srlv_epi32(v, c.0[0]), t),
+        _mm512_permutexvar_ps(_mm512_srlv_epi32(v, c.0[1]), t),
     ]
 }
 
@@ -405,6 +444,7 @@ unsafe fn mxfp4_dot<const R: usize>(
     s: [*const u8; R],
     x: *const f32,
     nb: usize,
+    c: Shifts,
 ) -> [f32; R] {
     let mut acc = [_mm512_setzero_ps(); R];
     for blk in 0..nb {
@@ -424,7 +464,7 @@ unsafe fn mxfp4_dot<const R: usize>(
                 _mm512_loadu_ps(x.add(32 * blk + 16)),
             );
             for k in 0..R {
-                let [w0, w1] = decode(b[k].add(16 * blk), *s[k].add(blk));
+                let [w0, w1] = decode(b[k].add(16 * blk), *s[k].add(blk), c);
                 acc[k] = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, acc[k]));
             }
         }
@@ -467,6 +507,7 @@ unsafe fn mxfp4_block(
 ) {
     debug_assert!((2..=POSITIONS).contains(&p));
     let cols = nb * 32;
+    let c = Shifts::new();
     let mut scratch = BLOCK_SCRATCH.take();
     scratch.resize(SCRATCH, _mm512_setzero_ps());
     let (acc, slab) = scratch.split_at_mut(MAX_ROWS * POSITIONS);
@@ -488,7 +529,7 @@ unsafe fn mxfp4_block(
                     _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(2 * 16 * SLAB) as *const i8);
                     for (j, d) in dst.chunks_exact_mut(2).take(k).enumerate() {
                         // SAFETY: block `b0 + j` of the row (above).
-                        let w = unsafe { decode(b.add(16 * j), *s.add(j)) };
+                        let w = unsafe { decode(b.add(16 * j), *s.add(j), c) };
                         d.copy_from_slice(&w);
                     }
                 }

@@ -15,10 +15,11 @@
 #![allow(unused_unsafe, dead_code, clippy::eq_op, clippy::nonminimal_bool)]
 
 use soft::{
-    __m512, _mm512_castps512_ps256, _mm512_castps_pd, _mm512_castsi512_ps, _mm512_cvtepi32_ps,
-    _mm512_cvtepi8_epi32, _mm512_cvtepu16_epi32, _mm512_cvtepu8_epi32, _mm512_cvtph_ps,
-    _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_permutexvar_ps,
-    _mm512_set1_ps, _mm512_setzero_ps, _mm512_slli_epi32, _mm512_storeu_ps,
+    __m512, __m512i, _mm512_broadcast_i32x4, _mm512_castps512_ps256, _mm512_castps_pd,
+    _mm512_castsi512_ps, _mm512_cvtepi32_ps, _mm512_cvtepi8_epi32, _mm512_cvtepu16_epi32,
+    _mm512_cvtepu8_epi32, _mm512_cvtph_ps, _mm512_extractf64x4_pd, _mm512_fmadd_ps,
+    _mm512_loadu_ps, _mm512_permutexvar_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_slli_epi32,
+    _mm512_srlv_epi32, _mm512_storeu_ps,
 };
 
 /// The emulated tier's detection: its AVX-512 instructions are software, so it runs wherever
@@ -48,6 +49,9 @@ mod soft {
     #[derive(Clone, Copy, Debug)]
     #[repr(C, align(64))]
     pub(super) struct M512i(pub(super) [u32; 16]);
+
+    /// The tier's name for 16 32-bit integer lanes.
+    pub(super) type __m512i = M512i;
 
     /// 8 f64 lanes, kept as their bits.
     #[derive(Clone, Copy, Debug)]
@@ -113,6 +117,20 @@ mod soft {
         // SAFETY: 32 bytes reinterpreted as 16 words.
         let w: [u16; 16] = unsafe { std::mem::transmute(a) };
         M512i(w.map(u32::from))
+    }
+
+    /// `vbroadcasti32x4`: the 16 bytes of `a` in each of the four 128-bit lanes.
+    pub(super) fn _mm512_broadcast_i32x4(a: __m128i) -> M512i {
+        // SAFETY: 16 bytes reinterpreted as four 32-bit words.
+        let w: [u32; 4] = unsafe { std::mem::transmute(a) };
+        M512i(std::array::from_fn(|i| w[i % 4]))
+    }
+
+    /// `vpsrlvd`: each lane shifted right (logically) by its own count; counts above 31 give 0.
+    pub(super) fn _mm512_srlv_epi32(a: M512i, count: M512i) -> M512i {
+        M512i(std::array::from_fn(|i| {
+            a.0[i].checked_shr(count.0[i]).unwrap_or(0)
+        }))
     }
 
     /// `vpslld` by an immediate: counts above 31 give 0.
