@@ -25,7 +25,9 @@ import tempfile
 KERNELS = [
     ("stormo_engine::kernels::avx512::rows_impl", 2,
      ["skylake-avx512", "icelake-server", "sapphirerapids"]),
-    ("stormo_engine::kernels::avx2::mxfp4_rows", 4, ["znver3", "skylake", "icelake-server"]),
+    # (LLVM 14's Zen 3 model charges a 256-bit multiply-add two cycles of a pipe, so Zen 3 is
+    # not listed: its figure would not be the core's.)
+    ("stormo_engine::kernels::avx2::mxfp4_rows", 4, ["skylake", "icelake-server"]),
 ]
 ITERATIONS = 1000
 BLOCK_BYTES = 17
