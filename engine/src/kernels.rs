@@ -920,6 +920,9 @@ impl Product<'_> {
 /// Most products one parallel region of [`matmul_batch`] takes (more run in several).
 const MAX_BATCH: usize = 16;
 
+/// Input elements below which [`batch_in`] arranges inputs on the calling thread.
+const PARALLEL_ARRANGE: usize = 1 << 16;
+
 /// Computes independent products in one parallel region: every output is what [`matmul`]
 /// gives for its product alone, bit for bit (within a tier), but the pool's threads are handed
 /// work once for all of them, not once per matrix. Decode spends most of its time in a few
@@ -995,10 +998,21 @@ fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
         bufs.resize_with(ps.len(), Vec::new);
     }
     let arrange = |i: usize| Arrange::of(tier, &ps[i].w).filter(|_| t_of[i] > 0);
-    for (i, buf) in bufs.iter_mut().enumerate().take(ps.len()) {
+    let apply = |(i, buf): (usize, &mut Vec<f32>)| {
         if let Some(a) = arrange(i) {
             a.apply(ps[i].xs, buf);
         }
+    };
+    // A prefill block's inputs (a layer's experts' positions) are arranged on the pool's
+    // threads, a decoded token's on this one.
+    let arranged: usize = (0..ps.len())
+        .filter(|&i| arrange(i).is_some())
+        .map(|i| ps[i].xs.len())
+        .sum();
+    if arranged >= PARALLEL_ARRANGE {
+        bufs[..ps.len()].par_iter_mut().enumerate().for_each(apply);
+    } else {
+        bufs[..ps.len()].iter_mut().enumerate().for_each(apply);
     }
     let mut plans: [Option<Planned<'_>>; MAX_BATCH] = [None; MAX_BATCH];
     // `starts[i]`: the first task of product `i`; tasks are numbered across all products.

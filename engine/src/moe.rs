@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::kernels::{matmul_batch, Float, Mat, Product, Vector};
 use crate::ops;
 use crate::safetensors::MappedFile;
+use rayon::prelude::*;
 
 /// Which piece of an expert a stored part is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -416,7 +417,7 @@ pub fn expert_forward(
 /// share one parallel region and their down projections another
 /// ([`matmul_batch`](crate::kernels::matmul_batch)).
 pub(crate) fn experts_forward<'v, 'x>(
-    view: impl Fn(usize) -> ExpertView<'v>,
+    view: impl Fn(usize) -> ExpertView<'v> + Sync,
     input: impl Fn(usize) -> &'x [f32],
     scratch: &mut [ExpertScratch],
     hidden: usize,
@@ -454,27 +455,18 @@ pub(crate) fn experts_forward<'v, 'x>(
         })
         .chain(second.map(|w| Product { w, xs, ys: h2 }))
     }));
-    for (i, s) in scratch.iter_mut().enumerate() {
-        let v = view(i);
-        match v.activation {
-            Activation::ClippedSwiglu { limit, alpha } => {
-                if let Some(b) = &v.gate_up_bias {
-                    for row in s.h.chunks_exact_mut(2 * inter) {
-                        b.add_to(row);
-                    }
-                }
-                for (a, g) in s.act.iter_mut().zip(s.h.chunks_exact(2)) {
-                    let gate = g[0].min(limit);
-                    let up = g[1].clamp(-limit, limit);
-                    let glu = gate * ops::sigmoid(gate * alpha);
-                    *a = (up + 1.0) * glu;
-                }
-            }
-            Activation::Silu => {
-                for ((a, &g), &u) in s.act.iter_mut().zip(&s.h).zip(&s.h2) {
-                    *a = g * ops::sigmoid(g) * u;
-                }
-            }
+    // Element by element, so splitting the work among threads changes no value; a prefill
+    // block's activations (hundreds of thousands of exponentials) would otherwise leave one
+    // core idle between the two parallel regions.
+    let work: usize = scratch.iter().map(|s| s.act.len()).sum();
+    if work >= PARALLEL_ELEMENTS {
+        scratch
+            .par_iter_mut()
+            .enumerate()
+            .for_each(|(i, s)| activate(&view(i), s, inter));
+    } else {
+        for (i, s) in scratch.iter_mut().enumerate() {
+            activate(&view(i), s, inter);
         }
     }
     matmul_batch(scratch.iter_mut().enumerate().map(|(i, s)| Product {
@@ -482,10 +474,43 @@ pub(crate) fn experts_forward<'v, 'x>(
         xs: &s.act,
         ys: &mut s.ys,
     }));
-    for (i, s) in scratch.iter_mut().enumerate() {
+    let down_bias = |(i, s): (usize, &mut ExpertScratch)| {
         if let Some(b) = &view(i).down_bias {
             for row in s.ys.chunks_exact_mut(hidden) {
                 b.add_to(row);
+            }
+        }
+    };
+    if scratch.iter().map(|s| s.ys.len()).sum::<usize>() >= PARALLEL_ELEMENTS {
+        scratch.par_iter_mut().enumerate().for_each(down_bias);
+    } else {
+        scratch.iter_mut().enumerate().for_each(down_bias);
+    }
+}
+
+/// Elements of element-wise work below which the MoE does it on the calling thread (a
+/// decoded token's few experts: handing them to the pool would cost more than it saves).
+const PARALLEL_ELEMENTS: usize = 1 << 16;
+
+/// An expert's activation: its gate/up bias, then `act` from `h` (and `h2`).
+fn activate(v: &ExpertView<'_>, s: &mut ExpertScratch, inter: usize) {
+    match v.activation {
+        Activation::ClippedSwiglu { limit, alpha } => {
+            if let Some(b) = &v.gate_up_bias {
+                for row in s.h.chunks_exact_mut(2 * inter) {
+                    b.add_to(row);
+                }
+            }
+            for (a, g) in s.act.iter_mut().zip(s.h.chunks_exact(2)) {
+                let gate = g[0].min(limit);
+                let up = g[1].clamp(-limit, limit);
+                let glu = gate * ops::sigmoid(gate * alpha);
+                *a = (up + 1.0) * glu;
+            }
+        }
+        Activation::Silu => {
+            for ((a, &g), &u) in s.act.iter_mut().zip(&s.h).zip(&s.h2) {
+                *a = g * ops::sigmoid(g) * u;
             }
         }
     }
@@ -510,6 +535,9 @@ pub struct MoeScratch {
     experts: Vec<ExpertScratch>,
     /// Each fetched expert's inputs `[n_e, H]`, gathered from its positions.
     inputs: Vec<Vec<f32>>,
+    /// Per (position, slot), the fetched group's expert and row holding its output, if the
+    /// expert is in the group.
+    source: Vec<Option<(usize, usize)>>,
 }
 
 impl MoeScratch {
@@ -586,13 +614,20 @@ pub fn moe_block(
             s.inputs.resize_with(g1 - g0, Vec::new);
         }
         for ui in g0..g1 {
-            let e = s.union[ui];
-            check_lengths(layer, e, schema, &s.handles[ui - g0])?;
-            let x = &mut s.inputs[ui - g0];
+            check_lengths(layer, s.union[ui], schema, &s.handles[ui - g0])?;
+        }
+        // Each expert's inputs gathered from its positions (copies: on threads for a block).
+        let gather = |(x, &e): (&mut Vec<f32>, &usize)| {
             x.clear();
             for &(p, _) in &s.members[s.member_start[e]..s.member_start[e + 1]] {
                 x.extend_from_slice(&xs[p * h..(p + 1) * h]);
             }
+        };
+        let (inputs, union) = (&mut s.inputs[..g1 - g0], &s.union[g0..g1]);
+        if t * k * h >= PARALLEL_ELEMENTS {
+            inputs.par_iter_mut().zip(union).for_each(gather);
+        } else {
+            inputs.iter_mut().zip(union).for_each(gather);
         }
         let handles = &s.handles;
         let view = |i: usize| {
@@ -611,22 +646,35 @@ pub fn moe_block(
             h,
             schema.intermediate,
         );
+        // Where each (position, slot) of this group's experts finds its output row.
+        s.source.clear();
+        s.source.resize(t * k, None);
         for ui in g0..g1 {
             let e = s.union[ui];
-            let ys = &s.experts[ui - g0].ys;
             for (j, &(p, slot)) in s.members[s.member_start[e]..s.member_start[e + 1]]
                 .iter()
                 .enumerate()
             {
-                let dst = (p * k + slot) * h;
-                s.slot_out[dst..dst + h].copy_from_slice(&ys[j * h..(j + 1) * h]);
+                s.source[p * k + slot] = Some((ui - g0, j));
             }
+        }
+        let experts = &s.experts;
+        let scatter = |(dst, src): (&mut [f32], &Option<(usize, usize)>)| {
+            if let Some((i, j)) = *src {
+                dst.copy_from_slice(&experts[i].ys[j * h..(j + 1) * h]);
+            }
+        };
+        let rows = &mut s.slot_out[..t * k * h];
+        if t * k * h >= PARALLEL_ELEMENTS {
+            rows.par_chunks_mut(h).zip(&s.source).for_each(scatter);
+        } else {
+            rows.chunks_mut(h).zip(&s.source).for_each(scatter);
         }
         g0 = g1;
     }
     s.handles.clear();
-    for p in 0..t {
-        let o = &mut out[p * h..(p + 1) * h];
+    // Each position adds its slots' outputs in slot order, whichever thread runs it.
+    let combine = |(p, o): (usize, &mut [f32])| {
         for slot in 0..k {
             let w = s.plan.weights[p * k + slot];
             let y = &s.slot_out[(p * k + slot) * h..(p * k + slot + 1) * h];
@@ -634,6 +682,11 @@ pub fn moe_block(
                 *oi += w * yi;
             }
         }
+    };
+    if t * k * h >= PARALLEL_ELEMENTS {
+        out[..t * h].par_chunks_mut(h).enumerate().for_each(combine);
+    } else {
+        out[..t * h].chunks_mut(h).enumerate().for_each(combine);
     }
     Ok(())
 }
@@ -667,6 +720,120 @@ fn check_lengths(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Bytes from a fixed xorshift sequence.
+    fn noise(n: usize, seed: u64) -> impl Iterator<Item = u64> {
+        let mut x = seed.max(1);
+        (0..n).map(move |_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        })
+    }
+
+    /// A block large enough that the MoE gathers, activates, scatters and combines on the
+    /// pool's threads (t * k * H and t * k * I at the threshold) gives, bit for bit, what each
+    /// of its positions gives alone (on the calling thread), and the same when its experts come
+    /// three at a time.
+    #[test]
+    fn a_threaded_block_equals_its_positions_alone() {
+        let (h, inter, n_exp, k, t) = (256, 256, 8, 4, 64);
+        assert!(t * k * h >= PARALLEL_ELEMENTS && t * k * inter >= PARALLEL_ELEMENTS);
+        assert!(k * h < PARALLEL_ELEMENTS && k * inter < PARALLEL_ELEMENTS);
+        let part = |role, format, len| PartSchema { role, format, len };
+        let f32s = PartFormat::Dense(Float::F32);
+        let schema = ExpertSchema {
+            parts: vec![
+                part(Role::GateUp, PartFormat::Mxfp4Blocks, 2 * inter * h / 2),
+                part(
+                    Role::GateUpScales,
+                    PartFormat::Mxfp4Scales,
+                    2 * inter * h / 32,
+                ),
+                part(Role::GateUpBias, f32s, 2 * inter * 4),
+                part(Role::Down, PartFormat::Mxfp4Blocks, h * inter / 2),
+                part(Role::DownScales, PartFormat::Mxfp4Scales, h * inter / 32),
+                part(Role::DownBias, f32s, h * 4),
+            ],
+            hidden: h,
+            intermediate: inter,
+            activation: Activation::ClippedSwiglu {
+                limit: 7.0,
+                alpha: 1.702,
+            },
+        };
+        let experts = (0..n_exp as u64)
+            .map(|e| {
+                let mut buf = Vec::new();
+                for (i, p) in schema.parts.iter().enumerate() {
+                    let seed = 1 + e * 16 + i as u64;
+                    match p.format {
+                        PartFormat::Mxfp4Blocks => {
+                            buf.extend(noise(p.len, seed).map(|v| v as u8));
+                        }
+                        // Scales 2^-6 .. 2^-3 and biases in [-0.5, 0.5).
+                        PartFormat::Mxfp4Scales => {
+                            buf.extend(noise(p.len, seed).map(|v| 121 + (v % 4) as u8));
+                        }
+                        _ => buf.extend(
+                            noise(p.len / 4, seed)
+                                .flat_map(|v| ((v % 1000) as f32 / 1000.0 - 0.5).to_le_bytes()),
+                        ),
+                    }
+                }
+                Arc::new(ExpertData::from_buffer(buf.into(), &schema))
+            })
+            .collect();
+        let provider = MappedExperts::new(vec![experts]);
+        // The same experts handed out three at a time (as a small RAM budget does).
+        #[derive(Debug)]
+        struct ThreeAtATime<'a>(&'a MappedExperts);
+        impl ExpertProvider for ThreeAtATime<'_> {
+            fn fetch(&self, l: usize, e: &[usize], out: &mut Vec<Arc<ExpertData>>) -> Result<()> {
+                assert!(e.len() <= 3);
+                self.0.fetch(l, e, out)
+            }
+            fn max_batch(&self, _layer: usize) -> usize {
+                3
+            }
+        }
+        let xs: Vec<f32> = noise(t * h, 99)
+            .map(|v| (v % 2000) as f32 / 1000.0 - 1.0)
+            .collect();
+        let logits: Vec<f32> = noise(t * n_exp, 7)
+            .map(|v| (v % 1000) as f32 / 100.0)
+            .collect();
+        // The residual the MoE adds into.
+        let residual: Vec<f32> = noise(t * h, 5).map(|v| (v % 7) as f32 - 3.0).collect();
+        let run = |ps: Range<usize>, provider: &dyn ExpertProvider| {
+            let mut s = MoeScratch::default();
+            let logits = &logits[ps.start * n_exp..ps.end * n_exp];
+            s.plan
+                .route(logits, n_exp, k, Routing::TopKThenSoftmax, &mut Vec::new());
+            let mut out = residual[ps.start * h..ps.end * h].to_vec();
+            let xs = &xs[ps.start * h..ps.end * h];
+            moe_block(0, &schema, provider, n_exp, xs, &mut out, false, &mut s).unwrap();
+            out
+        };
+        let block = run(0..t, &provider);
+        let in_threes = run(0..t, &ThreeAtATime(&provider));
+        assert!(block
+            .iter()
+            .zip(&in_threes)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        for p in 0..t {
+            let alone = run(p..p + 1, &provider);
+            for (i, (a, b)) in block[p * h..(p + 1) * h].iter().zip(&alone).enumerate() {
+                assert!(a.is_finite(), "position {p}, element {i}: {a}");
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "position {p}, element {i}: {a} vs {b}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn gpt_oss_routing_is_softmax_over_selected() {
