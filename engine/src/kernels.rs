@@ -921,7 +921,7 @@ impl Product<'_> {
 const MAX_BATCH: usize = 16;
 
 /// Input elements below which [`batch_in`] arranges inputs on the calling thread.
-const PARALLEL_ARRANGE: usize = 1 << 16;
+pub(crate) const PARALLEL_ARRANGE: usize = 1 << 16;
 
 /// Computes independent products in one parallel region: every output is what [`matmul`]
 /// gives for its product alone, bit for bit (within a tier), but the pool's threads are handed

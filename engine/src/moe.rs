@@ -740,6 +740,7 @@ mod tests {
     fn a_threaded_block_equals_its_positions_alone() {
         let (h, inter, n_exp, k, t) = (256, 256, 8, 4, 64);
         assert!(t * k * h >= PARALLEL_ELEMENTS && t * k * inter >= PARALLEL_ELEMENTS);
+        assert!(t * k * h >= crate::kernels::PARALLEL_ARRANGE);
         assert!(k * h < PARALLEL_ELEMENTS && k * inter < PARALLEL_ELEMENTS);
         let part = |role, format, len| PartSchema { role, format, len };
         let f32s = PartFormat::Dense(Float::F32);

@@ -25,9 +25,9 @@ pub(super) fn supported() -> bool {
 /// Output rows `r0 .. r0 + n` of a row-major matrix (`Dense` or `Mxfp4`) for `p` positions
 /// `xs` (`[p, cols]`, `p <= 4`, or [`MXFP4_POSITIONS`] for MXFP4) into `out` (`[p, n]`).
 pub(super) fn rows(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
-    if !supported() {
-        return super::scalar::rows(w, r0, n, xs, p, out);
-    }
+    // Only a tier the CPU runs is ever chosen, and MXFP4 inputs come permuted for this tier's
+    // decode: a scalar fallback here would give wrong results, not slow ones.
+    assert!(supported(), "this tier's kernels need AVX2, FMA and F16C");
     super::check_rows(w, r0, n, xs, p, out);
     assert!(
         p <= 4 || matches!(w, Mat::Mxfp4 { .. }) && p <= MXFP4_POSITIONS,

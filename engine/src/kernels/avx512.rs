@@ -1,9 +1,10 @@
 //! The AVX-512 tier (F and BW, with AVX2 + FMA + F16C), for Xeons since Skylake-SP and Zen 4.
 //!
 //! The same structure as the AVX2 tier with 16 lanes: one accumulator per (row, position),
-//! lane `l` summing elements `i ≡ l (mod 16)` in increasing `i`, a fixed lane reduction and a
-//! fused scalar tail; so a position's result never depends on how many rows or positions a
-//! call interleaves. With 32 vector registers, dense prefill kernels interleave 4 rows × 4
+//! lane `l` summing elements `i ≡ l (mod 16)` in increasing `i` (for MXFP4, the elements
+//! [`MXFP4_ORDER`] puts in lane `l` of each block's two vectors, block after block), a fixed
+//! lane reduction and a fused scalar tail; so a position's result never depends on how many
+//! rows or positions a call interleaves. With 32 vector registers, dense prefill kernels interleave 4 rows × 4
 //! positions. MXFP4 nibbles index the block's scale's row of a table of exactly dequantized
 //! values (FP4 value times E8M0 scale) with one permute (`vpermps`) per 16 weights, so a block
 //! costs two multiply-adds per position; the block's 16 bytes are broadcast to the four
@@ -28,9 +29,9 @@ pub(super) fn supported() -> bool {
 /// Output rows `r0 .. r0 + n` of a row-major matrix (`Dense` or `Mxfp4`) for `p` positions
 /// `xs` (`[p, cols]`, `p <= 4`, or [`POSITIONS`] for MXFP4) into `out` (`[p, n]`).
 pub(super) fn rows(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
-    if !supported() {
-        return super::scalar::rows(w, r0, n, xs, p, out);
-    }
+    // Only a tier the CPU runs is ever chosen, and MXFP4 inputs come permuted for this tier's
+    // decode: a scalar fallback here would give wrong results, not slow ones.
+    assert!(supported(), "this tier's kernels need AVX-512 F and BW");
     super::check_rows(w, r0, n, xs, p, out);
     assert!(
         p <= 4 || matches!(w, Mat::Mxfp4 { .. }) && p <= POSITIONS,
@@ -285,7 +286,8 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
 /// Every (row, position) is the same computation whatever `p` and `n`: its weights dequantized
 /// exactly ([`decode`]: each FP4 value times its block's E8M0 scale, as
 /// [`mxfp4_value`](super::mxfp4_value) gives it), then one 16-lane accumulator takes two fused
-/// multiply-adds per block (elements 0-15, then 16-31), block after block, and [`hsum`] reduces
+/// multiply-adds per block (its two vectors in [`MXFP4_ORDER`], against inputs permuted to
+/// match), block after block, and [`hsum`] reduces
 /// the lanes. One position ([`mxfp4_dot`]) streams four rows at a time, decoding in registers;
 /// several ([`mxfp4_block`]) decode a slab of rows into an L1 buffer once and multiply it by
 /// every position in register tiles. So a block of positions gets exactly what each position
