@@ -920,8 +920,37 @@ impl Product<'_> {
 /// Most products one parallel region of [`matmul_batch`] takes (more run in several).
 const MAX_BATCH: usize = 16;
 
-/// Input elements below which [`batch_in`] arranges inputs on the calling thread.
-pub(crate) const PARALLEL_ARRANGE: usize = 1 << 16;
+/// Elements of element-wise work below which it stays on the calling thread (a decoded
+/// token's: handing it to the pool would cost more than it saves); a prefill block's goes to
+/// the pool, so one core does not idle between parallel regions.
+pub(crate) const PARALLEL_ELEMENTS: usize = 1 << 16;
+
+/// `f(i, &mut items[i])` for every item: on the pool's threads when `work` (elements) reaches
+/// [`PARALLEL_ELEMENTS`], else on this one. The calls are independent, so every value is the
+/// same either way.
+pub(crate) fn each_mut<T: Send>(items: &mut [T], work: usize, f: impl Fn(usize, &mut T) + Sync) {
+    if work >= PARALLEL_ELEMENTS {
+        items.par_iter_mut().enumerate().for_each(|(i, x)| f(i, x));
+    } else {
+        items.iter_mut().enumerate().for_each(|(i, x)| f(i, x));
+    }
+}
+
+/// [`each_mut`] over the rows of `len` elements of `buf`.
+pub(crate) fn each_row_mut(
+    buf: &mut [f32],
+    len: usize,
+    work: usize,
+    f: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    if work >= PARALLEL_ELEMENTS {
+        buf.par_chunks_mut(len)
+            .enumerate()
+            .for_each(|(i, r)| f(i, r));
+    } else {
+        buf.chunks_mut(len).enumerate().for_each(|(i, r)| f(i, r));
+    }
+}
 
 /// Computes independent products in one parallel region: every output is what [`matmul`]
 /// gives for its product alone, bit for bit (within a tier), but the pool's threads are handed
@@ -998,22 +1027,17 @@ fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
         bufs.resize_with(ps.len(), Vec::new);
     }
     let arrange = |i: usize| Arrange::of(tier, &ps[i].w).filter(|_| t_of[i] > 0);
-    let apply = |(i, buf): (usize, &mut Vec<f32>)| {
-        if let Some(a) = arrange(i) {
-            a.apply(ps[i].xs, buf);
-        }
-    };
     // A prefill block's inputs (a layer's experts' positions) are arranged on the pool's
     // threads, a decoded token's on this one.
     let arranged: usize = (0..ps.len())
         .filter(|&i| arrange(i).is_some())
         .map(|i| ps[i].xs.len())
         .sum();
-    if arranged >= PARALLEL_ARRANGE {
-        bufs[..ps.len()].par_iter_mut().enumerate().for_each(apply);
-    } else {
-        bufs[..ps.len()].iter_mut().enumerate().for_each(apply);
-    }
+    each_mut(&mut bufs[..ps.len()], arranged, |i, buf| {
+        if let Some(a) = arrange(i) {
+            a.apply(ps[i].xs, buf);
+        }
+    });
     let mut plans: [Option<Planned<'_>>; MAX_BATCH] = [None; MAX_BATCH];
     // `starts[i]`: the first task of product `i`; tasks are numbered across all products.
     let mut starts = [0usize; MAX_BATCH + 1];

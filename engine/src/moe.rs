@@ -13,10 +13,9 @@ use std::sync::Arc;
 
 use crate::config::{Activation, Routing};
 use crate::error::{Error, Result};
-use crate::kernels::{matmul_batch, Float, Mat, Product, Vector};
+use crate::kernels::{each_mut, each_row_mut, matmul_batch, Float, Mat, Product, Vector};
 use crate::ops;
 use crate::safetensors::MappedFile;
-use rayon::prelude::*;
 
 /// Which piece of an expert a stored part is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -455,42 +454,23 @@ pub(crate) fn experts_forward<'v, 'x>(
         })
         .chain(second.map(|w| Product { w, xs, ys: h2 }))
     }));
-    // Element by element, so splitting the work among threads changes no value; a prefill
-    // block's activations (hundreds of thousands of exponentials) would otherwise leave one
-    // core idle between the two parallel regions.
-    let work: usize = scratch.iter().map(|s| s.act.len()).sum();
-    if work >= PARALLEL_ELEMENTS {
-        scratch
-            .par_iter_mut()
-            .enumerate()
-            .for_each(|(i, s)| activate(&view(i), s, inter));
-    } else {
-        for (i, s) in scratch.iter_mut().enumerate() {
-            activate(&view(i), s, inter);
-        }
-    }
+    // A prefill block's activations (hundreds of thousands of exponentials) on the pool.
+    let work = scratch.iter().map(|s| s.act.len()).sum();
+    each_mut(scratch, work, |i, s| activate(&view(i), s, inter));
     matmul_batch(scratch.iter_mut().enumerate().map(|(i, s)| Product {
         w: view(i).down.expect("expert has down"),
         xs: &s.act,
         ys: &mut s.ys,
     }));
-    let down_bias = |(i, s): (usize, &mut ExpertScratch)| {
+    let work = scratch.iter().map(|s| s.ys.len()).sum();
+    each_mut(scratch, work, |i, s| {
         if let Some(b) = &view(i).down_bias {
             for row in s.ys.chunks_exact_mut(hidden) {
                 b.add_to(row);
             }
         }
-    };
-    if scratch.iter().map(|s| s.ys.len()).sum::<usize>() >= PARALLEL_ELEMENTS {
-        scratch.par_iter_mut().enumerate().for_each(down_bias);
-    } else {
-        scratch.iter_mut().enumerate().for_each(down_bias);
-    }
+    });
 }
-
-/// Elements of element-wise work below which the MoE does it on the calling thread (a
-/// decoded token's few experts: handing them to the pool would cost more than it saves).
-const PARALLEL_ELEMENTS: usize = 1 << 16;
 
 /// An expert's activation: its gate/up bias, then `act` from `h` (and `h2`).
 fn activate(v: &ExpertView<'_>, s: &mut ExpertScratch, inter: usize) {
@@ -616,19 +596,15 @@ pub fn moe_block(
         for ui in g0..g1 {
             check_lengths(layer, s.union[ui], schema, &s.handles[ui - g0])?;
         }
-        // Each expert's inputs gathered from its positions (copies: on threads for a block).
-        let gather = |(x, &e): (&mut Vec<f32>, &usize)| {
+        // Each expert's inputs gathered from its positions.
+        let (members, member_start, union) = (&s.members, &s.member_start, &s.union[g0..g1]);
+        each_mut(&mut s.inputs[..g1 - g0], t * k * h, |i, x| {
+            let e = union[i];
             x.clear();
-            for &(p, _) in &s.members[s.member_start[e]..s.member_start[e + 1]] {
+            for &(p, _) in &members[member_start[e]..member_start[e + 1]] {
                 x.extend_from_slice(&xs[p * h..(p + 1) * h]);
             }
-        };
-        let (inputs, union) = (&mut s.inputs[..g1 - g0], &s.union[g0..g1]);
-        if t * k * h >= PARALLEL_ELEMENTS {
-            inputs.par_iter_mut().zip(union).for_each(gather);
-        } else {
-            inputs.iter_mut().zip(union).for_each(gather);
-        }
+        });
         let handles = &s.handles;
         let view = |i: usize| {
             let v = schema.view(&handles[i]);
@@ -658,23 +634,17 @@ pub fn moe_block(
                 s.source[p * k + slot] = Some((ui - g0, j));
             }
         }
-        let experts = &s.experts;
-        let scatter = |(dst, src): (&mut [f32], &Option<(usize, usize)>)| {
-            if let Some((i, j)) = *src {
+        let (experts, source) = (&s.experts, &s.source);
+        each_row_mut(&mut s.slot_out[..t * k * h], h, t * k * h, |d, dst| {
+            if let Some((i, j)) = source[d] {
                 dst.copy_from_slice(&experts[i].ys[j * h..(j + 1) * h]);
             }
-        };
-        let rows = &mut s.slot_out[..t * k * h];
-        if t * k * h >= PARALLEL_ELEMENTS {
-            rows.par_chunks_mut(h).zip(&s.source).for_each(scatter);
-        } else {
-            rows.chunks_mut(h).zip(&s.source).for_each(scatter);
-        }
+        });
         g0 = g1;
     }
     s.handles.clear();
     // Each position adds its slots' outputs in slot order, whichever thread runs it.
-    let combine = |(p, o): (usize, &mut [f32])| {
+    each_row_mut(&mut out[..t * h], h, t * k * h, |p, o| {
         for slot in 0..k {
             let w = s.plan.weights[p * k + slot];
             let y = &s.slot_out[(p * k + slot) * h..(p * k + slot + 1) * h];
@@ -682,12 +652,7 @@ pub fn moe_block(
                 *oi += w * yi;
             }
         }
-    };
-    if t * k * h >= PARALLEL_ELEMENTS {
-        out[..t * h].par_chunks_mut(h).enumerate().for_each(combine);
-    } else {
-        out[..t * h].chunks_mut(h).enumerate().for_each(combine);
-    }
+    });
     Ok(())
 }
 
@@ -720,6 +685,7 @@ fn check_lengths(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::PARALLEL_ELEMENTS;
 
     /// Bytes from a fixed xorshift sequence.
     fn noise(n: usize, seed: u64) -> impl Iterator<Item = u64> {
@@ -740,7 +706,6 @@ mod tests {
     fn a_threaded_block_equals_its_positions_alone() {
         let (h, inter, n_exp, k, t) = (256, 256, 8, 4, 64);
         assert!(t * k * h >= PARALLEL_ELEMENTS && t * k * inter >= PARALLEL_ELEMENTS);
-        assert!(t * k * h >= crate::kernels::PARALLEL_ARRANGE);
         assert!(k * h < PARALLEL_ELEMENTS && k * inter < PARALLEL_ELEMENTS);
         let part = |role, format, len| PartSchema { role, format, len };
         let f32s = PartFormat::Dense(Float::F32);
