@@ -4,8 +4,8 @@
 //! lane `l` summing elements `i ≡ l (mod 16)` in increasing `i` (for MXFP4, the elements
 //! [`MXFP4_ORDER`] puts in lane `l` of each block's two vectors, block after block), a fixed
 //! lane reduction and a fused scalar tail; so a position's result never depends on how many
-//! rows or positions a call interleaves. With 32 vector registers, dense prefill kernels interleave 4 rows × 4
-//! positions. MXFP4 nibbles index the block's scale's row of a table of exactly dequantized
+//! rows or positions a call interleaves. With 32 vector registers, dense prefill kernels
+//! interleave 4 rows × 4 positions. MXFP4 nibbles index the block's scale's row of a table of exactly dequantized
 //! values (FP4 value times E8M0 scale) with one permute (`vpermps`) per 16 weights, so a block
 //! costs two multiply-adds per position; the block's 16 bytes are broadcast to the four
 //! 128-bit lanes and one variable shift per 16 weights brings each lane's nibble to the bits
