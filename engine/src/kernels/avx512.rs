@@ -5,16 +5,15 @@
 //! [`MXFP4_ORDER`] puts in lane `l` of each block's two vectors, block after block), a fixed
 //! lane reduction and a fused scalar tail; so a position's result never depends on how many
 //! rows or positions a call interleaves. With 32 vector registers, dense prefill kernels
-//! interleave 4 rows × 4 positions. MXFP4 nibbles index the block's scale's row of a table of exactly dequantized
-//! values (FP4 value times E8M0 scale) with one permute (`vpermps`) per 16 weights, so a block
-//! costs two multiply-adds per position; the block's 16 bytes are broadcast to the four
-//! 128-bit lanes and one variable shift per 16 weights brings each lane's nibble to the bits
-//! `vpermps` reads, so its weights come out of element order and the inputs are permuted to
-//! match ([`MXFP4_ORDER`]). Prefill decodes a slab of rows once per call of up to 32
-//! positions, as the AVX2 tier does. This VM has no AVX-512: the tier's kernels are
-//! tested in software emulation (`avx512_emulated`) and guarded by the runtime self-check,
-//! but their speed has not been measured.
-
+//! interleave 4 rows × 4 positions. MXFP4 nibbles index the block's scale's row of a table of
+//! exactly dequantized values (FP4 value times E8M0 scale) with one permute (`vpermps`) per 16
+//! weights, so a block costs two multiply-adds per position; the block's 16 bytes are
+//! broadcast to the four 128-bit lanes and one variable shift per 16 weights brings each
+//! lane's nibble to the bits `vpermps` reads, so its weights come out of element order and the
+//! inputs are permuted to match ([`MXFP4_ORDER`]). Prefill decodes a slab of rows once per
+//! call of up to 32 positions, as the AVX2 tier does. This VM has no AVX-512: the tier's
+//! kernels are tested in software emulation (`avx512_emulated`) and guarded by the runtime
+//! self-check, but their speed has not been measured.
 use std::arch::x86_64::*;
 
 use super::{Float, Mat, Outs, BF16, F16, F32, FP4_LUT, I8, SCALE};
