@@ -154,7 +154,7 @@ impl ModelConfig {
     /// Reads and normalises `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let text = crate::safetensors::read_small_text(&path, crate::safetensors::SMALL_FILE_MAX)?;
         Self::from_json_str(&text, &path)
     }
 
@@ -247,6 +247,20 @@ impl ModelConfig {
                 return err("sliding_window must be positive".into());
             }
         }
+        if !self.rms_norm_eps.is_finite() || self.rms_norm_eps < 0.0 {
+            return err(format!(
+                "rms_norm_eps must be a finite number >= 0, got {}",
+                self.rms_norm_eps
+            ));
+        }
+        if let Activation::ClippedSwiglu { limit, alpha } = self.activation {
+            if limit.is_nan() || limit <= 0.0 {
+                return err(format!("swiglu_limit must be positive, got {limit}"));
+            }
+            if !alpha.is_finite() {
+                return err(format!("swiglu_alpha must be a finite number, got {alpha}"));
+            }
+        }
         if self.rope.theta.is_nan() || self.rope.theta <= 0.0 {
             return err("rope_theta must be positive".into());
         }
@@ -262,6 +276,10 @@ impl ModelConfig {
         Ok(())
     }
 }
+
+/// Most layers, and most experts per layer, a configuration may declare (published MoE models
+/// have at most a few hundred of either).
+const MAX_COUNT: usize = 1 << 16;
 
 struct Fields<'a> {
     obj: &'a Map<String, Value>,
@@ -292,6 +310,25 @@ impl Fields<'_> {
     fn usize(&self, key: &str) -> Result<usize> {
         self.opt_usize(key)?
             .ok_or_else(|| self.err(format!("missing field {key:?}")))
+    }
+    /// A count that sizes tables before any tensor is checked against it (layers, experts):
+    /// anything above [`MAX_COUNT`] is refused here rather than allocated.
+    fn count(&self, key: &str) -> Result<usize> {
+        self.count_any(&[key])
+    }
+    /// [`Fields::count`] of the first of several aliases that is present.
+    fn count_any(&self, keys: &[&str]) -> Result<usize> {
+        let v = self.usize_any(keys)?;
+        if v > MAX_COUNT {
+            let key = keys
+                .iter()
+                .find(|k| self.get(k).is_some())
+                .unwrap_or(&keys[0]);
+            return Err(self.err(format!(
+                "field {key:?} is {v}, more than this engine takes ({MAX_COUNT})"
+            )));
+        }
+        Ok(v)
     }
     /// The first of several aliases that is present.
     fn usize_any(&self, keys: &[&str]) -> Result<usize> {
@@ -476,7 +513,7 @@ fn opt_f64_in(m: &Map<String, Value>, key: &str) -> std::result::Result<Option<f
 
 fn parse_gpt_oss(f: &Fields<'_>) -> Result<ModelConfig> {
     let hidden_size = f.usize("hidden_size")?;
-    let num_layers = f.usize("num_hidden_layers")?;
+    let num_layers = f.count("num_hidden_layers")?;
     let num_heads = f.usize("num_attention_heads")?;
     let num_kv_heads = f.usize("num_key_value_heads")?;
     // Absent fields take GptOssConfig's defaults: head_dim 64, sliding_window 128 (an explicit
@@ -519,7 +556,7 @@ fn parse_gpt_oss(f: &Fields<'_>) -> Result<ModelConfig> {
         num_kv_heads,
         head_dim,
         vocab_size: f.usize("vocab_size")?,
-        num_experts: f.usize_any(&["num_local_experts", "num_experts"])?,
+        num_experts: f.count_any(&["num_local_experts", "num_experts"])?,
         top_k: f.usize_any(&["num_experts_per_tok", "experts_per_token"])?,
         expert_intermediate: f.usize("intermediate_size")?,
         dense_intermediate: 0,
@@ -563,14 +600,14 @@ fn parse_gpt_oss(f: &Fields<'_>) -> Result<ModelConfig> {
 
 fn parse_qwen3_moe(f: &Fields<'_>) -> Result<ModelConfig> {
     let hidden_size = f.usize("hidden_size")?;
-    let num_layers = f.usize("num_hidden_layers")?;
+    let num_layers = f.count("num_hidden_layers")?;
     let num_heads = f.usize("num_attention_heads")?;
     let num_kv_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
     let head_dim = match f.opt_usize("head_dim")? {
         Some(d) => d,
         None => hidden_size / num_heads.max(1),
     };
-    let num_experts = f.usize_any(&["num_experts", "num_local_experts"])?;
+    let num_experts = f.count_any(&["num_experts", "num_local_experts"])?;
     let step = f.opt_usize("decoder_sparse_step")?.unwrap_or(1);
     let only = f.opt_usize_list("mlp_only_layers")?.unwrap_or_default();
     let layer_moe: Vec<bool> = (0..num_layers)
@@ -702,6 +739,55 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("hidden_size"), "{e}");
+    }
+
+    #[test]
+    fn values_that_would_crash_or_exhaust_memory_later_are_refused() {
+        let err = |from: &str, to: &str| {
+            assert!(GPT.contains(from), "{from}");
+            parse(&GPT.replace(from, to)).unwrap_err().to_string()
+        };
+        // Each sized a table before any tensor was checked (an allocation of terabytes).
+        let e = err(
+            "\"num_local_experts\":4",
+            "\"num_local_experts\":1099511627776",
+        );
+        assert!(
+            e.contains("num_local_experts") && e.contains("1099511627776"),
+            "{e}"
+        );
+        let e = err("\"num_local_experts\":4", "\"num_experts\":1073741824");
+        assert!(e.contains("\"num_experts\""), "{e}");
+        let e = err(
+            "\"num_hidden_layers\":2",
+            "\"num_hidden_layers\":1099511627776",
+        );
+        assert!(e.contains("num_hidden_layers"), "{e}");
+        // A negative limit made the activation's clamp panic; a negative epsilon gave zeros.
+        let with = |extra: &str| GPT.replacen('{', &format!("{{{extra},"), 1);
+        for bad in ["-7.0", "0"] {
+            let e = parse(&with(&format!("\"swiglu_limit\":{bad}"))).unwrap_err();
+            assert!(e.to_string().contains("swiglu_limit"), "{e}");
+        }
+        let e = parse(&with("\"rms_norm_eps\":-1")).unwrap_err();
+        assert!(e.to_string().contains("rms_norm_eps"), "{e}");
+        // The limits themselves still parse.
+        let c = parse(&with("\"swiglu_limit\":3.5,\"rms_norm_eps\":0")).unwrap();
+        assert_eq!(
+            c.activation,
+            Activation::ClippedSwiglu {
+                limit: 3.5,
+                alpha: 1.702
+            }
+        );
+        let q = r#"{"model_type":"qwen3_moe","hidden_size":32,"num_hidden_layers":65537,
+            "num_attention_heads":4,"vocab_size":50,"num_experts":4,"num_experts_per_tok":2,
+            "moe_intermediate_size":16}"#;
+        let e = parse(q).unwrap_err().to_string();
+        assert!(
+            e.contains("num_hidden_layers") && e.contains("65536"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -1,7 +1,8 @@
-//! Greedy generation on top of [`Model::forward`].
+//! Generation on top of [`Model::forward`]: greedy, or through a [`Sampler`].
 
 use crate::error::Result;
 use crate::model::{Logits, Model, Session};
+use crate::sampling::Sampler;
 
 /// Index of the largest logit; the first one on ties (as `torch.argmax`). NaN never wins.
 pub fn argmax(logits: &[f32]) -> u32 {
@@ -80,7 +81,42 @@ pub fn greedy_ids(
     )
 }
 
-/// The loop of [`greedy`] and [`greedy_ids`]: `step` runs tokens and returns the next one.
+/// [`greedy`] with each token chosen by `sampler` from the logits instead of their argmax; the
+/// repetition penalty applies to the prompt and the tokens generated so far (as in
+/// Transformers). The same seed gives the same tokens.
+#[allow(clippy::too_many_arguments)]
+pub fn sampled(
+    model: &Model,
+    sess: &mut Session,
+    prompt: &[u32],
+    max_new: usize,
+    stop: &[u32],
+    sampler: &mut Sampler,
+    mut on_token: impl FnMut(u32, &[f32]),
+    timings: &mut Timings,
+) -> Result<Vec<u32>> {
+    let mut history = prompt.to_vec();
+    generate(
+        model,
+        sess,
+        prompt,
+        max_new,
+        stop,
+        timings,
+        |sess, tokens| {
+            let logits = model.forward(sess, tokens, Logits::Last, None)?;
+            let tok = sampler
+                .sample(logits, &history)
+                .map_err(|e| crate::Error::Input(e.to_string()))?;
+            on_token(tok, logits);
+            history.push(tok);
+            Ok(tok)
+        },
+    )
+}
+
+/// The loop of [`greedy`], [`greedy_ids`] and [`sampled`]: `step` runs tokens and returns the
+/// next one.
 fn generate(
     model: &Model,
     sess: &mut Session,
@@ -90,8 +126,9 @@ fn generate(
     timings: &mut Timings,
     mut step: impl FnMut(&mut Session, &[u32]) -> Result<u32>,
 ) -> Result<Vec<u32>> {
-    let total = prompt.len() + max_new.saturating_sub(1);
-    if sess.position() + total > sess.max_context() {
+    // Saturating: a `max_new` near `usize::MAX` must fail this check, not wrap past it.
+    let total = prompt.len().saturating_add(max_new.saturating_sub(1));
+    if sess.position().saturating_add(total) > sess.max_context() {
         return Err(crate::Error::Input(format!(
             "prompt of {} tokens + {} new tokens does not fit the context of {} positions",
             prompt.len(),
@@ -100,7 +137,7 @@ fn generate(
         )));
     }
     model.check_input(sess, prompt)?;
-    let mut out = Vec::with_capacity(max_new);
+    let mut out = Vec::with_capacity(max_new.min(sess.max_context()));
     if max_new == 0 {
         return Ok(out);
     }

@@ -249,12 +249,13 @@ impl ModelFiles {
             .iter()
             .map(|(p, len)| DiskFile::open(p.clone(), *len, direct))
             .collect::<Result<_>>()?;
-        Ok(DiskTier::new(files, self.layout.clone(), threads, allowed))
+        DiskTier::new(files, self.layout.clone(), threads, allowed)
+            .map_err(|e| Error::Input(e.to_string()))
     }
 }
 
 fn map_file(path: &Path, len: u64) -> Result<Arc<MappedFile>> {
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let file = crate::safetensors::open_regular(path)?;
     // SAFETY: read-only mapping; see `safetensors::open_file`.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
     if map.len() as u64 != len {
@@ -621,7 +622,7 @@ impl Model {
                 self.cfg.vocab_size - 1
             )));
         }
-        if sess.pos + tokens.len() > sess.max_context {
+        if sess.pos.saturating_add(tokens.len()) > sess.max_context {
             return Err(Error::Input(format!(
                 "{} positions already used + {} new tokens exceed the context of {}",
                 sess.pos,

@@ -243,7 +243,7 @@ impl Checkpoint {
 }
 
 fn read_index(index: &Path) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
+    let text = read_small_text(index, SMALL_FILE_MAX)?;
     let v: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| Error::config(index, format!("not valid JSON: {e}")))?;
     let map = v
@@ -387,9 +387,53 @@ pub fn parse_header(
     Ok(out)
 }
 
+/// Opens `path` for reading if it is a regular file (after symbolic links): a directory, a
+/// device or a named pipe in a checkpoint's place is refused by name, instead of blocking in
+/// `open` (a pipe), reading without end (a device) or failing in `mmap` with an obscure code.
+pub fn open_regular(path: &Path) -> Result<File> {
+    let md = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if !md.is_file() {
+        let what = if md.is_dir() {
+            "a directory"
+        } else {
+            "not a regular file"
+        };
+        return Err(Error::io(
+            path,
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("is {what}")),
+        ));
+    }
+    File::open(path).map_err(|e| Error::io(path, e))
+}
+
+/// Reads a small text file (a configuration or an index) of at most `max` bytes, through
+/// [`open_regular`].
+pub fn read_small_text(path: &Path, max: u64) -> Result<String> {
+    use std::io::Read;
+    let file = open_regular(path)?;
+    let mut text = String::new();
+    file.take(max + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| Error::io(path, e))?;
+    if text.len() as u64 > max {
+        return Err(Error::io(
+            path,
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("larger than {max} bytes: not a file this engine reads"),
+            ),
+        ));
+    }
+    Ok(text)
+}
+
+/// The most bytes [`read_small_text`] takes for a `config.json` or a shard index (the
+/// published ones are a few kB to a few hundred kB).
+pub const SMALL_FILE_MAX: u64 = 64 << 20;
+
 /// Opens and validates one safetensors file (as file number `file_idx` of a checkpoint).
 pub fn open_file(path: &Path, file_idx: usize) -> Result<(MappedFile, Vec<(String, TensorInfo)>)> {
-    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let file = open_regular(path)?;
     let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
     if len < 8 {
         return Err(Error::Safetensors {

@@ -167,10 +167,11 @@ fn build_with(
         if len > MAX_META_LEN {
             return Err(BuildError::MetaTooLarge { path, len });
         }
-        let bytes = std::fs::read(&path).map_err(|source| BuildError::Meta {
-            path: path.clone(),
-            source,
-        })?;
+        let bytes =
+            crate::read_small_file(&path, MAX_META_LEN).map_err(|source| BuildError::Meta {
+                path: path.clone(),
+                source,
+            })?;
         meta.push(MetaFile {
             name: (*name).to_string(),
             len: bytes.len() as u64,

@@ -32,8 +32,9 @@ pub struct ExpertArgs {
     /// pages them in and out; no budget, no statistics).
     #[arg(long, conflicts_with_all = ["expert_cache", "prefetch"])]
     pub mmap_experts: bool,
-    /// Threads reading experts from disk (queue depth).
-    #[arg(long, default_value_t = 4, value_name = "N")]
+    /// Threads reading experts from disk (queue depth), 1 to 256.
+    #[arg(long, default_value_t = 4, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
     pub io_threads: usize,
     /// Neither preload the most used experts at start nor record usage counts.
     #[arg(long)]

@@ -1290,6 +1290,73 @@ fn run_prompt_renders_harmony_and_generates_as_prompt_ids() {
     }
 }
 
+/// Sampling options apply to `stormo run --prompt-ids` as to a text prompt: the ids sampled
+/// from a `--raw` text prompt's ids are the ids a `--prompt-ids` run of those ids samples with
+/// the same options and seed (temperature, top-k, top-p, repetition penalty over prompt and
+/// output), another seed samples others, and an invalid value is refused before any work.
+#[test]
+fn run_prompt_ids_samples_as_the_text_prompt_does() {
+    let model = crate::http::synth_model();
+    let d = model.path().to_str().expect("utf-8 path");
+    let cache = tempfile::tempdir().expect("temp dir");
+    let sampling = |seed: &'static str| {
+        [
+            "--model",
+            d,
+            "--max-new-tokens",
+            "8",
+            "--no-hot-store",
+            "--json",
+            "--temperature",
+            "1.3",
+            "--top-k",
+            "40",
+            "--top-p",
+            "0.95",
+            "--repetition-penalty",
+            "1.2",
+            "--seed",
+            seed,
+        ]
+    };
+    let mut args = vec!["run", "--raw", "--prompt", "The sky is"];
+    args.extend_from_slice(&sampling("7"));
+    let v = json_of(&stormo_bin(&args, cache.path()), "run --raw --prompt");
+    let prompt = ids_of(&v["prompt_ids"]);
+    let by_text = ids_of(&v["generated_ids"]);
+    assert!(!by_text.is_empty(), "{v}");
+
+    let joined: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let joined = joined.join(",");
+    let by_ids = |seed| {
+        let mut args = vec!["run", "--prompt-ids", &joined];
+        args.extend_from_slice(&sampling(seed));
+        ids_of(&json_of(&stormo_bin(&args, cache.path()), "run --prompt-ids")["generated_ids"])
+    };
+    let seven = by_ids("7");
+    assert_eq!(seven.len(), 8);
+    // The text run stops at the model's end-of-sequence ids; the id run goes on.
+    assert_eq!(
+        by_text[..],
+        seven[..by_text.len()],
+        "other ids than the text prompt's"
+    );
+    assert_eq!(seven, by_ids("7"), "the same seed sampled other ids");
+    assert_ne!(seven, by_ids("8"), "another seed sampled the same 8 ids");
+
+    let mut args = vec!["run", "--prompt-ids", &joined];
+    args.extend_from_slice(&sampling("7"));
+    let pos = args.iter().position(|&a| a == "1.3").expect("temperature");
+    args[pos] = "NaN";
+    let out = stormo_bin(&args, cache.path());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("temperature") && out.stdout.is_empty(),
+        "{err}"
+    );
+}
+
 /// Text prompts without the model folder's tokenizer.json: `stormo run --prompt` and `stormo
 /// chat` fail with exit code 1, naming the missing file, without a panic or any output.
 #[test]

@@ -505,3 +505,23 @@ fn cli_build_sign_verify_round_trip_and_failures() {
     ])
     .is_err());
 }
+
+/// A manifest or signature "file" that is a device or reports no length (`/dev/zero`) is
+/// refused without reading it, and a file longer than the limit is refused after reading at
+/// most one byte past the limit.
+#[test]
+fn small_files_are_read_with_a_bound() {
+    let e = stormo_manifests::read_small_file(Path::new("/dev/zero"), 4096).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+    let e = stormo_manifests::read_manifest(Path::new("/dev/zero")).unwrap_err();
+    assert!(e.to_string().contains("not a regular file"), "{e}");
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("f");
+    std::fs::write(&p, [7u8; 100]).unwrap();
+    assert_eq!(
+        stormo_manifests::read_small_file(&p, 100).unwrap().len(),
+        100
+    );
+    let e = stormo_manifests::read_small_file(&p, 99).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::FileTooLarge, "{e}");
+}

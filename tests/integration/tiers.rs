@@ -342,3 +342,44 @@ fn bench_warm_makes_experts_resident_with_short_prompts() {
         assert!(tok_s > 0.0, "{k}: {paired}");
     }
 }
+
+/// Something other than a regular file in a checkpoint's place (a named pipe, a directory, a
+/// device) is refused by name at load, instead of blocking in `open` (a pipe with no writer),
+/// reading without end (`/dev/zero` as config.json) or failing in `mmap` with an OS code.
+#[test]
+fn a_pipe_a_directory_or_a_device_in_a_checkpoint_is_refused_by_name() {
+    let src = &fixture("gptoss-tiny-mxfp4");
+    let open = |config: &dyn Fn(&Path), weights: &dyn Fn(&Path)| {
+        let d = tempfile::tempdir().unwrap();
+        config(&d.path().join("config.json"));
+        weights(&d.path().join("model.safetensors"));
+        ModelFiles::open(d.path()).map(|_| ()).unwrap_err().chain()
+    };
+    let copy = |name: &'static str| {
+        move |p: &Path| {
+            std::fs::copy(src.join(name), p).unwrap();
+        }
+    };
+    let fifo = |p: &Path| {
+        let made = std::process::Command::new("mkfifo").arg(p).status();
+        assert!(made.unwrap().success(), "mkfifo {}", p.display());
+    };
+    let e = open(&copy("config.json"), &fifo);
+    assert!(
+        e.contains("model.safetensors") && e.contains("not a regular file"),
+        "{e}"
+    );
+    let e = open(&copy("config.json"), &|p: &Path| {
+        std::fs::create_dir(p).unwrap()
+    });
+    assert!(
+        e.contains("model.safetensors") && e.contains("a directory"),
+        "{e}"
+    );
+    let zero = |p: &Path| std::os::unix::fs::symlink("/dev/zero", p).unwrap();
+    let e = open(&zero, &copy("model.safetensors"));
+    assert!(
+        e.contains("config.json") && e.contains("not a regular file"),
+        "{e}"
+    );
+}

@@ -118,11 +118,13 @@ impl std::fmt::Debug for IoPool {
 }
 
 impl IoPool {
-    /// Starts `n` threads (at least one).
-    pub fn new(n: usize) -> Self {
+    /// Starts `n` threads (at least one). If the system refuses some of them (a thread limit),
+    /// the pool runs with those it got; it fails only if it got none.
+    pub fn new(n: usize) -> std::io::Result<Self> {
         let shared = Arc::new((Mutex::new(Queues::default()), Condvar::new()));
-        let threads = (0..n.max(1))
-            .map(|i| {
+        let mut threads = Vec::new();
+        for i in 0..n.max(1) {
+            let spawned = {
                 let shared = shared.clone();
                 std::thread::Builder::new()
                     .name(format!("stormo-io-{i}"))
@@ -144,10 +146,25 @@ impl IoPool {
                         };
                         job();
                     })
-                    .expect("spawn I/O thread")
-            })
-            .collect();
-        Self { shared, threads }
+            };
+            match spawned {
+                Ok(t) => threads.push(t),
+                Err(e) if threads.is_empty() => {
+                    return Err(std::io::Error::new(
+                        e.kind(),
+                        format!("starting a thread to read experts from disk: {e}"),
+                    ))
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "started {} of {n} threads to read experts from disk ({e}); going on with those",
+                        threads.len()
+                    );
+                    break;
+                }
+            }
+        }
+        Ok(Self { shared, threads })
     }
 
     /// Queues a job.
@@ -205,15 +222,15 @@ impl DiskTier {
         layout: Arc<ExpertLayout>,
         threads: usize,
         allowed: Option<Vec<Vec<bool>>>,
-    ) -> Self {
-        Self {
+    ) -> std::io::Result<Self> {
+        Ok(Self {
             inner: Arc::new(DiskInner {
                 files,
                 layout,
                 allowed,
             }),
-            pool: IoPool::new(threads),
-        }
+            pool: IoPool::new(threads)?,
+        })
     }
 
     /// Reads one expert now, on the calling thread.

@@ -216,7 +216,7 @@ pub fn convert(src: &Path, out: &Path, mut progress: impl FnMut(u64, u64)) -> Re
 pub fn open(dir: &Path, cfg: &ModelConfig) -> Result<ExpertLayout> {
     let ip = dir.join(INDEX);
     let bad = |m: String| Error::config(&ip, m);
-    let text = std::fs::read_to_string(&ip).map_err(|e| Error::io(&ip, e))?;
+    let text = safetensors::read_small_text(&ip, safetensors::SMALL_FILE_MAX)?;
     let v: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
     if v["format"] != "stormo-expert-store" || v["version"] != 1 {

@@ -27,8 +27,8 @@ pub struct Args {
         value_name = "N,.."
     )]
     pub prompt_tokens: Vec<usize>,
-    /// Tokens to decode after the last prompt.
-    #[arg(long, default_value_t = 32, value_name = "N")]
+    /// Tokens to decode after the last prompt (at least 1).
+    #[arg(long, default_value_t = 32, value_name = "N", value_parser = positive)]
     pub decode_tokens: usize,
     /// Seed of the random prompt tokens.
     #[arg(long, default_value_t = 1)]
@@ -320,10 +320,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let files = ModelFiles::open(&a.model)
         .with_context(|| format!("loading the model in {}", a.model.display()))?;
     let max_p = *a.prompt_tokens.iter().max().expect("non-empty");
-    let context = max_p + a.decode_tokens;
+    let context = max_p.saturating_add(a.decode_tokens);
     anyhow::ensure!(
         context <= files.cfg.max_position_embeddings,
-        "{context} positions exceed the model's context"
+        "the longest prompt ({max_p} tokens) and {} decoded tokens need {context} positions, more than the model's context of {} (max_position_embeddings)",
+        a.decode_tokens,
+        files.cfg.max_position_embeddings
     );
     let say = |m: String| {
         if !a.json {

@@ -288,7 +288,7 @@ fn verify(
 
     match std::fs::metadata(&paths.sig) {
         Ok(md) if md.len() <= 4096 => {
-            let raw = std::fs::read(&paths.sig)
+            let raw = stormo_manifests::read_small_file(&paths.sig, 4096)
                 .with_context(|| format!("reading {}", paths.sig.display()))?;
             let sig = ManifestSignature::from_bytes(&raw)
                 .with_context(|| paths.sig.display().to_string())?;

@@ -1,12 +1,14 @@
 //! `stormo run`: generation from a text prompt (rendered through the model's chat format,
-//! streamed as text) or from prompt token ids (greedy, printing ids).
+//! streamed as text) or from prompt token ids (printing ids); greedy unless sampling options
+//! are given.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use stormo_engine::generate::{greedy, greedy_ids, Timings};
+use stormo_engine::generate::{greedy, greedy_ids, sampled, Timings};
 use stormo_engine::safetensors::{self, Dtype};
+use stormo_engine::sampling::Sampler;
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 
 use crate::chat::reply::ReplyStream;
@@ -33,7 +35,7 @@ pub struct Args {
     /// With --prompt: how it is rendered and the reasoning shown.
     #[command(flatten)]
     pub render: RenderArgs,
-    /// With --prompt: sampling (greedy unless --temperature is given).
+    /// Sampling, for text and token-id prompts alike (greedy unless --temperature is given).
     #[command(flatten)]
     pub sampling: SamplingArgs,
     /// Prompt token ids, separated by commas or whitespace (e.g. "1,2,3").
@@ -129,10 +131,7 @@ struct TextPrompt {
 /// Whether `stormo run` keeps a screen of the head: unless --full-head, when every token is
 /// greedy (ids, or a text prompt sampled greedily without a penalty) and no logits are written.
 fn screened_head(a: &Args) -> anyhow::Result<bool> {
-    let greedy = match &a.prompt {
-        Some(_) => a.sampling.params(0.0)?.is_plain_argmax(),
-        None => true,
-    };
+    let greedy = a.sampling.params(0.0)?.is_plain_argmax();
     Ok(!a.full_head && greedy && a.logits_out.is_none())
 }
 
@@ -193,7 +192,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let files = ModelFiles::open(&a.model)
         .with_context(|| format!("loading the model in {}", a.model.display()))?;
-    let context = prompt.len() + a.max_new_tokens.max(1) - 1;
+    // Saturating: an absurd --max-new-tokens must meet the context check below, not wrap.
+    let context = prompt.len().saturating_add(a.max_new_tokens.max(1) - 1);
+    // Checked before the model loads, so a bad setting costs no time.
+    let sampling = a.sampling.params(0.0)?;
     let max_pos = files.cfg.max_position_embeddings;
     let allowed = a
         .only_experts
@@ -250,7 +252,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     if let Some(tp) = text {
-        let sampling = a.sampling.params(0.0)?;
         let mut stop = match &tp.format {
             Some(f) => f.stop_tokens(),
             None => cfg.eos_token_ids.clone(),
@@ -337,7 +338,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut logits = Vec::new();
     let keep_logits = a.logits_out.is_some();
     let mut timings = Timings::default();
-    let ids = if keep_logits {
+    let ids = if !sampling.is_plain_argmax() {
+        let mut sampler = Sampler::new(sampling)?;
+        sampled(
+            &model,
+            &mut sess,
+            &prompt,
+            a.max_new_tokens,
+            &stop,
+            &mut sampler,
+            |_, l| {
+                if keep_logits {
+                    logits.extend_from_slice(l)
+                }
+            },
+            &mut timings,
+        )?
+    } else if keep_logits {
         greedy(
             &model,
             &mut sess,
