@@ -259,10 +259,16 @@ fn map_file(path: &Path, len: u64) -> Result<Arc<MappedFile>> {
     // SAFETY: read-only mapping; see `safetensors::open_file`.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
     if map.len() as u64 != len {
-        return Err(Error::Safetensors {
-            path: path.to_path_buf(),
-            reason: format!("file is {} bytes, expected {len}", map.len()),
-        });
+        return Err(Error::io(
+            path,
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "file is {} bytes, expected {len}: truncated or replaced",
+                    map.len()
+                ),
+            ),
+        ));
     }
     Ok(Arc::new(MappedFile {
         path: path.to_path_buf(),

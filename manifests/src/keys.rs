@@ -152,6 +152,10 @@ impl SecretKey {
             reason,
         };
         let meta = std::fs::metadata(path).map_err(io)?;
+        // Before the permissions: a directory's mode would otherwise draw a `chmod` advice.
+        if !meta.is_file() {
+            return Err(fmt("not a regular file"));
+        }
         #[cfg(unix)]
         {
             let mode = std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o7777;
@@ -162,8 +166,8 @@ impl SecretKey {
                 });
             }
         }
-        if !meta.is_file() || meta.len() > MAX_SECRET_FILE {
-            return Err(fmt("not a small regular file"));
+        if meta.len() > MAX_SECRET_FILE {
+            return Err(fmt("too large to be a key file"));
         }
         let bytes = Zeroizing::new(std::fs::read(path).map_err(io)?);
         let text = std::str::from_utf8(&bytes).map_err(|_| fmt("not UTF-8"))?;

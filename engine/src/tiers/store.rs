@@ -236,12 +236,16 @@ pub fn open(dir: &Path, cfg: &ModelConfig) -> Result<ExpertLayout> {
         .as_u64()
         .ok_or_else(|| bad("no experts_len".into()))?;
     if file_len != want_len {
-        return Err(Error::Safetensors {
-            path: path.clone(),
-            reason: format!(
-                "expert store is {file_len} bytes, index says {want_len}: truncated or replaced"
+        // Not a safetensors file: name the problem without calling it one.
+        return Err(Error::io(
+            &path,
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "expert store is {file_len} bytes, index says {want_len}: truncated or replaced"
+                ),
             ),
-        });
+        ));
     }
     let layers = v["layers"]
         .as_array()

@@ -24,16 +24,26 @@ use crate::experts::{ExpertArgs, Experts};
 #[derive(Debug, Clone, clap::Args)]
 pub struct SamplingArgs {
     /// Sampling temperature; 0 is greedy (the most likely token every time).
-    #[arg(long, value_name = "T")]
+    #[arg(long, allow_negative_numbers = true, value_name = "T")]
     pub temperature: Option<f32>,
     /// Nucleus sampling: keep the most likely tokens up to this probability mass (0, 1].
-    #[arg(long, default_value_t = 1.0, value_name = "P")]
+    #[arg(
+        long,
+        default_value_t = 1.0,
+        allow_negative_numbers = true,
+        value_name = "P"
+    )]
     pub top_p: f32,
     /// Keep only the K most likely tokens (0: all).
     #[arg(long, default_value_t = 0, value_name = "K")]
     pub top_k: usize,
     /// Penalty (> 0) on tokens already in the conversation; 1 is none.
-    #[arg(long, default_value_t = 1.0, value_name = "R")]
+    #[arg(
+        long,
+        default_value_t = 1.0,
+        allow_negative_numbers = true,
+        value_name = "R"
+    )]
     pub repetition_penalty: f32,
     /// Seed of the sampler: the same seed gives the same tokens.
     #[arg(long, default_value_t = 0, value_name = "N")]
@@ -116,13 +126,14 @@ pub fn load_text_model(
         load.prefill_block >= 1,
         "--prefill-block must be at least 1"
     );
-    anyhow::ensure!(context >= 1, "--context must be at least 1");
+    // The caller's option is --context (chat) or --http-context (serve): name neither.
+    anyhow::ensure!(context >= 1, "the context must be at least 1 position");
     let tokenizer = load_tokenizer(dir)?;
     let files =
         ModelFiles::open(dir).with_context(|| format!("loading the model in {}", dir.display()))?;
     let max = files.cfg.max_position_embeddings;
     if context > max {
-        bail!("--context {context} is more than the model's context of {max} (max_position_embeddings)");
+        bail!("a context of {context} positions is more than the model's context of {max} (max_position_embeddings)");
     }
     let format = ChatFormat::for_family(files.cfg.family, tokenizer.clone())
         .with_context(|| format!("the tokenizer in {} does not fit the model", dir.display()))?;

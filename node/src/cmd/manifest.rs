@@ -349,6 +349,15 @@ fn verify(
         );
         return Ok(());
     }
+    if crate::net::pull::Pulled::dense_only(model).unwrap_or(false) {
+        println!(
+            "note: {} was pulled without experts ({}): its expert bytes are holes, so the \
+             expert tensors, the experts and the files holding them differ from the manifest \
+             by design (`stormo pull --with-experts` fetches them)",
+            model.display(),
+            crate::net::pull::MARKER_FILE
+        );
+    }
     const SHOWN: usize = 200;
     for p in report.problems.iter().take(SHOWN) {
         println!("MISMATCH {p}");

@@ -27,7 +27,7 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub manifest: Option<PathBuf>,
     /// Where to listen for peers (UDP), e.g. 0.0.0.0:4433 or 127.0.0.1:0.
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = listen_addr)]
     pub listen: Option<SocketAddr>,
     /// This node's secret key (from `stormo key generate`); without it an ephemeral key is
     /// made and printed, which peers cannot allow-list across restarts.
@@ -193,4 +193,21 @@ fn serve_http_only(
         eprintln!("shutting down");
         w.close()
     })
+}
+
+/// `--listen`: an IP address and port, or a host name that resolves to one (`localhost:4433`:
+/// the first address it resolves to).
+fn listen_addr(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(a) = s.parse() {
+        return Ok(a);
+    }
+    let (host, port) = s
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{s:?} is not HOST:PORT (e.g. 0.0.0.0:4433 or 127.0.0.1:0)"))?;
+    port.parse::<u16>()
+        .map_err(|_| format!("{s:?}: the port {port:?} is not a number from 0 to 65535"))?;
+    std::net::ToSocketAddrs::to_socket_addrs(s)
+        .map_err(|e| format!("{s:?}: cannot resolve the host {host:?} ({e})"))?
+        .next()
+        .ok_or_else(|| format!("{s:?}: the host {host:?} has no address"))
 }
