@@ -153,6 +153,15 @@ pub struct ModelConfig {
 impl ModelConfig {
     /// Reads and normalises `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
+        if dir.is_file() {
+            return Err(Error::io(
+                dir,
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "is a file: give the model's folder (config.json and the safetensors files)",
+                ),
+            ));
+        }
         let path = dir.join("config.json");
         let text = crate::safetensors::read_small_text(&path, crate::safetensors::SMALL_FILE_MAX)?;
         Self::from_json_str(&text, &path)

@@ -54,7 +54,15 @@ impl Pulled {
             Ok(b) => serde_json::from_slice(&b)
                 .map(Some)
                 .with_context(|| format!("{} is not a valid pull marker", p.display())),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            // Not pulled; a file given as the folder is reported by whatever reads the model.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+                ) =>
+            {
+                Ok(None)
+            }
             Err(e) => Err(e).with_context(|| format!("reading {}", p.display())),
         }
     }
