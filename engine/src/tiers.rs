@@ -78,4 +78,13 @@ pub trait Tier: Send + Sync + fmt::Debug {
     fn holds(&self, key: ExpertKey) -> bool;
     /// Starts loading `keys`.
     fn load(&self, keys: &[ExpertKey], priority: Priority, done: Completion);
+    /// Failures so far that this tier followed with another try of its own (a tier with
+    /// several sources, such as the network tier trying peer after peer): its completions do
+    /// not show them, since a load that one source failed and another supplied completes with
+    /// the data, and a load that failed everywhere completes with one error (its last
+    /// failure, which is not counted here). [`TieredExperts`] counts each as a failure of this
+    /// tier and a fallback. A tier with one source per load has none.
+    fn retried_failures(&self) -> u64 {
+        0
+    }
 }

@@ -262,3 +262,57 @@ impl Experts {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stormo_engine::tiers::{Completion, ExpertKey, Priority};
+
+    /// A network tier that made up for `retried` failed tries with other peers.
+    #[derive(Debug)]
+    struct Peers {
+        retried: u64,
+    }
+
+    impl Tier for Peers {
+        fn name(&self) -> &str {
+            "peer"
+        }
+        fn holds(&self, _: ExpertKey) -> bool {
+            false
+        }
+        fn load(&self, _: &[ExpertKey], _: Priority, _: Completion) {
+            unreachable!("holds nothing")
+        }
+        fn retried_failures(&self) -> u64 {
+            self.retried
+        }
+    }
+
+    /// `--json` and `--stats` report the same peer failures and fallbacks, failures that
+    /// another peer made up for included (both once said 0).
+    #[test]
+    fn json_and_stats_count_peer_failures_another_peer_made_up_for() {
+        let t = Arc::new(TieredExperts::new(
+            vec![Arc::new(Peers { retried: 2 })],
+            vec![vec![64; 4]],
+            1,
+            &TierConfig::default(),
+        ));
+        let e = Experts {
+            provider: t.clone(),
+            tiered: Some(t),
+            usage_path: None,
+        };
+        let j = e.json((0, 0));
+        assert_eq!(j["peer_failures"], 2, "{j}");
+        assert_eq!(j["fallbacks"], 2, "{j}");
+        let table = e.table((0, 0));
+        let peer = table
+            .lines()
+            .find(|l| l.trim_start().starts_with("peer"))
+            .unwrap_or_else(|| panic!("no peer row: {table}"));
+        assert!(peer.trim_end().ends_with("2 failures"), "{table}");
+        assert!(table.contains("; 2 fallbacks"), "{table}");
+    }
+}

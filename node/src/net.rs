@@ -33,7 +33,8 @@ use stormo_wire::{DecodeError, FrameDecoder, Message};
 
 /// UDP socket buffer size: the default ~200 KiB drops packets of a 13 MB expert on loopback.
 pub const SOCKET_BUFFER: usize = 4 << 20;
-/// The longest a connection attempt (QUIC handshake plus Hello) may take.
+/// The longest a connection attempt (QUIC handshake plus Hello) may take (for a node that
+/// fetches, `--peer-timeout` when that is shorter).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// The node's identity: the key in `path`, or a new ephemeral key (with a warning: peers
@@ -307,6 +308,24 @@ mod tests {
         assert!(e.contains("HOST:PORT"), "{e}");
     }
 
+    /// `--peer-timeout` bounds a whole try, so a connection attempt never gets more than it
+    /// (it once always got 3 s).
+    #[test]
+    fn peer_timeout_bounds_the_connect_timeout() {
+        let args = |t: f64| PeerArgs {
+            peer_timeout: t,
+            ..PeerArgs::default()
+        };
+        let c = args(1.0).config().unwrap();
+        assert_eq!(c.connect_timeout, Duration::from_secs(1));
+        assert_eq!(c.request_timeout, Duration::from_secs(1));
+        let c = args(30.0).config().unwrap();
+        assert_eq!(c.connect_timeout, CONNECT_TIMEOUT);
+        assert_eq!(c.request_timeout, Duration::from_secs(30));
+        assert_eq!(c.idle_timeout, Duration::from_secs(5));
+        assert!(args(0.0).config().is_err());
+    }
+
     #[test]
     fn only_experts_both_forms() {
         let shape = [8, 8, 0];
@@ -352,7 +371,9 @@ pub struct PeerArgs {
     /// are given, the manifest is fetched from a peer (and checked the same way).
     #[arg(long, value_name = "FILE")]
     pub manifest: Option<PathBuf>,
-    /// Seconds one expert request to a peer may take in all before another peer is tried.
+    /// Seconds one expert request to a peer may take in all, connecting included (a
+    /// connection attempt gets at most 3 s), before another peer is tried. A peer that cannot
+    /// be connected to is then not tried again for a back-off (1 s, doubling up to 60 s).
     #[arg(long, default_value_t = 30.0, value_name = "SECS")]
     pub peer_timeout: f64,
     /// Also keep the verified experts fetched from peers in this directory (one file per
@@ -383,12 +404,9 @@ impl PeerArgs {
             self.peer_timeout.is_finite() && self.peer_timeout > 0.0,
             "--peer-timeout must be a positive number of seconds"
         );
-        let t = Duration::from_secs_f64(self.peer_timeout);
-        Ok(tier::PeerConfig {
-            request_timeout: t,
-            idle_timeout: t.min(Duration::from_secs(5)),
-            ..tier::PeerConfig::default()
-        })
+        Ok(tier::PeerConfig::with_timeout(Duration::from_secs_f64(
+            self.peer_timeout,
+        )))
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use stormo_engine::generate::{greedy, Timings};
 use stormo_engine::moe::{ExpertData, ExpertProvider};
-use stormo_engine::tiers::{Tier, TierConfig, TieredExperts};
+use stormo_engine::tiers::{ExpertStats, Tier, TierConfig, TieredExperts};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 use stormo_manifests::{build, BuildOptions, Hash, ManifestSignature, SecretKey};
 use stormo_node::experts::ExpertArgs;
@@ -215,6 +215,18 @@ fn peer_tier(f: &Fixture, peers: Vec<PeerAddr>) -> Arc<PeerTier> {
 /// smallest RAM budget (one layer's top-k) with prefetch, so that experts are fetched again
 /// and again.
 fn generate_from(f: &Fixture, name: &str, tier: Arc<PeerTier>) -> (Vec<u32>, Vec<u32>, u64) {
+    let (got, want, stats) = generate_with(f, name, tier, true);
+    (got, want, stats.tiers[0].loads)
+}
+
+/// [`generate_from`] with or without prefetch (without, no load is left running when it
+/// returns), and the cache's statistics.
+fn generate_with(
+    f: &Fixture,
+    name: &str,
+    tier: Arc<PeerTier>,
+    prefetch: bool,
+) -> (Vec<u32>, Vec<u32>, ExpertStats) {
     let files = ModelFiles::open(f.dir.path()).expect("model files");
     let r = Reference::open(&fixture(name));
     let prompt = r.ids("input_ids");
@@ -222,7 +234,7 @@ fn generate_from(f: &Fixture, name: &str, tier: Arc<PeerTier>) -> (Vec<u32>, Vec
     let sizes = files.layout.sizes();
     let cfg = TierConfig {
         budget: 0,
-        prefetch: true,
+        prefetch,
         ..TierConfig::default()
     };
     let t = Arc::new(TieredExperts::new(
@@ -233,8 +245,7 @@ fn generate_from(f: &Fixture, name: &str, tier: Arc<PeerTier>) -> (Vec<u32>, Vec
     ));
     let model = Model::new(files, t.clone(), &LoadOptions::default()).expect("model");
     let (got, _) = greedy_ids(&model, &prompt, want.len());
-    let loads = t.stats().tiers[0].loads;
-    (got, want, loads)
+    (got, want, t.stats())
 }
 
 fn experts_per_layer(f: &Fixture) -> usize {
@@ -312,7 +323,9 @@ fn corrupt_experts(dir: &Path) {
 }
 
 /// A node whose files were corrupted after its manifest was made serves wrong bytes: the
-/// client detects it, names it (its failure count), and still generates the exact ids.
+/// client detects it, names it (its failure count), and still generates the exact ids. The
+/// statistics count every bad answer as a peer failure and a fallback, though the good peer
+/// made up for each inside the network tier (they once said 0 failures, 0 fallbacks).
 #[test]
 fn corrupt_peer_is_detected_and_named_and_output_is_identical() {
     let name = "qwen3moe-tiny";
@@ -321,7 +334,8 @@ fn corrupt_peer_is_detected_and_named_and_output_is_identical() {
     let bad = serve_dir(20, bad_dir.path(), None, allow_client());
     let good = serve_dir(21, f.dir.path(), None, allow_client());
     let tier = peer_tier(&f, vec![bad.addr(), good.addr()]);
-    let (got, want, _) = generate_from(&f, name, tier.clone());
+    // No prefetch: no load is still running when the counts are compared.
+    let (got, want, stats) = generate_with(&f, name, tier.clone(), false);
     assert_eq!(got, want, "ids with a lying peer");
     let fails = tier.failures();
     assert!(
@@ -330,6 +344,32 @@ fn corrupt_peer_is_detected_and_named_and_output_is_identical() {
     );
     assert_eq!(fails[1].1, 0, "the good peer was blamed: {fails:?}");
     assert_eq!(fails[0].0, bad.addr());
+    let peer = &stats.tiers[0];
+    assert_eq!(
+        peer.failures,
+        u64::from(fails[0].1),
+        "one peer failure per bad answer: {stats:?}"
+    );
+    assert_eq!(
+        stats.fallbacks, peer.failures,
+        "each made up for by the good peer: {stats:?}"
+    );
+    tier.close();
+
+    // The same through the tiers `stormo run` composes, as `--json` reports them.
+    let args = peer_args(&f, vec![bad.addr(), good.addr()]);
+    let (got, _, j, tiers) = run_node(&f, name, &args, true);
+    assert_eq!(got, want, "ids with a lying peer, composed as run does");
+    let fails = tiers.peer.as_ref().expect("peer tier").failures();
+    assert!(
+        fails[0].1 > 0,
+        "the corrupt peer was never caught: {fails:?}"
+    );
+    assert!(
+        num(&j, "peer_failures") >= u64::from(fails[0].1),
+        "{fails:?}: {j}"
+    );
+    assert!(num(&j, "fallbacks") > 0, "{j}");
 }
 
 /// An expert provider that stalls far past the client's timeouts (a peer that accepts and
@@ -455,6 +495,109 @@ fn killed_stalled_and_silent_peers_fall_back_to_another() {
     );
     silent_ep.close(0u32.into(), b"");
     silent_rt.shutdown_background();
+}
+
+/// A peer address where nothing answers: a UDP socket that swallows every packet, so QUIC
+/// handshakes to it run into the connect timeout (as with nothing listening at all, where
+/// the port could also be taken by something else meanwhile). Keep the socket alive.
+fn dead_peer() -> (PeerAddr, std::net::UdpSocket) {
+    let sink = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let addr = PeerAddr {
+        key: SecretKey::from_seed(&[77; 32]).public(),
+        addr: sink.local_addr().expect("address"),
+    };
+    (addr, sink)
+}
+
+/// Regression (dead peer paid per expert): every load to a peer that does not answer waited
+/// for its own connection attempt, one after another behind the peer's lock, so a run waited
+/// 3 s per expert of a layer (6 to 24 s at 8 experts) although the peer was "avoided", and
+/// `--peer-timeout` did not shorten the attempts. Now one attempt is made for all the loads
+/// waiting, the peer is unreachable for its back-off (loads fail at once, naming it), and the
+/// attempt is bounded by `--peer-timeout` when that is shorter than 3 s.
+#[test]
+fn dead_peer_costs_one_connect_attempt_not_one_per_expert() {
+    let name = "gptoss-tiny-mxfp4";
+    let f = setup(name);
+    let (dead, _sink) = dead_peer();
+    let tier = peer_tier(&f, vec![dead.clone()]);
+    assert_eq!(tier.connects(), [1], "the attempt at start");
+    // Past the first back-off (1 s): the next load connects again, and every other load of
+    // the model, all started at once, waits for that one attempt.
+    std::thread::sleep(Duration::from_millis(1200));
+    let keys: Vec<_> = ModelFiles::open(f.dir.path())
+        .expect("model files")
+        .layout
+        .parts
+        .iter()
+        .enumerate()
+        .flat_map(|(l, experts)| {
+            (0..experts.len()).map(move |e| stormo_engine::tiers::ExpertKey::new(l, e))
+        })
+        .collect();
+    assert!(keys.len() >= 16, "{} experts", keys.len());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let started = Instant::now();
+    tier.load(
+        &keys,
+        stormo_engine::tiers::Priority::Demand,
+        Arc::new(
+            move |k: stormo_engine::tiers::ExpertKey, r: stormo_engine::Result<Arc<ExpertData>>| {
+                let _ = tx.send((k, r.map(|_| ()).map_err(|e| e.to_string())));
+            },
+        ),
+    );
+    for _ in &keys {
+        let (k, r) = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("a load hung");
+        let e = r.expect_err("a dead peer supplied an expert");
+        assert!(e.contains(&dead.to_string()), "expert {k}: {e}");
+    }
+    let took = started.elapsed();
+    // Before: one attempt (1 s with these timeouts) per load, 1 + keys.len() in all. One
+    // more is allowed in case the loads are slow to see the second back-off (2 s) begin.
+    let connects = tier.connects()[0];
+    assert!(
+        connects <= 3,
+        "{connects} connection attempts for {} loads",
+        keys.len()
+    );
+    assert!(tier.failures()[0].1 <= 3, "{:?}", tier.failures());
+    assert!(
+        took < Duration::from_secs(10),
+        "{} loads took {took:?}",
+        keys.len()
+    );
+    tier.close();
+
+    // As `stormo run` composes it, with no local experts (a pulled folder) and
+    // `--peer-timeout 1`: the run fails naming the peer and the 1 s bound (not 3 s).
+    let mut args = peer_args(&f, vec![dead.clone()]);
+    args.peer_timeout = 1.0;
+    let (got, _, _, tiers) = try_run_node(&f, name, &args, true);
+    let e = got.expect_err("a run against only a dead peer cannot succeed");
+    assert!(
+        e.contains(&dead.to_string()) && e.contains("no answer within 1.0s"),
+        "{e}"
+    );
+    let connects = tiers.peer.as_ref().expect("peer tier").connects()[0];
+    assert!(connects <= 3, "{connects} connection attempts");
+
+    // With its own experts asked after the peers (`--peers-first`), the run falls back to
+    // the disk at once for every expert, and gives the reference ids.
+    args.peers_first = true;
+    let (got, want, j, tiers) = run_node(&f, name, &args, false);
+    assert_eq!(got, want, "ids with a dead peer first");
+    assert!(num(&j, "disk_loads") > 0, "{j}");
+    let failed = num(&j, "peer_failures");
+    assert_eq!(num(&j, "fallbacks"), failed, "{j}");
+    // Attempts follow the back-off (1, 2, 4, ... s), not the loads: 8 would take minutes.
+    let connects = tiers.peer.as_ref().expect("peer tier").connects()[0];
+    assert!(
+        connects < 8 && u64::from(connects) < failed,
+        "{connects} connection attempts, {failed} loads failed at the peer: {j}"
+    );
 }
 
 /// In private mode a node key not on the allow-list cannot connect; a listed one can.
@@ -661,6 +804,23 @@ fn run_node(
     args: &PeerArgs,
     no_local: bool,
 ) -> (Vec<u32>, Vec<u32>, serde_json::Value, net::NodeTiers) {
+    let (got, want, json, tiers) = try_run_node(f, name, args, no_local);
+    (got.expect("generation"), want, json, tiers)
+}
+
+/// [`run_node`], with the generation's error (as `stormo run` would report it) rather than a
+/// panic.
+fn try_run_node(
+    f: &Fixture,
+    name: &str,
+    args: &PeerArgs,
+    no_local: bool,
+) -> (
+    Result<Vec<u32>, String>,
+    Vec<u32>,
+    serde_json::Value,
+    net::NodeTiers,
+) {
     let files = ModelFiles::open(f.dir.path()).expect("model files");
     let mut ea = expert_args();
     ea.expert_cache = "0".into();
@@ -680,7 +840,17 @@ fn run_node(
     let want = r.ids("generated_ids");
     let model =
         Model::new(files, experts.provider.clone(), &LoadOptions::default()).expect("model");
-    let (got, sess) = greedy_ids(&model, &prompt, want.len());
+    let mut sess = model.session(prompt.len() + want.len()).expect("session");
+    let got = greedy(
+        &model,
+        &mut sess,
+        &prompt,
+        want.len(),
+        &[],
+        |_, _| {},
+        &mut Timings::default(),
+    )
+    .map_err(|e| e.to_string());
     tiers.close();
     let mut json = experts.json(sess.prediction());
     tiers.add_json(&mut json);

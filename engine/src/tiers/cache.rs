@@ -40,7 +40,8 @@ pub struct TierStats {
     pub loads: u64,
     /// Bytes it delivered.
     pub bytes: u64,
-    /// Loads that failed there.
+    /// Failed tries there: loads that failed there, and failures the tier itself followed with
+    /// another of its sources ([`Tier::retried_failures`]: another peer).
     pub failures: u64,
 }
 
@@ -55,7 +56,9 @@ pub struct ExpertStats {
     pub prefetch_used: u64,
     /// Prefetched experts evicted (or left) unused.
     pub prefetch_wasted: u64,
-    /// Loads that failed in one tier and were retried in the next.
+    /// Failures followed by a try elsewhere: a load that failed in one tier and was retried in
+    /// the next, or a failure a tier followed with another of its sources
+    /// ([`Tier::retried_failures`]).
     pub fallbacks: u64,
     /// Seconds the model waited for experts.
     pub wait_s: f64,
@@ -171,11 +174,18 @@ impl TieredExperts {
         self.shared.lock().used
     }
 
-    /// A snapshot of the counters. Prefetched experts still unused count as wasted.
+    /// A snapshot of the counters. Prefetched experts still unused count as wasted; failures
+    /// a tier retried itself count as its failures and as fallbacks.
     pub fn stats(&self) -> ExpertStats {
         let g = self.shared.lock();
         let mut s = g.stats.clone();
         s.prefetch_wasted += g.map.values().filter(|e| e.unused_prefetch).count() as u64;
+        drop(g);
+        for (t, tier) in s.tiers.iter_mut().zip(&self.shared.tiers) {
+            let n = tier.retried_failures();
+            t.failures += n;
+            s.fallbacks += n;
+        }
         s
     }
 
@@ -531,6 +541,46 @@ mod tests {
                 done(k, Err(e));
             }
         }
+    }
+
+    /// A tier with several sources that made up for `retried` failures itself, and then
+    /// refused every load.
+    #[derive(Debug)]
+    struct Retrying {
+        retried: u64,
+    }
+
+    impl Tier for Retrying {
+        fn name(&self) -> &str {
+            "retrying"
+        }
+        fn holds(&self, k: ExpertKey) -> bool {
+            Refusing.holds(k)
+        }
+        fn load(&self, keys: &[ExpertKey], p: Priority, done: Completion) {
+            Refusing.load(keys, p, done)
+        }
+        fn retried_failures(&self) -> u64 {
+            self.retried
+        }
+    }
+
+    /// Failures a tier followed with another of its sources count as its failures and as
+    /// fallbacks, besides the loads that failed there.
+    #[test]
+    fn failures_a_tier_retried_itself_count_as_failures_and_fallbacks() {
+        let cache = TieredExperts::new(
+            vec![Arc::new(Retrying { retried: 3 })],
+            vec![vec![64; 4]],
+            1,
+            &TierConfig::default(),
+        );
+        let s = cache.stats();
+        assert_eq!((s.tiers[0].failures, s.fallbacks), (3, 3));
+        cache.fetch(0, &[1], &mut Vec::new()).unwrap_err();
+        let s = cache.stats();
+        assert_eq!(s.tiers[0].failures, 4, "the load that failed there, too");
+        assert_eq!(s.fallbacks, 3, "no tier below to retry it in");
     }
 
     /// A failure is reported once, naming the expert once, and not cached as data.

@@ -35,7 +35,8 @@ pub struct Args {
     /// dense weights only and `run` fetches experts from peers (--no-local-experts implied).
     #[arg(long)]
     pub with_experts: bool,
-    /// Seconds one request to a peer may take in all before the next peer is tried.
+    /// Seconds one request to a peer may take in all before the next peer is tried (a
+    /// connection attempt gets at most 3 s, or this if shorter).
     #[arg(long, default_value_t = 30.0, value_name = "SECS")]
     pub peer_timeout: f64,
 }
@@ -60,11 +61,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         trust: a.trust,
         out: a.out.clone(),
         with_experts: a.with_experts,
-        cfg: PeerConfig {
-            request_timeout: t,
-            idle_timeout: t.min(Duration::from_secs(5)),
-            ..PeerConfig::default()
-        },
+        cfg: PeerConfig::with_timeout(t),
     };
     let started = std::time::Instant::now();
     let r = pull::pull(&secret, &opts, &rt)

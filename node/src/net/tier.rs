@@ -9,11 +9,18 @@
 //! and goes on with another peer, resuming after the verified prefix; only when no peer can
 //! supply the expert does it complete with an error, so the tiers above fall back. Keys are
 //! fetched in parallel, each on its own task. Prefetch loads are sent with the `Prefetch`
-//! priority. Every wait is bounded: the connect (handshake plus hello), each request's overall
-//! deadline and the gap between two frames.
+//! priority. Every wait is bounded: the connect (handshake plus hello), each try's overall
+//! deadline (connecting included) and the gap between two frames.
+//!
+//! A peer that cannot be connected to is unreachable for its back-off: one connection attempt
+//! at a time (concurrent loads wait for it rather than each connecting), and until the
+//! back-off ends every try at it fails at once, naming the peer and why, without connecting
+//! again. Failed tries that another peer made up for are counted through
+//! [`Tier::retried_failures`], so the statistics show them as failures and fallbacks.
 
 use std::collections::HashSet;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -32,9 +39,10 @@ use super::{tls, FramedRecv, PeerAddr, ReadError};
 /// Timeouts of the network tier.
 #[derive(Clone, Copy, Debug)]
 pub struct PeerConfig {
-    /// The longest a connection (QUIC handshake, hello and inventory) may take.
+    /// The longest a connection (QUIC handshake, hello and inventory) may take. Keep it within
+    /// `request_timeout`: a try that has to connect first spends it out of its own deadline.
     pub connect_timeout: Duration,
-    /// The overall deadline of one expert request.
+    /// The overall deadline of one try at one peer for one expert, connecting included.
     pub request_timeout: Duration,
     /// The longest wait for the first frame of an answer or between two frames.
     pub idle_timeout: Duration,
@@ -52,6 +60,20 @@ impl Default for PeerConfig {
             idle_timeout: Duration::from_secs(5),
             hedge_min: Duration::from_millis(20),
             hedge_max: Duration::from_secs(2),
+        }
+    }
+}
+
+impl PeerConfig {
+    /// The timeouts of `--peer-timeout SECS`: every try at a peer within `timeout` in all (a
+    /// connection attempt within [`super::CONNECT_TIMEOUT`] or `timeout`, the shorter), the gap
+    /// between frames within 5 s or `timeout`.
+    pub fn with_timeout(timeout: Duration) -> Self {
+        Self {
+            connect_timeout: super::CONNECT_TIMEOUT.min(timeout),
+            request_timeout: timeout,
+            idle_timeout: timeout.min(Duration::from_secs(5)),
+            ..Self::default()
         }
     }
 }
@@ -121,6 +143,11 @@ struct PeerState {
     failures: u32,
     failures_total: u32,
     avoid_until: Option<Instant>,
+    /// Why the last connection attempt failed, until a connection succeeds: while the peer is
+    /// avoided for it, tries fail at once instead of connecting again.
+    unreachable: Option<String>,
+    /// Connection attempts made.
+    connects: u32,
     rate: Option<f64>,
     rtt: Option<Duration>,
     /// Seconds of its recent whole-expert fetches, newest last (a race it lost counts with
@@ -177,7 +204,7 @@ type TryResult = Result<Vec<u8>, (String, Vec<u8>)>;
 struct Peer {
     addr: PeerAddr,
     client: quinn::ClientConfig,
-    link: tokio::sync::Mutex<Option<Arc<Link>>>,
+    link: Arc<tokio::sync::Mutex<Option<Arc<Link>>>>,
     state: Mutex<PeerState>,
 }
 
@@ -189,6 +216,10 @@ impl Peer {
     /// Notes a failure: warns naming the peer, and avoids it for a while.
     fn mark(&self, what: &str, err: &dyn fmt::Display) {
         let mut s = self.state();
+        Self::mark_state(&mut s, &self.addr, what, err);
+    }
+
+    fn mark_state(s: &mut PeerState, addr: &PeerAddr, what: &str, err: &dyn fmt::Display) {
         s.failures += 1;
         s.failures_total += 1;
         let backoff = Duration::from_millis(500)
@@ -196,8 +227,7 @@ impl Peer {
             .min(MAX_BACKOFF);
         s.avoid_until = Some(Instant::now() + backoff);
         tracing::warn!(
-            "peer {} failed {what}: {err}; avoiding it for {:.1}s",
-            self.addr,
+            "peer {addr} failed {what}: {err}; avoiding it for {:.1}s",
             backoff.as_secs_f64()
         );
     }
@@ -222,6 +252,8 @@ struct Inner {
     /// Where verified experts are also written (`--expert-dir`).
     store: std::sync::OnceLock<Arc<super::expert_dir::ExpertDir>>,
     hedges: Mutex<HedgeStats>,
+    /// Failed tries at peers that were followed by a try elsewhere ([`Tier::retried_failures`]).
+    retried: AtomicU64,
 }
 
 /// The network tier. See the module docs.
@@ -414,7 +446,7 @@ impl PeerTier {
             ps.push(Arc::new(Peer {
                 addr: p.clone(),
                 client: tls::client_config(secret, &p.key)?,
-                link: tokio::sync::Mutex::new(None),
+                link: Default::default(),
                 state: Mutex::new(PeerState::default()),
             }));
         }
@@ -431,6 +463,7 @@ impl PeerTier {
             local: Default::default(),
             store: Default::default(),
             hedges: Default::default(),
+            retried: Default::default(),
         });
         let i2 = inner.clone();
         rt.block_on(async move {
@@ -439,11 +472,8 @@ impl PeerTier {
                 .iter()
                 .map(|p| {
                     let (i, p) = (i2.clone(), p.clone());
-                    tokio::spawn(async move {
-                        if let Err(e) = link(&i, &p).await {
-                            p.mark("to connect", &format!("{e:#}"));
-                        }
-                    })
+                    // A failure is marked (and warned about) by `link`.
+                    tokio::spawn(async move { link(&i, &p).await })
                 })
                 .collect();
             for t in tasks {
@@ -504,7 +534,18 @@ impl PeerTier {
             .collect()
     }
 
-    /// Failures so far per peer, in `peers` order.
+    /// Connection attempts so far per peer (the first at start included), in `peers` order.
+    pub fn connects(&self) -> Vec<u32> {
+        self.inner
+            .peers
+            .iter()
+            .map(|p| p.state().connects)
+            .collect()
+    }
+
+    /// Failures so far per peer, in `peers` order: tries that reached the peer (or tried to
+    /// connect to it) and failed. Tries refused at once because the peer is unreachable for
+    /// its back-off are not its failures again.
     pub fn failures(&self) -> Vec<(PeerAddr, u32)> {
         self.inner
             .peers
@@ -515,16 +556,34 @@ impl PeerTier {
 
     /// Closes every connection.
     pub fn close(&self) {
-        self.inner
-            .closing
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.inner.closing.store(true, Ordering::SeqCst);
         self.inner.endpoint.close(0u32.into(), b"done");
     }
 }
 
-/// The live link to `peer`, connecting if there is none (or the last one closed).
-async fn link(inner: &Inner, peer: &Peer) -> anyhow::Result<Arc<Link>> {
-    let mut g = peer.link.lock().await;
+/// Why there is no link to a peer. Either way the peer is already marked: callers must not
+/// mark it again.
+#[derive(Debug, thiserror::Error)]
+enum LinkError {
+    /// This call tried to connect and failed.
+    #[error("cannot connect: {0}")]
+    Connect(String),
+    /// A recent attempt failed and the peer is avoided for it: not tried again yet.
+    #[error("unreachable ({why}); not trying to connect again for {:.1}s", .left.as_secs_f64())]
+    Unreachable {
+        /// Why the last attempt failed.
+        why: String,
+        /// Until the back-off ends.
+        left: Duration,
+    },
+}
+
+/// The live link to `peer`, connecting if there is none (or the last one closed). Attempts
+/// are one at a time (the lock on the link is held while connecting), and a failed one makes
+/// the peer unreachable for its back-off: the calls that waited for it, and any call until
+/// the back-off ends, fail at once without connecting.
+async fn link(inner: &Inner, peer: &Arc<Peer>) -> Result<Arc<Link>, LinkError> {
+    let mut g = peer.link.clone().lock_owned().await;
     if let Some(l) = g.as_ref() {
         if l.conn.close_reason().is_none() {
             return Ok(l.clone());
@@ -532,22 +591,73 @@ async fn link(inner: &Inner, peer: &Peer) -> anyhow::Result<Arc<Link>> {
         tracing::info!("peer {}: connection lost, reconnecting", peer.addr);
         *g = None;
     }
-    let (conn, hello, inv) = connect(
-        &inner.endpoint,
+    {
+        let mut s = peer.state();
+        let now = Instant::now();
+        if let (Some(why), Some(until)) = (&s.unreachable, s.avoid_until) {
+            if until > now {
+                return Err(LinkError::Unreachable {
+                    why: why.clone(),
+                    left: until - now,
+                });
+            }
+        }
+        s.connects += 1;
+    }
+    // On a task of its own, holding the lock: the attempt runs to its end (and a failure is
+    // marked) even when the try that started it is dropped, such as a race lost to the disk.
+    let task = tokio::spawn(connect_link(
+        inner.endpoint.clone(),
+        inner.me,
+        inner.model,
+        inner.cfg,
+        peer.clone(),
+        g,
+    ));
+    task.await.unwrap_or_else(|e| {
+        Err(LinkError::Connect(format!(
+            "the connecting task ended: {e}"
+        )))
+    })
+}
+
+/// Connects to `peer` for [`link`], which holds `g`, and stores the link there.
+async fn connect_link(
+    endpoint: quinn::Endpoint,
+    me: NodeId,
+    model: Hash,
+    cfg: PeerConfig,
+    peer: Arc<Peer>,
+    mut g: tokio::sync::OwnedMutexGuard<Option<Arc<Link>>>,
+) -> Result<Arc<Link>, LinkError> {
+    let (conn, hello, inv) = match connect(
+        &endpoint,
         peer.client.clone(),
         &peer.addr,
-        inner.me,
-        Some(inner.model),
-        inner.cfg.connect_timeout,
+        me,
+        Some(model),
+        cfg.connect_timeout,
     )
-    .await?;
+    .await
+    {
+        Ok(c) => c,
+        Err(e) => {
+            let why = format!("{e:#}");
+            // Marked before the lock on the link is released, so that the calls waiting for
+            // it see the peer unreachable.
+            let mut s = peer.state();
+            Peer::mark_state(&mut s, &peer.addr, "to connect", &why);
+            s.unreachable = Some(why.clone());
+            return Err(LinkError::Connect(why));
+        }
+    };
     let slots = hello.limits.max_concurrent_requests.clamp(1, 64) as usize;
     let l = Arc::new(Link {
         conn,
         slots: Arc::new(Semaphore::new(slots)),
         reqs: LinkRequests::new(RequestsConfig {
-            timeout: inner.cfg.request_timeout,
-            idle_timeout: inner.cfg.idle_timeout,
+            timeout: cfg.request_timeout,
+            idle_timeout: cfg.idle_timeout,
             max_outstanding: 64,
         }),
     });
@@ -555,6 +665,7 @@ async fn link(inner: &Inner, peer: &Peer) -> anyhow::Result<Arc<Link>> {
         let mut s = peer.state();
         s.inventory = inv;
         s.rtt = Some(l.conn.rtt());
+        s.unreachable = None;
     }
     *g = Some(l.clone());
     Ok(l)
@@ -702,6 +813,9 @@ impl PeerLink {
 enum AttemptError {
     #[error("{0}")]
     Fetch(FetchError, Vec<u8>),
+    /// No link (the peer is already marked for it).
+    #[error(transparent)]
+    Link(#[from] LinkError),
     #[error("{0:#}")]
     Other(anyhow::Error),
 }
@@ -905,8 +1019,9 @@ impl Inner {
     }
 
     /// One try at peer `i` (counted in flight by `f`), resuming after `prefix`; the whole
-    /// record is verified before it is returned. Failures mark the peer (unless the tier is
-    /// closing); successes feed its latency and throughput.
+    /// record is verified before it is returned. Failures mark the peer and are counted in
+    /// `failed` (unless the tier is closing); successes feed its latency and throughput.
+    #[allow(clippy::too_many_arguments)]
     async fn try_peer(
         &self,
         i: usize,
@@ -915,15 +1030,20 @@ impl Inner {
         len: u64,
         mut prefix: Vec<u8>,
         priority: Priority,
+        failed: &AtomicU64,
     ) -> TryResult {
         let peer = &self.peers[i];
         let started = Instant::now();
         let got = self.attempt(peer, id, len, &mut prefix, priority).await;
         drop(f);
-        let closing = self.closing.load(std::sync::atomic::Ordering::SeqCst);
+        let closing = self.closing.load(Ordering::SeqCst);
+        if !closing && got.is_err() {
+            failed.fetch_add(1, Ordering::Relaxed);
+        }
         match got {
             Ok(record) => {
                 if let Err(e) = self.manifest.verify_record(id, &record) {
+                    failed.fetch_add(1, Ordering::Relaxed);
                     peer.mark(&format!("on expert {id}"), &e);
                     return Err((format!("{}: {e}", peer.addr), Vec::new()));
                 }
@@ -937,6 +1057,10 @@ impl Inner {
                 Ok(record)
             }
             Err(_) if closing => Err(("the network tier is closed".into(), prefix)),
+            Err(e @ AttemptError::Link(_)) => {
+                tracing::debug!("peer {} on expert {id}: {e}", peer.addr);
+                Err((format!("{}: {e}", peer.addr), prefix))
+            }
             Err(e) => {
                 peer.mark(&format!("on expert {id}"), &e);
                 Err((format!("{}: {e}", peer.addr), prefix))
@@ -951,7 +1075,29 @@ impl Inner {
         s.races_lost += 1;
     }
 
+    /// Loads `key` from the peers, and counts the failed tries that were followed by another
+    /// (all of them when the load succeeds; all but the last, which is the load's own error,
+    /// when it fails).
     async fn fetch(&self, key: ExpertKey, priority: Priority) -> Result<Arc<ExpertData>, String> {
+        let failed = AtomicU64::new(0);
+        let r = self.fetch_from_peers(key, priority, &failed).await;
+        let failed = failed.into_inner();
+        let retried = if r.is_ok() {
+            failed
+        } else {
+            failed.saturating_sub(1)
+        };
+        self.retried.fetch_add(retried, Ordering::Relaxed);
+        r
+    }
+
+    /// Loads `key` from the peers, counting failed tries in `failed`.
+    async fn fetch_from_peers(
+        &self,
+        key: ExpertKey,
+        priority: Priority,
+        failed: &AtomicU64,
+    ) -> Result<Arc<ExpertData>, String> {
         let id = expert_id(key).ok_or("expert index out of range")?;
         let entry = self
             .manifest
@@ -976,7 +1122,7 @@ impl Inner {
         let mut errors = Vec::new();
         let mut local_tried = false;
         loop {
-            if self.closing.load(std::sync::atomic::Ordering::SeqCst) {
+            if self.closing.load(Ordering::SeqCst) {
                 return Err("the network tier is closed".into());
             }
             let Some((i, f)) = self.pick(id, len, &mut tried) else {
@@ -985,7 +1131,7 @@ impl Inner {
             let started = Instant::now();
             let delay = self.hedge_delay(i, len);
             let prefix_in = std::mem::take(&mut prefix);
-            let mut a = std::pin::pin!(self.try_peer(i, f, id, len, prefix_in, priority));
+            let mut a = std::pin::pin!(self.try_peer(i, f, id, len, prefix_in, priority, failed));
             let first = if priority == Priority::Demand {
                 tokio::select! {
                     r = &mut a => Some(r),
@@ -1006,8 +1152,15 @@ impl Inner {
                             delay.as_secs_f64() * 1e3,
                             self.peers[j].addr
                         );
-                        let mut b =
-                            std::pin::pin!(self.try_peer(j, g, id, len, Vec::new(), priority));
+                        let mut b = std::pin::pin!(self.try_peer(
+                            j,
+                            g,
+                            id,
+                            len,
+                            Vec::new(),
+                            priority,
+                            failed
+                        ));
                         let (r, b_first) = tokio::select! {
                             r = &mut a => (r, false),
                             r = &mut b => (r, true),
@@ -1110,28 +1263,38 @@ impl Inner {
     /// earlier attempt) and returns the whole record, or extends `prefix` with what verified.
     async fn attempt(
         &self,
-        peer: &Peer,
+        peer: &Arc<Peer>,
         id: ExpertId,
         len: u64,
         prefix: &mut Vec<u8>,
         priority: Priority,
     ) -> Result<Vec<u8>, AttemptError> {
-        let l = link(self, peer).await.map_err(AttemptError::Other)?;
-        let _permit =
-            tokio::time::timeout(self.cfg.request_timeout, l.slots.clone().acquire_owned())
-                .await
-                .map_err(|_| {
-                    AttemptError::Other(anyhow::anyhow!(
-                        "no request slot within the request timeout"
-                    ))
-                })?
-                .map_err(|_| AttemptError::Other(anyhow::anyhow!("link closed")))?;
+        // The request timeout bounds the whole try: connecting (itself bounded by the connect
+        // timeout), waiting for a slot, and the request.
+        let deadline = tokio::time::Instant::now() + self.cfg.request_timeout;
+        let l = link(self, peer).await?;
+        let _permit = tokio::time::timeout_at(deadline, l.slots.clone().acquire_owned())
+            .await
+            .map_err(|_| {
+                AttemptError::Other(anyhow::anyhow!(
+                    "no request slot within the request timeout"
+                ))
+            })?
+            .map_err(|_| AttemptError::Other(anyhow::anyhow!("link closed")))?;
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            return Err(AttemptError::Other(anyhow::anyhow!(
+                "the request timeout ({:.1}s) passed before the request was sent",
+                self.cfg.request_timeout.as_secs_f64()
+            )));
+        }
         let wire_priority = match priority {
             Priority::Demand => stormo_wire::Priority::Now,
             Priority::Prefetch => stormo_wire::Priority::Prefetch,
         };
         let mut fetch = Fetch::expert(self.model, id, len)
             .priority(wire_priority)
+            .timeout(left)
             .verifier(Box::new(ChunkCheck {
                 manifest: self.manifest.clone(),
                 id,
@@ -1179,6 +1342,10 @@ impl Tier for PeerTier {
                     .as_ref()
                     .is_none_or(|inv| inv.contains(id))
             })
+    }
+
+    fn retried_failures(&self) -> u64 {
+        self.inner.retried.load(Ordering::Relaxed)
     }
 
     fn load(&self, keys: &[ExpertKey], priority: Priority, done: Completion) {
