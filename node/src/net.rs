@@ -88,14 +88,22 @@ impl FromStr for PeerAddr {
                 "peer {s:?}: expected KEY@HOST:PORT (the peer's 64-hex node key, then its address)"
             );
         };
-        let key: PublicKey = key
-            .parse()
-            .with_context(|| format!("peer {s:?}: the part before '@'"))?;
+        // Each message carries its cause inline: clap shows a value parser's error without
+        // its chain.
+        let key: PublicKey = key.parse().map_err(|e| {
+            anyhow::anyhow!("peer {s:?}: the part before '@' is not a node key ({e})")
+        })?;
+        let Some((host, port)) = addr.rsplit_once(':') else {
+            anyhow::bail!("peer {s:?}: {addr:?} is not HOST:PORT");
+        };
+        if port.parse::<u16>().is_err() {
+            anyhow::bail!("peer {s:?}: the port {port:?} is not a number from 0 to 65535");
+        }
         let addr = addr
             .to_socket_addrs()
-            .with_context(|| format!("peer {s:?}: {addr:?} is not HOST:PORT"))?
+            .map_err(|e| anyhow::anyhow!("peer {s:?}: cannot resolve the host {host:?} ({e})"))?
             .next()
-            .with_context(|| format!("peer {s:?}: {addr:?} resolves to no address"))?;
+            .with_context(|| format!("peer {s:?}: the host {host:?} has no address"))?;
         Ok(Self { key, addr })
     }
 }
