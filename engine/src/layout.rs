@@ -92,6 +92,8 @@ impl ExpertLayout {
 pub(crate) struct Loader<'c> {
     pub(crate) ckpt: &'c Checkpoint,
     family: &'static str,
+    /// Every tensor name asked for, found or not.
+    asked: std::cell::RefCell<std::collections::BTreeSet<String>>,
 }
 
 impl<'c> Loader<'c> {
@@ -99,7 +101,21 @@ impl<'c> Loader<'c> {
         Self {
             ckpt,
             family: family.model_type(),
+            asked: Default::default(),
         }
+    }
+
+    /// Tensors of the checkpoint that neither this loader was asked for nor `also` names:
+    /// weights the configuration does not use (a layer or expert count smaller than the
+    /// checkpoint's, or a tensor of another model).
+    pub(crate) fn unused<'a>(&self, also: &std::collections::BTreeSet<&'a str>) -> Vec<&'c str> {
+        let asked = self.asked.borrow();
+        self.ckpt
+            .tensors
+            .keys()
+            .map(String::as_str)
+            .filter(|n| !asked.contains(*n) && !also.contains(n))
+            .collect()
     }
 
     pub(crate) fn has(&self, name: &str) -> bool {
@@ -107,6 +123,7 @@ impl<'c> Loader<'c> {
     }
 
     pub(crate) fn tensor(&self, name: &str) -> Result<&'c TensorInfo> {
+        self.asked.borrow_mut().insert(name.to_string());
         self.ckpt.info(name).ok_or_else(|| Error::MissingTensor {
             name: name.to_string(),
             family: self.family,

@@ -433,6 +433,14 @@ impl Model {
                 },
             });
         }
+        let unused = ld.unused(&layout.expert_tensor_names());
+        if let Some(first) = unused.first() {
+            tracing::warn!(
+                "{} tensor(s) of the checkpoint are not used by its config.json (first: {first:?}); \
+                 check num_hidden_layers, the expert counts and the model type",
+                unused.len()
+            );
+        }
         let rope = Rope::new(&cfg.rope, cfg.head_dim);
         let mut model = Self {
             cfg,

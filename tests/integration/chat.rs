@@ -1357,6 +1357,50 @@ fn run_prompt_ids_samples_as_the_text_prompt_does() {
     );
 }
 
+/// A config.json that uses fewer layers than the checkpoint holds (the rest silently unused
+/// before) draws a warning naming the count and a first unused tensor; the fixture as
+/// published draws none.
+#[test]
+fn run_warns_of_checkpoint_tensors_the_config_does_not_use() {
+    let src = stormo_tests::fixture("qwen3moe-tiny");
+    let d = tempfile::tempdir().expect("temp dir");
+    let cache = tempfile::tempdir().expect("temp dir");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), d.path().join(f)).expect("copy the fixture");
+    }
+    let run = || {
+        let args = [
+            "run",
+            "--model",
+            d.path().to_str().expect("utf-8 path"),
+            "--prompt-ids",
+            "1,2",
+            "--max-new-tokens",
+            "1",
+            "--no-hot-store",
+        ];
+        let out = stormo_bin(&args, cache.path());
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        err
+    };
+    let err = run();
+    assert!(!err.contains("not used"), "{err}");
+    let path = d.path().join("config.json");
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let layers = cfg["num_hidden_layers"]
+        .as_u64()
+        .expect("num_hidden_layers");
+    cfg["num_hidden_layers"] = (layers - 1).into();
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let err = run();
+    let last = format!("\"model.layers.{}.", layers - 1);
+    assert!(
+        err.contains("not used by its config.json") && err.contains(&last),
+        "{err}"
+    );
+}
+
 /// Text prompts without the model folder's tokenizer.json: `stormo run --prompt` and `stormo
 /// chat` fail with exit code 1, naming the missing file, without a panic or any output.
 #[test]
