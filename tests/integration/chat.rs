@@ -1362,7 +1362,7 @@ fn run_prompt_ids_samples_as_the_text_prompt_does() {
 /// published draws none.
 #[test]
 fn run_warns_of_checkpoint_tensors_the_config_does_not_use() {
-    let src = stormo_tests::fixture("qwen3moe-tiny");
+    let src = fixture("qwen3moe-tiny");
     let d = tempfile::tempdir().expect("temp dir");
     let cache = tempfile::tempdir().expect("temp dir");
     for f in ["config.json", "model.safetensors"] {
