@@ -35,22 +35,17 @@ pub fn greedy(
     prompt: &[u32],
     max_new: usize,
     stop: &[u32],
-    mut on_token: impl FnMut(u32, &[f32]),
+    on_token: impl FnMut(u32, &[f32]),
     timings: &mut Timings,
 ) -> Result<Vec<u32>> {
-    generate(
+    let choose = |logits: &[f32]| Ok(argmax(logits));
+    from_logits(
         model,
         sess,
-        prompt,
-        max_new,
-        stop,
+        (prompt, max_new, stop),
+        choose,
+        on_token,
         timings,
-        |sess, tokens| {
-            let logits = model.forward(sess, tokens, Logits::Last, None)?;
-            let tok = argmax(logits);
-            on_token(tok, logits);
-            Ok(tok)
-        },
     )
 }
 
@@ -92,10 +87,37 @@ pub fn sampled(
     max_new: usize,
     stop: &[u32],
     sampler: &mut Sampler,
-    mut on_token: impl FnMut(u32, &[f32]),
+    on_token: impl FnMut(u32, &[f32]),
     timings: &mut Timings,
 ) -> Result<Vec<u32>> {
     let mut history = prompt.to_vec();
+    let choose = |logits: &[f32]| {
+        let tok = sampler
+            .sample(logits, &history)
+            .map_err(|e| crate::Error::Input(e.to_string()))?;
+        history.push(tok);
+        Ok(tok)
+    };
+    from_logits(
+        model,
+        sess,
+        (prompt, max_new, stop),
+        choose,
+        on_token,
+        timings,
+    )
+}
+
+/// [`greedy`] and [`sampled`]: each step's last-position logits, and the token `choose` picks
+/// from them; the prompt, the most tokens to make and the stop tokens come as one tuple.
+fn from_logits(
+    model: &Model,
+    sess: &mut Session,
+    (prompt, max_new, stop): (&[u32], usize, &[u32]),
+    mut choose: impl FnMut(&[f32]) -> Result<u32>,
+    mut on_token: impl FnMut(u32, &[f32]),
+    timings: &mut Timings,
+) -> Result<Vec<u32>> {
     generate(
         model,
         sess,
@@ -105,11 +127,8 @@ pub fn sampled(
         timings,
         |sess, tokens| {
             let logits = model.forward(sess, tokens, Logits::Last, None)?;
-            let tok = sampler
-                .sample(logits, &history)
-                .map_err(|e| crate::Error::Input(e.to_string()))?;
+            let tok = choose(logits)?;
             on_token(tok, logits);
-            history.push(tok);
             Ok(tok)
         },
     )
