@@ -438,6 +438,27 @@ impl NodeTiers {
         }
     }
 
+    /// The same figures as [`NodeTiers::add_json`], as lines for `--stats` (empty without
+    /// peers or an expert directory).
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        if let Some(p) = &self.peer {
+            let h = p.hedge_stats();
+            out += &format!(
+                "  races: {} requests raced by a second one, {} won by the second, {} won by the local disk\n",
+                h.hedges, h.hedge_wins, h.local_wins
+            );
+        }
+        if let Some(d) = &self.dir {
+            out += &format!(
+                "  expert dir: {} experts held, {}\n",
+                d.len(),
+                crate::progress::human_bytes(d.used())
+            );
+        }
+        out
+    }
+
     /// Adds the network's own figures to the `"experts"` object of `--json`.
     pub fn add_json(&self, o: &mut serde_json::Value) {
         if let Some(p) = &self.peer {

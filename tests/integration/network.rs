@@ -1413,6 +1413,38 @@ fn pull_with_experts_gives_a_complete_folder_that_runs_and_serves() {
     assert_eq!(h.inventory.len(), m.experts.len());
 }
 
+/// A node serving some experts (`--only-experts`) hands out no other expert's bytes through
+/// `stormo pull --with-experts` either: alone it makes the pull fail naming an expert it does
+/// not serve; listed before a node that holds everything, the pull completes byte for byte.
+#[test]
+fn pull_gets_no_expert_bytes_a_node_does_not_serve() {
+    let name = "gptoss-tiny-mxfp4";
+    let f = setup(name);
+    let some = serve_dir(52, f.dir.path(), Some("0-3"), allow_client());
+    let out = tempfile::tempdir().expect("tempdir");
+    let err = pull::pull(
+        &client_key(),
+        &pull_options(&f, &some, out.path(), true),
+        &runtime(),
+    )
+    .map(|_| ())
+    .expect_err("a node serving experts 0-3 gave every expert");
+    let err = format!("{err:#}");
+    assert!(err.contains("does not serve"), "{err}");
+    let all = serve_dir(53, f.dir.path(), None, allow_client());
+    let out = tempfile::tempdir().expect("tempdir");
+    let mut opts = pull_options(&f, &some, out.path(), true);
+    opts.peers.push(all.addr());
+    pull::pull(&client_key(), &opts, &runtime()).expect("pull with a full node after it");
+    for file in ["model.safetensors", "config.json"] {
+        assert_eq!(
+            std::fs::read(out.path().join(file)).expect("pulled file"),
+            std::fs::read(f.dir.path().join(file)).expect("source file"),
+            "{file}"
+        );
+    }
+}
+
 /// The CLI on a folder pulled without experts: `stormo run --peer --expert-dir` keeps the
 /// experts it fetches; with the server gone, `--expert-dir` alone gives the same ids; an empty
 /// directory gives a clean error naming what is missing, not a panic.

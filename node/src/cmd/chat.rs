@@ -20,10 +20,12 @@ use crate::chat::session::{ChatSession, GenerateOptions, Generation};
 use crate::chat::{ChatFormat, OutputDelta, PromptOptions, Tokenizer, Turn, TurnRole};
 use crate::experts::{ExpertArgs, Experts};
 
-/// Sampling options shared by `run --prompt`, `chat` (and the defaults of the HTTP server).
+/// Sampling options shared by `run` and `chat` (the HTTP API takes them per request).
 #[derive(Debug, Clone, clap::Args)]
 pub struct SamplingArgs {
-    /// Sampling temperature; 0 is greedy (the most likely token every time).
+    /// Sampling temperature; 0 is greedy (the most likely token every time). Without it `run`
+    /// is greedy and `chat` samples at 0.7 (greedy replies tend to loop); an HTTP request
+    /// that gives none samples at 1.0, as OpenAI's API does.
     #[arg(long, allow_negative_numbers = true, value_name = "T")]
     pub temperature: Option<f32>,
     /// Nucleus sampling: keep the most likely tokens up to this probability mass (0, 1].

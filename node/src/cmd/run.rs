@@ -303,7 +303,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         experts.finish()?;
         let prediction = sess.engine_session().prediction();
         if a.stats {
-            eprintln!("{}", experts.table(prediction));
+            eprint!("{}\n{}", experts.table(prediction), tiers.table());
         }
         if a.json {
             let mut experts_json = experts.json(prediction);
@@ -390,7 +390,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     experts.finish()?;
     let prediction = sess.prediction();
     if a.stats {
-        eprintln!("{}", experts.table(prediction));
+        eprint!("{}\n{}", experts.table(prediction), tiers.table());
     }
     if a.json {
         let mut experts_json = experts.json(prediction);

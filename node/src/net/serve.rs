@@ -58,6 +58,10 @@ pub struct FileShare {
     /// The folder was pulled without experts (its expert bytes are holes): serve only ranges
     /// that lie outside every expert tensor.
     pub dense_only: bool,
+    /// The byte ranges (manifest file index, start, end) of the experts this node does not
+    /// serve (`--only-experts`), which no file range it serves may overlap: a node told to
+    /// serve some experts hands out no other expert's bytes, through `stormo pull` either.
+    pub withheld: Vec<(u32, u64, u64, ExpertId)>,
 }
 
 /// The name the manifest's signature is served under.
@@ -620,8 +624,21 @@ fn file_source(
         .find(|(_, f)| f.name == name)
         .ok_or_else(not_found)?;
     let range = req.resolve(file.len)?;
+    let end = range.offset + range.len;
+    let withheld = share
+        .withheld
+        .iter()
+        .find(|&&(f, a, b, _)| f as usize == index && a < end && range.offset < b);
+    if let Some((_, _, _, id)) = withheld {
+        return Err((
+            ErrorCode::NOT_FOUND,
+            format!(
+                "{name} bytes {}+{} include expert {id}, which this node does not serve",
+                range.offset, range.len
+            ),
+        ));
+    }
     if share.dense_only {
-        let end = range.offset + range.len;
         let experts = expert_tensors(m);
         let hit = m.tensors.iter().enumerate().find(|(i, t)| {
             t.file as usize == index
@@ -762,6 +779,18 @@ fn holdings(
         .ok()
         .map(Bytes::from);
     let inventory = Holdings::inventory_of(&m, allowed.as_deref())?;
+    let withheld = m
+        .experts
+        .iter()
+        .filter(|e| !inventory.contains(e.id))
+        .flat_map(|e| {
+            let tensors = &m.tensors;
+            e.parts.iter().filter_map(move |p| {
+                let t = tensors.get(p.tensor as usize)?;
+                Some((t.file, p.offset, p.offset + p.len, e.id))
+            })
+        })
+        .collect();
     let experts = experts(&files, allowed)?;
     Ok(Holdings {
         manifest_bytes: Bytes::from(bytes),
@@ -772,6 +801,7 @@ fn holdings(
             dir: dir.to_path_buf(),
             sig,
             dense_only,
+            withheld,
         })),
     })
 }
