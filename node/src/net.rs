@@ -496,7 +496,11 @@ pub fn node_tiers(
             ..NodeTiers::default()
         });
     }
-    let secret = node_key(args.key.as_deref())?;
+    // With --expert-dir alone no peer ever sees the key: no warning about an ephemeral one.
+    let secret = match (&args.key, args.peers.is_empty()) {
+        (None, true) => SecretKey::generate(),
+        (key, _) => node_key(key.as_deref())?,
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("stormo-net")
