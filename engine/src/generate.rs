@@ -38,7 +38,13 @@ pub fn greedy(
     on_token: impl FnMut(u32, &[f32]),
     timings: &mut Timings,
 ) -> Result<Vec<u32>> {
-    let choose = |logits: &[f32]| Ok(argmax(logits));
+    let mut warned = false;
+    let choose = |logits: &[f32]| {
+        let tok = argmax(logits);
+        let best = logits.get(tok as usize).copied().unwrap_or(f32::NAN);
+        warn_once_without_a_logit(best, &mut warned);
+        Ok(tok)
+    };
     from_logits(
         model,
         sess,
@@ -61,6 +67,7 @@ pub fn greedy_ids(
     mut on_token: impl FnMut(u32),
     timings: &mut Timings,
 ) -> Result<Vec<u32>> {
+    let mut warned = false;
     generate(
         model,
         sess,
@@ -69,9 +76,10 @@ pub fn greedy_ids(
         stop,
         timings,
         |sess, tokens| {
-            let tok = model.forward_greedy(sess, tokens, None)?.token;
-            on_token(tok);
-            Ok(tok)
+            let c = model.forward_greedy(sess, tokens, None)?;
+            warn_once_without_a_logit(c.logit, &mut warned);
+            on_token(c.token);
+            Ok(c.token)
         },
     )
 }
@@ -132,6 +140,19 @@ fn from_logits(
             Ok(tok)
         },
     )
+}
+
+/// Warns, once per generation, when the greedy choice `best` (the largest logit) is NaN or
+/// `-inf`: no logit is a number, so the token (0) means nothing; the weights or the config
+/// do not give a usable model. (Sampling refuses such logits with an error instead.)
+fn warn_once_without_a_logit(best: f32, warned: &mut bool) {
+    if (best.is_nan() || best == f32::NEG_INFINITY) && !*warned {
+        *warned = true;
+        tracing::warn!(
+            "the model gave no logit that is a number (all NaN or -inf): the tokens it picks \
+             mean nothing; check the checkpoint's weights and config.json"
+        );
+    }
 }
 
 /// The loop of [`greedy`], [`greedy_ids`] and [`sampled`]: `step` runs tokens and returns the

@@ -1401,6 +1401,57 @@ fn run_warns_of_checkpoint_tensors_the_config_does_not_use() {
     );
 }
 
+/// Weights that make every logit NaN (the final norm's bytes all 0xff): greedy `run` still
+/// answers but warns that the tokens mean nothing; sampling refuses with an error naming the
+/// cause. The fixture as published draws neither.
+#[test]
+fn run_says_when_no_logit_is_a_number() {
+    let src = fixture("gptoss-tiny-mxfp4");
+    let d = tempfile::tempdir().expect("temp dir");
+    let cache = tempfile::tempdir().expect("temp dir");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), d.path().join(f)).expect("copy the fixture");
+    }
+    let dir = d.path().to_str().expect("utf-8 path");
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "--model",
+            dir,
+            "--prompt-ids",
+            "1,2",
+            "--max-new-tokens",
+            "3",
+            "--no-hot-store",
+        ];
+        args.extend_from_slice(extra);
+        let out = stormo_bin(&args, cache.path());
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    const WARNING: &str = "no logit that is a number";
+    let (code, err) = run(&[]);
+    assert!(code == Some(0) && !err.contains(WARNING), "{err}");
+    let norm = {
+        let ckpt = stormo_engine::safetensors::Checkpoint::open(d.path()).expect("checkpoint");
+        let t = ckpt.info("model.norm.weight").expect("final norm").clone();
+        (t.offset as usize, t.len as usize)
+    };
+    let path = d.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[norm.0..norm.0 + norm.1].fill(0xff);
+    std::fs::write(&path, bytes).unwrap();
+    for head in [&[][..], &["--full-head"][..]] {
+        let (code, err) = run(head);
+        assert_eq!(code, Some(0), "{err}");
+        assert_eq!(err.matches(WARNING).count(), 1, "{head:?}: {err}");
+    }
+    let (code, err) = run(&["--temperature", "1"]);
+    assert!(code == Some(1) && err.contains("no finite logit"), "{err}");
+}
+
 /// Text prompts without the model folder's tokenizer.json: `stormo run --prompt` and `stormo
 /// chat` fail with exit code 1, naming the missing file, without a panic or any output.
 #[test]
