@@ -1493,9 +1493,25 @@ fn pulled_folder_runs_from_the_expert_dir_alone() {
         serde_json::from_value(j["generated_ids"].clone()).expect("ids")
     };
     let peer = format!("{}@{}", node.addr().key, node.addr().addr);
-    let first = run(&store, &["--peer".into(), peer]);
+    let first = run(&store, &["--peer".into(), peer.clone()]);
     assert_eq!(ids(&first), want, "with the peer");
     node.kill();
+    // The gone peer fails every expert of the first layer at once: one warning, not one per
+    // expert (the rest at debug level), then the run's error.
+    let gone = run(
+        &empty,
+        &["--peer".into(), peer, "--peer-timeout".into(), "1".into()],
+    );
+    assert!(
+        !gone.status.success(),
+        "a gone peer and an empty directory cannot serve"
+    );
+    let err = String::from_utf8_lossy(&gone.stderr);
+    let warned = err
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("expert "))
+        .count();
+    assert_eq!(warned, 1, "{err}");
     let second = run(&store, &[]);
     assert_eq!(ids(&second), want, "from the expert directory alone");
     let none = run(&empty, &[]);

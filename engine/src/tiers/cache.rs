@@ -93,7 +93,14 @@ struct Inner {
     used: u64,
     clock: u64,
     stats: ExpertStats,
+    /// The tier and message of the last failure logged as a warning, and when: the same
+    /// failure of the next experts (a dead peer fails every expert of a layer at once) is
+    /// logged at debug level instead, for [`REPEAT_QUIET`].
+    last_failure: Option<(usize, String, Instant)>,
 }
+
+/// How long the same failure of one tier is not warned about again.
+const REPEAT_QUIET: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The RAM cache over lower tiers; an [`ExpertProvider`] for the model.
 pub struct TieredExperts {
@@ -153,6 +160,7 @@ impl TieredExperts {
                     used: 0,
                     clock: 0,
                     stats,
+                    last_failure: None,
                 }),
                 ready: Condvar::new(),
                 tiers,
@@ -327,11 +335,25 @@ impl Shared {
             }
             Err(err) => {
                 g.stats.tiers[tier].failures += 1;
-                tracing::warn!(
-                    "expert {k} from {}: {}",
-                    self.tiers[tier].name(),
-                    err.chain()
-                );
+                let (name, why) = (self.tiers[tier].name(), err.chain());
+                // The same failure whatever the expert: the message with this expert's names
+                // taken out.
+                let same = why
+                    .replace(&format!("expert {} of layer {}", k.expert, k.layer), "")
+                    .replace(&format!("expert {k}"), "");
+                let repeat = g.last_failure.as_ref().is_some_and(|(t, m, at)| {
+                    *t == tier && *m == same && at.elapsed() < REPEAT_QUIET
+                });
+                if repeat {
+                    tracing::debug!("expert {k} from {name}: {why} (as the last one)");
+                } else {
+                    tracing::warn!(
+                        "expert {k} from {name}: {why} (the same failure of other experts in \
+                         the next {}s: at debug level, -vv)",
+                        REPEAT_QUIET.as_secs()
+                    );
+                    g.last_failure = Some((tier, same, Instant::now()));
+                }
                 if let Some(next) = self.first_tier(k, tier + 1) {
                     g.stats.fallbacks += 1;
                     if let Some(e) = g.map.get_mut(&k) {
