@@ -1357,17 +1357,24 @@ fn run_prompt_ids_samples_as_the_text_prompt_does() {
     );
 }
 
+/// A temporary folder holding `src`'s config.json and model.safetensors, to be changed.
+fn copy_of(src: &std::path::Path) -> tempfile::TempDir {
+    let d = tempfile::tempdir().expect("temp dir");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), d.path().join(f)).expect("copy the fixture");
+    }
+    d
+}
+
 /// A config.json that uses fewer layers than the checkpoint holds (the rest silently unused
 /// before) draws a warning naming the count and a first unused tensor; the fixture as
 /// published draws none.
 #[test]
 fn run_warns_of_checkpoint_tensors_the_config_does_not_use() {
-    let src = fixture("qwen3moe-tiny");
-    let d = tempfile::tempdir().expect("temp dir");
-    let cache = tempfile::tempdir().expect("temp dir");
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(src.join(f), d.path().join(f)).expect("copy the fixture");
-    }
+    let (d, cache) = (
+        copy_of(&fixture("qwen3moe-tiny")),
+        tempfile::tempdir().expect("temp dir"),
+    );
     let run = || {
         let args = [
             "run",
@@ -1406,12 +1413,10 @@ fn run_warns_of_checkpoint_tensors_the_config_does_not_use() {
 /// cause. The fixture as published draws neither.
 #[test]
 fn run_says_when_no_logit_is_a_number() {
-    let src = fixture("gptoss-tiny-mxfp4");
-    let d = tempfile::tempdir().expect("temp dir");
-    let cache = tempfile::tempdir().expect("temp dir");
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(src.join(f), d.path().join(f)).expect("copy the fixture");
-    }
+    let (d, cache) = (
+        copy_of(&fixture("gptoss-tiny-mxfp4")),
+        tempfile::tempdir().expect("temp dir"),
+    );
     let dir = d.path().to_str().expect("utf-8 path");
     let run = |extra: &[&str]| {
         let mut args = vec![
