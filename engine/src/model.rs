@@ -255,7 +255,7 @@ impl ModelFiles {
 }
 
 fn map_file(path: &Path, len: u64) -> Result<Arc<MappedFile>> {
-    let file = crate::safetensors::open_regular(path)?;
+    let file = crate::safetensors::open_regular(path).map_err(|e| Error::io(path, e))?;
     // SAFETY: read-only mapping; see `safetensors::open_file`.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
     if map.len() as u64 != len {

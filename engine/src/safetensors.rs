@@ -388,43 +388,47 @@ pub fn parse_header(
 }
 
 /// Opens `path` for reading if it is a regular file (after symbolic links): a directory, a
-/// device or a named pipe in a checkpoint's place is refused by name, instead of blocking in
-/// `open` (a pipe), reading without end (a device) or failing in `mmap` with an obscure code.
-pub fn open_regular(path: &Path) -> Result<File> {
-    let md = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+/// device or a named pipe in a file's place is refused (`InvalidInput`, saying which),
+/// instead of blocking in `open` (a pipe), reading without end (a device) or failing in
+/// `mmap` with an obscure code.
+pub fn open_regular(path: &Path) -> std::io::Result<File> {
+    let md = std::fs::metadata(path)?;
     if !md.is_file() {
         let what = if md.is_dir() {
-            "a directory"
+            "is a directory"
         } else {
-            "not a regular file"
+            "is not a regular file"
         };
-        return Err(Error::io(
-            path,
-            std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("is {what}")),
-        ));
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, what));
     }
-    File::open(path).map_err(|e| Error::io(path, e))
+    File::open(path)
 }
 
-/// Reads a small text file (a configuration or an index) of at most `max` bytes, through
-/// [`open_regular`].
-pub fn read_small_text(path: &Path, max: u64) -> Result<String> {
+/// Reads a regular file ([`open_regular`]) of at most `max` bytes. No more than `max + 1`
+/// bytes are ever read, so a file that grows while it is read cannot exhaust memory; a longer
+/// file is `FileTooLarge`. (For configurations, indexes, manifests, signatures, keys.)
+pub fn read_small_file(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
-    let file = open_regular(path)?;
-    let mut text = String::new();
-    file.take(max + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| Error::io(path, e))?;
-    if text.len() as u64 > max {
-        return Err(Error::io(
-            path,
-            std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("larger than {max} bytes: not a file this engine reads"),
-            ),
+    let mut bytes = Vec::new();
+    open_regular(path)?.take(max + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::FileTooLarge,
+            format!("larger than {max} bytes: not a file this program reads"),
         ));
     }
-    Ok(text)
+    Ok(bytes)
+}
+
+/// [`read_small_file`] as UTF-8 text, with the engine's error naming the file.
+pub fn read_small_text(path: &Path, max: u64) -> Result<String> {
+    let bytes = read_small_file(path, max).map_err(|e| Error::io(path, e))?;
+    String::from_utf8(bytes).map_err(|e| {
+        Error::io(
+            path,
+            std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()),
+        )
+    })
 }
 
 /// The most bytes [`read_small_text`] takes for a `config.json` or a shard index (the
@@ -433,7 +437,7 @@ pub const SMALL_FILE_MAX: u64 = 64 << 20;
 
 /// Opens and validates one safetensors file (as file number `file_idx` of a checkpoint).
 pub fn open_file(path: &Path, file_idx: usize) -> Result<(MappedFile, Vec<(String, TensorInfo)>)> {
-    let file = open_regular(path)?;
+    let file = open_regular(path).map_err(|e| Error::io(path, e))?;
     let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
     if len < 8 {
         return Err(Error::Safetensors {

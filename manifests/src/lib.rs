@@ -112,28 +112,9 @@ pub enum ReadError {
     },
 }
 
-/// Reads a regular file of at most `max` bytes. A directory, a device or a named pipe is
-/// refused (`InvalidInput`), and no more than `max + 1` bytes are ever read, so a file that
-/// grows while it is read, or reports no length (`/dev/zero`), cannot exhaust memory; a longer
-/// file is `FileTooLarge`.
-pub fn read_small_file(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
-    use std::io::{Error, ErrorKind, Read};
-    let md = std::fs::metadata(path)?;
-    if !md.is_file() {
-        return Err(Error::new(ErrorKind::InvalidInput, "not a regular file"));
-    }
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)?
-        .take(max + 1)
-        .read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > max {
-        return Err(Error::new(
-            ErrorKind::FileTooLarge,
-            format!("more than {max} bytes"),
-        ));
-    }
-    Ok(bytes)
-}
+/// Bounded reads of small files (refusing devices, pipes and directories), shared with the
+/// engine's loading of configurations.
+pub use stormo_engine::safetensors::read_small_file;
 
 /// Reads a manifest file: its length is checked before it is read, then it is decoded and
 /// validated. Returns the manifest and its canonical bytes.
