@@ -108,7 +108,7 @@ impl<'c> Loader<'c> {
     /// Tensors of the checkpoint that neither this loader was asked for nor `also` names:
     /// weights the configuration does not use (a layer or expert count smaller than the
     /// checkpoint's, or a tensor of another model).
-    pub(crate) fn unused<'a>(&self, also: &std::collections::BTreeSet<&'a str>) -> Vec<&'c str> {
+    pub(crate) fn unused(&self, also: &std::collections::BTreeSet<&str>) -> Vec<&'c str> {
         let asked = self.asked.borrow();
         self.ckpt
             .tensors

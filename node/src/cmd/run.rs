@@ -8,7 +8,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use stormo_engine::generate::{greedy, greedy_ids, sampled, Timings};
 use stormo_engine::safetensors::{self, Dtype};
-use stormo_engine::sampling::Sampler;
+use stormo_engine::sampling::{Sampler, SamplingParams};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 
 use crate::chat::reply::ReplyStream;
@@ -129,10 +129,10 @@ struct TextPrompt {
 }
 
 /// Whether `stormo run` keeps a screen of the head: unless --full-head, when every token is
-/// greedy (ids, or a text prompt sampled greedily without a penalty) and no logits are written.
-fn screened_head(a: &Args) -> anyhow::Result<bool> {
-    let greedy = a.sampling.params(0.0)?.is_plain_argmax();
-    Ok(!a.full_head && greedy && a.logits_out.is_none())
+/// greedy (`sampling` is a plain argmax: no temperature, no penalty) and no logits are
+/// written.
+fn screened_head(a: &Args, sampling: &SamplingParams) -> bool {
+    !a.full_head && sampling.is_plain_argmax() && a.logits_out.is_none()
 }
 
 /// Runs `stormo run`.
@@ -238,7 +238,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             prefill_block: a.prefill_block,
             int8_attn_head: a.int8_attn_head,
             int8_experts: a.int8_experts,
-            screened_head: screened_head(&a)?,
+            screened_head: screened_head(&a, &sampling),
         },
     )
     .with_context(|| format!("loading the model in {}", a.model.display()))?;
