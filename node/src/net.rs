@@ -246,6 +246,7 @@ pub struct FramedRecv {
     recv: quinn::RecvStream,
     dec: FrameDecoder,
     buf: bytes::Bytes,
+    received: u64,
 }
 
 impl FramedRecv {
@@ -255,7 +256,13 @@ impl FramedRecv {
             recv,
             dec: FrameDecoder::with_max(max),
             buf: bytes::Bytes::new(),
+            received: 0,
         }
+    }
+
+    /// Bytes read from the stream so far, whole frames or not.
+    pub fn received(&self) -> u64 {
+        self.received
     }
 
     /// The next message, or `None` at a clean end of the stream.
@@ -273,7 +280,10 @@ impl FramedRecv {
                 continue;
             }
             match self.recv.read_chunk(1 << 20, true).await? {
-                Some(c) => self.buf = c.bytes,
+                Some(c) => {
+                    self.received += c.bytes.len() as u64;
+                    self.buf = c.bytes;
+                }
                 None => {
                     self.dec.finish()?;
                     return Ok(None);
@@ -379,9 +389,11 @@ pub struct PeerArgs {
     /// are given, the manifest is fetched from a peer (and checked the same way).
     #[arg(long, value_name = "FILE")]
     pub manifest: Option<PathBuf>,
-    /// Seconds one expert request to a peer may take in all, connecting included (a
-    /// connection attempt gets at most 3 s), before another peer is tried. A peer that cannot
-    /// be connected to is then not tried again for a back-off (1 s, doubling up to 60 s).
+    /// Seconds a peer may take to answer one expert request, from when it is sent, before
+    /// another peer is tried (a connection attempt gets at most 3 s, or this if shorter). A
+    /// peer that cannot be connected to is then not tried again for a back-off (1 s, doubling
+    /// up to 60 s). A peer still sending when its time is up is slow, not failing: once every
+    /// holder has been tried, up to three more rounds follow, each allowing twice as long.
     #[arg(long, default_value_t = 30.0, value_name = "SECS")]
     pub peer_timeout: f64,
     /// Also keep the verified experts fetched from peers in this directory (one file per

@@ -403,9 +403,15 @@ pub fn run_scenario(
                 "--trust".into(),
                 c.publisher.clone(),
                 "--no-local-experts".into(),
-                // Fail over quickly from the killed node.
+                // Fail over quickly from the killed node (its silence shows within this), yet
+                // give a whole expert time to arrive over a link shared by a prefill's loads:
+                // 2 s, or a second per 2 MB of one expert when that is longer (7 s at
+                // gpt-oss-20b's 13 MB).
                 "--peer-timeout".into(),
-                "2".into(),
+                format!(
+                    "{:.1}",
+                    (expert_bytes as f64 / (n_layers * n_experts).max(1) as f64 / 2e6).max(2.0)
+                ),
             ]);
         }
     }

@@ -16,6 +16,7 @@ use stormo_node::net::serve::{self, Holdings, ServeConfig, ServerHandle};
 use stormo_node::net::tier::{PeerConfig, PeerTier};
 use stormo_node::net::tls::Admission;
 use stormo_node::net::{self, pull, PeerAddr, PeerArgs};
+use stormo_simulations::swarm::{LinkSpec, Relay};
 use stormo_tests::{fixture, Reference, MODEL_FIXTURES};
 
 /// `n` greedy ids after `prompt`, and the session that made them.
@@ -795,6 +796,95 @@ fn slow_peer_is_hedged_and_not_blamed() {
     tier.close();
 }
 
+/// A peer whose link is slower than the per-try deadline (a bandwidth-limited relay in front of
+/// it) still supplies every expert it is asked for at once: tries run out of time while the
+/// peer is still sending, the peer is not blamed for it, and later rounds resume after the
+/// verified prefix with longer deadlines.
+#[test]
+fn a_peer_slower_than_the_deadline_still_delivers_in_later_rounds() {
+    let name = "gptoss-tiny-mxfp4";
+    let f = setup(name);
+    let node = serve_dir(85, f.dir.path(), None, allow_client());
+    let files = ModelFiles::open(f.dir.path()).expect("model files");
+    let manifest = Arc::new(
+        stormo_manifests::read_manifest(&f.dir.path().join("stormo-manifest.bin"))
+            .expect("manifest")
+            .0,
+    );
+    let layer: Vec<_> = manifest
+        .experts
+        .iter()
+        .filter(|e| e.id.layer == 0)
+        .collect();
+    let len: u64 = layer.iter().map(|e| e.len).max().expect("experts");
+    let keys: Vec<_> = layer
+        .iter()
+        .take(3)
+        .map(|e| stormo_engine::tiers::ExpertKey::new(0, e.id.expert.into()))
+        .collect();
+    // Through the relay one expert alone takes about 125 ms, the three together about 375:
+    // the first round's 100 ms deadline passes mid-answer, the third's 400 ms does not.
+    let relay = Relay::start(
+        node.addr().addr,
+        LinkSpec {
+            bandwidth: Some(len * 8),
+            ..LinkSpec::ideal()
+        },
+        7,
+    )
+    .expect("relay");
+    let through = PeerAddr {
+        key: node.addr().key,
+        addr: relay.addr(),
+    };
+    let rt = Arc::new(runtime());
+    let tier = PeerTier::connect(
+        &client_key(),
+        &[through],
+        manifest,
+        f.id,
+        files.layout.schemas.clone(),
+        PeerConfig {
+            connect_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_millis(100),
+            idle_timeout: Duration::from_secs(5),
+            ..PeerConfig::default()
+        },
+        Some(rt.handle().clone()),
+    )
+    .expect("tier")
+    .keep_runtime(rt);
+    let (tx, rx) = std::sync::mpsc::channel();
+    tier.load(
+        &keys,
+        stormo_engine::tiers::Priority::Demand,
+        Arc::new(
+            move |k: stormo_engine::tiers::ExpertKey, r: stormo_engine::Result<Arc<ExpertData>>| {
+                let _ = tx.send((k, r.map(|_| ()).map_err(|e| e.to_string())));
+            },
+        ),
+    );
+    for _ in &keys {
+        let (k, r) = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("a load hung");
+        if let Err(e) = r {
+            panic!("expert {k} from a slow but working peer: {e}");
+        }
+    }
+    assert!(
+        tier.retried_failures() > 0,
+        "no try ran out of time, so this test did not test anything"
+    );
+    let fails = tier.failures();
+    assert!(
+        fails.iter().all(|(_, n)| *n == 0),
+        "a slow peer is not a failing one: {fails:?}"
+    );
+    assert!(relay.counts().down_bytes >= 3 * len);
+    tier.close();
+}
+
 /// Runs fixture `name` as `stormo run` composes a node: the tiers from `args` (local disk
 /// unless `no_local`), the smallest RAM budget, then returns the ids, the reference ids and
 /// the `--json` experts object.
@@ -1003,8 +1093,9 @@ fn expert_dir_keeps_fetched_experts_for_the_next_run() {
 }
 
 /// Many concurrent fetchers (4 connections, 32 requests) against one slow server with
-/// per-peer and node-wide limits: every request ends with data or `busy` in bounded time,
-/// the server's buffered bytes stay within its limit, and it keeps serving afterwards.
+/// per-peer and node-wide limits: the server answers some `busy`, every request ends with
+/// data (a busy answer is retried in a later round) or `busy` in bounded time, the server's
+/// buffered bytes stay within its limit, and it keeps serving afterwards.
 #[test]
 fn many_fetchers_get_data_or_busy_and_server_memory_stays_bounded() {
     let name = "qwen3moe-tiny";
@@ -1108,7 +1199,7 @@ fn many_fetchers_get_data_or_busy_and_server_memory_stays_bounded() {
         }
     }
     assert_eq!(sent, 32);
-    assert!(ok > 0 && busy > 0, "{ok} answered, {busy} busy");
+    assert!(ok > 0, "{ok} answered, {busy} busy");
     let stats = &node.handle.stats;
     assert!(stats.busy.load(Ordering::Relaxed) > 0);
     let peak = stats.buffered_peak.load(Ordering::Relaxed);

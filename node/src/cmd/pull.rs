@@ -35,8 +35,8 @@ pub struct Args {
     /// dense weights only and `run` fetches experts from peers (--no-local-experts implied).
     #[arg(long)]
     pub with_experts: bool,
-    /// Seconds one request to a peer may take in all before the next peer is tried (a
-    /// connection attempt gets at most 3 s, or this if shorter).
+    /// Seconds a peer may take to answer one request, from when it is sent, before the next
+    /// peer is tried (a connection attempt gets at most 3 s, or this if shorter).
     #[arg(long, default_value_t = 30.0, value_name = "SECS")]
     pub peer_timeout: f64,
 }

@@ -7,10 +7,13 @@
 //! a timeout, `busy`, a lost connection, a peer that does not hold what it advertised, another
 //! protocol version) it logs a warning naming the peer, puts the peer on a growing back-off,
 //! and goes on with another peer, resuming after the verified prefix; only when no peer can
-//! supply the expert does it complete with an error, so the tiers above fall back. Keys are
+//! supply the expert does it complete with an error, so the tiers above fall back. A try that
+//! runs out of time while the peer is still sending, or a `busy` answer, is load rather than
+//! a fault: the peer is not put on a back-off, and when every holder has been tried another
+//! round starts with a longer deadline (big experts over a link that many loads share). Keys are
 //! fetched in parallel, each on its own task. Prefetch loads are sent with the `Prefetch`
-//! priority. Every wait is bounded: the connect (handshake plus hello), each try's overall
-//! deadline (connecting included) and the gap between two frames.
+//! priority. Every wait is bounded: the connect (handshake plus hello), each try's deadline
+//! (from when its request is sent), the gap between two frames, and the rounds.
 //!
 //! A peer that cannot be connected to is unreachable for its back-off: one connection attempt
 //! at a time (concurrent loads wait for it rather than each connecting), and until the
@@ -39,10 +42,11 @@ use super::{tls, FramedRecv, PeerAddr, ReadError};
 /// Timeouts of the network tier.
 #[derive(Clone, Copy, Debug)]
 pub struct PeerConfig {
-    /// The longest a connection (QUIC handshake, hello and inventory) may take. Keep it within
-    /// `request_timeout`: a try that has to connect first spends it out of its own deadline.
+    /// The longest a connection (QUIC handshake, hello and inventory) may take.
     pub connect_timeout: Duration,
-    /// The overall deadline of one try at one peer for one expert, connecting included.
+    /// The deadline of one try at one peer for one expert, from when the request is sent
+    /// (waiting for a connection or a request slot is not counted). Doubled for each later
+    /// round over the holders while they are still sending (see `fetch_from_peers`).
     pub request_timeout: Duration,
     /// The longest wait for the first frame of an answer or between two frames.
     pub idle_timeout: Duration,
@@ -65,9 +69,10 @@ impl Default for PeerConfig {
 }
 
 impl PeerConfig {
-    /// The timeouts of `--peer-timeout SECS`: every try at a peer within `timeout` in all (a
-    /// connection attempt within [`super::CONNECT_TIMEOUT`] or `timeout`, the shorter), the gap
-    /// between frames within 5 s or `timeout`.
+    /// The timeouts of `--peer-timeout SECS`: every request to a peer answered within
+    /// `timeout` of being sent (longer in later rounds while peers are still sending), a
+    /// connection attempt within [`super::CONNECT_TIMEOUT`] or `timeout`, the shorter, and the
+    /// gap between frames within 5 s or `timeout`.
     pub fn with_timeout(timeout: Duration) -> Self {
         Self {
             connect_timeout: super::CONNECT_TIMEOUT.min(timeout),
@@ -195,6 +200,21 @@ impl Drop for InFlight {
         let mut s = self.0.state();
         s.in_flight = s.in_flight.saturating_sub(1);
     }
+}
+
+/// Most rounds over an expert's holders (see [`Inner::fetch_from_peers`]): the per-try
+/// deadline doubles each round, so the last allows 8 times `--peer-timeout`, and one peer
+/// costs at most 15 times it.
+const MAX_ROUNDS: u32 = 4;
+
+/// What the tries of one expert load share.
+#[derive(Default)]
+struct Tries {
+    /// Failed tries.
+    failed: AtomicU64,
+    /// Set when a try ran out of time while its peer was still sending, or the peer answered
+    /// busy: worth another round.
+    retry: std::sync::atomic::AtomicBool,
 }
 
 /// How one try at one peer ended: the verified record, or why not (naming the peer) and the
@@ -811,8 +831,11 @@ impl PeerLink {
 /// Why one attempt at one peer failed.
 #[derive(Debug, thiserror::Error)]
 enum AttemptError {
+    /// The request failed: why, the bytes it verified, and whether the peer sent stream data
+    /// on the connection meanwhile (for this request or another; acknowledgements and pings
+    /// do not count).
     #[error("{0}")]
-    Fetch(FetchError, Vec<u8>),
+    Fetch(FetchError, Vec<u8>, bool),
     /// No link (the peer is already marked for it).
     #[error(transparent)]
     Link(#[from] LinkError),
@@ -828,6 +851,7 @@ async fn run_request(
     fetch: Fetch,
     priority: Option<i32>,
 ) -> Result<Vec<u8>, AttemptError> {
+    let rx_before = conn.stats().frame_rx.stream;
     let (mut send, recv) = conn
         .open_bi()
         .await
@@ -874,7 +898,17 @@ async fn run_request(
                     Event::Failed(f) => {
                         let _ = frames.stream().stop(0u32.into());
                         let _ = send.reset(0u32.into());
-                        Err(AttemptError::Fetch(f.error, f.verified))
+                        // Count what arrived of a frame still coming in too: the peer was
+                        // sending (it tells a slow peer from a silent one).
+                        let error = match f.error {
+                            FetchError::TimedOut { after, received } => FetchError::TimedOut {
+                                after,
+                                received: received.max(frames.received()),
+                            },
+                            e => e,
+                        };
+                        let heard = conn.stats().frame_rx.stream > rx_before;
+                        Err(AttemptError::Fetch(error, f.verified, heard))
                     }
                 };
             }
@@ -1018,9 +1052,12 @@ impl Inner {
         Some(rx)
     }
 
-    /// One try at peer `i` (counted in flight by `f`), resuming after `prefix`; the whole
-    /// record is verified before it is returned. Failures mark the peer and are counted in
-    /// `failed` (unless the tier is closing); successes feed its latency and throughput.
+    /// One try at peer `i` (counted in flight by `f`) within `timeout`, resuming after
+    /// `prefix`; the whole record is verified before it is returned. Failures mark the peer and
+    /// are counted in `tries.failed` (unless the tier is closing); successes feed its latency
+    /// and throughput. A try whose deadline passed while the peer was still sending is slow,
+    /// not faulty, and a busy answer is load, not a fault: neither marks the peer, and both set
+    /// `tries.retry`.
     #[allow(clippy::too_many_arguments)]
     async fn try_peer(
         &self,
@@ -1030,11 +1067,15 @@ impl Inner {
         len: u64,
         mut prefix: Vec<u8>,
         priority: Priority,
-        failed: &AtomicU64,
+        timeout: Duration,
+        tries: &Tries,
     ) -> TryResult {
+        let failed = &tries.failed;
         let peer = &self.peers[i];
         let started = Instant::now();
-        let got = self.attempt(peer, id, len, &mut prefix, priority).await;
+        let got = self
+            .attempt(peer, id, len, &mut prefix, priority, timeout)
+            .await;
         drop(f);
         let closing = self.closing.load(Ordering::SeqCst);
         if !closing && got.is_err() {
@@ -1061,6 +1102,29 @@ impl Inner {
                 tracing::debug!("peer {} on expert {id}: {e}", peer.addr);
                 Err((format!("{}: {e}", peer.addr), prefix))
             }
+            Err(e @ AttemptError::Fetch(FetchError::Remote { code, .. }, _, _))
+                if code == stormo_wire::ErrorCode::BUSY =>
+            {
+                // Alive but serving as many of this node's requests as it takes (some may be
+                // tries this node gave up on that the peer has not yet dropped): a later round
+                // may find it free.
+                tracing::debug!("peer {} on expert {id}: {e}", peer.addr);
+                tries.retry.store(true, Ordering::Relaxed);
+                Err((format!("{}: {e}", peer.addr), prefix))
+            }
+            Err(e @ AttemptError::Fetch(FetchError::TimedOut { .. }, _, true)) => {
+                // The peer was sending to this node all along (this answer, or others ahead of
+                // it on the same connection): slow or loaded, not failing.
+                tracing::debug!(
+                    "peer {} on expert {id}: {e}; still sending, so slow rather than failing \
+                     (the next try resumes after {} verified bytes)",
+                    peer.addr,
+                    prefix.len()
+                );
+                peer.state().sample(started.elapsed().as_secs_f64());
+                tries.retry.store(true, Ordering::Relaxed);
+                Err((format!("{}: {e}", peer.addr), prefix))
+            }
             Err(e) => {
                 peer.mark(&format!("on expert {id}"), &e);
                 Err((format!("{}: {e}", peer.addr), prefix))
@@ -1079,9 +1143,9 @@ impl Inner {
     /// (all of them when the load succeeds; all but the last, which is the load's own error,
     /// when it fails).
     async fn fetch(&self, key: ExpertKey, priority: Priority) -> Result<Arc<ExpertData>, String> {
-        let failed = AtomicU64::new(0);
-        let r = self.fetch_from_peers(key, priority, &failed).await;
-        let failed = failed.into_inner();
+        let tries = Tries::default();
+        let r = self.fetch_from_peers(key, priority, &tries).await;
+        let failed = tries.failed.into_inner();
         let retried = if r.is_ok() {
             failed
         } else {
@@ -1091,12 +1155,18 @@ impl Inner {
         r
     }
 
-    /// Loads `key` from the peers, counting failed tries in `failed`.
+    /// Loads `key` from the peers, counting failed tries in `tries`.
+    ///
+    /// Each holder is tried once per round, each try resuming after the longest verified
+    /// prefix so far. When every holder has been tried and some try ran out of time while its
+    /// peer was still sending, or a peer answered busy (slow or loaded peers, or a link shared
+    /// by many loads, not failing ones), another round starts after a short pause, with twice
+    /// the per-try deadline, up to [`MAX_ROUNDS`] rounds.
     async fn fetch_from_peers(
         &self,
         key: ExpertKey,
         priority: Priority,
-        failed: &AtomicU64,
+        tries: &Tries,
     ) -> Result<Arc<ExpertData>, String> {
         let id = expert_id(key).ok_or("expert index out of range")?;
         let entry = self
@@ -1121,17 +1191,37 @@ impl Inner {
         let mut prefix: Vec<u8> = Vec::new();
         let mut errors = Vec::new();
         let mut local_tried = false;
+        let mut timeout = self.cfg.request_timeout;
+        let mut round = 1;
         loop {
             if self.closing.load(Ordering::SeqCst) {
                 return Err("the network tier is closed".into());
             }
-            let Some((i, f)) = self.pick(id, len, &mut tried) else {
+            let mut picked = self.pick(id, len, &mut tried);
+            if picked.is_none() && round < MAX_ROUNDS && tries.retry.swap(false, Ordering::Relaxed)
+            {
+                // A pause before going round again, growing with the rounds, so that a busy
+                // peer has time to finish what it is sending.
+                tokio::time::sleep(Duration::from_millis(250 << round)).await;
+                round += 1;
+                timeout = timeout.saturating_mul(2);
+                tracing::debug!(
+                    "expert {id}: every holder tried and some still sending; round {round} with \
+                     {:.1}s per try, after {} verified bytes",
+                    timeout.as_secs_f64(),
+                    prefix.len()
+                );
+                tried.clear();
+                picked = self.pick(id, len, &mut tried);
+            }
+            let Some((i, f)) = picked else {
                 break;
             };
             let started = Instant::now();
             let delay = self.hedge_delay(i, len);
             let prefix_in = std::mem::take(&mut prefix);
-            let mut a = std::pin::pin!(self.try_peer(i, f, id, len, prefix_in, priority, failed));
+            let mut a =
+                std::pin::pin!(self.try_peer(i, f, id, len, prefix_in, priority, timeout, tries));
             let first = if priority == Priority::Demand {
                 tokio::select! {
                     r = &mut a => Some(r),
@@ -1159,7 +1249,8 @@ impl Inner {
                             len,
                             Vec::new(),
                             priority,
-                            failed
+                            timeout,
+                            tries
                         ));
                         let (r, b_first) = tokio::select! {
                             r = &mut a => (r, false),
@@ -1268,26 +1359,20 @@ impl Inner {
         len: u64,
         prefix: &mut Vec<u8>,
         priority: Priority,
+        timeout: Duration,
     ) -> Result<Vec<u8>, AttemptError> {
-        // The request timeout bounds the whole try: connecting (itself bounded by the connect
-        // timeout), waiting for a slot, and the request.
-        let deadline = tokio::time::Instant::now() + self.cfg.request_timeout;
+        // `timeout` bounds the request from when it is sent. Connecting has its own bound (the
+        // connect timeout), and waiting for one of the link's request slots is not counted:
+        // that queue is this node's own loads, not the peer's doing, and every request holding
+        // a slot is bounded.
         let l = link(self, peer).await?;
-        let _permit = tokio::time::timeout_at(deadline, l.slots.clone().acquire_owned())
+        let _permit = l
+            .slots
+            .clone()
+            .acquire_owned()
             .await
-            .map_err(|_| {
-                AttemptError::Other(anyhow::anyhow!(
-                    "no request slot within the request timeout"
-                ))
-            })?
             .map_err(|_| AttemptError::Other(anyhow::anyhow!("link closed")))?;
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        if left.is_zero() {
-            return Err(AttemptError::Other(anyhow::anyhow!(
-                "the request timeout ({:.1}s) passed before the request was sent",
-                self.cfg.request_timeout.as_secs_f64()
-            )));
-        }
+        let left = timeout;
         let wire_priority = match priority {
             Priority::Demand => stormo_wire::Priority::Now,
             Priority::Prefetch => stormo_wire::Priority::Prefetch,
@@ -1317,9 +1402,9 @@ impl Inner {
                 all.extend_from_slice(&bytes);
                 Ok(all)
             }
-            Err(AttemptError::Fetch(e, verified)) => {
+            Err(AttemptError::Fetch(e, verified, heard)) => {
                 prefix.extend_from_slice(&verified);
-                Err(AttemptError::Fetch(e, Vec::new()))
+                Err(AttemptError::Fetch(e, Vec::new(), heard))
             }
             Err(e) => Err(e),
         }
