@@ -405,8 +405,8 @@ pub fn run_scenario(
                 "--no-local-experts".into(),
                 // Fail over quickly from the killed node (its silence shows within this), yet
                 // give a whole expert time to arrive over a link shared by a prefill's loads:
-                // 2 s, or a second per 2 MB of one expert when that is longer (7 s at
-                // gpt-oss-20b's 13 MB).
+                // 2 s, or a second per 2 MB of one expert when that is longer (6.6 s at
+                // gpt-oss-20b's 13.2 MB).
                 "--peer-timeout".into(),
                 format!(
                     "{:.1}",

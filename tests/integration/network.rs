@@ -498,6 +498,29 @@ fn killed_stalled_and_silent_peers_fall_back_to_another() {
     silent_rt.shutdown_background();
 }
 
+/// Demand loads of `keys` from `tier`, each load's outcome as it completes (each within 60 s).
+fn load_all(
+    tier: &PeerTier,
+    keys: &[stormo_engine::tiers::ExpertKey],
+) -> Vec<(stormo_engine::tiers::ExpertKey, Result<(), String>)> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    tier.load(
+        keys,
+        stormo_engine::tiers::Priority::Demand,
+        Arc::new(
+            move |k: stormo_engine::tiers::ExpertKey, r: stormo_engine::Result<Arc<ExpertData>>| {
+                let _ = tx.send((k, r.map(|_| ()).map_err(|e| e.to_string())));
+            },
+        ),
+    );
+    keys.iter()
+        .map(|_| {
+            rx.recv_timeout(Duration::from_secs(60))
+                .expect("a load hung")
+        })
+        .collect()
+}
+
 /// A peer address where nothing answers: a UDP socket that swallows every packet, so QUIC
 /// handshakes to it run into the connect timeout (as with nothing listening at all, where
 /// the port could also be taken by something else meanwhile). Keep the socket alive.
@@ -537,21 +560,8 @@ fn dead_peer_costs_one_connect_attempt_not_one_per_expert() {
         })
         .collect();
     assert!(keys.len() >= 16, "{} experts", keys.len());
-    let (tx, rx) = std::sync::mpsc::channel();
     let started = Instant::now();
-    tier.load(
-        &keys,
-        stormo_engine::tiers::Priority::Demand,
-        Arc::new(
-            move |k: stormo_engine::tiers::ExpertKey, r: stormo_engine::Result<Arc<ExpertData>>| {
-                let _ = tx.send((k, r.map(|_| ()).map_err(|e| e.to_string())));
-            },
-        ),
-    );
-    for _ in &keys {
-        let (k, r) = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("a load hung");
+    for (k, r) in load_all(&tier, &keys) {
         let e = r.expect_err("a dead peer supplied an expert");
         assert!(e.contains(&dead.to_string()), "expert {k}: {e}");
     }
@@ -854,20 +864,7 @@ fn a_peer_slower_than_the_deadline_still_delivers_in_later_rounds() {
     )
     .expect("tier")
     .keep_runtime(rt);
-    let (tx, rx) = std::sync::mpsc::channel();
-    tier.load(
-        &keys,
-        stormo_engine::tiers::Priority::Demand,
-        Arc::new(
-            move |k: stormo_engine::tiers::ExpertKey, r: stormo_engine::Result<Arc<ExpertData>>| {
-                let _ = tx.send((k, r.map(|_| ()).map_err(|e| e.to_string())));
-            },
-        ),
-    );
-    for _ in &keys {
-        let (k, r) = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("a load hung");
+    for (k, r) in load_all(&tier, &keys) {
         if let Err(e) = r {
             panic!("expert {k} from a slow but working peer: {e}");
         }
