@@ -91,7 +91,7 @@ fn tcp(buf: &Arc<Vec<u8>>, reps: usize) -> anyhow::Result<Vec<f64>> {
 async fn quic(buf: Arc<Vec<u8>>, reps: usize) -> anyhow::Result<Vec<f64>> {
     let server_key = SecretKey::from_seed(&[1; 32]);
     let client_key = SecretKey::from_seed(&[2; 32]);
-    let sc = tls::server_config(&server_key, Admission::Any, 8)?;
+    let sc = tls::server_config(&server_key, Admission::Any, 8, tls::Congestion::Cubic)?;
     let server = net::bind("127.0.0.1:0".parse()?, Some(sc))?;
     let addr = server.local_addr()?;
     let b = buf.clone();

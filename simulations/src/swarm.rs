@@ -156,6 +156,8 @@ pub struct SwarmOptions {
     pub client_cache: Option<String>,
     /// The longest any one generation may take.
     pub timeout: Duration,
+    /// Extra arguments of every serving node (e.g. `--congestion bbr`).
+    pub serve_args: Vec<String>,
 }
 
 /// What one `stormo run --json` reported.
@@ -335,6 +337,7 @@ pub fn run_scenario(
     let work = opts.work.join(scenario.name());
     log(&format!("{}: {}", scenario.name(), scenario.describe()));
     let mut c = Cluster::prepare(&opts.exe, &opts.model, &work)?;
+    c.serve_args = opts.serve_args.clone();
     if let Some(f) = reaper_out {
         f(c.reaper());
     }

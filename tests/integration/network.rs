@@ -14,7 +14,7 @@ use stormo_manifests::{build, BuildOptions, Hash, ManifestSignature, SecretKey};
 use stormo_node::experts::ExpertArgs;
 use stormo_node::net::serve::{self, Holdings, ServeConfig, ServerHandle};
 use stormo_node::net::tier::{PeerConfig, PeerTier};
-use stormo_node::net::tls::Admission;
+use stormo_node::net::tls::{Admission, Congestion};
 use stormo_node::net::{self, pull, PeerAddr, PeerArgs};
 use stormo_simulations::swarm::{LinkSpec, Relay};
 use stormo_tests::{fixture, Reference, MODEL_FIXTURES};
@@ -139,6 +139,7 @@ fn start_node(seed: u8, holdings: Holdings, admission: Admission) -> Node {
                     per_peer: 8,
                     node_limit: 32,
                     admission,
+                    ..ServeConfig::default()
                 },
             )
         })
@@ -288,6 +289,62 @@ fn peers_holding_parts_supply_exact_generation_on_every_fixture() {
         );
         tier.close();
     }
+}
+
+/// A node pacing its answers with BBR (`stormo serve --congestion bbr`), behind a relay that
+/// delays and drops datagrams, supplies exactly the reference generation.
+#[test]
+fn a_bbr_paced_peer_over_a_lossy_link_gives_the_reference_ids() {
+    let name = "gptoss-tiny-mxfp4";
+    let f = setup(name);
+    let (h, _experts) =
+        serve::open_holdings(f.dir.path(), None, &expert_args(), None).expect("holdings");
+    let key = SecretKey::from_seed(&[90; 32]);
+    let rt = runtime();
+    let handle = rt
+        .block_on(async {
+            serve::start(
+                &key,
+                "127.0.0.1:0".parse().expect("address"),
+                Arc::new(h),
+                ServeConfig {
+                    admission: allow_client(),
+                    congestion: Congestion::Bbr,
+                    ..ServeConfig::default()
+                },
+            )
+        })
+        .expect("server starts");
+    let node = Node {
+        key,
+        handle: Arc::new(handle),
+        rt: Some(rt),
+    };
+    let relay = Relay::start(
+        node.addr().addr,
+        LinkSpec {
+            delay: Duration::from_millis(5),
+            loss: 0.02,
+            ..LinkSpec::ideal()
+        },
+        11,
+    )
+    .expect("relay");
+    let tier = peer_tier(
+        &f,
+        vec![PeerAddr {
+            key: node.addr().key,
+            addr: relay.addr(),
+        }],
+    );
+    let (got, want, loads) = generate_from(&f, name, tier.clone());
+    assert_eq!(got, want, "ids through a BBR-paced peer");
+    assert!(loads > 0 && node.served() >= loads);
+    assert!(
+        relay.counts().lost > 0,
+        "the link lost nothing: no loss was tested"
+    );
+    tier.close();
 }
 
 /// A copy of the model folder `src` whose experts are then corrupted (its manifest still
@@ -457,7 +514,8 @@ fn killed_stalled_and_silent_peers_fall_back_to_another() {
     let silent_key = SecretKey::from_seed(&[32; 32]);
     let silent_rt = runtime();
     let silent_ep = silent_rt.block_on(async {
-        let sc = net::tls::server_config(&silent_key, Admission::Any, 8).expect("config");
+        let sc = net::tls::server_config(&silent_key, Admission::Any, 8, Congestion::Cubic)
+            .expect("config");
         let ep = net::bind("127.0.0.1:0".parse().expect("address"), Some(sc)).expect("bind");
         let e2 = ep.clone();
         tokio::spawn(async move {
@@ -1130,6 +1188,7 @@ fn many_fetchers_get_data_or_busy_and_server_memory_stays_bounded() {
                     per_peer: 4,
                     node_limit,
                     admission: Admission::Any,
+                    ..ServeConfig::default()
                 },
             )
         })

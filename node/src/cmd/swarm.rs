@@ -54,6 +54,9 @@ pub struct Args {
     /// Seconds any one generation may take.
     #[arg(long, default_value_t = 600.0, value_name = "SECS")]
     pub timeout: f64,
+    /// How the serving nodes pace their answers (`stormo serve --congestion`).
+    #[arg(long, value_enum, default_value_t = crate::net::tls::Congestion::Cubic, value_name = "ALGORITHM")]
+    pub congestion: crate::net::tls::Congestion,
     /// Scratch folder (keys, manifest, logs; the synthesized model). Default: a new folder
     /// in the system's temp dir, removed at the end unless --keep.
     #[arg(long, value_name = "DIR")]
@@ -198,6 +201,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             link: Some(link),
             client_cache: a.client_cache.clone(),
             timeout: Duration::from_secs_f64(a.timeout),
+            serve_args: match a.congestion {
+                crate::net::tls::Congestion::Cubic => Vec::new(),
+                crate::net::tls::Congestion::Bbr => vec!["--congestion".into(), "bbr".into()],
+            },
         };
         let slot = reaper_slot.clone();
         let keep_reaper = move |r: swarm::Reaper| {

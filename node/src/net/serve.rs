@@ -125,6 +125,8 @@ pub struct ServeConfig {
     pub node_limit: usize,
     /// Who may connect.
     pub admission: Admission,
+    /// How answers are paced.
+    pub congestion: tls::Congestion,
 }
 
 impl Default for ServeConfig {
@@ -133,6 +135,7 @@ impl Default for ServeConfig {
             per_peer: 8,
             node_limit: 32,
             admission: Admission::Keys(Default::default()),
+            congestion: tls::Congestion::default(),
         }
     }
 }
@@ -217,7 +220,7 @@ pub fn start(
     cfg: ServeConfig,
 ) -> anyhow::Result<ServerHandle> {
     let streams = cfg.per_peer.saturating_mul(2).max(4) + 1;
-    let sc = tls::server_config(secret, cfg.admission.clone(), streams)?;
+    let sc = tls::server_config(secret, cfg.admission.clone(), streams, cfg.congestion)?;
     let endpoint = super::bind(listen, Some(sc))?;
     let addr = endpoint.local_addr().context("the bound address")?;
     let stats = Arc::new(ServeStats::default());

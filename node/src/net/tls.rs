@@ -224,9 +224,25 @@ impl ClientCertVerifier for KeyVerifier {
     }
 }
 
-/// Transport settings shared by both ends: bounded idle time, keep-alives, and at most
-/// `streams` concurrent requests from the peer.
-pub fn transport(streams: u32) -> anyhow::Result<Arc<quinn::TransportConfig>> {
+/// How a sender paces its data (QUIC congestion control).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Congestion {
+    /// CUBIC (RFC 9438), as TCP uses: backs off on every loss, so random loss on a long path
+    /// holds it far below the link's rate.
+    #[default]
+    Cubic,
+    /// BBR: paces to the measured bottleneck rate and round trip, so random loss costs it
+    /// little. quinn calls its implementation experimental, and BBR can take more than its
+    /// share of a link it shares with CUBIC flows.
+    Bbr,
+}
+
+/// Transport settings shared by both ends: bounded idle time, keep-alives, at most `streams`
+/// concurrent requests from the peer, and `congestion` for what this end sends.
+pub fn transport(
+    streams: u32,
+    congestion: Congestion,
+) -> anyhow::Result<Arc<quinn::TransportConfig>> {
     let mut t = quinn::TransportConfig::default();
     t.max_idle_timeout(Some(
         quinn::IdleTimeout::try_from(IDLE_TIMEOUT).context("idle timeout")?,
@@ -234,15 +250,19 @@ pub fn transport(streams: u32) -> anyhow::Result<Arc<quinn::TransportConfig>> {
     .keep_alive_interval(Some(KEEP_ALIVE))
     .max_concurrent_bidi_streams(streams.into())
     .max_concurrent_uni_streams(0u32.into());
+    if congestion == Congestion::Bbr {
+        t.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()));
+    }
     Ok(Arc::new(t))
 }
 
 /// A server configuration: this node's key, TLS 1.3 only, the stormo ALPN, peers admitted by
-/// `admission`.
+/// `admission`, answers paced by `congestion`.
 pub fn server_config(
     secret: &SecretKey,
     admission: Admission,
     streams: u32,
+    congestion: Congestion,
 ) -> anyhow::Result<quinn::ServerConfig> {
     let ck = certified_key(secret)?;
     let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
@@ -256,7 +276,7 @@ pub fn server_config(
     let quic = quinn::crypto::rustls::QuicServerConfig::try_from(cfg)
         .context("a QUIC server configuration from TLS 1.3")?;
     let mut sc = quinn::ServerConfig::with_crypto(Arc::new(quic));
-    sc.transport_config(transport(streams)?);
+    sc.transport_config(transport(streams, congestion)?);
     Ok(sc)
 }
 
@@ -276,7 +296,8 @@ pub fn client_config(secret: &SecretKey, peer: &PublicKey) -> anyhow::Result<qui
     let quic = quinn::crypto::rustls::QuicClientConfig::try_from(cfg)
         .context("a QUIC client configuration from TLS 1.3")?;
     let mut cc = quinn::ClientConfig::new(Arc::new(quic));
-    cc.transport_config(transport(64)?);
+    // A client sends requests, a few bytes each: its congestion control hardly matters.
+    cc.transport_config(transport(64, Congestion::Cubic)?);
     Ok(cc)
 }
 

@@ -109,6 +109,8 @@ pub struct Cluster {
     pub client_public: String,
     /// The serving nodes.
     pub nodes: Vec<Node>,
+    /// Extra arguments of every `stormo serve` it starts (e.g. `--congestion bbr`).
+    pub serve_args: Vec<String>,
     reaper: Reaper,
     next_seed: u64,
 }
@@ -212,6 +214,7 @@ impl Cluster {
             client_key,
             client_public,
             nodes: Vec::new(),
+            serve_args: Vec::new(),
             reaper: Reaper::default(),
             next_seed: 1,
         })
@@ -294,6 +297,7 @@ impl Cluster {
         if let Some(o) = &n.only {
             args.extend(["--only-experts".into(), o.clone()]);
         }
+        args.extend(self.serve_args.iter().cloned());
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
