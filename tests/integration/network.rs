@@ -127,6 +127,18 @@ fn runtime() -> tokio::runtime::Runtime {
 
 /// Serves `holdings` as node key `seed` to `admission`.
 fn start_node(seed: u8, holdings: Holdings, admission: Admission) -> Node {
+    start_node_with(
+        seed,
+        holdings,
+        ServeConfig {
+            admission,
+            ..ServeConfig::default()
+        },
+    )
+}
+
+/// Serves `holdings` as node key `seed` with `cfg`.
+fn start_node_with(seed: u8, holdings: Holdings, cfg: ServeConfig) -> Node {
     let key = SecretKey::from_seed(&[seed; 32]);
     let rt = runtime();
     let handle = rt
@@ -135,12 +147,7 @@ fn start_node(seed: u8, holdings: Holdings, admission: Admission) -> Node {
                 &key,
                 "127.0.0.1:0".parse().expect("address"),
                 Arc::new(holdings),
-                ServeConfig {
-                    per_peer: 8,
-                    node_limit: 32,
-                    admission,
-                    ..ServeConfig::default()
-                },
+                cfg,
             )
         })
         .expect("server starts");
@@ -299,27 +306,15 @@ fn a_bbr_paced_peer_over_a_lossy_link_gives_the_reference_ids() {
     let f = setup(name);
     let (h, _experts) =
         serve::open_holdings(f.dir.path(), None, &expert_args(), None).expect("holdings");
-    let key = SecretKey::from_seed(&[90; 32]);
-    let rt = runtime();
-    let handle = rt
-        .block_on(async {
-            serve::start(
-                &key,
-                "127.0.0.1:0".parse().expect("address"),
-                Arc::new(h),
-                ServeConfig {
-                    admission: allow_client(),
-                    congestion: Congestion::Bbr,
-                    ..ServeConfig::default()
-                },
-            )
-        })
-        .expect("server starts");
-    let node = Node {
-        key,
-        handle: Arc::new(handle),
-        rt: Some(rt),
-    };
+    let node = start_node_with(
+        90,
+        h,
+        ServeConfig {
+            admission: allow_client(),
+            congestion: Congestion::Bbr,
+            ..ServeConfig::default()
+        },
+    );
     let relay = Relay::start(
         node.addr().addr,
         LinkSpec {
@@ -1170,34 +1165,22 @@ fn many_fetchers_get_data_or_busy_and_server_memory_stays_bounded() {
         .map(|e| stormo_engine::tiers::ExpertKey::new(e.id.layer.into(), e.id.expert.into()))
         .collect();
     let node_limit = 6;
-    let key = SecretKey::from_seed(&[110; 32]);
-    let rt = runtime();
-    let handle = rt
-        .block_on(async {
-            serve::start(
-                &key,
-                "127.0.0.1:0".parse().expect("address"),
-                Arc::new(Holdings {
-                    experts: Arc::new(Slow {
-                        inner: h.experts.clone(),
-                        delay: Duration::from_millis(150),
-                    }),
-                    ..h
-                }),
-                ServeConfig {
-                    per_peer: 4,
-                    node_limit,
-                    admission: Admission::Any,
-                    ..ServeConfig::default()
-                },
-            )
-        })
-        .expect("server starts");
-    let node = Node {
-        key,
-        handle: Arc::new(handle),
-        rt: Some(rt),
-    };
+    let node = start_node_with(
+        110,
+        Holdings {
+            experts: Arc::new(Slow {
+                inner: h.experts.clone(),
+                delay: Duration::from_millis(150),
+            }),
+            ..h
+        },
+        ServeConfig {
+            per_peer: 4,
+            node_limit,
+            admission: Admission::Any,
+            ..ServeConfig::default()
+        },
+    );
     let files = ModelFiles::open(f.dir.path()).expect("model files");
     let manifest = Arc::new(
         stormo_manifests::read_manifest(&f.dir.path().join("stormo-manifest.bin"))
