@@ -329,6 +329,8 @@ pub fn run_scenario(
     let link = opts.link.unwrap_or_else(|| scenario.default_link());
     link.validate().map_err(SwarmError::Model)?;
     let (n_experts, n_layers, expert_bytes) = expert_shape(&opts.model)?;
+    // Bytes of one expert (on average).
+    let one_expert = expert_bytes / (n_layers * n_experts).max(1) as u64;
     if n_experts < 4 {
         return Err(SwarmError::Model(format!(
             "the model has {n_experts} experts per layer; the scenarios need at least 4"
@@ -411,10 +413,7 @@ pub fn run_scenario(
                 // 2 s, or a second per 2 MB of one expert when that is longer (6.6 s at
                 // gpt-oss-20b's 13.2 MB).
                 "--peer-timeout".into(),
-                format!(
-                    "{:.1}",
-                    (expert_bytes as f64 / (n_layers * n_experts).max(1) as f64 / 2e6).max(2.0)
-                ),
+                format!("{:.1}", (one_expert as f64 / 2e6).max(2.0)),
             ]);
         }
     }
@@ -423,7 +422,6 @@ pub fn run_scenario(
     let mut client = c.spawn_run("swarm", &args)?;
     if scenario == Scenario::Churn {
         let victim = 1;
-        let one_expert = expert_bytes / (n_layers * n_experts).max(1) as u64;
         let mut killed_at: Option<Instant> = None;
         let mut restarted = false;
         while !client.finished() {

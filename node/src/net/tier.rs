@@ -4,7 +4,7 @@
 //! flight, then the shortest expected time from measured round trip and throughput), streams
 //! the record on its own QUIC stream through a [`Requests`], checks every chunk against the
 //! manifest as it arrives and the whole record before completing. On any failure (a bad chunk,
-//! a timeout, `busy`, a lost connection, a peer that does not hold what it advertised, another
+//! a timeout or silence, a lost connection, a peer that does not hold what it advertised, another
 //! protocol version) it logs a warning naming the peer, puts the peer on a growing back-off,
 //! and goes on with another peer, resuming after the verified prefix; only when no peer can
 //! supply the expert does it complete with an error, so the tiers above fall back. A try that
@@ -898,8 +898,8 @@ async fn run_request(
                     Event::Failed(f) => {
                         let _ = frames.stream().stop(0u32.into());
                         let _ = send.reset(0u32.into());
-                        // Count what arrived of a frame still coming in too: the peer was
-                        // sending (it tells a slow peer from a silent one).
+                        // Report what arrived of a frame still coming in too, not only whole
+                        // frames (the message's byte count; `heard` below decides).
                         let error = match f.error {
                             FetchError::TimedOut { after, received } => FetchError::TimedOut {
                                 after,

@@ -316,4 +316,37 @@ mod tests {
         assert_eq!(key_of_spki(&bad), None);
         assert_eq!(key_of_spki(&der[..43]), None);
     }
+
+    /// The congestion control a server is configured with is the one its connections run.
+    #[test]
+    fn server_connections_run_the_configured_congestion_control() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            for (cc, bbr) in [(Congestion::Bbr, true), (Congestion::Cubic, false)] {
+                let server_key = SecretKey::from_seed(&[3; 32]);
+                let sc = server_config(&server_key, Admission::Any, 4, cc).expect("server");
+                let server = crate::net::bind("127.0.0.1:0".parse().expect("addr"), Some(sc))
+                    .expect("server endpoint");
+                let addr = server.local_addr().expect("address");
+                let client = crate::net::bind("127.0.0.1:0".parse().expect("addr"), None)
+                    .expect("client endpoint");
+                let cfg = client_config(&SecretKey::from_seed(&[4; 32]), &server_key.public())
+                    .expect("client");
+                let connecting = client.connect_with(cfg, addr, "stormo").expect("connect");
+                let accepting = async { server.accept().await.expect("incoming").await };
+                let (inbound, out) = tokio::join!(accepting, connecting);
+                let inbound = inbound.expect("accepted");
+                out.expect("connected");
+                let state = inbound.congestion_state().into_any();
+                assert_eq!(
+                    state.downcast::<quinn::congestion::Bbr>().is_ok(),
+                    bbr,
+                    "{cc:?}"
+                );
+            }
+        });
+    }
 }
