@@ -61,6 +61,11 @@ fn setup(name: &str) -> Fixture {
             std::fs::copy(e.path(), dir.path().join(&n)).expect("copy");
         }
     }
+    sign_dir(dir)
+}
+
+/// The model in `dir` with a manifest built and signed there.
+fn sign_dir(dir: tempfile::TempDir) -> Fixture {
     let m = build(dir.path(), &BuildOptions::default()).expect("manifest builds");
     let publisher = SecretKey::from_seed(&[42; 32]);
     std::fs::write(dir.path().join("stormo-manifest.bin"), m.encode()).expect("write manifest");
@@ -932,6 +937,109 @@ fn a_peer_slower_than_the_deadline_still_delivers_in_later_rounds() {
         "a slow peer is not a failing one: {fails:?}"
     );
     assert!(relay.counts().down_bytes >= 3 * len);
+    tier.close();
+}
+
+/// An expert of many chunks behind a link so slow that no try, not even at the longest
+/// per-try deadline, delivers all of it: the first round's try is cut off at its deadline,
+/// later ones run on while chunks keep verifying (and rounds that verify more would not count
+/// against the limit), and the load completes.
+#[test]
+fn a_load_that_keeps_progressing_is_not_given_up_after_the_rounds() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().to_str().expect("utf-8 temp path");
+    // Experts of about 1.7 MB (gate/up 2048 x 1024 and down 1024 x 1024 in MXFP4), sent and
+    // verified in pieces of 256 KiB.
+    crate::demo::synth(&[
+        "--layers",
+        "1",
+        "--hidden",
+        "1024",
+        "--intermediate",
+        "1024",
+        "--experts",
+        "2",
+        "--top-k",
+        "2",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "64",
+        "--vocab",
+        "64",
+        "--out",
+        out,
+    ])
+    .expect("stormo synth writes the model");
+    let f = sign_dir(dir);
+    let node = serve_dir(86, f.dir.path(), None, allow_client());
+    let files = ModelFiles::open(f.dir.path()).expect("model files");
+    let manifest = Arc::new(
+        stormo_manifests::read_manifest(&f.dir.path().join("stormo-manifest.bin"))
+            .expect("manifest")
+            .0,
+    );
+    let e = &manifest.experts[0];
+    let chunks = e.len.div_ceil(u64::from(manifest.chunk_size));
+    assert!(chunks >= 6, "expert of {} bytes, {chunks} chunks", e.len);
+    // The expert takes about 2.4 s through the relay, a chunk about 0.35 s. Tries get 100,
+    // 200, 400, then 800 ms: the first two rounds verify nothing, and four rounds (1.5 s in
+    // all) cannot deliver it, so the load needs more.
+    let relay = Relay::start(
+        node.addr().addr,
+        LinkSpec {
+            bandwidth: Some(e.len * 10 / 24),
+            ..LinkSpec::ideal()
+        },
+        8,
+    )
+    .expect("relay");
+    let through = PeerAddr {
+        key: node.addr().key,
+        addr: relay.addr(),
+    };
+    let rt = Arc::new(runtime());
+    let tier = PeerTier::connect(
+        &client_key(),
+        &[through],
+        manifest.clone(),
+        f.id,
+        files.layout.schemas.clone(),
+        PeerConfig {
+            connect_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_millis(100),
+            idle_timeout: Duration::from_secs(5),
+            ..PeerConfig::default()
+        },
+        Some(rt.handle().clone()),
+    )
+    .expect("tier")
+    .keep_runtime(rt);
+    let key = stormo_engine::tiers::ExpertKey::new(0, e.id.expert.into());
+    let t0 = Instant::now();
+    for (k, r) in load_all(&tier, &[key]) {
+        if let Err(e) = r {
+            panic!("expert {k} from a slow peer that keeps sending: {e}");
+        }
+    }
+    // The relay cannot deliver faster than its bandwidth, so this holds by construction; it
+    // says the load outlasted every try's deadline, four rounds' worth of them.
+    assert!(
+        t0.elapsed() > Duration::from_millis(1500),
+        "loaded in {:?}: the relay was not the bottleneck, so this test did not test anything",
+        t0.elapsed()
+    );
+    assert!(
+        tier.retried_failures() > 0,
+        "no try ran out of time, so this test did not test anything"
+    );
+    let fails = tier.failures();
+    assert!(
+        fails.iter().all(|(_, n)| *n == 0),
+        "a slow peer is not a failing one: {fails:?}"
+    );
     tier.close();
 }
 

@@ -16,8 +16,9 @@
 //! - with a verifier, every verification chunk is checked as soon as its last byte arrives;
 //! - an exact-length request completes as soon as its last byte arrives and verifies (a later
 //!   `End` is ignored); `End` before that is a truncation;
-//! - the request completes or fails before its overall deadline, and no more than the idle
-//!   timeout passes between frames.
+//! - the request completes or fails before its overall deadline (which progress moves on for
+//!   a request started with [`Fetch::extend_on_progress`]), and no more than the idle timeout
+//!   passes between frames.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::error::Error as StdError;
@@ -93,6 +94,7 @@ pub struct Fetch {
     range: Option<ByteRange>,
     priority: Priority,
     timeout: Option<Duration>,
+    extend_on_progress: bool,
     verifier: Option<Box<dyn ChunkVerifier>>,
 }
 
@@ -104,6 +106,7 @@ impl fmt::Debug for Fetch {
             .field("range", &self.range)
             .field("priority", &self.priority)
             .field("timeout", &self.timeout)
+            .field("extend_on_progress", &self.extend_on_progress)
             .field("verified", &self.verifier.is_some())
             .finish()
     }
@@ -118,6 +121,7 @@ impl Fetch {
             range: None,
             priority: Priority::Now,
             timeout: None,
+            extend_on_progress: false,
             verifier: None,
         }
     }
@@ -132,6 +136,7 @@ impl Fetch {
             range: None,
             priority: Priority::Now,
             timeout: None,
+            extend_on_progress: false,
             verifier: None,
         }
     }
@@ -149,6 +154,7 @@ impl Fetch {
             range: Some(range),
             priority: Priority::Now,
             timeout: None,
+            extend_on_progress: false,
             verifier: None,
         }
     }
@@ -168,6 +174,15 @@ impl Fetch {
     /// The overall deadline of this request, instead of [`RequestsConfig::timeout`].
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
+        self
+    }
+
+    /// At its deadline, a request that made progress since it started or since its deadline
+    /// was last moved (more chunks verified; more bytes received when there is no verifier)
+    /// gets another timeout instead of failing, so only one that stops advancing for a whole
+    /// timeout times out. (The idle timeout between frames applies as always.)
+    pub fn extend_on_progress(mut self) -> Self {
+        self.extend_on_progress = true;
         self
     }
 
@@ -250,7 +265,8 @@ pub enum FetchError {
     /// The overall deadline passed.
     #[error("no complete answer within {after:?} ({received} bytes received)")]
     TimedOut {
-        /// The deadline.
+        /// How long after its start the request timed out (its timeout, or more when
+        /// [`Fetch::extend_on_progress`] moved the deadline).
         after: Duration,
         /// Bytes received so far.
         received: u64,
@@ -380,11 +396,23 @@ struct Pending {
     timeout: Duration,
     deadline: Instant,
     idle_deadline: Instant,
+    /// [`Fetch::extend_on_progress`]: the progress when the deadline was last set.
+    extend_from: Option<u64>,
 }
 
 impl Pending {
     fn received(&self) -> u64 {
         self.buf.len() as u64
+    }
+
+    /// What [`Fetch::extend_on_progress`] counts: the verified end, or the bytes received
+    /// when nothing is verified.
+    fn progress(&self) -> u64 {
+        if self.verifier.is_some() {
+            self.verified_to
+        } else {
+            self.received()
+        }
     }
 }
 
@@ -568,9 +596,11 @@ impl Requests {
         };
         self.transmits.push_back(msg);
         let timeout = fetch.timeout.unwrap_or(self.config.timeout);
+        let extend_from = fetch.extend_on_progress.then_some(start);
         self.pending.insert(
             id,
             Pending {
+                extend_from,
                 resource: fetch.resource,
                 start,
                 end,
@@ -714,8 +744,21 @@ impl Requests {
             .min()
     }
 
-    /// Fails (and cancels at the peer) every request whose deadline is at or before `now`.
+    /// Fails (and cancels at the peer) every request whose deadline is at or before `now`,
+    /// except that one started with [`Fetch::extend_on_progress`] that advanced since its
+    /// deadline was set gets another timeout from `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
+        for p in self.pending.values_mut() {
+            if now >= p.deadline && now < p.idle_deadline {
+                if let Some(from) = p.extend_from {
+                    let at = p.progress();
+                    if at > from {
+                        p.extend_from = Some(at);
+                        p.deadline = now + p.timeout;
+                    }
+                }
+            }
+        }
         let expired: Vec<_> = self
             .pending
             .iter()
@@ -724,7 +767,7 @@ impl Requests {
                     Some((
                         id,
                         FetchError::TimedOut {
-                            after: p.timeout,
+                            after: now.saturating_duration_since(p.started),
                             received: p.received(),
                         },
                     ))

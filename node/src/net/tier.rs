@@ -10,7 +10,9 @@
 //! supply the expert does it complete with an error, so the tiers above fall back. A try that
 //! runs out of time while the peer is still sending, or a `busy` answer, is load rather than
 //! a fault: the peer is not put on a back-off, and when every holder has been tried another
-//! round starts with a longer deadline (big experts over a link that many loads share). Keys are
+//! round starts with a longer deadline, which then moves on while chunks keep verifying (big
+//! experts over a link that many loads share); rounds go on while each verifies more of the
+//! expert, and end after a few in a row that do not. Keys are
 //! fetched in parallel, each on its own task. Prefetch loads are sent with the `Prefetch`
 //! priority. Every wait is bounded: the connect (handshake plus hello), each try's deadline
 //! (from when its request is sent), the gap between two frames, and the rounds.
@@ -202,10 +204,22 @@ impl Drop for InFlight {
     }
 }
 
-/// Most rounds over an expert's holders (see [`Inner::fetch_from_peers`]): the per-try
-/// deadline doubles each round, so the last allows 8 times `--peer-timeout`, and one peer
-/// costs at most 15 times it.
+/// Most rounds in a row over an expert's holders that verify nothing more of it (see
+/// [`Inner::fetch_from_peers`]). The per-try deadline doubles each round up to 8 times
+/// `--peer-timeout`. Rounds that verify more do not count, so the rounds of one load are
+/// bounded by this plus the expert's chunk count.
 const MAX_ROUNDS: u32 = 4;
+
+/// The per-try deadline stops doubling at this multiple of the first round's.
+const MAX_TIMEOUT_FACTOR: u32 = 8;
+
+/// How long one try may take: `timeout` from when its request is sent, moved on by the
+/// verified chunks that arrive when `extend` (see [`Fetch::extend_on_progress`]).
+#[derive(Clone, Copy, Debug)]
+struct TryLimit {
+    timeout: Duration,
+    extend: bool,
+}
 
 /// What the tries of one expert load share.
 #[derive(Default)]
@@ -1052,7 +1066,7 @@ impl Inner {
         Some(rx)
     }
 
-    /// One try at peer `i` (counted in flight by `f`) within `timeout`, resuming after
+    /// One try at peer `i` (counted in flight by `f`) within `limit`, resuming after
     /// `prefix`; the whole record is verified before it is returned. Failures mark the peer and
     /// are counted in `tries.failed` (unless the tier is closing); successes feed its latency
     /// and throughput. A try whose deadline passed while the peer was still sending is slow,
@@ -1067,14 +1081,14 @@ impl Inner {
         len: u64,
         mut prefix: Vec<u8>,
         priority: Priority,
-        timeout: Duration,
+        limit: TryLimit,
         tries: &Tries,
     ) -> TryResult {
         let failed = &tries.failed;
         let peer = &self.peers[i];
         let started = Instant::now();
         let got = self
-            .attempt(peer, id, len, &mut prefix, priority, timeout)
+            .attempt(peer, id, len, &mut prefix, priority, limit)
             .await;
         drop(f);
         let closing = self.closing.load(Ordering::SeqCst);
@@ -1161,7 +1175,10 @@ impl Inner {
     /// prefix so far. When every holder has been tried and some try ran out of time while its
     /// peer was still sending, or a peer answered busy (slow or loaded peers, or a link shared
     /// by many loads, not failing ones), another round starts after a short pause, with twice
-    /// the per-try deadline, up to [`MAX_ROUNDS`] rounds.
+    /// the per-try deadline (up to [`MAX_TIMEOUT_FACTOR`] times the first). A round that
+    /// verified more of the expert does not count: the load gives up after [`MAX_ROUNDS`]
+    /// rounds in a row without progress (each progressing round adds at least one chunk, so
+    /// the rounds are bounded).
     async fn fetch_from_peers(
         &self,
         key: ExpertKey,
@@ -1191,28 +1208,50 @@ impl Inner {
         let mut prefix: Vec<u8> = Vec::new();
         let mut errors = Vec::new();
         let mut local_tried = false;
-        let mut timeout = self.cfg.request_timeout;
+        let mut limit = TryLimit {
+            timeout: self.cfg.request_timeout,
+            extend: false,
+        };
+        let max_timeout = limit.timeout.saturating_mul(MAX_TIMEOUT_FACTOR);
         let mut round = 1;
+        // Rounds in a row that verified nothing more, this one included, and the verified
+        // length when this round started.
+        let mut stalls = 1;
+        let mut round_start = 0;
         loop {
             if self.closing.load(Ordering::SeqCst) {
                 return Err("the network tier is closed".into());
             }
             let mut picked = self.pick(id, len, &mut tried);
-            if picked.is_none() && round < MAX_ROUNDS && tries.retry.swap(false, Ordering::Relaxed)
-            {
-                // A pause before going round again, growing with the rounds, so that a busy
-                // peer has time to finish what it is sending.
-                tokio::time::sleep(Duration::from_millis(250 << round)).await;
-                round += 1;
-                timeout = timeout.saturating_mul(2);
-                tracing::debug!(
-                    "expert {id}: every holder tried and some still sending; round {round} with \
-                     {:.1}s per try, after {} verified bytes",
-                    timeout.as_secs_f64(),
-                    prefix.len()
-                );
-                tried.clear();
-                picked = self.pick(id, len, &mut tried);
+            if picked.is_none() && tries.retry.swap(false, Ordering::Relaxed) {
+                let progressed = prefix.len() > round_start;
+                stalls = if progressed { 1 } else { stalls + 1 };
+                if stalls <= MAX_ROUNDS {
+                    // A pause before going round again, so that a busy peer has time to finish
+                    // what it is sending: short after progress, growing with the stalls.
+                    let pause = if progressed {
+                        250
+                    } else {
+                        125 << stalls.min(5)
+                    };
+                    tokio::time::sleep(Duration::from_millis(pause)).await;
+                    round += 1;
+                    // Every holder is slow now: a try that keeps verifying chunks is let run
+                    // (cutting it off would throw away what its peer has queued).
+                    limit = TryLimit {
+                        timeout: limit.timeout.saturating_mul(2).min(max_timeout),
+                        extend: true,
+                    };
+                    round_start = prefix.len();
+                    tracing::debug!(
+                        "expert {id}: every holder tried and some still sending; round {round} \
+                         with {:.1}s per try (more while chunks verify), after {} verified bytes",
+                        limit.timeout.as_secs_f64(),
+                        prefix.len()
+                    );
+                    tried.clear();
+                    picked = self.pick(id, len, &mut tried);
+                }
             }
             let Some((i, f)) = picked else {
                 break;
@@ -1221,7 +1260,7 @@ impl Inner {
             let delay = self.hedge_delay(i, len);
             let prefix_in = std::mem::take(&mut prefix);
             let mut a =
-                std::pin::pin!(self.try_peer(i, f, id, len, prefix_in, priority, timeout, tries));
+                std::pin::pin!(self.try_peer(i, f, id, len, prefix_in, priority, limit, tries));
             let first = if priority == Priority::Demand {
                 tokio::select! {
                     r = &mut a => Some(r),
@@ -1249,7 +1288,7 @@ impl Inner {
                             len,
                             Vec::new(),
                             priority,
-                            timeout,
+                            limit,
                             tries
                         ));
                         let (r, b_first) = tokio::select! {
@@ -1359,9 +1398,9 @@ impl Inner {
         len: u64,
         prefix: &mut Vec<u8>,
         priority: Priority,
-        timeout: Duration,
+        limit: TryLimit,
     ) -> Result<Vec<u8>, AttemptError> {
-        // `timeout` bounds the request from when it is sent. Connecting has its own bound (the
+        // `limit` bounds the request from when it is sent. Connecting has its own bound (the
         // connect timeout), and waiting for one of the link's request slots is not counted:
         // that queue is this node's own loads, not the peer's doing, and every request holding
         // a slot is bounded.
@@ -1372,19 +1411,21 @@ impl Inner {
             .acquire_owned()
             .await
             .map_err(|_| AttemptError::Other(anyhow::anyhow!("link closed")))?;
-        let left = timeout;
         let wire_priority = match priority {
             Priority::Demand => stormo_wire::Priority::Now,
             Priority::Prefetch => stormo_wire::Priority::Prefetch,
         };
         let mut fetch = Fetch::expert(self.model, id, len)
             .priority(wire_priority)
-            .timeout(left)
+            .timeout(limit.timeout)
             .verifier(Box::new(ChunkCheck {
                 manifest: self.manifest.clone(),
                 id,
                 len,
             }));
+        if limit.extend {
+            fetch = fetch.extend_on_progress();
+        }
         let have = prefix.len() as u64;
         if have > 0 {
             fetch = fetch.range(ByteRange {

@@ -312,6 +312,74 @@ fn trickling_peer_hits_the_overall_deadline() {
     assert!(matches!(c.poll_transmit(), Some(Message::Cancel(_))));
 }
 
+/// With `extend_on_progress`, the deadline moves on while chunks keep verifying and passes
+/// once a whole timeout goes by without one; without it, the same progress does not help.
+#[test]
+fn progress_moves_the_deadline_only_when_asked() {
+    let data = bytes_of(4 * 1024, 9);
+    let config = RequestsConfig {
+        timeout: Duration::from_secs(10),
+        idle_timeout: Duration::from_secs(5),
+        max_outstanding: 8,
+    };
+    let timeout = Duration::from_secs(3);
+    for extend in [true, false] {
+        let mut c = Requests::new(config);
+        let start = std::time::Instant::now();
+        let mut fetch = Fetch::expert(model(), expert(0, 0), data.len() as u64)
+            .timeout(timeout)
+            .verifier(Box::new(Blake3Chunks::of(&data, 1024)));
+        if extend {
+            fetch = fetch.extend_on_progress();
+        }
+        let id = c.start(start, fetch).unwrap();
+        let _get = c.poll_transmit().unwrap();
+        // One 1 KiB chunk every 2 s (verified as it arrives), then half a chunk, then silence
+        // but for a byte now and then (the idle timeout never passes).
+        let mut events = Vec::new();
+        for s in 1..=12u64 {
+            let now = start + Duration::from_secs(s);
+            let piece = match s {
+                2 | 4 | 6 => Some((1024 * (s / 2 - 1), 1024)),
+                7 => Some((3072, 512)),
+                8..=12 => Some((3584 + (s - 8), 1)),
+                _ => None,
+            };
+            if let (true, Some((at, n))) = (c.is_outstanding(id), piece) {
+                let (at, n) = (at as usize, n as usize);
+                c.handle_message(
+                    now,
+                    Message::Data(Data {
+                        request_id: id,
+                        offset: at as u64,
+                        bytes: Bytes::copy_from_slice(&data[at..at + n]),
+                    }),
+                )
+                .unwrap();
+            }
+            c.handle_timeout(now);
+            while let Some(e) = c.poll_event() {
+                events.push((s, e));
+            }
+        }
+        let [(at, Event::Failed(f))] = &events[..] else {
+            panic!("extend {extend}: {events:?}");
+        };
+        let FetchError::TimedOut { after, .. } = f.error else {
+            panic!("extend {extend}: {}", f.error);
+        };
+        if extend {
+            // Deadlines at 3 s (chunk 0 verified at 2: moved to 6), 6 s (chunks 1 and 2
+            // verified: moved to 9), then 9 s: no chunk since, only the half.
+            assert_eq!((*at, after), (9, Duration::from_secs(9)));
+            assert_eq!(f.verified, &data[..3072]);
+        } else {
+            assert_eq!((*at, after), (3, timeout));
+            assert_eq!(f.verified, &data[..1024]);
+        }
+    }
+}
+
 #[test]
 fn corrupted_chunk_fails_at_once_and_resumes_from_another_peer() {
     let data = bytes_of(20_000, 6);
