@@ -392,11 +392,12 @@ pub struct PeerArgs {
     /// Seconds a peer may take to answer one expert request, from when it is sent, before
     /// another peer is tried (a connection attempt gets at most 3 s, or this if shorter). A
     /// peer that cannot be connected to is then not tried again for a back-off (1 s, doubling
-    /// up to 60 s). A peer still sending when its time is up is slow, not failing: once every
-    /// holder has been tried, another round follows, resuming after the verified bytes and
-    /// allowing twice as long (up to 8 times this), and its tries are not cut off while
-    /// chunks keep verifying. Rounds go on while each verifies more of the expert; after four
-    /// in a row that do not, the load falls back to the tiers below.
+    /// up to 60 s). A peer still sending when its time is up is slow, not failing: the try at
+    /// the last holder left is let run while each such period verifies more of the expert,
+    /// and once every holder has been tried another round follows, resuming after the
+    /// verified bytes with twice the time (up to 8 times this). A load ends after four rounds
+    /// in a row that verify nothing (busy answers aside), or after 32 times this in all; the
+    /// tiers below then take over.
     #[arg(long, default_value_t = 30.0, value_name = "SECS")]
     pub peer_timeout: f64,
     /// Also keep the verified experts fetched from peers in this directory (one file per

@@ -94,7 +94,7 @@ pub struct Fetch {
     range: Option<ByteRange>,
     priority: Priority,
     timeout: Option<Duration>,
-    extend_on_progress: bool,
+    extend_on_progress: Option<Duration>,
     verifier: Option<Box<dyn ChunkVerifier>>,
 }
 
@@ -121,7 +121,7 @@ impl Fetch {
             range: None,
             priority: Priority::Now,
             timeout: None,
-            extend_on_progress: false,
+            extend_on_progress: None,
             verifier: None,
         }
     }
@@ -136,7 +136,7 @@ impl Fetch {
             range: None,
             priority: Priority::Now,
             timeout: None,
-            extend_on_progress: false,
+            extend_on_progress: None,
             verifier: None,
         }
     }
@@ -154,7 +154,7 @@ impl Fetch {
             range: Some(range),
             priority: Priority::Now,
             timeout: None,
-            extend_on_progress: false,
+            extend_on_progress: None,
             verifier: None,
         }
     }
@@ -180,9 +180,10 @@ impl Fetch {
     /// At its deadline, a request that made progress since it started or since its deadline
     /// was last moved (more chunks verified; more bytes received when there is no verifier)
     /// gets another timeout instead of failing, so only one that stops advancing for a whole
-    /// timeout times out. (The idle timeout between frames applies as always.)
-    pub fn extend_on_progress(mut self) -> Self {
-        self.extend_on_progress = true;
+    /// timeout times out; never later than `max_total` after its start, though. (The idle
+    /// timeout between frames applies as always.)
+    pub fn extend_on_progress(mut self, max_total: Duration) -> Self {
+        self.extend_on_progress = Some(max_total);
         self
     }
 
@@ -396,8 +397,9 @@ struct Pending {
     timeout: Duration,
     deadline: Instant,
     idle_deadline: Instant,
-    /// [`Fetch::extend_on_progress`]: the progress when the deadline was last set.
-    extend_from: Option<u64>,
+    /// [`Fetch::extend_on_progress`]: the progress when the deadline was last set, and the
+    /// latest deadline allowed.
+    extend: Option<(u64, Instant)>,
 }
 
 impl Pending {
@@ -411,7 +413,7 @@ impl Pending {
         if self.verifier.is_some() {
             self.verified_to
         } else {
-            self.received()
+            self.start + self.received()
         }
     }
 }
@@ -465,6 +467,19 @@ impl Requests {
     /// Whether `id` is outstanding.
     pub fn is_outstanding(&self, id: RequestId) -> bool {
         self.pending.contains_key(&id)
+    }
+
+    /// Part of a frame of `id`'s answer arrived (the caller reads its stream): the peer is
+    /// not silent, so `id`'s idle deadline starts again from `now`. Nothing else changes (what
+    /// counts as progress is whole frames). Returns whether `id` was outstanding.
+    pub fn handle_partial(&mut self, now: Instant, id: RequestId) -> bool {
+        match self.pending.get_mut(&id) {
+            Some(p) => {
+                p.idle_deadline = now + self.config.idle_timeout;
+                true
+            }
+            None => false,
+        }
     }
 
     /// How many more requests [`Requests::start`] accepts now.
@@ -596,11 +611,13 @@ impl Requests {
         };
         self.transmits.push_back(msg);
         let timeout = fetch.timeout.unwrap_or(self.config.timeout);
-        let extend_from = fetch.extend_on_progress.then_some(start);
+        let extend = fetch
+            .extend_on_progress
+            .map(|max_total| (start, now + max_total.max(timeout)));
         self.pending.insert(
             id,
             Pending {
-                extend_from,
+                extend,
                 resource: fetch.resource,
                 start,
                 end,
@@ -746,36 +763,37 @@ impl Requests {
 
     /// Fails (and cancels at the peer) every request whose deadline is at or before `now`,
     /// except that one started with [`Fetch::extend_on_progress`] that advanced since its
-    /// deadline was set gets another timeout from `now`.
+    /// deadline was set gets another timeout from `now` (up to its latest).
     pub fn handle_timeout(&mut self, now: Instant) {
         for p in self.pending.values_mut() {
             if now >= p.deadline && now < p.idle_deadline {
-                if let Some(from) = p.extend_from {
+                if let Some((from, latest)) = p.extend {
                     let at = p.progress();
-                    if at > from {
-                        p.extend_from = Some(at);
-                        p.deadline = now + p.timeout;
+                    if at > from && now < latest {
+                        p.extend = Some((at, latest));
+                        p.deadline = (now + p.timeout).min(latest);
                     }
                 }
             }
         }
+        // A peer silent for the idle timeout is stalled, whatever else has passed.
         let expired: Vec<_> = self
             .pending
             .iter()
             .filter_map(|(&id, p)| {
-                if now >= p.deadline {
-                    Some((
-                        id,
-                        FetchError::TimedOut {
-                            after: now.saturating_duration_since(p.started),
-                            received: p.received(),
-                        },
-                    ))
-                } else if now >= p.idle_deadline {
+                if now >= p.idle_deadline {
                     Some((
                         id,
                         FetchError::Stalled {
                             idle: self.config.idle_timeout,
+                            received: p.received(),
+                        },
+                    ))
+                } else if now >= p.deadline {
+                    Some((
+                        id,
+                        FetchError::TimedOut {
+                            after: now.saturating_duration_since(p.started),
                             received: p.received(),
                         },
                     ))

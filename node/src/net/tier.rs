@@ -9,13 +9,15 @@
 //! and goes on with another peer, resuming after the verified prefix; only when no peer can
 //! supply the expert does it complete with an error, so the tiers above fall back. A try that
 //! runs out of time while the peer is still sending, or a `busy` answer, is load rather than
-//! a fault: the peer is not put on a back-off, and when every holder has been tried another
-//! round starts with a longer deadline, which then moves on while chunks keep verifying (big
-//! experts over a link that many loads share); rounds go on while each verifies more of the
-//! expert, and end after a few in a row that do not. Keys are
-//! fetched in parallel, each on its own task. Prefetch loads are sent with the `Prefetch`
-//! priority. Every wait is bounded: the connect (handshake plus hello), each try's deadline
-//! (from when its request is sent), the gap between two frames, and the rounds.
+//! a fault: the peer is not put on a back-off. A try is cut off at its deadline only while
+//! another holder is left to try; otherwise it runs on while its chunks keep verifying. When
+//! every holder has been tried another round starts with a longer deadline (big experts over
+//! a link that many loads share); rounds end after a few in a row that verify nothing more
+//! and meet no `busy` answer. Keys are fetched in parallel, each on its own task. Prefetch
+//! loads are sent with the `Prefetch` priority. Every wait is bounded: the connect (handshake
+//! plus hello), each try's deadline (from when its request is sent; moved on only by verified
+//! chunks and never past the load's budget of 32 first deadlines), the
+//! silence between two pieces of an answer, and the rounds (none starts past that budget).
 //!
 //! A peer that cannot be connected to is unreachable for its back-off: one connection attempt
 //! at a time (concurrent loads wait for it rather than each connecting), and until the
@@ -48,7 +50,8 @@ pub struct PeerConfig {
     pub connect_timeout: Duration,
     /// The deadline of one try at one peer for one expert, from when the request is sent
     /// (waiting for a connection or a request slot is not counted). Doubled for each later
-    /// round over the holders while they are still sending (see `fetch_from_peers`).
+    /// round over the holders (up to 8 times), and moved on while chunks verify when no other
+    /// holder is left to try (see `fetch_from_peers`).
     pub request_timeout: Duration,
     /// The longest wait for the first frame of an answer or between two frames.
     pub idle_timeout: Duration,
@@ -204,21 +207,55 @@ impl Drop for InFlight {
     }
 }
 
-/// Most rounds in a row over an expert's holders that verify nothing more of it (see
-/// [`Inner::fetch_from_peers`]). The per-try deadline doubles each round up to 8 times
-/// `--peer-timeout`. Rounds that verify more do not count, so the rounds of one load are
-/// bounded by this plus the expert's chunk count.
+/// Most rounds in a row over an expert's holders that verify nothing more of it and get no
+/// `busy` answer (see [`Inner::fetch_from_peers`]).
 const MAX_ROUNDS: u32 = 4;
 
 /// The per-try deadline stops doubling at this multiple of the first round's.
 const MAX_TIMEOUT_FACTOR: u32 = 8;
 
-/// How long one try may take: `timeout` from when its request is sent, moved on by the
-/// verified chunks that arrive when `extend` (see [`Fetch::extend_on_progress`]).
+/// One load's budget, in per-try deadlines of the first round: no round starts, and no try's
+/// deadline moves, past it.
+const LOAD_BUDGET_FACTOR: u32 = MAX_ROUNDS * MAX_TIMEOUT_FACTOR;
+
+/// How long one try may take: `timeout` from when its request is sent, moved on while its
+/// chunks keep verifying up to `extend_until` when that is set (see
+/// [`Fetch::extend_on_progress`]).
 #[derive(Clone, Copy, Debug)]
 struct TryLimit {
     timeout: Duration,
-    extend: bool,
+    extend_until: Option<Instant>,
+}
+
+/// The rounds of one load over an expert's holders: after each round that some try made
+/// worth repeating (a peer still sending at its deadline, or answering `busy`), the pause
+/// before the next, or the end of the load.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Rounds {
+    /// Rounds in a row that verified nothing more.
+    quiet: u32,
+    /// Of those, the rounds in which no peer answered `busy` either.
+    stalls: u32,
+}
+
+impl Rounds {
+    /// After a round that `progressed` (verified more of the expert) or not, in which some
+    /// peer answered `busy` or not: the pause before the next round, or `None` after
+    /// [`MAX_ROUNDS`] stalled rounds in a row. A peer that is busy with this node's other loads
+    /// or sends slowly but surely costs time, not the load; one that sends nothing more
+    /// (without being busy) ends it. The pause is short after progress and grows (to 2 s)
+    /// with the quiet rounds, so that a busy peer has time to finish what it is sending.
+    fn next(&mut self, progressed: bool, busy: bool) -> Option<Duration> {
+        if progressed {
+            *self = Self::default();
+            return Some(Duration::from_millis(250));
+        }
+        self.quiet += 1;
+        if !busy {
+            self.stalls += 1;
+        }
+        (self.stalls < MAX_ROUNDS).then(|| Duration::from_millis(250 << self.quiet.min(3)))
+    }
 }
 
 /// What the tries of one expert load share.
@@ -229,6 +266,8 @@ struct Tries {
     /// Set when a try ran out of time while its peer was still sending, or the peer answered
     /// busy: worth another round.
     retry: std::sync::atomic::AtomicBool,
+    /// Set when a peer answered busy.
+    busy: std::sync::atomic::AtomicBool,
 }
 
 /// How one try at one peer ended: the verified record, or why not (naming the peer) and the
@@ -901,6 +940,8 @@ async fn run_request(
     }
     let _ = send.finish();
     let mut frames = FramedRecv::new(recv, MAX_FRAME_LEN);
+    // Stream bytes read when the request's idle deadline was last renewed.
+    let mut heard_to = 0;
     loop {
         let deadline = {
             let mut g = lock(reqs);
@@ -932,6 +973,7 @@ async fn run_request(
         tokio::select! {
             m = frames.next() => match m {
                 Ok(Some(msg)) => {
+                    heard_to = frames.received();
                     let r = lock(reqs).req.handle_message(Instant::now(), msg);
                     if let Err(e) = r {
                         conn.close(u32::from(stormo_wire::ErrorCode::PROTOCOL_VIOLATION.0).into(), e.to_string().as_bytes());
@@ -954,9 +996,34 @@ async fn run_request(
                 }
                 Err(e) => return Err(give_up(e.to_string())),
             },
-            _ = tokio::time::sleep_until(deadline.into()) => lock(reqs).req.handle_timeout(Instant::now()),
+            _ = tokio::time::sleep_until(deadline.into()) => {
+                // Part of a frame arrived since: a slow stream (a frame is 256 KiB), not a
+                // silent peer.
+                let mut g = lock(reqs);
+                let now = Instant::now();
+                if frames.received() > heard_to {
+                    heard_to = frames.received();
+                    g.req.handle_partial(now, id);
+                }
+                g.req.handle_timeout(now);
+            }
         }
     }
+}
+
+/// The tries' errors of a failed load, in order; of a long list (many rounds), the first and
+/// last three with a count of those between.
+fn summarize(errors: &[String]) -> String {
+    const ENDS: usize = 3;
+    if errors.len() <= 2 * ENDS + 1 {
+        return errors.join("; ");
+    }
+    format!(
+        "{}; ... {} more ...; {}",
+        errors[..ENDS].join("; "),
+        errors.len() - 2 * ENDS,
+        errors[errors.len() - ENDS..].join("; ")
+    )
 }
 
 /// Cancels a request and drops its event when dropped.
@@ -1124,6 +1191,7 @@ impl Inner {
                 // may find it free.
                 tracing::debug!("peer {} on expert {id}: {e}", peer.addr);
                 tries.retry.store(true, Ordering::Relaxed);
+                tries.busy.store(true, Ordering::Relaxed);
                 Err((format!("{}: {e}", peer.addr), prefix))
             }
             Err(e @ AttemptError::Fetch(FetchError::TimedOut { .. }, _, true)) => {
@@ -1175,10 +1243,11 @@ impl Inner {
     /// prefix so far. When every holder has been tried and some try ran out of time while its
     /// peer was still sending, or a peer answered busy (slow or loaded peers, or a link shared
     /// by many loads, not failing ones), another round starts after a short pause, with twice
-    /// the per-try deadline (up to [`MAX_TIMEOUT_FACTOR`] times the first). A round that
-    /// verified more of the expert does not count: the load gives up after [`MAX_ROUNDS`]
-    /// rounds in a row without progress (each progressing round adds at least one chunk, so
-    /// the rounds are bounded).
+    /// the per-try deadline (up to [`MAX_TIMEOUT_FACTOR`] times the first); see [`Rounds`]
+    /// for when the rounds end. A try is cut off at its deadline while another holder is
+    /// left in the round; the last holder's, and every try after the first round, runs on
+    /// while its chunks keep verifying. Neither a round nor such a run goes past the load's
+    /// budget, [`LOAD_BUDGET_FACTOR`] times the first per-try deadline.
     async fn fetch_from_peers(
         &self,
         key: ExpertKey,
@@ -1208,15 +1277,12 @@ impl Inner {
         let mut prefix: Vec<u8> = Vec::new();
         let mut errors = Vec::new();
         let mut local_tried = false;
-        let mut limit = TryLimit {
-            timeout: self.cfg.request_timeout,
-            extend: false,
-        };
-        let max_timeout = limit.timeout.saturating_mul(MAX_TIMEOUT_FACTOR);
+        let mut timeout = self.cfg.request_timeout;
+        let max_timeout = timeout.saturating_mul(MAX_TIMEOUT_FACTOR);
+        let load_end = Instant::now() + timeout.saturating_mul(LOAD_BUDGET_FACTOR);
+        let mut rounds = Rounds::default();
         let mut round = 1;
-        // Rounds in a row that verified nothing more, this one included, and the verified
-        // length when this round started.
-        let mut stalls = 1;
+        // The verified length when this round started.
         let mut round_start = 0;
         loop {
             if self.closing.load(Ordering::SeqCst) {
@@ -1225,28 +1291,20 @@ impl Inner {
             let mut picked = self.pick(id, len, &mut tried);
             if picked.is_none() && tries.retry.swap(false, Ordering::Relaxed) {
                 let progressed = prefix.len() > round_start;
-                stalls = if progressed { 1 } else { stalls + 1 };
-                if stalls <= MAX_ROUNDS {
-                    // A pause before going round again, so that a busy peer has time to finish
-                    // what it is sending: short after progress, growing with the stalls.
-                    let pause = if progressed {
-                        250
-                    } else {
-                        125 << stalls.min(5)
-                    };
-                    tokio::time::sleep(Duration::from_millis(pause)).await;
+                let busy = tries.busy.swap(false, Ordering::Relaxed);
+                if let Some(pause) = rounds
+                    .next(progressed, busy)
+                    .filter(|p| Instant::now() + *p < load_end)
+                {
+                    tokio::time::sleep(pause).await;
                     round += 1;
-                    // Every holder is slow now: a try that keeps verifying chunks is let run
-                    // (cutting it off would throw away what its peer has queued).
-                    limit = TryLimit {
-                        timeout: limit.timeout.saturating_mul(2).min(max_timeout),
-                        extend: true,
-                    };
+                    timeout = timeout.saturating_mul(2).min(max_timeout);
                     round_start = prefix.len();
                     tracing::debug!(
-                        "expert {id}: every holder tried and some still sending; round {round} \
-                         with {:.1}s per try (more while chunks verify), after {} verified bytes",
-                        limit.timeout.as_secs_f64(),
+                        "expert {id}: every holder tried and some still sending or busy; round \
+                         {round} with {:.1}s per try (more while chunks verify), after {} \
+                         verified bytes",
+                        timeout.as_secs_f64(),
                         prefix.len()
                     );
                     tried.clear();
@@ -1256,9 +1314,19 @@ impl Inner {
             let Some((i, f)) = picked else {
                 break;
             };
+            // A try is cut off at its deadline while another holder is left to try in this
+            // round. Once every holder has been tried (or there is no other), all are slow:
+            // one that keeps verifying chunks is let run, within the load's budget (cutting
+            // it off would throw away what its peer has queued).
+            let limit_with = |tried: &HashSet<usize>| TryLimit {
+                timeout,
+                extend_until: (round > 1 || self.choose(id, len, tried).is_none())
+                    .then_some(load_end),
+            };
+            let limit = limit_with(&tried);
             let started = Instant::now();
             let delay = self.hedge_delay(i, len);
-            let prefix_in = std::mem::take(&mut prefix);
+            let prefix_in = prefix.clone();
             let mut a =
                 std::pin::pin!(self.try_peer(i, f, id, len, prefix_in, priority, limit, tries));
             let first = if priority == Priority::Demand {
@@ -1286,9 +1354,9 @@ impl Inner {
                             g,
                             id,
                             len,
-                            Vec::new(),
+                            prefix.clone(),
                             priority,
-                            limit,
+                            limit_with(&tried),
                             tries
                         ));
                         let (r, b_first) = tokio::select! {
@@ -1384,7 +1452,7 @@ impl Inner {
         } else {
             Err(format!(
                 "no peer could supply expert {id} ({})",
-                errors.join("; ")
+                summarize(&errors)
             ))
         }
     }
@@ -1423,8 +1491,8 @@ impl Inner {
                 id,
                 len,
             }));
-        if limit.extend {
-            fetch = fetch.extend_on_progress();
+        if let Some(until) = limit.extend_until {
+            fetch = fetch.extend_on_progress(until.saturating_duration_since(Instant::now()));
         }
         let have = prefix.len() as u64;
         if have > 0 {
@@ -1489,5 +1557,67 @@ impl Tier for PeerTier {
                 done(key, r);
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Option<Duration> {
+        Some(Duration::from_millis(n))
+    }
+
+    #[test]
+    fn rounds_without_progress_or_busy_end_after_four() {
+        let mut r = Rounds::default();
+        assert_eq!(r.next(false, false), ms(500));
+        assert_eq!(r.next(false, false), ms(1000));
+        assert_eq!(r.next(false, false), ms(2000));
+        assert_eq!(
+            r.next(false, false),
+            None,
+            "the fourth stalled round ends the load"
+        );
+    }
+
+    #[test]
+    fn progress_starts_the_count_again() {
+        let mut r = Rounds::default();
+        assert_eq!(r.next(false, false), ms(500));
+        assert_eq!(r.next(false, false), ms(1000));
+        assert_eq!(r.next(true, false), ms(250));
+        assert_eq!(r.next(false, false), ms(500));
+        assert_eq!(r.next(false, false), ms(1000));
+        assert_eq!(r.next(false, false), ms(2000));
+        assert_eq!(r.next(false, false), None);
+    }
+
+    #[test]
+    fn busy_rounds_pause_longer_but_do_not_end_the_load() {
+        let mut r = Rounds::default();
+        for _ in 0..10 {
+            assert!(r.next(false, true).is_some());
+        }
+        assert_eq!(
+            r.next(false, true),
+            ms(2000),
+            "the pause stops growing at 2 s"
+        );
+        assert_eq!(r.next(false, false), ms(2000));
+        assert_eq!(r.next(false, false), ms(2000));
+        assert_eq!(r.next(false, false), ms(2000));
+        assert_eq!(r.next(false, false), None);
+    }
+
+    #[test]
+    fn long_error_lists_keep_their_ends() {
+        let few: Vec<String> = (0..7).map(|i| format!("e{i}")).collect();
+        assert_eq!(summarize(&few), "e0; e1; e2; e3; e4; e5; e6");
+        let many: Vec<String> = (0..40).map(|i| format!("e{i}")).collect();
+        assert_eq!(
+            summarize(&many),
+            "e0; e1; e2; ... 34 more ...; e37; e38; e39"
+        );
     }
 }

@@ -330,7 +330,7 @@ fn progress_moves_the_deadline_only_when_asked() {
             .timeout(timeout)
             .verifier(Box::new(Blake3Chunks::of(&data, 1024)));
         if extend {
-            fetch = fetch.extend_on_progress();
+            fetch = fetch.extend_on_progress(Duration::from_secs(60));
         }
         let id = c.start(start, fetch).unwrap();
         let _get = c.poll_transmit().unwrap();
@@ -377,6 +377,111 @@ fn progress_moves_the_deadline_only_when_asked() {
             assert_eq!((*at, after), (3, timeout));
             assert_eq!(f.verified, &data[..1024]);
         }
+    }
+}
+
+/// Progress of an unverified ranged request counts from its start (a file range at 1 MiB),
+/// and the deadline never moves past the latest one allowed.
+#[test]
+fn extension_counts_ranged_progress_and_stops_at_its_latest() {
+    let config = RequestsConfig {
+        timeout: Duration::from_secs(10),
+        idle_timeout: Duration::from_secs(5),
+        max_outstanding: 8,
+    };
+    let mut c = Requests::new(config);
+    let start = std::time::Instant::now();
+    let range = ByteRange {
+        offset: 1 << 20,
+        len: 100,
+    };
+    let id = c
+        .start(
+            start,
+            Fetch::file(model(), "model.safetensors", range)
+                .timeout(Duration::from_secs(3))
+                .extend_on_progress(Duration::from_secs(7)),
+        )
+        .unwrap();
+    let _get = c.poll_transmit().unwrap();
+    let mut failed_at = None;
+    for s in 1..=10u64 {
+        let now = start + Duration::from_secs(s);
+        if c.is_outstanding(id) {
+            c.handle_message(
+                now,
+                Message::Data(Data {
+                    request_id: id,
+                    offset: range.offset + s - 1,
+                    bytes: Bytes::from_static(b"x"),
+                }),
+            )
+            .unwrap();
+        }
+        c.handle_timeout(now);
+        if let Some(e) = c.poll_event() {
+            failed_at = Some((s, e));
+            break;
+        }
+    }
+    // A byte a second: moved at 3 s (to 6) and at 6 s (to 9, capped at 7), then 7 s is
+    // the latest.
+    match failed_at {
+        Some((7, Event::Failed(f))) => assert!(
+            matches!(f.error, FetchError::TimedOut { after, received: 7 } if after == Duration::from_secs(7)),
+            "{}",
+            f.error
+        ),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Parts of frames (reported by the caller) keep a request from stalling; whole silence
+/// stalls it, and a request past both of its deadlines is reported stalled.
+#[test]
+fn partial_frames_keep_a_request_alive_and_silence_is_a_stall() {
+    let config = RequestsConfig {
+        timeout: Duration::from_secs(100),
+        idle_timeout: Duration::from_secs(2),
+        max_outstanding: 8,
+    };
+    for partial in [true, false] {
+        let mut c = Requests::new(config);
+        let start = std::time::Instant::now();
+        let id = c
+            .start(start, Fetch::expert(model(), expert(0, 0), 100))
+            .unwrap();
+        let _get = c.poll_transmit().unwrap();
+        let mut stalled_at = None;
+        for s in 1..=10u64 {
+            let now = start + Duration::from_secs(s);
+            if partial && s <= 3 {
+                assert!(c.handle_partial(now, id));
+            }
+            c.handle_timeout(now);
+            if let Some(Event::Failed(f)) = c.poll_event() {
+                assert!(matches!(f.error, FetchError::Stalled { .. }), "{}", f.error);
+                stalled_at = Some(s);
+                break;
+            }
+        }
+        assert_eq!(stalled_at, Some(if partial { 5 } else { 2 }));
+        assert!(!c.handle_partial(start, id), "no longer outstanding");
+    }
+    // Both deadlines passed by the time the caller looks: the silence is what it reports.
+    let mut c = Requests::new(RequestsConfig {
+        timeout: Duration::from_secs(3),
+        ..config
+    });
+    let start = std::time::Instant::now();
+    c.start(start, Fetch::expert(model(), expert(0, 0), 100))
+        .unwrap();
+    c.handle_timeout(start + Duration::from_secs(4));
+    match c.poll_event() {
+        Some(Event::Failed(f)) => {
+            assert!(matches!(f.error, FetchError::Stalled { .. }), "{}", f.error)
+        }
+        e => panic!("{e:?}"),
     }
 }
 
