@@ -420,6 +420,20 @@ pub fn run_scenario(
     log("swarm run");
     let mut events = Vec::new();
     let mut client = c.spawn_run("swarm", &args)?;
+    // A line every half minute of a long run: how long, and what the nodes have sent.
+    let mut next_report = Duration::from_secs(30);
+    let mut report = |c: &Cluster, client: &cluster::RunningClient, log: &mut dyn FnMut(&str)| {
+        let t = client.started.elapsed();
+        if t >= next_report {
+            next_report += Duration::from_secs(30);
+            let sent: u64 = c.nodes.iter().map(|n| n.link().down_bytes).sum();
+            log(&format!(
+                "swarm run: {}s, the nodes have sent {}",
+                t.as_secs(),
+                mb(sent)
+            ));
+        }
+    };
     if scenario == Scenario::Churn {
         let victim = 1;
         let mut killed_at: Option<Instant> = None;
@@ -450,6 +464,7 @@ pub fn run_scenario(
             if client.started.elapsed() > opts.timeout {
                 break;
             }
+            report(&c, &client, log);
             std::thread::sleep(Duration::from_millis(5));
         }
         if killed_at.is_some() && !restarted {
@@ -471,6 +486,10 @@ pub fn run_scenario(
                 detail: "the run ended before the victim served anything, so nothing was killed mid-run; give a longer run (--max-new-tokens) or a smaller --client-cache".into(),
             });
         }
+    }
+    while !client.finished() && client.started.elapsed() <= opts.timeout {
+        report(&c, &client, log);
+        std::thread::sleep(Duration::from_millis(10));
     }
     let (v, wall) = client.wait(opts.timeout)?;
     let swarm = RunOutcome::from_json(&v, wall)?;

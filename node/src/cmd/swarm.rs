@@ -13,7 +13,8 @@ use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 /// imposes the links' delay, bandwidth and loss), lays the experts out among them, runs a
 /// generation with `stormo run` on a node that lacks experts, and reports tokens/s, the bytes
 /// each node sent, peer failures and fallbacks, and whether the ids equal those of a local
-/// run of the same prompt. Scenarios:
+/// run of the same prompt (progress on stderr: each step, and a line every 30 s of a long
+/// generation). Scenarios:
 ///
 ///   lan4        4 nodes each hold a quarter; node 0 generates, 3/4 of experts from the others
 ///   join-empty  a node with no experts and no manifest joins 4 quarter-holders and generates
