@@ -396,8 +396,8 @@ pub struct PeerArgs {
     /// the last holder left is let run while each such period verifies more of the expert,
     /// and once every holder has been tried another round follows, resuming after the
     /// verified bytes with twice the time (up to 8 times this). A load ends after four rounds
-    /// in a row that verify nothing (busy answers aside), or after 32 times this in all; the
-    /// tiers below then take over.
+    /// that verify nothing (busy answers aside), or once it has run 32 times this (no later
+    /// try starts or runs on past that); the tiers below then take over.
     #[arg(long, default_value_t = 30.0, value_name = "SECS")]
     pub peer_timeout: f64,
     /// Also keep the verified experts fetched from peers in this directory (one file per

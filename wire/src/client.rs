@@ -180,8 +180,8 @@ impl Fetch {
     /// At its deadline, a request that made progress since it started or since its deadline
     /// was last moved (more chunks verified; more bytes received when there is no verifier)
     /// gets another timeout instead of failing, so only one that stops advancing for a whole
-    /// timeout times out; never later than `max_total` after its start, though. (The idle
-    /// timeout between frames applies as always.)
+    /// timeout times out; never later than `max_total` after its start, though, or its first
+    /// deadline if that is later. (The idle timeout between frames applies as always.)
     pub fn extend_on_progress(mut self, max_total: Duration) -> Self {
         self.extend_on_progress = Some(max_total);
         self
@@ -761,50 +761,55 @@ impl Requests {
             .min()
     }
 
+    /// The earliest deadline of request `id`, if outstanding: call
+    /// [`Requests::handle_timeout_of`] then. (For a caller that drives each request from its
+    /// own task, which alone knows what its stream has delivered: see
+    /// [`Requests::handle_partial`].)
+    pub fn poll_timeout_of(&self, id: RequestId) -> Option<Instant> {
+        self.pending
+            .get(&id)
+            .map(|p| p.deadline.min(p.idle_deadline))
+    }
+
     /// Fails (and cancels at the peer) every request whose deadline is at or before `now`,
     /// except that one started with [`Fetch::extend_on_progress`] that advanced since its
-    /// deadline was set gets another timeout from `now` (up to its latest).
+    /// deadline was set gets another timeout from `now` (up to its latest). A request past its
+    /// idle deadline is reported [`FetchError::Stalled`], whatever else has passed.
     pub fn handle_timeout(&mut self, now: Instant) {
-        for p in self.pending.values_mut() {
-            if now >= p.deadline && now < p.idle_deadline {
-                if let Some((from, latest)) = p.extend {
-                    let at = p.progress();
-                    if at > from && now < latest {
-                        p.extend = Some((at, latest));
-                        p.deadline = (now + p.timeout).min(latest);
-                    }
+        let ids: Vec<_> = self.pending.keys().copied().collect();
+        for id in ids {
+            self.handle_timeout_of(now, id);
+        }
+    }
+
+    /// [`Requests::handle_timeout`] for request `id` alone.
+    pub fn handle_timeout_of(&mut self, now: Instant, id: RequestId) {
+        let Some(p) = self.pending.get_mut(&id) else {
+            return;
+        };
+        if now >= p.deadline && now < p.idle_deadline {
+            if let Some((from, latest)) = p.extend {
+                let at = p.progress();
+                if at > from && now < latest {
+                    p.extend = Some((at, latest));
+                    p.deadline = (now + p.timeout).min(latest);
                 }
             }
         }
-        // A peer silent for the idle timeout is stalled, whatever else has passed.
-        let expired: Vec<_> = self
-            .pending
-            .iter()
-            .filter_map(|(&id, p)| {
-                if now >= p.idle_deadline {
-                    Some((
-                        id,
-                        FetchError::Stalled {
-                            idle: self.config.idle_timeout,
-                            received: p.received(),
-                        },
-                    ))
-                } else if now >= p.deadline {
-                    Some((
-                        id,
-                        FetchError::TimedOut {
-                            after: now.saturating_duration_since(p.started),
-                            received: p.received(),
-                        },
-                    ))
-                } else {
-                    None
-                }
-            })
-            .collect();
-        for (id, error) in expired {
-            self.fail(id, error, true);
-        }
+        let error = if now >= p.idle_deadline {
+            FetchError::Stalled {
+                idle: self.config.idle_timeout,
+                received: p.received(),
+            }
+        } else if now >= p.deadline {
+            FetchError::TimedOut {
+                after: now.saturating_duration_since(p.started),
+                received: p.received(),
+            }
+        } else {
+            return;
+        };
+        self.fail(id, error, true);
     }
 
     /// The next message to send to the peer (`Get`, `GetManifest` or `Cancel`; route it by

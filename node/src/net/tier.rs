@@ -8,8 +8,8 @@
 //! protocol version) it logs a warning naming the peer, puts the peer on a growing back-off,
 //! and goes on with another peer, resuming after the verified prefix; only when no peer can
 //! supply the expert does it complete with an error, so the tiers above fall back. A try that
-//! runs out of time while the peer is still sending, or a `busy` answer, is load rather than
-//! a fault: the peer is not put on a back-off. A try is cut off at its deadline only while
+//! runs out of time (or hears nothing of its own answer) while the peer is still sending on the
+//! connection, or a `busy` answer, is load rather than a fault: the peer is not put on a back-off. A try is cut off at its deadline only while
 //! another holder is left to try; otherwise it runs on while its chunks keep verifying. When
 //! every holder has been tried another round starts with a longer deadline (big experts over
 //! a link that many loads share); rounds end after a few in a row that verify nothing more
@@ -207,8 +207,8 @@ impl Drop for InFlight {
     }
 }
 
-/// Most rounds in a row over an expert's holders that verify nothing more of it and get no
-/// `busy` answer (see [`Inner::fetch_from_peers`]).
+/// Most rounds over an expert's holders that verify nothing more of it and get no `busy`
+/// answer, with no round that verifies more in between (see [`Rounds`]).
 const MAX_ROUNDS: u32 = 4;
 
 /// The per-try deadline stops doubling at this multiple of the first round's.
@@ -234,7 +234,8 @@ struct TryLimit {
 struct Rounds {
     /// Rounds in a row that verified nothing more.
     quiet: u32,
-    /// Of those, the rounds in which no peer answered `busy` either.
+    /// Of those, the rounds in which no peer answered `busy` either (busy rounds neither count
+    /// nor start the count again).
     stalls: u32,
 }
 
@@ -967,7 +968,9 @@ async fn run_request(
                     }
                 };
             }
-            g.req.poll_timeout()
+            // This task alone knows what its stream has delivered (`handle_partial` below), so
+            // it alone expires its request.
+            g.req.poll_timeout_of(id)
         }
         .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
         tokio::select! {
@@ -1005,7 +1008,7 @@ async fn run_request(
                     heard_to = frames.received();
                     g.req.handle_partial(now, id);
                 }
-                g.req.handle_timeout(now);
+                g.req.handle_timeout_of(now, id);
             }
         }
     }
@@ -1076,6 +1079,19 @@ impl Inner {
             }
         }
         best.map(|b| b.3)
+    }
+
+    /// Whether a peer not in `tried` may still supply `id` in this round: one that holds it
+    /// (or has not told), and is not waiting out a back-off for being unreachable (a try at
+    /// that fails at once).
+    fn other_holder_left(&self, id: ExpertId, tried: &HashSet<usize>) -> bool {
+        let now = Instant::now();
+        self.peers.iter().enumerate().any(|(i, p)| {
+            let s = p.state();
+            !tried.contains(&i)
+                && s.inventory.as_ref().is_none_or(|inv| inv.contains(id))
+                && !(s.unreachable.is_some() && s.avoid_until.is_some_and(|t| t > now))
+        })
     }
 
     /// Chooses a peer for `id` not in `tried` (adding it there) and counts a request in
@@ -1194,7 +1210,13 @@ impl Inner {
                 tries.busy.store(true, Ordering::Relaxed);
                 Err((format!("{}: {e}", peer.addr), prefix))
             }
-            Err(e @ AttemptError::Fetch(FetchError::TimedOut { .. }, _, true)) => {
+            Err(
+                e @ AttemptError::Fetch(
+                    FetchError::TimedOut { .. } | FetchError::Stalled { .. },
+                    _,
+                    true,
+                ),
+            ) => {
                 // The peer was sending to this node all along (this answer, or others ahead of
                 // it on the same connection): slow or loaded, not failing.
                 tracing::debug!(
@@ -1288,6 +1310,16 @@ impl Inner {
             if self.closing.load(Ordering::SeqCst) {
                 return Err("the network tier is closed".into());
             }
+            if round > 1 && Instant::now() >= load_end {
+                errors.push(format!(
+                    "gave up after {:.1}s, the load's budget",
+                    self.cfg
+                        .request_timeout
+                        .saturating_mul(LOAD_BUDGET_FACTOR)
+                        .as_secs_f64()
+                ));
+                break;
+            }
             let mut picked = self.pick(id, len, &mut tried);
             if picked.is_none() && tries.retry.swap(false, Ordering::Relaxed) {
                 let progressed = prefix.len() > round_start;
@@ -1318,12 +1350,11 @@ impl Inner {
             // round. Once every holder has been tried (or there is no other), all are slow:
             // one that keeps verifying chunks is let run, within the load's budget (cutting
             // it off would throw away what its peer has queued).
-            let limit_with = |tried: &HashSet<usize>| TryLimit {
+            let limit = TryLimit {
                 timeout,
-                extend_until: (round > 1 || self.choose(id, len, tried).is_none())
+                extend_until: (round > 1 || !self.other_holder_left(id, &tried))
                     .then_some(load_end),
             };
-            let limit = limit_with(&tried);
             let started = Instant::now();
             let delay = self.hedge_delay(i, len);
             let prefix_in = prefix.clone();
@@ -1356,7 +1387,9 @@ impl Inner {
                             len,
                             prefix.clone(),
                             priority,
-                            limit_with(&tried),
+                            // The racer's limit: a hedge taking the last holder must not let
+                            // the slower of the two run on while the other is cut off.
+                            limit,
                             tries
                         ));
                         let (r, b_first) = tokio::select! {
@@ -1387,8 +1420,7 @@ impl Inner {
                                         return Ok(done(record));
                                     }
                                     Err((e, p2)) => {
-                                        prefix = if p1.len() >= p2.len() { p1 } else { p2 };
-                                        Err((e, Vec::new()))
+                                        Err((e, if p1.len() >= p2.len() { p1 } else { p2 }))
                                     }
                                 }
                             }
@@ -1441,9 +1473,9 @@ impl Inner {
                 Ok(record) => return Ok(done(record)),
                 Err((e, p)) => {
                     errors.push(e);
-                    if p.len() > prefix.len() {
-                        prefix = p;
-                    }
+                    // The try began from `prefix` and returns it extended, or empty when the
+                    // whole record failed to verify (then nothing of it is kept).
+                    prefix = p;
                 }
             }
         }
