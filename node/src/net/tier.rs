@@ -941,8 +941,10 @@ async fn run_request(
     }
     let _ = send.finish();
     let mut frames = FramedRecv::new(recv, MAX_FRAME_LEN);
-    // Stream bytes read when the request's idle deadline was last renewed.
+    // Stream bytes read when the request's idle deadline was last renewed, and the
+    // connection's stream frames received by then.
     let mut heard_to = 0;
+    let mut rx_mark = rx_before;
     loop {
         let deadline = {
             let mut g = lock(reqs);
@@ -963,7 +965,14 @@ async fn run_request(
                             },
                             e => e,
                         };
-                        let heard = conn.stats().frame_rx.stream > rx_before;
+                        // Whether the peer was sending on this connection all along: since the
+                        // request was sent, or for a stall since this stream last heard
+                        // anything (a peer killed mid-answer is silent since).
+                        let rx = conn.stats().frame_rx.stream;
+                        let heard = match error {
+                            FetchError::Stalled { .. } => rx > rx_mark,
+                            _ => rx > rx_before,
+                        };
                         Err(AttemptError::Fetch(error, f.verified, heard))
                     }
                 };
@@ -977,6 +986,7 @@ async fn run_request(
             m = frames.next() => match m {
                 Ok(Some(msg)) => {
                     heard_to = frames.received();
+                    rx_mark = conn.stats().frame_rx.stream;
                     let r = lock(reqs).req.handle_message(Instant::now(), msg);
                     if let Err(e) = r {
                         conn.close(u32::from(stormo_wire::ErrorCode::PROTOCOL_VIOLATION.0).into(), e.to_string().as_bytes());
@@ -1006,6 +1016,7 @@ async fn run_request(
                 let now = Instant::now();
                 if frames.received() > heard_to {
                     heard_to = frames.received();
+                    rx_mark = conn.stats().frame_rx.stream;
                     g.req.handle_partial(now, id);
                 }
                 g.req.handle_timeout_of(now, id);
