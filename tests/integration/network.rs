@@ -205,6 +205,21 @@ fn peer_args(f: &Fixture, peers: Vec<PeerAddr>) -> PeerArgs {
 
 /// The peer tier of a client of `f` (key [`CLIENT_SEED`]).
 fn peer_tier(f: &Fixture, peers: Vec<PeerAddr>) -> Arc<PeerTier> {
+    peer_tier_with(f, peers, quick())
+}
+
+/// Timeouts for a peer behind a slow relay: tries of `request_timeout`, a generous connect.
+fn slow_link_config(request_timeout: Duration) -> PeerConfig {
+    PeerConfig {
+        connect_timeout: Duration::from_secs(10),
+        request_timeout,
+        idle_timeout: Duration::from_secs(5),
+        ..PeerConfig::default()
+    }
+}
+
+/// [`peer_tier`] with the timeouts of `cfg`.
+fn peer_tier_with(f: &Fixture, peers: Vec<PeerAddr>, cfg: PeerConfig) -> Arc<PeerTier> {
     let files = ModelFiles::open(f.dir.path()).expect("model files");
     let args = peer_args(f, peers);
     let rt = runtime();
@@ -218,7 +233,7 @@ fn peer_tier(f: &Fixture, peers: Vec<PeerAddr>) -> Arc<PeerTier> {
         Arc::new(m),
         id,
         files.layout.schemas.clone(),
-        quick(),
+        cfg,
         Some(rt.handle().clone()),
     )
     .expect("tier");
@@ -882,7 +897,6 @@ fn a_peer_slower_than_the_deadline_still_delivers_in_later_rounds() {
     let name = "gptoss-tiny-mxfp4";
     let f = setup(name);
     let node = serve_dir(85, f.dir.path(), None, allow_client());
-    let files = ModelFiles::open(f.dir.path()).expect("model files");
     let manifest = Arc::new(
         stormo_manifests::read_manifest(&f.dir.path().join("stormo-manifest.bin"))
             .expect("manifest")
@@ -914,23 +928,11 @@ fn a_peer_slower_than_the_deadline_still_delivers_in_later_rounds() {
         key: node.addr().key,
         addr: relay.addr(),
     };
-    let rt = Arc::new(runtime());
-    let tier = PeerTier::connect(
-        &client_key(),
-        &[through],
-        manifest,
-        f.id,
-        files.layout.schemas.clone(),
-        PeerConfig {
-            connect_timeout: Duration::from_secs(10),
-            request_timeout: Duration::from_millis(100),
-            idle_timeout: Duration::from_secs(5),
-            ..PeerConfig::default()
-        },
-        Some(rt.handle().clone()),
-    )
-    .expect("tier")
-    .keep_runtime(rt);
+    let tier = peer_tier_with(
+        &f,
+        vec![through],
+        slow_link_config(Duration::from_millis(100)),
+    );
     for (k, r) in load_all(&tier, &keys) {
         if let Err(e) = r {
             panic!("expert {k} from a slow but working peer: {e}");
@@ -985,7 +987,6 @@ fn the_last_holder_is_not_cut_off_while_its_chunks_keep_verifying() {
     .expect("stormo synth writes the model");
     let f = sign_dir(dir);
     let nodes = [86, 87].map(|seed| serve_dir(seed, f.dir.path(), None, allow_client()));
-    let files = ModelFiles::open(f.dir.path()).expect("model files");
     let manifest = Arc::new(
         stormo_manifests::read_manifest(&f.dir.path().join("stormo-manifest.bin"))
             .expect("manifest")
@@ -1015,23 +1016,7 @@ fn the_last_holder_is_not_cut_off_while_its_chunks_keep_verifying() {
             addr: relay.addr(),
         })
         .collect();
-    let rt = Arc::new(runtime());
-    let tier = PeerTier::connect(
-        &client_key(),
-        &through,
-        manifest.clone(),
-        f.id,
-        files.layout.schemas.clone(),
-        PeerConfig {
-            connect_timeout: Duration::from_secs(10),
-            request_timeout: Duration::from_secs(1),
-            idle_timeout: Duration::from_secs(5),
-            ..PeerConfig::default()
-        },
-        Some(rt.handle().clone()),
-    )
-    .expect("tier")
-    .keep_runtime(rt);
+    let tier = peer_tier_with(&f, through, slow_link_config(Duration::from_secs(1)));
     let key = stormo_engine::tiers::ExpertKey::new(0, e.id.expert.into());
     let t0 = Instant::now();
     for (k, r) in load_all_as(&tier, &[key], stormo_engine::tiers::Priority::Prefetch) {

@@ -8,16 +8,17 @@
 //! protocol version) it logs a warning naming the peer, puts the peer on a growing back-off,
 //! and goes on with another peer, resuming after the verified prefix; only when no peer can
 //! supply the expert does it complete with an error, so the tiers above fall back. A try that
-//! runs out of time (or hears nothing of its own answer) while the peer is still sending on the
-//! connection, or a `busy` answer, is load rather than a fault: the peer is not put on a back-off. A try is cut off at its deadline only while
-//! another holder is left to try; otherwise it runs on while its chunks keep verifying. When
-//! every holder has been tried another round starts with a longer deadline (big experts over
-//! a link that many loads share); rounds end after a few in a row that verify nothing more
-//! and meet no `busy` answer. Keys are fetched in parallel, each on its own task. Prefetch
-//! loads are sent with the `Prefetch` priority. Every wait is bounded: the connect (handshake
-//! plus hello), each try's deadline (from when its request is sent; moved on only by verified
-//! chunks and never past the load's budget of 32 first deadlines), the
-//! silence between two pieces of an answer, and the rounds (none starts past that budget).
+//! runs out of time (or hears nothing of its own answer) while the peer is still sending on
+//! the connection, or a `busy` answer, is load rather than a fault: the peer is not put on a
+//! back-off. A try is cut off at its deadline only while another holder is left to try;
+//! otherwise it runs on while its chunks keep verifying. When every holder has been tried
+//! another round starts with a longer deadline (big experts over a link that many loads
+//! share); the rounds end after a few that verify nothing more and meet no `busy` answer.
+//! Keys are fetched in parallel, each on its own task. Prefetch loads are sent with the
+//! `Prefetch` priority. Every wait is bounded: the connect (handshake plus hello), each try's
+//! deadline (from when its request is sent; moved on only by verified chunks, never past the
+//! load's budget of 32 first deadlines), the silence between two pieces of an answer, and the
+//! rounds (no later try starts past that budget).
 //!
 //! A peer that cannot be connected to is unreachable for its back-off: one connection attempt
 //! at a time (concurrent loads wait for it rather than each connecting), and until the
@@ -214,8 +215,8 @@ const MAX_ROUNDS: u32 = 4;
 /// The per-try deadline stops doubling at this multiple of the first round's.
 const MAX_TIMEOUT_FACTOR: u32 = 8;
 
-/// One load's budget, in per-try deadlines of the first round: no round starts, and no try's
-/// deadline moves, past it.
+/// One load's budget, in per-try deadlines of the first round: no later round or try starts,
+/// and no try's deadline moves, past it.
 const LOAD_BUDGET_FACTOR: u32 = MAX_ROUNDS * MAX_TIMEOUT_FACTOR;
 
 /// How long one try may take: `timeout` from when its request is sent, moved on while its
@@ -242,7 +243,7 @@ struct Rounds {
 impl Rounds {
     /// After a round that `progressed` (verified more of the expert) or not, in which some
     /// peer answered `busy` or not: the pause before the next round, or `None` after
-    /// [`MAX_ROUNDS`] stalled rounds in a row. A peer that is busy with this node's other loads
+    /// [`MAX_ROUNDS`] stalled rounds with no progress between them. A peer that is busy with this node's other loads
     /// or sends slowly but surely costs time, not the load; one that sends nothing more
     /// (without being busy) ends it. The pause is short after progress and grows (to 2 s)
     /// with the quiet rounds, so that a busy peer has time to finish what it is sending.
@@ -1312,7 +1313,8 @@ impl Inner {
         let mut local_tried = false;
         let mut timeout = self.cfg.request_timeout;
         let max_timeout = timeout.saturating_mul(MAX_TIMEOUT_FACTOR);
-        let load_end = Instant::now() + timeout.saturating_mul(LOAD_BUDGET_FACTOR);
+        let budget = timeout.saturating_mul(LOAD_BUDGET_FACTOR);
+        let load_end = Instant::now() + budget;
         let mut rounds = Rounds::default();
         let mut round = 1;
         // The verified length when this round started.
@@ -1324,10 +1326,7 @@ impl Inner {
             if round > 1 && Instant::now() >= load_end {
                 errors.push(format!(
                     "gave up after {:.1}s, the load's budget",
-                    self.cfg
-                        .request_timeout
-                        .saturating_mul(LOAD_BUDGET_FACTOR)
-                        .as_secs_f64()
+                    budget.as_secs_f64()
                 ));
                 break;
             }
