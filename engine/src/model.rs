@@ -19,7 +19,7 @@ use rayon::prelude::*;
 
 use crate::config::{Family, ModelConfig};
 use crate::error::{Error, Result};
-use crate::kernels::{matmul, Float, Mat, Vector};
+use crate::kernels::{matmul, matmul_batch, Float, Mat, Product, Vector};
 use crate::layout::{ExpertLayout, Loader, Loc};
 use crate::moe::{self, ExpertData, ExpertProvider, MappedExperts, MoeScratch, PartBytes};
 use crate::ops;
@@ -746,9 +746,26 @@ impl Model {
             }
             let a = &layer.attn;
             let hs = &s.h[..t * h];
-            matmul(&self.mat(&a.q), hs, &mut s.q[..t * qd]);
-            matmul(&self.mat(&a.k), hs, &mut s.k[..t * kvd]);
-            matmul(&self.mat(&a.v), hs, &mut s.v[..t * kvd]);
+            // One parallel region for the three projections: a decoded token's k and v are
+            // small, and alone each would pay the pool's hand-off (about 2% faster decode at
+            // gpt-oss-20b geometry, paired per token on Zen 4).
+            matmul_batch([
+                Product {
+                    w: self.mat(&a.q),
+                    xs: hs,
+                    ys: &mut s.q[..t * qd],
+                },
+                Product {
+                    w: self.mat(&a.k),
+                    xs: hs,
+                    ys: &mut s.k[..t * kvd],
+                },
+                Product {
+                    w: self.mat(&a.v),
+                    xs: hs,
+                    ys: &mut s.v[..t * kvd],
+                },
+            ]);
             if let Some([bq, bk, bv, _]) = &a.biases {
                 add_bias_rows(&self.vector(bq), &mut s.q[..t * qd]);
                 add_bias_rows(&self.vector(bk), &mut s.k[..t * kvd]);

@@ -7,13 +7,15 @@
 //! rows or positions a call interleaves. With 32 vector registers, dense prefill kernels
 //! interleave 4 rows × 4 positions. MXFP4 nibbles index the block's scale's row of a table of
 //! exactly dequantized values (FP4 value times E8M0 scale) with one permute (`vpermps`) per 16
-//! weights, so a block costs two multiply-adds per position; the block's 16 bytes are
-//! broadcast to the four 128-bit lanes and one variable shift per 16 weights brings each
-//! lane's nibble to the bits `vpermps` reads, so its weights come out of element order and the
-//! inputs are permuted to match ([`MXFP4_ORDER`]). Prefill decodes a slab of rows once per
-//! call of up to 32 positions, as the AVX2 tier does. This VM has no AVX-512: the tier's
-//! kernels are tested in software emulation (`avx512_emulated`) and guarded by the runtime
-//! self-check, but their speed has not been measured.
+//! weights, so a block costs two multiply-adds per position; each half of the block is
+//! broadcast from memory to the eight 64-bit lanes and one variable shift per 16 weights
+//! brings each lane's nibble to the bits `vpermps` reads, so its weights come out of element
+//! order and the inputs are permuted to match ([`MXFP4_ORDER`]). Decode reads a matrix as four
+//! sequential streams (rows from the four quarters of a task's range, interleaved) with a short
+//! software prefetch in each. Prefill decodes a slab of rows once per call of up to 32
+//! positions, as the AVX2 tier does. Measured on Zen 4 (README, Kernels); on CPUs without
+//! AVX-512 the tests run the tier in software emulation (`avx512_emulated`), and where it runs
+//! natively the runtime self-check guards it.
 use std::arch::x86_64::*;
 
 use super::{Float, Mat, Outs, BF16, F16, F32, FP4_LUT, I8, SCALE};
@@ -137,18 +139,20 @@ unsafe fn dense_rows<const FMT: u8>(
     let row_bytes = cols * super::code_size(FMT);
     let base = bytes.as_ptr();
     let x = |q: usize| xs[q * cols..].as_ptr();
+    // Rows `rows[k]`, all positions: one call of the `R x P` kernel.
     macro_rules! run {
-        ($r:literal, $p:literal, $i:expr) => {{
-            let i = $i;
-            // SAFETY: rows `r0 + i .. r0 + i + $r` are in bounds (caller), as are the positions.
+        ($r:literal, $p:literal, $rows:expr) => {{
+            let rows: [usize; $r] = $rows;
+            // SAFETY: every row `r0 + rows[k] < r0 + n` is in bounds (caller), as are the
+            // positions.
             let ws: [*const u8; $r] =
-                std::array::from_fn(|k| unsafe { base.add((r0 + i + k) * row_bytes) });
+                std::array::from_fn(|k| unsafe { base.add((r0 + rows[k]) * row_bytes) });
             let xp: [*const f32; $p] = std::array::from_fn(x);
             // SAFETY: pointers to whole rows of `cols` elements (caller's contract).
             let v = unsafe { dense_dot::<FMT, $r, $p>(ws, xp, cols) };
             for k in 0..$r {
                 for q in 0..$p {
-                    out[q * n + i + k] = v[k][q];
+                    out[q * n + rows[k]] = v[k][q];
                 }
             }
         }};
@@ -157,17 +161,29 @@ unsafe fn dense_rows<const FMT: u8>(
         ($r:literal, $p:literal) => {{
             let mut i = 0;
             while n - i >= $r {
-                run!($r, $p, i);
+                run!($r, $p, std::array::from_fn(|k| i + k));
                 i += $r;
             }
             while i < n {
-                run!(1, $p, i);
+                run!(1, $p, [i]);
                 i += 1;
             }
         }};
     }
     match p {
-        1 => sweep!(4, 1),
+        1 => {
+            // Decode reads each row once: four rows at a time, one from each quarter of the
+            // range, so the matrix is read as four long sequential streams, which the hardware
+            // prefetchers follow (four neighbouring rows with a software prefetch of the next
+            // four, as the AVX2 tier does, read the output head at 78% of the speed on Zen 4).
+            let q = n / 4;
+            for i in 0..q {
+                run!(4, 1, [i, q + i, 2 * q + i, 3 * q + i]);
+            }
+            for i in 4 * q..n {
+                run!(1, 1, [i]);
+            }
+        }
         2 => sweep!(4, 2),
         3 => sweep!(4, 3),
         _ => sweep!(4, 4),
@@ -228,11 +244,15 @@ fn hsum(v: __m512) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// Dot products of `R` rows with `P` positions, `n` elements each.
-///
-/// The rows are consecutive. With one position (decode) it also prefetches the next `R` rows,
-/// a cache line at a time, as the AVX2 tier does (measured there; not measured on AVX-512
-/// hardware).
+/// How far ahead in its own stream a one-position kernel prefetches each row's weights (one
+/// cache line per line it reads; rows of a stream are contiguous, so near a row's end this is
+/// the next row of the stream). With the rows read as four sequential streams the hardware
+/// prefetchers do most of it; this measured 2-5% faster for bf16 rows and 10-15% for MXFP4
+/// experts on Zen 4 (README, Kernels), with 256 bytes to 2 KiB all within noise of each other.
+const AHEAD: usize = 512;
+
+/// Dot products of `R` rows with `P` positions, `n` elements each; with one position (decode)
+/// each row is prefetched [`AHEAD`].
 ///
 /// # Safety
 /// The CPU supports the tier; each `w[k]` points to `n` readable elements of format `FMT` and
@@ -247,12 +267,12 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
     let mut acc = [[_mm512_setzero_ps(); P]; R];
     let main = n / 16 * 16;
     let size = super::code_size(FMT);
-    let (per_line, ahead) = (64 / size, R * n * size);
     let mut i = 0;
     while i < main {
-        if P == 1 && i % per_line == 0 {
+        if P == 1 && (i * size).is_multiple_of(64) {
             for p in w {
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ahead + i * size) as *const i8);
+                // A hint: harmless past the end.
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i * size + AHEAD) as *const i8);
             }
         }
         for k in 0..R {
@@ -287,7 +307,8 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
 /// [`mxfp4_value`](super::mxfp4_value) gives it), then one 16-lane accumulator takes two fused
 /// multiply-adds per block (its two vectors in [`MXFP4_ORDER`], against inputs permuted to
 /// match), block after block, and [`hsum`] reduces
-/// the lanes. One position ([`mxfp4_dot`]) streams four rows at a time, decoding in registers;
+/// the lanes. One position ([`mxfp4_dot`]) streams four rows at a time (one from each quarter
+/// of the range), decoding in registers;
 /// several ([`mxfp4_block`]) decode a slab of rows into an L1 buffer once and multiply it by
 /// every position in register tiles. So a block of positions gets exactly what each position
 /// gets alone.
@@ -317,23 +338,25 @@ unsafe fn mxfp4_rows(
     // SAFETY: rows `r0 + i` for `i < n` are in bounds (caller).
     let row = |i: usize| unsafe { (bb.add((r0 + i) * nb * 16), sb.add((r0 + i) * nb)) };
     macro_rules! run {
-        ($r:literal, $i:expr) => {{
-            let i = $i;
-            let b: [*const u8; $r] = std::array::from_fn(|k| row(i + k).0);
-            let s: [*const u8; $r] = std::array::from_fn(|k| row(i + k).1);
+        ($r:literal, $rows:expr) => {{
+            let rows: [usize; $r] = $rows;
+            let b: [*const u8; $r] = std::array::from_fn(|k| row(rows[k]).0);
+            let s: [*const u8; $r] = std::array::from_fn(|k| row(rows[k]).1);
             // SAFETY: whole rows of `nb` blocks and a position of `cols` f32 (caller).
             let v = unsafe { mxfp4_dot::<$r>(b, s, x, nb, c) };
-            out[i..i + $r].copy_from_slice(&v);
+            for k in 0..$r {
+                out[rows[k]] = v[k];
+            }
         }};
     }
-    let mut i = 0;
-    while n - i >= 4 {
-        run!(4, i);
-        i += 4;
+    // Four rows at a time, one from each quarter of the range: four long sequential streams of
+    // blocks and of scales, as `dense_rows` reads its rows.
+    let q = n / 4;
+    for i in 0..q {
+        run!(4, [i, q + i, 2 * q + i, 3 * q + i]);
     }
-    while i < n {
-        run!(1, i);
-        i += 1;
+    for i in 4 * q..n {
+        run!(1, [i]);
     }
 }
 
@@ -372,15 +395,16 @@ static SCALED: Scaled = {
 };
 
 /// The order in which [`decode`] yields a block's 32 weights: lane `l` of its two vectors holds
-/// element `MXFP4_ORDER[l]` (the first vector) or `MXFP4_ORDER[16 + l]` of the block. Lane `l`
-/// sees the block's 32-bit word `l % 4` (elements `8 * (l % 4) ..`, two per byte, low nibble
-/// first) and takes its nibble `l / 4` in the first vector, `4 + l / 4` in the second.
+/// element `MXFP4_ORDER[l]` (the first vector) or `MXFP4_ORDER[16 + l]` of the block. The first
+/// vector sees the block's first 8 bytes (elements 0 to 15, two per byte, low nibble first),
+/// the second its last 8; lane `l` takes nibble `l / 2` of the low (even `l`) or high (odd `l`)
+/// 32-bit half of those bytes.
 pub(super) const MXFP4_ORDER: [usize; 32] = {
     let mut o = [0; 32];
     let mut l = 0;
     while l < 16 {
-        o[l] = 8 * (l % 4) + l / 4;
-        o[16 + l] = 8 * (l % 4) + 4 + l / 4;
+        o[l] = 8 * (l % 2) + l / 2;
+        o[16 + l] = 16 + o[l];
         l += 1;
     }
     o
@@ -392,26 +416,29 @@ pub(super) fn mxfp4_permute(xs: &[f32], out: &mut [f32]) {
     super::permute_blocks(&MXFP4_ORDER, xs, out);
 }
 
-/// Bit offsets of [`decode`]'s nibbles: lane `l` of the first vector shifts its word right by
-/// `4 * (l / 4)`, of the second by `16 + 4 * (l / 4)`.
+/// Bit offsets of [`decode`]'s nibbles: lanes `2i` and `2i + 1` shift their 32 bits right by
+/// `4i`.
 #[derive(Clone, Copy)]
-struct Shifts([__m512i; 2]);
+struct Shifts(__m512i);
 
 impl Shifts {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     fn new() -> Self {
-        let first = _mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
-        let second = _mm_add_epi8(first, _mm_set1_epi8(16));
-        Self([_mm512_cvtepu8_epi32(first), _mm512_cvtepu8_epi32(second)])
+        Self(_mm512_setr_epi32(
+            0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28,
+        ))
     }
 }
 
 /// The 32 weights of one MXFP4 block (16 bytes at `b`, E8M0 scale byte `s`) dequantized, in
-/// [`MXFP4_ORDER`]: the block is broadcast to every 128-bit lane (a load), one variable shift
-/// per vector brings each lane's nibble to its low four bits, and `vpermps`, which reads only
-/// those, looks it up in the scale's [`SCALED`] row. Two shifts and two permutes per block
-/// (the permutes are the only shuffles).
+/// [`MXFP4_ORDER`]: each half of the block (8 bytes) is broadcast to the eight 64-bit lanes
+/// (a load, no shuffle), one variable shift brings each 32-bit lane's nibble to its low four
+/// bits, and `vpermps`, which reads only those, looks it up in the scale's [`SCALED`] row. Per
+/// block: two shifts, two permutes, and the two multiply-adds of the caller. Zen 4 issues two
+/// 512-bit operations a cycle, so that is about three cycles per block at best; broadcasting
+/// the whole block to the four 128-bit lanes, as this tier did first, is a shuffle, and
+/// measured 11-17% slower there (README, Kernels).
 ///
 /// # Safety
 /// The CPU supports the tier and 16 bytes at `b` are readable.
@@ -419,21 +446,21 @@ impl Shifts {
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 unsafe fn decode(b: *const u8, s: u8, c: Shifts) -> [__m512; 2] {
     // SAFETY: 16 readable bytes (caller); the table row is 64 bytes.
-    let (v, t) = unsafe {
+    let (lo, hi, t) = unsafe {
         (
-            _mm512_broadcast_i32x4(_mm_loadu_si128(b as *const __m128i)),
+            _mm512_set1_epi64((b as *const i64).read_unaligned()),
+            _mm512_set1_epi64((b.add(8) as *const i64).read_unaligned()),
             _mm512_loadu_ps(SCALED.0[s as usize].as_ptr()),
         )
     };
     [
-        _mm512_permutexvar_ps(_mm512_srlv_epi32(v, c.0[0]), t),
-        _mm512_permutexvar_ps(_mm512_srlv_epi32(v, c.0[1]), t),
+        _mm512_permutexvar_ps(_mm512_srlv_epi32(lo, c.0), t),
+        _mm512_permutexvar_ps(_mm512_srlv_epi32(hi, c.0), t),
     ]
 }
 
-/// The dot products of `R` consecutive MXFP4 rows (`nb` blocks each) with one position `x`,
-/// by [`mxfp4_rows`]' arithmetic; while they compute, the next `R` rows' blocks and scales are
-/// prefetched (short row streams; see [`dense_dot`]).
+/// The dot products of `R` MXFP4 rows (`nb` blocks each) with one position `x`, by
+/// [`mxfp4_rows`]' arithmetic; each row's blocks are prefetched [`AHEAD`].
 ///
 /// # Safety
 /// The CPU supports the tier; each `b[k]` points to `16 * nb` readable bytes, each `s[k]` to
@@ -449,13 +476,10 @@ unsafe fn mxfp4_dot<const R: usize>(
 ) -> [f32; R] {
     let mut acc = [_mm512_setzero_ps(); R];
     for blk in 0..nb {
-        if blk % 4 == 0 {
-            for k in 0..R {
+        if blk.is_multiple_of(4) {
+            for p in b {
                 // A hint: harmless past the end.
-                _mm_prefetch::<_MM_HINT_T0>(b[k].wrapping_add((R * nb + blk) * 16) as *const i8);
-                if blk % 64 == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(s[k].wrapping_add(R * nb + blk) as *const i8);
-                }
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(blk * 16 + AHEAD) as *const i8);
             }
         }
         // SAFETY: block `blk < nb` of every row and of the position (caller).

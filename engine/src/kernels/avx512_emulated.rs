@@ -15,10 +15,10 @@
 #![allow(unused_unsafe, dead_code, clippy::eq_op, clippy::nonminimal_bool)]
 
 use soft::{
-    __m512, __m512i, _mm512_broadcast_i32x4, _mm512_castps512_ps256, _mm512_castps_pd,
-    _mm512_castsi512_ps, _mm512_cvtepi32_ps, _mm512_cvtepi8_epi32, _mm512_cvtepu16_epi32,
-    _mm512_cvtepu8_epi32, _mm512_cvtph_ps, _mm512_extractf64x4_pd, _mm512_fmadd_ps,
-    _mm512_loadu_ps, _mm512_permutexvar_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_slli_epi32,
+    __m512, __m512i, _mm512_castps512_ps256, _mm512_castps_pd, _mm512_castsi512_ps,
+    _mm512_cvtepi32_ps, _mm512_cvtepi8_epi32, _mm512_cvtepu16_epi32, _mm512_cvtph_ps,
+    _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_permutexvar_ps,
+    _mm512_set1_epi64, _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_ps, _mm512_slli_epi32,
     _mm512_srlv_epi32, _mm512_storeu_ps,
 };
 
@@ -84,6 +84,40 @@ mod soft {
         __m512([v; 16])
     }
 
+    /// `vpbroadcastq`: the 64-bit `v` in each of the eight 64-bit lanes.
+    pub(super) fn _mm512_set1_epi64(v: i64) -> M512i {
+        let v = v as u64;
+        M512i(std::array::from_fn(|i| (v >> (32 * (i % 2))) as u32))
+    }
+
+    /// 16 32-bit lanes, lane 0 first.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn _mm512_setr_epi32(
+        e0: i32,
+        e1: i32,
+        e2: i32,
+        e3: i32,
+        e4: i32,
+        e5: i32,
+        e6: i32,
+        e7: i32,
+        e8: i32,
+        e9: i32,
+        e10: i32,
+        e11: i32,
+        e12: i32,
+        e13: i32,
+        e14: i32,
+        e15: i32,
+    ) -> M512i {
+        M512i(
+            [
+                e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15,
+            ]
+            .map(|v| v as u32),
+        )
+    }
+
     pub(super) fn _mm512_setzero_ps() -> __m512 {
         __m512([0.0; 16])
     }
@@ -98,13 +132,6 @@ mod soft {
         map(|i| a.0[(idx.0[i] & 15) as usize])
     }
 
-    /// `vpmovzxbd`: 16 bytes zero-extended to 32 bits.
-    pub(super) fn _mm512_cvtepu8_epi32(a: __m128i) -> M512i {
-        // SAFETY: 16 bytes reinterpreted as 16 bytes.
-        let b: [u8; 16] = unsafe { std::mem::transmute(a) };
-        M512i(b.map(u32::from))
-    }
-
     /// `vpmovsxbd`: 16 bytes sign-extended to 32 bits.
     pub(super) fn _mm512_cvtepi8_epi32(a: __m128i) -> M512i {
         // SAFETY: 16 bytes reinterpreted as 16 bytes.
@@ -117,13 +144,6 @@ mod soft {
         // SAFETY: 32 bytes reinterpreted as 16 words.
         let w: [u16; 16] = unsafe { std::mem::transmute(a) };
         M512i(w.map(u32::from))
-    }
-
-    /// `vbroadcasti32x4`: the 16 bytes of `a` in each of the four 128-bit lanes.
-    pub(super) fn _mm512_broadcast_i32x4(a: __m128i) -> M512i {
-        // SAFETY: 16 bytes reinterpreted as four 32-bit words.
-        let w: [u32; 4] = unsafe { std::mem::transmute(a) };
-        M512i(std::array::from_fn(|i| w[i % 4]))
     }
 
     /// `vpsrlvd`: each lane shifted right (logically) by its own count; counts above 31 give 0.
