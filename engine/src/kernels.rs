@@ -1656,6 +1656,50 @@ mod tests {
         }
     }
 
+    /// The int8-input path at every E8M0 scale byte: each tier within summation order of the
+    /// reference on the same quantized inputs, non-finite where the reference is (scale
+    /// 255), and finite wherever the reference is up to scale 250.
+    #[test]
+    fn int8_input_mxfp4_handles_extreme_scales() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        let (rows, cols) = (256, 96);
+        let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| rng.gen()).collect();
+        let scales: Vec<u8> = (0..rows * cols / 32).map(|i| (i / 3) as u8).collect();
+        let w = Mat::Mxfp4Int8 {
+            blocks: &blocks,
+            scales: &scales,
+            rows,
+            cols,
+        };
+        let x = rand_x(cols, &mut rng);
+        let mut q = vec![0f32; cols];
+        int8x::quantize(&x, cols, &mut q);
+        let mut want = vec![0f32; rows];
+        int8x::reference_rows(&blocks, &scales, cols, 0, rows, &q, 1, &mut want);
+        for tier in tiers() {
+            let mut y = vec![0f32; rows];
+            with_tier(tier, || matvec(&w, &x, &mut y));
+            for (r, (a, b)) in y.iter().zip(&want).enumerate() {
+                if !b.is_finite() {
+                    assert!(!a.is_finite(), "{tier} row {r}: {a} vs {b}");
+                    continue;
+                }
+                assert!(a.is_finite() || r > 250, "{tier} row {r}: {a} vs {b}");
+                if a.is_finite() {
+                    // Each product is at most 12 x 127 steps of the block's scales.
+                    let step = (0..cols / 32)
+                        .map(|k| q[k] as f64 * SCALE[scales[r * cols / 32 + k] as usize] as f64)
+                        .sum::<f64>();
+                    let tol = 1e-6 * 12.0 * 127.0 * 32.0 * step + 1e-44;
+                    assert!(
+                        ((*a - *b) as f64).abs() <= tol,
+                        "{tier} row {r} (scale byte {r}): {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+
     /// The AVX2 tier's per-scale tables hold every dequantized MXFP4 value exactly (bf16 has
     /// the bits: an FP4 value times a power of two has at most two significant bits).
     #[cfg(target_arch = "x86_64")]
