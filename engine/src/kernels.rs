@@ -1603,14 +1603,27 @@ mod tests {
         }
     }
 
+    /// Random MXFP4 blocks for `rows` (at most 256) rows of `cols`, every block of row `r`
+    /// with scale byte `r`.
+    fn scale_byte_per_row(
+        rows: usize,
+        cols: usize,
+        rng: &mut rand::rngs::StdRng,
+    ) -> (Vec<u8>, Vec<u8>) {
+        let blocks = (0..rows * cols / 2).map(|_| rng.gen()).collect();
+        let scales = (0..rows * cols / 32)
+            .map(|i| (i / (cols / 32)) as u8)
+            .collect();
+        (blocks, scales)
+    }
+
     /// Every E8M0 scale byte, including the subnormal (0) and infinite (255) ends, decodes as
     /// the reference does in every tier.
     #[test]
     fn every_tier_handles_extreme_mxfp4_scales() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         let (rows, cols) = (256, 64);
-        let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| rng.gen()).collect();
-        let scales: Vec<u8> = (0..rows * cols / 32).map(|i| (i / 2) as u8).collect();
+        let (blocks, scales) = scale_byte_per_row(rows, cols, &mut rng);
         let w = Mat::Mxfp4 {
             blocks: &blocks,
             scales: &scales,
@@ -1663,8 +1676,7 @@ mod tests {
     fn int8_input_mxfp4_handles_extreme_scales() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(4);
         let (rows, cols) = (256, 96);
-        let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| rng.gen()).collect();
-        let scales: Vec<u8> = (0..rows * cols / 32).map(|i| (i / 3) as u8).collect();
+        let (blocks, scales) = scale_byte_per_row(rows, cols, &mut rng);
         let w = Mat::Mxfp4Int8 {
             blocks: &blocks,
             scales: &scales,
