@@ -270,16 +270,55 @@ impl ModelConfig {
                 return err(format!("swiglu_alpha must be a finite number, got {alpha}"));
             }
         }
-        if self.rope.theta.is_nan() || self.rope.theta <= 0.0 {
-            return err("rope_theta must be positive".into());
+        // RoPE's frequencies base^(-2i/d) fall with i only for a base above 1; YaRN divides by
+        // ln(base), and a base far below 1 makes the f32 frequencies infinite.
+        let theta = self.rope.theta;
+        if !theta.is_finite() || theta <= 1.0 {
+            return err(format!(
+                "rope_theta must be a finite number greater than 1, got {theta:?}"
+            ));
         }
         if let Some(y) = &self.rope.yarn {
-            let positive = |v: f64| v > 0.0;
-            if !positive(y.factor) || !positive(y.original_max_position_embeddings) {
-                return err(
-                    "rope scaling factor and original_max_position_embeddings must be positive"
-                        .into(),
-                );
+            // YaRN extends the context: Transformers requires factor >= 1 (below it, get_mscale
+            // is 1 and the "interpolated" frequencies exceed the original ones). A factor near 0
+            // made 1/(factor·base^(2i/d)) infinite and the frequencies NaN.
+            if !y.factor.is_finite() || y.factor < 1.0 {
+                return err(format!(
+                    "rope scaling factor must be a finite number >= 1, got {:?} (when absent it is \
+                     max_position_embeddings / original_max_position_embeddings)",
+                    y.factor
+                ));
+            }
+            let l0 = y.original_max_position_embeddings;
+            if !l0.is_finite() || l0 <= 0.0 {
+                return err(format!(
+                    "rope scaling original_max_position_embeddings must be positive, got {l0:?}"
+                ));
+            }
+            // The correction range takes ln(L0 / (2π·β)): a β of 0 gave ln(inf) and NaN
+            // frequencies (Transformers' math.log fails on β <= 0).
+            for (name, beta) in [("beta_fast", y.beta_fast), ("beta_slow", y.beta_slow)] {
+                if !beta.is_finite() || beta <= 0.0 {
+                    return err(format!(
+                        "rope scaling {name} must be a positive number, got {beta:?}"
+                    ));
+                }
+            }
+            let (low, high) = crate::rope::correction_range(y, theta, self.head_dim);
+            if !low.is_finite() || !high.is_finite() {
+                return err(format!(
+                    "rope scaling beta_fast {:?} and beta_slow {:?} with \
+                     original_max_position_embeddings {l0:?} give a YaRN correction range \
+                     [{low:?}, {high:?}] that is not finite",
+                    y.beta_fast, y.beta_slow
+                ));
+            }
+            let a = crate::rope::attention_factor(y) as f32;
+            if !a.is_finite() {
+                return err(format!(
+                    "rope scaling attention factor {a} (from attention_factor, or mscale and \
+                     mscale_all_dim) is not finite"
+                ));
             }
         }
         Ok(())
@@ -392,14 +431,24 @@ impl Fields<'_> {
                 .map(|x| {
                     x.as_u64()
                         .and_then(|x| u32::try_from(x).ok())
-                        .ok_or_else(|| self.err("eos_token_id must hold integers".into()))
+                        .ok_or_else(|| {
+                            self.err(format!(
+                                "eos_token_id must hold non-negative integers (token ids \
+                                 below 2^32), found {x}"
+                            ))
+                        })
                 })
                 .collect(),
             Some(v) => v
                 .as_u64()
                 .and_then(|x| u32::try_from(x).ok())
                 .map(|x| vec![x])
-                .ok_or_else(|| self.err(format!("eos_token_id must be an integer, found {v}"))),
+                .ok_or_else(|| {
+                    self.err(format!(
+                        "eos_token_id must be a non-negative integer (a token id below 2^32) \
+                         or a list of them, found {v}"
+                    ))
+                }),
         }
     }
     /// `layer_types` if present: true where a layer slides.
@@ -617,10 +666,23 @@ fn parse_qwen3_moe(f: &Fields<'_>) -> Result<ModelConfig> {
         None => hidden_size / num_heads.max(1),
     };
     let num_experts = f.count_any(&["num_experts", "num_local_experts"])?;
+    // Layer l is sparse when (l + 1) % decoder_sparse_step == 0, so a step of 0 names no
+    // layer (Transformers divides by zero).
     let step = f.opt_usize("decoder_sparse_step")?.unwrap_or(1);
-    let only = f.opt_usize_list("mlp_only_layers")?.unwrap_or_default();
+    if step == 0 {
+        return Err(f.err("decoder_sparse_step must be positive, found 0".into()));
+    }
+    let mut dense_only = vec![false; num_layers];
+    for l in f.opt_usize_list("mlp_only_layers")?.unwrap_or_default() {
+        let slot = dense_only.get_mut(l).ok_or_else(|| {
+            f.err(format!(
+                "mlp_only_layers names layer {l}, but num_hidden_layers is {num_layers}"
+            ))
+        })?;
+        *slot = true;
+    }
     let layer_moe: Vec<bool> = (0..num_layers)
-        .map(|l| !only.contains(&l) && num_experts > 0 && step > 0 && (l + 1) % step == 0)
+        .map(|l| !dense_only[l] && num_experts > 0 && (l + 1) % step == 0)
         .collect();
     let use_sliding = f.opt_bool("use_sliding_window")?.unwrap_or(false);
     let sliding_window = if use_sliding {
@@ -797,6 +859,136 @@ mod tests {
             e.contains("num_hidden_layers") && e.contains("65536"),
             "{e}"
         );
+    }
+
+    /// The rope tables a config gives are finite: frequencies, scaling, cos and sin.
+    fn assert_rope_finite(c: &ModelConfig) {
+        let r = crate::rope::Rope::new(&c.rope, c.head_dim);
+        assert!(
+            r.inv_freq.iter().all(|f| f.is_finite()) && r.attention_scaling.is_finite(),
+            "{:?} gives {r:?}",
+            c.rope
+        );
+        let half = c.head_dim / 2;
+        let (mut cos, mut sin) = (vec![0.0; half], vec![0.0; half]);
+        for pos in [0, 1, 4095, c.max_position_embeddings - 1] {
+            r.cos_sin(pos, &mut cos, &mut sin);
+            assert!(
+                cos.iter().chain(&sin).all(|v| v.is_finite()),
+                "{:?} at {pos}",
+                c.rope
+            );
+        }
+    }
+
+    #[test]
+    fn rope_scaling_that_gave_nan_frequencies_is_refused() {
+        let yarn = "\"factor\":32.0,\"beta_fast\":32.0,\"beta_slow\":1.0";
+        let gpt = GPT.replace(",\n        \"beta_slow\"", ",\"beta_slow\"");
+        assert!(gpt.contains(yarn));
+        let with = |to: &str| parse(&gpt.replace(yarn, to));
+        for (to, names) in [
+            // ln(L0 / 0) is infinite: the ramp was inf/inf.
+            (
+                "\"factor\":32.0,\"beta_fast\":0,\"beta_slow\":0",
+                "beta_fast",
+            ),
+            (
+                "\"factor\":32.0,\"beta_fast\":32.0,\"beta_slow\":-1",
+                "beta_slow",
+            ),
+            // Positive, but L0 / (2π·β) overflows.
+            (
+                "\"factor\":32.0,\"beta_fast\":1e-320,\"beta_slow\":1e-321",
+                "beta_fast 1e-320 and beta_slow 1e-321",
+            ),
+            // 1 / (factor · base^(2i/d)) overflowed f32.
+            (
+                "\"factor\":1e-300,\"beta_fast\":32.0,\"beta_slow\":1.0",
+                "factor",
+            ),
+            (
+                "\"factor\":0.5,\"beta_fast\":32.0,\"beta_slow\":1.0",
+                "factor",
+            ),
+            (
+                "\"factor\":0,\"beta_fast\":32.0,\"beta_slow\":1.0",
+                "factor",
+            ),
+            // Finite in f64, infinite as the f32 scaling.
+            (
+                "\"factor\":32.0,\"beta_fast\":32.0,\"beta_slow\":1.0,\"attention_factor\":1e300",
+                "attention factor",
+            ),
+        ] {
+            let e = with(to).expect_err(to).to_string();
+            assert!(e.contains(names), "{to}: {e}");
+        }
+        // ln(1) = 0 divides the correction range.
+        let e = parse(&GPT.replace("\"rope_theta\":150000", "\"rope_theta\":1"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rope_theta"), "{e}");
+
+        // Unusual but well defined: accepted, with finite tables.
+        assert_rope_finite(&parse(GPT).unwrap());
+        for to in [
+            "\"factor\":1,\"beta_fast\":32.0,\"beta_slow\":1.0",
+            "\"factor\":32.0,\"beta_fast\":1.0,\"beta_slow\":32.0",
+            "\"factor\":32.0,\"beta_fast\":4.0,\"beta_slow\":4.0",
+            "\"factor\":32.0,\"beta_fast\":32.0,\"beta_slow\":1e300",
+            "\"factor\":1e300,\"beta_fast\":32.0,\"beta_slow\":1.0",
+            "\"factor\":40,\"beta_fast\":32.0,\"beta_slow\":1.0,\"mscale\":1,\"mscale_all_dim\":0",
+        ] {
+            assert_rope_finite(&with(to).expect(to));
+        }
+        let c = parse(&GPT.replace(",\"truncate\":false", "")).unwrap();
+        assert!(c.rope.yarn.as_ref().unwrap().truncate);
+        assert_rope_finite(&c);
+    }
+
+    #[test]
+    fn negative_eos_token_id_is_named_a_token_id() {
+        let with = |eos: &str| GPT.replacen('{', &format!("{{\"eos_token_id\":{eos},"), 1);
+        for eos in ["-5", "[1,-5]", "4294967296", "1.5"] {
+            let e = parse(&with(eos)).unwrap_err().to_string();
+            assert!(
+                e.contains("non-negative integer") && e.contains("token id"),
+                "{e}"
+            );
+        }
+        assert_eq!(parse(&with("[2,7]")).unwrap().eos_token_ids, vec![2, 7]);
+    }
+
+    #[test]
+    fn qwen_sparse_step_zero_and_unknown_mlp_only_layers_are_refused() {
+        let q = r#"{"model_type":"qwen3_moe","hidden_size":32,"num_hidden_layers":4,
+            "num_attention_heads":4,"vocab_size":50,"num_experts":4,"num_experts_per_tok":2,
+            "moe_intermediate_size":16,"intermediate_size":64,"decoder_sparse_step":1,
+            "mlp_only_layers":[]}"#;
+        let with = |from: &str, to: &str| {
+            assert!(q.contains(from), "{from}");
+            parse(&q.replace(from, to))
+        };
+        // Step 0 made every layer dense, so loading asked for a dense MLP the file lacks.
+        let e = with("\"decoder_sparse_step\":1", "\"decoder_sparse_step\":0")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("decoder_sparse_step"), "{e}");
+        // A layer past the last was ignored.
+        let e = with("\"mlp_only_layers\":[]", "\"mlp_only_layers\":[0,99]")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("mlp_only_layers") && e.contains("99") && e.contains('4'),
+            "{e}"
+        );
+        let e = with("\"mlp_only_layers\":[]", "\"mlp_only_layers\":[4]")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("layer 4"), "{e}");
+        let c = with("\"mlp_only_layers\":[]", "\"mlp_only_layers\":[3,0,3]").unwrap();
+        assert_eq!(c.layer_moe, vec![false, true, true, false]);
     }
 
     #[test]

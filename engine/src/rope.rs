@@ -44,11 +44,6 @@ impl Rope {
 
     fn yarn(y: &YarnConfig, base: f64, dim: usize, pos_freq: &[f64]) -> Self {
         let factor = y.factor;
-        let attention_factor = match (y.attention_factor, y.mscale, y.mscale_all_dim) {
-            (Some(a), _, _) => a,
-            (None, Some(m), Some(ma)) => get_mscale(factor, m) / get_mscale(factor, ma),
-            _ => get_mscale(factor, 1.0),
-        };
         let (low, high) = correction_range(y, base, dim);
         let (low, high) = if low == high {
             (low, high + 0.001)
@@ -68,7 +63,7 @@ impl Rope {
             .collect();
         Self {
             inv_freq,
-            attention_scaling: attention_factor as f32,
+            attention_scaling: attention_factor(y) as f32,
         }
     }
 
@@ -96,8 +91,18 @@ impl Rope {
     }
 }
 
+/// YaRN's attention scaling: `attention_factor` if given, else the mscale ratio, else
+/// `get_mscale(factor, 1)`.
+pub(crate) fn attention_factor(y: &YarnConfig) -> f64 {
+    match (y.attention_factor, y.mscale, y.mscale_all_dim) {
+        (Some(a), _, _) => a,
+        (None, Some(m), Some(ma)) => get_mscale(y.factor, m) / get_mscale(y.factor, ma),
+        _ => get_mscale(y.factor, 1.0),
+    }
+}
+
 /// YaRN's correction range `(low, high)`, clamped to `[0, dim-1]`.
-fn correction_range(y: &YarnConfig, base: f64, dim: usize) -> (f64, f64) {
+pub(crate) fn correction_range(y: &YarnConfig, base: f64, dim: usize) -> (f64, f64) {
     let corr = |rot: f64| {
         dim as f64 * (y.original_max_position_embeddings / (rot * 2.0 * std::f64::consts::PI)).ln()
             / (2.0 * base.ln())

@@ -351,16 +351,22 @@ pub fn parse_header(
         let want = numel
             .checked_mul(dtype.size() as u64)
             .ok_or_else(|| bad(format!("tensor {name:?}: byte length overflows")))?;
-        if end < begin || end - begin != want {
+        if end < begin {
+            return Err(bad(format!(
+                "tensor {name:?}: data_offsets begin {begin} is after end {end}"
+            )));
+        }
+        if end - begin != want {
             return Err(bad(format!(
                 "tensor {name:?}: data_offsets [{begin}, {end}] hold {} bytes but {dtype} {shape:?} needs {want}",
-                end.wrapping_sub(begin)
+                end - begin
             )));
         }
         if end > data_len {
+            // In u128: `end` may be close to u64::MAX, past which the sum would wrap.
             return Err(bad(format!(
                 "tensor {name:?} ends at byte {} but the file has only {file_len} bytes: truncated",
-                data_start + end
+                u128::from(data_start) + u128::from(end)
             )));
         }
         ranges.push((begin, end, name));
@@ -495,4 +501,77 @@ pub fn write(
         f.write_all(bytes)?;
     }
     f.into_inner().map_err(|e| e.into_error())?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A safetensors file: the header JSON, padded, then `data_len` zero bytes.
+    fn file(header: &str, data_len: usize) -> Vec<u8> {
+        let mut h = header.as_bytes().to_vec();
+        while !(8 + h.len()).is_multiple_of(8) {
+            h.push(b' ');
+        }
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&h);
+        out.resize(out.len() + data_len, 0);
+        out
+    }
+
+    fn parse(header: &str, data_len: usize) -> Result<Vec<(String, TensorInfo)>> {
+        let bytes = file(header, data_len);
+        parse_header(Path::new("t.safetensors"), &bytes, bytes.len() as u64, 0)
+    }
+
+    #[test]
+    fn well_formed_header_parses() {
+        let got = parse(
+            r#"{"w":{"dtype":"BF16","shape":[128,64],"data_offsets":[0,16384]}}"#,
+            16384,
+        )
+        .unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].1.len, 16384);
+    }
+
+    #[test]
+    fn reversed_data_offsets_say_begin_is_after_end() {
+        // Both spans "held" the right byte count once the length wrapped around 2^64.
+        for (begin, end) in [(u64::MAX - 8191, 8192u64), (16384, 0)] {
+            let e = parse(
+                &format!(
+                    r#"{{"w":{{"dtype":"BF16","shape":[128,64],"data_offsets":[{begin},{end}]}}}}"#
+                ),
+                16384,
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.contains(&format!(
+                    "\"w\": data_offsets begin {begin} is after end {end}"
+                )),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn data_offsets_end_near_u64_max_is_truncation_not_overflow() {
+        // The span matches the shape, so only the end check sees it; `data_start + end`
+        // overflowed there.
+        let e = parse(
+            &format!(
+                r#"{{"w":{{"dtype":"U8","shape":[{m}],"data_offsets":[0,{m}]}}}}"#,
+                m = u64::MAX
+            ),
+            16,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("\"w\" ends at byte") && e.contains("truncated"),
+            "{e}"
+        );
+    }
 }

@@ -78,9 +78,20 @@ pub enum EncodeError {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum DecodeError {
-    /// An id that is not in the vocabulary.
+    /// An id past the largest the vocabulary has.
     #[error("token id {id} is not in the vocabulary (ids go up to {max})")]
     UnknownId {
+        /// The offending id.
+        id: TokenId,
+        /// The largest id the vocabulary has.
+        max: TokenId,
+    },
+    /// An id below the largest that no token of `tokenizer.json` has (a gap in its ids).
+    #[error(
+        "token id {id} is missing from the tokenizer's vocabulary: no token has it, though ids \
+         go up to {max} (a gap in tokenizer.json's ids)"
+    )]
+    MissingId {
         /// The offending id.
         id: TokenId,
         /// The largest id the vocabulary has.
@@ -157,7 +168,7 @@ const EMPTY_SLOT: Slot = Slot {
 /// Token bytes to id for the ordinary vocabulary: an open-addressing table (linear probing,
 /// at most half full) whose keys are spans of the tokenizer's byte arena, so loading makes no
 /// allocation per token and a lookup touches one slot and the key's bytes. Ids are below
-/// `u32::MAX - 1` (checked at load), so `u32::MAX` can mark empty slots.
+/// [`MAX_TOKEN_ID`] (checked at load), so `u32::MAX` can mark empty slots.
 struct VocabTable {
     slots: Vec<Slot>,
     mask: usize,
@@ -603,6 +614,13 @@ struct Sym {
 
 const NONE: u32 = u32::MAX;
 
+/// Every token id must be below this (2^24). The largest id sizes the per-id tables (9 bytes an
+/// id) whatever the number of entries, so one token with id 4000000000 asked for 32 GiB and
+/// aborted the process. Published vocabularies stay below 2^18 (o200k_harmony has 201088 ids,
+/// the largest common ones about 262000); 2^24 leaves 64 times that while capping the tables at
+/// about 150 MB.
+const MAX_TOKEN_ID: TokenId = 1 << 24;
+
 /// Merges per parallel task when resolving them to ids.
 const MERGE_CHUNK: usize = 1 << 14;
 
@@ -722,16 +740,22 @@ impl Tokenizer {
         }
 
         let table = char_bytes();
+        let too_large = |what: &str, tok: &str, id: TokenId| {
+            LoadError::Invalid(format!(
+                "{what} {tok:?} has id {id}, implausibly large (ids must be below {MAX_TOKEN_ID})"
+            ))
+        };
+        if let Some((tok, id)) = model.vocab.0.iter().find(|(_, id)| *id >= MAX_TOKEN_ID) {
+            return Err(too_large("vocab token", tok, *id));
+        }
+        if let Some(t) = file.added_tokens.iter().find(|t| t.id >= MAX_TOKEN_ID) {
+            return Err(too_large("added token", &t.content, t.id));
+        }
         let max_vocab = model.vocab.0.iter().map(|(_, id)| *id).max();
         let max_added = file.added_tokens.iter().map(|t| t.id).max();
         let max_id = max_vocab.max(max_added).ok_or_else(|| {
             LoadError::Invalid("the vocabulary and the added tokens are empty".into())
         })?;
-        if max_id >= u32::MAX - 1 {
-            return Err(LoadError::Invalid(format!(
-                "token id {max_id} is too large"
-            )));
-        }
         let n_ids = max_id as usize + 1;
         // Vocabulary: each token's bytes (decoded from its byte-level spelling) go once into
         // the arena; the table indexes them there.
@@ -1074,9 +1098,11 @@ impl Tokenizer {
     }
 
     fn bytes_of(&self, id: TokenId) -> Result<&[u8], DecodeError> {
-        self.token_bytes(id).ok_or(DecodeError::UnknownId {
-            id,
-            max: self.spans.len().saturating_sub(1) as TokenId,
+        let max = self.spans.len().saturating_sub(1) as TokenId;
+        self.token_bytes(id).ok_or(if id <= max {
+            DecodeError::MissingId { id, max }
+        } else {
+            DecodeError::UnknownId { id, max }
         })
     }
 }
@@ -1218,6 +1244,76 @@ mod tests {
         for b in 0..=255u8 {
             assert_eq!(inv[t[b as usize] as usize], Some(b));
         }
+    }
+
+    /// A byte-level tokenizer.json: the 256 bytes as ids 0..=255, then `vocab` and `added`
+    /// (content, id) entries.
+    fn json(vocab: &[(&str, u64)], added: &[(&str, u64)]) -> Vec<u8> {
+        let mut v: serde_json::Map<String, serde_json::Value> = byte_chars()
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (c.to_string(), i.into()))
+            .collect();
+        for &(tok, id) in vocab {
+            v.insert(tok.into(), id.into());
+        }
+        let added: Vec<_> = added
+            .iter()
+            .map(|&(content, id)| serde_json::json!({"id": id, "content": content}))
+            .collect();
+        serde_json::to_vec(&serde_json::json!({
+            "added_tokens": added,
+            "model": {"type": "BPE", "vocab": v, "merges": []},
+        }))
+        .expect("json")
+    }
+
+    #[test]
+    fn implausibly_large_ids_are_refused_naming_the_token() {
+        // 4000000000 asked for a 32 GiB table (abort); 400000000 took 3.2 GB.
+        for id in [
+            4_294_967_290,
+            4_000_000_000,
+            400_000_000,
+            u64::from(MAX_TOKEN_ID),
+        ] {
+            for (vocab, added) in [
+                (&[("hello", id)][..], &[][..]),
+                (&[][..], &[("<|big|>", id)][..]),
+            ] {
+                let e = Tokenizer::from_json(&json(vocab, added))
+                    .expect_err("refused")
+                    .to_string();
+                let tok = if vocab.is_empty() { "<|big|>" } else { "hello" };
+                assert!(
+                    e.contains(&format!("{tok:?} has id {id}")),
+                    "{id} {tok}: {e}"
+                );
+            }
+        }
+        let t = Tokenizer::from_json(&json(&[("hello", 300)], &[("<|end|>", 301)])).unwrap();
+        assert_eq!(t.vocab_size(), 302);
+    }
+
+    #[test]
+    fn a_gap_in_the_ids_is_reported_as_missing_not_out_of_range() {
+        let t = Tokenizer::from_json(&json(&[("hello", 1000)], &[])).unwrap();
+        assert_eq!(t.decode(&[1000], false).unwrap(), "hello");
+        let e = t.decode(&[500], false).unwrap_err();
+        assert_eq!(e, DecodeError::MissingId { id: 500, max: 1000 });
+        let e = e.to_string();
+        assert!(
+            e.contains("500") && e.contains("missing") && e.contains("gap"),
+            "{e}"
+        );
+        let e = t.decode(&[1001], false).unwrap_err();
+        assert_eq!(
+            e,
+            DecodeError::UnknownId {
+                id: 1001,
+                max: 1000
+            }
+        );
     }
 
     #[test]
