@@ -419,13 +419,13 @@ struct StreamOptions {
 #[derive(Debug, Default, Deserialize)]
 struct Common {
     #[serde(default)]
-    temperature: Option<f32>,
+    temperature: Option<f64>,
     #[serde(default)]
-    top_p: Option<f32>,
+    top_p: Option<f64>,
     #[serde(default)]
     top_k: Option<usize>,
     #[serde(default)]
-    repetition_penalty: Option<f32>,
+    repetition_penalty: Option<f64>,
     #[serde(default)]
     max_tokens: Option<u64>,
     #[serde(default)]
@@ -576,11 +576,13 @@ fn settings(
                 .param("temperature"),
         );
     }
+    // Read as f64 so a value beyond f32's range is reported as sent, not as inf; values
+    // that pass the checks below are in f32's range.
     let params = SamplingParams {
-        temperature,
-        top_p: c.top_p.unwrap_or(1.0),
+        temperature: temperature as f32,
+        top_p: c.top_p.unwrap_or(1.0) as f32,
         top_k: c.top_k.unwrap_or(0),
-        repetition_penalty: c.repetition_penalty.unwrap_or(1.0),
+        repetition_penalty: c.repetition_penalty.unwrap_or(1.0) as f32,
         seed: c.seed.map(|s| s as u64).unwrap_or_else(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)

@@ -397,8 +397,13 @@ pub struct PeerArgs {
     /// and once every holder has been tried another round follows, resuming after the
     /// verified bytes with twice the time (up to 8 times this). A load ends after four rounds
     /// that verify nothing (busy answers aside), or once it has run 32 times this (no later
-    /// try starts or runs on past that); the tiers below then take over.
-    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    /// try starts or runs on past that); the tiers below then take over. At most 1e6.
+    #[arg(
+        long,
+        default_value_t = 30.0,
+        value_name = "SECS",
+        value_parser = crate::progress::secs_arg
+    )]
     pub peer_timeout: f64,
     /// Also keep the verified experts fetched from peers in this directory (one file per
     /// expert under a folder named by the model id, written atomically, verified again when
@@ -425,8 +430,11 @@ impl PeerArgs {
     /// The timeouts these options give.
     pub fn config(&self) -> anyhow::Result<tier::PeerConfig> {
         anyhow::ensure!(
-            self.peer_timeout.is_finite() && self.peer_timeout > 0.0,
-            "--peer-timeout must be a positive number of seconds"
+            self.peer_timeout.is_finite()
+                && self.peer_timeout > 0.0
+                && self.peer_timeout <= crate::progress::MAX_SECS,
+            "--peer-timeout must be a positive number of seconds, at most {}",
+            crate::progress::MAX_SECS
         );
         Ok(tier::PeerConfig::with_timeout(Duration::from_secs_f64(
             self.peer_timeout,
@@ -507,6 +515,25 @@ pub fn node_tiers(
         None
     };
     if args.peers.is_empty() && args.expert_dir.is_none() {
+        // These check the manifest that verifies experts from peers or the expert directory;
+        // with neither, nothing would check them, and a user who set them expects a check.
+        let given: Vec<&str> = [
+            ("--trust", !args.trust.is_empty()),
+            ("--model-id", args.model_id.is_some()),
+            ("--manifest", args.manifest.is_some()),
+            ("--key", args.key.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, set)| set.then_some(flag))
+        .collect();
+        anyhow::ensure!(
+            given.is_empty(),
+            "{} {} only with --peer or --expert-dir: the manifest checks verify experts from \
+             peers or the expert directory, and --key names this node to peers. The local \
+             checkpoint is used as it is; `stormo manifest verify` checks it against a manifest",
+            given.join(", "),
+            if given.len() == 1 { "applies" } else { "apply" }
+        );
         return Ok(NodeTiers {
             tiers: disk.into_iter().collect(),
             ..NodeTiers::default()

@@ -105,6 +105,29 @@ pub fn size_arg(s: &str) -> Result<String, String> {
     parse_size(s).map(|_| s.to_owned())
 }
 
+/// The longest a timeout option takes, in seconds (about 11.6 days): far beyond any wait
+/// worth setting, and small enough that the multiples the network tier derives from a
+/// timeout (up to 32 times it) stay within what `Duration` and `Instant` hold.
+pub const MAX_SECS: f64 = 1e6;
+
+/// A clap value parser for a timeout in seconds: a positive, finite number up to
+/// [`MAX_SECS`].
+pub fn secs_arg(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!("{s:?} is not a positive number of seconds"));
+    }
+    if v > MAX_SECS {
+        return Err(format!(
+            "{s:?} seconds is more than the most allowed, {MAX_SECS}"
+        ));
+    }
+    Ok(v)
+}
+
 /// Parses a size: a number with an optional unit. `KiB`/`MiB`/`GiB`/`TiB` and bare `K`/`M`/`G`/`T`
 /// are binary; `KB`/`MB`/`GB`/`TB` are decimal; `B` or no unit is bytes. Decimals are allowed.
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -133,7 +156,8 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         }
     };
     let v = n * mult;
-    if !v.is_finite() || v < 0.0 || v > u64::MAX as f64 {
+    // 2^64 itself rounds to `u64::MAX as f64`, so the bound is exclusive.
+    if !(0.0..18_446_744_073_709_551_616.0).contains(&v) {
         return Err(format!("{s:?} is out of range"));
     }
     Ok(v as u64)
@@ -144,10 +168,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn seconds() {
+        assert_eq!(secs_arg("30"), Ok(30.0));
+        assert_eq!(secs_arg("0.25"), Ok(0.25));
+        assert_eq!(secs_arg("1e6"), Ok(MAX_SECS));
+        for bad in ["0", "-1", "nan", "inf", "1e20", "1e6.5", "", "ten"] {
+            assert!(secs_arg(bad).is_err(), "{bad:?} accepted");
+        }
+        // The largest accepted timeout, times the network tier's largest multiple, still
+        // fits what the clock arithmetic takes.
+        let d = Duration::from_secs_f64(MAX_SECS * 32.0);
+        assert!(Instant::now().checked_add(d).is_some());
+    }
+
+    #[test]
     fn sizes() {
         assert_eq!(parse_size("0"), Ok(0));
         assert_eq!(parse_size("512MiB"), Ok(512 << 20));
         assert_eq!(parse_size("6GiB"), Ok(6 << 30));
+        assert!(parse_size("18446744073709551616").is_err());
+        assert!(parse_size("16EiB").is_err());
+        assert!(parse_size("16777216TiB").is_err());
+        assert!(parse_size("16777215TiB").is_ok());
         assert_eq!(parse_size("1.5G"), Ok(3 << 29));
         assert_eq!(parse_size("2GB"), Ok(2_000_000_000));
         assert_eq!(parse_size(" 10 k "), Ok(10240));

@@ -414,3 +414,93 @@ fn run_bad_cache(dir: &Path) -> Output {
         "5 parsecs",
     ])
 }
+
+#[test]
+fn options_that_would_mislead_or_destroy_are_refused() {
+    let d = copy_model("gptoss-tiny-mxfp4");
+    let model = d.path().to_str().unwrap();
+    let weights = std::fs::read(d.path().join("model.safetensors")).unwrap();
+    let base = [
+        "run",
+        "--model",
+        model,
+        "--prompt-ids",
+        "1,2",
+        "--max-new-tokens",
+        "2",
+    ];
+    let with = |extra: &[&str]| {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        stormo(&args)
+    };
+    // Timeouts beyond what the clock arithmetic holds (1e20 s panicked, 1e18 s hung).
+    for t in ["1e20", "1e18", "0", "nan"] {
+        assert_usage_error(&with(&["--peer-timeout", t]), &["--peer-timeout"]);
+    }
+    // The logits file may not land on the checkpoint.
+    let target = d.path().join("model.safetensors");
+    assert_clean_error(
+        &with(&["--logits-out", target.to_str().unwrap()]),
+        &["--logits-out", "model folder"],
+    );
+    assert_eq!(
+        std::fs::read(&target).unwrap(),
+        weights,
+        "the checkpoint was changed"
+    );
+    // Manifest checks with nothing to check are refused, not ignored.
+    let keys = tempfile::tempdir().unwrap();
+    let key = keys.path().join("publisher.key");
+    let g = stormo(&["key", "generate", "--out", key.to_str().unwrap()]);
+    assert!(g.status.success(), "{}", stderr(&g));
+    let public = String::from_utf8_lossy(&g.stdout).trim().to_string();
+    assert_eq!(public.len(), 64, "{public}");
+    assert_clean_error(
+        &with(&["--trust", &public]),
+        &["--trust applies only with --peer"],
+    );
+    assert_clean_error(
+        &with(&["--trust", &public, "--key", key.to_str().unwrap()]),
+        &["--trust, --key apply only with --peer"],
+    );
+    // A bad size is refused when the arguments are read, before any node starts.
+    assert_usage_error(
+        &stormo(&["swarm", "--scenario", "lan", "--client-cache", "10XB"]),
+        &["--client-cache", "unknown size unit"],
+    );
+    // Options that would be ignored.
+    assert_clean_error(&with(&["--raw"]), &["--raw"]);
+    assert_clean_error(
+        &stormo(&[
+            "run",
+            "--model",
+            model,
+            "--prompt-ids",
+            "1",
+            "--max-new-tokens",
+            "0",
+        ]),
+        &["--max-new-tokens"],
+    );
+    // A manifest written over a folder fails without leaving a temporary file beside it.
+    let out = d.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    assert_clean_error(
+        &stormo(&[
+            "manifest",
+            "build",
+            "--model",
+            model,
+            "--out",
+            out.to_str().unwrap(),
+        ]),
+        &["is a folder"],
+    );
+    let left: Vec<_> = std::fs::read_dir(d.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "temporary files left: {left:?}");
+}

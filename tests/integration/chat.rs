@@ -1527,3 +1527,56 @@ fn run_prompt_and_chat_without_a_tokenizer_are_clear_errors() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A tokenizer with ids beyond the model's vocabulary, and a chat context too small for the
+/// chat format's own tokens, are refused at start (exit code 1, no panic, no output) instead
+/// of failing every request or ending a chat that never ran.
+#[test]
+fn a_foreign_tokenizer_and_a_context_too_small_are_refused_at_start() {
+    let model = crate::http::synth_model();
+    let src = model.path();
+    let d = src.to_str().expect("utf-8 path");
+    let cache = tempfile::tempdir().expect("temp dir");
+    let refused = |args: &[&str], needle: &str| {
+        let out = stormo_bin(args, cache.path());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+        assert!(
+            err.contains(needle),
+            "{args:?} does not say {needle:?}: {err}"
+        );
+        assert!(out.stdout.is_empty(), "{args:?} printed output");
+    };
+    refused(
+        &["chat", "--model", d, "--context", "4", "--no-hot-store"],
+        "--context 4",
+    );
+    // The same folder with a config whose vocabulary ends below the tokenizer's ids.
+    let dir = tempfile::tempdir().expect("temp dir");
+    for e in std::fs::read_dir(src).expect("model dir").flatten() {
+        if e.file_name() != "config.json" {
+            std::os::unix::fs::symlink(e.path(), dir.path().join(e.file_name()))
+                .expect("link a model file");
+        }
+    }
+    let mut cfg: Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).expect("config.json"))
+            .expect("config json");
+    cfg["vocab_size"] = Value::from(1000);
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).expect("write config");
+    let small = dir.path().to_str().expect("utf-8 path");
+    for args in [
+        vec![
+            "run",
+            "--model",
+            small,
+            "--prompt",
+            "Hello",
+            "--no-hot-store",
+        ],
+        vec!["chat", "--model", small, "--no-hot-store"],
+    ] {
+        refused(&args, "beyond the model's vocabulary of 1000");
+    }
+}

@@ -217,6 +217,15 @@ fn http_errors_are_openai_shaped_and_never_panic() {
         let (st, v) = post(a, "/v1/chat/completions", &body);
         assert_openai_error(st, &v, 400, "invalid_request_error", what);
     }
+    // A value beyond f32's range is reported as sent, not as the inf it would round to.
+    let (st, v) = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "x"}], "temperature": 1e300}),
+    );
+    assert_openai_error(st, &v, 400, "invalid_request_error", "temperature 1e300");
+    let m = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(m.contains("temperature 1000") && !m.contains("inf"), "{m}");
     let long = "word ".repeat(400);
     let (st, v) = post(a, "/v1/completions", &json!({ "prompt": long }));
     assert_openai_error(

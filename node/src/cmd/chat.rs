@@ -80,13 +80,29 @@ pub enum ReasoningDisplay {
     Hide,
 }
 
+/// Refuses a tokenizer that can give ids the model has no embedding for (`vocab`, the
+/// model's vocab_size): caught at load instead of failing every request that meets one.
+pub fn check_tokenizer_fits(tok: &Tokenizer, vocab: usize, dir: &Path) -> anyhow::Result<()> {
+    let ids = tok.vocab_size();
+    if ids > vocab {
+        bail!(
+            "the tokenizer in {} has token ids up to {}, beyond the model's vocabulary of \
+             {vocab} (vocab_size in config.json): it is not this model's tokenizer",
+            dir.display(),
+            ids - 1
+        );
+    }
+    Ok(())
+}
+
 /// Loads `dir/tokenizer.json`, naming the file when it is missing.
 pub fn load_tokenizer(dir: &Path) -> anyhow::Result<Arc<Tokenizer>> {
     let path = dir.join("tokenizer.json");
     if !path.is_file() {
         bail!(
             "no tokenizer at {}: text prompts need the model folder's tokenizer.json (as \
-             published with the model); without it use --prompt-ids",
+             published with the model); without it, only `stormo run --prompt-ids` works \
+             (prompts as token ids)",
             path.display()
         );
     }
@@ -131,6 +147,10 @@ pub fn load_text_model(
     // The caller's option is --context (chat) or --http-context (serve): name neither.
     anyhow::ensure!(context >= 1, "the context must be at least 1 position");
     let tokenizer = load_tokenizer(dir)?;
+    // Before the weights: a tokenizer from another model is the likelier mistake to name.
+    let cfg = stormo_engine::ModelConfig::from_dir(dir)
+        .with_context(|| format!("loading the model in {}", dir.display()))?;
+    check_tokenizer_fits(&tokenizer, cfg.vocab_size, dir)?;
     let files =
         ModelFiles::open(dir).with_context(|| format!("loading the model in {}", dir.display()))?;
     let max = files.cfg.max_position_embeddings;
@@ -382,6 +402,25 @@ pub fn converse(
     let sampling = a.sampling.params(0.7)?;
     let popts = a.render.prompt_options()?;
     anyhow::ensure!(a.max_new_tokens >= 1, "--max-new-tokens must be at least 1");
+    // The chat format's own tokens around an empty message (and the system prompt) must
+    // leave room for a message and a reply, or no turn could ever run.
+    let mut empty = Vec::new();
+    if let Some(s) = &a.system {
+        empty.push(Turn::new(TurnRole::System, s.clone()));
+    }
+    empty.push(Turn::new(TurnRole::User, String::new()));
+    let header = tm.format.render_prompt(&empty, &popts)?.len();
+    anyhow::ensure!(
+        header < a.context,
+        "--context {}: the chat format takes {header} positions around an empty message{}, \
+         leaving no room for a message and a reply",
+        a.context,
+        if a.system.is_some() {
+            " (with --system)"
+        } else {
+            ""
+        }
+    );
     let mut sess = ChatSession::new(tm.model.clone(), a.context)?;
     let mut printer = Printer::new(a.render.reasoning, tty);
     if interactive {

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use stormo_manifests::manifest::DEFAULT_CHUNK_SIZE;
+use stormo_manifests::manifest::{DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
 use stormo_manifests::{
     read_manifest, BuildOptions, IoMode, ManifestPaths, ManifestSignature, Progress, PublicKey,
     SecretKey, VerifyOptions,
@@ -219,9 +219,12 @@ fn warn_fallbacks(io: IoMode, p: &Progress) {
 
 fn build(model: &Path, out: Option<&Path>, chunk_kib: u32, io: IoMode) -> anyhow::Result<()> {
     let paths = ManifestPaths::resolve(model, out);
-    let chunk_size = chunk_kib
-        .checked_mul(1024)
-        .context("--chunk-kib is too large")?;
+    let (min, max) = (MIN_CHUNK_SIZE / 1024, MAX_CHUNK_SIZE / 1024);
+    anyhow::ensure!(
+        chunk_kib.is_power_of_two() && (min..=max).contains(&chunk_kib),
+        "--chunk-kib {chunk_kib}: must be a power of two from {min} to {max} (KiB)"
+    );
+    let chunk_size = chunk_kib * 1024;
     let start = Instant::now();
     let m = with_progress("hashing", |p| {
         let m = stormo_manifests::build(
@@ -444,7 +447,18 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     let mut tmp_name = name.to_os_string();
     tmp_name.push(".tmp");
     let tmp = path.with_file_name(tmp_name);
-    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
+    // Checked first, so no temporary file is left beside a folder the rename cannot replace.
+    if path.is_dir() {
+        anyhow::bail!("{} is a folder; give a file path", path.display());
+    }
+    let written = std::fs::write(&tmp, bytes)
+        .with_context(|| format!("writing {}", tmp.display()))
+        .and_then(|()| {
+            std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+        });
+    if written.is_err() {
+        // Best effort: the error above is the one to report.
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }

@@ -36,16 +36,24 @@ pub struct Args {
     #[arg(long)]
     pub with_experts: bool,
     /// Seconds a peer may take to answer one request, from when it is sent, before the next
-    /// peer is tried (a connection attempt gets at most 3 s, or this if shorter).
-    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    /// peer is tried (a connection attempt gets at most 3 s, or this if shorter). At most 1e6.
+    #[arg(
+        long,
+        default_value_t = 30.0,
+        value_name = "SECS",
+        value_parser = crate::progress::secs_arg
+    )]
     pub peer_timeout: f64,
 }
 
 /// Runs `stormo pull`.
 pub fn run(a: Args) -> anyhow::Result<()> {
     anyhow::ensure!(
-        a.peer_timeout.is_finite() && a.peer_timeout > 0.0,
-        "--peer-timeout must be a positive number of seconds"
+        a.peer_timeout.is_finite()
+            && a.peer_timeout > 0.0
+            && a.peer_timeout <= crate::progress::MAX_SECS,
+        "--peer-timeout must be a positive number of seconds, at most {}",
+        crate::progress::MAX_SECS
     );
     let t = Duration::from_secs_f64(a.peer_timeout);
     let secret = net::node_key(a.key.as_deref())?;

@@ -2,7 +2,7 @@
 //! streamed as text) or from prompt token ids (printing ids); greedy unless sampling options
 //! are given.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
@@ -135,6 +135,48 @@ fn screened_head(a: &Args, sampling: &SamplingParams) -> bool {
     !a.full_head && sampling.is_plain_argmax() && a.logits_out.is_none()
 }
 
+/// Refuses an output file that would overwrite part of the model in `model_dir` (the
+/// folder itself, a file in it, or a file one of its entries links to), or that is a
+/// folder; checked before the model runs, so a mistyped path costs neither the generation
+/// nor the checkpoint.
+pub(crate) fn check_output_file(out: &Path, model_dir: &Path, flag: &str) -> anyhow::Result<()> {
+    if out.is_dir() {
+        bail!("{flag} {} is a folder; give a file name", out.display());
+    }
+    let Ok(model) = model_dir.canonicalize() else {
+        // The model's own loading reports a missing folder.
+        return Ok(());
+    };
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let parent = parent
+        .canonicalize()
+        .with_context(|| format!("{flag} {}: its folder", out.display()))?;
+    if parent.starts_with(&model) {
+        bail!(
+            "{flag} {} is inside the model folder {}: write it elsewhere (it could overwrite the checkpoint)",
+            out.display(),
+            model_dir.display()
+        );
+    }
+    if let Ok(target) = out.canonicalize() {
+        let entries = std::fs::read_dir(&model)
+            .with_context(|| format!("listing {}", model_dir.display()))?;
+        for e in entries.flatten() {
+            if e.path().canonicalize().is_ok_and(|p| p == target) {
+                bail!(
+                    "{flag} {} is the model's file {}: write it elsewhere",
+                    out.display(),
+                    e.path().display()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Runs `stormo run`.
 pub fn run(a: Args) -> anyhow::Result<()> {
     let mut text = None;
@@ -143,6 +185,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             let tokenizer = load_tokenizer(&a.model)?;
             let cfg = stormo_engine::ModelConfig::from_dir(&a.model)
                 .with_context(|| format!("loading the model in {}", a.model.display()))?;
+            crate::cmd::chat::check_tokenizer_fits(&tokenizer, cfg.vocab_size, &a.model)?;
             let (ids, format) = if a.raw {
                 (tokenizer.encode(t, false)?, None)
             } else {
@@ -173,6 +216,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     if a.prefill_block == 0 {
         bail!("--prefill-block must be at least 1");
+    }
+    if a.raw && a.prompt.is_none() {
+        bail!("--raw applies only to a text --prompt (token ids are used as they are)");
+    }
+    if a.max_new_tokens == 0 {
+        bail!("--max-new-tokens must be at least 1");
+    }
+    if let Some(out) = &a.logits_out {
+        check_output_file(out, &a.model, "--logits-out")?;
     }
     // A folder pulled without experts holds holes where the experts are: never use them.
     let no_local_experts = a.no_local_experts || net::pull::Pulled::dense_only(&a.model)?;
@@ -419,5 +471,45 @@ fn rate(n: usize, s: f64) -> f64 {
         n as f64 / s
     } else {
         0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn output_file_may_not_overwrite_the_model() {
+        let root = tempfile::tempdir().unwrap();
+        let model = root.path().join("model");
+        std::fs::create_dir(&model).unwrap();
+        std::fs::write(model.join("model.safetensors"), b"weights").unwrap();
+        let elsewhere = root.path().join("logits.safetensors");
+        check_output_file(&elsewhere, &model, "--logits-out").unwrap();
+        // Existing outputs elsewhere may be replaced.
+        std::fs::write(&elsewhere, b"old logits").unwrap();
+        check_output_file(&elsewhere, &model, "--logits-out").unwrap();
+        for bad in [
+            model.join("model.safetensors"),
+            model.join("new.safetensors"),
+            model.join("sub/../x.bin"),
+            model.clone(),
+            root.path().to_path_buf(),
+        ] {
+            let e = check_output_file(&bad, &model, "--logits-out").unwrap_err();
+            assert!(e.to_string().contains("--logits-out"), "{e}");
+        }
+        // A link elsewhere that points at a model file is the model file.
+        #[cfg(unix)]
+        {
+            let link = root.path().join("link.safetensors");
+            std::os::unix::fs::symlink(model.join("model.safetensors"), &link).unwrap();
+            let e = check_output_file(&link, &model, "--logits-out").unwrap_err();
+            assert!(e.to_string().contains("model's file"), "{e}");
+        }
+        assert_eq!(
+            std::fs::read(model.join("model.safetensors")).unwrap(),
+            b"weights"
+        );
     }
 }

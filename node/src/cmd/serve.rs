@@ -85,7 +85,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         let keys = net::allow_list(&a.allow, a.allow_file.as_deref())?;
         if keys.is_empty() {
-            tracing::warn!("no --allow, --allow-file or --allow-any: no peer can connect");
+            match &a.allow_file {
+                Some(f) if a.allow.is_empty() => tracing::warn!(
+                    "--allow-file {} lists no keys and no --allow or --allow-any is given: no \
+                     peer can connect",
+                    f.display()
+                ),
+                _ => tracing::warn!("no --allow, --allow-file or --allow-any: no peer can connect"),
+            }
         }
         Admission::Keys(keys.iter().map(|k| *k.as_bytes()).collect())
     };

@@ -50,10 +50,15 @@ pub struct Args {
     pub loss: Option<f64>,
     /// The generating node's --expert-cache (default: half of all experts, so experts keep
     /// moving through the run).
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", value_parser = crate::progress::size_arg)]
     pub client_cache: Option<String>,
-    /// Seconds any one generation may take.
-    #[arg(long, default_value_t = 600.0, value_name = "SECS")]
+    /// Seconds any one generation may take (at most 1e6).
+    #[arg(
+        long,
+        default_value_t = 600.0,
+        value_name = "SECS",
+        value_parser = crate::progress::secs_arg
+    )]
     pub timeout: f64,
     /// How the serving nodes pace their answers (`stormo serve --congestion`).
     #[arg(long, value_enum, default_value_t = crate::net::tls::Congestion::Cubic, value_name = "ALGORITHM")]
@@ -161,8 +166,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .map(|&s| link_for(&a, s))
         .collect::<anyhow::Result<Vec<_>>>()?;
     anyhow::ensure!(
-        a.timeout.is_finite() && a.timeout > 0.0,
-        "--timeout must be a positive number of seconds"
+        a.timeout.is_finite() && a.timeout > 0.0 && a.timeout <= crate::progress::MAX_SECS,
+        "--timeout must be a positive number of seconds, at most {}",
+        crate::progress::MAX_SECS
     );
     anyhow::ensure!(a.max_new_tokens >= 1, "--max-new-tokens must be at least 1");
     let exe = std::env::current_exe().context("finding the stormo binary")?;
