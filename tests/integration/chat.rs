@@ -1457,20 +1457,26 @@ fn run_says_when_no_logit_is_a_number() {
     assert!(code == Some(1) && err.contains("no finite logit"), "{err}");
 }
 
+/// A new folder with every file of the model folder `src` linked in but `skip`.
+fn linked_except(src: &std::path::Path, skip: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("temp dir");
+    for e in std::fs::read_dir(src).expect("model dir").flatten() {
+        if e.file_name() != skip {
+            std::os::unix::fs::symlink(e.path(), dir.path().join(e.file_name()))
+                .expect("link a model file");
+        }
+    }
+    dir
+}
+
 /// Text prompts without the model folder's tokenizer.json: `stormo run --prompt` and `stormo
 /// chat` fail with exit code 1, naming the missing file, without a panic or any output.
 #[test]
 fn run_prompt_and_chat_without_a_tokenizer_are_clear_errors() {
     let model = crate::http::synth_model();
     let src = model.path();
-    let dir = tempfile::tempdir().expect("temp dir");
-    // The model without its tokenizer: every other file linked in.
-    for e in std::fs::read_dir(src).expect("model dir").flatten() {
-        if e.file_name() != "tokenizer.json" {
-            std::os::unix::fs::symlink(e.path(), dir.path().join(e.file_name()))
-                .expect("link a model file");
-        }
-    }
+    // The model without its tokenizer.
+    let dir = linked_except(src, "tokenizer.json");
     let d = dir.path().to_str().expect("utf-8 path");
     let missing = dir.path().join("tokenizer.json");
     let missing = missing.to_str().expect("utf-8 path");
@@ -1553,13 +1559,7 @@ fn a_foreign_tokenizer_and_a_context_too_small_are_refused_at_start() {
         "--context 4",
     );
     // The same folder with a config whose vocabulary ends below the tokenizer's ids.
-    let dir = tempfile::tempdir().expect("temp dir");
-    for e in std::fs::read_dir(src).expect("model dir").flatten() {
-        if e.file_name() != "config.json" {
-            std::os::unix::fs::symlink(e.path(), dir.path().join(e.file_name()))
-                .expect("link a model file");
-        }
-    }
+    let dir = linked_except(src, "config.json");
     let mut cfg: Value =
         serde_json::from_slice(&std::fs::read(src.join("config.json")).expect("config.json"))
             .expect("config json");
