@@ -117,7 +117,10 @@ pub fn allow_list(keys: &[String], file: Option<&Path>) -> anyhow::Result<Vec<Pu
     }
     if let Some(p) = file {
         let text =
-            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            // One key a line: 1 MiB holds about 16,000 keys; the cap keeps a device or a
+            // runaway file from filling memory.
+            stormo_engine::safetensors::read_small_text(p, 1 << 20)
+                .with_context(|| format!("--allow-file {}", p.display()))?;
         for (i, line) in text.lines().enumerate() {
             let line = line.split('#').next().unwrap_or("").trim();
             if line.is_empty() {

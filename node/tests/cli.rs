@@ -464,6 +464,41 @@ fn options_that_would_mislead_or_destroy_are_refused() {
         &with(&["--trust", &public, "--key", key.to_str().unwrap()]),
         &["--trust, --key apply only with --peer"],
     );
+    // Manifest files may not land on the checkpoint, on each other, or on the manifest.
+    let out = target.to_str().unwrap();
+    assert_clean_error(
+        &stormo(&["manifest", "build", "--model", model, "--out", out]),
+        &["is not a manifest"],
+    );
+    assert_eq!(
+        std::fs::read(&target).unwrap(),
+        weights,
+        "the checkpoint was changed"
+    );
+    let json = d.path().join("m.json");
+    assert_clean_error(
+        &stormo(&[
+            "manifest",
+            "build",
+            "--model",
+            model,
+            "--out",
+            json.to_str().unwrap(),
+        ]),
+        &["share one file"],
+    );
+    let sig = d.path().join("m.sig");
+    let key_path = key.to_str().unwrap();
+    let (model_arg, sig_arg) = (["--model", model], ["--manifest", sig.to_str().unwrap()]);
+    let mut sign = vec!["manifest", "sign", "--key", key_path];
+    sign.extend(model_arg);
+    sign.extend(sig_arg);
+    assert_clean_error(&stormo(&sign), &["would overwrite the manifest"]);
+    // A device is not a prompt file or an allow-list (it would fill memory).
+    assert_clean_error(
+        &stormo(&["run", "--model", model, "--prompt-ids-file", "/dev/zero"]),
+        &["--prompt-ids-file", "/dev/zero"],
+    );
     // A bad size is refused when the arguments are read, before any node starts.
     assert_usage_error(
         &stormo(&["swarm", "--scenario", "lan", "--client-cache", "10XB"]),

@@ -217,8 +217,43 @@ fn warn_fallbacks(io: IoMode, p: &Progress) {
     }
 }
 
+/// Refuses paths where a manifest's files would land on each other or on a file that is not
+/// an earlier manifest (a checkpoint, a config, a key): `--out` names the .bin, and the .json
+/// view and the .sig go beside it.
+fn check_targets(paths: &ManifestPaths) -> anyhow::Result<()> {
+    let (bin, json, sig) = (&paths.bin, &paths.json, &paths.sig);
+    for p in [bin, json] {
+        if p.is_dir() {
+            bail!("{} is a folder; give a file path", p.display());
+        }
+    }
+    if bin == json || bin == sig {
+        bail!(
+            "{}: the manifest, its JSON view and its signature would share one file; give a \
+             path ending in .bin",
+            bin.display()
+        );
+    }
+    let bin_is_manifest = read_manifest(bin).is_ok();
+    if bin.exists() && !bin_is_manifest {
+        bail!(
+            "{} exists and is not a manifest: refusing to overwrite it",
+            bin.display()
+        );
+    }
+    if json.exists() && !bin_is_manifest {
+        bail!(
+            "{} exists and is not the JSON view of a manifest at {}: refusing to overwrite it",
+            json.display(),
+            bin.display()
+        );
+    }
+    Ok(())
+}
+
 fn build(model: &Path, out: Option<&Path>, chunk_kib: u32, io: IoMode) -> anyhow::Result<()> {
     let paths = ManifestPaths::resolve(model, out);
+    check_targets(&paths)?;
     let (min, max) = (MIN_CHUNK_SIZE / 1024, MAX_CHUNK_SIZE / 1024);
     anyhow::ensure!(
         chunk_kib.is_power_of_two() && (min..=max).contains(&chunk_kib),
@@ -264,6 +299,13 @@ fn build(model: &Path, out: Option<&Path>, chunk_kib: u32, io: IoMode) -> anyhow
 
 fn sign(model: &Path, key: &Path, manifest: Option<&Path>) -> anyhow::Result<()> {
     let paths = ManifestPaths::resolve(model, manifest);
+    if paths.sig == paths.bin {
+        bail!(
+            "{}: the signature would overwrite the manifest; name the manifest with a .bin \
+             extension",
+            paths.bin.display()
+        );
+    }
     let key = SecretKey::load(key).context("cannot use the secret key")?;
     let (m, _) = read_manifest(&paths.bin).context("run `stormo manifest build` first?")?;
     let sig = ManifestSignature::sign(&key, &m);

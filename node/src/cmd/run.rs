@@ -208,8 +208,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         (None, Some(s), _) => parse_ids(s, "--prompt-ids")?,
         (None, None, Some(f)) => {
-            let text =
-                std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            // Token ids of any context that fits a model are far below 16 MiB of text; the
+            // cap keeps a device or a runaway file from filling memory.
+            let text = safetensors::read_small_text(f, 16 << 20)
+                .with_context(|| format!("--prompt-ids-file {}", f.display()))?;
             parse_ids(&text, &f.display().to_string())?
         }
         (None, None, None) => bail!("give --prompt, --prompt-ids or --prompt-ids-file"),

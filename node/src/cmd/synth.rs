@@ -243,8 +243,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if let Some(t) = &a.tokenizer {
         let dest = a.out.join("tokenizer.json");
-        std::fs::copy(t, &dest)
-            .with_context(|| format!("copying {} to {}", t.display(), dest.display()))?;
+        // Copying a file onto itself truncates it first: a tokenizer already in place stays.
+        let same = matches!(
+            (t.canonicalize(), dest.canonicalize()),
+            (Ok(a), Ok(b)) if a == b
+        );
+        if !same {
+            std::fs::copy(t, &dest)
+                .with_context(|| format!("copying {} to {}", t.display(), dest.display()))?;
+        }
     }
     let rate = report.bytes as f64 / report.elapsed.as_secs_f64().max(1e-9);
     println!(
