@@ -1152,20 +1152,17 @@ fn chat_answers_piped_turns_and_reports_reuse() {
     ])
     .expect("chat arguments parse");
     let tm = crate::http::text_model(dir, 512);
-    let input = "Hello there\n/bogus\nAnd again?\n/reset\nHello there\n/quit\nnever read\n";
+    // (Line 3 is not UTF-8: skipped with a note, not the end of the chat.)
+    let input: &[u8] =
+        b"Hello there\n/bogus\n\xff\xfe\nAnd again?\n/reset\nHello there\n/quit\nnever read\n";
     let mut out = Vec::new();
     let mut notes = Vec::new();
-    converse(
-        &w.args,
-        &tm,
-        input.as_bytes(),
-        &mut out,
-        &mut notes,
-        false,
-        false,
-    )
-    .expect("conversation runs");
+    converse(&w.args, &tm, input, &mut out, &mut notes, false, false).expect("conversation runs");
     let notes = String::from_utf8(notes).expect("utf-8");
+    assert!(
+        notes.contains("line 3 is not UTF-8 text: skipped"),
+        "{notes}"
+    );
     let out = String::from_utf8(out).expect("utf-8");
     let stats: Vec<&str> = notes.lines().filter(|l| l.starts_with("[prompt")).collect();
     assert_eq!(stats.len(), 3, "three replies: {notes}");

@@ -435,7 +435,9 @@ pub fn converse(
         turns.push(Turn::new(TurnRole::System, s.clone()));
     }
     let system_turns = turns.len();
-    let mut lines = input.lines();
+    // Lines as bytes: one that is not UTF-8 is skipped with a note, not the end of the chat.
+    let mut lines = input.split(b'\n');
+    let mut line_no = 0usize;
     let mut turn_no = 0u64;
     loop {
         if interactive {
@@ -443,7 +445,12 @@ pub fn converse(
             notes.flush()?;
         }
         let Some(line) = lines.next() else { break };
+        line_no += 1;
         let line = line.context("reading standard input")?;
+        let Ok(line) = String::from_utf8(line) else {
+            writeln!(notes, "line {line_no} is not UTF-8 text: skipped")?;
+            continue;
+        };
         let text = line.trim_end_matches('\r');
         match text.trim() {
             "" => continue,
