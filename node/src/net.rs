@@ -344,7 +344,9 @@ mod tests {
         assert_eq!(c.connect_timeout, CONNECT_TIMEOUT);
         assert_eq!(c.request_timeout, Duration::from_secs(30));
         assert_eq!(c.idle_timeout, Duration::from_secs(5));
-        assert!(args(0.0).config().is_err());
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e18] {
+            assert!(args(bad).config().is_err(), "{bad} accepted");
+        }
     }
 
     #[test]
@@ -432,16 +434,9 @@ pub struct PeerArgs {
 impl PeerArgs {
     /// The timeouts these options give.
     pub fn config(&self) -> anyhow::Result<tier::PeerConfig> {
-        anyhow::ensure!(
-            self.peer_timeout.is_finite()
-                && self.peer_timeout > 0.0
-                && self.peer_timeout <= crate::progress::MAX_SECS,
-            "--peer-timeout must be a positive number of seconds, at most {}",
-            crate::progress::MAX_SECS
-        );
-        Ok(tier::PeerConfig::with_timeout(Duration::from_secs_f64(
-            self.peer_timeout,
-        )))
+        let t = crate::progress::check_secs(self.peer_timeout)
+            .map_err(|e| anyhow::anyhow!("--peer-timeout: {e}"))?;
+        Ok(tier::PeerConfig::with_timeout(Duration::from_secs_f64(t)))
     }
 }
 

@@ -110,22 +110,28 @@ pub fn size_arg(s: &str) -> Result<String, String> {
 /// timeout (up to 32 times it) stay within what `Duration` and `Instant` hold.
 pub const MAX_SECS: f64 = 1e6;
 
-/// A clap value parser for a timeout in seconds: a positive, finite number up to
-/// [`MAX_SECS`].
+/// A timeout in seconds, checked: positive, finite and at most [`MAX_SECS`]. The one rule
+/// behind every timeout option, whether clap parsed it ([`secs_arg`]) or a caller built the
+/// arguments itself.
+pub fn check_secs(v: f64) -> Result<f64, String> {
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!("{v} is not a positive number of seconds"));
+    }
+    if v > MAX_SECS {
+        return Err(format!(
+            "{v} seconds is more than the most allowed, {MAX_SECS}"
+        ));
+    }
+    Ok(v)
+}
+
+/// A clap value parser for a timeout in seconds ([`check_secs`]).
 pub fn secs_arg(s: &str) -> Result<f64, String> {
     let v: f64 = s
         .trim()
         .parse()
         .map_err(|_| format!("{s:?} is not a number of seconds"))?;
-    if !(v.is_finite() && v > 0.0) {
-        return Err(format!("{s:?} is not a positive number of seconds"));
-    }
-    if v > MAX_SECS {
-        return Err(format!(
-            "{s:?} seconds is more than the most allowed, {MAX_SECS}"
-        ));
-    }
-    Ok(v)
+    check_secs(v).map_err(|e| format!("{s:?}: {e}"))
 }
 
 /// Parses a size: a number with an optional unit. `KiB`/`MiB`/`GiB`/`TiB` and bare `K`/`M`/`G`/`T`

@@ -465,39 +465,48 @@ fn options_that_would_mislead_or_destroy_are_refused() {
         &["--trust, --key apply only with --peer"],
     );
     // Manifest files may not land on the checkpoint, on each other, or on the manifest.
-    let out = target.to_str().unwrap();
-    assert_clean_error(
-        &stormo(&["manifest", "build", "--model", model, "--out", out]),
-        &["is not a manifest"],
-    );
+    let build_to = |out: &Path| {
+        let out = out.to_str().unwrap();
+        stormo(&["manifest", "build", "--model", model, "--out", out])
+    };
+    assert_clean_error(&build_to(&target), &["is not a manifest"]);
     assert_eq!(
         std::fs::read(&target).unwrap(),
         weights,
         "the checkpoint was changed"
     );
-    let json = d.path().join("m.json");
+    assert_clean_error(&build_to(&d.path().join("m.json")), &["share one file"]);
+    let sig = d.path().join("m.sig");
+    let (key_arg, sig_arg) = (key.to_str().unwrap(), sig.to_str().unwrap());
     assert_clean_error(
         &stormo(&[
             "manifest",
-            "build",
+            "sign",
             "--model",
             model,
-            "--out",
-            json.to_str().unwrap(),
+            "--key",
+            key_arg,
+            "--manifest",
+            sig_arg,
         ]),
-        &["share one file"],
+        &["would overwrite the manifest"],
     );
-    let sig = d.path().join("m.sig");
-    let key_path = key.to_str().unwrap();
-    let (model_arg, sig_arg) = (["--model", model], ["--manifest", sig.to_str().unwrap()]);
-    let mut sign = vec!["manifest", "sign", "--key", key_path];
-    sign.extend(model_arg);
-    sign.extend(sig_arg);
-    assert_clean_error(&stormo(&sign), &["would overwrite the manifest"]);
     // A device is not a prompt file or an allow-list (it would fill memory).
     assert_clean_error(
         &stormo(&["run", "--model", model, "--prompt-ids-file", "/dev/zero"]),
         &["--prompt-ids-file", "/dev/zero"],
+    );
+    assert_clean_error(
+        &stormo(&[
+            "serve",
+            "--model",
+            model,
+            "--listen",
+            "127.0.0.1:0",
+            "--allow-file",
+            "/dev/zero",
+        ]),
+        &["--allow-file", "/dev/zero"],
     );
     // A bad size is refused when the arguments are read, before any node starts.
     assert_usage_error(
@@ -521,17 +530,7 @@ fn options_that_would_mislead_or_destroy_are_refused() {
     // A manifest written over a folder fails without leaving a temporary file beside it.
     let out = d.path().join("out");
     std::fs::create_dir(&out).unwrap();
-    assert_clean_error(
-        &stormo(&[
-            "manifest",
-            "build",
-            "--model",
-            model,
-            "--out",
-            out.to_str().unwrap(),
-        ]),
-        &["is a folder"],
-    );
+    assert_clean_error(&build_to(&out), &["is a folder"]);
     let left: Vec<_> = std::fs::read_dir(d.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

@@ -48,14 +48,9 @@ pub struct Args {
 
 /// Runs `stormo pull`.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        a.peer_timeout.is_finite()
-            && a.peer_timeout > 0.0
-            && a.peer_timeout <= crate::progress::MAX_SECS,
-        "--peer-timeout must be a positive number of seconds, at most {}",
-        crate::progress::MAX_SECS
-    );
-    let t = Duration::from_secs_f64(a.peer_timeout);
+    let t = crate::progress::check_secs(a.peer_timeout)
+        .map_err(|e| anyhow::anyhow!("--peer-timeout: {e}"))?;
+    let t = Duration::from_secs_f64(t);
     let secret = net::node_key(a.key.as_deref())?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

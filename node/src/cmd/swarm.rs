@@ -165,11 +165,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .iter()
         .map(|&s| link_for(&a, s))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    anyhow::ensure!(
-        a.timeout.is_finite() && a.timeout > 0.0 && a.timeout <= crate::progress::MAX_SECS,
-        "--timeout must be a positive number of seconds, at most {}",
-        crate::progress::MAX_SECS
-    );
+    let timeout =
+        crate::progress::check_secs(a.timeout).map_err(|e| anyhow::anyhow!("--timeout: {e}"))?;
     anyhow::ensure!(a.max_new_tokens >= 1, "--max-new-tokens must be at least 1");
     let exe = std::env::current_exe().context("finding the stormo binary")?;
     let scratch = Scratch::new(a.work.clone(), "swarm", a.keep)?;
@@ -207,7 +204,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             max_new_tokens: a.max_new_tokens,
             link: Some(link),
             client_cache: a.client_cache.clone(),
-            timeout: Duration::from_secs_f64(a.timeout),
+            timeout: Duration::from_secs_f64(timeout),
             serve_args: match a.congestion {
                 crate::net::tls::Congestion::Cubic => Vec::new(),
                 crate::net::tls::Congestion::Bbr => vec!["--congestion".into(), "bbr".into()],
