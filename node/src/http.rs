@@ -3,8 +3,10 @@
 //!
 //! Owns: parsing requests (bounded body, every malformed input a 400 in OpenAI's error shape,
 //! never a panic), rendering chat requests through the model's chat format, queueing, and
-//! streaming replies. One engine thread owns one [`ChatSession`] and runs one request at a time
-//! in arrival order; requests beyond `queue` waiting ones get 429. Because clients send the
+//! streaming replies. Connections are capped and timed (see `http/conn.rs`): a client that
+//! stalls sending a request or taking a reply, or keeps an idle connection open, loses it
+//! after `--http-timeout`. One engine thread owns one [`ChatSession`] and runs one request at
+//! a time in arrival order; requests beyond `queue` waiting ones get 429. Because clients send the
 //! whole conversation every time, consecutive turns of one conversation reuse the cached
 //! common prefix (see [`crate::chat::session`]).
 //!
@@ -27,7 +29,7 @@ use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use stormo_engine::sampling::SamplingParams;
@@ -42,7 +44,9 @@ use crate::chat::{
 use crate::cmd::chat::TextModel;
 use crate::experts::ExpertArgs;
 
+mod conn;
 mod stop;
+pub use conn::{DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT};
 use stop::StopMatcher;
 
 /// Options of the HTTP API (`stormo serve --http`).
@@ -61,6 +65,19 @@ pub struct HttpArgs {
     /// Positions of the HTTP engine's session (prompt and reply); longer prompts get 400.
     #[arg(long, default_value_t = 4096, value_name = "N")]
     pub http_context: usize,
+    /// How long a client may take to send a request's headers (also how long an idle
+    /// keep-alive connection is kept), then its body, or to take the next part of a reply;
+    /// past it the connection is closed (a body too slow: HTTP 408). At most 1e6.
+    #[arg(
+        long,
+        default_value_t = DEFAULT_TIMEOUT.as_secs_f64(),
+        value_name = "SECS",
+        value_parser = crate::progress::secs_arg
+    )]
+    pub http_timeout: f64,
+    /// Connections open at once; more are answered HTTP 503 and closed.
+    #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS, value_name = "N")]
+    pub http_max_connections: usize,
 }
 
 /// The server's settings.
@@ -74,6 +91,11 @@ pub struct HttpConfig {
     pub max_body: usize,
     /// Positions of the session.
     pub context: usize,
+    /// How long a client may take to send a request's headers (or keep a connection idle),
+    /// then its body, or to take the next part of a reply.
+    pub timeout: std::time::Duration,
+    /// Connections open at once.
+    pub max_connections: usize,
 }
 
 impl HttpArgs {
@@ -87,14 +109,25 @@ impl HttpArgs {
             self.http_max_body >= 64,
             "--http-max-body must be at least 64"
         );
+        let timeout = crate::progress::check_secs(self.http_timeout)
+            .map_err(|e| anyhow::anyhow!("--http-timeout: {e}"))?;
+        anyhow::ensure!(
+            (1..=MAX_CONNECTIONS).contains(&self.http_max_connections),
+            "--http-max-connections must be between 1 and {MAX_CONNECTIONS}"
+        );
         Ok(Some(HttpConfig {
             addr,
             queue: self.http_queue,
             max_body: self.http_max_body,
             context: self.http_context,
+            timeout: std::time::Duration::from_secs_f64(timeout),
+            max_connections: self.http_max_connections,
         }))
     }
 }
+
+/// The most `--http-max-connections` takes (each connection is a file descriptor).
+const MAX_CONNECTIONS: usize = 1 << 20;
 
 /// Loads the model in `dir` for the HTTP API.
 pub fn load(
@@ -167,6 +200,8 @@ struct State {
     limit: usize,
     max_body: usize,
     context: usize,
+    /// How long a request's body may take to arrive.
+    timeout: std::time::Duration,
     created: u64,
     next_id: AtomicU64,
 }
@@ -183,6 +218,15 @@ impl std::fmt::Debug for JobBox {
 /// Starts the server on the current tokio runtime: binds `cfg.addr`, starts the engine
 /// thread, and accepts connections until closed.
 pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer> {
+    anyhow::ensure!(
+        (1..=MAX_CONNECTIONS).contains(&cfg.max_connections),
+        "the HTTP server's connection cap must be between 1 and {MAX_CONNECTIONS}"
+    );
+    anyhow::ensure!(
+        !cfg.timeout.is_zero() && cfg.timeout.as_secs_f64() <= crate::progress::MAX_SECS,
+        "the HTTP server's timeout must be positive and at most {} s",
+        crate::progress::MAX_SECS
+    );
     let listener = tokio::net::TcpListener::bind(cfg.addr)
         .await
         .with_context(|| format!("binding the HTTP address {}", cfg.addr))?;
@@ -210,30 +254,42 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
         limit,
         max_body: cfg.max_body,
         context: cfg.context,
+        timeout: cfg.timeout,
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
         next_id: AtomicU64::new(1),
     });
+    let timeout = cfg.timeout;
+    let mut gate = conn::Gate::new(cfg.max_connections);
     let accept = tokio::spawn(async move {
         loop {
             let (stream, peer) = match listener.accept().await {
                 Ok(c) => c,
                 Err(e) => {
+                    // Out of file descriptors, most likely: wait for some to close.
                     tracing::warn!("HTTP accept failed: {e}");
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     continue;
                 }
             };
+            let Some((stream, permit)) = gate.admit(stream, peer) else {
+                continue;
+            };
             let state = state.clone();
             tokio::spawn(async move {
+                let _permit = permit;
                 let svc = service_fn(move |req| {
                     let state = state.clone();
                     async move { Ok::<_, Infallible>(handle(state, req).await) }
                 });
+                // hyper's header read timeout runs from the connection's start and from the
+                // end of each response, so it also ends idle keep-alive connections.
                 if let Err(e) = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), svc)
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(timeout)
+                    .serve_connection(TokioIo::new(conn::Stall::new(stream, timeout)), svc)
                     .await
                 {
                     tracing::debug!("HTTP connection from {peer}: {e}");
@@ -303,6 +359,15 @@ impl http_body::Body for Body {
 
     fn is_end_stream(&self) -> bool {
         matches!(self, Self::Full(None))
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            Self::Full(b) => {
+                http_body::SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64))
+            }
+            Self::Stream(_) => http_body::SizeHint::default(),
+        }
     }
 }
 
@@ -452,16 +517,10 @@ struct ChatRequest {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum PromptField {
-    Text(String),
-    Texts(Vec<String>),
-    Ids(Vec<u64>),
-}
-
-#[derive(Debug, Deserialize)]
 struct CompletionRequest {
-    prompt: PromptField,
+    /// A string, an array of one string, an array of token ids or an array of one such
+    /// array (read by [`prompt_ids`], whose messages say which of these was wrong).
+    prompt: Value,
     #[serde(flatten)]
     common: Common,
 }
@@ -542,10 +601,15 @@ async fn read_json<T: serde::de::DeserializeOwned>(
             return Err(too_large());
         }
     }
-    let body = match Limited::new(req.into_body(), state.max_body)
-        .collect()
-        .await
-    {
+    let collect = Limited::new(req.into_body(), state.max_body).collect();
+    let Ok(body) = tokio::time::timeout(state.timeout, collect).await else {
+        return Err(ApiError::bad(format!(
+            "the request body did not arrive within {} s",
+            state.timeout.as_secs_f64()
+        ))
+        .status(StatusCode::REQUEST_TIMEOUT));
+    };
+    let body = match body {
         Ok(b) => b.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => return Err(too_large()),
         Err(e) => return Err(ApiError::bad(format!("reading the request body: {e}"))),
@@ -610,6 +674,72 @@ fn settings(
         );
     }
     Ok((params, max, stop))
+}
+
+/// The token ids of a completion's prompt: a string, an array of one string, an array of
+/// token ids, or an array of one array of token ids (OpenAI's batches of one).
+fn prompt_ids(tokenizer: &Tokenizer, prompt: &Value) -> Result<Vec<TokenId>, ApiError> {
+    let bad = |m: String| ApiError::bad(m).param("prompt");
+    let empty = || {
+        bad("the prompt is empty; give a non-empty string or a non-empty array of token ids".into())
+    };
+    let text = |t: &str| {
+        if t.is_empty() {
+            return Err(empty());
+        }
+        tokenizer
+            .encode(t, false)
+            .map_err(|e| bad(format!("tokenizing the prompt: {e}")))
+    };
+    let ids = |v: &[Value]| {
+        v.iter()
+            .map(|x| match x {
+                Value::Number(n) => n
+                    .as_u64()
+                    .and_then(|id| u32::try_from(id).ok())
+                    .ok_or_else(|| bad(format!("token id {n} is out of range"))),
+                x => Err(bad(format!(
+                    "the prompt's token ids include {}; an array prompt is strings or token ids",
+                    json_kind(x)
+                ))),
+            })
+            .collect::<Result<Vec<_>, _>>()
+    };
+    let wrong = |what: &str| {
+        bad(format!(
+            "the prompt {what}; give a string, an array of one string, or an array of token ids"
+        ))
+    };
+    let ids = match prompt {
+        Value::String(t) => text(t)?,
+        Value::Array(v) => match v.first() {
+            None => return Err(empty()),
+            Some(_) if v.len() > 1 && !v[0].is_number() => {
+                return Err(bad("only one prompt per request is supported".into()))
+            }
+            Some(Value::String(t)) => text(t)?,
+            Some(Value::Number(_)) => ids(v)?,
+            Some(Value::Array(inner)) => ids(inner)?,
+            Some(x) => return Err(wrong(&format!("holds {}", json_kind(x)))),
+        },
+        x => return Err(wrong(&format!("is {}", json_kind(x)))),
+    };
+    if ids.is_empty() {
+        return Err(empty());
+    }
+    Ok(ids)
+}
+
+/// What a JSON value is, for messages (never the value itself, which may be large).
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
 }
 
 fn turns_of(messages: &[ChatMessage]) -> Result<Vec<Turn>, ApiError> {
@@ -997,27 +1127,7 @@ async fn chat_completions(state: &State, req: ChatRequest) -> Result<Response<Bo
 }
 
 async fn completions(state: &State, req: CompletionRequest) -> Result<Response<Body>, ApiError> {
-    let encode = |t: &str| {
-        state
-            .tokenizer
-            .encode(t, false)
-            .map_err(|e| ApiError::bad(format!("tokenizing the prompt: {e}")).param("prompt"))
-    };
-    let prompt = match &req.prompt {
-        PromptField::Text(t) => encode(t)?,
-        PromptField::Texts(v) if v.len() == 1 => encode(&v[0])?,
-        PromptField::Texts(_) => {
-            return Err(ApiError::bad("only one prompt per request is supported").param("prompt"))
-        }
-        PromptField::Ids(v) => v
-            .iter()
-            .map(|&id| {
-                u32::try_from(id).map_err(|_| {
-                    ApiError::bad(format!("token id {id} is out of range")).param("prompt")
-                })
-            })
-            .collect::<Result<_, _>>()?,
-    };
+    let prompt = prompt_ids(&state.tokenizer, &req.prompt)?;
     let c = &req.common;
     let (sampling, max, stop) = settings(state, c, c.max_tokens, 16)?;
     let opts = GenerateOptions {
@@ -1033,5 +1143,44 @@ async fn completions(state: &State, req: CompletionRequest) -> Result<Response<B
         Ok(a.streamed())
     } else {
         a.whole().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args() -> HttpArgs {
+        HttpArgs {
+            http: Some("127.0.0.1:0".parse().expect("addr")),
+            http_queue: 8,
+            http_max_body: 1 << 20,
+            http_context: 4096,
+            http_timeout: DEFAULT_TIMEOUT.as_secs_f64(),
+            http_max_connections: DEFAULT_MAX_CONNECTIONS,
+        }
+    }
+
+    #[test]
+    fn config_checks_the_timeout_and_connection_cap() {
+        let cfg = args().config().expect("defaults").expect("--http given");
+        assert_eq!(cfg.timeout, DEFAULT_TIMEOUT);
+        assert_eq!(cfg.max_connections, DEFAULT_MAX_CONNECTIONS);
+        for t in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e18] {
+            let a = HttpArgs {
+                http_timeout: t,
+                ..args()
+            };
+            let e = a.config().expect_err("a bad timeout is refused");
+            assert!(e.to_string().contains("--http-timeout"), "{t}: {e}");
+        }
+        for n in [0, MAX_CONNECTIONS + 1, usize::MAX] {
+            let a = HttpArgs {
+                http_max_connections: n,
+                ..args()
+            };
+            let e = a.config().expect_err("a bad cap is refused");
+            assert!(e.to_string().contains("--http-max-connections"), "{n}: {e}");
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! The OpenAI-compatible HTTP API (`stormo serve --http`) on a small synthetic GPT-OSS with the
-//! real o200k_harmony vocabulary: errors in OpenAI's shape, the queue bound, streaming, stop
-//! strings, and the Python `openai` client against it.
+//! real o200k_harmony vocabulary: errors in OpenAI's shape, the queue bound, the connection
+//! cap and timeouts, streaming, stop strings, and the Python `openai` client against it.
 //!
 //! The model is written by the `stormo synth` CLI (run in-process) into a temporary folder,
 //! with the fixture's tokenizer.json copied beside it. Servers listen on 127.0.0.1 only.
@@ -61,17 +61,25 @@ struct Server {
 
 impl Server {
     fn start(queue: usize, context: usize) -> Self {
+        Self::start_with(queue, context, |_| {})
+    }
+
+    /// A server whose settings `tweak` changes first.
+    fn start_with(queue: usize, context: usize, tweak: impl FnOnce(&mut HttpConfig)) -> Self {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .expect("runtime");
-        let cfg = HttpConfig {
+        let mut cfg = HttpConfig {
             addr: "127.0.0.1:0".parse().expect("addr"),
             queue,
             max_body: 64 << 10,
             context,
+            timeout: http::DEFAULT_TIMEOUT,
+            max_connections: http::DEFAULT_MAX_CONNECTIONS,
         };
+        tweak(&mut cfg);
         let model = synth_model();
         let srv = rt
             .block_on(http::start(text_model(model.path(), context), cfg))
@@ -119,7 +127,11 @@ fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, Str
     send(&mut s, method, path, body);
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).expect("read response");
-    let text = String::from_utf8(raw).expect("utf-8 response");
+    parse_response(&String::from_utf8(raw).expect("utf-8 response"))
+}
+
+/// The status and body of a whole response (chunked bodies joined).
+fn parse_response(text: &str) -> (u16, String) {
     let (head, body) = text.split_once("\r\n\r\n").expect("a header block");
     let status: u16 = head
         .split_whitespace()
@@ -135,6 +147,28 @@ fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, Str
         body.to_string()
     };
     (status, body)
+}
+
+/// Reads one response with a Content-Length from a connection that stays open.
+fn read_response(s: &mut TcpStream) -> (u16, String) {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        s.read_exact(&mut byte).expect("a response head");
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8(head).expect("utf-8 head");
+    let len: usize = head
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case("content-length").then_some(v)
+        })
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("a Content-Length: {head}"));
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).expect("a response body");
+    parse_response(&(head + &String::from_utf8(body).expect("utf-8 body")))
 }
 
 fn dechunk(mut b: &str) -> String {
@@ -248,6 +282,31 @@ fn http_errors_are_openai_shaped_and_never_panic() {
         "invalid_request_error",
         "id beyond the vocabulary",
     );
+    // Every malformed prompt is named for what is wrong with it.
+    let prompts = [
+        (json!([]), "empty"),
+        (json!(""), "empty"),
+        (json!([""]), "empty"),
+        (json!([[]]), "empty"),
+        (json!(null), "is null"),
+        (json!({"text": "x"}), "is an object"),
+        (json!([{"text": "x"}]), "holds an object"),
+        (json!(["a", "b"]), "only one prompt"),
+        (json!([1, "b"]), "include a string"),
+        (json!([1, -2]), "token id -2 is out of range"),
+        (
+            json!([1, 4294967296_u64]),
+            "token id 4294967296 is out of range",
+        ),
+    ];
+    for (prompt, want) in prompts {
+        let (st, v) = post(a, "/v1/completions", &json!({ "prompt": prompt }));
+        let what = format!("prompt {prompt}");
+        assert_openai_error(st, &v, 400, "invalid_request_error", &what);
+        let m = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(m.contains(want), "{what}: {m:?} does not say {want:?}");
+        assert_eq!(v["error"]["param"], "prompt", "{what}: {v}");
+    }
     let huge = json!({ "prompt": "a".repeat(70 << 10) });
     let (st, v) = post(a, "/v1/completions", &huge);
     assert_openai_error(st, &v, 413, "invalid_request_error", "body over the bound");
@@ -462,4 +521,161 @@ fn http_serves_the_python_openai_client() {
 
 fn script_path() -> PathBuf {
     stormo_tests::repo_root().join("tests/integration/http_openai_client.py")
+}
+
+/// Whether the server closed `s` within `within`: the time it took, or `None` if the
+/// connection is still open then. What the server sent before closing is returned too.
+fn closed_within(s: &mut TcpStream, within: Duration) -> (Option<Duration>, String) {
+    let t0 = Instant::now();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    loop {
+        let left = within.saturating_sub(t0.elapsed());
+        if left.is_zero() {
+            return (None, String::from_utf8_lossy(&got).into_owned());
+        }
+        s.set_read_timeout(Some(left)).expect("read timeout");
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return (None, String::from_utf8_lossy(&got).into_owned())
+            }
+            // Reset by the server: closed too.
+            Err(_) => break,
+        }
+    }
+    (
+        Some(t0.elapsed()),
+        String::from_utf8_lossy(&got).into_owned(),
+    )
+}
+
+/// A regression test for connections held forever: a client that sends nothing, half its
+/// headers, half its body, or keeps an idle keep-alive connection loses the connection after
+/// the timeout, while the server answers others meanwhile.
+#[test]
+fn http_closes_connections_that_stall_or_idle() {
+    let timeout = Duration::from_secs(1);
+    let srv = Server::start_with(2, 256, |c| c.timeout = timeout);
+    let a = srv.addr;
+    let t0 = Instant::now();
+    let silent = connect(a);
+    let mut half_head = connect(a);
+    half_head
+        .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Le")
+        .expect("write");
+    let mut half_body = connect(a);
+    half_body
+        .write_all(
+            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
+              Content-Length: 100\r\n\r\n{\"prompt\": ",
+        )
+        .expect("write");
+    // A keep-alive connection that gets one answer, then sits idle.
+    let mut idle = connect(a);
+    idle.write_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\n\r\n")
+        .expect("write");
+    let (st, text) = read_response(&mut idle);
+    assert_eq!(st, 200, "{text}");
+    // Served meanwhile.
+    let (st, text) = request(a, "GET", "/v1/models", b"");
+    assert_eq!(st, 200, "{text}");
+    assert!(
+        t0.elapsed() < timeout,
+        "the test was too slow to check the server answers while others stall"
+    );
+    let mut stalled = [
+        (silent, "a silent connection"),
+        (half_head, "half a header block"),
+        (half_body, "half a body"),
+        (idle, "an idle keep-alive connection"),
+    ];
+    // Open until the timeout...
+    std::thread::sleep(timeout.mul_f64(0.6).saturating_sub(t0.elapsed()));
+    for (s, what) in &mut stalled {
+        let (closed, sent) = closed_within(s, Duration::from_millis(20));
+        assert!(
+            closed.is_none() && sent.is_empty(),
+            "{what}: closed {:?} after the start, before the timeout: {sent:?}",
+            t0.elapsed()
+        );
+    }
+    // ...and closed soon after it.
+    for (s, what) in &mut stalled {
+        let (closed, sent) = closed_within(s, Duration::from_secs(5));
+        assert!(closed.is_some(), "{what}: still open 5 s past the timeout");
+        if *what == "half a body" {
+            let (st, body) = parse_response(&sent);
+            let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {sent}"));
+            assert_openai_error(st, &v, 408, "invalid_request_error", what);
+        } else {
+            assert!(sent.is_empty(), "{what}: {sent}");
+        }
+    }
+    let (st, text) = request(a, "GET", "/v1/models", b"");
+    assert_eq!(st, 200, "{text}");
+}
+
+/// A regression test for file descriptors used up by idle connections: past the cap a
+/// connection is answered 503 at once, and a slot is free again when a connection closes or
+/// times out.
+#[test]
+fn http_answers_503_beyond_the_connection_cap() {
+    let timeout = Duration::from_millis(1500);
+    let cap = 4;
+    let srv = Server::start_with(2, 256, |c| {
+        c.timeout = timeout;
+        c.max_connections = cap;
+    });
+    let a = srv.addr;
+    let busy = |what: &str| {
+        let (st, text) = request(a, "GET", "/v1/models", b"");
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert_openai_error(st, &v, 503, "server_error", what);
+        assert_eq!(v["error"]["code"], "too_many_connections", "{v}");
+    };
+    let free_again = |what: &str, within: Duration| {
+        let t0 = Instant::now();
+        loop {
+            let (st, text) = request(a, "GET", "/v1/models", b"");
+            if st == 200 {
+                return t0.elapsed();
+            }
+            assert_eq!(st, 503, "{what}: {text}");
+            assert!(t0.elapsed() < within, "{what}: still 503 after {within:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    // Held open, then closed by the client.
+    let t0 = Instant::now();
+    let held: Vec<TcpStream> = (0..cap).map(|_| connect(a)).collect();
+    busy("one connection past the cap");
+    busy("another");
+    drop(held);
+    free_again("after the held connections closed", Duration::from_secs(5));
+    assert!(
+        t0.elapsed() < timeout,
+        "the slots were freed by the timeout, not by the clients closing (or the test was slow)"
+    );
+    // Held open until the server times them out.
+    let mut held: Vec<TcpStream> = (0..cap).map(|_| connect(a)).collect();
+    busy("past the cap again");
+    let waited = free_again(
+        "after the held connections timed out",
+        Duration::from_secs(6),
+    );
+    assert!(waited >= timeout.mul_f64(0.5), "freed after {waited:?}");
+    for s in &mut held {
+        let (closed, _) = closed_within(s, Duration::from_secs(1));
+        assert!(
+            closed.is_some(),
+            "a held connection is still open after the timeout"
+        );
+    }
 }
