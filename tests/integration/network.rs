@@ -1397,6 +1397,7 @@ fn pull_options(f: &Fixture, node: &Node, out: &Path, with_experts: bool) -> pul
         trust: vec![f.publisher.public()],
         out: out.to_path_buf(),
         with_experts,
+        force: false,
         cfg: quick(),
     }
 }
@@ -1504,6 +1505,7 @@ fn pull_refuses_a_corrupted_dense_tensor_and_writes_nothing_half_done() {
         trust: vec![],
         out: out.path().to_path_buf(),
         with_experts: false,
+        force: false,
         cfg: quick(),
     };
     let err = format!(
@@ -1768,4 +1770,329 @@ fn pulled_folder_runs_from_the_expert_dir_alone() {
         err.contains("of layer") && err.contains("no tier holds it") && !err.contains("panicked"),
         "{err}"
     );
+}
+
+/// Every file in `dir` by name, with its bytes.
+fn snapshot(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .expect("list")
+        .map(|e| {
+            let e = e.expect("entry");
+            let bytes = std::fs::read(e.path()).expect("read");
+            (e.file_name().to_string_lossy().into_owned(), bytes)
+        })
+        .collect()
+}
+
+/// A copy of the files of `from` in a new temporary folder, `skip` left out.
+fn copy_folder(from: &Path, skip: &[&str]) -> tempfile::TempDir {
+    let out = tempfile::tempdir().expect("tempdir");
+    for (name, bytes) in snapshot(from) {
+        if !skip.contains(&name.as_str()) {
+            std::fs::write(out.path().join(name), bytes).expect("copy");
+        }
+    }
+    out
+}
+
+/// Regression (pull into another model's folder): `stormo pull --out` into a folder that
+/// held another model replaced its config.json and weights and left its other shards beside
+/// the new ones. Now the pull is refused, naming the folder and what is there, and nothing
+/// changes, whether the folder has that model's manifest or is a bare checkpoint; with
+/// `force` the other model's files are removed and the folder ends up exactly the pulled
+/// model's, no stale shard left.
+#[test]
+fn pull_refuses_another_models_folder_and_force_leaves_no_stale_shard() {
+    let f = setup("gptoss-tiny-mxfp4");
+    let other = setup("gptoss-tiny-bf16");
+    assert_ne!(f.id, other.id);
+    let node = serve_dir(60, f.dir.path(), None, allow_client());
+    let rt = runtime();
+    let out = copy_folder(other.dir.path(), &[]);
+    let shard = "model-00002-of-00002.safetensors";
+    std::fs::write(out.path().join(shard), b"another model's shard").expect("shard");
+    let before = snapshot(out.path());
+    let opts = pull_options(&f, &node, out.path(), true);
+    let err = format!(
+        "{:#}",
+        pull::pull(&client_key(), &opts, &rt).expect_err("another model's folder refused")
+    );
+    let (folder, other_id) = (out.path().display().to_string(), other.id.to_hex());
+    for want in [&folder, "another model", &other_id, shard, "--force"] {
+        assert!(err.contains(want), "{want:?} not in {err}");
+    }
+    assert_eq!(snapshot(out.path()), before, "the folder changed");
+    // A bare checkpoint of the other model (no manifest): refused for its config.json and
+    // weights.
+    for name in ["stormo-manifest.bin", "stormo-manifest.sig", shard] {
+        std::fs::remove_file(out.path().join(name)).expect("remove");
+    }
+    let before = snapshot(out.path());
+    let err = format!(
+        "{:#}",
+        pull::pull(&client_key(), &opts, &rt).expect_err("a bare checkpoint refused")
+    );
+    assert!(
+        err.contains("config.json") && err.contains("model.safetensors"),
+        "{err}"
+    );
+    assert_eq!(snapshot(out.path()), before, "the folder changed");
+    // Forced, over the other model with its manifest and an extra shard.
+    let out = copy_folder(other.dir.path(), &[]);
+    std::fs::write(out.path().join(shard), b"another model's shard").expect("shard");
+    let forced = pull::PullOptions {
+        force: true,
+        ..pull_options(&f, &node, out.path(), true)
+    };
+    let r = pull::pull(&client_key(), &forced, &rt).expect("forced pull");
+    assert!(r.removed.contains(&out.path().join(shard)), "{r:?}");
+    let got = snapshot(out.path());
+    let mut want = snapshot(f.dir.path());
+    want.remove("reference.json");
+    assert_eq!(
+        got.keys()
+            .filter(|n| *n != "stormo-pulled.json")
+            .collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "files left of the other model"
+    );
+    for (name, bytes) in &want {
+        assert_eq!(&got[name], bytes, "{name}");
+    }
+}
+
+/// A bare copy of the same architecture whose weights differ in one dense tensor (a
+/// fine-tune, say) is not "repaired" into the pulled model: the pull is refused, naming the
+/// file, and the copy is intact.
+#[test]
+fn pull_refuses_a_folder_whose_weights_differ_in_one_tensor() {
+    let f = setup("gptoss-tiny-mxfp4");
+    let node = serve_dir(61, f.dir.path(), None, allow_client());
+    let m = stormo_manifests::Manifest::decode(
+        &std::fs::read(f.dir.path().join("stormo-manifest.bin")).expect("manifest"),
+    )
+    .expect("manifest");
+    let experts = serve::expert_tensors(&m);
+    let victim = m
+        .tensors
+        .iter()
+        .enumerate()
+        .find(|(i, t)| !experts.contains(i) && t.len > 0)
+        .map(|(_, t)| t)
+        .expect("a dense tensor");
+    let out = copy_folder(
+        f.dir.path(),
+        &[
+            "stormo-manifest.bin",
+            "stormo-manifest.sig",
+            "reference.json",
+        ],
+    );
+    let path = out.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&path).expect("read");
+    bytes[victim.offset as usize] ^= 0x40;
+    std::fs::write(&path, bytes).expect("write");
+    let before = snapshot(out.path());
+    let err = format!(
+        "{:#}",
+        pull::pull(
+            &client_key(),
+            &pull_options(&f, &node, out.path(), false),
+            &runtime()
+        )
+        .expect_err("a folder with other weights refused")
+    );
+    assert!(
+        err.contains("model.safetensors") && err.contains(&victim.name),
+        "{err}"
+    );
+    assert_eq!(snapshot(out.path()), before, "the folder changed");
+}
+
+/// Regression (pull downgraded a full copy): pulling without `with_experts` into a folder
+/// that held the whole model marked it as pulled without experts, so `run` and `serve`
+/// stopped using them. Now a full copy stays full and nothing is fetched, whether it was
+/// pulled with experts or is a bare copy of the checkpoint; an expert tensor damaged in it
+/// is fetched again (and only that tensor). The other way, adding the experts to a folder
+/// pulled without them fetches only the experts.
+#[test]
+fn pull_without_experts_keeps_a_full_copy_full() {
+    use stormo_node::net::pull::Pulled;
+    let f = setup("gptoss-tiny-mxfp4");
+    let node = serve_dir(62, f.dir.path(), None, allow_client());
+    let rt = runtime();
+    let m = stormo_manifests::Manifest::decode(
+        &std::fs::read(f.dir.path().join("stormo-manifest.bin")).expect("manifest"),
+    )
+    .expect("manifest");
+    let experts = serve::expert_tensors(&m);
+    let source = std::fs::read(f.dir.path().join("model.safetensors")).expect("source");
+    let out = tempfile::tempdir().expect("tempdir");
+    pull::pull(
+        &client_key(),
+        &pull_options(&f, &node, out.path(), true),
+        &rt,
+    )
+    .expect("full pull");
+    let full = snapshot(out.path());
+    let dense = pull_options(&f, &node, out.path(), false);
+    let r = pull::pull(&client_key(), &dense, &rt).expect("pull without experts");
+    assert_eq!((r.tensors, r.fetched, r.reused), (0, 0, 0), "{r:?}");
+    assert!(r.experts, "{r:?}");
+    assert!(
+        !Pulled::dense_only(out.path()).expect("marker"),
+        "downgraded"
+    );
+    assert_eq!(snapshot(out.path()), full, "the folder changed");
+    // A damaged expert tensor: fetched again, the rest copied.
+    let (i, t) = m
+        .tensors
+        .iter()
+        .enumerate()
+        .find(|(i, t)| experts.contains(i) && t.len > 0)
+        .expect("an expert tensor");
+    let _ = i;
+    let path = out.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&path).expect("read");
+    bytes[t.offset as usize] ^= 0x01;
+    std::fs::write(&path, bytes).expect("write");
+    let r = pull::pull(&client_key(), &dense, &rt).expect("repair without experts");
+    assert_eq!((r.tensors, r.reused), (1, m.tensors.len() - 1), "{r:?}");
+    assert!(
+        !Pulled::dense_only(out.path()).expect("marker"),
+        "downgraded"
+    );
+    assert_eq!(std::fs::read(&path).expect("read"), source);
+    // A bare copy of the checkpoint (no manifest, no marker) is a full copy too.
+    let bare = copy_folder(
+        f.dir.path(),
+        &[
+            "stormo-manifest.bin",
+            "stormo-manifest.sig",
+            "reference.json",
+        ],
+    );
+    let r = pull::pull(
+        &client_key(),
+        &pull_options(&f, &node, bare.path(), false),
+        &rt,
+    )
+    .expect("pull into a bare copy");
+    assert_eq!((r.tensors, r.fetched), (0, 0), "{r:?}");
+    assert!(
+        !Pulled::dense_only(bare.path()).expect("marker"),
+        "downgraded"
+    );
+    // Dense only, then with the experts: only the experts are fetched.
+    let sparse = tempfile::tempdir().expect("tempdir");
+    pull::pull(
+        &client_key(),
+        &pull_options(&f, &node, sparse.path(), false),
+        &rt,
+    )
+    .expect("dense pull");
+    assert!(Pulled::dense_only(sparse.path()).expect("marker"));
+    let r = pull::pull(
+        &client_key(),
+        &pull_options(&f, &node, sparse.path(), true),
+        &rt,
+    )
+    .expect("adding the experts");
+    assert_eq!(
+        (r.tensors, r.reused),
+        (experts.len(), m.tensors.len() - experts.len()),
+        "{r:?}"
+    );
+    assert!(!Pulled::dense_only(sparse.path()).expect("marker"));
+    assert_eq!(
+        std::fs::read(sparse.path().join("model.safetensors")).expect("read"),
+        source
+    );
+}
+
+/// Regression (empty folder left by a failed pull): a pull that fails before storing
+/// anything (no peer reachable; a peer that does not serve the model asked for) removes the
+/// folders it created, and never a folder that was there before.
+#[test]
+fn a_failed_pull_removes_only_the_folders_it_created() {
+    let f = setup("gptoss-tiny-mxfp4");
+    let node = serve_dir(63, f.dir.path(), None, allow_client());
+    let (dead, _sink) = dead_peer();
+    let rt = runtime();
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let created = scratch.path().join("new");
+    let out = created.join("deeper").join("model");
+    let unreachable = pull::PullOptions {
+        peers: vec![dead],
+        ..pull_options(&f, &node, &out, false)
+    };
+    let err = format!(
+        "{:#}",
+        pull::pull(&client_key(), &unreachable, &rt).expect_err("no peer")
+    );
+    assert!(err.contains("no peer could be reached"), "{err}");
+    assert!(!created.exists(), "{} left behind", created.display());
+    let wrong_model = pull::PullOptions {
+        model_id: Some(Hash([9; 32])),
+        trust: vec![],
+        ..pull_options(&f, &node, &out, false)
+    };
+    pull::pull(&client_key(), &wrong_model, &rt).expect_err("no such model");
+    assert!(!created.exists(), "{} left behind", created.display());
+    // A folder that was there stays, empty or not.
+    let there = scratch.path().join("there");
+    std::fs::create_dir(&there).expect("mkdir");
+    pull::pull(
+        &client_key(),
+        &pull::PullOptions {
+            out: there.clone(),
+            ..unreachable.clone()
+        },
+        &rt,
+    )
+    .expect_err("no peer");
+    assert!(there.is_dir(), "a folder that was there was removed");
+}
+
+/// Regression (`\r` in logs): pull drew its progress with carriage returns even when stderr
+/// was not a terminal. The CLI with stderr piped writes plain lines; a second pull says it is
+/// already up to date; a pull into another model's folder fails naming `--force`.
+#[test]
+fn cli_pull_writes_plain_lines_when_stderr_is_not_a_terminal() {
+    let f = setup("gptoss-tiny-mxfp4");
+    let other = setup("gptoss-tiny-bf16");
+    let node = serve_dir(64, f.dir.path(), None, allow_client());
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let key = scratch.path().join("client.key");
+    client_key().write_new(&key).expect("key file");
+    let pull = |out: &Path| {
+        std::process::Command::new(crate::demo::stormo_exe())
+            .arg("pull")
+            .args([
+                "--peer",
+                &format!("{}@{}", node.addr().key, node.addr().addr),
+            ])
+            .args(["--trust", &f.publisher.public().to_string()])
+            .args(["--with-experts", "--peer-timeout", "5", "--key"])
+            .arg(&key)
+            .arg("--out")
+            .arg(out)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("running stormo pull")
+    };
+    let out = scratch.path().join("model");
+    let first = pull(&out);
+    let err = String::from_utf8_lossy(&first.stderr);
+    assert!(first.status.success(), "{err}");
+    assert!(!err.contains('\r'), "carriage return in {err:?}");
+    assert!(err.contains("pull: model.safetensors: "), "{err}");
+    let second = pull(&out);
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(second.status.success(), "{err}");
+    assert!(err.contains("already up to date"), "{err}");
+    let theirs = pull(other.dir.path());
+    let err = String::from_utf8_lossy(&theirs.stderr);
+    assert!(!theirs.status.success(), "another model's folder replaced");
+    assert!(err.contains("--force"), "{err}");
 }

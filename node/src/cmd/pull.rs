@@ -24,15 +24,21 @@ pub struct Args {
     /// the peer and saved beside the manifest). Repeatable.
     #[arg(long, value_name = "PUBKEY")]
     pub trust: Vec<PublicKey>,
-    /// The folder to write (created if missing). A folder pulled before is resumed: files
-    /// already complete and verified are kept.
+    /// The folder to write (created if missing, and removed again if the pull fails before
+    /// storing anything). A folder pulled before is resumed: files already complete and
+    /// verified are kept. A folder holding another model is refused (see --force).
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
+    /// Replace another model that --out holds: its weight, metadata and manifest files are
+    /// removed first (instead of refusing the pull).
+    #[arg(long)]
+    pub force: bool,
     /// This node's secret key (which the peers allow-list); without it an ephemeral key.
     #[arg(long, value_name = "FILE")]
     pub key: Option<PathBuf>,
     /// Fetch the expert tensors too (a full local copy). Without it the folder holds the
-    /// dense weights only and `run` fetches experts from peers (--no-local-experts implied).
+    /// dense weights only and `run` fetches experts from peers (--no-local-experts implied),
+    /// unless it already held the experts: a pull never drops them.
     #[arg(long)]
     pub with_experts: bool,
     /// Seconds a peer may take to answer one request, from when it is sent, before the next
@@ -64,25 +70,36 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         trust: a.trust,
         out: a.out.clone(),
         with_experts: a.with_experts,
+        force: a.force,
         cfg: PeerConfig::with_timeout(t),
     };
     let started = std::time::Instant::now();
     let r = pull::pull(&secret, &opts, &rt)
         .with_context(|| format!("pulling into {}", a.out.display()))?;
     let secs = started.elapsed().as_secs_f64();
-    eprintln!(
-        "pulled model {} into {}: {} tensors, {:.1} MB fetched in {secs:.1}s ({:.1} MB/s), {} files kept{}",
-        r.model_id.map(|h| h.to_hex()).unwrap_or_default(),
-        a.out.display(),
-        r.tensors,
-        r.fetched as f64 / 1e6,
-        r.fetched as f64 / 1e6 / secs.max(1e-9),
-        r.kept,
-        if a.with_experts {
-            ""
-        } else {
-            " (dense only: run it with --peer to fetch experts)"
-        }
-    );
+    let model = r.model_id.map(|h| h.to_hex()).unwrap_or_default();
+    let what = if r.experts {
+        "experts included"
+    } else {
+        "dense only: run it with --peer to fetch experts"
+    };
+    if r.tensors == 0 && r.fetched == 0 && r.reused == 0 {
+        eprintln!(
+            "model {model} in {} is already up to date: {} files kept ({what})",
+            a.out.display(),
+            r.kept,
+        );
+    } else {
+        eprintln!(
+            "pulled model {model} into {}: {} tensors, {:.1} MB fetched in {secs:.1}s ({:.1} MB/s), \
+             {} tensors copied from files already there, {} files kept ({what})",
+            a.out.display(),
+            r.tensors,
+            r.fetched as f64 / 1e6,
+            r.fetched as f64 / 1e6 / secs.max(1e-9),
+            r.reused,
+            r.kept,
+        );
+    }
     Ok(())
 }

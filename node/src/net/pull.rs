@@ -16,15 +16,31 @@
 //!
 //! Every file is written to a temporary name in the folder and renamed only once all of its
 //! contents verified: a failed pull leaves no half-written file under a final name.
-//! A file already present at its final name that verifies is kept (a pull resumes).
+//! A file already present at its final name that verifies is kept (a pull resumes), and the
+//! verified tensors of one that does not are copied from it rather than fetched again.
+//!
+//! # What a pull does to a folder that is not empty
+//! Before anything is written, the folder is surveyed. A pull never loses what is stored
+//! there without being asked:
+//! - a folder that holds *another model* (a marker or manifest of another model id, weight or
+//!   metadata files the manifest does not list, or, in a folder this model was not pulled
+//!   into, a file of the manifest's whose bytes differ) is refused, naming the folder and
+//!   why, unless `force` is set; then the other model's files are removed first, so none is
+//!   left beside the new ones;
+//! - a pull never downgrades a folder: one that already holds this model's expert tensors
+//!   (its marker says so, or it was not pulled and its weight files verify in full) stays a
+//!   full copy even without `with_experts`;
+//! - a folder the pull created is removed again when the pull fails before storing anything.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
-use stormo_manifests::{Hash, Manifest, ManifestPaths, ManifestSignature, PublicKey, SecretKey};
+use stormo_manifests::{
+    Hash, Manifest, ManifestPaths, ManifestSignature, PublicKey, SecretKey, MANIFEST_FILE,
+};
 use stormo_wire::MAX_FILE_RANGE_LEN;
 
 use super::tier::{PeerConfig, PeerLink};
@@ -84,8 +100,11 @@ pub struct PullOptions {
     pub trust: Vec<PublicKey>,
     /// The folder to write.
     pub out: PathBuf,
-    /// Fetch the expert tensors too.
+    /// Fetch the expert tensors too. Without it a folder that already holds them keeps them.
     pub with_experts: bool,
+    /// Replace another model the folder holds (its files are removed first) instead of
+    /// refusing.
+    pub force: bool,
     /// Timeouts.
     pub cfg: PeerConfig,
 }
@@ -99,11 +118,18 @@ pub struct PullReport {
     pub fetched: u64,
     /// Tensors fetched and verified.
     pub tensors: usize,
+    /// Tensors copied, verified, from a file the folder already held instead of fetched.
+    pub reused: usize,
     /// Files kept because they were already complete and verified.
     pub kept: usize,
+    /// Whether the folder now holds the expert tensors (a full copy).
+    pub experts: bool,
+    /// Files of another model removed (with `force`).
+    pub removed: Vec<PathBuf>,
 }
 
-/// Pulls per `opts` as `secret`, on `rt`.
+/// Pulls per `opts` as `secret`, on `rt`. A folder the pull creates is removed again if it
+/// fails before storing anything in it.
 pub fn pull(
     secret: &SecretKey,
     opts: &PullOptions,
@@ -114,9 +140,67 @@ pub fn pull(
         opts.model_id.is_some() || !opts.trust.is_empty(),
         "say which manifest to accept: --model-id ID or --trust PUBKEY"
     );
-    std::fs::create_dir_all(&opts.out)
-        .with_context(|| format!("creating {}", opts.out.display()))?;
-    rt.block_on(pull_async(secret, opts))
+    let created = first_missing(&opts.out);
+    let res = std::fs::create_dir_all(&opts.out)
+        .with_context(|| format!("creating {}", opts.out.display()))
+        .and_then(|()| rt.block_on(pull_async(secret, opts)));
+    if res.is_err() {
+        if let Some(top) = created {
+            remove_if_unused(&opts.out, &top);
+        }
+    }
+    res
+}
+
+/// The outermost folder of `out` (itself or an ancestor) that does not exist yet: the one
+/// `create_dir_all` creates first. `None` when `out` exists.
+fn first_missing(out: &Path) -> Option<PathBuf> {
+    let mut top = None;
+    for a in out.ancestors() {
+        if a.as_os_str().is_empty() || a.symlink_metadata().is_ok() {
+            break;
+        }
+        top = Some(a.to_path_buf());
+    }
+    top
+}
+
+/// Whether `name` is a file a pull writes before it stores any of the model: the marker, the
+/// manifest and its signature, and temporary files.
+fn is_bookkeeping(name: &str) -> bool {
+    name == MARKER_FILE
+        || name == MANIFEST_FILE
+        || Path::new(name) == Path::new(MANIFEST_FILE).with_extension("sig")
+        || (name.starts_with('.') && name.ends_with(".pull-tmp"))
+}
+
+/// Removes `out`, and the folders up to `top` created with it, if `out` holds nothing but a
+/// pull's bookkeeping (nothing of the model was stored). Anything else in it keeps it all.
+fn remove_if_unused(out: &Path, top: &Path) {
+    let Ok(rd) = std::fs::read_dir(out) else {
+        return;
+    };
+    let mut ours = Vec::new();
+    for e in rd {
+        let Ok(e) = e else { return };
+        let ok = e.file_type().is_ok_and(|t| t.is_file())
+            && e.file_name().to_str().is_some_and(is_bookkeeping);
+        if !ok {
+            return;
+        }
+        ours.push(e.path());
+    }
+    for p in ours {
+        if std::fs::remove_file(&p).is_err() {
+            return;
+        }
+    }
+    for d in out.ancestors() {
+        // `remove_dir` removes only an empty folder: nothing another process put there.
+        if std::fs::remove_dir(d).is_err() || d == top {
+            break;
+        }
+    }
 }
 
 async fn pull_async(secret: &SecretKey, opts: &PullOptions) -> anyhow::Result<PullReport> {
@@ -148,16 +232,6 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
         manifest.tensors.len(),
         manifest.experts.len()
     );
-    // A folder holding another model is not overwritten piecemeal.
-    if let Some(p) = Pulled::read(dir)? {
-        anyhow::ensure!(
-            p.model_id == id.to_hex(),
-            "{} holds a pull of model {}, not {}: pull into another folder",
-            dir.display(),
-            p.model_id,
-            id.to_hex()
-        );
-    }
     for f in manifest
         .identity
         .meta
@@ -168,13 +242,35 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
         stormo_wire::check_file_name(f)
             .map_err(|why| anyhow::anyhow!("the manifest names a file {f:?}: {why}"))?;
     }
-    // The marker first: no sparse file is ever there without it.
-    let previous_full = Pulled::read(dir)?.is_some_and(|p| p.experts);
-    write_marker(dir, id, previous_full && opts.with_experts)?;
+    // What the folder holds, before anything is written to it.
+    let s = survey(dir, &manifest, id, opts.with_experts)?;
+    if !s.foreign.is_empty() {
+        anyhow::ensure!(
+            opts.force,
+            "{} holds files of another model than {}: {}. Nothing was changed: pull into \
+             another folder, or pass --force to remove that model's files and replace them",
+            dir.display(),
+            id.to_hex(),
+            s.foreign.join("; ")
+        );
+        for p in &s.stale {
+            eprintln!("pull: --force: removing {}", p.display());
+            std::fs::remove_file(p).with_context(|| format!("removing {}", p.display()))?;
+        }
+        report.removed = s.stale.clone();
+    }
+    // A folder that holds the experts keeps them: they are fetched too where missing.
+    let with_experts = opts.with_experts || s.full;
+    if with_experts && !opts.with_experts {
+        eprintln!("pull: the folder holds the expert tensors too; they are kept (a full copy)");
+    }
+    // The marker first: no sparse file is ever there without it saying so, and it says
+    // "experts" before the end only where the folder already held them all.
+    write_marker(dir, id, s.full)?;
     let paths = ManifestPaths::beside_model(dir);
     write_atomic(&paths.bin, &bytes)?;
-    if let Some(s) = &sig {
-        write_atomic(&paths.sig, s)?;
+    if let Some(sig) = &sig {
+        write_atomic(&paths.sig, sig)?;
     }
     for meta in &manifest.identity.meta {
         let path = dir.join(&meta.name);
@@ -193,21 +289,22 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
     }
     let experts = super::serve::expert_tensors(&manifest);
     for (index, file) in manifest.files.iter().enumerate() {
-        let tensors: Vec<usize> = (0..manifest.tensors.len())
-            .filter(|&t| manifest.tensors[t].file as usize == index)
-            .collect();
-        let wanted: Vec<usize> = tensors
-            .iter()
-            .copied()
-            .filter(|t| opts.with_experts || !experts.contains(t))
-            .collect();
-        let path = dir.join(&file.name);
-        if already_complete(&path, file.len, &manifest, &wanted) {
+        if s.complete[index] {
             eprintln!("pull: {} already complete and verified", file.name);
             report.kept += 1;
             continue;
         }
+        let wanted: Vec<usize> = tensors_of(&manifest, index)
+            .filter(|t| with_experts || !experts.contains(t))
+            .collect();
+        let path = dir.join(&file.name);
         let header = fetch_header(links, id, &manifest, index, &mut report).await?;
+        // The file already there, if it has this layout: its tensors that verify are copied
+        // (the dense part when the experts are added, the intact part of a damaged file).
+        let mut old = std::fs::File::open(&path).ok().filter(|f| {
+            f.metadata().is_ok_and(|md| md.len() == file.len)
+                && read_header(f).is_ok_and(|h| h == header)
+        });
         let tmp = dir.join(format!(".{}.pull-tmp", file.name));
         let res = async {
             let mut f = std::fs::File::create(&tmp)
@@ -216,20 +313,38 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
                 .with_context(|| format!("sizing {}", tmp.display()))?;
             f.write_all(&header)?;
             let total: u64 = wanted.iter().map(|&t| manifest.tensors[t].len).sum();
+            let mut progress = crate::progress::Progress::new(&format!("pull: {}", file.name));
             let mut done = 0u64;
             for &t in &wanted {
                 let te = &manifest.tensors[t];
-                fetch_tensor(links, id, &file.name, te, &mut f, &mut report).await?;
+                // A sparse file's expert tensors are holes: not worth reading.
+                let copy = match old.as_mut() {
+                    Some(o) if !(s.sparse && experts.contains(&t)) => copy_verified(o, &mut f, te)
+                        .with_context(|| format!("copying {} from {}", te.name, path.display()))?,
+                    _ => false,
+                };
+                if copy {
+                    report.reused += 1;
+                } else {
+                    fetch_tensor(links, id, &file.name, te, &mut f, &mut report)
+                        .await
+                        .map_err(|e| {
+                            if with_experts && !opts.with_experts && experts.contains(&t) {
+                                e.context(format!(
+                                    "{} holds the expert tensors, and a pull keeps them: \
+                                     the missing ones are fetched too",
+                                    dir.display()
+                                ))
+                            } else {
+                                e
+                            }
+                        })?;
+                    report.tensors += 1;
+                }
                 done += te.len;
-                report.tensors += 1;
-                eprint!(
-                    "\rpull: {} {:.1}/{:.1} MB",
-                    file.name,
-                    done as f64 / 1e6,
-                    total as f64 / 1e6
-                );
+                progress.update(done, total);
             }
-            eprintln!();
+            progress.finish();
             f.sync_all()?;
             anyhow::Ok(())
         }
@@ -241,8 +356,261 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
         std::fs::rename(&tmp, &path)
             .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
     }
-    write_marker(dir, id, opts.with_experts)?;
+    write_marker(dir, id, with_experts)?;
+    report.experts = with_experts;
     Ok(report)
+}
+
+/// The indices of the tensors of weight file `index`.
+fn tensors_of(m: &Manifest, index: usize) -> impl Iterator<Item = usize> + '_ {
+    (0..m.tensors.len()).filter(move |&t| m.tensors[t].file as usize == index)
+}
+
+/// What an output folder holds, surveyed before a pull writes anything (see the module docs).
+#[derive(Debug, Default)]
+struct Survey {
+    /// Why the folder holds files of another model (empty: it holds none).
+    foreign: Vec<String>,
+    /// The other model's files, removed first when the pull is forced.
+    stale: Vec<PathBuf>,
+    /// Per weight file of the manifest: already there, complete and verified.
+    complete: Vec<bool>,
+    /// Whether the folder holds this model's expert tensors, which the pull then keeps.
+    full: bool,
+    /// Whether the folder was pulled without the experts: its weight files may be sparse.
+    sparse: bool,
+}
+
+/// Surveys `dir` for a pull of `m` (model `id`). Reads every weight file of the manifest
+/// already there and hashes its tensors: all of them, or only the dense ones in a folder
+/// pulled without experts when none are asked for.
+fn survey(dir: &Path, m: &Manifest, id: Hash, with_experts: bool) -> anyhow::Result<Survey> {
+    let mut s = Survey {
+        complete: vec![false; m.files.len()],
+        ..Survey::default()
+    };
+    let short = id.short();
+    let mut stale = BTreeSet::new();
+    // Only a folder this model was pulled into is the pull's to repair; in any other folder
+    // a file that differs from the manifest's is someone else's.
+    let marker = match Pulled::read(dir) {
+        Ok(p) => p,
+        Err(e) => {
+            s.foreign.push(format!("{e:#}"));
+            None
+        }
+    };
+    let owned = match &marker {
+        Some(p) if p.model_id == id.to_hex() => true,
+        Some(p) => {
+            s.foreign
+                .push(format!("it holds a pull of model {}", p.model_id));
+            false
+        }
+        None => false,
+    };
+    let listed: HashSet<&str> = m
+        .identity
+        .meta
+        .iter()
+        .map(|f| f.name.as_str())
+        .chain(m.files.iter().map(|f| f.name.as_str()))
+        .collect();
+    let paths = ManifestPaths::beside_model(dir);
+    let mut other_manifest = marker.is_some() && !owned;
+    match std::fs::read(&paths.bin) {
+        Ok(b) => match Manifest::decode(&b) {
+            Ok(old) if old.model_id() == id => {}
+            Ok(old) => {
+                s.foreign.push(format!(
+                    "its {MANIFEST_FILE} is model {}'s",
+                    old.model_id().to_hex()
+                ));
+                other_manifest = true;
+                // The other model's own files that this one does not have go with it.
+                for name in old
+                    .identity
+                    .meta
+                    .iter()
+                    .map(|f| &f.name)
+                    .chain(old.files.iter().map(|f| &f.name))
+                {
+                    let p = dir.join(name);
+                    if stormo_wire::check_file_name(name).is_ok()
+                        && !listed.contains(name.as_str())
+                        && is_file(&p)
+                    {
+                        stale.insert(p);
+                    }
+                }
+            }
+            Err(e) => {
+                s.foreign.push(format!(
+                    "its {MANIFEST_FILE} is not a manifest this build reads ({e})"
+                ));
+                other_manifest = true;
+            }
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("reading {}", paths.bin.display())),
+    }
+    if other_manifest {
+        // The other manifest's JSON view and signature would describe the wrong model.
+        for p in [&paths.json, &paths.sig] {
+            if is_file(p) {
+                stale.insert(p.clone());
+            }
+        }
+    }
+    // Weight and metadata files the manifest does not list: a checkpoint loader may pick
+    // them up beside this model's (every `*.safetensors` without an index, an index
+    // without its shards).
+    for e in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let e = e.with_context(|| format!("reading {}", dir.display()))?;
+        let Some(name) = e.file_name().to_str().map(str::to_owned) else {
+            continue;
+        };
+        let model_file = name.ends_with(".safetensors")
+            || stormo_manifests::build::META_FILES.contains(&name.as_str());
+        if model_file && !listed.contains(name.as_str()) && is_file(&e.path()) {
+            s.foreign.push(format!(
+                "it holds {name}, which model {short} does not have"
+            ));
+            stale.insert(e.path());
+        }
+    }
+    for meta in &m.identity.meta {
+        let p = dir.join(&meta.name);
+        match std::fs::read(&p) {
+            Ok(b) if Hash::of(&b) == meta.hash => {}
+            Ok(_) if !owned => {
+                s.foreign
+                    .push(format!("its {} differs from model {short}'s", meta.name));
+                stale.insert(p);
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("reading {}", p.display())),
+        }
+    }
+    // Which tensors must verify for a file there to count as complete: all of them, unless
+    // this is a folder pulled without experts and none are asked for now.
+    let pulled_sparse = owned && marker.as_ref().is_some_and(|p| !p.experts);
+    let experts = super::serve::expert_tensors(m);
+    let (mut present, mut all_complete) = (false, true);
+    for (index, file) in m.files.iter().enumerate() {
+        let p = dir.join(&file.name);
+        if p.symlink_metadata().is_err() {
+            continue;
+        }
+        present = true;
+        let wanted: Vec<usize> = tensors_of(m, index)
+            .filter(|t| with_experts || !pulled_sparse || !experts.contains(t))
+            .collect();
+        match verify_local(&p, m, index, &wanted) {
+            Ok(()) => s.complete[index] = true,
+            Err(why) => {
+                all_complete = false;
+                if !owned {
+                    s.foreign
+                        .push(format!("its {} is not model {short}'s ({why})", file.name));
+                    stale.insert(p);
+                }
+            }
+        }
+    }
+    s.sparse = pulled_sparse;
+    s.full = if owned {
+        !pulled_sparse
+    } else {
+        // Not pulled: weight files there are whole files, and they are this model's.
+        present && all_complete
+    };
+    s.stale = stale.into_iter().collect();
+    Ok(s)
+}
+
+/// Whether `p` is a file (or a symbolic link, not followed), which a forced pull may remove.
+fn is_file(p: &Path) -> bool {
+    p.symlink_metadata().is_ok_and(|md| !md.is_dir())
+}
+
+/// Why the weight file `index` of `m` at `path` is not complete: its length, its header or
+/// the first of `tensors` whose bytes do not match.
+fn verify_local(path: &Path, m: &Manifest, index: usize, tensors: &[usize]) -> Result<(), String> {
+    let file = &m.files[index];
+    let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let len = f.metadata().map_err(|e| e.to_string())?.len();
+    if len != file.len {
+        return Err(format!("{len} bytes, not {}", file.len));
+    }
+    let header = read_header(&f).map_err(|e| format!("{e:#}"))?;
+    check_header(m, index, &header).map_err(|e| format!("{e:#}"))?;
+    for &t in tensors {
+        let te = &m.tensors[t];
+        if !tensor_verifies(&mut f, te) {
+            return Err(format!("tensor {} does not match the manifest", te.name));
+        }
+    }
+    Ok(())
+}
+
+/// The header (length prefix included) of the safetensors file `f`.
+fn read_header(mut f: &std::fs::File) -> anyhow::Result<Vec<u8>> {
+    let len = f.metadata()?.len();
+    let mut head = [0u8; 8];
+    f.seek(SeekFrom::Start(0))?;
+    f.read_exact(&mut head)?;
+    let n = u64::from_le_bytes(head);
+    anyhow::ensure!(
+        n <= 100 << 20 && 8 + n <= len,
+        "a header length of {n} in a file of {len} bytes"
+    );
+    let mut header = head.to_vec();
+    f.take(n).read_to_end(&mut header)?;
+    anyhow::ensure!(header.len() as u64 == 8 + n, "a short header");
+    Ok(header)
+}
+
+/// Whether the bytes of tensor `te` in `f` match its hash.
+fn tensor_verifies(f: &mut std::fs::File, te: &stormo_manifests::manifest::TensorEntry) -> bool {
+    let mut h = blake3::Hasher::new();
+    if f.seek(SeekFrom::Start(te.offset)).is_err() {
+        return false;
+    }
+    let mut r = f.take(te.len);
+    if std::io::copy(&mut r, &mut h).ok() != Some(te.len) {
+        return false;
+    }
+    Hash(*h.finalize().as_bytes()) == te.hash
+}
+
+/// Copies tensor `te` from `src` to `dst` at its offset, hashing as it goes; whether the
+/// bytes matched its hash (if not, whatever was copied is overwritten when it is fetched).
+fn copy_verified(
+    src: &mut std::fs::File,
+    dst: &mut std::fs::File,
+    te: &stormo_manifests::manifest::TensorEntry,
+) -> std::io::Result<bool> {
+    src.seek(SeekFrom::Start(te.offset))?;
+    dst.seek(SeekFrom::Start(te.offset))?;
+    let mut h = blake3::Hasher::new();
+    let mut buf = vec![0u8; (1 << 20).min(te.len.max(1) as usize)];
+    let mut left = te.len;
+    while left > 0 {
+        let n = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+        if let Err(e) = src.read_exact(&mut buf[..n]) {
+            return if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                Ok(false)
+            } else {
+                Err(e)
+            };
+        }
+        h.update(&buf[..n]);
+        dst.write_all(&buf[..n])?;
+        left -= n as u64;
+    }
+    Ok(Hash(*h.finalize().as_bytes()) == te.hash)
 }
 
 /// Fetches and accepts the manifest (and its signature for `--trust`) from the first peer
@@ -375,27 +743,27 @@ async fn fetch_header(
         rest = fetch_whole_range(links, model, &file.name, 8, n, report).await?;
     }
     header.extend_from_slice(&rest);
+    check_header(m, index, &header).with_context(|| format!("{}: the peer's header", file.name))?;
+    Ok(header)
+}
+
+/// Checks a safetensors header (length prefix included) of weight file `index` against the
+/// manifest: every tensor it lists is the manifest's (name, dtype, shape, offset, length) and
+/// it lists them all.
+fn check_header(m: &Manifest, index: usize, header: &[u8]) -> anyhow::Result<()> {
+    let file = &m.files[index];
     let parsed =
-        stormo_engine::safetensors::parse_header(Path::new(&file.name), &header, file.len, index)
-            .with_context(|| format!("{}: the peer's header", file.name))?;
-    let listed = m
-        .tensors
-        .iter()
-        .filter(|t| t.file as usize == index)
-        .count();
+        stormo_engine::safetensors::parse_header(Path::new(&file.name), header, file.len, index)?;
+    let listed = tensors_of(m, index).count();
     anyhow::ensure!(
         parsed.len() == listed,
-        "{}: the peer's header lists {} tensors, the manifest {listed}",
-        file.name,
+        "it lists {} tensors, the manifest {listed}",
         parsed.len()
     );
     for (name, info) in &parsed {
-        let t = m.tensor(name).with_context(|| {
-            format!(
-                "{}: the peer's header lists {name:?}, which the manifest does not",
-                file.name
-            )
-        })?;
+        let t = m
+            .tensor(name)
+            .with_context(|| format!("it lists {name:?}, which the manifest does not"))?;
         let shape: Vec<u64> = info.shape.iter().map(|&d| d as u64).collect();
         anyhow::ensure!(
             t.file as usize == index
@@ -403,11 +771,10 @@ async fn fetch_header(
                 && shape == t.shape
                 && info.offset == t.offset
                 && info.len == t.len,
-            "{}: the peer's header describes tensor {name} differently from the manifest",
-            file.name
+            "it describes tensor {name} differently from the manifest"
         );
     }
-    Ok(header)
+    Ok(())
 }
 
 async fn fetch_whole_range(
@@ -493,28 +860,6 @@ async fn fetch_tensor_from(
         l.peer
     );
     Ok(())
-}
-
-/// Whether `path` is already `len` bytes long and every tensor of `wanted` in it verifies.
-fn already_complete(path: &Path, len: u64, m: &Manifest, wanted: &[usize]) -> bool {
-    let Ok(mut f) = std::fs::File::open(path) else {
-        return false;
-    };
-    if f.metadata().map(|md| md.len()).ok() != Some(len) {
-        return false;
-    }
-    wanted.iter().all(|&t| {
-        let te = &m.tensors[t];
-        let mut h = blake3::Hasher::new();
-        if f.seek(SeekFrom::Start(te.offset)).is_err() {
-            return false;
-        }
-        let mut r = (&mut f).take(te.len);
-        if std::io::copy(&mut r, &mut h).ok() != Some(te.len) {
-            return false;
-        }
-        Hash(*h.finalize().as_bytes()) == te.hash
-    })
 }
 
 fn write_marker(dir: &Path, id: Hash, experts: bool) -> anyhow::Result<()> {
