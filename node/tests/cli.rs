@@ -538,3 +538,340 @@ fn options_that_would_mislead_or_destroy_are_refused() {
         .collect();
     assert!(left.is_empty(), "temporary files left: {left:?}");
 }
+
+/// Writes a byte-level BPE tokenizer.json for a 2048-id model into `dir`: ids 0-255 are the
+/// bytes, ids 256-2047 the text `<ID>`; no merges, so text encodes byte by byte.
+fn write_byte_tokenizer(dir: &Path) {
+    let mut vocab = serde_json::Map::new();
+    let mut shifted = 0;
+    for b in 0..256u32 {
+        // GPT-2's byte-level spelling: printable bytes stand for themselves.
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+        let c = if printable {
+            b
+        } else {
+            shifted += 1;
+            255 + shifted
+        };
+        vocab.insert(char::from_u32(c).unwrap().to_string(), b.into());
+    }
+    for id in 256..2048u32 {
+        vocab.insert(format!("<{id}>"), id.into());
+    }
+    let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false,
+        "trim_offsets": false, "use_regex": false});
+    let json = serde_json::json!({
+        "version": "1.0",
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": byte_level,
+        "post_processor": null,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": false,
+            "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": []},
+    });
+    std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+}
+
+/// An `--only-experts` spec holding the experts that `args` with `--max-new-tokens 1` needs,
+/// grown one expert at a time (each refusal names the expert missing) until that run
+/// succeeds: enough for the prompt and the first token, not for every later one.
+fn experts_for_one_token(args: &[&str]) -> String {
+    let mut spec = String::from("0:0");
+    for _ in 0..128 {
+        let o = stormo(&[args, &["--max-new-tokens", "1", "--only-experts", &spec]].concat());
+        if o.status.success() {
+            return spec;
+        }
+        let err = stderr(&o);
+        let (_, rest) = err
+            .split_once("error: expert ")
+            .unwrap_or_else(|| panic!("not a missing expert: {err}"));
+        // "E of layer L: no tier holds it"
+        let mut nums = rest
+            .split(|c: char| !c.is_ascii_digit())
+            .filter(|s| !s.is_empty());
+        let (expert, layer) = (nums.next().unwrap(), nums.next().unwrap());
+        spec += &format!(",{layer}:{expert}");
+    }
+    panic!("no spec found; the last was {spec}");
+}
+
+fn json_ids(j: &serde_json::Value) -> Vec<u64> {
+    j["generated_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no generated_ids: {j}"))
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect()
+}
+
+/// `stormo run` prints ids (or text) as each token is made: when generation fails partway (an
+/// expert no tier holds, as when the peers serving it vanish), what was made before is on
+/// stdout, the line ended, and the error on stderr; with --json the object holds the ids so
+/// far and the error. On success stdout is as before: the ids and a newline, or the text.
+#[test]
+fn run_output_made_before_a_failure_is_on_stdout() {
+    let d = copy_model("qwen3moe-tiny");
+    write_byte_tokenizer(d.path());
+    let model = d.path().to_str().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let logits = elsewhere.path().join("logits.safetensors");
+    let ids: &[&str] = &["--prompt-ids", "1"];
+    let modes: [(&str, Vec<&str>); 4] = [
+        ("greedy ids", ids.to_vec()),
+        (
+            "greedy with logits",
+            [ids, &["--logits-out", logits.to_str().unwrap()]].concat(),
+        ),
+        (
+            "sampled",
+            [ids, &["--temperature", "1", "--seed", "3"]].concat(),
+        ),
+        ("text", vec!["--raw", "--prompt", "hi"]),
+    ];
+    for (mode, extra) in &modes {
+        let base = [&["run", "--model", model, "--no-hot-store"], &extra[..]].concat();
+        let with = |more: &[&str]| stormo(&[&base[..], &["--max-new-tokens", "8"], more].concat());
+        let full = with(&[]);
+        assert!(full.status.success(), "{mode}: {}", stderr(&full));
+        let full_json = with(&["--json"]);
+        assert!(full_json.status.success(), "{mode}: {}", stderr(&full_json));
+        let j: serde_json::Value = serde_json::from_slice(&full_json.stdout).unwrap();
+        let want = json_ids(&j);
+        let full = String::from_utf8(full.stdout).unwrap();
+        // The output format is unchanged: ids joined by spaces, or the text, then a newline.
+        let line = if *mode == "text" {
+            j["text"].as_str().unwrap().to_string()
+        } else {
+            let s: Vec<String> = want.iter().map(u64::to_string).collect();
+            s.join(" ")
+        };
+        assert_eq!(full, format!("{line}\n"), "{mode}");
+
+        let spec = experts_for_one_token(&base);
+        let cut = with(&["--only-experts", &spec]);
+        let err = stderr(&cut);
+        assert_eq!(cut.status.code(), Some(1), "{mode}: {err}");
+        assert!(
+            err.contains("no tier holds it") && !err.contains("panicked"),
+            "{mode}: {err}"
+        );
+        let out = String::from_utf8(cut.stdout).unwrap();
+        let made = out
+            .strip_suffix('\n')
+            .unwrap_or_else(|| panic!("{mode}: no line made before the error: {out:?}"));
+        assert!(
+            !made.is_empty() && made.len() < line.len() && line.starts_with(made),
+            "{mode}: {made:?} is not the start of {line:?}"
+        );
+        let cut = with(&["--only-experts", &spec, "--json"]);
+        assert_eq!(cut.status.code(), Some(1), "{mode}: {}", stderr(&cut));
+        let j: serde_json::Value = serde_json::from_slice(&cut.stdout)
+            .unwrap_or_else(|e| panic!("{mode}: --json after an error is not JSON ({e})"));
+        let so_far = json_ids(&j);
+        assert!(
+            !so_far.is_empty() && so_far.len() < want.len() && want.starts_with(&so_far),
+            "{mode}: {so_far:?} is not the start of {want:?}"
+        );
+        assert_eq!(j["finish_reason"], "error", "{mode}: {j}");
+        assert!(
+            j["error"].as_str().unwrap().contains("no tier holds it"),
+            "{mode}: {j}"
+        );
+    }
+    // An error before the first token prints nothing, with --json too.
+    let o = stormo(&["run", "--model", model, "--prompt-ids", "1,2048", "--json"]);
+    assert_clean_error(&o, &["2048", "vocabulary"]);
+}
+
+/// Builds the fixture's manifest in a copy and makes two publisher keys; returns the copy, the
+/// keys' folder and the keys' paths and public keys.
+fn built_manifest_and_two_keys() -> (tempfile::TempDir, tempfile::TempDir, [(String, String); 2]) {
+    let d = copy_model("qwen3moe-tiny");
+    let o = stormo(&["manifest", "build", "--model", d.path().to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let keys = tempfile::tempdir().unwrap();
+    let key = |name: &str| {
+        let p = keys.path().join(name).to_str().unwrap().to_string();
+        let g = stormo(&["key", "generate", "--out", &p]);
+        assert!(g.status.success(), "{}", stderr(&g));
+        (p, String::from_utf8(g.stdout).unwrap().trim().to_string())
+    };
+    let pair = [key("a.key"), key("b.key")];
+    (d, keys, pair)
+}
+
+#[test]
+fn manifest_sign_refuses_to_replace_a_signature_without_force() {
+    let (d, _keys, [(a, a_pub), (b, b_pub)]) = built_manifest_and_two_keys();
+    let model = d.path().to_str().unwrap();
+    let sig = d.path().join("stormo-manifest.sig");
+    let sign = |key: &str, more: &[&str]| {
+        stormo(&[&["manifest", "sign", "--model", model, "--key", key], more].concat())
+    };
+    let o = sign(&a, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("replaced"), "{}", stderr(&o));
+    let by_a = std::fs::read(&sig).unwrap();
+    // Another key, or the same one again: refused, naming the signer, the file left alone.
+    for key in [&b, &a] {
+        assert_clean_error(
+            &sign(key, &[]),
+            &["already exists", &a_pub, "for this manifest", "--force"],
+        );
+        assert_eq!(
+            std::fs::read(&sig).unwrap(),
+            by_a,
+            "the signature was replaced"
+        );
+    }
+    let o = sign(&b, &["--force"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("replaced") && err.contains(&a_pub), "{err}");
+    let o = stormo(&[
+        "manifest",
+        "verify",
+        "--model",
+        model,
+        "--trust",
+        &b_pub,
+        "--signature-only",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // A file there that is not a signature is not replaced silently either.
+    std::fs::write(&sig, b"not a signature").unwrap();
+    assert_clean_error(&sign(&a, &[]), &["already exists", "not a signature"]);
+    assert_eq!(std::fs::read(&sig).unwrap(), b"not a signature");
+    let help = stormo(&["manifest", "sign", "--help"]);
+    assert!(String::from_utf8_lossy(&help.stdout).contains("--force"));
+}
+
+/// A file that is not a key is named as such, whatever its mode; `chmod` is advised only for a
+/// key file others may read.
+#[cfg(unix)]
+#[test]
+fn key_show_on_a_file_that_is_not_a_key_says_so_and_not_chmod() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let not_key = dir.path().join("config.json");
+    std::fs::copy(fixture("qwen3moe-tiny").join("config.json"), &not_key).unwrap();
+    let not_key = not_key.to_str().unwrap();
+    for mode in [0o644, 0o600] {
+        std::fs::set_permissions(not_key, std::fs::Permissions::from_mode(mode)).unwrap();
+        let o = stormo(&["key", "show", "--key", not_key]);
+        assert_clean_error(
+            &o,
+            &["not a stormo secret key", "stormo key generate", not_key],
+        );
+        assert!(
+            !stderr(&o).contains("chmod"),
+            "mode {mode:o}: {}",
+            stderr(&o)
+        );
+    }
+    // The same for the commands that sign with a key.
+    let model = fixture("qwen3moe-tiny");
+    let o = stormo(&[
+        "manifest",
+        "sign",
+        "--model",
+        model.to_str().unwrap(),
+        "--key",
+        not_key,
+    ]);
+    assert_clean_error(&o, &["not a stormo secret key"]);
+    assert!(!stderr(&o).contains("chmod"), "{}", stderr(&o));
+    // A real key others may read: that is about permissions.
+    let key = dir.path().join("loose.key");
+    let key = key.to_str().unwrap();
+    let g = stormo(&["key", "generate", "--out", key]);
+    assert!(g.status.success(), "{}", stderr(&g));
+    std::fs::set_permissions(key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    assert_clean_error(
+        &stormo(&["key", "show", "--key", key]),
+        &["too open", "chmod 600"],
+    );
+}
+
+fn synth_tiny(out: &Path, more: &[&str]) -> Output {
+    let shape = [
+        "synth",
+        "--preset",
+        "gpt-oss-20b",
+        "--quiet",
+        "--layers",
+        "1",
+        "--hidden",
+        "64",
+        "--intermediate",
+        "64",
+        "--experts",
+        "4",
+        "--top-k",
+        "2",
+        "--vocab",
+        "256",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "16",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    stormo(&[&shape[..], more].concat())
+}
+
+/// `synth --force` over a signed synthetic model removes the manifest and signature that
+/// described the old weights (they made a later verify fail on every tensor); without
+/// --force, a folder holding only such files is refused.
+#[test]
+fn synth_force_removes_the_manifest_of_the_checkpoint_it_replaces() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("model");
+    let m = out.to_str().unwrap();
+    let o = synth_tiny(&out, &["--seed", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let key = tmp.path().join("publisher.key");
+    let key = key.to_str().unwrap();
+    let g = stormo(&["key", "generate", "--out", key]);
+    assert!(g.status.success(), "{}", stderr(&g));
+    let public = String::from_utf8(g.stdout).unwrap().trim().to_string();
+    let build_sign_verify = || {
+        for args in [
+            &["manifest", "build", "--model", m][..],
+            &["manifest", "sign", "--model", m, "--key", key],
+            &["manifest", "verify", "--model", m, "--trust", &public],
+        ] {
+            let o = stormo(args);
+            assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+        }
+    };
+    build_sign_verify();
+    let o = synth_tiny(&out, &["--seed", "2", "--force"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("removed"), "{}", stderr(&o));
+    for f in ["bin", "json", "sig"] {
+        let p = out.join(format!("stormo-manifest.{f}"));
+        assert!(
+            !p.exists(),
+            "{} is left beside the new weights",
+            p.display()
+        );
+    }
+    // The folder is consistent: a new manifest and signature (no --force needed) verify.
+    build_sign_verify();
+    // A folder holding only a signature of something else is not quietly written into.
+    let other = tmp.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    std::fs::write(other.join("stormo-manifest.sig"), b"old").unwrap();
+    assert_clean_error(
+        &synth_tiny(&other, &[]),
+        &["stormo-manifest.sig", "--force"],
+    );
+    assert!(!other.join("config.json").exists());
+}

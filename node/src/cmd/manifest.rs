@@ -9,7 +9,7 @@ use anyhow::{bail, Context};
 use stormo_manifests::manifest::{DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
 use stormo_manifests::{
     read_manifest, BuildOptions, IoMode, ManifestPaths, ManifestSignature, Progress, PublicKey,
-    SecretKey, VerifyOptions,
+    SignatureError, VerifyOptions,
 };
 
 const PATHS_HELP: &str = "Files: by default the manifest is written beside the model as \
@@ -52,6 +52,9 @@ pub enum Command {
         io: IoArgs,
     },
     /// Sign a manifest with a publisher's secret key (writes the .sig beside the manifest).
+    ///
+    /// Refuses to replace a signature that is already there (naming its signer) unless
+    /// --force is given.
     #[command(after_help = PATHS_HELP)]
     Sign {
         /// The model folder.
@@ -63,6 +66,9 @@ pub enum Command {
         /// The manifest (default DIR/stormo-manifest.bin).
         #[arg(long)]
         manifest: Option<PathBuf>,
+        /// Replace an existing signature (stderr names the key that had signed it).
+        #[arg(long)]
+        force: bool,
     },
     /// Check the signature and every local byte against the manifest.
     ///
@@ -128,7 +134,8 @@ pub fn run(c: Command) -> anyhow::Result<()> {
             model,
             key,
             manifest,
-        } => sign(&model, &key, manifest.as_deref()),
+            force,
+        } => sign(&model, &key, manifest.as_deref(), force),
         Command::Verify {
             model,
             manifest,
@@ -289,7 +296,8 @@ fn build(model: &Path, out: Option<&Path>, chunk_kib: u32, io: IoMode) -> anyhow
     eprintln!("wrote {} and {}", paths.bin.display(), paths.json.display());
     if paths.sig.exists() {
         eprintln!(
-            "note: {} is from an earlier manifest; sign again if the model changed",
+            "note: {} is from an earlier manifest; sign again (with --force) if the model \
+             changed",
             paths.sig.display()
         );
     }
@@ -297,7 +305,7 @@ fn build(model: &Path, out: Option<&Path>, chunk_kib: u32, io: IoMode) -> anyhow
     Ok(())
 }
 
-fn sign(model: &Path, key: &Path, manifest: Option<&Path>) -> anyhow::Result<()> {
+fn sign(model: &Path, key: &Path, manifest: Option<&Path>, force: bool) -> anyhow::Result<()> {
     let paths = ManifestPaths::resolve(model, manifest);
     if paths.sig == paths.bin {
         bail!(
@@ -306,10 +314,24 @@ fn sign(model: &Path, key: &Path, manifest: Option<&Path>) -> anyhow::Result<()>
             paths.bin.display()
         );
     }
-    let key = SecretKey::load(key).context("cannot use the secret key")?;
-    let (m, _) = read_manifest(&paths.bin).context("run `stormo manifest build` first?")?;
+    let key = crate::cmd::key::load_secret_key(key)?;
+    let (m, bytes) = read_manifest(&paths.bin).context("run `stormo manifest build` first?")?;
+    // A link counts as there, even a dangling one: writing would replace it.
+    let old = std::fs::symlink_metadata(&paths.sig)
+        .is_ok()
+        .then(|| earlier_signature(&paths.sig, &bytes));
+    if let (Some(old), false) = (&old, force) {
+        bail!(
+            "{} already exists ({old}): refusing to replace a signature; pass --force to \
+             replace it",
+            paths.sig.display()
+        );
+    }
     let sig = ManifestSignature::sign(&key, &m);
     write_atomic(&paths.sig, &sig.to_bytes())?;
+    if let Some(old) = old {
+        eprintln!("replaced {} ({old})", paths.sig.display());
+    }
     eprintln!(
         "signed model id {} as {}; wrote {}",
         sig.model_id,
@@ -317,6 +339,29 @@ fn sign(model: &Path, key: &Path, manifest: Option<&Path>) -> anyhow::Result<()>
         paths.sig.display()
     );
     Ok(())
+}
+
+/// A few words on the signature file at `path`, beside the manifest `manifest_bytes`: who
+/// signed it, and whether for this manifest.
+fn earlier_signature(path: &Path, manifest_bytes: &[u8]) -> String {
+    let raw = match stormo_manifests::read_small_file(path, 4096) {
+        Ok(raw) => raw,
+        Err(e) => return format!("unreadable: {e}"),
+    };
+    let sig = match ManifestSignature::from_bytes(&raw) {
+        Ok(sig) => sig,
+        Err(e) => return format!("not a signature: {e}"),
+    };
+    match sig.check(manifest_bytes) {
+        Ok(()) => format!("signed by {}, for this manifest", sig.publisher),
+        Err(SignatureError::BadSignature { publisher }) => {
+            format!("naming {publisher}, but not a valid signature by it")
+        }
+        Err(_) => format!(
+            "signed by {}, for another manifest (model id {})",
+            sig.publisher, sig.model_id
+        ),
+    }
 }
 
 fn verify(

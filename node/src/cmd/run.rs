@@ -1,7 +1,13 @@
 //! `stormo run`: generation from a text prompt (rendered through the model's chat format,
 //! streamed as text) or from prompt token ids (printing ids); greedy unless sampling options
 //! are given.
+//!
+//! Text and ids go to stdout as each token is made, flushed, so an error partway (a peer gone
+//! mid-generation) leaves what was generated on stdout; with --json the one object comes at
+//! the end, and after such an error it holds the ids so far and the error.
 
+use std::io::Write;
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -12,8 +18,8 @@ use stormo_engine::sampling::{Sampler, SamplingParams};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 
 use crate::chat::reply::ReplyStream;
-use crate::chat::session::{ChatSession, GenerateOptions};
-use crate::chat::{ChatFormat, Tokenizer, Turn, TurnRole};
+use crate::chat::session::{ChatSession, GenerateOptions, Generation};
+use crate::chat::{ChatFormat, OutputDelta, Tokenizer, Turn, TurnRole};
 use crate::cmd::chat::{load_tokenizer, Printer, ReasoningDisplay, RenderArgs, SamplingArgs};
 use crate::experts::{ExpertArgs, Experts};
 use crate::net::{self, PeerArgs};
@@ -332,19 +338,42 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             },
             std::io::IsTerminal::is_terminal(&std::io::stdout()),
         );
-        let mut out: Box<dyn std::io::Write> = if a.json {
+        let mut out: Box<dyn Write> = if a.json {
             Box::new(std::io::sink())
         } else {
             Box::new(std::io::stdout())
         };
-        let (g, reasoning, content) = crate::cmd::chat::reply(
+        let mut so_far = TextSoFar::default();
+        let g = match stream_reply(
             &mut sess,
             &mut stream,
             &prompt,
             &opts,
             &mut printer,
             &mut out,
-        )?;
+            &mut so_far,
+        ) {
+            Ok(g) => g,
+            Err(e) => {
+                if a.json && !so_far.ids.is_empty() {
+                    print_partial_json(
+                        serde_json::json!({
+                            "text": so_far.content,
+                            "reasoning": so_far.reasoning,
+                            "generated_ids": so_far.ids,
+                            "prompt_ids": prompt,
+                            "prompt_tokens": prompt.len(),
+                            "finish_reason": "error",
+                        }),
+                        &e,
+                    );
+                }
+                return Err(e);
+            }
+        };
+        let TextSoFar {
+            reasoning, content, ..
+        } = so_far;
         if !a.json && content.is_empty() && reasoning.is_empty() && !g.ids.is_empty() {
             eprintln!(
                 "note: the {} generated ids hold no message in the model's chat format (a \
@@ -392,7 +421,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut logits = Vec::new();
     let keep_logits = a.logits_out.is_some();
     let mut timings = Timings::default();
-    let ids = if !sampling.is_plain_argmax() {
+    // Bare ids are printed as they come; --json prints them at the end.
+    let mut line = IdLine::new(std::io::stdout(), !a.json);
+    let generated = if !sampling.is_plain_argmax() {
         let mut sampler = Sampler::new(sampling)?;
         sampled(
             &model,
@@ -401,13 +432,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             a.max_new_tokens,
             &stop,
             &mut sampler,
-            |_, l| {
+            |id, l| {
+                line.push(id);
                 if keep_logits {
                     logits.extend_from_slice(l)
                 }
             },
             &mut timings,
-        )?
+        )
     } else if keep_logits {
         greedy(
             &model,
@@ -415,9 +447,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             &prompt,
             a.max_new_tokens,
             &stop,
-            |_, l| logits.extend_from_slice(l),
+            |id, l| {
+                line.push(id);
+                logits.extend_from_slice(l)
+            },
             &mut timings,
-        )?
+        )
     } else {
         // Through the screened head when the model keeps one: the same ids.
         greedy_ids(
@@ -426,10 +461,30 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             &prompt,
             a.max_new_tokens,
             &stop,
-            |_| {},
+            |id| line.push(id),
             &mut timings,
-        )?
+        )
     };
+    let ids = match generated {
+        Ok(ids) => ids,
+        Err(e) => {
+            // The ids made before the error are on stdout already: end their line.
+            let _ = line.end();
+            let e = anyhow::Error::from(e);
+            if a.json && !line.ids.is_empty() {
+                print_partial_json(
+                    serde_json::json!({
+                        "generated_ids": line.ids,
+                        "prompt_tokens": prompt.len(),
+                        "finish_reason": "error",
+                    }),
+                    &e,
+                );
+            }
+            return Err(e);
+        }
+    };
+    line.end().context("writing the generated ids to stdout")?;
     if let Some(path) = &a.logits_out {
         let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
         safetensors::write(
@@ -461,11 +516,156 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "experts": experts_json,
         });
         println!("{out}");
-    } else {
-        let s: Vec<String> = ids.iter().map(u32::to_string).collect();
-        println!("{}", s.join(" "));
     }
     Ok(())
+}
+
+/// Generated ids on one line of `out` as they are made: separated by spaces, flushed after
+/// each, so the ids made before an error are out when it comes. With `print` false it only
+/// keeps them.
+struct IdLine<W: Write> {
+    out: W,
+    print: bool,
+    /// Every id pushed.
+    ids: Vec<u32>,
+    /// The first write that failed; nothing more is written after it.
+    failed: Option<std::io::Error>,
+}
+
+impl<W: Write> IdLine<W> {
+    fn new(out: W, print: bool) -> Self {
+        Self {
+            out,
+            print,
+            ids: Vec::new(),
+            failed: None,
+        }
+    }
+
+    fn push(&mut self, id: u32) {
+        self.ids.push(id);
+        if !self.print || self.failed.is_some() {
+            return;
+        }
+        let sep = if self.ids.len() > 1 { " " } else { "" };
+        if let Err(e) = write!(self.out, "{sep}{id}").and_then(|()| self.out.flush()) {
+            self.failed = Some(e);
+        }
+    }
+
+    /// Ends the line, if an id was printed; returns the first write that failed.
+    fn end(&mut self) -> std::io::Result<()> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
+        if self.print && !self.ids.is_empty() {
+            writeln!(self.out)?;
+            self.out.flush()?;
+        }
+        Ok(())
+    }
+}
+
+/// A text reply as far as it got: its ids and text, kept as they come.
+#[derive(Default)]
+struct TextSoFar {
+    ids: Vec<u32>,
+    reasoning: String,
+    content: String,
+    /// The first write of the reply that failed; nothing more is printed after it.
+    failed: Option<std::io::Error>,
+}
+
+impl TextSoFar {
+    /// Keeps a piece of the reply and prints it; breaks off the generation when stdout fails.
+    fn take(
+        &mut self,
+        d: OutputDelta,
+        printer: &mut Printer,
+        out: &mut dyn Write,
+    ) -> ControlFlow<()> {
+        match &d {
+            OutputDelta::Reasoning(t) => self.reasoning.push_str(t),
+            OutputDelta::Content(t) => self.content.push_str(t),
+        }
+        if self.failed.is_some() {
+            return ControlFlow::Break(());
+        }
+        if let Err(e) = printer.print(out, &d) {
+            self.failed = Some(e);
+            return ControlFlow::Break(());
+        }
+        ControlFlow::Continue(())
+    }
+}
+
+/// A writer that notes whether anything went through it.
+struct Noting<'a> {
+    inner: &'a mut dyn Write,
+    wrote: bool,
+}
+
+impl Write for Noting<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.wrote |= n > 0;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// [`crate::cmd::chat::reply`] that keeps the reply in `so_far` as it comes: after an error
+/// partway, the text held back is printed, the line ended and the error returned, and
+/// `so_far` holds what was generated.
+fn stream_reply(
+    sess: &mut ChatSession,
+    stream: &mut ReplyStream,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    printer: &mut Printer,
+    out: &mut dyn Write,
+    so_far: &mut TextSoFar,
+) -> anyhow::Result<Generation> {
+    let mut out = Noting {
+        inner: out,
+        wrote: false,
+    };
+    let generated = sess.generate(prompt, opts, |id| {
+        so_far.ids.push(id);
+        match stream.push(id) {
+            Some(d) => so_far.take(d, printer, &mut out),
+            None => ControlFlow::Continue(()),
+        }
+    });
+    if let Some(d) = stream.finish() {
+        let _ = so_far.take(d, printer, &mut out);
+    }
+    let g = match generated {
+        Ok(g) => g,
+        Err(e) => {
+            if out.wrote && so_far.failed.is_none() {
+                let _ = printer.end(&mut out);
+            }
+            return Err(e.into());
+        }
+    };
+    if let Some(e) = so_far.failed.take() {
+        return Err(e).context("writing the reply");
+    }
+    printer.end(&mut out).context("writing the reply")?;
+    Ok(g)
+}
+
+/// Prints --json's object after an error partway (some tokens made; an error before the
+/// first prints nothing, as every other error): `partial`, what was generated, with the
+/// error added. Best effort: the error itself goes to stderr either way.
+fn print_partial_json(mut partial: serde_json::Value, e: &anyhow::Error) {
+    partial["error"] = crate::cli::error_message(e).into();
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{partial}").and_then(|()| out.flush());
 }
 
 fn rate(n: usize, s: f64) -> f64 {
@@ -479,6 +679,24 @@ fn rate(n: usize, s: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn id_line_is_the_ids_joined_by_spaces_as_they_come() {
+        let mut line = IdLine::new(Vec::new(), true);
+        line.end().unwrap();
+        assert!(line.out.is_empty(), "no ids, no line");
+        for id in [7, 0, 2047] {
+            line.push(id);
+        }
+        assert_eq!(line.out, b"7 0 2047", "printed before the end");
+        line.end().unwrap();
+        assert_eq!(line.out, b"7 0 2047\n");
+        let mut kept = IdLine::new(Vec::new(), false);
+        kept.push(3);
+        kept.end().unwrap();
+        assert!(kept.out.is_empty());
+        assert_eq!(kept.ids, [3]);
+    }
 
     #[test]
     fn output_file_may_not_overwrite_the_model() {

@@ -1,7 +1,7 @@
 //! `stormo synth`: random-weight checkpoints at real geometry, in the published layout.
 
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -109,7 +109,8 @@ pub struct Args {
     /// e.g. the o200k_harmony tokenizer with GPT-OSS's 201088 ids).
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
-    /// Replace the checkpoint files already in --out.
+    /// Replace the checkpoint files already in --out, and remove the files that described
+    /// the old checkpoint (its manifest and signature beside it, a pull's marker).
     #[arg(long)]
     pub force: bool,
     /// Print the files that would be written, and their sizes, without writing anything.
@@ -192,6 +193,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             );
         }
     }
+    // Files beside an earlier checkpoint that describe it: kept, they would contradict the
+    // weights written now (a later `manifest verify` fails on every tensor).
+    let stale = stale_companions(&a.out);
+    if let (Some(first), false, false) = (stale.first(), a.force, a.dry_run) {
+        bail!(
+            "{} is from an earlier checkpoint; choose an empty folder, or pass --force to \
+             replace that checkpoint and remove it",
+            first.display()
+        );
+    }
     if a.dry_run {
         println!(
             "{} ({} layers, {} experts of {}, hidden {}, vocab {}), seed {}: {} in {} shards",
@@ -215,7 +226,28 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         if let Some(t) = &a.tokenizer {
             println!("  tokenizer.json  copied from {}", t.display());
         }
+        if a.force {
+            for p in &stale {
+                println!(
+                    "  {}  removed (it describes the checkpoint replaced)",
+                    p.display()
+                );
+            }
+        }
         return Ok(());
+    }
+    // Removed before the new weights are written: a write that fails partway leaves no
+    // manifest claiming the folder.
+    for p in &stale {
+        std::fs::remove_file(p).with_context(|| format!("removing {}", p.display()))?;
+    }
+    if !stale.is_empty() {
+        let names: Vec<String> = stale.iter().map(|p| p.display().to_string()).collect();
+        eprintln!(
+            "removed {}: they described the checkpoint replaced (`stormo manifest build` and \
+             `sign` describe the new one)",
+            names.join(", ")
+        );
     }
 
     let tty = std::io::stderr().is_terminal();
@@ -278,9 +310,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The files in `dir` that describe the checkpoint there rather than hold it: the manifest,
+/// its JSON view and signature where `stormo manifest build` and `sign` put them by default,
+/// and the marker of `stormo pull`. Those that exist (a dangling link counts).
+fn stale_companions(dir: &Path) -> Vec<PathBuf> {
+    let m = stormo_manifests::ManifestPaths::beside_model(dir);
+    [
+        m.bin,
+        m.json,
+        m.sig,
+        dir.join(crate::net::pull::MARKER_FILE),
+    ]
+    .into_iter()
+    .filter(|p| std::fs::symlink_metadata(p).is_ok())
+    .collect()
+}
+
 /// Checks that the tokenizer in `path` loads and that every id it can produce is below
 /// `vocab` (the model's embedding rows).
-pub fn check_tokenizer(path: &std::path::Path, vocab: usize) -> anyhow::Result<()> {
+pub fn check_tokenizer(path: &Path, vocab: usize) -> anyhow::Result<()> {
     let tok = crate::chat::Tokenizer::from_file(path)
         .with_context(|| format!("--tokenizer {}", path.display()))?;
     let n = tok.vocab_size();
