@@ -41,7 +41,7 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// cannot allow-list a key that changes every start).
 pub fn node_key(path: Option<&Path>) -> anyhow::Result<SecretKey> {
     match path {
-        Some(p) => SecretKey::load(p).context("cannot use the node key (--key)"),
+        Some(p) => crate::cmd::key::load_secret_key(p).context("cannot use the node key (--key)"),
         None => {
             let k = SecretKey::generate();
             tracing::warn!(

@@ -784,6 +784,18 @@ fn key_show_on_a_file_that_is_not_a_key_says_so_and_not_chmod() {
     ]);
     assert_clean_error(&o, &["not a stormo secret key"]);
     assert!(!stderr(&o).contains("chmod"), "{}", stderr(&o));
+    // And for a node's own key (serve, pull, run --peer): the key is read before listening.
+    let o = stormo(&[
+        "serve",
+        "--model",
+        model.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--key",
+        not_key,
+    ]);
+    assert_clean_error(&o, &["not a stormo secret key", "--key"]);
+    assert!(!stderr(&o).contains("chmod"), "{}", stderr(&o));
     // A real key others may read: that is about permissions.
     let key = dir.path().join("loose.key");
     let key = key.to_str().unwrap();

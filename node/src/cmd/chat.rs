@@ -321,8 +321,21 @@ pub fn prompt_options(effort: &str, no_thinking: bool) -> anyhow::Result<PromptO
     })
 }
 
-/// Runs one reply: generates after `prompt`, printing as it goes. Returns the generation and
-/// the reply's reasoning and answer text.
+/// A reply as far as it got: its ids and the reasoning and answer text they made.
+#[derive(Debug, Default)]
+pub struct Reply {
+    /// The generated ids, stop token included.
+    pub ids: Vec<u32>,
+    /// The reasoning text.
+    pub reasoning: String,
+    /// The answer text.
+    pub content: String,
+}
+
+/// Runs one reply: generates after `prompt`, printing as it goes and keeping it in `so_far`.
+/// After an error partway (a generation error, or stdout failing), the text held back is
+/// printed and the line ended before the error is returned, so the output and `so_far` hold
+/// what was generated.
 pub fn reply(
     sess: &mut ChatSession,
     stream: &mut ReplyStream,
@@ -330,36 +343,70 @@ pub fn reply(
     opts: &GenerateOptions,
     printer: &mut Printer,
     out: &mut dyn Write,
-) -> anyhow::Result<(Generation, String, String)> {
-    let mut reasoning = String::new();
-    let mut content = String::new();
-    let mut io_err = None;
-    let mut take = |d: OutputDelta,
-                    printer: &mut Printer,
-                    io_err: &mut Option<std::io::Error>|
-     -> ControlFlow<()> {
+    so_far: &mut Reply,
+) -> anyhow::Result<Generation> {
+    let mut out = Noting {
+        inner: out,
+        wrote: false,
+    };
+    // The first write that failed; nothing more is printed after it.
+    let mut failed = None;
+    let mut take = |d: OutputDelta, so_far: &mut Reply, out: &mut Noting<'_>| {
         match &d {
-            OutputDelta::Reasoning(t) => reasoning.push_str(t),
-            OutputDelta::Content(t) => content.push_str(t),
+            OutputDelta::Reasoning(t) => so_far.reasoning.push_str(t),
+            OutputDelta::Content(t) => so_far.content.push_str(t),
+        }
+        if failed.is_some() {
+            return ControlFlow::Break(());
         }
         if let Err(e) = printer.print(out, &d) {
-            *io_err = Some(e);
+            failed = Some(e);
             return ControlFlow::Break(());
         }
         ControlFlow::Continue(())
     };
-    let g = sess.generate(prompt, opts, |id| match stream.push(id) {
-        Some(d) => take(d, printer, &mut io_err),
-        None => ControlFlow::Continue(()),
-    })?;
+    let generated = sess.generate(prompt, opts, |id| {
+        so_far.ids.push(id);
+        match stream.push(id) {
+            Some(d) => take(d, so_far, &mut out),
+            None => ControlFlow::Continue(()),
+        }
+    });
     if let Some(d) = stream.finish() {
-        let _ = take(d, printer, &mut io_err);
+        let _ = take(d, so_far, &mut out);
     }
-    if let Some(e) = io_err {
+    let g = match generated {
+        Ok(g) => g,
+        Err(e) => {
+            if out.wrote && failed.is_none() {
+                let _ = printer.end(&mut out);
+            }
+            return Err(e.into());
+        }
+    };
+    if let Some(e) = failed {
         return Err(e).context("writing the reply");
     }
-    printer.end(out).context("writing the reply")?;
-    Ok((g, reasoning, content))
+    printer.end(&mut out).context("writing the reply")?;
+    Ok(g)
+}
+
+/// A writer that notes whether anything went through it.
+struct Noting<'a> {
+    inner: &'a mut dyn Write,
+    wrote: bool,
+}
+
+impl Write for Noting<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.wrote |= n > 0;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 /// Runs `stormo chat`.
@@ -499,8 +546,19 @@ pub fn converse(
         };
         turn_no += 1;
         let mut stream = ReplyStream::chat(&tm.format);
-        let (g, reasoning, content) =
-            reply(&mut sess, &mut stream, &prompt, &opts, &mut printer, out)?;
+        let mut so_far = Reply::default();
+        let g = reply(
+            &mut sess,
+            &mut stream,
+            &prompt,
+            &opts,
+            &mut printer,
+            out,
+            &mut so_far,
+        )?;
+        let Reply {
+            reasoning, content, ..
+        } = so_far;
         let silent = content.is_empty() && reasoning.is_empty() && !g.ids.is_empty();
         turns.push(Turn {
             reasoning: (!reasoning.is_empty()).then_some(reasoning),

@@ -7,7 +7,6 @@
 //! the end, and after such an error it holds the ids so far and the error.
 
 use std::io::Write;
-use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -18,9 +17,11 @@ use stormo_engine::sampling::{Sampler, SamplingParams};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 
 use crate::chat::reply::ReplyStream;
-use crate::chat::session::{ChatSession, GenerateOptions, Generation};
-use crate::chat::{ChatFormat, OutputDelta, Tokenizer, Turn, TurnRole};
-use crate::cmd::chat::{load_tokenizer, Printer, ReasoningDisplay, RenderArgs, SamplingArgs};
+use crate::chat::session::{ChatSession, GenerateOptions};
+use crate::chat::{ChatFormat, Tokenizer, Turn, TurnRole};
+use crate::cmd::chat::{
+    load_tokenizer, reply, Printer, ReasoningDisplay, RenderArgs, Reply, SamplingArgs,
+};
 use crate::experts::{ExpertArgs, Experts};
 use crate::net::{self, PeerArgs};
 
@@ -343,8 +344,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         } else {
             Box::new(std::io::stdout())
         };
-        let mut so_far = TextSoFar::default();
-        let g = match stream_reply(
+        let mut so_far = Reply::default();
+        let g = match reply(
             &mut sess,
             &mut stream,
             &prompt,
@@ -371,7 +372,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 return Err(e);
             }
         };
-        let TextSoFar {
+        let Reply {
             reasoning, content, ..
         } = so_far;
         if !a.json && content.is_empty() && reasoning.is_empty() && !g.ids.is_empty() {
@@ -564,99 +565,6 @@ impl<W: Write> IdLine<W> {
         }
         Ok(())
     }
-}
-
-/// A text reply as far as it got: its ids and text, kept as they come.
-#[derive(Default)]
-struct TextSoFar {
-    ids: Vec<u32>,
-    reasoning: String,
-    content: String,
-    /// The first write of the reply that failed; nothing more is printed after it.
-    failed: Option<std::io::Error>,
-}
-
-impl TextSoFar {
-    /// Keeps a piece of the reply and prints it; breaks off the generation when stdout fails.
-    fn take(
-        &mut self,
-        d: OutputDelta,
-        printer: &mut Printer,
-        out: &mut dyn Write,
-    ) -> ControlFlow<()> {
-        match &d {
-            OutputDelta::Reasoning(t) => self.reasoning.push_str(t),
-            OutputDelta::Content(t) => self.content.push_str(t),
-        }
-        if self.failed.is_some() {
-            return ControlFlow::Break(());
-        }
-        if let Err(e) = printer.print(out, &d) {
-            self.failed = Some(e);
-            return ControlFlow::Break(());
-        }
-        ControlFlow::Continue(())
-    }
-}
-
-/// A writer that notes whether anything went through it.
-struct Noting<'a> {
-    inner: &'a mut dyn Write,
-    wrote: bool,
-}
-
-impl Write for Noting<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.inner.write(buf)?;
-        self.wrote |= n > 0;
-        Ok(n)
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.inner.flush()
-    }
-}
-
-/// [`crate::cmd::chat::reply`] that keeps the reply in `so_far` as it comes: after an error
-/// partway, the text held back is printed, the line ended and the error returned, and
-/// `so_far` holds what was generated.
-fn stream_reply(
-    sess: &mut ChatSession,
-    stream: &mut ReplyStream,
-    prompt: &[u32],
-    opts: &GenerateOptions,
-    printer: &mut Printer,
-    out: &mut dyn Write,
-    so_far: &mut TextSoFar,
-) -> anyhow::Result<Generation> {
-    let mut out = Noting {
-        inner: out,
-        wrote: false,
-    };
-    let generated = sess.generate(prompt, opts, |id| {
-        so_far.ids.push(id);
-        match stream.push(id) {
-            Some(d) => so_far.take(d, printer, &mut out),
-            None => ControlFlow::Continue(()),
-        }
-    });
-    if let Some(d) = stream.finish() {
-        let _ = so_far.take(d, printer, &mut out);
-    }
-    let g = match generated {
-        Ok(g) => g,
-        Err(e) => {
-            if out.wrote && so_far.failed.is_none() {
-                let _ = printer.end(&mut out);
-            }
-            return Err(e.into());
-        }
-    };
-    if let Some(e) = so_far.failed.take() {
-        return Err(e).context("writing the reply");
-    }
-    printer.end(&mut out).context("writing the reply")?;
-    Ok(g)
 }
 
 /// Prints --json's object after an error partway (some tokens made; an error before the
