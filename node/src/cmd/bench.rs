@@ -56,9 +56,10 @@ pub struct Args {
     #[arg(long)]
     pub int8_attn_head: bool,
     /// Multiply MXFP4 experts by inputs rounded to int8 in blocks of 32 (integer products;
-    /// fewer instructions per weight than the exact path, which matters where the expert
-    /// kernel, not memory, is the limit). Approximate (the exact path is the default; the
-    /// README gives the measured agreement).
+    /// fewer instructions per weight than the exact path on AVX2 CPUs, which matters where the
+    /// expert kernel, not memory, is the limit; on AVX-512 CPUs the exact kernel is the faster
+    /// one). Approximate (the exact path is the default; the README gives the measured
+    /// agreement and speeds).
     #[arg(long)]
     pub int8_experts: bool,
     /// Compute every row of the exact output head for each token (the decode and each

@@ -273,8 +273,8 @@ pub struct Args {
     /// (approximate, faster; see `stormo run --help`).
     #[arg(long)]
     pub int8_attn_head: bool,
-    /// Multiply MXFP4 experts by int8-rounded inputs (approximate, faster where the expert
-    /// kernel is the limit; see `stormo run --help`).
+    /// Multiply MXFP4 experts by int8-rounded inputs (approximate; faster on AVX2 CPUs where
+    /// the expert kernel is the limit, slower on AVX-512 ones; see `stormo run --help`).
     #[arg(long)]
     pub int8_experts: bool,
     /// Compute the whole exact output head for every token even when sampling is greedy
