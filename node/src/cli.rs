@@ -17,6 +17,42 @@ pub struct Cli {
     pub command: Command,
 }
 
+impl Cli {
+    /// The command line as clap sees it, with every option that takes a value accepting a
+    /// negative number as that value: `--max-new-tokens -1` is then refused for its value
+    /// ("invalid digit") rather than as an unknown argument `-1` that leaves the user guessing.
+    pub fn command_line() -> clap::Command {
+        fn negatives(c: clap::Command) -> clap::Command {
+            c.mut_args(|a| {
+                if a.get_action().takes_values() && !a.is_positional() {
+                    a.allow_negative_numbers(true)
+                } else {
+                    a
+                }
+            })
+            .mut_subcommands(negatives)
+        }
+        negatives(<Self as clap::CommandFactory>::command())
+    }
+
+    /// Parses the process's arguments with [`Cli::command_line`]; exits with clap's message
+    /// (and usage error code) on a bad one, as `Parser::parse` does.
+    pub fn parse_args() -> Self {
+        Self::try_parse_args(std::env::args_os()).unwrap_or_else(|e| e.exit())
+    }
+
+    /// [`Cli::parse_args`] over `args` (the program name first), returning clap's error.
+    pub fn try_parse_args<I, T>(args: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let mut cmd = Self::command_line();
+        let m = cmd.try_get_matches_from_mut(args)?;
+        <Self as clap::FromArgMatches>::from_arg_matches(&m).map_err(|e| e.format(&mut cmd))
+    }
+}
+
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -65,6 +101,20 @@ pub fn error_message(e: &anyhow::Error) -> String {
     msg
 }
 
+/// The whole process: parses the arguments, sets up logging, runs the subcommand and prints
+/// its error, if any, on one line (the `stormo` binary's `main`).
+pub fn main() -> std::process::ExitCode {
+    let cli = Cli::parse_args();
+    crate::logging::init(cli.verbose);
+    match dispatch(cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", error_message(&e));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// Runs the chosen subcommand.
 pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
@@ -89,8 +139,32 @@ mod tests {
     /// name missing arguments, ...), which otherwise fire only when that command runs.
     #[test]
     fn command_line_definition_is_consistent() {
-        use clap::CommandFactory;
-        super::Cli::command().debug_assert();
+        super::Cli::command_line().debug_assert();
+    }
+
+    /// A negative number given to an option that takes a number is refused for its value,
+    /// naming the option; a negative temperature still reaches the sampling checks.
+    #[test]
+    fn negative_numbers_are_values_not_unknown_arguments() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["stormo", "run", "--model", "m", "--prompt-ids", "1"];
+            argv.extend_from_slice(extra);
+            super::Cli::try_parse_args(argv).map_err(|e| e.to_string())
+        };
+        let e = parse(&["--max-new-tokens", "-1"]).unwrap_err();
+        assert!(
+            e.contains("invalid value '-1' for '--max-new-tokens"),
+            "{e}"
+        );
+        let e = super::Cli::try_parse_args(["stormo", "serve", "--http-timeout", "-5"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("'--http-timeout"), "{e}");
+        assert!(parse(&["--temperature", "-1"]).is_ok());
+        // Flags and words that start with a dash are still arguments.
+        assert!(parse(&["--stats"]).is_ok());
+        let e = parse(&["-x"]).unwrap_err();
+        assert!(e.contains("unexpected argument '-x'"), "{e}");
     }
 
     /// A cause already at the end of the message is not repeated; others follow their context.

@@ -308,6 +308,29 @@ fn bad_prompts() {
         &stormo(&["run", "--model", m, "--prompt-ids-file", "/nonexistent/ids"]),
         &["/nonexistent/ids"],
     );
+    // A text prompt with a wrong model folder names the folder, not the missing tokenizer.
+    let config = dir.join("config.json");
+    let config = config.to_str().unwrap();
+    for args in [
+        &["run", "--model", "/nonexistent/model", "--prompt", "hi"][..],
+        &["chat", "--model", "/nonexistent/model"],
+        &[
+            "serve",
+            "--model",
+            "/nonexistent/model",
+            "--http",
+            "127.0.0.1:0",
+        ],
+        &["run", "--model", config, "--prompt", "hi"],
+    ] {
+        let o = stormo(args);
+        assert_clean_error(&o, &["loading the model in"]);
+        assert!(
+            !stderr(&o).contains("no tokenizer"),
+            "{args:?}: {}",
+            stderr(&o)
+        );
+    }
     // a prompt longer than the context
     let d = copy_model("qwen3moe-tiny");
     let cfg = d.path().join("config.json");

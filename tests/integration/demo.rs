@@ -3,7 +3,6 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use clap::Parser;
 use serde_json::Value;
 use stormo_node::cli::{dispatch, Cli};
 use stormo_tests::fixture;
@@ -83,7 +82,7 @@ fn out_pid(_stderr: &str) -> String {
 pub(crate) fn synth(args: &[&str]) -> anyhow::Result<()> {
     let mut all = vec!["stormo", "synth", "--preset", "gpt-oss-20b", "--quiet"];
     all.extend_from_slice(args);
-    dispatch(Cli::try_parse_from(all)?)
+    dispatch(Cli::try_parse_args(all)?)
 }
 
 /// A tiny GPT-OSS shape for `stormo synth` (all but the layer count), shared by the tests that

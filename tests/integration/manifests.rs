@@ -4,7 +4,6 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use clap::Parser;
 use stormo_engine::layout::ExpertLayout;
 use stormo_engine::safetensors::Checkpoint;
 use stormo_engine::ModelConfig;
@@ -414,7 +413,7 @@ fn signature_failures_on_real_manifests_are_distinct() {
 }
 
 fn stormo(args: &[&str]) -> anyhow::Result<()> {
-    let cli = stormo_node::cli::Cli::try_parse_from(
+    let cli = stormo_node::cli::Cli::try_parse_args(
         std::iter::once("stormo").chain(args.iter().copied()),
     )?;
     stormo_node::cli::dispatch(cli)

@@ -615,11 +615,10 @@ mod tests {
     /// any work starts (they were once raised or used silently).
     #[test]
     fn bad_arguments_are_refused_at_parse_time() {
-        use clap::Parser;
         let parse = |extra: &[&str]| {
             let mut argv = vec!["stormo", "bench", "--model", "m"];
             argv.extend_from_slice(extra);
-            crate::cli::Cli::try_parse_from(argv).map_err(|e| e.to_string())
+            crate::cli::Cli::try_parse_args(argv).map_err(|e| e.to_string())
         };
         for (args, needle) in [
             (&["--prefill-block", "0"][..], "--prefill-block"),

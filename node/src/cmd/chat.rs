@@ -97,6 +97,11 @@ pub fn check_tokenizer_fits(tok: &Tokenizer, vocab: usize, dir: &Path) -> anyhow
 
 /// Loads `dir/tokenizer.json`, naming the file when it is missing.
 pub fn load_tokenizer(dir: &Path) -> anyhow::Result<Arc<Tokenizer>> {
+    // A wrong model folder is the likelier mistake than a missing tokenizer: name it first.
+    if !dir.join("config.json").is_file() {
+        stormo_engine::ModelConfig::from_dir(dir)
+            .with_context(|| format!("loading the model in {}", dir.display()))?;
+    }
     let path = dir.join("tokenizer.json");
     if !path.is_file() {
         bail!(

@@ -15,7 +15,8 @@ use stormo_manifests::{
 const PATHS_HELP: &str = "Files: by default the manifest is written beside the model as \
 DIR/stormo-manifest.bin (canonical bytes; the model id is their BLAKE3), \
 DIR/stormo-manifest.json (a readable view) and DIR/stormo-manifest.sig (the signature). \
-For a read-only model folder pass --out/--manifest FILE.bin; the .json and .sig go beside it.";
+For a read-only model folder pass --out FILE.bin to build, then --manifest FILE.bin to sign \
+and verify; the .json and .sig go beside it.";
 
 /// How the weight files are read (shared by build, verify and bench).
 #[derive(Debug, Clone, Copy, clap::Args)]
