@@ -627,20 +627,23 @@ fn http_closes_connections_that_stall_or_idle() {
 /// times out.
 #[test]
 fn http_answers_503_beyond_the_connection_cap() {
-    let timeout = Duration::from_millis(1500);
+    let timeout = Duration::from_secs(3);
     let cap = 4;
-    let srv = Server::start_with(2, 256, |c| {
-        c.timeout = timeout;
-        c.max_connections = cap;
-    });
-    let a = srv.addr;
-    let busy = |what: &str| {
+    let start = || {
+        Server::start_with(2, 256, |c| {
+            c.timeout = timeout;
+            c.max_connections = cap;
+        })
+    };
+    let srv = start();
+    let mut a = srv.addr;
+    let busy = |a, what: &str| {
         let (st, text) = request(a, "GET", "/v1/models", b"");
         let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
         assert_openai_error(st, &v, 503, "server_error", what);
         assert_eq!(v["error"]["code"], "too_many_connections", "{v}");
     };
-    let free_again = |what: &str, within: Duration| {
+    let free_again = |a, what: &str, within: Duration| {
         let t0 = Instant::now();
         loop {
             let (st, text) = request(a, "GET", "/v1/models", b"");
@@ -655,20 +658,28 @@ fn http_answers_503_beyond_the_connection_cap() {
     // Held open, then closed by the client.
     let t0 = Instant::now();
     let held: Vec<TcpStream> = (0..cap).map(|_| connect(a)).collect();
-    busy("one connection past the cap");
-    busy("another");
+    busy(a, "one connection past the cap");
+    busy(a, "another");
     drop(held);
-    free_again("after the held connections closed", Duration::from_secs(5));
+    free_again(
+        a,
+        "after the held connections closed",
+        Duration::from_secs(5),
+    );
     assert!(
         t0.elapsed() < timeout,
         "the slots were freed by the timeout, not by the clients closing (or the test was slow)"
     );
-    // Held open until the server times them out.
+    // Held open until the server times them out: on a server of its own, so that none of
+    // the connections above, closed but perhaps not yet counted out, takes a slot from these.
+    let srv2 = start();
+    a = srv2.addr;
     let mut held: Vec<TcpStream> = (0..cap).map(|_| connect(a)).collect();
-    busy("past the cap again");
+    busy(a, "past the cap again");
     let waited = free_again(
+        a,
         "after the held connections timed out",
-        Duration::from_secs(6),
+        Duration::from_secs(9),
     );
     assert!(waited >= timeout.mul_f64(0.5), "freed after {waited:?}");
     for s in &mut held {
