@@ -702,7 +702,16 @@ async fn fetch_range(
 ) -> anyhow::Result<Vec<u8>> {
     let mut last = None;
     for l in links {
-        match l.file(model, name, offset, len).await {
+        let got = l.file(model, name, offset, len).await.and_then(|b| {
+            // Every caller counts on the whole range: a peer's short answer is its failure.
+            anyhow::ensure!(
+                b.len() as u64 == len,
+                "{name} bytes {offset}+{len}: the peer sent {} bytes",
+                b.len()
+            );
+            Ok(b)
+        });
+        match got {
             Ok(b) => return Ok(b),
             Err(e) => {
                 tracing::warn!("{e:#}");
