@@ -262,7 +262,12 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
         next_id: AtomicU64::new(1),
     });
     let timeout = cfg.timeout;
-    let mut gate = conn::Gate::new(cfg.max_connections);
+    let refusal = ApiError::server(format!(
+        "the server has {} connections open, the most it allows; try again later",
+        cfg.max_connections
+    ))
+    .code("too_many_connections");
+    let mut gate = conn::Gate::new(cfg.max_connections, &refusal.body().to_string());
     let accept = tokio::spawn(async move {
         loop {
             let (stream, peer) = match listener.accept().await {

@@ -1948,13 +1948,12 @@ fn pull_without_experts_keeps_a_full_copy_full() {
     );
     assert_eq!(snapshot(out.path()), full, "the folder changed");
     // A damaged expert tensor: fetched again, the rest copied.
-    let (i, t) = m
+    let (_, t) = m
         .tensors
         .iter()
         .enumerate()
         .find(|(i, t)| experts.contains(i) && t.len > 0)
         .expect("an expert tensor");
-    let _ = i;
     let path = out.path().join("model.safetensors");
     let mut bytes = std::fs::read(&path).expect("read");
     bytes[t.offset as usize] ^= 0x01;

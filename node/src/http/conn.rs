@@ -47,18 +47,27 @@ pub(super) struct Gate {
     open: Arc<Semaphore>,
     rejecting: Arc<Semaphore>,
     max: usize,
+    /// The whole 503 response a refused connection gets.
+    refusal: Arc<[u8]>,
     /// Whether the last connection was refused (to warn once each time the cap is reached).
     full: bool,
 }
 
 impl Gate {
-    /// A gate for at most `max` connections (at least 1, at most [`Semaphore::MAX_PERMITS`]).
-    pub(super) fn new(max: usize) -> Self {
+    /// A gate for at most `max` connections (at least 1, at most [`Semaphore::MAX_PERMITS`]);
+    /// a connection beyond them gets the JSON error `body` with status 503.
+    pub(super) fn new(max: usize, body: &str) -> Self {
         let max = max.clamp(1, Semaphore::MAX_PERMITS);
+        let head = format!(
+            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
+            body.len()
+        );
         Self {
             open: Arc::new(Semaphore::new(max)),
             rejecting: Arc::new(Semaphore::new(MAX_REJECTING)),
             max,
+            refusal: [head.as_bytes(), body.as_bytes()].concat().into(),
             full: false,
         }
     }
@@ -83,34 +92,20 @@ impl Gate {
         }
         tracing::debug!("HTTP connection from {peer} refused: too many connections");
         if let Ok(permit) = self.rejecting.clone().try_acquire_owned() {
-            let max = self.max;
+            let refusal = self.refusal.clone();
             tokio::spawn(async move {
                 let _permit = permit;
-                let _ = tokio::time::timeout(REJECT_LINGER, reject(stream, max)).await;
+                let _ = tokio::time::timeout(REJECT_LINGER, reject(stream, &refusal)).await;
             });
         }
         None
     }
 }
 
-/// Answers 503 and closes, after reading (and discarding) what the client sends meanwhile.
-async fn reject(mut stream: TcpStream, max: usize) -> io::Result<()> {
-    let body = serde_json::json!({ "error": {
-        "message": format!(
-            "the server has {max} connections open, the most it allows; try again later"
-        ),
-        "type": "server_error",
-        "param": null,
-        "code": "too_many_connections",
-    }})
-    .to_string();
-    let head = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
+/// Answers `refusal` and closes, after reading (and discarding) what the client sends
+/// meanwhile.
+async fn reject(mut stream: TcpStream, refusal: &[u8]) -> io::Result<()> {
+    stream.write_all(refusal).await?;
     stream.shutdown().await?;
     let mut sink = [0u8; 4096];
     while stream.read(&mut sink).await? > 0 {}
@@ -267,7 +262,7 @@ mod tests {
 
     #[test]
     fn a_gate_of_zero_or_too_many_is_clamped() {
-        assert_eq!(Gate::new(0).max, 1);
-        assert_eq!(Gate::new(usize::MAX).max, Semaphore::MAX_PERMITS);
+        assert_eq!(Gate::new(0, "{}").max, 1);
+        assert_eq!(Gate::new(usize::MAX, "{}").max, Semaphore::MAX_PERMITS);
     }
 }

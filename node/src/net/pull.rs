@@ -232,13 +232,7 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
         manifest.tensors.len(),
         manifest.experts.len()
     );
-    for f in manifest
-        .identity
-        .meta
-        .iter()
-        .map(|f| &f.name)
-        .chain(manifest.files.iter().map(|f| &f.name))
-    {
+    for f in listed_files(&manifest) {
         stormo_wire::check_file_name(f)
             .map_err(|why| anyhow::anyhow!("the manifest names a file {f:?}: {why}"))?;
     }
@@ -361,6 +355,15 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
     Ok(report)
 }
 
+/// The names of the files manifest `m` lists: metadata (config, tokenizer), then weights.
+fn listed_files(m: &Manifest) -> impl Iterator<Item = &str> {
+    m.identity
+        .meta
+        .iter()
+        .map(|f| f.name.as_str())
+        .chain(m.files.iter().map(|f| f.name.as_str()))
+}
+
 /// The indices of the tensors of weight file `index`.
 fn tensors_of(m: &Manifest, index: usize) -> impl Iterator<Item = usize> + '_ {
     (0..m.tensors.len()).filter(move |&t| m.tensors[t].file as usize == index)
@@ -409,13 +412,7 @@ fn survey(dir: &Path, m: &Manifest, id: Hash, with_experts: bool) -> anyhow::Res
         }
         None => false,
     };
-    let listed: HashSet<&str> = m
-        .identity
-        .meta
-        .iter()
-        .map(|f| f.name.as_str())
-        .chain(m.files.iter().map(|f| f.name.as_str()))
-        .collect();
+    let listed: HashSet<&str> = listed_files(m).collect();
     let paths = ManifestPaths::beside_model(dir);
     let mut other_manifest = marker.is_some() && !owned;
     match std::fs::read(&paths.bin) {
@@ -428,16 +425,10 @@ fn survey(dir: &Path, m: &Manifest, id: Hash, with_experts: bool) -> anyhow::Res
                 ));
                 other_manifest = true;
                 // The other model's own files that this one does not have go with it.
-                for name in old
-                    .identity
-                    .meta
-                    .iter()
-                    .map(|f| &f.name)
-                    .chain(old.files.iter().map(|f| &f.name))
-                {
+                for name in listed_files(&old) {
                     let p = dir.join(name);
                     if stormo_wire::check_file_name(name).is_ok()
-                        && !listed.contains(name.as_str())
+                        && !listed.contains(name)
                         && is_file(&p)
                     {
                         stale.insert(p);
@@ -574,43 +565,48 @@ fn read_header(mut f: &std::fs::File) -> anyhow::Result<Vec<u8>> {
 
 /// Whether the bytes of tensor `te` in `f` match its hash.
 fn tensor_verifies(f: &mut std::fs::File, te: &stormo_manifests::manifest::TensorEntry) -> bool {
-    let mut h = blake3::Hasher::new();
-    if f.seek(SeekFrom::Start(te.offset)).is_err() {
-        return false;
-    }
-    let mut r = f.take(te.len);
-    if std::io::copy(&mut r, &mut h).ok() != Some(te.len) {
-        return false;
-    }
-    Hash(*h.finalize().as_bytes()) == te.hash
+    read_verified(f, te, &mut std::io::sink()).unwrap_or(false)
 }
 
-/// Copies tensor `te` from `src` to `dst` at its offset, hashing as it goes; whether the
-/// bytes matched its hash (if not, whatever was copied is overwritten when it is fetched).
+/// Copies tensor `te` from `src` to `dst` at its offset; whether the bytes matched its hash
+/// (if not, whatever was copied is overwritten when it is fetched).
 fn copy_verified(
     src: &mut std::fs::File,
     dst: &mut std::fs::File,
     te: &stormo_manifests::manifest::TensorEntry,
 ) -> std::io::Result<bool> {
-    src.seek(SeekFrom::Start(te.offset))?;
     dst.seek(SeekFrom::Start(te.offset))?;
-    let mut h = blake3::Hasher::new();
-    let mut buf = vec![0u8; (1 << 20).min(te.len.max(1) as usize)];
-    let mut left = te.len;
-    while left > 0 {
-        let n = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-        if let Err(e) = src.read_exact(&mut buf[..n]) {
-            return if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                Ok(false)
-            } else {
-                Err(e)
-            };
-        }
-        h.update(&buf[..n]);
-        dst.write_all(&buf[..n])?;
-        left -= n as u64;
+    read_verified(src, te, dst)
+}
+
+/// Reads tensor `te` from `src` into `out`, hashing as it goes; whether `src` held all of it
+/// and its bytes matched the hash.
+fn read_verified(
+    src: &mut std::fs::File,
+    te: &stormo_manifests::manifest::TensorEntry,
+    out: &mut impl Write,
+) -> std::io::Result<bool> {
+    struct Hashing<'a, W> {
+        h: blake3::Hasher,
+        out: &'a mut W,
     }
-    Ok(Hash(*h.finalize().as_bytes()) == te.hash)
+    impl<W: Write> Write for Hashing<'_, W> {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            let n = self.out.write(b)?;
+            self.h.update(&b[..n]);
+            Ok(n)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            self.out.flush()
+        }
+    }
+    src.seek(SeekFrom::Start(te.offset))?;
+    let mut w = Hashing {
+        h: blake3::Hasher::new(),
+        out,
+    };
+    let n = std::io::copy(&mut src.take(te.len), &mut w)?;
+    Ok(n == te.len && Hash(*w.h.finalize().as_bytes()) == te.hash)
 }
 
 /// Fetches and accepts the manifest (and its signature for `--trust`) from the first peer
