@@ -3,12 +3,12 @@
 //!
 //! Owns: parsing requests (bounded body, every malformed input a 400 in OpenAI's error shape,
 //! never a panic), rendering chat requests through the model's chat format, queueing, and
-//! streaming replies. Connections are capped and timed (see `http/conn.rs`): a client that
-//! stalls sending a request or taking a reply, or keeps an idle connection open, loses it
-//! after `--http-timeout`. One engine thread owns one [`ChatSession`] and runs one request at
-//! a time in arrival order; requests beyond `queue` waiting ones get 429. Because clients send the
-//! whole conversation every time, consecutive turns of one conversation reuse the cached
-//! common prefix (see [`crate::chat::session`]).
+//! streaming replies. Connections are capped, in all and per client address, and timed (see
+//! `http/conn.rs`): a client that stalls sending a request or taking a reply, or keeps an
+//! idle connection open, loses it after `--http-timeout`. One engine thread owns one
+//! [`ChatSession`] and runs one request at a time in arrival order; requests beyond `queue`
+//! waiting ones get 429. Because clients send the whole conversation every time, consecutive
+//! turns of one conversation reuse the cached common prefix (see [`crate::chat::session`]).
 //!
 //! Non-goals: authentication (bind to loopback or put a proxy in front), batching several
 //! requests into one forward, `n > 1`, logprobs, tools/function calling.
@@ -46,7 +46,7 @@ use crate::experts::ExpertArgs;
 
 mod conn;
 mod stop;
-pub use conn::{DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT};
+pub use conn::{DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_CLIENT, DEFAULT_TIMEOUT};
 use stop::StopMatcher;
 
 /// Options of the HTTP API (`stormo serve --http`).
@@ -78,6 +78,12 @@ pub struct HttpArgs {
     /// Connections open at once; more are answered HTTP 503 and closed.
     #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS, value_name = "N")]
     pub http_max_connections: usize,
+    /// Connections one client IP address may have open at once; more from it are answered
+    /// HTTP 503 and closed. At least 1; at or above --http-max-connections, only that cap
+    /// applies. Behind a proxy every client has the proxy's address: raise it to
+    /// --http-max-connections there.
+    #[arg(long, default_value_t = DEFAULT_MAX_PER_CLIENT, value_name = "N")]
+    pub http_max_per_client: usize,
 }
 
 /// The server's settings.
@@ -96,6 +102,9 @@ pub struct HttpConfig {
     pub timeout: std::time::Duration,
     /// Connections open at once.
     pub max_connections: usize,
+    /// Connections one client address may have open at once (at least 1; at or above
+    /// `max_connections`, only that cap applies).
+    pub max_per_client: usize,
 }
 
 impl HttpArgs {
@@ -115,6 +124,11 @@ impl HttpArgs {
             (1..=MAX_CONNECTIONS).contains(&self.http_max_connections),
             "--http-max-connections must be between 1 and {MAX_CONNECTIONS}"
         );
+        anyhow::ensure!(
+            self.http_max_per_client >= 1,
+            "--http-max-per-client must be at least 1 (to leave only --http-max-connections, \
+             give it that value)"
+        );
         Ok(Some(HttpConfig {
             addr,
             queue: self.http_queue,
@@ -122,6 +136,7 @@ impl HttpArgs {
             context: self.http_context,
             timeout: std::time::Duration::from_secs_f64(timeout),
             max_connections: self.http_max_connections,
+            max_per_client: self.http_max_per_client,
         }))
     }
 }
@@ -223,6 +238,10 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
         "the HTTP server's connection cap must be between 1 and {MAX_CONNECTIONS}"
     );
     anyhow::ensure!(
+        cfg.max_per_client >= 1,
+        "the HTTP server's per-client connection cap must be at least 1"
+    );
+    anyhow::ensure!(
         !cfg.timeout.is_zero() && cfg.timeout.as_secs_f64() <= crate::progress::MAX_SECS,
         "the HTTP server's timeout must be positive and at most {} s",
         crate::progress::MAX_SECS
@@ -267,7 +286,18 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
         cfg.max_connections
     ))
     .code("too_many_connections");
-    let mut gate = conn::Gate::new(cfg.max_connections, &refusal.body().to_string());
+    let client_refusal = ApiError::server(format!(
+        "your address has {} connections open to the server, the most one address may have; \
+         close one or try again later",
+        cfg.max_per_client
+    ))
+    .code("too_many_connections_from_client");
+    let mut gate = conn::Gate::new(
+        cfg.max_connections,
+        cfg.max_per_client,
+        &refusal.body().to_string(),
+        &client_refusal.body().to_string(),
+    );
     let accept = tokio::spawn(async move {
         loop {
             let (stream, peer) = match listener.accept().await {
@@ -279,12 +309,14 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
                     continue;
                 }
             };
-            let Some((stream, permit)) = gate.admit(stream, peer) else {
+            let Some((stream, slot)) = gate.admit(stream, peer) else {
                 continue;
             };
             let state = state.clone();
             tokio::spawn(async move {
-                let _permit = permit;
+                // Given back when the task ends, after the connection (owned by the future
+                // below) is closed, whether it ended well, by an error or by a timeout.
+                let _slot = slot;
                 let svc = service_fn(move |req| {
                     let state = state.clone();
                     async move { Ok::<_, Infallible>(handle(state, req).await) }
@@ -1163,14 +1195,16 @@ mod tests {
             http_context: 4096,
             http_timeout: DEFAULT_TIMEOUT.as_secs_f64(),
             http_max_connections: DEFAULT_MAX_CONNECTIONS,
+            http_max_per_client: DEFAULT_MAX_PER_CLIENT,
         }
     }
 
     #[test]
-    fn config_checks_the_timeout_and_connection_cap() {
+    fn config_checks_the_timeout_and_connection_caps() {
         let cfg = args().config().expect("defaults").expect("--http given");
         assert_eq!(cfg.timeout, DEFAULT_TIMEOUT);
         assert_eq!(cfg.max_connections, DEFAULT_MAX_CONNECTIONS);
+        assert_eq!(cfg.max_per_client, DEFAULT_MAX_PER_CLIENT);
         for t in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e18] {
             let a = HttpArgs {
                 http_timeout: t,
@@ -1186,6 +1220,50 @@ mod tests {
             };
             let e = a.config().expect_err("a bad cap is refused");
             assert!(e.to_string().contains("--http-max-connections"), "{n}: {e}");
+        }
+        let a = HttpArgs {
+            http_max_per_client: 0,
+            ..args()
+        };
+        let e = a.config().expect_err("a per-client cap of 0 is refused");
+        assert!(e.to_string().contains("--http-max-per-client"), "{e}");
+        // Above the cap in all: accepted, and only that cap applies (see conn.rs).
+        for n in [
+            1,
+            DEFAULT_MAX_CONNECTIONS,
+            DEFAULT_MAX_CONNECTIONS + 1,
+            usize::MAX,
+        ] {
+            let a = HttpArgs {
+                http_max_per_client: n,
+                ..args()
+            };
+            let cfg = a.config().expect("accepted").expect("--http given");
+            assert_eq!(cfg.max_per_client, n);
+        }
+    }
+
+    /// A negative or non-numeric per-client cap is refused by the command line, naming the
+    /// option.
+    #[test]
+    fn the_per_client_cap_is_a_number() {
+        for v in ["-1", "x", "1.5"] {
+            let e = crate::cli::Cli::try_parse_args([
+                "stormo",
+                "serve",
+                "--model",
+                "m",
+                "--http",
+                "127.0.0.1:0",
+                "--http-max-per-client",
+                v,
+            ])
+            .expect_err("refused")
+            .to_string();
+            assert!(
+                e.contains(&format!("invalid value '{v}' for '--http-max-per-client")),
+                "{v}: {e}"
+            );
         }
     }
 }

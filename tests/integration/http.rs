@@ -1,6 +1,6 @@
 //! The OpenAI-compatible HTTP API (`stormo serve --http`) on a small synthetic GPT-OSS with the
 //! real o200k_harmony vocabulary: errors in OpenAI's shape, the queue bound, the connection
-//! cap and timeouts, streaming, stop strings, and the Python `openai` client against it.
+//! caps (in all and per client address) and timeouts, streaming, stop strings, and the Python `openai` client against it.
 //!
 //! The model is written by the `stormo synth` CLI (run in-process) into a temporary folder,
 //! with the fixture's tokenizer.json copied beside it. Servers listen on 127.0.0.1 only.
@@ -78,6 +78,7 @@ impl Server {
             context,
             timeout: http::DEFAULT_TIMEOUT,
             max_connections: http::DEFAULT_MAX_CONNECTIONS,
+            max_per_client: http::DEFAULT_MAX_PER_CLIENT,
         };
         tweak(&mut cfg);
         let model = synth_model();
@@ -689,4 +690,119 @@ fn http_answers_503_beyond_the_connection_cap() {
             "a held connection is still open after the timeout"
         );
     }
+}
+
+/// One address cannot take every connection slot: past `--http-max-per-client` its
+/// connections are answered 503 (`too_many_connections_from_client`) while other addresses
+/// are still served, and a slot of its own is free again when one of its connections closes.
+#[test]
+fn http_answers_503_beyond_the_per_client_cap() {
+    let timeout = Duration::from_secs(10);
+    let per_client = 3;
+    let srv = Server::start_with(2, 256, |c| {
+        c.timeout = timeout;
+        c.max_connections = 16;
+        c.max_per_client = per_client;
+    });
+    let a = srv.addr;
+    let busy = |what: &str| {
+        let (st, text) = request(a, "GET", "/v1/models", b"");
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert_openai_error(st, &v, 503, "server_error", what);
+        assert_eq!(
+            v["error"]["code"], "too_many_connections_from_client",
+            "{v}"
+        );
+    };
+    let t0 = Instant::now();
+    let mut held: Vec<TcpStream> = (0..per_client).map(|_| connect(a)).collect();
+    busy("one connection past the per-client cap");
+    // The refusal has the header a client backs off by.
+    let mut s = connect(a);
+    send(&mut s, "GET", "/v1/models", b"");
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).expect("read the refusal");
+    assert!(
+        raw.starts_with("HTTP/1.1 503") && raw.to_ascii_lowercase().contains("retry-after: 1\r\n"),
+        "{raw}"
+    );
+    // The held connections are served, not merely queued (keep-alive: each stays held).
+    for s in &mut held {
+        s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\n\r\n")
+            .expect("write");
+        let (st, text) = read_response(s);
+        assert_eq!(st, 200, "a held connection: {text}");
+    }
+    busy("past the per-client cap while the held ones are in use");
+    // Another address is not counted with this one (Linux routes all of 127/8 to loopback).
+    #[cfg(target_os = "linux")]
+    {
+        let other = connect_from("127.0.0.2".parse().expect("ip"), a);
+        let mut others = vec![other];
+        others.push(connect_from("127.0.0.2".parse().expect("ip"), a));
+        for s in &mut others {
+            s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\n\r\n")
+                .expect("write");
+            let (st, text) = read_response(s);
+            assert_eq!(st, 200, "another address: {text}");
+        }
+        busy("127.0.0.1 still past its cap");
+    }
+    // Closing one held connection frees one slot of this address; it may take the server a
+    // moment to see the close, so poll rather than sleep.
+    drop(held.pop());
+    let freed = Instant::now();
+    let mut s = loop {
+        let mut s = connect(a);
+        s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\n\r\n")
+            .expect("write");
+        let (st, text) = read_response(&mut s);
+        if st == 200 {
+            break s;
+        }
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert_eq!(
+            v["error"]["code"], "too_many_connections_from_client",
+            "{v}"
+        );
+        assert!(
+            freed.elapsed() < Duration::from_secs(5),
+            "still refused 5 s after a held connection closed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // Exactly one slot was freed: with the new connection held too, the cap holds again.
+    s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\n\r\n")
+        .expect("write");
+    let (st, text) = read_response(&mut s);
+    assert_eq!(st, 200, "the new connection stays served: {text}");
+    busy("past the per-client cap again");
+    assert!(
+        t0.elapsed() < timeout,
+        "the slot was freed by the timeout, not by the client closing (or the test was slow)"
+    );
+    drop((held, s));
+}
+
+/// A connection to `to` from the local address `from` (one of loopback's others).
+#[cfg(target_os = "linux")]
+fn connect_from(from: std::net::IpAddr, to: SocketAddr) -> TcpStream {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let s = rt.block_on(async {
+        let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+        sock.bind(SocketAddr::new(from, 0))
+            .unwrap_or_else(|e| panic!("binding {from}: {e}"));
+        tokio::time::timeout(Duration::from_secs(5), sock.connect(to))
+            .await
+            .expect("connect in time")
+            .expect("connect")
+    });
+    let s = s.into_std().expect("a std stream");
+    s.set_nonblocking(false).expect("blocking");
+    s.set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    s
 }

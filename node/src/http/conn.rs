@@ -1,19 +1,28 @@
 //! Connections of the HTTP API: how many may be open at once, and how long a client may
 //! stall one.
 //!
-//! Owns: the connection cap (a connection beyond it gets a canned 503 and is closed, so a
-//! flood of idle connections cannot use up the process's file descriptors) and the write
-//! stall timeout (a client that stops taking the response loses its connection). The other
-//! timeouts live where the reading happens: hyper's header read timeout, which also closes
-//! an idle keep-alive connection, and the body read timeout in `read_json`.
+//! Owns: the connection caps, in all and per client address (a connection beyond either gets
+//! a canned 503 and is closed, so a flood of idle connections cannot use up the process's file
+//! descriptors, and one address cannot take every slot), and the write stall timeout (a
+//! client that stops taking the response loses its connection). The other timeouts live where
+//! the reading happens: hyper's header read timeout, which also closes an idle keep-alive
+//! connection, and the body read timeout in `read_json`.
 //!
-//! Non-goals: per-address limits (a proxy in front does that), fairness between clients.
+//! A connection is counted under both caps from its accept until it is closed, by the
+//! [`Slot`] its task holds, whatever ends it. The per-address counts live in a map under a
+//! plain mutex, taken only for a lookup (never across an await); an address leaves the map
+//! when its last connection closes, so the map holds at most one entry per open connection.
+//!
+//! Non-goals: fairness between clients beyond the per-address cap; telling clients apart
+//! behind a proxy (they all have its address) or within an IPv6 prefix (each address of a
+//! host's /64 counts as a client of its own).
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -32,6 +41,11 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 /// engine running one request at a time needs.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
 
+/// Connections one client address may have open at once, by default: more than a client
+/// needs with one request running and a few waiting (a browser opens at most 6 per host),
+/// few enough that 16 addresses are needed to take every slot of the default cap.
+pub const DEFAULT_MAX_PER_CLIENT: usize = 16;
+
 /// Connections beyond the cap being answered 503 at once; beyond this they are closed
 /// without an answer, so answering cannot itself use up file descriptors.
 const MAX_REJECTING: usize = 64;
@@ -41,48 +55,94 @@ const MAX_REJECTING: usize = 64;
 /// and the client might lose the 503).
 const REJECT_LINGER: Duration = Duration::from_secs(1);
 
-/// Admits connections up to the cap.
+/// Admits connections up to the cap, and up to the per-address cap from each address.
 #[derive(Debug)]
 pub(super) struct Gate {
     open: Arc<Semaphore>,
     rejecting: Arc<Semaphore>,
     max: usize,
-    /// The whole 503 response a refused connection gets.
+    /// The per-address counts; `None` when the per-address cap is no lower than `max`.
+    clients: Option<Arc<Clients>>,
+    /// The whole 503 response a connection beyond `max` gets.
     refusal: Arc<[u8]>,
+    /// The whole 503 response a connection beyond the per-address cap gets.
+    client_refusal: Arc<[u8]>,
     /// Whether the last connection was refused (to warn once each time the cap is reached).
     full: bool,
 }
 
+/// A connection's place under the caps, given back when dropped: held by the connection's
+/// task until the connection is closed.
+#[derive(Debug)]
+pub(super) struct Slot {
+    _open: OwnedSemaphorePermit,
+    _client: Option<ClientSlot>,
+}
+
 impl Gate {
-    /// A gate for at most `max` connections (at least 1, at most [`Semaphore::MAX_PERMITS`]);
-    /// a connection beyond them gets the JSON error `body` with status 503.
-    pub(super) fn new(max: usize, body: &str) -> Self {
+    /// A gate for at most `max` connections (at least 1, at most [`Semaphore::MAX_PERMITS`]),
+    /// at most `per_client` of them from one address (at least 1; at or above `max`, only
+    /// `max` applies). A connection beyond `max` gets the JSON error `body` with status 503,
+    /// one beyond `per_client` the JSON error `client_body`.
+    pub(super) fn new(max: usize, per_client: usize, body: &str, client_body: &str) -> Self {
         let max = max.clamp(1, Semaphore::MAX_PERMITS);
-        let head = format!(
-            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
-             content-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
-            body.len()
-        );
+        let per_client = per_client.max(1);
         Self {
             open: Arc::new(Semaphore::new(max)),
             rejecting: Arc::new(Semaphore::new(MAX_REJECTING)),
             max,
-            refusal: [head.as_bytes(), body.as_bytes()].concat().into(),
+            clients: (per_client < max).then(|| {
+                Arc::new(Clients {
+                    max: per_client,
+                    open: Mutex::new(HashMap::new()),
+                })
+            }),
+            refusal: refusal(body),
+            client_refusal: refusal(client_body),
             full: false,
         }
     }
 
-    /// A permit for `stream` to be served, held while it is; or `None` when the cap is
-    /// reached, in which case the connection is answered 503 and closed in the background.
+    /// A slot for `stream` to be served, held while it is; or `None` when a cap is reached,
+    /// in which case the connection is answered 503 and closed in the background.
     pub(super) fn admit(
         &mut self,
         stream: TcpStream,
         peer: SocketAddr,
-    ) -> Option<(TcpStream, OwnedSemaphorePermit)> {
+    ) -> Option<(TcpStream, Slot)> {
+        // The address's own cap first, so that a client holding its share is told so even
+        // when all connections are taken; its place is given back if the cap in all refuses.
+        let client = match &self.clients {
+            None => None,
+            Some(clients) => match Clients::enter(clients, peer.ip()) {
+                Ok(slot) => Some(slot),
+                Err(first) => {
+                    if first {
+                        tracing::warn!(
+                            "HTTP: {} has {} connections open, the most one address may have; \
+                             refusing more from it until some close",
+                            peer.ip().to_canonical(),
+                            clients.max
+                        );
+                    }
+                    tracing::debug!(
+                        "HTTP connection from {peer} refused: too many connections from it"
+                    );
+                    let refusal = self.client_refusal.clone();
+                    self.reject(stream, refusal);
+                    return None;
+                }
+            },
+        };
         if let Ok(permit) = self.open.clone().try_acquire_owned() {
             self.full = false;
-            return Some((stream, permit));
+            let slot = Slot {
+                _open: permit,
+                _client: client,
+            };
+            return Some((stream, slot));
         }
+        drop(client);
         if !self.full {
             tracing::warn!(
                 "HTTP: {} connections are open, the most allowed; refusing more until some close",
@@ -91,14 +151,101 @@ impl Gate {
             self.full = true;
         }
         tracing::debug!("HTTP connection from {peer} refused: too many connections");
+        let refusal = self.refusal.clone();
+        self.reject(stream, refusal);
+        None
+    }
+
+    /// Answers `refusal` on `stream` and closes it in the background, or closes it at once
+    /// when [`MAX_REJECTING`] connections are being answered already.
+    fn reject(&self, stream: TcpStream, refusal: Arc<[u8]>) {
         if let Ok(permit) = self.rejecting.clone().try_acquire_owned() {
-            let refusal = self.refusal.clone();
             tokio::spawn(async move {
                 let _permit = permit;
                 let _ = tokio::time::timeout(REJECT_LINGER, reject(stream, &refusal)).await;
             });
         }
-        None
+    }
+}
+
+/// The whole 503 response (head and JSON error `body`) a refused connection gets.
+fn refusal(body: &str) -> Arc<[u8]> {
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    [head.as_bytes(), body.as_bytes()].concat().into()
+}
+
+/// Connections open from each client address.
+#[derive(Debug)]
+struct Clients {
+    /// The most one address may have open.
+    max: usize,
+    /// The addresses with a connection open; none with a count of zero.
+    open: Mutex<HashMap<IpAddr, Client>>,
+}
+
+#[derive(Debug, Default)]
+struct Client {
+    /// Connections open from the address.
+    open: usize,
+    /// Whether one was refused since the count was last below the cap (to warn once each
+    /// time the address reaches it).
+    refused: bool,
+}
+
+/// A connection's place under its address's cap; given back when dropped.
+#[derive(Debug)]
+struct ClientSlot {
+    clients: Arc<Clients>,
+    ip: IpAddr,
+}
+
+impl Clients {
+    /// A place for one more connection from `ip`, or `Err(first)` when the address has the
+    /// most it may; `first` is whether this is the first refusal since it reached the cap.
+    /// An IPv4 address mapped into IPv6 counts as that IPv4 address.
+    fn enter(this: &Arc<Self>, ip: IpAddr) -> Result<ClientSlot, bool> {
+        let ip = ip.to_canonical();
+        let mut open = this.open.lock().unwrap_or_else(PoisonError::into_inner);
+        let c = open.entry(ip).or_default();
+        if c.open >= this.max {
+            let first = !c.refused;
+            c.refused = true;
+            return Err(first);
+        }
+        c.open += 1;
+        Ok(ClientSlot {
+            clients: this.clone(),
+            ip,
+        })
+    }
+
+    /// How many connections `ip` has open.
+    #[cfg(test)]
+    fn count(&self, ip: IpAddr) -> usize {
+        let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        open.get(&ip.to_canonical()).map_or(0, |c| c.open)
+    }
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let mut open = self
+            .clients
+            .open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let std::collections::hash_map::Entry::Occupied(mut e) = open.entry(self.ip) {
+            let c = e.get_mut();
+            c.open = c.open.saturating_sub(1);
+            c.refused = false;
+            if c.open == 0 {
+                e.remove();
+            }
+        }
     }
 }
 
@@ -262,7 +409,55 @@ mod tests {
 
     #[test]
     fn a_gate_of_zero_or_too_many_is_clamped() {
-        assert_eq!(Gate::new(0, "{}").max, 1);
-        assert_eq!(Gate::new(usize::MAX, "{}").max, Semaphore::MAX_PERMITS);
+        assert_eq!(Gate::new(0, 1, "{}", "{}").max, 1);
+        assert_eq!(
+            Gate::new(usize::MAX, 16, "{}", "{}").max,
+            Semaphore::MAX_PERMITS
+        );
+    }
+
+    #[test]
+    fn a_per_client_cap_at_or_above_the_cap_is_no_cap_of_its_own() {
+        assert!(Gate::new(8, 8, "{}", "{}").clients.is_none());
+        assert!(Gate::new(8, usize::MAX, "{}", "{}").clients.is_none());
+        let g = Gate::new(8, 0, "{}", "{}");
+        assert_eq!(g.clients.as_ref().map(|c| c.max), Some(1));
+    }
+
+    /// Each address is counted on its own, a place is given back when its slot drops, and
+    /// an address whose last connection closed leaves the map.
+    #[test]
+    fn clients_are_counted_per_address_and_forgotten_at_zero() {
+        let clients = Arc::new(Clients {
+            max: 2,
+            open: Mutex::new(HashMap::new()),
+        });
+        let a: IpAddr = "10.0.0.1".parse().expect("ip");
+        let b: IpAddr = "10.0.0.2".parse().expect("ip");
+        let a_mapped: IpAddr = "::ffff:10.0.0.1".parse().expect("ip");
+        let a1 = Clients::enter(&clients, a).expect("first from a");
+        let a2 = Clients::enter(&clients, a_mapped).expect("second from a, mapped");
+        assert_eq!(
+            Clients::enter(&clients, a).err(),
+            Some(true),
+            "third from a"
+        );
+        assert_eq!(
+            Clients::enter(&clients, a).err(),
+            Some(false),
+            "warned once"
+        );
+        let b1 = Clients::enter(&clients, b).expect("b is not a");
+        assert_eq!((clients.count(a), clients.count(b)), (2, 1));
+        drop(a1);
+        assert_eq!(clients.count(a), 1);
+        let a3 = Clients::enter(&clients, a).expect("a place again");
+        assert_eq!(
+            Clients::enter(&clients, a).err(),
+            Some(true),
+            "warned again"
+        );
+        drop((a2, a3, b1));
+        assert!(clients.open.lock().expect("lock").is_empty());
     }
 }
