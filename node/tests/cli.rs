@@ -831,6 +831,8 @@ fn key_show_on_a_file_that_is_not_a_key_says_so_and_not_chmod() {
     );
 }
 
+/// `stormo synth` of a one-layer GPT-OSS shape into `out`, quiet, with `more` arguments; its
+/// 2048 ids fit [`write_byte_tokenizer`]'s tokenizer.
 fn synth_tiny(out: &Path, more: &[&str]) -> Output {
     let shape = [
         "synth",
@@ -848,7 +850,7 @@ fn synth_tiny(out: &Path, more: &[&str]) -> Output {
         "--top-k",
         "2",
         "--vocab",
-        "256",
+        "2048",
         "--heads",
         "2",
         "--kv-heads",
@@ -909,4 +911,81 @@ fn synth_force_removes_the_manifest_of_the_checkpoint_it_replaces() {
         &["stormo-manifest.sig", "--force"],
     );
     assert!(!other.join("config.json").exists());
+}
+
+/// `synth --force` without --tokenizer over a model synthesized with one removes the old
+/// tokenizer.json (it belonged to the weights replaced), and only what it knows: a user's file
+/// in the folder stays. A text prompt then names the missing tokenizer; --tokenizer with
+/// --force copies one as before.
+#[test]
+fn synth_force_without_a_tokenizer_removes_the_old_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_byte_tokenizer(tmp.path());
+    let tok = tmp.path().join("tokenizer.json");
+    let tok_s = tok.to_str().unwrap();
+    let out = tmp.path().join("model");
+    let in_out = out.join("tokenizer.json");
+    let o = synth_tiny(&out, &["--seed", "1", "--tokenizer", tok_s]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(in_out.is_file(), "--tokenizer not copied");
+    let notes = out.join("notes.txt");
+    std::fs::write(&notes, b"mine").unwrap();
+
+    let dry = synth_tiny(&out, &["--seed", "2", "--force", "--dry-run"]);
+    assert!(dry.status.success(), "{}", stderr(&dry));
+    let listed = String::from_utf8_lossy(&dry.stdout).into_owned();
+    assert!(
+        listed.contains("tokenizer.json  removed"),
+        "the dry run does not list the tokenizer's removal: {listed}"
+    );
+    assert!(in_out.is_file(), "the dry run removed the tokenizer");
+
+    let o = synth_tiny(&out, &["--seed", "2", "--force"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        !in_out.exists(),
+        "the old tokenizer.json is left beside the new weights"
+    );
+    assert!(stderr(&o).contains("tokenizer.json"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(&notes).unwrap(), b"mine", "a user's file");
+    let m = out.to_str().unwrap();
+    assert_clean_error(
+        &stormo(&["run", "--model", m, "--no-hot-store", "--prompt", "hi"]),
+        &["no tokenizer", "tokenizer.json", "--prompt-ids"],
+    );
+
+    let o = synth_tiny(&out, &["--seed", "3", "--force", "--tokenizer", tok_s]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        std::fs::read(&in_out).unwrap(),
+        std::fs::read(&tok).unwrap()
+    );
+    // --tokenizer naming the one in place keeps it (a copy onto itself would truncate it).
+    let o = synth_tiny(
+        &out,
+        &[
+            "--seed",
+            "4",
+            "--force",
+            "--tokenizer",
+            in_out.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        std::fs::read(&in_out).unwrap(),
+        std::fs::read(&tok).unwrap()
+    );
+    assert_eq!(std::fs::read(&notes).unwrap(), b"mine", "a user's file");
+
+    // A tokenizer.json put in a folder holding no checkpoint is for the one written there.
+    let fresh = tmp.path().join("fresh");
+    std::fs::create_dir(&fresh).unwrap();
+    std::fs::copy(&tok, fresh.join("tokenizer.json")).unwrap();
+    let o = synth_tiny(&fresh, &["--force"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        fresh.join("tokenizer.json").is_file(),
+        "a tokenizer put there"
+    );
 }

@@ -47,7 +47,7 @@ use std::str::FromStr;
 
 pub use layout::{Plan, ShardPlan, TensorPlan};
 pub use stormo_engine::Family;
-pub use writer::{write, Progress, Report};
+pub use writer::{checkpoint_files, write, Progress, Report};
 
 /// The published models whose geometry and layout can be synthesised.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -110,13 +110,15 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
     /// Replace the checkpoint files already in --out, and remove the files that described
-    /// the old checkpoint (its manifest and signature beside it, a pull's marker).
+    /// the old checkpoint (its manifest and signature beside it, a pull's marker) and its
+    /// tokenizer.json unless --tokenizer gives one. Other files in --out are kept.
     #[arg(long)]
     pub force: bool,
     /// Print the files that would be written, and their sizes, without writing anything.
     #[arg(long)]
     pub dry_run: bool,
-    /// No progress on stderr.
+    /// No progress on stderr. The result still goes to stdout (one line saying what was
+    /// written, and the hot experts), and files --force removes are still named on stderr.
     #[arg(long, short)]
     pub quiet: bool,
 }
@@ -203,6 +205,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             first.display()
         );
     }
+    // With --force and no --tokenizer, the tokenizer of the checkpoint replaced goes too: the
+    // folder then holds what this synthesis wrote, not a tokenizer of another vocabulary.
+    let old_tokenizer = if a.force && a.tokenizer.is_none() {
+        old_tokenizer(&a.out, !stale.is_empty())?
+    } else {
+        None
+    };
     if a.dry_run {
         println!(
             "{} ({} layers, {} experts of {}, hidden {}, vocab {}), seed {}: {} in {} shards",
@@ -233,6 +242,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     p.display()
                 );
             }
+            if let Some(p) = &old_tokenizer {
+                println!(
+                    "  {}  removed (it belongs to the checkpoint replaced)",
+                    p.display()
+                );
+            }
         }
         return Ok(());
     }
@@ -247,6 +262,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "removed {}: they described the checkpoint replaced (`stormo manifest build` and \
              `sign` describe the new one)",
             names.join(", ")
+        );
+    }
+    if let Some(p) = &old_tokenizer {
+        std::fs::remove_file(p).with_context(|| format!("removing {}", p.display()))?;
+        eprintln!(
+            "removed {}: it belonged to the checkpoint replaced (--tokenizer FILE gives the new \
+             one a tokenizer; without one, only `stormo run --prompt-ids` works)",
+            p.display()
         );
     }
 
@@ -324,6 +347,19 @@ fn stale_companions(dir: &Path) -> Vec<PathBuf> {
     .into_iter()
     .filter(|p| std::fs::symlink_metadata(p).is_ok())
     .collect()
+}
+
+/// `dir/tokenizer.json` when it belongs to an earlier checkpoint: one whose files are in `dir`
+/// or, `described`, whose manifest, signature or pull marker is. A tokenizer.json in a folder
+/// holding neither was put there for the checkpoint about to be written, and is kept; so is a
+/// folder of that name (synth never writes one). A dangling link counts.
+fn old_tokenizer(dir: &Path, described: bool) -> anyhow::Result<Option<PathBuf>> {
+    let p = dir.join("tokenizer.json");
+    if !std::fs::symlink_metadata(&p).is_ok_and(|m| !m.is_dir()) {
+        return Ok(None);
+    }
+    let earlier = described || !synth::checkpoint_files(dir)?.is_empty();
+    Ok(earlier.then_some(p))
 }
 
 /// Checks that the tokenizer in `path` loads and that every id it can produce is below

@@ -266,10 +266,17 @@ fn is_checkpoint_file(name: &str) -> bool {
         || JSON_FILES.contains(&name)
 }
 
-fn prepare_dir(dir: &Path, force: bool) -> Result<(), SynthError> {
-    std::fs::create_dir_all(dir).map_err(|e| SynthError::io(dir, e))?;
+/// The names of the files in `dir` that [`write`] with `force` replaces (`*.safetensors`, a
+/// shard left `.partial`, `config.json`, `generation_config.json`, the index), sorted; none
+/// when `dir` does not exist.
+pub fn checkpoint_files(dir: &Path) -> Result<Vec<String>, SynthError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(SynthError::io(dir, e)),
+    };
     let mut found = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(|e| SynthError::io(dir, e))? {
+    for entry in entries {
         let entry = entry.map_err(|e| SynthError::io(dir, e))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         if is_checkpoint_file(&name) {
@@ -277,6 +284,12 @@ fn prepare_dir(dir: &Path, force: bool) -> Result<(), SynthError> {
         }
     }
     found.sort();
+    Ok(found)
+}
+
+fn prepare_dir(dir: &Path, force: bool) -> Result<(), SynthError> {
+    std::fs::create_dir_all(dir).map_err(|e| SynthError::io(dir, e))?;
+    let found = checkpoint_files(dir)?;
     if let Some(first) = found.first() {
         if !force {
             return Err(SynthError::OutputExists {
