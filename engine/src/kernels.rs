@@ -754,7 +754,8 @@ fn matvec_rows_in(tier: Tier, w: &Mat<'_>, rows: &[usize], x: &[f32], y: &mut [f
     if w.cols() == 0 {
         return y.fill(0.0);
     }
-    let mut buf = Vec::new();
+    // The thread's reused input buffer (a decoded token allocates nothing here).
+    let mut buf = ROW_INPUTS.take();
     let x = match Arrange::of(tier, w, x) {
         Some(a) => {
             let at = a.apply(x, &mut buf);
@@ -766,6 +767,7 @@ fn matvec_rows_in(tier: Tier, w: &Mat<'_>, rows: &[usize], x: &[f32], y: &mut [f
         assert!(r < w.rows(), "row {r} of a matrix of {} rows", w.rows());
         rows_in(tier, w, r, 1, x, 1, std::slice::from_mut(out));
     }
+    ROW_INPUTS.set(buf);
 }
 
 /// Rearranges kernel inputs (`xs` into `out`, same length).
@@ -855,6 +857,8 @@ thread_local! {
     /// Reused buffers for arranged kernel inputs, one per product of a batch (taken while in
     /// use, so a nested call on the same thread gets fresh ones instead of a conflict).
     static INPUTS: Cell<Vec<Vec<f32>>> = const { Cell::new(Vec::new()) };
+    /// [`matvec_rows`]' arranged input (taken while in use).
+    static ROW_INPUTS: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
     /// A prefill tile's outputs before they are scattered to their positions (8 KiB, kept by
     /// each thread instead of set up on the stack for every tile; taken while in use).
     static TILE_OUT: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };

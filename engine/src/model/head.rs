@@ -186,18 +186,21 @@ impl HeadScreen {
         if !floor.is_finite() {
             return None;
         }
+        // At most `cap` candidates, in a buffer of that capacity kept between tokens (so a
+        // decoded token allocates nothing here).
+        let cap = rows / MAX_CANDIDATE_SHARE;
         sc.rows.clear();
-        sc.rows.extend(
-            sc.approx
-                .iter()
-                .zip(&self.slack)
-                .enumerate()
-                .filter(|&(_, (&a, &s))| a as f64 + (s * l1 + TINY) >= floor)
-                .map(|(r, _)| r),
-        );
-        if sc.rows.len() > rows / MAX_CANDIDATE_SHARE {
-            return None;
+        sc.rows.reserve(cap);
+        for (r, (&a, &s)) in sc.approx.iter().zip(&self.slack).enumerate() {
+            if a as f64 + (s * l1 + TINY) >= floor {
+                if sc.rows.len() == cap {
+                    return None;
+                }
+                sc.rows.push(r);
+            }
         }
+        sc.exact.clear();
+        sc.exact.reserve(cap);
         sc.exact.resize(sc.rows.len(), 0.0);
         matvec_rows(head, &sc.rows, x, &mut sc.exact);
         let choice = Choice::of_rows(sc.rows.iter().copied().zip(sc.exact.iter().copied()));

@@ -1,0 +1,167 @@
+//! Decoding a token allocates nothing once the session's buffers have grown: the claim of
+//! `Scratch` (model.rs), the head screen's scratch and the kernels' thread-local buffers,
+//! checked by counting every allocation the process makes (all threads, the kernels' pool
+//! included) while tokens are decoded one at a time on each oracle fixture, every SIMD tier
+//! this CPU runs in turn, with the screened head and the whole one.
+//!
+//! The decoding runs on a thread of rayon's pool, as the engine's callers' work does not: a
+//! thread outside the pool hands each parallel region to the pool through rayon's shared job
+//! queue, which allocates a block for every 63 jobs (rayon's amortized cost, not the engine's).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use std::sync::Arc;
+
+use stormo_engine::kernels::{with_tier, Tier};
+use stormo_engine::tiers::{ExpertKey, Tier as ExpertTier, TierConfig, TieredExperts};
+use stormo_engine::{LoadOptions, Model, ModelFiles};
+
+/// The system allocator, counting allocations and reallocations.
+struct Counting;
+
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, forwarded.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, forwarded.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, forwarded.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract, forwarded.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../fixtures")
+        .join(name)
+}
+
+/// Where a test model takes its experts from.
+#[derive(Clone, Copy, Debug)]
+enum Experts {
+    /// The mapped checkpoint ([`Model::load`]).
+    Mapped,
+    /// The RAM cache over the disk tier, every expert loaded (as `stormo bench --warm` runs).
+    Cached,
+}
+
+/// Allocations made while decoding `n` tokens one at a time after `warm` tokens (the first
+/// grow the buffers), with the screened head or the whole one; `None` when, cached, an expert
+/// was not found in RAM during the `n` (a load allocates its buffer).
+fn allocations_per_token(
+    dir: &Path,
+    experts: Experts,
+    screened: bool,
+    warm: usize,
+    n: usize,
+) -> Option<usize> {
+    let opts = LoadOptions {
+        screened_head: screened,
+        ..LoadOptions::default()
+    };
+    let (model, cache) = match experts {
+        Experts::Mapped => (Model::load(dir, &opts).unwrap(), None),
+        Experts::Cached => {
+            let files = ModelFiles::open(dir).unwrap();
+            let sizes = files.layout.sizes();
+            let total: u64 = sizes.iter().flatten().sum();
+            let cfg = TierConfig {
+                budget: total,
+                prefetch: false,
+                hot_fraction: 1.0,
+            };
+            let keys: Vec<ExpertKey> = (0..sizes.len())
+                .flat_map(|l| {
+                    (0..sizes[l].len()).map(move |e| ExpertKey {
+                        layer: l as u32,
+                        expert: e as u32,
+                    })
+                })
+                .collect();
+            let disk: Arc<dyn ExpertTier> = Arc::new(files.disk_tier(2, None).unwrap());
+            let cache = Arc::new(TieredExperts::new(vec![disk], sizes, files.cfg.top_k, &cfg));
+            // Every expert loaded before the first token, as `--warm` does.
+            cache.preload_hot(&keys);
+            let start = std::time::Instant::now();
+            while cache.stats().tiers[0].bytes < total {
+                assert!(start.elapsed().as_secs() < 30, "preloading the experts");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            (
+                Model::new(files, cache.clone(), &opts).unwrap(),
+                Some(cache),
+            )
+        }
+    };
+    let mut sess = model.session(64).unwrap();
+    let mut tok = model
+        .forward_greedy(&mut sess, &[1, 2, 3, 4], None)
+        .unwrap()
+        .token;
+    for _ in 0..warm {
+        tok = model.forward_greedy(&mut sess, &[tok], None).unwrap().token;
+    }
+    let hits = |c: &TieredExperts| {
+        let s = c.stats();
+        (s.requests, s.ram_hits)
+    };
+    let cached_before = cache.as_deref().map(hits);
+    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    for _ in 0..n {
+        tok = model.forward_greedy(&mut sess, &[tok], None).unwrap().token;
+    }
+    let made = ALLOCATIONS.load(Ordering::Relaxed) - before;
+    let all_hits = match (cache.as_deref().map(hits), cached_before) {
+        (Some((r1, h1)), Some((r0, h0))) => r1 - r0 == h1 - h0,
+        _ => true,
+    };
+    all_hits.then_some(made)
+}
+
+#[test]
+fn decoding_a_token_allocates_nothing() {
+    for name in ["gptoss-tiny-mxfp4", "gptoss-tiny-bf16", "qwen3moe-tiny"] {
+        let dir = fixture(name);
+        for tier in Tier::available() {
+            for experts in [Experts::Mapped, Experts::Cached] {
+                for screened in [true, false] {
+                    let (n, ()) = rayon::join(
+                        || {
+                            with_tier(tier, || {
+                                allocations_per_token(&dir, experts, screened, 4, 16)
+                            })
+                        },
+                        || (),
+                    );
+                    let n = n.unwrap_or_else(|| {
+                        panic!("{name}, {experts:?}: an expert was not in RAM after preloading")
+                    });
+                    assert_eq!(
+                        n, 0,
+                        "{name}, {tier}, {experts:?}, screened head {screened}: \
+                         {n} allocations in 16 tokens"
+                    );
+                }
+            }
+        }
+    }
+}
