@@ -490,6 +490,22 @@ pub fn with_tier<R>(tier: Tier, f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Runs `f` on a thread of the kernels' pool, under this thread's tier: from a thread outside
+/// the pool, every parallel region of `f` would otherwise be handed to the pool through its
+/// shared queue and wait for a worker to wake, and this thread would sleep meanwhile; from
+/// inside, the regions are split among the workers directly. A decoded token of GPT-OSS opens
+/// about a hundred regions. On a pool thread already, `f` runs where it is.
+pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        return f();
+    }
+    let tier = FORCED.with(Cell::get);
+    rayon::scope(move |_| match tier {
+        Some(t) => with_tier(t, f),
+        None => f(),
+    })
+}
+
 /// Output slices, one per position, for input-major kernels.
 pub(crate) type Outs<'a> = [&'a mut [f32]];
 

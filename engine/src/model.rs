@@ -654,7 +654,7 @@ impl Model {
         sess: &'s mut Session,
         tokens: &[u32],
         which: Logits,
-        mut obs: Option<&mut dyn Observer>,
+        obs: Option<&mut dyn Observer>,
     ) -> Result<&'s [f32]> {
         self.check_input(sess, tokens)?;
         if tokens.is_empty() {
@@ -663,19 +663,27 @@ impl Model {
         let v = self.cfg.vocab_size;
         sess.logits.clear();
         let block = sess.block;
-        let mut last = Vec::new();
-        for chunk in tokens.chunks(block) {
-            let is_last = chunk.as_ptr_range().end == tokens.as_ptr_range().end;
-            let rows = match which {
-                Logits::All => chunk.len(),
-                Logits::Last if is_last => 1,
-                Logits::Last => 0,
-            };
-            self.forward_block(sess, chunk, Head::Rows(rows), obs.as_deref_mut())?;
-            if which == Logits::All {
-                last.extend_from_slice(&sess.s.logits[..rows * v]);
+        let run = |sess: &mut Session, mut obs: Option<&mut dyn Observer>| {
+            let mut last = Vec::new();
+            for chunk in tokens.chunks(block) {
+                let is_last = chunk.as_ptr_range().end == tokens.as_ptr_range().end;
+                let rows = match which {
+                    Logits::All => chunk.len(),
+                    Logits::Last if is_last => 1,
+                    Logits::Last => 0,
+                };
+                self.forward_block(sess, chunk, Head::Rows(rows), obs.as_deref_mut())?;
+                if which == Logits::All {
+                    last.extend_from_slice(&sess.s.logits[..rows * v]);
+                }
             }
-        }
+            Ok::<_, Error>(last)
+        };
+        let last = match obs {
+            // An observer need not be sendable to the pool: it runs here.
+            Some(o) => run(sess, Some(o))?,
+            None => crate::kernels::on_pool(|| run(sess, None))?,
+        };
         if which == Logits::All {
             sess.logits = last;
         } else {
@@ -695,19 +703,26 @@ impl Model {
         &self,
         sess: &mut Session,
         tokens: &[u32],
-        mut obs: Option<&mut dyn Observer>,
+        obs: Option<&mut dyn Observer>,
     ) -> Result<Choice> {
         self.check_input(sess, tokens)?;
         if tokens.is_empty() {
             return Err(Error::Input("no tokens to run".into()));
         }
-        let mut choice = None;
-        for chunk in tokens.chunks(sess.block) {
-            let is_last = chunk.as_ptr_range().end == tokens.as_ptr_range().end;
-            let head = if is_last { Head::Greedy } else { Head::Rows(0) };
-            choice = self.forward_block(sess, chunk, head, obs.as_deref_mut())?;
+        let run = |sess: &mut Session, mut obs: Option<&mut dyn Observer>| {
+            let mut choice = None;
+            for chunk in tokens.chunks(sess.block) {
+                let is_last = chunk.as_ptr_range().end == tokens.as_ptr_range().end;
+                let head = if is_last { Head::Greedy } else { Head::Rows(0) };
+                choice = self.forward_block(sess, chunk, head, obs.as_deref_mut())?;
+            }
+            Ok(choice.expect("the last block chooses"))
+        };
+        match obs {
+            // An observer need not be sendable to the pool: it runs here.
+            Some(o) => run(sess, Some(o)),
+            None => crate::kernels::on_pool(|| run(sess, None)),
         }
-        Ok(choice.expect("the last block chooses"))
     }
 
     /// One block of `t` positions. Computes the `head` work for its last positions: logits

@@ -1,14 +1,16 @@
 //! Decoding a token allocates nothing once the session's buffers have grown: the claim of
 //! `Scratch` (model.rs), the head screen's scratch and the kernels' thread-local buffers,
-//! checked by counting every allocation the process makes (all threads, the kernels' pool
-//! included) while tokens are decoded one at a time on each oracle fixture, every SIMD tier
-//! this CPU runs in turn, with the screened head and the whole one.
+//! checked by counting every allocation made on the threads that decode (those of rayon's pool,
+//! the test's own among them) while tokens are decoded one at a time on each oracle fixture,
+//! every SIMD tier this CPU runs in turn, mapped and cached experts, with the screened head and
+//! the whole one.
 //!
 //! The decoding runs on a thread of rayon's pool, as the engine's callers' work does not: a
 //! thread outside the pool hands each parallel region to the pool through rayon's shared job
 //! queue, which allocates a block for every 63 jobs (rayon's amortized cost, not the engine's).
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -18,25 +20,47 @@ use stormo_engine::kernels::{with_tier, Tier};
 use stormo_engine::tiers::{ExpertKey, Tier as ExpertTier, TierConfig, TieredExperts};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 
-/// The system allocator, counting allocations and reallocations.
+/// The system allocator, counting allocations and reallocations made on threads that count.
 struct Counting;
 
 static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
 
+thread_local! {
+    /// Whether this thread's allocations are counted: the kernels' pool threads while tokens
+    /// are decoded (the cache's I/O threads, idle once every expert is loaded, are not).
+    static COUNTING: Cell<bool> = const { Cell::new(false) };
+}
+
+fn count() {
+    if COUNTING.try_with(Cell::get).unwrap_or(false) {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Counts the allocations of the pool's threads while `f` runs.
+fn counted(f: impl FnOnce()) -> usize {
+    rayon::broadcast(|_| COUNTING.with(|c| c.set(true)));
+    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    f();
+    let made = ALLOCATIONS.load(Ordering::Relaxed) - before;
+    rayon::broadcast(|_| COUNTING.with(|c| c.set(false)));
+    made
+}
+
 // SAFETY: forwards every call to the system allocator unchanged.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        count();
         // SAFETY: the caller's contract, forwarded.
         unsafe { System.alloc(layout) }
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        count();
         // SAFETY: the caller's contract, forwarded.
         unsafe { System.alloc_zeroed(layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        count();
         // SAFETY: the caller's contract, forwarded.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
@@ -125,11 +149,11 @@ fn allocations_per_token(
         (s.requests, s.ram_hits)
     };
     let cached_before = cache.as_deref().map(hits);
-    let before = ALLOCATIONS.load(Ordering::Relaxed);
-    for _ in 0..n {
-        tok = model.forward_greedy(&mut sess, &[tok], None).unwrap().token;
-    }
-    let made = ALLOCATIONS.load(Ordering::Relaxed) - before;
+    let made = counted(|| {
+        for _ in 0..n {
+            tok = model.forward_greedy(&mut sess, &[tok], None).unwrap().token;
+        }
+    });
     let all_hits = match (cache.as_deref().map(hits), cached_before) {
         (Some((r1, h1)), Some((r0, h0))) => r1 - r0 == h1 - h0,
         _ => true,
