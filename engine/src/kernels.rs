@@ -1899,6 +1899,24 @@ mod tests {
         assert_eq!(Tier::active(), outer);
     }
 
+    /// Work moved onto the pool keeps the caller's forced tier (else the tests that force each
+    /// tier in turn would run the process's tier through `Model::forward`), and runs on a pool
+    /// thread.
+    #[test]
+    fn on_pool_runs_on_the_pool_under_the_callers_tier() {
+        for tier in tiers() {
+            let (on, active) = std::thread::spawn(move || {
+                with_tier(tier, || {
+                    on_pool(|| (rayon::current_thread_index().is_some(), Tier::active()))
+                })
+            })
+            .join()
+            .unwrap();
+            assert!(on, "{tier}: ran off the pool");
+            assert_eq!(active, tier);
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn detection_finds_avx2_when_the_cpu_has_it() {

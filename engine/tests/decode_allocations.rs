@@ -5,9 +5,9 @@
 //! every SIMD tier this CPU runs in turn, mapped and cached experts, with the screened head and
 //! the whole one.
 //!
-//! The decoding runs on a thread of rayon's pool, as the engine's callers' work does not: a
-//! thread outside the pool hands each parallel region to the pool through rayon's shared job
-//! queue, which allocates a block for every 63 jobs (rayon's amortized cost, not the engine's).
+//! The decoding starts on a thread of rayon's pool: from outside it, each forward pass enters
+//! the pool (`kernels::on_pool`) through rayon's shared job queue, which allocates a block for
+//! every 63 entries (rayon's amortized cost, not the engine's, and not a cost per token).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
