@@ -506,6 +506,27 @@ pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     })
 }
 
+/// How many bytes ahead in each of its weight streams the AVX-512 tier's one-position (decode)
+/// kernels prefetch: 2 KiB unless [`set_prefetch_ahead`] changed it. The other tiers prefetch
+/// the next rows instead and ignore this.
+pub fn prefetch_ahead() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    return avx512::ahead();
+    #[cfg(not(target_arch = "x86_64"))]
+    0
+}
+
+/// Sets [`prefetch_ahead`] for the whole process (a hint: any value is safe, and results do not
+/// depend on it). For measuring, as `stormo bench --pair-prefetch` does.
+pub fn set_prefetch_ahead(bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    avx512::set_ahead(bytes);
+    #[cfg(all(target_arch = "x86_64", any(test, feature = "emulated-avx512")))]
+    avx512_emulated::set_ahead(bytes);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 /// Output slices, one per position, for input-major kernels.
 pub(crate) type Outs<'a> = [&'a mut [f32]];
 
@@ -1429,6 +1450,50 @@ mod tests {
                 }
             })
         }
+    }
+
+    /// The prefetch distance is a hint: every tier's one-position kernels give the same bits at
+    /// any distance (none, one line, the default, far past the matrix's end).
+    #[test]
+    fn results_do_not_depend_on_the_prefetch_distance() {
+        let mut g = verify::Gen::new(12);
+        let (rows, cols) = (29, 2880);
+        let (blocks, scales) = g.mxfp4(rows, cols);
+        let dense = g.dense(Float::BF16, rows * cols);
+        let mats = [
+            Mat::Mxfp4 {
+                blocks: &blocks,
+                scales: &scales,
+                rows,
+                cols,
+            },
+            Mat::Dense {
+                fmt: Float::BF16,
+                bytes: &dense,
+                rows,
+                cols,
+            },
+        ];
+        let x = g.units(cols);
+        let default = prefetch_ahead();
+        for tier in tiers() {
+            with_tier(tier, || {
+                for w in &mats {
+                    let mut first: Option<Vec<u32>> = None;
+                    for ahead in [0, 64, default, 1 << 20] {
+                        set_prefetch_ahead(ahead);
+                        let mut y = vec![0f32; rows];
+                        matvec(w, &x, &mut y);
+                        let bits: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
+                        match &first {
+                            None => first = Some(bits),
+                            Some(f) => assert_eq!(f, &bits, "{tier}: {ahead} bytes ahead"),
+                        }
+                    }
+                }
+            })
+        }
+        set_prefetch_ahead(default);
     }
 
     /// The int8-input MXFP4 path in every tier: `matvec` equals the scalar reference on the

@@ -341,6 +341,20 @@ fn bench_warm_makes_experts_resident_with_short_prompts() {
         let tok_s = paired["paired_tok_s"][k].as_f64().unwrap_or(0.0);
         assert!(tok_s > 0.0, "{k}: {paired}");
     }
+    let prefetch = bench_json(
+        dir.path(),
+        &[&short[..], &["--pair-prefetch", "0,4KiB"]].concat(),
+    );
+    let p = &prefetch["paired_prefetch"];
+    assert_eq!(p["bytes"], serde_json::json!([0, 4096]), "{prefetch}");
+    for k in 0..2 {
+        assert!(p["tok_s"][k].as_f64().unwrap_or(0.0) > 0.0, "{prefetch}");
+    }
+    assert!(
+        p["median_pair_ratio"].as_f64().unwrap_or(0.0) > 0.0,
+        "{prefetch}"
+    );
+    assert!(v["paired_prefetch"].is_null(), "{v}");
 }
 
 /// Something other than a regular file in a checkpoint's place (a named pipe, a directory, a

@@ -11,12 +11,13 @@
 //! broadcast from memory to the eight 64-bit lanes and one variable shift per 16 weights
 //! brings each lane's nibble to the bits `vpermps` reads, so its weights come out of element
 //! order and the inputs are permuted to match ([`MXFP4_ORDER`]). Decode reads a matrix as four
-//! sequential streams (rows from the four quarters of a task's range, interleaved) with a short
-//! software prefetch in each. Prefill decodes a slab of rows once per call of up to 32
+//! sequential streams (rows from the four quarters of a task's range, interleaved) with a
+//! software prefetch 2 KiB ahead in each. Prefill decodes a slab of rows once per call of up to 32
 //! positions, as the AVX2 tier does. Measured on Zen 4 (README, Kernels); on CPUs without
 //! AVX-512 the tests run the tier in software emulation (`avx512_emulated`), and where it runs
 //! natively the runtime self-check guards it.
 use std::arch::x86_64::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{Float, Mat, Outs, BF16, F16, F32, FP4_LUT, I8, SCALE};
 
@@ -247,12 +248,29 @@ fn hsum(v: __m512) -> f32 {
 /// How far ahead in its own stream a one-position kernel prefetches each row's weights (one
 /// cache line per line it reads; rows of a stream are contiguous, so near a row's end this is
 /// the next row of the stream). With the rows read as four sequential streams the hardware
-/// prefetchers do most of it; this measured 2-5% faster for bf16 rows and 10-15% for MXFP4
-/// experts on Zen 4 (README, Kernels), with 256 bytes to 2 KiB all within noise of each other.
-const AHEAD: usize = 512;
+/// prefetchers do most of it; 512 bytes measured 2-5% faster than none for bf16 rows and
+/// 10-15% for MXFP4 experts on Zen 4, with 256 bytes to 2 KiB within noise of each other there.
+/// On Zen 5, decoded tokens alternated between 512 bytes and 2 KiB in one process (a paired
+/// comparison, immune to the host's drifting memory speed) put 2 KiB ahead by 5-13%, for the
+/// bf16 attention rows and the MXFP4 experts each (README, Kernels).
+pub(super) const AHEAD: usize = 2048;
+
+/// The distance the one-position kernels prefetch at: [`AHEAD`] unless
+/// [`set_prefetch_ahead`](super::set_prefetch_ahead) changed it.
+static AHEAD_NOW: AtomicUsize = AtomicUsize::new(AHEAD);
+
+/// Sets [`AHEAD_NOW`].
+pub(super) fn set_ahead(bytes: usize) {
+    AHEAD_NOW.store(bytes, Ordering::Relaxed);
+}
+
+/// [`AHEAD_NOW`].
+pub(super) fn ahead() -> usize {
+    AHEAD_NOW.load(Ordering::Relaxed)
+}
 
 /// Dot products of `R` rows with `P` positions, `n` elements each; with one position (decode)
-/// each row is prefetched [`AHEAD`].
+/// each row is prefetched [`ahead`] bytes ahead.
 ///
 /// # Safety
 /// The CPU supports the tier; each `w[k]` points to `n` readable elements of format `FMT` and
@@ -267,12 +285,13 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
     let mut acc = [[_mm512_setzero_ps(); P]; R];
     let main = n / 16 * 16;
     let size = super::code_size(FMT);
+    let ahead = if P == 1 { ahead() } else { 0 };
     let mut i = 0;
     while i < main {
         if P == 1 && (i * size).is_multiple_of(64) {
             for p in w {
                 // A hint: harmless past the end.
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i * size + AHEAD) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i * size + ahead) as *const i8);
             }
         }
         for k in 0..R {
@@ -460,7 +479,7 @@ unsafe fn decode(b: *const u8, s: u8, c: Shifts) -> [__m512; 2] {
 }
 
 /// The dot products of `R` MXFP4 rows (`nb` blocks each) with one position `x`, by
-/// [`mxfp4_rows`]' arithmetic; each row's blocks are prefetched [`AHEAD`].
+/// [`mxfp4_rows`]' arithmetic; each row's blocks are prefetched [`ahead`] bytes ahead.
 ///
 /// # Safety
 /// The CPU supports the tier; each `b[k]` points to `16 * nb` readable bytes, each `s[k]` to
@@ -475,11 +494,12 @@ unsafe fn mxfp4_dot<const R: usize>(
     c: Shifts,
 ) -> [f32; R] {
     let mut acc = [_mm512_setzero_ps(); R];
+    let ahead = ahead();
     for blk in 0..nb {
         if blk.is_multiple_of(4) {
             for p in b {
                 // A hint: harmless past the end.
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(blk * 16 + AHEAD) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(blk * 16 + ahead) as *const i8);
             }
         }
         // SAFETY: block `blk < nb` of every row and of the position (caller).

@@ -73,6 +73,12 @@ pub struct Args {
     /// between runs (the decode line then mixes the two).
     #[arg(long, conflicts_with_all = ["full_head", "int8_attn_head"])]
     pub pair_full_head: bool,
+    /// Alternate decoded tokens between two distances (bytes, as A,B, e.g. 512,2048) at which
+    /// the AVX-512 decode kernels prefetch each weight stream, and report both speeds and the
+    /// median ratio of neighbouring tokens: a paired comparison, for tuning a CPU (the
+    /// default distance is 2 KiB; other tiers prefetch by rows and ignore it).
+    #[arg(long, value_name = "A,B", value_parser = prefetch_pair, conflicts_with = "pair_full_head")]
+    pub pair_prefetch: Option<[usize; 2]>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -90,6 +96,24 @@ fn mem_test_size(s: &str) -> Result<String, String> {
         ));
     }
     Ok(s.to_owned())
+}
+
+/// A `--pair-prefetch` pair: two distances in bytes of at most 1 MiB (a prefetch further
+/// ahead than that would only evict what the kernels are about to read).
+fn prefetch_pair(s: &str) -> Result<[usize; 2], String> {
+    let parse = |v: &str| -> Result<usize, String> {
+        let n = parse_size(v.trim())?;
+        if n > 1 << 20 {
+            return Err(format!("{v:?} is more than 1 MiB ahead"));
+        }
+        Ok(n as usize)
+    };
+    match s.split(',').collect::<Vec<_>>()[..] {
+        [a, b] => Ok([parse(a)?, parse(b)?]),
+        _ => Err(format!(
+            "{s:?} is not two distances A,B (bytes, e.g. 512,2048)"
+        )),
+    }
 }
 
 /// A count of at least 1.
@@ -418,7 +442,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut dsecs = 0.0;
     // Seconds and tokens decoded through the screen and through the whole head when paired.
     let mut paired = [(0.0, 0u32); 2];
+    // Seconds of each decoded token at each prefetch distance when paired.
+    let mut by_distance: [Vec<f64>; 2] = Default::default();
+    let default_ahead = stormo_engine::kernels::prefetch_ahead();
+    if a.pair_prefetch.is_some() && tier != stormo_engine::kernels::Tier::Avx512 {
+        eprintln!(
+            "warning: the {tier} tier does not use the prefetch distance; both sides of --pair-prefetch run the same kernels"
+        );
+    }
     for i in 0..a.decode_tokens {
+        if let Some(d) = a.pair_prefetch {
+            stormo_engine::kernels::set_prefetch_ahead(d[i % 2]);
+        }
         let t = Instant::now();
         let whole = a.pair_full_head && i % 2 == 1;
         tok = if whole {
@@ -430,9 +465,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         dsecs += secs;
         paired[whole as usize].0 += secs;
         paired[whole as usize].1 += 1;
+        by_distance[i % 2].push(secs);
         probe.sample();
     }
+    stormo_engine::kernels::set_prefetch_ahead(default_ahead);
     let paired = a.pair_full_head.then(|| paired.map(|(s, n)| n as f64 / s));
+    let paired_prefetch = a
+        .pair_prefetch
+        .map(|d| PairedPrefetch::new(d, &by_distance));
     let mem_bw = probe.take().unwrap_or(mem_before);
     let after = experts.stats();
     let screen = sess.screen_stats().since(screen_before);
@@ -475,6 +515,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "head_exact_rows_per_token": screen.rows_per_token(),
         "head_full_passes": screen.full,
         "paired_tok_s": paired.map(|[s, f]| serde_json::json!({"screened_head": s, "full_head": f})),
+        "paired_prefetch": paired_prefetch.as_ref().map(PairedPrefetch::json),
         "decode_bound_tok_s": bound,
         "peak_gflop_s": peak / 1e9,
         "prefill_gflop_per_token": flops_tok / 1e9,
@@ -567,6 +608,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             s / f
         );
     }
+    if let Some(p) = &paired_prefetch {
+        println!("{p}");
+    }
     if model.has_screened_head() {
         println!(
             "head             screened: {:.1} exact rows per decoded token on average (of {}); the whole head computed for {} of {} greedy tokens",
@@ -585,6 +629,52 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Decode speeds at two prefetch distances, tokens alternated (`--pair-prefetch`).
+struct PairedPrefetch {
+    /// The two distances in bytes.
+    bytes: [usize; 2],
+    /// Tokens per second at each.
+    tok_s: [f64; 2],
+    /// The median over neighbouring pairs (token `2j` at the first distance, `2j + 1` at the
+    /// second) of the second's speed over the first's; `None` without a whole pair.
+    median_ratio: Option<f64>,
+}
+
+impl PairedPrefetch {
+    fn new(bytes: [usize; 2], secs: &[Vec<f64>; 2]) -> Self {
+        let tok_s = [0, 1].map(|k| secs[k].len() as f64 / secs[k].iter().sum::<f64>());
+        let mut ratios: Vec<f64> = secs[0].iter().zip(&secs[1]).map(|(a, b)| a / b).collect();
+        ratios.sort_by(f64::total_cmp);
+        let median_ratio = (!ratios.is_empty()).then(|| ratios[ratios.len() / 2]);
+        Self {
+            bytes,
+            tok_s,
+            median_ratio,
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "bytes": self.bytes, "tok_s": self.tok_s, "median_pair_ratio": self.median_ratio,
+        })
+    }
+}
+
+impl std::fmt::Display for PairedPrefetch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let [a, b] = self.bytes;
+        let [sa, sb] = self.tok_s;
+        write!(
+            f,
+            "paired           prefetch {a} B ahead {sa:.2} tok/s, {b} B ahead {sb:.2} tok/s (alternate decoded tokens)"
+        )?;
+        match self.median_ratio {
+            Some(r) => write!(f, "; median of neighbouring pairs {r:.3}x"),
+            None => write!(f, "; decode at least 2 tokens for a pair"),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -626,6 +716,14 @@ mod tests {
             (&["--mem-test", "1KiB"], "minimum of 512 KiB"),
             (&["--mem-test", "lots"], "--mem-test"),
             (&["--disk-test", "1 parsec"], "--disk-test"),
+            (&["--pair-prefetch", "512"], "not two distances"),
+            (&["--pair-prefetch", "1,2,3"], "not two distances"),
+            (&["--pair-prefetch", "0,2MiB"], "more than 1 MiB ahead"),
+            (&["--pair-prefetch", "0,far"], "--pair-prefetch"),
+            (
+                &["--pair-prefetch", "0,64", "--pair-full-head"],
+                "cannot be used with",
+            ),
         ] {
             let err = parse(args).expect_err(&format!("{args:?} must be refused"));
             assert!(err.contains(needle), "{args:?}: {err}");
@@ -634,6 +732,7 @@ mod tests {
             &["--prefill-block", "1"][..],
             &["--mem-test", "512KiB"],
             &["--disk-test", "0"],
+            &["--pair-prefetch", "0, 1MiB"],
         ] {
             parse(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
         }
