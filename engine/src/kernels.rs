@@ -507,8 +507,8 @@ pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 }
 
 /// How many bytes ahead in each of its weight streams the AVX-512 tier's one-position (decode)
-/// kernels prefetch: 2 KiB unless [`set_prefetch_ahead`] changed it. The other tiers prefetch
-/// the next rows instead and ignore this.
+/// kernels prefetch: 2 KiB unless [`set_prefetch_ahead`] changed it (0 off x86-64, where there
+/// is no such tier). The other tiers prefetch the next rows instead and ignore this.
 pub fn prefetch_ahead() -> usize {
     #[cfg(target_arch = "x86_64")]
     return avx512::ahead();

@@ -635,8 +635,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 struct PairedPrefetch {
     /// The two distances in bytes.
     bytes: [usize; 2],
-    /// Tokens per second at each.
-    tok_s: [f64; 2],
+    /// Tokens per second at each (`None` for a distance no token was decoded at).
+    tok_s: [Option<f64>; 2],
     /// The median over neighbouring pairs (token `2j` at the first distance, `2j + 1` at the
     /// second) of the second's speed over the first's; `None` without a whole pair.
     median_ratio: Option<f64>,
@@ -644,7 +644,9 @@ struct PairedPrefetch {
 
 impl PairedPrefetch {
     fn new(bytes: [usize; 2], secs: &[Vec<f64>; 2]) -> Self {
-        let tok_s = [0, 1].map(|k| secs[k].len() as f64 / secs[k].iter().sum::<f64>());
+        let tok_s = [0, 1].map(|k| {
+            (!secs[k].is_empty()).then(|| secs[k].len() as f64 / secs[k].iter().sum::<f64>())
+        });
         let mut ratios: Vec<f64> = secs[0].iter().zip(&secs[1]).map(|(a, b)| a / b).collect();
         ratios.sort_by(f64::total_cmp);
         let median_ratio = (!ratios.is_empty()).then(|| ratios[ratios.len() / 2]);
@@ -665,10 +667,12 @@ impl PairedPrefetch {
 impl std::fmt::Display for PairedPrefetch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let [a, b] = self.bytes;
-        let [sa, sb] = self.tok_s;
+        let [sa, sb] = self
+            .tok_s
+            .map(|s| s.map_or_else(|| "-".to_owned(), |s| format!("{s:.2}")));
         write!(
             f,
-            "paired           prefetch {a} B ahead {sa:.2} tok/s, {b} B ahead {sb:.2} tok/s (alternate decoded tokens)"
+            "paired           prefetch {a} B ahead {sa} tok/s, {b} B ahead {sb} tok/s (alternate decoded tokens)"
         )?;
         match self.median_ratio {
             Some(r) => write!(f, "; median of neighbouring pairs {r:.3}x"),
