@@ -10,20 +10,23 @@
 #   bash .ci/llamacpp-side-by-side.sh /tmp/g20 exact          # BF16 GGUF vs stormo exact
 #   bash .ci/llamacpp-side-by-side.sh /tmp/g20 int8-experts   # BF16 GGUF vs --int8-experts
 #   bash .ci/llamacpp-side-by-side.sh /tmp/g20 both           # Q8_0 GGUF vs both opt-ins
+#   bash .ci/llamacpp-side-by-side.sh /tmp/g20 int8-attn-head # Q8_0 GGUF vs --int8-attn-head
+#   NO_AMX=1 bash .ci/llamacpp-side-by-side.sh ...            # on a VM without AMX state (below)
 #
 # What llama.cpp computes in these layouts: its CPU MXFP4 kernel multiplies by activations
 # rounded to 8-bit blocks (as `--int8-experts` does), and its BF16 kernel by activations rounded
 # to bf16, so the BF16 GGUF sits between stormo's exact path and `--int8-experts`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-model="${1:?usage: llamacpp-side-by-side.sh MODEL_DIR [exact|int8-experts|both]}"
+model="${1:?usage: llamacpp-side-by-side.sh MODEL_DIR [exact|int8-experts|int8-attn-head|both]}"
 mode="${2:-exact}"
 work="${WORK:-/tmp/stormo-llamacpp}"
 case "$mode" in
   exact) flags=(); outtype=bf16 ;;
   int8-experts) flags=(--int8-experts); outtype=bf16 ;;
+  int8-attn-head) flags=(--int8-attn-head); outtype=q8_0 ;;
   both) flags=(--int8-attn-head --int8-experts); outtype=q8_0 ;;
-  *) echo "unknown mode '$mode': exact, int8-experts or both" >&2; exit 2 ;;
+  *) echo "unknown mode '$mode': exact, int8-experts, int8-attn-head or both" >&2; exit 2 ;;
 esac
 mkdir -p "$work"
 
@@ -43,11 +46,24 @@ if [ ! -x "$work/venv/bin/python" ]; then
 fi
 export PATH="$work/venv/bin:$PATH"
 
-bench="$src/build/bin/llama-bench"
+# NO_AMX=1 builds for the host's AVX-512 without AMX: a native build on a Xeon whose CPU lists
+# AMX compiles llama.cpp's AMX kernels for Q8_0, and a VM that does not give its guests the AMX
+# register state (the 2-vCPU Xeon VMs of the Performance section) kills it with SIGILL on the
+# Q8_0 GGUF. The BF16 and MXFP4 kernels have no AMX path, so `exact` is unaffected.
+if [ "${NO_AMX:-0}" = 1 ]; then
+  build="$src/build-noamx"
+  isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+    -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+    -DGGML_AVX512_BF16=ON)
+else
+  build="$src/build"
+  isa=(-DGGML_NATIVE=ON)
+fi
+bench="$build/bin/llama-bench"
 if [ ! -x "$bench" ]; then
-  cmake -S "$src" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${isa[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
-  cmake --build "$src/build" --target llama-bench -j "$(nproc)"
+  cmake --build "$build" --target llama-bench -j "$(nproc)"
 fi
 
 # llama.cpp's converter reads the vocabulary from the checkpoint directory.

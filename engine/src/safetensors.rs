@@ -142,6 +142,33 @@ pub struct MappedFile {
     pub len: u64,
     /// The mapping.
     pub map: Mmap,
+    /// The open file, for positioned reads of bytes that are better not mapped (a few rows
+    /// of a large matrix: touching one mapped byte can map a whole page-cache folio, up to
+    /// 2 MiB, into the resident set).
+    pub file: File,
+}
+
+impl MappedFile {
+    /// Reads `buf.len()` bytes at `offset` with a positioned read (not through the mapping).
+    /// A file that has shrunk since it was opened gives an error that names it.
+    pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.file.read_exact_at(buf, offset).map_err(|e| {
+            let e = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{} bytes at offset {offset} run past the end of the file: it was \
+                         truncated or replaced after it was opened",
+                        buf.len()
+                    ),
+                )
+            } else {
+                e
+            };
+            Error::io(&self.path, e)
+        })
+    }
 }
 
 /// A borrowed tensor: its description and bytes.
@@ -461,6 +488,7 @@ pub fn open_file(path: &Path, file_idx: usize) -> Result<(MappedFile, Vec<(Strin
             path: path.to_path_buf(),
             len,
             map,
+            file,
         },
         infos,
     ))

@@ -8,13 +8,16 @@
 //! dot products in any summation order. Every row whose upper bound reaches the best lower
 //! bound is a candidate; the rows that hold the exact maximum are always among them. The
 //! candidates' exact logits are then computed by the same row kernel as the whole head
-//! ([`matvec_rows`], bit for bit), and the first largest wins, as in
-//! [`argmax`](crate::generate::argmax). So the token is the exact path's token, always; the
-//! screen only decides how many exact rows are read (a handful on a trained or random model).
+//! ([`matvec_rows`], bit for bit; the model reads those rows from the file rather than
+//! touching the mapping, which would map whole page-cache folios), and the first largest
+//! wins, as in [`argmax`](crate::generate::argmax). So the token is the exact path's token,
+//! always; the screen only decides how many exact rows are read (about a hundred of 201,088
+//! on random weights at gpt-oss-20b geometry; fewer where one logit stands out).
 //! Where the bound cannot be trusted (a non-finite input or approximation, exact sums that
 //! could overflow, a winner below the bound) or would leave too many candidates, the whole
 //! exact head is computed instead; rows with non-finite weights are always candidates.
 
+use crate::error::Result;
 use crate::kernels::{matvec, matvec_rows, Mat};
 
 use super::Q8Mat;
@@ -24,6 +27,15 @@ const U: f64 = f32::EPSILON as f64 / 2.0;
 
 /// Above this share of the rows as candidates, the whole exact head is cheaper to read.
 const MAX_CANDIDATE_SHARE: usize = 8;
+
+/// Candidates' exact rows read ([`ReadRows`]) and computed at a time: a buffer of 1.5 MB at
+/// gpt-oss-20b geometry, one read for most tokens (about a hundred candidates on random
+/// weights, fewer where one logit stands out).
+const GATHER_ROWS: usize = 256;
+
+/// Reads rows (given in increasing order) of the exact head as stored into the buffer, one
+/// after another: how the candidates' rows are fetched without touching the mapping.
+pub(super) type ReadRows<'a> = &'a dyn Fn(&[usize], &mut [u8]) -> Result<()>;
 
 /// An 8-bit copy of the output head and, per row, its error bound per unit of `‖x‖₁`.
 #[derive(Debug)]
@@ -103,6 +115,8 @@ pub(super) struct ScreenScratch {
     approx: Vec<f32>,
     rows: Vec<usize>,
     exact: Vec<f32>,
+    /// Candidates' exact rows as read ([`GATHER_ROWS`] at most).
+    gathered: Vec<u8>,
 }
 
 impl HeadScreen {
@@ -149,21 +163,36 @@ impl HeadScreen {
 
     /// The greedy choice for the normed hidden state `x` of `head` (the exact matrix this
     /// screen was built from), or `None` when the screen cannot decide (the caller computes
-    /// the whole head).
+    /// the whole head). With `read`, the candidates' exact rows are read through it rather
+    /// than from `head`'s bytes (the same bytes; only a failed read is an error).
     pub(super) fn choose(
         &self,
         head: &Mat<'_>,
         x: &[f32],
         sc: &mut ScreenScratch,
         stats: &mut ScreenStats,
-    ) -> Option<Choice> {
+        read: Option<ReadRows<'_>>,
+    ) -> Result<Option<Choice>> {
+        Ok(self.choose_inner(head, x, sc, read)?.inspect(|_| {
+            stats.screened += 1;
+            stats.exact_rows += sc.rows.len() as u64;
+        }))
+    }
+
+    fn choose_inner(
+        &self,
+        head: &Mat<'_>,
+        x: &[f32],
+        sc: &mut ScreenScratch,
+        read: Option<ReadRows<'_>>,
+    ) -> Result<Option<Choice>> {
         let (rows, cols) = (head.rows(), head.cols());
         debug_assert_eq!(self.slack.len(), rows);
         let l1: f64 = x.iter().map(|&v| (v as f64).abs()).sum();
         // No partial sum of a screened row's exact logit may overflow (the bound assumes it;
         // rows with an infinite slack are always computed exactly, as the whole head would).
         if !l1.is_finite() || self.max_w * l1 * 2.0 >= f32::MAX as f64 {
-            return None;
+            return Ok(None);
         }
         let q = Mat::Q8 {
             q: &self.q8.q,
@@ -179,12 +208,12 @@ impl HeadScreen {
         for (&a, &s) in sc.approx.iter().zip(&self.slack) {
             let a = a as f64;
             if !a.is_finite() {
-                return None;
+                return Ok(None);
             }
             floor = floor.max(a - (s * l1 + TINY));
         }
         if !floor.is_finite() {
-            return None;
+            return Ok(None);
         }
         // At most `cap` candidates, in a buffer of that capacity kept between tokens (so a
         // decoded token allocates nothing here).
@@ -194,7 +223,7 @@ impl HeadScreen {
         for (r, (&a, &s)) in sc.approx.iter().zip(&self.slack).enumerate() {
             if a as f64 + (s * l1 + TINY) >= floor {
                 if sc.rows.len() == cap {
-                    return None;
+                    return Ok(None);
                 }
                 sc.rows.push(r);
             }
@@ -202,7 +231,26 @@ impl HeadScreen {
         sc.exact.clear();
         sc.exact.reserve(cap);
         sc.exact.resize(sc.rows.len(), 0.0);
-        matvec_rows(head, &sc.rows, x, &mut sc.exact);
+        match (read, *head) {
+            (Some(read), Mat::Dense { fmt, cols, .. }) => {
+                // The same bytes through the same row kernel give the same bits, whichever
+                // rows share the matrix (`matvec_rows`).
+                let (chunk, row) = (GATHER_ROWS.min(cap).max(1), cols * fmt.size());
+                sc.gathered.resize(chunk * row, 0);
+                for (rows, out) in sc.rows.chunks(chunk).zip(sc.exact.chunks_mut(chunk)) {
+                    let bytes = &mut sc.gathered[..rows.len() * row];
+                    read(rows, bytes)?;
+                    let m = Mat::Dense {
+                        fmt,
+                        bytes,
+                        rows: rows.len(),
+                        cols,
+                    };
+                    matvec(&m, x, out);
+                }
+            }
+            _ => matvec_rows(head, &sc.rows, x, &mut sc.exact),
+        }
         let choice = Choice::of_rows(sc.rows.iter().copied().zip(sc.exact.iter().copied()));
         // The row that set the floor is a candidate with a finite exact logit at or above it,
         // so the winner is a number; anything else means the bound did not hold: say so by
@@ -211,11 +259,9 @@ impl HeadScreen {
             .partial_cmp(&floor)
             .is_some_and(|o| o.is_ge());
         if !above && choice.logit != f32::INFINITY {
-            return None;
+            return Ok(None);
         }
-        stats.screened += 1;
-        stats.exact_rows += sc.rows.len() as u64;
-        Some(choice)
+        Ok(Some(choice))
     }
 }
 
@@ -257,7 +303,38 @@ mod tests {
         let mut all = vec![0.0; rows];
         matvec(&head, x, &mut all);
         let mut stats = ScreenStats::default();
-        let got = screen.choose(&head, x, &mut ScreenScratch::default(), &mut stats);
+        let got = screen
+            .choose(&head, x, &mut ScreenScratch::default(), &mut stats, None)
+            .unwrap();
+        // The candidates' rows read from elsewhere (a copy starting at an odd address, read
+        // through the `ReadRows` hook in chunks, as the model reads them from the file) give
+        // the same choice, bit for bit, and the same statistics.
+        let row = x.len() * fmt.size();
+        let copy = [vec![0u8; 3], bytes.clone()].concat();
+        let reads = std::cell::Cell::new(0);
+        let read = |rs: &[usize], out: &mut [u8]| {
+            assert!(rs.len() <= GATHER_ROWS && rs.windows(2).all(|w| w[0] < w[1]));
+            for (&r, o) in rs.iter().zip(out.chunks_exact_mut(row)) {
+                o.copy_from_slice(&copy[3 + r * row..3 + (r + 1) * row]);
+            }
+            reads.set(reads.get() + rs.len() as u64);
+            Ok(())
+        };
+        let mut stats_read = ScreenStats::default();
+        let got_read = screen
+            .choose(
+                &head,
+                x,
+                &mut ScreenScratch::default(),
+                &mut stats_read,
+                Some(&read),
+            )
+            .unwrap();
+        assert_eq!(got_read, got, "rows read against rows mapped");
+        assert_eq!(stats_read, stats, "rows read against rows mapped");
+        if got.is_some() {
+            assert_eq!(reads.get(), stats.exact_rows, "rows read");
+        }
         (got, Choice::of(&all), stats)
     }
 
@@ -425,5 +502,52 @@ mod tests {
         nan_x[3] = f32::NAN;
         assert_eq!(both(Float::BF16, &w, rows, &nan_x).0, None);
         assert_eq!(both(Float::BF16, &w, rows, &vec![0.0; cols]).0, None);
+    }
+
+    /// More candidates than one read's worth ([`GATHER_ROWS`]): 300 copies of the best row
+    /// (ties, all candidates) are read and computed in chunks, and the first copy wins, as in
+    /// the whole head; a read that fails is an error, not a guess.
+    #[test]
+    fn many_candidates_are_read_in_chunks_and_failed_reads_are_errors() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let (rows, cols) = (4000, 40);
+        let mut w = normal(&mut rng, rows * cols);
+        let x = normal(&mut rng, cols);
+        let best: Vec<f32> = x.iter().map(|v| v * 2.0).collect();
+        for r in 0..300 {
+            let at = (100 + 3 * r) * cols;
+            w[at..at + cols].copy_from_slice(&best);
+        }
+        for tier in Tier::available() {
+            with_tier(tier, || {
+                let (got, want, stats) = both(Float::BF16, &w, rows, &x);
+                assert_eq!(want.token, 100, "{tier}: the construction");
+                assert_eq!(got, Some(want), "{tier}");
+                assert!(stats.exact_rows > GATHER_ROWS as u64, "{tier}: {stats:?}");
+            });
+        }
+        let bytes = encode(Float::BF16, &w);
+        let head = Mat::Dense {
+            fmt: Float::BF16,
+            bytes: &bytes,
+            rows,
+            cols,
+        };
+        let screen = HeadScreen::build(&head);
+        let fail = |_: &[usize], _: &mut [u8]| Err(crate::Error::Input("disk on fire".into()));
+        let mut stats = ScreenStats::default();
+        let got = screen.choose(
+            &head,
+            &x,
+            &mut ScreenScratch::default(),
+            &mut stats,
+            Some(&fail),
+        );
+        assert!(
+            got.as_ref()
+                .is_err_and(|e| e.to_string().contains("disk on fire")),
+            "{got:?}"
+        );
+        assert_eq!(stats, ScreenStats::default());
     }
 }
