@@ -4,7 +4,6 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::Context;
 use stormo_engine::moe::ExpertProvider;
 use stormo_engine::tiers::{usage, ExpertStats, Tier, TierConfig, TieredExperts};
 use stormo_engine::ModelFiles;
@@ -191,13 +190,18 @@ impl Experts {
         self.tiered.as_ref().map(|t| t.stats())
     }
 
-    /// Saves the usage counts for the next start (hot-store).
-    pub fn finish(&self) -> anyhow::Result<()> {
+    /// Saves the usage counts for the next start (hot-store). They are only a hint for the
+    /// next start's preloading, so a failure to save them is a warning, not a failed run.
+    pub fn finish(&self) {
         if let (Some(t), Some(p)) = (&self.tiered, &self.usage_path) {
-            usage::save(p, &t.usage())
-                .with_context(|| format!("saving expert usage counts to {}", p.display()))?;
+            if let Err(e) = usage::save(p, &t.usage()) {
+                tracing::warn!(
+                    "could not save expert usage counts to {} ({e}); the next start preloads \
+                     from the history it finds",
+                    p.display()
+                );
+            }
         }
-        Ok(())
     }
 
     /// The `"experts"` object of `--json`.

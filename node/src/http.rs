@@ -52,9 +52,9 @@ use stop::StopMatcher;
 /// Options of the HTTP API (`stormo serve --http`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct HttpArgs {
-    /// Serve an OpenAI-compatible HTTP API here, e.g. 127.0.0.1:8080 (no authentication:
-    /// bind to loopback or put a proxy in front).
-    #[arg(long, value_name = "ADDR")]
+    /// Serve an OpenAI-compatible HTTP API here, e.g. 127.0.0.1:8080 or localhost:8080 (no
+    /// authentication: bind to loopback or put a proxy in front).
+    #[arg(long, value_name = "ADDR", value_parser = crate::cmd::serve::listen_addr)]
     pub http: Option<SocketAddr>,
     /// Requests that may wait while one runs; more get HTTP 429.
     #[arg(long, default_value_t = 8, value_name = "N")]
@@ -168,9 +168,9 @@ impl HttpServer {
     }
 
     /// Stops accepting connections and waits for the engine's expert I/O to finish.
-    pub fn close(self) -> anyhow::Result<()> {
+    pub fn close(self) {
         self.accept.abort();
-        self.model.experts.finish()
+        self.model.experts.finish();
     }
 }
 

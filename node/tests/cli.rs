@@ -989,3 +989,86 @@ fn synth_force_without_a_tokenizer_removes_the_old_one() {
         "a tokenizer put there"
     );
 }
+
+/// `demo` and `swarm` write keys into `--work`, and keys are never overwritten: a folder that
+/// already holds files (an earlier run's) is refused before anything starts, and left alone.
+#[test]
+fn work_folders_must_be_new_or_empty() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("publisher.key"), b"an earlier run's key").unwrap();
+    let work = dir.path().to_str().unwrap();
+    for args in [
+        &["demo", "--work", work][..],
+        &["swarm", "--scenario", "lan4", "--work", work],
+    ] {
+        let o = stormo(args);
+        assert_clean_error(&o, &["--work", "not empty"]);
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(names.len(), 1, "{args:?}");
+        assert_eq!(
+            std::fs::read(dir.path().join("publisher.key")).unwrap(),
+            b"an earlier run's key"
+        );
+    }
+}
+
+/// `bench` on a checkpoint too small for its disk test says so instead of reporting nothing
+/// after "measuring disk bandwidth...", and `--disk-test 0` skips the test without a word.
+#[test]
+fn bench_says_when_the_disk_test_cannot_run() {
+    let model = fixture("gptoss-tiny-mxfp4");
+    let m = model.to_str().unwrap();
+    let common = [
+        "bench",
+        "--model",
+        m,
+        "--no-hot-store",
+        "--mem-test",
+        "1MiB",
+        "--prompt-tokens",
+        "2",
+        "--decode-tokens",
+        "2",
+    ];
+    let o = stormo(&common);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("disk             not measured"), "{out}");
+    let o = stormo(&[&common[..], &["--disk-test", "0"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(!out.contains("disk             "), "{out}");
+    assert!(!stderr(&o).contains("measuring disk"), "{}", stderr(&o));
+}
+
+/// Sampling options that greedy decoding does not use are named in a warning, not dropped in
+/// silence; with a temperature they are used and nothing is said.
+#[test]
+fn sampling_options_without_a_temperature_are_reported_as_ignored() {
+    let model = fixture("gptoss-tiny-mxfp4");
+    let m = model.to_str().unwrap();
+    let run = [
+        "run",
+        "--model",
+        m,
+        "--prompt-ids",
+        "1,2",
+        "--max-new-tokens",
+        "2",
+    ];
+    let o = stormo(&[&run[..], &["--top-p", "0.5", "--seed", "5"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("--top-p, --seed ignored: decoding is greedy"),
+        "{}",
+        stderr(&o)
+    );
+    for extra in [
+        &[][..],
+        &["--temperature", "0.5", "--top-p", "0.5", "--seed", "5"],
+    ] {
+        let o = stormo(&[&run[..], extra].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(!stderr(&o).contains("ignored"), "{extra:?}: {}", stderr(&o));
+    }
+}

@@ -98,7 +98,7 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         if let Some(s) = self.srv.take() {
-            let _ = s.close();
+            s.close();
         }
         if let Some(rt) = self.rt.take() {
             rt.shutdown_timeout(Duration::from_secs(2));

@@ -19,7 +19,7 @@ use stormo_tests::{fixture, MODEL_FIXTURES};
 const GOLDEN_MXFP4_MODEL_ID: &str =
     "9699d34bb95ca3490d1e7904013eb44cccbff7eb1d378edb3af4dc62e80ce026";
 
-fn copy_fixture(name: &str) -> tempfile::TempDir {
+pub(crate) fn copy_fixture(name: &str) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().expect("tempdir");
     for entry in std::fs::read_dir(fixture(name)).expect("fixture dir") {
         let entry = entry.expect("entry");

@@ -397,3 +397,37 @@ fn a_pipe_a_directory_or_a_device_in_a_checkpoint_is_refused_by_name() {
         "{e}"
     );
 }
+
+/// The hot-store's usage counts are a hint for the next start: a run whose counts cannot be
+/// saved (here `stormo-usage.json` is a folder, so the atomic rename onto it fails) still
+/// prints its result and succeeds, warns once, and leaves what is there alone.
+#[test]
+fn a_usage_file_that_cannot_be_saved_does_not_fail_the_run() {
+    let dir = crate::manifests::copy_fixture("gptoss-tiny-mxfp4");
+    let usage = dir.path().join("stormo-usage.json");
+    let _ = std::fs::remove_file(&usage);
+    std::fs::create_dir(&usage).unwrap();
+    std::fs::write(usage.join("keep"), b"kept").unwrap();
+    let out = std::process::Command::new(crate::demo::stormo_exe())
+        .args(["run", "--model"])
+        .arg(dir.path())
+        .args(["--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json"])
+        .output()
+        .expect("running stormo run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json output");
+    assert_eq!(v["generated_ids"].as_array().map(Vec::len), Some(4), "{v}");
+    assert_eq!(
+        stderr.matches("could not save expert usage counts").count(),
+        1,
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read(usage.join("keep")).unwrap(), b"kept");
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.contains(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "temporary files left: {left:?}");
+}

@@ -44,19 +44,27 @@ fn dir_is_writable(dir: &Path) -> bool {
 }
 
 /// Reads counts shaped like `shape` (experts per layer); anything missing, malformed or of
-/// another shape reads as zeros.
+/// another shape reads as zeros (with a warning when the file is there but unusable).
 pub fn load(path: &Path, shape: &[usize]) -> Vec<Vec<u64>> {
-    let zeros = || shape.iter().map(|&n| vec![0; n]).collect();
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return zeros();
-    };
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
+    read(path, shape).unwrap_or_else(|problem| {
         tracing::warn!(
-            "{}: not valid JSON; ignoring expert usage history",
+            "{}: {problem}; ignoring expert usage history",
             path.display()
         );
-        return zeros();
+        zeros(shape)
+    })
+}
+
+fn zeros(shape: &[usize]) -> Vec<Vec<u64>> {
+    shape.iter().map(|&n| vec![0; n]).collect()
+}
+
+/// The counts in `path`: zeros if there is no file, or what is wrong with the one there.
+fn read(path: &Path, shape: &[usize]) -> Result<Vec<Vec<u64>>, &'static str> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(zeros(shape));
     };
+    let v = serde_json::from_str::<serde_json::Value>(&text).map_err(|_| "not valid JSON")?;
     let layers = v.get("layers").and_then(|l| l.as_array());
     let parsed: Option<Vec<Vec<u64>>> = layers.and_then(|ls| {
         ls.iter()
@@ -67,21 +75,19 @@ pub fn load(path: &Path, shape: &[usize]) -> Vec<Vec<u64>> {
             .collect()
     });
     match parsed {
-        Some(c) if c.len() == shape.len() && c.iter().zip(shape).all(|(l, &n)| l.len() == n) => c,
-        _ => {
-            tracing::warn!(
-                "{}: does not match this model; ignoring expert usage history",
-                path.display()
-            );
-            zeros()
+        Some(c) if c.len() == shape.len() && c.iter().zip(shape).all(|(l, &n)| l.len() == n) => {
+            Ok(c)
         }
+        _ => Err("does not match this model"),
     }
 }
 
-/// Adds `counts` to what `path` holds and writes it back atomically (temp file + rename).
+/// Adds `counts` to what `path` holds (an unusable file, already reported by [`load`], is
+/// replaced) and writes it back atomically (temp file + rename); on failure nothing is left
+/// behind and the file there is unchanged.
 pub fn save(path: &Path, counts: &[Vec<u64>]) -> std::io::Result<()> {
     let shape: Vec<usize> = counts.iter().map(Vec::len).collect();
-    let mut total = load(path, &shape);
+    let mut total = read(path, &shape).unwrap_or_else(|_| zeros(&shape));
     for (t, c) in total.iter_mut().zip(counts) {
         for (a, b) in t.iter_mut().zip(c) {
             *a = a.saturating_add(*b);
@@ -92,8 +98,12 @@ pub fn save(path: &Path, counts: &[Vec<u64>]) -> std::io::Result<()> {
     }
     let tmp = path.with_extension(format!("json.tmp{}", std::process::id()));
     let v = serde_json::json!({"format": "stormo-usage", "version": 1, "layers": total});
-    std::fs::write(&tmp, serde_json::to_vec(&v).expect("json"))?;
-    std::fs::rename(&tmp, path)
+    let written = std::fs::write(&tmp, serde_json::to_vec(&v).expect("json"))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// Experts with a non-zero count, most used first (ties by layer, then expert).

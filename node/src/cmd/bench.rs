@@ -363,8 +363,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         probe.sample();
     }
     let mem_before = probe.take().expect("five samples");
-    say("measuring disk bandwidth...".into());
     let disk = if disk_test > 0 {
+        say("measuring disk bandwidth...".into());
         disk_bandwidth(&files, disk_test)?
     } else {
         None
@@ -524,7 +524,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "experts": experts.json(sess.prediction()),
         "peak_rss_bytes": peak_rss(),
     });
-    experts.finish()?;
+    experts.finish();
     if a.json {
         println!("{out}");
         return Ok(());
@@ -552,8 +552,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         mem_bw / 1e9,
         mem_before / 1e9
     );
-    if let Some((d, direct)) = disk {
-        println!(
+    match disk {
+        Some((d, direct)) => println!(
             "disk             {:.2} GB/s read{}",
             d / 1e9,
             if direct {
@@ -561,7 +561,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             } else {
                 " (page cache may help)"
             }
-        );
+        ),
+        None if disk_test > 0 => println!(
+            "disk             not measured: it reads whole 4 MiB blocks, more than --disk-test \
+             or the largest checkpoint file holds"
+        ),
+        None => {}
     }
     println!(
         "per decoded token {} must be read{}: bound {:.2} tok/s at memory speed",

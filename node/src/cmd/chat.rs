@@ -63,6 +63,22 @@ impl SamplingArgs {
             seed: self.seed,
         };
         p.validate().context("sampling options")?;
+        if p.temperature == 0.0 {
+            let ignored: Vec<&str> = [
+                (self.top_p != 1.0, "--top-p"),
+                (self.top_k != 0, "--top-k"),
+                (self.seed != 0, "--seed"),
+            ]
+            .into_iter()
+            .filter_map(|(given, name)| given.then_some(name))
+            .collect();
+            if !ignored.is_empty() {
+                tracing::warn!(
+                    "{} ignored: decoding is greedy (temperature 0); give --temperature to sample",
+                    ignored.join(", ")
+                );
+            }
+        }
         Ok(p)
     }
 }
@@ -436,7 +452,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         interactive,
         tty,
     )?;
-    tm.experts.finish()
+    tm.experts.finish();
+    Ok(())
 }
 
 /// The conversation loop: reads turns from `input` (one line each), writes replies to `out`

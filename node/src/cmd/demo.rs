@@ -52,7 +52,8 @@ pub struct Args {
     /// Tokens to generate.
     #[arg(long, default_value_t = 24, value_name = "N")]
     pub max_new_tokens: usize,
-    /// Scratch folder (kept; default: a new temp folder, removed at the end).
+    /// Scratch folder: new or empty, kept at the end (default: a new temp folder, removed at
+    /// the end).
     #[arg(long, value_name = "DIR")]
     pub work: Option<PathBuf>,
     /// Print one JSON object on stdout instead of the report.

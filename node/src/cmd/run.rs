@@ -385,7 +385,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             );
         }
         tiers.close();
-        experts.finish()?;
+        experts.finish();
         let prediction = sess.engine_session().prediction();
         if a.stats {
             eprint!("{}\n{}", experts.table(prediction), tiers.table());
@@ -498,7 +498,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let decode_steps = ids.len().saturating_sub(1);
     tiers.close();
-    experts.finish()?;
+    experts.finish();
     let prediction = sess.prediction();
     if a.stats {
         eprint!("{}\n{}", experts.table(prediction), tiers.table());

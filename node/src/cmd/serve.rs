@@ -165,14 +165,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         h.close();
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), h.wait_idle()).await;
         if let Some(w) = web {
-            w.close()?;
+            w.close();
         }
         anyhow::Ok(())
     })?;
-    match experts {
-        Some(e) => e.finish(),
-        None => Ok(()),
+    if let Some(e) = experts {
+        e.finish();
     }
+    Ok(())
 }
 
 async fn start_http(
@@ -206,13 +206,14 @@ fn serve_http_only(
             .await
             .context("waiting for Ctrl-C")?;
         eprintln!("shutting down");
-        w.close()
+        w.close();
+        anyhow::Ok(())
     })
 }
 
-/// `--listen`: an IP address and port, or a host name that resolves to one (`localhost:4433`:
-/// the first address it resolves to).
-fn listen_addr(s: &str) -> Result<SocketAddr, String> {
+/// `--listen` and `--http`: an IP address and port, or a host name that resolves to one
+/// (`localhost:4433`: the first address it resolves to).
+pub(crate) fn listen_addr(s: &str) -> Result<SocketAddr, String> {
     if let Ok(a) = s.parse() {
         return Ok(a);
     }
@@ -225,4 +226,30 @@ fn listen_addr(s: &str) -> Result<SocketAddr, String> {
         .map_err(|e| format!("{s:?}: cannot resolve the host {host:?} ({e})"))?
         .next()
         .ok_or_else(|| format!("{s:?}: the host {host:?} has no address"))
+}
+
+#[cfg(test)]
+mod tests {
+    /// `--http` takes what `--listen` takes: an address, or a host name that resolves.
+    #[test]
+    fn http_and_listen_take_host_names() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["stormo", "serve", "--model", "m"];
+            argv.extend_from_slice(extra);
+            crate::cli::Cli::try_parse_args(argv).map_err(|e| e.to_string())
+        };
+        for flag in ["--http", "--listen"] {
+            for ok in ["127.0.0.1:8080", "localhost:8080", "[::1]:0"] {
+                parse(&[flag, ok]).unwrap_or_else(|e| panic!("{flag} {ok}: {e}"));
+            }
+            for (bad, needle) in [
+                ("8080", "is not HOST:PORT"),
+                ("localhost:http", "is not a number"),
+                ("localhost:70000", "is not a number"),
+            ] {
+                let err = parse(&[flag, bad]).expect_err(bad);
+                assert!(err.contains(needle), "{flag} {bad}: {err}");
+            }
+        }
+    }
 }

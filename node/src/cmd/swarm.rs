@@ -63,8 +63,8 @@ pub struct Args {
     /// How the serving nodes pace their answers (`stormo serve --congestion`).
     #[arg(long, value_enum, default_value_t = crate::net::tls::Congestion::Cubic, value_name = "ALGORITHM")]
     pub congestion: crate::net::tls::Congestion,
-    /// Scratch folder (keys, manifest, logs; the synthesized model). Default: a new folder
-    /// in the system's temp dir, removed at the end unless --keep.
+    /// Scratch folder (keys, manifest, logs; the synthesized model): new or empty, kept at the
+    /// end. Default: a new folder in the system's temp dir, removed at the end unless --keep.
     #[arg(long, value_name = "DIR")]
     pub work: Option<PathBuf>,
     /// Keep the scratch folder (its logs name what each process did).
@@ -131,7 +131,18 @@ impl Scratch {
     /// `given`, or a new folder named after `what` in the temp dir.
     pub fn new(given: Option<PathBuf>, what: &str, keep: bool) -> anyhow::Result<Self> {
         let (path, keep) = match given {
-            Some(p) => (p, true),
+            Some(p) => {
+                // A run writes keys there, and keys are never overwritten: an earlier run's
+                // folder would stop this one halfway, so it is refused before anything starts.
+                if std::fs::read_dir(&p).is_ok_and(|mut d| d.next().is_some()) {
+                    anyhow::bail!(
+                        "--work {}: the folder is not empty (an earlier run's?); give a new or \
+                         empty folder, or delete this one",
+                        p.display()
+                    );
+                }
+                (p, true)
+            }
             None => (
                 std::env::temp_dir().join(format!("stormo-{what}-{}", std::process::id())),
                 keep,
@@ -159,7 +170,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         vec![a
             .scenario
             .parse()
-            .map_err(|e: String| anyhow::anyhow!("--scenario: {e}"))?]
+            .map_err(|e: String| anyhow::anyhow!("--scenario: {e}, or all"))?]
     };
     let links = scenarios
         .iter()
