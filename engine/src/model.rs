@@ -774,18 +774,12 @@ impl Model {
         let p0 = sess.pos;
         let s = &mut sess.s;
         s.ensure(t, cfg);
-        if self.embed.q8.is_none() {
-            // Read, not touched through the mapping: see `read_rows`.
-            s.embed_row.resize(h * self.embed.fmt.size(), 0);
-            for (i, &tok) in tokens.iter().enumerate() {
-                self.read_rows(&self.embed, &[tok as usize], &mut s.embed_row)?;
-                (self.embed.fmt).widen_into(&s.embed_row, &mut s.x[i * h..(i + 1) * h]);
-            }
-        } else {
-            let embed = self.mat(&self.embed);
-            for (i, &tok) in tokens.iter().enumerate() {
-                embed.row_into(tok as usize, &mut s.x[i * h..(i + 1) * h]);
-            }
+        // The exact rows as stored (the embedding never runs from an 8-bit copy), read rather
+        // than touched through the mapping: see `read_rows`.
+        s.embed_row.resize(h * self.embed.fmt.size(), 0);
+        for (i, &tok) in tokens.iter().enumerate() {
+            self.read_rows(&self.embed, &[tok as usize], &mut s.embed_row)?;
+            (self.embed.fmt).widen_into(&s.embed_row, &mut s.x[i * h..(i + 1) * h]);
         }
         if let Some(o) = obs.as_deref_mut() {
             o.hidden(0, &s.x[..t * h]);

@@ -150,25 +150,31 @@ pub struct MappedFile {
 
 impl MappedFile {
     /// Reads `buf.len()` bytes at `offset` with a positioned read (not through the mapping).
-    /// A file that has shrunk since it was opened gives an error that names it.
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        use std::os::unix::fs::FileExt;
-        self.file.read_exact_at(buf, offset).map_err(|e| {
-            let e = if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                std::io::Error::new(
-                    e.kind(),
-                    format!(
-                        "{} bytes at offset {offset} run past the end of the file: it was \
-                         truncated or replaced after it was opened",
-                        buf.len()
-                    ),
-                )
-            } else {
-                e
-            };
-            Error::io(&self.path, e)
-        })
+        read_exact_at(&self.file, &self.path, buf, offset)
     }
+}
+
+/// Reads `buf.len()` bytes of `file` (at `path`) at `offset` with a positioned read; a read
+/// past the end (a file truncated or replaced after it was opened) is an error that says so
+/// and names the file.
+pub(crate) fn read_exact_at(file: &File, path: &Path, buf: &mut [u8], offset: u64) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    file.read_exact_at(buf, offset).map_err(|e| {
+        let e = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            std::io::Error::new(
+                e.kind(),
+                format!(
+                    "short read of {} bytes at offset {offset}: the file was truncated or \
+                     replaced after it was opened",
+                    buf.len()
+                ),
+            )
+        } else {
+            e
+        };
+        Error::io(path, e)
+    })
 }
 
 /// A borrowed tensor: its description and bytes.

@@ -1058,8 +1058,11 @@ fn sampling_options_without_a_temperature_are_reported_as_ignored() {
     ];
     let o = stormo(&[&run[..], &["--top-p", "0.5", "--seed", "5"]].concat());
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(
-        stderr(&o).contains("--top-p, --seed ignored: decoding is greedy"),
+    assert_eq!(
+        stderr(&o)
+            .matches("--top-p, --seed ignored: decoding is greedy")
+            .count(),
+        1,
         "{}",
         stderr(&o)
     );

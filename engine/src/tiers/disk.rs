@@ -3,7 +3,6 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -80,17 +79,7 @@ impl DiskFile {
 
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.check_len()?;
-        self.file.read_exact_at(buf, offset).map_err(|e| {
-            let e = if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                std::io::Error::other(format!(
-                    "short read of {} bytes at offset {offset}: file truncated",
-                    buf.len()
-                ))
-            } else {
-                e
-            };
-            Error::io(&self.path, e)
-        })?;
+        crate::safetensors::read_exact_at(&self.file, &self.path, buf, offset)?;
         // a file truncated during the read gives zeros on some filesystems: check again
         self.check_len()
     }

@@ -63,6 +63,12 @@ impl SamplingArgs {
             seed: self.seed,
         };
         p.validate().context("sampling options")?;
+        Ok(p)
+    }
+
+    /// Warns once about the options that `p` (from [`Self::params`]) leaves unused: greedy
+    /// decoding takes no --top-p, --top-k or --seed.
+    pub fn warn_unused(&self, p: &SamplingParams) {
         if p.temperature == 0.0 {
             let ignored: Vec<&str> = [
                 (self.top_p != 1.0, "--top-p"),
@@ -79,7 +85,6 @@ impl SamplingArgs {
                 );
             }
         }
-        Ok(p)
     }
 }
 
@@ -433,6 +438,7 @@ impl Write for Noting<'_> {
 /// Runs `stormo chat`.
 pub fn run(a: Args) -> anyhow::Result<()> {
     let sampling = a.sampling.params(0.7)?;
+    a.sampling.warn_unused(&sampling);
     let load = LoadOptions {
         prefill_block: a.prefill_block,
         int8_attn_head: a.int8_attn_head,

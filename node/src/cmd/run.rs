@@ -258,6 +258,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let context = prompt.len().saturating_add(a.max_new_tokens.max(1) - 1);
     // Checked before the model loads, so a bad setting costs no time.
     let sampling = a.sampling.params(0.0)?;
+    a.sampling.warn_unused(&sampling);
     let max_pos = files.cfg.max_position_embeddings;
     let allowed = a
         .only_experts
