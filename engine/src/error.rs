@@ -73,6 +73,18 @@ pub enum Error {
     /// An input the caller gave is out of range (token id, prompt length, ...).
     #[error("{0}")]
     Input(String),
+    /// Memory for a copy the engine keeps (of weights it streams every token) could not be
+    /// had.
+    #[error("cannot allocate {bytes} bytes for {what}")]
+    Memory {
+        /// What the memory was for.
+        what: String,
+        /// How much was asked for.
+        bytes: u64,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// An expert could not be obtained from any tier.
     #[error("expert {expert} of layer {layer}: {reason}")]
     Expert {

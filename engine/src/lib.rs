@@ -5,10 +5,12 @@
 //! provider (the [`moe::ExpertProvider`] seam) so that RAM, disk and network tiers can serve
 //! them without the model knowing which. It knows nothing of networks or async runtimes.
 
+mod attention;
 pub mod config;
 pub mod error;
 pub mod generate;
 pub mod gpt_oss;
+pub mod huge;
 pub mod kernels;
 pub mod layout;
 pub mod model;

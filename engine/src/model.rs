@@ -15,10 +15,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use rayon::prelude::*;
-
 use crate::config::{Family, ModelConfig};
 use crate::error::{Error, Result};
+use crate::huge::HugeBuf;
 use crate::kernels::{matmul, matmul_batch, Float, Mat, Product, Vector};
 use crate::layout::{ExpertLayout, Loader, Loc};
 use crate::moe::{self, ExpertData, ExpertProvider, MappedExperts, MoeScratch, PartBytes};
@@ -39,22 +38,24 @@ struct MatSpec {
     cols: usize,
     /// Index into [`Model::q8`] when the matrix runs from an 8-bit copy.
     q8: Option<usize>,
+    /// Index into [`Model::copies`] when the matrix runs from a copy on huge pages.
+    copy: Option<usize>,
 }
 
 /// An owned row-scaled 8-bit copy of a dense matrix ([`Mat::Q8`]).
 #[derive(Debug)]
 struct Q8Mat {
-    q: Vec<u8>,
+    q: HugeBuf,
     scales: Vec<f32>,
 }
 
 impl Q8Mat {
     /// Quantizes `w` row by row: scale = max |w| / 127, q = round(w / scale). Also gives,
     /// per row, `[max |w|, max |w - scale·q|]` (in f64, where both are exact).
-    fn quantize(w: &Mat<'_>) -> (Self, Vec<[f64; 2]>) {
+    fn quantize(w: &Mat<'_>) -> Result<(Self, Vec<[f64; 2]>)> {
         use rayon::prelude::*;
         let (rows, cols) = (w.rows(), w.cols());
-        let mut q = vec![0u8; rows * cols];
+        let mut q = huge_buf(rows * cols, "an 8-bit copy of a matrix")?;
         let mut scales = vec![0f32; rows];
         let mut err = vec![[0f64; 2]; rows];
         q.par_chunks_mut(cols.max(1))
@@ -84,8 +85,17 @@ impl Q8Mat {
                     *e = [max as f64, worst];
                 },
             );
-        (Self { q, scales }, err)
+        Ok((Self { q, scales }, err))
     }
+}
+
+/// [`HugeBuf::zeroed`], its failure named as for `what`.
+fn huge_buf(bytes: usize, what: &str) -> Result<HugeBuf> {
+    HugeBuf::zeroed(bytes).map_err(|source| Error::Memory {
+        what: what.into(),
+        bytes: bytes as u64,
+        source,
+    })
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -297,6 +307,8 @@ pub struct Model {
     q8: Vec<Q8Mat>,
     /// [`LoadOptions::screened_head`].
     screen: Option<HeadScreen>,
+    /// Copies of the dense matrices every token reads, on huge pages (see `copy_dense`).
+    copies: Vec<HugeBuf>,
 }
 
 /// Receives intermediate values of a forward (for tests and diagnostics).
@@ -353,6 +365,7 @@ impl Model {
                 rows,
                 cols,
                 q8: None,
+                copy: None,
             })
         };
         let vec = |name: &str, len: usize| -> Result<VecSpec> {
@@ -457,19 +470,49 @@ impl Model {
             int8_experts: opts.int8_experts,
             q8: Vec::new(),
             screen: None,
+            copies: Vec::new(),
         };
         if opts.int8_attn_head {
-            model.quantize_attn_head();
+            model.quantize_attn_head()?;
         } else if opts.screened_head {
-            model.screen = Some(HeadScreen::build(&model.dense(&model.lm_head)));
+            model.screen = Some(HeadScreen::build(&model.dense(&model.lm_head))?);
             model.release(model.lm_head.loc);
         }
+        model.copy_dense()?;
         Ok(model)
+    }
+
+    /// Reads every dense matrix a token multiplies in full (the attention projections that
+    /// have no 8-bit copy, the routers, dense MLPs) into memory on huge pages, with
+    /// positioned reads, and runs them from there: every token streams these bytes, and a
+    /// stream through the checkpoint's mapping crosses a 4 KiB page (a TLB miss and a
+    /// restarted hardware prefetcher) every 4 KiB (see [`crate::huge`]). The resident set is
+    /// the same as running from the mapping once every page has been touched, since the
+    /// mapping is then never touched. The embedding and the output head are not copied: a
+    /// token reads a few of their rows.
+    fn copy_dense(&mut self) -> Result<()> {
+        let mut specs: Vec<&mut MatSpec> = Vec::new();
+        for l in &mut self.layers {
+            let a = &mut l.attn;
+            specs.extend([&mut a.q, &mut a.k, &mut a.v, &mut a.o]);
+            match &mut l.mlp {
+                Mlp::Moe { router, .. } => specs.push(router),
+                Mlp::Dense { gate, up, down } => specs.extend([gate, up, down]),
+            }
+        }
+        for m in specs.into_iter().filter(|m| m.q8.is_none()) {
+            let file = &self.ckpt.files[m.loc.file];
+            let mut buf = huge_buf(m.loc.len as usize, "a copy of a dense matrix")?;
+            file.read_exact_at(&mut buf, m.loc.offset)?;
+            m.copy = Some(self.copies.len());
+            self.copies.push(buf);
+        }
+        Ok(())
     }
 
     /// Makes the 8-bit copies of every attention projection and of the output head (the
     /// embedding lookup keeps the exact rows, even when the head is tied to it).
-    fn quantize_attn_head(&mut self) {
+    fn quantize_attn_head(&mut self) -> Result<()> {
         fn push(m: &mut MatSpec, specs: &mut Vec<MatSpec>) {
             m.q8 = Some(specs.len());
             specs.push(*m);
@@ -485,12 +528,13 @@ impl Model {
         let q8: Vec<Q8Mat> = specs
             .iter()
             .map(|m| {
-                let (q, _) = Q8Mat::quantize(&self.dense(m));
+                let (q, _) = Q8Mat::quantize(&self.dense(m))?;
                 self.release(m.loc);
-                q
+                Ok(q)
             })
-            .collect();
+            .collect::<Result<_>>()?;
         self.q8 = q8;
+        Ok(())
     }
 
     /// Tells the OS that the mapped pages wholly inside `loc` are not needed now (they are
@@ -598,11 +642,14 @@ impl Model {
         Ok(())
     }
 
-    /// The matrix as stored in the checkpoint.
+    /// The matrix as stored in the checkpoint (from its copy if it has one).
     fn dense(&self, m: &MatSpec) -> Mat<'_> {
         Mat::Dense {
             fmt: m.fmt,
-            bytes: self.bytes(m.loc),
+            bytes: match m.copy {
+                Some(i) => &self.copies[i],
+                None => self.bytes(m.loc),
+            },
             rows: m.rows,
             cols: m.cols,
         }
@@ -839,17 +886,20 @@ impl Model {
                 kv.v[slot * kvd..(slot + 1) * kvd].copy_from_slice(&s.v[i * kvd..(i + 1) * kvd]);
             }
             let sinks = a.sinks.as_ref().map(|v| self.vector(v));
-            attention(
-                cfg,
-                kv,
-                layer.window,
+            crate::attention::Attend {
+                k: &kv.k,
+                v: &kv.v,
+                cap: kv.cap,
+                q: &s.q[..t * qd],
+                sinks,
+                window: layer.window,
                 p0,
                 t,
-                &s.q[..t * qd],
-                sinks,
-                &mut s.heads,
-                &mut s.scores,
-            );
+                heads: cfg.num_heads,
+                kv_heads: cfg.num_kv_heads,
+                head_dim: hd,
+            }
+            .run(&mut s.heads, &mut s.scores);
             for i in 0..t {
                 for head in 0..cfg.num_heads {
                     let src = &s.heads[(head * t + i) * hd..(head * t + i + 1) * hd];
@@ -1056,73 +1106,6 @@ impl Model {
 fn add_bias_rows(b: &Vector<'_>, xs: &mut [f32]) {
     for row in xs.chunks_exact_mut(b.len()) {
         b.add_to(row);
-    }
-}
-
-/// Attention for `t` queries at positions `p0..p0+t` over the cache. `q` is `[t, nh·d]`;
-/// writes `heads` as `[nh, t, d]`.
-#[allow(clippy::too_many_arguments)]
-fn attention(
-    cfg: &ModelConfig,
-    kv: &LayerKv,
-    window: Option<usize>,
-    p0: usize,
-    t: usize,
-    q: &[f32],
-    sinks: Option<Vector<'_>>,
-    heads: &mut [f32],
-    scores: &mut [f32],
-) {
-    let (nh, d, kvd) = (cfg.num_heads, cfg.head_dim, cfg.kv_dim());
-    let group = nh / cfg.num_kv_heads;
-    let scale = (1.0 / (d as f64).sqrt()) as f32;
-    let span = kv.cap;
-    let per_head = |(head, (out, sc)): (usize, (&mut [f32], &mut [f32]))| {
-        let g = head / group;
-        let sink = sinks.map(|s| s.at(head));
-        for i in 0..t {
-            let p = p0 + i;
-            let lo = match window {
-                Some(w) => (p + 1).saturating_sub(w),
-                None => 0,
-            };
-            let qh = &q[i * nh * d + head * d..i * nh * d + (head + 1) * d];
-            let n = p + 1 - lo;
-            let sc = &mut sc[..n];
-            for (j, s) in sc.iter_mut().enumerate() {
-                let slot = (lo + j) % span;
-                let kj = &kv.k[slot * kvd + g * d..slot * kvd + (g + 1) * d];
-                *s = ops::dot(qh, kj) * scale;
-            }
-            match sink {
-                Some(sv) => ops::softmax_with_sink(sc, sv),
-                None => ops::softmax(sc),
-            }
-            let o = &mut out[i * d..(i + 1) * d];
-            o.fill(0.0);
-            for (j, &pj) in sc.iter().enumerate() {
-                let slot = (lo + j) % span;
-                let vj = &kv.v[slot * kvd + g * d..slot * kvd + (g + 1) * d];
-                for (oo, &vv) in o.iter_mut().zip(vj) {
-                    *oo += pj * vv;
-                }
-            }
-        }
-    };
-    let ctx = scores.len() / nh;
-    let work = t * (p0 + t) * d * nh;
-    let it = heads[..nh * t * d]
-        .chunks_mut(t * d)
-        .zip(scores.chunks_mut(ctx))
-        .enumerate();
-    if work < (1 << 16) {
-        it.for_each(per_head);
-    } else {
-        heads[..nh * t * d]
-            .par_chunks_mut(t * d)
-            .zip(scores.par_chunks_mut(ctx))
-            .enumerate()
-            .for_each(per_head);
     }
 }
 

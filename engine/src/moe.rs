@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use crate::config::{Activation, Routing};
 use crate::error::{Error, Result};
+use crate::huge::HugeBuf;
 use crate::kernels::{each_mut, each_row_mut, matmul_batch, Float, Mat, Product, Vector};
 use crate::ops;
 use crate::safetensors::MappedFile;
@@ -209,6 +210,8 @@ pub enum PartBytes {
     Mapped(Arc<MappedFile>, Range<usize>),
     /// A range of an owned buffer (a RAM cache slot, bytes from a peer).
     Owned(Arc<[u8]>, Range<usize>),
+    /// A range of an owned buffer on huge pages (what the disk tier reads into).
+    Huge(Arc<HugeBuf>, Range<usize>),
 }
 
 impl fmt::Debug for PartBytes {
@@ -216,6 +219,7 @@ impl fmt::Debug for PartBytes {
         match self {
             Self::Mapped(m, r) => write!(f, "Mapped({}, {r:?})", m.path.display()),
             Self::Owned(_, r) => write!(f, "Owned({r:?})"),
+            Self::Huge(_, r) => write!(f, "Huge({r:?})"),
         }
     }
 }
@@ -226,6 +230,7 @@ impl PartBytes {
         match self {
             Self::Mapped(m, r) => &m.map[r.clone()],
             Self::Owned(b, r) => &b[r.clone()],
+            Self::Huge(b, r) => &b[r.clone()],
         }
     }
 }

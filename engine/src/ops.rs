@@ -24,6 +24,7 @@ pub fn rms_norm_heads(x: &mut [f32], width: usize, w: &crate::kernels::Vector<'_
 /// Dot product of two f32 slices of equal length in a fixed order: eight interleaved partial
 /// sums (lane `l` takes elements `i ≡ l mod 8`), reduced pairwise, then the tail. The same
 /// order on every CPU, and written so the compiler keeps the lanes in vector registers.
+#[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let n = a.len().min(b.len()) / 8 * 8;

@@ -121,8 +121,8 @@ pub(super) struct ScreenScratch {
 
 impl HeadScreen {
     /// The screen of `head` (row-major): its 8-bit copy and each row's slack.
-    pub(super) fn build(head: &Mat<'_>) -> Self {
-        let (q8, err) = Q8Mat::quantize(head);
+    pub(super) fn build(head: &Mat<'_>) -> Result<Self> {
+        let (q8, err) = Q8Mat::quantize(head)?;
         let n = head.cols() as f64 + 2.0;
         // Either dot product, in any order, fused or not, is off its real value by at most
         // gamma times the sum of its terms' magnitudes, as long as nothing overflows (Higham,
@@ -153,7 +153,7 @@ impl HeadScreen {
             .filter(|&(_, s)| s.is_finite())
             .map(|(&[max, _], _)| max)
             .fold(0.0, f64::max);
-        Self { q8, slack, max_w }
+        Ok(Self { q8, slack, max_w })
     }
 
     /// Bytes held in RAM.
@@ -299,7 +299,7 @@ mod tests {
             rows,
             cols: x.len(),
         };
-        let screen = HeadScreen::build(&head);
+        let screen = HeadScreen::build(&head).unwrap();
         let mut all = vec![0.0; rows];
         matvec(&head, x, &mut all);
         let mut stats = ScreenStats::default();
@@ -533,7 +533,7 @@ mod tests {
             rows,
             cols,
         };
-        let screen = HeadScreen::build(&head);
+        let screen = HeadScreen::build(&head).unwrap();
         let fail = |_: &[usize], _: &mut [u8]| Err(crate::Error::Input("disk on fire".into()));
         let mut stats = ScreenStats::default();
         let got = screen.choose(

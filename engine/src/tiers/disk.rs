@@ -8,6 +8,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use super::{Completion, ExpertKey, Priority, Tier};
 use crate::error::{Error, Result};
+use crate::huge::HugeBuf;
 use crate::layout::ExpertLayout;
 use crate::moe::{ExpertData, PartBytes};
 
@@ -261,53 +262,51 @@ impl DiskInner {
         let file = &self.files[first.file];
         if contiguous && file.direct && (first.offset as usize).is_multiple_of(ALIGN) {
             let padded = total.div_ceil(ALIGN) * ALIGN;
-            let mut buf = zeroed(padded + ALIGN);
-            let base = {
-                let b = Arc::get_mut(&mut buf).expect("fresh buffer is unique");
-                let skew = b.as_ptr() as usize % ALIGN;
-                let base = if skew == 0 { 0 } else { ALIGN - skew };
-                file.read_exact_at(&mut b[base..base + padded], first.offset)?;
-                base
-            };
+            let mut b = zeroed(padded + ALIGN, l, e)?;
+            let skew = b.as_ptr() as usize % ALIGN;
+            let base = if skew == 0 { 0 } else { ALIGN - skew };
+            file.read_exact_at(&mut b[base..base + padded], first.offset)?;
+            let buf = Arc::new(b);
             let mut off = base;
             let data = parts
                 .iter()
                 .map(|p| {
                     let r = off..off + p.loc.len as usize;
                     off += p.loc.len as usize;
-                    PartBytes::Owned(buf.clone(), r)
+                    PartBytes::Huge(buf.clone(), r)
                 })
                 .collect();
             return Ok(Arc::new(ExpertData::new(data)));
         }
-        let mut buf = zeroed(total);
-        {
-            let b = Arc::get_mut(&mut buf).expect("fresh buffer is unique");
-            let mut off = 0;
-            for p in parts {
-                let len = p.loc.len as usize;
-                self.files[p.loc.file].read_exact_at(&mut b[off..off + len], p.loc.offset)?;
-                off += len;
-            }
+        let mut b = zeroed(total, l, e)?;
+        let mut off = 0;
+        for p in parts {
+            let len = p.loc.len as usize;
+            self.files[p.loc.file].read_exact_at(&mut b[off..off + len], p.loc.offset)?;
+            off += len;
         }
+        let buf = Arc::new(b);
         let mut off = 0;
         let data = parts
             .iter()
             .map(|p| {
                 let r = off..off + p.loc.len as usize;
                 off += p.loc.len as usize;
-                PartBytes::Owned(buf.clone(), r)
+                PartBytes::Huge(buf.clone(), r)
             })
             .collect();
         Ok(Arc::new(ExpertData::new(data)))
     }
 }
 
-/// A zero-filled shared buffer (zero pages from the allocator; no copy).
-fn zeroed(n: usize) -> Arc<[u8]> {
-    let b: Arc<[std::mem::MaybeUninit<u8>]> = Arc::new_zeroed_slice(n);
-    // SAFETY: the allocation is zero-filled, and all-zero bytes are valid `u8`s.
-    unsafe { b.assume_init() }
+/// A zero-filled buffer for an expert, on huge pages where the kernel allows: decode streams
+/// every cached expert's bytes through the kernels (see [`crate::huge`]).
+fn zeroed(n: usize, layer: usize, expert: usize) -> Result<HugeBuf> {
+    HugeBuf::zeroed(n).map_err(|e| Error::Expert {
+        layer,
+        expert,
+        reason: format!("cannot allocate {n} bytes for it: {e}"),
+    })
 }
 
 impl Tier for DiskTier {
