@@ -249,6 +249,16 @@ impl ExpertData {
 
     /// From one contiguous buffer holding the parts back to back in schema order.
     pub fn from_buffer(buf: Arc<[u8]>, schema: &ExpertSchema) -> Self {
+        Self::split(schema, |r| PartBytes::Owned(buf.clone(), r))
+    }
+
+    /// As [`ExpertData::from_buffer`], from a buffer on huge pages (where the kernels read
+    /// experts fastest: see [`crate::huge`]).
+    pub fn from_huge(buf: Arc<HugeBuf>, schema: &ExpertSchema) -> Self {
+        Self::split(schema, |r| PartBytes::Huge(buf.clone(), r))
+    }
+
+    fn split(schema: &ExpertSchema, part: impl Fn(Range<usize>) -> PartBytes) -> Self {
         let mut off = 0;
         let parts = schema
             .parts
@@ -256,7 +266,7 @@ impl ExpertData {
             .map(|p| {
                 let r = off..off + p.len;
                 off += p.len;
-                PartBytes::Owned(buf.clone(), r)
+                part(r)
             })
             .collect();
         Self { parts }

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use anyhow::Context;
+use stormo_engine::huge::HugeBuf;
 use stormo_engine::moe::{ExpertData, ExpertSchema};
 use stormo_engine::tiers::{Completion, ExpertKey, Priority, Tier};
 use stormo_manifests::{ExpertId, Hash, Manifest};
@@ -353,6 +354,8 @@ fn load_one(dir: &ExpertDir, key: ExpertKey) -> stormo_engine::Result<Arc<Expert
     let bytes = dir
         .read(id)
         .map_err(|e| expert_error(key, format!("from the expert directory: {e:#}")))?;
-    let buf: Arc<[u8]> = Arc::from(bytes);
-    Ok(Arc::new(ExpertData::from_buffer(buf, schema)))
+    let buf = HugeBuf::copy_of(&bytes).map_err(|e| {
+        expert_error(key, format!("cannot allocate {} bytes for it: {e}", bytes.len()))
+    })?;
+    Ok(Arc::new(ExpertData::from_huge(Arc::new(buf), schema)))
 }

@@ -33,6 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use stormo_engine::huge::HugeBuf;
 use stormo_engine::moe::{ExpertData, ExpertSchema};
 use stormo_engine::tiers::{Completion, ExpertKey, Priority, Tier};
 use stormo_manifests::{ExpertId, Hash, Manifest, SecretKey};
@@ -1299,13 +1300,18 @@ impl Inner {
             .get(key.layer as usize)
             .and_then(Option::as_ref)
             .ok_or_else(|| format!("layer {} has no experts", key.layer))?;
-        let done = |record: Vec<u8>| {
-            let buf: Arc<[u8]> = Arc::from(record);
+        // On huge pages, as the disk tier reads experts: where an expert came from decides
+        // nothing, not even how fast the kernels stream it.
+        let done = |record: Vec<u8>| -> Result<Arc<ExpertData>, String> {
+            let buf = Arc::new(
+                HugeBuf::copy_of(&record)
+                    .map_err(|e| format!("cannot allocate {} bytes for it: {e}", record.len()))?,
+            );
             if let Some(dir) = self.store.get() {
                 let (dir, buf) = (dir.clone(), buf.clone());
                 tokio::task::spawn_blocking(move || dir.store(id, &buf));
             }
-            Arc::new(ExpertData::from_buffer(buf, schema))
+            Ok(Arc::new(ExpertData::from_huge(buf, schema)))
         };
         let mut tried = HashSet::new();
         let mut prefix: Vec<u8> = Vec::new();
@@ -1413,7 +1419,7 @@ impl Inner {
                                 if winner_hedge {
                                     self.count(|h| h.hedge_wins += 1);
                                 }
-                                return Ok(done(record));
+                                return done(record);
                             }
                             Err((e, p1)) => {
                                 errors.push(e);
@@ -1427,7 +1433,7 @@ impl Inner {
                                         if !b_first {
                                             self.count(|h| h.hedge_wins += 1);
                                         }
-                                        return Ok(done(record));
+                                        return done(record);
                                     }
                                     Err((e, p2)) => {
                                         Err((e, if p1.len() >= p2.len() { p1 } else { p2 }))
@@ -1447,7 +1453,7 @@ impl Inner {
                         let mut rx = rx;
                         tokio::select! {
                             r = &mut a => match r {
-                                Ok(record) => return Ok(done(record)),
+                                Ok(record) => return done(record),
                                 Err((e, p)) => {
                                     errors.push(e);
                                     prefix = p;
@@ -1480,7 +1486,7 @@ impl Inner {
                 }
             };
             match r {
-                Ok(record) => return Ok(done(record)),
+                Ok(record) => return done(record),
                 Err((e, p)) => {
                     errors.push(e);
                     // The try began from `prefix` and returns it extended, or empty when the
