@@ -15,9 +15,7 @@
 //! The cache is a ring of `cap` slots per layer (a sliding layer keeps only its window), and
 //! the positions a query sees are at most two contiguous runs of slots.
 
-use rayon::prelude::*;
-
-use crate::kernels::{Tier, Vector};
+use crate::kernels::{for_each_index, Tier, Vector};
 use crate::ops;
 
 /// One layer's attention for a block of `t` queries at positions `p0 .. p0 + t`, whose keys
@@ -66,10 +64,18 @@ impl Attend<'_> {
                 .enumerate()
                 .for_each(per_head);
         } else {
-            out.par_chunks_mut(t * d)
-                .zip(scores.par_chunks_mut(ctx))
-                .enumerate()
-                .for_each(per_head);
+            let (o, sc) = (Heads(out.as_mut_ptr()), Heads(scores.as_mut_ptr()));
+            for_each_index(nh, |head| {
+                // SAFETY: head `head`'s slices of `out` (`t·d`) and of `scores` (`ctx`), in
+                // bounds, and each head is run by one call only; both outlive the loop.
+                let (o, sc) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(o.at(head * t * d), t * d),
+                        std::slice::from_raw_parts_mut(sc.at(head * ctx), ctx),
+                    )
+                };
+                per_head((head, (o, sc)));
+            });
         }
     }
 
@@ -143,6 +149,18 @@ impl Attend<'_> {
                 j += len;
             }
         }
+    }
+}
+
+/// A pointer to per-head slices that parallel calls borrow one each.
+struct Heads(*mut f32);
+
+// SAFETY: only used to hand disjoint slices to other threads.
+unsafe impl Sync for Heads {}
+
+impl Heads {
+    fn at(&self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
     }
 }
 

@@ -53,13 +53,15 @@ mod avx512_emulated;
 mod int8x;
 #[cfg(target_arch = "aarch64")]
 mod neon;
+mod pool;
 mod scalar;
 mod verify;
 
 use std::cell::Cell;
 use std::sync::OnceLock;
 
-use rayon::prelude::*;
+pub(crate) use pool::for_each_index;
+pub use pool::park_helpers;
 
 use crate::safetensors::Dtype;
 
@@ -735,6 +737,7 @@ impl Mat<'_> {
 /// # Panics
 /// If this CPU does not run `tier` natively (an emulated tier has no meaningful peak).
 pub fn peak_flops(tier: Tier, seconds: f64) -> f64 {
+    park_helpers();
     assert!(tier.is_native(), "this CPU does not run {tier} natively");
     (0..3)
         .map(|_| peak_round(tier, seconds / 3.0))
@@ -999,7 +1002,10 @@ pub(crate) const PARALLEL_ELEMENTS: usize = 1 << 16;
 /// same either way.
 pub(crate) fn each_mut<T: Send>(items: &mut [T], work: usize, f: impl Fn(usize, &mut T) + Sync) {
     if work >= PARALLEL_ELEMENTS {
-        items.par_iter_mut().enumerate().for_each(|(i, x)| f(i, x));
+        let base = SendMut(items.as_mut_ptr());
+        // SAFETY: each index is run once, so each item is borrowed by one call only; `items`
+        // outlives the loop.
+        for_each_index(items.len(), |i| f(i, unsafe { &mut *base.at(i) }));
     } else {
         items.iter_mut().enumerate().for_each(|(i, x)| f(i, x));
     }
@@ -1013,9 +1019,15 @@ pub(crate) fn each_row_mut(
     f: impl Fn(usize, &mut [f32]) + Sync,
 ) {
     if work >= PARALLEL_ELEMENTS {
-        buf.par_chunks_mut(len)
-            .enumerate()
-            .for_each(|(i, r)| f(i, r));
+        let (base, total) = (SendMut(buf.as_mut_ptr()), buf.len());
+        for_each_index(total.div_ceil(len), |i| {
+            let n = len.min(total - i * len);
+            // SAFETY: row `i` (the last may be short) is in bounds and run by one call only;
+            // `buf` outlives the loop.
+            f(i, unsafe {
+                std::slice::from_raw_parts_mut(base.at(i * len), n)
+            })
+        });
     } else {
         buf.chunks_mut(len).enumerate().for_each(|(i, r)| f(i, r));
     }
@@ -1158,7 +1170,7 @@ fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
     if tasks == 1 || all == 1 {
         (0..all).for_each(run);
     } else {
-        (0..all).into_par_iter().for_each(run);
+        for_each_index(all, run);
     }
     INPUTS.set(bufs);
 }
@@ -1239,7 +1251,20 @@ fn dense_t_in(tier: Tier, w: &Mat<'_>, xs: &[f32], ys: &mut [f32], t: usize) {
     if tasks == 1 {
         (0..bands).for_each(run);
     } else {
-        (0..bands).into_par_iter().for_each(run);
+        for_each_index(bands, run);
+    }
+}
+
+/// A pointer to items that parallel calls borrow one each (see [`each_mut`]).
+struct SendMut<T>(*mut T);
+
+// SAFETY: only used to hand disjoint items of a `Send` type to other threads.
+unsafe impl<T: Send> Sync for SendMut<T> {}
+
+impl<T> SendMut<T> {
+    /// The pointer to item `i` (a method, so closures capture the whole `Sync` wrapper).
+    fn at(&self, i: usize) -> *mut T {
+        self.0.wrapping_add(i)
     }
 }
 

@@ -167,9 +167,12 @@ impl MemoryProbe {
         self.buf.len() as u64
     }
 
-    /// Reads the whole buffer once on every thread of the pool; records and returns the rate
+    /// Reads the whole buffer once on every thread of the pool (the kernels' helpers parked
+    /// first: see [`stormo_engine::kernels::park_helpers`]); records and returns the rate
     /// in bytes/s.
     pub fn sample(&mut self) -> f64 {
+        // The kernels' helper threads spin for a while after a token; the probe wants the cores.
+        stormo_engine::kernels::park_helpers();
         let t = Instant::now();
         let s: u64 = self
             .buf
