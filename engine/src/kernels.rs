@@ -18,7 +18,7 @@
 //! per (row, position) whose summation order does not depend on how many rows or positions a
 //! call interleaves. Prefill blocks read each weight row once per group of up to four
 //! positions (32 for MXFP4 on the SIMD tiers, 8 for its int8-input form; weights from cache
-//! for the rest), decode streams the matrix once split across the rayon pool. MXFP4 is decoded
+//! for the rest), decode streams the matrix once split across the kernels' threads (`pool`). MXFP4 is decoded
 //! on the fly, in registers (the SIMD prefill kernels stage a few rows' slab of 4 blocks,
 //! 8 KiB, in an L1 buffer they reuse, as a GEMM packs its panels); no dequantised copy of a
 //! matrix is ever made.
@@ -490,22 +490,6 @@ pub fn with_tier<R>(tier: Tier, f: impl FnOnce() -> R) -> R {
     }
     let _restore = Restore(FORCED.with(|c| c.replace(Some(tier))));
     f()
-}
-
-/// Runs `f` on a thread of the kernels' pool, under this thread's tier: from a thread outside
-/// the pool, every parallel region of `f` would otherwise be handed to the pool through its
-/// shared queue and wait for a worker to wake, and this thread would sleep meanwhile; from
-/// inside, the regions are split among the workers directly. A decoded token of GPT-OSS opens
-/// about a hundred regions. On a pool thread already, `f` runs where it is.
-pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    if rayon::current_thread_index().is_some() {
-        return f();
-    }
-    let tier = FORCED.with(Cell::get);
-    rayon::scope(move |_| match tier {
-        Some(t) => with_tier(t, f),
-        None => f(),
-    })
 }
 
 /// How many bytes ahead in each of its weight streams the AVX-512 tier's one-position (decode)
@@ -1987,24 +1971,6 @@ mod tests {
             assert_eq!(Tier::active(), Tier::Scalar);
         });
         assert_eq!(Tier::active(), outer);
-    }
-
-    /// Work moved onto the pool keeps the caller's forced tier (else the tests that force each
-    /// tier in turn would run the process's tier through `Model::forward`), and runs on a pool
-    /// thread.
-    #[test]
-    fn on_pool_runs_on_the_pool_under_the_callers_tier() {
-        for tier in tiers() {
-            let (on, active) = std::thread::spawn(move || {
-                with_tier(tier, || {
-                    on_pool(|| (rayon::current_thread_index().is_some(), Tier::active()))
-                })
-            })
-            .join()
-            .unwrap();
-            assert!(on, "{tier}: ran off the pool");
-            assert_eq!(active, tier);
-        }
     }
 
     #[cfg(target_arch = "x86_64")]

@@ -760,11 +760,7 @@ impl Model {
             }
             Ok::<_, Error>(last)
         };
-        let last = match obs {
-            // An observer need not be sendable to the pool: it runs here.
-            Some(o) => run(sess, Some(o))?,
-            None => crate::kernels::on_pool(|| run(sess, None))?,
-        };
+        let last = run(sess, obs)?;
         if which == Logits::All {
             sess.logits = last;
         } else {
@@ -799,11 +795,7 @@ impl Model {
             }
             Ok(choice.expect("the last block chooses"))
         };
-        match obs {
-            // An observer need not be sendable to the pool: it runs here.
-            Some(o) => run(sess, Some(o)),
-            None => crate::kernels::on_pool(|| run(sess, None)),
-        }
+        run(sess, obs)
     }
 
     /// One block of `t` positions. Computes the `head` work for its last positions: logits

@@ -1,18 +1,14 @@
 //! Decoding a token allocates nothing once the session's buffers have grown: the claim of
 //! `Scratch` (model.rs), the head screen's scratch and the kernels' thread-local buffers,
-//! checked by counting every allocation made on the threads that decode (those of rayon's pool,
-//! the test's own among them) while tokens are decoded one at a time on each oracle fixture,
-//! every SIMD tier this CPU runs in turn, mapped and cached experts, with the screened head and
-//! the whole one.
-//!
-//! The decoding starts on a thread of rayon's pool: from outside it, each forward pass enters
-//! the pool (`kernels::on_pool`) through rayon's shared job queue, which allocates a block for
-//! every 63 entries (rayon's amortized cost, not the engine's, and not a cost per token).
+//! checked by counting every allocation made in the process (the decoding thread, the kernels'
+//! helper threads, anything else) while tokens are decoded one at a time on each oracle
+//! fixture, every SIMD tier this CPU runs in turn, mapped and cached experts, with the screened
+//! head and the whole one. This file holds this one test, so no other test's allocations are
+//! counted; the cache's I/O threads are idle once every expert is loaded (checked).
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use std::sync::Arc;
 
@@ -24,27 +20,22 @@ use stormo_engine::{LoadOptions, Model, ModelFiles};
 struct Counting;
 
 static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
-thread_local! {
-    /// Whether this thread's allocations are counted: the kernels' pool threads while tokens
-    /// are decoded (the cache's I/O threads, idle once every expert is loaded, are not).
-    static COUNTING: Cell<bool> = const { Cell::new(false) };
-}
+/// Whether allocations are counted now.
+static COUNTING: AtomicBool = AtomicBool::new(false);
 
 fn count() {
-    if COUNTING.try_with(Cell::get).unwrap_or(false) {
+    if COUNTING.load(Ordering::Relaxed) {
         ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-/// Counts the allocations of the pool's threads while `f` runs.
+/// Counts the process's allocations while `f` runs.
 fn counted(f: impl FnOnce()) -> usize {
-    rayon::broadcast(|_| COUNTING.with(|c| c.set(true)));
     let before = ALLOCATIONS.load(Ordering::Relaxed);
+    COUNTING.store(true, Ordering::SeqCst);
     f();
-    let made = ALLOCATIONS.load(Ordering::Relaxed) - before;
-    rayon::broadcast(|_| COUNTING.with(|c| c.set(false)));
-    made
+    COUNTING.store(false, Ordering::SeqCst);
+    ALLOCATIONS.load(Ordering::Relaxed) - before
 }
 
 // SAFETY: forwards every call to the system allocator unchanged.
@@ -168,14 +159,9 @@ fn decoding_a_token_allocates_nothing() {
         for tier in Tier::available() {
             for experts in [Experts::Mapped, Experts::Cached] {
                 for screened in [true, false] {
-                    let (n, ()) = rayon::join(
-                        || {
-                            with_tier(tier, || {
-                                allocations_per_token(&dir, experts, screened, 4, 16)
-                            })
-                        },
-                        || (),
-                    );
+                    let n = with_tier(tier, || {
+                        allocations_per_token(&dir, experts, screened, 4, 16)
+                    });
                     let n = n.unwrap_or_else(|| {
                         panic!("{name}, {experts:?}: an expert was not in RAM after preloading")
                     });

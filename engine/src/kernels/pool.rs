@@ -316,7 +316,7 @@ mod tests {
     #[test]
     fn a_panic_reaches_the_caller_and_the_pool_survives() {
         let ran = AtomicU32::new(0);
-        let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        let r = catch_unwind(AssertUnwindSafe(|| {
             for_each_index(64, |i| {
                 ran.fetch_add(1, Ordering::Relaxed);
                 assert!(i != 40, "index 40 fails");
