@@ -539,18 +539,11 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::{with_tier, Float};
+    use crate::kernels::{with_tier, Float, Gen};
 
+    /// `n` values in `[-2, 2)`.
     fn noise(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
-            })
-            .collect()
+        Gen::new(seed).units(n).iter().map(|v| 2.0 * v).collect()
     }
 
     /// Every tier this CPU runs gives the scalar reference's bits, on head widths with and

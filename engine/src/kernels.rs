@@ -61,6 +61,8 @@ use std::cell::Cell;
 use std::sync::OnceLock;
 
 pub(crate) use pool::for_each_index;
+#[cfg(test)]
+pub(crate) use verify::Gen;
 pub use pool::park_helpers;
 
 use crate::safetensors::Dtype;
