@@ -51,7 +51,9 @@ impl Attend<'_> {
     /// the kernels' pool when the block is large enough to pay for the hand-off.
     pub(crate) fn run(&self, out: &mut [f32], scores: &mut [f32]) {
         let (nh, d, t) = (self.heads, self.head_dim, self.t);
-        // Read on the calling thread: the pool's threads do not see a tier forced here.
+        if nh == 0 || d == 0 || t == 0 {
+            return;
+        }
         let tier = Tier::active();
         let per_head = |(head, (o, sc)): (usize, (&mut [f32], &mut [f32]))| {
             self.head(tier, head, o, sc);
@@ -167,6 +169,7 @@ impl Heads {
 /// The slot runs `(first slot, length)` of positions `lo .. lo + n` in a ring of `cap` slots
 /// (`n <= cap`): the run up to the ring's end, then the run from slot 0 (empty if none).
 fn ring_runs(lo: usize, n: usize, cap: usize) -> [(usize, usize); 2] {
+    debug_assert!(n <= cap, "{n} positions in a ring of {cap}");
     let s0 = lo % cap;
     let first = n.min(cap - s0);
     [(s0, first), (0, n - first)]

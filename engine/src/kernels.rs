@@ -61,9 +61,9 @@ use std::cell::Cell;
 use std::sync::OnceLock;
 
 pub(crate) use pool::for_each_index;
+pub use pool::park_helpers;
 #[cfg(test)]
 pub(crate) use verify::Gen;
-pub use pool::park_helpers;
 
 use crate::safetensors::Dtype;
 
@@ -1321,7 +1321,7 @@ mod tests {
     /// for block sizes covering every position-group remainder and several whole groups.
     fn check(w: &Mat<'_>, rng: &mut rand::rngs::StdRng) {
         let block_sizes = [2, 3, 4, 5, 6, 7, 9, 17, 37];
-        let mut g = verify::Gen::new(rng.gen());
+        let mut g = Gen::new(rng.gen());
         let r = verify::check_mat(Tier::active(), w, &block_sizes, &mut g);
         if let Err(e) = r {
             panic!("{e}");
@@ -1349,7 +1349,7 @@ mod tests {
                     for fmt in [Float::F32, Float::BF16, Float::F16] {
                         // One spare byte up front: weights need not be aligned.
                         let mut bytes = vec![0u8];
-                        bytes.extend(verify::Gen::new(rng.gen()).dense(fmt, rows * cols));
+                        bytes.extend(Gen::new(rng.gen()).dense(fmt, rows * cols));
                         let bytes = &bytes[1..];
                         check(
                             &Mat::Dense {
@@ -1408,7 +1408,7 @@ mod tests {
     /// start on one, [`Arrange::Align`]), for one position and for a block.
     #[test]
     fn results_do_not_depend_on_input_alignment() {
-        let mut g = verify::Gen::new(11);
+        let mut g = Gen::new(11);
         let (rows, cols, t) = (37, 2880, 5);
         let (blocks, scales) = g.mxfp4(rows, cols);
         let dense = g.dense(Float::BF16, rows * cols);
@@ -1467,7 +1467,7 @@ mod tests {
     /// any distance (none, one line, the default, far past the matrix's end).
     #[test]
     fn results_do_not_depend_on_the_prefetch_distance() {
-        let mut g = verify::Gen::new(12);
+        let mut g = Gen::new(12);
         let (rows, cols) = (29, 2880);
         let (blocks, scales) = g.mxfp4(rows, cols);
         let dense = g.dense(Float::BF16, rows * cols);
@@ -1628,7 +1628,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         let (rows, cols) = (1157, 288);
         assert!(tasks_for(rows * cols / 2) > 1 || rayon::current_num_threads() == 1);
-        let bf = verify::Gen::new(rng.gen()).dense(Float::BF16, rows * cols);
+        let bf = Gen::new(rng.gen()).dense(Float::BF16, rows * cols);
         let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| rng.gen()).collect();
         let scales: Vec<u8> = (0..rows * cols / 32)
             .map(|_| rng.gen_range(118..136))
@@ -1685,8 +1685,8 @@ mod tests {
     fn batch_equals_each_product_alone_in_every_tier() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         let (rows, cols) = (1157, 288);
-        let bf = verify::Gen::new(rng.gen()).dense(Float::BF16, rows * cols);
-        let f32s = verify::Gen::new(rng.gen()).dense(Float::F32, 37 * 19);
+        let bf = Gen::new(rng.gen()).dense(Float::BF16, rows * cols);
+        let f32s = Gen::new(rng.gen()).dense(Float::F32, 37 * 19);
         let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| rng.gen()).collect();
         let scales: Vec<u8> = (0..rows * cols / 32)
             .map(|_| rng.gen_range(118..136))
@@ -2007,7 +2007,7 @@ mod tests {
             assert_eq!(resolve("avx512", Tier::detected()).0, Tier::detected());
         }
         let (rows, cols) = (64, 2880);
-        let mut g = verify::Gen::new(11);
+        let mut g = Gen::new(11);
         let (blocks, scales) = g.mxfp4(rows, cols);
         let w = Mat::Mxfp4 {
             blocks: &blocks,

@@ -34,7 +34,7 @@ const SPIN: Duration = Duration::from_millis(5);
 
 /// Bits of the state word for the index count and for the next index.
 const TASK_BITS: u32 = 20;
-/// Largest index count a loop on the pool takes (larger ones go to rayon).
+/// Largest index count one loop on the pool takes (larger ones run as several loops).
 const MAX_TASKS: usize = (1 << TASK_BITS) - 1;
 const TASK_MASK: u64 = (1 << TASK_BITS) - 1;
 /// The epoch: the bits above the count and the index.
@@ -132,12 +132,20 @@ fn pool() -> &'static Pool {
 /// returns when all have returned. A panic in any call is re-raised here (after every call
 /// has finished).
 pub(crate) fn for_each_index(n: usize, f: impl Fn(usize) + Sync) {
+    run_loop(n, &f);
+}
+
+/// [`for_each_index`], not generic.
+fn run_loop(n: usize, f: &(dyn Fn(usize) + Sync)) {
     if n <= 1 || IN_LOOP.with(Cell::get) || rayon::current_num_threads() <= 1 {
         return (0..n).for_each(f);
     }
     if n > MAX_TASKS {
-        use rayon::prelude::*;
-        return (0..n).into_par_iter().for_each(&f);
+        // In loops of at most MAX_TASKS indices (none so large runs on the decode path).
+        for base in (0..n).step_by(MAX_TASKS) {
+            run_loop(MAX_TASKS.min(n - base), &|i| f(base + i));
+        }
+        return;
     }
     let pool = pool();
     if pool.helpers == 0 {
@@ -149,7 +157,6 @@ pub(crate) fn for_each_index(n: usize, f: impl Fn(usize) + Sync) {
         Err(TryLockError::WouldBlock) => return (0..n).for_each(f),
     };
     let sh = pool.shared;
-    let f: &(dyn Fn(usize) + Sync) = &f;
     // SAFETY: erases the closure's lifetime; it is called only for claimed indices of this
     // loop, and this function returns only once every one has finished.
     let f: &'static (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(f) };
@@ -173,7 +180,13 @@ pub(crate) fn for_each_index(n: usize, f: impl Fn(usize) + Sync) {
         sh.wake.notify_all();
     }
     run_claimed(sh, epoch);
+    let mut spins = 0u32;
     while sh.done.load(Ordering::Acquire) < n {
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(1024) {
+            // a helper holding an index may have lost its core: let it have this one
+            std::thread::yield_now();
+        }
         std::hint::spin_loop();
     }
     if let Some(p) = lock(&sh.panic).take() {
@@ -234,7 +247,15 @@ fn run_claimed(sh: &Shared, epoch: u64) {
         IN_LOOP.with(|c| c.set(outer.0));
         FORCED.with(|c| c.set(outer.1));
         if let Err(p) = r {
-            lock(&sh.panic).get_or_insert(p);
+            let mut first = lock(&sh.panic);
+            if first.is_none() {
+                *first = Some(p);
+            } else {
+                drop(first);
+                // A later payload is dropped here, where a panic in its `Drop` cannot skip
+                // the count below (the caller would wait forever, or return early).
+                let _ = catch_unwind(AssertUnwindSafe(move || drop(p)));
+            }
         }
         sh.done.fetch_add(1, Ordering::Release);
     }
@@ -295,7 +316,10 @@ mod tests {
             for caller in 0..3 {
                 s.spawn(move || {
                     for round in 0..300 {
-                        let n = [0, 1, 2, 3, 17, 64, 1000][(round + caller) % 7];
+                        let n = match (round + caller) % 8 {
+                            7 if round < 8 => MAX_TASKS + 5,
+                            k => [0, 1, 2, 3, 17, 64, 1000, 99][k],
+                        };
                         let hits: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
                         for_each_index(n, |i| {
                             hits[i].fetch_add(1, Ordering::Relaxed);
