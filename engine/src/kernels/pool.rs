@@ -6,8 +6,8 @@
 //! sleep within microseconds, so nearly every region waited for a futex wake-up: measured on
 //! a 2-core Xeon VM at gpt-oss-20b geometry, the second thread started a matrix product's
 //! region 36 µs after it opened and an attention region 66 µs after (of 150). Here the
-//! helpers spin for [`SPIN`] after each loop before they park, so the next region starts on
-//! every core at once.
+//! helpers spin for [`SPIN`] (or `STORMO_SPIN_MS`) after each loop before they park, so the
+//! next region starts on every core at once.
 //!
 //! Results never depend on which thread runs an index (every caller's indices are
 //! independent), so a loop runs on the calling thread alone when the pool is busy with another
@@ -29,8 +29,28 @@ use std::time::{Duration, Instant};
 
 use super::{Tier, FORCED};
 
-/// How long a helper spins after a loop before it parks.
+/// How long a helper spins after a loop before it parks, unless `STORMO_SPIN_MS` says
+/// otherwise (0: park at once, for a machine whose other work needs the cores more than
+/// decode needs the microseconds).
 const SPIN: Duration = Duration::from_millis(5);
+
+/// [`SPIN`], or `STORMO_SPIN_MS` milliseconds (a whole number; anything else is ignored with a
+/// warning).
+fn spin_from_env() -> Duration {
+    match std::env::var("STORMO_SPIN_MS") {
+        Err(_) => SPIN,
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(ms) => Duration::from_millis(ms),
+            Err(_) => {
+                tracing::warn!(
+                    "STORMO_SPIN_MS={v:?} is not a whole number of milliseconds; spinning {} ms",
+                    SPIN.as_millis()
+                );
+                SPIN
+            }
+        },
+    }
+}
 
 /// Bits of the state word for the index count and for the next index.
 const TASK_BITS: u32 = 20;
@@ -68,6 +88,8 @@ struct Shared {
     park_now: AtomicBool,
     park: Mutex<()>,
     wake: Condvar,
+    /// How long helpers spin after a loop.
+    spin: Duration,
 }
 
 // SAFETY: `job` is written and read only as the protocol allows (module docs); its closure is
@@ -106,6 +128,7 @@ fn pool() -> &'static Pool {
             park_now: AtomicBool::new(false),
             park: Mutex::new(()),
             wake: Condvar::new(),
+            spin: spin_from_env(),
         }));
         let mut helpers = 0;
         for i in 1..rayon::current_num_threads() {
@@ -271,7 +294,7 @@ fn helper(sh: &'static Shared) {
     }
 }
 
-/// The state once its epoch differs from `seen`: spins for [`SPIN`] (yielding the core now
+/// The state once its epoch differs from `seen`: spins for `sh.spin` (yielding the core now
 /// and then, should another thread want it), then parks until a caller wakes it.
 fn wait_for_new(sh: &Shared, seen: u64) -> u64 {
     let start = Instant::now();
@@ -283,7 +306,7 @@ fn wait_for_new(sh: &Shared, seen: u64) -> u64 {
         }
         spins = spins.wrapping_add(1);
         if spins.is_multiple_of(256) {
-            if start.elapsed() > SPIN || sh.park_now.load(Ordering::Relaxed) {
+            if start.elapsed() > sh.spin || sh.park_now.load(Ordering::Relaxed) {
                 break;
             }
             std::thread::yield_now();
