@@ -474,7 +474,7 @@ thread_local! {
     static FORCED: Cell<Option<Tier>> = const { Cell::new(None) };
 }
 
-/// Runs `f` with this thread's kernel calls forced to `tier` (work they hand to the rayon pool
+/// Runs `f` with this thread's kernel calls forced to `tier` (work they hand to the kernels' helpers
 /// uses the same tier). Nests; restores the previous tier afterwards, even on panic.
 ///
 /// # Panics
