@@ -15,7 +15,7 @@
 //! The cache is a ring of `cap` slots per layer (a sliding layer keeps only its window), and
 //! the positions a query sees are at most two contiguous runs of slots.
 
-use crate::kernels::{for_each_index, Tier, Vector};
+use crate::kernels::{for_each_index, SendPtr, Tier, Vector, PARALLEL_ELEMENTS};
 use crate::ops;
 
 /// One layer's attention for a block of `t` queries at positions `p0 .. p0 + t`, whose keys
@@ -55,29 +55,27 @@ impl Attend<'_> {
             return;
         }
         let tier = Tier::active();
-        let per_head = |(head, (o, sc)): (usize, (&mut [f32], &mut [f32]))| {
+        let ctx = scores.len() / nh;
+        assert!(
+            out.len() >= nh * t * d && ctx >= t,
+            "attention buffers too small"
+        );
+        let (o, sc) = (SendPtr(out.as_mut_ptr()), SendPtr(scores.as_mut_ptr()));
+        let each = |head: usize| {
+            // SAFETY: head `head`'s slices of `out` (`t·d`) and of `scores` (`ctx`), in bounds
+            // (above), and each head is run by one call only; both outlive the loop.
+            let (o, sc) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(o.at(head * t * d), t * d),
+                    std::slice::from_raw_parts_mut(sc.at(head * ctx), ctx),
+                )
+            };
             self.head(tier, head, o, sc);
         };
-        let ctx = scores.len() / nh;
-        let out = &mut out[..nh * t * d];
-        if t * (self.p0 + t) * d * nh < (1 << 16) {
-            out.chunks_mut(t * d)
-                .zip(scores.chunks_mut(ctx))
-                .enumerate()
-                .for_each(per_head);
+        if t * (self.p0 + t) * d * nh < PARALLEL_ELEMENTS {
+            (0..nh).for_each(each);
         } else {
-            let (o, sc) = (Heads(out.as_mut_ptr()), Heads(scores.as_mut_ptr()));
-            for_each_index(nh, |head| {
-                // SAFETY: head `head`'s slices of `out` (`t·d`) and of `scores` (`ctx`), in
-                // bounds, and each head is run by one call only; both outlive the loop.
-                let (o, sc) = unsafe {
-                    (
-                        std::slice::from_raw_parts_mut(o.at(head * t * d), t * d),
-                        std::slice::from_raw_parts_mut(sc.at(head * ctx), ctx),
-                    )
-                };
-                per_head((head, (o, sc)));
-            });
+            for_each_index(nh, each);
         }
     }
 
@@ -151,18 +149,6 @@ impl Attend<'_> {
                 j += len;
             }
         }
-    }
-}
-
-/// A pointer to per-head slices that parallel calls borrow one each.
-struct Heads(*mut f32);
-
-// SAFETY: only used to hand disjoint slices to other threads.
-unsafe impl Sync for Heads {}
-
-impl Heads {
-    fn at(&self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
     }
 }
 
@@ -551,7 +537,8 @@ mod tests {
 
     /// Every tier this CPU runs gives the scalar reference's bits, on head widths with and
     /// without a tail (of eight and of the vector width), sliding windows whose positions wrap
-    /// around the ring, sinks, grouped heads, and blocks of one and several queries.
+    /// around the ring, sinks, grouped heads, blocks of one and several queries, heads split
+    /// among threads or not.
     #[test]
     fn every_tier_matches_the_reference_bit_for_bit() {
         let sink_bytes: Vec<u8> = noise(8, 99).iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -564,6 +551,9 @@ mod tests {
                 (Some(16), 40, 1),
                 (Some(16), 29, 7),
                 (Some(7), 3, 5),
+                // large enough to be split among the kernels' threads
+                (None, 300, 1),
+                (Some(16), 300, 9),
             ] {
                 for sinks in [false, true] {
                     case += 1;
@@ -615,8 +605,15 @@ mod tests {
     /// The reference itself against a direct f64 computation of attention.
     #[test]
     fn the_reference_is_attention() {
-        let (d, heads, kv_heads, p0, t, window) = (16, 4, 2, 11, 3, Some(6));
-        let cap = 6;
+        // the second is large enough to be split among the kernels' threads
+        for (d, heads, kv_heads, p0, t, w) in [(16, 4, 2, 11, 3, 6), (64, 8, 2, 290, 2, 40)] {
+            reference_case(d, heads, kv_heads, p0, t, w);
+        }
+    }
+
+    /// [`the_reference_is_attention`] for one shape, window `w` (the cache holds `w` slots).
+    fn reference_case(d: usize, heads: usize, kv_heads: usize, p0: usize, t: usize, w: usize) {
+        let (cap, window) = (w, Some(w));
         let kvd = kv_heads * d;
         let (k, v, q) = (
             noise(cap * kvd, 1),
@@ -643,7 +640,7 @@ mod tests {
             let g = head / (heads / kv_heads);
             for i in 0..t {
                 let p = p0 + i;
-                let seen: Vec<usize> = (p + 1 - 6..=p).collect();
+                let seen: Vec<usize> = (p + 1 - w..=p).collect();
                 let qh = &q[(i * heads + head) * d..][..d];
                 let s: Vec<f64> = seen
                     .iter()

@@ -75,13 +75,11 @@ pub enum Error {
     Input(String),
     /// Memory for a copy the engine keeps (of weights it streams every token) could not be
     /// had.
-    #[error("cannot allocate {bytes} bytes for {what}")]
+    #[error("memory for {what}")]
     Memory {
         /// What the memory was for.
         what: String,
-        /// How much was asked for.
-        bytes: u64,
-        /// The cause.
+        /// The cause (how much was asked for, and why it was refused).
         #[source]
         source: std::io::Error,
     },

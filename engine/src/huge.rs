@@ -22,11 +22,14 @@ const HUGE: usize = 2 << 20;
 
 impl HugeBuf {
     /// `len` zero bytes. Advice that the kernel refuses is ignored: the memory is still good.
+    /// A failure says how many bytes were asked for.
     pub fn zeroed(len: usize) -> std::io::Result<Self> {
         // Reserve a huge page more than needed so that the buffer can start on a 2 MiB
         // boundary; the slack is address space only, never touched.
         let slack = if len >= HUGE { HUGE } else { 0 };
-        let map = memmap2::MmapMut::map_anon((len + slack).max(1))?;
+        let map = memmap2::MmapMut::map_anon(len.saturating_add(slack).max(1)).map_err(|e| {
+            std::io::Error::new(e.kind(), format!("cannot allocate {len} bytes: {e}"))
+        })?;
         let off = match slack {
             0 => 0,
             _ => map.as_ptr().align_offset(HUGE).min(slack),
@@ -85,5 +88,16 @@ mod tests {
             let c = HugeBuf::copy_of(&b).unwrap();
             assert_eq!(&c[..], &b[..]);
         }
+    }
+
+    #[test]
+    fn a_buffer_that_cannot_be_had_is_an_error_that_says_its_size() {
+        let len = usize::MAX / 2;
+        let e = HugeBuf::zeroed(len).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with(&format!("cannot allocate {len} bytes: ")),
+            "{e}"
+        );
     }
 }

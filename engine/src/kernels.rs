@@ -988,7 +988,7 @@ pub(crate) const PARALLEL_ELEMENTS: usize = 1 << 16;
 /// same either way.
 pub(crate) fn each_mut<T: Send>(items: &mut [T], work: usize, f: impl Fn(usize, &mut T) + Sync) {
     if work >= PARALLEL_ELEMENTS {
-        let base = SendMut(items.as_mut_ptr());
+        let base = SendPtr(items.as_mut_ptr());
         // SAFETY: each index is run once, so each item is borrowed by one call only; `items`
         // outlives the loop.
         for_each_index(items.len(), |i| f(i, unsafe { &mut *base.at(i) }));
@@ -1005,7 +1005,7 @@ pub(crate) fn each_row_mut(
     f: impl Fn(usize, &mut [f32]) + Sync,
 ) {
     if work >= PARALLEL_ELEMENTS {
-        let (base, total) = (SendMut(buf.as_mut_ptr()), buf.len());
+        let (base, total) = (SendPtr(buf.as_mut_ptr()), buf.len());
         for_each_index(total.div_ceil(len), |i| {
             let n = len.min(total - i * len);
             // SAFETY: row `i` (the last may be short) is in bounds and run by one call only;
@@ -1046,7 +1046,7 @@ pub fn matmul_batch<'a>(products: impl IntoIterator<Item = Product<'a>>) {
 struct Planned<'a> {
     w: Mat<'a>,
     xs: &'a [f32],
-    ys: SendPtr,
+    ys: SendPtr<f32>,
     t: usize,
     /// Rows per task.
     tile: usize,
@@ -1241,28 +1241,30 @@ fn dense_t_in(tier: Tier, w: &Mat<'_>, xs: &[f32], ys: &mut [f32], t: usize) {
     }
 }
 
-/// A pointer to items that parallel calls borrow one each (see [`each_mut`]).
-struct SendMut<T>(*mut T);
+/// A pointer to items (elements, rows, whole slices) that parallel calls write one each:
+/// each call takes items no other call takes (see `matmul`, [`each_mut`], attention).
+pub(crate) struct SendPtr<T>(pub(crate) *mut T);
 
-// SAFETY: only used to hand disjoint items of a `Send` type to other threads.
-unsafe impl<T: Send> Sync for SendMut<T> {}
-
-impl<T> SendMut<T> {
-    /// The pointer to item `i` (a method, so closures capture the whole `Sync` wrapper).
-    fn at(&self, i: usize) -> *mut T {
-        self.0.wrapping_add(i)
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
     }
 }
-
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: used only to write disjoint elements from different threads (see `matmul`).
-unsafe impl Send for SendPtr {}
+impl<T> Copy for SendPtr<T> {}
+// SAFETY: used only to hand disjoint items of a `Send` type to other threads.
+unsafe impl<T: Send> Send for SendPtr<T> {}
 // SAFETY: as above.
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
-    fn get(self) -> *mut f32 {
+unsafe impl<T: Send> Sync for SendPtr<T> {}
+
+impl<T> SendPtr<T> {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
+    pub(crate) fn get(self) -> *mut T {
         self.0
+    }
+
+    /// The pointer to item `i`.
+    pub(crate) fn at(self, i: usize) -> *mut T {
+        self.0.wrapping_add(i)
     }
 }
 

@@ -93,7 +93,6 @@ impl Q8Mat {
 fn huge_buf(bytes: usize, what: &str) -> Result<HugeBuf> {
     HugeBuf::zeroed(bytes).map_err(|source| Error::Memory {
         what: what.into(),
-        bytes: bytes as u64,
         source,
     })
 }

@@ -208,10 +208,9 @@ impl ExpertView<'_> {
 pub enum PartBytes {
     /// A range of a mapped checkpoint file.
     Mapped(Arc<MappedFile>, Range<usize>),
-    /// A range of an owned buffer (a RAM cache slot, bytes from a peer).
-    Owned(Arc<[u8]>, Range<usize>),
-    /// A range of an owned buffer on huge pages (what the disk tier reads into).
-    Huge(Arc<HugeBuf>, Range<usize>),
+    /// A range of an owned buffer, on huge pages where the kernel allows (an expert the disk
+    /// tier read, bytes from a peer or an expert directory): see [`crate::huge`].
+    Owned(Arc<HugeBuf>, Range<usize>),
 }
 
 impl fmt::Debug for PartBytes {
@@ -219,7 +218,6 @@ impl fmt::Debug for PartBytes {
         match self {
             Self::Mapped(m, r) => write!(f, "Mapped({}, {r:?})", m.path.display()),
             Self::Owned(_, r) => write!(f, "Owned({r:?})"),
-            Self::Huge(_, r) => write!(f, "Huge({r:?})"),
         }
     }
 }
@@ -230,7 +228,6 @@ impl PartBytes {
         match self {
             Self::Mapped(m, r) => &m.map[r.clone()],
             Self::Owned(b, r) => &b[r.clone()],
-            Self::Huge(b, r) => &b[r.clone()],
         }
     }
 }
@@ -248,25 +245,23 @@ impl ExpertData {
     }
 
     /// From one contiguous buffer holding the parts back to back in schema order.
-    pub fn from_buffer(buf: Arc<[u8]>, schema: &ExpertSchema) -> Self {
-        Self::split(schema, |r| PartBytes::Owned(buf.clone(), r))
+    pub fn from_buffer(buf: Arc<HugeBuf>, schema: &ExpertSchema) -> Self {
+        Self::from_lengths(buf, 0, schema.parts.iter().map(|p| p.len))
     }
 
-    /// As [`ExpertData::from_buffer`], from a buffer on huge pages (where the kernels read
-    /// experts fastest: see [`crate::huge`]).
-    pub fn from_huge(buf: Arc<HugeBuf>, schema: &ExpertSchema) -> Self {
-        Self::split(schema, |r| PartBytes::Huge(buf.clone(), r))
-    }
-
-    fn split(schema: &ExpertSchema, part: impl Fn(Range<usize>) -> PartBytes) -> Self {
-        let mut off = 0;
-        let parts = schema
-            .parts
-            .iter()
-            .map(|p| {
-                let r = off..off + p.len;
-                off += p.len;
-                part(r)
+    /// From one buffer holding parts of lengths `lens` back to back from byte `base`.
+    pub fn from_lengths(
+        buf: Arc<HugeBuf>,
+        base: usize,
+        lens: impl IntoIterator<Item = usize>,
+    ) -> Self {
+        let mut off = base;
+        let parts = lens
+            .into_iter()
+            .map(|len| {
+                let r = off..off + len;
+                off += len;
+                PartBytes::Owned(buf.clone(), r)
             })
             .collect();
         Self { parts }
@@ -763,7 +758,10 @@ mod tests {
                         ),
                     }
                 }
-                Arc::new(ExpertData::from_buffer(buf.into(), &schema))
+                Arc::new(ExpertData::from_buffer(
+                    Arc::new(HugeBuf::copy_of(&buf).unwrap()),
+                    &schema,
+                ))
             })
             .collect();
         let provider = MappedExperts::new(vec![experts]);

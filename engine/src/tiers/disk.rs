@@ -10,7 +10,7 @@ use super::{Completion, ExpertKey, Priority, Tier};
 use crate::error::{Error, Result};
 use crate::huge::HugeBuf;
 use crate::layout::ExpertLayout;
-use crate::moe::{ExpertData, PartBytes};
+use crate::moe::ExpertData;
 
 /// Alignment of O_DIRECT reads and of flat-store records.
 pub const ALIGN: usize = 4096;
@@ -260,42 +260,26 @@ impl DiskInner {
         });
         let first = &parts[0].loc;
         let file = &self.files[first.file];
-        if contiguous && file.direct && (first.offset as usize).is_multiple_of(ALIGN) {
-            let padded = total.div_ceil(ALIGN) * ALIGN;
-            let mut b = zeroed(padded + ALIGN, l, e)?;
-            let skew = b.as_ptr() as usize % ALIGN;
-            let base = if skew == 0 { 0 } else { ALIGN - skew };
-            file.read_exact_at(&mut b[base..base + padded], first.offset)?;
-            let buf = Arc::new(b);
-            let mut off = base;
-            let data = parts
-                .iter()
-                .map(|p| {
-                    let r = off..off + p.loc.len as usize;
-                    off += p.loc.len as usize;
-                    PartBytes::Huge(buf.clone(), r)
-                })
-                .collect();
-            return Ok(Arc::new(ExpertData::new(data)));
-        }
-        let mut b = zeroed(total, l, e)?;
-        let mut off = 0;
-        for p in parts {
-            let len = p.loc.len as usize;
-            self.files[p.loc.file].read_exact_at(&mut b[off..off + len], p.loc.offset)?;
-            off += len;
-        }
-        let buf = Arc::new(b);
-        let mut off = 0;
-        let data = parts
-            .iter()
-            .map(|p| {
-                let r = off..off + p.loc.len as usize;
-                off += p.loc.len as usize;
-                PartBytes::Huge(buf.clone(), r)
-            })
-            .collect();
-        Ok(Arc::new(ExpertData::new(data)))
+        let (b, base) =
+            if contiguous && file.direct && (first.offset as usize).is_multiple_of(ALIGN) {
+                let padded = total.div_ceil(ALIGN) * ALIGN;
+                let mut b = zeroed(padded + ALIGN, l, e)?;
+                let skew = b.as_ptr() as usize % ALIGN;
+                let base = if skew == 0 { 0 } else { ALIGN - skew };
+                file.read_exact_at(&mut b[base..base + padded], first.offset)?;
+                (b, base)
+            } else {
+                let mut b = zeroed(total, l, e)?;
+                let mut off = 0;
+                for p in parts {
+                    let len = p.loc.len as usize;
+                    self.files[p.loc.file].read_exact_at(&mut b[off..off + len], p.loc.offset)?;
+                    off += len;
+                }
+                (b, 0)
+            };
+        let lens = parts.iter().map(|p| p.loc.len as usize);
+        Ok(Arc::new(ExpertData::from_lengths(Arc::new(b), base, lens)))
     }
 }
 
@@ -305,7 +289,7 @@ fn zeroed(n: usize, layer: usize, expert: usize) -> Result<HugeBuf> {
     HugeBuf::zeroed(n).map_err(|e| Error::Expert {
         layer,
         expert,
-        reason: format!("cannot allocate {n} bytes for it: {e}"),
+        reason: e.to_string(),
     })
 }
 

@@ -354,11 +354,6 @@ fn load_one(dir: &ExpertDir, key: ExpertKey) -> stormo_engine::Result<Arc<Expert
     let bytes = dir
         .read(id)
         .map_err(|e| expert_error(key, format!("from the expert directory: {e:#}")))?;
-    let buf = HugeBuf::copy_of(&bytes).map_err(|e| {
-        expert_error(
-            key,
-            format!("cannot allocate {} bytes for it: {e}", bytes.len()),
-        )
-    })?;
-    Ok(Arc::new(ExpertData::from_huge(Arc::new(buf), schema)))
+    let buf = HugeBuf::copy_of(&bytes).map_err(|e| expert_error(key, e.to_string()))?;
+    Ok(Arc::new(ExpertData::from_buffer(Arc::new(buf), schema)))
 }

@@ -1303,15 +1303,12 @@ impl Inner {
         // On huge pages, as the disk tier reads experts: where an expert came from decides
         // nothing, not even how fast the kernels stream it.
         let done = |record: Vec<u8>| -> Result<Arc<ExpertData>, String> {
-            let buf = Arc::new(
-                HugeBuf::copy_of(&record)
-                    .map_err(|e| format!("cannot allocate {} bytes for it: {e}", record.len()))?,
-            );
+            let buf = Arc::new(HugeBuf::copy_of(&record).map_err(|e| e.to_string())?);
             if let Some(dir) = self.store.get() {
                 let (dir, buf) = (dir.clone(), buf.clone());
                 tokio::task::spawn_blocking(move || dir.store(id, &buf));
             }
-            Ok(Arc::new(ExpertData::from_huge(buf, schema)))
+            Ok(Arc::new(ExpertData::from_buffer(buf, schema)))
         };
         let mut tried = HashSet::new();
         let mut prefix: Vec<u8> = Vec::new();
