@@ -29,7 +29,8 @@ use stormo_engine::moe::{ExpertData, ExpertProvider};
 use stormo_engine::tiers::{ExpertKey, Priority, Tier};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 use stormo_manifests::{build, BuildOptions, SecretKey};
-use stormo_node::experts::{ExpertArgs, Experts};
+use stormo_node::config::{CacheBudget, ExpertsConfig};
+use stormo_node::experts::Experts;
 use stormo_node::net::serve::{self, ServeConfig};
 use stormo_node::net::tier::{PeerConfig, PeerTier};
 use stormo_node::net::tls::{self, Admission};
@@ -131,14 +132,13 @@ async fn quic(buf: Arc<Vec<u8>>, reps: usize) -> anyhow::Result<Vec<f64>> {
     Ok(secs)
 }
 
-fn expert_args(cache: &str) -> ExpertArgs {
-    ExpertArgs {
-        expert_cache: cache.into(),
+fn expert_args(cache: CacheBudget) -> ExpertsConfig {
+    ExpertsConfig {
+        cache,
         prefetch: true,
-        no_prefetch: false,
-        mmap_experts: false,
         io_threads: 2,
-        no_hot_store: true,
+        hot_store: false,
+        ..ExpertsConfig::default()
     }
 }
 
@@ -149,7 +149,7 @@ fn decode_rate(
     new: usize,
 ) -> anyhow::Result<(f64, Vec<u32>)> {
     let files = ModelFiles::open(dir)?;
-    let experts = Experts::build_tiers(&files, &expert_args("0"), 64, tiers)?;
+    let experts = Experts::build(&files, &expert_args(CacheBudget::Bytes(0)), 64, tiers, None)?;
     let model = Model::new(files, experts.provider.clone(), &LoadOptions::default())?;
     let prompt = [1u32, 2, 3, 4];
     let mut sess = model.session(prompt.len() + new)?;
@@ -220,7 +220,8 @@ fn main() -> anyhow::Result<()> {
     // A serving node with every expert, and the network tier of a client.
     let server_key = SecretKey::from_seed(&[3; 32]);
     let client_key = SecretKey::from_seed(&[4; 32]);
-    let (holdings, _experts) = serve::open_holdings(&dir, None, &expert_args("auto"), None)?;
+    let (holdings, _experts) =
+        serve::open_holdings(&dir, None, &expert_args(CacheBudget::Auto), None)?;
     let handle = rt.block_on(async {
         serve::start(
             &server_key,

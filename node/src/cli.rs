@@ -6,33 +6,44 @@ use crate::cmd;
 
 /// stormo: run Mixture-of-Experts models (GPT-OSS, Qwen3-MoE) on CPUs, with experts streamed
 /// from RAM, the local disk, or verified peers over QUIC.
+///
+/// Every option can also be given as an environment variable STORMO_<OPTION> (e.g.
+/// STORMO_EXPERT_CACHE=4GiB, STORMO_PEER=KEY@HOST:PORT,KEY@HOST:PORT) or in a TOML file named
+/// by --config (keys are the long option names: `model = "/m"`, `peer = ["..."]`,
+/// `allow-any = true`). Flags override the variables, which override the file.
 #[derive(Debug, Parser)]
 #[command(name = "stormo", version, propagate_version = true)]
 pub struct Cli {
     /// More logging on stderr (-v info, -vv debug). RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub verbose: u8,
+    /// A node config file (TOML) holding what the flags hold, keyed by their long names;
+    /// flags and STORMO_* variables override it.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
 }
 
 impl Cli {
-    /// The command line as clap sees it, with every option that takes a value accepting a
-    /// negative number as that value: `--max-new-tokens -1` is then refused for its value
-    /// ("invalid digit") rather than as an unknown argument `-1` that leaves the user guessing.
+    /// The command line as clap sees it: every option that takes a value accepts a negative
+    /// number as that value (`--max-new-tokens -1` is then refused for its value, "invalid
+    /// digit", rather than as an unknown argument `-1` that leaves the user guessing), and
+    /// every long option can come from a `STORMO_*` variable.
     pub fn command_line() -> clap::Command {
-        fn negatives(c: clap::Command) -> clap::Command {
+        fn adjust(c: clap::Command) -> clap::Command {
             c.mut_args(|a| {
-                if a.get_action().takes_values() && !a.is_positional() {
+                let a = if a.get_action().takes_values() && !a.is_positional() {
                     a.allow_negative_numbers(true)
                 } else {
                     a
-                }
+                };
+                env_for(a)
             })
-            .mut_subcommands(negatives)
+            .mut_subcommands(adjust)
         }
-        negatives(<Self as clap::CommandFactory>::command())
+        adjust(<Self as clap::CommandFactory>::command())
     }
 
     /// Parses the process's arguments with [`Cli::command_line`]; exits with clap's message
@@ -41,15 +52,54 @@ impl Cli {
         Self::try_parse_args(std::env::args_os()).unwrap_or_else(|e| e.exit())
     }
 
-    /// [`Cli::parse_args`] over `args` (the program name first), returning clap's error.
+    /// [`Cli::parse_args`] over `args` (the program name first), returning clap's error. A
+    /// config file (`--config FILE` or `STORMO_CONFIG`) gives the defaults of the options it
+    /// names.
     pub fn try_parse_args<I, T>(args: I) -> Result<Self, clap::Error>
     where
         I: IntoIterator<Item = T>,
         T: Into<std::ffi::OsString> + Clone,
     {
+        let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
         let mut cmd = Self::command_line();
+        if let Some(path) = crate::config_file::named(&args) {
+            let file = crate::config_file::ConfigFile::read(&path)
+                .map_err(|e| cmd.error(clap::error::ErrorKind::Io, format!("{e:#}")))?;
+            cmd = file.apply(cmd).map_err(|e| {
+                clap::Error::raw(clap::error::ErrorKind::InvalidValue, format!("{e:#}\n"))
+            })?;
+        }
         let m = cmd.try_get_matches_from_mut(args)?;
         <Self as clap::FromArgMatches>::from_arg_matches(&m).map_err(|e| e.format(&mut cmd))
+    }
+}
+
+/// `a` also read from `STORMO_<LONG NAME>` (dashes as underscores), lists split at commas;
+/// help, version and counted flags excepted.
+fn env_for(a: clap::Arg) -> clap::Arg {
+    let Some(long) = a.get_long() else {
+        return a;
+    };
+    if matches!(
+        a.get_action(),
+        clap::ArgAction::Help
+            | clap::ArgAction::HelpShort
+            | clap::ArgAction::HelpLong
+            | clap::ArgAction::Version
+            | clap::ArgAction::Count
+    ) || a.get_env().is_some()
+        || long == "config"
+    {
+        return a;
+    }
+    let name = format!("STORMO_{}", long.to_uppercase().replace('-', "_"));
+    let list =
+        matches!(a.get_action(), clap::ArgAction::Append) && a.get_value_delimiter().is_none();
+    let a = a.env(name).hide_env(true);
+    if list {
+        a.value_delimiter(',')
+    } else {
+        a
     }
 }
 

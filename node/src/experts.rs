@@ -1,5 +1,5 @@
-//! Where a node's experts come from: the options shared by every command that runs a model,
-//! and the provider built from them (mapped files, or the RAM cache over disk and peers).
+//! Where a node's experts come from: the provider built from an [`ExpertsConfig`] (mapped
+//! files, or the RAM cache over disk, kept experts and peers), and its statistics.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -8,48 +8,10 @@ use stormo_engine::moe::ExpertProvider;
 use stormo_engine::tiers::{usage, ExpertStats, Tier, TierConfig, TieredExperts};
 use stormo_engine::ModelFiles;
 
-use crate::progress::{human_bytes, parse_size};
+use crate::config::{CacheBudget, ExpertsConfig};
+use crate::progress::human_bytes;
 
-/// Options for experts and their tiers.
-#[derive(Debug, Clone, clap::Args)]
-pub struct ExpertArgs {
-    /// RAM budget for cached experts: a size such as 0, 512MiB, 6GiB, or "auto" (the RAM
-    /// available, less the dense weights, the KV cache and a reserve for the system). Never less
-    /// than one layer's top-k experts, never more than all of them.
-    #[arg(long, default_value = "auto", value_name = "SIZE", value_parser = cache_size)]
-    pub expert_cache: String,
-    /// Prefetch the next layer's predicted experts into the cache while the current layer
-    /// computes. Off by default: measured at gpt-oss-20b geometry with budgets below the
-    /// experts, it read 38-58% more from disk per decoded token and decoded 7-17% slower
-    /// (README, Performance).
-    #[arg(long, conflicts_with = "no_prefetch")]
-    pub prefetch: bool,
-    /// Do not prefetch (the default; kept so scripts that say so keep working).
-    #[arg(long, hide = true)]
-    pub no_prefetch: bool,
-    /// Serve experts from memory-mapped checkpoint files instead of the budgeted cache (the OS
-    /// pages them in and out; no budget, no statistics).
-    #[arg(long, conflicts_with_all = ["expert_cache", "prefetch"])]
-    pub mmap_experts: bool,
-    /// Threads reading experts from disk (queue depth), 1 to 256.
-    #[arg(long, default_value_t = 4, value_name = "N",
-          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
-    pub io_threads: usize,
-    /// Neither preload the most used experts at start nor record usage counts.
-    #[arg(long)]
-    pub no_hot_store: bool,
-}
-
-/// `--expert-cache` as given, if it is "auto" or a size [`parse_size`] reads: checked when the
-/// arguments are parsed, so a bad value is reported before any work starts.
-fn cache_size(s: &str) -> Result<String, String> {
-    if s.trim().eq_ignore_ascii_case("auto") {
-        return Ok(s.to_owned());
-    }
-    crate::progress::size_arg(s)
-}
-
-/// The provider built from [`ExpertArgs`], with what is needed to report on it.
+/// The provider built from an [`ExpertsConfig`], with what is needed to report on it.
 #[derive(Debug)]
 pub struct Experts {
     /// For the model.
@@ -85,90 +47,51 @@ pub fn kv_bytes(files: &ModelFiles, context: usize) -> u64 {
 }
 
 impl Experts {
-    /// Builds the provider for `files` with room for a `context`-position KV cache. `lower`
-    /// are tiers below the disk (peers); `local_disk` false leaves the disk out (a node with no
-    /// local experts); `allowed` restricts which local experts are used.
+    /// The provider for `files` with room for a `context`-position KV cache: the local
+    /// experts memory-mapped (`cfg.mmap`), or the RAM cache over `tiers` (tried in order),
+    /// preloading the hottest experts recorded at `usage` (when given) and recording usage
+    /// there at [`Experts::finish`].
     pub fn build(
         files: &ModelFiles,
-        args: &ExpertArgs,
+        cfg: &ExpertsConfig,
         context: usize,
-        lower: Vec<Arc<dyn Tier>>,
-        local_disk: bool,
-        allowed: Option<Vec<Vec<bool>>>,
+        tiers: Vec<Arc<dyn Tier>>,
+        usage: Option<PathBuf>,
     ) -> anyhow::Result<Self> {
-        let uses_local = local_disk
-            && allowed
-                .as_ref()
-                .is_none_or(|a| a.iter().flatten().any(|&on| on));
-        if uses_local && crate::net::pull::Pulled::dense_only(&files.dir)? {
-            anyhow::bail!(
-                "{} was pulled without its experts (see {}): its expert bytes are holes; run it with `stormo run --peer ...` so experts come from peers",
-                files.dir.display(),
-                crate::net::pull::MARKER_FILE
-            );
-        }
-        if args.mmap_experts {
-            anyhow::ensure!(lower.is_empty() && local_disk && allowed.is_none(), "--mmap-experts serves every local expert; it cannot be combined with peers or expert subsets");
+        if cfg.mmap {
             return Ok(Self {
                 provider: Arc::new(files.mapped_experts()?),
                 tiered: None,
                 usage_path: None,
             });
         }
-        let mut tiers: Vec<Arc<dyn Tier>> = Vec::new();
-        if local_disk {
-            tiers.push(Self::disk_tier(files, args, allowed)?);
-        }
-        tiers.extend(lower);
-        Self::build_tiers(files, args, context, tiers)
-    }
-
-    /// The local disk tier of `files` with the options' I/O threads, restricted to `allowed`.
-    pub fn disk_tier(
-        files: &ModelFiles,
-        args: &ExpertArgs,
-        allowed: Option<Vec<Vec<bool>>>,
-    ) -> anyhow::Result<Arc<dyn Tier>> {
-        Ok(Arc::new(files.disk_tier(args.io_threads.max(1), allowed)?))
-    }
-
-    /// The RAM cache over `tiers`, tried in order.
-    pub fn build_tiers(
-        files: &ModelFiles,
-        args: &ExpertArgs,
-        context: usize,
-        tiers: Vec<Arc<dyn Tier>>,
-    ) -> anyhow::Result<Self> {
-        anyhow::ensure!(
-            !args.mmap_experts,
-            "--mmap-experts serves every local expert; it cannot be combined with peers, an expert directory or expert subsets"
-        );
         let sizes = files.layout.sizes();
         let all: u64 = sizes.iter().flatten().sum();
-        let budget = if args.expert_cache.trim().eq_ignore_ascii_case("auto") {
-            let avail = mem_available().unwrap_or(8 << 30);
-            let reserve = (avail / 10).max(1 << 30);
-            avail.saturating_sub(dense_bytes(files) + kv_bytes(files, context) + reserve)
-        } else {
-            parse_size(&args.expert_cache).map_err(|e| anyhow::anyhow!("--expert-cache: {e}"))?
+        let budget = match cfg.cache {
+            CacheBudget::Auto => {
+                let avail = mem_available().unwrap_or(8 << 30);
+                let reserve = (avail / 10).max(1 << 30);
+                avail.saturating_sub(dense_bytes(files) + kv_bytes(files, context) + reserve)
+            }
+            CacheBudget::Bytes(b) => b,
         };
-        let cfg = TierConfig {
+        let tc = TierConfig {
             budget: budget.min(all),
-            prefetch: args.prefetch && !args.no_prefetch,
+            prefetch: cfg.prefetch,
             ..TierConfig::default()
         };
         let t = Arc::new(TieredExperts::new(
             tiers,
             sizes,
             files.cfg.top_k.max(1),
-            &cfg,
+            &tc,
         ));
         tracing::info!(
             "expert cache budget {} of {} in all",
             human_bytes(t.budget()),
             human_bytes(all)
         );
-        let usage_path = (!args.no_hot_store).then(|| usage::usage_path(&files.dir));
+        let usage_path = usage.filter(|_| cfg.hot_store);
         if let Some(p) = &usage_path {
             let shape: Vec<usize> = files.layout.parts.iter().map(Vec::len).collect();
             let counts = usage::load(p, &shape);
@@ -183,6 +106,17 @@ impl Experts {
             tiered: Some(t),
             usage_path,
         })
+    }
+
+    /// The RAM cache over the local disk alone (a model run from its own checkpoint, as the
+    /// benchmarks and tests do), recording no usage.
+    pub fn local(files: &ModelFiles, cfg: &ExpertsConfig, context: usize) -> anyhow::Result<Self> {
+        let tiers: Vec<Arc<dyn Tier>> = if cfg.mmap {
+            Vec::new()
+        } else {
+            vec![Arc::new(files.disk_tier(cfg.io_threads, None)?)]
+        };
+        Self::build(files, cfg, context, tiers, None)
     }
 
     /// Statistics so far, when tiered.

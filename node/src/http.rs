@@ -42,7 +42,6 @@ use crate::chat::{
     TurnRole,
 };
 use crate::cmd::chat::TextModel;
-use crate::experts::ExpertArgs;
 
 mod conn;
 mod stop;
@@ -144,21 +143,12 @@ impl HttpArgs {
 /// The most `--http-max-connections` takes (each connection is a file descriptor).
 const MAX_CONNECTIONS: usize = 1 << 20;
 
-/// Loads the model in `dir` for the HTTP API.
-pub fn load(
-    dir: &std::path::Path,
-    experts: &ExpertArgs,
-    cfg: &HttpConfig,
-) -> anyhow::Result<TextModel> {
-    crate::cmd::chat::load_text_model(dir, experts, cfg.context, &Default::default())
-}
-
 /// A running HTTP server.
 #[derive(Debug)]
 pub struct HttpServer {
     addr: SocketAddr,
     accept: tokio::task::JoinHandle<()>,
-    model: Arc<TextModelParts>,
+    _model: Arc<TextModelParts>,
 }
 
 impl HttpServer {
@@ -167,16 +157,17 @@ impl HttpServer {
         self.addr
     }
 
-    /// Stops accepting connections and waits for the engine's expert I/O to finish.
+    /// Stops accepting connections (the node that serves the model's experts is closed by
+    /// its owner).
     pub fn close(self) {
         self.accept.abort();
-        self.model.experts.finish();
     }
 }
 
 #[derive(Debug)]
 struct TextModelParts {
-    experts: crate::experts::Experts,
+    /// The experts (with their node) stay alive as long as the server.
+    _experts: Arc<crate::experts::Experts>,
 }
 
 /// What the engine thread sends back about one request.
@@ -337,8 +328,8 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
     Ok(HttpServer {
         addr,
         accept,
-        model: Arc::new(TextModelParts {
-            experts: tm.experts,
+        _model: Arc::new(TextModelParts {
+            _experts: tm.experts,
         }),
     })
 }

@@ -2,11 +2,15 @@
 
 #![forbid(unsafe_code)]
 
+pub mod args;
 pub mod chat;
 pub mod cli;
 pub mod cmd;
+pub mod config;
+pub mod config_file;
 pub mod experts;
 pub mod http;
 pub mod logging;
 pub mod net;
+pub mod node;
 pub mod progress;

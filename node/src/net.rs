@@ -11,8 +11,10 @@
 //!
 //! Helpers here: node identity ([`node_key`]), peer names ([`PeerAddr`]), expert subsets
 //! ([`parse_only_experts`]), a tuned UDP endpoint ([`bind`]) and framed reads ([`FramedRecv`]).
+//! The [`crate::node::Node`] composes these with the engine's tiers.
 
 pub mod expert_dir;
+pub mod policy;
 pub mod pull;
 pub mod serve;
 pub mod tier;
@@ -20,7 +22,7 @@ pub mod tls;
 
 use std::fmt;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -203,6 +205,15 @@ pub fn parse_only_experts(spec: &str, shape: &[usize]) -> anyhow::Result<Vec<Vec
     Ok(out)
 }
 
+/// The unspecified address (all interfaces), port 0: where a node that only dials binds.
+pub fn unspecified(v6: bool) -> SocketAddr {
+    if v6 {
+        SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 0))
+    } else {
+        SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0))
+    }
+}
+
 /// A UDP endpoint on `addr` with [`SOCKET_BUFFER`] socket buffers, serving with `server` if
 /// given. Must be called inside a tokio runtime.
 pub fn bind(
@@ -329,26 +340,6 @@ mod tests {
         assert!(e.contains("HOST:PORT"), "{e}");
     }
 
-    /// `--peer-timeout` bounds a whole try, so a connection attempt never gets more than it
-    /// (it once always got 3 s).
-    #[test]
-    fn peer_timeout_bounds_the_connect_timeout() {
-        let args = |t: f64| PeerArgs {
-            peer_timeout: t,
-            ..PeerArgs::default()
-        };
-        let c = args(1.0).config().unwrap();
-        assert_eq!(c.connect_timeout, Duration::from_secs(1));
-        assert_eq!(c.request_timeout, Duration::from_secs(1));
-        let c = args(30.0).config().unwrap();
-        assert_eq!(c.connect_timeout, CONNECT_TIMEOUT);
-        assert_eq!(c.request_timeout, Duration::from_secs(30));
-        assert_eq!(c.idle_timeout, Duration::from_secs(5));
-        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e18] {
-            assert!(args(bad).config().is_err(), "{bad} accepted");
-        }
-    }
-
     #[test]
     fn only_experts_both_forms() {
         let shape = [8, 8, 0];
@@ -369,243 +360,6 @@ mod tests {
             assert!(parse_only_experts(bad, &shape).is_err(), "{bad:?} accepted");
         }
     }
-}
-
-/// Options of a node that fetches from peers (shared by `run` and `pull`).
-#[derive(Debug, Clone, Default, clap::Args)]
-pub struct PeerArgs {
-    /// A peer to fetch experts (or the manifest) from, as KEY@HOST:PORT: its 64-hex node key
-    /// and address. Repeatable.
-    #[arg(long = "peer", value_name = "KEY@HOST:PORT")]
-    pub peers: Vec<PeerAddr>,
-    /// This node's secret key (from `stormo key generate`), which peers allow-list. Without
-    /// it an ephemeral key is used.
-    #[arg(long, value_name = "FILE")]
-    pub key: Option<PathBuf>,
-    /// Accept a manifest signed by this publisher key (64 hex; the signature is read from
-    /// beside the manifest, stormo-manifest.sig). Repeatable.
-    #[arg(long, value_name = "PUBKEY")]
-    pub trust: Vec<PublicKey>,
-    /// Accept only the manifest with this model id (64 hex, as `stormo manifest build`
-    /// prints).
-    #[arg(long, value_name = "ID")]
-    pub model_id: Option<Hash>,
-    /// The manifest file, if not DIR/stormo-manifest.bin. When it does not exist and peers
-    /// are given, the manifest is fetched from a peer (and checked the same way).
-    #[arg(long, value_name = "FILE")]
-    pub manifest: Option<PathBuf>,
-    /// Seconds a peer may take to answer one expert request, from when it is sent, before
-    /// another peer is tried (a connection attempt gets at most 3 s, or this if shorter). A
-    /// peer that cannot be connected to is then not tried again for a back-off (1 s, doubling
-    /// up to 60 s). A peer still sending when its time is up is slow, not failing: the try at
-    /// the last holder left is let run while each such period verifies more of the expert,
-    /// and once every holder has been tried another round follows, resuming after the
-    /// verified bytes with twice the time (up to 8 times this). A load ends after four rounds
-    /// that verify nothing (busy answers aside), or once it has run 32 times this (no later
-    /// try starts or runs on past that); the tiers below then take over. At most 1e6.
-    #[arg(
-        long,
-        default_value_t = 30.0,
-        value_name = "SECS",
-        value_parser = crate::progress::secs_arg
-    )]
-    pub peer_timeout: f64,
-    /// Also keep the verified experts fetched from peers in this directory (one file per
-    /// expert under a folder named by the model id, written atomically, verified again when
-    /// read), so later runs find them there: a tier between the local disk and the peers.
-    #[arg(long, value_name = "DIR")]
-    pub expert_dir: Option<PathBuf>,
-    /// The most the expert directory may hold for this model (least recently used experts
-    /// are evicted), e.g. 20GiB.
-    #[arg(
-        long,
-        default_value = "16GiB",
-        value_name = "SIZE",
-        requires = "expert_dir",
-        value_parser = crate::progress::size_arg
-    )]
-    pub expert_dir_limit: String,
-    /// Ask peers before the local disk (for a slow local disk or when peers hold the experts
-    /// in RAM): the local disk becomes the fallback, and races slow peer answers.
-    #[arg(long, requires = "peers")]
-    pub peers_first: bool,
-}
-
-impl PeerArgs {
-    /// The timeouts these options give.
-    pub fn config(&self) -> anyhow::Result<tier::PeerConfig> {
-        let t = crate::progress::check_secs(self.peer_timeout)
-            .map_err(|e| anyhow::anyhow!("--peer-timeout: {e}"))?;
-        Ok(tier::PeerConfig::with_timeout(Duration::from_secs_f64(t)))
-    }
-}
-
-/// The tiers below the RAM cache of a node that runs a model, from its options.
-#[derive(Debug, Default)]
-pub struct NodeTiers {
-    /// In the order they are tried.
-    pub tiers: Vec<Arc<dyn stormo_engine::tiers::Tier>>,
-    /// The network tier, when there are peers.
-    pub peer: Option<Arc<tier::PeerTier>>,
-    /// The expert directory, when `--expert-dir` is given.
-    pub dir: Option<Arc<expert_dir::ExpertDir>>,
-}
-
-impl NodeTiers {
-    /// Closes the network tier (at the end of a run, so that its failures are not blamed on
-    /// peers).
-    pub fn close(&self) {
-        if let Some(p) = &self.peer {
-            p.close();
-        }
-    }
-
-    /// The same figures as [`NodeTiers::add_json`], as lines for `--stats` (empty without
-    /// peers or an expert directory).
-    pub fn table(&self) -> String {
-        let mut out = String::new();
-        if let Some(p) = &self.peer {
-            let h = p.hedge_stats();
-            out += &format!(
-                "  races: {} requests raced by a second one, {} won by the second, {} won by the local disk\n",
-                h.hedges, h.hedge_wins, h.local_wins
-            );
-        }
-        if let Some(d) = &self.dir {
-            out += &format!(
-                "  expert dir: {} experts held, {}\n",
-                d.len(),
-                crate::progress::human_bytes(d.used())
-            );
-        }
-        out
-    }
-
-    /// Adds the network's own figures to the `"experts"` object of `--json`.
-    pub fn add_json(&self, o: &mut serde_json::Value) {
-        if let Some(p) = &self.peer {
-            let h = p.hedge_stats();
-            o["peer_hedges"] = h.hedges.into();
-            o["peer_hedge_wins"] = h.hedge_wins.into();
-            o["peer_local_wins"] = h.local_wins.into();
-        }
-        if let Some(d) = &self.dir {
-            o["dir_held"] = (d.len() as u64).into();
-            o["dir_held_bytes"] = d.used().into();
-        }
-    }
-}
-
-/// Composes the tiers of a node running the model in `dir` (`files`): the local disk (unless
-/// `local_disk` is false; restricted to `allowed`), the expert directory and the peers of
-/// `args`, disk first unless `--peers-first`.
-pub fn node_tiers(
-    files: &stormo_engine::ModelFiles,
-    dir: &Path,
-    args: &PeerArgs,
-    experts: &crate::experts::ExpertArgs,
-    local_disk: bool,
-    allowed: Option<Vec<Vec<bool>>>,
-) -> anyhow::Result<NodeTiers> {
-    let disk = if local_disk {
-        Some(crate::experts::Experts::disk_tier(files, experts, allowed)?)
-    } else {
-        None
-    };
-    if args.peers.is_empty() && args.expert_dir.is_none() {
-        // These check the manifest that verifies experts from peers or the expert directory;
-        // with neither, nothing would check them, and a user who set them expects a check.
-        let given: Vec<&str> = [
-            ("--trust", !args.trust.is_empty()),
-            ("--model-id", args.model_id.is_some()),
-            ("--manifest", args.manifest.is_some()),
-            ("--key", args.key.is_some()),
-        ]
-        .into_iter()
-        .filter_map(|(flag, set)| set.then_some(flag))
-        .collect();
-        anyhow::ensure!(
-            given.is_empty(),
-            "{} {} only with --peer or --expert-dir: the manifest checks verify experts from \
-             peers or the expert directory, and --key names this node to peers. The local \
-             checkpoint is used as it is; `stormo manifest verify` checks it against a manifest",
-            given.join(", "),
-            if given.len() == 1 { "applies" } else { "apply" }
-        );
-        return Ok(NodeTiers {
-            tiers: disk.into_iter().collect(),
-            ..NodeTiers::default()
-        });
-    }
-    // With --expert-dir alone no peer ever sees the key: no warning about an ephemeral one.
-    let secret = match (&args.key, args.peers.is_empty()) {
-        (None, true) => SecretKey::generate(),
-        (key, _) => node_key(key.as_deref())?,
-    };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("stormo-net")
-        .enable_all()
-        .build()
-        .context("starting the network runtime")?;
-    let (manifest, id, _) = resolve_manifest(dir, args, &secret, &rt)?;
-    serve::check_layout(&manifest, &files.layout.sizes())
-        .context("the manifest does not describe this checkpoint")?;
-    let manifest = Arc::new(manifest);
-    let store = match &args.expert_dir {
-        Some(d) => {
-            let limit = crate::progress::parse_size(&args.expert_dir_limit)
-                .map_err(|e| anyhow::anyhow!("--expert-dir-limit: {e}"))?;
-            Some(Arc::new(expert_dir::ExpertDir::open(
-                d,
-                id,
-                limit,
-                manifest.clone(),
-                files.layout.schemas.clone(),
-            )?))
-        }
-        None => None,
-    };
-    let rt = Arc::new(rt);
-    let peer = if args.peers.is_empty() {
-        None
-    } else {
-        let t = tier::PeerTier::connect(
-            &secret,
-            &args.peers,
-            manifest,
-            id,
-            files.layout.schemas.clone(),
-            args.config()?,
-            Some(rt.handle().clone()),
-        )?
-        .keep_runtime(rt);
-        if let Some(s) = &store {
-            t.set_expert_dir(s.clone());
-        }
-        if let (true, Some(d)) = (args.peers_first, &disk) {
-            t.set_local(d.clone());
-        }
-        Some(Arc::new(t))
-    };
-    let mut tiers: Vec<Arc<dyn stormo_engine::tiers::Tier>> = Vec::new();
-    if !args.peers_first {
-        tiers.extend(disk.clone());
-    }
-    if let Some(s) = &store {
-        tiers.push(Arc::new(expert_dir::DirTier(s.clone())));
-    }
-    if let Some(p) = &peer {
-        tiers.push(p.clone());
-    }
-    if args.peers_first {
-        tiers.extend(disk);
-    }
-    Ok(NodeTiers {
-        tiers,
-        peer,
-        dir: store,
-    })
 }
 
 /// Accepts manifest `bytes` only if its id equals `model_id` (when given) and its signature
@@ -646,7 +400,7 @@ pub fn accept_manifest(
 /// accepted only as [`accept_manifest`] says.
 pub fn resolve_manifest(
     dir: &Path,
-    args: &PeerArgs,
+    args: &crate::config::PeersConfig,
     secret: &SecretKey,
     rt: &tokio::runtime::Runtime,
 ) -> anyhow::Result<(Manifest, Hash, Vec<u8>)> {
@@ -675,7 +429,7 @@ pub fn resolve_manifest(
             ),
             (None, None) => None,
         };
-        let cfg = args.config()?;
+        let cfg = args.timeouts;
         let mut last = None;
         let mut got = None;
         for p in &args.peers {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use stormo_node::chat::{PromptOptions, Turn, TurnRole};
 use stormo_node::cmd::chat::{load_text_model, TextModel};
-use stormo_node::experts::ExpertArgs;
+use stormo_node::config::{ExpertsConfig, NodeConfig};
 use stormo_node::http::{self, HttpConfig, HttpServer};
 use stormo_tests::fixture;
 
@@ -36,19 +36,21 @@ pub(crate) fn synth_model() -> tempfile::TempDir {
     dir
 }
 
-pub(crate) fn expert_args() -> ExpertArgs {
-    ExpertArgs {
-        expert_cache: "64MiB".into(),
-        prefetch: false,
-        no_prefetch: false,
-        mmap_experts: true,
+pub(crate) fn expert_args() -> ExpertsConfig {
+    ExpertsConfig {
+        mmap: true,
         io_threads: 1,
-        no_hot_store: true,
+        hot_store: false,
+        ..ExpertsConfig::default()
     }
 }
 
 pub(crate) fn text_model(dir: &Path, context: usize) -> TextModel {
-    load_text_model(dir, &expert_args(), context, &Default::default()).expect("model loads")
+    let cfg = NodeConfig {
+        experts: expert_args(),
+        ..NodeConfig::local(dir, context)
+    };
+    load_text_model(cfg, &Default::default()).expect("model loads")
 }
 
 /// A server on its own runtime, stopped when dropped (then its model folder is removed).

@@ -7,6 +7,7 @@ mod http;
 mod int8;
 mod manifests;
 mod network;
+mod node;
 mod oracle;
 mod swarm;
 mod synth;

@@ -11,11 +11,11 @@ use stormo_engine::moe::{ExpertData, ExpertProvider};
 use stormo_engine::tiers::{ExpertStats, Tier, TierConfig, TieredExperts};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 use stormo_manifests::{build, BuildOptions, Hash, ManifestSignature, SecretKey};
-use stormo_node::experts::ExpertArgs;
+use stormo_node::config::{ExpertsConfig, KeepConfig, LocalExperts, NodeConfig, PeersConfig};
 use stormo_node::net::serve::{self, Holdings, ServeConfig, ServerHandle};
 use stormo_node::net::tier::{PeerConfig, PeerTier};
 use stormo_node::net::tls::{Admission, Congestion};
-use stormo_node::net::{self, pull, PeerAddr, PeerArgs};
+use stormo_node::net::{self, pull, PeerAddr};
 use stormo_simulations::swarm::{LinkSpec, Relay};
 use stormo_tests::{fixture, Reference, MODEL_FIXTURES};
 
@@ -81,14 +81,12 @@ fn sign_dir(dir: tempfile::TempDir) -> Fixture {
     }
 }
 
-fn expert_args() -> ExpertArgs {
-    ExpertArgs {
-        expert_cache: "auto".into(),
+fn expert_args() -> ExpertsConfig {
+    ExpertsConfig {
         prefetch: true,
-        no_prefetch: false,
-        mmap_experts: false,
         io_threads: 2,
-        no_hot_store: true,
+        hot_store: false,
+        ..ExpertsConfig::default()
     }
 }
 
@@ -189,18 +187,21 @@ fn two_of_three(i: usize, n: usize) -> String {
     v.join(",")
 }
 
-fn peer_args(f: &Fixture, peers: Vec<PeerAddr>) -> PeerArgs {
-    PeerArgs {
+fn peer_args(f: &Fixture, peers: Vec<PeerAddr>) -> PeersConfig {
+    PeersConfig {
         peers,
-        key: None,
         trust: vec![f.publisher.public()],
-        model_id: None,
-        manifest: None,
-        peer_timeout: 3.0,
-        expert_dir: None,
-        expert_dir_limit: "16GiB".into(),
-        peers_first: false,
+        timeouts: PeerConfig::with_timeout(Duration::from_secs(3)),
+        ..PeersConfig::default()
     }
+}
+
+/// Keeps verified experts in `dir` (`--expert-dir DIR`, the default limit).
+fn keep_in(dir: &Path) -> Option<KeepConfig> {
+    Some(KeepConfig {
+        dir: Some(dir.to_path_buf()),
+        limit: 16 << 30,
+    })
 }
 
 /// The peer tier of a client of `f` (key [`CLIENT_SEED`]).
@@ -433,7 +434,7 @@ fn corrupt_peer_is_detected_and_named_and_output_is_identical() {
     let args = peer_args(&f, vec![bad.addr(), good.addr()]);
     let (got, _, j, tiers) = run_node(&f, name, &args, true);
     assert_eq!(got, want, "ids with a lying peer, composed as run does");
-    let fails = tiers.peer.as_ref().expect("peer tier").failures();
+    let fails = tiers.peer_tier().expect("peer tier").failures();
     assert!(
         fails[0].1 > 0,
         "the corrupt peer was never caught: {fails:?}"
@@ -667,14 +668,14 @@ fn dead_peer_costs_one_connect_attempt_not_one_per_expert() {
     // As `stormo run` composes it, with no local experts (a pulled folder) and
     // `--peer-timeout 1`: the run fails naming the peer and the 1 s bound (not 3 s).
     let mut args = peer_args(&f, vec![dead.clone()]);
-    args.peer_timeout = 1.0;
+    args.timeouts = PeerConfig::with_timeout(Duration::from_secs(1));
     let (got, _, _, tiers) = try_run_node(&f, name, &args, true);
     let e = got.expect_err("a run against only a dead peer cannot succeed");
     assert!(
         e.contains(&dead.to_string()) && e.contains("no answer within 1.0s"),
         "{e}"
     );
-    let connects = tiers.peer.as_ref().expect("peer tier").connects()[0];
+    let connects = tiers.peer_tier().expect("peer tier").connects()[0];
     assert!(connects <= 3, "{connects} connection attempts");
 
     // With its own experts asked after the peers (`--peers-first`), the run falls back to
@@ -686,7 +687,7 @@ fn dead_peer_costs_one_connect_attempt_not_one_per_expert() {
     let failed = num(&j, "peer_failures");
     assert_eq!(num(&j, "fallbacks"), failed, "{j}");
     // Attempts follow the back-off (1, 2, 4, ... s), not the loads: 8 would take minutes.
-    let connects = tiers.peer.as_ref().expect("peer tier").connects()[0];
+    let connects = tiers.peer_tier().expect("peer tier").connects()[0];
     assert!(
         connects < 8 && u64::from(connects) < failed,
         "{connects} connection attempts, {failed} loads failed at the peer: {j}"
@@ -1052,17 +1053,22 @@ fn the_last_holder_is_not_cut_off_while_its_chunks_keep_verifying() {
     tier.close();
 }
 
-/// Runs fixture `name` as `stormo run` composes a node: the tiers from `args` (local disk
-/// unless `no_local`), the smallest RAM budget, then returns the ids, the reference ids and
-/// the `--json` experts object.
+/// Runs fixture `name` on a [`Node`](stormo_node::node::Node) built as `stormo run` builds
+/// one: the tiers from `args` (local disk unless `no_local`), the smallest RAM budget; returns
+/// the ids, the reference ids, the `--json` experts object and the node.
 fn run_node(
     f: &Fixture,
     name: &str,
-    args: &PeerArgs,
+    args: &PeersConfig,
     no_local: bool,
-) -> (Vec<u32>, Vec<u32>, serde_json::Value, net::NodeTiers) {
-    let (got, want, json, tiers) = try_run_node(f, name, args, no_local);
-    (got.expect("generation"), want, json, tiers)
+) -> (
+    Vec<u32>,
+    Vec<u32>,
+    serde_json::Value,
+    stormo_node::node::Node,
+) {
+    let (got, want, json, node) = try_run_node(f, name, args, no_local);
+    (got.expect("generation"), want, json, node)
 }
 
 /// [`run_node`], with the generation's error (as `stormo run` would report it) rather than a
@@ -1070,17 +1076,16 @@ fn run_node(
 fn try_run_node(
     f: &Fixture,
     name: &str,
-    args: &PeerArgs,
+    args: &PeersConfig,
     no_local: bool,
 ) -> (
     Result<Vec<u32>, String>,
     Vec<u32>,
     serde_json::Value,
-    net::NodeTiers,
+    stormo_node::node::Node,
 ) {
-    let files = ModelFiles::open(f.dir.path()).expect("model files");
     let mut ea = expert_args();
-    ea.expert_cache = "0".into();
+    ea.cache = stormo_node::config::CacheBudget::Bytes(0);
     let key_dir = tempfile::tempdir().expect("tempdir");
     let mut args = args.clone();
     if args.key.is_none() {
@@ -1088,15 +1093,24 @@ fn try_run_node(
         client_key().write_new(&p).expect("key file");
         args.key = Some(p);
     }
-    let tiers =
-        net::node_tiers(&files, f.dir.path(), &args, &ea, !no_local, None).expect("tiers compose");
-    let experts = stormo_node::experts::Experts::build_tiers(&files, &ea, 512, tiers.tiers.clone())
-        .expect("experts");
+    let node = stormo_node::node::Node::start(NodeConfig {
+        model: f.dir.path().to_path_buf(),
+        state_dir: key_dir.path().join("state"),
+        experts: ea,
+        local: if no_local {
+            LocalExperts::None
+        } else {
+            LocalExperts::All
+        },
+        context: 512,
+        peers: args,
+        listen: None,
+    })
+    .expect("the node starts");
     let r = Reference::open(&fixture(name));
     let prompt = r.ids("input_ids");
     let want = r.ids("generated_ids");
-    let model =
-        Model::new(files, experts.provider.clone(), &LoadOptions::default()).expect("model");
+    let model = node.load_model(&LoadOptions::default()).expect("model");
     let mut sess = model.session(prompt.len() + want.len()).expect("session");
     let got = greedy(
         &model,
@@ -1108,10 +1122,9 @@ fn try_run_node(
         &mut Timings::default(),
     )
     .map_err(|e| e.to_string());
-    tiers.close();
-    let mut json = experts.json(sess.prediction());
-    tiers.add_json(&mut json);
-    (got, want, json, tiers)
+    node.finish_run();
+    let json = node.json(sess.prediction());
+    (got, want, json, node)
 }
 
 /// Waits (bounded) until the background stores into `dir` have ended.
@@ -1161,7 +1174,7 @@ fn peers_first_falls_back_to_the_local_disk_when_peers_lie_or_die() {
     cell.set(dying.handle.clone()).expect("set once");
     let mut args = peer_args(&f, vec![dying.addr(), liar.addr()]);
     args.peers_first = true;
-    args.peer_timeout = 2.0;
+    args.timeouts = PeerConfig::with_timeout(Duration::from_secs(2));
     let (got, want, j, tiers) = run_node(&f, name, &args, false);
     assert_eq!(got, want, "ids when peers lie or die");
     assert!(
@@ -1177,7 +1190,7 @@ fn peers_first_falls_back_to_the_local_disk_when_peers_lie_or_die() {
         "each failure fell back: {j}"
     );
     assert!(num(&j, "disk_loads") > 0, "{j}");
-    let fails = tiers.peer.as_ref().expect("peer tier").failures();
+    let fails = tiers.peer_tier().expect("peer tier").failures();
     assert!(fails[1].1 > 0, "the liar was not named: {fails:?}");
 }
 
@@ -1191,14 +1204,14 @@ fn expert_dir_keeps_fetched_experts_for_the_next_run() {
     let store = tempfile::tempdir().expect("tempdir");
     let mut peer = serve_dir(100, f.dir.path(), None, allow_client());
     let mut args = peer_args(&f, vec![peer.addr()]);
-    args.expert_dir = Some(store.path().to_path_buf());
+    args.keep = keep_in(store.path());
     let (got, want, j, tiers) = run_node(&f, name, &args, true);
     assert_eq!(got, want, "first run, from the peer");
     assert!(num(&j, "peer_loads") > 0, "{j}");
     // Experts evicted from RAM come back from the directory, not the peer, already in run 1.
     assert!(num(&j, "dir_loads") > 0, "{j}");
     // Stores run in the background after each load: wait for them.
-    let dir = tiers.dir.clone().expect("expert dir");
+    let dir = tiers.expert_dir().cloned().expect("expert dir");
     settle(&dir);
     let held = dir.len();
     assert!(held > 0, "nothing was stored");
@@ -1215,7 +1228,7 @@ fn expert_dir_keeps_fetched_experts_for_the_next_run() {
 
     // Second run: no peers at all, the experts come from the directory.
     let mut again = peer_args(&f, Vec::new());
-    again.expert_dir = Some(store.path().to_path_buf());
+    again.keep = keep_in(store.path());
     let (got, _, j, _) = run_node(&f, name, &again, true);
     assert_eq!(got, want, "second run, from the expert directory");
     assert!(num(&j, "dir_loads") > 0, "{j}");
@@ -1228,10 +1241,10 @@ fn expert_dir_keeps_fetched_experts_for_the_next_run() {
     std::fs::write(&victim, b).expect("damage");
     let peer2 = serve_dir(101, f.dir.path(), None, allow_client());
     let mut third = peer_args(&f, vec![peer2.addr()]);
-    third.expert_dir = Some(store.path().to_path_buf());
+    third.keep = keep_in(store.path());
     let (got, _, j, t3) = run_node(&f, name, &third, true);
     assert_eq!(got, want, "third run, one record damaged");
-    settle(t3.dir.as_ref().expect("expert dir"));
+    settle(t3.expert_dir().expect("expert dir"));
     assert!(
         num(&j, "dir_failures") > 0,
         "the damage was not caught: {j}"
@@ -1470,7 +1483,7 @@ fn pull_dense_part_then_run_from_it_with_peers() {
     // The pulled folder serves no experts and no expert bytes.
     let (h, _e) = serve::open_holdings(pulled.dir.path(), None, &expert_args(), None)
         .expect("holdings of the pulled folder");
-    assert_eq!(h.inventory.len(), 0);
+    assert_eq!(h.held().len(), 0);
     let share = h.files.clone().expect("files shared");
     assert!(share.dense_only);
 }
@@ -1579,7 +1592,7 @@ fn a_node_serving_through_a_models_expert_cache_gives_the_reference_ids() {
     let n = experts_per_layer(&f);
     let shared: Vec<stormo_node::experts::Experts> = (0..3)
         .map(|_| {
-            stormo_node::experts::Experts::build(&files, &expert_args(), 64, Vec::new(), true, None)
+            stormo_node::experts::Experts::local(&files, &expert_args(), 64)
                 .expect("the model's expert cache")
         })
         .collect();
@@ -1595,7 +1608,7 @@ fn a_node_serving_through_a_models_expert_cache_gives_the_reference_ids() {
             )
             .expect("holdings");
             assert_eq!(
-                h.inventory.len(),
+                h.held().len(),
                 files.cfg.num_layers * (n - (0..n).filter(|e| e % 3 == i).count()),
                 "node {i} announces only its share"
             );
@@ -1659,7 +1672,7 @@ fn pull_with_experts_gives_a_complete_folder_that_runs_and_serves() {
     // And serves every expert.
     let (h, _e) = serve::open_holdings(out.path(), None, &expert_args(), None)
         .expect("holdings of the pulled folder");
-    assert_eq!(h.inventory.len(), m.experts.len());
+    assert_eq!(h.held().len(), m.experts.len());
 }
 
 /// A node serving some experts (`--only-experts`) hands out no other expert's bytes through

@@ -129,7 +129,7 @@ pub use latency::{Pinger, RttEstimator};
 pub use message::{
     check_file_name, data_frame_prefix, tag, ByteRange, Cancel, Data, EncodeError, End, ErrorCode,
     ErrorMessage, Get, GetFile, GetManifest, Hello, Inventory, InventoryUpdate, Limits, Message,
-    NodeId, Ping, Pong, Priority, RequestId, MAX_DATA_LEN, MAX_ERROR_MESSAGE_LEN,
+    NodeId, Offer, Ping, Pong, Priority, RequestId, MAX_DATA_LEN, MAX_ERROR_MESSAGE_LEN,
     MAX_FILE_NAME_LEN, MAX_FILE_RANGE_LEN, MAX_MANIFEST_LEN, MAX_MODELS, MAX_UPDATE_EXPERTS,
 };
 pub use server::{DataChunks, ServeRequest, Server, ServerConfig, ServerEvent, ServerStats};

@@ -48,8 +48,10 @@ pub mod tag {
     pub const ERROR: u8 = 10;
     /// [`super::GetFile`].
     pub const GET_FILE: u8 = 11;
-    /// The first reserved tag: 12 up to and including 127 are free for new messages.
-    pub const FIRST_RESERVED: u8 = 12;
+    /// [`super::Offer`].
+    pub const OFFER: u8 = 12;
+    /// The first reserved tag: 13 up to and including 127 are free for new messages.
+    pub const FIRST_RESERVED: u8 = 13;
 }
 
 /// The largest payload of one [`Data`] message: 1 MiB.
@@ -210,6 +212,19 @@ pub struct InventoryUpdate {
     pub added: Vec<ExpertId>,
     /// Experts the sender no longer holds.
     pub removed: Vec<ExpertId>,
+}
+
+/// The experts of `model` the sender does not hold but can fetch for the receiver from its own
+/// peers, which hold them (one hop: a node offers only what its direct peers hold, never what
+/// they offer, so offers cannot outlive the holders they come from). Each `Offer` replaces the
+/// sender's last one of the same model. Requests for offered experts are `Get`s like any other;
+/// the bytes are verified against the manifest by every node they pass through.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Offer {
+    /// The model id.
+    pub model: Hash,
+    /// Which experts, as a bitmap.
+    pub experts: ExpertSet,
 }
 
 /// A byte range `[offset, offset + len)` within a resource.
@@ -440,6 +455,8 @@ pub enum Message {
     Error(ErrorMessage),
     /// Tag 11.
     GetFile(GetFile),
+    /// Tag 12.
+    Offer(Offer),
 }
 
 /// Why a message cannot be encoded (it breaks a limit of the protocol).
@@ -482,6 +499,7 @@ impl Message {
             Self::Pong(_) => tag::PONG,
             Self::Error(_) => tag::ERROR,
             Self::GetFile(_) => tag::GET_FILE,
+            Self::Offer(_) => tag::OFFER,
         }
     }
 
@@ -505,6 +523,7 @@ impl Message {
             Self::Hello(_)
             | Self::Inventory(_)
             | Self::InventoryUpdate(_)
+            | Self::Offer(_)
             | Self::Ping(_)
             | Self::Pong(_) => None,
         }
@@ -526,6 +545,7 @@ impl Message {
                 }
             }
             Self::Inventory(i) => i.experts.validate().map_err(|e| e.to_string())?,
+            Self::Offer(o) => o.experts.validate().map_err(|e| e.to_string())?,
             Self::InventoryUpdate(u) => {
                 let n = u.added.len() + u.removed.len();
                 if n > MAX_UPDATE_EXPERTS {
@@ -623,6 +643,7 @@ impl Message {
             Self::Pong(m) => put(m, out),
             Self::Error(m) => put(m, out),
             Self::GetFile(m) => put(m, out),
+            Self::Offer(m) => put(m, out),
         };
         // Serializing into a Vec has no failure mode for these types (no maps of unknown
         // length, no custom errors); surface it as Invalid rather than panic all the same.
@@ -664,6 +685,7 @@ impl Message {
             tag::PONG => Self::Pong(take_all(t, payload)?),
             tag::ERROR => Self::Error(take_all(t, payload)?),
             tag::GET_FILE => Self::GetFile(take_all(t, payload)?),
+            tag::OFFER => Self::Offer(take_all(t, payload)?),
             other => return Err(DecodeError::UnknownTag(other)),
         };
         msg.validate().map_err(|reason| DecodeError::Invalid {
@@ -689,6 +711,7 @@ pub fn tag_name(t: u8) -> Option<&'static str> {
         tag::PONG => "Pong",
         tag::ERROR => "Error",
         tag::GET_FILE => "GetFile",
+        tag::OFFER => "Offer",
         _ => return None,
     })
 }
@@ -788,7 +811,8 @@ impl_from!(
     Cancel,
     Ping,
     Pong,
-    GetFile
+    GetFile,
+    Offer
 );
 
 impl From<ErrorMessage> for Message {
@@ -872,6 +896,29 @@ mod tests {
                 &[3],           // experts per layer 3
                 &[1],           // bitmap: 1 byte (6 bits)
                 &[0b0010_0010], //   bits 1 and 5, LSB first
+            ],
+        );
+    }
+
+    #[test]
+    fn golden_offer() {
+        let mut experts = ExpertSet::new(2, 3).unwrap();
+        for (layer, expert) in [(0, 0), (1, 1)] {
+            experts.insert(ExpertId { layer, expert }).unwrap(); // bits 0 and 1*3+1 = 4
+        }
+        golden(
+            Message::Offer(Offer {
+                model: h(0x44),
+                experts,
+            }),
+            &[
+                &[37, 0, 0, 0], // frame length 37
+                &[12],          // tag: Offer
+                &[0x44; 32],    // model id
+                &[2],           // layers 2
+                &[3],           // experts per layer 3
+                &[1],           // bitmap: 1 byte (6 bits)
+                &[0b0001_0001], //   bits 0 and 4, LSB first
             ],
         );
     }

@@ -197,6 +197,16 @@ impl TieredExperts {
         s
     }
 
+    /// The experts in RAM now, ready to use (loads still under way are left out).
+    pub fn resident(&self) -> Vec<ExpertKey> {
+        let g = self.shared.lock();
+        g.map
+            .iter()
+            .filter(|(_, e)| matches!(e.state, State::Ready(_)))
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
     /// Requests per expert since start, `[layer][expert]`.
     pub fn usage(&self) -> Vec<Vec<u64>> {
         self.shared.lock().usage.clone()

@@ -8,9 +8,11 @@ use std::time::Instant;
 use anyhow::Context;
 use rayon::prelude::*;
 use stormo_engine::generate::argmax;
-use stormo_engine::{LoadOptions, Logits, Model, ModelFiles};
+use stormo_engine::{LoadOptions, Logits, ModelFiles};
 
-use crate::experts::{ExpertArgs, Experts};
+use crate::args::{ExpertArgs, PeerArgs};
+use crate::config::{LocalExperts, NodeConfig};
+use crate::node::Node;
 use crate::progress::{human_bytes, parse_size};
 
 /// Arguments of `stormo bench`.
@@ -85,6 +87,10 @@ pub struct Args {
     /// Where experts come from.
     #[command(flatten)]
     pub experts: ExpertArgs,
+    /// Peers below the disk: measure a node whose experts come from peers (a folder from
+    /// `stormo pull` holds only the dense weights).
+    #[command(flatten)]
+    pub net: PeerArgs,
 }
 
 /// A `--mem-test` size: a size of at least 512 KiB (a smaller probe would only time the cache).
@@ -379,18 +385,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let bpt = bytes_per_token(&files, a.int8_attn_head, !a.full_head);
     let bpt_full_head = bytes_per_token(&files, a.int8_attn_head, false);
     let vocab = files.cfg.vocab_size as u64;
-    let experts = Experts::build(&files, &a.experts, context, Vec::new(), true, None)?;
     let sizes = files.layout.sizes();
-    let model = Model::new(
-        files,
-        experts.provider.clone(),
-        &LoadOptions {
-            prefill_block: a.prefill_block,
-            int8_attn_head: a.int8_attn_head,
-            int8_experts: a.int8_experts,
-            screened_head: !a.full_head,
-        },
-    )?;
+    drop(files);
+    let node = Node::start(NodeConfig {
+        model: a.model.clone(),
+        state_dir: a.experts.state_dir(),
+        experts: a.experts.resolve()?,
+        local: LocalExperts::All,
+        context,
+        peers: a.net.resolve(false)?,
+        listen: None,
+    })?;
+    let experts = node.experts().clone();
+    let model = node.load_model(&LoadOptions {
+        prefill_block: a.prefill_block,
+        int8_attn_head: a.int8_attn_head,
+        int8_experts: a.int8_experts,
+        screened_head: !a.full_head,
+    })?;
     let mut rng = Rng(a.seed);
     let mut prompt =
         |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next() % vocab) as u32).collect() };
@@ -524,10 +536,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "prefill_gflop_per_token": flops_tok / 1e9,
         "prefill": prefill,
         "decode": {"tokens": a.decode_tokens, "seconds": dsecs, "tok_s": decode_tok_s, "fraction_of_memory_bound": decode_tok_s / bound, "disk_bytes_per_token": disk_per_tok},
-        "experts": experts.json(sess.prediction()),
+        "experts": node.json(sess.prediction()),
         "peak_rss_bytes": peak_rss(),
     });
-    experts.finish();
+    node.finish_run();
     if a.json {
         println!("{out}");
         return Ok(());
@@ -628,7 +640,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             screen.screened + screen.full
         );
     }
-    println!("{}", experts.table(sess.prediction()));
+    println!("{}", node.table(sess.prediction()));
     if let Some(r) = peak_rss() {
         println!(
             "peak RSS         {} (with the {} bandwidth probe)",

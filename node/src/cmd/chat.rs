@@ -12,13 +12,16 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use stormo_engine::sampling::SamplingParams;
-use stormo_engine::{LoadOptions, Model, ModelFiles};
+use stormo_engine::{LoadOptions, Model};
 
+use crate::args::{ExpertArgs, PeerArgs};
 use crate::chat::harmony::ReasoningEffort;
 use crate::chat::reply::ReplyStream;
 use crate::chat::session::{ChatSession, GenerateOptions, Generation};
 use crate::chat::{ChatFormat, OutputDelta, PromptOptions, Tokenizer, Turn, TurnRole};
-use crate::experts::{ExpertArgs, Experts};
+use crate::config::{LocalExperts, NodeConfig};
+use crate::experts::Experts;
+use crate::node::Node;
 
 /// Sampling options shared by `run` and `chat` (the HTTP API takes them per request).
 #[derive(Debug, Clone, clap::Args)]
@@ -143,7 +146,7 @@ pub fn load_tokenizer(dir: &Path) -> anyhow::Result<Arc<Tokenizer>> {
     Ok(Arc::new(tok))
 }
 
-/// A model loaded for text: weights, tokenizer, chat format, and its experts.
+/// A model loaded for text: weights, tokenizer, chat format, and the node serving its experts.
 #[derive(Debug)]
 pub struct TextModel {
     /// The model.
@@ -152,20 +155,30 @@ pub struct TextModel {
     pub tokenizer: Arc<Tokenizer>,
     /// Its chat format.
     pub format: ChatFormat,
-    /// Where its experts come from.
-    pub experts: Experts,
+    /// Where its experts come from (the node's cache and tiers).
+    pub experts: Arc<Experts>,
+    /// The node the model runs on (its runtime, tiers and peers).
+    pub node: Arc<Node>,
     /// A name for it (the folder's name).
     pub name: String,
 }
 
-/// Loads `dir` for text with room for `context` positions: the tokenizer first (a missing
-/// one is the quickest error), then the weights.
-pub fn load_text_model(
+/// Loads the model of `cfg` for text on a new node built from `cfg`: the tokenizer first (a
+/// missing one is the quickest error), then the node, then the weights.
+pub fn load_text_model(cfg: NodeConfig, load: &LoadOptions) -> anyhow::Result<TextModel> {
+    let dir = cfg.model.clone();
+    let (tokenizer, format) = check_text_model(&dir, cfg.context, load)?;
+    let node = Arc::new(Node::start(cfg)?);
+    text_model_on(node, tokenizer, format, load)
+}
+
+/// The checks of a model folder for text that cost no loading: the tokenizer (it must fit the
+/// model's vocabulary), the chat format, the context. Returns the tokenizer and the format.
+pub fn check_text_model(
     dir: &Path,
-    experts: &ExpertArgs,
     context: usize,
     load: &LoadOptions,
-) -> anyhow::Result<TextModel> {
+) -> anyhow::Result<(Arc<Tokenizer>, ChatFormat)> {
     anyhow::ensure!(
         load.prefill_block >= 1,
         "--prefill-block must be at least 1"
@@ -177,17 +190,25 @@ pub fn load_text_model(
     let cfg = stormo_engine::ModelConfig::from_dir(dir)
         .with_context(|| format!("loading the model in {}", dir.display()))?;
     check_tokenizer_fits(&tokenizer, cfg.vocab_size, dir)?;
-    let files =
-        ModelFiles::open(dir).with_context(|| format!("loading the model in {}", dir.display()))?;
-    let max = files.cfg.max_position_embeddings;
+    let max = cfg.max_position_embeddings;
     if context > max {
         bail!("a context of {context} positions is more than the model's context of {max} (max_position_embeddings)");
     }
-    let format = ChatFormat::for_family(files.cfg.family, tokenizer.clone())
+    let format = ChatFormat::for_family(cfg.family, tokenizer.clone())
         .with_context(|| format!("the tokenizer in {} does not fit the model", dir.display()))?;
-    let experts = Experts::build(&files, experts, context, Vec::new(), true, None)?;
-    let model = Model::new(files, experts.provider.clone(), load)
-        .with_context(|| format!("loading the model in {}", dir.display()))?;
+    Ok((tokenizer, format))
+}
+
+/// The text model over `node`'s experts, with `tokenizer` and `format` from
+/// [`check_text_model`].
+pub fn text_model_on(
+    node: Arc<Node>,
+    tokenizer: Arc<Tokenizer>,
+    format: ChatFormat,
+    load: &LoadOptions,
+) -> anyhow::Result<TextModel> {
+    let model = node.load_model(load)?;
+    let dir = &node.config().model;
     let name = std::fs::canonicalize(dir)
         .ok()
         .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
@@ -196,7 +217,8 @@ pub fn load_text_model(
         model: Arc::new(model),
         tokenizer,
         format,
-        experts,
+        experts: node.experts().clone(),
+        node,
         name,
     })
 }
@@ -314,6 +336,10 @@ pub struct Args {
     /// Where experts come from.
     #[command(flatten)]
     pub experts: ExpertArgs,
+    /// Peers below the disk: chat with a model whose experts are elsewhere (a folder from
+    /// `stormo pull` holds only the dense weights; its experts come from the peers).
+    #[command(flatten)]
+    pub net: PeerArgs,
 }
 
 /// How a conversation is rendered and the reply's reasoning shown (`run --prompt`, `chat`).
@@ -446,7 +472,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         // Only greedy replies use the screen; a sampled chat would hold the copy for nothing.
         screened_head: !a.full_head && sampling.is_plain_argmax(),
     };
-    let tm = load_text_model(&a.model, &a.experts, a.context, &load)?;
+    let tm = load_text_model(
+        NodeConfig {
+            model: a.model.clone(),
+            state_dir: a.experts.state_dir(),
+            experts: a.experts.resolve()?,
+            local: LocalExperts::All,
+            context: a.context,
+            peers: a.net.resolve(false)?,
+            listen: None,
+        },
+        &load,
+    )?;
     let interactive = std::io::stdin().is_terminal();
     let tty = std::io::stdout().is_terminal();
     converse(
@@ -458,7 +495,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         interactive,
         tty,
     )?;
-    tm.experts.finish();
+    tm.node.finish_run();
     Ok(())
 }
 

@@ -14,16 +14,17 @@ use anyhow::{bail, Context};
 use stormo_engine::generate::{greedy, greedy_ids, sampled, Timings};
 use stormo_engine::safetensors::{self, Dtype};
 use stormo_engine::sampling::{Sampler, SamplingParams};
-use stormo_engine::{LoadOptions, Model, ModelFiles};
+use stormo_engine::LoadOptions;
 
+use crate::args::{ExpertArgs, PeerArgs};
 use crate::chat::reply::ReplyStream;
 use crate::chat::session::{ChatSession, GenerateOptions};
 use crate::chat::{ChatFormat, Tokenizer, Turn, TurnRole};
 use crate::cmd::chat::{
     load_tokenizer, reply, Printer, ReasoningDisplay, RenderArgs, Reply, SamplingArgs,
 };
-use crate::experts::{ExpertArgs, Experts};
-use crate::net::{self, PeerArgs};
+use crate::config::{LocalExperts, NodeConfig};
+use crate::node::Node;
 
 /// Arguments of `stormo run`.
 #[derive(Debug, clap::Args)]
@@ -236,76 +237,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(out) = &a.logits_out {
         check_output_file(out, &a.model, "--logits-out")?;
     }
-    // A folder pulled without experts holds holes where the experts are: never use them.
-    let no_local_experts = a.no_local_experts || net::pull::Pulled::dense_only(&a.model)?;
-    if no_local_experts && !a.no_local_experts {
-        anyhow::ensure!(
-            (!a.net.peers.is_empty() || a.net.expert_dir.is_some())
-                && a.only_experts.is_none()
-                && !a.experts.mmap_experts,
-            "{} was pulled without experts ({}): run it with --peer or --expert-dir (its experts come from peers, or from experts kept earlier; --only-experts and --mmap-experts do not apply)",
-            a.model.display(),
-            net::pull::MARKER_FILE
-        );
-        tracing::info!(
-            "{} was pulled without experts: --no-local-experts",
-            a.model.display()
-        );
-    }
-    let files = ModelFiles::open(&a.model)
-        .with_context(|| format!("loading the model in {}", a.model.display()))?;
-    // Saturating: an absurd --max-new-tokens must meet the context check below, not wrap.
-    let context = prompt.len().saturating_add(a.max_new_tokens.max(1) - 1);
     // Checked before the model loads, so a bad setting costs no time.
     let sampling = a.sampling.params(0.0)?;
     a.sampling.warn_unused(&sampling);
-    let max_pos = files.cfg.max_position_embeddings;
-    let allowed = a
-        .only_experts
-        .as_deref()
-        .map(|spec| {
-            let shape: Vec<usize> = files.layout.parts.iter().map(Vec::len).collect();
-            net::parse_only_experts(spec, &shape)
-        })
-        .transpose()?;
-    let (tiers, experts) = if a.experts.mmap_experts {
-        anyhow::ensure!(
-            a.net.peers.is_empty() && a.net.expert_dir.is_none(),
-            "--mmap-experts serves every local expert; it cannot be combined with --peer or --expert-dir"
-        );
-        let e = Experts::build(
-            &files,
-            &a.experts,
-            context.min(max_pos),
-            Vec::new(),
-            !no_local_experts,
-            allowed,
-        )?;
-        (net::NodeTiers::default(), e)
-    } else {
-        let t = net::node_tiers(
-            &files,
-            &a.model,
-            &a.net,
-            &a.experts,
-            !no_local_experts,
-            allowed,
-        )?;
-        let e = Experts::build_tiers(&files, &a.experts, context.min(max_pos), t.tiers.clone())?;
-        (t, e)
-    };
-    let model = Model::new(
-        files,
-        experts.provider.clone(),
-        &LoadOptions {
-            prefill_block: a.prefill_block,
-            int8_attn_head: a.int8_attn_head,
-            int8_experts: a.int8_experts,
-            screened_head: screened_head(&a, &sampling),
-        },
-    )
-    .with_context(|| format!("loading the model in {}", a.model.display()))?;
-    let cfg = model.config();
+    let cfg = stormo_engine::ModelConfig::from_dir(&a.model)
+        .with_context(|| format!("loading the model in {}", a.model.display()))?;
+    // Saturating: an absurd --max-new-tokens must meet the context check below, not wrap.
+    let context = prompt.len().saturating_add(a.max_new_tokens.max(1) - 1);
     if context > cfg.max_position_embeddings {
         bail!(
             "the prompt ({} tokens) plus {} new tokens needs {context} positions, more than the model's context of {} (max_position_embeddings)",
@@ -314,6 +252,28 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             cfg.max_position_embeddings
         );
     }
+    let node = Node::start(NodeConfig {
+        model: a.model.clone(),
+        state_dir: a.experts.state_dir(),
+        experts: a.experts.resolve()?,
+        local: if a.no_local_experts {
+            LocalExperts::None
+        } else if let Some(spec) = &a.only_experts {
+            LocalExperts::Only(spec.clone())
+        } else {
+            LocalExperts::All
+        },
+        context,
+        peers: a.net.resolve(false)?,
+        listen: None,
+    })?;
+    let model = node.load_model(&LoadOptions {
+        prefill_block: a.prefill_block,
+        int8_attn_head: a.int8_attn_head,
+        int8_experts: a.int8_experts,
+        screened_head: screened_head(&a, &sampling),
+    })?;
+    let cfg = model.config();
     if let Some(tp) = text {
         let mut stop = match &tp.format {
             Some(f) => f.stop_tokens(),
@@ -385,15 +345,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 g.ids.len()
             );
         }
-        tiers.close();
-        experts.finish();
+        node.finish_run();
         let prediction = sess.engine_session().prediction();
         if a.stats {
-            eprint!("{}\n{}", experts.table(prediction), tiers.table());
+            eprint!("{}", node.table(prediction));
         }
         if a.json {
-            let mut experts_json = experts.json(prediction);
-            tiers.add_json(&mut experts_json);
+            let experts_json = node.json(prediction);
             let decode_steps = g.ids.len().saturating_sub(1);
             let out = serde_json::json!({
                 "text": content,
@@ -498,15 +456,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .with_context(|| format!("writing {}", path.display()))?;
     }
     let decode_steps = ids.len().saturating_sub(1);
-    tiers.close();
-    experts.finish();
+    node.finish_run();
     let prediction = sess.prediction();
     if a.stats {
-        eprint!("{}\n{}", experts.table(prediction), tiers.table());
+        eprint!("{}", node.table(prediction));
     }
     if a.json {
-        let mut experts_json = experts.json(prediction);
-        tiers.add_json(&mut experts_json);
+        let experts_json = node.json(prediction);
         let out = serde_json::json!({
             "generated_ids": ids,
             "prompt_tokens": prompt.len(),

@@ -5,11 +5,14 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::Context;
+use stormo_engine::LoadOptions;
 
-use crate::experts::ExpertArgs;
+use crate::args::{ExpertArgs, PeerArgs};
+use crate::cmd::chat::{check_text_model, text_model_on};
+use crate::config::{ListenConfig, LocalExperts, NodeConfig};
 use crate::net::tls::{Admission, Congestion};
 use crate::net::{self, serve};
+use crate::node::Node;
 
 /// Arguments of `stormo serve`.
 #[derive(Debug, clap::Args)]
@@ -20,20 +23,15 @@ use crate::net::{self, serve};
         .multiple(true)
 ))]
 pub struct Args {
-    /// The model directory (a full or partial checkpoint; serving peers with --listen also
-    /// needs its stormo-manifest.bin).
+    /// The model directory: a full or partial checkpoint, or a folder from `stormo pull`
+    /// (dense weights only; its experts then come from --peer). Serving peers with --listen
+    /// needs its manifest (DIR/stormo-manifest.bin, or --manifest, or fetched from a peer).
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
-    /// The manifest, if not DIR/stormo-manifest.bin.
-    #[arg(long, value_name = "FILE")]
-    pub manifest: Option<PathBuf>,
-    /// Where to listen for peers (UDP), e.g. 0.0.0.0:4433 or 127.0.0.1:0.
+    /// Where to listen for peers (UDP), e.g. 0.0.0.0:4433 or 127.0.0.1:0. The node also
+    /// dials its peers from this port.
     #[arg(long, value_name = "ADDR", value_parser = listen_addr)]
     pub listen: Option<SocketAddr>,
-    /// This node's secret key (from `stormo key generate`); without it an ephemeral key is
-    /// made and printed, which peers cannot allow-list across restarts.
-    #[arg(long, value_name = "FILE")]
-    pub key: Option<PathBuf>,
     /// Admit the peer with this node key (64 hex); repeatable. Without --allow, --allow-file
     /// or --allow-any nobody can connect.
     #[arg(long, value_name = "KEY")]
@@ -60,119 +58,115 @@ pub struct Args {
     /// more than its share of a link shared with other traffic.
     #[arg(long, value_enum, default_value_t = Congestion::Cubic, value_name = "ALGORITHM")]
     pub congestion: Congestion,
-    /// Where served experts come from (RAM cache over the local disk).
+    /// Where experts come from (one RAM cache over the local disk, kept experts and peers,
+    /// shared by the peers served and the HTTP API).
     #[command(flatten)]
     pub experts: ExpertArgs,
+    /// Peers this node fetches from (what it fetches it keeps and serves on, unless
+    /// --no-keep), and the manifest checks.
+    #[command(flatten)]
+    pub net: PeerArgs,
     /// The HTTP API for people and their tools.
     #[command(flatten)]
     pub http: crate::http::HttpArgs,
 }
 
-/// Runs `stormo serve` until interrupted.
+/// Runs `stormo serve` until interrupted (SIGINT or SIGTERM: a clean stop).
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let http = match a.http.config()? {
-        Some(cfg) => Some((crate::http::load(&a.model, &a.experts, &cfg)?, cfg)),
+    let http = a.http.config()?;
+    // The checks that cost no loading come first.
+    let text = match &http {
+        Some(cfg) => Some(check_text_model(
+            &a.model,
+            cfg.context,
+            &LoadOptions::default(),
+        )?),
         None => None,
-    };
-    let Some(listen) = a.listen else {
-        let (tm, cfg) = http.context("give --listen, --http, or both")?;
-        return serve_http_only(tm, cfg);
-    };
-    let secret = net::node_key(a.key.as_deref())?;
-    let admission = if a.allow_any {
-        tracing::warn!("--allow-any: any node may fetch from this one");
-        Admission::Any
-    } else {
-        let keys = net::allow_list(&a.allow, a.allow_file.as_deref())?;
-        if keys.is_empty() {
-            match &a.allow_file {
-                Some(f) if a.allow.is_empty() => tracing::warn!(
-                    "--allow-file {} lists no keys and no --allow or --allow-any is given: no \
-                     peer can connect",
-                    f.display()
-                ),
-                _ => tracing::warn!("no --allow, --allow-file or --allow-any: no peer can connect"),
-            }
-        }
-        Admission::Keys(keys.iter().map(|k| *k.as_bytes()).collect())
     };
     anyhow::ensure!(a.per_peer >= 1, "--per-peer must be at least 1");
     anyhow::ensure!(a.max_requests >= 1, "--max-requests must be at least 1");
-    // With the HTTP API too, the server shares the model's expert cache (one budget).
-    let (holdings, experts) = match &http {
-        Some((tm, _)) => (
-            serve::open_holdings_sharing(
-                &a.model,
-                a.manifest.as_deref(),
-                a.only_experts.as_deref(),
-                tm.experts.provider.clone(),
-            )?,
-            None,
-        ),
-        None => {
-            let (h, e) = serve::open_holdings(
-                &a.model,
-                a.manifest.as_deref(),
-                &a.experts,
-                a.only_experts.as_deref(),
-            )?;
-            (h, Some(e))
-        }
-    };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("stormo-serve")
-        .enable_all()
-        .build()
-        .context("starting the network runtime")?;
-    let model = holdings.model_id();
-    let n = holdings.inventory.len();
-    let holdings = Arc::new(holdings);
-    rt.block_on(async move {
-        let web = match http {
-            Some((tm, cfg)) => Some(start_http(tm, cfg).await?),
-            None => None,
-        };
-        let h = serve::start(
-            &secret,
-            listen,
-            holdings,
-            serve::ServeConfig {
+    let listen = match a.listen {
+        Some(addr) => Some(ListenConfig {
+            addr,
+            serve: serve::ServeConfig {
                 per_peer: a.per_peer,
                 node_limit: a.max_requests,
-                admission,
+                admission: admission(&a)?,
                 congestion: a.congestion,
             },
-        )?;
+        }),
+        None => None,
+    };
+    let node = Arc::new(Node::start(NodeConfig {
+        model: a.model.clone(),
+        state_dir: a.experts.state_dir(),
+        experts: a.experts.resolve()?,
+        local: match &a.only_experts {
+            Some(spec) => LocalExperts::Only(spec.clone()),
+            None => LocalExperts::All,
+        },
+        context: http.as_ref().map_or(1, |c| c.context),
+        peers: a.net.resolve(listen.is_some())?,
+        listen,
+    })?);
+    if let (Some(addr), Some(key), Some(id)) = (node.local_addr(), node.node_key(), node.model_id())
+    {
+        let held = node.announce().map_or(0, |a| a.held.len());
         eprintln!(
-            "serving model {} ({n} experts) on {} as node {}",
-            model.to_hex(),
-            h.local_addr(),
-            secret.public()
+            "serving model {} ({held} experts held) on {addr} as node {key}",
+            id.to_hex()
         );
-        println!("{}@{}", secret.public(), h.local_addr());
-        tokio::signal::ctrl_c()
-            .await
-            .context("waiting for Ctrl-C")?;
-        eprintln!("shutting down");
-        let st = &h.stats;
+        println!("{key}@{addr}");
+    }
+    let web = match (http, text) {
+        (Some(cfg), Some((tokenizer, format))) => {
+            let tm = text_model_on(node.clone(), tokenizer, format, &LoadOptions::default())?;
+            let w = node.runtime().block_on(start_http(tm, cfg))?;
+            if node.local_addr().is_none() {
+                println!("http://{}/v1", w.local_addr());
+            }
+            Some(w)
+        }
+        _ => None,
+    };
+    let signal = node.wait_for_shutdown()?;
+    eprintln!("shutting down ({signal})");
+    if let Some(st) = node.serve_stats() {
         eprintln!(
             "served {} requests ({} bytes) over {} connections",
             st.served.load(std::sync::atomic::Ordering::Relaxed),
             st.bytes.load(std::sync::atomic::Ordering::Relaxed),
             st.connections.load(std::sync::atomic::Ordering::Relaxed)
         );
-        h.close();
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), h.wait_idle()).await;
-        if let Some(w) = web {
-            w.close();
-        }
-        anyhow::Ok(())
-    })?;
-    if let Some(e) = experts {
-        e.finish();
     }
+    if let Some(w) = web {
+        let _g = node.runtime().enter();
+        w.close();
+    }
+    node.close(std::time::Duration::from_secs(2));
     Ok(())
+}
+
+/// Who may connect, from `--allow`, `--allow-file` and `--allow-any`.
+fn admission(a: &Args) -> anyhow::Result<Admission> {
+    if a.allow_any {
+        tracing::warn!("--allow-any: any node may fetch from this one");
+        return Ok(Admission::Any);
+    }
+    let keys = net::allow_list(&a.allow, a.allow_file.as_deref())?;
+    if keys.is_empty() {
+        match &a.allow_file {
+            Some(f) if a.allow.is_empty() => tracing::warn!(
+                "--allow-file {} lists no keys and no --allow or --allow-any is given: no \
+                 peer can connect",
+                f.display()
+            ),
+            _ => tracing::warn!("no --allow, --allow-file or --allow-any: no peer can connect"),
+        }
+    }
+    Ok(Admission::Keys(
+        keys.iter().map(|k| *k.as_bytes()).collect(),
+    ))
 }
 
 async fn start_http(
@@ -186,29 +180,6 @@ async fn start_http(
         w.local_addr()
     );
     Ok(w)
-}
-
-/// `stormo serve --http` without `--listen`: the HTTP API alone.
-fn serve_http_only(
-    tm: crate::cmd::chat::TextModel,
-    cfg: crate::http::HttpConfig,
-) -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("stormo-http")
-        .enable_all()
-        .build()
-        .context("starting the HTTP runtime")?;
-    rt.block_on(async move {
-        let w = start_http(tm, cfg).await?;
-        println!("http://{}/v1", w.local_addr());
-        tokio::signal::ctrl_c()
-            .await
-            .context("waiting for Ctrl-C")?;
-        eprintln!("shutting down");
-        w.close();
-        anyhow::Ok(())
-    })
 }
 
 /// `--listen` and `--http`: an IP address and port, or a host name that resolves to one

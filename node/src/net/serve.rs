@@ -18,8 +18,9 @@ use bytes::Bytes;
 use stormo_engine::moe::ExpertProvider;
 use stormo_manifests::{ExpertId, Hash, Manifest, SecretKey};
 use stormo_wire::{
-    data_frame_prefix, expect_hello, ErrorCode, ExpertSet, Hello, Inventory, Message, NodeId,
-    Resource, ServeRequest, Server, ServerConfig, ServerEvent, PROTOCOL_VERSION,
+    data_frame_prefix, expect_hello, ErrorCode, ExpertSet, Hello, Inventory, InventoryUpdate,
+    Message, NodeId, Offer, Resource, ServeRequest, Server, ServerConfig, ServerEvent,
+    PROTOCOL_VERSION,
 };
 use tokio::sync::Semaphore;
 
@@ -32,7 +33,7 @@ const DATA_CHUNK: usize = 256 << 10;
 /// inventory bitmap of the largest model fits).
 const MAX_INBOUND_FRAME: usize = 256 << 10;
 
-/// What a node serves: one model's manifest and the experts it holds.
+/// What a node serves: one model's manifest and the experts it holds or can fetch.
 pub struct Holdings {
     /// The manifest's canonical bytes.
     pub manifest_bytes: Bytes,
@@ -40,10 +41,36 @@ pub struct Holdings {
     pub manifest: Arc<Manifest>,
     /// Where expert records come from (the node's tiers).
     pub experts: Arc<dyn ExpertProvider>,
-    /// The experts served (announced in the inventory).
-    pub inventory: ExpertSet,
+    /// What the node announces to its peers: the experts it holds verified and those it can
+    /// fetch from its own peers. It changes while the node runs (a node re-serves what it
+    /// fetched); every connected peer is told of each change.
+    pub announce: tokio::sync::watch::Sender<Arc<Announce>>,
     /// The model folder's files served to `stormo pull` (`None`: none).
     pub files: Option<Arc<FileShare>>,
+}
+
+/// What a node announces: the experts it holds verified (its inventory) and those it does not
+/// hold but can fetch for a peer from a direct peer that holds them (its offer, one hop).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Announce {
+    /// Held: on its disk, in its kept experts, or verified in its RAM cache.
+    pub held: ExpertSet,
+    /// Offered: held by one of its direct peers, not by itself.
+    pub offered: ExpertSet,
+}
+
+impl Announce {
+    /// Holding `held` and offering nothing.
+    pub fn holding(held: ExpertSet) -> Self {
+        let offered = ExpertSet::new(held.layers(), held.experts_per_layer())
+            .expect("the same shape as a valid set");
+        Self { held, offered }
+    }
+
+    /// Whether a request for `id` is served (held or offered).
+    pub fn serves(&self, id: ExpertId) -> bool {
+        self.held.contains(id) || self.offered.contains(id)
+    }
 }
 
 /// The files of a model folder a node serves by name (`GetFile`): only the manifest's
@@ -71,12 +98,28 @@ impl std::fmt::Debug for Holdings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Holdings")
             .field("model", &self.model_id())
-            .field("experts", &self.inventory.len())
+            .field("held", &self.announce.borrow().held.len())
             .finish_non_exhaustive()
     }
 }
 
 impl Holdings {
+    /// The experts held now.
+    pub fn held(&self) -> ExpertSet {
+        self.announce.borrow().held.clone()
+    }
+
+    /// Replaces what the node announces; connected peers are told what changed.
+    pub fn set_announce(&self, a: Announce) {
+        self.announce.send_if_modified(|cur| {
+            if **cur == a {
+                return false;
+            }
+            *cur = Arc::new(a);
+            true
+        });
+    }
+
     /// The model id.
     pub fn model_id(&self) -> Hash {
         Hash::of(&self.manifest_bytes)
@@ -211,17 +254,34 @@ struct Shared {
     stats: Arc<ServeStats>,
 }
 
-/// Starts serving `holdings` on `listen` as `secret`. Must be called inside a tokio runtime;
-/// the server runs on it until closed.
+/// Starts serving `holdings` on `listen` as `secret`, on an endpoint of its own. Must be called
+/// inside a tokio runtime; the server runs on it until closed. A node that also fetches uses
+/// [`start_on`] with the endpoint it dials from.
 pub fn start(
     secret: &SecretKey,
     listen: SocketAddr,
     holdings: Arc<Holdings>,
     cfg: ServeConfig,
 ) -> anyhow::Result<ServerHandle> {
+    let endpoint = super::bind(listen, None)?;
+    start_on(endpoint, secret, holdings, cfg)
+}
+
+/// The TLS and transport settings of a server with `cfg`'s limits.
+pub fn server_config(secret: &SecretKey, cfg: &ServeConfig) -> anyhow::Result<quinn::ServerConfig> {
     let streams = cfg.per_peer.saturating_mul(2).max(4) + 1;
-    let sc = tls::server_config(secret, cfg.admission.clone(), streams, cfg.congestion)?;
-    let endpoint = super::bind(listen, Some(sc))?;
+    tls::server_config(secret, cfg.admission.clone(), streams, cfg.congestion)
+}
+
+/// Starts serving `holdings` as `secret` on `endpoint` (which may also dial: peers reach this
+/// node on the port it dials from). Must be called inside a tokio runtime.
+pub fn start_on(
+    endpoint: quinn::Endpoint,
+    secret: &SecretKey,
+    holdings: Arc<Holdings>,
+    cfg: ServeConfig,
+) -> anyhow::Result<ServerHandle> {
+    endpoint.set_server_config(Some(server_config(secret, &cfg)?));
     let addr = endpoint.local_addr().context("the bound address")?;
     let stats = Arc::new(ServeStats::default());
     let shared = Arc::new(Shared {
@@ -373,25 +433,53 @@ async fn control(
         return;
     }
     let h = &shared.holdings;
+    let model = h.model_id();
     let hello = Message::Hello(Hello {
         version: PROTOCOL_VERSION,
         node: shared.key,
-        models: vec![h.model_id()],
+        models: vec![model],
         limits: stormo_wire::Limits {
             max_concurrent_requests: shared.cfg.per_peer,
         },
     });
-    let inv = Message::Inventory(Inventory {
-        model: h.model_id(),
-        experts: h.inventory.clone(),
-    });
-    for m in [&hello, &inv] {
+    let mut changes = h.announce.subscribe();
+    let mut last = changes.borrow_and_update().clone();
+    let mut first = vec![
+        hello,
+        Message::Inventory(Inventory {
+            model,
+            experts: last.held.clone(),
+        }),
+    ];
+    if !last.offered.is_empty() {
+        first.push(Message::Offer(Offer {
+            model,
+            experts: last.offered.clone(),
+        }));
+    }
+    for m in &first {
         if super::write_message(&mut send, m).await.is_err() {
             return;
         }
     }
     loop {
-        match recv.next().await {
+        let got = tokio::select! {
+            m = recv.next() => m,
+            changed = changes.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                let now = changes.borrow_and_update().clone();
+                for m in announce_changes(model, &last, &now) {
+                    if super::write_message(&mut send, &m).await.is_err() {
+                        return;
+                    }
+                }
+                last = now;
+                continue;
+            }
+        };
+        match got {
             Ok(Some(Message::Ping(p))) => {
                 if super::write_message(&mut send, &Message::Pong(p.pong()))
                     .await
@@ -400,7 +488,12 @@ async fn control(
                     return;
                 }
             }
-            Ok(Some(Message::Inventory(_) | Message::InventoryUpdate(_) | Message::Pong(_))) => {}
+            Ok(Some(
+                Message::Inventory(_)
+                | Message::InventoryUpdate(_)
+                | Message::Offer(_)
+                | Message::Pong(_),
+            )) => {}
             Ok(Some(Message::Error(e))) => {
                 tracing::info!("peer {peer} closes: {} {}", e.code, e.message);
                 return;
@@ -417,6 +510,42 @@ async fn control(
             Err(ReadError::Decode(e)) => return violation(shared, conn, peer, &e.to_string()),
         }
     }
+}
+
+/// The messages that tell a peer how `now` differs from `last`: inventory updates (within the
+/// protocol's limit of experts per update) for the held experts, a whole offer when it changed.
+pub fn announce_changes(model: Hash, last: &Announce, now: &Announce) -> Vec<Message> {
+    let mut out = Vec::new();
+    let added: Vec<ExpertId> = now
+        .held
+        .iter()
+        .filter(|e| !last.held.contains(*e))
+        .collect();
+    let removed: Vec<ExpertId> = last
+        .held
+        .iter()
+        .filter(|e| !now.held.contains(*e))
+        .collect();
+    let per = stormo_wire::MAX_UPDATE_EXPERTS;
+    let (mut a, mut r) = (&added[..], &removed[..]);
+    while !a.is_empty() || !r.is_empty() {
+        let na = a.len().min(per);
+        let nr = r.len().min(per - na);
+        out.push(Message::InventoryUpdate(InventoryUpdate {
+            model,
+            added: a[..na].to_vec(),
+            removed: r[..nr].to_vec(),
+        }));
+        a = &a[na..];
+        r = &r[nr..];
+    }
+    if now.offered != last.offered {
+        out.push(Message::Offer(Offer {
+            model,
+            experts: now.offered.clone(),
+        }));
+    }
+    out
 }
 
 fn fail(
@@ -559,7 +688,7 @@ async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (E
                 ));
             }
             let entry = h.manifest.expert(expert);
-            let (Some(entry), true) = (entry, h.inventory.contains(expert)) else {
+            let (Some(entry), true) = (entry, h.announce.borrow().serves(expert)) else {
                 return Err((
                     ErrorCode::NOT_FOUND,
                     format!("expert {expert} is not held here"),
@@ -713,12 +842,20 @@ pub async fn record(experts: Arc<dyn ExpertProvider>, id: ExpertId) -> anyhow::R
 pub fn open_holdings(
     dir: &std::path::Path,
     manifest: Option<&std::path::Path>,
-    args: &crate::experts::ExpertArgs,
+    args: &crate::config::ExpertsConfig,
     only: Option<&str>,
 ) -> anyhow::Result<(Holdings, crate::experts::Experts)> {
     let mut built = None;
     let h = holdings(dir, manifest, only, |files, allowed| {
-        let e = crate::experts::Experts::build(files, args, 1, Vec::new(), true, allowed)?;
+        let tiers: Vec<Arc<dyn stormo_engine::tiers::Tier>> = if allowed
+            .as_ref()
+            .is_some_and(|a| !a.iter().flatten().any(|&on| on))
+        {
+            Vec::new()
+        } else {
+            vec![Arc::new(files.disk_tier(args.io_threads.max(1), allowed)?)]
+        };
+        let e = crate::experts::Experts::build(files, args, 1, tiers, None)?;
         let provider = e.provider.clone();
         built = Some(e);
         Ok(provider)
@@ -799,7 +936,7 @@ fn holdings(
         manifest_bytes: Bytes::from(bytes),
         manifest: Arc::new(m),
         experts,
-        inventory,
+        announce: tokio::sync::watch::Sender::new(Arc::new(Announce::holding(inventory))),
         files: Some(Arc::new(FileShare {
             dir: dir.to_path_buf(),
             sig,

@@ -36,13 +36,14 @@ use anyhow::Context;
 use stormo_engine::huge::HugeBuf;
 use stormo_engine::moe::{ExpertData, ExpertSchema};
 use stormo_engine::tiers::{Completion, ExpertKey, Priority, Tier};
-use stormo_manifests::{ExpertId, Hash, Manifest, SecretKey};
+use stormo_manifests::{ExpertId, Hash, Manifest, PublicKey, SecretKey};
 use stormo_wire::{
     expect_hello, ByteRange, ChunkVerifier, Event, ExpertSet, Fetch, FetchError, Hello, Message,
     NodeId, Requests, RequestsConfig, MAX_FRAME_LEN, MAX_MANIFEST_LEN, PROTOCOL_VERSION,
 };
 use tokio::sync::Semaphore;
 
+use super::policy::{self, PeerView, Rounds, LOAD_BUDGET_FACTOR, MAX_TIMEOUT_FACTOR};
 use super::{tls, FramedRecv, PeerAddr, ReadError};
 
 /// Timeouts of the network tier.
@@ -101,15 +102,6 @@ pub struct HedgeStats {
     pub local_wins: u64,
 }
 
-/// Throughput assumed for a peer not yet measured (bytes per second).
-const DEFAULT_RATE: f64 = 100e6;
-/// The longest a failing peer is avoided.
-const MAX_BACKOFF: Duration = Duration::from_secs(60);
-/// Fetch durations remembered per peer (for its latency quantiles).
-const LATENCY_SAMPLES: usize = 32;
-/// Samples needed before quantiles replace the estimate from round trip and throughput.
-const MIN_SAMPLES: usize = 4;
-
 struct Link {
     conn: quinn::Connection,
     slots: Arc<Semaphore>,
@@ -148,56 +140,6 @@ fn lock(m: &Mutex<LinkRequests>) -> std::sync::MutexGuard<'_, LinkRequests> {
     m.lock().expect("link requests lock")
 }
 
-#[derive(Default)]
-struct PeerState {
-    inventory: Option<ExpertSet>,
-    in_flight: u32,
-    failures: u32,
-    failures_total: u32,
-    avoid_until: Option<Instant>,
-    /// Why the last connection attempt failed, until a connection succeeds: while the peer is
-    /// avoided for it, tries fail at once instead of connecting again.
-    unreachable: Option<String>,
-    /// Connection attempts made.
-    connects: u32,
-    rate: Option<f64>,
-    rtt: Option<Duration>,
-    /// Seconds of its recent whole-expert fetches, newest last (a race it lost counts with
-    /// the time it had taken so far: a lower bound).
-    recent: std::collections::VecDeque<f64>,
-    /// Races it lost (it was slow; not a failure).
-    races_lost: u32,
-}
-
-impl PeerState {
-    fn sample(&mut self, secs: f64) {
-        if self.recent.len() == LATENCY_SAMPLES {
-            self.recent.pop_front();
-        }
-        self.recent.push_back(secs);
-    }
-
-    /// The `q` quantile of the recent fetch times, once there are enough of them.
-    fn quantile(&self, q: f64) -> Option<f64> {
-        if self.recent.len() < MIN_SAMPLES {
-            return None;
-        }
-        let mut v: Vec<f64> = self.recent.iter().copied().collect();
-        v.sort_by(f64::total_cmp);
-        let at = ((v.len() - 1) as f64 * q).round() as usize;
-        v.get(at).copied()
-    }
-
-    /// Seconds a fetch of `len` bytes is expected to take: the median of recent fetches, or
-    /// before there are enough, round trip plus `len` over the measured (or assumed) rate.
-    fn expected(&self, len: u64) -> f64 {
-        self.quantile(0.5).unwrap_or_else(|| {
-            self.rtt.map_or(0.001, |r| r.as_secs_f64())
-                + len as f64 / self.rate.unwrap_or(DEFAULT_RATE)
-        })
-    }
-}
-
 /// One request counted in flight at a peer, uncounted when dropped (also when a race is lost
 /// and its future dropped).
 struct InFlight(Arc<Peer>);
@@ -209,17 +151,6 @@ impl Drop for InFlight {
     }
 }
 
-/// Most rounds over an expert's holders that verify nothing more of it and get no `busy`
-/// answer, with no round that verifies more in between (see [`Rounds`]).
-const MAX_ROUNDS: u32 = 4;
-
-/// The per-try deadline stops doubling at this multiple of the first round's.
-const MAX_TIMEOUT_FACTOR: u32 = 8;
-
-/// One load's budget, in per-try deadlines of the first round: no later round or try starts,
-/// and no try's deadline moves, past it.
-const LOAD_BUDGET_FACTOR: u32 = MAX_ROUNDS * MAX_TIMEOUT_FACTOR;
-
 /// How long one try may take: `timeout` from when its request is sent, moved on while its
 /// chunks keep verifying up to `extend_until` when that is set (see
 /// [`Fetch::extend_on_progress`]).
@@ -227,38 +158,6 @@ const LOAD_BUDGET_FACTOR: u32 = MAX_ROUNDS * MAX_TIMEOUT_FACTOR;
 struct TryLimit {
     timeout: Duration,
     extend_until: Option<Instant>,
-}
-
-/// The rounds of one load over an expert's holders: after each round that some try made
-/// worth repeating (a peer still sending at its deadline, or answering `busy`), the pause
-/// before the next, or the end of the load.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Rounds {
-    /// Rounds in a row that verified nothing more.
-    quiet: u32,
-    /// Of those, the rounds in which no peer answered `busy` either (busy rounds neither count
-    /// nor start the count again).
-    stalls: u32,
-}
-
-impl Rounds {
-    /// After a round that `progressed` (verified more of the expert) or not, in which some
-    /// peer answered `busy` or not: the pause before the next round, or `None` after
-    /// [`MAX_ROUNDS`] stalled rounds with no progress between them. A peer that is busy with this node's other loads
-    /// or sends slowly but surely costs time, not the load; one that sends nothing more
-    /// (without being busy) ends it. The pause is short after progress and grows (to 2 s)
-    /// with the quiet rounds, so that a busy peer has time to finish what it is sending.
-    fn next(&mut self, progressed: bool, busy: bool) -> Option<Duration> {
-        if progressed {
-            *self = Self::default();
-            return Some(Duration::from_millis(250));
-        }
-        self.quiet += 1;
-        if !busy {
-            self.stalls += 1;
-        }
-        (self.stalls < MAX_ROUNDS).then(|| Duration::from_millis(250 << self.quiet.min(3)))
-    }
 }
 
 /// What the tries of one expert load share.
@@ -279,13 +178,15 @@ type TryResult = Result<Vec<u8>, (String, Vec<u8>)>;
 
 struct Peer {
     addr: PeerAddr,
+    /// Set when the peer left the peer set: it is never chosen again.
+    removed: std::sync::atomic::AtomicBool,
     client: quinn::ClientConfig,
     link: Arc<tokio::sync::Mutex<Option<Arc<Link>>>>,
-    state: Mutex<PeerState>,
+    state: Mutex<PeerView>,
 }
 
 impl Peer {
-    fn state(&self) -> std::sync::MutexGuard<'_, PeerState> {
+    fn state(&self) -> std::sync::MutexGuard<'_, PeerView> {
         self.state.lock().expect("peer state lock")
     }
 
@@ -295,17 +196,24 @@ impl Peer {
         Self::mark_state(&mut s, &self.addr, what, err);
     }
 
-    fn mark_state(s: &mut PeerState, addr: &PeerAddr, what: &str, err: &dyn fmt::Display) {
-        s.failures += 1;
-        s.failures_total += 1;
-        let backoff = Duration::from_millis(500)
-            .saturating_mul(1 << s.failures.min(8))
-            .min(MAX_BACKOFF);
-        s.avoid_until = Some(Instant::now() + backoff);
+    fn mark_state(s: &mut PeerView, addr: &PeerAddr, what: &str, err: &dyn fmt::Display) {
+        let backoff = s.fail(Instant::now());
         tracing::warn!(
             "peer {addr} failed {what}: {err}; avoiding it for {:.1}s",
             backoff.as_secs_f64()
         );
+    }
+
+    /// Drops the peer for the session: it sent bytes that failed verification. Named once.
+    fn ban(&self, what: &str, err: &dyn fmt::Display) {
+        let why = format!("{what}: {err}");
+        if self.state().ban(&why) {
+            tracing::warn!(
+                "peer {} sent bytes that failed verification ({why}); not asking it again \
+                 this session",
+                self.addr
+            );
+        }
     }
 }
 
@@ -316,7 +224,11 @@ struct Inner {
     model: Hash,
     manifest: Arc<Manifest>,
     schemas: Vec<Option<ExpertSchema>>,
-    peers: Vec<Arc<Peer>>,
+    /// Every peer ever added, in the order added (indices stay valid: a removed peer is only
+    /// marked), replaced whole when one is added.
+    peers: Mutex<Arc<Vec<Arc<Peer>>>>,
+    /// This node's key, for the TLS client configuration of peers added later.
+    secret: SecretKey,
     /// Held while choosing a peer and counting the request in flight, so that concurrent
     /// loads spread over the peers.
     choosing: Mutex<()>,
@@ -355,7 +267,7 @@ impl fmt::Debug for PeerTier {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let peers: Vec<String> = self
             .inner
-            .peers
+            .peers()
             .iter()
             .map(|p| p.addr.to_string())
             .collect();
@@ -395,10 +307,64 @@ impl ChunkVerifier for ChunkCheck {
 /// A QUIC client endpoint on an ephemeral port of the right address family.
 fn client_endpoint(peers: &[PeerAddr]) -> anyhow::Result<quinn::Endpoint> {
     let v6 = peers.iter().any(|p| p.addr.is_ipv6());
-    let any: std::net::SocketAddr = if v6 { "[::]:0" } else { "0.0.0.0:0" }
-        .parse()
-        .expect("a literal address");
-    super::bind(any, None)
+    super::bind(super::unspecified(v6), None)
+}
+
+/// The control stream of a connection to a peer: kept open (the peer treats its end as a
+/// goodbye) and read for the peer's later inventory updates and offers.
+struct Control {
+    send: quinn::SendStream,
+    frames: FramedRecv,
+}
+
+impl Control {
+    /// Keeps the stream open and reads it to its end, ignoring what comes.
+    fn drain(mut self) {
+        tokio::spawn(async move {
+            let _send = self.send;
+            while let Ok(Some(_)) = self.frames.next().await {}
+        });
+    }
+
+    /// Reads the peer's control messages until the stream ends, applying its inventory
+    /// updates and offers of `model` to `peer`'s state.
+    async fn follow(mut self, peer: Arc<Peer>, model: Hash) {
+        let _send = self.send;
+        loop {
+            match self.frames.next().await {
+                Ok(Some(Message::Inventory(i))) if i.model == model => {
+                    if i.experts.validate().is_ok() {
+                        peer.state().inventory = Some(i.experts);
+                    }
+                }
+                Ok(Some(Message::InventoryUpdate(u))) if u.model == model => {
+                    let mut s = peer.state();
+                    if let Some(inv) = s.inventory.as_mut() {
+                        if let Err(e) = inv.apply(&u) {
+                            tracing::warn!(
+                                "peer {}: a bad inventory update ({e}); ignoring it",
+                                peer.addr
+                            );
+                        } else {
+                            tracing::debug!(
+                                "peer {}: holds {} more, {} fewer experts",
+                                peer.addr,
+                                u.added.len(),
+                                u.removed.len()
+                            );
+                        }
+                    }
+                }
+                Ok(Some(Message::Offer(o))) if o.model == model => {
+                    if o.experts.validate().is_ok() {
+                        peer.state().offer = Some(o.experts);
+                    }
+                }
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => return,
+            }
+        }
+    }
 }
 
 /// Connects to `peer`: QUIC handshake, hello both ways (version and key checked) and the
@@ -410,7 +376,7 @@ async fn connect(
     me: NodeId,
     model: Option<Hash>,
     timeout: Duration,
-) -> anyhow::Result<(quinn::Connection, Hello, Option<ExpertSet>)> {
+) -> anyhow::Result<(quinn::Connection, Hello, Option<ExpertSet>, Control)> {
     let fut = async {
         let conn = endpoint
             .connect_with(client, peer.addr, "stormo")
@@ -460,12 +426,7 @@ async fn connect(
                 }
             }
         }
-        // Keep the control stream open (the peer treats its end as a goodbye) and drain it.
-        tokio::spawn(async move {
-            let _send = send;
-            while let Ok(Some(_)) = frames.next().await {}
-        });
-        Ok((conn, theirs, inv))
+        Ok((conn, theirs, inv, Control { send, frames }))
     };
     tokio::time::timeout(timeout, fut)
         .await
@@ -489,7 +450,8 @@ impl PeerTier {
     /// Connects to `peers` (in parallel, each bounded by the connect timeout) as `secret`, for
     /// the model of `manifest` whose experts have `schemas` (`files.layout.schemas`). Peers
     /// that cannot be reached are warned about and retried later. Runs on `rt` if given, else
-    /// on a runtime of its own.
+    /// on a runtime of its own, and dials from an endpoint of its own (a node that also serves
+    /// uses [`PeerTier::new`] with its one endpoint).
     pub fn connect(
         secret: &SecretKey,
         peers: &[PeerAddr],
@@ -517,15 +479,23 @@ impl PeerTier {
             let _g = rt.enter();
             client_endpoint(peers)?
         };
-        let mut ps = Vec::new();
-        for p in peers {
-            ps.push(Arc::new(Peer {
-                addr: p.clone(),
-                client: tls::client_config(secret, &p.key)?,
-                link: Default::default(),
-                state: Mutex::new(PeerState::default()),
-            }));
-        }
+        let mut t = Self::new(endpoint, rt, secret, manifest, model, schemas, cfg);
+        t._own = own.map(|r| OwnedRuntime(Some(r)));
+        t.add_peers(peers)?;
+        Ok(t)
+    }
+
+    /// A network tier with no peers yet, dialing from `endpoint` (which may also serve) on
+    /// `rt`. Peers join with [`PeerTier::add_peers`] and leave with [`PeerTier::remove_peer`].
+    pub fn new(
+        endpoint: quinn::Endpoint,
+        rt: tokio::runtime::Handle,
+        secret: &SecretKey,
+        manifest: Arc<Manifest>,
+        model: Hash,
+        schemas: Vec<Option<ExpertSchema>>,
+        cfg: PeerConfig,
+    ) -> Self {
         let inner = Arc::new(Inner {
             cfg,
             me: NodeId(*secret.public().as_bytes()),
@@ -533,7 +503,8 @@ impl PeerTier {
             model,
             manifest,
             schemas,
-            peers: ps,
+            peers: Mutex::new(Arc::new(Vec::new())),
+            secret: SecretKey::from_seed(&secret.seed()),
             choosing: Mutex::new(()),
             closing: Default::default(),
             local: Default::default(),
@@ -541,13 +512,28 @@ impl PeerTier {
             hedges: Default::default(),
             retried: Default::default(),
         });
-        let i2 = inner.clone();
-        rt.block_on(async move {
-            let tasks: Vec<_> = i2
-                .peers
-                .iter()
+        Self {
+            inner,
+            rt,
+            _own: None,
+        }
+    }
+
+    /// Adds `peers` to the peer set and connects to the new ones (in parallel, each bounded by
+    /// the connect timeout), returning when every attempt has ended. A peer already in the set
+    /// under the same key and address is left as it is; one under the same key at another
+    /// address replaces it. Unreachable peers are warned about and retried later.
+    pub fn add_peers(&self, peers: &[PeerAddr]) -> anyhow::Result<()> {
+        let added = self.inner.add_peers(peers)?;
+        if added.is_empty() {
+            return Ok(());
+        }
+        let i2 = self.inner.clone();
+        let connect_all = async move {
+            let tasks: Vec<_> = added
+                .into_iter()
                 .map(|p| {
-                    let (i, p) = (i2.clone(), p.clone());
+                    let i = i2.clone();
                     // A failure is marked (and warned about) by `link`.
                     tokio::spawn(async move { link(&i, &p).await })
                 })
@@ -555,24 +541,63 @@ impl PeerTier {
             for t in tasks {
                 let _ = t.await;
             }
-        });
-        let reachable = inner
-            .peers
+        };
+        match tokio::runtime::Handle::try_current() {
+            // Inside a runtime (a discovery task): connect in the background.
+            Ok(_) => {
+                self.rt.spawn(connect_all);
+            }
+            Err(_) => self.rt.block_on(connect_all),
+        }
+        let peers = self.inner.peers();
+        let live: Vec<_> = peers
+            .iter()
+            .filter(|p| !p.removed.load(Ordering::Relaxed))
+            .collect();
+        let reachable = live
             .iter()
             .filter(|p| p.state().inventory.is_some())
             .count();
-        tracing::info!("{reachable} of {} peers reachable", inner.peers.len());
-        Ok(Self {
-            inner,
-            rt,
-            _own: own.map(|r| OwnedRuntime(Some(r))),
-        })
+        tracing::info!("{reachable} of {} peers reachable", live.len());
+        Ok(())
+    }
+
+    /// Removes the peer with node key `key` from the peer set (closing its connection).
+    /// Returns whether it was there.
+    pub fn remove_peer(&self, key: &PublicKey) -> bool {
+        self.inner.remove_peer(key)
+    }
+
+    /// The peers in the set now.
+    pub fn peer_addrs(&self) -> Vec<PeerAddr> {
+        self.inner
+            .peers()
+            .iter()
+            .filter(|p| !p.removed.load(Ordering::Relaxed))
+            .map(|p| p.addr.clone())
+            .collect()
+    }
+
+    /// The experts that peers in the set hold now (their inventories), in `shape`.
+    pub fn held_by_peers(&self, shape: (u16, u16)) -> Option<ExpertSet> {
+        let mut out = ExpertSet::new(shape.0, shape.1).ok()?;
+        for p in self.inner.peers().iter() {
+            if p.removed.load(Ordering::Relaxed) {
+                continue;
+            }
+            if let Some(inv) = p.state().inventory.as_ref() {
+                for e in inv.iter() {
+                    let _ = out.insert(e);
+                }
+            }
+        }
+        Some(out)
     }
 
     /// How many experts each peer advertised (in `peers` order; `None`: not reached).
     pub fn inventories(&self) -> Vec<Option<usize>> {
         self.inner
-            .peers
+            .peers()
             .iter()
             .map(|p| p.state().inventory.as_ref().map(ExpertSet::len))
             .collect()
@@ -604,7 +629,7 @@ impl PeerTier {
     /// Races lost so far per peer (slower than a hedge), in `peers` order.
     pub fn races_lost(&self) -> Vec<u32> {
         self.inner
-            .peers
+            .peers()
             .iter()
             .map(|p| p.state().races_lost)
             .collect()
@@ -613,7 +638,7 @@ impl PeerTier {
     /// Connection attempts so far per peer (the first at start included), in `peers` order.
     pub fn connects(&self) -> Vec<u32> {
         self.inner
-            .peers
+            .peers()
             .iter()
             .map(|p| p.state().connects)
             .collect()
@@ -624,7 +649,7 @@ impl PeerTier {
     /// its back-off are not its failures again.
     pub fn failures(&self) -> Vec<(PeerAddr, u32)> {
         self.inner
-            .peers
+            .peers()
             .iter()
             .map(|p| (p.addr.clone(), p.state().failures_total))
             .collect()
@@ -706,7 +731,7 @@ async fn connect_link(
     peer: Arc<Peer>,
     mut g: tokio::sync::OwnedMutexGuard<Option<Arc<Link>>>,
 ) -> Result<Arc<Link>, LinkError> {
-    let (conn, hello, inv) = match connect(
+    let (conn, hello, inv, control) = match connect(
         &endpoint,
         peer.client.clone(),
         &peer.addr,
@@ -740,9 +765,11 @@ async fn connect_link(
     {
         let mut s = peer.state();
         s.inventory = inv;
+        s.offer = None;
         s.rtt = Some(l.conn.rtt());
         s.unreachable = None;
     }
+    tokio::spawn(control.follow(peer.clone(), model));
     *g = Some(l.clone());
     Ok(l)
 }
@@ -759,9 +786,10 @@ pub async fn fetch_manifest(
     let endpoint = client_endpoint(std::slice::from_ref(peer))?;
     let client = tls::client_config(secret, &peer.key)?;
     let me = NodeId(*secret.public().as_bytes());
-    let (conn, hello, _) = connect(&endpoint, client, peer, me, None, cfg.connect_timeout)
+    let (conn, hello, _, control) = connect(&endpoint, client, peer, me, None, cfg.connect_timeout)
         .await
         .with_context(|| format!("peer {peer}"))?;
+    control.drain();
     let model = match model {
         Some(m) => {
             anyhow::ensure!(
@@ -821,9 +849,11 @@ impl PeerLink {
         let endpoint = client_endpoint(std::slice::from_ref(peer))?;
         let client = tls::client_config(secret, &peer.key)?;
         let me = NodeId(*secret.public().as_bytes());
-        let (conn, hello, _) = connect(&endpoint, client, peer, me, None, cfg.connect_timeout)
-            .await
-            .with_context(|| format!("peer {peer}"))?;
+        let (conn, hello, _, control) =
+            connect(&endpoint, client, peer, me, None, cfg.connect_timeout)
+                .await
+                .with_context(|| format!("peer {peer}"))?;
+        control.drain();
         let limit = hello.limits.max_concurrent_requests.clamp(1, 64);
         Ok(Self {
             endpoint,
@@ -1066,45 +1096,88 @@ fn expert_id(key: ExpertKey) -> Option<ExpertId> {
 }
 
 impl Inner {
-    /// The best peer for `id` among those not in `tried`: holders not avoided first, then
-    /// fewest in flight, then shortest expected time.
-    fn choose(&self, id: ExpertId, len: u64, tried: &HashSet<usize>) -> Option<usize> {
-        let now = Instant::now();
-        let mut best: Option<(bool, u32, f64, usize)> = None;
-        for (i, p) in self.peers.iter().enumerate() {
-            if tried.contains(&i) {
-                continue;
-            }
-            let s = p.state();
-            let holds = s.inventory.as_ref().is_some_and(|inv| inv.contains(id));
-            // A peer never reached may hold it; try it last.
-            let unknown = s.inventory.is_none();
-            if !holds && !unknown {
-                continue;
-            }
-            let avoided = unknown || s.avoid_until.is_some_and(|t| t > now);
-            let expect = s.expected(len);
-            let cand = (avoided, s.in_flight, expect, i);
-            if best.as_ref().is_none_or(|b| {
-                (cand.0, cand.1) < (b.0, b.1) || ((cand.0, cand.1) == (b.0, b.1) && cand.2 < b.2)
-            }) {
-                best = Some(cand);
-            }
-        }
-        best.map(|b| b.3)
+    /// The peer set now.
+    fn peers(&self) -> Arc<Vec<Arc<Peer>>> {
+        self.peers.lock().expect("peer set lock").clone()
     }
 
-    /// Whether a peer not in `tried` may still supply `id` in this round: one that holds it
-    /// (or has not told), and is not waiting out a back-off for being unreachable (a try at
-    /// that fails at once).
+    /// Adds `peers` not already in the set (see [`PeerTier::add_peers`]); returns the new ones.
+    fn add_peers(&self, peers: &[PeerAddr]) -> anyhow::Result<Vec<Arc<Peer>>> {
+        let mut set = self.peers.lock().expect("peer set lock");
+        let mut next: Vec<Arc<Peer>> = set.as_ref().clone();
+        let mut added = Vec::new();
+        for p in peers {
+            if p.key == self.secret.public() {
+                continue;
+            }
+            let same = next
+                .iter()
+                .find(|q| q.addr.key == p.key && !q.removed.load(Ordering::Relaxed));
+            match same {
+                Some(q) if q.addr.addr == p.addr => continue,
+                Some(q) => {
+                    tracing::info!("peer {} moved to {}", q.addr, p.addr);
+                    q.removed.store(true, Ordering::Relaxed);
+                    q.state().removed = true;
+                }
+                None => {}
+            }
+            let peer = Arc::new(Peer {
+                addr: p.clone(),
+                removed: Default::default(),
+                client: tls::client_config(&self.secret, &p.key)?,
+                link: Default::default(),
+                state: Mutex::new(PeerView::default()),
+            });
+            next.push(peer.clone());
+            added.push(peer);
+        }
+        *set = Arc::new(next);
+        Ok(added)
+    }
+
+    /// Marks the peer with `key` removed and closes its connection.
+    fn remove_peer(&self, key: &PublicKey) -> bool {
+        let peers = self.peers();
+        let mut found = false;
+        for p in peers.iter().filter(|p| p.addr.key == *key) {
+            if !p.removed.swap(true, Ordering::Relaxed) {
+                p.state().removed = true;
+                found = true;
+                if let Ok(g) = p.link.try_lock() {
+                    if let Some(l) = g.as_ref() {
+                        l.conn.close(0u32.into(), b"removed");
+                    }
+                }
+            }
+        }
+        found
+    }
+
+    /// The best peer for `id` among those not in `tried` (see [`policy::choose`]).
+    fn choose(&self, id: ExpertId, len: u64, tried: &HashSet<usize>) -> Option<usize> {
+        let peers = self.peers();
+        let views: Vec<_> = peers.iter().map(|p| p.state()).collect();
+        policy::choose(
+            views.iter().enumerate().map(|(i, v)| (i, &**v)),
+            id,
+            len,
+            tried,
+            Instant::now(),
+        )
+    }
+
+    /// Whether a peer not in `tried` may still supply `id` in this round (see
+    /// [`policy::other_holder_left`]).
     fn other_holder_left(&self, id: ExpertId, tried: &HashSet<usize>) -> bool {
-        let now = Instant::now();
-        self.peers.iter().enumerate().any(|(i, p)| {
-            let s = p.state();
-            !tried.contains(&i)
-                && s.inventory.as_ref().is_none_or(|inv| inv.contains(id))
-                && !(s.unreachable.is_some() && s.avoid_until.is_some_and(|t| t > now))
-        })
+        let peers = self.peers();
+        let views: Vec<_> = peers.iter().map(|p| p.state()).collect();
+        policy::other_holder_left(
+            views.iter().enumerate().map(|(i, v)| (i, &**v)),
+            id,
+            tried,
+            Instant::now(),
+        )
     }
 
     /// Chooses a peer for `id` not in `tried` (adding it there) and counts a request in
@@ -1118,7 +1191,7 @@ impl Inner {
         let _g = self.choosing.lock().expect("choosing lock");
         let i = self.choose(id, len, tried)?;
         tried.insert(i);
-        let p = self.peers[i].clone();
+        let p = self.peers()[i].clone();
         p.state().in_flight += 1;
         Some((i, InFlight(p)))
     }
@@ -1127,10 +1200,10 @@ impl Inner {
     /// fetch times (before there are enough, three times the expected time), within the
     /// configured bounds and never past the request timeout.
     fn hedge_delay(&self, i: usize, len: u64) -> Duration {
-        let s = self.peers[i].state();
-        let secs = s.quantile(0.95).unwrap_or_else(|| 3.0 * s.expected(len));
-        let max = self.cfg.hedge_max.min(self.cfg.request_timeout);
-        Duration::from_secs_f64(secs.clamp(0.0, 1e6)).clamp(self.cfg.hedge_min.min(max), max)
+        let peers = self.peers();
+        let s = peers[i].state();
+        let c = &self.cfg;
+        policy::hedge_delay(&s, len, c.hedge_min, c.hedge_max, c.request_timeout)
     }
 
     fn count(&self, f: impl FnOnce(&mut HedgeStats)) {
@@ -1181,7 +1254,8 @@ impl Inner {
         tries: &Tries,
     ) -> TryResult {
         let failed = &tries.failed;
-        let peer = &self.peers[i];
+        let peers = self.peers();
+        let peer = &peers[i];
         let started = Instant::now();
         let got = self
             .attempt(peer, id, len, &mut prefix, priority, limit)
@@ -1195,16 +1269,10 @@ impl Inner {
             Ok(record) => {
                 if let Err(e) = self.manifest.verify_record(id, &record) {
                     failed.fetch_add(1, Ordering::Relaxed);
-                    peer.mark(&format!("on expert {id}"), &e);
+                    peer.ban(&format!("expert {id}"), &e);
                     return Err((format!("{}: {e}", peer.addr), Vec::new()));
                 }
-                let secs = started.elapsed().as_secs_f64().max(1e-6);
-                let mut s = peer.state();
-                let r = len as f64 / secs;
-                s.rate = Some(s.rate.map_or(r, |old| 0.8 * old + 0.2 * r));
-                s.sample(secs);
-                s.failures = 0;
-                s.avoid_until = None;
+                peer.state().succeed(len, started.elapsed().as_secs_f64());
                 Ok(record)
             }
             Err(_) if closing => Err(("the network tier is closed".into(), prefix)),
@@ -1242,6 +1310,10 @@ impl Inner {
                 tries.retry.store(true, Ordering::Relaxed);
                 Err((format!("{}: {e}", peer.addr), prefix))
             }
+            Err(e @ AttemptError::Fetch(FetchError::BadChunk { .. }, _, _)) => {
+                peer.ban(&format!("expert {id}"), &e);
+                Err((format!("{}: {e}", peer.addr), prefix))
+            }
             Err(e) => {
                 peer.mark(&format!("on expert {id}"), &e);
                 Err((format!("{}: {e}", peer.addr), prefix))
@@ -1251,7 +1323,8 @@ impl Inner {
 
     /// Notes that peer `i` lost a race after `elapsed` (a lower bound of its fetch time).
     fn lost(&self, i: usize, elapsed: Duration) {
-        let mut s = self.peers[i].state();
+        let peers = self.peers();
+        let mut s = peers[i].state();
         s.sample(elapsed.as_secs_f64());
         s.races_lost += 1;
     }
@@ -1389,9 +1462,9 @@ impl Inner {
                         self.count(|h| h.hedges += 1);
                         tracing::debug!(
                             "expert {id}: {} slower than {:.1} ms, hedging with {}",
-                            self.peers[i].addr,
+                            self.peers()[i].addr,
                             delay.as_secs_f64() * 1e3,
-                            self.peers[j].addr
+                            self.peers()[j].addr
                         );
                         let mut b = std::pin::pin!(self.try_peer(
                             j,
@@ -1444,7 +1517,7 @@ impl Inner {
                         self.count(|h| h.hedges += 1);
                         tracing::debug!(
                             "expert {id}: {} slower than {:.1} ms, hedging with the local disk",
-                            self.peers[i].addr,
+                            self.peers()[i].addr,
                             delay.as_secs_f64() * 1e3
                         );
                         let mut rx = rx;
@@ -1575,12 +1648,7 @@ impl Tier for PeerTier {
             return false;
         };
         self.inner.manifest.expert(id).is_some()
-            && self.inner.peers.iter().any(|p| {
-                p.state()
-                    .inventory
-                    .as_ref()
-                    .is_none_or(|inv| inv.contains(id))
-            })
+            && self.inner.peers().iter().any(|p| p.state().may_supply(id))
     }
 
     fn retried_failures(&self) -> u64 {
@@ -1608,52 +1676,6 @@ impl Tier for PeerTier {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn ms(n: u64) -> Option<Duration> {
-        Some(Duration::from_millis(n))
-    }
-
-    #[test]
-    fn rounds_without_progress_or_busy_end_after_four() {
-        let mut r = Rounds::default();
-        assert_eq!(r.next(false, false), ms(500));
-        assert_eq!(r.next(false, false), ms(1000));
-        assert_eq!(r.next(false, false), ms(2000));
-        assert_eq!(
-            r.next(false, false),
-            None,
-            "the fourth stalled round ends the load"
-        );
-    }
-
-    #[test]
-    fn progress_starts_the_count_again() {
-        let mut r = Rounds::default();
-        assert_eq!(r.next(false, false), ms(500));
-        assert_eq!(r.next(false, false), ms(1000));
-        assert_eq!(r.next(true, false), ms(250));
-        assert_eq!(r.next(false, false), ms(500));
-        assert_eq!(r.next(false, false), ms(1000));
-        assert_eq!(r.next(false, false), ms(2000));
-        assert_eq!(r.next(false, false), None);
-    }
-
-    #[test]
-    fn busy_rounds_pause_longer_but_do_not_end_the_load() {
-        let mut r = Rounds::default();
-        for _ in 0..10 {
-            assert!(r.next(false, true).is_some());
-        }
-        assert_eq!(
-            r.next(false, true),
-            ms(2000),
-            "the pause stops growing at 2 s"
-        );
-        assert_eq!(r.next(false, false), ms(2000));
-        assert_eq!(r.next(false, false), ms(2000));
-        assert_eq!(r.next(false, false), ms(2000));
-        assert_eq!(r.next(false, false), None);
-    }
 
     #[test]
     fn long_error_lists_keep_their_ends() {

@@ -62,6 +62,8 @@ fn message() -> impl Strategy<Value = Message> {
             })),
         (hash(), expert_set())
             .prop_map(|(model, experts)| Message::Inventory(Inventory { model, experts })),
+        (hash(), expert_set())
+            .prop_map(|(model, experts)| Message::Offer(Offer { model, experts })),
         (
             hash(),
             prop::collection::vec(expert_id(), 0..20),

@@ -1,0 +1,237 @@
+//! The command line's shared option groups (clap types live here and in each command's own
+//! file, never in library code): each resolves once into the typed configuration of
+//! [`crate::config`], which is all the library takes.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use stormo_manifests::{Hash, PublicKey};
+
+use crate::config::{CacheBudget, ExpertsConfig, KeepConfig, PeersConfig};
+use crate::net::tier::PeerConfig;
+use crate::net::PeerAddr;
+use crate::progress::{check_secs, parse_size, secs_arg, size_arg};
+
+/// Options for experts and their tiers.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExpertArgs {
+    /// RAM budget for cached experts: a size such as 0, 512MiB, 6GiB, or "auto" (the RAM
+    /// available, less the dense weights, the KV cache and a reserve for the system). Never less
+    /// than one layer's top-k experts, never more than all of them.
+    #[arg(long, default_value = "auto", value_name = "SIZE", value_parser = cache_size)]
+    pub expert_cache: String,
+    /// Prefetch the next layer's predicted experts into the cache while the current layer
+    /// computes. Off by default: measured at gpt-oss-20b geometry with budgets below the
+    /// experts, it read 38-58% more from disk per decoded token and decoded 7-17% slower
+    /// (README, Performance).
+    #[arg(long, conflicts_with = "no_prefetch")]
+    pub prefetch: bool,
+    /// Do not prefetch (the default; kept so scripts that say so keep working).
+    #[arg(long, hide = true)]
+    pub no_prefetch: bool,
+    /// Serve experts from memory-mapped checkpoint files instead of the budgeted cache (the OS
+    /// pages them in and out; no budget, no statistics).
+    #[arg(long, conflicts_with_all = ["expert_cache", "prefetch"])]
+    pub mmap_experts: bool,
+    /// Threads reading experts from disk (queue depth), 1 to 256.
+    #[arg(long, default_value_t = 4, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
+    pub io_threads: usize,
+    /// Neither preload the most used experts at start nor record usage counts.
+    #[arg(long)]
+    pub no_hot_store: bool,
+    /// Where the node keeps its own files: expert usage counts, kept experts, a manifest it
+    /// built for itself (model folders are never written). Default: $XDG_STATE_HOME/stormo or
+    /// ~/.local/state/stormo.
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+}
+
+impl ExpertArgs {
+    /// The typed settings (sizes parsed once, here).
+    pub fn resolve(&self) -> anyhow::Result<ExpertsConfig> {
+        let cache = if self.expert_cache.trim().eq_ignore_ascii_case("auto") {
+            CacheBudget::Auto
+        } else {
+            CacheBudget::Bytes(
+                parse_size(&self.expert_cache)
+                    .map_err(|e| anyhow::anyhow!("--expert-cache: {e}"))?,
+            )
+        };
+        Ok(ExpertsConfig {
+            cache,
+            prefetch: self.prefetch && !self.no_prefetch,
+            mmap: self.mmap_experts,
+            io_threads: self.io_threads.max(1),
+            hot_store: !self.no_hot_store,
+        })
+    }
+
+    /// The state directory: `--state-dir`, or the default.
+    pub fn state_dir(&self) -> PathBuf {
+        self.state_dir
+            .clone()
+            .unwrap_or_else(crate::config::default_state_dir)
+    }
+}
+
+/// `--expert-cache` as given, if it is "auto" or a size [`parse_size`] reads: checked when the
+/// arguments are parsed, so a bad value is reported before any work starts.
+fn cache_size(s: &str) -> Result<String, String> {
+    if s.trim().eq_ignore_ascii_case("auto") {
+        return Ok(s.to_owned());
+    }
+    size_arg(s)
+}
+
+/// Options of a node that fetches from peers (shared by `run` and `pull`).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct PeerArgs {
+    /// A peer to fetch experts (or the manifest) from, as KEY@HOST:PORT: its 64-hex node key
+    /// and address. Repeatable.
+    #[arg(long = "peer", value_name = "KEY@HOST:PORT")]
+    pub peers: Vec<PeerAddr>,
+    /// This node's secret key (from `stormo key generate`), which peers allow-list. Without
+    /// it an ephemeral key is used.
+    #[arg(long, value_name = "FILE")]
+    pub key: Option<PathBuf>,
+    /// Accept a manifest signed by this publisher key (64 hex; the signature is read from
+    /// beside the manifest, stormo-manifest.sig). Repeatable.
+    #[arg(long, value_name = "PUBKEY")]
+    pub trust: Vec<PublicKey>,
+    /// Accept only the manifest with this model id (64 hex, as `stormo manifest build`
+    /// prints).
+    #[arg(long, value_name = "ID")]
+    pub model_id: Option<Hash>,
+    /// The manifest file, if not DIR/stormo-manifest.bin. When it does not exist and peers
+    /// are given, the manifest is fetched from a peer (and checked the same way).
+    #[arg(long, value_name = "FILE")]
+    pub manifest: Option<PathBuf>,
+    /// Seconds a peer may take to answer one expert request, from when it is sent, before
+    /// another peer is tried (a connection attempt gets at most 3 s, or this if shorter). A
+    /// peer that cannot be connected to is then not tried again for a back-off (1 s, doubling
+    /// up to 60 s). A peer still sending when its time is up is slow, not failing: the try at
+    /// the last holder left is let run while each such period verifies more of the expert,
+    /// and once every holder has been tried another round follows, resuming after the
+    /// verified bytes with twice the time (up to 8 times this). A load ends after four rounds
+    /// that verify nothing (busy answers aside), or once it has run 32 times this (no later
+    /// try starts or runs on past that); the tiers below then take over. At most 1e6.
+    #[arg(
+        long,
+        default_value_t = 30.0,
+        value_name = "SECS",
+        value_parser = secs_arg
+    )]
+    pub peer_timeout: f64,
+    /// Also keep the verified experts fetched from peers in this directory (one file per
+    /// expert under a folder named by the model id, written atomically, verified again when
+    /// read), so later runs find them there: a tier between the local disk and the peers.
+    #[arg(long, value_name = "DIR")]
+    pub expert_dir: Option<PathBuf>,
+    /// The most the expert directory may hold for this model (least recently used experts
+    /// are evicted), e.g. 20GiB.
+    #[arg(
+        long,
+        default_value = "16GiB",
+        value_name = "SIZE",
+        requires = "expert_dir",
+        value_parser = size_arg
+    )]
+    pub expert_dir_limit: String,
+    /// Do not keep verified experts fetched from peers (a serving node keeps them by default,
+    /// in the state directory, and serves them to others; see --expert-dir).
+    #[arg(long, conflicts_with = "expert_dir")]
+    pub no_keep: bool,
+    /// Ask peers before the local disk (for a slow local disk or when peers hold the experts
+    /// in RAM): the local disk becomes the fallback, and races slow peer answers.
+    #[arg(long, requires = "peers")]
+    pub peers_first: bool,
+}
+
+impl PeerArgs {
+    /// The timeouts these options give.
+    pub fn timeouts(&self) -> anyhow::Result<PeerConfig> {
+        let t =
+            check_secs(self.peer_timeout).map_err(|e| anyhow::anyhow!("--peer-timeout: {e}"))?;
+        Ok(PeerConfig::with_timeout(Duration::from_secs_f64(t)))
+    }
+
+    /// The typed settings. `keep_by_default`: a node that serves keeps what it fetches (in
+    /// the state directory) unless `--no-keep`.
+    pub fn resolve(&self, keep_by_default: bool) -> anyhow::Result<PeersConfig> {
+        let limit = parse_size(&self.expert_dir_limit)
+            .map_err(|e| anyhow::anyhow!("--expert-dir-limit: {e}"))?;
+        let keep = match (&self.expert_dir, keep_by_default && !self.no_keep) {
+            (Some(d), _) => Some(KeepConfig {
+                dir: Some(d.clone()),
+                limit,
+            }),
+            (None, true) => Some(KeepConfig { dir: None, limit }),
+            (None, false) => None,
+        };
+        Ok(PeersConfig {
+            peers: self.peers.clone(),
+            key: self.key.clone(),
+            trust: self.trust.clone(),
+            model_id: self.model_id,
+            manifest: self.manifest.clone(),
+            timeouts: self.timeouts()?,
+            keep,
+            peers_first: self.peers_first,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::CONNECT_TIMEOUT;
+
+    /// `--peer-timeout` bounds a whole try, so a connection attempt never gets more than it
+    /// (it once always got 3 s).
+    #[test]
+    fn peer_timeout_bounds_the_connect_timeout() {
+        let args = |t: f64| PeerArgs {
+            peer_timeout: t,
+            expert_dir_limit: "16GiB".into(),
+            ..PeerArgs::default()
+        };
+        let c = args(1.0).timeouts().unwrap();
+        assert_eq!(c.connect_timeout, Duration::from_secs(1));
+        assert_eq!(c.request_timeout, Duration::from_secs(1));
+        let c = args(30.0).timeouts().unwrap();
+        assert_eq!(c.connect_timeout, CONNECT_TIMEOUT);
+        assert_eq!(c.request_timeout, Duration::from_secs(30));
+        assert_eq!(c.idle_timeout, Duration::from_secs(5));
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e18] {
+            assert!(args(bad).timeouts().is_err(), "{bad} accepted");
+        }
+    }
+
+    /// A serving node keeps what it fetches in the state directory unless told not to; an
+    /// `--expert-dir` is kept wherever it is.
+    #[test]
+    fn keeping_follows_the_role_and_the_flags() {
+        let base = PeerArgs {
+            peer_timeout: 30.0,
+            expert_dir_limit: "1GiB".into(),
+            ..PeerArgs::default()
+        };
+        assert_eq!(base.resolve(false).unwrap().keep, None);
+        let k = base.resolve(true).unwrap().keep.unwrap();
+        assert_eq!((k.dir, k.limit), (None, 1 << 30));
+        let no = PeerArgs {
+            no_keep: true,
+            ..base.clone()
+        };
+        assert_eq!(no.resolve(true).unwrap().keep, None);
+        let d = PeerArgs {
+            expert_dir: Some("/x".into()),
+            ..base
+        };
+        assert_eq!(
+            d.resolve(false).unwrap().keep.unwrap().dir,
+            Some("/x".into())
+        );
+    }
+}

@@ -1,0 +1,522 @@
+//! The network tier's peer policy, sans-IO: which peer to ask for an expert, how long to wait
+//! before racing a second one, how long a failing peer is avoided, when a peer that sent bad
+//! bytes is dropped, and how the rounds over an expert's holders go on or end.
+//!
+//! Nothing here touches a socket or reads a clock: every decision takes the time as an
+//! argument (as quinn-proto and this crate's wire client do), so the whole policy is tested
+//! by stepping a fake clock. The driver in [`super::tier`] owns the connections, keeps one
+//! [`PeerView`] per peer under a lock, and asks these functions what to do.
+
+use std::collections::{HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use stormo_manifests::ExpertId;
+use stormo_wire::ExpertSet;
+
+/// Throughput assumed for a peer not yet measured (bytes per second).
+pub const DEFAULT_RATE: f64 = 100e6;
+/// The longest a failing peer is avoided.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
+/// Fetch durations remembered per peer (for its latency quantiles).
+const LATENCY_SAMPLES: usize = 32;
+/// Samples needed before quantiles replace the estimate from round trip and throughput.
+const MIN_SAMPLES: usize = 4;
+
+/// Most rounds over an expert's holders that verify nothing more of it and get no `busy`
+/// answer, with no round that verifies more in between (see [`Rounds`]).
+pub const MAX_ROUNDS: u32 = 4;
+
+/// The per-try deadline stops doubling at this multiple of the first round's.
+pub const MAX_TIMEOUT_FACTOR: u32 = 8;
+
+/// One load's budget, in per-try deadlines of the first round: no later round or try starts,
+/// and no try's deadline moves, past it.
+pub const LOAD_BUDGET_FACTOR: u32 = MAX_ROUNDS * MAX_TIMEOUT_FACTOR;
+
+/// What the policy knows of one peer.
+#[derive(Debug, Default)]
+pub struct PeerView {
+    /// The experts it holds, once connected (`None`: not known yet).
+    pub inventory: Option<ExpertSet>,
+    /// The experts it can fetch for this node from its own peers (one hop).
+    pub offer: Option<ExpertSet>,
+    /// Left the peer set: never chosen again.
+    pub removed: bool,
+    /// Sent bytes that failed verification: dropped for the rest of the session.
+    pub banned: Option<String>,
+    /// Requests in flight at it.
+    pub in_flight: u32,
+    /// Failures since its last success (sets the back-off).
+    pub failures: u32,
+    /// Failures in all.
+    pub failures_total: u32,
+    /// Not chosen before this, unless nothing else is left.
+    pub avoid_until: Option<Instant>,
+    /// Why the last connection attempt failed, until a connection succeeds: while the peer is
+    /// avoided for it, tries fail at once instead of connecting again.
+    pub unreachable: Option<String>,
+    /// Connection attempts made.
+    pub connects: u32,
+    /// Measured throughput, bytes per second.
+    pub rate: Option<f64>,
+    /// Round trip of its connection.
+    pub rtt: Option<Duration>,
+    /// Seconds of its recent whole-expert fetches, newest last (a race it lost counts with
+    /// the time it had taken so far: a lower bound).
+    recent: VecDeque<f64>,
+    /// Races it lost (it was slow; not a failure).
+    pub races_lost: u32,
+}
+
+impl PeerView {
+    /// Remembers one fetch time.
+    pub fn sample(&mut self, secs: f64) {
+        if self.recent.len() == LATENCY_SAMPLES {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(secs);
+    }
+
+    /// The `q` quantile of the recent fetch times, once there are enough of them.
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        if self.recent.len() < MIN_SAMPLES {
+            return None;
+        }
+        let mut v: Vec<f64> = self.recent.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        let at = ((v.len() - 1) as f64 * q).round() as usize;
+        v.get(at).copied()
+    }
+
+    /// Seconds a fetch of `len` bytes is expected to take: the median of recent fetches, or
+    /// before there are enough, round trip plus `len` over the measured (or assumed) rate.
+    pub fn expected(&self, len: u64) -> f64 {
+        self.quantile(0.5).unwrap_or_else(|| {
+            self.rtt.map_or(0.001, |r| r.as_secs_f64())
+                + len as f64 / self.rate.unwrap_or(DEFAULT_RATE)
+        })
+    }
+
+    /// Whether it holds `id` (by its inventory).
+    pub fn holds(&self, id: ExpertId) -> bool {
+        self.inventory.as_ref().is_some_and(|inv| inv.contains(id))
+    }
+
+    /// Whether it offers `id` (fetching it from a peer of its own).
+    pub fn offers(&self, id: ExpertId) -> bool {
+        self.offer.as_ref().is_some_and(|o| o.contains(id))
+    }
+
+    /// Whether it may be asked at all: in the set and not dropped.
+    pub fn usable(&self) -> bool {
+        !self.removed && self.banned.is_none()
+    }
+
+    /// Whether it may supply `id`: it holds or offers it, or has not said what it holds.
+    pub fn may_supply(&self, id: ExpertId) -> bool {
+        self.usable() && (self.inventory.is_none() || self.holds(id) || self.offers(id))
+    }
+
+    /// Whether it is waiting out a back-off at `now`.
+    pub fn avoided(&self, now: Instant) -> bool {
+        self.avoid_until.is_some_and(|t| t > now)
+    }
+
+    /// Notes a failure at `now`: avoided for a back-off that doubles with each failure in a
+    /// row (1 s, 2 s, ... up to [`MAX_BACKOFF`]). Returns the back-off.
+    pub fn fail(&mut self, now: Instant) -> Duration {
+        self.failures += 1;
+        self.failures_total += 1;
+        let backoff = Duration::from_millis(500)
+            .saturating_mul(1 << self.failures.min(8))
+            .min(MAX_BACKOFF);
+        self.avoid_until = Some(now + backoff);
+        backoff
+    }
+
+    /// Notes a verified fetch of `len` bytes that took `secs`: the back-off ends and the
+    /// throughput and latency estimates take it in.
+    pub fn succeed(&mut self, len: u64, secs: f64) {
+        let secs = secs.max(1e-6);
+        let r = len as f64 / secs;
+        self.rate = Some(self.rate.map_or(r, |old| 0.8 * old + 0.2 * r));
+        self.sample(secs);
+        self.failures = 0;
+        self.avoid_until = None;
+    }
+
+    /// Drops the peer for the session: it sent bytes that failed verification. Returns true
+    /// the first time (so the caller names it once).
+    pub fn ban(&mut self, why: &str) -> bool {
+        self.failures_total += 1;
+        if self.banned.is_some() {
+            return false;
+        }
+        self.banned = Some(why.to_string());
+        true
+    }
+}
+
+/// The best peer for `id` among `peers` (index, view) not in `tried`: holders not avoided
+/// first, then peers that offer it, then fewest in flight, then the shortest expected time. A
+/// peer that has not said what it holds may hold it: it is tried, but after the others.
+pub fn choose<'a>(
+    peers: impl IntoIterator<Item = (usize, &'a PeerView)>,
+    id: ExpertId,
+    len: u64,
+    tried: &HashSet<usize>,
+    now: Instant,
+) -> Option<usize> {
+    let mut best: Option<((bool, bool, u32), f64, usize)> = None;
+    for (i, p) in peers {
+        if tried.contains(&i) || !p.may_supply(id) {
+            continue;
+        }
+        let unknown = p.inventory.is_none();
+        let avoided = unknown || p.avoided(now);
+        let cand = ((avoided, !p.holds(id), p.in_flight), p.expected(len), i);
+        if best
+            .as_ref()
+            .is_none_or(|b| cand.0 < b.0 || (cand.0 == b.0 && cand.1 < b.1))
+        {
+            best = Some(cand);
+        }
+    }
+    best.map(|b| b.2)
+}
+
+/// Whether a peer not in `tried` may still supply `id` in this round: one that may supply it
+/// and is not waiting out a back-off for being unreachable (a try at that fails at once).
+pub fn other_holder_left<'a>(
+    peers: impl IntoIterator<Item = (usize, &'a PeerView)>,
+    id: ExpertId,
+    tried: &HashSet<usize>,
+    now: Instant,
+) -> bool {
+    peers.into_iter().any(|(i, p)| {
+        !tried.contains(&i) && p.may_supply(id) && !(p.unreachable.is_some() && p.avoided(now))
+    })
+}
+
+/// How long a demand request to `p` runs before it is raced by a second one: the p95 of its
+/// recent fetch times (before there are enough, three times the expected time), within
+/// `[min, max]` and never past `request_timeout`.
+pub fn hedge_delay(
+    p: &PeerView,
+    len: u64,
+    min: Duration,
+    max: Duration,
+    request_timeout: Duration,
+) -> Duration {
+    let secs = p.quantile(0.95).unwrap_or_else(|| 3.0 * p.expected(len));
+    let max = max.min(request_timeout);
+    Duration::from_secs_f64(secs.clamp(0.0, 1e6)).clamp(min.min(max), max)
+}
+
+/// The rounds of one load over an expert's holders: after each round that some try made
+/// worth repeating (a peer still sending at its deadline, a `busy` answer, or a lost
+/// connection that may come back), the pause before the next, or the end of the load.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Rounds {
+    /// Rounds in a row that verified nothing more.
+    quiet: u32,
+    /// Of those, the rounds in which no peer answered `busy` either (busy rounds neither count
+    /// nor start the count again).
+    stalls: u32,
+}
+
+impl Rounds {
+    /// After a round that `progressed` (verified more of the expert) or not, in which some
+    /// peer answered `busy` or not: the pause before the next round, or `None` after
+    /// [`MAX_ROUNDS`] stalled rounds with no progress between them. A peer that is busy with
+    /// this node's other loads or sends slowly but surely costs time, not the load; one that
+    /// sends nothing more (without being busy) ends it. The pause is short after progress and
+    /// grows (to 2 s) with the quiet rounds, so that a busy peer has time to finish what it is
+    /// sending, and a restarted one to come back.
+    pub fn next(&mut self, progressed: bool, busy: bool) -> Option<Duration> {
+        if progressed {
+            *self = Self::default();
+            return Some(Duration::from_millis(250));
+        }
+        self.quiet += 1;
+        if !busy {
+            self.stalls += 1;
+        }
+        (self.stalls < MAX_ROUNDS).then(|| Duration::from_millis(250 << self.quiet.min(3)))
+    }
+}
+
+/// The time limits of one load: the first round's per-try deadline, doubled each round up to
+/// [`MAX_TIMEOUT_FACTOR`] times, and the load's budget of [`LOAD_BUDGET_FACTOR`] first
+/// deadlines from its start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadClock {
+    /// The per-try deadline of the current round.
+    pub timeout: Duration,
+    first: Duration,
+    /// When the load must end.
+    pub end: Instant,
+}
+
+impl LoadClock {
+    /// A load starting at `now` with per-try deadline `timeout`.
+    pub fn new(timeout: Duration, now: Instant) -> Self {
+        Self {
+            timeout,
+            first: timeout,
+            end: now + timeout.saturating_mul(LOAD_BUDGET_FACTOR),
+        }
+    }
+
+    /// The load's whole budget.
+    pub fn budget(&self) -> Duration {
+        self.first.saturating_mul(LOAD_BUDGET_FACTOR)
+    }
+
+    /// Whether the budget is spent at `now`.
+    pub fn spent(&self, now: Instant) -> bool {
+        now >= self.end
+    }
+
+    /// Whether a pause of `pause` from `now` still ends within the budget.
+    pub fn fits(&self, now: Instant, pause: Duration) -> bool {
+        now + pause < self.end
+    }
+
+    /// Moves to the next round: the per-try deadline doubles (within its cap).
+    pub fn next_round(&mut self) {
+        self.timeout = self
+            .timeout
+            .saturating_mul(2)
+            .min(self.first.saturating_mul(MAX_TIMEOUT_FACTOR));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(layer: u16, expert: u16) -> ExpertId {
+        ExpertId { layer, expert }
+    }
+
+    fn inv(ids: &[ExpertId]) -> ExpertSet {
+        let mut s = ExpertSet::new(2, 4).expect("shape");
+        for &e in ids {
+            s.insert(e).expect("in shape");
+        }
+        s
+    }
+
+    fn holding(ids: &[ExpertId]) -> PeerView {
+        PeerView {
+            inventory: Some(inv(ids)),
+            ..PeerView::default()
+        }
+    }
+
+    fn views(v: &[PeerView]) -> impl Iterator<Item = (usize, &PeerView)> {
+        v.iter().enumerate()
+    }
+
+    /// A holder is chosen over a peer that only offers, which is chosen over one that has not
+    /// said; a peer that holds nothing of it never is.
+    #[test]
+    fn holders_before_offers_before_the_unknown() {
+        let t0 = Instant::now();
+        let x = id(0, 1);
+        let offering = PeerView {
+            inventory: Some(inv(&[])),
+            offer: Some(inv(&[x])),
+            ..PeerView::default()
+        };
+        let peers = vec![
+            PeerView::default(),
+            offering,
+            holding(&[x]),
+            holding(&[id(1, 1)]),
+        ];
+        let mut tried = HashSet::new();
+        let order: Vec<usize> = std::iter::from_fn(|| {
+            let i = choose(views(&peers), x, 100, &tried, t0)?;
+            tried.insert(i);
+            Some(i)
+        })
+        .collect();
+        assert_eq!(
+            order,
+            [2, 1, 0],
+            "holder, offerer, unknown; never the non-holder"
+        );
+    }
+
+    /// A failing peer is avoided for a back-off that doubles and is capped; others go first
+    /// meanwhile; once the back-off is over (time passed in) it is a candidate like any.
+    #[test]
+    fn back_off_doubles_is_capped_and_ends_on_the_clock() {
+        let t0 = Instant::now();
+        let x = id(0, 0);
+        let mut peers = vec![holding(&[x]), holding(&[x])];
+        let mut last = Duration::ZERO;
+        for n in 1..=10 {
+            let b = peers[0].fail(t0);
+            assert!(b >= last, "back-off shrank at failure {n}");
+            assert!(b <= MAX_BACKOFF);
+            last = b;
+        }
+        assert_eq!(last, MAX_BACKOFF);
+        peers[0].failures = 0;
+        let b = peers[0].fail(t0);
+        assert_eq!(b, Duration::from_secs(1));
+        // The other, equal in all else, is chosen while the first is avoided ...
+        assert_eq!(choose(views(&peers), x, 100, &HashSet::new(), t0), Some(1));
+        // ... but the first is still chosen when it is the only one left.
+        let tried: HashSet<usize> = [1].into();
+        assert_eq!(choose(views(&peers), x, 100, &tried, t0), Some(0));
+        // After the back-off it competes again: make it the faster.
+        peers[0].succeed(1000, 0.001);
+        peers[1].rate = Some(1.0);
+        let later = t0 + Duration::from_millis(1001);
+        assert_eq!(
+            choose(views(&peers), x, 1000, &HashSet::new(), later),
+            Some(0)
+        );
+    }
+
+    /// A peer that sent bad bytes is dropped for the session: never chosen again, whatever
+    /// the clock says, and named once.
+    #[test]
+    fn a_peer_that_sent_bad_bytes_is_never_asked_again() {
+        let t0 = Instant::now();
+        let x = id(1, 3);
+        let mut peers = vec![holding(&[x]), holding(&[x])];
+        assert!(peers[0].ban("chunk 0 failed verification"));
+        assert!(!peers[0].ban("again"), "named once");
+        for later in [t0, t0 + Duration::from_secs(3600)] {
+            assert_eq!(choose(views(&peers), x, 1, &HashSet::new(), later), Some(1));
+        }
+        let tried: HashSet<usize> = [1].into();
+        assert_eq!(choose(views(&peers), x, 1, &tried, t0), None);
+        assert!(!other_holder_left(views(&peers), x, &tried, t0));
+    }
+
+    /// An unreachable peer in its back-off does not count as a holder left in the round; once
+    /// the back-off has passed it does again (a restarted holder is tried again).
+    #[test]
+    fn an_unreachable_holder_counts_again_after_its_back_off() {
+        let t0 = Instant::now();
+        let x = id(0, 2);
+        let mut p = holding(&[x]);
+        p.unreachable = Some("connection refused".into());
+        let b = p.fail(t0);
+        let peers = vec![p];
+        assert!(!other_holder_left(views(&peers), x, &HashSet::new(), t0));
+        assert!(other_holder_left(views(&peers), x, &HashSet::new(), t0 + b));
+    }
+
+    /// Fewer requests in flight wins among holders; then the shorter expected time.
+    #[test]
+    fn load_spreads_by_in_flight_then_speed() {
+        let t0 = Instant::now();
+        let x = id(0, 0);
+        let mut peers = vec![holding(&[x]), holding(&[x])];
+        peers[0].rate = Some(1e9);
+        peers[1].rate = Some(1e6);
+        assert_eq!(
+            choose(views(&peers), x, 1 << 20, &HashSet::new(), t0),
+            Some(0)
+        );
+        peers[0].in_flight = 2;
+        assert_eq!(
+            choose(views(&peers), x, 1 << 20, &HashSet::new(), t0),
+            Some(1)
+        );
+    }
+
+    /// The hedge delay follows the measured p95, within its bounds and the request timeout.
+    #[test]
+    fn hedge_delay_follows_measurements_within_bounds() {
+        let (min, max, rt) = (
+            Duration::from_millis(20),
+            Duration::from_secs(2),
+            Duration::from_secs(30),
+        );
+        let mut p = PeerView::default();
+        // Unmeasured: three times the expected time at the assumed rate (100 MB/s: 30 ms).
+        let d = hedge_delay(&p, 1_000_000, min, max, rt);
+        assert!((d.as_secs_f64() - 0.033).abs() < 0.002, "{d:?}");
+        for _ in 0..10 {
+            p.sample(0.5);
+        }
+        assert_eq!(hedge_delay(&p, 1, min, max, rt), Duration::from_millis(500));
+        for _ in 0..32 {
+            p.sample(100.0);
+        }
+        assert_eq!(hedge_delay(&p, 1, min, max, rt), max);
+        assert_eq!(
+            hedge_delay(&p, 1, min, max, Duration::from_secs(1)),
+            Duration::from_secs(1)
+        );
+    }
+
+    /// The load's clock: deadlines double per round up to the cap; the budget bounds pauses.
+    #[test]
+    fn the_load_clock_doubles_deadlines_and_bounds_the_budget() {
+        let t0 = Instant::now();
+        let mut c = LoadClock::new(Duration::from_secs(1), t0);
+        assert_eq!(
+            c.budget(),
+            Duration::from_secs(u64::from(LOAD_BUDGET_FACTOR))
+        );
+        let mut seen = vec![c.timeout];
+        for _ in 0..6 {
+            c.next_round();
+            seen.push(c.timeout);
+        }
+        let secs: Vec<u64> = seen.iter().map(Duration::as_secs).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 8, 8, 8]);
+        assert!(c.fits(t0, Duration::from_secs(1)));
+        let near_end = t0 + c.budget() - Duration::from_millis(100);
+        assert!(!c.fits(near_end, Duration::from_millis(250)));
+        assert!(c.spent(t0 + c.budget()));
+    }
+
+    fn ms(n: u64) -> Option<Duration> {
+        Some(Duration::from_millis(n))
+    }
+
+    #[test]
+    fn rounds_without_progress_or_busy_end_after_four() {
+        let mut r = Rounds::default();
+        assert_eq!(r.next(false, false), ms(500));
+        assert_eq!(r.next(false, false), ms(1000));
+        assert_eq!(r.next(false, false), ms(2000));
+        assert_eq!(r.next(false, false), None);
+    }
+
+    #[test]
+    fn progress_starts_the_count_again() {
+        let mut r = Rounds::default();
+        for _ in 0..3 {
+            assert!(r.next(false, false).is_some());
+        }
+        assert_eq!(r.next(true, false), ms(250));
+        for _ in 0..3 {
+            assert!(r.next(false, false).is_some());
+        }
+        assert_eq!(r.next(false, false), None);
+    }
+
+    #[test]
+    fn busy_rounds_pause_longer_but_do_not_end_the_load() {
+        let mut r = Rounds::default();
+        for _ in 0..20 {
+            assert!(r.next(false, true).is_some(), "a busy round ended the load");
+        }
+        assert_eq!(r.next(false, true), ms(2000));
+        for _ in 0..3 {
+            assert!(r.next(false, false).is_some());
+        }
+        assert_eq!(r.next(false, false), None);
+    }
+}

@@ -1,0 +1,634 @@
+//! The Node: the one composition root of a stormo process.
+//!
+//! Every command that runs or serves a model builds one [`Node`] from a [`NodeConfig`] and
+//! calls it. The Node owns:
+//! - the tokio runtime (the only one in the process);
+//! - one QUIC endpoint that both accepts and dials, so peers reach this node on the port it
+//!   dials from (iroh's model: one endpoint, every protocol on it);
+//! - the peer set, which can change while the node runs ([`Node::add_peers`],
+//!   [`Node::remove_peer`]; discovery feeds it);
+//! - the expert tiers, built once: the RAM cache over the local disk, the kept experts and
+//!   the peers, in that order (peers before the disk with `peers_first`);
+//! - the serving side, when it listens: it serves every expert it holds verified (its disk,
+//!   its kept experts, its RAM cache), offers what its direct peers hold (fetching it for the
+//!   asker, verified on the way through), and tells connected peers whenever either set
+//!   changes, so a swarm grows copies the way BitTorrent swarms do.
+//!
+//! The model folder is never written: usage counts and kept experts go to the state directory,
+//! under the model id (see [`StatePaths`]). The engine knows none of this: peers and kept
+//! experts reach it through the `Tier` trait.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use bytes::Bytes;
+use stormo_engine::moe::ExpertProvider;
+use stormo_engine::tiers::Tier;
+use stormo_engine::{LoadOptions, Model, ModelFiles};
+use stormo_manifests::{Hash, Manifest, ManifestPaths, PublicKey, SecretKey};
+use stormo_wire::ExpertSet;
+
+use crate::config::{LocalExperts, NodeConfig};
+use crate::experts::Experts;
+use crate::net::expert_dir::{DirTier, ExpertDir};
+use crate::net::serve::{Announce, FileShare, Holdings, ServerHandle};
+use crate::net::tier::PeerTier;
+use crate::net::{self, PeerAddr};
+
+/// How often a serving node recomputes what it holds and offers (and tells its peers).
+const ANNOUNCE_EVERY: Duration = Duration::from_millis(500);
+
+/// Where a node keeps its own files for one model, under the state directory.
+#[derive(Clone, Debug)]
+pub struct StatePaths {
+    /// `STATE/models/KEY`: this model's folder (KEY: the model id, or for a checkpoint with no
+    /// manifest, a hash of its folder's path).
+    pub model: PathBuf,
+    /// Where kept experts go by default (`STATE/experts`; [`ExpertDir`] adds the model id).
+    pub experts: PathBuf,
+}
+
+impl StatePaths {
+    /// The paths under `state` for the model keyed `key`.
+    pub fn new(state: &Path, key: &str) -> Self {
+        Self {
+            model: state.join("models").join(key),
+            experts: state.join("experts"),
+        }
+    }
+
+    /// The expert usage counts (the hot store).
+    pub fn usage(&self) -> PathBuf {
+        self.model.join("usage.json")
+    }
+}
+
+/// The manifest a node checks peers' bytes against.
+#[derive(Debug)]
+struct NodeManifest {
+    manifest: Arc<Manifest>,
+    id: Hash,
+    bytes: Bytes,
+}
+
+/// A running node. See the module docs.
+pub struct Node {
+    cfg: NodeConfig,
+    rt: Arc<tokio::runtime::Runtime>,
+    files: ModelFiles,
+    secret: Option<SecretKey>,
+    manifest: Option<NodeManifest>,
+    experts: Arc<Experts>,
+    peers: Option<Arc<PeerTier>>,
+    dir: Option<Arc<ExpertDir>>,
+    endpoint: Option<quinn::Endpoint>,
+    server: Mutex<Option<ServerHandle>>,
+    holdings: Option<Arc<Holdings>>,
+    state: StatePaths,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("model", &self.cfg.model)
+            .field("id", &self.manifest.as_ref().map(|m| m.id))
+            .field("listen", &self.local_addr())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A copy of `f` (its tensors and layout are shared, not copied).
+fn share(f: &ModelFiles) -> ModelFiles {
+    ModelFiles {
+        dir: f.dir.clone(),
+        cfg: f.cfg.clone(),
+        ckpt: f.ckpt.clone(),
+        layout: f.layout.clone(),
+    }
+}
+
+/// The experts of `manifest` flagged in `allowed` (all when `None`), as an inventory.
+fn local_held(manifest: &Manifest, allowed: Option<&[Vec<bool>]>) -> anyhow::Result<ExpertSet> {
+    Holdings::inventory_of(manifest, allowed)
+}
+
+impl Node {
+    /// Builds the node `cfg` describes and starts it: opens the model, resolves the manifest
+    /// (from the folder, or from a peer), connects to the peers, builds the tiers and, when it
+    /// listens, starts serving.
+    pub fn start(cfg: NodeConfig) -> anyhow::Result<Self> {
+        let dir = cfg.model.clone();
+        let files = ModelFiles::open(&dir)
+            .with_context(|| format!("loading the model in {}", dir.display()))?;
+        let shape: Vec<usize> = files.layout.parts.iter().map(Vec::len).collect();
+        let dense_only = net::pull::Pulled::dense_only(&dir)?;
+        let allowed: Option<Vec<Vec<bool>>> = match (&cfg.local, dense_only) {
+            (LocalExperts::All, false) => None,
+            (LocalExperts::Only(spec), false) => Some(net::parse_only_experts(spec, &shape)?),
+            (LocalExperts::Only(_), true) => anyhow::bail!(
+                "{} was pulled without experts ({}): it has no local experts to restrict with \
+                 --only-experts",
+                dir.display(),
+                net::pull::MARKER_FILE
+            ),
+            (LocalExperts::None, _) | (LocalExperts::All, true) => {
+                Some(shape.iter().map(|&n| vec![false; n]).collect())
+            }
+        };
+        let uses_local = allowed
+            .as_ref()
+            .is_none_or(|a| a.iter().flatten().any(|&on| on));
+        let p = &cfg.peers;
+        let has_peers = !p.peers.is_empty();
+        let needs_manifest = has_peers || p.keep.is_some() || cfg.listen.is_some();
+        if !needs_manifest {
+            // These check the manifest that verifies experts from peers or kept experts; with
+            // neither, nothing would check them, and a user who set them expects a check.
+            let given: Vec<&str> = [
+                ("--trust", !p.trust.is_empty()),
+                ("--model-id", p.model_id.is_some()),
+                ("--manifest", p.manifest.is_some()),
+                ("--key", p.key.is_some()),
+            ]
+            .into_iter()
+            .filter_map(|(flag, set)| set.then_some(flag))
+            .collect();
+            anyhow::ensure!(
+                given.is_empty(),
+                "{} {} only with --peer, --expert-dir or --listen: the manifest checks verify \
+                 experts from peers or kept experts, and --key names this node to peers. The \
+                 local checkpoint is used as it is; `stormo manifest verify` checks it against \
+                 a manifest",
+                given.join(", "),
+                if given.len() == 1 { "applies" } else { "apply" }
+            );
+        }
+        if !uses_local && !has_peers && p.keep.is_none() && cfg.listen.is_none() {
+            anyhow::bail!(
+                "{} holds no experts this node may use{}: give --peer KEY@HOST:PORT so experts \
+                 come from peers (or --expert-dir with experts kept earlier)",
+                dir.display(),
+                if dense_only {
+                    format!(
+                        " (it was pulled without them, see {})",
+                        net::pull::MARKER_FILE
+                    )
+                } else {
+                    String::new()
+                }
+            );
+        }
+        if cfg.experts.mmap {
+            anyhow::ensure!(
+                !has_peers && p.keep.is_none() && allowed.is_none(),
+                "--mmap-experts serves every local expert; it cannot be combined with peers, an \
+                 expert directory or expert subsets"
+            );
+        }
+        let rt = Arc::new(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("stormo-node")
+                .enable_all()
+                .build()
+                .context("starting the node's runtime")?,
+        );
+        // A key is needed to reach peers or be reached; kept experts alone need none, and a
+        // key no peer sees is not worth a warning.
+        let secret = if has_peers || cfg.listen.is_some() {
+            Some(net::node_key(p.key.as_deref())?)
+        } else if needs_manifest {
+            Some(SecretKey::generate())
+        } else {
+            None
+        };
+        let endpoint = match (&cfg.listen, has_peers) {
+            (Some(l), _) => {
+                let _g = rt.enter();
+                Some(net::bind(l.addr, None)?)
+            }
+            (None, true) => {
+                let _g = rt.enter();
+                let v6 = p.peers.iter().any(|q| q.addr.is_ipv6());
+                Some(net::bind(net::unspecified(v6), None)?)
+            }
+            (None, false) => None,
+        };
+        let manifest = match (&secret, needs_manifest) {
+            (Some(secret), true) => {
+                let (m, id, bytes) = net::resolve_manifest(&dir, p, secret, &rt)?;
+                net::serve::check_layout(&m, &files.layout.sizes())
+                    .context("the manifest does not describe this checkpoint")?;
+                Some(NodeManifest {
+                    manifest: Arc::new(m),
+                    id,
+                    bytes: Bytes::from(bytes),
+                })
+            }
+            _ => None,
+        };
+        let key = match &manifest {
+            Some(m) => m.id.to_hex(),
+            None => {
+                let canon = std::fs::canonicalize(&dir).unwrap_or_else(|_| dir.clone());
+                let h = Hash::of(canon.to_string_lossy().as_bytes()).to_hex();
+                format!("path-{}", &h[..16])
+            }
+        };
+        let state = StatePaths::new(&cfg.state_dir, &key);
+        let kept = match (&p.keep, &manifest) {
+            (Some(k), Some(m)) => {
+                let root = k.dir.clone().unwrap_or_else(|| state.experts.clone());
+                Some(Arc::new(ExpertDir::open(
+                    &root,
+                    m.id,
+                    k.limit,
+                    m.manifest.clone(),
+                    files.layout.schemas.clone(),
+                )?))
+            }
+            _ => None,
+        };
+        let disk: Option<Arc<dyn Tier>> = if uses_local && !cfg.experts.mmap {
+            Some(Arc::new(
+                files.disk_tier(cfg.experts.io_threads.max(1), allowed.clone())?,
+            ))
+        } else {
+            None
+        };
+        let peers = match (&secret, &endpoint, &manifest) {
+            (Some(secret), Some(ep), Some(m)) => {
+                let t = PeerTier::new(
+                    ep.clone(),
+                    rt.handle().clone(),
+                    secret,
+                    m.manifest.clone(),
+                    m.id,
+                    files.layout.schemas.clone(),
+                    p.timeouts,
+                );
+                if let Some(d) = &kept {
+                    t.set_expert_dir(d.clone());
+                }
+                if let (true, Some(d)) = (p.peers_first, &disk) {
+                    t.set_local(d.clone());
+                }
+                t.add_peers(&p.peers)?;
+                Some(Arc::new(t))
+            }
+            _ => None,
+        };
+        let mut tiers: Vec<Arc<dyn Tier>> = Vec::new();
+        if !p.peers_first {
+            tiers.extend(disk.clone());
+        }
+        if let Some(d) = &kept {
+            tiers.push(Arc::new(DirTier(d.clone())));
+        }
+        if let Some(t) = &peers {
+            tiers.push(t.clone());
+        }
+        if p.peers_first {
+            tiers.extend(disk);
+        }
+        let usage = cfg.experts.hot_store.then(|| state.usage());
+        if let Some(u) = &usage {
+            if let Some(parent) = u.parent() {
+                if let Err(e) = std::fs::create_dir_all(parent) {
+                    tracing::warn!(
+                        "cannot create the state directory {} ({e}); expert usage is not recorded",
+                        parent.display()
+                    );
+                }
+            }
+        }
+        let experts = Arc::new(Experts::build(
+            &files,
+            &cfg.experts,
+            cfg.context.max(1),
+            tiers,
+            usage,
+        )?);
+        let mut node = Self {
+            rt,
+            files,
+            secret,
+            manifest,
+            experts,
+            peers,
+            dir: kept,
+            endpoint,
+            server: Mutex::new(None),
+            holdings: None,
+            state,
+            cfg,
+        };
+        if node.cfg.listen.is_some() {
+            node.start_serving(allowed.as_deref(), dense_only)?;
+        }
+        Ok(node)
+    }
+
+    /// Starts the serving side on the node's endpoint.
+    fn start_serving(
+        &mut self,
+        allowed: Option<&[Vec<bool>]>,
+        dense_only: bool,
+    ) -> anyhow::Result<()> {
+        let listen = self
+            .cfg
+            .listen
+            .clone()
+            .expect("serving needs a listen config");
+        let (Some(m), Some(secret), Some(ep)) = (&self.manifest, &self.secret, &self.endpoint)
+        else {
+            anyhow::bail!("serving needs the manifest, a key and an endpoint");
+        };
+        let local = local_held(&m.manifest, allowed)?;
+        let withheld = m
+            .manifest
+            .experts
+            .iter()
+            .filter(|e| !local.contains(e.id))
+            .flat_map(|e| {
+                let tensors = &m.manifest.tensors;
+                e.parts.iter().filter_map(move |p| {
+                    let t = tensors.get(p.tensor as usize)?;
+                    Some((t.file, p.offset, p.offset + p.len, e.id))
+                })
+            })
+            .collect();
+        let paths = ManifestPaths::resolve(&self.cfg.model, self.cfg.peers.manifest.as_deref());
+        let sig = std::fs::read(&paths.sig).ok().map(Bytes::from);
+        let holdings = Arc::new(Holdings {
+            manifest_bytes: m.bytes.clone(),
+            manifest: m.manifest.clone(),
+            experts: self.experts.provider.clone(),
+            announce: tokio::sync::watch::Sender::new(Arc::new(Announce::holding(local.clone()))),
+            files: Some(Arc::new(FileShare {
+                dir: self.cfg.model.clone(),
+                sig,
+                dense_only,
+                withheld,
+            })),
+        });
+        let h = {
+            let _g = self.rt.enter();
+            net::serve::start_on(ep.clone(), secret, holdings.clone(), listen.serve)?
+        };
+        let announcer = Announcer {
+            holdings: holdings.clone(),
+            local,
+            cache: self.experts.tiered.clone(),
+            dir: self.dir.clone(),
+            peers: self.peers.clone(),
+        };
+        announcer.refresh();
+        self.rt.spawn(async move {
+            let mut tick = tokio::time::interval(ANNOUNCE_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let a = announcer.clone();
+                // The cache and the expert directory take locks: off the async threads.
+                if tokio::task::spawn_blocking(move || a.refresh())
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        });
+        self.holdings = Some(holdings);
+        *self.server.lock().expect("server lock") = Some(h);
+        Ok(())
+    }
+
+    /// The model, loaded with `opts` over this node's experts. Call once per model instance;
+    /// the node stays needed while the model runs (its tiers and runtime serve the experts).
+    pub fn load_model(&self, opts: &LoadOptions) -> anyhow::Result<Model> {
+        Model::new(share(&self.files), self.experts.provider.clone(), opts)
+            .with_context(|| format!("loading the model in {}", self.cfg.model.display()))
+    }
+
+    /// The model's files.
+    pub fn files(&self) -> &ModelFiles {
+        &self.files
+    }
+
+    /// What the node was built from.
+    pub fn config(&self) -> &NodeConfig {
+        &self.cfg
+    }
+
+    /// The expert provider (the RAM cache over the tiers).
+    pub fn provider(&self) -> Arc<dyn ExpertProvider> {
+        self.experts.provider.clone()
+    }
+
+    /// The experts and their statistics.
+    pub fn experts(&self) -> &Arc<Experts> {
+        &self.experts
+    }
+
+    /// The node's runtime.
+    pub fn runtime(&self) -> &tokio::runtime::Runtime {
+        &self.rt
+    }
+
+    /// The node's key, when it has one (it talks to peers).
+    pub fn node_key(&self) -> Option<PublicKey> {
+        self.secret.as_ref().map(SecretKey::public)
+    }
+
+    /// The model id, when the node has a manifest.
+    pub fn model_id(&self) -> Option<Hash> {
+        self.manifest.as_ref().map(|m| m.id)
+    }
+
+    /// Where the node serves peers (the UDP address it listens and dials on).
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.server
+            .lock()
+            .expect("server lock")
+            .as_ref()
+            .map(ServerHandle::local_addr)
+    }
+
+    /// The serving side's counters, when it listens.
+    pub fn serve_stats(&self) -> Option<Arc<net::serve::ServeStats>> {
+        self.server
+            .lock()
+            .expect("server lock")
+            .as_ref()
+            .map(|s| s.stats.clone())
+    }
+
+    /// What the node holds and offers now, when it serves.
+    pub fn announce(&self) -> Option<Arc<Announce>> {
+        self.holdings.as_ref().map(|h| h.announce.borrow().clone())
+    }
+
+    /// The network tier, when the node has peers (or listens and may get them).
+    pub fn peer_tier(&self) -> Option<&Arc<PeerTier>> {
+        self.peers.as_ref()
+    }
+
+    /// The kept experts, when the node keeps them.
+    pub fn expert_dir(&self) -> Option<&Arc<ExpertDir>> {
+        self.dir.as_ref()
+    }
+
+    /// The state paths of this model.
+    pub fn state(&self) -> &StatePaths {
+        &self.state
+    }
+
+    /// Adds peers to the peer set and connects to the new ones (see
+    /// [`PeerTier::add_peers`]). A node built without peers and without listening has no
+    /// network tier: that is an error.
+    pub fn add_peers(&self, peers: &[PeerAddr]) -> anyhow::Result<()> {
+        let t = self
+            .peers
+            .as_ref()
+            .context("this node has no network tier (start it with --peer or --listen)")?;
+        t.add_peers(peers)
+    }
+
+    /// Removes a peer from the peer set. Returns whether it was there.
+    pub fn remove_peer(&self, key: &PublicKey) -> bool {
+        self.peers.as_ref().is_some_and(|t| t.remove_peer(key))
+    }
+
+    /// Blocks until SIGINT (Ctrl-C) or SIGTERM.
+    pub fn wait_for_shutdown(&self) -> anyhow::Result<&'static str> {
+        self.rt.block_on(shutdown_signal())
+    }
+
+    /// Stops the node cleanly: closes the peers' connections and the server (waiting up to
+    /// `grace` for connections to close), and saves the expert usage counts.
+    pub fn close(&self, grace: Duration) {
+        if let Some(p) = &self.peers {
+            p.close();
+        }
+        if let Some(h) = self.server.lock().expect("server lock").take() {
+            h.close();
+            let _ = self
+                .rt
+                .block_on(async { tokio::time::timeout(grace, h.wait_idle()).await });
+        }
+        self.experts.finish();
+    }
+
+    /// Closes the network tier (at the end of a run, so that its failures are not blamed on
+    /// peers) and saves the usage counts.
+    pub fn finish_run(&self) {
+        if let Some(p) = &self.peers {
+            p.close();
+        }
+        self.experts.finish();
+    }
+
+    /// Lines for `--stats`: the cache's table and the network's figures.
+    pub fn table(&self, prediction: (u64, u64)) -> String {
+        let mut out = self.experts.table(prediction);
+        out.push('\n');
+        if let Some(p) = &self.peers {
+            let h = p.hedge_stats();
+            out += &format!(
+                "  races: {} requests raced by a second one, {} won by the second, {} won by the local disk\n",
+                h.hedges, h.hedge_wins, h.local_wins
+            );
+        }
+        if let Some(d) = &self.dir {
+            out += &format!(
+                "  expert dir: {} experts held, {}\n",
+                d.len(),
+                crate::progress::human_bytes(d.used())
+            );
+        }
+        out
+    }
+
+    /// The `"experts"` object of `--json`, with the network's figures.
+    pub fn json(&self, prediction: (u64, u64)) -> serde_json::Value {
+        let mut o = self.experts.json(prediction);
+        if let Some(p) = &self.peers {
+            let h = p.hedge_stats();
+            o["peer_hedges"] = h.hedges.into();
+            o["peer_hedge_wins"] = h.hedge_wins.into();
+            o["peer_local_wins"] = h.local_wins.into();
+        }
+        if let Some(d) = &self.dir {
+            o["dir_held"] = (d.len() as u64).into();
+            o["dir_held_bytes"] = d.used().into();
+        }
+        o
+    }
+}
+
+/// Waits for SIGINT or SIGTERM; returns which.
+pub async fn shutdown_signal() -> anyhow::Result<&'static str> {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("listening for SIGTERM")?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => { r.context("waiting for Ctrl-C")?; Ok("SIGINT") }
+            _ = term.recv() => Ok("SIGTERM"),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        tokio::signal::ctrl_c()
+            .await
+            .context("waiting for Ctrl-C")?;
+        Ok("Ctrl-C")
+    }
+}
+
+/// Recomputes what a serving node holds and offers.
+#[derive(Clone)]
+struct Announcer {
+    holdings: Arc<Holdings>,
+    /// The experts on the local disk that the node serves.
+    local: ExpertSet,
+    cache: Option<Arc<stormo_engine::tiers::TieredExperts>>,
+    dir: Option<Arc<ExpertDir>>,
+    peers: Option<Arc<PeerTier>>,
+}
+
+impl Announcer {
+    /// Held: the local experts, the kept ones, and those verified in the RAM cache. Offered:
+    /// those the direct peers hold and this node does not.
+    fn refresh(&self) {
+        let mut held = self.local.clone();
+        if let Some(c) = &self.cache {
+            for k in c.resident() {
+                if let (Ok(layer), Ok(expert)) = (u16::try_from(k.layer), u16::try_from(k.expert)) {
+                    let _ = held.insert(stormo_manifests::ExpertId { layer, expert });
+                }
+            }
+        }
+        if let Some(d) = &self.dir {
+            for e in &self.holdings.manifest.experts {
+                if d.contains(e.id) {
+                    let _ = held.insert(e.id);
+                }
+            }
+        }
+        let shape = (held.layers(), held.experts_per_layer());
+        let mut offered = self
+            .peers
+            .as_ref()
+            .and_then(|p| p.held_by_peers(shape))
+            .unwrap_or_else(|| Announce::holding(held.clone()).offered);
+        for e in held.iter() {
+            let _ = offered.remove(e);
+        }
+        self.holdings.set_announce(Announce { held, offered });
+    }
+}
