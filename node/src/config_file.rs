@@ -116,6 +116,25 @@ fn collect_longs(c: &clap::Command, out: &mut std::collections::HashSet<String>)
 }
 
 fn with_defaults(c: clap::Command, entries: &[(String, Vec<String>)]) -> clap::Command {
+    // A required group that the file gives a member of (serve's --listen/--http) is satisfied
+    // by the file: clap counts only the command line there, so it is no longer required.
+    let given: Vec<clap::Id> = c
+        .get_arguments()
+        .filter(|a| {
+            a.get_long()
+                .is_some_and(|l| entries.iter().any(|(k, _)| k == l))
+        })
+        .map(|a| a.get_id().clone())
+        .collect();
+    let relax: Vec<clap::Id> = c
+        .get_groups()
+        .filter(|g| g.is_required_set() && g.get_args().any(|a| given.contains(a)))
+        .map(|g| g.get_id().clone())
+        .collect();
+    let mut c = c;
+    for id in relax {
+        c = c.mut_group(id, |g| g.required(false));
+    }
     let c = c.mut_args(|a| {
         let Some(long) = a.get_long() else {
             return a;

@@ -319,49 +319,6 @@ pub async fn write_message(send: &mut quinn::SendStream, m: &Message) -> anyhow:
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn peer_addr_parses_and_names_what_is_wrong() {
-        let key = SecretKey::from_seed(&[1; 32]).public();
-        let p: PeerAddr = format!("{key}@127.0.0.1:4433").parse().unwrap();
-        assert_eq!(p.key, key);
-        assert_eq!(p.addr, "127.0.0.1:4433".parse().unwrap());
-        let e = format!("{:#}", "127.0.0.1:4433".parse::<PeerAddr>().unwrap_err());
-        assert!(e.contains("KEY@HOST:PORT"), "{e}");
-        let e = format!("{:#}", "abc@127.0.0.1:1".parse::<PeerAddr>().unwrap_err());
-        assert!(e.contains("before '@'"), "{e}");
-        let e = format!(
-            "{:#}",
-            format!("{key}@127.0.0.1").parse::<PeerAddr>().unwrap_err()
-        );
-        assert!(e.contains("HOST:PORT"), "{e}");
-    }
-
-    #[test]
-    fn only_experts_both_forms() {
-        let shape = [8, 8, 0];
-        let all = parse_only_experts("0-2,5", &shape).unwrap();
-        assert_eq!(all[0], [true, true, true, false, false, true, false, false]);
-        assert_eq!(all[1], all[0]);
-        assert!(all[2].is_empty());
-        let per = parse_only_experts("0:0-1,1:7", &shape).unwrap();
-        assert_eq!(
-            per[0],
-            [true, true, false, false, false, false, false, false]
-        );
-        assert_eq!(
-            per[1],
-            [false, false, false, false, false, false, false, true]
-        );
-        for bad in ["", "3-1", "0-8", "x", "5:0", "0:1,2", "0:a-b"] {
-            assert!(parse_only_experts(bad, &shape).is_err(), "{bad:?} accepted");
-        }
-    }
-}
-
 /// Accepts manifest `bytes` only if its id equals `model_id` (when given) and its signature
 /// `sig` (the .sig file's bytes) verifies against one of `trust` (when given); at least one of
 /// the two must be given. Returns the manifest and its id.
@@ -455,4 +412,47 @@ pub fn resolve_manifest(
     };
     let (m, id) = accept_manifest(&bytes, sig.as_deref(), &args.trust, args.model_id)?;
     Ok((m, id, bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_addr_parses_and_names_what_is_wrong() {
+        let key = SecretKey::from_seed(&[1; 32]).public();
+        let p: PeerAddr = format!("{key}@127.0.0.1:4433").parse().unwrap();
+        assert_eq!(p.key, key);
+        assert_eq!(p.addr, "127.0.0.1:4433".parse().unwrap());
+        let e = format!("{:#}", "127.0.0.1:4433".parse::<PeerAddr>().unwrap_err());
+        assert!(e.contains("KEY@HOST:PORT"), "{e}");
+        let e = format!("{:#}", "abc@127.0.0.1:1".parse::<PeerAddr>().unwrap_err());
+        assert!(e.contains("before '@'"), "{e}");
+        let e = format!(
+            "{:#}",
+            format!("{key}@127.0.0.1").parse::<PeerAddr>().unwrap_err()
+        );
+        assert!(e.contains("HOST:PORT"), "{e}");
+    }
+
+    #[test]
+    fn only_experts_both_forms() {
+        let shape = [8, 8, 0];
+        let all = parse_only_experts("0-2,5", &shape).unwrap();
+        assert_eq!(all[0], [true, true, true, false, false, true, false, false]);
+        assert_eq!(all[1], all[0]);
+        assert!(all[2].is_empty());
+        let per = parse_only_experts("0:0-1,1:7", &shape).unwrap();
+        assert_eq!(
+            per[0],
+            [true, true, false, false, false, false, false, false]
+        );
+        assert_eq!(
+            per[1],
+            [false, false, false, false, false, false, false, true]
+        );
+        for bad in ["", "3-1", "0-8", "x", "5:0", "0:1,2", "0:a-b"] {
+            assert!(parse_only_experts(bad, &shape).is_err(), "{bad:?} accepted");
+        }
+    }
 }

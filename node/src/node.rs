@@ -119,8 +119,9 @@ impl Node {
     /// Builds the node `cfg` describes and starts it: opens the model, resolves the manifest
     /// (from the folder, or from a peer), connects to the peers, builds the tiers and, when it
     /// listens, starts serving.
-    pub fn start(cfg: NodeConfig) -> anyhow::Result<Self> {
+    pub fn start(mut cfg: NodeConfig) -> anyhow::Result<Self> {
         let dir = cfg.model.clone();
+        adopt_pulled_and_kept(&mut cfg)?;
         let files = ModelFiles::open(&dir)
             .with_context(|| format!("loading the model in {}", dir.display()))?;
         let shape: Vec<usize> = files.layout.parts.iter().map(Vec::len).collect();
@@ -219,7 +220,13 @@ impl Node {
         };
         let manifest = match (&secret, needs_manifest) {
             (Some(secret), true) => {
-                let (m, id, bytes) = net::resolve_manifest(&dir, p, secret, &rt)?;
+                let (m, id, bytes) = if !has_peers && p.model_id.is_none() && p.trust.is_empty() {
+                    // No peer's bytes to check: the folder's own manifest describes what this
+                    // node serves and keeps (its peers check it against their own pin).
+                    own_manifest(&dir, p.manifest.as_deref())?
+                } else {
+                    net::resolve_manifest(&dir, p, secret, &rt)?
+                };
                 net::serve::check_layout(&m, &files.layout.sizes())
                     .context("the manifest does not describe this checkpoint")?;
                 Some(NodeManifest {
@@ -569,6 +576,54 @@ impl Node {
         o
     }
 }
+
+/// The manifest in the model folder (or at `manifest`), taken as it is, with its id and bytes.
+fn own_manifest(dir: &Path, manifest: Option<&Path>) -> anyhow::Result<(Manifest, Hash, Vec<u8>)> {
+    let path = ManifestPaths::resolve(dir, manifest).bin;
+    let (m, bytes) = stormo_manifests::read_manifest(&path).with_context(|| {
+        format!(
+            "reading the manifest (create it with `stormo manifest build --model {}`)",
+            dir.display()
+        )
+    })?;
+    let id = Hash::of(&bytes);
+    Ok((m, id, bytes))
+}
+
+/// What a folder and the state directory say without being asked: a folder from `stormo
+/// pull` pins the model id it was pulled for (its manifest was accepted then), and experts
+/// kept earlier for this model in the state directory (by a serving node, or `stormo pull
+/// --experts`) are used, read-only unless keeping was asked for.
+fn adopt_pulled_and_kept(cfg: &mut NodeConfig) -> anyhow::Result<()> {
+    let p = &mut cfg.peers;
+    if let Some(pulled) = net::pull::Pulled::read(&cfg.model)? {
+        if p.model_id.is_none() && p.trust.is_empty() {
+            p.model_id = pulled.model_id.parse().ok();
+        }
+    }
+    if p.keep.is_none() {
+        let bin = ManifestPaths::resolve(&cfg.model, p.manifest.as_deref()).bin;
+        if let Ok(bytes) = std::fs::read(&bin) {
+            let id = Hash::of(&bytes);
+            let kept = StatePaths::new(&cfg.state_dir, "")
+                .experts
+                .join(id.to_hex());
+            let any = std::fs::read_dir(&kept).is_ok_and(|mut d| d.next().is_some());
+            if any && (p.model_id == Some(id) || !p.trust.is_empty()) {
+                tracing::info!("using the experts kept in {}", kept.display());
+                p.keep = Some(crate::config::KeepConfig {
+                    dir: None,
+                    limit: DEFAULT_KEEP_LIMIT,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The most kept experts a node holds per model when it was not told (`--expert-dir-limit`'s
+/// default).
+pub const DEFAULT_KEEP_LIMIT: u64 = 16 << 30;
 
 /// Waits for SIGINT or SIGTERM; returns which.
 pub async fn shutdown_signal() -> anyhow::Result<&'static str> {

@@ -293,7 +293,11 @@ impl Printer {
                   /reset   forget the conversation\n  \
                   /quit    leave (also /exit, or end of input)\n  \
                   /help    this list\n\n\
-                  Example: printf 'Hello\\nAnd again?\\n' | stormo chat --model DIR"
+                  Example: printf 'Hello\\nAnd again?\\n' | stormo chat --model DIR\n\n\
+                  A model bigger than this machine, its experts on a LAN node (`stormo serve \
+                  --help`):\n  \
+                  stormo pull --peer KEY@HOST:4433 --model-id ID --out ~/m   # dense weights\n  \
+                  stormo chat --model ~/m --peer KEY@HOST:4433"
 )]
 pub struct Args {
     /// The model directory (config.json, safetensors and tokenizer.json).

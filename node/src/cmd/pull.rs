@@ -41,6 +41,18 @@ pub struct Args {
     /// unless it already held the experts: a pull never drops them.
     #[arg(long)]
     pub with_experts: bool,
+    /// Also fetch these experts' records (the --only-experts syntax: `0-15`, or per layer
+    /// `0:0-7,1:8-15`), each from any peer that holds it (partial holders too), verified
+    /// against the manifest and kept in the expert directory (--expert-dir, default the state
+    /// directory), where `run`, `chat` and `serve` on this folder find and use them.
+    #[arg(long, value_name = "SPEC", conflicts_with = "with_experts")]
+    pub experts: Option<String>,
+    /// Where --experts keeps the records (default: `experts/` in the state directory).
+    #[arg(long, value_name = "DIR", requires = "experts")]
+    pub expert_dir: Option<PathBuf>,
+    /// The state directory (default: $XDG_STATE_HOME/stormo or ~/.local/state/stormo).
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
     /// Seconds a peer may take to answer one request, from when it is sent, before the next
     /// peer is tried (a connection attempt gets at most 3 s, or this if shorter). At most 1e6.
     #[arg(
@@ -65,9 +77,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .build()
         .context("starting the network runtime")?;
     let opts = pull::PullOptions {
-        peers: a.peers,
+        peers: a.peers.clone(),
         model_id: a.model_id,
-        trust: a.trust,
+        trust: a.trust.clone(),
         out: a.out.clone(),
         with_experts: a.with_experts,
         force: a.force,
@@ -83,6 +95,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         "dense only: run it with --peer to fetch experts"
     };
+    if let Some(spec) = &a.experts {
+        drop(rt);
+        pull_experts(&a, spec, r.model_id, PeerConfig::with_timeout(t))?;
+    }
     if r.tensors == 0 && r.fetched == 0 && r.reused == 0 {
         eprintln!(
             "model {model} in {} is already up to date: {} files kept ({what})",
@@ -101,5 +117,110 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             r.kept,
         );
     }
+    Ok(())
+}
+
+/// Fetches the expert records `spec` names for the model pulled into `a.out` (id `model`),
+/// each from any peer holding it, and keeps them (verified) in the expert directory.
+fn pull_experts(
+    a: &Args,
+    spec: &str,
+    model: Option<Hash>,
+    timeouts: PeerConfig,
+) -> anyhow::Result<()> {
+    use stormo_engine::tiers::{ExpertKey, Priority, Tier};
+    let state_dir = a
+        .state_dir
+        .clone()
+        .unwrap_or_else(crate::config::default_state_dir);
+    let node = crate::node::Node::start(crate::config::NodeConfig {
+        model: a.out.clone(),
+        state_dir,
+        experts: crate::config::ExpertsConfig {
+            cache: crate::config::CacheBudget::Bytes(0),
+            hot_store: false,
+            ..Default::default()
+        },
+        local: crate::config::LocalExperts::None,
+        context: 1,
+        peers: crate::config::PeersConfig {
+            peers: a.peers.clone(),
+            key: a.key.clone(),
+            trust: a.trust.clone(),
+            model_id: model.or(a.model_id),
+            manifest: None,
+            timeouts,
+            keep: Some(crate::config::KeepConfig {
+                dir: a.expert_dir.clone(),
+                limit: u64::MAX,
+            }),
+            peers_first: false,
+        },
+        listen: None,
+    })?;
+    let shape: Vec<usize> = node.files().layout.parts.iter().map(Vec::len).collect();
+    let flags = net::parse_only_experts(spec, &shape)?;
+    let keys: Vec<ExpertKey> = flags
+        .iter()
+        .enumerate()
+        .flat_map(|(l, row)| {
+            row.iter()
+                .enumerate()
+                .filter(|(_, &on)| on)
+                .map(move |(e, _)| ExpertKey::new(l, e))
+        })
+        .collect();
+    let tier = node.peer_tier().context("no network tier")?.clone();
+    let dir = node.expert_dir().context("no expert directory")?.clone();
+    let id = |k: ExpertKey| stormo_manifests::ExpertId {
+        layer: k.layer as u16,
+        expert: k.expert as u16,
+    };
+    let todo: Vec<ExpertKey> = keys
+        .iter()
+        .copied()
+        .filter(|&k| !dir.contains(id(k)))
+        .collect();
+    eprintln!(
+        "pull: {} experts asked for, {} already kept in {}",
+        keys.len(),
+        keys.len() - todo.len(),
+        dir.root().display()
+    );
+    let mut progress = crate::progress::Progress::new("pull: experts");
+    let total = todo.len() as u64;
+    // A few at a time: each load holds its whole record in memory until it is kept.
+    for (n, batch) in todo.chunks(4).enumerate() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        tier.load(
+            batch,
+            Priority::Demand,
+            std::sync::Arc::new(move |k: ExpertKey, r: stormo_engine::Result<_>| {
+                let _ = tx.send((k, r.map(|_: std::sync::Arc<_>| ())));
+            }),
+        );
+        for _ in batch {
+            let (k, r) = rx.recv().context("the network tier dropped a load")?;
+            r.with_context(|| format!("expert {k}"))?;
+        }
+        progress.update(((n + 1) * batch.len()).min(todo.len()) as u64, total);
+    }
+    progress.finish();
+    // The tier keeps each verified record in the background: wait for the last ones.
+    let until = std::time::Instant::now() + Duration::from_secs(120);
+    while todo.iter().any(|&k| !dir.contains(id(k))) {
+        anyhow::ensure!(
+            std::time::Instant::now() < until,
+            "the fetched experts were not all written to {} within 120 s",
+            dir.root().display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    node.finish_run();
+    eprintln!(
+        "pull: {} experts kept in {}",
+        keys.len(),
+        dir.root().display()
+    );
     Ok(())
 }

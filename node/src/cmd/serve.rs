@@ -14,8 +14,23 @@ use crate::net::tls::{Admission, Congestion};
 use crate::net::{self, serve};
 use crate::node::Node;
 
+/// How to run one node for a LAN, shown after `stormo serve --help`.
+pub const LAN_HELP: &str = "\
+One node for a LAN (every machine runs one node; a node serves what it holds, fetches what it
+lacks, keeps it and serves it on):
+  # the machine with the checkpoint (build its manifest once; the folder is never written again)
+  stormo key generate --out node.key
+  stormo manifest build --model /models/gpt-oss-20b           # prints the model id
+  stormo serve --model /models/gpt-oss-20b --key node.key --listen 0.0.0.0:4433 --allow-any
+  # a machine without room for the experts: the dense weights, then a node that fetches
+  stormo pull --peer KEY@HOST:4433 --model-id ID --out ~/gpt-oss-20b
+  stormo serve --model ~/gpt-oss-20b --peer KEY@HOST:4433 --listen 0.0.0.0:4433 --allow-any \\
+      --http 127.0.0.1:8080
+Every option can also come from a --config FILE (TOML) or a STORMO_<OPTION> variable.";
+
 /// Arguments of `stormo serve`.
 #[derive(Debug, clap::Args)]
+#[command(after_help = LAN_HELP)]
 #[command(group(
     clap::ArgGroup::new("endpoint")
         .args(["listen", "http"])
@@ -73,6 +88,10 @@ pub struct Args {
 
 /// Runs `stormo serve` until interrupted (SIGINT or SIGTERM: a clean stop).
 pub fn run(a: Args) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.listen.is_some() || a.http.http.is_some(),
+        "give --listen, --http, or both (on the command line or in the --config file)"
+    );
     let http = a.http.config()?;
     // The checks that cost no loading come first.
     let text = match &http {
