@@ -9,4 +9,5 @@ pub mod experts;
 pub mod http;
 pub mod logging;
 pub mod net;
+pub mod plot;
 pub mod progress;
