@@ -110,17 +110,27 @@ pub fn llama_bench_speeds(v: &Value) -> anyhow::Result<Speeds> {
     Ok(s)
 }
 
-/// This machine's CPU as `/proc/cpuinfo` names it, for labels ("unknown CPU" elsewhere).
+/// This machine's CPU as `/proc/cpuinfo` names it, with its family and model numbers (a VM
+/// may name only the vendor), for labels; "unknown CPU" where there is no such file.
 pub fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.split_whitespace().collect::<Vec<_>>().join(" "))
-        })
-        .unwrap_or_else(|| "unknown CPU".to_string())
+        .map(|s| cpu_name_of(&s))
+        .unwrap_or_else(|_| "unknown CPU".to_string())
+}
+
+fn cpu_name_of(cpuinfo: &str) -> String {
+    let field = |name: &str| {
+        cpuinfo
+            .lines()
+            .filter_map(|l| l.split_once(':'))
+            .find(|(k, _)| k.trim() == name)
+            .map(|(_, v)| v.split_whitespace().collect::<Vec<_>>().join(" "))
+    };
+    let name = field("model name").unwrap_or_else(|| "unknown CPU".to_string());
+    match (field("cpu family"), field("model")) {
+        (Some(f), Some(m)) => format!("{name} (family {f}, model {m})"),
+        _ => name,
+    }
 }
 
 /// `stormo bench --svg FILE [--svg-llama FILE]`, resolved before the bench runs (so a bad
@@ -245,6 +255,7 @@ pub fn bench_svg(
         chart
             .configure_mesh()
             .disable_x_mesh()
+            .light_line_style(WHITE)
             .x_labels(0)
             .y_desc("tokens per second")
             .draw()
@@ -259,7 +270,8 @@ pub fn bench_svg(
                 .map_err(draw_error)?;
         }
         let width = if llama.is_some() { 0.35 } else { 0.5 };
-        let label = ("sans-serif", 14).into_font();
+        let label = TextStyle::from(("sans-serif", 14).into_font())
+            .pos(Pos::new(HPos::Center, VPos::Bottom));
         for (i, (_, ours, theirs)) in groups.iter().enumerate() {
             let c = i as f64;
             let x0 = if llama.is_some() {
@@ -280,7 +292,11 @@ pub fn bench_svg(
                     let _ = write!(text, " ({:.0}% of peak)", 100.0 * fig.prefill_of_peak[i]);
                 }
                 chart
-                    .draw_series([Text::new(text, (x, v + top * 0.02), label.clone())])
+                    .draw_series([Text::new(
+                        text,
+                        (x + width / 2.0, v + top * 0.01),
+                        label.clone(),
+                    )])
                     .map_err(draw_error)?;
             }
         }
@@ -354,6 +370,15 @@ mod tests {
         v.as_object_mut().unwrap().remove("decode_bound_tok_s");
         let e = BenchFigures::from_bench_json(&v).unwrap_err().to_string();
         assert!(e.contains("decode_bound_tok_s"), "{e}");
+    }
+
+    #[test]
+    fn the_cpu_is_named_with_its_family_and_model() {
+        let info = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\
+                    model name\t: AMD  EPYC\n";
+        assert_eq!(cpu_name_of(info), "AMD EPYC (family 26, model 2)");
+        assert_eq!(cpu_name_of("model name : X\n"), "X");
+        assert_eq!(cpu_name_of(""), "unknown CPU");
     }
 
     #[test]
