@@ -2,7 +2,8 @@
 # `stormo bench` beside llama.cpp's `llama-bench` on this machine, on the same
 # gpt-oss-20b-geometry checkpoint, alternated twice so both see the same minutes of a noisy host.
 # llama.cpp is commit 0c1e570, the commit of the figures the speed issue quotes, taken from the
-# llama-cpp-python 0.3.36 source package on PyPI (sha256 pinned below). Not part of `.ci/run`:
+# llama-cpp-python 0.3.36 source package, fetched by pip (`pip download --no-binary`, never by
+# address) and checked against the sha256 pinned below, by pip and again here. Not part of `.ci/run`:
 # it downloads about 4 GB (PyTorch and friends, for llama.cpp's own checkpoint converter), needs
 # about 35 GB of disk besides the checkpoint, and takes 30-40 minutes on 2 cores.
 #
@@ -12,6 +13,9 @@
 #   bash .ci/llamacpp-side-by-side.sh /tmp/g20 both           # Q8_0 GGUF vs both opt-ins
 #   bash .ci/llamacpp-side-by-side.sh /tmp/g20 int8-attn-head # Q8_0 GGUF vs --int8-attn-head
 #   NO_AMX=1 bash .ci/llamacpp-side-by-side.sh ...            # on a VM without AMX state (below)
+#
+# Each run also draws both programs' figures as a chart, $WORK/side-by-side-MODE-RUN.svg
+# (`stormo bench --svg FILE --svg-llama LLAMA_BENCH_JSON`).
 #
 # What llama.cpp computes in these layouts: its CPU MXFP4 kernel multiplies by activations
 # rounded to 8-bit blocks (as `--int8-experts` does), and its BF16 kernel by activations rounded
@@ -30,21 +34,28 @@ case "$mode" in
 esac
 mkdir -p "$work"
 
-src="$work/llama_cpp_python-0.3.36/vendor/llama.cpp"
-if [ ! -d "$src" ]; then
-  tarball="$work/llama_cpp_python-0.3.36.tar.gz"
-  curl -fsSL -o "$tarball" \
-    https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/llama_cpp_python-0.3.36.tar.gz
-  echo "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e  $tarball" | sha256sum -c -
-  tar xzf "$tarball" -C "$work"
-fi
-
+# The venv first: pip needs cmake and scikit-build-core (llama-cpp-python's build backend) to
+# read the source package's metadata when it downloads it.
 if [ ! -x "$work/venv/bin/python" ]; then
   python3 -m venv "$work/venv"
-  "$work/venv/bin/pip" install --quiet cmake ninja torch numpy 'transformers==4.57.6' \
-    sentencepiece 'protobuf<5' safetensors
+  "$work/venv/bin/pip" install --quiet cmake ninja scikit-build-core torch numpy \
+    'transformers==4.57.6' sentencepiece 'protobuf<5' safetensors
 fi
 export PATH="$work/venv/bin:$PATH"
+
+version=0.3.36
+sha256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+src="$work/llama_cpp_python-$version/vendor/llama.cpp"
+if [ ! -d "$src" ]; then
+  tarball="$work/llama_cpp_python-$version.tar.gz"
+  if [ ! -f "$tarball" ]; then
+    echo "llama-cpp-python==$version --hash=sha256:$sha256" > "$work/llama-cpp-python.txt"
+    pip download --quiet --no-deps --no-binary llama-cpp-python --no-build-isolation \
+      --require-hashes -r "$work/llama-cpp-python.txt" -d "$work"
+  fi
+  echo "$sha256  $tarball" | sha256sum -c -
+  tar xzf "$tarball" -C "$work"
+fi
 
 # NO_AMX=1 builds for the host's AVX-512 without AMX: a native build on a Xeon whose CPU lists
 # AMX compiles llama.cpp's AMX kernels for Q8_0, and a VM that does not give its guests the AMX
@@ -79,13 +90,14 @@ fi
 
 cargo build --release --quiet
 for i in 1 2; do
-  echo "stormo run $i..." >&2
-  ./target/release/stormo bench --model "$model" --warm --expert-cache 10GiB --no-hot-store \
-    --disk-test 0 --prompt-tokens 64,128 --decode-tokens 32 "${flags[@]}" --json \
-    > "$work/stormo-$mode-$i.json"
   echo "llama-bench run $i..." >&2
   /usr/bin/time -v "$bench" -m "$gguf" -t 2 -p 64,128 -n 32 -r 3 -o json \
     > "$work/llama-$mode-$i.json" 2> "$work/llama-$mode-$i.time"
+  echo "stormo run $i..." >&2
+  ./target/release/stormo bench --model "$model" --warm --expert-cache 10GiB --no-hot-store \
+    --disk-test 0 --prompt-tokens 64,128 --decode-tokens 32 "${flags[@]}" --json \
+    --svg "$work/side-by-side-$mode-$i.svg" --svg-llama "$work/llama-$mode-$i.json" \
+    > "$work/stormo-$mode-$i.json"
 done
 
 python3 - "$work" "$mode" <<'EOF'

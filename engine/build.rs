@@ -1,4 +1,4 @@
-//! Generates the software-emulated copy of the AVX-512 tier that tests run on CPUs without
+//! Generates the software-emulated copy of the AVX-512 ISA that tests run on CPUs without
 //! AVX-512 (`src/kernels/avx512_emulated.rs` includes it).
 //!
 //! The copy is `src/kernels/avx512.rs` with two mechanical changes, so the tested code is the
@@ -6,7 +6,7 @@
 //! AVX-512 instructions of its own in them), and its inner doc comments are dropped (an
 //! included file cannot carry them). Its AVX-512 intrinsics resolve to software versions there.
 //! The build fails, rather than produce a copy that could run AVX-512 instructions, if the
-//! tier's source has a target-feature attribute of another form, mentions AVX-512 in any other
+//! ISA's source has a target-feature attribute of another form, mentions AVX-512 in any other
 //! attribute, or calls an AVX-512 intrinsic the software versions do not define.
 
 use std::collections::BTreeSet;
@@ -51,7 +51,7 @@ fn main() {
             continue;
         }
         if t.contains("target_feature") && !t.starts_with("//") {
-            // Every function of the tier must be switched: one left with AVX-512 enabled could
+            // Every function of the ISA must be switched: one left with AVX-512 enabled could
             // run AVX-512 instructions on a CPU without them.
             assert_eq!(t, FEATURES, "{SOURCE}: unexpected target_feature line: {t}");
             out.push_str(&line.replace(FEATURES, EMULATED));
@@ -66,7 +66,7 @@ fn main() {
         out.push('\n');
     }
     assert!(switched > 0, "{SOURCE}: no target_feature attributes found");
-    // Every AVX-512 intrinsic the tier calls must have a software version; masked forms (which
+    // Every AVX-512 intrinsic the ISA calls must have a software version; masked forms (which
     // AVX-512 VL/BW add to 128- and 256-bit intrinsics) have none.
     let soft = read(SOFT);
     let defined: BTreeSet<&str> = soft

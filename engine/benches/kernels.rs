@@ -1,4 +1,4 @@
-//! Kernel throughput per tier at GPT-OSS shapes, beside the machine's read bound.
+//! Kernel throughput per ISA at GPT-OSS shapes, beside the machine's read bound.
 //!
 //! `cargo bench -p stormo-engine --bench kernels` (filter with e.g. `-- avx2/matvec`).
 //! Decode (`matvec`) groups report GB/s of weights read, once on a 1-thread pool and once on
@@ -10,7 +10,7 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rayon::prelude::*;
-use stormo_engine::kernels::{matmul, matvec, with_tier, Float, Mat, Tier};
+use stormo_engine::kernels::{matmul, matvec, with_isa, Float, Isa, Mat};
 
 /// A cheap deterministic byte stream (xorshift64).
 struct Rng(u64);
@@ -190,10 +190,10 @@ fn decode(c: &mut Criterion) {
     }
     let pool = one_thread();
     let all = format!("{}t", rayon::current_num_threads());
-    // Native tiers only: with the integration tests' `emulated-avx512` feature unified into the
-    // build (`cargo bench --workspace`), the AVX-512 tier would otherwise be timed in software.
-    for tier in Tier::native() {
-        let mut g = c.benchmark_group(format!("{tier}/matvec"));
+    // Native ISAs only: with the integration tests' `emulated-avx512` feature unified into the
+    // build (`cargo bench --workspace`), the AVX-512 ISA would otherwise be timed in software.
+    for isa in Isa::native() {
+        let mut g = c.benchmark_group(format!("{isa}/matvec"));
         g.sample_size(10);
         g.warm_up_time(std::time::Duration::from_millis(500));
         g.measurement_time(std::time::Duration::from_secs(2));
@@ -202,10 +202,10 @@ fn decode(c: &mut Criterion) {
             let mut y = vec![0f32; w.rows()];
             g.throughput(Throughput::Bytes(w.byte_len() as u64));
             g.bench_function(BenchmarkId::new(*name, "1t"), |b| {
-                pool.install(|| with_tier(tier, || b.iter(|| matvec(w, &x, &mut y))))
+                pool.install(|| with_isa(isa, || b.iter(|| matvec(w, &x, &mut y))))
             });
             g.bench_function(BenchmarkId::new(*name, &all), |b| {
-                with_tier(tier, || b.iter(|| matvec(w, &x, &mut y)))
+                with_isa(isa, || b.iter(|| matvec(w, &x, &mut y)))
             });
         }
         g.finish();
@@ -233,8 +233,8 @@ fn prefill(c: &mut Criterion) {
             },
         ),
     ];
-    for tier in Tier::native() {
-        let mut g = c.benchmark_group(format!("{tier}/matmul64"));
+    for isa in Isa::native() {
+        let mut g = c.benchmark_group(format!("{isa}/matmul64"));
         g.sample_size(10);
         g.warm_up_time(std::time::Duration::from_millis(500));
         g.measurement_time(std::time::Duration::from_secs(3));
@@ -243,7 +243,7 @@ fn prefill(c: &mut Criterion) {
             let mut ys = vec![0f32; t * w.rows()];
             g.throughput(Throughput::Elements((2 * w.rows() * w.cols() * t) as u64));
             g.bench_function(*name, |b| {
-                with_tier(tier, || b.iter(|| matmul(w, &xs, &mut ys)))
+                with_isa(isa, || b.iter(|| matmul(w, &xs, &mut ys)))
             });
         }
         g.finish();

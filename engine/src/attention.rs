@@ -6,16 +6,16 @@
 //! interleaved partial sums of unfused products, reduced pairwise, then the tail) times the
 //! scale; the softmax is [`ops::softmax`] or [`ops::softmax_with_sink`]; each output element
 //! starts at zero and adds `p_j · v_j` (a rounded product, then a rounded sum) position by
-//! position. The SIMD tiers compute exactly that, only wider: AVX2 holds the eight partial sums
+//! position. The SIMD ISAs compute exactly that, only wider: AVX2 holds the eight partial sums
 //! in one register and computes four keys at a time; AVX-512 uses the same scores and keeps
 //! 64 output elements in four registers across all positions; NEON holds the partial sums in
-//! two registers. Every tier gives the same bits (tested on random shapes against the scalar
-//! reference), so forcing a tier never changes a token.
+//! two registers. Every ISA gives the same bits (tested on random shapes against the scalar
+//! reference), so forcing an ISA never changes a token.
 //!
 //! The cache is a ring of `cap` slots per layer (a sliding layer keeps only its window), and
 //! the positions a query sees are at most two contiguous runs of slots.
 
-use crate::kernels::{for_each_index, SendPtr, Tier, Vector, PARALLEL_ELEMENTS};
+use crate::kernels::{for_each_index, Isa, SendPtr, Vector, PARALLEL_ELEMENTS};
 use crate::ops;
 
 /// One layer's attention for a block of `t` queries at positions `p0 .. p0 + t`, whose keys
@@ -54,7 +54,7 @@ impl Attend<'_> {
         if nh == 0 || d == 0 || t == 0 {
             return;
         }
-        let tier = Tier::active();
+        let isa = Isa::active();
         let ctx = scores.len() / nh;
         assert!(
             out.len() >= nh * t * d && ctx >= t,
@@ -70,7 +70,7 @@ impl Attend<'_> {
                     std::slice::from_raw_parts_mut(sc.at(head * ctx), ctx),
                 )
             };
-            self.head(tier, head, o, sc);
+            self.head(isa, head, o, sc);
         };
         if t * (self.p0 + t) * d * nh < PARALLEL_ELEMENTS {
             (0..nh).for_each(each);
@@ -80,24 +80,24 @@ impl Attend<'_> {
     }
 
     /// One query head's `t` outputs (`out`, `[t, head_dim]`) by the module's arithmetic, on
-    /// `tier`'s instructions where this CPU has them (else a lower tier's: the bits are the same).
-    fn head(&self, tier: Tier, head: usize, out: &mut [f32], sc: &mut [f32]) {
+    /// `ISA`'s instructions where this CPU has them (else a lower ISA's: the bits are the same).
+    fn head(&self, isa: Isa, head: usize, out: &mut [f32], sc: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         {
-            if tier == Tier::Avx512 && tier.is_native() {
-                // SAFETY: this CPU runs the AVX-512 tier's instructions.
+            if isa == Isa::Avx512 && isa.is_native() {
+                // SAFETY: this CPU runs the AVX-512 ISA's instructions.
                 return unsafe { self.head_avx512(head, out, sc) };
             }
-            if tier >= Tier::Avx2 && Tier::Avx2.is_native() {
-                // SAFETY: this CPU runs the AVX2 tier's instructions.
+            if isa >= Isa::Avx2 && Isa::Avx2.is_native() {
+                // SAFETY: this CPU runs the AVX2 ISA's instructions.
                 return unsafe { self.head_avx2(head, out, sc) };
             }
         }
         #[cfg(target_arch = "aarch64")]
-        if tier == Tier::Neon && tier.is_native() {
+        if isa == Isa::Neon && isa.is_native() {
             return self.head_with::<neon::Neon>(head, out, sc);
         }
-        let _ = tier;
+        let _ = isa;
         self.head_with::<Scalar>(head, out, sc)
     }
 
@@ -206,7 +206,7 @@ impl<'a> Rows<'a> {
 }
 
 /// [`Lanes::weighted_sum`] for the elements of `o` from `from` on, one at a time (the tail
-/// the vector tiers leave).
+/// the vector ISAs leave).
 #[inline(always)]
 fn weighted_tail(p: &[f32], values: &Rows<'_>, o: &mut [f32], from: usize) {
     for (e, oe) in o.iter_mut().enumerate().skip(from) {
@@ -218,7 +218,7 @@ fn weighted_tail(p: &[f32], values: &Rows<'_>, o: &mut [f32], from: usize) {
     }
 }
 
-/// A tier's attention arithmetic (the module's, bit for bit).
+/// An ISA's attention arithmetic (the module's, bit for bit).
 trait Lanes {
     /// `out[j] = dot(q, key j) · scale` for the `out.len()` keys of `keys` (`q.len()` wide).
     fn scores(q: &[f32], keys: &Rows<'_>, scale: f32, out: &mut [f32]);
@@ -345,7 +345,7 @@ mod x86 {
 
     /// Adds `p[j] · value j` to `o` for each `j` in order, 64 elements at a time held in
     /// registers across the positions, then one vector of `$lanes` at a time, then a scalar
-    /// tail; `load`/`mul`/`add` are the tier's.
+    /// tail; `load`/`mul`/`add` are the ISA's.
     macro_rules! weighted_sum {
         ($name:ident, $feat:literal, $v:ty, $lanes:literal, $load:ident, $store:ident,
          $set1:ident, $mul:ident, $add:ident) => {
@@ -528,19 +528,19 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::{with_tier, Float, Gen};
+    use crate::kernels::{with_isa, Float, Gen};
 
     /// `n` values in `[-2, 2)`.
     fn noise(n: usize, seed: u64) -> Vec<f32> {
         Gen::new(seed).units(n).iter().map(|v| 2.0 * v).collect()
     }
 
-    /// Every tier this CPU runs gives the scalar reference's bits, on head widths with and
+    /// Every ISA this CPU runs gives the scalar reference's bits, on head widths with and
     /// without a tail (of eight and of the vector width), sliding windows whose positions wrap
     /// around the ring, sinks, grouped heads, blocks of one and several queries, heads split
     /// among threads or not.
     #[test]
-    fn every_tier_matches_the_reference_bit_for_bit() {
+    fn every_isa_matches_the_reference_bit_for_bit() {
         let sink_bytes: Vec<u8> = noise(8, 99).iter().flat_map(|v| v.to_le_bytes()).collect();
         let mut case = 0u64;
         for &(d, heads, kv_heads) in &[(64, 8, 2), (128, 4, 4), (72, 6, 3), (13, 2, 1), (8, 2, 2)] {
@@ -578,23 +578,23 @@ mod tests {
                         kv_heads,
                         head_dim: d,
                     };
-                    let run = |tier: Tier| {
+                    let run = |isa: Isa| {
                         let mut out = vec![f32::NAN; heads * t * d];
                         let mut scores = vec![f32::NAN; heads * cap.max(p0 + t)];
-                        with_tier(tier, || a.run(&mut out, &mut scores));
+                        with_isa(isa, || a.run(&mut out, &mut scores));
                         out
                     };
-                    let want = run(Tier::Scalar);
+                    let want = run(Isa::Scalar);
                     assert!(want.iter().all(|x| x.is_finite()));
-                    for tier in Tier::available() {
-                        let got = run(tier);
+                    for isa in Isa::available() {
+                        let got = run(isa);
                         let same = got
                             .iter()
                             .zip(&want)
                             .all(|(g, w)| g.to_bits() == w.to_bits());
                         assert!(
                             same,
-                            "{tier}: d {d}, heads {heads}/{kv_heads}, window {window:?}, p0 {p0}, t {t}, sinks {sinks}"
+                            "{isa}: d {d}, heads {heads}/{kv_heads}, window {window:?}, p0 {p0}, t {t}, sinks {sinks}"
                         );
                     }
                 }
@@ -635,7 +635,7 @@ mod tests {
         };
         let mut out = vec![0.0; heads * t * d];
         let mut scores = vec![0.0; heads * cap];
-        with_tier(Tier::Scalar, || a.run(&mut out, &mut scores));
+        with_isa(Isa::Scalar, || a.run(&mut out, &mut scores));
         for head in 0..heads {
             let g = head / (heads / kv_heads);
             for i in 0..t {

@@ -4,25 +4,25 @@
 //! [`matvec`] and [`matmul`] compute `y = W·x` for one or many positions, [`matmul_batch`]
 //! several independent products in one parallel region.
 //!
-//! Kernels come in tiers ([`Tier`]): `scalar` (the reference, everywhere), `avx2` (AVX2, FMA
-//! and F16C) and `avx512` (AVX-512 F/BW) on x86-64, `neon` on AArch64. The best tier this CPU
+//! Kernels come per instruction set ([`Isa`]): `scalar` (the reference, everywhere), `avx2` (AVX2, FMA
+//! and F16C) and `avx512` (AVX-512 F/BW) on x86-64, `neon` on AArch64. The best ISA this CPU
 //! runs is detected once; `STORMO_SIMD=scalar|neon|avx2|avx512` forces a lower one for the whole
-//! process and [`with_tier`] for one thread's calls (tests run one body against every tier in
-//! [`Tier::available`], which in tests includes the AVX-512 tier run in software on CPUs
-//! without it: `avx512_emulated`). The process-wide tier must first pass a self-check against
-//! an f64 reference (`verify`), else the next lower tier is used, with a warning.
-//! Different tiers sum in different orders, so they agree to rounding, not to the bit.
+//! process and [`with_isa`] for one thread's calls (tests run one body against every ISA in
+//! [`Isa::available`], which in tests includes the AVX-512 ISA run in software on CPUs
+//! without it: `avx512_emulated`). The process-wide ISA must first pass a self-check against
+//! an f64 reference (`verify`), else the next lower ISA is used, with a warning.
+//! Different ISAs sum in different orders, so they agree to rounding, not to the bit.
 //!
-//! Within a tier, a position's output is bit-identical whether it was computed alone
+//! Within an ISA, a position's output is bit-identical whether it was computed alone
 //! ([`matvec`], decode) or in a block ([`matmul`], prefill): every kernel keeps one accumulator
 //! per (row, position) whose summation order does not depend on how many rows or positions a
 //! call interleaves. Prefill blocks read each weight row once per group of up to four
-//! positions (32 for MXFP4 on the SIMD tiers, 8 for its int8-input form; weights from cache
+//! positions (32 for MXFP4 on the SIMD ISAs, 8 for its int8-input form; weights from cache
 //! for the rest), decode streams the matrix once split across the kernels' threads (`pool`). MXFP4 is decoded
 //! on the fly, in registers (the SIMD prefill kernels stage a few rows' slab of 4 blocks,
 //! 8 KiB, in an L1 buffer they reuse, as a GEMM packs its panels); no dequantised copy of a
 //! matrix is ever made.
-//! A tier may want MXFP4 inputs permuted within each block of 32 (AVX2 does, so its shuffles
+//! An ISA may want MXFP4 inputs permuted within each block of 32 (AVX2 does, so its shuffles
 //! need no interleaving): [`matvec`] and [`matmul`] permute them once per call into a reused
 //! thread-local buffer.
 
@@ -256,7 +256,7 @@ pub enum Mat<'a> {
     },
 }
 
-// ---- element codes and scale tables shared by the SIMD tiers ----
+// ---- element codes and scale tables shared by the SIMD ISAs ----
 
 /// Element-format codes for const-generic kernels.
 pub(crate) const F32: u8 = 0;
@@ -303,12 +303,12 @@ const fn scale_table() -> [f32; 256] {
 )]
 pub(crate) static SCALE: [f32; 256] = scale_table();
 
-// ---- tiers and dispatch ----
+// ---- ISAs and dispatch ----
 
-/// A kernel tier: an instruction set the kernels are written for.
+/// An instruction set the kernels are written for (`STORMO_SIMD` names one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[non_exhaustive]
-pub enum Tier {
+pub enum Isa {
     /// Portable reference kernels.
     Scalar,
     /// AArch64 NEON (Advanced SIMD).
@@ -319,8 +319,8 @@ pub enum Tier {
     Avx512,
 }
 
-impl Tier {
-    /// Every tier, lowest first (a CPU runs scalar and the tiers of its own architecture).
+impl Isa {
+    /// Every ISA, lowest first (a CPU runs scalar and the ISAs of its own architecture).
     pub const ALL: [Self; 4] = [Self::Scalar, Self::Neon, Self::Avx2, Self::Avx512];
 
     /// The name `STORMO_SIMD` takes.
@@ -333,14 +333,14 @@ impl Tier {
         }
     }
 
-    /// Parses a tier name (`scalar`, `neon`, `avx2`, `avx512`).
+    /// Parses an ISA name (`scalar`, `neon`, `avx2`, `avx512`).
     pub fn parse(s: &str) -> Option<Self> {
         Self::ALL
             .into_iter()
             .find(|t| t.name().eq_ignore_ascii_case(s.trim()))
     }
 
-    /// True if this CPU runs the tier's instructions.
+    /// True if this CPU runs the ISA's instructions.
     pub fn is_native(self) -> bool {
         match self {
             Self::Scalar => true,
@@ -354,14 +354,14 @@ impl Tier {
         }
     }
 
-    /// True if the tier can run here: natively, or (in tests and with the `emulated-avx512`
-    /// feature) the AVX-512 tier in software on an AVX2 CPU, much slower, never chosen by
-    /// [`Tier::detected`].
+    /// True if the ISA can run here: natively, or (in tests and with the `emulated-avx512`
+    /// feature) the AVX-512 ISA in software on an AVX2 CPU, much slower, never chosen by
+    /// [`Isa::detected`].
     pub fn is_supported(self) -> bool {
         self.is_native() || self.is_emulated()
     }
 
-    /// True if the tier runs here only in software emulation (see [`Tier::is_supported`]).
+    /// True if the ISA runs here only in software emulation (see [`Isa::is_supported`]).
     pub fn is_emulated(self) -> bool {
         #[cfg(all(target_arch = "x86_64", any(test, feature = "emulated-avx512")))]
         if self == Self::Avx512 && !self.is_native() {
@@ -370,7 +370,7 @@ impl Tier {
         false
     }
 
-    /// The best tier this CPU runs natively.
+    /// The best ISA this CPU runs natively.
     pub fn detected() -> Self {
         Self::ALL
             .into_iter()
@@ -379,53 +379,53 @@ impl Tier {
             .unwrap_or(Self::Scalar)
     }
 
-    /// Every tier this CPU runs natively, lowest first.
+    /// Every ISA this CPU runs natively, lowest first.
     pub fn native() -> Vec<Self> {
         Self::ALL.into_iter().filter(|t| t.is_native()).collect()
     }
 
-    /// Every tier this CPU runs (emulated ones included), lowest first.
+    /// Every ISA this CPU runs (emulated ones included), lowest first.
     pub fn available() -> Vec<Self> {
         Self::ALL.into_iter().filter(|t| t.is_supported()).collect()
     }
 
-    /// The process-wide tier: [`Tier::detected`], lowered by `STORMO_SIMD` if set, then by
-    /// one tier at a time while it fails its self-check (a few small products of every exact
+    /// The process-wide ISA: [`Isa::detected`], lowered by `STORMO_SIMD` if set, then by
+    /// one ISA at a time while it fails its self-check (a few small products of every exact
     /// weight format against an f64 reference, a few milliseconds; a failure is logged as a
     /// warning). Decided once, on first use.
     pub fn process() -> Self {
-        static TIER: OnceLock<Tier> = OnceLock::new();
-        *TIER.get_or_init(|| {
+        static ISA: OnceLock<Isa> = OnceLock::new();
+        *ISA.get_or_init(|| {
             let simd = std::env::var("STORMO_SIMD").ok();
-            let (tier, warnings) = decide(simd.as_deref(), Self::detected(), self_check);
+            let (isa, warnings) = decide(simd.as_deref(), Self::detected(), self_check);
             for w in warnings {
                 tracing::warn!("{w}");
             }
-            tracing::debug!(tier = tier.name(), "kernel tier");
-            tier
+            tracing::debug!(isa = isa.name(), "kernel instruction set");
+            isa
         })
     }
 
-    /// The tier kernels called from this thread use: the innermost [`with_tier`], else
-    /// [`Tier::process`].
+    /// The ISA kernels called from this thread use: the innermost [`with_isa`], else
+    /// [`Isa::process`].
     pub fn active() -> Self {
         FORCED.with(Cell::get).unwrap_or_else(Self::process)
     }
 }
 
-impl std::fmt::Display for Tier {
+impl std::fmt::Display for Isa {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
     }
 }
 
-/// The tier a `STORMO_SIMD` value selects on a CPU whose best tier is `best`, and a warning if
+/// The ISA a `STORMO_SIMD` value selects on a CPU whose best ISA is `best`, and a warning if
 /// the value could not be honoured as given.
-fn resolve(value: &str, best: Tier) -> (Tier, Option<String>) {
+fn resolve(value: &str, best: Isa) -> (Isa, Option<String>) {
     if value.trim().is_empty() || value.trim().eq_ignore_ascii_case("auto") {
         return (best, None);
     }
-    match Tier::parse(value) {
+    match Isa::parse(value) {
         Some(t) if t <= best && t.is_native() => (t, None),
         Some(t) => (
             best,
@@ -436,67 +436,67 @@ fn resolve(value: &str, best: Tier) -> (Tier, Option<String>) {
         None => (
             best,
             Some(format!(
-                "STORMO_SIMD={value}: unknown tier (expected scalar, neon, avx2, avx512 or auto); \
+                "STORMO_SIMD={value}: unknown instruction set (expected scalar, neon, avx2, avx512 or auto); \
                  using {best}"
             )),
         ),
     }
 }
 
-/// The process-wide tier on a CPU whose best is `best`, given `STORMO_SIMD`'s value (if set)
-/// and a self-check (`check`): the requested tier, lowered while it fails the check; with the
+/// The process-wide ISA on a CPU whose best is `best`, given `STORMO_SIMD`'s value (if set)
+/// and a self-check (`check`): the requested ISA, lowered while it fails the check; with the
 /// warnings to log.
 fn decide(
     simd: Option<&str>,
-    best: Tier,
-    check: impl Fn(Tier) -> Result<(), String>,
-) -> (Tier, Vec<String>) {
+    best: Isa,
+    check: impl Fn(Isa) -> Result<(), String>,
+) -> (Isa, Vec<String>) {
     let (want, note) = simd.map_or((best, None), |v| resolve(v, best));
-    let (tier, mut warnings) = verify::first_passing(want, check);
+    let (isa, mut warnings) = verify::first_passing(want, check);
     warnings.splice(0..0, note);
-    (tier, warnings)
+    (isa, warnings)
 }
 
-/// [`verify::self_check`] of `tier`, on a one-thread pool of its own: it runs while
-/// [`Tier::process`] is being decided, when threads of the global pool may be waiting for that
+/// [`verify::self_check`] of `ISA`, on a one-thread pool of its own: it runs while
+/// [`Isa::process`] is being decided, when threads of the global pool may be waiting for that
 /// decision.
-fn self_check(tier: Tier) -> Result<(), String> {
+fn self_check(isa: Isa) -> Result<(), String> {
     match rayon::ThreadPoolBuilder::new().num_threads(1).build() {
-        Ok(pool) => pool.install(|| verify::self_check(tier)),
+        Ok(pool) => pool.install(|| verify::self_check(isa)),
         Err(e) => {
             tracing::debug!("no thread for the kernel self-check ({e}); running it here");
-            verify::self_check(tier)
+            verify::self_check(isa)
         }
     }
 }
 
 thread_local! {
-    static FORCED: Cell<Option<Tier>> = const { Cell::new(None) };
+    static FORCED: Cell<Option<Isa>> = const { Cell::new(None) };
 }
 
-/// Runs `f` with this thread's kernel calls forced to `tier` (work they hand to the kernels' helpers
-/// uses the same tier). Nests; restores the previous tier afterwards, even on panic.
+/// Runs `f` with this thread's kernel calls forced to `ISA` (work they hand to the kernels' helpers
+/// uses the same ISA). Nests; restores the previous ISA afterwards, even on panic.
 ///
 /// # Panics
-/// If this CPU does not support `tier` (see [`Tier::available`]).
-pub fn with_tier<R>(tier: Tier, f: impl FnOnce() -> R) -> R {
+/// If this CPU does not support `ISA` (see [`Isa::available`]).
+pub fn with_isa<R>(isa: Isa, f: impl FnOnce() -> R) -> R {
     assert!(
-        tier.is_supported(),
-        "this CPU does not support the {tier} tier"
+        isa.is_supported(),
+        "this CPU does not support the {isa} instruction set"
     );
-    struct Restore(Option<Tier>);
+    struct Restore(Option<Isa>);
     impl Drop for Restore {
         fn drop(&mut self) {
             FORCED.with(|c| c.set(self.0));
         }
     }
-    let _restore = Restore(FORCED.with(|c| c.replace(Some(tier))));
+    let _restore = Restore(FORCED.with(|c| c.replace(Some(isa))));
     f()
 }
 
-/// How many bytes ahead in each of its weight streams the AVX-512 tier's one-position (decode)
+/// How many bytes ahead in each of its weight streams the AVX-512 ISA's one-position (decode)
 /// kernels prefetch: 2 KiB unless [`set_prefetch_ahead`] changed it (0 off x86-64, where there
-/// is no such tier). The other tiers prefetch the next rows instead and ignore this.
+/// is no such ISA). The other ISAs prefetch the next rows instead and ignore this.
 pub fn prefetch_ahead() -> usize {
     #[cfg(target_arch = "x86_64")]
     return avx512::ahead();
@@ -518,7 +518,7 @@ pub fn set_prefetch_ahead(bytes: usize) {
 /// Output slices, one per position, for input-major kernels.
 pub(crate) type Outs<'a> = [&'a mut [f32]];
 
-/// Panics unless a row kernel's arguments are in bounds (the SIMD tiers read through raw
+/// Panics unless a row kernel's arguments are in bounds (the SIMD ISAs read through raw
 /// pointers after this check).
 pub(crate) fn check_rows(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &[f32]) {
     let (rows, cols) = (w.rows(), w.cols());
@@ -578,43 +578,43 @@ pub(crate) fn check_cols_t(w: &Mat<'_>, o0: usize, n: usize, xs: &[f32], outs: &
     assert!(outs.iter().all(|o| o.len() >= n), "kernel output too short");
 }
 
-/// Row kernel of `tier`: rows `r0 .. r0 + n`, `p <= 4` positions, `out` `[p, n]`.
-fn rows_in(tier: Tier, w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
+/// Row kernel of `ISA`: rows `r0 .. r0 + n`, `p <= 4` positions, `out` `[p, n]`.
+fn rows_in(isa: Isa, w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
     if let Mat::Mxfp4Int8 { .. } = w {
-        return int8x::rows(tier, w, r0, n, xs, p, out);
+        return int8x::rows(isa, w, r0, n, xs, p, out);
     }
-    match tier {
+    match isa {
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx2 => avx2::rows(w, r0, n, xs, p, out),
+        Isa::Avx2 => avx2::rows(w, r0, n, xs, p, out),
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 => {
+        Isa::Avx512 => {
             #[cfg(any(test, feature = "emulated-avx512"))]
-            if Tier::Avx512.is_emulated() {
+            if Isa::Avx512.is_emulated() {
                 return avx512_emulated::rows(w, r0, n, xs, p, out);
             }
             avx512::rows(w, r0, n, xs, p, out)
         }
         #[cfg(target_arch = "aarch64")]
-        Tier::Neon => neon::rows(w, r0, n, xs, p, out),
+        Isa::Neon => neon::rows(w, r0, n, xs, p, out),
         _ => scalar::rows(w, r0, n, xs, p, out),
     }
 }
 
-/// Input-major kernel of `tier`: output columns `o0 .. o0 + n` for `outs.len()` positions.
-fn cols_t_in(tier: Tier, w: &Mat<'_>, o0: usize, n: usize, xs: &[f32], outs: &mut Outs<'_>) {
-    match tier {
+/// Input-major kernel of `ISA`: output columns `o0 .. o0 + n` for `outs.len()` positions.
+fn cols_t_in(isa: Isa, w: &Mat<'_>, o0: usize, n: usize, xs: &[f32], outs: &mut Outs<'_>) {
+    match isa {
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx2 => avx2::cols_t(w, o0, n, xs, outs),
+        Isa::Avx2 => avx2::cols_t(w, o0, n, xs, outs),
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 => {
+        Isa::Avx512 => {
             #[cfg(any(test, feature = "emulated-avx512"))]
-            if Tier::Avx512.is_emulated() {
+            if Isa::Avx512.is_emulated() {
                 return avx512_emulated::cols_t(w, o0, n, xs, outs);
             }
             avx512::cols_t(w, o0, n, xs, outs)
         }
         #[cfg(target_arch = "aarch64")]
-        Tier::Neon => neon::cols_t(w, o0, n, xs, outs),
+        Isa::Neon => neon::cols_t(w, o0, n, xs, outs),
         _ => scalar::cols_t(w, o0, n, xs, outs),
     }
 }
@@ -714,33 +714,33 @@ impl Mat<'_> {
     }
 }
 
-/// The machine's floating-point peak for `tier`'s kernels, in FLOP/s: every thread of the
+/// The machine's floating-point peak for `ISA`'s kernels, in FLOP/s: every thread of the
 /// rayon pool at once runs independent fused multiply-adds on registers (f32 lanes of the
-/// tier's vector width; the scalar tier's `mul_add`) for about `seconds`; the best of three
+/// ISA's vector width; the scalar ISA's `mul_add`) for about `seconds`; the best of three
 /// such rounds (a ceiling: a busy host only lowers it). Kernel rates in `stormo bench` are
 /// reported against it (the higher of a measurement before and one after the timed work).
 ///
 /// # Panics
-/// If this CPU does not run `tier` natively (an emulated tier has no meaningful peak).
-pub fn peak_flops(tier: Tier, seconds: f64) -> f64 {
+/// If this CPU does not run `ISA` natively (an emulated ISA has no meaningful peak).
+pub fn peak_flops(isa: Isa, seconds: f64) -> f64 {
     park_helpers();
-    assert!(tier.is_native(), "this CPU does not run {tier} natively");
+    assert!(isa.is_native(), "this CPU does not run {isa} natively");
     (0..3)
-        .map(|_| peak_round(tier, seconds / 3.0))
+        .map(|_| peak_round(isa, seconds / 3.0))
         .fold(0.0, f64::max)
 }
 
 /// One round of [`peak_flops`].
-fn peak_round(tier: Tier, seconds: f64) -> f64 {
+fn peak_round(isa: Isa, seconds: f64) -> f64 {
     let per_thread: Vec<f64> = rayon::broadcast(|_| {
         let mut flops = 0f64;
         let start = std::time::Instant::now();
         while start.elapsed().as_secs_f64() < seconds {
-            flops += match tier {
+            flops += match isa {
                 #[cfg(target_arch = "x86_64")]
-                Tier::Avx2 => avx2::fma_burst(),
+                Isa::Avx2 => avx2::fma_burst(),
                 #[cfg(target_arch = "x86_64")]
-                Tier::Avx512 => avx512::fma_burst(),
+                Isa::Avx512 => avx512::fma_burst(),
                 _ => scalar::fma_burst(),
             };
         }
@@ -749,25 +749,25 @@ fn peak_round(tier: Tier, seconds: f64) -> f64 {
     per_thread.iter().sum()
 }
 
-/// `y = W·x` for one position, with the thread's [`Tier::active`] kernels.
+/// `y = W·x` for one position, with the thread's [`Isa::active`] kernels.
 pub fn matvec(w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), w.cols(), "matvec input width");
     assert_eq!(y.len(), w.rows(), "matvec output width");
-    matmul_in(Tier::active(), w, x, y)
+    matmul_in(Isa::active(), w, x, y)
 }
 
 /// Some rows of `W·x` for one position: `y[i]` is row `rows[i]` of what [`matvec`] gives,
 /// bit for bit (every row kernel computes each row on its own, whatever rows share its call;
-/// [`verify::check_mat`] checks it for every tier). For a few rows of a large matrix (the
+/// [`verify::check_mat`] checks it for every ISA). For a few rows of a large matrix (the
 /// screened output head), on the calling thread.
 ///
 /// # Panics
 /// If `w` is input-major ([`Mat::DenseT`]), a row is out of range, or the lengths disagree.
 pub fn matvec_rows(w: &Mat<'_>, rows: &[usize], x: &[f32], y: &mut [f32]) {
-    matvec_rows_in(Tier::active(), w, rows, x, y)
+    matvec_rows_in(Isa::active(), w, rows, x, y)
 }
 
-fn matvec_rows_in(tier: Tier, w: &Mat<'_>, rows: &[usize], x: &[f32], y: &mut [f32]) {
+fn matvec_rows_in(isa: Isa, w: &Mat<'_>, rows: &[usize], x: &[f32], y: &mut [f32]) {
     assert!(
         !matches!(w, Mat::DenseT { .. }),
         "matvec_rows takes row-major matrices"
@@ -782,7 +782,7 @@ fn matvec_rows_in(tier: Tier, w: &Mat<'_>, rows: &[usize], x: &[f32], y: &mut [f
     }
     // The thread's reused input buffer (a decoded token allocates nothing here).
     let mut buf = ROW_INPUTS.take();
-    let x = match Arrange::of(tier, w, x) {
+    let x = match Arrange::of(isa, w, x) {
         Some(a) => {
             let at = a.apply(x, &mut buf);
             &buf[at]
@@ -791,7 +791,7 @@ fn matvec_rows_in(tier: Tier, w: &Mat<'_>, rows: &[usize], x: &[f32], y: &mut [f
     };
     for (&r, out) in rows.iter().zip(y) {
         assert!(r < w.rows(), "row {r} of a matrix of {} rows", w.rows());
-        rows_in(tier, w, r, 1, x, 1, std::slice::from_mut(out));
+        rows_in(isa, w, r, 1, x, 1, std::slice::from_mut(out));
     }
     ROW_INPUTS.set(buf);
 }
@@ -800,7 +800,7 @@ fn matvec_rows_in(tier: Tier, w: &Mat<'_>, rows: &[usize], x: &[f32], y: &mut [f
 type Permute = fn(&[f32], &mut [f32]);
 
 /// `xs` (blocks of 32) into `out` with element `order[k]` of each block at its place `k`.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the x86 tiers permute
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the x86 ISAs permute
 fn permute_blocks(order: &[usize; 32], xs: &[f32], out: &mut [f32]) {
     for (o, x) in out.chunks_exact_mut(32).zip(xs.chunks_exact(32)) {
         for (d, &k) in o.iter_mut().zip(order) {
@@ -809,14 +809,14 @@ fn permute_blocks(order: &[usize; 32], xs: &[f32], out: &mut [f32]) {
     }
 }
 
-/// How `tier`'s MXFP4 kernels want their inputs arranged within each block of 32, if not in
+/// How `ISA`'s MXFP4 kernels want their inputs arranged within each block of 32, if not in
 /// element order.
-fn mxfp4_input_order(tier: Tier) -> Option<Permute> {
-    match tier {
+fn mxfp4_input_order(isa: Isa) -> Option<Permute> {
+    match isa {
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx2 => Some(avx2::mxfp4_permute),
+        Isa::Avx2 => Some(avx2::mxfp4_permute),
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 => Some(avx512::mxfp4_permute),
+        Isa::Avx512 => Some(avx512::mxfp4_permute),
         _ => None,
     }
 }
@@ -827,12 +827,12 @@ fn mxfp4_input_order(tier: Tier) -> Option<Permute> {
 /// inputs 16 bytes off a line it read 10-14% slower on one thread (README, Zen 5).
 const LINE: usize = 64;
 
-/// Whether `tier` loads its inputs in vectors of 32 or 64 bytes, which straddle cache lines
+/// Whether `ISA` loads its inputs in vectors of 32 or 64 bytes, which straddle cache lines
 /// unless the inputs start on one (the allocator aligns to 16 bytes).
-fn wide_loads(tier: Tier) -> bool {
-    match tier {
+fn wide_loads(isa: Isa) -> bool {
+    match isa {
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx2 | Tier::Avx512 => true,
+        Isa::Avx2 | Isa::Avx512 => true,
         _ => false,
     }
 }
@@ -842,10 +842,10 @@ fn line_start(buf: &[f32]) -> usize {
     buf.as_ptr().align_offset(LINE).min(LINE / 4)
 }
 
-/// How `tier`'s kernels for a matrix want their inputs, when not as given.
+/// How `ISA`'s kernels for a matrix want their inputs, when not as given.
 #[derive(Clone, Copy)]
 enum Arrange {
-    /// Permuted within each block of 32 (MXFP4 on tiers that decode out of element order).
+    /// Permuted within each block of 32 (MXFP4 on ISAs that decode out of element order).
     Permute(Permute),
     /// Quantized as [`int8x::quantize`] lays them out, rows of `cols` inputs.
     Quantize(usize),
@@ -854,12 +854,12 @@ enum Arrange {
 }
 
 impl Arrange {
-    /// The arrangement `tier`'s kernels want for `w`'s inputs (`None`: as given).
-    fn of(tier: Tier, w: &Mat<'_>, xs: &[f32]) -> Option<Self> {
+    /// The arrangement `ISA`'s kernels want for `w`'s inputs (`None`: as given).
+    fn of(isa: Isa, w: &Mat<'_>, xs: &[f32]) -> Option<Self> {
         match *w {
-            Mat::Mxfp4 { .. } => mxfp4_input_order(tier).map(Arrange::Permute),
+            Mat::Mxfp4 { .. } => mxfp4_input_order(isa).map(Arrange::Permute),
             Mat::Mxfp4Int8 { cols, .. } => Some(Self::Quantize(cols)),
-            _ => (wide_loads(tier) && !xs.as_ptr().cast::<u8>().addr().is_multiple_of(LINE))
+            _ => (wide_loads(isa) && !xs.as_ptr().cast::<u8>().addr().is_multiple_of(LINE))
                 .then_some(Self::Align),
         }
     }
@@ -895,20 +895,20 @@ const GROUP: usize = 4;
 /// Most positions any row kernel takes (see [`group_for`]).
 const MAX_POSITIONS: usize = 32;
 
-/// Positions per row-kernel call for `w` on `tier`: more where decoding the weights costs
+/// Positions per row-kernel call for `w` on `ISA`: more where decoding the weights costs
 /// more than the multiply-adds (MXFP4 on AVX2, AVX-512 and NEON).
-fn group_for(tier: Tier, w: &Mat<'_>) -> usize {
-    match (tier, w) {
+fn group_for(isa: Isa, w: &Mat<'_>) -> usize {
+    match (isa, w) {
         #[cfg(target_arch = "x86_64")]
-        (Tier::Avx2, Mat::Mxfp4 { .. }) => avx2::MXFP4_POSITIONS,
+        (Isa::Avx2, Mat::Mxfp4 { .. }) => avx2::MXFP4_POSITIONS,
         #[cfg(target_arch = "x86_64")]
-        (Tier::Avx512, Mat::Mxfp4 { .. }) => avx512::POSITIONS,
+        (Isa::Avx512, Mat::Mxfp4 { .. }) => avx512::POSITIONS,
         #[cfg(target_arch = "aarch64")]
-        (Tier::Neon, Mat::Mxfp4 { .. }) => neon::MXFP4_POSITIONS,
+        (Isa::Neon, Mat::Mxfp4 { .. }) => neon::MXFP4_POSITIONS,
         #[cfg(target_arch = "x86_64")]
-        (Tier::Avx2 | Tier::Avx512, Mat::Mxfp4Int8 { .. }) => int8x::POSITIONS,
+        (Isa::Avx2 | Isa::Avx512, Mat::Mxfp4Int8 { .. }) => int8x::POSITIONS,
         #[cfg(target_arch = "aarch64")]
-        (Tier::Neon, Mat::Mxfp4Int8 { .. }) => int8x::POSITIONS,
+        (Isa::Neon, Mat::Mxfp4Int8 { .. }) => int8x::POSITIONS,
         _ => GROUP,
     }
 }
@@ -918,10 +918,10 @@ const MAX_TILE: usize = 64;
 /// Bytes of weights a prefill tile aims for (re-read from L1/L2 for every position group).
 const TILE_BYTES: usize = 24 << 10;
 
-/// Rows of a prefill tile of `w` (rows of `row_bytes`) on `tier`, before the split among
+/// Rows of a prefill tile of `w` (rows of `row_bytes`) on `ISA`, before the split among
 /// threads: a multiple of 4 in `4 ..= MAX_TILE`.
-fn tile_rows(tier: Tier, w: &Mat<'_>, row_bytes: usize) -> usize {
-    match (tier, w) {
+fn tile_rows(isa: Isa, w: &Mat<'_>, row_bytes: usize) -> usize {
+    match (isa, w) {
         // The AVX2 MXFP4 kernel takes all of a tile's positions (up to 32) in one call and reads
         // each weight once, so its tile need not stay in cache between groups; the largest lets
         // each slab of inputs, once in L1, meet the most rows (measured paired in one `stormo
@@ -929,22 +929,22 @@ fn tile_rows(tier: Tier, w: &Mat<'_>, row_bytes: usize) -> usize {
         // AVX-512 and NEON kernels have the same structure (AVX-512 with 32-row accumulator
         // groups; not measured: neither runs here).
         #[cfg(target_arch = "x86_64")]
-        (Tier::Avx2 | Tier::Avx512, Mat::Mxfp4 { .. }) => MAX_TILE,
+        (Isa::Avx2 | Isa::Avx512, Mat::Mxfp4 { .. }) => MAX_TILE,
         #[cfg(target_arch = "aarch64")]
-        (Tier::Neon, Mat::Mxfp4 { .. }) => MAX_TILE,
+        (Isa::Neon, Mat::Mxfp4 { .. }) => MAX_TILE,
         _ => (TILE_BYTES / row_bytes).clamp(4, MAX_TILE) / 4 * 4,
     }
 }
 
 /// `ys[t] = W·xs[t]` for `t` positions; `xs` is `[t, cols]`, `ys` is `[t, rows]`, row-major.
 /// Each output equals what [`matvec`] gives for that position alone, bit for bit (within a
-/// tier).
+/// ISA).
 pub fn matmul(w: &Mat<'_>, xs: &[f32], ys: &mut [f32]) {
-    matmul_in(Tier::active(), w, xs, ys)
+    matmul_in(Isa::active(), w, xs, ys)
 }
 
-fn matmul_in(tier: Tier, w: &Mat<'_>, xs: &[f32], ys: &mut [f32]) {
-    batch_in(tier, &mut [Product { w: *w, xs, ys }])
+fn matmul_in(isa: Isa, w: &Mat<'_>, xs: &[f32], ys: &mut [f32]) {
+    batch_in(isa, &mut [Product { w: *w, xs, ys }])
 }
 
 /// One product of a [`matmul_batch`]: `ys = W·xs` over `t` positions, shaped as for
@@ -1020,7 +1020,7 @@ pub(crate) fn each_row_mut(
 }
 
 /// Computes independent products in one parallel region: every output is what [`matmul`]
-/// gives for its product alone, bit for bit (within a tier), but the pool's threads are handed
+/// gives for its product alone, bit for bit (within an ISA), but the pool's threads are handed
 /// work once for all of them, not once per matrix. Decode spends most of its time in a few
 /// such groups (a layer's selected experts' projections): one region each saves the hand-offs,
 /// and a thread done with one matrix moves on to the next instead of waiting at a barrier.
@@ -1028,7 +1028,7 @@ pub(crate) fn each_row_mut(
 /// # Panics
 /// If a product's input or output length does not fit its matrix (as [`matmul`]).
 pub fn matmul_batch<'a>(products: impl IntoIterator<Item = Product<'a>>) {
-    let tier = Tier::active();
+    let isa = Isa::active();
     let mut products = products.into_iter().peekable();
     while products.peek().is_some() {
         let mut batch: [Product<'a>; MAX_BATCH] = std::array::from_fn(|_| Product::empty());
@@ -1037,7 +1037,7 @@ pub fn matmul_batch<'a>(products: impl IntoIterator<Item = Product<'a>>) {
             *slot = p;
             n += 1;
         }
-        batch_in(tier, &mut batch[..n]);
+        batch_in(isa, &mut batch[..n]);
     }
 }
 
@@ -1052,8 +1052,8 @@ struct Planned<'a> {
     tile: usize,
 }
 
-/// [`matmul_batch`] on one tier, at most [`MAX_BATCH`] products.
-fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
+/// [`matmul_batch`] on one ISA, at most [`MAX_BATCH`] products.
+fn batch_in(isa: Isa, ps: &mut [Product<'_>]) {
     debug_assert!(ps.len() <= MAX_BATCH);
     let mut t_of = [0usize; MAX_BATCH];
     // Where each product's task writes (taken while the outputs are borrowed mutably).
@@ -1072,7 +1072,7 @@ fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
         if let Mat::DenseT { .. } = p.w {
             // Input-major weights have their own column-band split.
             if rows > 0 && *t > 0 {
-                dense_t_in(tier, &p.w, p.xs, p.ys, *t);
+                dense_t_in(isa, &p.w, p.xs, p.ys, *t);
             }
             *t = 0;
         }
@@ -1093,7 +1093,7 @@ fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
     if bufs.len() < ps.len() {
         bufs.resize_with(ps.len(), Vec::new);
     }
-    let arrange = |i: usize| Arrange::of(tier, &ps[i].w, ps[i].xs).filter(|_| t_of[i] > 0);
+    let arrange = |i: usize| Arrange::of(isa, &ps[i].w, ps[i].xs).filter(|_| t_of[i] > 0);
     // A prefill block's inputs (a layer's experts' positions) are arranged on the pool's
     // threads, a decoded token's on this one.
     let arranged: usize = (0..ps.len())
@@ -1121,7 +1121,7 @@ fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
             } else {
                 // Tiles small enough to stay in cache while every group of positions passes
                 // over them, and enough of them for the product's share of the threads.
-                let tile = tile_rows(tier, &p.w, (p.w.byte_len() / rows).max(1));
+                let tile = tile_rows(isa, &p.w, (p.w.byte_len() / rows).max(1));
                 if share > 1 {
                     tile.min(rows.div_ceil(share).next_multiple_of(4)).max(4)
                 } else {
@@ -1150,7 +1150,7 @@ fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
         // The product task `k` belongs to: the one whose tasks end after `k` first.
         let i = starts[1..=n].partition_point(|&end| end <= k);
         let p = plans[i].expect("a product with tasks has a plan");
-        run_tile(tier, &p, (k - starts[i]) * p.tile);
+        run_tile(isa, &p, (k - starts[i]) * p.tile);
     };
     let all = starts[n];
     if tasks == 1 || all == 1 {
@@ -1162,7 +1162,7 @@ fn batch_in(tier: Tier, ps: &mut [Product<'_>]) {
 }
 
 /// Rows `r0 .. r0 + tile` (clipped to the matrix) of every position of a planned product.
-fn run_tile(tier: Tier, p: &Planned<'_>, r0: usize) {
+fn run_tile(isa: Isa, p: &Planned<'_>, r0: usize) {
     let (rows, cols, t) = (p.w.rows(), p.w.cols(), p.t);
     let n = p.tile.min(rows - r0);
     if t == 1 {
@@ -1170,16 +1170,16 @@ fn run_tile(tier: Tier, p: &Planned<'_>, r0: usize) {
         // position), so `r0 .. r0 + n` is written by this task alone and lies within it; the
         // output outlives the batch's region.
         let out = unsafe { std::slice::from_raw_parts_mut(p.ys.get().add(r0), n) };
-        rows_in(tier, &p.w, r0, n, p.xs, 1, out);
+        rows_in(isa, &p.w, r0, n, p.xs, 1, out);
         return;
     }
-    let group = group_for(tier, &p.w);
+    let group = group_for(isa, &p.w);
     let mut buf = TILE_OUT.take();
     buf.resize(MAX_POSITIONS * MAX_TILE, 0.0);
     for g in (0..t).step_by(group) {
         let q_n = group.min(t - g);
         rows_in(
-            tier,
+            isa,
             &p.w,
             r0,
             n,
@@ -1202,7 +1202,7 @@ fn run_tile(tier: Tier, p: &Planned<'_>, r0: usize) {
 /// `ys = W·xs` for input-major weights ([`Mat::DenseT`]), `t >= 1` positions: bands of
 /// output columns, one per thread, each reading its part of every input row once per group
 /// of positions (narrower bands would turn the stream into short strided reads).
-fn dense_t_in(tier: Tier, w: &Mat<'_>, xs: &[f32], ys: &mut [f32], t: usize) {
+fn dense_t_in(isa: Isa, w: &Mat<'_>, xs: &[f32], ys: &mut [f32], t: usize) {
     let (rows, cols) = (w.rows(), w.cols());
     let ptr = SendPtr(ys.as_mut_ptr());
     let work = w.byte_len().saturating_mul(t.min(MAX_POSITIONS));
@@ -1223,14 +1223,7 @@ fn dense_t_in(tier: Tier, w: &Mat<'_>, xs: &[f32], ys: &mut [f32], t: usize) {
                     &mut []
                 }
             });
-            cols_t_in(
-                tier,
-                w,
-                o0,
-                n,
-                &xs[g * cols..(g + p) * cols],
-                &mut outs[..p],
-            );
+            cols_t_in(isa, w, o0, n, &xs[g * cols..(g + p) * cols], &mut outs[..p]);
         }
     };
     let bands = rows.div_ceil(chunk);
@@ -1308,10 +1301,10 @@ mod tests {
         assert_eq!(f16_at(&h.to_bits().to_le_bytes(), 0), h.to_f32());
     }
 
-    /// Every tier this CPU runs; a test body loops over these.
-    fn tiers() -> Vec<Tier> {
-        let t = Tier::available();
-        assert_eq!(t[0], Tier::Scalar);
+    /// Every ISA this CPU runs; a test body loops over these.
+    fn isas() -> Vec<Isa> {
+        let t = Isa::available();
+        assert_eq!(t[0], Isa::Scalar);
         t
     }
 
@@ -1324,17 +1317,17 @@ mod tests {
     fn check(w: &Mat<'_>, rng: &mut rand::rngs::StdRng) {
         let block_sizes = [2, 3, 4, 5, 6, 7, 9, 17, 37];
         let mut g = Gen::new(rng.gen());
-        let r = verify::check_mat(Tier::active(), w, &block_sizes, &mut g);
+        let r = verify::check_mat(Isa::active(), w, &block_sizes, &mut g);
         if let Err(e) = r {
             panic!("{e}");
         }
     }
 
     #[test]
-    fn every_tier_matches_reference_on_odd_shapes() {
-        for tier in tiers() {
-            with_tier(tier, || {
-                assert_eq!(Tier::active(), tier);
+    fn every_isa_matches_reference_on_odd_shapes() {
+        for isa in isas() {
+            with_isa(isa, || {
+                assert_eq!(Isa::active(), isa);
                 let mut rng = rand::rngs::StdRng::seed_from_u64(7);
                 let shapes = [
                     (1, 1),
@@ -1405,7 +1398,7 @@ mod tests {
         }
     }
 
-    /// Where the inputs sit in memory changes nothing: every tier gives the same bits for inputs
+    /// Where the inputs sit in memory changes nothing: every ISA gives the same bits for inputs
     /// at each of the sixteen f32 offsets from a cache line (kernels copy inputs that do not
     /// start on one, [`Arrange::Align`]), for one position and for a block.
     #[test]
@@ -1437,8 +1430,8 @@ mod tests {
             },
         ];
         let xs = g.units(t * cols);
-        for tier in tiers() {
-            with_tier(tier, || {
+        for isa in isas() {
+            with_isa(isa, || {
                 for w in &mats {
                     let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
                     let mut room = vec![0f32; t * cols + 2 * LINE];
@@ -1455,8 +1448,8 @@ mod tests {
                                 let same = |a: &[f32], b: &[f32]| {
                                     a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits())
                                 };
-                                assert!(same(o, &one), "{tier}: matvec at offset {at}");
-                                assert!(same(b, &block), "{tier}: matmul at offset {at}");
+                                assert!(same(o, &one), "{isa}: matvec at offset {at}");
+                                assert!(same(b, &block), "{isa}: matmul at offset {at}");
                             }
                         }
                     }
@@ -1465,7 +1458,7 @@ mod tests {
         }
     }
 
-    /// The prefetch distance is a hint: every tier's one-position kernels give the same bits at
+    /// The prefetch distance is a hint: every ISA's one-position kernels give the same bits at
     /// any distance (none, one line, the default, far past the matrix's end).
     #[test]
     fn results_do_not_depend_on_the_prefetch_distance() {
@@ -1489,8 +1482,8 @@ mod tests {
         ];
         let x = g.units(cols);
         let default = prefetch_ahead();
-        for tier in tiers() {
-            with_tier(tier, || {
+        for isa in isas() {
+            with_isa(isa, || {
                 for w in &mats {
                     let mut first: Option<Vec<u32>> = None;
                     for ahead in [0, 64, default, 1 << 20] {
@@ -1500,7 +1493,7 @@ mod tests {
                         let bits: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
                         match &first {
                             None => first = Some(bits),
-                            Some(f) => assert_eq!(f, &bits, "{tier}: {ahead} bytes ahead"),
+                            Some(f) => assert_eq!(f, &bits, "{isa}: {ahead} bytes ahead"),
                         }
                     }
                 }
@@ -1509,12 +1502,12 @@ mod tests {
         set_prefetch_ahead(default);
     }
 
-    /// The int8-input MXFP4 path in every tier: `matvec` equals the scalar reference on the
+    /// The int8-input MXFP4 path in every ISA: `matvec` equals the scalar reference on the
     /// same quantized inputs up to f32 summation order; the result lies within the input
     /// rounding (half a step of each block's scale, times the weights) of the exact product;
     /// `matmul` is bit-identical to `matvec` per position; threaded shapes included.
     #[test]
-    fn int8_input_mxfp4_matches_reference_and_exact_product_in_every_tier() {
+    fn int8_input_mxfp4_matches_reference_and_exact_product_in_every_isa() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(21);
         for &(rows, cols) in &[
             (1, 32),
@@ -1552,8 +1545,8 @@ mod tests {
             int8x::reference_rows(&blocks, &scales, cols, 0, rows, &q, 1, &mut want);
             let exact = reference(&exact_w, &x);
             let mut row = vec![0f32; cols];
-            for tier in tiers() {
-                with_tier(tier, || {
+            for isa in isas() {
+                with_isa(isa, || {
                     let mut y = vec![f32::NAN; rows];
                     matvec(&w, &x, &mut y);
                     for r in 0..rows {
@@ -1569,13 +1562,13 @@ mod tests {
                         let tol = 1e-6 * (mag + 1.0) * (cols as f64).sqrt();
                         assert!(
                             (y[r] as f64 - want[r] as f64).abs() <= tol,
-                            "{tier} {rows}x{cols} row {r}: {} vs reference {}",
+                            "{isa} {rows}x{cols} row {r}: {} vs reference {}",
                             y[r],
                             want[r]
                         );
                         assert!(
                             (y[r] as f64 - exact[r]).abs() <= step * 1.001 + tol,
-                            "{tier} {rows}x{cols} row {r}: {} vs exact {} (rounding bound {step})",
+                            "{isa} {rows}x{cols} row {r}: {} vs exact {} (rounding bound {step})",
                             y[r],
                             exact[r]
                         );
@@ -1590,7 +1583,7 @@ mod tests {
                             let got = &ys[p * rows..(p + 1) * rows];
                             assert!(
                                 got.iter().zip(&y1).all(|(a, b)| a.to_bits() == b.to_bits()),
-                                "{tier}: int8 matmul position {p} of {t} differs from matvec"
+                                "{isa}: int8 matmul position {p} of {t} differs from matvec"
                             );
                         }
                     }
@@ -1614,11 +1607,11 @@ mod tests {
         for bad in [f32::NAN, f32::INFINITY] {
             let mut x = vec![0.5f32; 64];
             x[40] = bad;
-            for tier in tiers() {
-                with_tier(tier, || {
+            for isa in isas() {
+                with_isa(isa, || {
                     let mut y = vec![0f32; 4];
                     matvec(&w, &x, &mut y);
-                    assert!(y.iter().all(|v| v.is_nan()), "{tier} {bad}: {y:?}");
+                    assert!(y.iter().all(|v| v.is_nan()), "{isa} {bad}: {y:?}");
                 })
             }
         }
@@ -1626,7 +1619,7 @@ mod tests {
 
     /// Large matrices take the threaded paths (several tasks), which small ones do not.
     #[test]
-    fn every_tier_matches_reference_when_threaded() {
+    fn every_isa_matches_reference_when_threaded() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         let (rows, cols) = (1157, 288);
         assert!(tasks_for(rows * cols / 2) > 1 || rayon::current_num_threads() == 1);
@@ -1635,8 +1628,8 @@ mod tests {
         let scales: Vec<u8> = (0..rows * cols / 32)
             .map(|_| rng.gen_range(118..136))
             .collect();
-        for tier in tiers() {
-            with_tier(tier, || {
+        for isa in isas() {
+            with_isa(isa, || {
                 let fmt = Float::BF16;
                 check(
                     &Mat::Dense {
@@ -1680,11 +1673,11 @@ mod tests {
         }
     }
 
-    /// A batch gives each product exactly what `matmul` gives it alone, in every tier: mixed
+    /// A batch gives each product exactly what `matmul` gives it alone, in every ISA: mixed
     /// formats, large (threaded) and tiny products, one and many positions, empty and
     /// zero-width products, input-major weights, and more products than one region takes.
     #[test]
-    fn batch_equals_each_product_alone_in_every_tier() {
+    fn batch_equals_each_product_alone_in_every_isa() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         let (rows, cols) = (1157, 288);
         let bf = Gen::new(rng.gen()).dense(Float::BF16, rows * cols);
@@ -1754,8 +1747,8 @@ mod tests {
                 cols,
             });
         }
-        for tier in tiers() {
-            with_tier(tier, || {
+        for isa in isas() {
+            with_isa(isa, || {
                 for t in [1, 3, 9] {
                     let xs: Vec<Vec<f32>> = mats
                         .iter()
@@ -1787,7 +1780,7 @@ mod tests {
                             .iter()
                             .zip(want)
                             .all(|(a, b)| a.to_bits() == b.to_bits());
-                        assert!(same, "{tier}: product {i} ({:?}), {t} positions", mats[i]);
+                        assert!(same, "{isa}: product {i} ({:?}), {t} positions", mats[i]);
                     }
                 }
             })
@@ -1809,9 +1802,9 @@ mod tests {
     }
 
     /// Every E8M0 scale byte, including the subnormal (0) and infinite (255) ends, decodes as
-    /// the reference does in every tier.
+    /// the reference does in every ISA.
     #[test]
-    fn every_tier_handles_extreme_mxfp4_scales() {
+    fn every_isa_handles_extreme_mxfp4_scales() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         let (rows, cols) = (256, 64);
         let (blocks, scales) = scale_byte_per_row(rows, cols, &mut rng);
@@ -1823,7 +1816,7 @@ mod tests {
         };
         let x = rand_x(cols, &mut rng);
         let mut want = vec![0f32; rows];
-        with_tier(Tier::Scalar, || matvec(&w, &x, &mut want));
+        with_isa(Isa::Scalar, || matvec(&w, &x, &mut want));
         let mut row = vec![0f32; cols];
         let mag: Vec<f64> = (0..rows)
             .map(|r| {
@@ -1834,19 +1827,19 @@ mod tests {
                     .sum()
             })
             .collect();
-        for tier in tiers() {
+        for isa in isas() {
             let mut y = vec![0f32; rows];
-            with_tier(tier, || matvec(&w, &x, &mut y));
+            with_isa(isa, || matvec(&w, &x, &mut y));
             for (r, (a, b)) in y.iter().zip(&want).enumerate() {
                 if !b.is_finite() {
-                    // Scale 255 (inf): a lane that sums to zero gives NaN in a SIMD tier
+                    // Scale 255 (inf): a lane that sums to zero gives NaN in a SIMD ISA
                     // where the reference gives ±inf; both are non-finite.
-                    assert!(!a.is_finite(), "{tier} row {r}: {a} vs {b}");
+                    assert!(!a.is_finite(), "{isa} row {r}: {a} vs {b}");
                     continue;
                 }
                 if r >= 253 && !a.is_finite() {
                     // Scales 253 and 254 overflow the larger dequantized weights (4 x 2^126,
-                    // 2 x 2^127): a tier that dequantizes before multiplying (AVX2) gives ±inf
+                    // 2 x 2^127): an ISA that dequantizes before multiplying (AVX2) gives ±inf
                     // or NaN there, as dequantizing to f32 or bf16 does, where the reference,
                     // which scales each block's sum, may stay finite.
                     continue;
@@ -1854,13 +1847,13 @@ mod tests {
                 let tol = 1e-5 * mag[r] + 1e-44;
                 assert!(
                     ((*a - *b) as f64).abs() <= tol,
-                    "{tier} row {r} (scale byte {r}): {a} vs {b}"
+                    "{isa} row {r} (scale byte {r}): {a} vs {b}"
                 );
             }
         }
     }
 
-    /// The int8-input path at every E8M0 scale byte: each tier within summation order of the
+    /// The int8-input path at every E8M0 scale byte: each ISA within summation order of the
     /// reference on the same quantized inputs, non-finite where the reference is (scale
     /// 255), and finite wherever the reference is up to scale 250.
     #[test]
@@ -1879,15 +1872,15 @@ mod tests {
         int8x::quantize(&x, cols, &mut q);
         let mut want = vec![0f32; rows];
         int8x::reference_rows(&blocks, &scales, cols, 0, rows, &q, 1, &mut want);
-        for tier in tiers() {
+        for isa in isas() {
             let mut y = vec![0f32; rows];
-            with_tier(tier, || matvec(&w, &x, &mut y));
+            with_isa(isa, || matvec(&w, &x, &mut y));
             for (r, (a, b)) in y.iter().zip(&want).enumerate() {
                 if !b.is_finite() {
-                    assert!(!a.is_finite(), "{tier} row {r}: {a} vs {b}");
+                    assert!(!a.is_finite(), "{isa} row {r}: {a} vs {b}");
                     continue;
                 }
-                assert!(a.is_finite() || r > 250, "{tier} row {r}: {a} vs {b}");
+                assert!(a.is_finite() || r > 250, "{isa} row {r}: {a} vs {b}");
                 if a.is_finite() {
                     // Each product is at most 12 x 127 steps of the block's scales.
                     let step = (0..cols / 32)
@@ -1896,14 +1889,14 @@ mod tests {
                     let tol = 1e-6 * 12.0 * 127.0 * 32.0 * step + 1e-44;
                     assert!(
                         ((*a - *b) as f64).abs() <= tol,
-                        "{tier} row {r} (scale byte {r}): {a} vs {b}"
+                        "{isa} row {r} (scale byte {r}): {a} vs {b}"
                     );
                 }
             }
         }
     }
 
-    /// The AVX2 tier's per-scale tables hold every dequantized MXFP4 value exactly (bf16 has
+    /// The AVX2 ISA's per-scale tables hold every dequantized MXFP4 value exactly (bf16 has
     /// the bits: an FP4 value times a power of two has at most two significant bits).
     #[cfg(target_arch = "x86_64")]
     #[test]
@@ -1922,31 +1915,33 @@ mod tests {
 
     #[test]
     fn simd_switch_values() {
-        let best = Tier::detected();
-        assert_eq!(resolve("scalar", best), (Tier::Scalar, None));
-        assert_eq!(resolve(" SCALAR ", best), (Tier::Scalar, None));
+        let best = Isa::detected();
+        assert_eq!(resolve("scalar", best), (Isa::Scalar, None));
+        assert_eq!(resolve(" SCALAR ", best), (Isa::Scalar, None));
         assert_eq!(resolve("auto", best), (best, None));
         assert_eq!(resolve("", best), (best, None));
         let (t, note) = resolve("sse9", best);
         assert_eq!(t, best);
-        assert!(note.expect("unknown tier warns").contains("unknown tier"));
-        // Asking for more than the CPU has falls back to what it has, with a warning.
-        let (t, note) = resolve("avx512", Tier::Scalar);
-        assert_eq!(t, Tier::Scalar);
         assert!(note
-            .expect("unsupported tier warns")
+            .expect("unknown instruction set warns")
+            .contains("unknown instruction set"));
+        // Asking for more than the CPU has falls back to what it has, with a warning.
+        let (t, note) = resolve("avx512", Isa::Scalar);
+        assert_eq!(t, Isa::Scalar);
+        assert!(note
+            .expect("unsupported instruction set warns")
             .contains("does not support"));
-        for t in Tier::ALL {
-            assert_eq!(Tier::parse(t.name()), Some(t));
+        for t in Isa::ALL {
+            assert_eq!(Isa::parse(t.name()), Some(t));
         }
     }
 
-    /// The process-wide decision: `STORMO_SIMD` picks the starting tier, the self-check lowers
+    /// The process-wide decision: `STORMO_SIMD` picks the starting ISA, the self-check lowers
     /// it, and both warnings are kept, the switch's first.
     #[test]
-    fn process_tier_is_switched_then_checked() {
-        let best = Tier::detected();
-        let broken = |t: Tier| {
+    fn process_isa_is_switched_then_checked() {
+        let best = Isa::detected();
+        let broken = |t: Isa| {
             if t == best {
                 Err("broken".to_string())
             } else {
@@ -1954,27 +1949,29 @@ mod tests {
             }
         };
         assert_eq!(decide(None, best, |_| Ok(())), (best, vec![]));
-        assert_eq!(decide(Some("scalar"), best, broken), (Tier::Scalar, vec![]));
-        let (tier, warnings) = decide(Some("sse9"), best, broken);
-        if best == Tier::Scalar {
-            assert_eq!((tier, warnings.len()), (Tier::Scalar, 1));
+        assert_eq!(decide(Some("scalar"), best, broken), (Isa::Scalar, vec![]));
+        let (isa, warnings) = decide(Some("sse9"), best, broken);
+        if best == Isa::Scalar {
+            assert_eq!((isa, warnings.len()), (Isa::Scalar, 1));
         } else {
-            assert!(tier < best, "{tier} below {best}");
+            assert!(isa < best, "{isa} below {best}");
             assert_eq!(warnings.len(), 2, "{warnings:?}");
-            assert!(warnings[0].contains("unknown tier") && warnings[1].contains("broken"));
+            assert!(
+                warnings[0].contains("unknown instruction set") && warnings[1].contains("broken")
+            );
         }
     }
 
     #[test]
-    fn with_tier_nests_and_restores() {
-        let outer = Tier::active();
-        with_tier(Tier::Scalar, || {
-            assert_eq!(Tier::active(), Tier::Scalar);
-            let best = Tier::detected();
-            with_tier(best, || assert_eq!(Tier::active(), best));
-            assert_eq!(Tier::active(), Tier::Scalar);
+    fn with_isa_nests_and_restores() {
+        let outer = Isa::active();
+        with_isa(Isa::Scalar, || {
+            assert_eq!(Isa::active(), Isa::Scalar);
+            let best = Isa::detected();
+            with_isa(best, || assert_eq!(Isa::active(), best));
+            assert_eq!(Isa::active(), Isa::Scalar);
         });
-        assert_eq!(Tier::active(), outer);
+        assert_eq!(Isa::active(), outer);
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -1983,30 +1980,27 @@ mod tests {
         let has = std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
             && std::arch::is_x86_feature_detected!("f16c");
-        assert_eq!(Tier::available().contains(&Tier::Avx2), has);
-        assert_eq!(Tier::detected() >= Tier::Avx2, has);
+        assert_eq!(Isa::available().contains(&Isa::Avx2), has);
+        assert_eq!(Isa::detected() >= Isa::Avx2, has);
     }
 
     /// Where the CPU has AVX2 but not AVX-512 (as the machines this project is tested on),
-    /// the AVX-512 tier still runs in the tests, in software, and is never chosen for real
+    /// the AVX-512 ISA still runs in the tests, in software, and is never chosen for real
     /// work; and it is its own kernels that run, not a fallback: they sum in 16 lanes, so
     /// their results differ from the scalar ones in the last bits, within rounding.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn avx512_tier_runs_in_tests_natively_or_emulated() {
-        let (native, emulated) = (Tier::Avx512.is_native(), Tier::Avx512.is_emulated());
+    fn avx512_isa_runs_in_tests_natively_or_emulated() {
+        let (native, emulated) = (Isa::Avx512.is_native(), Isa::Avx512.is_emulated());
         assert!(!(native && emulated));
-        assert_eq!(emulated, Tier::Avx2.is_native() && !native);
-        assert_eq!(
-            Tier::available().contains(&Tier::Avx512),
-            native || emulated
-        );
-        if !Tier::Avx512.is_supported() {
+        assert_eq!(emulated, Isa::Avx2.is_native() && !native);
+        assert_eq!(Isa::available().contains(&Isa::Avx512), native || emulated);
+        if !Isa::Avx512.is_supported() {
             return;
         }
         if emulated {
-            assert!(Tier::detected() < Tier::Avx512);
-            assert_eq!(resolve("avx512", Tier::detected()).0, Tier::detected());
+            assert!(Isa::detected() < Isa::Avx512);
+            assert_eq!(resolve("avx512", Isa::detected()).0, Isa::detected());
         }
         let (rows, cols) = (64, 2880);
         let mut g = Gen::new(11);
@@ -2019,14 +2013,14 @@ mod tests {
         };
         let x = g.units(cols);
         let (mut wide, mut scalar) = (vec![0f32; rows], vec![0f32; rows]);
-        matmul_in(Tier::Avx512, &w, &x, &mut wide);
-        matmul_in(Tier::Scalar, &w, &x, &mut scalar);
-        verify::check_mat(Tier::Avx512, &w, &[3, 17], &mut g).unwrap();
+        matmul_in(Isa::Avx512, &w, &x, &mut wide);
+        matmul_in(Isa::Scalar, &w, &x, &mut scalar);
+        verify::check_mat(Isa::Avx512, &w, &[3, 17], &mut g).unwrap();
         assert!(
             wide.iter()
                 .zip(&scalar)
                 .any(|(a, b)| a.to_bits() != b.to_bits()),
-            "the avx512 results equal the scalar ones bit for bit: is the tier falling back?"
+            "the avx512 results equal the scalar ones bit for bit: is the instruction set falling back?"
         );
     }
 
@@ -2034,15 +2028,15 @@ mod tests {
     #[test]
     fn detection_finds_neon_when_the_cpu_has_it() {
         let has = std::arch::is_aarch64_feature_detected!("neon");
-        assert_eq!(Tier::available().contains(&Tier::Neon), has);
-        assert_eq!(Tier::detected() == Tier::Neon, has);
+        assert_eq!(Isa::available().contains(&Isa::Neon), has);
+        assert_eq!(Isa::detected() == Isa::Neon, has);
     }
 
     #[test]
-    fn peak_flops_is_positive_for_every_native_tier() {
-        for tier in Tier::native() {
-            let f = peak_flops(tier, 0.01);
-            assert!(f.is_finite() && f > 1e6, "{tier}: {f} FLOP/s");
+    fn peak_flops_is_positive_for_every_native_isa() {
+        for isa in Isa::native() {
+            let f = peak_flops(isa, 0.01);
+            assert!(f.is_finite() && f > 1e6, "{isa}: {f} FLOP/s");
         }
     }
 

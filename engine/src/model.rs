@@ -797,8 +797,9 @@ impl Model {
         run(sess, obs)
     }
 
-    /// One block of `t` positions. Computes the `head` work for its last positions: logits
-    /// into `sess.s.logits`, or the greedy choice (returned).
+    /// One block of `t` positions: the embedding, each layer's [attention](Self::attention)
+    /// and [MLP](Self::mlp) steps, then the [head](Self::head). Computes the `head` work for
+    /// its last positions: logits into `sess.s.logits`, or the greedy choice (returned).
     fn forward_block<'o>(
         &self,
         sess: &mut Session,
@@ -808,7 +809,6 @@ impl Model {
     ) -> Result<Option<Choice>> {
         let cfg = &self.cfg;
         let (t, h) = (tokens.len(), cfg.hidden_size);
-        let (qd, kvd, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
         let p0 = sess.pos;
         let s = &mut sess.s;
         s.ensure(t, cfg);
@@ -822,164 +822,9 @@ impl Model {
         if let Some(o) = obs.as_deref_mut() {
             o.hidden(0, &s.x[..t * h]);
         }
-        let eps = cfg.rms_norm_eps;
         for (l, layer) in self.layers.iter().enumerate() {
-            // ---- attention ----
-            let w = self.vector(&layer.input_norm);
-            for i in 0..t {
-                ops::rms_norm(
-                    &s.x[i * h..(i + 1) * h],
-                    &w,
-                    eps,
-                    &mut s.h[i * h..(i + 1) * h],
-                );
-            }
-            let a = &layer.attn;
-            let hs = &s.h[..t * h];
-            // One parallel region for the three projections: a decoded token's k and v are
-            // small, and alone each would pay the pool's hand-off (about 2% faster decode at
-            // gpt-oss-20b geometry, paired per token on Zen 4).
-            matmul_batch([
-                Product {
-                    w: self.mat(&a.q),
-                    xs: hs,
-                    ys: &mut s.q[..t * qd],
-                },
-                Product {
-                    w: self.mat(&a.k),
-                    xs: hs,
-                    ys: &mut s.k[..t * kvd],
-                },
-                Product {
-                    w: self.mat(&a.v),
-                    xs: hs,
-                    ys: &mut s.v[..t * kvd],
-                },
-            ]);
-            if let Some([bq, bk, bv, _]) = &a.biases {
-                add_bias_rows(&self.vector(bq), &mut s.q[..t * qd]);
-                add_bias_rows(&self.vector(bk), &mut s.k[..t * kvd]);
-                add_bias_rows(&self.vector(bv), &mut s.v[..t * kvd]);
-            }
-            if let Some([qn, kn]) = &a.qk_norm {
-                ops::rms_norm_heads(&mut s.q[..t * qd], hd, &self.vector(qn), eps);
-                ops::rms_norm_heads(&mut s.k[..t * kvd], hd, &self.vector(kn), eps);
-            }
-            for i in 0..t {
-                self.rope.cos_sin(p0 + i, &mut s.cos, &mut s.sin);
-                Rope::apply(&mut s.q[i * qd..(i + 1) * qd], hd, &s.cos, &s.sin);
-                Rope::apply(&mut s.k[i * kvd..(i + 1) * kvd], hd, &s.cos, &s.sin);
-            }
-            let kv = &mut sess.kv[l];
-            for i in 0..t {
-                let slot = (p0 + i) % kv.cap;
-                kv.k[slot * kvd..(slot + 1) * kvd].copy_from_slice(&s.k[i * kvd..(i + 1) * kvd]);
-                kv.v[slot * kvd..(slot + 1) * kvd].copy_from_slice(&s.v[i * kvd..(i + 1) * kvd]);
-            }
-            let sinks = a.sinks.as_ref().map(|v| self.vector(v));
-            crate::attention::Attend {
-                k: &kv.k,
-                v: &kv.v,
-                cap: kv.cap,
-                q: &s.q[..t * qd],
-                sinks,
-                window: layer.window,
-                p0,
-                t,
-                heads: cfg.num_heads,
-                kv_heads: cfg.num_kv_heads,
-                head_dim: hd,
-            }
-            .run(&mut s.heads, &mut s.scores);
-            for i in 0..t {
-                for head in 0..cfg.num_heads {
-                    let src = &s.heads[(head * t + i) * hd..(head * t + i + 1) * hd];
-                    s.att[i * qd + head * hd..i * qd + (head + 1) * hd].copy_from_slice(src);
-                }
-            }
-            matmul(&self.mat(&a.o), &s.att[..t * qd], &mut s.o[..t * h]);
-            if let Some([_, _, _, bo]) = &a.biases {
-                add_bias_rows(&self.vector(bo), &mut s.o[..t * h]);
-            }
-            for (x, o) in s.x[..t * h].iter_mut().zip(&s.o[..t * h]) {
-                *x += o;
-            }
-
-            // ---- MLP ----
-            let w = self.vector(&layer.post_norm);
-            for i in 0..t {
-                ops::rms_norm(
-                    &s.x[i * h..(i + 1) * h],
-                    &w,
-                    eps,
-                    &mut s.h[i * h..(i + 1) * h],
-                );
-            }
-            s.o[..t * h].fill(0.0);
-            match &layer.mlp {
-                Mlp::Moe {
-                    router,
-                    router_bias,
-                } => {
-                    let e = cfg.num_experts;
-                    let m = &mut s.moe;
-                    m.logits.resize(t * e, 0.0);
-                    matmul(&self.mat(router), &s.h[..t * h], &mut m.logits);
-                    if let Some(b) = router_bias {
-                        add_bias_rows(&self.vector(b), &mut m.logits);
-                    }
-                    if let Some(o) = obs.as_deref_mut() {
-                        o.router(l, &m.logits);
-                    }
-                    let logits = std::mem::take(&mut m.logits);
-                    m.plan
-                        .route(&logits, e, cfg.top_k, cfg.routing, &mut s.probs);
-                    m.logits = logits;
-                    if s.predicted_for == Some(l) {
-                        // share of this block's (position, expert) choices that were predicted
-                        for &x in &m.plan.experts {
-                            s.pred_total += 1;
-                            s.pred_hits += s.pred_set.get(x).copied().unwrap_or(false) as u64;
-                        }
-                        s.predicted_for = None;
-                    }
-                    let schema = self.layout.schemas[l]
-                        .as_ref()
-                        .expect("MoE layer has an expert schema");
-                    moe::moe_block(
-                        l,
-                        schema,
-                        &*self.experts,
-                        e,
-                        &s.h[..t * h],
-                        &mut s.o[..t * h],
-                        self.int8_experts,
-                        m,
-                    )?;
-                }
-                Mlp::Dense { gate, up, down } => {
-                    let view = moe::ExpertView {
-                        gate_up: None,
-                        gate: Some(self.mat(gate)),
-                        up: Some(self.mat(up)),
-                        down: Some(self.mat(down)),
-                        gate_up_bias: None,
-                        down_bias: None,
-                        activation: cfg.activation,
-                    };
-                    moe::expert_forward(
-                        &view,
-                        &s.h[..t * h],
-                        h,
-                        cfg.dense_intermediate,
-                        &mut s.dense,
-                    );
-                    s.o[..t * h].copy_from_slice(s.dense.output());
-                }
-            }
-            for (x, o) in s.x[..t * h].iter_mut().zip(&s.o[..t * h]) {
-                *x += o;
-            }
+            self.attention(layer, s, &mut sess.kv[l], p0, t);
+            self.mlp(l, layer, s, t, obs.as_deref_mut())?;
             if self.experts.wants_hints() {
                 self.predict_next(l, t, s);
             }
@@ -990,8 +835,198 @@ impl Model {
             }
         }
         sess.pos += t;
+        self.head(s, t, head, obs)
+    }
 
-        // ---- head ----
+    /// One layer's attention step on the block's `t` positions from position `p0`: norm,
+    /// q/k/v projections (biases, QK-norm, RoPE), the keys and values into the layer's cache,
+    /// attention, the output projection, added to the residual `s.x`.
+    fn attention(&self, layer: &Layer, s: &mut Scratch, kv: &mut LayerKv, p0: usize, t: usize) {
+        let cfg = &self.cfg;
+        let h = cfg.hidden_size;
+        let (qd, kvd, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+        let eps = cfg.rms_norm_eps;
+        let w = self.vector(&layer.input_norm);
+        for i in 0..t {
+            ops::rms_norm(
+                &s.x[i * h..(i + 1) * h],
+                &w,
+                eps,
+                &mut s.h[i * h..(i + 1) * h],
+            );
+        }
+        let a = &layer.attn;
+        let hs = &s.h[..t * h];
+        // One parallel region for the three projections: a decoded token's k and v are
+        // small, and alone each would pay the pool's hand-off (about 2% faster decode at
+        // gpt-oss-20b geometry, paired per token on Zen 4).
+        matmul_batch([
+            Product {
+                w: self.mat(&a.q),
+                xs: hs,
+                ys: &mut s.q[..t * qd],
+            },
+            Product {
+                w: self.mat(&a.k),
+                xs: hs,
+                ys: &mut s.k[..t * kvd],
+            },
+            Product {
+                w: self.mat(&a.v),
+                xs: hs,
+                ys: &mut s.v[..t * kvd],
+            },
+        ]);
+        if let Some([bq, bk, bv, _]) = &a.biases {
+            add_bias_rows(&self.vector(bq), &mut s.q[..t * qd]);
+            add_bias_rows(&self.vector(bk), &mut s.k[..t * kvd]);
+            add_bias_rows(&self.vector(bv), &mut s.v[..t * kvd]);
+        }
+        if let Some([qn, kn]) = &a.qk_norm {
+            ops::rms_norm_heads(&mut s.q[..t * qd], hd, &self.vector(qn), eps);
+            ops::rms_norm_heads(&mut s.k[..t * kvd], hd, &self.vector(kn), eps);
+        }
+        for i in 0..t {
+            self.rope.cos_sin(p0 + i, &mut s.cos, &mut s.sin);
+            Rope::apply(&mut s.q[i * qd..(i + 1) * qd], hd, &s.cos, &s.sin);
+            Rope::apply(&mut s.k[i * kvd..(i + 1) * kvd], hd, &s.cos, &s.sin);
+        }
+        for i in 0..t {
+            let slot = (p0 + i) % kv.cap;
+            kv.k[slot * kvd..(slot + 1) * kvd].copy_from_slice(&s.k[i * kvd..(i + 1) * kvd]);
+            kv.v[slot * kvd..(slot + 1) * kvd].copy_from_slice(&s.v[i * kvd..(i + 1) * kvd]);
+        }
+        let sinks = a.sinks.as_ref().map(|v| self.vector(v));
+        crate::attention::Attend {
+            k: &kv.k,
+            v: &kv.v,
+            cap: kv.cap,
+            q: &s.q[..t * qd],
+            sinks,
+            window: layer.window,
+            p0,
+            t,
+            heads: cfg.num_heads,
+            kv_heads: cfg.num_kv_heads,
+            head_dim: hd,
+        }
+        .run(&mut s.heads, &mut s.scores);
+        for i in 0..t {
+            for head in 0..cfg.num_heads {
+                let src = &s.heads[(head * t + i) * hd..(head * t + i + 1) * hd];
+                s.att[i * qd + head * hd..i * qd + (head + 1) * hd].copy_from_slice(src);
+            }
+        }
+        matmul(&self.mat(&a.o), &s.att[..t * qd], &mut s.o[..t * h]);
+        if let Some([_, _, _, bo]) = &a.biases {
+            add_bias_rows(&self.vector(bo), &mut s.o[..t * h]);
+        }
+        for (x, o) in s.x[..t * h].iter_mut().zip(&s.o[..t * h]) {
+            *x += o;
+        }
+    }
+
+    /// Layer `l`'s MLP step on the block's `t` positions: norm, then the routed experts (MoE
+    /// layers: router, plan, `moe_block`; the router logits go to `obs`) or the dense MLP,
+    /// added to the residual `s.x`.
+    fn mlp<'o>(
+        &self,
+        l: usize,
+        layer: &Layer,
+        s: &mut Scratch,
+        t: usize,
+        obs: Option<&mut (dyn Observer + 'o)>,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let h = cfg.hidden_size;
+        let w = self.vector(&layer.post_norm);
+        for i in 0..t {
+            ops::rms_norm(
+                &s.x[i * h..(i + 1) * h],
+                &w,
+                cfg.rms_norm_eps,
+                &mut s.h[i * h..(i + 1) * h],
+            );
+        }
+        s.o[..t * h].fill(0.0);
+        match &layer.mlp {
+            Mlp::Moe {
+                router,
+                router_bias,
+            } => {
+                let e = cfg.num_experts;
+                let m = &mut s.moe;
+                m.logits.resize(t * e, 0.0);
+                matmul(&self.mat(router), &s.h[..t * h], &mut m.logits);
+                if let Some(b) = router_bias {
+                    add_bias_rows(&self.vector(b), &mut m.logits);
+                }
+                if let Some(o) = obs {
+                    o.router(l, &m.logits);
+                }
+                let logits = std::mem::take(&mut m.logits);
+                m.plan
+                    .route(&logits, e, cfg.top_k, cfg.routing, &mut s.probs);
+                m.logits = logits;
+                if s.predicted_for == Some(l) {
+                    // share of this block's (position, expert) choices that were predicted
+                    for &x in &m.plan.experts {
+                        s.pred_total += 1;
+                        s.pred_hits += s.pred_set.get(x).copied().unwrap_or(false) as u64;
+                    }
+                    s.predicted_for = None;
+                }
+                let schema = self.layout.schemas[l]
+                    .as_ref()
+                    .expect("MoE layer has an expert schema");
+                moe::moe_block(
+                    l,
+                    schema,
+                    &*self.experts,
+                    e,
+                    &s.h[..t * h],
+                    &mut s.o[..t * h],
+                    self.int8_experts,
+                    m,
+                )?;
+            }
+            Mlp::Dense { gate, up, down } => {
+                let view = moe::ExpertView {
+                    gate_up: None,
+                    gate: Some(self.mat(gate)),
+                    up: Some(self.mat(up)),
+                    down: Some(self.mat(down)),
+                    gate_up_bias: None,
+                    down_bias: None,
+                    activation: cfg.activation,
+                };
+                moe::expert_forward(
+                    &view,
+                    &s.h[..t * h],
+                    h,
+                    cfg.dense_intermediate,
+                    &mut s.dense,
+                );
+                s.o[..t * h].copy_from_slice(s.dense.output());
+            }
+        }
+        for (x, o) in s.x[..t * h].iter_mut().zip(&s.o[..t * h]) {
+            *x += o;
+        }
+        Ok(())
+    }
+
+    /// The head on the block's last positions: final norm (of every position when `obs`
+    /// wants the hidden states), then logits into `s.logits` or the greedy choice.
+    fn head<'o>(
+        &self,
+        s: &mut Scratch,
+        t: usize,
+        head: Head,
+        obs: Option<&mut (dyn Observer + 'o)>,
+    ) -> Result<Option<Choice>> {
+        let cfg = &self.cfg;
+        let h = cfg.hidden_size;
         let w = self.vector(&self.final_norm);
         let need_all_norm = obs.is_some();
         let normed = match head {
@@ -1003,7 +1038,7 @@ impl Model {
             ops::rms_norm(
                 &s.x[i * h..(i + 1) * h],
                 &w,
-                eps,
+                cfg.rms_norm_eps,
                 &mut s.h[i * h..(i + 1) * h],
             );
         }

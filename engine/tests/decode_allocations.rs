@@ -2,7 +2,7 @@
 //! `Scratch` (model.rs), the head screen's scratch and the kernels' thread-local buffers,
 //! checked by counting every allocation made in the process (the decoding thread, the kernels'
 //! helper threads, anything else) while tokens are decoded one at a time on each oracle
-//! fixture, every SIMD tier this CPU runs in turn, mapped and cached experts, with the screened
+//! fixture, every SIMD instruction set this CPU runs in turn, mapped and cached experts, with the screened
 //! head and the whole one. This file holds this one test, so no other test's allocations are
 //! counted; the cache's I/O threads are idle once every expert is loaded (checked).
 
@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use std::sync::Arc;
 
-use stormo_engine::kernels::{with_tier, Tier};
-use stormo_engine::tiers::{ExpertKey, Tier as ExpertTier, TierConfig, TieredExperts};
+use stormo_engine::kernels::{with_isa, Isa};
+use stormo_engine::tiers::{ExpertKey, Tier, TierConfig, TieredExperts};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 
 /// The system allocator, counting allocations and reallocations made on threads that count.
@@ -112,7 +112,7 @@ fn allocations_per_token(
                     })
                 })
                 .collect();
-            let disk: Arc<dyn ExpertTier> = Arc::new(files.disk_tier(2, None).unwrap());
+            let disk: Arc<dyn Tier> = Arc::new(files.disk_tier(2, None).unwrap());
             let cache = Arc::new(TieredExperts::new(vec![disk], sizes, files.cfg.top_k, &cfg));
             // Every expert loaded before the first token, as `--warm` does.
             cache.preload_hot(&keys);
@@ -156,10 +156,10 @@ fn allocations_per_token(
 fn decoding_a_token_allocates_nothing() {
     for name in ["gptoss-tiny-mxfp4", "gptoss-tiny-bf16", "qwen3moe-tiny"] {
         let dir = fixture(name);
-        for tier in Tier::available() {
+        for isa in Isa::available() {
             for experts in [Experts::Mapped, Experts::Cached] {
                 for screened in [true, false] {
-                    let n = with_tier(tier, || {
+                    let n = with_isa(isa, || {
                         allocations_per_token(&dir, experts, screened, 4, 16)
                     });
                     let n = n.unwrap_or_else(|| {
@@ -167,7 +167,7 @@ fn decoding_a_token_allocates_nothing() {
                     });
                     assert_eq!(
                         n, 0,
-                        "{name}, {tier}, {experts:?}, screened head {screened}: \
+                        "{name}, {isa}, {experts:?}, screened head {screened}: \
                          {n} allocations in 16 tokens"
                     );
                 }

@@ -14,7 +14,7 @@
 //!
 //! ```sh
 //! cargo bench -p stormo-node --bench net            # STORMO_BENCH_REPS=20 by default
-//! STORMO_BENCH_DIR=/work/scratch cargo bench -p stormo-node --bench net
+//! STORMO_BENCH_DIR=/tmp/scratch cargo bench -p stormo-node --bench net
 //! ```
 
 use std::io::{Read, Write};

@@ -4,21 +4,18 @@ use clap::{Parser, Subcommand};
 
 use crate::cmd;
 
-/// stormo: run Mixture-of-Experts models (GPT-OSS, Qwen3-MoE) on CPUs, with experts streamed
-/// from RAM, the local disk, or verified peers over QUIC.
-///
-/// Every option can also be given as an environment variable STORMO_<OPTION> (e.g.
-/// STORMO_EXPERT_CACHE=4GiB, STORMO_PEER=KEY@HOST:PORT,KEY@HOST:PORT) or in a TOML file named
-/// by --config (keys are the long option names: `model = "/m"`, `peer = ["..."]`,
-/// `allow-any = true`). Flags override the variables, which override the file.
+/// stormo: Mixture-of-Experts models (GPT-OSS, Qwen3-MoE) on CPUs, experts from RAM, disk or
+/// verified peers.
 #[derive(Debug, Parser)]
 #[command(name = "stormo", version, propagate_version = true)]
 pub struct Cli {
     /// More logging on stderr (-v info, -vv debug). RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub verbose: u8,
-    /// A node config file (TOML) holding what the flags hold, keyed by their long names;
-    /// flags and STORMO_* variables override it.
+    /// A node config file (TOML) holding what the flags hold, keyed by their long names
+    /// (`model = "/m"`, `peer = ["KEY@HOST:PORT"]`, `allow-any = true`). Every option can also
+    /// come from a STORMO_<OPTION> variable (lists comma-separated); flags override variables,
+    /// which override the file.
     #[arg(long, global = true, value_name = "FILE")]
     pub config: Option<std::path::PathBuf>,
     /// What to do.
@@ -113,8 +110,9 @@ pub enum Command {
     Manifest(cmd::manifest::Command),
     /// Serve experts to peers over QUIC (--listen) and/or an OpenAI-compatible HTTP API (--http).
     Serve(cmd::serve::Args),
-    /// Fetch a model folder (manifest, config, tokenizer, dense weights; --with-experts: all)
-    /// from peers, every byte verified against the manifest.
+    /// Fetch a model folder from peers, every byte verified against the manifest.
+    ///
+    /// The manifest, config, tokenizer and dense weights; with --with-experts, the experts too.
     Pull(cmd::pull::Args),
     /// Create and show Ed25519 node and publisher keys.
     #[command(subcommand)]
@@ -131,9 +129,15 @@ pub enum Command {
     Chat(cmd::chat::Args),
     /// Run a swarm scenario of real nodes on this machine (latency, loss, churn) and report it.
     Swarm(cmd::swarm::Args),
-    /// Show the whole idea in about a minute: a small model, nodes on 127.0.0.1, a
-    /// generation on a node with no experts, every expert verified.
+    /// Show the whole idea in a minute: nodes on 127.0.0.1 serving a small model's experts.
+    ///
+    /// A small model, nodes on 127.0.0.1, a generation on a node with no experts, every
+    /// expert verified.
     Demo(cmd::demo::Args),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions(cmd::completions::Args),
+    /// Print the manual page (roff), or write one page per command with --out.
+    Man(cmd::man::Args),
 }
 
 /// `e` as one line for the user: each cause after its context, except a cause the text
@@ -180,6 +184,8 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Chat(a) => cmd::chat::run(a),
         Command::Swarm(a) => cmd::swarm::run(a),
         Command::Demo(a) => cmd::demo::run(a),
+        Command::Completions(a) => cmd::completions::run(a),
+        Command::Man(a) => cmd::man::run(a),
     }
 }
 
@@ -215,6 +221,21 @@ mod tests {
         assert!(parse(&["--stats"]).is_ok());
         let e = parse(&["-x"]).unwrap_err();
         assert!(e.contains("unexpected argument '-x'"), "{e}");
+    }
+
+    /// `stormo --help` fits a screen: at most 40 lines, none wider than 120 columns (clap
+    /// does not wrap without a terminal width; the longer text is in each command's --help).
+    #[test]
+    fn top_level_help_fits_a_screen() {
+        let help = super::Cli::command_line().render_help().to_string();
+        let lines: Vec<&str> = help.lines().collect();
+        assert!(lines.len() <= 40, "{} lines:\n{help}", lines.len());
+        for l in &lines {
+            assert!(l.chars().count() <= 120, "too wide: {l}");
+        }
+        for c in ["run", "serve", "completions", "man"] {
+            assert!(help.contains(&format!("\n  {c} ")), "{c} missing:\n{help}");
+        }
     }
 
     /// A cause already at the end of the message is not repeated; others follow their context.

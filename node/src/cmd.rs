@@ -2,9 +2,11 @@
 
 pub mod bench;
 pub mod chat;
+pub mod completions;
 pub mod convert;
 pub mod demo;
 pub mod key;
+pub mod man;
 pub mod manifest;
 pub mod pull;
 pub mod run;

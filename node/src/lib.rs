@@ -13,4 +13,5 @@ pub mod http;
 pub mod logging;
 pub mod net;
 pub mod node;
+pub mod plot;
 pub mod progress;

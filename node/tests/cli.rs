@@ -1075,3 +1075,25 @@ fn sampling_options_without_a_temperature_are_reported_as_ignored() {
         assert!(!stderr(&o).contains("ignored"), "{extra:?}: {}", stderr(&o));
     }
 }
+
+/// `stormo completions bash` prints a bash completion script that knows the commands and
+/// their options; an unknown shell is a usage error naming the choices; `stormo man` prints
+/// the manual page.
+#[test]
+fn completions_and_man_page_are_printed() {
+    let o = stormo(&["completions", "bash"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = String::from_utf8(o.stdout).expect("UTF-8");
+    for want in [
+        "_stormo()",
+        "complete -F _stormo",
+        "bench",
+        "--max-new-tokens",
+    ] {
+        assert!(s.contains(want), "{want:?} missing from the bash script");
+    }
+    assert_usage_error(&stormo(&["completions", "cmd.exe"]), &["cmd.exe", "bash"]);
+    let o = stormo(&["man"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains(".TH stormo"));
+}

@@ -1,7 +1,7 @@
 //! The engine against Transformers' outputs on the oracle fixtures.
 
 use stormo_engine::generate::{argmax, greedy, greedy_ids, Timings};
-use stormo_engine::kernels::{with_tier, Tier};
+use stormo_engine::kernels::{with_isa, Isa};
 use stormo_engine::{LoadOptions, Logits, Model, Observer};
 use stormo_tests::{fixture, max_abs, Reference, MODEL_FIXTURES};
 
@@ -139,10 +139,10 @@ fn greedy_generation_matches_transformers() {
     }
 }
 
-/// Every fixture, main and extra, generates the reference's greedy ids with each SIMD tier
+/// Every fixture, main and extra, generates the reference's greedy ids with each SIMD ISA
 /// this CPU runs forced in turn (the scalar reference included), logits within 1e-3.
 #[test]
-fn every_simd_tier_generates_the_reference_tokens() {
+fn every_simd_isa_generates_the_reference_tokens() {
     let mut cases: Vec<(String, Vec<u32>, Vec<u32>, std::path::PathBuf)> = MODEL_FIXTURES
         .iter()
         .map(|name| {
@@ -170,15 +170,15 @@ fn every_simd_tier_generates_the_reference_tokens() {
         cases.push((name, ids("input_ids"), ids("generated_ids"), dir));
     }
     assert!(cases.len() > MODEL_FIXTURES.len(), "extra fixtures found");
-    let tiers = Tier::available();
-    assert!(tiers.contains(&Tier::Scalar));
+    let isas = Isa::available();
+    assert!(isas.contains(&Isa::Scalar));
     // Tokens chosen through the screen, exact rows they read, whole-head fallbacks.
     let mut screened = (0u64, 0u64, 0u64);
-    for tier in tiers {
+    for isa in isas {
         for (name, ids, want, dir) in &cases {
             let model = Model::load(dir, &LoadOptions::default()).unwrap();
             let mut sess = model.session(ids.len() + want.len()).unwrap();
-            let got = with_tier(tier, || {
+            let got = with_isa(isa, || {
                 greedy(
                     &model,
                     &mut sess,
@@ -190,7 +190,7 @@ fn every_simd_tier_generates_the_reference_tokens() {
                 )
             })
             .unwrap();
-            assert_eq!(&got, want, "{name} with the {tier} kernels: generated ids");
+            assert_eq!(&got, want, "{name} with the {isa} kernels: generated ids");
             // The same ids through the screened head (8-bit screen, exact candidates).
             let opts = LoadOptions {
                 screened_head: true,
@@ -198,7 +198,7 @@ fn every_simd_tier_generates_the_reference_tokens() {
             };
             let model = Model::load(dir, &opts).unwrap();
             let mut sess = model.session(ids.len() + want.len()).unwrap();
-            let got = with_tier(tier, || {
+            let got = with_isa(isa, || {
                 greedy_ids(
                     &model,
                     &mut sess,
@@ -210,7 +210,7 @@ fn every_simd_tier_generates_the_reference_tokens() {
                 )
             })
             .unwrap();
-            assert_eq!(&got, want, "{name}, {tier} kernels, screened head: ids");
+            assert_eq!(&got, want, "{name}, {isa} kernels, screened head: ids");
             let st = sess.screen_stats();
             assert_eq!(st.screened + st.full, want.len() as u64, "{name}: choices");
             screened.0 += st.screened;
@@ -218,7 +218,7 @@ fn every_simd_tier_generates_the_reference_tokens() {
             screened.2 += st.full;
         }
         eprintln!(
-            "{tier}: {} fixtures token-exact, with and without the screened head",
+            "{isa}: {} fixtures token-exact, with and without the screened head",
             cases.len()
         );
     }

@@ -3,11 +3,11 @@
 
 Each case is a tiny random GPT-OSS or Qwen3-MoE checkpoint in one of the layouts the engine must
 load (see tests/oracle/README.md for the list and what each covers), plus the outputs that
-Transformers computes on it. Run with the oracle venv (torch + transformers 5.x, CPU):
+Transformers computes on it. Run with a venv (VENV below) holding torch and transformers 5.x (CPU):
 
-    /work/venv-oracle/bin/python tests/oracle/make_fixtures.py            # all cases
-    /work/venv-oracle/bin/python tests/oracle/make_fixtures.py NAME ...   # some cases
-    /work/venv-oracle/bin/python tests/oracle/make_fixtures.py --list
+    VENV/bin/python tests/oracle/make_fixtures.py            # all cases
+    VENV/bin/python tests/oracle/make_fixtures.py NAME ...   # some cases
+    VENV/bin/python tests/oracle/make_fixtures.py --list
 
 Method (SPEC.md §2-§5, fixtures/README.md):
   1. Build the config and a float32 model with eager attention and eager experts.

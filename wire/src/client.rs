@@ -25,7 +25,7 @@ use std::error::Error as StdError;
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use stormo_manifests::{ExpertId, Hash};
+use stormo_ids::{ExpertId, Hash};
 
 use crate::message::{
     check_file_name, ByteRange, Cancel, Data, End, ErrorCode, ErrorMessage, Get, GetFile,

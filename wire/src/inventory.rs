@@ -6,7 +6,7 @@
 //! gpt-oss-120b (36 layers of 128 experts) takes 576 bytes.
 
 use serde::{Deserialize, Serialize};
-use stormo_manifests::ExpertId;
+use stormo_ids::ExpertId;
 
 use crate::message::InventoryUpdate;
 
@@ -187,7 +187,7 @@ fn check_dims(layers: u16, experts_per_layer: u16) -> Result<usize, InventoryErr
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stormo_manifests::Hash;
+    use stormo_ids::Hash;
 
     fn e(layer: u16, expert: u16) -> ExpertId {
         ExpertId { layer, expert }

@@ -26,7 +26,9 @@
 //!   use tokio as _;
 //!   ```
 //! - No manifest format and no hashing policy: manifests are opaque bytes, and chunk checks are
-//!   the caller's [`ChunkVerifier`] (implemented by `stormo-manifests`).
+//!   the caller's [`ChunkVerifier`] (implemented by `stormo-manifests`). Ids and hashes come
+//!   from the leaf crate `stormo-ids` (the types `stormo-manifests` re-exports), so this crate
+//!   does not compile the engine that manifests are built with.
 //! - No peer selection, hedging or fallback policy: that is the node's, fed by the events and
 //!   [`RttEstimator`] here.
 //!
@@ -84,7 +86,7 @@
 //! # Stepping it
 //! ```
 //! use std::time::Instant;
-//! use stormo_manifests::{ExpertId, Hash};
+//! use stormo_ids::{ExpertId, Hash};
 //! use stormo_wire::*;
 //!
 //! let now = Instant::now();

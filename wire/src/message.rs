@@ -12,7 +12,7 @@ use std::fmt;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use stormo_manifests::{ExpertId, Hash};
+use stormo_ids::{ExpertId, Hash};
 
 use crate::frame::DecodeError;
 use crate::inventory::ExpertSet;

@@ -317,7 +317,7 @@ impl Iterator for DataChunks {
 mod tests {
     use super::*;
     use crate::message::GetFile;
-    use stormo_manifests::Hash;
+    use stormo_ids::Hash;
 
     fn get_file(id: u64, name: &str) -> Message {
         Message::GetFile(GetFile {

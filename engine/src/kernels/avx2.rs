@@ -1,4 +1,4 @@
-//! The AVX2 + FMA + F16C tier (x86-64 since Haswell / Zen).
+//! The AVX2 + FMA + F16C ISA (x86-64 since Haswell / Zen).
 //!
 //! Row-major kernels keep one 8-lane accumulator per (row, position): lane `l` sums the
 //! products of elements `i ≡ l (mod 8)` in increasing `i`, then [`hsum`] reduces the lanes in a
@@ -15,7 +15,7 @@ use std::cell::Cell;
 
 use super::{Float, Mat, Outs, BF16, F16, F32, I8, SCALE};
 
-/// True if this CPU runs the tier.
+/// True if this CPU runs the ISA.
 pub(super) fn supported() -> bool {
     is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
@@ -25,9 +25,9 @@ pub(super) fn supported() -> bool {
 /// Output rows `r0 .. r0 + n` of a row-major matrix (`Dense` or `Mxfp4`) for `p` positions
 /// `xs` (`[p, cols]`, `p <= 4`, or [`MXFP4_POSITIONS`] for MXFP4) into `out` (`[p, n]`).
 pub(super) fn rows(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
-    // Only a tier the CPU runs is ever chosen, and MXFP4 inputs come permuted for this tier's
+    // Only an ISA the CPU runs is ever chosen, and MXFP4 inputs come permuted for this ISA's
     // decode: a scalar fallback here would give wrong results, not slow ones.
-    assert!(supported(), "this tier's kernels need AVX2, FMA and F16C");
+    assert!(supported(), "these kernels need AVX2, FMA and F16C");
     super::check_rows(w, r0, n, xs, p, out);
     assert!(
         p <= 4 || matches!(w, Mat::Mxfp4 { .. }) && p <= MXFP4_POSITIONS,
@@ -58,7 +58,7 @@ pub(super) fn cols_t(w: &Mat<'_>, o0: usize, n: usize, xs: &[f32], outs: &mut Ou
     while i < outs.len() {
         let p = (outs.len() - i).min(2);
         let x = &xs[i * cols..];
-        // SAFETY: the CPU supports the tier (checked above); `check_cols_t` verified that the
+        // SAFETY: the CPU supports the ISA (checked above); `check_cols_t` verified that the
         // matrix holds `rows * cols` elements, `o0 + n <= rows`, each output has `n` elements
         // and `xs` holds `outs.len()` positions of `cols`.
         unsafe {
@@ -168,7 +168,7 @@ unsafe fn dense_rows<const FMT: u8>(
 /// Loads 8 elements of format `FMT` starting at element `i` of `w`, widened to f32.
 ///
 /// # Safety
-/// The CPU supports the tier and elements `i .. i + 8` are readable.
+/// The CPU supports the ISA and elements `i .. i + 8` are readable.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn load8<const FMT: u8>(w: *const u8, i: usize) -> __m256 {
@@ -222,7 +222,7 @@ pub(super) fn hsum(v: __m256) -> f32 {
 /// Kernels).
 ///
 /// # Safety
-/// The CPU supports the tier; each `w[k]` points to `n` readable elements of format `FMT` and
+/// The CPU supports the ISA; each `w[k]` points to `n` readable elements of format `FMT` and
 /// each `x[q]` to `n` readable f32. (The prefetches may point past the matrix: a hint.)
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -344,7 +344,7 @@ const SLAB: usize = 4;
 /// time (each row is a stream too short for the hardware prefetcher to ramp up on).
 ///
 /// # Safety
-/// The CPU supports the tier; each `b[k]` points to `16 * nb` readable bytes, `s[k]` to `nb`,
+/// The CPU supports the ISA; each `b[k]` points to `16 * nb` readable bytes, `s[k]` to `nb`,
 /// `x` to `32 * nb` f32. (The prefetches may point past the matrix: a hint.)
 #[inline(always)]
 unsafe fn mxfp4_dot<const R: usize>(
@@ -508,7 +508,7 @@ unsafe fn mxfp4_block(
 /// `q` at `acc + r * MXFP4_POSITIONS + q`), by [`mxfp4_dot`]'s arithmetic.
 ///
 /// # Safety
-/// The CPU supports the tier; `x` points to `Q` positions of `32 * k` readable f32, `cols`
+/// The CPU supports the ISA; `x` points to `Q` positions of `32 * k` readable f32, `cols`
 /// apart; `slab` to a whole slab, `i + R <= CHUNK_ROWS`, `k <= SLAB`; the `R x Q` accumulators
 /// are in bounds.
 #[inline(always)]
@@ -607,7 +607,7 @@ impl NibbleSplit {
     /// low nibbles (the block's even elements), the high lane the high ones (odd elements).
     ///
     /// # Safety
-    /// The CPU supports the tier and 16 bytes at `b` are readable.
+    /// The CPU supports the ISA and 16 bytes at `b` are readable.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn split(self, b: *const u8) -> __m256i {
@@ -643,7 +643,7 @@ impl Fp4Consts {
 /// table loads, no arithmetic).
 ///
 /// # Safety
-/// The CPU supports the tier and 16 bytes at `b` are readable.
+/// The CPU supports the ISA and 16 bytes at `b` are readable.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn decode_scaled(b: *const u8, s: u8, c: Fp4Consts) -> [__m256; 4] {
@@ -683,7 +683,7 @@ pub(super) fn scaled_value(s: u8, n: u8) -> f32 {
 /// Four input rows are applied per pass over `y`, which stays in L1.
 ///
 /// # Safety
-/// The CPU supports the tier; `w` holds `cols` rows of `ld` elements of format `FMT`,
+/// The CPU supports the ISA; `w` holds `cols` rows of `ld` elements of format `FMT`,
 /// `o0 + n <= ld`, `x` holds `P` positions of `cols` f32 and each `y[q]` has `n` elements.
 #[inline(never)] // a profile shows each kernel apart
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -749,7 +749,7 @@ unsafe fn dense_t<const FMT: u8, const P: usize>(
 /// register accumulators (for [`super::peak_flops`]).
 pub(super) fn fma_burst() -> f64 {
     assert!(supported(), "the CPU runs AVX2 and FMA");
-    // SAFETY: the CPU supports the tier (asserted above).
+    // SAFETY: the CPU supports the ISA (asserted above).
     unsafe { fma_burst_impl() }
 }
 

@@ -1,6 +1,6 @@
-//! The AVX-512 tier (F and BW, with AVX2 + FMA + F16C), for Xeons since Skylake-SP and Zen 4.
+//! The AVX-512 ISA (F and BW, with AVX2 + FMA + F16C), for Xeons since Skylake-SP and Zen 4.
 //!
-//! The same structure as the AVX2 tier with 16 lanes: one accumulator per (row, position),
+//! The same structure as the AVX2 ISA with 16 lanes: one accumulator per (row, position),
 //! lane `l` summing elements `i ≡ l (mod 16)` in increasing `i` (for MXFP4, the elements
 //! [`MXFP4_ORDER`] puts in lane `l` of each block's two vectors, block after block), a fixed
 //! lane reduction and a fused scalar tail; so a position's result never depends on how many
@@ -13,15 +13,15 @@
 //! order and the inputs are permuted to match ([`MXFP4_ORDER`]). Decode reads a matrix as four
 //! sequential streams (rows from the four quarters of a task's range, interleaved) with a
 //! software prefetch 2 KiB ahead in each. Prefill decodes a slab of rows once per call of up to 32
-//! positions, as the AVX2 tier does. Measured on Zen 4 (README, Kernels); on CPUs without
-//! AVX-512 the tests run the tier in software emulation (`avx512_emulated`), and where it runs
+//! positions, as the AVX2 ISA does. Measured on Zen 4 (README, Kernels); on CPUs without
+//! AVX-512 the tests run the ISA in software emulation (`avx512_emulated`), and where it runs
 //! natively the runtime self-check guards it.
 use std::arch::x86_64::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{Float, Mat, Outs, BF16, F16, F32, FP4_LUT, I8, SCALE};
 
-/// True if this CPU runs the tier.
+/// True if this CPU runs the ISA.
 pub(super) fn supported() -> bool {
     is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
@@ -31,15 +31,15 @@ pub(super) fn supported() -> bool {
 /// Output rows `r0 .. r0 + n` of a row-major matrix (`Dense` or `Mxfp4`) for `p` positions
 /// `xs` (`[p, cols]`, `p <= 4`, or [`POSITIONS`] for MXFP4) into `out` (`[p, n]`).
 pub(super) fn rows(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
-    // Only a tier the CPU runs is ever chosen, and MXFP4 inputs come permuted for this tier's
+    // Only an ISA the CPU runs is ever chosen, and MXFP4 inputs come permuted for this ISA's
     // decode: a scalar fallback here would give wrong results, not slow ones.
-    assert!(supported(), "this tier's kernels need AVX-512 F and BW");
+    assert!(supported(), "these kernels need AVX-512 F and BW");
     super::check_rows(w, r0, n, xs, p, out);
     assert!(
         p <= 4 || matches!(w, Mat::Mxfp4 { .. }) && p <= POSITIONS,
         "kernel takes at most 4 positions ({POSITIONS} for MXFP4)"
     );
-    // SAFETY: the CPU supports the tier (checked above) and `check_rows` verified that rows
+    // SAFETY: the CPU supports the ISA (checked above) and `check_rows` verified that rows
     // `r0 .. r0 + n`, `p` positions of `xs` and `p * n` outputs are in bounds.
     unsafe { rows_impl(w, r0, n, xs, p, out) }
 }
@@ -67,7 +67,7 @@ pub(super) fn cols_t(w: &Mat<'_>, o0: usize, n: usize, xs: &[f32], outs: &mut Ou
         let y = &mut outs[i..i + p];
         macro_rules! go {
             ($f:ident) => {
-                // SAFETY: the CPU supports the tier (checked above); `check_cols_t` verified
+                // SAFETY: the CPU supports the ISA (checked above); `check_cols_t` verified
                 // that the matrix holds `rows * cols` elements, `o0 + n <= rows`, each output
                 // has `n` elements and `xs` holds the positions.
                 unsafe {
@@ -90,7 +90,7 @@ pub(super) fn cols_t(w: &Mat<'_>, o0: usize, n: usize, xs: &[f32], outs: &mut Ou
 }
 
 /// # Safety
-/// The CPU must support the tier, and the bounds `check_rows` verifies must hold.
+/// The CPU must support the ISA, and the bounds `check_rows` verifies must hold.
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 unsafe fn rows_impl(w: &Mat<'_>, r0: usize, n: usize, xs: &[f32], p: usize, out: &mut [f32]) {
     // SAFETY (whole body): forwarded from the caller's contract.
@@ -176,7 +176,7 @@ unsafe fn dense_rows<const FMT: u8>(
             // Decode reads each row once: four rows at a time, one from each quarter of the
             // range, so the matrix is read as four long sequential streams, which the hardware
             // prefetchers follow (four neighbouring rows with a software prefetch of the next
-            // four, as the AVX2 tier does, read the output head at 78% of the speed on Zen 4).
+            // four, as the AVX2 ISA does, read the output head at 78% of the speed on Zen 4).
             let q = n / 4;
             for i in 0..q {
                 run!(4, 1, [i, q + i, 2 * q + i, 3 * q + i]);
@@ -194,7 +194,7 @@ unsafe fn dense_rows<const FMT: u8>(
 /// Loads 16 elements of format `FMT` starting at element `i` of `w`, widened to f32.
 ///
 /// # Safety
-/// The CPU supports the tier and elements `i .. i + 16` are readable.
+/// The CPU supports the ISA and elements `i .. i + 16` are readable.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 unsafe fn load16<const FMT: u8>(w: *const u8, i: usize) -> __m512 {
@@ -273,7 +273,7 @@ pub(super) fn ahead() -> usize {
 /// each row is prefetched [`ahead`] bytes ahead.
 ///
 /// # Safety
-/// The CPU supports the tier; each `w[k]` points to `n` readable elements of format `FMT` and
+/// The CPU supports the ISA; each `w[k]` points to `n` readable elements of format `FMT` and
 /// each `x[q]` to `n` readable f32. (The prefetches may point past the matrix: a hint.)
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
@@ -384,7 +384,7 @@ unsafe fn mxfp4_rows(
 pub(super) const POSITIONS: usize = 32;
 /// Rows [`mxfp4_block`] decodes at once.
 const CHUNK_ROWS: usize = 16;
-/// Rows whose accumulators [`mxfp4_block`] keeps at once: half the AVX2 tier's 64, since each
+/// Rows whose accumulators [`mxfp4_block`] keeps at once: half the AVX2 ISA's 64, since each
 /// accumulator is twice the size (the scratch stays at 72 KiB); a 64-row prefill tile thus
 /// meets each slab of inputs twice. Not measured (no AVX-512 here).
 const MAX_ROWS: usize = 32;
@@ -456,11 +456,11 @@ impl Shifts {
 /// bits, and `vpermps`, which reads only those, looks it up in the scale's [`SCALED`] row. Per
 /// block: two shifts, two permutes, and the two multiply-adds of the caller. Zen 4 issues two
 /// 512-bit operations a cycle, so that is about three cycles per block at best; broadcasting
-/// the whole block to the four 128-bit lanes, as this tier did first, is a shuffle, and
+/// the whole block to the four 128-bit lanes, as this ISA did first, is a shuffle, and
 /// measured 11-17% slower there (README, Kernels).
 ///
 /// # Safety
-/// The CPU supports the tier and 16 bytes at `b` are readable.
+/// The CPU supports the ISA and 16 bytes at `b` are readable.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 unsafe fn decode(b: *const u8, s: u8, c: Shifts) -> [__m512; 2] {
@@ -482,7 +482,7 @@ unsafe fn decode(b: *const u8, s: u8, c: Shifts) -> [__m512; 2] {
 /// [`mxfp4_rows`]' arithmetic; each row's blocks are prefetched [`ahead`] bytes ahead.
 ///
 /// # Safety
-/// The CPU supports the tier; each `b[k]` points to `16 * nb` readable bytes, each `s[k]` to
+/// The CPU supports the ISA; each `b[k]` points to `16 * nb` readable bytes, each `s[k]` to
 /// `nb`, `x` to `32 * nb` f32. (The prefetches may point past the matrix: a hint.)
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
@@ -527,7 +527,7 @@ thread_local! {
     static BLOCK_SCRATCH: std::cell::Cell<Vec<__m512>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
-/// [`mxfp4_rows`] for `2 <= p <= POSITIONS` positions, as the AVX2 tier's prefill kernel:
+/// [`mxfp4_rows`] for `2 <= p <= POSITIONS` positions, as the AVX2 ISA's prefill kernel:
 /// groups of up to [`MAX_ROWS`] rows walked in slabs of [`SLAB`] blocks; for each slab, chunk
 /// after chunk of [`CHUNK_ROWS`] rows is decoded once into an L1 buffer, then tiles of 4 rows
 /// x 4 positions multiply it ([`tile`]: sixteen accumulators in registers, each input vector
@@ -628,7 +628,7 @@ unsafe fn mxfp4_block(
 /// position `q` at `acc + r * POSITIONS + q`), by [`mxfp4_rows`]' arithmetic.
 ///
 /// # Safety
-/// The CPU supports the tier; `x` points to `Q` positions of `32 * k` readable f32, `cols`
+/// The CPU supports the ISA; `x` points to `Q` positions of `32 * k` readable f32, `cols`
 /// apart; `slab` to a whole slab, `i + R <= CHUNK_ROWS`, `k <= SLAB`; the `R x Q` accumulators
 /// are in bounds.
 #[inline]
@@ -669,7 +669,7 @@ unsafe fn tile<const R: usize, const Q: usize>(
 /// in increasing `i` for every output; four input rows per pass over `y`.
 ///
 /// # Safety
-/// The CPU supports the tier; `w` holds `cols` rows of `ld` elements of format `FMT`,
+/// The CPU supports the ISA; `w` holds `cols` rows of `ld` elements of format `FMT`,
 /// `o0 + n <= ld`, `x` holds `P` positions of `cols` f32 and each `y[q]` has `n` elements.
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 unsafe fn dense_t<const FMT: u8, const P: usize>(
@@ -733,7 +733,7 @@ unsafe fn dense_t<const FMT: u8, const P: usize>(
 /// register accumulators (for [`super::peak_flops`]).
 pub(super) fn fma_burst() -> f64 {
     assert!(supported(), "the CPU runs AVX-512");
-    // SAFETY: the CPU supports the tier (asserted above).
+    // SAFETY: the CPU supports the ISA (asserted above).
     unsafe { fma_burst_impl() }
 }
 

@@ -1,13 +1,13 @@
-//! The AVX-512 tier compiled a second time, against software versions of its AVX-512
+//! The AVX-512 ISA compiled a second time, against software versions of its AVX-512
 //! intrinsics, so the tests run its kernels on CPUs without AVX-512 (the machines this project
-//! is built and tested on have AVX2 only; users' Xeons pick the AVX-512 tier on their own).
+//! is built and tested on have AVX2 only; users' Xeons pick the AVX-512 ISA on their own).
 //!
-//! The code is the tier's own source (`avx512.rs`, copied by the build script with AVX2 enabled
+//! The code is the ISA's own source (`avx512.rs`, copied by the build script with AVX2 enabled
 //! in place of AVX-512); only the AVX-512 intrinsics it calls are replaced, by the lane-by-lane
 //! definitions in [`soft`], written from Intel's descriptions. Its SSE and AVX intrinsics run
-//! natively, so it needs an AVX2 CPU. What this tests: the tier's loops, indexing, tails,
+//! natively, so it needs an AVX2 CPU. What this tests: the ISA's loops, indexing, tails,
 //! lane order and arithmetic. What it cannot test: the compiler's AVX-512 code generation and
-//! the CPU itself, which the runtime self-check (`verify`) guards where the tier really runs.
+//! the CPU itself, which the runtime self-check (`verify`) guards where the ISA really runs.
 
 // The copy is the shipped source, linted as such where it is compiled for real. Here a few of
 // its unsafe blocks hold only calls that are safe, its FMA burst (for the peak-FLOP probe) is
@@ -22,7 +22,7 @@ use soft::{
     _mm512_srlv_epi32, _mm512_storeu_ps,
 };
 
-/// The emulated tier's detection: its AVX-512 instructions are software, so it runs wherever
+/// The emulated ISA's detection: its AVX-512 instructions are software, so it runs wherever
 /// its AVX2 ones do (`supported()` checks those too).
 macro_rules! is_x86_feature_detected {
     ("avx512f") => {
@@ -50,7 +50,7 @@ mod soft {
     #[repr(C, align(64))]
     pub(super) struct M512i(pub(super) [u32; 16]);
 
-    /// The tier's name for 16 32-bit integer lanes.
+    /// The ISA's name for 16 32-bit integer lanes.
     pub(super) type __m512i = M512i;
 
     /// 8 f64 lanes, kept as their bits.

@@ -7,7 +7,7 @@
 //! Inputs reach the kernels in the layout [`quantize`] writes, in place of the f32 inputs
 //! (the same length): per position of `cols`, first the `cols / 32` block scales, then the
 //! int8 values, four to an f32 slot, each block's even elements then its odd ones (the order
-//! in which the AVX2 kernel's nibble split yields the weights). Every tier quantizes with the
+//! in which the AVX2 kernel's nibble split yields the weights). Every ISA quantizes with the
 //! same scalar code, so the integers are the same on every CPU.
 
 #[cfg(target_arch = "x86_64")]
@@ -69,10 +69,10 @@ const PREFETCH: usize = 4096;
 /// Most positions one SIMD call takes (one row's decode shared by all of them).
 pub(super) const POSITIONS: usize = 8;
 
-/// Rows `r0 .. r0 + n` for `p` quantized positions on `tier`: the AVX2 kernel for the AVX2
-/// and AVX-512 tiers, the NEON kernel for NEON, else the scalar reference.
+/// Rows `r0 .. r0 + n` for `p` quantized positions on `ISA`: the AVX2 kernel for the AVX2
+/// and AVX-512 ISAs, the NEON kernel for NEON, else the scalar reference.
 pub(super) fn rows(
-    tier: super::Tier,
+    isa: super::Isa,
     w: &Mat<'_>,
     r0: usize,
     n: usize,
@@ -91,22 +91,22 @@ pub(super) fn rows(
         unreachable!("int8x takes only Mxfp4Int8 weights")
     };
     #[cfg(target_arch = "x86_64")]
-    if matches!(tier, super::Tier::Avx2 | super::Tier::Avx512)
+    if matches!(isa, super::Isa::Avx2 | super::Isa::Avx512)
         && p <= POSITIONS
         && super::avx2::supported()
     {
-        // SAFETY: the tier was detected on this CPU (both imply AVX2 and FMA); bounds
+        // SAFETY: the ISA was detected on this CPU (both imply AVX2 and FMA); bounds
         // checked above.
         unsafe { with_positions!(p, avx2_tile(blocks, scales, cols, r0, n, xs, out)) };
         return;
     }
     #[cfg(target_arch = "aarch64")]
-    if tier == super::Tier::Neon && p <= POSITIONS && super::neon::supported() {
+    if isa == super::Isa::Neon && p <= POSITIONS && super::neon::supported() {
         // SAFETY: NEON detected on this CPU; bounds checked above.
         unsafe { neon_rows(blocks, scales, cols, r0, n, xs, p, out) };
         return;
     }
-    let _ = tier;
+    let _ = isa;
     reference_rows(blocks, scales, cols, r0, n, xs, p, out)
 }
 

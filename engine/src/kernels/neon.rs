@@ -1,4 +1,4 @@
-//! The NEON tier (AArch64: every 64-bit Arm CPU, Cortex-A53 and Apple M1 to Graviton).
+//! The NEON ISA (AArch64: every 64-bit Arm CPU, Cortex-A53 and Apple M1 to Graviton).
 //!
 //! Row-major kernels keep one accumulator of two 4-lane vectors per (row, position): lane `l`
 //! of the pair sums the products of elements `i ≡ l (mod 8)` in increasing `i`; the two vectors
@@ -19,13 +19,13 @@
 //! f32. Each (row, position) then takes a fused multiply-add per 4 weights, no per-block scale
 //! multiply. Decode reads four rows at a time in registers; prefill decodes a slab of rows
 //! once per call of up to 32 positions into an L1 buffer and multiplies it in register tiles,
-//! as the AVX2 tier does. Tested under QEMU (`.ci/neon-emulated.sh`); speed not measured.
+//! as the AVX2 ISA does. Tested under QEMU (`.ci/neon-emulated.sh`); speed not measured.
 
 use std::arch::aarch64::*;
 
 use super::{Float, Mat, Outs, BF16, F16, F32, I8, SCALE};
 
-/// True if this CPU runs the tier.
+/// True if this CPU runs the ISA.
 pub(super) fn supported() -> bool {
     std::arch::is_aarch64_feature_detected!("neon")
 }
@@ -70,7 +70,7 @@ pub(super) fn cols_t(w: &Mat<'_>, o0: usize, n: usize, xs: &[f32], outs: &mut Ou
         let p = (outs.len() - i).min(2);
         let x = &xs[i * cols..];
         let y = &mut outs[i..i + p];
-        // SAFETY: the CPU supports the tier (checked above); `check_cols_t` verified that the
+        // SAFETY: the CPU supports the ISA (checked above); `check_cols_t` verified that the
         // matrix holds `rows * cols` elements, `o0 + n <= rows`, each output has `n` elements
         // and `xs` holds `outs.len()` positions of `cols`.
         unsafe {
@@ -204,7 +204,7 @@ fn f16_to_f32(h: uint32x4_t) -> float32x4_t {
 /// `i .. i + 4` in the first vector).
 ///
 /// # Safety
-/// The CPU supports the tier and elements `i .. i + 8` are readable.
+/// The CPU supports the ISA and elements `i .. i + 8` are readable.
 #[inline]
 #[target_feature(enable = "neon")]
 unsafe fn load8<const FMT: u8>(w: *const u8, i: usize) -> [float32x4_t; 2] {
@@ -270,7 +270,7 @@ fn hsum(a: [float32x4_t; 2]) -> f32 {
 /// Dot products of `R` rows with `P` positions, `n` elements each.
 ///
 /// # Safety
-/// The CPU supports the tier; each `w[k]` points to `n` readable elements of format `FMT` and
+/// The CPU supports the ISA; each `w[k]` points to `n` readable elements of format `FMT` and
 /// each `x[q]` to `n` readable f32.
 #[inline]
 #[target_feature(enable = "neon")]
@@ -409,7 +409,7 @@ static SCALED: Scaled = {
 /// bf16 bytes, and a zip and a long shift turn those into f32.
 ///
 /// # Safety
-/// The CPU supports the tier and 16 bytes at `b` are readable.
+/// The CPU supports the ISA and 16 bytes at `b` are readable.
 #[inline]
 #[target_feature(enable = "neon")]
 unsafe fn decode_scaled(b: *const u8, s: u8) -> [float32x4_t; 8] {
@@ -445,7 +445,7 @@ unsafe fn decode_scaled(b: *const u8, s: u8) -> [float32x4_t; 8] {
 /// [`mxfp4_rows`]' arithmetic (the rows give the core independent chains of multiply-adds).
 ///
 /// # Safety
-/// The CPU supports the tier; each `b[k]` points to `16 * nb` readable bytes, each `s[k]` to
+/// The CPU supports the ISA; each `b[k]` points to `16 * nb` readable bytes, each `s[k]` to
 /// `nb`, `x` to `32 * nb` f32.
 #[inline]
 #[target_feature(enable = "neon")]
@@ -485,7 +485,7 @@ thread_local! {
         const { std::cell::Cell::new(Vec::new()) };
 }
 
-/// [`mxfp4_rows`] for `2 <= p <= MXFP4_POSITIONS` positions, as the AVX2 tier's prefill
+/// [`mxfp4_rows`] for `2 <= p <= MXFP4_POSITIONS` positions, as the AVX2 ISA's prefill
 /// kernel: groups of up to [`MAX_ROWS`] rows walked in slabs of [`SLAB`] blocks; for each slab,
 /// chunk after chunk of [`CHUNK_ROWS`] rows is decoded once into an L1 buffer, then tiles of 2
 /// rows x 4 positions multiply it ([`tile`]: sixteen accumulator vectors in registers, each
@@ -579,7 +579,7 @@ unsafe fn mxfp4_block(
 /// arithmetic.
 ///
 /// # Safety
-/// The CPU supports the tier; `x` points to `Q` positions of `32 * k` readable f32, `cols`
+/// The CPU supports the ISA; `x` points to `Q` positions of `32 * k` readable f32, `cols`
 /// apart; `slab` to a whole slab, `i + R <= CHUNK_ROWS`, `k <= SLAB`; the `R x Q` accumulators
 /// are in bounds.
 #[inline(always)]
@@ -622,7 +622,7 @@ unsafe fn tile<const R: usize, const Q: usize>(
 /// Four input rows are applied per pass over `y`, which stays in L1.
 ///
 /// # Safety
-/// The CPU supports the tier; `w` holds `cols` rows of `ld` elements of format `FMT`,
+/// The CPU supports the ISA; `w` holds `cols` rows of `ld` elements of format `FMT`,
 /// `o0 + n <= ld`, `x` holds `P` positions of `cols` f32 and each `y[q]` has `n` elements.
 #[inline(never)] // a profile shows each kernel apart
 #[target_feature(enable = "neon")]

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock, TryLockError};
 use std::time::{Duration, Instant};
 
-use super::{Tier, FORCED};
+use super::{Isa, FORCED};
 
 /// How long a helper spins after a loop before it parks, unless `STORMO_SPIN_MS` says
 /// otherwise (0: park at once, for a machine whose other work needs the cores more than
@@ -66,11 +66,11 @@ fn epoch_of(s: u64) -> u64 {
 }
 
 /// The current loop: its closure (lifetime erased: see the module's protocol) and the
-/// caller's forced kernel tier, which the helpers take on while they run it.
+/// caller's forced kernel ISA, which the helpers take on while they run it.
 #[derive(Clone, Copy)]
 struct Job {
     f: *const (dyn Fn(usize) + Sync),
-    tier: Option<Tier>,
+    isa: Option<Isa>,
 }
 
 struct Shared {
@@ -120,7 +120,7 @@ fn pool() -> &'static Pool {
             state: AtomicU64::new(0),
             job: UnsafeCell::new(Job {
                 f: &(|_| {}) as &(dyn Fn(usize) + Sync),
-                tier: None,
+                isa: None,
             }),
             done: AtomicUsize::new(0),
             panic: Mutex::new(None),
@@ -188,7 +188,7 @@ fn run_loop(n: usize, f: &(dyn Fn(usize) + Sync)) {
     unsafe {
         *sh.job.get() = Job {
             f,
-            tier: FORCED.with(Cell::get),
+            isa: FORCED.with(Cell::get),
         };
     }
     sh.done.store(0, Ordering::Relaxed);
@@ -263,7 +263,7 @@ fn run_claimed(sh: &Shared, epoch: u64) {
         let job = unsafe { *sh.job.get() };
         let outer = (
             IN_LOOP.with(|c| c.replace(true)),
-            FORCED.with(|c| c.replace(job.tier)),
+            FORCED.with(|c| c.replace(job.isa)),
         );
         // SAFETY: as above.
         let r = catch_unwind(AssertUnwindSafe(|| unsafe { (*job.f)(i) }));
@@ -397,22 +397,22 @@ mod tests {
     }
 
     /// A loop inside a loop runs, on the thread that opened it; every index sees the caller's
-    /// forced tier.
+    /// forced ISA.
     #[test]
-    fn nested_loops_and_the_forced_tier() {
+    fn nested_loops_and_the_forced_isa() {
         let count = AtomicUsize::new(0);
-        let tiers = Mutex::new(Vec::new());
-        super::super::with_tier(Tier::Scalar, || {
+        let isas = Mutex::new(Vec::new());
+        super::super::with_isa(Isa::Scalar, || {
             for_each_index(8, |_| {
-                lock(&tiers).push(Tier::active());
+                lock(&isas).push(Isa::active());
                 for_each_index(8, |_| {
                     count.fetch_add(1, Ordering::Relaxed);
                 });
             })
         });
         assert_eq!(count.load(Ordering::Relaxed), 64);
-        let tiers = tiers.into_inner().unwrap();
-        assert_eq!(tiers.len(), 8);
-        assert!(tiers.iter().all(|&t| t == Tier::Scalar));
+        let isas = isas.into_inner().unwrap();
+        assert_eq!(isas.len(), 8);
+        assert!(isas.iter().all(|&t| t == Isa::Scalar));
     }
 }

@@ -1,5 +1,5 @@
 //! Scalar reference kernels. Every SIMD path is tested against these; they also serve as the
-//! fallback on CPUs without a faster tier. Eight independent accumulators keep the summation
+//! fallback on CPUs without a faster ISA. Eight independent accumulators keep the summation
 //! order fixed (and let the compiler vectorise) without any target-specific code.
 
 use super::{Float, Mat, Outs, FP4_LUT};

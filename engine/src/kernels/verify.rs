@@ -1,16 +1,16 @@
-//! Known-answer checks of a tier's kernels against an f64 reference.
+//! Known-answer checks of an ISA's kernels against an f64 reference.
 //!
-//! The unit tests run every tier this CPU has on many shapes (the AVX-512 tier in software
-//! where the CPU lacks it: `avx512_emulated`). A machine elsewhere may run a tier natively that
+//! The unit tests run every ISA this CPU has on many shapes (the AVX-512 ISA in software
+//! where the CPU lacks it: `avx512_emulated`). A machine elsewhere may run an ISA natively that
 //! this project's test machines only emulate (the compiler's AVX-512 code and an AVX-512 CPU
-//! are not tested by the emulation), so [`Tier::process`](super::Tier::process) also runs
+//! are not tested by the emulation), so [`Isa::process`](super::Isa::process) also runs
 //! [`self_check`] once, on a few small matrices of every format, before the process uses a
-//! tier: a tier that fails it is not used, the next lower one is, with a warning. A kernel that
+//! ISA: an ISA that fails it is not used, the next lower one is, with a warning. A kernel that
 //! goes wrong only on shapes the check does not cover would still get through; the check is a
-//! guard against a tier that is wrong everywhere (an instruction misread, a CPU or OS quirk),
+//! guard against an ISA that is wrong everywhere (an instruction misread, a CPU or OS quirk),
 //! not a proof.
 
-use super::{matmul_in, Float, Mat, Tier};
+use super::{matmul_in, Float, Isa, Mat};
 
 /// A small deterministic generator (xorshift64*), so the check needs no random-number crate
 /// outside tests and gives the same matrices on every run.
@@ -80,31 +80,31 @@ pub(crate) fn reference(w: &Mat<'_>, x: &[f32]) -> Vec<f64> {
         .collect()
 }
 
-/// Checks `tier`'s kernels on `w` (see [`check_with`]).
+/// Checks `ISA`'s kernels on `w` (see [`check_with`]).
 pub(crate) fn check_mat(
-    tier: Tier,
+    isa: Isa,
     w: &Mat<'_>,
     block_sizes: &[usize],
     g: &mut Gen,
 ) -> Result<(), String> {
-    check_with(w, block_sizes, g, |w, xs, ys| matmul_in(tier, w, xs, ys))
-        .and_then(|()| check_rows_alone(tier, w, g))
-        .map_err(|e| format!("{tier} kernels on {}: {e}", describe(w)))
+    check_with(w, block_sizes, g, |w, xs, ys| matmul_in(isa, w, xs, ys))
+        .and_then(|()| check_rows_alone(isa, w, g))
+        .map_err(|e| format!("{isa} kernels on {}: {e}", describe(w)))
 }
 
-/// [`matvec_rows_in`](super::matvec_rows_in) on `tier`: rows asked for alone, backwards and
+/// [`matvec_rows_in`](super::matvec_rows_in) on `ISA`: rows asked for alone, backwards and
 /// repeated, bit-identical to the same rows of the whole product (row-major matrices).
-fn check_rows_alone(tier: Tier, w: &Mat<'_>, g: &mut Gen) -> Result<(), String> {
+fn check_rows_alone(isa: Isa, w: &Mat<'_>, g: &mut Gen) -> Result<(), String> {
     if matches!(w, Mat::DenseT { .. }) {
         return Ok(());
     }
     let (rows, cols) = (w.rows(), w.cols());
     let x = g.units(cols);
     let mut all = vec![f32::NAN; rows];
-    matmul_in(tier, w, &x, &mut all);
+    matmul_in(isa, w, &x, &mut all);
     let pick: Vec<usize> = (0..rows).rev().chain((0..rows).step_by(3)).collect();
     let mut got = vec![f32::NAN; pick.len()];
-    super::matvec_rows_in(tier, w, &pick, &x, &mut got);
+    super::matvec_rows_in(isa, w, &pick, &x, &mut got);
     match pick
         .iter()
         .zip(&got)
@@ -181,9 +181,9 @@ pub(crate) fn check_with(
 
 /// Matrices of every exact format the kernels take (not the opt-in int8-input MXFP4, whose
 /// result is not the exact product), small but of odd sizes (row and column tails, several
-/// position groups, a full-width MXFP4 row), checked on `tier` with [`check_mat`]. A few
-/// milliseconds on a SIMD tier.
-pub(crate) fn self_check(tier: Tier) -> Result<(), String> {
+/// position groups, a full-width MXFP4 row), checked on `ISA` with [`check_mat`]. A few
+/// milliseconds on a SIMD ISA.
+pub(crate) fn self_check(isa: Isa) -> Result<(), String> {
     let mut g = Gen::new(0x5eed);
     let block_sizes = [2, 5, 33];
     for (rows, cols) in [(37, 101), (6, 8)] {
@@ -206,13 +206,13 @@ pub(crate) fn self_check(tier: Tier) -> Result<(), String> {
                     cols,
                 },
             ] {
-                check_mat(tier, &w, &block_sizes, &mut g)?;
+                check_mat(isa, &w, &block_sizes, &mut g)?;
             }
         }
         let q: Vec<u8> = (0..rows * cols).map(|_| g.byte()).collect();
         let scales: Vec<f32> = (0..rows).map(|_| (g.unit() + 1.0) * 0.01).collect();
         check_mat(
-            tier,
+            isa,
             &Mat::Q8 {
                 q: &q,
                 scales: &scales,
@@ -231,33 +231,33 @@ pub(crate) fn self_check(tier: Tier) -> Result<(), String> {
             rows,
             cols,
         };
-        check_mat(tier, &w, &block_sizes, &mut g)?;
+        check_mat(isa, &w, &block_sizes, &mut g)?;
     }
     Ok(())
 }
 
-/// The first tier from `start` down that passes `check` (scalar, the reference, is not
+/// The first ISA from `start` down that passes `check` (scalar, the reference, is not
 /// checked), with a warning for each one that failed.
 pub(crate) fn first_passing(
-    start: Tier,
-    check: impl Fn(Tier) -> Result<(), String>,
-) -> (Tier, Vec<String>) {
+    start: Isa,
+    check: impl Fn(Isa) -> Result<(), String>,
+) -> (Isa, Vec<String>) {
     let mut warnings = Vec::new();
-    let mut tier = start;
-    while tier != Tier::Scalar {
-        let Err(e) = check(tier) else { break };
-        let lower = Tier::ALL
+    let mut isa = start;
+    while isa != Isa::Scalar {
+        let Err(e) = check(isa) else { break };
+        let lower = Isa::ALL
             .into_iter()
             .rev()
-            .find(|t| *t < tier && t.is_native())
-            .unwrap_or(Tier::Scalar);
+            .find(|t| *t < isa && t.is_native())
+            .unwrap_or(Isa::Scalar);
         warnings.push(format!(
-            "the {tier} kernels failed their self-check on this CPU, so the slower {lower} \
+            "the {isa} kernels failed their self-check on this CPU, so the slower {lower} \
              kernels are used instead (please report this with the CPU model): {e}"
         ));
-        tier = lower;
+        isa = lower;
     }
-    (tier, warnings)
+    (isa, warnings)
 }
 
 #[cfg(test)]
@@ -265,9 +265,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_available_tier_passes_the_self_check() {
-        for tier in Tier::available() {
-            assert_eq!(self_check(tier), Ok(()), "{tier}");
+    fn every_available_isa_passes_the_self_check() {
+        for isa in Isa::available() {
+            assert_eq!(self_check(isa), Ok(()), "{isa}");
         }
     }
 
@@ -285,7 +285,7 @@ mod tests {
             rows,
             cols,
         };
-        let right = |w: &Mat<'_>, xs: &[f32], ys: &mut [f32]| matmul_in(Tier::Scalar, w, xs, ys);
+        let right = |w: &Mat<'_>, xs: &[f32], ys: &mut [f32]| matmul_in(Isa::Scalar, w, xs, ys);
         assert_eq!(check_with(&w, &[2, 5], &mut Gen::new(4), right), Ok(()));
         let off = |w: &Mat<'_>, xs: &[f32], ys: &mut [f32]| {
             right(w, xs, ys);
@@ -310,25 +310,25 @@ mod tests {
     }
 
     #[test]
-    fn a_failing_tier_falls_to_the_next_lower_one() {
-        let best = Tier::detected();
-        let (tier, warnings) = first_passing(best, |t| {
+    fn a_failing_isa_falls_to_the_next_lower_one() {
+        let best = Isa::detected();
+        let (isa, warnings) = first_passing(best, |t| {
             if t == best {
                 Err("broken".into())
             } else {
                 Ok(())
             }
         });
-        if best == Tier::Scalar {
-            assert_eq!((tier, warnings.len()), (Tier::Scalar, 0));
+        if best == Isa::Scalar {
+            assert_eq!((isa, warnings.len()), (Isa::Scalar, 0));
         } else {
-            assert!(tier < best && tier.is_native(), "{tier} below {best}");
+            assert!(isa < best && isa.is_native(), "{isa} below {best}");
             assert_eq!(warnings.len(), 1);
             assert!(warnings[0].contains("broken") && warnings[0].contains(best.name()));
         }
-        let (tier, warnings) = first_passing(best, |_| Err("all broken".into()));
-        assert_eq!(tier, Tier::Scalar);
-        assert_eq!(warnings.len(), Tier::native().len() - 1);
+        let (isa, warnings) = first_passing(best, |_| Err("all broken".into()));
+        assert_eq!(isa, Isa::Scalar);
+        assert_eq!(warnings.len(), Isa::native().len() - 1);
         assert_eq!(first_passing(best, |_| Ok(())), (best, vec![]));
     }
 }

@@ -268,7 +268,7 @@ impl HeadScreen {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::{with_tier, Float, Tier};
+    use crate::kernels::{with_isa, Float, Isa};
     use rand::{Rng, SeedableRng};
 
     fn encode(fmt: Float, v: &[f32]) -> Vec<u8> {
@@ -345,26 +345,26 @@ mod tests {
             .collect()
     }
 
-    /// On random heads and inputs, in every tier and float format, the screen decides (no
+    /// On random heads and inputs, in every ISA and float format, the screen decides (no
     /// fallback), reads a small share of the rows, and picks the exact head's token and logit.
     #[test]
     fn screen_picks_the_exact_argmax_reading_few_rows() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         let (rows, cols) = (4001, 136);
         let w = normal(&mut rng, rows * cols);
-        for tier in Tier::available() {
-            with_tier(tier, || {
+        for isa in Isa::available() {
+            with_isa(isa, || {
                 for fmt in [Float::BF16, Float::F16, Float::F32] {
                     let mut exact_rows = 0;
                     for _ in 0..8 {
                         let x = normal(&mut rng, cols);
                         let (got, want, stats) = both(fmt, &w, rows, &x);
-                        assert_eq!(got, Some(want), "{tier} {fmt:?}");
+                        assert_eq!(got, Some(want), "{isa} {fmt:?}");
                         exact_rows += stats.exact_rows;
                     }
                     assert!(
                         exact_rows < 8 * 40,
-                        "{tier} {fmt:?}: {exact_rows} exact rows"
+                        "{isa} {fmt:?}: {exact_rows} exact rows"
                     );
                 }
             });
@@ -444,12 +444,12 @@ mod tests {
             w[a * cols + i] = wa;
             w[b * cols + i] = wb;
         }
-        for tier in Tier::available() {
-            with_tier(tier, || {
+        for isa in Isa::available() {
+            with_isa(isa, || {
                 let (got, want, stats) = both(Float::F32, &w, rows, &x);
-                assert_eq!(want.token as usize, b, "{tier}: the construction");
-                assert_eq!(got, Some(want), "{tier}");
-                assert!(stats.exact_rows >= 2, "{tier}");
+                assert_eq!(want.token as usize, b, "{isa}: the construction");
+                assert_eq!(got, Some(want), "{isa}");
+                assert!(stats.exact_rows >= 2, "{isa}");
             });
         }
     }
@@ -468,12 +468,12 @@ mod tests {
         w[r + 1] = -2e38;
         w[r + 9] = -2e38;
         w[r + 2] = 3e38;
-        for tier in Tier::available() {
-            with_tier(tier, || {
+        for isa in Isa::available() {
+            with_isa(isa, || {
                 let (got, want, _) = both(Float::F32, &w, rows, &x);
                 assert!(
                     got.is_none() || got == Some(want),
-                    "{tier}: {got:?} against {want:?}"
+                    "{isa}: {got:?} against {want:?}"
                 );
             });
         }
@@ -518,12 +518,12 @@ mod tests {
             let at = (100 + 3 * r) * cols;
             w[at..at + cols].copy_from_slice(&best);
         }
-        for tier in Tier::available() {
-            with_tier(tier, || {
+        for isa in Isa::available() {
+            with_isa(isa, || {
                 let (got, want, stats) = both(Float::BF16, &w, rows, &x);
-                assert_eq!(want.token, 100, "{tier}: the construction");
-                assert_eq!(got, Some(want), "{tier}");
-                assert!(stats.exact_rows > GATHER_ROWS as u64, "{tier}: {stats:?}");
+                assert_eq!(want.token, 100, "{isa}: the construction");
+                assert_eq!(got, Some(want), "{isa}");
+                assert!(stats.exact_rows > GATHER_ROWS as u64, "{isa}: {stats:?}");
             });
         }
         let bytes = encode(Float::BF16, &w);

@@ -84,6 +84,14 @@ pub struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Also draw the figures as an SVG chart: prefill and decode speed beside the decode
+    /// bound at memory speed (and llama.cpp's figures, with --svg-llama).
+    #[arg(long, value_name = "FILE")]
+    pub svg: Option<PathBuf>,
+    /// llama.cpp's figures for the chart: the JSON `llama-bench -o json` prints (as
+    /// `.ci/llamacpp-side-by-side.sh` keeps it).
+    #[arg(long, value_name = "FILE", requires = "svg")]
+    pub svg_llama: Option<PathBuf>,
     /// Where experts come from.
     #[command(flatten)]
     pub experts: ExpertArgs,
@@ -353,6 +361,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let disk_test = parse_size(&a.disk_test).map_err(|e| anyhow::anyhow!("--disk-test: {e}"))?;
     let files = ModelFiles::open(&a.model)
         .with_context(|| format!("loading the model in {}", a.model.display()))?;
+    let svg = crate::plot::BenchSvg::resolve(
+        a.svg.as_deref(),
+        a.svg_llama.as_deref(),
+        &a.model,
+        &files.cfg,
+    )?;
     let max_p = *a.prompt_tokens.iter().max().expect("non-empty");
     let context = max_p.saturating_add(a.decode_tokens);
     anyhow::ensure!(
@@ -379,8 +393,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         None
     };
     say("measuring the floating-point peak...".into());
-    let tier = stormo_engine::kernels::Tier::process();
-    let peak = stormo_engine::kernels::peak_flops(tier, 0.6);
+    let isa = stormo_engine::kernels::Isa::process();
+    let peak = stormo_engine::kernels::peak_flops(isa, 0.6);
     let (flops_tok, flops_head) = prefill_flops(&files.cfg);
     let bpt = bytes_per_token(&files, a.int8_attn_head, !a.full_head);
     let bpt_full_head = bytes_per_token(&files, a.int8_attn_head, false);
@@ -460,9 +474,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // Seconds of each decoded token at each prefetch distance when paired.
     let mut by_distance: [Vec<f64>; 2] = Default::default();
     let default_ahead = stormo_engine::kernels::prefetch_ahead();
-    if a.pair_prefetch.is_some() && tier != stormo_engine::kernels::Tier::Avx512 {
+    if a.pair_prefetch.is_some() && isa != stormo_engine::kernels::Isa::Avx512 {
         eprintln!(
-            "warning: the {tier} tier does not use the prefetch distance; both sides of --pair-prefetch run the same kernels"
+            "warning: the {isa} kernels do not use the prefetch distance; both sides of --pair-prefetch run the same kernels"
         );
     }
     for i in 0..a.decode_tokens {
@@ -496,7 +510,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // kernel reclaiming memory after a previous run) can hold a core for a moment, which
     // halved the first measurement in some runs.
     say("measuring the floating-point peak again...".into());
-    let peak = peak.max(stormo_engine::kernels::peak_flops(tier, 0.6));
+    let peak = peak.max(stormo_engine::kernels::peak_flops(isa, 0.6));
     let prefill: Vec<_> = prefill
         .iter()
         .map(|&(p, secs, gflop_s)| {
@@ -517,7 +531,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let out = serde_json::json!({
         "model": a.model.display().to_string(),
         "threads": rayon::current_num_threads(),
-        "simd": tier.name(),
+        "simd": isa.name(),
         "int8_attn_head": a.int8_attn_head,
         "int8_experts": a.int8_experts,
         "memory_bandwidth_gb_s": mem_bw / 1e9,
@@ -540,6 +554,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "peak_rss_bytes": peak_rss(),
     });
     node.finish_run();
+    if let Some(svg) = &svg {
+        svg.write(&out)?;
+    }
     if a.json {
         println!("{out}");
         return Ok(());
@@ -555,7 +572,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     println!(
         "threads          {} (kernels: {}; {})",
         rayon::current_num_threads(),
-        tier.name(),
+        isa.name(),
         if approx.is_empty() {
             "exact".to_string()
         } else {
@@ -599,7 +616,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     println!(
         "floating point   {:.1} GFLOP/s peak ({} fused multiply-adds on registers, all threads); prefill costs {} per token and one output-head pass per prompt",
         peak / 1e9,
-        tier.name(),
+        isa.name(),
         if flops_tok >= 1e9 {
             format!("{:.2} GFLOP", flops_tok / 1e9)
         } else {

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use libfuzzer_sys::fuzz_target;
-use stormo_manifests::{ExpertId, Hash};
+use stormo_ids::{ExpertId, Hash};
 use stormo_wire::{
     encode_frame, ByteRange, DecodeError, Fetch, FrameDecoder, Message, Requests, RequestsConfig,
     Server, ServerConfig,

@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use proptest::prelude::*;
-use stormo_manifests::{ExpertId, Hash};
+use stormo_ids::{ExpertId, Hash};
 use stormo_wire::*;
 
 use crate::util::{bytes_of, model, Blake3Chunks};

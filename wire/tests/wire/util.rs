@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use stormo_manifests::{ExpertId, Hash};
+use stormo_ids::{ExpertId, Hash};
 use stormo_wire::*;
 
 /// A verifier that checks each chunk's BLAKE3 against a list (what the manifests crate will do).
