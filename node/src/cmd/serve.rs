@@ -70,7 +70,7 @@ pub struct Args {
 
 /// Runs `stormo serve` until interrupted.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let http = match a.http.config()? {
+    let http = match a.http.config()?.map(|c| c.with_model_defaults(&a.model)) {
         Some(cfg) => Some((crate::http::load(&a.model, &a.experts, &cfg)?, cfg)),
         None => None,
     };
@@ -151,10 +151,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             secret.public()
         );
         println!("{}@{}", secret.public(), h.local_addr());
-        tokio::signal::ctrl_c()
-            .await
-            .context("waiting for Ctrl-C")?;
-        eprintln!("shutting down");
+        let signal = crate::http::shutdown_signal().await?;
+        eprintln!("{signal}: shutting down");
         let st = &h.stats;
         eprintln!(
             "served {} requests ({} bytes) over {} connections",
@@ -165,7 +163,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         h.close();
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), h.wait_idle()).await;
         if let Some(w) = web {
-            w.close();
+            w.shutdown().await;
         }
         anyhow::Ok(())
     })?;
@@ -202,11 +200,9 @@ fn serve_http_only(
     rt.block_on(async move {
         let w = start_http(tm, cfg).await?;
         println!("http://{}/v1", w.local_addr());
-        tokio::signal::ctrl_c()
-            .await
-            .context("waiting for Ctrl-C")?;
-        eprintln!("shutting down");
-        w.close();
+        let signal = crate::http::shutdown_signal().await?;
+        eprintln!("{signal}: shutting down (running replies have --shutdown-grace to finish)");
+        w.shutdown().await;
         anyhow::Ok(())
     })
 }
