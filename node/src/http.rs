@@ -1875,6 +1875,8 @@ fn top_logprobs(
 }
 
 async fn chat_completions(state: &State, req: ChatRequest) -> Result<Response<Body>, ApiError> {
+    // A wrong model name is the first error, as OpenAI's API reports it.
+    check_model(state, req.common.model.as_deref())?;
     refuse_unsupported_chat(&req)?;
     warn_unknown("/v1/chat/completions", &req.extra, &req.messages);
     if req.top_logprobs.is_some() && req.logprobs != Some(true) {
@@ -1894,8 +1896,6 @@ async fn chat_completions(state: &State, req: ChatRequest) -> Result<Response<Bo
         ..PromptOptions::default()
     };
     let c = &req.common;
-    // The model is checked before the prompt is rendered: a wrong name is the first error.
-    check_model(state, c.model.as_deref())?;
     let prompt = state
         .format
         .render_prompt(&turns, &popts)
@@ -1920,6 +1920,7 @@ async fn chat_completions(state: &State, req: ChatRequest) -> Result<Response<Bo
 }
 
 async fn completions(state: &State, req: CompletionRequest) -> Result<Response<Body>, ApiError> {
+    check_model(state, req.common.model.as_deref())?;
     warn_unknown("/v1/completions", &req.extra, &[]);
     if req.echo == Some(true) {
         return Err(ApiError::unsupported(
@@ -1938,7 +1939,6 @@ async fn completions(state: &State, req: CompletionRequest) -> Result<Response<B
     }
     let logprobs = top_logprobs(req.logprobs.is_some(), req.logprobs, "logprobs")?;
     let c = &req.common;
-    check_model(state, c.model.as_deref())?;
     let prompt = prompt_ids(&state.tokenizer, &req.prompt)?;
     let (sampling, max, stop) = settings(state, c, c.max_tokens, 16)?;
     let opts = GenerateOptions {

@@ -1636,6 +1636,7 @@ fn last_line(screen: &str) -> &str {
         .rev()
         .find(|l| !l.trim().is_empty())
         .unwrap_or("")
+        .trim_end()
 }
 
 /// `stormo chat` driven through a terminal (tmux): the Up arrow recalls the last message

@@ -66,6 +66,16 @@ impl Server {
 
     /// A server whose settings `tweak` changes first.
     fn start_with(queue: usize, context: usize, tweak: impl FnOnce(&mut HttpConfig)) -> Self {
+        Self::start_experts(queue, context, &expert_args(), tweak)
+    }
+
+    /// A server whose experts come as `experts` says.
+    fn start_experts(
+        queue: usize,
+        context: usize,
+        experts: &ExpertArgs,
+        tweak: impl FnOnce(&mut HttpConfig),
+    ) -> Self {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -80,7 +90,11 @@ impl Server {
         tweak(&mut cfg);
         let model = synth_model();
         let srv = rt
-            .block_on(http::start(text_model(model.path(), context), cfg))
+            .block_on(http::start(
+                load_text_model(model.path(), experts, context, &Default::default())
+                    .expect("model loads"),
+                cfg,
+            ))
             .expect("server starts");
         let addr = srv.local_addr();
         Self {
@@ -845,7 +859,12 @@ fn request_with(
 /// the tokens generated; a 429 says when to retry.
 #[test]
 fn http_health_and_metrics_answer() {
-    let srv = Server::start(0, 2048);
+    // Experts from a RAM cache over the disk (not memory-mapped), so the tiers count.
+    let tiered = ExpertArgs {
+        mmap_experts: false,
+        ..expert_args()
+    };
+    let srv = Server::start_experts(0, 2048, &tiered, |_| {});
     let a = srv.addr;
     let (st, head, body) = request_with(a, "GET", "/health", &[], b"");
     assert_eq!(st, 200, "{body}");
@@ -890,9 +909,20 @@ fn http_health_and_metrics_answer() {
         assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
     }
     // The experts come from a RAM cache over the disk here: the tier's numbers are there.
-    assert!(value("stormo_expert_requests_total") > 0.0, "{text}");
+    let requests = value("stormo_expert_requests_total");
+    assert!(requests > 0.0, "{text}");
+    assert!(value("stormo_expert_ram_hits_total") <= requests, "{text}");
+    let loads: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("stormo_expert_tier_loads_total{tier="))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
     assert!(
-        text.contains("stormo_expert_tier_loads_total{tier="),
+        loads > 0.0,
+        "the experts were loaded from a tier below RAM: {text}"
+    );
+    assert!(
+        text.contains("stormo_expert_tier_bytes_total{tier="),
         "{text}"
     );
 
@@ -1324,6 +1354,14 @@ fn http_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0() {
     // Cut after the grace period (a finished reply would end with its finish reason).
     let cut = last["error"]["code"] == "server_shutting_down";
     let finished = last["choices"][0]["finish_reason"].is_string();
+    eprintln!(
+        "SIGTERM mid-stream: the reply was {}",
+        if cut {
+            "cut after the grace period"
+        } else {
+            "finished within it"
+        }
+    );
     assert!(cut || finished, "{last}");
     let status = loop {
         if let Some(st) = child.0.try_wait().expect("wait") {
