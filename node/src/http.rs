@@ -944,7 +944,7 @@ fn endpoint_label(path: &str) -> &'static str {
     }
 }
 
-fn header_str<'r>(req: &'r Request<Incoming>, name: hyper::header::HeaderName) -> Option<&'r str> {
+fn header_str(req: &Request<Incoming>, name: hyper::header::HeaderName) -> Option<&str> {
     req.headers().get(name).and_then(|v| v.to_str().ok())
 }
 

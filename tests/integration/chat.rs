@@ -1782,6 +1782,58 @@ fn chat_on_a_terminal_recalls_history_and_ctrl_c_stops_a_reply() {
         !text("content").is_empty() || !text("reasoning_content").is_empty(),
         "{v}"
     );
+
+    // A line ending in a backslash continues the message on the next line.
+    t.keys(&["first line\\", "Enter"]);
+    t.wait("the continuation line", |s| s.contains("first line\\"));
+    t.keys(&["second line", "Enter"]);
+    t.wait("the third reply to start", |s| {
+        s.lines()
+            .skip_while(|l| !l.contains("second line"))
+            .skip(1)
+            .any(|l| !l.trim().is_empty())
+    });
+    t.keys(&["C-c"]);
+    t.wait("the third stats line", |s| {
+        s.matches("[prompt").count() == 3
+    });
+    t.wait("the next prompt", |s| last_line(s) == ">");
+    let saved6 = tmp.path().join("six.json");
+    t.keys(&[&format!("/save {}", saved6.display()), "Enter"]);
+    t.wait("the second save", |s| {
+        s.contains(&format!("(saved 6 messages to {})", saved6.display()))
+    });
+    let v6: Value = serde_json::from_str(&std::fs::read_to_string(&saved6).expect("saved"))
+        .expect("saved JSON");
+    assert_eq!(
+        v6["messages"][4]["content"], "first line\nsecond line",
+        "{v6}"
+    );
+
+    // /load: a bad file is a clear error and changes nothing; a good one replaces the
+    // conversation (saving again gives its four messages).
+    let bad = tmp.path().join("bad.json");
+    std::fs::write(
+        &bad,
+        "{\"format\": \"stormo-chat\", \"version\": 1, \"messages\": 5}",
+    )
+    .expect("write");
+    t.keys(&[&format!("/load {}", bad.display()), "Enter"]);
+    let s = t.wait("the load error", |s| {
+        s.contains("cannot load the conversation")
+    });
+    assert!(s.contains("bad.json is not a saved stormo chat"), "{s}");
+    assert!(s.contains("(the conversation is unchanged)"), "{s}");
+    t.keys(&[&format!("/load {}", saved.display()), "Enter"]);
+    t.wait("the load note", |s| s.contains("(loaded 4 messages from"));
+    let again = tmp.path().join("again.json");
+    t.keys(&[&format!("/save {}", again.display()), "Enter"]);
+    t.wait("the third save", |s| {
+        s.contains(&format!("(saved 4 messages to {})", again.display()))
+    });
+    let v4: Value =
+        serde_json::from_str(&std::fs::read_to_string(&again).expect("saved")).expect("saved JSON");
+    assert_eq!(v4["messages"], v["messages"]);
     t.keys(&["/quit", "Enter"]);
     t.wait("the chat to exit", |s| s.contains("CHAT-EXITED 0"));
 }

@@ -834,3 +834,47 @@ pub fn converse_terminal(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampling(argv: &[&str]) -> SamplingArgs {
+        #[derive(clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            s: SamplingArgs,
+        }
+        let mut all = vec!["x"];
+        all.extend_from_slice(argv);
+        <Wrap as clap::Parser>::try_parse_from(all)
+            .expect("sampling options parse")
+            .s
+    }
+
+    /// An option given wins over the model's generation_config.json, which wins over
+    /// stormo's own default.
+    #[test]
+    fn options_then_the_models_defaults_then_stormos() {
+        let qwen = SamplingDefaults {
+            temperature: Some(0.6),
+            top_p: Some(0.95),
+            top_k: Some(20),
+            repetition_penalty: None,
+        };
+        let p = sampling(&[]).params_with(&qwen, 0.7).expect("valid");
+        assert_eq!(
+            (p.temperature, p.top_p, p.top_k, p.repetition_penalty),
+            (0.6, 0.95, 20, 1.0)
+        );
+        let p = sampling(&["--temperature", "0", "--top-k", "5"])
+            .params_with(&qwen, 0.7)
+            .expect("valid");
+        assert_eq!((p.temperature, p.top_p, p.top_k), (0.0, 0.95, 5));
+        let p = sampling(&[])
+            .params_with(&SamplingDefaults::default(), 0.7)
+            .expect("valid");
+        assert_eq!((p.temperature, p.top_p, p.top_k), (0.7, 1.0, 0));
+        assert!(sampling(&["--top-p", "2"]).params_with(&qwen, 0.7).is_err());
+    }
+}
