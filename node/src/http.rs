@@ -34,7 +34,7 @@
 //! answers in OpenAI's JSON error shape (tower-http's CORS and auth layers answer in theirs
 //! and would not refuse a foreign `Origin`, which is what stops a web page from driving the
 //! server). axum would add a router, extractors and a layer stack to reach the same hyper
-//! calls; the hand-written dispatch in [`handle`] is one `match`.
+//! calls; the hand-written dispatch (`route`) is one `match`.
 //!
 //! Non-goals: batching several requests into one forward (continuous batching; the engine
 //! runs one request at a time), `n > 1`, tools/function calling, structured output, TLS.
