@@ -637,6 +637,12 @@ fn run_job(sess: &mut ChatSession, job: Job, metrics: &Metrics) {
         }
     });
     metrics.active.dec();
+    // The place in the queue is given back before the client hears that the request is done,
+    // so whatever it asks next (another request, /metrics) sees the engine free.
+    let Job {
+        events, _permit, ..
+    } = job;
+    drop(_permit);
     let _ = events.send(match res {
         Ok(g) => {
             tracing::info!(
