@@ -12,6 +12,11 @@
 //! [`session`] keeps a conversation's KV cache between turns and reuses the longest common
 //! prefix of each new render.
 //!
+//! [`editor`] is `stormo chat`'s terminal (line editor, history, Ctrl-C) and [`transcript`]
+//! its saved conversations.
+//!
+//! [`defaults`] reads the sampling a model's `generation_config.json` recommends.
+//!
 //! Non-goals here: sampling (in `stormo_engine::sampling`), servers (in `crate::http`).
 
 use std::sync::Arc;
@@ -19,10 +24,13 @@ use std::sync::Arc;
 use stormo_engine::Family;
 
 pub mod chatml;
+pub mod defaults;
+pub mod editor;
 pub mod harmony;
 pub mod reply;
 pub mod session;
 pub mod tokenizer;
+pub mod transcript;
 
 pub use tokenizer::{
     DecodeError, EncodeError, LoadError, StreamDecoder, TokenId, Tokenizer, Utf8Stream,

@@ -1,17 +1,43 @@
 //! An OpenAI-compatible HTTP API for people and their tools: `POST /v1/chat/completions`,
-//! `POST /v1/completions` (both with server-sent-event streaming) and `GET /v1/models`.
+//! `POST /v1/completions` (both with server-sent-event streaming), `GET /v1/models`, and for
+//! operators `GET /health` and `GET /metrics` (Prometheus text format, see `http/metrics.rs`).
 //!
 //! Owns: parsing requests (bounded body, every malformed input a 400 in OpenAI's error shape,
-//! never a panic), rendering chat requests through the model's chat format, queueing, and
-//! streaming replies. Connections are capped, in all and per client address, and timed (see
-//! `http/conn.rs`): a client that stalls sending a request or taking a reply, or keeps an
-//! idle connection open, loses it after `--http-timeout`. One engine thread owns one
-//! [`ChatSession`] and runs one request at a time in arrival order; requests beyond `queue`
-//! waiting ones get 429. Because clients send the whole conversation every time, consecutive
-//! turns of one conversation reuse the cached common prefix (see [`crate::chat::session`]).
+//! never a panic), who may call (`http/guard.rs`: the `Host` check against DNS rebinding,
+//! CORS origins, the API key), rendering chat requests through the model's chat format,
+//! queueing, streaming replies, and shutting down gracefully. Connections are capped, in all
+//! and per client address, and timed (see `http/conn.rs`): a client that stalls sending a
+//! request or taking a reply, or keeps an idle connection open, loses it after
+//! `--http-timeout`. One engine thread owns one [`ChatSession`] and runs one request at a time
+//! in arrival order; requests beyond `queue` waiting ones get 429 with `Retry-After`. Because
+//! clients send the whole conversation every time, consecutive turns of one conversation
+//! reuse the cached common prefix (see [`crate::chat::session`]).
 //!
-//! Non-goals: authentication (bind to loopback or put a proxy in front), batching several
-//! requests into one forward, `n > 1`, logprobs, tools/function calling.
+//! An honest API: what is not implemented is refused with a 400 naming the field (`tools`,
+//! `functions`, `tool_choice` other than `none`/`auto`, `response_format` other than text,
+//! `echo`, `suffix`, `n` > 1), never silently ignored; fields this server does not know are
+//! named in a warning log line. `logprobs`/`top_logprobs` are the model's own distribution:
+//! `log_softmax` of the whole output head's logits before penalty, temperature, top-k and
+//! top-p, so when they are asked the screened head (an int8 shortcut for greedy argmax) is not
+//! used for that request. The sampling a request leaves out comes from the model folder's
+//! `generation_config.json` (see [`crate::chat::defaults`]), else OpenAI's defaults.
+//!
+//! SIGTERM or Ctrl-C (see [`shutdown_signal`] and [`HttpServer::shutdown`]): the listener
+//! closes, `/health` answers 503, idle keep-alive connections close, running replies may
+//! finish within the grace period; past it they are cut cleanly (a stream gets an error event
+//! and `data: [DONE]`, a whole reply a 503), then the server returns.
+//!
+//! Why hyper and not axum/tower: the server has five routes, and what it needs beyond
+//! routing does not exist as tower layers in the shape needed: the connection caps act
+//! before a request exists (on accepted sockets), the write-stall timeout wraps the socket,
+//! graceful shutdown is hyper's own `graceful_shutdown` on each connection, and the guard
+//! answers in OpenAI's JSON error shape (tower-http's CORS and auth layers answer in theirs
+//! and would not refuse a foreign `Origin`, which is what stops a web page from driving the
+//! server). axum would add a router, extractors and a layer stack to reach the same hyper
+//! calls; the hand-written dispatch (`route`) is one `match`.
+//!
+//! Non-goals: batching several requests into one forward (continuous batching; the engine
+//! runs one request at a time), `n > 1`, tools/function calling, structured output, TLS.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -35,24 +61,31 @@ use serde_json::{json, Value};
 use stormo_engine::sampling::SamplingParams;
 use tokio::sync::mpsc;
 
+use crate::chat::defaults::SamplingDefaults;
 use crate::chat::reply::ReplyStream;
-use crate::chat::session::{ChatSession, GenerateOptions, Generation};
+use crate::chat::session::{
+    ChatSession, GenerateOptions, Generation, TokenLogprobs, MAX_TOP_LOGPROBS,
+};
 use crate::chat::{
     harmony::ReasoningEffort, ChatFormat, OutputDelta, PromptOptions, TokenId, Tokenizer, Turn,
     TurnRole,
 };
 use crate::cmd::chat::TextModel;
+use crate::experts::Experts;
 
 mod conn;
+mod guard;
+mod metrics;
 mod stop;
 pub use conn::{DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_CLIENT, DEFAULT_TIMEOUT};
+use metrics::Metrics;
 use stop::StopMatcher;
 
 /// Options of the HTTP API (`stormo serve --http`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct HttpArgs {
-    /// Serve an OpenAI-compatible HTTP API here, e.g. 127.0.0.1:8080 or localhost:8080 (no
-    /// authentication: bind to loopback or put a proxy in front).
+    /// Serve an OpenAI-compatible HTTP API here, e.g. 127.0.0.1:8080 or localhost:8080. Only
+    /// requests whose Host header names this address (or an --allowed-host) are served.
     #[arg(long, value_name = "ADDR", value_parser = crate::cmd::serve::listen_addr)]
     pub http: Option<SocketAddr>,
     /// Requests that may wait while one runs; more get HTTP 429.
@@ -83,6 +116,46 @@ pub struct HttpArgs {
     /// --http-max-connections there.
     #[arg(long, default_value_t = DEFAULT_MAX_PER_CLIENT, value_name = "N")]
     pub http_max_per_client: usize,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health (wrong or missing:
+    /// HTTP 401). Also read from the STORMO_API_KEY environment variable, which, unlike a
+    /// command-line argument, other users of the machine cannot see.
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Also serve requests whose Host header is this name (repeatable; `*`: any). Without it
+    /// only the listen address is accepted (for a loopback address also `localhost`; for
+    /// 0.0.0.0 or :: any IP address), so that a web page cannot reach the server through a
+    /// name it controls (DNS rebinding). Give the names clients use, e.g. the machine's.
+    #[arg(long, value_name = "NAME")]
+    pub allowed_host: Vec<String>,
+    /// Let web pages from this origin (e.g. http://localhost:3000; repeatable; `*`: any) call
+    /// the API (CORS). Without it a request from a browser page (one with an Origin header)
+    /// is refused with HTTP 403.
+    #[arg(long, value_name = "ORIGIN")]
+    pub cors: Vec<String>,
+    /// On SIGTERM or Ctrl-C: stop accepting connections, let running replies finish for up
+    /// to this long, then cut the rest cleanly (a stream ends with an error event and
+    /// `[DONE]`) and exit. At most 1e6.
+    #[arg(
+        long,
+        default_value_t = DEFAULT_SHUTDOWN_GRACE.as_secs_f64(),
+        value_name = "SECS",
+        value_parser = crate::progress::secs_arg
+    )]
+    pub shutdown_grace: f64,
+}
+
+/// How long running replies may take to finish after SIGTERM, by default.
+pub const DEFAULT_SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// An extra check of `/health`: `Err` with the reason when the server cannot serve (e.g. a
+/// peer it needs is unreachable). Called on every `/health` request, so it must be quick.
+#[derive(Clone)]
+pub struct HealthCheck(pub Arc<dyn Fn() -> Result<(), String> + Send + Sync>);
+
+impl std::fmt::Debug for HealthCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HealthCheck(..)")
+    }
 }
 
 /// The server's settings.
@@ -104,6 +177,46 @@ pub struct HttpConfig {
     /// Connections one client address may have open at once (at least 1; at or above
     /// `max_connections`, only that cap applies).
     pub max_per_client: usize,
+    /// The key every request but `/health` must give as a Bearer token.
+    pub api_key: Option<String>,
+    /// Host names served besides the listen address (`*`: any).
+    pub allowed_hosts: Vec<String>,
+    /// Origins allowed to call from a browser (`*`: any).
+    pub cors: Vec<String>,
+    /// How long running replies may take to finish on shutdown.
+    pub shutdown_grace: std::time::Duration,
+    /// Sampling for what a request leaves out (the model's generation_config.json).
+    pub sampling: SamplingDefaults,
+    /// Extra checks of `/health`, beyond "the model is loaded and the engine runs".
+    pub health: Vec<HealthCheck>,
+}
+
+impl HttpConfig {
+    /// Settings with defaults for everything but the address (for tests and embedding).
+    pub fn new(addr: SocketAddr) -> Self {
+        Self {
+            addr,
+            queue: 8,
+            max_body: 1 << 20,
+            context: 4096,
+            timeout: DEFAULT_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_per_client: DEFAULT_MAX_PER_CLIENT,
+            api_key: None,
+            allowed_hosts: Vec::new(),
+            cors: Vec::new(),
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            sampling: SamplingDefaults::default(),
+            health: Vec::new(),
+        }
+    }
+
+    /// These settings with the sampling defaults of the model in `dir` (its
+    /// generation_config.json).
+    pub fn with_model_defaults(mut self, dir: &std::path::Path) -> Self {
+        self.sampling = SamplingDefaults::from_dir(dir);
+        self
+    }
 }
 
 impl HttpArgs {
@@ -128,6 +241,25 @@ impl HttpArgs {
             "--http-max-per-client must be at least 1 (to leave only --http-max-connections, \
              give it that value)"
         );
+        let grace = crate::progress::check_secs(self.shutdown_grace)
+            .map_err(|e| anyhow::anyhow!("--shutdown-grace: {e}"))?;
+        let api_key = match &self.api_key {
+            Some(k) => Some(k.clone()),
+            None => std::env::var("STORMO_API_KEY").ok(),
+        };
+        if let Some(k) = &api_key {
+            anyhow::ensure!(
+                !k.trim().is_empty() && !k.chars().any(|c| c.is_whitespace() || c.is_control()),
+                "the API key (--api-key or STORMO_API_KEY) must be non-empty, without spaces or \
+                 control characters"
+            );
+        }
+        for h in &self.allowed_host {
+            anyhow::ensure!(
+                !h.is_empty() && !h.contains(['/', ' ']),
+                "--allowed-host {h:?}: give a host name or address, without a scheme or path"
+            );
+        }
         Ok(Some(HttpConfig {
             addr,
             queue: self.http_queue,
@@ -136,6 +268,12 @@ impl HttpArgs {
             timeout: std::time::Duration::from_secs_f64(timeout),
             max_connections: self.http_max_connections,
             max_per_client: self.http_max_per_client,
+            api_key,
+            allowed_hosts: self.allowed_host.clone(),
+            cors: self.cors.clone(),
+            shutdown_grace: std::time::Duration::from_secs_f64(grace),
+            sampling: SamplingDefaults::default(),
+            health: Vec::new(),
         }))
     }
 }
@@ -143,12 +281,51 @@ impl HttpArgs {
 /// The most `--http-max-connections` takes (each connection is a file descriptor).
 const MAX_CONNECTIONS: usize = 1 << 20;
 
+/// Waits for SIGTERM or SIGINT (Ctrl-C); returns the signal's name.
+pub async fn shutdown_signal() -> anyhow::Result<&'static str> {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("listening for SIGTERM")?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r.map(|()| "SIGINT").context("waiting for Ctrl-C"),
+            _ = term.recv() => Ok("SIGTERM"),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        tokio::signal::ctrl_c()
+            .await
+            .context("waiting for Ctrl-C")?;
+        Ok("Ctrl-C")
+    }
+}
+
+/// Where the server is in its life: serving, draining (no new connections; running replies
+/// may finish), or cutting (running replies end now).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Phase {
+    Serving,
+    Draining,
+    Cutting,
+}
+
+/// Waits until the server is at `phase` or past it; `false` if the server is gone without
+/// getting there.
+async fn phase_reached(rx: &mut tokio::sync::watch::Receiver<Phase>, phase: Phase) -> bool {
+    rx.wait_for(|p| *p >= phase).await.is_ok()
+}
+
 /// A running HTTP server.
 #[derive(Debug)]
 pub struct HttpServer {
     addr: SocketAddr,
     accept: tokio::task::JoinHandle<()>,
-    _model: Arc<TextModelParts>,
+    phase: tokio::sync::watch::Sender<Phase>,
+    /// The connection slots (all free: no connection open), and how many there are.
+    open: (Arc<tokio::sync::Semaphore>, usize),
+    grace: std::time::Duration,
+    state: Arc<State>,
 }
 
 impl HttpServer {
@@ -157,23 +334,49 @@ impl HttpServer {
         self.addr
     }
 
-    /// Stops accepting connections (the node that serves the model's experts is closed by
-    /// its owner).
+    /// Whether the server can serve now: `Err` with the reason otherwise (what `/health`
+    /// answers).
+    pub fn health(&self) -> Result<(), String> {
+        self.state.health()
+    }
+
+    /// Stops at once: no new connections, open ones dropped; waits for the engine's expert
+    /// I/O to finish.
     pub fn close(self) {
+        let _ = self.phase.send(Phase::Cutting);
         self.accept.abort();
+        self.state.experts.finish();
+    }
+
+    /// Stops gracefully (see the module docs): stops accepting, lets running replies finish
+    /// within the grace period, cuts the rest cleanly, and returns once every connection is
+    /// closed (or a few seconds after the cut, whichever is first).
+    pub async fn shutdown(self) {
+        let _ = self.phase.send(Phase::Draining);
+        let (open, max) = &self.open;
+        let all = u32::try_from(*max).unwrap_or(u32::MAX);
+        let idle = || open.acquire_many(all);
+        if tokio::time::timeout(self.grace, idle()).await.is_err() {
+            let running = self.state.metrics.admitted.get();
+            tracing::warn!(
+                "shutdown: {running} replies still running after {:.1} s: cutting them",
+                self.grace.as_secs_f64()
+            );
+            let _ = self.phase.send(Phase::Cutting);
+            let _ = tokio::time::timeout(CUT_LINGER, idle()).await;
+        }
+        self.accept.abort();
+        self.state.experts.finish();
     }
 }
 
-#[derive(Debug)]
-struct TextModelParts {
-    /// The experts (with their node) stay alive as long as the server.
-    _experts: Arc<crate::experts::Experts>,
-}
+/// How long cut replies are given to reach their clients before the server returns anyway.
+const CUT_LINGER: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// What the engine thread sends back about one request.
 #[derive(Debug)]
 enum Event {
-    Token(TokenId),
+    Token(TokenId, Option<TokenLogprobs>),
     Done(Generation),
     Failed(String),
 }
@@ -181,16 +384,19 @@ enum Event {
 struct Job {
     prompt: Vec<TokenId>,
     opts: GenerateOptions,
+    /// Log-probabilities with this many alternatives, if asked.
+    logprobs: Option<usize>,
     events: mpsc::UnboundedSender<Event>,
     _permit: Permit,
 }
 
 /// A place in the queue; given back when dropped.
-struct Permit(Arc<AtomicUsize>);
+struct Permit(Arc<AtomicUsize>, Arc<Metrics>);
 
 impl Drop for Permit {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
+        self.1.admitted.dec();
     }
 }
 
@@ -210,6 +416,31 @@ struct State {
     timeout: std::time::Duration,
     created: u64,
     next_id: AtomicU64,
+    guard: guard::Guard,
+    metrics: Arc<Metrics>,
+    phase: tokio::sync::watch::Receiver<Phase>,
+    /// Whether the engine thread still takes jobs.
+    engine_alive: Arc<std::sync::atomic::AtomicBool>,
+    health: Vec<HealthCheck>,
+    sampling: SamplingDefaults,
+    experts: Arc<Experts>,
+}
+
+impl State {
+    /// `/health`: the model is loaded (it is, once the server runs), the engine takes jobs,
+    /// the server is not shutting down, and every extra check passes.
+    fn health(&self) -> Result<(), String> {
+        if *self.phase.borrow() != Phase::Serving {
+            return Err("the server is shutting down".into());
+        }
+        if !self.engine_alive.load(Ordering::Acquire) {
+            return Err("the engine thread has stopped".into());
+        }
+        for h in &self.health {
+            (h.0)()?;
+        }
+        Ok(())
+    }
 }
 
 /// A job, boxed so the channel needs no Debug of its contents.
@@ -218,6 +449,15 @@ struct JobBox(Job);
 impl std::fmt::Debug for JobBox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Job({} prompt ids)", self.0.prompt.len())
+    }
+}
+
+/// Marks the engine stopped when its thread ends, however it ends.
+struct Alive(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
     }
 }
 
@@ -243,15 +483,23 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
     let addr = listener.local_addr().context("the HTTP socket's address")?;
     let limit = cfg.queue + 1;
     let (tx, rx) = std::sync::mpsc::sync_channel::<JobBox>(limit);
+    let experts = tm.experts.clone();
+    let stats_of = experts.clone();
+    let metrics = Arc::new(Metrics::new(Arc::new(move || stats_of.stats())));
     let mut sess = ChatSession::new(tm.model.clone(), cfg.context)?;
+    let engine_alive = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let alive = Alive(engine_alive.clone());
+    let engine_metrics = metrics.clone();
     std::thread::Builder::new()
         .name("stormo-http-engine".into())
         .spawn(move || {
+            let _alive = alive;
             while let Ok(JobBox(job)) = rx.recv() {
-                run_job(&mut sess, job);
+                run_job(&mut sess, job, &engine_metrics);
             }
         })
         .context("starting the engine thread")?;
+    let (phase_tx, phase) = tokio::sync::watch::channel(Phase::Serving);
     let cfgm = tm.model.config();
     let state = Arc::new(State {
         name: tm.name.clone(),
@@ -265,12 +513,22 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
         max_body: cfg.max_body,
         context: cfg.context,
         timeout: cfg.timeout,
-        created: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
+        created: now_s(),
         next_id: AtomicU64::new(1),
+        guard: guard::Guard::new(addr, &cfg.allowed_hosts, &cfg.cors, cfg.api_key.as_deref()),
+        metrics,
+        phase: phase.clone(),
+        engine_alive,
+        health: cfg.health.clone(),
+        sampling: cfg.sampling,
+        experts,
     });
+    if !state.guard.needs_key() && !addr.ip().is_loopback() {
+        tracing::warn!(
+            "the HTTP API at {addr} is reachable from other machines and needs no API key: give \
+             --api-key (or STORMO_API_KEY) or listen on 127.0.0.1"
+        );
+    }
     let timeout = cfg.timeout;
     let refusal = ApiError::server(format!(
         "the server has {} connections open, the most it allows; try again later",
@@ -289,9 +547,20 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
         &refusal.body().to_string(),
         &client_refusal.body().to_string(),
     );
+    let open = gate.slots();
+    let task_state = state.clone();
+    let mut stop = phase.clone();
     let accept = tokio::spawn(async move {
+        let state = task_state;
         loop {
-            let (stream, peer) = match listener.accept().await {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                true = phase_reached(&mut stop, Phase::Draining) => {
+                    tracing::info!("HTTP: no longer accepting connections");
+                    return;
+                }
+            };
+            let (stream, peer) = match accepted {
                 Ok(c) => c,
                 Err(e) => {
                     // Out of file descriptors, most likely: wait for some to close.
@@ -304,6 +573,7 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
                 continue;
             };
             let state = state.clone();
+            let mut phase = phase.clone();
             tokio::spawn(async move {
                 // Given back when the task ends, after the connection (owned by the future
                 // below) is closed, whether it ended well, by an error or by a timeout.
@@ -314,12 +584,20 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
                 });
                 // hyper's header read timeout runs from the connection's start and from the
                 // end of each response, so it also ends idle keep-alive connections.
-                if let Err(e) = hyper::server::conn::http1::Builder::new()
+                let conn = hyper::server::conn::http1::Builder::new()
                     .timer(TokioTimer::new())
                     .header_read_timeout(timeout)
-                    .serve_connection(TokioIo::new(conn::Stall::new(stream, timeout)), svc)
-                    .await
-                {
+                    .serve_connection(TokioIo::new(conn::Stall::new(stream, timeout)), svc);
+                tokio::pin!(conn);
+                let res = tokio::select! {
+                    r = conn.as_mut() => r,
+                    true = phase_reached(&mut phase, Phase::Draining) => {
+                        // Finishes the response being written, then closes (at once if idle).
+                        conn.as_mut().graceful_shutdown();
+                        conn.await
+                    }
+                };
+                if let Err(e) = res {
                     tracing::debug!("HTTP connection from {peer}: {e}");
                 }
             });
@@ -328,24 +606,34 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
     Ok(HttpServer {
         addr,
         accept,
-        _model: Arc::new(TextModelParts {
-            _experts: tm.experts,
-        }),
+        phase: phase_tx,
+        open,
+        grace: cfg.shutdown_grace,
+        state,
     })
 }
 
-fn run_job(sess: &mut ChatSession, job: Job) {
+fn run_job(sess: &mut ChatSession, job: Job, metrics: &Metrics) {
     if job.events.is_closed() {
         return;
     }
+    metrics.active.inc();
     let events = &job.events;
-    let res = sess.generate(&job.prompt, &job.opts, |id| {
-        if events.send(Event::Token(id)).is_err() {
+    let res = sess.generate_with_logprobs(&job.prompt, &job.opts, job.logprobs, |id, lp| {
+        metrics.tokens.inc();
+        if events.send(Event::Token(id, lp)).is_err() {
             ControlFlow::Break(())
         } else {
             ControlFlow::Continue(())
         }
     });
+    metrics.active.dec();
+    // The place in the queue is given back before the client hears that the request is done,
+    // so whatever it asks next (another request, /metrics) sees the engine free.
+    let Job {
+        events, _permit, ..
+    } = job;
+    drop(_permit);
     let _ = events.send(match res {
         Ok(g) => {
             tracing::info!(
@@ -354,6 +642,12 @@ fn run_job(sess: &mut ChatSession, job: Job) {
                 g.reused,
                 g.ids.len()
             );
+            metrics.prompt_tokens.inc_by(g.prompt_tokens as u64);
+            metrics.prompt_reused.inc_by(g.reused as u64);
+            let decode = g.ids.len().saturating_sub(1);
+            if decode > 0 && g.decode_s > 0.0 {
+                metrics.set_decode_rate(decode as f64 / g.decode_s);
+            }
             Event::Done(g)
         }
         Err(e) => Event::Failed(e.to_string()),
@@ -415,6 +709,8 @@ struct ApiError {
     code: Option<&'static str>,
     param: Option<&'static str>,
     message: String,
+    /// Headers to send with it (`Retry-After`, `WWW-Authenticate`).
+    headers: Vec<(hyper::header::HeaderName, HeaderValue)>,
 }
 
 impl ApiError {
@@ -425,6 +721,7 @@ impl ApiError {
             code: None,
             param: None,
             message: message.into(),
+            headers: Vec::new(),
         }
     }
 
@@ -443,6 +740,31 @@ impl ApiError {
         self
     }
 
+    fn header(mut self, name: hyper::header::HeaderName, value: &'static str) -> Self {
+        self.headers.push((name, HeaderValue::from_static(value)));
+        self
+    }
+
+    /// A 429 with `Retry-After` (one request takes seconds; a second is a fair first wait).
+    fn busy(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            kind: "rate_limit_error",
+            code: Some("rate_limit_exceeded"),
+            ..Self::bad(message)
+        }
+        .header(hyper::header::RETRY_AFTER, "1")
+    }
+
+    /// A refusal that names a field the server does not implement.
+    fn unsupported(field: &'static str, what: &str) -> Self {
+        Self::bad(format!(
+            "{field} is not supported by this server ({what}); leave it out"
+        ))
+        .param(field)
+        .code("unsupported_parameter")
+    }
+
     fn server(message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::INTERNAL_SERVER_ERROR,
@@ -450,6 +772,7 @@ impl ApiError {
             code: None,
             param: None,
             message: message.into(),
+            headers: Vec::new(),
         }
     }
 
@@ -463,7 +786,11 @@ impl ApiError {
     }
 
     fn response(&self) -> Response<Body> {
-        json_response(self.status, &self.body())
+        let mut r = json_response(self.status, &self.body());
+        for (k, v) in &self.headers {
+            r.headers_mut().insert(k.clone(), v.clone());
+        }
+        r
     }
 }
 
@@ -500,7 +827,13 @@ struct ChatMessage {
     reasoning_content: Option<String>,
     #[serde(default)]
     name: Option<String>,
+    /// Fields this server does not read (named in a warning).
+    #[serde(flatten)]
+    extra: Extra,
 }
+
+/// Fields a request has that this server does not know, by name.
+type Extra = std::collections::BTreeMap<String, Value>;
 
 #[derive(Debug, Deserialize)]
 struct StreamOptions {
@@ -531,6 +864,19 @@ struct Common {
     stream_options: Option<StreamOptions>,
     #[serde(default)]
     n: Option<u64>,
+    /// The model asked for: the served model's name (see [`check_model`]).
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    presence_penalty: Option<f64>,
+    #[serde(default)]
+    frequency_penalty: Option<f64>,
+    #[serde(default)]
+    logit_bias: Option<Value>,
+    /// An end-user id for abuse tracking: accepted, not used.
+    #[serde(default)]
+    #[allow(dead_code)]
+    user: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -540,8 +886,25 @@ struct ChatRequest {
     max_completion_tokens: Option<u64>,
     #[serde(default)]
     reasoning_effort: Option<String>,
+    #[serde(default)]
+    logprobs: Option<bool>,
+    #[serde(default)]
+    top_logprobs: Option<u64>,
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
+    #[serde(default)]
+    functions: Option<Value>,
+    #[serde(default)]
+    function_call: Option<Value>,
+    #[serde(default)]
+    response_format: Option<Value>,
     #[serde(flatten)]
     common: Common,
+    /// Last: it takes the fields no other field took.
+    #[serde(flatten)]
+    extra: Extra,
 }
 
 #[derive(Debug, Deserialize)]
@@ -549,50 +912,221 @@ struct CompletionRequest {
     /// A string, an array of one string, an array of token ids or an array of one such
     /// array (read by [`prompt_ids`], whose messages say which of these was wrong).
     prompt: Value,
+    /// Log-probabilities with this many alternatives (0 to 5, as OpenAI's).
+    #[serde(default)]
+    logprobs: Option<u64>,
+    #[serde(default)]
+    echo: Option<bool>,
+    #[serde(default)]
+    suffix: Option<String>,
+    #[serde(default)]
+    best_of: Option<u64>,
     #[serde(flatten)]
     common: Common,
+    /// Last: it takes the fields no other field took.
+    #[serde(flatten)]
+    extra: Extra,
+}
+
+/// The endpoint a path is, for metrics (a bounded set of label values).
+fn endpoint_label(path: &str) -> &'static str {
+    match path {
+        "/v1/models" => "/v1/models",
+        p if p.starts_with("/v1/models/") => "/v1/models/{id}",
+        "/v1/chat/completions" => "/v1/chat/completions",
+        "/v1/completions" => "/v1/completions",
+        "/health" => "/health",
+        "/metrics" => "/metrics",
+        _ => "other",
+    }
+}
+
+fn header_str(req: &Request<Incoming>, name: hyper::header::HeaderName) -> Option<&str> {
+    req.headers().get(name).and_then(|v| v.to_str().ok())
+}
+
+/// The guard's checks: `Ok(allow_origin)` to go on (with the value of
+/// `Access-Control-Allow-Origin` to send, if any), or the refusal to answer.
+fn admit(state: &State, req: &Request<Incoming>, path: &str) -> Result<Option<String>, ApiError> {
+    use guard::Refusal;
+    // HTTP/1.1 requires Host; hyper puts an absolute-form target's authority in the URI.
+    let host =
+        header_str(req, hyper::header::HOST).or_else(|| req.uri().authority().map(|a| a.as_str()));
+    let refuse = |e: Refusal| match e {
+        Refusal::Host(h) => ApiError::bad(match h {
+            Some(h) => format!(
+                "this server does not answer to the host {h:?} (to serve it, start the server \
+                 with --allowed-host NAME)"
+            ),
+            None => "the request has no Host header".into(),
+        })
+        .status(StatusCode::FORBIDDEN)
+        .code("host_not_allowed"),
+        Refusal::Origin(o) => ApiError::bad(format!(
+            "requests from the web origin {o:?} are not allowed (to allow it, start the server \
+             with --cors {o})"
+        ))
+        .status(StatusCode::FORBIDDEN)
+        .code("origin_not_allowed"),
+        Refusal::NoKey => ApiError::bad(
+            "this server needs an API key: send it as the header `Authorization: Bearer KEY`",
+        )
+        .status(StatusCode::UNAUTHORIZED)
+        .code("invalid_api_key")
+        .header(hyper::header::WWW_AUTHENTICATE, "Bearer"),
+        Refusal::WrongKey => ApiError::bad("incorrect API key provided")
+            .status(StatusCode::UNAUTHORIZED)
+            .code("invalid_api_key")
+            .header(hyper::header::WWW_AUTHENTICATE, "Bearer"),
+    };
+    state.guard.host(host).map_err(refuse)?;
+    let allow = state
+        .guard
+        .origin(header_str(req, hyper::header::ORIGIN))
+        .map_err(refuse)?;
+    // A preflight carries no credentials; /health is for load balancers.
+    if req.method() != Method::OPTIONS && path != "/health" {
+        state
+            .guard
+            .key(header_str(req, hyper::header::AUTHORIZATION))
+            .map_err(refuse)?;
+    }
+    Ok(allow)
 }
 
 async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().trim_end_matches('/').to_string();
     let method = req.method().clone();
-    let res = match (method.clone(), path.as_str()) {
-        (Method::GET, "/v1/models") => Ok(models(&state)),
+    let label = endpoint_label(&path);
+    let (res, allow_origin) = match admit(&state, &req, &path) {
+        Err(e) => (Err(e), None),
+        Ok(allow) => (route(&state, req, &method, &path).await, allow),
+    };
+    let mut r = match res {
+        Ok(r) => r,
+        Err(e) => {
+            if e.status.is_server_error() || e.status == StatusCode::TOO_MANY_REQUESTS {
+                tracing::info!("HTTP {method} {path}: {} {}", e.status, e.message);
+            } else {
+                tracing::debug!("HTTP {method} {path}: {} {}", e.status, e.message);
+            }
+            e.response()
+        }
+    };
+    if let Some(o) = allow_origin {
+        let h = r.headers_mut();
+        if let Ok(v) = HeaderValue::from_str(&o) {
+            h.insert(hyper::header::ACCESS_CONTROL_ALLOW_ORIGIN, v);
+        }
+        h.insert(hyper::header::VARY, HeaderValue::from_static("Origin"));
+    }
+    state.metrics.request(label, r.status().as_u16());
+    r
+}
+
+async fn route(
+    state: &State,
+    req: Request<Incoming>,
+    method: &Method,
+    path: &str,
+) -> Result<Response<Body>, ApiError> {
+    match (method.clone(), path) {
+        (Method::OPTIONS, _) => Ok(preflight()),
+        (Method::GET, "/health") => Ok(health(state)),
+        (Method::GET, "/metrics") => {
+            let mut r = Response::new(Body::Full(Some(Bytes::from(state.metrics.render()))));
+            r.headers_mut().insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static(metrics::CONTENT_TYPE),
+            );
+            Ok(r)
+        }
+        (Method::GET, "/v1/models") => Ok(models(state)),
         (Method::GET, p) if p.starts_with("/v1/models/") => {
             let id = &p["/v1/models/".len()..];
-            if id == state.name {
-                Ok(json_response(StatusCode::OK, &model_object(&state)))
-            } else {
-                Err(ApiError::bad(format!(
-                    "the model {id:?} does not exist; this server has {:?}",
-                    state.name
-                ))
-                .status(StatusCode::NOT_FOUND)
-                .code("model_not_found"))
-            }
+            check_model(state, Some(id))?;
+            Ok(json_response(StatusCode::OK, &model_object(state)))
         }
-        (Method::POST, "/v1/chat/completions") => match read_json(&state, req).await {
-            Ok(body) => chat_completions(&state, body).await,
-            Err(e) => Err(e),
-        },
-        (Method::POST, "/v1/completions") => match read_json(&state, req).await {
-            Ok(body) => completions(&state, body).await,
-            Err(e) => Err(e),
-        },
-        (_, "/v1/models" | "/v1/chat/completions" | "/v1/completions") => {
+        (Method::POST, "/v1/chat/completions") => {
+            chat_completions(state, read_json(state, req).await?).await
+        }
+        (Method::POST, "/v1/completions") => completions(state, read_json(state, req).await?).await,
+        (_, "/v1/models" | "/v1/chat/completions" | "/v1/completions" | "/health" | "/metrics") => {
             Err(ApiError::bad(format!("{method} is not allowed on {path}"))
                 .status(StatusCode::METHOD_NOT_ALLOWED))
         }
         _ => Err(ApiError::bad(format!("no such endpoint: {method} {path}"))
             .status(StatusCode::NOT_FOUND)
             .code("not_found")),
-    };
-    match res {
-        Ok(r) => r,
-        Err(e) => {
-            tracing::debug!("HTTP {method} {path}: {} {}", e.status, e.message);
-            e.response()
+    }
+}
+
+/// The answer to a CORS preflight from an allowed origin (the origin was checked already).
+fn preflight() -> Response<Body> {
+    let mut r = Response::new(Body::Full(None));
+    *r.status_mut() = StatusCode::NO_CONTENT;
+    let h = r.headers_mut();
+    h.insert(
+        hyper::header::ACCESS_CONTROL_ALLOW_METHODS,
+        HeaderValue::from_static("GET, POST, OPTIONS"),
+    );
+    h.insert(
+        hyper::header::ACCESS_CONTROL_ALLOW_HEADERS,
+        HeaderValue::from_static("authorization, content-type"),
+    );
+    h.insert(
+        hyper::header::ACCESS_CONTROL_MAX_AGE,
+        HeaderValue::from_static("600"),
+    );
+    r
+}
+
+/// `GET /health`: 200 `{"status":"ok"}`, or 503 `{"status":"unavailable","reason":...}`.
+fn health(state: &State) -> Response<Body> {
+    match state.health() {
+        Ok(()) => json_response(
+            StatusCode::OK,
+            &json!({ "status": "ok", "model": state.name }),
+        ),
+        Err(reason) => {
+            let mut r = json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &json!({ "status": "unavailable", "reason": reason }),
+            );
+            r.headers_mut()
+                .insert(hyper::header::RETRY_AFTER, HeaderValue::from_static("5"));
+            r
         }
+    }
+}
+
+/// Refuses a model name other than the served model's (as `/v1/models` lists it) with a 404
+/// like OpenAI's. A request without `model` is served by the one model.
+fn check_model(state: &State, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        None => Ok(()),
+        Some(m) if m == state.name => Ok(()),
+        Some(m) => Err(ApiError::bad(format!(
+            "the model `{m}` does not exist; this server serves `{}` (as GET /v1/models lists it)",
+            state.name
+        ))
+        .param("model")
+        .status(StatusCode::NOT_FOUND)
+        .code("model_not_found")),
+    }
+}
+
+/// Logs the fields of a request this server does not know (they are not used).
+fn warn_unknown(endpoint: &str, extra: &Extra, messages: &[ChatMessage]) {
+    let mut names: Vec<String> = extra.keys().cloned().collect();
+    for (i, m) in messages.iter().enumerate() {
+        names.extend(m.extra.keys().map(|k| format!("messages[{i}].{k}")));
+    }
+    if !names.is_empty() {
+        tracing::warn!(
+            "{endpoint}: ignoring request fields this server does not know: {}",
+            names.join(", ")
+        );
     }
 }
 
@@ -656,12 +1190,33 @@ fn settings(
     max_tokens: Option<u64>,
     default_max: usize,
 ) -> Result<(SamplingParams, usize, Vec<String>), ApiError> {
+    check_model(state, c.model.as_deref())?;
     if let Some(n) = c.n {
         if n != 1 {
             return Err(ApiError::bad("only n = 1 is supported").param("n"));
         }
     }
-    let temperature = c.temperature.unwrap_or(1.0);
+    for (field, v) in [
+        ("presence_penalty", c.presence_penalty),
+        ("frequency_penalty", c.frequency_penalty),
+    ] {
+        if v.is_some_and(|v| v != 0.0) {
+            return Err(ApiError::unsupported(
+                field,
+                "use repetition_penalty, which this server implements",
+            ));
+        }
+    }
+    match &c.logit_bias {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(m)) if m.is_empty() => {}
+        Some(_) => return Err(ApiError::unsupported("logit_bias", "not implemented")),
+    }
+    // What the request leaves out: the model's generation_config.json, else OpenAI's.
+    let d = &state.sampling;
+    let temperature = c
+        .temperature
+        .unwrap_or_else(|| d.temperature.map_or(1.0, f64::from));
     if !(0.0..=2.0).contains(&temperature) {
         return Err(
             ApiError::bad(format!("temperature {temperature} is outside [0, 2]"))
@@ -672,9 +1227,11 @@ fn settings(
     // that pass the checks below are in f32's range.
     let params = SamplingParams {
         temperature: temperature as f32,
-        top_p: c.top_p.unwrap_or(1.0) as f32,
-        top_k: c.top_k.unwrap_or(0),
-        repetition_penalty: c.repetition_penalty.unwrap_or(1.0) as f32,
+        top_p: c.top_p.map_or(d.top_p.unwrap_or(1.0), |v| v as f32),
+        top_k: c.top_k.or(d.top_k).unwrap_or(0),
+        repetition_penalty: c
+            .repetition_penalty
+            .map_or(d.repetition_penalty.unwrap_or(1.0), |v| v as f32),
         seed: c.seed.map(|s| s as u64).unwrap_or_else(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -817,7 +1374,13 @@ fn queue(
     state: &State,
     prompt: Vec<TokenId>,
     opts: GenerateOptions,
+    logprobs: Option<usize>,
 ) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+    if *state.phase.borrow() != Phase::Serving {
+        return Err(ApiError::server("the server is shutting down")
+            .status(StatusCode::SERVICE_UNAVAILABLE)
+            .code("server_shutting_down"));
+    }
     if prompt.is_empty() {
         return Err(ApiError::bad("the prompt is empty").param("prompt"));
     }
@@ -837,30 +1400,26 @@ fn queue(
         .param("prompt"));
     }
     let prev = state.pending.fetch_add(1, Ordering::AcqRel);
-    let permit = Permit(state.pending.clone());
+    state.metrics.admitted.inc();
+    let permit = Permit(state.pending.clone(), state.metrics.clone());
     if prev >= state.limit {
-        return Err(ApiError {
-            status: StatusCode::TOO_MANY_REQUESTS,
-            kind: "rate_limit_error",
-            code: Some("rate_limit_exceeded"),
-            param: None,
-            message: format!(
-                "the server is busy: {} requests are running or waiting; try again later",
-                state.limit
-            ),
-        });
+        return Err(ApiError::busy(format!(
+            "the server is busy: {} requests are running or waiting; try again later",
+            state.limit
+        )));
     }
     let (tx, rx) = mpsc::unbounded_channel();
     let job = JobBox(Job {
         prompt,
         opts,
+        logprobs,
         events: tx,
         _permit: permit,
     });
     match state.jobs.try_send(job) {
         Ok(()) => Ok(rx),
         Err(std::sync::mpsc::TrySendError::Full(_)) => {
-            Err(ApiError::server("the queue is full").status(StatusCode::TOO_MANY_REQUESTS))
+            Err(ApiError::busy("the queue is full; try again later"))
         }
         Err(std::sync::mpsc::TrySendError::Disconnected(_)) => {
             Err(ApiError::server("the engine has stopped"))
@@ -876,6 +1435,8 @@ struct Reply {
     tokens: usize,
     ready: std::collections::VecDeque<Step>,
     finished: bool,
+    /// Log-probabilities of the tokens received and not yet sent (when asked).
+    logprobs: Vec<(TokenId, TokenLogprobs)>,
 }
 
 /// One step of a [`Reply`].
@@ -895,6 +1456,7 @@ impl Reply {
             tokens: 0,
             ready: Default::default(),
             finished: false,
+            logprobs: Vec::new(),
         }
     }
 
@@ -919,8 +1481,11 @@ impl Reply {
                 return Err(ApiError::server("the engine dropped the request"));
             };
             match ev {
-                Event::Token(id) => {
+                Event::Token(id, lp) => {
                     self.tokens += 1;
+                    if let Some(lp) = lp {
+                        self.logprobs.push((id, lp));
+                    }
                     match self.stream.push(id) {
                         Some(OutputDelta::Content(t)) => {
                             let hit = self.content(&t);
@@ -988,29 +1553,121 @@ struct Answer {
     prompt_tokens: usize,
     include_usage: bool,
     reply: Reply,
+    /// Whether log-probabilities were asked.
+    logprobs: bool,
+    tokenizer: Arc<Tokenizer>,
+    /// Characters of completion text covered by the log-probabilities sent so far (the
+    /// completions endpoint's `text_offset`).
+    offset: usize,
+    phase: tokio::sync::watch::Receiver<Phase>,
+}
+
+/// A log-probability for JSON: a number, never infinity (JSON has none; OpenAI's API uses
+/// -9999 for "impossible").
+fn lp_json(v: f32) -> f64 {
+    if v.is_finite() {
+        f64::from(v)
+    } else {
+        -9999.0
+    }
 }
 
 impl Answer {
-    fn chunk(&self, delta: Value, finish: Option<&str>) -> Value {
+    fn token_text(&self, id: TokenId) -> (String, Vec<u8>) {
+        let b = self.tokenizer.token_bytes(id).unwrap_or_default().to_vec();
+        (String::from_utf8_lossy(&b).into_owned(), b)
+    }
+
+    /// The `logprobs` value of a choice for the tokens `lps` (`null` when not asked).
+    fn logprobs_json(&mut self, lps: &[(TokenId, TokenLogprobs)]) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        match self.kind {
+            Kind::Chat => {
+                let entry = |this: &Self, id: TokenId, lp: f32| {
+                    let (token, bytes) = this.token_text(id);
+                    json!({ "token": token, "logprob": lp_json(lp), "bytes": bytes })
+                };
+                let content: Vec<Value> = lps
+                    .iter()
+                    .map(|(id, lp)| {
+                        let mut e = entry(self, *id, lp.logprob);
+                        e["top_logprobs"] = lp
+                            .top
+                            .iter()
+                            .map(|&(t, l)| entry(self, t, l))
+                            .collect::<Vec<_>>()
+                            .into();
+                        e
+                    })
+                    .collect();
+                json!({ "content": content, "refusal": null })
+            }
+            Kind::Text => {
+                let (mut tokens, mut token_lps, mut tops, mut offsets) =
+                    (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                for (id, lp) in lps {
+                    let (t, _) = self.token_text(*id);
+                    offsets.push(self.offset);
+                    self.offset += t.chars().count();
+                    tokens.push(t);
+                    token_lps.push(lp_json(lp.logprob));
+                    let top: serde_json::Map<String, Value> = lp
+                        .top
+                        .iter()
+                        .map(|&(t, l)| (self.token_text(t).0, json!(lp_json(l))))
+                        .collect();
+                    tops.push(Value::Object(top));
+                }
+                json!({ "tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                        "text_offset": offsets })
+            }
+        }
+    }
+
+    fn chunk(&mut self, delta: Value, finish: Option<&str>) -> Value {
+        let lps = std::mem::take(&mut self.reply.logprobs);
+        let logprobs = self.logprobs_json(&lps);
         match self.kind {
             Kind::Chat => json!({
                 "id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model,
-                "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }],
+                "choices": [{ "index": 0, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": finish }],
             }),
             Kind::Text => json!({
                 "id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
                 "choices": [{ "index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")),
-                              "logprobs": null, "finish_reason": finish }],
+                              "logprobs": logprobs, "finish_reason": finish }],
             }),
+        }
+    }
+
+    /// The next step of the reply, or an error when the server cuts running replies (on
+    /// shutdown, past the grace period): the generation is cancelled.
+    async fn next(&mut self) -> Result<Option<Step>, ApiError> {
+        let mut phase = self.phase.clone();
+        tokio::select! {
+            r = self.reply.next() => r,
+            true = phase_reached(&mut phase, Phase::Cutting) => {
+                // Closing the channel cancels the generation.
+                self.reply.events.close();
+                Err(ApiError::server(format!(
+                    "the server is shutting down: the reply was cut after {} tokens",
+                    self.reply.tokens
+                ))
+                .status(StatusCode::SERVICE_UNAVAILABLE)
+                .code("server_shutting_down"))
+            }
         }
     }
 
     async fn whole(mut self) -> Result<Response<Body>, ApiError> {
         let (mut content, mut reasoning) = (String::new(), String::new());
         let (mut reason, mut tokens) = ("stop", 0);
-        while let Some(step) = self.reply.next().await? {
+        while let Some(step) = self.next().await? {
             match step {
                 Step::Delta(OutputDelta::Content(t)) => content.push_str(&t),
                 Step::Delta(OutputDelta::Reasoning(t)) => reasoning.push_str(&t),
@@ -1018,6 +1675,8 @@ impl Answer {
             }
         }
         let usage = usage(self.prompt_tokens, tokens);
+        let lps = std::mem::take(&mut self.reply.logprobs);
+        let logprobs = self.logprobs_json(&lps);
         let v = match self.kind {
             Kind::Chat => {
                 let mut message = json!({ "role": "assistant", "content": content });
@@ -1027,14 +1686,16 @@ impl Answer {
                 json!({
                     "id": self.id, "object": "chat.completion", "created": self.created,
                     "model": self.model,
-                    "choices": [{ "index": 0, "message": message, "finish_reason": reason }],
+                    "choices": [{ "index": 0, "message": message, "logprobs": logprobs,
+                                  "finish_reason": reason }],
                     "usage": usage,
                 })
             }
             Kind::Text => json!({
                 "id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": [{ "index": 0, "text": content, "logprobs": null, "finish_reason": reason }],
+                "choices": [{ "index": 0, "text": content, "logprobs": logprobs,
+                              "finish_reason": reason }],
                 "usage": usage,
             }),
         };
@@ -1052,7 +1713,7 @@ impl Answer {
                 }
             }
             loop {
-                let v = match self.reply.next().await {
+                let v = match self.next().await {
                     Ok(Some(Step::Delta(OutputDelta::Content(t)))) => {
                         self.chunk(json!({ "content": t }), None)
                     }
@@ -1078,8 +1739,12 @@ impl Answer {
                     Err(e) => e.body(),
                 };
                 let is_err = v.get("error").is_some();
-                if tx.send(event(&v)).await.is_err() || is_err {
+                if tx.send(event(&v)).await.is_err() {
                     return;
+                }
+                if is_err {
+                    // The stream still ends as a stream does, so clients see a clean end.
+                    break;
                 }
             }
             let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
@@ -1096,7 +1761,14 @@ impl Answer {
 }
 
 impl State {
-    fn answer(&self, kind: Kind, common: &Common, prompt_tokens: usize, reply: Reply) -> Answer {
+    fn answer(
+        &self,
+        kind: Kind,
+        common: &Common,
+        prompt_tokens: usize,
+        reply: Reply,
+        logprobs: bool,
+    ) -> Answer {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         let prefix = match kind {
             Kind::Chat => "chatcmpl",
@@ -1113,11 +1785,101 @@ impl State {
                 .as_ref()
                 .is_some_and(|o| o.include_usage),
             reply,
+            logprobs,
+            tokenizer: self.tokenizer.clone(),
+            offset: 0,
+            phase: self.phase.clone(),
         }
     }
 }
 
+/// Whether a JSON field asks for something (not absent, null, false, empty).
+fn given(v: &Option<Value>) -> bool {
+    match v {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(Value::Object(o)) => !o.is_empty(),
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(_) => true,
+    }
+}
+
+/// Refuses what the chat endpoint does not implement, naming the field.
+fn refuse_unsupported_chat(req: &ChatRequest) -> Result<(), ApiError> {
+    if given(&req.tools) {
+        return Err(ApiError::unsupported(
+            "tools",
+            "tool calling is not implemented",
+        ));
+    }
+    if given(&req.functions) {
+        return Err(ApiError::unsupported(
+            "functions",
+            "function calling is not implemented",
+        ));
+    }
+    for (field, v) in [
+        ("tool_choice", &req.tool_choice),
+        ("function_call", &req.function_call),
+    ] {
+        match v {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s == "none" || s == "auto" => {}
+            Some(_) => {
+                return Err(ApiError::unsupported(
+                    field,
+                    "tool calling is not implemented; only \"none\" or \"auto\" without tools",
+                ))
+            }
+        }
+    }
+    match &req.response_format {
+        None | Some(Value::Null) => {}
+        Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}
+        Some(_) => {
+            return Err(ApiError::unsupported(
+                "response_format",
+                "structured output (JSON mode, JSON schema) is not implemented; only \
+                 {\"type\": \"text\"}",
+            ))
+        }
+    }
+    for (i, m) in req.messages.iter().enumerate() {
+        if given(&m.extra.get("tool_calls").cloned()) {
+            return Err(ApiError::bad(format!(
+                "messages[{i}].tool_calls: tool calling is not implemented by this server"
+            ))
+            .param("messages")
+            .code("unsupported_parameter"));
+        }
+    }
+    Ok(())
+}
+
+/// The number of alternatives asked for, checked (`None`: no log-probabilities).
+fn top_logprobs(
+    asked: bool,
+    top: Option<u64>,
+    field: &'static str,
+) -> Result<Option<usize>, ApiError> {
+    let top = top.unwrap_or(0);
+    if top > MAX_TOP_LOGPROBS as u64 {
+        return Err(
+            ApiError::bad(format!("{field} is {top}; at most {MAX_TOP_LOGPROBS}")).param(field),
+        );
+    }
+    Ok(asked.then_some(top as usize))
+}
+
 async fn chat_completions(state: &State, req: ChatRequest) -> Result<Response<Body>, ApiError> {
+    // A wrong model name is the first error, as OpenAI's API reports it.
+    check_model(state, req.common.model.as_deref())?;
+    refuse_unsupported_chat(&req)?;
+    warn_unknown("/v1/chat/completions", &req.extra, &req.messages);
+    if req.top_logprobs.is_some() && req.logprobs != Some(true) {
+        return Err(ApiError::bad("top_logprobs needs logprobs set to true").param("top_logprobs"));
+    }
+    let logprobs = top_logprobs(req.logprobs == Some(true), req.top_logprobs, "top_logprobs")?;
     let turns = turns_of(&req.messages)?;
     let effort = match req.reasoning_effort.as_deref() {
         None => ReasoningEffort::Medium,
@@ -1130,11 +1892,11 @@ async fn chat_completions(state: &State, req: ChatRequest) -> Result<Response<Bo
         reasoning_effort: effort,
         ..PromptOptions::default()
     };
+    let c = &req.common;
     let prompt = state
         .format
         .render_prompt(&turns, &popts)
         .map_err(|e| ApiError::bad(format!("rendering the messages: {e}")).param("messages"))?;
-    let c = &req.common;
     let room = state.context.saturating_sub(prompt.len()).max(1);
     let (sampling, max, stop) =
         settings(state, c, req.max_completion_tokens.or(c.max_tokens), room)?;
@@ -1144,9 +1906,9 @@ async fn chat_completions(state: &State, req: ChatRequest) -> Result<Response<Bo
         sampling,
     };
     let n = prompt.len();
-    let events = queue(state, prompt, opts)?;
+    let events = queue(state, prompt, opts, logprobs)?;
     let reply = Reply::new(events, ReplyStream::chat(&state.format), stop);
-    let a = state.answer(Kind::Chat, c, n, reply);
+    let a = state.answer(Kind::Chat, c, n, reply, logprobs.is_some());
     if c.stream.unwrap_or(false) {
         Ok(a.streamed())
     } else {
@@ -1155,8 +1917,26 @@ async fn chat_completions(state: &State, req: ChatRequest) -> Result<Response<Bo
 }
 
 async fn completions(state: &State, req: CompletionRequest) -> Result<Response<Body>, ApiError> {
-    let prompt = prompt_ids(&state.tokenizer, &req.prompt)?;
+    check_model(state, req.common.model.as_deref())?;
+    warn_unknown("/v1/completions", &req.extra, &[]);
+    if req.echo == Some(true) {
+        return Err(ApiError::unsupported(
+            "echo",
+            "the prompt is not returned with the completion",
+        ));
+    }
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::unsupported(
+            "suffix",
+            "fill-in-the-middle is not implemented",
+        ));
+    }
+    if req.best_of.is_some_and(|b| b > 1) {
+        return Err(ApiError::unsupported("best_of", "only best_of = 1"));
+    }
+    let logprobs = top_logprobs(req.logprobs.is_some(), req.logprobs, "logprobs")?;
     let c = &req.common;
+    let prompt = prompt_ids(&state.tokenizer, &req.prompt)?;
     let (sampling, max, stop) = settings(state, c, c.max_tokens, 16)?;
     let opts = GenerateOptions {
         max_new_tokens: max,
@@ -1164,9 +1944,9 @@ async fn completions(state: &State, req: CompletionRequest) -> Result<Response<B
         sampling,
     };
     let n = prompt.len();
-    let events = queue(state, prompt, opts)?;
+    let events = queue(state, prompt, opts, logprobs)?;
     let reply = Reply::new(events, ReplyStream::plain(state.tokenizer.clone()), stop);
-    let a = state.answer(Kind::Text, c, n, reply);
+    let a = state.answer(Kind::Text, c, n, reply, logprobs.is_some());
     if c.stream.unwrap_or(false) {
         Ok(a.streamed())
     } else {
@@ -1187,6 +1967,10 @@ mod tests {
             http_timeout: DEFAULT_TIMEOUT.as_secs_f64(),
             http_max_connections: DEFAULT_MAX_CONNECTIONS,
             http_max_per_client: DEFAULT_MAX_PER_CLIENT,
+            api_key: None,
+            allowed_host: Vec::new(),
+            cors: Vec::new(),
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE.as_secs_f64(),
         }
     }
 

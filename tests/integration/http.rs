@@ -68,24 +68,41 @@ impl Server {
 
     /// A server whose settings `tweak` changes first.
     fn start_with(queue: usize, context: usize, tweak: impl FnOnce(&mut HttpConfig)) -> Self {
+        Self::start_experts(queue, context, &expert_args(), tweak)
+    }
+
+    /// A server whose experts come as `experts` says.
+    fn start_experts(
+        queue: usize,
+        context: usize,
+        experts: &ExpertsConfig,
+        tweak: impl FnOnce(&mut HttpConfig),
+    ) -> Self {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .expect("runtime");
         let mut cfg = HttpConfig {
-            addr: "127.0.0.1:0".parse().expect("addr"),
             queue,
             max_body: 64 << 10,
             context,
-            timeout: http::DEFAULT_TIMEOUT,
-            max_connections: http::DEFAULT_MAX_CONNECTIONS,
-            max_per_client: http::DEFAULT_MAX_PER_CLIENT,
+            ..HttpConfig::new("127.0.0.1:0".parse().expect("addr"))
         };
         tweak(&mut cfg);
         let model = synth_model();
         let srv = rt
-            .block_on(http::start(text_model(model.path(), context), cfg))
+            .block_on(http::start(
+                load_text_model(
+                    NodeConfig {
+                        experts: experts.clone(),
+                        ..NodeConfig::local(model.path(), context)
+                    },
+                    &Default::default(),
+                )
+                .expect("model loads"),
+                cfg,
+            ))
             .expect("server starts");
         let addr = srv.local_addr();
         Self {
@@ -117,7 +134,7 @@ fn connect(addr: SocketAddr) -> TcpStream {
 
 fn send(s: &mut TcpStream, method: &str, path: &str, body: &[u8]) {
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
     s.write_all(head.as_bytes()).expect("write head");
@@ -571,18 +588,18 @@ fn http_closes_connections_that_stall_or_idle() {
     let silent = connect(a);
     let mut half_head = connect(a);
     half_head
-        .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Le")
+        .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Le")
         .expect("write");
     let mut half_body = connect(a);
     half_body
         .write_all(
-            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
               Content-Length: 100\r\n\r\n{\"prompt\": ",
         )
         .expect("write");
     // A keep-alive connection that gets one answer, then sits idle.
     let mut idle = connect(a);
-    idle.write_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\n\r\n")
+    idle.write_all(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
         .expect("write");
     let (st, text) = read_response(&mut idle);
     assert_eq!(st, 200, "{text}");
@@ -730,7 +747,7 @@ fn http_answers_503_beyond_the_per_client_cap() {
     );
     // The held connections are served, not merely queued (keep-alive: each stays held).
     for s in &mut held {
-        s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\n\r\n")
+        s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
             .expect("write");
         let (st, text) = read_response(s);
         assert_eq!(st, 200, "a held connection: {text}");
@@ -743,7 +760,7 @@ fn http_answers_503_beyond_the_per_client_cap() {
         let mut others = vec![other];
         others.push(connect_from("127.0.0.2".parse().expect("ip"), a));
         for s in &mut others {
-            s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\n\r\n")
+            s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
                 .expect("write");
             let (st, text) = read_response(s);
             assert_eq!(st, 200, "another address: {text}");
@@ -756,7 +773,7 @@ fn http_answers_503_beyond_the_per_client_cap() {
     let freed = Instant::now();
     let mut s = loop {
         let mut s = connect(a);
-        s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\n\r\n")
+        s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
             .expect("write");
         let (st, text) = read_response(&mut s);
         if st == 200 {
@@ -774,7 +791,7 @@ fn http_answers_503_beyond_the_per_client_cap() {
         std::thread::sleep(Duration::from_millis(20));
     };
     // Exactly one slot was freed: with the new connection held too, the cap holds again.
-    s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\n\r\n")
+    s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
         .expect("write");
     let (st, text) = read_response(&mut s);
     assert_eq!(st, 200, "the new connection stays served: {text}");
@@ -807,4 +824,627 @@ fn connect_from(from: std::net::IpAddr, to: SocketAddr) -> TcpStream {
     s.set_read_timeout(Some(Duration::from_secs(60)))
         .expect("timeout");
     s
+}
+
+// ---- Operable: health, metrics, API key, Host and Origin, Retry-After, SIGTERM ----
+
+/// One request with extra headers (`Host: localhost` unless one of them is a Host); the
+/// status, the lowercased response head and the body (chunked bodies joined).
+fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> (u16, String, String) {
+    let mut s = connect(addr);
+    let mut head = format!("{method} {path} HTTP/1.1\r\n");
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        head += "Host: localhost\r\n";
+    }
+    for (k, v) in headers {
+        head += &format!("{k}: {v}\r\n");
+    }
+    head += &format!(
+        "Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).expect("write head");
+    s.write_all(body).expect("write body");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read response");
+    let text = String::from_utf8(raw).expect("utf-8 response");
+    let (status, body) = parse_response(&text);
+    let head = text
+        .split_once("\r\n\r\n")
+        .map(|(h, _)| h.to_ascii_lowercase())
+        .unwrap_or_default();
+    (status, head, body)
+}
+
+/// `/health` answers 200 with the model's name (and 503 with a reason while shutting down:
+/// see the SIGTERM test); `/metrics` is Prometheus text that counts requests by status and
+/// the tokens generated; a 429 says when to retry.
+#[test]
+fn http_health_and_metrics_answer() {
+    // Experts from a RAM cache over the disk (not memory-mapped), so the tiers count.
+    let tiered = ExpertsConfig {
+        mmap: false,
+        ..expert_args()
+    };
+    let srv = Server::start_experts(0, 2048, &tiered, |_| {});
+    let a = srv.addr;
+    let (st, head, body) = request_with(a, "GET", "/health", &[], b"");
+    assert_eq!(st, 200, "{body}");
+    assert!(head.contains("content-type: application/json"), "{head}");
+    let v: Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(v["status"], "ok", "{v}");
+    let (st, v) = post(
+        a,
+        "/v1/completions",
+        &json!({ "prompt": "Hello", "max_tokens": 5, "temperature": 0 }),
+    );
+    assert_eq!(st, 200, "{v}");
+    let (st, _, _) = request_with(a, "GET", "/v1/nothing", &[], b"");
+    assert_eq!(st, 404);
+    let (st, head, text) = request_with(a, "GET", "/metrics", &[], b"");
+    assert_eq!(st, 200, "{text}");
+    assert!(
+        head.contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    let value = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} in\n{text}"))
+    };
+    assert_eq!(value("stormo_tokens_generated_total"), 5.0);
+    assert_eq!(
+        value("stormo_http_requests_total{endpoint=\"/v1/completions\",code=\"200\"}"),
+        1.0
+    );
+    assert_eq!(
+        value("stormo_http_requests_total{endpoint=\"other\",code=\"404\"}"),
+        1.0
+    );
+    assert_eq!(value("stormo_queue_depth"), 0.0);
+    assert_eq!(value("stormo_active_requests"), 0.0);
+    assert!(value("stormo_decode_tokens_per_second") > 0.0);
+    for line in [
+        "# TYPE stormo_tokens_generated_total counter",
+        "# TYPE stormo_queue_depth gauge",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+    }
+    // The experts come from a RAM cache over the disk here: the tier's numbers are there.
+    let requests = value("stormo_expert_requests_total");
+    assert!(requests > 0.0, "{text}");
+    assert!(value("stormo_expert_ram_hits_total") <= requests, "{text}");
+    let loads: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("stormo_expert_tier_loads_total{tier="))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(
+        loads > 0.0,
+        "the experts were loaded from a tier below RAM: {text}"
+    );
+    assert!(
+        text.contains("stormo_expert_tier_bytes_total{tier="),
+        "{text}"
+    );
+
+    // A request beyond the queue gets 429 with Retry-After.
+    let long = json!({ "prompt": "Once upon a time", "max_tokens": 2000, "stream": true,
+                       "temperature": 0 });
+    let mut first = connect(a);
+    send(
+        &mut first,
+        "POST",
+        "/v1/completions",
+        long.to_string().as_bytes(),
+    );
+    let mut buf = [0u8; 4096];
+    let mut seen = String::new();
+    while !seen.contains("data: ") {
+        let n = first.read(&mut buf).expect("first response streams");
+        assert!(n > 0, "first response ended early: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    let body = json!({ "prompt": "hi", "max_tokens": 1 }).to_string();
+    let (st, head, _) = request_with(a, "POST", "/v1/completions", &[], body.as_bytes());
+    assert_eq!(st, 429);
+    assert!(head.contains("retry-after: 1"), "{head}");
+}
+
+/// A wrong or missing API key is a 401 (except on /health); a Host that is not the listen
+/// address or an allowed name is a 403; a browser Origin needs --cors.
+#[test]
+fn http_checks_the_api_key_the_host_and_the_origin() {
+    let srv = Server::start_with(2, 1024, |c| {
+        c.api_key = Some("sk-local-test".into());
+        c.allowed_hosts = vec!["models.internal".into()];
+        c.cors = vec!["http://app.internal:3000".into()];
+    });
+    let a = srv.addr;
+    let good = ("Authorization", "Bearer sk-local-test");
+    let (st, head, body) = request_with(a, "GET", "/v1/models", &[], b"");
+    assert_eq!(st, 401, "{body}");
+    assert!(head.contains("www-authenticate: bearer"), "{head}");
+    let v: Value = serde_json::from_str(&body).expect("JSON");
+    assert_openai_error(st, &v, 401, "invalid_request_error", "no key");
+    assert_eq!(v["error"]["code"], "invalid_api_key");
+    for wrong in [
+        "Bearer sk-local-tes",
+        "Bearer sk-local-test2",
+        "Basic sk-local-test",
+    ] {
+        let (st, _, body) = request_with(a, "GET", "/v1/models", &[("Authorization", wrong)], b"");
+        assert_eq!(st, 401, "{wrong}: {body}");
+    }
+    let (st, _, body) = request_with(a, "GET", "/v1/models", &[good], b"");
+    assert_eq!(st, 200, "{body}");
+    let (st, _, _) = request_with(a, "GET", "/metrics", &[], b"");
+    assert_eq!(st, 401, "metrics need the key");
+    let (st, _, body) = request_with(a, "GET", "/health", &[], b"");
+    assert_eq!(st, 200, "health needs no key: {body}");
+
+    // DNS rebinding: the attacker's name in Host is refused, before the key is even read.
+    let port = a.port().to_string();
+    for host in [format!("evil.example:{port}"), "evil.example".to_string()] {
+        let (st, _, body) = request_with(a, "GET", "/v1/models", &[("Host", &host), good], b"");
+        assert_eq!(st, 403, "{host}: {body}");
+        let v: Value = serde_json::from_str(&body).expect("JSON");
+        assert_eq!(v["error"]["code"], "host_not_allowed", "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("--allowed-host"),
+            "{v}"
+        );
+    }
+    for host in [
+        format!("127.0.0.1:{port}"),
+        format!("localhost:{port}"),
+        "models.internal".into(),
+    ] {
+        let (st, _, body) = request_with(a, "GET", "/v1/models", &[("Host", &host), good], b"");
+        assert_eq!(st, 200, "{host}: {body}");
+    }
+
+    // A web page from another origin cannot drive the server, even with a simple request.
+    let (st, _, body) = request_with(
+        a,
+        "POST",
+        "/v1/completions",
+        &[("Origin", "http://evil.example"), good],
+        br#"{"prompt": "hi", "max_tokens": 1}"#,
+    );
+    assert_eq!(st, 403, "{body}");
+    assert!(body.contains("origin_not_allowed"), "{body}");
+    let app = ("Origin", "http://app.internal:3000");
+    let (st, head, _) = request_with(
+        a,
+        "OPTIONS",
+        "/v1/chat/completions",
+        &[app, ("Access-Control-Request-Method", "POST")],
+        b"",
+    );
+    assert_eq!(st, 204, "{head}");
+    assert!(
+        head.contains("access-control-allow-origin: http://app.internal:3000"),
+        "{head}"
+    );
+    assert!(
+        head.contains("access-control-allow-headers: authorization, content-type"),
+        "{head}"
+    );
+    let (st, head, body) = request_with(a, "GET", "/v1/models", &[app, good], b"");
+    assert_eq!(st, 200, "{body}");
+    assert!(
+        head.contains("access-control-allow-origin: http://app.internal:3000"),
+        "{head}"
+    );
+}
+
+/// Fields the server does not implement are refused with 400 naming them; an unknown model
+/// is a 404; the served model's name is accepted.
+#[test]
+fn http_refuses_what_it_does_not_implement() {
+    let srv = Server::start(2, 1024);
+    let a = srv.addr;
+    let (_, v) = {
+        let (st, text) = request(a, "GET", "/v1/models", b"");
+        (st, serde_json::from_str::<Value>(&text).expect("JSON"))
+    };
+    let name = v["data"][0]["id"].as_str().expect("a model id").to_string();
+    let msgs = json!([{ "role": "user", "content": "hi" }]);
+    let cases = [
+        (
+            "/v1/chat/completions",
+            json!({ "messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}] }),
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": msgs, "functions": [{"name": "f"}] }),
+            "functions",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": msgs, "tool_choice": "required" }),
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": msgs, "response_format": {"type": "json_schema"} }),
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": msgs, "logprobs": true, "top_logprobs": 21 }),
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": msgs, "frequency_penalty": 0.5 }),
+            "frequency_penalty",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": msgs, "logit_bias": {"1": 5} }),
+            "logit_bias",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "echo": true }),
+            "echo",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "suffix": "x" }),
+            "suffix",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "logprobs": 50 }),
+            "logprobs",
+        ),
+    ];
+    for (path, body, field) in cases {
+        let (st, v) = post(a, path, &body);
+        assert_openai_error(st, &v, 400, "invalid_request_error", field);
+        assert_eq!(v["error"]["param"], field, "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap_or("").contains(field),
+            "{v}"
+        );
+    }
+    let (st, v) = post(
+        a,
+        "/v1/chat/completions",
+        &json!({ "model": "gpt-4o", "messages": msgs }),
+    );
+    assert_openai_error(st, &v, 404, "invalid_request_error", "unknown model");
+    assert_eq!(v["error"]["code"], "model_not_found");
+    let (st, v) = post(
+        a,
+        "/v1/completions",
+        &json!({ "model": name, "prompt": "hi", "max_tokens": 2, "user": "u1", "some_new_field": 1 }),
+    );
+    assert_eq!(
+        st, 200,
+        "the served model's name, unknown fields warned about: {v}"
+    );
+    let (st, v) = post(
+        a,
+        "/v1/chat/completions",
+        &json!({ "messages": msgs, "max_tokens": 2, "tool_choice": "none", "response_format": {"type": "text"}, "frequency_penalty": 0 }),
+    );
+    assert_eq!(st, 200, "{v}");
+}
+
+/// Reads the f32 tensor "logits" of a safetensors file: its rows.
+fn logits_rows(path: &Path) -> Vec<Vec<f32>> {
+    let bytes = std::fs::read(path).expect("the logits file");
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).expect("a JSON header");
+    let t = &header["logits"];
+    assert_eq!(t["dtype"], "F32");
+    let shape: Vec<usize> = t["shape"]
+        .as_array()
+        .expect("shape")
+        .iter()
+        .map(|d| d.as_u64().expect("dim") as usize)
+        .collect();
+    let start = 8 + n + t["data_offsets"][0].as_u64().expect("offset") as usize;
+    let data: Vec<f32> = bytes[start..start + shape[0] * shape[1] * 4]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect();
+    data.chunks(shape[1]).map(<[f32]>::to_vec).collect()
+}
+
+/// What `stormo run --prompt-ids IDS --logits-out` makes, greedily: per generated token its
+/// id, bytes, log-softmax and the `top` most likely (bytes, log-probability), in f64.
+fn expected_steps(model: &Path, tm: &TextModel, ids: &[u32], n: usize, top: usize) -> Value {
+    let out = tempfile::tempdir().expect("temp dir");
+    let logits = out.path().join("logits.safetensors");
+    let ids_arg = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let run = Command::new(crate::demo::stormo_exe())
+        .args(["run", "--model"])
+        .arg(model)
+        .args([
+            "--prompt-ids",
+            &ids_arg,
+            "--max-new-tokens",
+            &n.to_string(),
+            "--json",
+        ])
+        .args(["--no-hot-store", "--logits-out"])
+        .arg(&logits)
+        .env("XDG_CACHE_HOME", out.path())
+        .output()
+        .expect("stormo run");
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let v: Value = serde_json::from_slice(&run.stdout).expect("run --json");
+    let generated: Vec<u32> = v["generated_ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect();
+    let bytes =
+        |id: u32| -> Value { json!(tm.tokenizer.token_bytes(id).expect("a known id").to_vec()) };
+    let rows = logits_rows(&logits);
+    assert_eq!(rows.len(), generated.len());
+    let steps: Vec<Value> = rows
+        .iter()
+        .zip(&generated)
+        .map(|(row, &id)| {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let log_z = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+            let mut order: Vec<usize> = (0..row.len()).collect();
+            order.sort_by(|&i, &j| row[j].total_cmp(&row[i]).then(i.cmp(&j)));
+            let argmax = order[0] as u32;
+            assert_eq!(argmax, id, "run's greedy token is the argmax of its logits");
+            json!({
+                "id": id,
+                "bytes": bytes(id),
+                "logprob": row[id as usize] as f64 - log_z,
+                "top": order[..top].iter().map(|&i| json!([bytes(i as u32), row[i] as f64 - log_z])).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!(steps)
+}
+
+/// The Python `openai` client: log-probabilities (chat and completions, whole and streamed)
+/// match the logits `stormo run --logits-out` writes for the same prompt ids within 1e-4;
+/// tools, response_format, echo and suffix are refused naming the field; an unknown model is
+/// a 404; a wrong API key a 401.
+#[test]
+fn http_logprobs_match_run_logits_through_the_openai_client() {
+    let have = Command::new("python3")
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !have {
+        let msg = "python3 with the `openai` package is not available (pip install -r tests/requirements.txt)";
+        assert!(std::env::var_os("CI").is_none(), "{msg}");
+        eprintln!("SKIPPED http_logprobs_match_run_logits_through_the_openai_client: {msg}");
+        return;
+    }
+    let key = "sk-stormo-test";
+    let srv = Server::start_with(4, 2048, |c| c.api_key = Some(key.into()));
+    let tm = text_model(srv.model.path(), 2048);
+    let messages = json!([{ "role": "user", "content": "Name three colours." }]);
+    let chat_ids = tm
+        .format
+        .render_prompt(
+            &[Turn::new(TurnRole::User, "Name three colours.")],
+            &PromptOptions::default(),
+        )
+        .expect("render");
+    let text_ids = tm.tokenizer.encode("Hello there", false).expect("encode");
+    let expected = json!({
+        "chat": { "messages": messages, "steps": expected_steps(srv.model.path(), &tm, &chat_ids, 6, 5) },
+        "text": { "prompt": "Hello there", "steps": expected_steps(srv.model.path(), &tm, &text_ids, 6, 3) },
+    });
+    let dir = tempfile::tempdir().expect("temp dir");
+    let exp = dir.path().join("expected.json");
+    std::fs::write(&exp, expected.to_string()).expect("write expected.json");
+    let script = stormo_tests::repo_root().join("tests/integration/http_openai_serving.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(format!("http://{}/v1", srv.addr))
+        .arg(key)
+        .arg(&exp)
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "openai serving script failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("openai serving: all checks passed"),
+        "{stdout}"
+    );
+}
+
+/// `stormo serve --http` as a process: SIGTERM while a reply streams closes the listener,
+/// ends the stream cleanly (its last events and the chunked end arrive), and the process
+/// exits 0 within the grace period and a margin.
+#[test]
+fn http_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0() {
+    let model = synth_model();
+    let cache = tempfile::tempdir().expect("temp dir");
+    let mut child = Command::new(crate::demo::stormo_exe())
+        .args(["serve", "--model"])
+        .arg(model.path())
+        .args([
+            "--http",
+            "127.0.0.1:0",
+            "--http-context",
+            "32768",
+            "--shutdown-grace",
+            "1",
+        ])
+        .args(["--no-hot-store", "--expert-cache", "64MiB"])
+        .env("XDG_CACHE_HOME", cache.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("stormo serve starts");
+    // Killed if the test fails before it exits.
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let stdout = child.stdout.take().expect("stdout");
+    let stderr = child.stderr.take().expect("stderr");
+    let mut child = Reap(child);
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)
+        .expect("the server prints its URL");
+    let addr: SocketAddr = line
+        .trim()
+        .strip_prefix("http://")
+        .and_then(|s| s.strip_suffix("/v1"))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("a URL on stdout: {line:?}"));
+    let long = json!({ "prompt": "Once upon a time", "max_tokens": 30000, "stream": true,
+                       "temperature": 0 });
+    let mut s = connect(addr);
+    send(
+        &mut s,
+        "POST",
+        "/v1/completions",
+        long.to_string().as_bytes(),
+    );
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&raw).contains("data: ") {
+        let n = s.read(&mut buf).expect("the reply streams");
+        assert!(n > 0, "the reply ended early");
+        raw.extend_from_slice(&buf[..n]);
+    }
+    let pid = child.0.id().to_string();
+    let t0 = Instant::now();
+    let kill = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(kill.success());
+    s.read_to_end(&mut raw)
+        .expect("the stream ends without a reset");
+    let text = String::from_utf8(raw).expect("utf-8");
+    let (status, body) = parse_response(&text);
+    assert_eq!(status, 200);
+    assert!(
+        text.ends_with("0\r\n\r\n"),
+        "the chunked body is ended: {:?}",
+        &text[text.len().saturating_sub(200)..]
+    );
+    let evs = events(&body);
+    assert_eq!(evs.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let last: Value = serde_json::from_str(&evs[evs.len() - 2]).expect("a JSON event");
+    // Cut after the grace period (a finished reply would end with its finish reason).
+    let cut = last["error"]["code"] == "server_shutting_down";
+    let finished = last["choices"][0]["finish_reason"].is_string();
+    eprintln!(
+        "SIGTERM mid-stream: the reply was {}",
+        if cut {
+            "cut after the grace period"
+        } else {
+            "finished within it"
+        }
+    );
+    assert!(cut || finished, "{last}");
+    let status = loop {
+        if let Some(st) = child.0.try_wait().expect("wait") {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the server did not exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    let _ = std::io::BufReader::new(stderr).read_to_string(&mut err);
+    assert!(status.success(), "exit status {status}: {err}");
+    assert!(err.contains("SIGTERM: shutting down"), "{err}");
+    if cut {
+        assert!(err.contains("cutting them"), "{err}");
+    }
+    // The listener is closed.
+    assert!(TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_err());
+}
+
+/// A request that gives no temperature samples as the model folder's
+/// generation_config.json says: with `do_sample: false` it is greedy, so two requests with
+/// different seeds give the same tokens; a request's own temperature still wins.
+#[test]
+fn http_takes_default_sampling_from_generation_config() {
+    let model = synth_model();
+    let path = model.path().join("generation_config.json");
+    let mut g: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("generation_config.json"))
+            .expect("JSON");
+    g["do_sample"] = json!(false);
+    std::fs::write(&path, g.to_string()).expect("write");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let cfg = HttpConfig {
+        context: 1024,
+        ..HttpConfig::new("127.0.0.1:0".parse().expect("addr")).with_model_defaults(model.path())
+    };
+    let srv = rt
+        .block_on(http::start(text_model(model.path(), 1024), cfg))
+        .expect("server starts");
+    let a = srv.local_addr();
+    let ids = |body: Value| -> Vec<String> {
+        let (st, v) = post(a, "/v1/completions", &body);
+        assert_eq!(st, 200, "{v}");
+        let lp = &v["choices"][0]["logprobs"]["tokens"];
+        lp.as_array()
+            .expect("tokens")
+            .iter()
+            .map(|t| t.as_str().expect("token").to_string())
+            .collect()
+    };
+    let req = |seed: u64, temperature: Option<f64>| {
+        let mut b = json!({ "prompt": "Once upon a time", "max_tokens": 24, "seed": seed,
+                            "logprobs": 0 });
+        if let Some(t) = temperature {
+            b["temperature"] = json!(t);
+        }
+        b
+    };
+    let greedy = ids(req(1, None));
+    assert_eq!(greedy.len(), 24);
+    assert_eq!(ids(req(2, None)), greedy, "the model's default is greedy");
+    assert_eq!(ids(req(3, Some(0.0))), greedy);
+    // Sampling at 2.0 over a random model's nearly flat distribution: two seeds differ.
+    let hot = [ids(req(4, Some(2.0))), ids(req(5, Some(2.0)))];
+    assert!(
+        hot.iter().any(|h| *h != greedy),
+        "a request's temperature wins"
+    );
+    srv.close();
+    rt.shutdown_timeout(Duration::from_secs(2));
 }

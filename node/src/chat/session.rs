@@ -106,6 +106,63 @@ pub struct Generation {
     pub decode_s: f64,
 }
 
+/// The log-probability of a chosen token and of the most likely tokens at its position,
+/// from the model's logits as they come out of the head: before the repetition penalty,
+/// temperature, top-k and top-p (so they describe the model, not the sampler's settings).
+/// `log_softmax(logits)[id]`, computed in f64 with the maximum subtracted first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The chosen token's log-probability.
+    pub logprob: f32,
+    /// The most likely tokens, most likely first (lower id first on ties).
+    pub top: Vec<(TokenId, f32)>,
+}
+
+/// The most alternatives [`TokenLogprobs`] lists.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+impl TokenLogprobs {
+    /// The log-probability of `chosen` and the `top` most likely tokens (at most
+    /// [`MAX_TOP_LOGPROBS`]) under `logits`. NaN logits count as negative infinity.
+    pub fn of(logits: &[f32], chosen: TokenId, top: usize) -> Self {
+        let top = top.min(MAX_TOP_LOGPROBS).min(logits.len());
+        let clean = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
+        let max = logits
+            .iter()
+            .map(|&v| clean(v))
+            .fold(f32::NEG_INFINITY, f32::max);
+        // With no finite logit there is no distribution: every log-probability is -inf.
+        let log_z = if max.is_finite() {
+            let sum: f64 = logits
+                .iter()
+                .map(|&v| (f64::from(clean(v)) - f64::from(max)).exp())
+                .sum();
+            f64::from(max) + sum.ln()
+        } else {
+            f64::INFINITY
+        };
+        let lp = |v: f32| (f64::from(clean(v)) - log_z) as f32;
+        let mut best: Vec<(TokenId, f32)> = Vec::with_capacity(top + 1);
+        if top > 0 {
+            for (i, &v) in logits.iter().enumerate() {
+                let v = clean(v);
+                if best.len() == top && best.last().is_some_and(|&(_, w)| v <= w) {
+                    continue;
+                }
+                let at = best.partition_point(|&(_, w)| w >= v);
+                best.insert(at, (i as TokenId, v));
+                best.truncate(top);
+            }
+        }
+        Self {
+            logprob: logits
+                .get(chosen as usize)
+                .map_or(f32::NEG_INFINITY, |&v| lp(v)),
+            top: best.into_iter().map(|(id, v)| (id, lp(v))).collect(),
+        }
+    }
+}
+
 /// A conversation's engine state: the KV cache and the ids it holds.
 #[derive(Debug)]
 pub struct ChatSession {
@@ -173,6 +230,20 @@ impl ChatSession {
         opts: &GenerateOptions,
         mut on_token: impl FnMut(TokenId) -> ControlFlow<()>,
     ) -> Result<Generation, SessionError> {
+        self.generate_with_logprobs(prompt, opts, None, |id, _| on_token(id))
+    }
+
+    /// [`Self::generate`], and when `top` is given, each token's log-probability and the
+    /// `top` most likely alternatives (see [`TokenLogprobs`]) passed to `on_token` with it.
+    /// Log-probabilities need the whole output head: with `top` given, the screened head is
+    /// never used, even for greedy decoding (the tokens are the same).
+    pub fn generate_with_logprobs(
+        &mut self,
+        prompt: &[TokenId],
+        opts: &GenerateOptions,
+        top: Option<usize>,
+        mut on_token: impl FnMut(TokenId, Option<TokenLogprobs>) -> ControlFlow<()>,
+    ) -> Result<Generation, SessionError> {
         if prompt.is_empty() {
             return Err(SessionError::EmptyPrompt);
         }
@@ -188,7 +259,7 @@ impl ChatSession {
             return Err(SessionError::TokenOutOfRange { id, vocab });
         }
         let mut sampler = Sampler::new(opts.sampling)?;
-        let res = self.generate_inner(prompt, opts, &mut sampler, &mut on_token);
+        let res = self.generate_inner(prompt, opts, top, &mut sampler, &mut on_token);
         if res.is_err() {
             self.reset();
         }
@@ -199,8 +270,9 @@ impl ChatSession {
         &mut self,
         prompt: &[TokenId],
         opts: &GenerateOptions,
+        top: Option<usize>,
         sampler: &mut Sampler,
-        on_token: &mut impl FnMut(TokenId) -> ControlFlow<()>,
+        on_token: &mut impl FnMut(TokenId, Option<TokenLogprobs>) -> ControlFlow<()>,
     ) -> Result<Generation, SessionError> {
         // The last prompt token is always run: its logits choose the first new token.
         let want = common_prefix(&self.cached, prompt).min(prompt.len() - 1);
@@ -211,25 +283,28 @@ impl ChatSession {
         let model = Arc::clone(&self.model);
         // Greedy without a penalty needs only the argmax: through the model's screened head
         // when it has one (the same token as the sampler would pick from the whole logits).
-        let screened = model.has_screened_head() && opts.sampling.is_plain_argmax();
+        // Log-probabilities need the whole head.
+        let screened =
+            top.is_none() && model.has_screened_head() && opts.sampling.is_plain_argmax();
         let mut step = |sess: &mut Session,
                         tokens: &[TokenId],
                         history: &[TokenId]|
-         -> Result<TokenId, SessionError> {
+         -> Result<(TokenId, Option<TokenLogprobs>), SessionError> {
             if screened {
                 let c = model.forward_greedy(sess, tokens, None)?;
                 if c.logit == f32::NEG_INFINITY {
                     return Err(SamplingError::NoFiniteLogit.into());
                 }
-                Ok(c.token)
+                Ok((c.token, None))
             } else {
                 let logits = model.forward(sess, tokens, Logits::Last, None)?;
-                Ok(sampler.sample(logits, history)?)
+                let tok = sampler.sample(logits, history)?;
+                Ok((tok, top.map(|n| TokenLogprobs::of(logits, tok, n))))
             }
         };
         let rest = &prompt[kept..];
         let mut history = prompt.to_vec();
-        let mut tok = step(&mut self.sess, rest, &history)?;
+        let (mut tok, mut lp) = step(&mut self.sess, rest, &history)?;
         self.cached.extend_from_slice(rest);
         let prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
@@ -237,7 +312,7 @@ impl ChatSession {
         let finish = loop {
             ids.push(tok);
             history.push(tok);
-            let flow = on_token(tok);
+            let flow = on_token(tok, lp.take());
             if opts.stop.contains(&tok) {
                 break FinishReason::Stop;
             }
@@ -250,9 +325,9 @@ impl ChatSession {
             if self.sess.position() >= self.sess.max_context() {
                 break FinishReason::ContextFull;
             }
-            let next = step(&mut self.sess, &[tok], &history)?;
+            let (next, next_lp) = step(&mut self.sess, &[tok], &history)?;
             self.cached.push(tok);
-            tok = next;
+            (tok, lp) = (next, next_lp);
         };
         Ok(Generation {
             ids,
@@ -275,6 +350,27 @@ mod tests {
         assert_eq!(common_prefix(&[], &[1]), 0);
         assert_eq!(common_prefix(&[1, 2], &[1, 2, 3]), 2);
         assert_eq!(common_prefix(&[7], &[8]), 0);
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_the_top_tokens_in_order() {
+        let logits = [1.0f32, 3.0, f32::NAN, 3.0, -2.0];
+        let lp = TokenLogprobs::of(&logits, 1, 3);
+        let z: f64 = [1.0f64, 3.0, 3.0, -2.0].iter().map(|v| v.exp()).sum();
+        let want = |v: f64| (v - z.ln()) as f32;
+        assert!((lp.logprob - want(3.0)).abs() < 1e-6, "{lp:?}");
+        // Ties: the lower id first; the NaN counts as -inf and is never among the top.
+        let ids: Vec<TokenId> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 3, 0]);
+        assert!((lp.top[2].1 - want(1.0)).abs() < 1e-6);
+        let probs: f64 = (0..5)
+            .map(|i| f64::from(TokenLogprobs::of(&logits, i, 0).logprob).exp())
+            .sum();
+        assert!((probs - 1.0).abs() < 1e-6, "{probs}");
+        assert!(TokenLogprobs::of(&logits, 9, 0).logprob == f32::NEG_INFINITY);
+        assert_eq!(TokenLogprobs::of(&logits, 0, 100).top.len(), 5);
+        let none = TokenLogprobs::of(&[f32::NEG_INFINITY; 3], 0, 1);
+        assert_eq!(none.logprob, f32::NEG_INFINITY);
     }
 
     #[test]

@@ -2,12 +2,15 @@
 //! and the HTTP server share (loading a model with its tokenizer, sampling options).
 //!
 //! The conversation keeps one [`ChatSession`]: each turn renders the whole conversation again
-//! and computes only what differs from the cache. Reads one line per turn from standard
-//! input, so it also works in a pipe (`printf 'hi\nmore\n' | stormo chat --model DIR`).
+//! and computes only what differs from the cache. On a terminal it reads messages through a
+//! line editor (history, multi-line, Ctrl-C stops a reply: [`crate::chat::editor`]); from a
+//! pipe it reads one line per turn (`printf 'hi\nmore\n' | stormo chat --model DIR`).
+//! `/save` and `/load` keep conversations in JSON files ([`crate::chat::transcript`]).
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
@@ -15,54 +18,69 @@ use stormo_engine::sampling::SamplingParams;
 use stormo_engine::{LoadOptions, Model};
 
 use crate::args::{ExpertArgs, PeerArgs};
+use crate::chat::defaults::SamplingDefaults;
 use crate::chat::harmony::ReasoningEffort;
 use crate::chat::reply::ReplyStream;
-use crate::chat::session::{ChatSession, GenerateOptions, Generation};
+use crate::chat::session::{ChatSession, FinishReason, GenerateOptions, Generation};
+use crate::chat::{editor, transcript};
 use crate::chat::{ChatFormat, OutputDelta, PromptOptions, Tokenizer, Turn, TurnRole};
 use crate::config::{LocalExperts, NodeConfig};
 use crate::experts::Experts;
 use crate::node::Node;
 
-/// Sampling options shared by `run` and `chat` (the HTTP API takes them per request).
+/// Sampling options shared by `run` and `chat` (the HTTP API takes them per request). Each
+/// one not given takes the model folder's `generation_config.json` value when it has one
+/// (see [`SamplingDefaults`]), else stormo's default.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SamplingArgs {
-    /// Sampling temperature; 0 is greedy (the most likely token every time). Without it `run`
-    /// is greedy and `chat` samples at 0.7 (greedy replies tend to loop); an HTTP request
-    /// that gives none samples at 1.0, as OpenAI's API does.
+    /// Sampling temperature; 0 is greedy (the most likely token every time). Default: the
+    /// model's generation_config.json, else `run` is greedy and `chat` samples at 0.7 (greedy
+    /// replies tend to loop); an HTTP request that gives none samples at the model's
+    /// temperature, else 1.0 as OpenAI's API does.
     #[arg(long, allow_negative_numbers = true, value_name = "T")]
     pub temperature: Option<f32>,
     /// Nucleus sampling: keep the most likely tokens up to this probability mass (0, 1].
-    #[arg(
-        long,
-        default_value_t = 1.0,
-        allow_negative_numbers = true,
-        value_name = "P"
-    )]
-    pub top_p: f32,
-    /// Keep only the K most likely tokens (0: all).
-    #[arg(long, default_value_t = 0, value_name = "K")]
-    pub top_k: usize,
-    /// Penalty (> 0) on tokens already in the conversation; 1 is none.
-    #[arg(
-        long,
-        default_value_t = 1.0,
-        allow_negative_numbers = true,
-        value_name = "R"
-    )]
-    pub repetition_penalty: f32,
+    /// Default: the model's generation_config.json, else 1 (off).
+    #[arg(long, allow_negative_numbers = true, value_name = "P")]
+    pub top_p: Option<f32>,
+    /// Keep only the K most likely tokens (0: all). Default: the model's
+    /// generation_config.json, else 0.
+    #[arg(long, value_name = "K")]
+    pub top_k: Option<usize>,
+    /// Penalty (> 0) on tokens already in the conversation; 1 is none. Default: the model's
+    /// generation_config.json, else 1.
+    #[arg(long, allow_negative_numbers = true, value_name = "R")]
+    pub repetition_penalty: Option<f32>,
     /// Seed of the sampler: the same seed gives the same tokens.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub seed: u64,
 }
 
 impl SamplingArgs {
-    /// The engine's settings; `default_temperature` when --temperature is not given.
+    /// The engine's settings, ignoring the model's defaults; `default_temperature` when
+    /// --temperature is not given.
     pub fn params(&self, default_temperature: f32) -> anyhow::Result<SamplingParams> {
+        self.params_with(&SamplingDefaults::default(), default_temperature)
+    }
+
+    /// The engine's settings: each option given, else the model's default `d`, else stormo's
+    /// (`default_temperature`, no top-p, no top-k, no penalty).
+    pub fn params_with(
+        &self,
+        d: &SamplingDefaults,
+        default_temperature: f32,
+    ) -> anyhow::Result<SamplingParams> {
         let p = SamplingParams {
-            temperature: self.temperature.unwrap_or(default_temperature),
-            top_k: self.top_k,
-            top_p: self.top_p,
-            repetition_penalty: self.repetition_penalty,
+            temperature: self
+                .temperature
+                .or(d.temperature)
+                .unwrap_or(default_temperature),
+            top_k: self.top_k.or(d.top_k).unwrap_or(0),
+            top_p: self.top_p.or(d.top_p).unwrap_or(1.0),
+            repetition_penalty: self
+                .repetition_penalty
+                .or(d.repetition_penalty)
+                .unwrap_or(1.0),
             seed: self.seed,
         };
         p.validate().context("sampling options")?;
@@ -74,8 +92,8 @@ impl SamplingArgs {
     pub fn warn_unused(&self, p: &SamplingParams) {
         if p.temperature == 0.0 {
             let ignored: Vec<&str> = [
-                (self.top_p != 1.0, "--top-p"),
-                (self.top_k != 0, "--top-k"),
+                (self.top_p.is_some_and(|v| v != 1.0), "--top-p"),
+                (self.top_k.is_some_and(|v| v != 0), "--top-k"),
                 (self.seed != 0, "--seed"),
             ]
             .into_iter()
@@ -289,10 +307,17 @@ impl Printer {
 /// Arguments of `stormo chat`.
 #[derive(Debug, clap::Args)]
 #[command(
-    after_help = "Type a message and press Enter; each line is one turn. Commands:\n  \
-                  /reset   forget the conversation\n  \
-                  /quit    leave (also /exit, or end of input)\n  \
-                  /help    this list\n\n\
+    after_help = "Type a message and press Enter; each line is one turn. On a terminal: \
+                  Up/Down recall earlier messages (kept across sessions in the state \
+                  directory), a line ending in \\ continues on the next, a paste keeps its \
+                  lines in one message, and Ctrl-C stops a reply (the conversation keeps it; \
+                  the next message continues it). Sampling defaults come from the model's \
+                  generation_config.json. Commands:\n  \
+                  /reset       forget the conversation\n  \
+                  /save FILE   save the conversation (JSON, OpenAI's message shape)\n  \
+                  /load FILE   continue a saved conversation\n  \
+                  /quit        leave (also /exit, Ctrl-D, or end of input)\n  \
+                  /help        this list\n\n\
                   Example: printf 'Hello\\nAnd again?\\n' | stormo chat --model DIR\n\n\
                   A model bigger than this machine, its experts on a LAN node (`stormo serve \
                   --help`):\n  \
@@ -337,6 +362,13 @@ pub struct Args {
     /// No statistics line on stderr after each reply.
     #[arg(long)]
     pub quiet: bool,
+    /// Where the chat history is kept (as DIR/chat_history) on a terminal. Default:
+    /// $XDG_STATE_HOME/stormo, else ~/.local/state/stormo.
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Keep no history file (the Up arrow still recalls this session's messages).
+    #[arg(long)]
+    pub no_history: bool,
     /// Where experts come from.
     #[command(flatten)]
     pub experts: ExpertArgs,
@@ -401,6 +433,22 @@ pub fn reply(
     out: &mut dyn Write,
     so_far: &mut Reply,
 ) -> anyhow::Result<Generation> {
+    reply_until(sess, stream, prompt, opts, printer, out, so_far, None)
+}
+
+/// [`reply`], stopped (finish reason `Cancelled`) after the token during which `stop`, when
+/// given, became set.
+#[allow(clippy::too_many_arguments)]
+pub fn reply_until(
+    sess: &mut ChatSession,
+    stream: &mut ReplyStream,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    printer: &mut Printer,
+    out: &mut dyn Write,
+    so_far: &mut Reply,
+    stop: Option<&AtomicBool>,
+) -> anyhow::Result<Generation> {
     let mut out = Noting {
         inner: out,
         wrote: false,
@@ -423,10 +471,14 @@ pub fn reply(
     };
     let generated = sess.generate(prompt, opts, |id| {
         so_far.ids.push(id);
-        match stream.push(id) {
+        let flow = match stream.push(id) {
             Some(d) => take(d, so_far, &mut out),
             None => ControlFlow::Continue(()),
+        };
+        if stop.is_some_and(|s| s.load(Ordering::SeqCst)) {
+            return ControlFlow::Break(());
         }
+        flow
     });
     if let Some(d) = stream.finish() {
         let _ = take(d, so_far, &mut out);
@@ -467,7 +519,8 @@ impl Write for Noting<'_> {
 
 /// Runs `stormo chat`.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let sampling = a.sampling.params(0.7)?;
+    let defaults = SamplingDefaults::from_dir(&a.model);
+    let sampling = a.sampling.params_with(&defaults, 0.7)?;
     a.sampling.warn_unused(&sampling);
     let load = LoadOptions {
         prefill_block: a.prefill_block,
@@ -490,22 +543,257 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     )?;
     let interactive = std::io::stdin().is_terminal();
     let tty = std::io::stdout().is_terminal();
-    converse(
-        &a,
-        &tm,
-        std::io::stdin().lock(),
-        &mut std::io::stdout(),
-        &mut std::io::stderr(),
-        interactive,
-        tty,
-    )?;
+    if interactive {
+        converse_terminal(&a, &tm, &mut std::io::stdout(), &mut std::io::stderr(), tty)?;
+    } else {
+        converse(
+            &a,
+            &tm,
+            std::io::stdin().lock(),
+            &mut std::io::stdout(),
+            &mut std::io::stderr(),
+            false,
+            tty,
+        )?;
+    }
     tm.node.finish_run();
     Ok(())
 }
 
+/// What the loop does after a line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flow {
+    Continue,
+    Quit,
+}
+
+/// A conversation in progress: its turns, its engine session, and how it is shown.
+struct Conversation<'a> {
+    a: &'a Args,
+    tm: &'a TextModel,
+    popts: PromptOptions,
+    sampling: SamplingParams,
+    sess: ChatSession,
+    printer: Printer,
+    turns: Vec<Turn>,
+    /// Turns from --system at the start (kept by /reset).
+    system_turns: usize,
+    turn_no: u64,
+    interactive: bool,
+}
+
+impl<'a> Conversation<'a> {
+    fn new(a: &'a Args, tm: &'a TextModel, interactive: bool, tty: bool) -> anyhow::Result<Self> {
+        let sampling = a
+            .sampling
+            .params_with(&SamplingDefaults::from_dir(&a.model), 0.7)?;
+        let popts = a.render.prompt_options()?;
+        anyhow::ensure!(a.max_new_tokens >= 1, "--max-new-tokens must be at least 1");
+        // The chat format's own tokens around an empty message (and the system prompt) must
+        // leave room for a message and a reply, or no turn could ever run.
+        let mut empty = Vec::new();
+        if let Some(s) = &a.system {
+            empty.push(Turn::new(TurnRole::System, s.clone()));
+        }
+        empty.push(Turn::new(TurnRole::User, String::new()));
+        let header = tm.format.render_prompt(&empty, &popts)?.len();
+        anyhow::ensure!(
+            header < a.context,
+            "--context {}: the chat format takes {header} positions around an empty message{}, \
+             leaving no room for a message and a reply",
+            a.context,
+            if a.system.is_some() {
+                " (with --system)"
+            } else {
+                ""
+            }
+        );
+        let sess = ChatSession::new(tm.model.clone(), a.context)?;
+        let mut turns = Vec::new();
+        if let Some(s) = &a.system {
+            turns.push(Turn::new(TurnRole::System, s.clone()));
+        }
+        Ok(Self {
+            a,
+            tm,
+            popts,
+            sampling,
+            sess,
+            printer: Printer::new(a.render.reasoning, tty),
+            system_turns: turns.len(),
+            turns,
+            turn_no: 0,
+            interactive,
+        })
+    }
+
+    fn banner(&self, notes: &mut dyn Write) -> std::io::Result<()> {
+        writeln!(
+            notes,
+            "stormo chat with {} ({} positions). /help for commands, /quit to leave.",
+            self.tm.name, self.a.context
+        )
+    }
+
+    /// Handles one line (or multi-line message) of input. `interrupt`, when given, stops
+    /// the reply when it is set (Ctrl-C).
+    fn line(
+        &mut self,
+        text: &str,
+        out: &mut dyn Write,
+        notes: &mut dyn Write,
+        interrupt: Option<&AtomicBool>,
+    ) -> anyhow::Result<Flow> {
+        let text = text.trim_end_matches(['\r', '\n']);
+        let cmd = text.trim();
+        let arg = |name: &str| {
+            cmd.strip_prefix(name)
+                .filter(|r| r.starts_with(' '))
+                .map(str::trim)
+        };
+        if let Some(file) = arg("/save") {
+            match transcript::save(Path::new(file), &self.tm.name, &self.turns) {
+                Ok(()) => writeln!(notes, "(saved {} messages to {file})", self.turns.len())?,
+                Err(e) => writeln!(notes, "cannot save the conversation: {e}")?,
+            }
+            return Ok(Flow::Continue);
+        }
+        if let Some(file) = arg("/load") {
+            match transcript::load(Path::new(file)) {
+                Ok(turns) => {
+                    writeln!(notes, "(loaded {} messages from {file})", turns.len())?;
+                    self.turns = turns;
+                    self.system_turns = 0;
+                }
+                Err(e) => writeln!(
+                    notes,
+                    "cannot load the conversation: {e} (the conversation is unchanged)"
+                )?,
+            }
+            return Ok(Flow::Continue);
+        }
+        match cmd {
+            "" => return Ok(Flow::Continue),
+            "/quit" | "/exit" | "/q" => return Ok(Flow::Quit),
+            "/reset" => {
+                self.turns.truncate(self.system_turns);
+                self.sess.reset();
+                writeln!(notes, "(conversation reset)")?;
+                return Ok(Flow::Continue);
+            }
+            "/help" | "/?" => {
+                writeln!(notes, "{COMMANDS}")?;
+                return Ok(Flow::Continue);
+            }
+            "/save" | "/load" => {
+                writeln!(notes, "{cmd} needs a file: {cmd} FILE")?;
+                return Ok(Flow::Continue);
+            }
+            t if t.starts_with('/') && !t.contains(char::is_whitespace) => {
+                writeln!(
+                    notes,
+                    "unknown command {t}: /help lists them (start with a space to send it as text)"
+                )?;
+                return Ok(Flow::Continue);
+            }
+            _ => {}
+        }
+        self.message(text, out, notes, interrupt)?;
+        Ok(Flow::Continue)
+    }
+
+    fn message(
+        &mut self,
+        text: &str,
+        out: &mut dyn Write,
+        notes: &mut dyn Write,
+        interrupt: Option<&AtomicBool>,
+    ) -> anyhow::Result<()> {
+        let (a, tm) = (self.a, self.tm);
+        self.turns.push(Turn::new(TurnRole::User, text));
+        let prompt = tm.format.render_prompt(&self.turns, &self.popts)?;
+        if prompt.len() >= a.context {
+            self.turns.pop();
+            writeln!(
+                notes,
+                "the conversation ({} tokens) no longer fits the context of {} positions: /reset to start over, or a larger --context",
+                prompt.len(),
+                a.context
+            )?;
+            return Ok(());
+        }
+        let opts = GenerateOptions {
+            max_new_tokens: a.max_new_tokens,
+            stop: tm.format.stop_tokens(),
+            sampling: SamplingParams {
+                seed: self.sampling.seed.wrapping_add(self.turn_no),
+                ..self.sampling
+            },
+        };
+        self.turn_no += 1;
+        let mut stream = ReplyStream::chat(&tm.format);
+        let mut so_far = Reply::default();
+        let g = reply_until(
+            &mut self.sess,
+            &mut stream,
+            &prompt,
+            &opts,
+            &mut self.printer,
+            out,
+            &mut so_far,
+            interrupt,
+        )?;
+        let Reply {
+            reasoning, content, ..
+        } = so_far;
+        let silent = content.is_empty() && reasoning.is_empty() && !g.ids.is_empty();
+        // A reply stopped with Ctrl-C stays in the conversation as far as it got.
+        self.turns.push(Turn {
+            reasoning: (!reasoning.is_empty()).then_some(reasoning),
+            ..Turn::new(TurnRole::Assistant, content)
+        });
+        let (dim, reset) = if self.interactive {
+            (DIM, RESET)
+        } else {
+            ("", "")
+        };
+        if g.finish == FinishReason::Cancelled && interrupt.is_some() {
+            writeln!(
+                notes,
+                "{dim}(stopped; the reply so far stays in the conversation){reset}"
+            )?;
+        }
+        if !a.quiet {
+            let decode = g.ids.len().saturating_sub(1);
+            writeln!(
+                notes,
+                "{dim}[prompt {} tokens, {} reused from the cache, {} computed; reply {} tokens ({}); {:.1} tok/s{}]{reset}",
+                g.prompt_tokens,
+                g.reused,
+                g.prompt_tokens - g.reused,
+                g.ids.len(),
+                if g.finish == FinishReason::Cancelled { "stopped" } else { g.finish.openai() },
+                if g.decode_s > 0.0 { decode as f64 / g.decode_s } else { 0.0 },
+                if silent {
+                    "; no message in the model's chat format (a random-weight model's rarely \
+                     has one)"
+                } else {
+                    ""
+                },
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The commands, for /help.
+const COMMANDS: &str = "/reset forgets the conversation; /save FILE and /load FILE keep and \
+                        restore it (JSON); /quit leaves; anything else is a message.";
+
 /// The conversation loop: reads turns from `input` (one line each), writes replies to `out`
 /// and notes (prompts, statistics, command answers) to `notes`. `interactive` shows a prompt
-/// and colours the notes; `tty` says whether `out` is a terminal (dimmed reasoning).
+/// and colours the notes; `tty` says whether `out` is a terminal (dimmed reasoning). A
+/// terminal is read by [`converse_terminal`] instead.
 pub fn converse(
     a: &Args,
     tm: &TextModel,
@@ -515,46 +803,13 @@ pub fn converse(
     interactive: bool,
     tty: bool,
 ) -> anyhow::Result<()> {
-    let sampling = a.sampling.params(0.7)?;
-    let popts = a.render.prompt_options()?;
-    anyhow::ensure!(a.max_new_tokens >= 1, "--max-new-tokens must be at least 1");
-    // The chat format's own tokens around an empty message (and the system prompt) must
-    // leave room for a message and a reply, or no turn could ever run.
-    let mut empty = Vec::new();
-    if let Some(s) = &a.system {
-        empty.push(Turn::new(TurnRole::System, s.clone()));
-    }
-    empty.push(Turn::new(TurnRole::User, String::new()));
-    let header = tm.format.render_prompt(&empty, &popts)?.len();
-    anyhow::ensure!(
-        header < a.context,
-        "--context {}: the chat format takes {header} positions around an empty message{}, \
-         leaving no room for a message and a reply",
-        a.context,
-        if a.system.is_some() {
-            " (with --system)"
-        } else {
-            ""
-        }
-    );
-    let mut sess = ChatSession::new(tm.model.clone(), a.context)?;
-    let mut printer = Printer::new(a.render.reasoning, tty);
+    let mut c = Conversation::new(a, tm, interactive, tty)?;
     if interactive {
-        writeln!(
-            notes,
-            "stormo chat with {} ({} positions). /help for commands, /quit to leave.",
-            tm.name, a.context
-        )?;
+        c.banner(notes)?;
     }
-    let mut turns: Vec<Turn> = Vec::new();
-    if let Some(s) = &a.system {
-        turns.push(Turn::new(TurnRole::System, s.clone()));
-    }
-    let system_turns = turns.len();
     // Lines as bytes: one that is not UTF-8 is skipped with a note, not the end of the chat.
     let mut lines = input.split(b'\n');
     let mut line_no = 0usize;
-    let mut turn_no = 0u64;
     loop {
         if interactive {
             write!(notes, "> ")?;
@@ -567,93 +822,100 @@ pub fn converse(
             writeln!(notes, "line {line_no} is not UTF-8 text: skipped")?;
             continue;
         };
-        let text = line.trim_end_matches('\r');
-        match text.trim() {
-            "" => continue,
-            "/quit" | "/exit" | "/q" => break,
-            "/reset" => {
-                turns.truncate(system_turns);
-                sess.reset();
-                writeln!(notes, "(conversation reset)")?;
-                continue;
-            }
-            "/help" | "/?" => {
-                writeln!(
-                    notes,
-                    "/reset forgets the conversation; /quit leaves; anything else is a message."
-                )?;
-                continue;
-            }
-            t if t.starts_with('/') && !t.contains(' ') => {
-                writeln!(
-                    notes,
-                    "unknown command {t}: /help lists them (start with a space to send it as text)"
-                )?;
-                continue;
-            }
-            _ => {}
-        }
-        turns.push(Turn::new(TurnRole::User, text));
-        let prompt = tm.format.render_prompt(&turns, &popts)?;
-        if prompt.len() >= a.context {
-            turns.pop();
-            writeln!(
-                notes,
-                "the conversation ({} tokens) no longer fits the context of {} positions: /reset to start over, or a larger --context",
-                prompt.len(),
-                a.context
-            )?;
-            continue;
-        }
-        let opts = GenerateOptions {
-            max_new_tokens: a.max_new_tokens,
-            stop: tm.format.stop_tokens(),
-            sampling: SamplingParams {
-                seed: sampling.seed.wrapping_add(turn_no),
-                ..sampling
-            },
-        };
-        turn_no += 1;
-        let mut stream = ReplyStream::chat(&tm.format);
-        let mut so_far = Reply::default();
-        let g = reply(
-            &mut sess,
-            &mut stream,
-            &prompt,
-            &opts,
-            &mut printer,
-            out,
-            &mut so_far,
-        )?;
-        let Reply {
-            reasoning, content, ..
-        } = so_far;
-        let silent = content.is_empty() && reasoning.is_empty() && !g.ids.is_empty();
-        turns.push(Turn {
-            reasoning: (!reasoning.is_empty()).then_some(reasoning),
-            ..Turn::new(TurnRole::Assistant, content)
-        });
-        if !a.quiet {
-            let decode = g.ids.len().saturating_sub(1);
-            writeln!(
-                notes,
-                "{}[prompt {} tokens, {} reused from the cache, {} computed; reply {} tokens ({}); {:.1} tok/s{}]{}",
-                if interactive { DIM } else { "" },
-                g.prompt_tokens,
-                g.reused,
-                g.prompt_tokens - g.reused,
-                g.ids.len(),
-                g.finish.openai(),
-                if g.decode_s > 0.0 { decode as f64 / g.decode_s } else { 0.0 },
-                if silent {
-                    "; no message in the model's chat format (a random-weight model's rarely \
-                     has one)"
-                } else {
-                    ""
-                },
-                if interactive { RESET } else { "" },
-            )?;
+        if c.line(&line, out, notes, None)? == Flow::Quit {
+            break;
         }
     }
     Ok(())
+}
+
+/// The conversation on a terminal: a line editor with history in the state directory
+/// (unless --no-history), multi-line messages, and Ctrl-C that stops a reply and keeps the
+/// conversation (see [`crate::chat::editor`]).
+pub fn converse_terminal(
+    a: &Args,
+    tm: &TextModel,
+    out: &mut dyn Write,
+    notes: &mut dyn Write,
+    tty: bool,
+) -> anyhow::Result<()> {
+    let mut c = Conversation::new(a, tm, true, tty)?;
+    let history = if a.no_history {
+        None
+    } else {
+        let dir = editor::state_dir(a.state_dir.as_deref());
+        if dir.is_none() {
+            tracing::warn!(
+                "no state directory (neither HOME nor XDG_STATE_HOME is set): the chat history \
+                 is kept for this session only; give --state-dir to keep it"
+            );
+        }
+        dir.map(|d| d.join(editor::HISTORY_FILE))
+    };
+    let mut ed = editor::LineEditor::new(history)?;
+    let interrupt = editor::Interrupt::install()?;
+    c.banner(notes)?;
+    writeln!(
+        notes,
+        "End a line with \\ to continue the message on the next; Ctrl-C stops a reply."
+    )?;
+    loop {
+        let line = match ed.read("> ")? {
+            editor::Input::Eof => break,
+            editor::Input::Interrupted => continue,
+            editor::Input::Line(l) => l,
+        };
+        ed.remember(&line);
+        interrupt.clear();
+        let flow = c.line(&line, out, notes, Some(interrupt.flag()))?;
+        interrupt.clear();
+        if flow == Flow::Quit {
+            break;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampling(argv: &[&str]) -> SamplingArgs {
+        #[derive(clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            s: SamplingArgs,
+        }
+        let mut all = vec!["x"];
+        all.extend_from_slice(argv);
+        <Wrap as clap::Parser>::try_parse_from(all)
+            .expect("sampling options parse")
+            .s
+    }
+
+    /// An option given wins over the model's generation_config.json, which wins over
+    /// stormo's own default.
+    #[test]
+    fn options_then_the_models_defaults_then_stormos() {
+        let qwen = SamplingDefaults {
+            temperature: Some(0.6),
+            top_p: Some(0.95),
+            top_k: Some(20),
+            repetition_penalty: None,
+        };
+        let p = sampling(&[]).params_with(&qwen, 0.7).expect("valid");
+        assert_eq!(
+            (p.temperature, p.top_p, p.top_k, p.repetition_penalty),
+            (0.6, 0.95, 20, 1.0)
+        );
+        let p = sampling(&["--temperature", "0", "--top-k", "5"])
+            .params_with(&qwen, 0.7)
+            .expect("valid");
+        assert_eq!((p.temperature, p.top_p, p.top_k), (0.0, 0.95, 5));
+        let p = sampling(&[])
+            .params_with(&SamplingDefaults::default(), 0.7)
+            .expect("valid");
+        assert_eq!((p.temperature, p.top_p, p.top_k), (0.7, 1.0, 0));
+        assert!(sampling(&["--top-p", "2"]).params_with(&qwen, 0.7).is_err());
+    }
 }

@@ -1,6 +1,6 @@
 //! `stormo run`: generation from a text prompt (rendered through the model's chat format,
 //! streamed as text) or from prompt token ids (printing ids); greedy unless sampling options
-//! are given.
+//! are given (or, for a text prompt, the model's generation_config.json recommends them).
 //!
 //! Text and ids go to stdout as each token is made, flushed, so an error partway (a peer gone
 //! mid-generation) leaves what was generated on stdout; with --json the one object comes at
@@ -238,7 +238,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         check_output_file(out, &a.model, "--logits-out")?;
     }
     // Checked before the model loads, so a bad setting costs no time.
-    let sampling = a.sampling.params(0.0)?;
+    // A text prompt takes the model's recommended sampling (its generation_config.json) for
+    // the options not given; token ids stay greedy unless asked (they are for exact runs).
+    let defaults = if a.prompt.is_some() {
+        crate::chat::defaults::SamplingDefaults::from_dir(&a.model)
+    } else {
+        Default::default()
+    };
+    let sampling = a.sampling.params_with(&defaults, 0.0)?;
     a.sampling.warn_unused(&sampling);
     let cfg = stormo_engine::ModelConfig::from_dir(&a.model)
         .with_context(|| format!("loading the model in {}", a.model.display()))?;

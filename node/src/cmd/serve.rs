@@ -92,7 +92,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.listen.is_some() || a.http.http.is_some(),
         "give --listen, --http, or both (on the command line or in the --config file)"
     );
-    let http = a.http.config()?;
+    let http = a.http.config()?.map(|c| c.with_model_defaults(&a.model));
     // The checks that cost no loading come first.
     let text = match &http {
         Some(cfg) => Some(check_text_model(
@@ -148,8 +148,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         _ => None,
     };
-    let signal = node.wait_for_shutdown()?;
-    eprintln!("shutting down ({signal})");
+    let signal = node.runtime().block_on(crate::http::shutdown_signal())?;
+    eprintln!("{signal}: shutting down (running replies have --shutdown-grace to finish)");
     if let Some(st) = node.serve_stats() {
         eprintln!(
             "served {} requests ({} bytes) over {} connections",
@@ -159,8 +159,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     if let Some(w) = web {
-        let _g = node.runtime().enter();
-        w.close();
+        node.runtime().block_on(w.shutdown());
     }
     node.close(std::time::Duration::from_secs(2));
     Ok(())

@@ -103,6 +103,12 @@ impl Gate {
         }
     }
 
+    /// The semaphore of the connection slots and their number: all permits are free when no
+    /// admitted connection is open.
+    pub(super) fn slots(&self) -> (Arc<Semaphore>, usize) {
+        (self.open.clone(), self.max)
+    }
+
     /// A slot for `stream` to be served, held while it is; or `None` when a cap is reached,
     /// in which case the connection is answered 503 and closed in the background.
     pub(super) fn admit(
