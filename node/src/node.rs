@@ -77,7 +77,7 @@ struct NodeManifest {
 /// A running node. See the module docs.
 pub struct Node {
     cfg: NodeConfig,
-    rt: Arc<tokio::runtime::Runtime>,
+    rt: NodeRuntime,
     files: ModelFiles,
     secret: Option<SecretKey>,
     manifest: Option<NodeManifest>,
@@ -97,6 +97,27 @@ impl std::fmt::Debug for Node {
             .field("id", &self.manifest.as_ref().map(|m| m.id))
             .field("listen", &self.local_addr())
             .finish_non_exhaustive()
+    }
+}
+
+/// The node's runtime, shut down without waiting when the node goes: the last holder of a
+/// node may be a task of another runtime (an HTTP server's), where a blocking drop panics.
+struct NodeRuntime(Option<tokio::runtime::Runtime>);
+
+impl std::ops::Deref for NodeRuntime {
+    type Target = tokio::runtime::Runtime;
+    fn deref(&self) -> &tokio::runtime::Runtime {
+        self.0
+            .as_ref()
+            .expect("the runtime lives as long as the node")
+    }
+}
+
+impl Drop for NodeRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
     }
 }
 
@@ -189,14 +210,14 @@ impl Node {
                  expert directory or expert subsets"
             );
         }
-        let rt = Arc::new(
+        let rt = NodeRuntime(Some(
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .thread_name("stormo-node")
                 .enable_all()
                 .build()
                 .context("starting the node's runtime")?,
-        );
+        ));
         // A key is needed to reach peers or be reached; kept experts alone need none, and a
         // key no peer sees is not worth a warning.
         let secret = if has_peers || cfg.listen.is_some() {

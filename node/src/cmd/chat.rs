@@ -362,10 +362,6 @@ pub struct Args {
     /// No statistics line on stderr after each reply.
     #[arg(long)]
     pub quiet: bool,
-    /// Where the chat history is kept (as DIR/chat_history) on a terminal. Default:
-    /// $XDG_STATE_HOME/stormo, else ~/.local/state/stormo.
-    #[arg(long, value_name = "DIR")]
-    pub state_dir: Option<PathBuf>,
     /// Keep no history file (the Up arrow still recalls this session's messages).
     #[arg(long)]
     pub no_history: bool,
@@ -843,7 +839,8 @@ pub fn converse_terminal(
     let history = if a.no_history {
         None
     } else {
-        let dir = editor::state_dir(a.state_dir.as_deref());
+        // The node's state directory (--state-dir) keeps the history too, as chat_history.
+        let dir = editor::state_dir(a.experts.state_dir.as_deref());
         if dir.is_none() {
             tracing::warn!(
                 "no state directory (neither HOME nor XDG_STATE_HOME is set): the chat history \
