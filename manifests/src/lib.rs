@@ -52,7 +52,9 @@ pub use hash::{ExpertId, Hash};
 pub use hashing::{read_files, IoMode, Progress};
 pub use keys::{KeyError, PublicKey, SecretKey};
 pub use manifest::{DecodeError, Manifest};
-pub use membership::{IssueError, Membership, MembershipDecodeError, MembershipError};
+pub use membership::{
+    IssueError, Membership, MembershipDecodeError, MembershipError, MEMBERSHIP_LEN,
+};
 pub use record::RecordError;
 pub use signature::{ManifestSignature, SignatureDecodeError, SignatureError};
 pub use verify::{verify, Problem, VerifyError, VerifyOptions, VerifyReport};

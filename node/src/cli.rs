@@ -48,9 +48,39 @@ impl Cli {
         T: Into<std::ffi::OsString> + Clone,
     {
         let mut cmd = Self::command_line();
-        let m = cmd.try_get_matches_from_mut(args)?;
+        let m = cmd.try_get_matches_from_mut(old_sim_spelling(args))?;
         <Self as clap::FromArgMatches>::from_arg_matches(&m).map_err(|e| e.format(&mut cmd))
     }
+}
+
+/// The arguments with the simulator's old spelling `stormo swarm --scenario ...` (from before
+/// `swarm` named the membership commands) turned into `stormo sim --scenario ...`: a hidden
+/// alias, so scripts written for it keep working without `swarm --help` listing the
+/// simulator's options.
+fn old_sim_spelling<I, T>(args: I) -> Vec<std::ffi::OsString>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let mut args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
+    // The subcommand is the first word after the program name that is not a flag (the only
+    // global flag, -v, takes no value).
+    let Some(at) = args
+        .iter()
+        .skip(1)
+        .position(|a| !a.to_string_lossy().starts_with('-'))
+        .map(|i| i + 1)
+    else {
+        return args;
+    };
+    let scenario = args[at + 1..].iter().any(|a| {
+        let a = a.to_string_lossy();
+        a == "--scenario" || a.starts_with("--scenario=")
+    });
+    if args[at] == "swarm" && scenario {
+        args[at] = "sim".into();
+    }
+    args
 }
 
 /// The subcommands.
@@ -80,7 +110,10 @@ pub enum Command {
     /// Talk with a model in the terminal (streams tokens, keeps the session between turns).
     Chat(cmd::chat::Args),
     /// Run a swarm scenario of real nodes on this machine (latency, loss, churn) and report it.
-    Swarm(cmd::swarm::Args),
+    Sim(cmd::sim::Args),
+    /// Make a swarm (its owner key) and admit nodes into it (membership certificates).
+    #[command(subcommand)]
+    Swarm(cmd::swarm::Command),
     /// Show the whole idea in about a minute: a small model, nodes on 127.0.0.1, a
     /// generation on a node with no experts, every expert verified.
     Demo(cmd::demo::Args),
@@ -128,7 +161,8 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(a) => cmd::bench::run(a),
         Command::Synth(a) => cmd::synth::run(a),
         Command::Chat(a) => cmd::chat::run(a),
-        Command::Swarm(a) => cmd::swarm::run(a),
+        Command::Sim(a) => cmd::sim::run(a),
+        Command::Swarm(c) => cmd::swarm::run(c),
         Command::Demo(a) => cmd::demo::run(a),
     }
 }
@@ -165,6 +199,29 @@ mod tests {
         assert!(parse(&["--stats"]).is_ok());
         let e = parse(&["-x"]).unwrap_err();
         assert!(e.contains("unexpected argument '-x'"), "{e}");
+    }
+
+    /// `stormo swarm --scenario NAME` (the simulator's old spelling) still runs the
+    /// simulator; `stormo swarm create` is the membership command.
+    #[test]
+    fn old_simulator_spelling_is_an_alias_of_sim() {
+        use super::{Cli, Command};
+        for argv in [
+            &["stormo", "swarm", "--scenario", "lan4"][..],
+            &["stormo", "-v", "swarm", "--json", "--scenario=churn"][..],
+            &["stormo", "sim", "--scenario", "lan4"][..],
+        ] {
+            let c = Cli::try_parse_args(argv).expect("parses");
+            assert!(matches!(c.command, Command::Sim(_)), "{argv:?}");
+        }
+        let c = Cli::try_parse_args(["stormo", "swarm", "create", "--out", "k"]).expect("parses");
+        assert!(matches!(c.command, Command::Swarm(_)));
+        let help = Cli::command_line()
+            .find_subcommand_mut("swarm")
+            .expect("swarm")
+            .render_long_help()
+            .to_string();
+        assert!(!help.contains("--scenario"), "{help}");
     }
 
     /// A cause already at the end of the message is not repeated; others follow their context.

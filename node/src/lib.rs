@@ -5,8 +5,10 @@
 pub mod chat;
 pub mod cli;
 pub mod cmd;
+pub mod discover;
 pub mod experts;
 pub mod http;
 pub mod logging;
 pub mod net;
 pub mod progress;
+pub mod swarm_args;
