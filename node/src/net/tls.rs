@@ -636,6 +636,255 @@ mod tests {
         assert_eq!(key_of_spki(&der[..43]), None);
     }
 
+    /// Log lines written while a closure runs on this thread.
+    #[derive(Clone, Default)]
+    struct Logs(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Logs {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("log buffer").extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Logs {
+        fn take(&self) -> String {
+            String::from_utf8_lossy(&std::mem::take(&mut *self.0.lock().expect("log buffer")))
+                .into_owned()
+        }
+    }
+
+    fn now() -> u64 {
+        SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .expect("clock after 1970")
+            .as_secs()
+    }
+
+    /// One handshake of `client` with `server` on loopback: whether the server accepted the
+    /// connection and whether the client got through.
+    async fn handshake(
+        server: (Identity<'_>, Admission),
+        client: (Identity<'_>, Option<&PublicKey>, Admission),
+    ) -> (bool, bool) {
+        let sc = server_config_for(server.0, server.1, 4, Congestion::Cubic).expect("server");
+        let ep = crate::net::bind("127.0.0.1:0".parse().expect("addr"), Some(sc)).expect("bind");
+        let addr = ep.local_addr().expect("address");
+        let cep = crate::net::bind("127.0.0.1:0".parse().expect("addr"), None).expect("bind");
+        let cc = client_config_for(client.0, client.1, client.2).expect("client");
+        let connecting = cep.connect_with(cc, addr, "stormo").expect("connect");
+        let accepting = async {
+            let incoming = ep.accept().await.expect("incoming");
+            match incoming.await {
+                // TLS 1.3: the server checks the client's certificate last; a refused client
+                // may see its handshake complete, and the connection closed at once.
+                Ok(c) => {
+                    let r = c.accept_uni().await;
+                    !matches!(r, Err(quinn::ConnectionError::TransportError(_)))
+                }
+                Err(_) => false,
+            }
+        };
+        let client_side = async {
+            match connecting.await {
+                Ok(c) => {
+                    // Wait for the server's verdict on our certificate.
+                    let r = tokio::time::timeout(Duration::from_millis(500), c.closed()).await;
+                    r.is_err()
+                }
+                Err(_) => false,
+            }
+        };
+        let (s, c) = tokio::time::timeout(Duration::from_secs(5), async {
+            // The server side ends when the client closes; close the client once it knows.
+            let client_then_close = async {
+                let c = client_side.await;
+                cep.close(0u32.into(), b"done");
+                c
+            };
+            tokio::join!(accepting, client_then_close)
+        })
+        .await
+        .expect("a handshake within 5 s");
+        ep.close(0u32.into(), b"done");
+        (s, c)
+    }
+
+    /// Issue 41 (c) and (d): a node without a certificate, with an expired one, with one for
+    /// another swarm, a revoked one, and one whose file was edited are each refused in the
+    /// handshake, with the reason logged; a member is admitted, both ways.
+    #[test]
+    fn swarm_admission_refuses_each_bad_certificate_with_its_reason() {
+        let logs = Logs::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::WARN)
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let t = now();
+        let owner = SecretKey::from_seed(&[10; 32]);
+        let other_owner = SecretKey::from_seed(&[11; 32]);
+        let server = SecretKey::from_seed(&[12; 32]);
+        let member = |seed: u8| SecretKey::from_seed(&[seed; 32]);
+        let cert = |owner: &SecretKey, node: &SecretKey, from: u64, to: u64| {
+            Membership::issue(owner, node.public(), from, to).expect("a valid period")
+        };
+        let server_cert = cert(&owner, &server, t - 60, t + 3600);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let revoked_path = dir.path().join("revoked");
+        std::fs::write(&revoked_path, "# none yet\n").expect("write");
+        let revoked = Arc::new(RevokedList::load(&revoked_path).expect("revoked list"));
+        let admission = Admission::Swarm(Arc::new(SwarmAdmission {
+            swarm: owner.public(),
+            allow: HashSet::new(),
+            allow_any: false,
+            revoked: Some(revoked),
+        }));
+        let server_id = Identity {
+            secret: &server,
+            membership: Some(&server_cert),
+        };
+
+        let good_key = member(20);
+        let good = cert(&owner, &good_key, t - 60, t + 3600);
+        let expired_key = member(21);
+        let expired = cert(&owner, &expired_key, t - 7200, t - 3600);
+        let foreign_key = member(22);
+        let foreign = cert(&other_owner, &foreign_key, t - 60, t + 3600);
+        let revoked_key = member(23);
+        let revoked_cert = cert(&owner, &revoked_key, t - 60, t + 3600);
+        let edited_key = member(24);
+        let mut edited = cert(&owner, &edited_key, t - 7200, t - 3600).to_bytes();
+        edited[82..90].copy_from_slice(&(t + 365 * 86_400).to_le_bytes()); // a later expiry
+        let edited = Membership::from_bytes(&edited).expect("an edited file still decodes");
+        let bare_key = member(25);
+
+        rt.block_on(async {
+            let id = |secret, membership| Identity { secret, membership };
+            let cases: [(&str, Identity<'_>, &str); 5] = [
+                (
+                    "no certificate",
+                    id(&bare_key, None),
+                    "presented no membership certificate",
+                ),
+                ("expired", id(&expired_key, Some(&expired)), "expired at"),
+                (
+                    "other swarm",
+                    id(&foreign_key, Some(&foreign)),
+                    "not this swarm",
+                ),
+                (
+                    "revoked",
+                    id(&revoked_key, Some(&revoked_cert)),
+                    "is revoked",
+                ),
+                (
+                    "edited",
+                    id(&edited_key, Some(&edited)),
+                    "signature is invalid",
+                ),
+            ];
+            // Revoke one key now: the file is re-read at the next handshake.
+            std::fs::write(&revoked_path, format!("{}\n", revoked_key.public())).expect("write");
+            for (what, client, reason) in cases {
+                let (s, c) = handshake(
+                    (server_id, admission.clone()),
+                    (client, Some(&server.public()), admission.clone()),
+                )
+                .await;
+                assert!(!s && !c, "{what}: admitted (server {s}, client {c})");
+                let log = logs.take();
+                assert!(
+                    log.contains("refused client") && log.contains(reason),
+                    "{what}: the log does not give the reason {reason:?}:\n{log}"
+                );
+            }
+            // A member is admitted both ways.
+            let (s, c) = handshake(
+                (server_id, admission.clone()),
+                (
+                    id(&good_key, Some(&good)),
+                    Some(&server.public()),
+                    admission.clone(),
+                ),
+            )
+            .await;
+            assert!(
+                s && c,
+                "a member was refused (server {s}, client {c}): {}",
+                logs.take()
+            );
+            // Both directions: a member dialling a discovered server without a certificate
+            // refuses it itself.
+            let (s, c) = handshake(
+                (Identity::key(&bare_key), Admission::Any),
+                (id(&good_key, Some(&good)), None, admission.clone()),
+            )
+            .await;
+            assert!(!c && !s, "a server without a certificate was admitted");
+            let log = logs.take();
+            assert!(
+                log.contains("refused server") && log.contains("presented no membership"),
+                "{log}"
+            );
+            // A pinned key is still enforced beside the swarm check.
+            let (_, c) = handshake(
+                (server_id, admission.clone()),
+                (
+                    id(&good_key, Some(&good)),
+                    Some(&bare_key.public()),
+                    admission.clone(),
+                ),
+            )
+            .await;
+            assert!(!c, "a server that is not the key dialled was admitted");
+            assert!(logs.take().contains("not the node dialled"));
+        });
+    }
+
+    /// The peer's key is read from its certificate as before; a certificate with trailing
+    /// bytes, or that is not one, is not read at all.
+    #[test]
+    fn peer_certificates_carry_the_node_key_and_membership() {
+        let owner = SecretKey::from_seed(&[1; 32]);
+        let node = SecretKey::from_seed(&[2; 32]);
+        let m = Membership::issue(&owner, node.public(), 1, 2).expect("period");
+        let (der, _) = certificate(Identity {
+            secret: &node,
+            membership: Some(&m),
+        })
+        .expect("certificate");
+        let read = read_peer_cert(der.as_ref()).expect("reads");
+        assert_eq!(read.key, *node.public().as_bytes());
+        assert_eq!(read.membership.as_deref(), Some(&m.to_bytes()[..]));
+        let (plain, _) = certificate(Identity::key(&node)).expect("certificate");
+        assert!(read_peer_cert(plain.as_ref())
+            .expect("reads")
+            .membership
+            .is_none());
+        let mut trailing = der.as_ref().to_vec();
+        trailing.push(0);
+        assert!(read_peer_cert(&trailing).is_none());
+        assert!(read_peer_cert(&der.as_ref()[..der.as_ref().len() - 1]).is_none());
+        assert!(read_peer_cert(b"not a certificate").is_none());
+        // Another node's certificate cannot be presented as this node's.
+        let stranger = SecretKey::from_seed(&[3; 32]);
+        assert!(certificate(Identity {
+            secret: &stranger,
+            membership: Some(&m)
+        })
+        .is_err());
+    }
+
     /// The congestion control a server is configured with is the one its connections run.
     #[test]
     fn server_connections_run_the_configured_congestion_control() {
