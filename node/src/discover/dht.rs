@@ -79,7 +79,9 @@ impl DhtDiscovery {
             b.bootstrap(&cfg.bootstrap);
         }
         if let Some(listen) = cfg.listen {
-            b.bind_address(*listen.ip()).port(listen.port()).server_mode();
+            b.bind_address(*listen.ip())
+                .port(listen.port())
+                .server_mode();
         }
         let dht = b
             .build()
@@ -128,7 +130,9 @@ async fn run(
     out: mpsc::Sender<Discovered>,
 ) {
     if !dht.bootstrapped().await {
-        tracing::warn!("DHT: not bootstrapped (are the --dht-bootstrap nodes reachable?); retrying");
+        tracing::warn!(
+            "DHT: not bootstrapped (are the --dht-bootstrap nodes reachable?); retrying"
+        );
     }
     let own_ips = local_ipv4s();
     let mut announced: Option<tokio::time::Instant> = None;
@@ -137,7 +141,9 @@ async fn run(
         if announced.is_none_or(|t| now.duration_since(t) >= announce_every) {
             for (model, id) in &topics {
                 match dht.announce_peer(*id, Some(port)).await {
-                    Ok(_) => tracing::debug!("DHT: announced model {} on port {port}", model.short()),
+                    Ok(_) => {
+                        tracing::debug!("DHT: announced model {} on port {port}", model.short())
+                    }
                     Err(e) => tracing::warn!("DHT: announcing model {}: {e}", model.short()),
                 }
             }
@@ -178,4 +184,100 @@ fn local_ipv4s() -> Vec<Ipv4Addr> {
         }));
     }
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{HashMap, HashSet};
+
+    use stormo_manifests::{PublicKey, SecretKey};
+
+    use super::*;
+
+    /// Issue 41 (a), discovery part: five nodes on a private DHT on 127.0.0.1 (bootstrapped
+    /// from a small loopback testnet, never the public nodes) find each other from the model
+    /// id and the swarm key alone; a node of another swarm, same model, finds none of them.
+    #[test]
+    fn nodes_on_a_loopback_dht_find_each_other_from_model_and_swarm_alone() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let testnet = mainline::Testnet::builder(3)
+            .bind_address(Ipv4Addr::LOCALHOST)
+            .build()
+            .expect("a loopback testnet");
+        assert!(testnet
+            .bootstrap
+            .iter()
+            .all(|b| b.starts_with("127.0.0.1:")));
+        let swarm: PublicKey = SecretKey::from_seed(&[1; 32]).public();
+        let stranger_swarm: PublicKey = SecretKey::from_seed(&[2; 32]).public();
+        let model = Hash([9; 32]);
+        let cfg = DhtConfig {
+            bootstrap: testnet.bootstrap.clone(),
+            listen: Some(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0)),
+            lookup_every: Duration::from_millis(500),
+            announce_every: REANNOUNCE,
+        };
+        // QUIC ports the nodes claim (nothing listens: discovery only reports addresses).
+        let ports: Vec<u16> = (0..5).map(|i| 41_000 + i).collect();
+        rt.block_on(async {
+            let (tx, mut rx) = mpsc::channel::<(u16, Discovered)>(1024);
+            let mut nodes = Vec::new();
+            for (i, &port) in ports.iter().chain([&41_999]).enumerate() {
+                let me = Announce {
+                    node: SecretKey::from_seed(&[10 + i as u8; 32]).public(),
+                    port,
+                    models: vec![model],
+                    swarm: Some(if port == 41_999 {
+                        stranger_swarm
+                    } else {
+                        swarm
+                    }),
+                };
+                let (out, mut found) = mpsc::channel(256);
+                let node = DhtDiscovery::start(&cfg, &me, out).expect("a DHT node");
+                assert!(node.local_addr().ip().is_loopback());
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    while let Some(d) = found.recv().await {
+                        if tx.send((port, d)).await.is_err() {
+                            break;
+                        }
+                    }
+                });
+                nodes.push(node);
+            }
+            drop(tx);
+            let mut seen: HashMap<u16, HashSet<u16>> = HashMap::new();
+            let all_found = |seen: &HashMap<u16, HashSet<u16>>| {
+                ports
+                    .iter()
+                    .all(|p| seen.get(p).is_some_and(|s| s.len() == ports.len() - 1))
+            };
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            while !all_found(&seen) {
+                let Ok(Some((me, d))) = tokio::time::timeout_at(deadline, rx.recv()).await else {
+                    panic!("not every node found the other four within 60 s: {seen:?}");
+                };
+                assert_eq!(d.via, Source::Dht);
+                assert_eq!(d.model, model);
+                assert!(d.key.is_none(), "a DHT record carries no key");
+                for a in &d.addrs {
+                    assert!(a.ip().is_loopback(), "{a}");
+                    assert_ne!(a.port(), me, "a node reported itself");
+                    seen.entry(me).or_default().insert(a.port());
+                }
+            }
+            // No member announced under the stranger swarm's key, and the stranger is not
+            // under the members' key.
+            for p in &ports {
+                assert!(!seen[p].contains(&41_999), "{seen:?}");
+            }
+            assert!(seen.get(&41_999).is_none_or(HashSet::is_empty), "{seen:?}");
+            drop(nodes);
+        });
+    }
 }
