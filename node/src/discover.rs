@@ -154,7 +154,10 @@ pub fn start(
         !me.models.is_empty() || !cfg.is_on(),
         "discovery needs the id of a model to announce and look for"
     );
-    anyhow::ensure!(me.port != 0, "discovery needs the port this node listens on");
+    anyhow::ensure!(
+        me.port != 0,
+        "discovery needs the port this node listens on"
+    );
     let lan = match &cfg.lan {
         Some(c) => Some(lan::Lan::start(c, me, out.clone())?),
         None => None,
@@ -191,6 +194,38 @@ pub fn dht_key(model: &Hash, swarm: Option<&PublicKey>) -> [u8; 20] {
     out
 }
 
+/// The addresses peers can dial for an endpoint bound to `bound`: `bound` itself for a
+/// specific address; for 0.0.0.0 (or ::), the port at each address of this machine's
+/// interfaces of that family, loopback last (alone only when there is nothing else).
+pub fn reachable_addrs(bound: SocketAddr) -> Vec<SocketAddr> {
+    if !bound.ip().is_unspecified() {
+        return vec![bound];
+    }
+    let mut v: Vec<SocketAddr> = if_addrs::get_if_addrs()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|i| i.ip())
+        .filter(|ip| ip.is_ipv4() == bound.is_ipv4() && !ip.is_loopback())
+        // IPv6 link-local addresses need a scope to be dialled: leave them out.
+        .filter(|ip| match ip {
+            std::net::IpAddr::V6(a) => (a.segments()[0] & 0xffc0) != 0xfe80,
+            std::net::IpAddr::V4(_) => true,
+        })
+        .map(|ip| SocketAddr::new(ip, bound.port()))
+        .collect();
+    v.sort();
+    v.dedup();
+    if v.is_empty() {
+        let lo: std::net::IpAddr = if bound.is_ipv4() {
+            std::net::Ipv4Addr::LOCALHOST.into()
+        } else {
+            std::net::Ipv6Addr::LOCALHOST.into()
+        };
+        v.push(SocketAddr::new(lo, bound.port()));
+    }
+    v
+}
+
 fn hex_of(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -222,6 +257,21 @@ mod tests {
         assert_eq!(tag.len(), 32);
         assert!(!("07".repeat(32)).contains(&tag));
         assert_ne!(tag, lan_model_tag(&model(), Some(&other)));
+    }
+
+    #[test]
+    fn reachable_addresses_are_never_unspecified() {
+        let specific: SocketAddr = "127.0.0.1:4433".parse().unwrap();
+        assert_eq!(reachable_addrs(specific), vec![specific]);
+        let any: SocketAddr = "0.0.0.0:4433".parse().unwrap();
+        let v = reachable_addrs(any);
+        assert!(!v.is_empty());
+        for a in v {
+            assert!(
+                !a.ip().is_unspecified() && a.is_ipv4() && a.port() == 4433,
+                "{a}"
+            );
+        }
     }
 
     #[test]

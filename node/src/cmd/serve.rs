@@ -150,7 +150,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             h.local_addr(),
             secret.public()
         );
-        println!("{}@{}", secret.public(), h.local_addr());
+        // One `KEY@ADDR` line per address a peer can dial (never 0.0.0.0).
+        for addr in crate::discover::reachable_addrs(h.local_addr()) {
+            println!("{}@{addr}", secret.public());
+        }
         tokio::signal::ctrl_c()
             .await
             .context("waiting for Ctrl-C")?;
