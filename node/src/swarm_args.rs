@@ -236,9 +236,13 @@ mod tests {
         let e = format!("{:#}", b.resolve(&node, NOW).unwrap_err());
         assert!(e.contains("not this swarm"), "{e}");
         // Discovery options without their source.
-        let e = parse(&["--lan-interface", "eth0"]).unwrap().resolve(&node, NOW);
+        let e = parse(&["--lan-interface", "eth0"])
+            .unwrap()
+            .resolve(&node, NOW);
         assert!(e.unwrap_err().to_string().contains("--discover lan"));
-        let e = parse(&["--dht-bootstrap", "127.0.0.1:1"]).unwrap().resolve(&node, NOW);
+        let e = parse(&["--dht-bootstrap", "127.0.0.1:1"])
+            .unwrap()
+            .resolve(&node, NOW);
         assert!(e.unwrap_err().to_string().contains("--discover dht"));
         // Off unless asked.
         let none = parse(&[]).unwrap().resolve(&node, NOW).unwrap();

@@ -66,6 +66,9 @@ pub struct Args {
     /// The HTTP API for people and their tools.
     #[command(flatten)]
     pub http: crate::http::HttpArgs,
+    /// Swarm membership and discovery.
+    #[command(flatten)]
+    pub swarm: crate::swarm_args::SwarmArgs,
 }
 
 /// Runs `stormo serve` until interrupted.
@@ -79,7 +82,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         return serve_http_only(tm, cfg);
     };
     let secret = net::node_key(a.key.as_deref())?;
-    let admission = if a.allow_any {
+    let swarm = a.swarm.resolve(&secret, crate::cmd::swarm::unix_now()?)?;
+    let admission = if swarm.membership.is_some() {
+        let keys = net::allow_list(&a.allow, a.allow_file.as_deref())?;
+        swarm.admission(&keys, a.allow_any)
+    } else if a.allow_any {
         tracing::warn!("--allow-any: any node may fetch from this one");
         Admission::Any
     } else {
@@ -142,8 +149,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 node_limit: a.max_requests,
                 admission,
                 congestion: a.congestion,
+                membership: swarm.membership.as_ref().map(|m| m.cert.clone()),
             },
         )?;
+        // Announce this node; `serve` dials nobody, so what it finds is only logged (the
+        // Node of issue 34 feeds it to its peer set).
+        let (found, mut peers) = tokio::sync::mpsc::channel(64);
+        let announce = crate::discover::Announce {
+            node: secret.public(),
+            port: h.local_addr().port(),
+            models: vec![model],
+            swarm: swarm.swarm(),
+        };
+        let _discovery = crate::discover::start(&swarm.discover, &announce, found)?;
+        tokio::spawn(async move {
+            while let Some(d) = peers.recv().await {
+                tracing::info!("discovered peer {d:?}");
+            }
+        });
         eprintln!(
             "serving model {} ({n} experts) on {} as node {}",
             model.to_hex(),

@@ -190,10 +190,7 @@ pub fn parse_expiry(s: &str, now: u64) -> anyhow::Result<u64> {
     let n: u64 = num
         .parse()
         .map_err(|_| anyhow::anyhow!("{s:?}: {num:?} is not a whole number"))?;
-    anyhow::ensure!(
-        n > 0,
-        "{s:?}: a certificate must be valid for some time"
-    );
+    anyhow::ensure!(n > 0, "{s:?}: a certificate must be valid for some time");
     n.checked_mul(unit_secs)
         .and_then(|d| d.checked_add(now))
         .filter(|&t| t < 1 << 40)
@@ -247,7 +244,9 @@ fn write_cert(out: &Path, cert: &Membership) -> anyhow::Result<()> {
     let bytes = cert.to_bytes();
     if out == Path::new("-") {
         let mut stdout = std::io::stdout().lock();
-        stdout.write_all(&bytes).context("writing to standard output")?;
+        stdout
+            .write_all(&bytes)
+            .context("writing to standard output")?;
         return stdout.flush().context("writing to standard output");
     }
     let mut f = std::fs::OpenOptions::new()
@@ -298,11 +297,19 @@ mod tests {
     fn zero_past_and_malformed_expiries_are_refused_with_the_reason() {
         let err = |s: &str| parse_expiry(s, NOW).unwrap_err().to_string();
         assert!(err("0d").contains("valid for some time"), "{}", err("0d"));
-        assert!(err("2026-01-01").contains("in the past"), "{}", err("2026-01-01"));
+        assert!(
+            err("2026-01-01").contains("in the past"),
+            "{}",
+            err("2026-01-01")
+        );
         assert!(err("30").contains("no unit"), "{}", err("30"));
         assert!(err("30y").contains("expected a duration"), "{}", err("30y"));
         assert!(err("-5d").contains("expected a duration"), "{}", err("-5d"));
         assert!(err("99999999999999999999d").contains("whole number"));
-        assert!(err("999999999w").contains("too far"), "{}", err("999999999w"));
+        assert!(
+            err("999999999w").contains("too far"),
+            "{}",
+            err("999999999w")
+        );
     }
 }

@@ -127,6 +127,8 @@ pub struct ServeConfig {
     pub admission: Admission,
     /// How answers are paced.
     pub congestion: tls::Congestion,
+    /// This node's swarm membership certificate, presented in the handshake.
+    pub membership: Option<stormo_manifests::Membership>,
 }
 
 impl Default for ServeConfig {
@@ -136,6 +138,7 @@ impl Default for ServeConfig {
             node_limit: 32,
             admission: Admission::Keys(Default::default()),
             congestion: tls::Congestion::default(),
+            membership: None,
         }
     }
 }
@@ -220,7 +223,11 @@ pub fn start(
     cfg: ServeConfig,
 ) -> anyhow::Result<ServerHandle> {
     let streams = cfg.per_peer.saturating_mul(2).max(4) + 1;
-    let sc = tls::server_config(secret, cfg.admission.clone(), streams, cfg.congestion)?;
+    let id = tls::Identity {
+        secret,
+        membership: cfg.membership.as_ref(),
+    };
+    let sc = tls::server_config_for(id, cfg.admission.clone(), streams, cfg.congestion)?;
     let endpoint = super::bind(listen, Some(sc))?;
     let addr = endpoint.local_addr().context("the bound address")?;
     let stats = Arc::new(ServeStats::default());
