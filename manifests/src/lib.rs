@@ -20,6 +20,8 @@
 //!   runs on every expert (or chunk) from a peer or disk before using it.
 //! - [`keys`]: Ed25519 [`SecretKey`] files (mode 0600) and [`PublicKey`] text (64 hex).
 //! - [`signature`]: a publisher's [`ManifestSignature`] binding a model id to a key.
+//! - [`membership`]: a swarm owner's [`Membership`] certificate admitting one node key into
+//!   the swarm until an expiry.
 //!
 //! # Where the files live
 //! By default beside the model: `DIR/stormo-manifest.bin` (canonical bytes),
@@ -38,6 +40,7 @@ pub mod hash;
 mod hashing;
 pub mod keys;
 pub mod manifest;
+pub mod membership;
 pub mod record;
 pub mod signature;
 pub mod verify;
@@ -49,6 +52,9 @@ pub use hash::{ExpertId, Hash};
 pub use hashing::{read_files, IoMode, Progress};
 pub use keys::{KeyError, PublicKey, SecretKey};
 pub use manifest::{DecodeError, Manifest};
+pub use membership::{
+    IssueError, Membership, MembershipDecodeError, MembershipError, MEMBERSHIP_LEN,
+};
 pub use record::RecordError;
 pub use signature::{ManifestSignature, SignatureDecodeError, SignatureError};
 pub use verify::{verify, Problem, VerifyError, VerifyOptions, VerifyReport};

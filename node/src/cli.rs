@@ -66,7 +66,7 @@ impl Cli {
                 clap::Error::raw(clap::error::ErrorKind::InvalidValue, format!("{e:#}\n"))
             })?;
         }
-        let m = cmd.try_get_matches_from_mut(args)?;
+        let m = cmd.try_get_matches_from_mut(old_sim_spelling(args))?;
         <Self as clap::FromArgMatches>::from_arg_matches(&m).map_err(|e| e.format(&mut cmd))
     }
 }
@@ -100,6 +100,45 @@ fn env_for(a: clap::Arg) -> clap::Arg {
     }
 }
 
+/// The arguments with the simulator's old spelling `stormo swarm --scenario ...` (from before
+/// `swarm` named the membership commands) turned into `stormo sim --scenario ...`: a hidden
+/// alias, so scripts written for it keep working without `swarm --help` listing the
+/// simulator's options.
+fn old_sim_spelling<I, T>(args: I) -> Vec<std::ffi::OsString>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let mut args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
+    // The subcommand is the first word after the program name that is neither a flag nor
+    // the value of the one global flag that takes one (--config FILE).
+    let mut at = None;
+    let mut i = 1;
+    while i < args.len() {
+        let a = args[i].to_string_lossy();
+        if a == "--config" {
+            i += 2;
+            continue;
+        }
+        if !a.starts_with('-') {
+            at = Some(i);
+            break;
+        }
+        i += 1;
+    }
+    let Some(at) = at else {
+        return args;
+    };
+    let scenario = args[at + 1..].iter().any(|a| {
+        let a = a.to_string_lossy();
+        a == "--scenario" || a.starts_with("--scenario=")
+    });
+    if args[at] == "swarm" && scenario {
+        args[at] = "sim".into();
+    }
+    args
+}
+
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -128,7 +167,10 @@ pub enum Command {
     /// Talk with a model in the terminal (streams tokens, keeps the session between turns).
     Chat(cmd::chat::Args),
     /// Run a swarm scenario of real nodes on this machine (latency, loss, churn) and report it.
-    Swarm(cmd::swarm::Args),
+    Sim(cmd::sim::Args),
+    /// Make a swarm (its owner key) and admit nodes into it (membership certificates).
+    #[command(subcommand)]
+    Swarm(cmd::swarm::Command),
     /// Show the whole idea in a minute: nodes on 127.0.0.1 serving a small model's experts.
     ///
     /// A small model, nodes on 127.0.0.1, a generation on a node with no experts, every
@@ -182,7 +224,8 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(a) => cmd::bench::run(a),
         Command::Synth(a) => cmd::synth::run(a),
         Command::Chat(a) => cmd::chat::run(a),
-        Command::Swarm(a) => cmd::swarm::run(a),
+        Command::Sim(a) => cmd::sim::run(a),
+        Command::Swarm(c) => cmd::swarm::run(c),
         Command::Demo(a) => cmd::demo::run(a),
         Command::Completions(a) => cmd::completions::run(a),
         Command::Man(a) => cmd::man::run(a),
@@ -236,6 +279,29 @@ mod tests {
         for c in ["run", "serve", "completions", "man"] {
             assert!(help.contains(&format!("\n  {c} ")), "{c} missing:\n{help}");
         }
+    }
+
+    /// `stormo swarm --scenario NAME` (the simulator's old spelling) still runs the
+    /// simulator; `stormo swarm create` is the membership command.
+    #[test]
+    fn old_simulator_spelling_is_an_alias_of_sim() {
+        use super::{Cli, Command};
+        for argv in [
+            &["stormo", "swarm", "--scenario", "lan4"][..],
+            &["stormo", "-v", "swarm", "--json", "--scenario=churn"][..],
+            &["stormo", "sim", "--scenario", "lan4"][..],
+        ] {
+            let c = Cli::try_parse_args(argv).expect("parses");
+            assert!(matches!(c.command, Command::Sim(_)), "{argv:?}");
+        }
+        let c = Cli::try_parse_args(["stormo", "swarm", "create", "--out", "k"]).expect("parses");
+        assert!(matches!(c.command, Command::Swarm(_)));
+        let help = Cli::command_line()
+            .find_subcommand_mut("swarm")
+            .expect("swarm")
+            .render_long_help()
+            .to_string();
+        assert!(!help.contains("--scenario"), "{help}");
     }
 
     /// A cause already at the end of the message is not repeated; others follow their context.

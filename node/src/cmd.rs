@@ -11,6 +11,7 @@ pub mod manifest;
 pub mod pull;
 pub mod run;
 pub mod serve;
+pub mod sim;
 pub mod swarm;
 pub mod synth;
 pub mod tokenize;

@@ -118,6 +118,8 @@ pub struct NodeConfig {
     pub peers: PeersConfig,
     /// Serving to peers, if the node listens.
     pub listen: Option<ListenConfig>,
+    /// Swarm membership (the certificate presented, the members admitted) and discovery.
+    pub swarm: Option<crate::swarm_args::SwarmConfig>,
 }
 
 impl NodeConfig {
@@ -131,6 +133,7 @@ impl NodeConfig {
             context,
             peers: PeersConfig::default(),
             listen: None,
+            swarm: None,
         }
     }
 }

@@ -289,7 +289,7 @@ impl Node {
         };
         let peers = match (&secret, &endpoint, &manifest) {
             (Some(secret), Some(ep), Some(m)) => {
-                let t = PeerTier::new(
+                let mut t = PeerTier::new(
                     ep.clone(),
                     rt.handle().clone(),
                     secret,
@@ -298,6 +298,12 @@ impl Node {
                     files.layout.schemas.clone(),
                     p.timeouts,
                 );
+                if let Some(sw) = cfg.swarm.as_ref().filter(|s| s.membership.is_some()) {
+                    t = t.with_membership(
+                        sw.membership.as_ref().map(|m| m.cert.clone()),
+                        sw.admission(&[], false),
+                    );
+                }
                 if let Some(d) = &kept {
                     t.set_expert_dir(d.clone());
                 }

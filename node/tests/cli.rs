@@ -533,7 +533,7 @@ fn options_that_would_mislead_or_destroy_are_refused() {
     );
     // A bad size is refused when the arguments are read, before any node starts.
     assert_usage_error(
-        &stormo(&["swarm", "--scenario", "lan", "--client-cache", "10XB"]),
+        &stormo(&["sim", "--scenario", "lan", "--client-cache", "10XB"]),
         &["--client-cache", "unknown size unit"],
     );
     // Options that would be ignored.
@@ -999,7 +999,7 @@ fn work_folders_must_be_new_or_empty() {
     let work = dir.path().to_str().unwrap();
     for args in [
         &["demo", "--work", work][..],
-        &["swarm", "--scenario", "lan4", "--work", work],
+        &["sim", "--scenario", "lan4", "--work", work],
     ] {
         let o = stormo(args);
         assert_clean_error(&o, &["--work", "not empty"]);
@@ -1096,4 +1096,94 @@ fn completions_and_man_page_are_printed() {
     let o = stormo(&["man"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains(".TH stormo"));
+}
+
+/// `stormo swarm create` and `admit` make a certificate that `show` reads back; a bad node
+/// key, a missing owner key, a past date and a zero duration are each refused clearly.
+#[test]
+fn swarm_create_admit_show_and_their_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let owner = p("swarm.key");
+    let o = stormo(&["swarm", "create", "--out", &owner]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let swarm = String::from_utf8(o.stdout).unwrap().trim().to_string();
+    assert_eq!(swarm.len(), 64, "{swarm}");
+    let o = stormo(&["key", "generate", "--out", &p("node.key")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let node = String::from_utf8(o.stdout).unwrap().trim().to_string();
+
+    let cert = p("node.cert");
+    let o = stormo(&[
+        "swarm",
+        "admit",
+        "--swarm",
+        &owner,
+        "--node",
+        &node,
+        "--expires",
+        "7d",
+        "--out",
+        &cert,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(std::fs::metadata(&cert).unwrap().len(), 154);
+    // A node's secret key file names its key too.
+    let o = stormo(&[
+        "swarm",
+        "admit",
+        "--swarm",
+        &owner,
+        "--node",
+        &p("node.key"),
+        "--out",
+        &p("c2"),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        std::fs::read(&cert).unwrap()[42..74],
+        std::fs::read(p("c2")).unwrap()[42..74]
+    );
+    let o = stormo(&["swarm", "show", "--cert", &cert]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        out.contains(&swarm) && out.contains(&node) && out.contains("valid now"),
+        "{out}"
+    );
+
+    let admit = |node: &str, expires: &str, owner: &str| {
+        stormo(&[
+            "swarm",
+            "admit",
+            "--swarm",
+            owner,
+            "--node",
+            node,
+            "--expires",
+            expires,
+            "--out",
+            &p("refused.cert"),
+        ])
+    };
+    assert_clean_error(&admit("abc", "7d", &owner), &["--node", "not a node key"]);
+    assert_clean_error(
+        &admit(&node, "7d", &p("missing.key")),
+        &["--swarm", "missing.key"],
+    );
+    assert_clean_error(
+        &admit(&node, "2020-01-01", &owner),
+        &["--expires", "in the past"],
+    );
+    assert_clean_error(
+        &admit(&node, "0d", &owner),
+        &["--expires", "valid for some time"],
+    );
+    assert!(!dir.path().join("refused.cert").exists());
+    // An edited certificate is shown as not valid.
+    let mut b = std::fs::read(&cert).unwrap();
+    b[85] ^= 1;
+    std::fs::write(p("edited.cert"), b).unwrap();
+    let o = stormo(&["swarm", "show", "--cert", &p("edited.cert")]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("signature is invalid"));
 }

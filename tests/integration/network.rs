@@ -1105,6 +1105,7 @@ fn try_run_node(
         context: 512,
         peers: args,
         listen: None,
+        swarm: None,
     })
     .expect("the node starts");
     let r = Reference::open(&fixture(name));

@@ -1,4 +1,4 @@
-//! `stormo swarm`: real serve processes behind shaping relays, a node killed mid-run, and the
+//! `stormo sim`: real serve processes behind shaping relays, a node killed mid-run, and the
 //! token-exactness verdict.
 
 use std::process::Command;
@@ -13,7 +13,7 @@ use crate::demo::stormo_exe;
 fn churn_kills_a_holder_mid_run_and_the_output_stays_exact() {
     let out = Command::new(stormo_exe())
         .args([
-            "swarm",
+            "sim",
             "--scenario",
             "churn",
             "--json",
@@ -21,9 +21,9 @@ fn churn_kills_a_holder_mid_run_and_the_output_stays_exact() {
             "32",
         ])
         .output()
-        .expect("run stormo swarm");
+        .expect("run stormo sim");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "stormo swarm failed: {err}");
+    assert!(out.status.success(), "stormo sim failed: {err}");
     let v: Value = serde_json::from_slice(&out.stdout).expect("swarm --json is JSON");
     let r = &v[0];
     assert_eq!(r["scenario"], "churn");
@@ -41,6 +41,8 @@ fn churn_kills_a_holder_mid_run_and_the_output_stays_exact() {
     );
 }
 
+/// Through the simulator's old spelling `stormo swarm --scenario`, kept as an alias of
+/// `stormo sim`.
 #[test]
 fn unknown_scenario_is_a_clear_error() {
     let out = Command::new(stormo_exe())

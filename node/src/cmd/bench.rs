@@ -409,6 +409,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         context,
         peers: a.net.resolve(false)?,
         listen: None,
+        swarm: None,
     })?;
     let experts = node.experts().clone();
     let model = node.load_model(&LoadOptions {

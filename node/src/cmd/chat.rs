@@ -534,6 +534,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             context: a.context,
             peers: a.net.resolve(false)?,
             listen: None,
+            swarm: None,
         },
         &load,
     )?;

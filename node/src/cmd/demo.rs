@@ -20,7 +20,7 @@ use anyhow::Context;
 use stormo_simulations::swarm::{self, Cluster, LinkSpec, Reaper, RunOutcome};
 
 use crate::chat::{ChatFormat, PromptOptions, Tokenizer, Turn, TurnRole};
-use crate::cmd::swarm::Scratch;
+use crate::cmd::sim::Scratch;
 
 /// The o200k_harmony tokenizer.json, zlib-compressed by build.rs (empty when the build had
 /// no fixture).
@@ -135,7 +135,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     say(&format!(
         "synthesizing a 4-layer GPT-OSS-shaped model with the {GPT_OSS_VOCAB}-token vocabulary"
     ));
-    crate::cmd::swarm::small_model(&model, GPT_OSS_VOCAB)?;
+    crate::cmd::sim::small_model(&model, GPT_OSS_VOCAB)?;
     let tokenizer = match embedded_tokenizer()? {
         Some(json) => {
             std::fs::write(model.join("tokenizer.json"), &json)

@@ -157,6 +157,7 @@ fn pull_experts(
             peers_first: false,
         },
         listen: None,
+        swarm: None,
     })?;
     let shape: Vec<usize> = node.files().layout.parts.iter().map(Vec::len).collect();
     let flags = net::parse_only_experts(spec, &shape)?;

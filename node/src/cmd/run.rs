@@ -273,6 +273,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         context,
         peers: a.net.resolve(false)?,
         listen: None,
+        swarm: None,
     })?;
     let model = node.load_model(&LoadOptions {
         prefill_block: a.prefill_block,

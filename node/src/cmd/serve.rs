@@ -13,6 +13,7 @@ use crate::config::{ListenConfig, LocalExperts, NodeConfig};
 use crate::net::tls::{Admission, Congestion};
 use crate::net::{self, serve};
 use crate::node::Node;
+use crate::swarm_args::SwarmConfig;
 
 /// How to run one node for a LAN, shown after `stormo serve --help`.
 pub const LAN_HELP: &str = "\
@@ -84,6 +85,9 @@ pub struct Args {
     /// The HTTP API for people and their tools.
     #[command(flatten)]
     pub http: crate::http::HttpArgs,
+    /// Swarm membership and discovery.
+    #[command(flatten)]
+    pub swarm: crate::swarm_args::SwarmArgs,
 }
 
 /// Runs `stormo serve` until interrupted (SIGINT or SIGTERM: a clean stop).
@@ -104,14 +108,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     anyhow::ensure!(a.per_peer >= 1, "--per-peer must be at least 1");
     anyhow::ensure!(a.max_requests >= 1, "--max-requests must be at least 1");
+    let swarm = crate::swarm_args::resolve_for_node(&a.swarm, a.net.key.as_deref())?;
     let listen = match a.listen {
         Some(addr) => Some(ListenConfig {
             addr,
             serve: serve::ServeConfig {
                 per_peer: a.per_peer,
                 node_limit: a.max_requests,
-                admission: admission(&a)?,
+                admission: admission(&a, swarm.as_ref())?,
                 congestion: a.congestion,
+                membership: swarm
+                    .as_ref()
+                    .and_then(|s| s.membership.as_ref())
+                    .map(|m| m.cert.clone()),
             },
         }),
         None => None,
@@ -127,6 +136,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         context: http.as_ref().map_or(1, |c| c.context),
         peers: a.net.resolve(listen.is_some())?,
         listen,
+        swarm,
     })?);
     if let (Some(addr), Some(key), Some(id)) = (node.local_addr(), node.node_key(), node.model_id())
     {
@@ -135,7 +145,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "serving model {} ({held} experts held) on {addr} as node {key}",
             id.to_hex()
         );
-        println!("{key}@{addr}");
+        // One `KEY@ADDR` line per address a peer can dial (never 0.0.0.0).
+        for reachable in crate::discover::reachable_addrs(addr) {
+            println!("{key}@{reachable}");
+        }
     }
     let web = match (http, text) {
         (Some(cfg), Some((tokenizer, format))) => {
@@ -165,8 +178,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Who may connect, from `--allow`, `--allow-file` and `--allow-any`.
-fn admission(a: &Args) -> anyhow::Result<Admission> {
+/// Who may connect, from `--allow`, `--allow-file`, `--allow-any` and the swarm (`--swarm`).
+fn admission(a: &Args, swarm: Option<&SwarmConfig>) -> anyhow::Result<Admission> {
+    if let Some(sw) = swarm.filter(|s| s.membership.is_some()) {
+        let keys = net::allow_list(&a.allow, a.allow_file.as_deref())?;
+        return Ok(sw.admission(&keys, a.allow_any));
+    }
     if a.allow_any {
         tracing::warn!("--allow-any: any node may fetch from this one");
         return Ok(Admission::Any);

@@ -1,262 +1,315 @@
-//! `stormo swarm`: run a swarm scenario of real nodes on this machine and report it.
+//! `stormo swarm`: a swarm's owner key and the membership certificates it signs.
+//!
+//! A swarm is named by its owner's public key (the swarm key). `create` makes the owner's
+//! secret key; `admit` signs a [`Membership`] for one node key with an expiry; `show` prints
+//! what a certificate says. Nodes then run with `--swarm SWARMKEY --cert CERT` and admit any
+//! peer with a valid certificate of that swarm (see `net::tls`).
+//!
+//! (The swarm-scenario simulator that was `stormo swarm --scenario` is now `stormo sim`.)
 
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use stormo_simulations::swarm::{self, LinkSpec, Scenario, SwarmOptions};
-use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
+use stormo_manifests::{Membership, PublicKey, SecretKey, MEMBERSHIP_LEN};
 
-/// Arguments of `stormo swarm`.
-///
-/// Starts real `stormo serve` processes on 127.0.0.1 (real QUIC, each behind a relay that
-/// imposes the links' delay, bandwidth and loss), lays the experts out among them, runs a
-/// generation with `stormo run` on a node that lacks experts, and reports tokens/s, the bytes
-/// each node sent, peer failures and fallbacks, and whether the ids equal those of a local
-/// run of the same prompt (progress on stderr: each step, and a line every 30 s of a long
-/// generation). Scenarios:
-///
-///   lan4        4 nodes each hold a quarter; node 0 generates, 3/4 of experts from the others
-///   join-empty  a node with no experts and no manifest joins 4 quarter-holders and generates
-///   churn       4 nodes hold every expert twice; a holder is killed mid-run and restarted
-///   wan         join-empty over 20 ms / 100 Mbit/s / 0.5% loss links
-///   all         each of them in turn
-///
-/// Without --model a small GPT-OSS-shaped model is synthesized in the scratch folder.
-/// Example: `stormo swarm --scenario churn --json`.
-#[derive(Debug, clap::Args)]
-#[command(verbatim_doc_comment)]
-pub struct Args {
-    /// The scenario: lan4, join-empty, churn, wan or all.
-    #[arg(long, value_name = "NAME")]
-    pub scenario: String,
-    /// The checkpoint every node serves from (at least 4 experts per layer).
-    #[arg(long, value_name = "DIR")]
-    pub model: Option<PathBuf>,
-    /// Prompt token ids (default: 24 fixed ids below the vocabulary size).
-    #[arg(long, value_name = "IDS")]
-    pub prompt_ids: Option<String>,
-    /// Tokens to generate.
-    #[arg(long, default_value_t = 48, value_name = "N")]
-    pub max_new_tokens: usize,
-    /// One-way delay of every link, in milliseconds (default: the scenario's).
-    #[arg(long, value_name = "MS")]
-    pub delay_ms: Option<f64>,
-    /// Bandwidth of every link in Mbit/s, 0 for unlimited (default: the scenario's).
-    #[arg(long, value_name = "MBIT")]
-    pub bandwidth_mbit: Option<f64>,
-    /// Share of datagrams lost on every link, e.g. 0.01 (default: the scenario's).
-    #[arg(long, value_name = "P")]
-    pub loss: Option<f64>,
-    /// The generating node's --expert-cache (default: half of all experts, so experts keep
-    /// moving through the run).
-    #[arg(long, value_name = "SIZE", value_parser = crate::progress::size_arg)]
-    pub client_cache: Option<String>,
-    /// Seconds any one generation may take (at most 1e6).
-    #[arg(
-        long,
-        default_value_t = 600.0,
-        value_name = "SECS",
-        value_parser = crate::progress::secs_arg
-    )]
-    pub timeout: f64,
-    /// How the serving nodes pace their answers (`stormo serve --congestion`).
-    #[arg(long, value_enum, default_value_t = crate::net::tls::Congestion::Cubic, value_name = "ALGORITHM")]
-    pub congestion: crate::net::tls::Congestion,
-    /// Scratch folder (keys, manifest, logs; the synthesized model): new or empty, kept at the
-    /// end. Default: a new folder in the system's temp dir, removed at the end unless --keep.
-    #[arg(long, value_name = "DIR")]
-    pub work: Option<PathBuf>,
-    /// Keep the scratch folder (its logs name what each process did).
-    #[arg(long)]
-    pub keep: bool,
-    /// Print the reports as JSON on stdout (progress still goes to stderr).
-    #[arg(long)]
-    pub json: bool,
+/// How far before "now" a new certificate starts: room for peers whose clocks run a little
+/// behind the owner's.
+pub const CLOCK_SKEW_SECS: u64 = 300;
+/// The default lifetime of a certificate.
+pub const DEFAULT_EXPIRES: &str = "30d";
+
+/// Swarm subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// Make a swarm: write its owner's secret key (mode 0600) and print the swarm key.
+    ///
+    /// The swarm key (64 hex) is what every member passes as `--swarm`; the secret key stays
+    /// with the owner, who signs members in with `stormo swarm admit`.
+    Create {
+        /// Where to write the owner's secret key (must not exist).
+        #[arg(long, value_name = "OWNER.key")]
+        out: PathBuf,
+    },
+    /// Sign a membership certificate admitting one node key into the swarm until an expiry.
+    ///
+    /// Example: `stormo key generate --out node.key | ssh owner-host stormo swarm admit
+    /// --swarm swarm.key --node - --out - > node.cert` (the node's key never leaves it).
+    Admit {
+        /// The owner's secret key (from `stormo swarm create`).
+        #[arg(long, value_name = "OWNER.key")]
+        swarm: PathBuf,
+        /// The node to admit: its public key (64 hex), its secret key file, or `-` to read the
+        /// public key from the first line of standard input (what `stormo key generate`
+        /// prints).
+        #[arg(long, value_name = "NODEPUB|FILE|-")]
+        node: String,
+        /// How long the certificate is valid: a duration (`90m`, `12h`, `30d`, `8w`; `s` for
+        /// seconds) or the UTC date it expires (`2027-06-30`). It starts 5 minutes before now.
+        #[arg(long, default_value = DEFAULT_EXPIRES, value_name = "DURATION|DATE")]
+        expires: String,
+        /// Where to write the certificate (154 bytes; must not exist), or `-` for standard
+        /// output.
+        #[arg(long, value_name = "CERT")]
+        out: PathBuf,
+    },
+    /// Print what a membership certificate says (its swarm, node, validity), and check its
+    /// signature.
+    Show {
+        /// The certificate file.
+        #[arg(long, value_name = "CERT")]
+        cert: PathBuf,
+    },
 }
 
-/// The link every scenario uses unless overridden.
-fn link_for(a: &Args, s: Scenario) -> anyhow::Result<LinkSpec> {
-    let mut l = s.default_link();
-    if let Some(d) = a.delay_ms {
-        anyhow::ensure!(
-            d.is_finite() && (0.0..=10_000.0).contains(&d),
-            "--delay-ms must be between 0 and 10000"
-        );
-        l.delay = Duration::from_secs_f64(d / 1e3);
-    }
-    if let Some(b) = a.bandwidth_mbit {
-        anyhow::ensure!(
-            b.is_finite() && b >= 0.0,
-            "--bandwidth-mbit must be 0 (unlimited) or more"
-        );
-        l.bandwidth = (b > 0.0).then(|| ((b * 1e6 / 8.0) as u64).max(1));
-    }
-    if let Some(p) = a.loss {
-        l.loss = p;
-    }
-    l.validate()
-        .map_err(|e| anyhow::anyhow!("the links: {e}"))?;
-    Ok(l)
-}
-
-/// A small GPT-OSS-shaped model for swarms: 4 layers of 16 experts, top-4.
-pub fn small_model(dir: &Path, vocab: usize) -> anyhow::Result<()> {
-    let geometry = Preset::GptOss20b.geometry().with(&Overrides {
-        layers: Some(4),
-        hidden: Some(256),
-        intermediate: Some(256),
-        experts: Some(16),
-        top_k: Some(4),
-        vocab: Some(vocab),
-        heads: Some(4),
-        kv_heads: Some(2),
-        head_dim: Some(64),
-    });
-    let plan = synth::plan(&SynthOptions::new(geometry, 7))?;
-    synth::write(&plan, dir, true, &mut |_| {})
-        .with_context(|| format!("writing a small model to {}", dir.display()))?;
-    Ok(())
-}
-
-/// A scratch folder removed on drop unless kept.
-#[derive(Debug)]
-pub struct Scratch {
-    /// Its path.
-    pub path: PathBuf,
-    keep: bool,
-}
-
-impl Scratch {
-    /// `given`, or a new folder named after `what` in the temp dir.
-    pub fn new(given: Option<PathBuf>, what: &str, keep: bool) -> anyhow::Result<Self> {
-        let (path, keep) = match given {
-            Some(p) => {
-                // A run writes keys there, and keys are never overwritten: an earlier run's
-                // folder would stop this one halfway, so it is refused before anything starts.
-                if std::fs::read_dir(&p).is_ok_and(|mut d| d.next().is_some()) {
-                    anyhow::bail!(
-                        "--work {}: the folder is not empty (an earlier run's?); give a new or \
-                         empty folder, or delete this one",
-                        p.display()
-                    );
+/// Runs a swarm subcommand.
+pub fn run(c: Command) -> anyhow::Result<()> {
+    match c {
+        Command::Create { out } => {
+            let key = SecretKey::generate();
+            key.write_new(&out)
+                .context("cannot write the swarm owner's key")?;
+            eprintln!(
+                "wrote the swarm owner's secret key {} (mode 0600); keep it safe: it admits \
+                 nodes with `stormo swarm admit --swarm {} --node NODEPUB --out CERT`",
+                out.display(),
+                out.display()
+            );
+            eprintln!("the swarm key (pass it as --swarm to every member):");
+            println!("{}", key.public());
+        }
+        Command::Admit {
+            swarm,
+            node,
+            expires,
+            out,
+        } => {
+            let owner = super::key::load_secret_key(&swarm)
+                .with_context(|| format!("--swarm {}: the swarm owner's key", swarm.display()))?;
+            let node = node_key(&node)?;
+            let now = unix_now()?;
+            let expires = parse_expiry(&expires, now).context("--expires")?;
+            let not_before = now.saturating_sub(CLOCK_SKEW_SECS);
+            let cert = Membership::issue(&owner, node, not_before, expires)?;
+            write_cert(&out, &cert)?;
+            eprintln!(
+                "admitted node {node} into swarm {} until {} UTC{}",
+                owner.public(),
+                utc_date_time(expires),
+                if out == Path::new("-") {
+                    String::new()
+                } else {
+                    format!(" ({})", out.display())
                 }
-                (p, true)
-            }
-            None => (
-                std::env::temp_dir().join(format!("stormo-{what}-{}", std::process::id())),
-                keep,
-            ),
-        };
-        std::fs::create_dir_all(&path)
-            .with_context(|| format!("creating the scratch folder {}", path.display()))?;
-        Ok(Self { path, keep })
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if !self.keep {
-            let _ = std::fs::remove_dir_all(&self.path);
+            );
+        }
+        Command::Show { cert } => {
+            let m = read_cert(&cert)?;
+            println!("swarm      {}", m.swarm);
+            println!("node       {}", m.node);
+            println!("not before {} UTC", utc_date_time(m.not_before));
+            println!("expires    {} UTC", utc_date_time(m.expires));
+            let now = unix_now()?;
+            let state = match m.verify(&m.swarm, &m.node, now, &Default::default()) {
+                Ok(()) => "valid now".to_string(),
+                Err(e) => format!("NOT VALID: {e}"),
+            };
+            println!("state      {state}");
         }
     }
-}
-
-/// Runs `stormo swarm`.
-pub fn run(a: Args) -> anyhow::Result<()> {
-    let scenarios: Vec<Scenario> = if a.scenario == "all" {
-        Scenario::ALL.to_vec()
-    } else {
-        vec![a
-            .scenario
-            .parse()
-            .map_err(|e: String| anyhow::anyhow!("--scenario: {e}, or all"))?]
-    };
-    let links = scenarios
-        .iter()
-        .map(|&s| link_for(&a, s))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let timeout =
-        crate::progress::check_secs(a.timeout).map_err(|e| anyhow::anyhow!("--timeout: {e}"))?;
-    anyhow::ensure!(a.max_new_tokens >= 1, "--max-new-tokens must be at least 1");
-    let exe = std::env::current_exe().context("finding the stormo binary")?;
-    let scratch = Scratch::new(a.work.clone(), "swarm", a.keep)?;
-    let model = match &a.model {
-        Some(m) => m.clone(),
-        None => {
-            let dir = scratch.path.join("model");
-            eprintln!("synthesizing a small model in {}", dir.display());
-            small_model(&dir, 32_000)?;
-            dir
-        }
-    };
-    let files = stormo_engine::ModelFiles::open(&model)
-        .with_context(|| format!("loading the model in {}", model.display()))?;
-    let vocab = files.cfg.vocab_size;
-    drop(files);
-    let prompt = match &a.prompt_ids {
-        Some(s) => crate::cmd::run::parse_ids(s, "--prompt-ids")?,
-        None => (0..24u64)
-            .map(|i| ((i * 7919 + 13) % vocab.min(200_000) as u64) as u32)
-            .collect(),
-    };
-    if let Some(bad) = prompt.iter().find(|&&id| id as usize >= vocab) {
-        anyhow::bail!("--prompt-ids: id {bad} is not below the vocabulary size {vocab}");
-    }
-    let reaper_slot = std::sync::Arc::new(std::sync::Mutex::new(Vec::<swarm::Reaper>::new()));
-    crate::cmd::demo::on_interrupt(scratch_guard(&scratch), reaper_slot.clone());
-    let mut reports = Vec::new();
-    for (s, link) in scenarios.iter().zip(links) {
-        let opts = SwarmOptions {
-            exe: exe.clone(),
-            model: model.clone(),
-            work: scratch.path.clone(),
-            prompt: prompt.clone(),
-            max_new_tokens: a.max_new_tokens,
-            link: Some(link),
-            client_cache: a.client_cache.clone(),
-            timeout: Duration::from_secs_f64(timeout),
-            serve_args: match a.congestion {
-                crate::net::tls::Congestion::Cubic => Vec::new(),
-                crate::net::tls::Congestion::Bbr => vec!["--congestion".into(), "bbr".into()],
-            },
-        };
-        let slot = reaper_slot.clone();
-        let keep_reaper = move |r: swarm::Reaper| {
-            slot.lock().unwrap_or_else(|e| e.into_inner()).push(r);
-        };
-        let r = swarm::run_scenario(
-            *s,
-            &opts,
-            &mut |m| eprintln!("swarm: {m}"),
-            Some(&keep_reaper),
-        )
-        .with_context(|| format!("scenario {}", s.name()))?;
-        if !a.json {
-            println!("{}\n", r.table());
-        }
-        reports.push(r);
-    }
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&reports)?);
-    }
-    if a.keep || a.work.is_some() {
-        eprintln!("logs kept in {}", scratch.path.display());
-    }
-    let inexact: Vec<&str> = reports
-        .iter()
-        .filter(|r| !r.token_exact)
-        .map(|r| r.scenario.as_str())
-        .collect();
-    anyhow::ensure!(
-        inexact.is_empty(),
-        "the output was not token-exact in: {}",
-        inexact.join(", ")
-    );
     Ok(())
 }
 
-/// The folder a Ctrl-C handler should remove (none when kept).
-fn scratch_guard(s: &Scratch) -> Option<PathBuf> {
-    (!s.keep).then(|| s.path.clone())
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> anyhow::Result<u64> {
+    Ok(SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .context("the system clock is before 1970")?
+        .as_secs())
+}
+
+/// The node key `--node` names: 64 hex, a secret key file, or `-` (standard input).
+fn node_key(arg: &str) -> anyhow::Result<PublicKey> {
+    if arg == "-" {
+        let mut text = String::new();
+        std::io::stdin()
+            .take(4096)
+            .read_to_string(&mut text)
+            .context("--node -: reading standard input")?;
+        let line = text.lines().map(str::trim).find(|l| !l.is_empty());
+        let line = line.context("--node -: standard input is empty (expected a node key)")?;
+        return line
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--node -: standard input is not a node key: {e}"));
+    }
+    let looks_like_hex = arg.len() == 64 && arg.bytes().all(|b| b.is_ascii_hexdigit());
+    if looks_like_hex || !Path::new(arg).exists() {
+        return arg.parse().map_err(|e| {
+            anyhow::anyhow!(
+                "--node {arg:?}: not a node key ({e}) nor an existing key file; give the \
+                 node's public key (64 hex, as `stormo key show` prints)"
+            )
+        });
+    }
+    Ok(super::key::load_secret_key(Path::new(arg))
+        .with_context(|| format!("--node {arg}"))?
+        .public())
+}
+
+/// The expiry `--expires` names, in Unix seconds: `now` plus a duration, or a UTC date.
+/// Refuses a zero duration and a date that is not after `now`.
+pub fn parse_expiry(s: &str, now: u64) -> anyhow::Result<u64> {
+    let s = s.trim();
+    if let Some((y, m, d)) = parse_date(s) {
+        let at = days_from_civil(y, m, d)
+            .checked_mul(86_400)
+            .and_then(|x| u64::try_from(x).ok())
+            .with_context(|| format!("{s:?}: a date before 1970"))?;
+        anyhow::ensure!(
+            at > now,
+            "{s:?} is in the past (it is {} UTC now)",
+            utc_date_time(now)
+        );
+        return Ok(at);
+    }
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let unit_secs: u64 = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        "w" => 7 * 86_400,
+        "" => anyhow::bail!("{s:?} has no unit: say 30d (days), 12h, 90m, 8w or 3600s"),
+        _ => anyhow::bail!(
+            "{s:?}: expected a duration such as 30d, 12h, 90m, 8w or 3600s, or a date \
+             YYYY-MM-DD"
+        ),
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| anyhow::anyhow!("{s:?}: {num:?} is not a whole number"))?;
+    anyhow::ensure!(n > 0, "{s:?}: a certificate must be valid for some time");
+    n.checked_mul(unit_secs)
+        .and_then(|d| d.checked_add(now))
+        .filter(|&t| t < 1 << 40)
+        .with_context(|| format!("{s:?} is too far in the future"))
+}
+
+/// `YYYY-MM-DD`, if `s` is one (with a month 1-12 and a day 1-31).
+fn parse_date(s: &str) -> Option<(i64, u32, u32)> {
+    let mut it = s.split('-');
+    let (y, m, d) = (it.next()?, it.next()?, it.next()?);
+    if it.next().is_some() || y.len() != 4 || m.len() != 2 || d.len() != 2 {
+        return None;
+    }
+    let (y, m, d) = (y.parse().ok()?, m.parse().ok()?, d.parse().ok()?);
+    ((1..=12).contains(&m) && (1..=31).contains(&d)).then_some((y, m, d))
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
+fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = i64::from((m + 9) % 12);
+    let doy = (153 * mp + 2) / 5 + i64::from(d) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// `YYYY-MM-DD HH:MM` (UTC) of Unix seconds.
+pub fn utc_date_time(secs: u64) -> String {
+    let days = i64::try_from(secs / 86_400).unwrap_or(i64::MAX / 2);
+    let rem = secs % 86_400;
+    // Inverse of days_from_civil.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}",
+        rem / 3600,
+        (rem % 3600) / 60
+    )
+}
+
+fn write_cert(out: &Path, cert: &Membership) -> anyhow::Result<()> {
+    let bytes = cert.to_bytes();
+    if out == Path::new("-") {
+        let mut stdout = std::io::stdout().lock();
+        stdout
+            .write_all(&bytes)
+            .context("writing to standard output")?;
+        return stdout.flush().context("writing to standard output");
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(out)
+        .with_context(|| format!("--out {}", out.display()))?;
+    f.write_all(&bytes)
+        .and_then(|()| f.sync_all())
+        .with_context(|| format!("--out {}", out.display()))
+}
+
+/// Reads a membership certificate file (bounded; a file that is not one is named).
+pub fn read_cert(path: &Path) -> anyhow::Result<Membership> {
+    let bytes = stormo_manifests::read_small_file(path, 4096)
+        .with_context(|| format!("{}: cannot read the membership certificate", path.display()))?;
+    // `read_small_file` caps the size; anything but the exact length fails to decode below.
+    debug_assert!(bytes.len() <= 4096);
+    Membership::from_bytes(&bytes).with_context(|| {
+        format!(
+            "{}: not a membership certificate (`stormo swarm admit` writes {MEMBERSHIP_LEN} bytes)",
+            path.display()
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: u64 = 1_800_000_000; // 2027-01-15 08:00 UTC
+
+    #[test]
+    fn expiries_parse_as_durations_and_dates() {
+        assert_eq!(parse_expiry("30d", NOW).unwrap(), NOW + 30 * 86_400);
+        assert_eq!(parse_expiry("12h", NOW).unwrap(), NOW + 12 * 3600);
+        assert_eq!(parse_expiry("90m", NOW).unwrap(), NOW + 90 * 60);
+        assert_eq!(parse_expiry("2w", NOW).unwrap(), NOW + 14 * 86_400);
+        assert_eq!(parse_expiry("3600s", NOW).unwrap(), NOW + 3600);
+        assert_eq!(utc_date_time(NOW), "2027-01-15 08:00");
+        let at = parse_expiry("2027-06-30", NOW).unwrap();
+        assert_eq!(utc_date_time(at), "2027-06-30 00:00");
+        assert_eq!(days_from_civil(1970, 1, 1), 0);
+        assert_eq!(days_from_civil(2000, 3, 1), 11_017);
+    }
+
+    #[test]
+    fn zero_past_and_malformed_expiries_are_refused_with_the_reason() {
+        let err = |s: &str| parse_expiry(s, NOW).unwrap_err().to_string();
+        assert!(err("0d").contains("valid for some time"), "{}", err("0d"));
+        assert!(
+            err("2026-01-01").contains("in the past"),
+            "{}",
+            err("2026-01-01")
+        );
+        assert!(err("30").contains("no unit"), "{}", err("30"));
+        assert!(err("30y").contains("expected a duration"), "{}", err("30y"));
+        assert!(err("-5d").contains("expected a duration"), "{}", err("-5d"));
+        assert!(err("99999999999999999999d").contains("whole number"));
+        assert!(
+            err("999999999w").contains("too far"),
+            "{}",
+            err("999999999w")
+        );
+    }
 }

@@ -170,6 +170,8 @@ pub struct ServeConfig {
     pub admission: Admission,
     /// How answers are paced.
     pub congestion: tls::Congestion,
+    /// This node's swarm membership certificate, presented in the handshake.
+    pub membership: Option<stormo_manifests::Membership>,
 }
 
 impl Default for ServeConfig {
@@ -179,6 +181,7 @@ impl Default for ServeConfig {
             node_limit: 32,
             admission: Admission::Keys(Default::default()),
             congestion: tls::Congestion::default(),
+            membership: None,
         }
     }
 }
@@ -270,7 +273,11 @@ pub fn start(
 /// The TLS and transport settings of a server with `cfg`'s limits.
 pub fn server_config(secret: &SecretKey, cfg: &ServeConfig) -> anyhow::Result<quinn::ServerConfig> {
     let streams = cfg.per_peer.saturating_mul(2).max(4) + 1;
-    tls::server_config(secret, cfg.admission.clone(), streams, cfg.congestion)
+    let id = tls::Identity {
+        secret,
+        membership: cfg.membership.as_ref(),
+    };
+    tls::server_config_for(id, cfg.admission.clone(), streams, cfg.congestion)
 }
 
 /// Starts serving `holdings` as `secret` on `endpoint` (which may also dial: peers reach this

@@ -229,6 +229,10 @@ struct Inner {
     peers: Mutex<Arc<Vec<Arc<Peer>>>>,
     /// This node's key, for the TLS client configuration of peers added later.
     secret: SecretKey,
+    /// This node's swarm membership certificate, presented to every peer it dials.
+    membership: Option<stormo_manifests::Membership>,
+    /// Which servers it accepts besides the key pinned per peer (a swarm's members).
+    servers: tls::Admission,
     /// Held while choosing a peer and counting the request in flight, so that concurrent
     /// loads spread over the peers.
     choosing: Mutex<()>,
@@ -505,6 +509,8 @@ impl PeerTier {
             schemas,
             peers: Mutex::new(Arc::new(Vec::new())),
             secret: SecretKey::from_seed(&secret.seed()),
+            membership: None,
+            servers: tls::Admission::Any,
             choosing: Mutex::new(()),
             closing: Default::default(),
             local: Default::default(),
@@ -517,6 +523,20 @@ impl PeerTier {
             rt,
             _own: None,
         }
+    }
+
+    /// Dials as a member of a swarm: presents `membership` in every handshake and accepts a
+    /// server only if `servers` admits it (besides proving the pinned key). Call before any
+    /// peer is added.
+    pub fn with_membership(
+        mut self,
+        membership: Option<stormo_manifests::Membership>,
+        servers: tls::Admission,
+    ) -> Self {
+        let inner = Arc::get_mut(&mut self.inner).expect("no peer added yet");
+        inner.membership = membership;
+        inner.servers = servers;
+        self
     }
 
     /// Adds `peers` to the peer set and connects to the new ones (in parallel, each bounded by
@@ -1125,7 +1145,14 @@ impl Inner {
             let peer = Arc::new(Peer {
                 addr: p.clone(),
                 removed: Default::default(),
-                client: tls::client_config(&self.secret, &p.key)?,
+                client: tls::client_config_for(
+                    tls::Identity {
+                        secret: &self.secret,
+                        membership: self.membership.as_ref(),
+                    },
+                    Some(&p.key),
+                    self.servers.clone(),
+                )?,
                 link: Default::default(),
                 state: Mutex::new(PeerView::default()),
             });

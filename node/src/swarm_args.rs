@@ -1,0 +1,273 @@
+//! The swarm options every networked command shares (`--swarm`, `--cert`, `--revoked`,
+//! `--discover`, `--lan-interface`, `--dht-bootstrap`, `--dht-listen`), and their resolution
+//! into a typed [`SwarmConfig`] before any work starts.
+//!
+//! A command flattens [`SwarmArgs`] and calls [`SwarmArgs::resolve`] once with its node key;
+//! the library takes the result ([`SwarmConfig::identity`], [`SwarmConfig::admission`],
+//! [`SwarmConfig::discover`]), never the clap struct.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use stormo_manifests::{Membership, PublicKey, SecretKey};
+
+use crate::discover::{dht::DhtConfig, lan::LanConfig, DiscoverConfig, Source};
+use crate::net::tls::{Admission, Identity, RevokedList, SwarmAdmission};
+
+/// Swarm membership and discovery options.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct SwarmArgs {
+    /// Join the swarm with this key (64 hex, printed by `stormo swarm create`): present
+    /// --cert to peers and admit any peer with a valid certificate of this swarm, checked in
+    /// the handshake both ways. Keys of --allow/--allow-file (or all, --allow-any) are still
+    /// admitted without one.
+    #[arg(long, value_name = "SWARMKEY", requires = "cert")]
+    pub swarm: Option<String>,
+    /// This node's membership certificate, from the swarm owner's `stormo swarm admit`.
+    #[arg(long, value_name = "CERT", requires = "swarm")]
+    pub cert: Option<PathBuf>,
+    /// A file of revoked node keys (one 64-hex key per line, `#` comments), refused even with
+    /// a valid certificate; re-read whenever it changes.
+    #[arg(long, value_name = "FILE", requires = "swarm")]
+    pub revoked: Option<PathBuf>,
+    /// Find peers by themselves: `lan` (mDNS on the local network), `dht` (the BitTorrent
+    /// mainline DHT), or both (`lan,dht`). Off unless given: without it a node never
+    /// announces itself or asks a DHT.
+    #[arg(long, value_delimiter = ',', value_name = "lan,dht")]
+    pub discover: Vec<Source>,
+    /// With --discover lan: announce and listen only on this interface (repeatable; default
+    /// every IPv4 interface but loopback).
+    #[arg(long, value_name = "NAME")]
+    pub lan_interface: Vec<String>,
+    /// With --discover dht: a DHT node to bootstrap from (repeatable; default the public
+    /// mainline bootstrap nodes). Give another stormo node's --dht-listen for a private DHT.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub dht_bootstrap: Vec<String>,
+    /// With --discover dht: the UDP address of this node's own DHT node (IPv4), which makes
+    /// it a full DHT node others can bootstrap from (default: a random port, client mode).
+    #[arg(long, value_name = "ADDR")]
+    pub dht_listen: Option<SocketAddr>,
+}
+
+/// The resolved swarm options.
+#[derive(Clone, Debug, Default)]
+pub struct SwarmConfig {
+    /// The swarm and this node's place in it, if `--swarm`.
+    pub membership: Option<MembershipConfig>,
+    /// Which discovery sources to run.
+    pub discover: DiscoverConfig,
+}
+
+/// A node's swarm: the swarm key, its certificate, the revocation list.
+#[derive(Clone, Debug)]
+pub struct MembershipConfig {
+    /// The swarm key.
+    pub swarm: PublicKey,
+    /// This node's certificate (checked at start: this swarm, this node's key, valid now).
+    pub cert: Membership,
+    /// The revoked keys, re-read when the file changes.
+    pub revoked: Option<Arc<RevokedList>>,
+}
+
+impl SwarmArgs {
+    /// Checks and loads the options for the node whose key is `node` at `now` (Unix seconds):
+    /// the swarm key parses, the certificate file is one, is for that swarm and this node's
+    /// key, and is valid now (so a node never starts with a certificate every peer would
+    /// refuse), and the revocation file reads.
+    pub fn resolve(&self, node: &SecretKey, now: u64) -> anyhow::Result<SwarmConfig> {
+        let membership = match (&self.swarm, &self.cert) {
+            (Some(swarm), Some(cert_path)) => {
+                let swarm: PublicKey = swarm
+                    .parse()
+                    .map_err(|e| anyhow::anyhow!("--swarm {swarm:?}: not a swarm key ({e})"))?;
+                let cert = crate::cmd::swarm::read_cert(cert_path).context("--cert")?;
+                let revoked = match &self.revoked {
+                    Some(p) => Some(Arc::new(RevokedList::load(p)?)),
+                    None => None,
+                };
+                let revoked_now: HashSet<PublicKey> = revoked
+                    .as_ref()
+                    .map(|r| r.with(Clone::clone))
+                    .unwrap_or_default();
+                cert.verify(&swarm, &node.public(), now, &revoked_now)
+                    .with_context(|| {
+                        format!(
+                            "--cert {}: this node ({}) cannot use it in swarm {swarm}",
+                            cert_path.display(),
+                            node.public()
+                        )
+                    })?;
+                Some(MembershipConfig {
+                    swarm,
+                    cert,
+                    revoked,
+                })
+            }
+            (None, None) => None,
+            // clap's `requires` rules this out; a caller building SwarmArgs by hand may not.
+            _ => anyhow::bail!("--swarm and --cert go together"),
+        };
+        let sources: HashSet<Source> = self.discover.iter().copied().collect();
+        let lan = sources.contains(&Source::Lan).then(|| LanConfig {
+            interfaces: self.lan_interface.clone(),
+        });
+        anyhow::ensure!(
+            lan.is_some() || self.lan_interface.is_empty(),
+            "--lan-interface needs --discover lan"
+        );
+        let dht = if sources.contains(&Source::Dht) {
+            let listen = match self.dht_listen {
+                None => None,
+                Some(SocketAddr::V4(a)) => Some(a),
+                Some(SocketAddr::V6(a)) => {
+                    anyhow::bail!("--dht-listen {a}: the mainline DHT runs on IPv4 only")
+                }
+            };
+            Some(DhtConfig {
+                bootstrap: self.dht_bootstrap.clone(),
+                listen,
+                ..DhtConfig::default()
+            })
+        } else {
+            anyhow::ensure!(
+                self.dht_bootstrap.is_empty() && self.dht_listen.is_none(),
+                "--dht-bootstrap and --dht-listen need --discover dht"
+            );
+            None
+        };
+        Ok(SwarmConfig {
+            membership,
+            discover: DiscoverConfig { lan, dht },
+        })
+    }
+}
+
+/// The swarm options of a node whose key file is `key` (`None`: they need none), resolved
+/// now; `None` when no swarm option was given.
+pub fn resolve_for_node(
+    args: &SwarmArgs,
+    key: Option<&std::path::Path>,
+) -> anyhow::Result<Option<SwarmConfig>> {
+    if args.swarm.is_none() && args.cert.is_none() && args.discover.is_empty() {
+        return Ok(None);
+    }
+    let secret = match key {
+        Some(k) => crate::cmd::key::load_secret_key(k).context("--key")?,
+        None if args.cert.is_some() => {
+            anyhow::bail!("--cert needs --key: the certificate names this node's key")
+        }
+        None => SecretKey::generate(),
+    };
+    args.resolve(&secret, crate::cmd::swarm::unix_now()?)
+        .map(Some)
+}
+
+impl SwarmConfig {
+    /// This node's handshake identity: its key, and its certificate in a swarm.
+    pub fn identity<'a>(&'a self, secret: &'a SecretKey) -> Identity<'a> {
+        Identity {
+            secret,
+            membership: self.membership.as_ref().map(|m| &m.cert),
+        }
+    }
+
+    /// Whom this node admits: the swarm's members (if `--swarm`) and the keys of `allow`
+    /// (`--allow`, `--allow-file`), or anyone (`--allow-any`).
+    pub fn admission(&self, allow: &[PublicKey], allow_any: bool) -> Admission {
+        let keys: HashSet<[u8; 32]> = allow.iter().map(|k| *k.as_bytes()).collect();
+        match &self.membership {
+            None if allow_any => Admission::Any,
+            None => Admission::Keys(keys),
+            Some(m) => Admission::Swarm(Arc::new(SwarmAdmission {
+                swarm: m.swarm,
+                allow: keys,
+                allow_any,
+                revoked: m.revoked.clone(),
+            })),
+        }
+    }
+
+    /// The swarm key, if any (what discovery derives its topics from).
+    pub fn swarm(&self) -> Option<PublicKey> {
+        self.membership.as_ref().map(|m| m.swarm)
+    }
+}
+
+/// Parses a discovery announcement port: the port part of `--listen` (0 is refused: peers
+/// cannot dial it).
+pub fn announced_port(listen: SocketAddr) -> anyhow::Result<u16> {
+    anyhow::ensure!(
+        listen.port() != 0,
+        "--discover needs a fixed --listen port (peers dial the port announced)"
+    );
+    Ok(listen.port())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct T {
+        #[command(flatten)]
+        s: SwarmArgs,
+    }
+
+    const NOW: u64 = 1_800_000_000;
+
+    #[test]
+    fn options_resolve_and_name_what_is_wrong() {
+        let dir = tempfile::tempdir().unwrap();
+        let owner = SecretKey::from_seed(&[1; 32]);
+        let node = SecretKey::from_seed(&[2; 32]);
+        let cert = Membership::issue(&owner, node.public(), NOW - 10, NOW + 100).unwrap();
+        let cert_path = dir.path().join("node.cert");
+        std::fs::write(&cert_path, cert.to_bytes()).unwrap();
+        let swarm = owner.public().to_string();
+        let cp = cert_path.to_str().unwrap();
+
+        let parse = |args: &[&str]| {
+            let mut v = vec!["t"];
+            v.extend_from_slice(args);
+            T::try_parse_from(v).map(|t| t.s)
+        };
+        let a = parse(&["--swarm", &swarm, "--cert", cp, "--discover", "lan,dht"]).unwrap();
+        let c = a.resolve(&node, NOW).unwrap();
+        assert_eq!(c.swarm(), Some(owner.public()));
+        assert!(c.discover.lan.is_some() && c.discover.dht.is_some());
+        assert!(matches!(c.admission(&[], false), Admission::Swarm(_)));
+        assert!(c.identity(&node).membership.is_some());
+
+        // --swarm without --cert, and the other way, are clap errors.
+        assert!(parse(&["--swarm", &swarm]).is_err());
+        assert!(parse(&["--cert", cp]).is_err());
+        assert!(parse(&["--discover", "wifi"]).is_err());
+        // Another node's certificate, an expired one, another swarm: named at start.
+        let other = SecretKey::from_seed(&[3; 32]);
+        let e = format!("{:#}", a.resolve(&other, NOW).unwrap_err());
+        assert!(e.contains("bound to node"), "{e}");
+        let e = format!("{:#}", a.resolve(&node, NOW + 100).unwrap_err());
+        assert!(e.contains("expired"), "{e}");
+        let b = parse(&["--swarm", &other.public().to_string(), "--cert", cp]).unwrap();
+        let e = format!("{:#}", b.resolve(&node, NOW).unwrap_err());
+        assert!(e.contains("not this swarm"), "{e}");
+        // Discovery options without their source.
+        let e = parse(&["--lan-interface", "eth0"])
+            .unwrap()
+            .resolve(&node, NOW);
+        assert!(e.unwrap_err().to_string().contains("--discover lan"));
+        let e = parse(&["--dht-bootstrap", "127.0.0.1:1"])
+            .unwrap()
+            .resolve(&node, NOW);
+        assert!(e.unwrap_err().to_string().contains("--discover dht"));
+        // Off unless asked.
+        let none = parse(&[]).unwrap().resolve(&node, NOW).unwrap();
+        assert!(!none.discover.is_on() && none.membership.is_none());
+        assert!(matches!(none.admission(&[], false), Admission::Keys(_)));
+        assert!(matches!(none.admission(&[], true), Admission::Any));
+    }
+}
