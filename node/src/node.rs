@@ -88,6 +88,8 @@ pub struct Node {
     server: Mutex<Option<ServerHandle>>,
     holdings: Option<Arc<Holdings>>,
     state: StatePaths,
+    /// Running discovery (dropping it stops announcing), when asked for.
+    discovery: Mutex<Option<crate::discover::Discovery>>,
 }
 
 impl std::fmt::Debug for Node {
@@ -164,7 +166,8 @@ impl Node {
             .as_ref()
             .is_none_or(|a| a.iter().flatten().any(|&on| on));
         let p = &cfg.peers;
-        let has_peers = !p.peers.is_empty();
+        let discovering = cfg.swarm.as_ref().is_some_and(|s| s.discover.is_on());
+        let has_peers = !p.peers.is_empty() || discovering;
         let needs_manifest = has_peers || p.keep.is_some() || cfg.listen.is_some();
         if !needs_manifest {
             // These check the manifest that verifies experts from peers or kept experts; with
@@ -190,8 +193,9 @@ impl Node {
         }
         if !uses_local && !has_peers && p.keep.is_none() && cfg.listen.is_none() {
             anyhow::bail!(
-                "{} holds no experts this node may use{}: give --peer KEY@HOST:PORT so experts \
-                 come from peers (or --expert-dir with experts kept earlier)",
+                "{} holds no experts this node may use{}: give --peer KEY@HOST:PORT (or \
+                 --discover with --swarm) so experts come from peers, or --expert-dir with \
+                 experts kept earlier",
                 dir.display(),
                 if dense_only {
                     format!(
@@ -241,13 +245,14 @@ impl Node {
         };
         let manifest = match (&secret, needs_manifest) {
             (Some(secret), true) => {
-                let (m, id, bytes) = if !has_peers && p.model_id.is_none() && p.trust.is_empty() {
-                    // No peer's bytes to check: the folder's own manifest describes what this
-                    // node serves and keeps (its peers check it against their own pin).
-                    own_manifest(&dir, p.manifest.as_deref())?
-                } else {
-                    net::resolve_manifest(&dir, p, secret, &rt)?
-                };
+                let (m, id, bytes) =
+                    if (p.peers.is_empty()) && p.model_id.is_none() && p.trust.is_empty() {
+                        // No peer's bytes to check: the folder's own manifest describes what this
+                        // node serves and keeps (its peers check it against their own pin).
+                        own_manifest(&dir, p.manifest.as_deref())?
+                    } else {
+                        net::resolve_manifest(&dir, p, secret, &rt)?
+                    };
                 net::serve::check_layout(&m, &files.layout.sizes())
                     .context("the manifest does not describe this checkpoint")?;
                 Some(NodeManifest {
@@ -358,10 +363,14 @@ impl Node {
             server: Mutex::new(None),
             holdings: None,
             state,
+            discovery: Mutex::new(None),
             cfg,
         };
         if node.cfg.listen.is_some() {
             node.start_serving(allowed.as_deref(), dense_only)?;
+        }
+        if discovering {
+            node.start_discovery()?;
         }
         Ok(node)
     }
@@ -438,6 +447,90 @@ impl Node {
         });
         self.holdings = Some(holdings);
         *self.server.lock().expect("server lock") = Some(h);
+        Ok(())
+    }
+
+    /// Announces this node and feeds the peers that discovery finds into the peer set: a LAN
+    /// record names its key (proven in the handshake when dialled), a DHT record only
+    /// addresses, so such a peer is dialled once to learn the key it proves. Without peers
+    /// given on the command line, waits (bounded) for the first peer that answers, so a run
+    /// that starts at once has someone to ask.
+    fn start_discovery(&self) -> anyhow::Result<()> {
+        let (Some(sw), Some(secret), Some(ep), Some(m), Some(tier)) = (
+            self.cfg.swarm.as_ref(),
+            self.secret.as_ref(),
+            self.endpoint.as_ref(),
+            self.manifest.as_ref(),
+            self.peers.clone(),
+        ) else {
+            anyhow::bail!("discovery needs the node's key, endpoint, manifest and network tier");
+        };
+        let port = ep.local_addr().context("the bound address")?.port();
+        let me = secret.public();
+        let announce = crate::discover::Announce {
+            node: me,
+            port,
+            models: vec![m.id],
+            swarm: sw.swarm(),
+        };
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<crate::discover::Discovered>(64);
+        let discovery = {
+            let _g = self.rt.enter();
+            crate::discover::start(&sw.discover, &announce, tx)?
+        };
+        *self.discovery.lock().expect("discovery lock") = Some(discovery);
+        let client =
+            net::tls::client_config_for(sw.identity(secret), None, sw.admission(&[], true))?;
+        let (ep, model) = (ep.clone(), m.id);
+        self.rt.spawn(async move {
+            let mut known: std::collections::HashSet<SocketAddr> = Default::default();
+            while let Some(d) = rx.recv().await {
+                if d.model != model || d.key == Some(me) {
+                    continue;
+                }
+                let fresh: Vec<SocketAddr> = d
+                    .addrs
+                    .iter()
+                    .copied()
+                    .filter(|a| known.insert(*a))
+                    .collect();
+                for addr in fresh {
+                    let key = match d.key {
+                        Some(k) => Some(k),
+                        // A DHT record carries no key: dial once to learn the one it proves.
+                        None => learn_key(&ep, client.clone(), addr).await,
+                    };
+                    let Some(key) = key.filter(|k| *k != me) else {
+                        known.remove(&addr);
+                        continue;
+                    };
+                    tracing::info!(
+                        "discovered peer {}@{addr} ({:?})",
+                        net::short_key(&key),
+                        d.via
+                    );
+                    let tier = tier.clone();
+                    let peer = PeerAddr { key, addr };
+                    if let Err(e) = tier.add_peers(std::slice::from_ref(&peer)) {
+                        tracing::warn!("discovered peer {peer}: {e:#}");
+                    }
+                }
+            }
+        });
+        if self.cfg.peers.peers.is_empty() {
+            let until = std::time::Instant::now() + DISCOVERY_WAIT;
+            let t = self.peers.clone().expect("checked above");
+            while std::time::Instant::now() < until && !t.inventories().iter().any(Option::is_some)
+            {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            if !t.inventories().iter().any(Option::is_some) {
+                tracing::warn!(
+                    "discovery found no peer within {} s; peers found later are used as they come",
+                    DISCOVERY_WAIT.as_secs()
+                );
+            }
+        }
         Ok(())
     }
 
@@ -651,6 +744,26 @@ fn adopt_pulled_and_kept(cfg: &mut NodeConfig) -> anyhow::Result<()> {
 /// The most kept experts a node holds per model when it was not told (`--expert-dir-limit`'s
 /// default).
 pub const DEFAULT_KEEP_LIMIT: u64 = 16 << 30;
+
+/// How long a node given no peer waits for discovery to find the first one.
+const DISCOVERY_WAIT: Duration = Duration::from_secs(15);
+
+/// The key a peer at `addr` proves in a handshake (the connection is closed again at once).
+async fn learn_key(
+    ep: &quinn::Endpoint,
+    client: quinn::ClientConfig,
+    addr: SocketAddr,
+) -> Option<PublicKey> {
+    let connecting = ep.connect_with(client, addr, "stormo").ok()?;
+    let conn = tokio::time::timeout(net::CONNECT_TIMEOUT, connecting)
+        .await
+        .ok()?
+        .map_err(|e| tracing::debug!("discovered address {addr}: {e}"))
+        .ok()?;
+    let key = net::tls::peer_key(&conn).map(|k| PublicKey::from_bytes(&k));
+    conn.close(0u32.into(), b"key learned");
+    key.and_then(Result::ok)
+}
 
 /// Waits for SIGINT or SIGTERM; returns which.
 pub async fn shutdown_signal() -> anyhow::Result<&'static str> {

@@ -372,6 +372,9 @@ pub struct Args {
     /// `stormo pull` holds only the dense weights; its experts come from the peers).
     #[command(flatten)]
     pub net: PeerArgs,
+    /// Swarm membership and discovery (peers found by themselves instead of --peer).
+    #[command(flatten)]
+    pub swarm: crate::swarm_args::SwarmArgs,
 }
 
 /// How a conversation is rendered and the reply's reasoning shown (`run --prompt`, `chat`).
@@ -534,7 +537,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             context: a.context,
             peers: a.net.resolve(false)?,
             listen: None,
-            swarm: None,
+            swarm: crate::swarm_args::resolve_for_node(&a.swarm, a.net.key.as_deref())?,
         },
         &load,
     )?;

@@ -99,9 +99,12 @@ pub struct Args {
     /// Peers below the disk (the network tier).
     #[command(flatten)]
     pub net: PeerArgs,
-    /// Use no local experts: every expert comes from peers (the node holds only the dense
-    /// weights, routers and the manifest).
-    #[arg(long, requires = "peers")]
+    /// Swarm membership and discovery (peers found by themselves instead of --peer).
+    #[command(flatten)]
+    pub swarm: crate::swarm_args::SwarmArgs,
+    /// Use no local experts: every expert comes from peers (--peer, or found with
+    /// --discover; the node holds only the dense weights, routers and the manifest).
+    #[arg(long)]
     pub no_local_experts: bool,
     /// Use only these local experts: `0-15` (the same experts in every layer) or per layer
     /// `0:0-7,1:8-15` (layers not named: none); the others come from peers.
@@ -273,7 +276,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         context,
         peers: a.net.resolve(false)?,
         listen: None,
-        swarm: None,
+        swarm: crate::swarm_args::resolve_for_node(&a.swarm, a.net.key.as_deref())?,
     })?;
     let model = node.load_model(&LoadOptions {
         prefill_block: a.prefill_block,
