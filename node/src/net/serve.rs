@@ -153,8 +153,10 @@ pub struct ServeStats {
     pub busy: AtomicU64,
     /// Connections closed for a protocol violation.
     pub violations: AtomicU64,
-    /// Bytes of answers held in memory now (records read for requests being sent). Bounded by
-    /// the node-wide request limit times the largest record.
+    /// Bytes of answers held in memory now: the bytes of each request being answered, from
+    /// when they are read until the peer has acknowledged them (QUIC's send buffers hold the
+    /// same allocation, not a copy). Bounded by the node-wide request limit (`--max-requests`)
+    /// times the largest answer (an expert record, or a `GetFile` range).
     pub buffered: AtomicU64,
     /// The most `buffered` has been.
     pub buffered_peak: AtomicU64,
@@ -474,16 +476,19 @@ async fn serve_one(
         let _ = send.set_priority(-1);
     }
     let mut off = offset;
-    for chunk in bytes.chunks(DATA_CHUNK) {
+    let mut at = 0;
+    while at < bytes.len() {
         if !server.lock().expect("server state lock").is_active(id) {
             return;
         }
-        let prefix = data_frame_prefix(id, off, chunk.len());
-        let sent = async {
-            send.write_all(&prefix).await?;
-            send.write_all(chunk).await
-        }
-        .await;
+        let chunk = bytes.slice(at..(at + DATA_CHUNK).min(bytes.len()));
+        at += chunk.len();
+        let n = chunk.len() as u64;
+        // Handed to QUIC as slices of the answer (`write_all_chunks` keeps the `Bytes`, where
+        // `write_all` would copy them into its send buffer): the bytes of an answer are held
+        // once, whether still here or queued in QUIC until acknowledged.
+        let mut frame = [Bytes::from(data_frame_prefix(id, off, chunk.len())), chunk];
+        let sent = send.write_all_chunks(&mut frame).await;
         if sent.is_err() {
             // The peer reset or stopped the stream: the same as a Cancel.
             let mut s = server.lock().expect("server state lock");
@@ -491,7 +496,7 @@ async fn serve_one(
             let _ = drain(&mut s);
             return;
         }
-        off += chunk.len() as u64;
+        off += n;
     }
     let out = {
         let mut s = server.lock().expect("server state lock");
@@ -503,6 +508,11 @@ async fn serve_one(
             return;
         }
     }
+    // The node's slot and the gauge are held until the peer has acknowledged the whole answer
+    // (or stopped the stream, or the wait timed out): until then QUIC's send buffer still
+    // holds its bytes, and a new request admitted meanwhile would hold more than the bound.
+    let _ = send.finish();
+    let _ = tokio::time::timeout(tls::IDLE_TIMEOUT, send.stopped()).await;
     shared.stats.served.fetch_add(1, Ordering::Relaxed);
     shared
         .stats
@@ -566,22 +576,24 @@ async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (E
                 ));
             };
             let range = req.resolve(entry.len)?;
-            let record = record(h.experts.clone(), expert).await.map_err(|e| {
-                tracing::warn!("reading expert {expert} to serve it: {e:#}");
-                (
-                    ErrorCode::INTERNAL,
-                    format!("reading expert {expert} failed"),
-                )
-            })?;
-            if record.len() as u64 != entry.len {
+            // Only the bytes asked for are copied out of the provider's record (a resumed
+            // fetch asks for a suffix): the answer held is no larger than what is sent.
+            let (len, bytes) = record_range(h.experts.clone(), expert, range.offset, range.len)
+                .await
+                .map_err(|e| {
+                    tracing::warn!("reading expert {expert} to serve it: {e:#}");
+                    (
+                        ErrorCode::INTERNAL,
+                        format!("reading expert {expert} failed"),
+                    )
+                })?;
+            if len != entry.len {
                 return Err((
                     ErrorCode::INTERNAL,
                     format!("expert {expert} has an unexpected length"),
                 ));
             }
-            let start = range.offset as usize;
-            let end = start + range.len as usize;
-            Ok((record.slice(start..end), range.offset))
+            Ok((bytes, range.offset))
         }
     }
 }
@@ -692,16 +704,37 @@ async fn read_range(
 
 /// Expert `id`'s record (its parts back to back), from the provider on a blocking thread.
 pub async fn record(experts: Arc<dyn ExpertProvider>, id: ExpertId) -> anyhow::Result<Bytes> {
-    tokio::task::spawn_blocking(move || -> anyhow::Result<Bytes> {
+    let (_, bytes) = record_range(experts, id, 0, u64::MAX).await?;
+    Ok(bytes)
+}
+
+/// The record's length and its bytes `offset..offset + len` (clamped to the record), copied
+/// from the provider on a blocking thread: only those bytes are allocated.
+pub async fn record_range(
+    experts: Arc<dyn ExpertProvider>,
+    id: ExpertId,
+    offset: u64,
+    len: u64,
+) -> anyhow::Result<(u64, Bytes)> {
+    tokio::task::spawn_blocking(move || -> anyhow::Result<(u64, Bytes)> {
         let mut out = Vec::with_capacity(1);
         experts.fetch(id.layer as usize, &[id.expert as usize], &mut out)?;
         let data = out.pop().context("the provider returned no expert")?;
-        let len: usize = data.parts().map(<[u8]>::len).sum();
-        let mut buf = Vec::with_capacity(len);
+        let total: u64 = data.parts().map(|p| p.len() as u64).sum();
+        let start = offset.min(total);
+        let end = offset.saturating_add(len).min(total);
+        let mut buf = Vec::with_capacity(usize::try_from(end - start).context("range too large")?);
+        let mut at = 0u64;
         for p in data.parts() {
-            buf.extend_from_slice(p);
+            let (a, b) = (at, at + p.len() as u64);
+            at = b;
+            if b <= start || a >= end {
+                continue;
+            }
+            let (from, to) = (start.max(a) - a, end.min(b) - a);
+            buf.extend_from_slice(&p[from as usize..to as usize]);
         }
-        Ok(Bytes::from(buf))
+        Ok((total, Bytes::from(buf)))
     })
     .await
     .context("the expert reader panicked")?
@@ -778,9 +811,10 @@ fn holdings(
         })
         .transpose()?
     };
-    let sig = std::fs::read(stormo_manifests::ManifestPaths::resolve(dir, manifest).sig)
-        .ok()
-        .map(Bytes::from);
+    let sig = own_signature(
+        &stormo_manifests::ManifestPaths::resolve(dir, manifest).sig,
+        &bytes,
+    )?;
     let inventory = Holdings::inventory_of(&m, allowed.as_deref())?;
     let withheld = m
         .experts
@@ -807,6 +841,32 @@ fn holdings(
             withheld,
         })),
     })
+}
+
+/// The manifest's signature file at `path`, if there is one, checked against the manifest it
+/// sits beside (`manifest_bytes`): a signature that is not valid, or is over another manifest,
+/// is refused rather than served to peers (who would refuse the manifest with it). Whose key
+/// signed it is the peers' business (`--trust`), not checked here.
+pub fn own_signature(
+    path: &std::path::Path,
+    manifest_bytes: &[u8],
+) -> anyhow::Result<Option<Bytes>> {
+    const MAX_SIG_FILE: u64 = 4096;
+    let raw = match stormo_manifests::read_small_file(path, MAX_SIG_FILE) {
+        Ok(raw) => raw,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let sig = stormo_manifests::ManifestSignature::from_bytes(&raw)
+        .with_context(|| format!("{} is not a manifest signature", path.display()))?;
+    sig.check(manifest_bytes).with_context(|| {
+        format!(
+            "refusing to serve: {} does not verify against the manifest beside it \
+             (sign the manifest again, or remove the signature file)",
+            path.display()
+        )
+    })?;
+    Ok(Some(Bytes::from(raw)))
 }
 
 /// Checks that `m` lists exactly the experts of a checkpoint with record sizes `sizes`.
