@@ -436,6 +436,7 @@ fn a_client_refuses_a_live_server_under_another_key_than_the_pinned_one() {
             None,
             unhedged(Duration::from_secs(2)),
         ))
+        .map(|(id, _)| id)
         .expect_err("a server under another key was accepted");
     let e = format!("{e:#}");
     assert!(e.contains(&impostor.to_string()), "{e}");
@@ -470,6 +471,7 @@ fn a_server_without_an_allow_list_refuses_every_client() {
                 None,
                 unhedged(Duration::from_secs(2)),
             ))
+            .map(|(id, _)| id)
             .expect_err("a server with no allow-list admitted a client");
         assert!(format!("{e:#}").contains("a key was refused"), "{e:#}");
     }
@@ -890,14 +892,14 @@ fn fault_hostile_messages_from_a_client_leave_the_server_unharmed() {
 /// Killed mid-expert (issue 40 item 2): a holder that sends part of an expert and then
 /// vanishes (no packet more, as a killed process) while another holder has the expert: the
 /// load completes from the other within the documented 5 s of silence plus margin, not the
-/// connection's 10 s idle timeout.
+/// connection's 10 s idle timeout. (This in-process kill, mid-answer, passes today; a
+/// `stormo serve` process killed or stopped, below, still costs 10 s.)
 #[test]
-#[ignore = "needs the peer-policy fixes of the Node (issue 34/40 items 2,3,5a)"]
 fn fault_peer_killed_mid_expert_falls_over_within_the_silence_deadline() {
     let m = multi_chunk_model();
     // Sends chunk 0 and then nothing (held far past every deadline), as a peer killed after
     // its first chunk; then the test kills it for real.
-    let dying = HostilePeer::start(
+    let mut dying = HostilePeer::start(
         196,
         m.dir.path(),
         Arc::new(|_, _| Answer::PartThenSilence { bytes: 16 << 10 }),
@@ -916,12 +918,13 @@ fn fault_peer_killed_mid_expert_falls_over_within_the_silence_deadline() {
     let keys = all_keys(m.dir.path());
     let killer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(300));
-        drop(dying);
+        dying.kill();
+        dying
     });
     for (k, r) in load(&tier, &keys, Duration::from_secs(60)) {
         r.unwrap_or_else(|e| panic!("expert {k}: {e}"));
     }
-    killer.join().expect("killer");
+    let _dead = killer.join().expect("killer");
     let took = t0.elapsed();
     assert!(
         took < Duration::from_secs(8),
@@ -986,70 +989,149 @@ fn fault_a_peer_caught_sending_bad_bytes_is_dropped_for_the_session() {
     tier.close();
 }
 
-/// SIGSTOP and resume (issue 40 item 2): a `stormo serve` process stopped while another
-/// holder has every expert costs the loads at most the silence deadline; resumed, it serves
-/// again.
-#[test]
-#[ignore = "needs the peer-policy fixes of the Node (issue 34/40 items 2,3,5a)"]
-fn fault_peer_stopped_and_resumed() {
-    let m = fixture_copy("qwen3moe-tiny");
-    let key_dir = tempfile::tempdir().expect("tempdir");
-    let key_file = key_dir.path().join("node.key");
-    let server_key = SecretKey::from_seed(&[202; 32]);
-    server_key.write_new(&key_file).expect("key file");
-    let port = {
-        let s = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-        s.local_addr().expect("addr").port()
-    };
-    let mut child = std::process::Command::new(crate::demo::stormo_exe())
-        .args(["serve", "--model"])
-        .arg(m.dir.path())
-        .args(["--listen", &format!("127.0.0.1:{port}"), "--key"])
-        .arg(&key_file)
-        .args([
-            "--allow",
-            &client_key().public().to_string(),
-            "--no-hot-store",
-        ])
-        .env("XDG_CACHE_HOME", key_dir.path())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("stormo serve starts");
-    let stopped = PeerAddr {
-        key: server_key.public(),
-        addr: format!("127.0.0.1:{port}").parse().expect("address"),
-    };
-    std::thread::sleep(Duration::from_secs(2));
-    let good = Node::start(203, m.dir.path(), "auto", admit_client());
+/// A `stormo serve` process of `m` (key `seed`, admitting the test client) on a free
+/// loopback port, and its address; it is killed when the guard drops.
+struct ServeProcess {
+    child: std::process::Child,
+    addr: PeerAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl ServeProcess {
+    fn start(m: &Signed, seed: u8) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key_file = dir.path().join("node.key");
+        let key = SecretKey::from_seed(&[seed; 32]);
+        key.write_new(&key_file).expect("key file");
+        let port = {
+            let s = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+            s.local_addr().expect("addr").port()
+        };
+        let child = std::process::Command::new(crate::demo::stormo_exe())
+            .args(["serve", "--model"])
+            .arg(m.dir.path())
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--key"])
+            .arg(&key_file)
+            .args([
+                "--allow",
+                &client_key().public().to_string(),
+                "--no-hot-store",
+            ])
+            .env("XDG_CACHE_HOME", dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("stormo serve starts");
+        let addr = PeerAddr {
+            key: key.public(),
+            addr: format!("127.0.0.1:{port}").parse().expect("address"),
+        };
+        // ready once it hands out its manifest
+        let rt = runtime();
+        let until = Instant::now() + Duration::from_secs(20);
+        while rt
+            .block_on(net::tier::fetch_manifest(
+                &client_key(),
+                &addr,
+                None,
+                unhedged(Duration::from_secs(1)),
+            ))
+            .is_err()
+        {
+            assert!(Instant::now() < until, "stormo serve did not come up");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Self {
+            child,
+            addr,
+            _dir: dir,
+        }
+    }
+
+    fn signal(&self, sig: &str) {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .expect("kill runs")
+            .success();
+        assert!(ok, "kill {sig} failed");
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        let _ = self.signal_quietly();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl ServeProcess {
+    fn signal_quietly(&self) -> std::io::Result<std::process::ExitStatus> {
+        std::process::Command::new("kill")
+            .args(["-CONT", &self.child.id().to_string()])
+            .status()
+    }
+}
+
+/// Loads every expert of `m` from a `stormo serve` process (sent `sig` once the client is
+/// connected) and an in-process holder of everything: how long the loads took (each must
+/// succeed), and the process.
+fn loads_past_a_signalled_process(m: &Signed, seed: u8, sig: &str) -> (Duration, ServeProcess) {
+    let proc = ServeProcess::start(m, seed);
+    let good = Node::start(seed + 1, m.dir.path(), "auto", admit_client());
     let tier = peer_tier(
-        &m,
-        vec![stopped, good.addr()],
+        m,
+        vec![proc.addr.clone(), good.addr()],
         PeerConfig {
             hedge_min: Duration::from_secs(60),
             hedge_max: Duration::from_secs(60),
             ..PeerConfig::default()
         },
     );
-    let signal = |sig: &str| {
-        std::process::Command::new("kill")
-            .args([sig, &child.id().to_string()])
-            .status()
-            .expect("kill runs");
-    };
-    signal("-STOP");
+    proc.signal(sig);
     let t0 = Instant::now();
-    let keys = all_keys(m.dir.path());
-    for (k, r) in load(&tier, &keys, Duration::from_secs(60)) {
-        r.unwrap_or_else(|e| panic!("expert {k}: {e}"));
+    for (k, r) in load(&tier, &all_keys(m.dir.path()), Duration::from_secs(60)) {
+        r.unwrap_or_else(|e| panic!("expert {k} with the peer sent {sig}: {e}"));
     }
     let took = t0.elapsed();
-    signal("-CONT");
-    let _ = child.kill();
-    let _ = child.wait();
+    tier.close();
+    (took, proc)
+}
+
+/// SIGSTOP and resume (issue 40 item 2): a `stormo serve` process stopped while another
+/// holder has every expert costs the loads at most the silence deadline (5 s) plus margin,
+/// not the connection's 10 s idle timeout; resumed, it serves again.
+#[test]
+#[ignore = "needs the peer-policy fixes of the Node (issue 34/40 items 2,3,5a)"]
+fn fault_peer_stopped_and_resumed() {
+    let m = fixture_copy("qwen3moe-tiny");
+    let (took, proc) = loads_past_a_signalled_process(&m, 202, "-STOP");
+    proc.signal("-CONT");
     assert!(
         took < Duration::from_secs(8),
         "a stopped peer stalled the loads for {took:?}"
     );
+    let tier = peer_tier(
+        &m,
+        vec![proc.addr.clone()],
+        unhedged(Duration::from_secs(5)),
+    );
+    for (k, r) in load(&tier, &[ExpertKey::new(0, 0)], Duration::from_secs(30)) {
+        r.unwrap_or_else(|e| panic!("expert {k} from the resumed peer: {e}"));
+    }
     tier.close();
+}
+
+/// Killed (SIGKILL) with another holder left (issue 40 item 2): the loads go on from the
+/// other within the silence deadline plus margin.
+#[test]
+#[ignore = "needs the peer-policy fixes of the Node (issue 34/40 items 2,3,5a)"]
+fn fault_peer_process_killed_falls_over_within_the_silence_deadline() {
+    let m = fixture_copy("qwen3moe-tiny");
+    let (took, _proc) = loads_past_a_signalled_process(&m, 204, "-KILL");
+    assert!(
+        took < Duration::from_secs(8),
+        "a killed peer stalled the loads for {took:?}"
+    );
 }

@@ -152,6 +152,14 @@ impl HostilePeer {
         }
     }
 
+    /// Stops it as a killed process stops: no packet more, not even a close (its runtime,
+    /// which drives the endpoint, is shut down).
+    pub(crate) fn kill(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+
     /// What it observed so far, in order.
     pub(crate) fn observed(&self) -> Vec<Observed> {
         self.observed.lock().expect("log lock").clone()
