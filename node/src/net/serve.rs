@@ -154,9 +154,10 @@ pub struct ServeStats {
     /// Connections closed for a protocol violation.
     pub violations: AtomicU64,
     /// Bytes of answers held in memory now: the bytes of each request being answered, from
-    /// when they are read until the peer has acknowledged them (QUIC's send buffers hold the
-    /// same allocation, not a copy). Bounded by the node-wide request limit (`--max-requests`)
-    /// times the largest answer (an expert record, or a `GetFile` range).
+    /// when they are read until the peer has acknowledged them (QUIC's send buffers hold
+    /// slices of the same bytes, not a copy; an expert's answer is the provider's record
+    /// itself). Bounded by the node-wide request limit (`--max-requests`) times the largest
+    /// answer (an expert record, or a `GetFile` range).
     pub buffered: AtomicU64,
     /// The most `buffered` has been.
     pub buffered_peak: AtomicU64,
@@ -462,8 +463,8 @@ async fn serve_one(
             }
         }
     };
-    let (bytes, offset, _permit) = match answer {
-        Ok(((bytes, offset), permit)) => (bytes, offset, permit),
+    let (parts, offset, _permit) = match answer {
+        Ok(((parts, offset), permit)) => (parts, offset, permit),
         Err((code, msg)) => {
             for m in fail(server, id, code, msg) {
                 let _ = super::write_message(send, &m).await;
@@ -471,18 +472,21 @@ async fn serve_one(
             return;
         }
     };
-    let _held = Buffered::new(&shared.stats, bytes.len() as u64);
+    let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+    let _held = Buffered::new(&shared.stats, total);
     if req.priority == stormo_wire::Priority::Prefetch {
         let _ = send.set_priority(-1);
     }
     let mut off = offset;
-    let mut at = 0;
-    while at < bytes.len() {
+    let chunks = parts.iter().flat_map(|p| {
+        (0..p.len())
+            .step_by(DATA_CHUNK)
+            .map(move |at| p.slice(at..(at + DATA_CHUNK).min(p.len())))
+    });
+    for chunk in chunks {
         if !server.lock().expect("server state lock").is_active(id) {
             return;
         }
-        let chunk = bytes.slice(at..(at + DATA_CHUNK).min(bytes.len()));
-        at += chunk.len();
         let n = chunk.len() as u64;
         // Handed to QUIC as slices of the answer (`write_all_chunks` keeps the `Bytes`, where
         // `write_all` would copy them into its send buffer): the bytes of an answer are held
@@ -514,15 +518,16 @@ async fn serve_one(
     let _ = send.finish();
     let _ = tokio::time::timeout(tls::IDLE_TIMEOUT, send.stopped()).await;
     shared.stats.served.fetch_add(1, Ordering::Relaxed);
-    shared
-        .stats
-        .bytes
-        .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-    tracing::debug!("served {} ({} bytes) to {peer}", req.resource, bytes.len());
+    shared.stats.bytes.fetch_add(total, Ordering::Relaxed);
+    tracing::debug!("served {} ({total} bytes) to {peer}", req.resource);
 }
 
-/// The bytes to send for `req` and their offset in the resource, or the error to answer.
-async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (ErrorCode, String)> {
+/// The bytes to send for `req` (in pieces, back to back) and their offset in the resource, or
+/// the error to answer.
+async fn resolve(
+    shared: &Shared,
+    req: &ServeRequest,
+) -> Result<(Vec<Bytes>, u64), (ErrorCode, String)> {
     let h = &shared.holdings;
     match req.resource {
         Resource::File {
@@ -540,7 +545,7 @@ async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (E
             match file_source(&h.manifest, &share, name, req)? {
                 FileSource::Bytes(b, range) => {
                     let (s, e) = (range.offset as usize, (range.offset + range.len) as usize);
-                    Ok((b.slice(s..e), range.offset))
+                    Ok((vec![b.slice(s..e)], range.offset))
                 }
                 FileSource::Disk(range) => {
                     let path = share.dir.join(name);
@@ -548,7 +553,7 @@ async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (E
                         tracing::warn!("reading {name} to serve it: {e:#}");
                         (ErrorCode::INTERNAL, format!("reading {name} failed"))
                     })?;
-                    Ok((bytes, range.offset))
+                    Ok((vec![bytes], range.offset))
                 }
             }
         }
@@ -559,7 +564,7 @@ async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (E
                     format!("no manifest of {}", model.short()),
                 ));
             }
-            Ok((h.manifest_bytes.clone(), 0))
+            Ok((vec![h.manifest_bytes.clone()], 0))
         }
         Resource::Expert { model, expert } => {
             if model != h.model_id() {
@@ -576,9 +581,9 @@ async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (E
                 ));
             };
             let range = req.resolve(entry.len)?;
-            // Only the bytes asked for are copied out of the provider's record (a resumed
-            // fetch asks for a suffix): the answer held is no larger than what is sent.
-            let (len, bytes) = record_range(h.experts.clone(), expert, range.offset, range.len)
+            // The answer is the provider's own record (no copy): while it is sent, it is the
+            // record the expert cache holds (pinned there, counted in its bytes).
+            let (len, parts) = record_parts(h.experts.clone(), expert, range.offset, range.len)
                 .await
                 .map_err(|e| {
                     tracing::warn!("reading expert {expert} to serve it: {e:#}");
@@ -593,7 +598,7 @@ async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (E
                     format!("expert {expert} has an unexpected length"),
                 ));
             }
-            Ok((bytes, range.offset))
+            Ok((parts, range.offset))
         }
     }
 }
@@ -702,39 +707,53 @@ async fn read_range(
     .context("the file reader panicked")?
 }
 
-/// Expert `id`'s record (its parts back to back), from the provider on a blocking thread.
+/// Expert `id`'s record (its parts back to back, copied into one buffer), from the provider
+/// on a blocking thread.
 pub async fn record(experts: Arc<dyn ExpertProvider>, id: ExpertId) -> anyhow::Result<Bytes> {
-    let (_, bytes) = record_range(experts, id, 0, u64::MAX).await?;
-    Ok(bytes)
+    let (_, parts) = record_parts(experts, id, 0, u64::MAX).await?;
+    Ok(Bytes::from(parts.concat()))
 }
 
-/// The record's length and its bytes `offset..offset + len` (clamped to the record), copied
-/// from the provider on a blocking thread: only those bytes are allocated.
-pub async fn record_range(
+/// One part of a provider's expert record as `Bytes`, without a copy: it keeps the record
+/// (and so its place in the provider's cache) alive while any slice of it is.
+struct RecordPart(Arc<stormo_engine::moe::ExpertData>, usize);
+
+impl AsRef<[u8]> for RecordPart {
+    fn as_ref(&self) -> &[u8] {
+        self.0
+            .parts()
+            .nth(self.1)
+            .expect("a part index taken from the same record")
+    }
+}
+
+/// The record's length and its bytes `offset..offset + len` (clamped to the record) as
+/// slices of the provider's record parts, fetched on a blocking thread: nothing is copied.
+pub async fn record_parts(
     experts: Arc<dyn ExpertProvider>,
     id: ExpertId,
     offset: u64,
     len: u64,
-) -> anyhow::Result<(u64, Bytes)> {
-    tokio::task::spawn_blocking(move || -> anyhow::Result<(u64, Bytes)> {
+) -> anyhow::Result<(u64, Vec<Bytes>)> {
+    tokio::task::spawn_blocking(move || -> anyhow::Result<(u64, Vec<Bytes>)> {
         let mut out = Vec::with_capacity(1);
         experts.fetch(id.layer as usize, &[id.expert as usize], &mut out)?;
         let data = out.pop().context("the provider returned no expert")?;
         let total: u64 = data.parts().map(|p| p.len() as u64).sum();
         let start = offset.min(total);
         let end = offset.saturating_add(len).min(total);
-        let mut buf = Vec::with_capacity(usize::try_from(end - start).context("range too large")?);
+        let mut pieces = Vec::new();
         let mut at = 0u64;
-        for p in data.parts() {
+        for (i, p) in data.parts().enumerate() {
             let (a, b) = (at, at + p.len() as u64);
             at = b;
             if b <= start || a >= end {
                 continue;
             }
-            let (from, to) = (start.max(a) - a, end.min(b) - a);
-            buf.extend_from_slice(&p[from as usize..to as usize]);
+            let (from, to) = ((start.max(a) - a) as usize, (end.min(b) - a) as usize);
+            pieces.push(Bytes::from_owner(RecordPart(data.clone(), i)).slice(from..to));
         }
-        Ok((total, Bytes::from(buf)))
+        Ok((total, pieces))
     })
     .await
     .context("the expert reader panicked")?
