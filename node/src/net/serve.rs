@@ -512,14 +512,14 @@ async fn serve_one(
             return;
         }
     }
+    shared.stats.served.fetch_add(1, Ordering::Relaxed);
+    shared.stats.bytes.fetch_add(total, Ordering::Relaxed);
+    tracing::debug!("served {} ({total} bytes) to {peer}", req.resource);
     // The node's slot and the gauge are held until the peer has acknowledged the whole answer
     // (or stopped the stream, or the wait timed out): until then QUIC's send buffer still
     // holds its bytes, and a new request admitted meanwhile would hold more than the bound.
     let _ = send.finish();
     let _ = tokio::time::timeout(tls::IDLE_TIMEOUT, send.stopped()).await;
-    shared.stats.served.fetch_add(1, Ordering::Relaxed);
-    shared.stats.bytes.fetch_add(total, Ordering::Relaxed);
-    tracing::debug!("served {} ({total} bytes) to {peer}", req.resource);
 }
 
 /// The bytes to send for `req` (in pieces, back to back) and their offset in the resource, or
