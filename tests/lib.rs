@@ -119,3 +119,12 @@ pub fn top_set(row: &[f32], k: usize) -> Vec<usize> {
     idx.sort_unstable();
     idx
 }
+
+/// The variable that, set to 1, lets the tests that compare with Python packages (tiktoken,
+/// tokenizers, openai) pass without them; unset, a missing package fails those tests.
+pub const SKIP_PYTHON: &str = "STORMO_SKIP_PYTHON";
+
+/// Whether the Python oracles were explicitly opted out of ([`SKIP_PYTHON`] is 1).
+pub fn python_opted_out() -> bool {
+    std::env::var(SKIP_PYTHON).is_ok_and(|v| v == "1")
+}

@@ -68,9 +68,10 @@ pub enum SignatureError {
         /// The key the file names.
         publisher: PublicKey,
     },
-    /// Signed by a key that is not trusted.
+    /// Signed by a key that is not trusted. The message does not suggest trusting it: only a
+    /// key the user names (as its publisher gave it) is trusted.
     #[error(
-        "signed by {publisher}, which is not a trusted key (trust it with --trust {publisher})"
+        "signed by {publisher}, which is not a trusted key (--trust names the publisher keys accepted)"
     )]
     UntrustedKey {
         /// The signer.
@@ -226,6 +227,12 @@ mod tests {
         let stranger = SecretKey::from_seed(&[8; 32]).public();
         let untrusted = sig.verify(&bytes, &[stranger]).unwrap_err();
         assert!(matches!(untrusted, SignatureError::UntrustedKey { .. }));
+        // Regression (issue 40, item 5): the refusal suggested trusting the refused key.
+        let text = untrusted.to_string();
+        assert!(
+            !text.contains(&format!("--trust {}", k.public())) && !text.contains("trust it"),
+            "{text}"
+        );
 
         let mut altered = m.clone();
         altered.tensors[0].hash = Hash([0xaa; 32]);

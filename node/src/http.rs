@@ -1954,6 +1954,25 @@ async fn completions(state: &State, req: CompletionRequest) -> Result<Response<B
     }
 }
 
+/// Parses a request body the way the endpoint at `path` does before it needs a model (the
+/// JSON into its request type, then a chat's messages into turns), for the fuzz tests
+/// (tests/fuzz): untrusted bytes in, an error naming what is wrong out, never a panic.
+#[doc(hidden)]
+pub fn parse_request_body(path: &str, body: &[u8]) -> Result<(), String> {
+    let bad = |e: ApiError| format!("{e:?}");
+    match path {
+        "/v1/chat/completions" => {
+            let req: ChatRequest = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+            turns_of(&req.messages).map_err(bad)?;
+        }
+        "/v1/completions" => {
+            let _: CompletionRequest = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+        }
+        other => return Err(format!("no endpoint {other}")),
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

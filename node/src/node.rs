@@ -405,7 +405,8 @@ impl Node {
             })
             .collect();
         let paths = ManifestPaths::resolve(&self.cfg.model, self.cfg.peers.manifest.as_deref());
-        let sig = std::fs::read(&paths.sig).ok().map(Bytes::from);
+        // A signature beside the manifest that does not verify is refused, not served.
+        let sig = net::serve::own_signature(&paths.sig, &m.bytes)?;
         let holdings = Arc::new(Holdings {
             manifest_bytes: m.bytes.clone(),
             manifest: m.manifest.clone(),

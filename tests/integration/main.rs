@@ -3,6 +3,8 @@
 mod chat;
 mod demo;
 mod extra_oracle;
+mod faults;
+mod hostile;
 mod http;
 mod int8;
 mod manifests;

@@ -11,7 +11,7 @@ use crate::moe::{ExpertData, ExpertProvider};
 /// Settings of the RAM tier.
 #[derive(Clone, Debug)]
 pub struct TierConfig {
-    /// Byte budget for cached experts (raised to at least one layer's top-k).
+    /// Byte budget for cached experts (raised, with a warning, to at least one layer's top-k).
     pub budget: u64,
     /// Load predicted experts of the next layer while the current one computes. Off by
     /// default: at gpt-oss-20b geometry with budgets below the experts it read more from disk
@@ -84,6 +84,10 @@ struct Entry {
     hot: bool,
     /// Index of the tier currently loading it.
     tier: usize,
+    /// Demand requests waiting for it that have not taken their handle yet: an entry someone
+    /// waits for is never evicted (an eviction between the load's completion and the waiter
+    /// waking up would make the waiter lose its expert).
+    waiters: u32,
 }
 
 struct Inner {
@@ -138,6 +142,16 @@ impl TieredExperts {
     ) -> Self {
         let largest = sizes.iter().flatten().copied().max().unwrap_or(0);
         let everything: u64 = sizes.iter().flatten().sum();
+        // One request (a layer's top-k experts) must fit, or it could never be served whole:
+        // a smaller budget is raised up front, with a warning, instead of failing loads later.
+        let least = (largest * top_k as u64).min(everything.max(largest));
+        if cfg.budget < least {
+            tracing::warn!(
+                "expert cache budget of {} bytes is below one layer's top-{top_k} experts: \
+                 raised to {least} bytes",
+                cfg.budget
+            );
+        }
         let budget = cfg
             .budget
             .max(largest * top_k as u64)
@@ -246,6 +260,7 @@ impl TieredExperts {
                     unused_prefetch: false,
                     hot: true,
                     tier,
+                    waiters: 0,
                 },
             );
             g.used += len;
@@ -294,14 +309,16 @@ impl Shared {
                 .map
                 .iter()
                 .filter(|(k, e)| {
-                    !kept(k) && matches!(&e.state, State::Ready(d) if Arc::strong_count(d) == 1)
+                    !kept(k)
+                        && e.waiters == 0
+                        && matches!(&e.state, State::Ready(d) if Arc::strong_count(d) == 1)
                 })
                 .min_by_key(|(_, e)| (e.hot, e.stamp))
                 .map(|(k, _)| *k);
             let failed = g
                 .map
                 .iter()
-                .find(|(_, e)| matches!(e.state, State::Failed(_)))
+                .find(|(_, e)| e.waiters == 0 && matches!(e.state, State::Failed(_)))
                 .map(|(k, _)| *k);
             match victim.or(failed) {
                 Some(k) => {
@@ -390,6 +407,15 @@ impl Shared {
     }
 }
 
+/// Releases the pins of `experts` of `layer` (one per occurrence) that a request took.
+fn unpin(g: &mut Inner, layer: usize, experts: &[usize]) {
+    for &e in experts {
+        if let Some(en) = g.map.get_mut(&ExpertKey::new(layer, e)) {
+            en.waiters = en.waiters.saturating_sub(1);
+        }
+    }
+}
+
 impl ExpertProvider for TieredExperts {
     fn fetch(&self, layer: usize, experts: &[usize], out: &mut Vec<Arc<ExpertData>>) -> Result<()> {
         let sh = &self.shared;
@@ -398,19 +424,25 @@ impl ExpertProvider for TieredExperts {
         let clock = g.clock;
         // allocated on the first miss only: an all-hit fetch allocates nothing
         let mut batch: Vec<Vec<ExpertKey>> = Vec::new();
-        for &e in experts {
+        // Every expert of this request is pinned (its `waiters` counted) from here until its
+        // handle is taken or the request fails, so no concurrent request evicts it meanwhile.
+        for (i, &e) in experts.iter().enumerate() {
             let k = ExpertKey::new(layer, e);
             g.stats.requests += 1;
             if let Some(u) = g.usage.get_mut(layer).and_then(|l| l.get_mut(e)) {
                 *u += 1;
             }
+            let mut waiters = 1;
             let retry = matches!(g.map.get(&k).map(|e| &e.state), Some(State::Failed(_)));
             if retry {
+                // the requests still waiting on the failed load wait on this one instead
                 let old = g.map.remove(&k).expect("present");
                 g.used -= old.len;
+                waiters += old.waiters;
             }
             if let Some(entry) = g.map.get_mut(&k) {
                 entry.stamp = clock;
+                entry.waiters += 1;
                 if entry.unused_prefetch {
                     entry.unused_prefetch = false;
                     g.stats.prefetch_used += 1;
@@ -420,16 +452,23 @@ impl ExpertProvider for TieredExperts {
                 }
                 continue;
             }
-            let len = sh.size(k).ok_or_else(|| Error::Expert {
-                layer,
-                expert: e,
-                reason: "no such expert".into(),
-            })?;
-            let tier = sh.first_tier(k, 0).ok_or_else(|| Error::Expert {
-                layer,
-                expert: e,
-                reason: "no tier holds it (not on local disk, and no peer serves it)".into(),
-            })?;
+            let found = sh.size(k).ok_or("no such expert").and_then(|len| {
+                let tier = sh
+                    .first_tier(k, 0)
+                    .ok_or("no tier holds it (not on local disk, and no peer serves it)")?;
+                Ok((len, tier))
+            });
+            let (len, tier) = match found {
+                Ok(found) => found,
+                Err(reason) => {
+                    unpin(&mut g, layer, &experts[..i]);
+                    return Err(Error::Expert {
+                        layer,
+                        expert: e,
+                        reason: reason.into(),
+                    });
+                }
+            };
             sh.make_room(&mut g, len, true, Some((layer, experts)));
             g.map.insert(
                 k,
@@ -440,6 +479,7 @@ impl ExpertProvider for TieredExperts {
                     unused_prefetch: false,
                     hot: false,
                     tier,
+                    waiters,
                 },
             );
             g.used += len;
@@ -452,38 +492,78 @@ impl ExpertProvider for TieredExperts {
         sh.start(batch, Priority::Demand);
         let t0 = Instant::now();
         let mut g = sh.lock();
-        let base = out.len();
         loop {
-            out.truncate(base);
             let mut pending = false;
+            let mut lost = None;
             for &e in experts {
                 let k = ExpertKey::new(layer, e);
                 match g.map.get(&k).map(|en| &en.state) {
-                    Some(State::Ready(d)) => out.push(d.clone()),
-                    Some(State::Loading) => {
-                        pending = true;
-                        break;
-                    }
+                    Some(State::Ready(_)) => {}
+                    Some(State::Loading) => pending = true,
                     Some(State::Failed(msg)) => {
+                        let reason = msg.clone();
+                        unpin(&mut g, layer, experts);
                         return Err(Error::Expert {
                             layer,
                             expert: e,
-                            reason: msg.clone(),
-                        })
+                            reason,
+                        });
                     }
                     None => {
-                        return Err(Error::Expert {
-                            layer,
-                            expert: e,
-                            reason: "evicted while loading (cache budget too small)".into(),
-                        })
+                        lost = Some(k);
+                        break;
                     }
                 }
+            }
+            if let Some(k) = lost {
+                // Pinned entries are never evicted, so this is not expected; should it happen,
+                // the expert is loaded again rather than the request failed.
+                let (len, tier) = (sh.size(k), sh.first_tier(k, 0));
+                let (Some(len), Some(tier)) = (len, tier) else {
+                    unpin(&mut g, layer, experts);
+                    return Err(Error::Expert {
+                        layer,
+                        expert: k.expert as usize,
+                        reason: "evicted while loading, and no tier holds it now".into(),
+                    });
+                };
+                tracing::debug!("expert {k} was evicted while a request waited: loading it again");
+                let waiters = experts.iter().filter(|&&e| e == k.expert as usize).count();
+                sh.make_room(&mut g, len, true, Some((layer, experts)));
+                g.map.insert(
+                    k,
+                    Entry {
+                        state: State::Loading,
+                        len,
+                        stamp: clock,
+                        unused_prefetch: false,
+                        hot: false,
+                        tier,
+                        waiters: u32::try_from(waiters).unwrap_or(u32::MAX),
+                    },
+                );
+                g.used += len;
+                drop(g);
+                let mut batch = vec![Vec::new(); sh.tiers.len()];
+                batch[tier].push(k);
+                sh.start(batch, Priority::Demand);
+                g = sh.lock();
+                continue;
             }
             if !pending {
                 break;
             }
             g = sh.ready.wait(g).expect("expert cache lock");
+        }
+        for &e in experts {
+            let en = g
+                .map
+                .get_mut(&ExpertKey::new(layer, e))
+                .expect("every expert of the request is ready");
+            en.waiters = en.waiters.saturating_sub(1);
+            if let State::Ready(d) = &en.state {
+                out.push(d.clone());
+            }
         }
         g.stats.wait_s += t0.elapsed().as_secs_f64();
         Ok(())
@@ -518,6 +598,7 @@ impl ExpertProvider for TieredExperts {
                     unused_prefetch: true,
                     hot: false,
                     tier,
+                    waiters: 0,
                 },
             );
             g.used += len;
@@ -628,5 +709,71 @@ mod tests {
         let e = cache.fetch(0, &[2], &mut out).unwrap_err().to_string();
         assert_eq!(e, "expert 2 of layer 0: no peer could supply it");
         assert!(out.is_empty());
+    }
+
+    /// A tier whose loads complete on their own threads after a short pause, as the disk
+    /// and network tiers' do.
+    #[derive(Debug)]
+    struct Threaded;
+
+    impl Tier for Threaded {
+        fn name(&self) -> &str {
+            "threaded"
+        }
+        fn holds(&self, _: ExpertKey) -> bool {
+            true
+        }
+        fn load(&self, keys: &[ExpertKey], _: Priority, done: Completion) {
+            for &k in keys {
+                let done = done.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                    done(k, Ok(Arc::new(ExpertData::new(Vec::new()))));
+                });
+            }
+        }
+    }
+
+    /// Regression (issue 40, item 1): at a budget of one record, concurrent demand loads
+    /// evicted experts that other requests were still waiting on, and those waits ended in
+    /// "evicted while loading" instead of getting their expert. Every fetch must succeed.
+    #[test]
+    fn concurrent_loads_at_a_tiny_budget_all_get_their_experts() {
+        for budget in [0, 64, 3 * 64] {
+            let cache = Arc::new(TieredExperts::new(
+                vec![Arc::new(Threaded)],
+                vec![vec![64; 16]; 2],
+                1,
+                &TierConfig {
+                    budget,
+                    hot_fraction: 0.0,
+                    ..TierConfig::default()
+                },
+            ));
+            let threads: Vec<_> = (0..16)
+                .map(|t| {
+                    let cache = cache.clone();
+                    std::thread::spawn(move || {
+                        for i in 0..40usize {
+                            let layer = (t + i) % 2;
+                            let experts = [(t * 7 + i * 3) % 16];
+                            let mut out = Vec::new();
+                            cache
+                                .fetch(layer, &experts, &mut out)
+                                .unwrap_or_else(|e| panic!("budget {budget}, thread {t}: {e}"));
+                            assert_eq!(out.len(), 1);
+                        }
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().expect("a fetching thread failed");
+            }
+            let mut out = Vec::new();
+            cache
+                .fetch(0, &[1, 2], &mut out)
+                .expect("a two-expert fetch");
+            assert_eq!(out.len(), 2, "two records even where the budget holds one");
+        }
     }
 }

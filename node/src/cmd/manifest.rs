@@ -386,9 +386,12 @@ fn verify(
             if trust.is_empty() {
                 sig.check(&bytes)
                     .with_context(|| format!("signature {}", paths.sig.display()))?;
+                // The signer's key is not suggested for --trust: anyone can sign, and only a
+                // key the user got from its publisher out of band should be trusted.
                 println!(
-                    "signature: valid, by {} (NOT pinned: pass --trust {} to require it)",
-                    sig.publisher, sig.publisher
+                    "signature: valid, by {} (NOT pinned: anyone can sign; --trust PUBKEY \
+                     requires the publisher's key, as its publisher gave it to you)",
+                    sig.publisher
                 );
             } else {
                 sig.verify(&bytes, trust)

@@ -199,8 +199,11 @@ pub struct ServeStats {
     pub busy: AtomicU64,
     /// Connections closed for a protocol violation.
     pub violations: AtomicU64,
-    /// Bytes of answers held in memory now (records read for requests being sent). Bounded by
-    /// the node-wide request limit times the largest record.
+    /// Bytes of answers held in memory now: the bytes of each request being answered, from
+    /// when they are read until the peer has acknowledged them (QUIC's send buffers hold
+    /// slices of the same bytes, not a copy; an expert's answer is the provider's record
+    /// itself). Bounded by the node-wide request limit (`--max-requests`) times the largest
+    /// answer (an expert record, or a `GetFile` range).
     pub buffered: AtomicU64,
     /// The most `buffered` has been.
     pub buffered_peak: AtomicU64,
@@ -596,8 +599,8 @@ async fn serve_one(
             }
         }
     };
-    let (bytes, offset, _permit) = match answer {
-        Ok(((bytes, offset), permit)) => (bytes, offset, permit),
+    let (parts, offset, _permit) = match answer {
+        Ok(((parts, offset), permit)) => (parts, offset, permit),
         Err((code, msg)) => {
             for m in fail(server, id, code, msg) {
                 let _ = super::write_message(send, &m).await;
@@ -605,21 +608,27 @@ async fn serve_one(
             return;
         }
     };
-    let _held = Buffered::new(&shared.stats, bytes.len() as u64);
+    let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+    let _held = Buffered::new(&shared.stats, total);
     if req.priority == stormo_wire::Priority::Prefetch {
         let _ = send.set_priority(-1);
     }
     let mut off = offset;
-    for chunk in bytes.chunks(DATA_CHUNK) {
+    let chunks = parts.iter().flat_map(|p| {
+        (0..p.len())
+            .step_by(DATA_CHUNK)
+            .map(move |at| p.slice(at..(at + DATA_CHUNK).min(p.len())))
+    });
+    for chunk in chunks {
         if !server.lock().expect("server state lock").is_active(id) {
             return;
         }
-        let prefix = data_frame_prefix(id, off, chunk.len());
-        let sent = async {
-            send.write_all(&prefix).await?;
-            send.write_all(chunk).await
-        }
-        .await;
+        let n = chunk.len() as u64;
+        // Handed to QUIC as slices of the answer (`write_all_chunks` keeps the `Bytes`, where
+        // `write_all` would copy them into its send buffer): the bytes of an answer are held
+        // once, whether still here or queued in QUIC until acknowledged.
+        let mut frame = [Bytes::from(data_frame_prefix(id, off, chunk.len())), chunk];
+        let sent = send.write_all_chunks(&mut frame).await;
         if sent.is_err() {
             // The peer reset or stopped the stream: the same as a Cancel.
             let mut s = server.lock().expect("server state lock");
@@ -627,7 +636,7 @@ async fn serve_one(
             let _ = drain(&mut s);
             return;
         }
-        off += chunk.len() as u64;
+        off += n;
     }
     let out = {
         let mut s = server.lock().expect("server state lock");
@@ -640,15 +649,21 @@ async fn serve_one(
         }
     }
     shared.stats.served.fetch_add(1, Ordering::Relaxed);
-    shared
-        .stats
-        .bytes
-        .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-    tracing::debug!("served {} ({} bytes) to {peer}", req.resource, bytes.len());
+    shared.stats.bytes.fetch_add(total, Ordering::Relaxed);
+    tracing::debug!("served {} ({total} bytes) to {peer}", req.resource);
+    // The node's slot and the gauge are held until the peer has acknowledged the whole answer
+    // (or stopped the stream, or the wait timed out): until then QUIC's send buffer still
+    // holds its bytes, and a new request admitted meanwhile would hold more than the bound.
+    let _ = send.finish();
+    let _ = tokio::time::timeout(tls::IDLE_TIMEOUT, send.stopped()).await;
 }
 
-/// The bytes to send for `req` and their offset in the resource, or the error to answer.
-async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (ErrorCode, String)> {
+/// The bytes to send for `req` (in pieces, back to back) and their offset in the resource, or
+/// the error to answer.
+async fn resolve(
+    shared: &Shared,
+    req: &ServeRequest,
+) -> Result<(Vec<Bytes>, u64), (ErrorCode, String)> {
     let h = &shared.holdings;
     match req.resource {
         Resource::File {
@@ -666,7 +681,7 @@ async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (E
             match file_source(&h.manifest, &share, name, req)? {
                 FileSource::Bytes(b, range) => {
                     let (s, e) = (range.offset as usize, (range.offset + range.len) as usize);
-                    Ok((b.slice(s..e), range.offset))
+                    Ok((vec![b.slice(s..e)], range.offset))
                 }
                 FileSource::Disk(range) => {
                     let path = share.dir.join(name);
@@ -674,7 +689,7 @@ async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (E
                         tracing::warn!("reading {name} to serve it: {e:#}");
                         (ErrorCode::INTERNAL, format!("reading {name} failed"))
                     })?;
-                    Ok((bytes, range.offset))
+                    Ok((vec![bytes], range.offset))
                 }
             }
         }
@@ -685,7 +700,7 @@ async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (E
                     format!("no manifest of {}", model.short()),
                 ));
             }
-            Ok((h.manifest_bytes.clone(), 0))
+            Ok((vec![h.manifest_bytes.clone()], 0))
         }
         Resource::Expert { model, expert } => {
             if model != h.model_id() {
@@ -702,22 +717,24 @@ async fn resolve(shared: &Shared, req: &ServeRequest) -> Result<(Bytes, u64), (E
                 ));
             };
             let range = req.resolve(entry.len)?;
-            let record = record(h.experts.clone(), expert).await.map_err(|e| {
-                tracing::warn!("reading expert {expert} to serve it: {e:#}");
-                (
-                    ErrorCode::INTERNAL,
-                    format!("reading expert {expert} failed"),
-                )
-            })?;
-            if record.len() as u64 != entry.len {
+            // The answer is the provider's own record (no copy): while it is sent, it is the
+            // record the expert cache holds (pinned there, counted in its bytes).
+            let (len, parts) = record_parts(h.experts.clone(), expert, range.offset, range.len)
+                .await
+                .map_err(|e| {
+                    tracing::warn!("reading expert {expert} to serve it: {e:#}");
+                    (
+                        ErrorCode::INTERNAL,
+                        format!("reading expert {expert} failed"),
+                    )
+                })?;
+            if len != entry.len {
                 return Err((
                     ErrorCode::INTERNAL,
                     format!("expert {expert} has an unexpected length"),
                 ));
             }
-            let start = range.offset as usize;
-            let end = start + range.len as usize;
-            Ok((record.slice(start..end), range.offset))
+            Ok((parts, range.offset))
         }
     }
 }
@@ -826,18 +843,53 @@ async fn read_range(
     .context("the file reader panicked")?
 }
 
-/// Expert `id`'s record (its parts back to back), from the provider on a blocking thread.
+/// Expert `id`'s record (its parts back to back, copied into one buffer), from the provider
+/// on a blocking thread.
 pub async fn record(experts: Arc<dyn ExpertProvider>, id: ExpertId) -> anyhow::Result<Bytes> {
-    tokio::task::spawn_blocking(move || -> anyhow::Result<Bytes> {
+    let (_, parts) = record_parts(experts, id, 0, u64::MAX).await?;
+    Ok(Bytes::from(parts.concat()))
+}
+
+/// One part of a provider's expert record as `Bytes`, without a copy: it keeps the record
+/// (and so its place in the provider's cache) alive while any slice of it is.
+struct RecordPart(Arc<stormo_engine::moe::ExpertData>, usize);
+
+impl AsRef<[u8]> for RecordPart {
+    fn as_ref(&self) -> &[u8] {
+        self.0
+            .parts()
+            .nth(self.1)
+            .expect("a part index taken from the same record")
+    }
+}
+
+/// The record's length and its bytes `offset..offset + len` (clamped to the record) as
+/// slices of the provider's record parts, fetched on a blocking thread: nothing is copied.
+pub async fn record_parts(
+    experts: Arc<dyn ExpertProvider>,
+    id: ExpertId,
+    offset: u64,
+    len: u64,
+) -> anyhow::Result<(u64, Vec<Bytes>)> {
+    tokio::task::spawn_blocking(move || -> anyhow::Result<(u64, Vec<Bytes>)> {
         let mut out = Vec::with_capacity(1);
         experts.fetch(id.layer as usize, &[id.expert as usize], &mut out)?;
         let data = out.pop().context("the provider returned no expert")?;
-        let len: usize = data.parts().map(<[u8]>::len).sum();
-        let mut buf = Vec::with_capacity(len);
-        for p in data.parts() {
-            buf.extend_from_slice(p);
+        let total: u64 = data.parts().map(|p| p.len() as u64).sum();
+        let start = offset.min(total);
+        let end = offset.saturating_add(len).min(total);
+        let mut pieces = Vec::new();
+        let mut at = 0u64;
+        for (i, p) in data.parts().enumerate() {
+            let (a, b) = (at, at + p.len() as u64);
+            at = b;
+            if b <= start || a >= end {
+                continue;
+            }
+            let (from, to) = ((start.max(a) - a) as usize, (end.min(b) - a) as usize);
+            pieces.push(Bytes::from_owner(RecordPart(data.clone(), i)).slice(from..to));
         }
-        Ok(Bytes::from(buf))
+        Ok((total, pieces))
     })
     .await
     .context("the expert reader panicked")?
@@ -922,9 +974,10 @@ fn holdings(
         })
         .transpose()?
     };
-    let sig = std::fs::read(stormo_manifests::ManifestPaths::resolve(dir, manifest).sig)
-        .ok()
-        .map(Bytes::from);
+    let sig = own_signature(
+        &stormo_manifests::ManifestPaths::resolve(dir, manifest).sig,
+        &bytes,
+    )?;
     let inventory = Holdings::inventory_of(&m, allowed.as_deref())?;
     let withheld = m
         .experts
@@ -951,6 +1004,32 @@ fn holdings(
             withheld,
         })),
     })
+}
+
+/// The manifest's signature file at `path`, if there is one, checked against the manifest it
+/// sits beside (`manifest_bytes`): a signature that is not valid, or is over another manifest,
+/// is refused rather than served to peers (who would refuse the manifest with it). Whose key
+/// signed it is the peers' business (`--trust`), not checked here.
+pub fn own_signature(
+    path: &std::path::Path,
+    manifest_bytes: &[u8],
+) -> anyhow::Result<Option<Bytes>> {
+    const MAX_SIG_FILE: u64 = 4096;
+    let raw = match stormo_manifests::read_small_file(path, MAX_SIG_FILE) {
+        Ok(raw) => raw,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let sig = stormo_manifests::ManifestSignature::from_bytes(&raw)
+        .with_context(|| format!("{} is not a manifest signature", path.display()))?;
+    sig.check(manifest_bytes).with_context(|| {
+        format!(
+            "refusing to serve: {} does not verify against the manifest beside it \
+             (sign the manifest again, or remove the signature file)",
+            path.display()
+        )
+    })?;
+    Ok(Some(Bytes::from(raw)))
 }
 
 /// Checks that `m` lists exactly the experts of a checkpoint with record sizes `sizes`.

@@ -61,6 +61,11 @@ const MAX_PEER_CERT: usize = 4096;
 /// The longest a connection may stay silent before it is dropped (keep-alives are sent well
 /// before that).
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bytes of one stream a server's QUIC buffers before its reader takes them (see
+/// [`server_config`]).
+pub const SERVER_STREAM_WINDOW: u32 = 512 << 10;
+/// Bytes of all streams of one connection a server's QUIC buffers before they are read.
+pub const SERVER_CONNECTION_WINDOW: u32 = 2 << 20;
 /// How often an idle connection is kept alive.
 pub const KEEP_ALIVE: Duration = Duration::from_secs(3);
 
@@ -585,7 +590,15 @@ pub fn server_config_for(
     let quic = quinn::crypto::rustls::QuicServerConfig::try_from(cfg)
         .context("a QUIC server configuration from TLS 1.3")?;
     let mut sc = quinn::ServerConfig::with_crypto(Arc::new(quic));
-    sc.transport_config(transport(streams, congestion)?);
+    let mut t = Arc::into_inner(transport(streams, congestion)?)
+        .expect("a transport config just made has one owner");
+    // What a peer sends a server is small (requests, control messages, an inventory frame of
+    // at most 256 KiB): QUIC may buffer at most this much of it per stream and per connection,
+    // where quinn's defaults (1.25 MB per stream, no connection limit) would let one peer make
+    // the server hold megabytes it never reads.
+    t.stream_receive_window(SERVER_STREAM_WINDOW.into())
+        .receive_window(SERVER_CONNECTION_WINDOW.into());
+    sc.transport_config(Arc::new(t));
     Ok(sc)
 }
 
