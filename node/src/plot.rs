@@ -139,12 +139,13 @@ fn cpu_name_of(cpuinfo: &str) -> String {
 pub struct BenchSvg {
     path: std::path::PathBuf,
     llama: Option<Speeds>,
-    title: String,
+    model: String,
+    machine: String,
 }
 
 impl BenchSvg {
     /// `None` without `--svg`; reads and checks the llama-bench JSON if one is given, and
-    /// names the model (`model`, with `cfg`'s family and geometry) and this CPU for the title.
+    /// names the model (`model`, with `cfg`'s family and geometry) and this CPU for the heading.
     pub fn resolve(
         svg: Option<&std::path::Path>,
         llama: Option<&std::path::Path>,
@@ -172,24 +173,22 @@ impl BenchSvg {
             stormo_engine::Family::GptOss => "GPT-OSS",
             stormo_engine::Family::Qwen3Moe => "Qwen3-MoE",
         };
-        let title = format!(
-            "{name} ({family}, {} layers x {} experts, top {}) on {}",
-            cfg.num_layers,
-            cfg.num_experts,
-            cfg.top_k,
-            cpu_name()
+        let model = format!(
+            "{name}: {family}, {} layers x {} experts, top {}",
+            cfg.num_layers, cfg.num_experts, cfg.top_k,
         );
         Ok(Some(Self {
             path: path.to_path_buf(),
             llama,
-            title,
+            model,
+            machine: cpu_name(),
         }))
     }
 
     /// Draws `bench` (the object `stormo bench --json` prints) and writes the SVG.
     pub fn write(&self, bench: &Value) -> anyhow::Result<()> {
         let fig = BenchFigures::from_bench_json(bench)?;
-        let svg = bench_svg(&fig, self.llama.as_ref(), &self.title)?;
+        let svg = bench_svg(&fig, self.llama.as_ref(), &self.model, &self.machine)?;
         std::fs::write(&self.path, svg).with_context(|| format!("writing {}", self.path.display()))
     }
 }
@@ -200,12 +199,13 @@ const BOUND: RGBColor = RGBColor(80, 80, 80);
 
 /// The chart as SVG text: one group of bars per prefill length and one for decode, stormo's
 /// beside `llama`'s (when given), the decode bound as a dashed line over decode, and each
-/// prefill bar labelled with its share of the floating-point peak. `title` names the model
-/// and the machine.
+/// prefill bar labelled with its share of the floating-point peak. The heading names the
+/// `model` on its first line and the `machine` (with threads and kernels) on its second.
 pub fn bench_svg(
     fig: &BenchFigures,
     llama: Option<&Speeds>,
-    title: &str,
+    model: &str,
+    machine: &str,
 ) -> anyhow::Result<String> {
     let s = &fig.speeds;
     let mut groups: Vec<(String, f64, Option<f64>)> = s
@@ -228,7 +228,7 @@ pub fn bench_svg(
         .chain(s.decode.map(|_| fig.decode_bound))
         .fold(0.0f64, f64::max)
         .max(1e-3)
-        * 1.2;
+        * 1.3;
     let n = groups.len();
     let mut svg = String::new();
     {
@@ -245,8 +245,19 @@ pub fn bench_svg(
                 "exact"
             }
         );
-        let mut chart = ChartBuilder::on(&root)
-            .caption(format!("{title} ({subtitle})"), ("sans-serif", 18))
+        let (head, body) = root.split_vertically(60);
+        let centred = |size: u32| {
+            TextStyle::from(("sans-serif", size).into_font()).pos(Pos::new(HPos::Center, VPos::Top))
+        };
+        head.draw(&Text::new(model.to_string(), (450, 12), centred(18)))
+            .map_err(draw_error)?;
+        head.draw(&Text::new(
+            format!("{machine}; {subtitle}"),
+            (450, 36),
+            centred(14),
+        ))
+        .map_err(draw_error)?;
+        let mut chart = ChartBuilder::on(&body)
             .margin(15)
             .x_label_area_size(35)
             .y_label_area_size(60)
@@ -329,7 +340,7 @@ pub fn bench_svg(
         }
         chart
             .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
+            .position(SeriesLabelPosition::UpperRight)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .label_font(("sans-serif", 14))
@@ -405,7 +416,7 @@ mod tests {
             prefill: vec![(64, 15.0), (128, 17.5)],
             decode: Some(4.5),
         };
-        let svg = bench_svg(&f, Some(&llama), "model on cpu").unwrap();
+        let svg = bench_svg(&f, Some(&llama), "a model", "a cpu").unwrap();
         assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(80)]);
         for want in [
             "prefill, 64-token prompt",
@@ -419,13 +430,14 @@ mod tests {
             "4.5",
             "decode bound at memory speed: 11.0 tok/s",
             "llama.cpp",
-            "model on cpu (2 threads, avx512 kernels, exact)",
+            "a model",
+            "a cpu; 2 threads, avx512 kernels, exact",
             "#1F77B4",
             "#FF7F0E",
         ] {
             assert!(svg.contains(want), "{want:?} missing from the SVG");
         }
-        let alone = bench_svg(&f, None, "t").unwrap();
+        let alone = bench_svg(&f, None, "m", "c").unwrap();
         assert!(!alone.contains("llama.cpp") && !alone.contains("#FF7F0E"));
     }
 }
