@@ -12,10 +12,11 @@ pub struct Cli {
     /// More logging on stderr (-v info, -vv debug). RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub verbose: u8,
-    /// A node config file (TOML) holding what the flags hold, keyed by their long names
-    /// (`model = "/m"`, `peer = ["KEY@HOST:PORT"]`, `allow-any = true`). Every option can also
-    /// come from a STORMO_<OPTION> variable (lists comma-separated); flags override variables,
-    /// which override the file.
+    /// A node config file (TOML) holding what the flags hold.
+    ///
+    /// Keys are the long option names (`model = "/m"`, `peer = ["KEY@HOST:PORT"]`,
+    /// `allow-any = true`). Every option can also come from a STORMO_<OPTION> variable (lists
+    /// comma-separated); flags override variables, which override the file.
     #[arg(long, global = true, value_name = "FILE")]
     pub config: Option<std::path::PathBuf>,
     /// What to do.

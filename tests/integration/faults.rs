@@ -367,32 +367,52 @@ fn a_corrupt_chunk_is_cut_short_and_the_retry_resumes_after_the_verified_prefix(
     let len = manifest.expert(x).expect("x").len;
     assert!(len >= 4 * chunk, "expert of {len} bytes: not multi-chunk");
     let hold = Duration::from_secs(3);
-    let script = hostile::corrupt_first(vec![(x, 0), (y, 1)], hold);
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let a = HostilePeer::start_sharing(150, m.dir.path(), script.clone(), log.clone());
-    let b = HostilePeer::start_sharing(151, m.dir.path(), script, log.clone());
-    // The idle timeout is longer than the hold: only the chunk check can cut the answer.
-    let tier = peer_tier(
-        &m,
-        vec![a.peer_addr(), b.peer_addr()],
-        unhedged(Duration::from_secs(10)),
-    );
-    let keys = [ExpertKey::new(0, 1), ExpertKey::new(0, 2)];
-    for (k, r) in load(&tier, &keys, Duration::from_secs(60)) {
-        let bytes = r.unwrap_or_else(|e| panic!("expert {k}: {e}"));
-        let id = ExpertId {
-            layer: k.layer as u16,
-            expert: k.expert as u16,
-        };
-        assert_eq!(
-            Hash::of(&bytes),
-            manifest.expert(id).expect("entry").hash,
-            "expert {k}: the bytes delivered are not the record"
+    // One case at a time, each on a tier of its own: the liar (listed first, so asked first)
+    // corrupts chunk `bad` of its first answer and is dropped for the session; the retry goes
+    // to the honest peer and asks only for what follows the verified prefix.
+    for (seed, e, bad, verified) in [(150u8, x, 0u64, 0u64), (152, y, 1, chunk)] {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let liar = HostilePeer::start_sharing(
+            seed,
+            m.dir.path(),
+            hostile::corrupt_first(vec![(e, bad)], hold),
+            log.clone(),
         );
-    }
-    tier.close();
-    let log = log.lock().expect("log").clone();
-    for (e, bad, verified) in [(x, 0u64, 0u64), (y, 1, chunk)] {
+        let honest = HostilePeer::start_sharing(
+            seed + 1,
+            m.dir.path(),
+            hostile::corrupt_first(Vec::new(), hold),
+            log.clone(),
+        );
+        // The idle timeout is longer than the hold: only the chunk check can cut the answer.
+        let tier = peer_tier(
+            &m,
+            vec![liar.peer_addr(), honest.peer_addr()],
+            unhedged(Duration::from_secs(10)),
+        );
+        let key = ExpertKey::new(usize::from(e.layer), usize::from(e.expert));
+        for (k, r) in load(&tier, &[key], Duration::from_secs(60)) {
+            let bytes = r.unwrap_or_else(|err| panic!("expert {k}: {err}"));
+            assert_eq!(
+                Hash::of(&bytes),
+                manifest.expert(e).expect("entry").hash,
+                "expert {k}: the bytes delivered are not the record"
+            );
+        }
+        // The liar notes that its answer was cut only once its hold is over: wait for it
+        // (bounded), then check what both peers saw.
+        let until = Instant::now() + hold + Duration::from_secs(5);
+        while Instant::now() < until
+            && !log
+                .lock()
+                .expect("log")
+                .iter()
+                .any(|o| matches!(o, Observed::CutShort { .. } | Observed::Completed { .. }))
+        {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        tier.close();
+        let log = log.lock().expect("log").clone();
         assert!(
             log.contains(&Observed::CutShort {
                 expert: e,
@@ -934,7 +954,7 @@ fn fault_peer_killed_mid_expert_falls_over_within_the_silence_deadline() {
 /// and comes back a second later on the same address, loads are supplied again (the client
 /// reconnects, with back-off) instead of failing on the lost connection.
 #[test]
-#[ignore = "needs the peer-policy fixes of the Node (issue 34/40 items 2,3,5a)"]
+#[ignore = "open (issue 40 item 3): lost links now get rounds and reconnect, but a load right after this restart still ends on 'connection lost'"]
 fn fault_sole_holder_restarted_on_the_same_port_is_reconnected() {
     let m = fixture_copy("qwen3moe-tiny");
     let node = Node::start(198, m.dir.path(), "auto", admit_client());
@@ -956,7 +976,6 @@ fn fault_sole_holder_restarted_on_the_same_port_is_reconnected() {
 /// A peer caught sending bad bytes (issue 40 item 5a) is dropped for the session: after its
 /// first corrupt answer it is asked nothing more, though it announces every expert.
 #[test]
-#[ignore = "needs the peer-policy fixes of the Node (issue 34/40 items 2,3,5a)"]
 fn fault_a_peer_caught_sending_bad_bytes_is_dropped_for_the_session() {
     let name = "qwen3moe-tiny";
     let m = fixture_copy(name);
@@ -976,13 +995,22 @@ fn fault_a_peer_caught_sending_bad_bytes_is_dropped_for_the_session() {
     );
     let (got, want) = generate(&m, name, tier.clone());
     assert_eq!(got.expect("generation"), want);
-    let asked = liar
-        .observed()
+    let seen = liar.observed();
+    assert!(tier.failures()[0].1 > 0, "the liar was never asked");
+    // Requests already in flight when its first corrupt chunk was caught (a layer's experts
+    // are asked for together) may still reach it; none after.
+    let caught = seen
+        .iter()
+        .position(|o| matches!(o, Observed::CutShort { .. } | Observed::Completed { .. }))
+        .expect("the liar answered");
+    let later = seen[caught..]
         .iter()
         .filter(|o| matches!(o, Observed::Request { .. }))
         .count();
-    assert!(tier.failures()[0].1 > 0, "the liar was never asked");
-    assert_eq!(asked, 1, "the lying peer was asked {asked} times");
+    assert_eq!(
+        later, 0,
+        "the lying peer was asked again after it was caught: {seen:?}"
+    );
     tier.close();
 }
 
@@ -1100,7 +1128,6 @@ fn loads_past_a_signalled_process(m: &Signed, seed: u8, sig: &str) -> (Duration,
 /// holder has every expert costs the loads at most the silence deadline (5 s) plus margin,
 /// not the connection's 10 s idle timeout; resumed, it serves again.
 #[test]
-#[ignore = "needs the peer-policy fixes of the Node (issue 34/40 items 2,3,5a)"]
 fn fault_peer_stopped_and_resumed() {
     let m = fixture_copy("qwen3moe-tiny");
     let (took, proc) = loads_past_a_signalled_process(&m, 202, "-STOP");
@@ -1123,7 +1150,6 @@ fn fault_peer_stopped_and_resumed() {
 /// Killed (SIGKILL) with another holder left (issue 40 item 2): the loads go on from the
 /// other within the silence deadline plus margin.
 #[test]
-#[ignore = "needs the peer-policy fixes of the Node (issue 34/40 items 2,3,5a)"]
 fn fault_peer_process_killed_falls_over_within_the_silence_deadline() {
     let m = fixture_copy("qwen3moe-tiny");
     let (took, _proc) = loads_past_a_signalled_process(&m, 204, "-KILL");

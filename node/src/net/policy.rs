@@ -175,10 +175,12 @@ pub fn choose<'a>(
         let unknown = p.inventory.is_none();
         let avoided = unknown || p.avoided(now);
         let cand = ((avoided, !p.holds(id), p.in_flight), p.expected(len), i);
-        if best
-            .as_ref()
-            .is_none_or(|b| cand.0 < b.0 || (cand.0 == b.0 && cand.1 < b.1))
-        {
+        // Expected times within a tenth or 5 ms of each other are a tie (an unmeasured peer's
+        // estimate differs from another's by round-trip noise): the earlier peer in the set
+        // keeps it, so peers given in an order are asked in that order.
+        if best.as_ref().is_none_or(|b| {
+            cand.0 < b.0 || (cand.0 == b.0 && cand.1 < b.1 - (0.1 * b.1).max(0.005))
+        }) {
             best = Some(cand);
         }
     }
@@ -412,6 +414,25 @@ mod tests {
         let peers = vec![p];
         assert!(!other_holder_left(views(&peers), x, &HashSet::new(), t0));
         assert!(other_holder_left(views(&peers), x, &HashSet::new(), t0 + b));
+    }
+
+    /// Near-equal expected times keep the set's order (round-trip noise decides nothing).
+    #[test]
+    fn near_ties_keep_the_order_of_the_set() {
+        let t0 = Instant::now();
+        let x = id(0, 0);
+        let mut peers = vec![holding(&[x]), holding(&[x])];
+        peers[0].rtt = Some(Duration::from_micros(2500));
+        peers[1].rtt = Some(Duration::from_micros(80));
+        assert_eq!(
+            choose(views(&peers), x, 1 << 20, &HashSet::new(), t0),
+            Some(0)
+        );
+        peers[0].rate = Some(1e6);
+        assert_eq!(
+            choose(views(&peers), x, 1 << 20, &HashSet::new(), t0),
+            Some(1)
+        );
     }
 
     /// Fewer requests in flight wins among holders; then the shorter expected time.

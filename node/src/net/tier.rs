@@ -830,7 +830,14 @@ pub async fn fetch_manifest(
         idle_timeout: cfg.idle_timeout,
         max_outstanding: 1,
     });
-    let out = run_request(&conn, &reqs, Fetch::manifest(model, MAX_MANIFEST_LEN), None).await;
+    let out = run_request(
+        &conn,
+        &reqs,
+        Fetch::manifest(model, MAX_MANIFEST_LEN),
+        None,
+        cfg.idle_timeout,
+    )
+    .await;
     endpoint.close(0u32.into(), b"done");
     match out {
         Ok(bytes) => Ok((model, bytes)),
@@ -847,6 +854,8 @@ pub struct PeerLink {
     hello: Hello,
     reqs: Mutex<LinkRequests>,
     slots: Arc<Semaphore>,
+    /// The silence deadline.
+    idle: Duration,
     /// The peer.
     pub peer: PeerAddr,
 }
@@ -885,6 +894,7 @@ impl PeerLink {
             }),
             slots: Arc::new(Semaphore::new(limit as usize)),
             hello,
+            idle: cfg.idle_timeout,
             peer: peer.clone(),
         })
     }
@@ -901,7 +911,7 @@ impl PeerLink {
 
     async fn request(&self, fetch: Fetch) -> anyhow::Result<Vec<u8>> {
         let _slot = self.slots.acquire().await.context("the link is closed")?;
-        run_request(&self.conn, &self.reqs, fetch, None)
+        run_request(&self.conn, &self.reqs, fetch, None, self.idle)
             .await
             .map_err(|e| anyhow::anyhow!("peer {}: {e}", self.peer))
     }
@@ -956,12 +966,31 @@ async fn run_request(
     reqs: &Mutex<LinkRequests>,
     fetch: Fetch,
     priority: Option<i32>,
+    idle: Duration,
 ) -> Result<Vec<u8>, AttemptError> {
     let rx_before = conn.stats().frame_rx.stream;
-    let (mut send, recv) = conn
-        .open_bi()
-        .await
-        .map_err(|e| AttemptError::Other(anyhow::anyhow!("opening a stream: {e}")))?;
+    // A peer that died or stopped grants no new stream: that wait is silence too, bounded
+    // by the same deadline as silence within an answer.
+    let (mut send, recv) = match tokio::time::timeout(idle, conn.open_bi()).await {
+        // Closed by the peer, the network, or this node (a silent link is closed so that the
+        // next try reconnects): lost either way, and worth another round.
+        Ok(r) => r.map_err(|e| {
+            AttemptError::Fetch(
+                FetchError::ConnectionLost {
+                    reason: format!("opening a stream: {e}"),
+                },
+                Vec::new(),
+                false,
+            )
+        })?,
+        Err(_) => {
+            return Err(AttemptError::Fetch(
+                FetchError::Stalled { idle, received: 0 },
+                Vec::new(),
+                false,
+            ))
+        }
+    };
     if let Some(p) = priority {
         let _ = send.set_priority(p);
     }
@@ -1304,7 +1333,20 @@ impl Inner {
             }
             Err(_) if closing => Err(("the network tier is closed".into(), prefix)),
             Err(e @ AttemptError::Link(_)) => {
+                // Unreachable now; a holder that comes back (restarted) is tried again in a
+                // later round, once its back-off allows.
                 tracing::debug!("peer {} on expert {id}: {e}", peer.addr);
+                tries.retry.store(true, Ordering::Relaxed);
+                Err((format!("{}: {e}", peer.addr), prefix))
+            }
+            Err(
+                e @ (AttemptError::Fetch(FetchError::ConnectionLost { .. }, _, _)
+                | AttemptError::Fetch(FetchError::Stalled { .. }, _, false)),
+            ) => {
+                // Gone or silent: avoided for a back-off, and worth another round (the link is
+                // closed, so that round reconnects to a holder that came back).
+                peer.mark(&format!("on expert {id}"), &e);
+                tries.retry.store(true, Ordering::Relaxed);
                 Err((format!("{}: {e}", peer.addr), prefix))
             }
             Err(e @ AttemptError::Fetch(FetchError::Remote { code, .. }, _, _))
@@ -1650,7 +1692,8 @@ impl Inner {
             Priority::Demand => 1,
             Priority::Prefetch => 0,
         };
-        match run_request(&l.conn, &l.reqs, fetch, Some(stream_priority)).await {
+        let idle = self.cfg.idle_timeout;
+        match run_request(&l.conn, &l.reqs, fetch, Some(stream_priority), idle).await {
             Ok(bytes) => {
                 let mut all = std::mem::take(prefix);
                 all.extend_from_slice(&bytes);
@@ -1658,6 +1701,12 @@ impl Inner {
             }
             Err(AttemptError::Fetch(e, verified, heard)) => {
                 prefix.extend_from_slice(&verified);
+                if matches!(e, FetchError::Stalled { .. }) && !heard {
+                    // Silent on the whole connection for the silence deadline: presumed gone
+                    // (killed, stopped, restarted). Closing the link now makes the next try
+                    // reconnect instead of waiting out QUIC's own idle timeout on it.
+                    l.conn.close(0u32.into(), b"silent");
+                }
                 Err(AttemptError::Fetch(e, Vec::new(), heard))
             }
             Err(e) => Err(e),
