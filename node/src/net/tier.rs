@@ -1333,20 +1333,7 @@ impl Inner {
             }
             Err(_) if closing => Err(("the network tier is closed".into(), prefix)),
             Err(e @ AttemptError::Link(_)) => {
-                // Unreachable now; a holder that comes back (restarted) is tried again in a
-                // later round, once its back-off allows.
                 tracing::debug!("peer {} on expert {id}: {e}", peer.addr);
-                tries.retry.store(true, Ordering::Relaxed);
-                Err((format!("{}: {e}", peer.addr), prefix))
-            }
-            Err(
-                e @ (AttemptError::Fetch(FetchError::ConnectionLost { .. }, _, _)
-                | AttemptError::Fetch(FetchError::Stalled { .. }, _, false)),
-            ) => {
-                // Gone or silent: avoided for a back-off, and worth another round (the link is
-                // closed, so that round reconnects to a holder that came back).
-                peer.mark(&format!("on expert {id}"), &e);
-                tries.retry.store(true, Ordering::Relaxed);
                 Err((format!("{}: {e}", peer.addr), prefix))
             }
             Err(e @ AttemptError::Fetch(FetchError::Remote { code, .. }, _, _))
