@@ -404,14 +404,17 @@ fn a_pipe_a_directory_or_a_device_in_a_checkpoint_is_refused_by_name() {
 #[test]
 fn a_usage_file_that_cannot_be_saved_does_not_fail_the_run() {
     let dir = crate::manifests::copy_fixture("gptoss-tiny-mxfp4");
-    let usage = dir.path().join("stormo-usage.json");
-    let _ = std::fs::remove_file(&usage);
-    std::fs::create_dir(&usage).unwrap();
-    std::fs::write(usage.join("keep"), b"kept").unwrap();
+    // Usage counts go to the state directory (never the model folder); a file where its
+    // `models` folder would be makes them unsavable.
+    let state = tempfile::tempdir().unwrap();
+    let blocker = state.path().join("models");
+    std::fs::write(&blocker, b"kept").unwrap();
     let out = std::process::Command::new(crate::demo::stormo_exe())
         .args(["run", "--model"])
         .arg(dir.path())
         .args(["--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json"])
+        .arg("--state-dir")
+        .arg(state.path())
         .output()
         .expect("running stormo run");
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -423,11 +426,17 @@ fn a_usage_file_that_cannot_be_saved_does_not_fail_the_run() {
         1,
         "{stderr}"
     );
-    assert_eq!(std::fs::read(usage.join("keep")).unwrap(), b"kept");
-    let left: Vec<_> = std::fs::read_dir(dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .filter(|n| n.contains(".tmp"))
-        .collect();
-    assert!(left.is_empty(), "temporary files left: {left:?}");
+    assert_eq!(std::fs::read(&blocker).unwrap(), b"kept");
+    for d in [dir.path(), state.path()] {
+        let left: Vec<_> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.contains(".tmp"))
+            .collect();
+        assert!(
+            left.is_empty(),
+            "temporary files left in {}: {left:?}",
+            d.display()
+        );
+    }
 }
