@@ -633,7 +633,7 @@ impl Node {
 
     /// Blocks until SIGINT (Ctrl-C) or SIGTERM.
     pub fn wait_for_shutdown(&self) -> anyhow::Result<&'static str> {
-        self.rt.block_on(shutdown_signal())
+        self.rt.block_on(crate::http::shutdown_signal())
     }
 
     /// Stops the node cleanly: closes the peers' connections and the server (waiting up to
@@ -764,26 +764,6 @@ async fn learn_key(
     let key = net::tls::peer_key(&conn).map(|k| PublicKey::from_bytes(&k));
     conn.close(0u32.into(), b"key learned");
     key.and_then(Result::ok)
-}
-
-/// Waits for SIGINT or SIGTERM; returns which.
-pub async fn shutdown_signal() -> anyhow::Result<&'static str> {
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .context("listening for SIGTERM")?;
-        tokio::select! {
-            r = tokio::signal::ctrl_c() => { r.context("waiting for Ctrl-C")?; Ok("SIGINT") }
-            _ = term.recv() => Ok("SIGTERM"),
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        tokio::signal::ctrl_c()
-            .await
-            .context("waiting for Ctrl-C")?;
-        Ok("Ctrl-C")
-    }
 }
 
 /// Recomputes what a serving node holds and offers.
