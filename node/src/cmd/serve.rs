@@ -199,6 +199,16 @@ fn admission(a: &Args, swarm: Option<&SwarmConfig>) -> anyhow::Result<Admission>
             _ => tracing::warn!("no --allow, --allow-file or --allow-any: no peer can connect"),
         }
     }
+    // With --allow-file, the file is re-read when it changes (no restart to admit a node).
+    if let Some(f) = &a.allow_file {
+        let given = net::allow_list(&a.allow, None)?;
+        let file = net::tls::RevokedList::load(f)
+            .map_err(|e| anyhow::anyhow!("--allow-file {}: {e:#}", f.display()))?;
+        return Ok(Admission::Listed {
+            keys: given.iter().map(|k| *k.as_bytes()).collect(),
+            file: Arc::new(file),
+        });
+    }
     Ok(Admission::Keys(
         keys.iter().map(|k| *k.as_bytes()).collect(),
     ))

@@ -98,6 +98,15 @@ pub enum Admission {
     Keys(HashSet<[u8; 32]>),
     /// Members of a swarm (`--swarm`), and the keys of `allow` besides.
     Swarm(Arc<SwarmAdmission>),
+    /// These keys (`--allow`) and those of a file (`--allow-file`), re-read when the file
+    /// changes: a key added to the file is admitted without a restart, one removed is refused
+    /// from the next handshake on.
+    Listed {
+        /// Keys given on the command line.
+        keys: HashSet<[u8; 32]>,
+        /// The allow-list file (the same one-key-a-line format as a revocation list).
+        file: Arc<RevokedList>,
+    },
 }
 
 /// The members of one swarm: any key with a valid, unexpired membership certificate signed
@@ -148,6 +157,10 @@ impl Admission {
         match self {
             Self::Any => true,
             Self::Keys(k) => k.contains(key),
+            Self::Listed { keys, file } => {
+                keys.contains(key)
+                    || PublicKey::from_bytes(key).is_ok_and(|k| file.with(|set| set.contains(&k)))
+            }
             Self::Swarm(s) => s.allow_any || s.allow.contains(key),
         }
     }
@@ -200,8 +213,9 @@ impl SwarmAdmission {
     }
 }
 
-/// A file of revoked node keys (one 64-hex key per line; blank lines and `#` comments
-/// skipped), re-read whenever its modification time or length changes. A file that turns
+/// A file of node keys (one 64-hex key per line; blank lines and `#` comments skipped):
+/// revoked keys (`--revoked`) or allowed ones (`--allow-file`), re-read whenever its
+/// modification time or length changes. A file that turns
 /// unreadable or malformed after the start is warned about and the last good list kept.
 #[derive(Debug)]
 pub struct RevokedList {
@@ -929,5 +943,26 @@ mod tests {
                 );
             }
         });
+    }
+
+    /// A changed `--allow-file` is picked up without a restart: a key added is admitted, a key
+    /// removed is refused, from the next check on.
+    #[test]
+    fn an_allow_file_is_re_read_when_it_changes() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("allowed");
+        let a = SecretKey::from_seed(&[41; 32]).public();
+        let b = SecretKey::from_seed(&[42; 32]).public();
+        std::fs::write(&path, format!("{a}\n")).expect("write");
+        let adm = Admission::Listed {
+            keys: HashSet::new(),
+            file: Arc::new(RevokedList::load(&path).expect("loads")),
+        };
+        assert!(adm.admits(a.as_bytes()));
+        assert!(!adm.admits(b.as_bytes()));
+        // Another length too, so the change shows even within the file system's time grain.
+        std::fs::write(&path, format!("# b only\n{b}\n")).expect("rewrite");
+        assert!(!adm.admits(a.as_bytes()), "a removed key is still admitted");
+        assert!(adm.admits(b.as_bytes()), "an added key is not admitted");
     }
 }
