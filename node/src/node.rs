@@ -167,8 +167,9 @@ impl Node {
             .is_none_or(|a| a.iter().flatten().any(|&on| on));
         let p = &cfg.peers;
         let discovering = cfg.swarm.as_ref().is_some_and(|s| s.discover.is_on());
-        let has_peers = !p.peers.is_empty() || discovering;
-        let needs_manifest = has_peers || p.keep.is_some() || cfg.listen.is_some();
+        // Peers given, or to be found: either way the node dials out.
+        let dials = !p.peers.is_empty() || discovering;
+        let needs_manifest = dials || p.keep.is_some() || cfg.listen.is_some();
         if !needs_manifest {
             // These check the manifest that verifies experts from peers or kept experts; with
             // neither, nothing would check them, and a user who set them expects a check.
@@ -191,7 +192,7 @@ impl Node {
                 if given.len() == 1 { "applies" } else { "apply" }
             );
         }
-        if !uses_local && !has_peers && p.keep.is_none() && cfg.listen.is_none() {
+        if !uses_local && !dials && p.keep.is_none() && cfg.listen.is_none() {
             anyhow::bail!(
                 "{} holds no experts this node may use{}: give --peer KEY@HOST:PORT (or \
                  --discover with --swarm) so experts come from peers, or --expert-dir with \
@@ -209,7 +210,7 @@ impl Node {
         }
         if cfg.experts.mmap {
             anyhow::ensure!(
-                !has_peers && p.keep.is_none() && allowed.is_none(),
+                !dials && p.keep.is_none() && allowed.is_none(),
                 "--mmap-experts serves every local expert; it cannot be combined with peers, an \
                  expert directory or expert subsets"
             );
@@ -224,14 +225,14 @@ impl Node {
         ));
         // A key is needed to reach peers or be reached; kept experts alone need none, and a
         // key no peer sees is not worth a warning.
-        let secret = if has_peers || cfg.listen.is_some() {
+        let secret = if dials || cfg.listen.is_some() {
             Some(net::node_key(p.key.as_deref())?)
         } else if needs_manifest {
             Some(SecretKey::generate())
         } else {
             None
         };
-        let endpoint = match (&cfg.listen, has_peers) {
+        let endpoint = match (&cfg.listen, dials) {
             (Some(l), _) => {
                 let _g = rt.enter();
                 Some(net::bind(l.addr, None)?)
@@ -246,7 +247,7 @@ impl Node {
         let manifest = match (&secret, needs_manifest) {
             (Some(secret), true) => {
                 let (m, id, bytes) =
-                    if (p.peers.is_empty()) && p.model_id.is_none() && p.trust.is_empty() {
+                    if p.peers.is_empty() && p.model_id.is_none() && p.trust.is_empty() {
                         // No peer's bytes to check: the folder's own manifest describes what this
                         // node serves and keeps (its peers check it against their own pin).
                         own_manifest(&dir, p.manifest.as_deref())?

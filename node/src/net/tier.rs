@@ -43,7 +43,7 @@ use stormo_wire::{
 };
 use tokio::sync::Semaphore;
 
-use super::policy::{self, PeerView, Rounds, LOAD_BUDGET_FACTOR, MAX_TIMEOUT_FACTOR};
+use super::policy::{self, LoadClock, PeerView, Rounds};
 use super::{tls, FramedRecv, PeerAddr, ReadError};
 
 /// Timeouts of the network tier.
@@ -178,8 +178,6 @@ type TryResult = Result<Vec<u8>, (String, Vec<u8>)>;
 
 struct Peer {
     addr: PeerAddr,
-    /// Set when the peer left the peer set: it is never chosen again.
-    removed: std::sync::atomic::AtomicBool,
     client: quinn::ClientConfig,
     link: Arc<tokio::sync::Mutex<Option<Arc<Link>>>>,
     state: Mutex<PeerView>,
@@ -570,10 +568,7 @@ impl PeerTier {
             Err(_) => self.rt.block_on(connect_all),
         }
         let peers = self.inner.peers();
-        let live: Vec<_> = peers
-            .iter()
-            .filter(|p| !p.removed.load(Ordering::Relaxed))
-            .collect();
+        let live: Vec<_> = peers.iter().filter(|p| !p.state().removed).collect();
         let reachable = live
             .iter()
             .filter(|p| p.state().inventory.is_some())
@@ -593,7 +588,7 @@ impl PeerTier {
         self.inner
             .peers()
             .iter()
-            .filter(|p| !p.removed.load(Ordering::Relaxed))
+            .filter(|p| !p.state().removed)
             .map(|p| p.addr.clone())
             .collect()
     }
@@ -602,7 +597,7 @@ impl PeerTier {
     pub fn held_by_peers(&self, shape: (u16, u16)) -> Option<ExpertSet> {
         let mut out = ExpertSet::new(shape.0, shape.1).ok()?;
         for p in self.inner.peers().iter() {
-            if p.removed.load(Ordering::Relaxed) {
+            if p.state().removed {
                 continue;
             }
             if let Some(inv) = p.state().inventory.as_ref() {
@@ -1161,19 +1156,17 @@ impl Inner {
             }
             let same = next
                 .iter()
-                .find(|q| q.addr.key == p.key && !q.removed.load(Ordering::Relaxed));
+                .find(|q| q.addr.key == p.key && !q.state().removed);
             match same {
                 Some(q) if q.addr.addr == p.addr => continue,
                 Some(q) => {
                     tracing::info!("peer {} moved to {}", q.addr, p.addr);
-                    q.removed.store(true, Ordering::Relaxed);
                     q.state().removed = true;
                 }
                 None => {}
             }
             let peer = Arc::new(Peer {
                 addr: p.clone(),
-                removed: Default::default(),
                 client: tls::client_config_for(
                     tls::Identity {
                         secret: &self.secret,
@@ -1197,8 +1190,7 @@ impl Inner {
         let peers = self.peers();
         let mut found = false;
         for p in peers.iter().filter(|p| p.addr.key == *key) {
-            if !p.removed.swap(true, Ordering::Relaxed) {
-                p.state().removed = true;
+            if !std::mem::replace(&mut p.state().removed, true) {
                 found = true;
                 if let Ok(g) = p.link.try_lock() {
                     if let Some(l) = g.as_ref() {
@@ -1407,11 +1399,11 @@ impl Inner {
     /// prefix so far. When every holder has been tried and some try ran out of time while its
     /// peer was still sending, or a peer answered busy (slow or loaded peers, or a link shared
     /// by many loads, not failing ones), another round starts after a short pause, with twice
-    /// the per-try deadline (up to [`MAX_TIMEOUT_FACTOR`] times the first); see [`Rounds`]
+    /// the per-try deadline (up to [`policy::MAX_TIMEOUT_FACTOR`] times the first); see [`Rounds`]
     /// for when the rounds end. A try is cut off at its deadline while another holder is
     /// left in the round; the last holder's, and every try after the first round, runs on
     /// while its chunks keep verifying. Neither a round nor such a run goes past the load's
-    /// budget, [`LOAD_BUDGET_FACTOR`] times the first per-try deadline.
+    /// budget, [`policy::LOAD_BUDGET_FACTOR`] times the first per-try deadline.
     async fn fetch_from_peers(
         &self,
         key: ExpertKey,
@@ -1443,10 +1435,7 @@ impl Inner {
         let mut prefix: Vec<u8> = Vec::new();
         let mut errors = Vec::new();
         let mut local_tried = false;
-        let mut timeout = self.cfg.request_timeout;
-        let max_timeout = timeout.saturating_mul(MAX_TIMEOUT_FACTOR);
-        let budget = timeout.saturating_mul(LOAD_BUDGET_FACTOR);
-        let load_end = Instant::now() + budget;
+        let mut clock = LoadClock::new(self.cfg.request_timeout, Instant::now());
         let mut rounds = Rounds::default();
         let mut round = 1;
         // The verified length when this round started.
@@ -1455,10 +1444,10 @@ impl Inner {
             if self.closing.load(Ordering::SeqCst) {
                 return Err("the network tier is closed".into());
             }
-            if round > 1 && Instant::now() >= load_end {
+            if round > 1 && clock.spent(Instant::now()) {
                 errors.push(format!(
                     "gave up after {:.1}s, the load's budget",
-                    budget.as_secs_f64()
+                    clock.budget().as_secs_f64()
                 ));
                 break;
             }
@@ -1468,17 +1457,17 @@ impl Inner {
                 let busy = tries.busy.swap(false, Ordering::Relaxed);
                 if let Some(pause) = rounds
                     .next(progressed, busy)
-                    .filter(|p| Instant::now() + *p < load_end)
+                    .filter(|p| clock.fits(Instant::now(), *p))
                 {
                     tokio::time::sleep(pause).await;
                     round += 1;
-                    timeout = timeout.saturating_mul(2).min(max_timeout);
+                    clock.next_round();
                     round_start = prefix.len();
                     tracing::debug!(
                         "expert {id}: every holder tried and some still sending or busy; round \
                          {round} with {:.1}s per try (more while chunks verify), after {} \
                          verified bytes",
-                        timeout.as_secs_f64(),
+                        clock.timeout.as_secs_f64(),
                         prefix.len()
                     );
                     tried.clear();
@@ -1493,9 +1482,9 @@ impl Inner {
             // one that keeps verifying chunks is let run, within the load's budget (cutting
             // it off would throw away what its peer has queued).
             let limit = TryLimit {
-                timeout,
+                timeout: clock.timeout,
                 extend_until: (round > 1 || !self.other_holder_left(id, &tried))
-                    .then_some(load_end),
+                    .then_some(clock.end),
             };
             let started = Instant::now();
             let delay = self.hedge_delay(i, len);
