@@ -238,23 +238,7 @@ fn peer_args(m: &Signed, peers: Vec<PeerAddr>) -> PeersConfig {
 
 /// The peer tier of a client of `m` (key [`CLIENT_SEED`]) over `peers`.
 fn peer_tier(m: &Signed, peers: Vec<PeerAddr>, cfg: PeerConfig) -> Arc<PeerTier> {
-    let files = ModelFiles::open(m.dir.path()).expect("model files");
-    let args = peer_args(m, peers);
-    let rt = runtime();
-    let (manifest, id, _) =
-        net::resolve_manifest(m.dir.path(), &args, &client_key(), &rt).expect("manifest");
-    let rt = Arc::new(rt);
-    let t = PeerTier::connect(
-        &client_key(),
-        &args.peers,
-        Arc::new(manifest),
-        id,
-        files.layout.schemas.clone(),
-        cfg,
-        Some(rt.handle().clone()),
-    )
-    .expect("tier");
-    Arc::new(t.keep_runtime(rt))
+    crate::network::client_tier(m.dir.path(), &peer_args(m, peers), &client_key(), cfg)
 }
 
 /// Demand loads of `keys` from `tier`: each one's bytes or error, waiting at most `within`

@@ -221,15 +221,25 @@ fn slow_link_config(request_timeout: Duration) -> PeerConfig {
 
 /// [`peer_tier`] with the timeouts of `cfg`.
 fn peer_tier_with(f: &Fixture, peers: Vec<PeerAddr>, cfg: PeerConfig) -> Arc<PeerTier> {
-    let files = ModelFiles::open(f.dir.path()).expect("model files");
-    let args = peer_args(f, peers);
+    client_tier(f.dir.path(), &peer_args(f, peers), &client_key(), cfg)
+}
+
+/// The network tier of a client with key `key` of the model in `dir`, over the peers of
+/// `args` (whose manifest checks accept it), with the timeouts of `cfg`, on a runtime of its
+/// own.
+pub(crate) fn client_tier(
+    dir: &Path,
+    args: &PeersConfig,
+    key: &SecretKey,
+    cfg: PeerConfig,
+) -> Arc<PeerTier> {
+    let files = ModelFiles::open(dir).expect("model files");
     let rt = runtime();
-    let (m, id, _) =
-        net::resolve_manifest(f.dir.path(), &args, &client_key(), &rt).expect("manifest accepted");
+    let (m, id, _) = net::resolve_manifest(dir, args, key, &rt).expect("manifest accepted");
     serve::check_layout(&m, &files.layout.sizes()).expect("layout");
     let rt = Arc::new(rt);
     let t = PeerTier::connect(
-        &client_key(),
+        key,
         &args.peers,
         Arc::new(m),
         id,
