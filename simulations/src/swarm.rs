@@ -18,7 +18,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-pub use cluster::{Cluster, Reaper};
+pub use cluster::{Cluster, NodeSpec, Reaper};
 pub use relay::{LinkCounts, LinkSpec, Relay};
 
 /// Why a swarm could not run.

@@ -14,7 +14,9 @@ pub(crate) fn stormo_exe() -> PathBuf {
 
 /// The demo's claims, checked against its own JSON: the ids from a node with no experts
 /// equal a local run's, every expert came from peers (none from a disk), every node served,
-/// the prompt is Harmony-rendered with the embedded tokenizer, and nothing is left behind.
+/// the relay (a node with no experts) kept what it fetched and alone served the second run
+/// exactly after the holders stopped, the prompt is Harmony-rendered with the embedded
+/// tokenizer, and nothing is left behind.
 #[test]
 fn demo_generates_exactly_from_peers_and_cleans_up() {
     let out = Command::new(stormo_exe())
@@ -36,8 +38,22 @@ fn demo_generates_exactly_from_peers_and_cleans_up() {
         "the generating node read experts from disk"
     );
     assert_eq!(v["local"]["peer_loads"], 0);
+    let after = &v["after_holders_left"];
+    assert_eq!(
+        &after["ids"], local,
+        "ids re-served by the relay differ: {v}"
+    );
+    assert!(after["peer_loads"].as_u64().unwrap_or(0) > 0, "{v}");
+    assert_eq!(after["peer_failures"], 0, "{v}");
+    assert!(
+        v["relay_kept"].as_u64().unwrap_or(0) > 0,
+        "the relay kept nothing: {v}"
+    );
     let nodes = v["nodes"].as_array().expect("nodes");
-    assert_eq!(nodes.len(), 3);
+    assert_eq!(nodes.len(), 4, "three holders and a relay: {v}");
+    let relays: Vec<&Value> = nodes.iter().filter(|n| n["relay"] == true).collect();
+    assert_eq!(relays.len(), 1, "{v}");
+    assert_eq!(relays[0]["experts_held"], 0, "{v}");
     let mut served = 0;
     for n in nodes {
         let s = n["served"]

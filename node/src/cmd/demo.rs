@@ -1,9 +1,12 @@
 //! `stormo demo`: the whole idea on one machine in about a minute.
 //!
 //! A small GPT-OSS-shaped model with the real 201,088-token vocabulary is synthesized, a few
-//! nodes on 127.0.0.1 each serve part of its experts, and a node holding none generates from
-//! a Harmony prompt with every expert fetched over QUIC and checked against the signed
-//! manifest. The output is compared with a local run of the same prompt.
+//! nodes on 127.0.0.1 each serve part of its experts, and one more node with no experts (the
+//! dense weights pulled from a holder) fetches from them and re-serves what it verified. A
+//! node holding none that knows only that relay generates from a Harmony prompt, every
+//! expert fetched over QUIC and checked against the signed manifest; then the holders stop
+//! and it generates again, served by the relay from what it kept. Both outputs are compared
+//! with a local run of the same prompt.
 //!
 //! The o200k_harmony tokenizer ships inside the binary: `build.rs` compresses the repository's
 //! `fixtures/o200k-harmony/tokenizer.json` (28 MB) with zlib to about 4.5 MB and this module
@@ -17,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use stormo_simulations::swarm::{self, Cluster, LinkSpec, Reaper, RunOutcome};
+use stormo_simulations::swarm::{self, Cluster, LinkSpec, NodeSpec, Reaper, RunOutcome};
 
 use crate::chat::{ChatFormat, PromptOptions, Tokenizer, Turn, TurnRole};
 use crate::cmd::sim::Scratch;
@@ -32,11 +35,13 @@ const GPT_OSS_VOCAB: usize = 201_088;
 /// Arguments of `stormo demo`.
 ///
 /// Makes a small GPT-OSS-shaped model (random weights, the real 201,088-token o200k_harmony
-/// vocabulary), starts --nodes serving nodes on 127.0.0.1 that each hold part of its experts,
-/// and generates on a node that holds none: every expert comes over QUIC from the others and
-/// is checked against the publisher-signed manifest before use. Shows where each expert came
-/// from, the verification, the speed, and whether the ids equal a local run's. Removes
-/// everything it made, also on Ctrl-C.
+/// vocabulary), starts --nodes serving nodes on 127.0.0.1 that each hold part of its experts
+/// and one relay node that holds none (it fetches from them, keeps what it verified and
+/// serves it on), and generates on a node that holds none and knows only the relay: every
+/// expert comes over QUIC and is checked against the publisher-signed manifest before use.
+/// Then the holders stop and it generates again, served by the relay alone. Shows where each
+/// expert came from, the verification, the speed, and whether the ids equal a local run's.
+/// Removes everything it made, also on Ctrl-C.
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Serving nodes (each holds every n-th expert).
@@ -98,6 +103,22 @@ fn embedded_tokenizer() -> anyhow::Result<Option<Vec<u8>>> {
     let json = miniz_oxide::inflate::decompress_to_vec_zlib_with_limit(TOKENIZER_ZLIB, 64 << 20)
         .map_err(|e| anyhow::anyhow!("the embedded tokenizer does not decompress: {e:?}"))?;
     Ok(Some(json))
+}
+
+/// How many expert records a node has kept in `dir`, once the count has stopped growing
+/// (a serving node keeps what it fetched in the background; at most 30 s).
+fn wait_until_kept(dir: &std::path::Path) -> usize {
+    let count = || std::fs::read_dir(dir).map_or(0, |d| d.count());
+    let until = Instant::now() + Duration::from_secs(30);
+    let (mut last, mut since) = (count(), Instant::now());
+    while Instant::now() < until && (last == 0 || since.elapsed() < Duration::from_millis(1500)) {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = count();
+        if now != last {
+            (last, since) = (now, Instant::now());
+        }
+    }
+    last
 }
 
 /// The experts of node `i` of `n` among `experts`: every n-th, from `i`.
@@ -168,10 +189,52 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .push(c.reaper());
+    // The relay node's key is made first: the holders admit it beside the client.
+    let relay_key = c.make_key("relay")?;
+    c.serve_args = vec!["--allow".into(), relay_key.1.clone()];
     for i in 0..a.nodes {
         c.add_node(Some(share(i, a.nodes, experts)), LinkSpec::ideal())?;
     }
     say(&format!("{} nodes serving on 127.0.0.1", a.nodes));
+    let holders = 0..a.nodes;
+
+    // A node with no experts of its own: the dense weights pulled from a holder, then a
+    // `serve` that fetches from the holders, keeps what it verified and serves it on.
+    let dense = scratch.path.join("relay-model");
+    say("pulling the dense weights for a node with no experts");
+    swarm::cluster::run_capture(
+        &exe,
+        &[
+            "pull".into(),
+            "--peer".into(),
+            c.nodes[0].peer(),
+            "--trust".into(),
+            c.publisher.clone(),
+            "--key".into(),
+            c.client_key.to_string_lossy().into_owned(),
+            "--state-dir".into(),
+            scratch
+                .path
+                .join("pull.state")
+                .to_string_lossy()
+                .into_owned(),
+            "--out".into(),
+            dense.to_string_lossy().into_owned(),
+        ],
+        "pulling the dense weights",
+    )?;
+    let mut relay_args = vec!["--trust".to_string(), c.publisher.clone()];
+    relay_args.extend(c.peer_args(holders.clone()));
+    let relay = c.add_node_with(NodeSpec {
+        model: Some(dense),
+        args: relay_args,
+        key: Some(relay_key),
+        ..NodeSpec::default()
+    })?;
+    say(&format!(
+        "{} serving on 127.0.0.1 with no experts, fetching from the others",
+        c.nodes[relay].name
+    ));
 
     let base = swarm::run_args(&model, &prompt, a.max_new_tokens);
     let mut args = base.clone();
@@ -184,19 +247,41 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "--key".into(),
         c.client_key.to_string_lossy().into_owned(),
     ]);
-    args.extend(c.peer_args(0..a.nodes));
+    args.extend(c.peer_args([relay]));
     let timeout = Duration::from_secs(300);
-    say("generating on a node with no experts");
+    say(&format!(
+        "generating on a node with no experts that knows only {}",
+        c.nodes[relay].name
+    ));
     let (v, wall) = c.spawn_run("swarm", &args)?.wait(timeout)?;
     let remote = RunOutcome::from_json(&v, wall)?;
+    let kept = wait_until_kept(&c.nodes[relay].state_dir.join("experts").join(&c.model_id));
+    say(&format!(
+        "{} kept {kept} verified expert records; stopping every holder",
+        c.nodes[relay].name
+    ));
+    for i in holders.clone() {
+        c.stop(i);
+    }
+    say("generating again, with the holders gone");
+    let (v, wall) = c.spawn_run("reserved", &args)?.wait(timeout)?;
+    let reserved = RunOutcome::from_json(&v, wall)?;
     say("the same prompt with every expert local");
     let (v, wall) = c.spawn_run("local", &base)?.wait(timeout)?;
     let local = RunOutcome::from_json(&v, wall)?;
     c.stop_all();
     let exact = remote.ids == local.ids;
+    let exact_after = reserved.ids == local.ids;
     let text = tokenizer
         .as_ref()
         .and_then(|t| t.decode(&remote.ids, false).ok());
+    let held = |n: &swarm::cluster::Node| -> usize {
+        if n.name == c.nodes[relay].name {
+            0
+        } else {
+            n.only.as_deref().map_or(experts, |s| s.split(',').count())
+        }
+    };
     let nodes: Vec<serde_json::Value> = c
         .nodes
         .iter()
@@ -204,7 +289,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             serde_json::json!({
                 "name": n.name,
                 "holds": n.only,
-                "experts_held": n.only.as_deref().map_or(experts, |s| s.split(',').count()),
+                "experts_held": held(n),
+                "relay": n.name == c.nodes[relay].name,
                 "served": n.served,
                 "bytes_sent": n.link().down_bytes,
             })
@@ -219,58 +305,76 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 "publisher": c.publisher,
                 "prompt_ids": prompt,
                 "swarm": remote,
+                "after_holders_left": reserved,
+                "relay_kept": kept,
                 "local": local,
-                "token_exact": exact,
+                "token_exact": exact && exact_after,
                 "nodes": nodes,
                 "text": text,
                 "elapsed_s": elapsed,
             })
         );
     } else {
+        let r = &c.nodes[relay].name;
         println!("stormo demo: a 4-layer GPT-OSS-shaped model with random weights and the real");
         println!(
-            "{GPT_OSS_VOCAB}-token vocabulary; {experts} experts per layer spread over {} nodes.",
+            "{GPT_OSS_VOCAB}-token vocabulary; {experts} experts per layer spread over {} nodes;",
             a.nodes
         );
+        println!("{r} holds no experts and fetches from them; the generating node knows only {r}.");
         println!();
         println!("verification");
         println!("  model id   {}", c.model_id);
         println!(
-            "  publisher  {} (the client accepted the manifest only because this key signed it)",
+            "  publisher  {} (the manifest is accepted only because this key signed it)",
             c.publisher
         );
         println!(
-            "  experts    {} loaded from peers, each checked chunk by chunk against the manifest; {} failures",
+            "  experts    {} loaded from {r}, each checked chunk by chunk against the manifest; {} failures",
             remote.peer_loads, remote.peer_failures
         );
         println!();
-        println!("where the experts came from (the generating node holds none)");
+        println!("where the experts came from");
         for n in &c.nodes {
-            let held = n.only.as_deref().map_or(experts, |s| s.split(',').count());
+            let role = if n.name == *r {
+                format!("holds none, kept the {kept} it fetched")
+            } else {
+                format!("holds {} experts per layer", held(n))
+            };
             println!(
-                "  {}  holds {held:>2} experts per layer, served {:>4} requests, sent {:>6.2} MB",
+                "  {}  {role:<36} served {:>4} requests, sent {:>7.2} MB",
                 n.name,
                 n.served.map_or_else(|| "?".into(), |v| v.to_string()),
                 n.link().down_bytes as f64 / 1e6
             );
         }
+        println!(
+            "  ({}'s bytes include the dense weights it sent for {r}'s folder)",
+            c.nodes[0].name
+        );
         println!();
         println!("speed");
         println!(
-            "  from peers  prefill {:>7.1} tok/s ({} prompt tokens), decode {:>7.1} tok/s",
+            "  through {r}                 prefill {:>7.1} tok/s ({} prompt tokens), decode {:>7.1} tok/s",
             remote.prefill_tok_s,
             prompt.len(),
             remote.decode_tok_s
         );
         println!(
-            "  all local   prefill {:>7.1} tok/s, decode {:>7.1} tok/s",
+            "  holders gone, {r} re-serves prefill {:>7.1} tok/s, decode {:>7.1} tok/s",
+            reserved.prefill_tok_s, reserved.decode_tok_s
+        );
+        println!(
+            "  all local                  prefill {:>7.1} tok/s, decode {:>7.1} tok/s",
             local.prefill_tok_s, local.decode_tok_s
         );
         println!();
+        let yes = |b: bool| if b { "yes" } else { "NO" };
         println!(
-            "token-exact against the local run: {} ({} tokens)",
-            if exact { "yes" } else { "NO" },
-            remote.ids.len()
+            "token-exact against the local run: {} ({} tokens); after the holders left: {}",
+            yes(exact),
+            remote.ids.len(),
+            yes(exact_after)
         );
         let ids: Vec<String> = remote.ids.iter().map(u32::to_string).collect();
         println!("generated ids: {}", ids.join(" "));
@@ -279,6 +383,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         println!("done in {elapsed:.1}s");
     }
+    anyhow::ensure!(exact, "the swarm's output differs from the local run's");
+    anyhow::ensure!(
+        exact_after,
+        "the output after the holders left differs from the local run's"
+    );
     anyhow::ensure!(exact, "the swarm's output differs from the local run's");
     Ok(())
 }

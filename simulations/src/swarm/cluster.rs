@@ -61,6 +61,12 @@ pub struct Node {
     /// Its node key's public half (64 hex).
     pub public: String,
     key: PathBuf,
+    /// The model folder it serves when not the cluster's (e.g. a dense-only pulled folder).
+    model: Option<PathBuf>,
+    /// Arguments of its own after the cluster's (e.g. `--peer` for a node that fetches).
+    args: Vec<String>,
+    /// Its state directory (usage counts, kept experts), in the scratch folder.
+    pub state_dir: PathBuf,
     child: Option<Child>,
     /// Where it listens (behind its relay).
     pub listen: Option<SocketAddr>,
@@ -86,6 +92,33 @@ impl Node {
     /// Whether its process is running.
     pub fn is_up(&self) -> bool {
         self.child.is_some()
+    }
+}
+
+/// How to start one node of a [`Cluster`] (see [`Cluster::add_node_with`]).
+#[derive(Debug, Clone)]
+pub struct NodeSpec {
+    /// Its `--only-experts` spec (`None`: every expert the model folder holds).
+    pub only: Option<String>,
+    /// Its link, through its relay.
+    pub link: LinkSpec,
+    /// The model folder it serves (`None`: the cluster's).
+    pub model: Option<PathBuf>,
+    /// Arguments of its own, after the cluster's `serve_args`.
+    pub args: Vec<String>,
+    /// Its node key (file, public half) made with [`Cluster::make_key`] (`None`: a new one).
+    pub key: Option<(PathBuf, String)>,
+}
+
+impl Default for NodeSpec {
+    fn default() -> Self {
+        Self {
+            only: None,
+            link: LinkSpec::ideal(),
+            model: None,
+            args: Vec::new(),
+            key: None,
+        }
     }
 }
 
@@ -230,11 +263,8 @@ impl Cluster {
         self.reaper.clone()
     }
 
-    /// Adds and starts a node serving `only` (an `--only-experts` spec, `None`: all) behind a
-    /// relay with `link`. Returns its index.
-    pub fn add_node(&mut self, only: Option<String>, link: LinkSpec) -> Result<usize, SwarmError> {
-        let i = self.nodes.len();
-        let name = format!("n{i}");
+    /// Makes a node key named `name` in the scratch folder: its file and public half.
+    pub fn make_key(&self, name: &str) -> Result<(PathBuf, String), SwarmError> {
         let key = self.work.join(format!("{name}.key"));
         let public = run_capture(
             &self.exe,
@@ -243,6 +273,34 @@ impl Cluster {
         )?
         .trim()
         .to_string();
+        Ok((key, public))
+    }
+
+    /// Adds and starts a node serving `only` (an `--only-experts` spec, `None`: all) behind a
+    /// relay with `link`. Returns its index.
+    pub fn add_node(&mut self, only: Option<String>, link: LinkSpec) -> Result<usize, SwarmError> {
+        self.add_node_with(NodeSpec {
+            only,
+            link,
+            ..NodeSpec::default()
+        })
+    }
+
+    /// Adds and starts a node as `spec` says. Returns its index.
+    pub fn add_node_with(&mut self, spec: NodeSpec) -> Result<usize, SwarmError> {
+        let NodeSpec {
+            only,
+            link,
+            model,
+            args,
+            key,
+        } = spec;
+        let i = self.nodes.len();
+        let name = format!("n{i}");
+        let (key, public) = match key {
+            Some(k) => k,
+            None => self.make_key(&name)?,
+        };
         // A placeholder target until the node says where it listens.
         let relay = Relay::start(
             "127.0.0.1:9".parse().expect("a literal address"),
@@ -254,12 +312,16 @@ impl Cluster {
             detail: e.to_string(),
         })?;
         self.next_seed += 1;
+        let state_dir = self.work.join(format!("{name}.state"));
         self.nodes.push(Node {
             log: self.work.join(format!("{name}.log")),
             name,
             only,
             public,
             key,
+            model,
+            args,
+            state_dir,
             child: None,
             listen: None,
             relay,
@@ -283,7 +345,7 @@ impl Cluster {
         let mut args = vec![
             "serve".into(),
             "--model".into(),
-            s(&self.model),
+            s(n.model.as_deref().unwrap_or(&self.model)),
             "--manifest".into(),
             s(&self.manifest),
             "--listen".into(),
@@ -293,11 +355,14 @@ impl Cluster {
             "--allow".into(),
             self.client_public.clone(),
             "--no-hot-store".into(),
+            "--state-dir".into(),
+            s(&n.state_dir),
         ];
         if let Some(o) = &n.only {
             args.extend(["--only-experts".into(), o.clone()]);
         }
         args.extend(self.serve_args.iter().cloned());
+        args.extend(n.args.iter().cloned());
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
