@@ -35,6 +35,14 @@ use stormo_wire::{DecodeError, FrameDecoder, Message};
 
 /// UDP socket buffer size: the default ~200 KiB drops packets of a 13 MB expert on loopback.
 pub const SOCKET_BUFFER: usize = 4 << 20;
+/// The largest UDP payload a node sends or accepts, and the upper bound of QUIC's path MTU
+/// discovery. Each path starts at QUIC's 1,200 bytes and discovery probes upward: an Ethernet
+/// path settles near 1,452, loopback and jumbo-frame LANs climb to this, and a path that
+/// stops carrying large datagrams is caught by quinn's black-hole detection, which falls back
+/// to 1,200. QUIC on loopback is bound by CPU per packet, so larger datagrams carry more bytes
+/// per second (see docs/network.md). Not higher: quinn sends up to 10 datagrams in one batched
+/// (GSO) send, which must stay under 64 KiB, and above about 6,550 the batch fails silently.
+pub const MAX_UDP_PAYLOAD: u16 = 6500;
 /// The longest a connection attempt (QUIC handshake plus Hello) may take (for a node that
 /// fetches, `--peer-timeout` when that is shorter).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -234,13 +242,12 @@ pub fn bind(
     sock.bind(&addr.into())
         .with_context(|| format!("binding UDP {addr}"))?;
     let udp: std::net::UdpSocket = sock.into();
-    quinn::Endpoint::new(
-        quinn::EndpointConfig::default(),
-        server,
-        udp,
-        Arc::new(quinn::TokioRuntime),
-    )
-    .with_context(|| format!("starting QUIC on {addr}"))
+    let mut config = quinn::EndpointConfig::default();
+    config
+        .max_udp_payload_size(MAX_UDP_PAYLOAD)
+        .context("the largest UDP payload")?;
+    quinn::Endpoint::new(config, server, udp, Arc::new(quinn::TokioRuntime))
+        .with_context(|| format!("starting QUIC on {addr}"))
 }
 
 /// Why a framed read stopped.

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 pub use cluster::{Cluster, NodeSpec, Reaper};
-pub use relay::{LinkCounts, LinkSpec, Relay};
+pub use relay::{LinkCounts, LinkSpec, Relay, ETHERNET_MTU};
 
 /// Why a swarm could not run.
 #[derive(Debug, thiserror::Error)]

@@ -16,7 +16,7 @@ use stormo_node::net::serve::{self, Holdings, ServeConfig, ServerHandle};
 use stormo_node::net::tier::{PeerConfig, PeerTier};
 use stormo_node::net::tls::{Admission, Congestion};
 use stormo_node::net::{self, pull, PeerAddr};
-use stormo_simulations::swarm::{LinkSpec, Relay};
+use stormo_simulations::swarm::{LinkSpec, Relay, ETHERNET_MTU};
 use stormo_tests::{fixture, Reference, MODEL_FIXTURES};
 
 /// `n` greedy ids after `prompt`, and the session that made them.
@@ -928,8 +928,11 @@ fn a_peer_slower_than_the_deadline_still_delivers_in_later_rounds() {
     // the first round's 100 ms deadline passes mid-answer, the third's 400 ms does not.
     let relay = Relay::start(
         node.addr().addr,
+        // Ethernet's MTU, as a real slow link has: QUIC's MTU probes (up to 6.5 kB each)
+        // would otherwise take seconds of a link this slow.
         LinkSpec {
             bandwidth: Some(len * 8),
+            mtu: Some(ETHERNET_MTU),
             ..LinkSpec::ideal()
         },
         7,
@@ -1013,6 +1016,7 @@ fn the_last_holder_is_not_cut_off_while_its_chunks_keep_verifying() {
             node.addr().addr,
             LinkSpec {
                 bandwidth: Some(e.len / 4),
+                mtu: Some(ETHERNET_MTU),
                 ..LinkSpec::ideal()
             },
             8,

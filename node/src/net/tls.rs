@@ -557,7 +557,8 @@ pub enum Congestion {
 }
 
 /// Transport settings shared by both ends: bounded idle time, keep-alives, at most `streams`
-/// concurrent requests from the peer, and `congestion` for what this end sends.
+/// concurrent requests from the peer, path MTU discovery up to [`super::MAX_UDP_PAYLOAD`],
+/// and `congestion` for what this end sends.
 pub fn transport(
     streams: u32,
     congestion: Congestion,
@@ -569,6 +570,9 @@ pub fn transport(
     .keep_alive_interval(Some(KEEP_ALIVE))
     .max_concurrent_bidi_streams(streams.into())
     .max_concurrent_uni_streams(0u32.into());
+    let mut mtu = quinn::MtuDiscoveryConfig::default();
+    mtu.upper_bound(super::MAX_UDP_PAYLOAD);
+    t.mtu_discovery_config(Some(mtu));
     if congestion == Congestion::Bbr {
         t.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()));
     }

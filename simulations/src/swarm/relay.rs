@@ -27,7 +27,14 @@ pub struct LinkSpec {
     pub loss: f64,
     /// Bytes that may wait in one direction's queue before datagrams are dropped.
     pub queue_bytes: usize,
+    /// The largest UDP payload the path carries; larger datagrams are dropped, as a real path
+    /// drops them (QUIC sets don't-fragment and finds the path's MTU by probing). `None`: any
+    /// size, as loopback.
+    pub mtu: Option<usize>,
 }
+
+/// The UDP payload an Ethernet path carries: 1,500 bytes less the IPv4 and UDP headers.
+pub const ETHERNET_MTU: usize = 1500 - 28;
 
 impl LinkSpec {
     /// A link that only relays (and counts).
@@ -37,26 +44,29 @@ impl LinkSpec {
             bandwidth: None,
             loss: 0.0,
             queue_bytes: 64 << 20,
+            mtu: None,
         }
     }
 
-    /// A 1 Gbit/s LAN with 0.25 ms one-way delay.
+    /// A 1 Gbit/s Ethernet LAN with 0.25 ms one-way delay.
     pub fn lan() -> Self {
         Self {
             delay: Duration::from_micros(250),
             bandwidth: Some(125_000_000),
             loss: 0.0,
             queue_bytes: 4 << 20,
+            mtu: Some(ETHERNET_MTU),
         }
     }
 
-    /// A 100 Mbit/s internet path with 20 ms one-way delay and 0.5% loss.
+    /// A 100 Mbit/s internet path with 20 ms one-way delay, 0.5% loss and Ethernet's MTU.
     pub fn wan() -> Self {
         Self {
             delay: Duration::from_millis(20),
             bandwidth: Some(12_500_000),
             loss: 0.005,
             queue_bytes: 1 << 20,
+            mtu: Some(ETHERNET_MTU),
         }
     }
 
@@ -67,6 +77,12 @@ impl LinkSpec {
         }
         if self.bandwidth == Some(0) {
             return Err("bandwidth 0 would carry nothing".into());
+        }
+        if self.mtu.is_some_and(|m| m < 1200) {
+            return Err(format!(
+                "an MTU of {} bytes is below QUIC's minimum of 1200",
+                self.mtu.unwrap_or(0)
+            ));
         }
         if self.queue_bytes < 65_536 {
             return Err(format!(
@@ -89,6 +105,8 @@ pub struct LinkStats {
     pub lost: AtomicU64,
     /// Datagrams dropped because the queue was full.
     pub overflowed: AtomicU64,
+    /// Datagrams dropped because they exceeded the path's MTU (QUIC's MTU probes).
+    pub too_large: AtomicU64,
 }
 
 /// A copy of [`LinkStats`].
@@ -102,6 +120,8 @@ pub struct LinkCounts {
     pub lost: u64,
     /// Datagrams dropped because the queue was full.
     pub overflowed: u64,
+    /// Datagrams dropped because they exceeded the path's MTU (QUIC's MTU probes).
+    pub too_large: u64,
 }
 
 impl LinkStats {
@@ -112,6 +132,7 @@ impl LinkStats {
             down_bytes: self.down_bytes.load(Ordering::Relaxed),
             lost: self.lost.load(Ordering::Relaxed),
             overflowed: self.overflowed.load(Ordering::Relaxed),
+            too_large: self.too_large.load(Ordering::Relaxed),
         }
     }
 }
@@ -296,6 +317,10 @@ fn spawn_direction(
                 if let Some(l) = &learn {
                     *l.lock().unwrap_or_else(|e| e.into_inner()) = Some(src);
                 }
+                if spec.mtu.is_some_and(|m| n > m) {
+                    s2.too_large.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
                 if spec.loss > 0.0
                     && (next_u64(&mut rng) >> 11) as f64 / (1u64 << 53) as f64 > 1.0 - spec.loss
                 {
@@ -465,6 +490,10 @@ mod tests {
             },
             LinkSpec {
                 queue_bytes: 100,
+                ..LinkSpec::ideal()
+            },
+            LinkSpec {
+                mtu: Some(1000),
                 ..LinkSpec::ideal()
             },
         ] {
