@@ -510,3 +510,54 @@ fn pull_experts_fetches_records_from_partial_holders_and_runs_without_peers() {
         "no expert came from the kept ones: {j}"
     );
 }
+
+/// Issue 35: `bench --peer` measures decode and prefill with every expert from a peer, then
+/// the same prompts from the local disk, and reports both and their ratio; on a folder pulled
+/// without experts it measures the peers' run alone.
+#[test]
+fn bench_with_peers_reports_the_run_from_peers_beside_the_local_disk() {
+    let (m, id) = model_with_manifest();
+    let (sa, sb) = (state(), state());
+    let a = serve(m.path(), sa.path(), &[]);
+    let bench = |model: &Path| -> Value {
+        let out = stormo(&[
+            "bench",
+            "--model",
+            s(model),
+            "--peer",
+            &a.line,
+            "--model-id",
+            &id,
+            "--prompt-tokens",
+            "8",
+            "--decode-tokens",
+            "4",
+            "--mem-test",
+            "1MiB",
+            "--disk-test",
+            "0",
+            "--expert-cache",
+            "0",
+            "--state-dir",
+            s(sb.path()),
+            "--json",
+        ]);
+        serde_json::from_str(&out).expect("bench --json")
+    };
+    let v = bench(m.path());
+    assert_eq!(v["from_peers"], true, "{v}");
+    assert!(v["experts"]["peer_loads"].as_u64().unwrap_or(0) > 0, "{v}");
+    assert_eq!(v["experts"]["disk_loads"], 0, "{v}");
+    let disk = v["disk"]["decode_tok_s"]
+        .as_f64()
+        .expect("the disk's decode");
+    let peers = v["decode"]["tok_s"].as_f64().expect("the peers' decode");
+    let ratio = v["peer_vs_disk"].as_f64().expect("peer_vs_disk");
+    assert!((ratio - peers / disk).abs() <= 1e-9 * ratio.abs(), "{v}");
+    assert!(v["fetch_mb_s"].as_f64().is_some_and(|f| f > 0.0), "{v}");
+    assert_eq!(v["disk"]["prefill"][0]["tokens"], 8, "{v}");
+    let dense = pull_dense(&a.line, &id);
+    let v = bench(dense.path());
+    assert!(v["experts"]["peer_loads"].as_u64().unwrap_or(0) > 0, "{v}");
+    assert!(v["disk"].is_null() && v["peer_vs_disk"].is_null(), "{v}");
+}

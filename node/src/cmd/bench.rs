@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::Context;
 use rayon::prelude::*;
 use stormo_engine::generate::argmax;
-use stormo_engine::{LoadOptions, Logits, ModelFiles};
+use stormo_engine::{LoadOptions, Logits, Model, ModelFiles, Session};
 
 use crate::args::{ExpertArgs, PeerArgs};
 use crate::config::{LocalExperts, NodeConfig};
@@ -95,8 +95,11 @@ pub struct Args {
     /// Where experts come from.
     #[command(flatten)]
     pub experts: ExpertArgs,
-    /// Peers below the disk: measure a node whose experts come from peers (a folder from
-    /// `stormo pull` holds only the dense weights).
+    /// Peers: with --peer every expert comes from peers (none from the local disk), and when
+    /// the folder holds the experts the same prompts and decode run again from the local disk
+    /// at the same RAM budget, side by side (`peer_vs_disk`, the decode ratio, and
+    /// `fetch_mb_s`, MB from peers per second the model waited for experts, in --json). A
+    /// folder from `stormo pull` holds only the dense weights: then only the peers' run.
     #[command(flatten)]
     pub net: PeerArgs,
 }
@@ -351,6 +354,113 @@ impl Rng {
     }
 }
 
+/// Loads every expert when the RAM budget holds them all (so decode and prefill run
+/// resident), else runs one prompt of `max_p` tokens; then the dense weights are in memory.
+fn warm(
+    model: &Model,
+    experts: &crate::experts::Experts,
+    sizes: &[Vec<u64>],
+    max_p: usize,
+    prompt: &mut impl FnMut(usize) -> Vec<u32>,
+) -> anyhow::Result<()> {
+    let all: u64 = sizes.iter().flatten().sum();
+    match &experts.tiered {
+        Some(t) if t.budget() >= all => {
+            let mut out = Vec::new();
+            for (layer, l) in sizes.iter().enumerate() {
+                let ids: Vec<usize> = (0..l.len()).collect();
+                let batch = experts.provider.max_batch(layer).max(1);
+                for chunk in ids.chunks(batch) {
+                    experts.provider.fetch(layer, chunk, &mut out)?;
+                    out.clear();
+                }
+            }
+            // And a short forward pass, so the dense weights (mapped from the checkpoint) are
+            // in memory too: otherwise the first prefill pays for reading them from disk
+            // whenever the page cache has dropped them (after another program read a large
+            // file, say), and measures the disk rather than the kernels.
+            let n = WARM_TOKENS.min(max_p);
+            let mut s = model.session(n)?;
+            model.forward_greedy(&mut s, &prompt(n), None)?;
+        }
+        _ => {
+            let mut s = model.session(max_p)?;
+            model.forward_greedy(&mut s, &prompt(max_p), None)?;
+        }
+    }
+    Ok(())
+}
+
+/// A prefill of `tokens` in a new session of `context` positions: the session, the next
+/// token and the seconds it took.
+fn prefill_once(
+    model: &Model,
+    context: usize,
+    tokens: &[u32],
+) -> anyhow::Result<(Session, u32, f64)> {
+    let mut s = model.session(context)?;
+    let t = Instant::now();
+    let next = model.forward_greedy(&mut s, tokens, None)?.token;
+    Ok((s, next, t.elapsed().as_secs_f64()))
+}
+
+/// What `bench --peer` measures from the local disk beside the run from peers.
+struct DiskRun {
+    /// (prompt tokens, seconds) per prompt.
+    prefill: Vec<(usize, f64)>,
+    /// Decode tokens per second.
+    decode_tok_s: f64,
+}
+
+/// The run of `a` again with every expert from the local disk and no peers: the same prompts
+/// (the same seed), the same warming and the same number of decoded tokens, at the same RAM
+/// budget.
+fn disk_run(
+    a: &Args,
+    context: usize,
+    load: &LoadOptions,
+    sizes: &[Vec<u64>],
+    max_p: usize,
+    vocab: u64,
+) -> anyhow::Result<DiskRun> {
+    let node = Node::start(NodeConfig {
+        model: a.model.clone(),
+        state_dir: a.experts.state_dir(),
+        experts: a.experts.resolve()?,
+        local: LocalExperts::All,
+        context,
+        peers: crate::config::PeersConfig::default(),
+        listen: None,
+        swarm: None,
+    })?;
+    let experts = node.experts().clone();
+    let model = node.load_model(load)?;
+    let mut rng = Rng(a.seed);
+    let mut prompt =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next() % vocab) as u32).collect() };
+    if a.warm {
+        warm(&model, &experts, sizes, max_p, &mut prompt)?;
+    }
+    let mut prefill = Vec::new();
+    let mut last = None;
+    for &p in &a.prompt_tokens {
+        let (s, next, secs) = prefill_once(&model, context, &prompt(p))?;
+        prefill.push((p, secs));
+        last = Some((s, next));
+    }
+    let (mut sess, mut tok) = last.expect("at least one prompt");
+    let t = Instant::now();
+    for _ in 0..a.decode_tokens {
+        tok = model.forward_greedy(&mut sess, &[tok], None)?.token;
+    }
+    let decode_tok_s = a.decode_tokens as f64 / t.elapsed().as_secs_f64();
+    node.finish_run();
+    Ok(DiskRun {
+        prefill,
+        decode_tok_s,
+    })
+}
+
 /// Runs `stormo bench`.
 pub fn run(a: Args) -> anyhow::Result<()> {
     anyhow::ensure!(
@@ -401,65 +511,46 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let vocab = files.cfg.vocab_size as u64;
     let sizes = files.layout.sizes();
     drop(files);
-    let node = Node::start(NodeConfig {
-        model: a.model.clone(),
-        state_dir: a.experts.state_dir(),
-        experts: a.experts.resolve()?,
-        local: LocalExperts::All,
-        context,
-        peers: a.net.resolve(false)?,
-        listen: None,
-        swarm: None,
-    })?;
-    let experts = node.experts().clone();
-    let model = node.load_model(&LoadOptions {
+    let peers = a.net.resolve(false)?;
+    // With --peer every expert comes from peers, measured beside the same run from the local
+    // disk when the folder holds the experts.
+    let from_peers = !peers.peers.is_empty();
+    let beside_disk = from_peers && !crate::net::pull::Pulled::dense_only(&a.model)?;
+    let load = LoadOptions {
         prefill_block: a.prefill_block,
         int8_attn_head: a.int8_attn_head,
         int8_experts: a.int8_experts,
         screened_head: !a.full_head,
+    };
+    let node = Node::start(NodeConfig {
+        model: a.model.clone(),
+        state_dir: a.experts.state_dir(),
+        experts: a.experts.resolve()?,
+        local: if from_peers {
+            LocalExperts::None
+        } else {
+            LocalExperts::All
+        },
+        context,
+        peers,
+        listen: None,
+        swarm: None,
     })?;
+    let experts = node.experts().clone();
+    let model = node.load_model(&load)?;
     let mut rng = Rng(a.seed);
     let mut prompt =
         |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next() % vocab) as u32).collect() };
     if a.warm {
         say("warming the expert cache...".into());
-        let all: u64 = sizes.iter().flatten().sum();
-        match &experts.tiered {
-            Some(t) if t.budget() >= all => {
-                // Every expert fits: load them all, so decode and prefill run resident.
-                let mut out = Vec::new();
-                for (layer, l) in sizes.iter().enumerate() {
-                    let ids: Vec<usize> = (0..l.len()).collect();
-                    let batch = experts.provider.max_batch(layer).max(1);
-                    for chunk in ids.chunks(batch) {
-                        experts.provider.fetch(layer, chunk, &mut out)?;
-                        out.clear();
-                    }
-                }
-                // And a short forward pass, so the dense weights (mapped from the checkpoint)
-                // are in memory too: otherwise the first prefill pays for reading them from
-                // disk whenever the page cache has dropped them (after another program read a
-                // large file, say), and measures the disk rather than the kernels.
-                let n = WARM_TOKENS.min(max_p);
-                let mut s = model.session(n)?;
-                model.forward_greedy(&mut s, &prompt(n), None)?;
-            }
-            _ => {
-                let mut s = model.session(max_p)?;
-                model.forward_greedy(&mut s, &prompt(max_p), None)?;
-            }
-        }
+        warm(&model, &experts, &sizes, max_p, &mut prompt)?;
     }
     // (tokens, seconds, GFLOP/s) per prompt; reported against the peak once it is final.
     let mut prefill = Vec::new();
     let mut last = None;
     for &p in &a.prompt_tokens {
         say(format!("prefill of {p} tokens..."));
-        let mut s = model.session(context)?;
-        let toks = prompt(p);
-        let t = Instant::now();
-        let next = model.forward_greedy(&mut s, &toks, None)?.token;
-        let secs = t.elapsed().as_secs_f64();
+        let (s, next, secs) = prefill_once(&model, context, &prompt(p))?;
         prefill.push((p, secs, (flops_tok * p as f64 + flops_head) / secs / 1e9));
         last = Some((s, next));
     }
@@ -512,6 +603,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // halved the first measurement in some runs.
     say("measuring the floating-point peak again...".into());
     let peak = peak.max(stormo_engine::kernels::peak_flops(isa, 0.6));
+    let prefill_secs = prefill.clone();
     let prefill: Vec<_> = prefill
         .iter()
         .map(|&(p, secs, gflop_s)| {
@@ -529,6 +621,31 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let disk_per_tok = (tier_bytes(&after, "disk") - tier_bytes(&before, "disk")) as f64
         / a.decode_tokens.max(1) as f64;
+    let screened_head = model.has_screened_head();
+    let experts_json = node.json(sess.prediction());
+    let experts_table = node.table(sess.prediction());
+    // Experts from peers per second the model waited for experts (prefill and decode).
+    let fetch_mb_s = after
+        .as_ref()
+        .filter(|_| from_peers)
+        .map(|s| tier_bytes(&after, "peer") as f64 / 1e6 / s.wait_s.max(1e-9));
+    node.finish_run();
+    drop((sess, model, experts, node));
+    let disk_run = if beside_disk {
+        say("the same prompts and decode from the local disk, without peers...".into());
+        Some(disk_run(&a, context, &load, &sizes, max_p, vocab)?)
+    } else {
+        None
+    };
+    let versus_disk = disk_run.as_ref().map(|d| {
+        serde_json::json!({
+            "prefill": d.prefill.iter().zip(&prefill_secs).map(|(&(p, secs), &(_, peer_secs, _))| {
+                serde_json::json!({"tokens": p, "tok_s": p as f64 / secs, "peer_vs_disk": secs / peer_secs})
+            }).collect::<Vec<_>>(),
+            "decode_tok_s": d.decode_tok_s,
+        })
+    });
+    let peer_vs_disk = disk_run.as_ref().map(|d| decode_tok_s / d.decode_tok_s);
     let out = serde_json::json!({
         "model": a.model.display().to_string(),
         "threads": rayon::current_num_threads(),
@@ -541,7 +658,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "disk_direct_io": disk.map(|d| d.1),
         "bytes_per_decoded_token": bpt,
         "bytes_per_decoded_token_full_head": bpt_full_head,
-        "screened_head": model.has_screened_head(),
+        "screened_head": screened_head,
         "head_exact_rows_per_token": screen.rows_per_token(),
         "head_full_passes": screen.full,
         "paired_tok_s": paired.map(|[s, f]| serde_json::json!({"screened_head": s, "full_head": f})),
@@ -551,10 +668,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "prefill_gflop_per_token": flops_tok / 1e9,
         "prefill": prefill,
         "decode": {"tokens": a.decode_tokens, "seconds": dsecs, "tok_s": decode_tok_s, "fraction_of_memory_bound": decode_tok_s / bound, "disk_bytes_per_token": disk_per_tok},
-        "experts": node.json(sess.prediction()),
+        "experts": experts_json,
+        "from_peers": from_peers,
+        "fetch_mb_s": fetch_mb_s,
+        "disk": versus_disk,
+        "peer_vs_disk": peer_vs_disk,
         "peak_rss_bytes": peak_rss(),
     });
-    node.finish_run();
     if let Some(svg) = &svg {
         svg.write(&out)?;
     }
@@ -604,7 +724,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     println!(
         "per decoded token {} must be read{}: bound {:.2} tok/s at memory speed",
         human_bytes(bpt),
-        if model.has_screened_head() {
+        if screened_head {
             format!(
                 " (the head through its 8-bit screen; {} with --full-head)",
                 human_bytes(bpt_full_head)
@@ -649,7 +769,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(p) = &paired_prefetch {
         println!("{p}");
     }
-    if model.has_screened_head() {
+    if screened_head {
         println!(
             "head             screened: {:.1} exact rows per decoded token on average (of {}); the whole head computed for {} of {} greedy tokens",
             screen.rows_per_token(),
@@ -658,7 +778,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             screen.screened + screen.full
         );
     }
-    println!("{}", node.table(sess.prediction()));
+    if let Some(d) = &disk_run {
+        for (&(p, secs), &(_, peer_secs, _)) in d.prefill.iter().zip(&prefill_secs) {
+            println!(
+                "prefill {p:>5} tok {:>8.2} tok/s from the local disk: experts from peers {:.2}x that",
+                p as f64 / secs,
+                secs / peer_secs
+            );
+        }
+        println!(
+            "decode  {:>5} tok {:>8.2} tok/s from the local disk: experts from peers {:.2}x that",
+            a.decode_tokens,
+            d.decode_tok_s,
+            decode_tok_s / d.decode_tok_s
+        );
+    }
+    if let Some(f) = fetch_mb_s {
+        println!("peers            {f:.0} MB of experts per second waited for them");
+    }
+    println!("{experts_table}");
     if let Some(r) = peak_rss() {
         println!(
             "peak RSS         {} (with the {} bandwidth probe)",
