@@ -28,30 +28,8 @@ use crate::moe::ExpertData;
 pub use cache::{ExpertStats, TierConfig, TierStats, TieredExperts};
 pub use disk::DiskTier;
 
-/// One expert of a model.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ExpertKey {
-    /// Decoder layer.
-    pub layer: u32,
-    /// Expert index in the layer.
-    pub expert: u32,
-}
-
-impl ExpertKey {
-    /// The key of `expert` in `layer`.
-    pub fn new(layer: usize, expert: usize) -> Self {
-        Self {
-            layer: layer as u32,
-            expert: expert as u32,
-        }
-    }
-}
-
-impl fmt::Display for ExpertKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.layer, self.expert)
-    }
-}
+/// One expert of a model: the id every crate uses (the manifests and the wire too).
+pub use stormo_ids::ExpertId;
 
 /// How urgently a load is wanted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,7 +41,7 @@ pub enum Priority {
 }
 
 /// Called once per requested key, from any thread, when its load ends.
-pub type Completion = Arc<dyn Fn(ExpertKey, Result<Arc<ExpertData>>) + Send + Sync>;
+pub type Completion = Arc<dyn Fn(ExpertId, Result<Arc<ExpertData>>) + Send + Sync>;
 
 /// A source of experts below the RAM cache: the local disk, or peers.
 ///
@@ -75,9 +53,9 @@ pub trait Tier: Send + Sync + fmt::Debug {
     /// A short name for statistics and logs ("disk", "peer").
     fn name(&self) -> &str;
     /// Whether this tier can supply `key` at all (it may still fail).
-    fn holds(&self, key: ExpertKey) -> bool;
+    fn holds(&self, key: ExpertId) -> bool;
     /// Starts loading `keys`.
-    fn load(&self, keys: &[ExpertKey], priority: Priority, done: Completion);
+    fn load(&self, keys: &[ExpertId], priority: Priority, done: Completion);
     /// Failures so far that this tier followed with another try of its own (a tier with
     /// several sources, such as the network tier trying peer after peer): its completions do
     /// not show them, since a load that one source failed and another supplied completes with

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use stormo_engine::kernels::{with_isa, Isa};
-use stormo_engine::tiers::{ExpertKey, Tier, TierConfig, TieredExperts};
+use stormo_engine::tiers::{ExpertId, Tier, TierConfig, TieredExperts};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 
 /// The system allocator, counting allocations and reallocations made on threads that count.
@@ -104,13 +104,8 @@ fn allocations_per_token(
                 prefetch: false,
                 hot_fraction: 1.0,
             };
-            let keys: Vec<ExpertKey> = (0..sizes.len())
-                .flat_map(|l| {
-                    (0..sizes[l].len()).map(move |e| ExpertKey {
-                        layer: l as u32,
-                        expert: e as u32,
-                    })
-                })
+            let keys: Vec<ExpertId> = (0..sizes.len())
+                .flat_map(|l| (0..sizes[l].len()).map(move |e| ExpertId::from_indices(l, e)))
                 .collect();
             let disk: Arc<dyn Tier> = Arc::new(files.disk_tier(2, None).unwrap());
             let cache = Arc::new(TieredExperts::new(vec![disk], sizes, files.cfg.top_k, &cfg));

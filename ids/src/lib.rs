@@ -104,6 +104,33 @@ pub struct ExpertId {
     pub expert: u16,
 }
 
+impl ExpertId {
+    /// The id of `expert` in `layer`.
+    pub const fn new(layer: u16, expert: u16) -> Self {
+        Self { layer, expert }
+    }
+
+    /// The id of the expert at these indices, if both fit in 16 bits.
+    pub fn try_from_indices(layer: usize, expert: usize) -> Option<Self> {
+        Some(Self {
+            layer: u16::try_from(layer).ok()?,
+            expert: u16::try_from(expert).ok()?,
+        })
+    }
+
+    /// The id of the expert at these indices of a loaded model.
+    ///
+    /// # Panics
+    ///
+    /// If either index exceeds `u16::MAX`. The engine refuses a configuration with more than
+    /// 65,536 layers or experts per layer, so every index of a loaded model fits; indices
+    /// from outside (a peer, a file) go through [`ExpertId::try_from_indices`].
+    pub fn from_indices(layer: usize, expert: usize) -> Self {
+        Self::try_from_indices(layer, expert)
+            .unwrap_or_else(|| panic!("expert {layer}:{expert} is beyond 16-bit indices"))
+    }
+}
+
 impl fmt::Display for ExpertId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}", self.layer, self.expert)

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use stormo_engine::generate::{greedy, Timings};
 use stormo_engine::moe::{ExpertData, ExpertProvider};
-use stormo_engine::tiers::{ExpertKey, Priority, Tier};
+use stormo_engine::tiers::{ExpertId, Priority, Tier};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 use stormo_manifests::{build, BuildOptions, SecretKey};
 use stormo_node::config::{CacheBudget, ExpertsConfig};
@@ -249,14 +249,14 @@ fn main() -> anyhow::Result<()> {
     )?);
     let mut secs = Vec::new();
     for i in 0..reps {
-        let key = ExpertKey::new(i % layers, (i / layers) % experts);
+        let key = ExpertId::from_indices(i % layers, (i / layers) % experts);
         let (tx, rx) = std::sync::mpsc::channel();
         let t = Instant::now();
         tier.load(
             &[key],
             Priority::Demand,
             Arc::new(
-                move |_: ExpertKey, r: stormo_engine::Result<Arc<ExpertData>>| {
+                move |_: ExpertId, r: stormo_engine::Result<Arc<ExpertData>>| {
                     let _ = tx.send(r.map(|_| ()));
                 },
             ),

@@ -204,7 +204,7 @@ impl Experts {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stormo_engine::tiers::{Completion, ExpertKey, Priority};
+    use stormo_engine::tiers::{Completion, ExpertId, Priority};
 
     /// A network tier that made up for `retried` failed tries with other peers.
     #[derive(Debug)]
@@ -216,10 +216,10 @@ mod tests {
         fn name(&self) -> &str {
             "peer"
         }
-        fn holds(&self, _: ExpertKey) -> bool {
+        fn holds(&self, _: ExpertId) -> bool {
             false
         }
-        fn load(&self, _: &[ExpertKey], _: Priority, _: Completion) {
+        fn load(&self, _: &[ExpertId], _: Priority, _: Completion) {
             unreachable!("holds nothing")
         }
         fn retried_failures(&self) -> u64 {

@@ -785,9 +785,7 @@ impl Announcer {
         let mut held = self.local.clone();
         if let Some(c) = &self.cache {
             for k in c.resident() {
-                if let (Ok(layer), Ok(expert)) = (u16::try_from(k.layer), u16::try_from(k.expert)) {
-                    let _ = held.insert(stormo_manifests::ExpertId { layer, expert });
-                }
+                let _ = held.insert(k);
             }
         }
         if let Some(d) = &self.dir {

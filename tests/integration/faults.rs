@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 
 use stormo_engine::generate::{greedy, Timings};
 use stormo_engine::moe::ExpertData;
-use stormo_engine::tiers::{ExpertKey, Priority, Tier, TierConfig, TieredExperts};
+use stormo_engine::tiers::{ExpertId, Priority, Tier, TierConfig, TieredExperts};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
-use stormo_manifests::{build, BuildOptions, ExpertId, Hash, ManifestSignature, SecretKey};
+use stormo_manifests::{build, BuildOptions, Hash, ManifestSignature, SecretKey};
 use stormo_node::config::{CacheBudget, ExpertsConfig, PeersConfig};
 use stormo_node::net::serve::{self, ServeConfig, ServerHandle};
 use stormo_node::net::tier::{PeerConfig, PeerTier};
@@ -245,15 +245,15 @@ fn peer_tier(m: &Signed, peers: Vec<PeerAddr>, cfg: PeerConfig) -> Arc<PeerTier>
 /// for all of them.
 fn load(
     tier: &PeerTier,
-    keys: &[ExpertKey],
+    keys: &[ExpertId],
     within: Duration,
-) -> Vec<(ExpertKey, Result<Vec<u8>, String>)> {
+) -> Vec<(ExpertId, Result<Vec<u8>, String>)> {
     let (tx, rx) = std::sync::mpsc::channel();
     tier.load(
         keys,
         Priority::Demand,
         Arc::new(
-            move |k: ExpertKey, r: stormo_engine::Result<Arc<ExpertData>>| {
+            move |k: ExpertId, r: stormo_engine::Result<Arc<ExpertData>>| {
                 let r = r
                     .map(|d| d.parts().flatten().copied().collect())
                     .map_err(|e| e.to_string());
@@ -271,14 +271,14 @@ fn load(
         .collect()
 }
 
-fn all_keys(dir: &Path) -> Vec<ExpertKey> {
+fn all_keys(dir: &Path) -> Vec<ExpertId> {
     ModelFiles::open(dir)
         .expect("model files")
         .layout
         .parts
         .iter()
         .enumerate()
-        .flat_map(|(l, experts)| (0..experts.len()).map(move |e| ExpertKey::new(l, e)))
+        .flat_map(|(l, experts)| (0..experts.len()).map(move |e| ExpertId::from_indices(l, e)))
         .collect()
 }
 
@@ -374,7 +374,7 @@ fn a_corrupt_chunk_is_cut_short_and_the_retry_resumes_after_the_verified_prefix(
             vec![liar.peer_addr(), honest.peer_addr()],
             unhedged(Duration::from_secs(10)),
         );
-        let key = ExpertKey::new(usize::from(e.layer), usize::from(e.expert));
+        let key = ExpertId::from_indices(usize::from(e.layer), usize::from(e.expert));
         for (k, r) in load(&tier, &[key], Duration::from_secs(60)) {
             let bytes = r.unwrap_or_else(|err| panic!("expert {k}: {err}"));
             assert_eq!(
@@ -736,7 +736,11 @@ fn fault_corrupt_bytes_from_one_of_two_holders() {
 
     let alone = peer_tier(&m, vec![liar.peer_addr()], unhedged(Duration::from_secs(5)));
     let t0 = Instant::now();
-    for (k, r) in load(&alone, &[ExpertKey::new(0, 0)], Duration::from_secs(60)) {
+    for (k, r) in load(
+        &alone,
+        &[ExpertId::from_indices(0, 0)],
+        Duration::from_secs(60),
+    ) {
         let e = r.expect_err("corrupt bytes were accepted");
         assert!(e.contains(&liar.peer_addr().to_string()), "expert {k}: {e}");
     }
@@ -797,7 +801,11 @@ fn fault_unknown_key_is_refused_within_the_connect_timeout() {
         None,
     )
     .expect("tier");
-    for (k, r) in load(&tier, &[ExpertKey::new(0, 0)], Duration::from_secs(30)) {
+    for (k, r) in load(
+        &tier,
+        &[ExpertId::from_indices(0, 0)],
+        Duration::from_secs(30),
+    ) {
         let e = r.expect_err("a refused client got an expert");
         assert!(e.contains(&node.addr().to_string()), "expert {k}: {e}");
     }
@@ -1125,7 +1133,11 @@ fn fault_peer_stopped_and_resumed() {
         vec![proc.addr.clone()],
         unhedged(Duration::from_secs(5)),
     );
-    for (k, r) in load(&tier, &[ExpertKey::new(0, 0)], Duration::from_secs(30)) {
+    for (k, r) in load(
+        &tier,
+        &[ExpertId::from_indices(0, 0)],
+        Duration::from_secs(30),
+    ) {
         r.unwrap_or_else(|e| panic!("expert {k} from the resumed peer: {e}"));
     }
     tier.close();

@@ -585,23 +585,23 @@ fn killed_stalled_and_silent_peers_fall_back_to_another() {
 /// Demand loads of `keys` from `tier`, each load's outcome as it completes (each within 60 s).
 fn load_all(
     tier: &PeerTier,
-    keys: &[stormo_engine::tiers::ExpertKey],
-) -> Vec<(stormo_engine::tiers::ExpertKey, Result<(), String>)> {
+    keys: &[stormo_engine::tiers::ExpertId],
+) -> Vec<(stormo_engine::tiers::ExpertId, Result<(), String>)> {
     load_all_as(tier, keys, stormo_engine::tiers::Priority::Demand)
 }
 
 /// [`load_all`] with `priority` (prefetch loads are not hedged).
 fn load_all_as(
     tier: &PeerTier,
-    keys: &[stormo_engine::tiers::ExpertKey],
+    keys: &[stormo_engine::tiers::ExpertId],
     priority: stormo_engine::tiers::Priority,
-) -> Vec<(stormo_engine::tiers::ExpertKey, Result<(), String>)> {
+) -> Vec<(stormo_engine::tiers::ExpertId, Result<(), String>)> {
     let (tx, rx) = std::sync::mpsc::channel();
     tier.load(
         keys,
         priority,
         Arc::new(
-            move |k: stormo_engine::tiers::ExpertKey, r: stormo_engine::Result<Arc<ExpertData>>| {
+            move |k: stormo_engine::tiers::ExpertId, r: stormo_engine::Result<Arc<ExpertData>>| {
                 let _ = tx.send((k, r.map(|_| ()).map_err(|e| e.to_string())));
             },
         ),
@@ -649,7 +649,7 @@ fn dead_peer_costs_one_connect_attempt_not_one_per_expert() {
         .iter()
         .enumerate()
         .flat_map(|(l, experts)| {
-            (0..experts.len()).map(move |e| stormo_engine::tiers::ExpertKey::new(l, e))
+            (0..experts.len()).map(move |e| stormo_engine::tiers::ExpertId::from_indices(l, e))
         })
         .collect();
     assert!(keys.len() >= 16, "{} experts", keys.len());
@@ -922,7 +922,7 @@ fn a_peer_slower_than_the_deadline_still_delivers_in_later_rounds() {
     let keys: Vec<_> = layer
         .iter()
         .take(3)
-        .map(|e| stormo_engine::tiers::ExpertKey::new(0, e.id.expert.into()))
+        .map(|e| stormo_engine::tiers::ExpertId::from_indices(0, e.id.expert.into()))
         .collect();
     // Through the relay one expert alone takes about 125 ms, the three together about 375:
     // the first round's 100 ms deadline passes mid-answer, the third's 400 ms does not.
@@ -1032,7 +1032,7 @@ fn the_last_holder_is_not_cut_off_while_its_chunks_keep_verifying() {
         })
         .collect();
     let tier = peer_tier_with(&f, through, slow_link_config(Duration::from_secs(1)));
-    let key = stormo_engine::tiers::ExpertKey::new(0, e.id.expert.into());
+    let key = stormo_engine::tiers::ExpertId::from_indices(0, e.id.expert.into());
     let t0 = Instant::now();
     for (k, r) in load_all_as(&tier, &[key], stormo_engine::tiers::Priority::Prefetch) {
         if let Err(e) = r {
@@ -1307,7 +1307,9 @@ fn many_fetchers_get_data_or_busy_and_server_memory_stays_bounded() {
         .manifest
         .experts
         .iter()
-        .map(|e| stormo_engine::tiers::ExpertKey::new(e.id.layer.into(), e.id.expert.into()))
+        .map(|e| {
+            stormo_engine::tiers::ExpertId::from_indices(e.id.layer.into(), e.id.expert.into())
+        })
         .collect();
     let node_limit = 6;
     let node = start_node_with(
@@ -1363,7 +1365,7 @@ fn many_fetchers_get_data_or_busy_and_server_memory_stays_bounded() {
             &batch,
             stormo_engine::tiers::Priority::Demand,
             Arc::new(
-                move |k: stormo_engine::tiers::ExpertKey,
+                move |k: stormo_engine::tiers::ExpertId,
                       r: stormo_engine::Result<Arc<ExpertData>>| {
                     let _ = tx.send((k, r.map(|_| ()).map_err(|e| e.to_string())));
                 },

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-use super::{Completion, ExpertKey, Priority, Tier};
+use super::{Completion, ExpertId, Priority, Tier};
 use crate::error::{Error, Result};
 use crate::moe::{ExpertData, ExpertProvider};
 
@@ -91,7 +91,7 @@ struct Entry {
 }
 
 struct Inner {
-    map: HashMap<ExpertKey, Entry>,
+    map: HashMap<ExpertId, Entry>,
     /// Requests per expert since start, `[layer][expert]` (the hot-store's counts).
     usage: Vec<Vec<u64>>,
     used: u64,
@@ -212,7 +212,7 @@ impl TieredExperts {
     }
 
     /// The experts in RAM now, ready to use (loads still under way are left out).
-    pub fn resident(&self) -> Vec<ExpertKey> {
+    pub fn resident(&self) -> Vec<ExpertId> {
         let g = self.shared.lock();
         g.map
             .iter()
@@ -228,10 +228,10 @@ impl TieredExperts {
 
     /// Starts loading `keys` as hot experts (kept in preference to others), in the background,
     /// up to the hot share of the budget. Returns how many were queued.
-    pub fn preload_hot(&self, keys: &[ExpertKey]) -> usize {
+    pub fn preload_hot(&self, keys: &[ExpertId]) -> usize {
         let mut g = self.shared.lock();
         let mut hot_bytes: u64 = g.map.values().filter(|e| e.hot).map(|e| e.len).sum();
-        let mut batch: Vec<Vec<ExpertKey>> = vec![Vec::new(); self.shared.tiers.len()];
+        let mut batch: Vec<Vec<ExpertId>> = vec![Vec::new(); self.shared.tiers.len()];
         let mut n = 0;
         for &k in keys {
             let Some(len) = self.shared.size(k) else {
@@ -279,14 +279,14 @@ impl Shared {
         self.inner.lock().expect("expert cache lock")
     }
 
-    fn size(&self, k: ExpertKey) -> Option<u64> {
+    fn size(&self, k: ExpertId) -> Option<u64> {
         self.sizes
             .get(k.layer as usize)?
             .get(k.expert as usize)
             .copied()
     }
 
-    fn first_tier(&self, k: ExpertKey, from: usize) -> Option<usize> {
+    fn first_tier(&self, k: ExpertId, from: usize) -> Option<usize> {
         (from..self.tiers.len()).find(|&i| self.tiers[i].holds(k))
     }
 
@@ -299,7 +299,7 @@ impl Shared {
         demand: bool,
         keep: Option<(usize, &[usize])>,
     ) -> bool {
-        let kept = |k: &ExpertKey| {
+        let kept = |k: &ExpertId| {
             keep.is_some_and(|(l, es)| k.layer as usize == l && es.contains(&(k.expert as usize)))
         };
         while g.used + len > self.budget {
@@ -334,7 +334,7 @@ impl Shared {
         true
     }
 
-    fn start(self: &Arc<Self>, batches: Vec<Vec<ExpertKey>>, priority: Priority) {
+    fn start(self: &Arc<Self>, batches: Vec<Vec<ExpertId>>, priority: Priority) {
         for (tier, keys) in batches.into_iter().enumerate() {
             if keys.is_empty() {
                 continue;
@@ -345,7 +345,7 @@ impl Shared {
         }
     }
 
-    fn complete(self: &Arc<Self>, k: ExpertKey, r: Result<Arc<ExpertData>>, priority: Priority) {
+    fn complete(self: &Arc<Self>, k: ExpertId, r: Result<Arc<ExpertData>>, priority: Priority) {
         let mut g = self.lock();
         let Some(tier) = g.map.get(&k).map(|e| e.tier) else {
             return;
@@ -410,7 +410,7 @@ impl Shared {
 /// Releases the pins of `experts` of `layer` (one per occurrence) that a request took.
 fn unpin(g: &mut Inner, layer: usize, experts: &[usize]) {
     for &e in experts {
-        if let Some(en) = g.map.get_mut(&ExpertKey::new(layer, e)) {
+        if let Some(en) = g.map.get_mut(&ExpertId::from_indices(layer, e)) {
             en.waiters = en.waiters.saturating_sub(1);
         }
     }
@@ -423,11 +423,11 @@ impl ExpertProvider for TieredExperts {
         g.clock += 1;
         let clock = g.clock;
         // allocated on the first miss only: an all-hit fetch allocates nothing
-        let mut batch: Vec<Vec<ExpertKey>> = Vec::new();
+        let mut batch: Vec<Vec<ExpertId>> = Vec::new();
         // Every expert of this request is pinned (its `waiters` counted) from here until its
         // handle is taken or the request fails, so no concurrent request evicts it meanwhile.
         for (i, &e) in experts.iter().enumerate() {
-            let k = ExpertKey::new(layer, e);
+            let k = ExpertId::from_indices(layer, e);
             g.stats.requests += 1;
             if let Some(u) = g.usage.get_mut(layer).and_then(|l| l.get_mut(e)) {
                 *u += 1;
@@ -496,7 +496,7 @@ impl ExpertProvider for TieredExperts {
             let mut pending = false;
             let mut lost = None;
             for &e in experts {
-                let k = ExpertKey::new(layer, e);
+                let k = ExpertId::from_indices(layer, e);
                 match g.map.get(&k).map(|en| &en.state) {
                     Some(State::Ready(_)) => {}
                     Some(State::Loading) => pending = true,
@@ -558,7 +558,7 @@ impl ExpertProvider for TieredExperts {
         for &e in experts {
             let en = g
                 .map
-                .get_mut(&ExpertKey::new(layer, e))
+                .get_mut(&ExpertId::from_indices(layer, e))
                 .expect("every expert of the request is ready");
             en.waiters = en.waiters.saturating_sub(1);
             if let State::Ready(d) = &en.state {
@@ -576,9 +576,9 @@ impl ExpertProvider for TieredExperts {
         }
         let mut g = sh.lock();
         // allocated on the first miss only: an all-hit fetch allocates nothing
-        let mut batch: Vec<Vec<ExpertKey>> = Vec::new();
+        let mut batch: Vec<Vec<ExpertId>> = Vec::new();
         for &e in experts {
-            let k = ExpertKey::new(layer, e);
+            let k = ExpertId::from_indices(layer, e);
             if g.map.contains_key(&k) {
                 continue;
             }
@@ -641,10 +641,10 @@ mod tests {
         fn name(&self) -> &str {
             "refusing"
         }
-        fn holds(&self, _: ExpertKey) -> bool {
+        fn holds(&self, _: ExpertId) -> bool {
             true
         }
-        fn load(&self, keys: &[ExpertKey], _: Priority, done: Completion) {
+        fn load(&self, keys: &[ExpertId], _: Priority, done: Completion) {
             for &k in keys {
                 let e = Error::Expert {
                     layer: k.layer as usize,
@@ -667,10 +667,10 @@ mod tests {
         fn name(&self) -> &str {
             "retrying"
         }
-        fn holds(&self, k: ExpertKey) -> bool {
+        fn holds(&self, k: ExpertId) -> bool {
             Refusing.holds(k)
         }
-        fn load(&self, keys: &[ExpertKey], p: Priority, done: Completion) {
+        fn load(&self, keys: &[ExpertId], p: Priority, done: Completion) {
             Refusing.load(keys, p, done)
         }
         fn retried_failures(&self) -> u64 {
@@ -720,10 +720,10 @@ mod tests {
         fn name(&self) -> &str {
             "threaded"
         }
-        fn holds(&self, _: ExpertKey) -> bool {
+        fn holds(&self, _: ExpertId) -> bool {
             true
         }
-        fn load(&self, keys: &[ExpertKey], _: Priority, done: Completion) {
+        fn load(&self, keys: &[ExpertId], _: Priority, done: Completion) {
             for &k in keys {
                 let done = done.clone();
                 std::thread::spawn(move || {

@@ -6,7 +6,7 @@ use std::fs::File;
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex};
 
-use super::{Completion, ExpertKey, Priority, Tier};
+use super::{Completion, ExpertId, Priority, Tier};
 use crate::error::{Error, Result};
 use crate::huge::HugeBuf;
 use crate::layout::ExpertLayout;
@@ -224,13 +224,13 @@ impl DiskTier {
     }
 
     /// Reads one expert now, on the calling thread.
-    pub fn read(&self, key: ExpertKey) -> Result<Arc<ExpertData>> {
+    pub fn read(&self, key: ExpertId) -> Result<Arc<ExpertData>> {
         self.inner.read(key)
     }
 }
 
 impl DiskInner {
-    fn holds(&self, key: ExpertKey) -> bool {
+    fn holds(&self, key: ExpertId) -> bool {
         let (l, e) = (key.layer as usize, key.expert as usize);
         let exists = self.layout.parts.get(l).is_some_and(|p| e < p.len());
         exists
@@ -240,7 +240,7 @@ impl DiskInner {
                 .is_none_or(|a| a.get(l).and_then(|r| r.get(e)).copied().unwrap_or(false))
     }
 
-    fn read(&self, key: ExpertKey) -> Result<Arc<ExpertData>> {
+    fn read(&self, key: ExpertId) -> Result<Arc<ExpertData>> {
         let (l, e) = (key.layer as usize, key.expert as usize);
         let parts = self
             .layout
@@ -298,11 +298,11 @@ impl Tier for DiskTier {
         "disk"
     }
 
-    fn holds(&self, key: ExpertKey) -> bool {
+    fn holds(&self, key: ExpertId) -> bool {
         self.inner.holds(key)
     }
 
-    fn load(&self, keys: &[ExpertKey], priority: Priority, done: Completion) {
+    fn load(&self, keys: &[ExpertId], priority: Priority, done: Completion) {
         for &key in keys {
             let inner = self.inner.clone();
             let done = done.clone();

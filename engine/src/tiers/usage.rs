@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::ExpertKey;
+use super::ExpertId;
 
 const FILE: &str = "stormo-usage.json";
 
@@ -107,15 +107,15 @@ pub fn save(path: &Path, counts: &[Vec<u64>]) -> std::io::Result<()> {
 }
 
 /// Experts with a non-zero count, most used first (ties by layer, then expert).
-pub fn hottest(counts: &[Vec<u64>]) -> Vec<ExpertKey> {
-    let mut v: Vec<(u64, ExpertKey)> = counts
+pub fn hottest(counts: &[Vec<u64>]) -> Vec<ExpertId> {
+    let mut v: Vec<(u64, ExpertId)> = counts
         .iter()
         .enumerate()
         .flat_map(|(l, c)| {
             c.iter()
                 .enumerate()
                 .filter(|(_, &n)| n > 0)
-                .map(move |(e, &n)| (n, ExpertKey::new(l, e)))
+                .map(move |(e, &n)| (n, ExpertId::from_indices(l, e)))
         })
         .collect();
     v.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
@@ -138,10 +138,10 @@ mod tests {
         assert_eq!(
             hottest(&c),
             vec![
-                ExpertKey::new(1, 1),
-                ExpertKey::new(0, 2),
-                ExpertKey::new(0, 0),
-                ExpertKey::new(0, 1)
+                ExpertId::from_indices(1, 1),
+                ExpertId::from_indices(0, 2),
+                ExpertId::from_indices(0, 0),
+                ExpertId::from_indices(0, 1)
             ]
         );
         assert_eq!(

@@ -128,7 +128,7 @@ fn pull_experts(
     model: Option<Hash>,
     timeouts: PeerConfig,
 ) -> anyhow::Result<()> {
-    use stormo_engine::tiers::{ExpertKey, Priority, Tier};
+    use stormo_engine::tiers::{ExpertId, Priority, Tier};
     let state_dir = a
         .state_dir
         .clone()
@@ -161,27 +161,19 @@ fn pull_experts(
     })?;
     let shape: Vec<usize> = node.files().layout.parts.iter().map(Vec::len).collect();
     let flags = net::parse_only_experts(spec, &shape)?;
-    let keys: Vec<ExpertKey> = flags
+    let keys: Vec<ExpertId> = flags
         .iter()
         .enumerate()
         .flat_map(|(l, row)| {
             row.iter()
                 .enumerate()
                 .filter(|(_, &on)| on)
-                .map(move |(e, _)| ExpertKey::new(l, e))
+                .map(move |(e, _)| ExpertId::from_indices(l, e))
         })
         .collect();
     let tier = node.peer_tier().context("no network tier")?.clone();
     let dir = node.expert_dir().context("no expert directory")?.clone();
-    let id = |k: ExpertKey| stormo_manifests::ExpertId {
-        layer: k.layer as u16,
-        expert: k.expert as u16,
-    };
-    let todo: Vec<ExpertKey> = keys
-        .iter()
-        .copied()
-        .filter(|&k| !dir.contains(id(k)))
-        .collect();
+    let todo: Vec<ExpertId> = keys.iter().copied().filter(|&k| !dir.contains(k)).collect();
     eprintln!(
         "pull: {} experts asked for, {} already kept in {}",
         keys.len(),
@@ -196,7 +188,7 @@ fn pull_experts(
         tier.load(
             batch,
             Priority::Demand,
-            std::sync::Arc::new(move |k: ExpertKey, r: stormo_engine::Result<_>| {
+            std::sync::Arc::new(move |k: ExpertId, r: stormo_engine::Result<_>| {
                 let _ = tx.send((k, r.map(|_: std::sync::Arc<_>| ())));
             }),
         );
@@ -209,7 +201,7 @@ fn pull_experts(
     progress.finish();
     // The tier keeps each verified record in the background: wait for the last ones.
     let until = std::time::Instant::now() + Duration::from_secs(120);
-    while todo.iter().any(|&k| !dir.contains(id(k))) {
+    while todo.iter().any(|&k| !dir.contains(k)) {
         anyhow::ensure!(
             std::time::Instant::now() < until,
             "the fetched experts were not all written to {} within 120 s",

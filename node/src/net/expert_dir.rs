@@ -22,8 +22,8 @@ use std::time::SystemTime;
 use anyhow::Context;
 use stormo_engine::huge::HugeBuf;
 use stormo_engine::moe::{ExpertData, ExpertSchema};
-use stormo_engine::tiers::{Completion, ExpertKey, Priority, Tier};
-use stormo_manifests::{ExpertId, Hash, Manifest};
+use stormo_engine::tiers::{Completion, ExpertId, Priority, Tier};
+use stormo_manifests::{Hash, Manifest};
 
 struct Entry {
     len: u64,
@@ -295,23 +295,16 @@ fn rand_suffix() -> u64 {
 #[derive(Debug)]
 pub struct DirTier(pub Arc<ExpertDir>);
 
-fn id_of(key: ExpertKey) -> Option<ExpertId> {
-    Some(ExpertId {
-        layer: u16::try_from(key.layer).ok()?,
-        expert: u16::try_from(key.expert).ok()?,
-    })
-}
-
 impl Tier for DirTier {
     fn name(&self) -> &str {
         "dir"
     }
 
-    fn holds(&self, key: ExpertKey) -> bool {
-        id_of(key).is_some_and(|id| self.0.contains(id))
+    fn holds(&self, key: ExpertId) -> bool {
+        self.0.contains(key)
     }
 
-    fn load(&self, keys: &[ExpertKey], _priority: Priority, done: Completion) {
+    fn load(&self, keys: &[ExpertId], _priority: Priority, done: Completion) {
         let dir = self.0.clone();
         let keys = keys.to_vec();
         let spawned = std::thread::Builder::new()
@@ -336,7 +329,7 @@ impl Tier for DirTier {
     }
 }
 
-fn expert_error(key: ExpertKey, reason: String) -> stormo_engine::Error {
+fn expert_error(key: ExpertId, reason: String) -> stormo_engine::Error {
     stormo_engine::Error::Expert {
         layer: key.layer as usize,
         expert: key.expert as usize,
@@ -344,8 +337,8 @@ fn expert_error(key: ExpertKey, reason: String) -> stormo_engine::Error {
     }
 }
 
-fn load_one(dir: &ExpertDir, key: ExpertKey) -> stormo_engine::Result<Arc<ExpertData>> {
-    let id = id_of(key).ok_or_else(|| expert_error(key, "index out of range".into()))?;
+fn load_one(dir: &ExpertDir, key: ExpertId) -> stormo_engine::Result<Arc<ExpertData>> {
+    let id = key;
     let schema = dir
         .schemas
         .get(key.layer as usize)

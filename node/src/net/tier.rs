@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use stormo_engine::huge::HugeBuf;
 use stormo_engine::moe::{ExpertData, ExpertSchema};
-use stormo_engine::tiers::{Completion, ExpertKey, Priority, Tier};
-use stormo_manifests::{ExpertId, Hash, Manifest, PublicKey, SecretKey};
+use stormo_engine::tiers::{Completion, ExpertId, Priority, Tier};
+use stormo_manifests::{Hash, Manifest, PublicKey, SecretKey};
 use stormo_wire::{
     expect_hello, ByteRange, ChunkVerifier, Event, ExpertSet, Fetch, FetchError, Hello, Message,
     NodeId, Requests, RequestsConfig, MAX_FRAME_LEN, MAX_MANIFEST_LEN, PROTOCOL_VERSION,
@@ -1132,13 +1132,6 @@ impl Drop for Outstanding<'_> {
     }
 }
 
-fn expert_id(key: ExpertKey) -> Option<ExpertId> {
-    Some(ExpertId {
-        layer: u16::try_from(key.layer).ok()?,
-        expert: u16::try_from(key.expert).ok()?,
-    })
-}
-
 impl Inner {
     /// The peer set now.
     fn peers(&self) -> Arc<Vec<Arc<Peer>>> {
@@ -1261,7 +1254,7 @@ impl Inner {
     /// Starts loading `key` from the local tier, if there is one and it holds the key.
     fn local_load(
         &self,
-        key: ExpertKey,
+        key: ExpertId,
     ) -> Option<tokio::sync::oneshot::Receiver<stormo_engine::Result<Arc<ExpertData>>>> {
         let local = self.local.get()?;
         if !local.holds(key) {
@@ -1273,7 +1266,7 @@ impl Inner {
             &[key],
             Priority::Demand,
             Arc::new(
-                move |_: ExpertKey, r: stormo_engine::Result<Arc<ExpertData>>| {
+                move |_: ExpertId, r: stormo_engine::Result<Arc<ExpertData>>| {
                     if let Some(tx) = tx.lock().expect("oneshot lock").take() {
                         let _ = tx.send(r);
                     }
@@ -1386,7 +1379,7 @@ impl Inner {
     /// Loads `key` from the peers, and counts the failed tries that were followed by another
     /// (all of them when the load succeeds; all but the last, which is the load's own error,
     /// when it fails).
-    async fn fetch(&self, key: ExpertKey, priority: Priority) -> Result<Arc<ExpertData>, String> {
+    async fn fetch(&self, key: ExpertId, priority: Priority) -> Result<Arc<ExpertData>, String> {
         let tries = Tries::default();
         let r = self.fetch_from_peers(key, priority, &tries).await;
         let failed = tries.failed.into_inner();
@@ -1412,11 +1405,11 @@ impl Inner {
     /// budget, [`policy::LOAD_BUDGET_FACTOR`] times the first per-try deadline.
     async fn fetch_from_peers(
         &self,
-        key: ExpertKey,
+        key: ExpertId,
         priority: Priority,
         tries: &Tries,
     ) -> Result<Arc<ExpertData>, String> {
-        let id = expert_id(key).ok_or("expert index out of range")?;
+        let id = key;
         let entry = self
             .manifest
             .expert(id)
@@ -1702,10 +1695,7 @@ impl Tier for PeerTier {
         "peer"
     }
 
-    fn holds(&self, key: ExpertKey) -> bool {
-        let Some(id) = expert_id(key) else {
-            return false;
-        };
+    fn holds(&self, id: ExpertId) -> bool {
         self.inner.manifest.expert(id).is_some()
             && self.inner.peers().iter().any(|p| p.state().may_supply(id))
     }
@@ -1714,7 +1704,7 @@ impl Tier for PeerTier {
         self.inner.retried.load(Ordering::Relaxed)
     }
 
-    fn load(&self, keys: &[ExpertKey], priority: Priority, done: Completion) {
+    fn load(&self, keys: &[ExpertId], priority: Priority, done: Completion) {
         for &key in keys {
             let inner = self.inner.clone();
             let done = done.clone();
