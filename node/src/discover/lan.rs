@@ -13,7 +13,9 @@
 //! ```
 //!
 //! It browses the same type and reports every other instance whose `m` holds one of its own
-//! tags. Records from the network are untrusted text: any that do not parse are skipped.
+//! tags, and reports it lost when its record is withdrawn (the goodbye a node sends when it
+//! stops) or expires. Records from the network are untrusted text: any that do not parse are
+//! skipped. A node that only fetches registers nothing and only browses.
 //!
 //! Interfaces: every IPv4 interface but loopback by default, or those named by
 //! `--lan-interface` (loopback only if named).
@@ -26,7 +28,7 @@ use mdns_sd::{IfKind, ServiceDaemon, ServiceEvent, ServiceInfo};
 use stormo_manifests::{Hash, PublicKey};
 use tokio::sync::mpsc;
 
-use super::{lan_model_tag, Announce, Discovered, Source};
+use super::{lan_model_tag, Announce, Discovered, Event, Source};
 
 /// The DNS-SD service type stormo nodes announce.
 pub const SERVICE_TYPE: &str = "_stormo._udp.local.";
@@ -46,7 +48,8 @@ pub struct LanConfig {
 /// A running mDNS responder and browser; dropping it withdraws the record and stops.
 pub struct Lan {
     daemon: ServiceDaemon,
-    fullname: String,
+    /// The registered record's name (`None`: a node that only looks).
+    fullname: Option<String>,
 }
 
 impl std::fmt::Debug for Lan {
@@ -58,15 +61,11 @@ impl std::fmt::Debug for Lan {
 }
 
 impl Lan {
-    /// Registers `me` and starts reporting peers to `out` (from a thread of the mDNS crate's
-    /// own; no runtime needed).
-    pub fn start(
-        cfg: &LanConfig,
-        me: &Announce,
-        out: mpsc::Sender<Discovered>,
-    ) -> anyhow::Result<Self> {
+    /// Registers `me` (when it serves) and starts reporting peers to `out` (from a thread of
+    /// its own; no runtime needed).
+    pub fn start(cfg: &LanConfig, me: &Announce, out: mpsc::Sender<Event>) -> anyhow::Result<Self> {
         let daemon = ServiceDaemon::new().context("starting mDNS (--discover lan)")?;
-        let setup = || -> anyhow::Result<String> {
+        let setup = || -> anyhow::Result<Option<String>> {
             // IPv4 only: the node's QUIC endpoint is IPv4.
             daemon.disable_interface(IfKind::IPv6)?;
             if cfg.interfaces.is_empty() {
@@ -93,28 +92,53 @@ impl Lan {
                 }
                 m.push_str(tag);
             }
-            let key = me.node.to_hex();
-            let instance = &key[..16];
-            let host = format!("stormo-{instance}.local.");
-            let props = [("v", TXT_VERSION), ("k", key.as_str()), ("m", m.as_str())];
-            let info = ServiceInfo::new(SERVICE_TYPE, instance, &host, "", me.port, &props[..])?
-                .enable_addr_auto();
-            let fullname = info.get_fullname().to_string();
-            daemon.register(info)?;
+            let fullname = match me.port {
+                Some(port) => {
+                    let key = me.node.to_hex();
+                    let instance = &key[..16];
+                    let host = format!("stormo-{instance}.local.");
+                    let props = [("v", TXT_VERSION), ("k", key.as_str()), ("m", m.as_str())];
+                    let info =
+                        ServiceInfo::new(SERVICE_TYPE, instance, &host, "", port, &props[..])?
+                            .enable_addr_auto();
+                    let fullname = info.get_fullname().to_string();
+                    daemon.register(info)?;
+                    Some(fullname)
+                }
+                None => None,
+            };
             let events = daemon.browse(SERVICE_TYPE)?;
             let me_key = me.node;
             std::thread::Builder::new()
                 .name("stormo-mdns".into())
                 .spawn(move || {
+                    // The key each record reported names, to report it lost by its name.
+                    let mut named: HashMap<String, PublicKey> = HashMap::new();
                     while let Ok(ev) = events.recv() {
-                        let ServiceEvent::ServiceResolved(s) = ev else {
-                            continue;
+                        let ev = match ev {
+                            ServiceEvent::ServiceResolved(s) => {
+                                let Some(d) = peer_of(&s, &me_key, &tags) else {
+                                    continue;
+                                };
+                                tracing::debug!("mDNS: found {d:?}");
+                                if let Some(k) = d.key {
+                                    named.insert(s.fullname.clone(), k);
+                                }
+                                Event::Found(d)
+                            }
+                            ServiceEvent::ServiceRemoved(_, fullname) => {
+                                let Some(key) = named.remove(&fullname) else {
+                                    continue;
+                                };
+                                tracing::debug!("mDNS: {fullname} went away");
+                                Event::Lost {
+                                    key,
+                                    via: Source::Lan,
+                                }
+                            }
+                            _ => continue,
                         };
-                        let Some(d) = peer_of(&s, &me_key, &tags) else {
-                            continue;
-                        };
-                        tracing::debug!("mDNS: found {d:?}");
-                        if out.blocking_send(d).is_err() {
+                        if out.blocking_send(ev).is_err() {
                             break;
                         }
                     }
@@ -136,7 +160,7 @@ impl Drop for Lan {
     fn drop(&mut self) {
         // Withdraw the record (a goodbye packet), then stop the daemon; its browser channel
         // then closes and the browser thread ends.
-        if let Ok(done) = self.daemon.unregister(&self.fullname) {
+        if let Some(Ok(done)) = self.fullname.as_ref().map(|f| self.daemon.unregister(f)) {
             let _ = done.recv_timeout(std::time::Duration::from_secs(1));
         }
         let _ = self.daemon.shutdown();
@@ -216,7 +240,7 @@ mod tests {
         let port: u16 = port.parse().expect("port");
         let me = Announce {
             node: SecretKey::from_seed(&[seed; 32]).public(),
-            port,
+            port: Some(port),
             models: vec![model()],
             swarm: Some(swarm()),
         };
@@ -233,8 +257,11 @@ mod tests {
             let mut found = HashSet::new();
             let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
             while found.len() < 2 {
-                let Ok(Some(d)) = tokio::time::timeout_at(deadline, rx.recv()).await else {
+                let Ok(Some(ev)) = tokio::time::timeout_at(deadline, rx.recv()).await else {
                     break;
+                };
+                let Event::Found(d) = ev else {
+                    continue;
                 };
                 let key = d.key.expect("mDNS records carry a key");
                 if found.insert(key) {
