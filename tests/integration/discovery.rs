@@ -130,6 +130,15 @@ fn five_nodes_on_a_loopback_dht_find_each_other_and_a_sixth_generates_exactly() 
             !log.contains(&discovered(&n.line)),
             "a node added itself: {log}"
         );
+        // Its DHT node is on loopback (where --dht-listen put it), none on 0.0.0.0.
+        let dht = log
+            .lines()
+            .find_map(|l| {
+                l.split_once("DHT node on ")
+                    .map(|(_, a)| a.trim().to_string())
+            })
+            .unwrap_or_else(|| panic!("no DHT node logged: {log}"));
+        assert!(dht.starts_with("127.0.0.1:"), "a DHT node on {dht}");
     }
 
     let (key, cert) = admit(keys.path(), "client");

@@ -18,9 +18,10 @@
 //!
 //! Bootstrap: `--dht-bootstrap HOST:PORT` (repeatable) replaces mainline's default public
 //! bootstrap nodes entirely ([`mainline_config`]); only without it does a node bootstrap
-//! from those public nodes. A node whose `--dht-listen` address is among its bootstrap nodes
-//! is the first node of a private DHT: it bootstraps from nobody (never from the public
-//! nodes), and the others bootstrap from it. Tests always pass a loopback bootstrap.
+//! from those public nodes. A node whose own `--dht-listen` address is among its bootstrap
+//! nodes is the first node of a private DHT: it bootstraps from nobody (never from the public
+//! nodes), and the others bootstrap from it; so every node of a private DHT can be given the
+//! same `--dht-bootstrap`. Tests always pass a loopback bootstrap.
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
@@ -65,15 +66,23 @@ impl Default for DhtConfig {
     }
 }
 
-/// The `mainline` configuration for `cfg`. Bootstrap nodes given replace the public ones
-/// (mainline falls back to its defaults only when its list is `None`); the node's own
-/// `listen` address is left out of them, and a node left with none bootstraps from nobody.
-pub fn mainline_config(cfg: &DhtConfig) -> mainline::Config {
+/// The `mainline` configuration for `cfg` on a machine whose addresses are `own_ips`.
+/// Bootstrap nodes given replace the public ones (mainline falls back to its defaults only
+/// when its list is `None`); the node's own `listen` address is left out of them (with an
+/// unspecified listen address, its port at any of `own_ips`), and a node left with none
+/// bootstraps from nobody.
+pub fn mainline_config(cfg: &DhtConfig, own_ips: &[Ipv4Addr]) -> mainline::Config {
+    let is_own = |b: &SocketAddrV4| {
+        cfg.listen.is_some_and(|l| {
+            l.port() == b.port()
+                && (l.ip() == b.ip() || (l.ip().is_unspecified() && own_ips.contains(b.ip())))
+        })
+    };
     let bootstrap = (!cfg.bootstrap.is_empty()).then(|| {
         cfg.bootstrap
             .iter()
             .copied()
-            .filter(|b| Some(*b) != cfg.listen)
+            .filter(|b| !is_own(b))
             .collect()
     });
     mainline::Config {
@@ -104,7 +113,7 @@ impl DhtDiscovery {
     /// Starts a DHT node, announcing `me` (when it serves) and reporting peers to `out` from
     /// a task on the current tokio runtime.
     pub fn start(cfg: &DhtConfig, me: &Announce, out: mpsc::Sender<Event>) -> anyhow::Result<Self> {
-        let dht = Dht::new(mainline_config(cfg))
+        let dht = Dht::new(mainline_config(cfg, &local_ipv4s()))
             .with_context(|| match cfg.listen {
                 Some(l) => format!("starting the DHT node on {l} (--dht-listen)"),
                 None => "starting the DHT node (--discover dht)".to_string(),
@@ -328,7 +337,7 @@ mod tests {
             bootstrap: vec![v4("127.0.0.1:7001"), v4("127.0.0.1:7002")],
             ..DhtConfig::default()
         };
-        let c = mainline_config(&given);
+        let c = mainline_config(&given, &[Ipv4Addr::LOCALHOST]);
         assert_eq!(c.bootstrap, Some(given.bootstrap.clone()));
         assert!(!c.server_mode && c.port.is_none() && c.bind_address.is_none());
         // The first node of a private DHT: its own address is its only bootstrap node.
@@ -337,7 +346,7 @@ mod tests {
             listen: Some(v4("127.0.0.1:7001")),
             ..DhtConfig::default()
         };
-        let c = mainline_config(&first);
+        let c = mainline_config(&first, &[Ipv4Addr::LOCALHOST]);
         assert_eq!(
             c.bootstrap,
             Some(Vec::new()),
@@ -346,8 +355,24 @@ mod tests {
         assert!(c.server_mode);
         assert_eq!(c.port, Some(7001));
         assert_eq!(c.bind_address, Some(Ipv4Addr::LOCALHOST));
+        // The same on every interface, named by one of this machine's addresses; another
+        // machine's at that port, or this one's at another port, stays.
+        let lan = DhtConfig {
+            bootstrap: vec![
+                v4("10.0.0.2:6881"),
+                v4("10.0.0.3:6881"),
+                v4("10.0.0.2:6882"),
+            ],
+            listen: Some(v4("0.0.0.0:6881")),
+            ..DhtConfig::default()
+        };
+        let own = [Ipv4Addr::LOCALHOST, Ipv4Addr::new(10, 0, 0, 2)];
+        assert_eq!(
+            mainline_config(&lan, &own).bootstrap,
+            Some(vec![v4("10.0.0.3:6881"), v4("10.0.0.2:6882")])
+        );
         // Only a node given none uses the public nodes.
-        assert_eq!(mainline_config(&DhtConfig::default()).bootstrap, None);
+        assert_eq!(mainline_config(&DhtConfig::default(), &own).bootstrap, None);
     }
 
     #[test]

@@ -216,6 +216,8 @@ mod tests {
     const HELPER_ENV: &str = "STORMO_TEST_LAN_HELPER";
     /// The veth each node namespace has.
     const IFACE: &str = "stv";
+    /// The key seed of the first node (the others: the next ones).
+    const FIRST_SEED: u8 = 30;
 
     fn model() -> Hash {
         Hash([5; 32])
@@ -228,7 +230,8 @@ mod tests {
     /// The node of one namespace (run by `three_nodes_find_each_other_on_a_namespaced_lan`
     /// through `ip netns exec`; without its environment variable it has nothing to do and
     /// returns). Announces itself on the namespace's veth only and prints a line `FOUND KEY
-    /// ADDR` for each peer heard, until it has heard two or 30 s pass.
+    /// ADDR` for each peer heard, until it has heard two or 30 s pass; then keeps answering a
+    /// while, printing `LOST KEY` for each peer whose record goes.
     #[test]
     #[ignore = "a helper: runs inside a namespace that the namespaced LAN test makes"]
     fn lan_node_in_namespace() {
@@ -268,8 +271,15 @@ mod tests {
                     println!("FOUND {key} {:?}", d.addrs);
                 }
             }
-            // Keep answering a little while, so slower peers hear this node too.
-            tokio::time::sleep(Duration::from_secs(3)).await;
+            // Keep answering a little while, so slower peers hear this node too: the first
+            // node 2 s, the others 8 s, in which they hear the first one's goodbye.
+            let linger = if seed == FIRST_SEED { 2 } else { 8 };
+            let until = tokio::time::Instant::now() + Duration::from_secs(linger);
+            while let Ok(Some(ev)) = tokio::time::timeout_at(until, rx.recv()).await {
+                if let Event::Lost { key, .. } = ev {
+                    println!("LOST {key}");
+                }
+            }
             drop(lan);
         });
     }
@@ -336,7 +346,8 @@ mod tests {
 
     /// Issue 41 (b): three nodes with LAN discovery find each other inside network namespaces
     /// this test makes (veths on a bridge, no route to any real interface), each at its real
-    /// interface address. Skipped, saying why, where namespaces cannot be made.
+    /// interface address, and hear the first one leave (its goodbye). Skipped, saying why,
+    /// where namespaces cannot be made.
     #[test]
     fn three_nodes_find_each_other_on_a_namespaced_lan() {
         let lab = match Lab::new(3) {
@@ -361,7 +372,10 @@ mod tests {
                         "--nocapture",
                         "--test-threads=1",
                     ])
-                    .env(HELPER_ENV, format!("{},{}", 30 + i, 4433 + i))
+                    .env(
+                        HELPER_ENV,
+                        format!("{},{}", FIRST_SEED as usize + i, 4433 + i),
+                    )
                     .stdout(std::process::Stdio::piped())
                     .stderr(std::process::Stdio::piped())
                     .spawn()
@@ -374,7 +388,7 @@ mod tests {
             .map(|c| c.wait_with_output().expect("the helper's output"))
             .collect();
         let keys: Vec<PublicKey> = (0..3)
-            .map(|i| SecretKey::from_seed(&[30 + i as u8; 32]).public())
+            .map(|i| SecretKey::from_seed(&[FIRST_SEED + i as u8; 32]).public())
             .collect();
         for (i, out) in children.iter().enumerate() {
             let text = String::from_utf8_lossy(&out.stdout);
@@ -399,6 +413,13 @@ mod tests {
                 assert!(
                     line.contains(&addr),
                     "node {i} heard node {j} at {line}, not {addr}"
+                );
+            }
+            // The first node leaves first: the others hear its record withdrawn.
+            if i > 0 {
+                assert!(
+                    text.contains(&format!("LOST {}", keys[0])),
+                    "node {i} did not hear node 0 leave:\n{text}"
                 );
             }
         }
