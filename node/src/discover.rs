@@ -511,6 +511,104 @@ mod tests {
         }
     }
 
+    /// The driver without a source: a LAN record adds its peer and its goodbye removes it; a
+    /// DHT address that does not answer is never added, and the lookup round settles once its
+    /// dial has ended; events for another model are ignored.
+    #[test]
+    fn the_driver_adds_and_removes_lan_peers_and_skips_silent_dht_addresses() {
+        use stormo_manifests::SecretKey;
+        async fn next(c: &mut mpsc::UnboundedReceiver<Change>) -> Option<Change> {
+            tokio::time::timeout(Duration::from_secs(10), c.recv())
+                .await
+                .expect("a change within 10 s")
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let me = SecretKey::from_seed(&[1; 32]);
+        let peer = SecretKey::from_seed(&[2; 32]).public();
+        // A UDP port on loopback where nothing answers QUIC.
+        let silent = std::net::UdpSocket::bind("127.0.0.1:0").expect("udp");
+        let silent_addr = silent.local_addr().expect("addr");
+        rt.block_on(async {
+            let dial = Dialer {
+                endpoint: crate::net::bind("127.0.0.1:0".parse().unwrap(), None).expect("ep"),
+                client: crate::net::tls::client_config_for(
+                    crate::net::tls::Identity::key(&me),
+                    None,
+                    crate::net::tls::Admission::Any,
+                )
+                .expect("client"),
+            };
+            let (tx, rx) = mpsc::channel(8);
+            let (ctx, mut changes) = mpsc::unbounded_channel();
+            let progress = Arc::new(Progress::default());
+            let book = PeerBook::new(me.public(), Duration::from_secs(60), &[]);
+            let task = tokio::spawn(drive(
+                rx,
+                book,
+                model(),
+                dial,
+                move |c| {
+                    let _ = ctx.send(c);
+                },
+                progress.clone(),
+            ));
+            let at: SocketAddr = "10.1.2.3:4433".parse().unwrap();
+            let found = |model: Hash, key: Option<PublicKey>, addr: SocketAddr| {
+                Event::Found(Discovered {
+                    key,
+                    addrs: vec![addr],
+                    model,
+                    via: if key.is_some() {
+                        Source::Lan
+                    } else {
+                        Source::Dht
+                    },
+                })
+            };
+            let within = Duration::from_secs(10);
+            tx.send(found(Hash([8; 32]), Some(peer), at)).await.unwrap();
+            tx.send(found(model(), Some(peer), at)).await.unwrap();
+            assert_eq!(
+                next(&mut changes).await,
+                Some(Change::Add(crate::net::PeerAddr {
+                    key: peer,
+                    addr: at
+                }))
+            );
+            tx.send(found(model(), None, silent_addr)).await.unwrap();
+            tx.send(Event::Looked(Source::Dht)).await.unwrap();
+            tx.send(Event::Lost {
+                key: peer,
+                via: Source::Lan,
+            })
+            .await
+            .unwrap();
+            assert_eq!(next(&mut changes).await, Some(Change::Remove(peer)));
+            // The silent address's dial ends (the connect timeout), then the round settles,
+            // with no peer left.
+            let until = tokio::time::Instant::now() + within;
+            while progress.settled().is_none() {
+                assert!(
+                    tokio::time::Instant::now() < until,
+                    "the round never settled"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert_eq!(progress.settled(), Some(0));
+            assert!(changes.try_recv().is_err(), "the silent address was added");
+            drop(tx);
+            tokio::time::timeout(within, task)
+                .await
+                .expect("the driver ends when its events end")
+                .expect("the driver");
+        });
+        drop(silent);
+    }
+
     #[test]
     fn sources_parse_and_name_a_bad_one() {
         assert_eq!("lan".parse::<Source>().unwrap(), Source::Lan);
