@@ -452,12 +452,15 @@ impl Node {
         Ok(())
     }
 
-    /// Announces this node and feeds the peers that discovery finds into the peer set: a LAN
-    /// record names its key (proven in the handshake when dialled), a DHT record only
-    /// addresses, so such a peer is dialled once to learn the key it proves. Without peers
-    /// given on the command line, waits (bounded) for the first peer that answers, so a run
-    /// that starts at once has someone to ask.
+    /// Announces this node (when it serves) and feeds the peers that discovery finds into the
+    /// peer set, taking out those that go away ([`crate::discover::drive`]): a LAN record
+    /// names its key (proven in the handshake when dialled), a DHT record only an address,
+    /// which is dialled to learn the key it proves. A node that does not serve and was given
+    /// no peer on the command line waits (bounded) until the first DHT lookup's peers are
+    /// connected (LAN only: the first peer), so a run that starts at once has them to ask; a
+    /// serving node starts serving at once.
     fn start_discovery(&self) -> anyhow::Result<()> {
+        use crate::discover::{self, book::Change};
         let (Some(sw), Some(secret), Some(ep), Some(m), Some(tier)) = (
             self.cfg.swarm.as_ref(),
             self.secret.as_ref(),
@@ -469,61 +472,66 @@ impl Node {
         };
         let port = ep.local_addr().context("the bound address")?.port();
         let me = secret.public();
-        let announce = crate::discover::Announce {
+        let announce = discover::Announce {
             node: me,
-            port,
+            // A node that does not serve is not announced: nobody could dial it.
+            port: self.cfg.listen.is_some().then_some(port),
             models: vec![m.id],
             swarm: sw.swarm(),
         };
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<crate::discover::Discovered>(64);
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
         let discovery = {
             let _g = self.rt.enter();
-            crate::discover::start(&sw.discover, &announce, tx)?
+            discover::start(&sw.discover, &announce, tx)?
         };
         *self.discovery.lock().expect("discovery lock") = Some(discovery);
-        let client =
-            net::tls::client_config_for(sw.identity(secret), None, sw.admission(&[], true))?;
-        let (ep, model) = (ep.clone(), m.id);
-        self.rt.spawn(async move {
-            let mut known: std::collections::HashSet<SocketAddr> = Default::default();
-            while let Some(d) = rx.recv().await {
-                if d.model != model || d.key == Some(me) {
-                    continue;
-                }
-                let fresh: Vec<SocketAddr> = d
-                    .addrs
-                    .iter()
-                    .copied()
-                    .filter(|a| known.insert(*a))
-                    .collect();
-                for addr in fresh {
-                    let key = match d.key {
-                        Some(k) => Some(k),
-                        // A DHT record carries no key: dial once to learn the one it proves.
-                        None => learn_key(&ep, client.clone(), addr).await,
-                    };
-                    let Some(key) = key.filter(|k| *k != me) else {
-                        known.remove(&addr);
-                        continue;
-                    };
-                    tracing::info!(
-                        "discovered peer {}@{addr} ({:?})",
-                        net::short_key(&key),
-                        d.via
-                    );
-                    let tier = tier.clone();
-                    let peer = PeerAddr { key, addr };
-                    if let Err(e) = tier.add_peers(std::slice::from_ref(&peer)) {
-                        tracing::warn!("discovered peer {peer}: {e:#}");
-                    }
+        // In a swarm only members count; an open swarm (no --swarm) admits any key.
+        let dial = discover::Dialer {
+            endpoint: ep.clone(),
+            client: net::tls::client_config_for(
+                sw.identity(secret),
+                None,
+                sw.admission(&[], sw.membership.is_none()),
+            )?,
+        };
+        let book = discover::book::PeerBook::new(me, DISCOVERED_LOST_AFTER, &self.cfg.peers.peers);
+        let progress = Arc::new(discover::Progress::default());
+        let apply = move |c: Change| match c {
+            Change::Add(peer) => {
+                tracing::info!("discovered peer {peer}");
+                if let Err(e) = tier.add_peers(std::slice::from_ref(&peer)) {
+                    tracing::warn!("discovered peer {peer}: {e:#}");
                 }
             }
-        });
-        if self.cfg.peers.peers.is_empty() {
-            let until = std::time::Instant::now() + DISCOVERY_WAIT;
+            Change::Remove(key) => {
+                if tier.remove_peer(&key) {
+                    tracing::info!(
+                        "discovered peer {} went away: removed",
+                        net::short_key(&key)
+                    );
+                }
+            }
+        };
+        self.rt.spawn(discover::drive(
+            rx,
+            book,
+            m.id,
+            dial,
+            apply,
+            progress.clone(),
+        ));
+        if self.cfg.peers.peers.is_empty() && self.cfg.listen.is_none() {
+            let dht = sw.discover.dht.is_some();
             let t = self.peers.clone().expect("checked above");
-            while std::time::Instant::now() < until && !t.inventories().iter().any(Option::is_some)
-            {
+            let ready = || {
+                let have = t.inventories().iter().filter(|i| i.is_some()).count();
+                match progress.settled() {
+                    Some(found) => have >= found.max(1),
+                    None => !dht && have > 0,
+                }
+            };
+            let until = std::time::Instant::now() + DISCOVERY_WAIT;
+            while std::time::Instant::now() < until && !ready() {
                 std::thread::sleep(Duration::from_millis(100));
             }
             if !t.inventories().iter().any(Option::is_some) {
@@ -747,25 +755,13 @@ fn adopt_pulled_and_kept(cfg: &mut NodeConfig) -> anyhow::Result<()> {
 /// default).
 pub const DEFAULT_KEEP_LIMIT: u64 = 16 << 30;
 
-/// How long a node given no peer waits for discovery to find the first one.
+/// How long a node given no peer waits for discovery to find the first ones.
 const DISCOVERY_WAIT: Duration = Duration::from_secs(15);
 
-/// The key a peer at `addr` proves in a handshake (the connection is closed again at once).
-async fn learn_key(
-    ep: &quinn::Endpoint,
-    client: quinn::ClientConfig,
-    addr: SocketAddr,
-) -> Option<PublicKey> {
-    let connecting = ep.connect_with(client, addr, "stormo").ok()?;
-    let conn = tokio::time::timeout(net::CONNECT_TIMEOUT, connecting)
-        .await
-        .ok()?
-        .map_err(|e| tracing::debug!("discovered address {addr}: {e}"))
-        .ok()?;
-    let key = net::tls::peer_key(&conn).map(|k| PublicKey::from_bytes(&k));
-    conn.close(0u32.into(), b"key learned");
-    key.and_then(Result::ok)
-}
+/// How long a peer found on the DHT stays in the peer set after it last answered: three
+/// lookups' time (a lookup dials every address it finds).
+const DISCOVERED_LOST_AFTER: Duration =
+    Duration::from_secs(3 * crate::discover::dht::LOOKUP_EVERY.as_secs());
 
 /// Recomputes what a serving node holds and offers.
 #[derive(Clone)]

@@ -7,7 +7,7 @@
 //! [`SwarmConfig::discover`]), never the clap struct.
 
 use std::collections::HashSet;
-use std::net::SocketAddr;
+use std::net::{SocketAddr, SocketAddrV4, ToSocketAddrs};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -43,7 +43,9 @@ pub struct SwarmArgs {
     #[arg(long, value_name = "NAME")]
     pub lan_interface: Vec<String>,
     /// With --discover dht: a DHT node to bootstrap from (repeatable; default the public
-    /// mainline bootstrap nodes). Give another stormo node's --dht-listen for a private DHT.
+    /// mainline bootstrap nodes, never used when this is given). Give another stormo node's
+    /// --dht-listen for a private DHT; a node given its own --dht-listen address here is the
+    /// first node of one and bootstraps from nobody.
     #[arg(long, value_name = "HOST:PORT")]
     pub dht_bootstrap: Vec<String>,
     /// With --discover dht: the UDP address of this node's own DHT node (IPv4), which makes
@@ -126,8 +128,12 @@ impl SwarmArgs {
                     anyhow::bail!("--dht-listen {a}: the mainline DHT runs on IPv4 only")
                 }
             };
+            let mut bootstrap = Vec::new();
+            for b in &self.dht_bootstrap {
+                bootstrap.extend(bootstrap_addrs(b)?);
+            }
             Some(DhtConfig {
-                bootstrap: self.dht_bootstrap.clone(),
+                bootstrap,
                 listen,
                 ..DhtConfig::default()
             })
@@ -143,6 +149,25 @@ impl SwarmArgs {
             discover: DiscoverConfig { lan, dht },
         })
     }
+}
+
+/// The IPv4 addresses of one `--dht-bootstrap HOST:PORT` (a name is resolved now). One that
+/// gives none is an error: a node given bootstrap nodes never falls back to the public ones
+/// in their place.
+fn bootstrap_addrs(b: &str) -> anyhow::Result<Vec<SocketAddrV4>> {
+    let v: Vec<SocketAddrV4> = b
+        .to_socket_addrs()
+        .map_err(|e| anyhow::anyhow!("--dht-bootstrap {b:?}: not a reachable HOST:PORT ({e})"))?
+        .filter_map(|a| match a {
+            SocketAddr::V4(a) => Some(a),
+            SocketAddr::V6(_) => None,
+        })
+        .collect();
+    anyhow::ensure!(
+        !v.is_empty(),
+        "--dht-bootstrap {b:?}: no IPv4 address (the mainline DHT runs on IPv4 only)"
+    );
+    Ok(v)
 }
 
 /// The swarm options of a node whose key file is `key` (`None`: they need none), resolved
@@ -194,16 +219,6 @@ impl SwarmConfig {
     pub fn swarm(&self) -> Option<PublicKey> {
         self.membership.as_ref().map(|m| m.swarm)
     }
-}
-
-/// Parses a discovery announcement port: the port part of `--listen` (0 is refused: peers
-/// cannot dial it).
-pub fn announced_port(listen: SocketAddr) -> anyhow::Result<u16> {
-    anyhow::ensure!(
-        listen.port() != 0,
-        "--discover needs a fixed --listen port (peers dial the port announced)"
-    );
-    Ok(listen.port())
 }
 
 #[cfg(test)]
@@ -264,6 +279,32 @@ mod tests {
             .unwrap()
             .resolve(&node, NOW);
         assert!(e.unwrap_err().to_string().contains("--discover dht"));
+        // Bootstrap nodes are resolved once; one that gives no IPv4 address is named.
+        let c = parse(&[
+            "--discover",
+            "dht",
+            "--dht-bootstrap",
+            "127.0.0.1:7001",
+            "--dht-bootstrap",
+            "127.0.0.2:7002",
+        ])
+        .unwrap()
+        .resolve(&node, NOW)
+        .unwrap();
+        let d = c.discover.dht.unwrap();
+        let want: Vec<SocketAddrV4> = vec![
+            "127.0.0.1:7001".parse().unwrap(),
+            "127.0.0.2:7002".parse().unwrap(),
+        ];
+        assert_eq!(d.bootstrap, want);
+        for bad in ["[::1]:7001", "127.0.0.1", "127.0.0.1:x"] {
+            let e = parse(&["--discover", "dht", "--dht-bootstrap", bad])
+                .unwrap()
+                .resolve(&node, NOW)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(bad), "{e}");
+        }
         // Off unless asked.
         let none = parse(&[]).unwrap().resolve(&node, NOW).unwrap();
         assert!(!none.discover.is_on() && none.membership.is_none());

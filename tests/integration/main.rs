@@ -2,6 +2,7 @@
 
 mod chat;
 mod demo;
+mod discovery;
 mod extra_oracle;
 mod faults;
 mod hostile;

@@ -1429,6 +1429,7 @@ fn pull_options(f: &Fixture, node: &Node, out: &Path, with_experts: bool) -> pul
         with_experts,
         force: false,
         cfg: quick(),
+        membership: None,
     }
 }
 
@@ -1537,6 +1538,7 @@ fn pull_refuses_a_corrupted_dense_tensor_and_writes_nothing_half_done() {
         with_experts: false,
         force: false,
         cfg: quick(),
+        membership: None,
     };
     let err = format!(
         "{:#}",

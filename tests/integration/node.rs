@@ -5,7 +5,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::Value;
@@ -13,10 +13,12 @@ use serde_json::Value;
 use crate::demo::stormo_exe;
 
 /// A `stormo` process, killed (and waited for) when dropped.
-struct Proc {
+pub(crate) struct Proc {
     child: Child,
     /// The first line it printed on stdout (`KEY@ADDR` or `http://ADDR/v1`).
-    line: String,
+    pub(crate) line: String,
+    /// What it wrote to stderr so far, when started with [`Proc::start_logging`].
+    pub(crate) stderr: Arc<Mutex<String>>,
 }
 
 impl Drop for Proc {
@@ -28,15 +30,38 @@ impl Drop for Proc {
 
 impl Proc {
     /// Starts `stormo ARGS` and waits (bounded) for its first line on stdout.
-    fn start(args: &[&str]) -> Self {
+    pub(crate) fn start(args: &[&str]) -> Self {
+        Self::start_logging(args, None)
+    }
+
+    /// [`Proc::start`] with `RUST_LOG=log`, its stderr kept in [`Proc::stderr`] (and echoed),
+    /// when `log` is given.
+    pub(crate) fn start_logging(args: &[&str], log: Option<&str>) -> Self {
         let mut child = Command::new(stormo_exe())
             .args(args)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", log.unwrap_or("warn"))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(if log.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            })
             .spawn()
             .expect("start stormo");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        if let Some(err) = child.stderr.take() {
+            let keep = stderr.clone();
+            std::thread::spawn(move || {
+                let mut r = BufReader::new(err);
+                let mut line = String::new();
+                while r.read_line(&mut line).is_ok_and(|n| n > 0) {
+                    eprint!("{line}");
+                    keep.lock().expect("stderr lock").push_str(&line);
+                    line.clear();
+                }
+            });
+        }
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -57,7 +82,11 @@ impl Proc {
                 panic!("stormo {args:?} printed no address within 60 s ({other:?})");
             }
         };
-        Self { child, line }
+        Self {
+            child,
+            line,
+            stderr,
+        }
     }
 
     /// Stops it with SIGTERM and returns its exit status (bounded: killed after 20 s).
@@ -80,7 +109,7 @@ impl Proc {
 
 /// Runs `stormo ARGS` to its end (bounded) and returns its stdout; panics with its stderr on
 /// failure.
-fn stormo(args: &[&str]) -> String {
+pub(crate) fn stormo(args: &[&str]) -> String {
     stormo_with_input(args, None)
 }
 
@@ -129,7 +158,7 @@ fn wait_bounded(mut child: Child, within: Duration) -> std::process::Output {
 
 /// A chattable synthetic model (2 layers, 4 experts) with its manifest; returns the folder and
 /// the model id.
-fn model_with_manifest() -> (tempfile::TempDir, String) {
+pub(crate) fn model_with_manifest() -> (tempfile::TempDir, String) {
     let dir = crate::http::synth_model();
     let m = dir.path().to_str().expect("utf-8");
     let out = stormo(&["manifest", "build", "--model", m, "--io", "buffered"]);
@@ -142,11 +171,11 @@ fn model_with_manifest() -> (tempfile::TempDir, String) {
 }
 
 /// A state directory for one node.
-fn state() -> tempfile::TempDir {
+pub(crate) fn state() -> tempfile::TempDir {
     tempfile::tempdir().expect("state dir")
 }
 
-fn s(p: &Path) -> &str {
+pub(crate) fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
 }
 
@@ -184,7 +213,7 @@ fn pull_dense(peer: &str, id: &str) -> tempfile::TempDir {
 }
 
 /// Greedy ids from `stormo run --json` with `extra` options.
-fn run_ids(model: &Path, st: &Path, extra: &[&str]) -> (Vec<u64>, Value) {
+pub(crate) fn run_ids(model: &Path, st: &Path, extra: &[&str]) -> (Vec<u64>, Value) {
     let mut args = vec![
         "run",
         "--model",

@@ -14,8 +14,13 @@ use crate::net::{self, pull, tier::PeerConfig, PeerAddr};
 #[command(group(clap::ArgGroup::new("accept").required(true).multiple(true).args(["model_id", "trust"])))]
 pub struct Args {
     /// A peer serving the model, as KEY@HOST:PORT (its 64-hex node key and address).
-    /// Repeatable: a peer that fails or sends wrong bytes is replaced by the next.
-    #[arg(long = "peer", value_name = "KEY@HOST:PORT", required = true)]
+    /// Repeatable: a peer that fails or sends wrong bytes is replaced by the next. Not needed
+    /// with --discover, which finds the swarm's peers serving --model-id.
+    #[arg(
+        long = "peer",
+        value_name = "KEY@HOST:PORT",
+        required_unless_present = "discover"
+    )]
     pub peers: Vec<PeerAddr>,
     /// Accept only the manifest with this model id (64 hex).
     #[arg(long, value_name = "ID")]
@@ -62,6 +67,9 @@ pub struct Args {
         value_parser = crate::progress::secs_arg
     )]
     pub peer_timeout: f64,
+    /// Swarm membership and discovery (peers found by themselves instead of --peer).
+    #[command(flatten)]
+    pub swarm: crate::swarm_args::SwarmArgs,
 }
 
 /// Runs `stormo pull`.
@@ -76,14 +84,40 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the network runtime")?;
+    let swarm = crate::swarm_args::resolve_for_node(&a.swarm, a.key.as_deref())?;
+    let mut peers = a.peers.clone();
+    if let Some(sw) = swarm.as_ref().filter(|s| s.discover.is_on()) {
+        let id = a.model_id.context(
+            "--discover needs --model-id: peers are found under a key derived from the model id",
+        )?;
+        for p in crate::discover::find_peers(&rt, &secret, sw, id, crate::discover::FIND_WITHIN)? {
+            if !peers.iter().any(|q| q.key == p.key) {
+                peers.push(p);
+            }
+        }
+        eprintln!(
+            "pull: discovery found {} peers",
+            peers.len() - a.peers.len()
+        );
+    }
+    // In a swarm, the peers found or given are dialled as a member: certificate presented,
+    // members admitted (and the keys given with --peer).
+    let given: Vec<PublicKey> = a.peers.iter().map(|p| p.key).collect();
+    let membership = swarm.as_ref().and_then(|sw| {
+        sw.membership.as_ref().map(|m| pull::PullMembership {
+            cert: m.cert.clone(),
+            servers: sw.admission(&given, false),
+        })
+    });
     let opts = pull::PullOptions {
-        peers: a.peers.clone(),
+        peers: peers.clone(),
         model_id: a.model_id,
         trust: a.trust.clone(),
         out: a.out.clone(),
         with_experts: a.with_experts,
         force: a.force,
         cfg: PeerConfig::with_timeout(t),
+        membership,
     };
     let started = std::time::Instant::now();
     let r = pull::pull(&secret, &opts, &rt)
@@ -93,11 +127,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let what = if r.experts {
         "experts included"
     } else {
-        "dense only: run it with --peer to fetch experts"
+        "dense only: run it with --peer or --discover to fetch experts"
     };
     if let Some(spec) = &a.experts {
         drop(rt);
-        pull_experts(&a, spec, r.model_id, PeerConfig::with_timeout(t))?;
+        // The peers are found: the node that fetches the experts looks no further.
+        let swarm = swarm.map(|sw| crate::swarm_args::SwarmConfig {
+            discover: Default::default(),
+            ..sw
+        });
+        pull_experts(
+            &a,
+            spec,
+            r.model_id,
+            PeerConfig::with_timeout(t),
+            peers,
+            swarm,
+        )?;
     }
     if r.tensors == 0 && r.fetched == 0 && r.reused == 0 {
         eprintln!(
@@ -127,6 +173,8 @@ fn pull_experts(
     spec: &str,
     model: Option<Hash>,
     timeouts: PeerConfig,
+    peers: Vec<PeerAddr>,
+    swarm: Option<crate::swarm_args::SwarmConfig>,
 ) -> anyhow::Result<()> {
     use stormo_engine::tiers::{ExpertId, Priority, Tier};
     let state_dir = a
@@ -144,7 +192,7 @@ fn pull_experts(
         local: crate::config::LocalExperts::None,
         context: 1,
         peers: crate::config::PeersConfig {
-            peers: a.peers.clone(),
+            peers,
             key: a.key.clone(),
             trust: a.trust.clone(),
             model_id: model.or(a.model_id),
@@ -157,7 +205,7 @@ fn pull_experts(
             peers_first: false,
         },
         listen: None,
-        swarm: None,
+        swarm,
     })?;
     let shape: Vec<usize> = node.files().layout.parts.iter().map(Vec::len).collect();
     let flags = net::parse_only_experts(spec, &shape)?;

@@ -7,16 +7,21 @@
 //! - announces its QUIC port under [`super::dht_key`] (`announce_peer`; the DHT records the
 //!   address the announcement came from), again every [`REANNOUNCE`]: BEP 5 nodes forget
 //!   announcements after about 30 minutes, and mainline's storage is an LRU, so a node
-//!   re-announces well within that;
-//! - looks the key up (`get_peers`) at once and then every `lookup_every`, and reports every
-//!   address found except its own.
+//!   re-announces well within that. A node that only fetches announces nothing;
+//! - looks the key up (`get_peers`) at once, then after 2, 4, 8... seconds up to
+//!   `lookup_every` ([`lookup_delay`]: a node that starts before its peers finds them soon,
+//!   and then asks the DHT once a minute), reports every address found except its own, and
+//!   ends each round with [`Event::Looked`].
 //!
 //! A DHT record is an address and nothing else: the caller learns the node key in the QUIC
 //! handshake, where the swarm's admission checks the peer's membership certificate.
 //!
 //! Bootstrap: `--dht-bootstrap HOST:PORT` (repeatable) replaces mainline's default public
-//! bootstrap nodes; without it a node bootstraps from those public nodes (which a test must
-//! never do: tests always pass a loopback bootstrap).
+//! bootstrap nodes entirely ([`mainline_config`]); only without it does a node bootstrap
+//! from those public nodes. A node whose own `--dht-listen` address is among its bootstrap
+//! nodes is the first node of a private DHT: it bootstraps from nobody (never from the public
+//! nodes), and the others bootstrap from it; so every node of a private DHT can be given the
+//! same `--dht-bootstrap`. Tests always pass a loopback bootstrap.
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
@@ -27,22 +32,24 @@ use mainline::{async_dht::AsyncDht, Dht, Id};
 use stormo_manifests::Hash;
 use tokio::sync::mpsc;
 
-use super::{dht_key, Announce, Discovered, Source};
+use super::{dht_key, Announce, Discovered, Event, Source};
 
 /// How often a node re-announces itself (BEP 5 peers expire after about 30 minutes).
 pub const REANNOUNCE: Duration = Duration::from_secs(15 * 60);
-/// How often a node looks for peers by default.
+/// How often a node looks for peers by default, once it has been running a while.
 pub const LOOKUP_EVERY: Duration = Duration::from_secs(60);
+/// The wait before a node's second lookup; each later wait doubles, up to `lookup_every`.
+pub const FIRST_LOOKUP_DELAY: Duration = Duration::from_secs(2);
 
 /// How DHT discovery runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DhtConfig {
-    /// Bootstrap nodes (`HOST:PORT`); empty: mainline's public bootstrap nodes.
-    pub bootstrap: Vec<String>,
-    /// The UDP address of this node's DHT node (IPv4); `None`: any port on every interface,
-    /// as a client-mode DHT node.
+    /// Bootstrap nodes, resolved; empty: mainline's public bootstrap nodes.
+    pub bootstrap: Vec<SocketAddrV4>,
+    /// The UDP address of this node's DHT node (IPv4), which makes it a server-mode DHT node;
+    /// `None`: any port on every interface, as a client-mode DHT node.
     pub listen: Option<SocketAddrV4>,
-    /// How often to look for peers.
+    /// How often to look for peers, at most.
     pub lookup_every: Duration,
     /// How often to re-announce.
     pub announce_every: Duration,
@@ -59,6 +66,42 @@ impl Default for DhtConfig {
     }
 }
 
+/// The `mainline` configuration for `cfg` on a machine whose addresses are `own_ips`.
+/// Bootstrap nodes given replace the public ones (mainline falls back to its defaults only
+/// when its list is `None`); the node's own `listen` address is left out of them (with an
+/// unspecified listen address, its port at any of `own_ips`), and a node left with none
+/// bootstraps from nobody.
+pub fn mainline_config(cfg: &DhtConfig, own_ips: &[Ipv4Addr]) -> mainline::Config {
+    let is_own = |b: &SocketAddrV4| {
+        cfg.listen.is_some_and(|l| {
+            l.port() == b.port()
+                && (l.ip() == b.ip() || (l.ip().is_unspecified() && own_ips.contains(b.ip())))
+        })
+    };
+    let bootstrap = (!cfg.bootstrap.is_empty()).then(|| {
+        cfg.bootstrap
+            .iter()
+            .copied()
+            .filter(|b| !is_own(b))
+            .collect()
+    });
+    mainline::Config {
+        bootstrap,
+        port: cfg.listen.map(|l| l.port()),
+        bind_address: cfg.listen.map(|l| *l.ip()),
+        server_mode: cfg.listen.is_some(),
+        ..mainline::Config::default()
+    }
+}
+
+/// The wait after lookup round `round` (0: the first): [`FIRST_LOOKUP_DELAY`] doubled per
+/// round, at most `every`.
+pub fn lookup_delay(round: u32, every: Duration) -> Duration {
+    FIRST_LOOKUP_DELAY
+        .checked_mul(1u32.checked_shl(round.min(31)).unwrap_or(u32::MAX))
+        .map_or(every, |d| d.min(every))
+}
+
 /// A running DHT node announcing and looking up; dropping it stops both and the node.
 #[derive(Debug)]
 pub struct DhtDiscovery {
@@ -67,25 +110,14 @@ pub struct DhtDiscovery {
 }
 
 impl DhtDiscovery {
-    /// Starts a DHT node, announcing `me` and reporting peers to `out` from a task on the
-    /// current tokio runtime.
-    pub fn start(
-        cfg: &DhtConfig,
-        me: &Announce,
-        out: mpsc::Sender<Discovered>,
-    ) -> anyhow::Result<Self> {
-        let mut b = Dht::builder();
-        if !cfg.bootstrap.is_empty() {
-            b.bootstrap(&cfg.bootstrap);
-        }
-        if let Some(listen) = cfg.listen {
-            b.bind_address(*listen.ip())
-                .port(listen.port())
-                .server_mode();
-        }
-        let dht = b
-            .build()
-            .context("starting the DHT node (--discover dht)")?
+    /// Starts a DHT node, announcing `me` (when it serves) and reporting peers to `out` from
+    /// a task on the current tokio runtime.
+    pub fn start(cfg: &DhtConfig, me: &Announce, out: mpsc::Sender<Event>) -> anyhow::Result<Self> {
+        let dht = Dht::new(mainline_config(cfg, &local_ipv4s()))
+            .with_context(|| match cfg.listen {
+                Some(l) => format!("starting the DHT node on {l} (--dht-listen)"),
+                None => "starting the DHT node (--discover dht)".to_string(),
+            })?
             .as_async();
         let local = SocketAddr::V4(futures_lite::future::block_on(dht.info()).local_addr());
         tracing::info!("DHT node on {local}");
@@ -124,10 +156,10 @@ impl Drop for DhtDiscovery {
 async fn run(
     dht: AsyncDht,
     topics: Vec<(Hash, Id)>,
-    port: u16,
+    port: Option<u16>,
     lookup_every: Duration,
     announce_every: Duration,
-    out: mpsc::Sender<Discovered>,
+    out: mpsc::Sender<Event>,
 ) {
     if !dht.bootstrapped().await {
         tracing::warn!(
@@ -136,25 +168,27 @@ async fn run(
     }
     let own_ips = local_ipv4s();
     let mut announced: Option<tokio::time::Instant> = None;
-    loop {
+    for round in 0u32.. {
         let now = tokio::time::Instant::now();
-        if announced.is_none_or(|t| now.duration_since(t) >= announce_every) {
-            for (model, id) in &topics {
-                match dht.announce_peer(*id, Some(port)).await {
-                    Ok(_) => {
-                        tracing::debug!("DHT: announced model {} on port {port}", model.short())
+        if let Some(port) = port {
+            if announced.is_none_or(|t| now.duration_since(t) >= announce_every) {
+                for (model, id) in &topics {
+                    match dht.announce_peer(*id, Some(port)).await {
+                        Ok(_) => {
+                            tracing::debug!("DHT: announced model {} on port {port}", model.short())
+                        }
+                        Err(e) => tracing::warn!("DHT: announcing model {}: {e}", model.short()),
                     }
-                    Err(e) => tracing::warn!("DHT: announcing model {}: {e}", model.short()),
                 }
+                announced = Some(now);
             }
-            announced = Some(now);
         }
         for (model, id) in &topics {
             let mut found = dht.get_peers(*id);
             while let Some(batch) = found.next().await {
                 let addrs: Vec<SocketAddr> = batch
                     .into_iter()
-                    .filter(|a| !(a.port() == port && own_ips.contains(a.ip())))
+                    .filter(|a| !(Some(a.port()) == port && own_ips.contains(a.ip())))
                     .map(SocketAddr::V4)
                     .collect();
                 for a in addrs {
@@ -164,13 +198,16 @@ async fn run(
                         model: *model,
                         via: Source::Dht,
                     };
-                    if out.send(d).await.is_err() {
+                    if out.send(Event::Found(d)).await.is_err() {
                         return;
                     }
                 }
             }
         }
-        tokio::time::sleep(lookup_every).await;
+        if out.send(Event::Looked(Source::Dht)).await.is_err() {
+            return;
+        }
+        tokio::time::sleep(lookup_delay(round, lookup_every)).await;
     }
 }
 
@@ -216,7 +253,11 @@ mod tests {
         let stranger_swarm: PublicKey = SecretKey::from_seed(&[2; 32]).public();
         let model = Hash([9; 32]);
         let cfg = DhtConfig {
-            bootstrap: testnet.bootstrap.clone(),
+            bootstrap: testnet
+                .bootstrap
+                .iter()
+                .map(|b| b.parse().expect("a testnet address"))
+                .collect(),
             listen: Some(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0)),
             lookup_every: Duration::from_millis(500),
             announce_every: REANNOUNCE,
@@ -224,12 +265,12 @@ mod tests {
         // QUIC ports the nodes claim (nothing listens: discovery only reports addresses).
         let ports: Vec<u16> = (0..5).map(|i| 41_000 + i).collect();
         rt.block_on(async {
-            let (tx, mut rx) = mpsc::channel::<(u16, Discovered)>(1024);
+            let (tx, mut rx) = mpsc::channel::<(u16, Event)>(1024);
             let mut nodes = Vec::new();
             for (i, &port) in ports.iter().chain([&41_999]).enumerate() {
                 let me = Announce {
                     node: SecretKey::from_seed(&[10 + i as u8; 32]).public(),
-                    port,
+                    port: Some(port),
                     models: vec![model],
                     swarm: Some(if port == 41_999 {
                         stranger_swarm
@@ -259,8 +300,11 @@ mod tests {
             };
             let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
             while !all_found(&seen) {
-                let Ok(Some((me, d))) = tokio::time::timeout_at(deadline, rx.recv()).await else {
+                let Ok(Some((me, ev))) = tokio::time::timeout_at(deadline, rx.recv()).await else {
                     panic!("not every node found the other four within 60 s: {seen:?}");
+                };
+                let Event::Found(d) = ev else {
+                    continue;
                 };
                 assert_eq!(d.via, Source::Dht);
                 assert_eq!(d.model, model);
@@ -279,5 +323,67 @@ mod tests {
             assert!(seen.get(&41_999).is_none_or(HashSet::is_empty), "{seen:?}");
             drop(nodes);
         });
+    }
+
+    fn v4(s: &str) -> SocketAddrV4 {
+        s.parse().expect("an IPv4 address and port")
+    }
+
+    /// Bootstrap nodes given replace the public ones: mainline falls back to its defaults only
+    /// for a `None` list, which a node gets only when it was given none.
+    #[test]
+    fn given_bootstrap_nodes_replace_the_public_ones_and_the_first_node_has_none() {
+        let given = DhtConfig {
+            bootstrap: vec![v4("127.0.0.1:7001"), v4("127.0.0.1:7002")],
+            ..DhtConfig::default()
+        };
+        let c = mainline_config(&given, &[Ipv4Addr::LOCALHOST]);
+        assert_eq!(c.bootstrap, Some(given.bootstrap.clone()));
+        assert!(!c.server_mode && c.port.is_none() && c.bind_address.is_none());
+        // The first node of a private DHT: its own address is its only bootstrap node.
+        let first = DhtConfig {
+            bootstrap: vec![v4("127.0.0.1:7001")],
+            listen: Some(v4("127.0.0.1:7001")),
+            ..DhtConfig::default()
+        };
+        let c = mainline_config(&first, &[Ipv4Addr::LOCALHOST]);
+        assert_eq!(
+            c.bootstrap,
+            Some(Vec::new()),
+            "nobody, never the public nodes"
+        );
+        assert!(c.server_mode);
+        assert_eq!(c.port, Some(7001));
+        assert_eq!(c.bind_address, Some(Ipv4Addr::LOCALHOST));
+        // The same on every interface, named by one of this machine's addresses; another
+        // machine's at that port, or this one's at another port, stays.
+        let lan = DhtConfig {
+            bootstrap: vec![
+                v4("10.0.0.2:6881"),
+                v4("10.0.0.3:6881"),
+                v4("10.0.0.2:6882"),
+            ],
+            listen: Some(v4("0.0.0.0:6881")),
+            ..DhtConfig::default()
+        };
+        let own = [Ipv4Addr::LOCALHOST, Ipv4Addr::new(10, 0, 0, 2)];
+        assert_eq!(
+            mainline_config(&lan, &own).bootstrap,
+            Some(vec![v4("10.0.0.3:6881"), v4("10.0.0.2:6882")])
+        );
+        // Only a node given none uses the public nodes.
+        assert_eq!(mainline_config(&DhtConfig::default(), &own).bootstrap, None);
+    }
+
+    #[test]
+    fn lookups_start_often_and_slow_down_to_the_interval() {
+        let every = Duration::from_secs(60);
+        let d: Vec<u64> = (0..8).map(|r| lookup_delay(r, every).as_secs()).collect();
+        assert_eq!(d, [2, 4, 8, 16, 32, 60, 60, 60]);
+        assert_eq!(lookup_delay(u32::MAX, every), every);
+        assert_eq!(
+            lookup_delay(0, Duration::from_secs(1)),
+            Duration::from_secs(1)
+        );
     }
 }

@@ -13,7 +13,9 @@
 //! ```
 //!
 //! It browses the same type and reports every other instance whose `m` holds one of its own
-//! tags. Records from the network are untrusted text: any that do not parse are skipped.
+//! tags, and reports it lost when its record is withdrawn (the goodbye a node sends when it
+//! stops) or expires. Records from the network are untrusted text: any that do not parse are
+//! skipped. A node that only fetches registers nothing and only browses.
 //!
 //! Interfaces: every IPv4 interface but loopback by default, or those named by
 //! `--lan-interface` (loopback only if named).
@@ -26,7 +28,7 @@ use mdns_sd::{IfKind, ServiceDaemon, ServiceEvent, ServiceInfo};
 use stormo_manifests::{Hash, PublicKey};
 use tokio::sync::mpsc;
 
-use super::{lan_model_tag, Announce, Discovered, Source};
+use super::{lan_model_tag, Announce, Discovered, Event, Source};
 
 /// The DNS-SD service type stormo nodes announce.
 pub const SERVICE_TYPE: &str = "_stormo._udp.local.";
@@ -46,7 +48,8 @@ pub struct LanConfig {
 /// A running mDNS responder and browser; dropping it withdraws the record and stops.
 pub struct Lan {
     daemon: ServiceDaemon,
-    fullname: String,
+    /// The registered record's name (`None`: a node that only looks).
+    fullname: Option<String>,
 }
 
 impl std::fmt::Debug for Lan {
@@ -58,15 +61,11 @@ impl std::fmt::Debug for Lan {
 }
 
 impl Lan {
-    /// Registers `me` and starts reporting peers to `out` (from a thread of the mDNS crate's
-    /// own; no runtime needed).
-    pub fn start(
-        cfg: &LanConfig,
-        me: &Announce,
-        out: mpsc::Sender<Discovered>,
-    ) -> anyhow::Result<Self> {
+    /// Registers `me` (when it serves) and starts reporting peers to `out` (from a thread of
+    /// its own; no runtime needed).
+    pub fn start(cfg: &LanConfig, me: &Announce, out: mpsc::Sender<Event>) -> anyhow::Result<Self> {
         let daemon = ServiceDaemon::new().context("starting mDNS (--discover lan)")?;
-        let setup = || -> anyhow::Result<String> {
+        let setup = || -> anyhow::Result<Option<String>> {
             // IPv4 only: the node's QUIC endpoint is IPv4.
             daemon.disable_interface(IfKind::IPv6)?;
             if cfg.interfaces.is_empty() {
@@ -93,28 +92,53 @@ impl Lan {
                 }
                 m.push_str(tag);
             }
-            let key = me.node.to_hex();
-            let instance = &key[..16];
-            let host = format!("stormo-{instance}.local.");
-            let props = [("v", TXT_VERSION), ("k", key.as_str()), ("m", m.as_str())];
-            let info = ServiceInfo::new(SERVICE_TYPE, instance, &host, "", me.port, &props[..])?
-                .enable_addr_auto();
-            let fullname = info.get_fullname().to_string();
-            daemon.register(info)?;
+            let fullname = match me.port {
+                Some(port) => {
+                    let key = me.node.to_hex();
+                    let instance = &key[..16];
+                    let host = format!("stormo-{instance}.local.");
+                    let props = [("v", TXT_VERSION), ("k", key.as_str()), ("m", m.as_str())];
+                    let info =
+                        ServiceInfo::new(SERVICE_TYPE, instance, &host, "", port, &props[..])?
+                            .enable_addr_auto();
+                    let fullname = info.get_fullname().to_string();
+                    daemon.register(info)?;
+                    Some(fullname)
+                }
+                None => None,
+            };
             let events = daemon.browse(SERVICE_TYPE)?;
             let me_key = me.node;
             std::thread::Builder::new()
                 .name("stormo-mdns".into())
                 .spawn(move || {
+                    // The key each record reported names, to report it lost by its name.
+                    let mut named: HashMap<String, PublicKey> = HashMap::new();
                     while let Ok(ev) = events.recv() {
-                        let ServiceEvent::ServiceResolved(s) = ev else {
-                            continue;
+                        let ev = match ev {
+                            ServiceEvent::ServiceResolved(s) => {
+                                let Some(d) = peer_of(&s, &me_key, &tags) else {
+                                    continue;
+                                };
+                                tracing::debug!("mDNS: found {d:?}");
+                                if let Some(k) = d.key {
+                                    named.insert(s.fullname.clone(), k);
+                                }
+                                Event::Found(d)
+                            }
+                            ServiceEvent::ServiceRemoved(_, fullname) => {
+                                let Some(key) = named.remove(&fullname) else {
+                                    continue;
+                                };
+                                tracing::debug!("mDNS: {fullname} went away");
+                                Event::Lost {
+                                    key,
+                                    via: Source::Lan,
+                                }
+                            }
+                            _ => continue,
                         };
-                        let Some(d) = peer_of(&s, &me_key, &tags) else {
-                            continue;
-                        };
-                        tracing::debug!("mDNS: found {d:?}");
-                        if out.blocking_send(d).is_err() {
+                        if out.blocking_send(ev).is_err() {
                             break;
                         }
                     }
@@ -136,7 +160,7 @@ impl Drop for Lan {
     fn drop(&mut self) {
         // Withdraw the record (a goodbye packet), then stop the daemon; its browser channel
         // then closes and the browser thread ends.
-        if let Ok(done) = self.daemon.unregister(&self.fullname) {
+        if let Some(Ok(done)) = self.fullname.as_ref().map(|f| self.daemon.unregister(f)) {
             let _ = done.recv_timeout(std::time::Duration::from_secs(1));
         }
         let _ = self.daemon.shutdown();
@@ -192,6 +216,8 @@ mod tests {
     const HELPER_ENV: &str = "STORMO_TEST_LAN_HELPER";
     /// The veth each node namespace has.
     const IFACE: &str = "stv";
+    /// The key seed of the first node (the others: the next ones).
+    const FIRST_SEED: u8 = 30;
 
     fn model() -> Hash {
         Hash([5; 32])
@@ -204,7 +230,8 @@ mod tests {
     /// The node of one namespace (run by `three_nodes_find_each_other_on_a_namespaced_lan`
     /// through `ip netns exec`; without its environment variable it has nothing to do and
     /// returns). Announces itself on the namespace's veth only and prints a line `FOUND KEY
-    /// ADDR` for each peer heard, until it has heard two or 30 s pass.
+    /// ADDR` for each peer heard, until it has heard two or 30 s pass; then keeps answering a
+    /// while, printing `LOST KEY` for each peer whose record goes.
     #[test]
     #[ignore = "a helper: runs inside a namespace that the namespaced LAN test makes"]
     fn lan_node_in_namespace() {
@@ -216,7 +243,7 @@ mod tests {
         let port: u16 = port.parse().expect("port");
         let me = Announce {
             node: SecretKey::from_seed(&[seed; 32]).public(),
-            port,
+            port: Some(port),
             models: vec![model()],
             swarm: Some(swarm()),
         };
@@ -233,16 +260,26 @@ mod tests {
             let mut found = HashSet::new();
             let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
             while found.len() < 2 {
-                let Ok(Some(d)) = tokio::time::timeout_at(deadline, rx.recv()).await else {
+                let Ok(Some(ev)) = tokio::time::timeout_at(deadline, rx.recv()).await else {
                     break;
+                };
+                let Event::Found(d) = ev else {
+                    continue;
                 };
                 let key = d.key.expect("mDNS records carry a key");
                 if found.insert(key) {
                     println!("FOUND {key} {:?}", d.addrs);
                 }
             }
-            // Keep answering a little while, so slower peers hear this node too.
-            tokio::time::sleep(Duration::from_secs(3)).await;
+            // Keep answering a little while, so slower peers hear this node too: the first
+            // node 2 s, the others 8 s, in which they hear the first one's goodbye.
+            let linger = if seed == FIRST_SEED { 2 } else { 8 };
+            let until = tokio::time::Instant::now() + Duration::from_secs(linger);
+            while let Ok(Some(ev)) = tokio::time::timeout_at(until, rx.recv()).await {
+                if let Event::Lost { key, .. } = ev {
+                    println!("LOST {key}");
+                }
+            }
             drop(lan);
         });
     }
@@ -309,7 +346,8 @@ mod tests {
 
     /// Issue 41 (b): three nodes with LAN discovery find each other inside network namespaces
     /// this test makes (veths on a bridge, no route to any real interface), each at its real
-    /// interface address. Skipped, saying why, where namespaces cannot be made.
+    /// interface address, and hear the first one leave (its goodbye). Skipped, saying why,
+    /// where namespaces cannot be made.
     #[test]
     fn three_nodes_find_each_other_on_a_namespaced_lan() {
         let lab = match Lab::new(3) {
@@ -334,7 +372,10 @@ mod tests {
                         "--nocapture",
                         "--test-threads=1",
                     ])
-                    .env(HELPER_ENV, format!("{},{}", 30 + i, 4433 + i))
+                    .env(
+                        HELPER_ENV,
+                        format!("{},{}", FIRST_SEED as usize + i, 4433 + i),
+                    )
                     .stdout(std::process::Stdio::piped())
                     .stderr(std::process::Stdio::piped())
                     .spawn()
@@ -347,7 +388,7 @@ mod tests {
             .map(|c| c.wait_with_output().expect("the helper's output"))
             .collect();
         let keys: Vec<PublicKey> = (0..3)
-            .map(|i| SecretKey::from_seed(&[30 + i as u8; 32]).public())
+            .map(|i| SecretKey::from_seed(&[FIRST_SEED + i as u8; 32]).public())
             .collect();
         for (i, out) in children.iter().enumerate() {
             let text = String::from_utf8_lossy(&out.stdout);
@@ -372,6 +413,13 @@ mod tests {
                 assert!(
                     line.contains(&addr),
                     "node {i} heard node {j} at {line}, not {addr}"
+                );
+            }
+            // The first node leaves first: the others hear its record withdrawn.
+            if i > 0 {
+                assert!(
+                    text.contains(&format!("LOST {}", keys[0])),
+                    "node {i} did not hear node 0 leave:\n{text}"
                 );
             }
         }

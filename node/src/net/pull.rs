@@ -39,11 +39,13 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use stormo_manifests::{
-    Hash, Manifest, ManifestPaths, ManifestSignature, PublicKey, SecretKey, MANIFEST_FILE,
+    Hash, Manifest, ManifestPaths, ManifestSignature, Membership, PublicKey, SecretKey,
+    MANIFEST_FILE,
 };
 use stormo_wire::MAX_FILE_RANGE_LEN;
 
 use super::tier::{PeerConfig, PeerLink};
+use super::tls::{self, Admission, Identity};
 use super::PeerAddr;
 
 /// The marker file of a pulled folder.
@@ -107,6 +109,17 @@ pub struct PullOptions {
     pub force: bool,
     /// Timeouts.
     pub cfg: PeerConfig,
+    /// The swarm membership to present to the peers (`--swarm`, `--cert`), if any.
+    pub membership: Option<PullMembership>,
+}
+
+/// How a pull dials as a swarm member.
+#[derive(Debug, Clone)]
+pub struct PullMembership {
+    /// This node's certificate, presented in every handshake.
+    pub cert: Membership,
+    /// Which servers it accepts (besides proving the pinned key): the swarm's admission.
+    pub servers: Admission,
 }
 
 /// What a pull did.
@@ -206,7 +219,18 @@ fn remove_if_unused(out: &Path, top: &Path) {
 async fn pull_async(secret: &SecretKey, opts: &PullOptions) -> anyhow::Result<PullReport> {
     let mut links = Vec::new();
     for p in &opts.peers {
-        match PeerLink::connect(secret, p, opts.cfg).await {
+        let link = match &opts.membership {
+            None => PeerLink::connect(secret, p, opts.cfg).await,
+            Some(m) => {
+                let id = Identity {
+                    secret,
+                    membership: Some(&m.cert),
+                };
+                let client = tls::client_config_for(id, Some(&p.key), m.servers.clone())?;
+                PeerLink::connect_with(secret, client, p, opts.cfg).await
+            }
+        };
+        match link {
             Ok(l) => links.push(Arc::new(l)),
             Err(e) => tracing::warn!("{e:#}"),
         }

@@ -870,8 +870,19 @@ impl PeerLink {
         peer: &PeerAddr,
         cfg: PeerConfig,
     ) -> anyhow::Result<Self> {
-        let endpoint = client_endpoint(std::slice::from_ref(peer))?;
         let client = tls::client_config(secret, &peer.key)?;
+        Self::connect_with(secret, client, peer, cfg).await
+    }
+
+    /// [`Self::connect`] with the client configuration `client` (made for `secret`, pinning
+    /// `peer`'s key): a swarm member's, which presents its membership certificate.
+    pub async fn connect_with(
+        secret: &SecretKey,
+        client: quinn::ClientConfig,
+        peer: &PeerAddr,
+        cfg: PeerConfig,
+    ) -> anyhow::Result<Self> {
+        let endpoint = client_endpoint(std::slice::from_ref(peer))?;
         let me = NodeId(*secret.public().as_bytes());
         let (conn, hello, _, control) =
             connect(&endpoint, client, peer, me, None, cfg.connect_timeout)
