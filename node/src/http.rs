@@ -8,10 +8,12 @@
 //! queueing, streaming replies, and shutting down gracefully. Connections are capped, in all
 //! and per client address, and timed (see `http/conn.rs`): a client that stalls sending a
 //! request or taking a reply, or keeps an idle connection open, loses it after
-//! `--http-timeout`. One engine thread owns one [`ChatSession`] and runs one request at a time
-//! in arrival order; requests beyond `queue` waiting ones get 429 with `Retry-After`. Because
-//! clients send the whole conversation every time, consecutive turns of one conversation
-//! reuse the cached common prefix (see [`crate::chat::session`]).
+//! `--http-timeout`. One engine thread runs up to `parallel` requests together, one forward
+//! per step over all of them (continuous batching, see `http/batch.rs`), each token the one
+//! the request would get alone; requests beyond `queue` waiting ones get 429 with
+//! `Retry-After`. Because clients send the whole conversation every time, a request takes the
+//! slot whose KV cache holds the longest common prefix and computes only the rest (as
+//! [`crate::chat::session`] does).
 //!
 //! An honest API: what is not implemented is refused with a 400 naming the field (`tools`,
 //! `functions`, `tool_choice` other than `none`/`auto`, `response_format` other than text,
@@ -36,8 +38,7 @@
 //! server). axum would add a router, extractors and a layer stack to reach the same hyper
 //! calls; the hand-written dispatch (`route`) is one `match`.
 //!
-//! Non-goals: batching several requests into one forward (continuous batching; the engine
-//! runs one request at a time), `n > 1`, tools/function calling, structured output, TLS.
+//! Non-goals: `n > 1`, tools/function calling, structured output, TLS.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
