@@ -10,7 +10,9 @@
 //! A forward processes a block of positions per layer: projections for all positions, RoPE,
 //! the KV write, attention in position order, the routing of all positions, then each expert
 //! of the block's union once for all positions that chose it. Decode is the same with a block
-//! of one, and gives bit-identical results per position.
+//! of one, and gives bit-identical results per position. A block may also hold the positions
+//! of several sessions ([`Model::forward_batch`], `model/batch.rs`): continuous batching, with
+//! the same bits per position again.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -15,6 +15,9 @@
 //! or not, and each request chooses from them with its own sampler and history exactly as
 //! `ChatSession::generate_with_logprobs` does (the same order of checks: stop id, cancelled,
 //! length, context full).
+//!
+//! A step that fails (an expert no tier could give) fails every request in it: their slots
+//! are reset (as `ChatSession` drops its cache on an error) and each client gets the error.
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
