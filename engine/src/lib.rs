@@ -24,4 +24,6 @@ pub mod tiers;
 
 pub use config::{Family, ModelConfig};
 pub use error::{Error, Result};
-pub use model::{Choice, LoadOptions, Logits, Model, ModelFiles, Observer, ScreenStats, Session};
+pub use model::{
+    Batch, Choice, LoadOptions, Logits, Model, ModelFiles, Observer, ScreenStats, Session,
+};

@@ -10,7 +10,9 @@
 //! A forward processes a block of positions per layer: projections for all positions, RoPE,
 //! the KV write, attention in position order, the routing of all positions, then each expert
 //! of the block's union once for all positions that chose it. Decode is the same with a block
-//! of one, and gives bit-identical results per position.
+//! of one, and gives bit-identical results per position. A block may also hold the positions
+//! of several sessions ([`Model::forward_batch`], `model/batch.rs`): continuous batching, with
+//! the same bits per position again.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -26,7 +28,9 @@ use crate::rope::Rope;
 use crate::safetensors::{Checkpoint, MappedFile};
 use crate::tiers::{self, disk::DiskFile, DiskTier};
 
+mod batch;
 mod head;
+pub use batch::{Batch, Seq, Want};
 pub use head::{Choice, ScreenStats};
 use head::{HeadScreen, ScreenScratch};
 
@@ -822,26 +826,44 @@ impl Model {
         if let Some(o) = obs.as_deref_mut() {
             o.hidden(0, &s.x[..t * h]);
         }
-        for (l, layer) in self.layers.iter().enumerate() {
-            self.attention(layer, s, &mut sess.kv[l], p0, t);
-            self.mlp(l, layer, s, t, obs.as_deref_mut())?;
-            if self.experts.wants_hints() {
-                self.predict_next(l, t, s);
-            }
-            if l + 1 < cfg.num_layers {
-                if let Some(o) = obs.as_deref_mut() {
-                    o.hidden(l + 1, &s.x[..t * h]);
+        // The attention's scores buffer is the session's own; taken out of its scratch for
+        // the block (a move, no allocation) and put back whatever happens.
+        let mut scores = std::mem::take(&mut s.scores);
+        let layers = (|| {
+            for (l, layer) in self.layers.iter().enumerate() {
+                let mut seq = [SeqRows {
+                    kv: &mut sess.kv[l],
+                    scores: &mut scores,
+                    p0,
+                    row: 0,
+                    t,
+                }];
+                self.attention(layer, s, t, &mut seq);
+                self.mlp(l, layer, s, t, obs.as_deref_mut())?;
+                if self.experts.wants_hints() {
+                    self.predict_next(l, t, s);
+                }
+                if l + 1 < cfg.num_layers {
+                    if let Some(o) = obs.as_deref_mut() {
+                        o.hidden(l + 1, &s.x[..t * h]);
+                    }
                 }
             }
-        }
+            Ok::<_, Error>(())
+        })();
+        s.scores = scores;
+        layers?;
         sess.pos += t;
         self.head(s, t, head, obs)
     }
 
-    /// One layer's attention step on the block's `t` positions from position `p0`: norm,
-    /// q/k/v projections (biases, QK-norm, RoPE), the keys and values into the layer's cache,
-    /// attention, the output projection, added to the residual `s.x`.
-    fn attention(&self, layer: &Layer, s: &mut Scratch, kv: &mut LayerKv, p0: usize, t: usize) {
+    /// One layer's attention step on the block's `t` rows, which are the positions of one or
+    /// more sequences (`seqs`, each with its rows, first position and cache): norm, q/k/v
+    /// projections over all rows (biases, QK-norm), RoPE at each row's position, the keys and
+    /// values into each sequence's cache, attention of each sequence over its own cache, the
+    /// output projection over all rows, added to the residual `s.x`. Every step is computed
+    /// per row (or per sequence), so a row's result does not depend on the other rows.
+    fn attention(&self, layer: &Layer, s: &mut Scratch, t: usize, seqs: &mut [SeqRows<'_>]) {
         let cfg = &self.cfg;
         let h = cfg.hidden_size;
         let (qd, kvd, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
@@ -886,35 +908,47 @@ impl Model {
             ops::rms_norm_heads(&mut s.q[..t * qd], hd, &self.vector(qn), eps);
             ops::rms_norm_heads(&mut s.k[..t * kvd], hd, &self.vector(kn), eps);
         }
-        for i in 0..t {
-            self.rope.cos_sin(p0 + i, &mut s.cos, &mut s.sin);
-            Rope::apply(&mut s.q[i * qd..(i + 1) * qd], hd, &s.cos, &s.sin);
-            Rope::apply(&mut s.k[i * kvd..(i + 1) * kvd], hd, &s.cos, &s.sin);
-        }
-        for i in 0..t {
-            let slot = (p0 + i) % kv.cap;
-            kv.k[slot * kvd..(slot + 1) * kvd].copy_from_slice(&s.k[i * kvd..(i + 1) * kvd]);
-            kv.v[slot * kvd..(slot + 1) * kvd].copy_from_slice(&s.v[i * kvd..(i + 1) * kvd]);
-        }
         let sinks = a.sinks.as_ref().map(|v| self.vector(v));
-        crate::attention::Attend {
-            k: &kv.k,
-            v: &kv.v,
-            cap: kv.cap,
-            q: &s.q[..t * qd],
-            sinks,
-            window: layer.window,
-            p0,
-            t,
-            heads: cfg.num_heads,
-            kv_heads: cfg.num_kv_heads,
-            head_dim: hd,
-        }
-        .run(&mut s.heads, &mut s.scores);
-        for i in 0..t {
-            for head in 0..cfg.num_heads {
-                let src = &s.heads[(head * t + i) * hd..(head * t + i + 1) * hd];
-                s.att[i * qd + head * hd..i * qd + (head + 1) * hd].copy_from_slice(src);
+        for seq in seqs.iter_mut() {
+            let SeqRows {
+                ref mut kv,
+                ref mut scores,
+                p0,
+                row,
+                t,
+            } = *seq;
+            for i in row..row + t {
+                self.rope.cos_sin(p0 + i - row, &mut s.cos, &mut s.sin);
+                Rope::apply(&mut s.q[i * qd..(i + 1) * qd], hd, &s.cos, &s.sin);
+                Rope::apply(&mut s.k[i * kvd..(i + 1) * kvd], hd, &s.cos, &s.sin);
+            }
+            for i in row..row + t {
+                let slot = (p0 + i - row) % kv.cap;
+                kv.k[slot * kvd..(slot + 1) * kvd].copy_from_slice(&s.k[i * kvd..(i + 1) * kvd]);
+                kv.v[slot * kvd..(slot + 1) * kvd].copy_from_slice(&s.v[i * kvd..(i + 1) * kvd]);
+            }
+            // This sequence's heads `[heads, t, head_dim]` in its rows' share of `s.heads`.
+            let heads = &mut s.heads[row * qd..(row + t) * qd];
+            crate::attention::Attend {
+                k: &kv.k,
+                v: &kv.v,
+                cap: kv.cap,
+                q: &s.q[row * qd..(row + t) * qd],
+                sinks,
+                window: layer.window,
+                p0,
+                t,
+                heads: cfg.num_heads,
+                kv_heads: cfg.num_kv_heads,
+                head_dim: hd,
+            }
+            .run(heads, scores);
+            for i in 0..t {
+                for head in 0..cfg.num_heads {
+                    let src = &heads[(head * t + i) * hd..(head * t + i + 1) * hd];
+                    s.att[(row + i) * qd + head * hd..(row + i) * qd + (head + 1) * hd]
+                        .copy_from_slice(src);
+                }
             }
         }
         matmul(&self.mat(&a.o), &s.att[..t * qd], &mut s.o[..t * h]);
@@ -1133,6 +1167,17 @@ fn add_bias_rows(b: &Vector<'_>, xs: &mut [f32]) {
     for row in xs.chunks_exact_mut(b.len()) {
         b.add_to(row);
     }
+}
+
+/// One sequence's share of a block in [`Model::attention`]: rows `row .. row + t` of the
+/// block are its positions `p0 .. p0 + t`, attending over its layer cache `kv` with `scores`
+/// as scratch.
+struct SeqRows<'a> {
+    kv: &'a mut LayerKv,
+    scores: &'a mut [f32],
+    p0: usize,
+    row: usize,
+    t: usize,
 }
 
 #[derive(Debug)]

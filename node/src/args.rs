@@ -2,12 +2,15 @@
 //! file, never in library code): each resolves once into the typed configuration of
 //! [`crate::config`], which is all the library takes.
 
-use std::path::PathBuf;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use stormo_manifests::{Hash, PublicKey};
 
+use crate::chat::defaults::SamplingDefaults;
 use crate::config::{CacheBudget, ExpertsConfig, KeepConfig, PeersConfig};
+use crate::http::HttpConfig;
 use crate::net::tier::PeerConfig;
 use crate::net::PeerAddr;
 use crate::progress::{check_secs, parse_size, secs_arg, size_arg};
@@ -182,6 +185,152 @@ impl PeerArgs {
     }
 }
 
+/// Options of the HTTP API (`stormo serve --http`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct HttpArgs {
+    /// Serve an OpenAI-compatible HTTP API here, e.g. 127.0.0.1:8080 or localhost:8080. Only
+    /// requests whose Host header names this address (or an --allowed-host) are served.
+    #[arg(long, value_name = "ADDR", value_parser = crate::cmd::serve::listen_addr)]
+    pub http: Option<SocketAddr>,
+    /// Requests that may wait while --parallel run; more get HTTP 429.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub http_queue: usize,
+    /// Requests generated together (continuous batching: one forward per step over all of
+    /// them, each expert read once for every request routed to it), each with its own KV
+    /// cache of --http-context positions. Default: as many as a quarter of the available RAM
+    /// holds caches for, 1 to 4.
+    #[arg(long, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
+              .range(1..=crate::http::MAX_PARALLEL as u64))]
+    pub parallel: Option<usize>,
+    /// Largest request body accepted, in bytes (larger: HTTP 413).
+    #[arg(long, default_value_t = 1 << 20, value_name = "BYTES")]
+    pub http_max_body: usize,
+    /// Positions of the HTTP engine's session (prompt and reply); longer prompts get 400.
+    #[arg(long, default_value_t = 4096, value_name = "N")]
+    pub http_context: usize,
+    /// How long a client may take to send a request's headers (also how long an idle
+    /// keep-alive connection is kept), then its body, or to take the next part of a reply;
+    /// past it the connection is closed (a body too slow: HTTP 408). At most 1e6.
+    #[arg(
+        long,
+        default_value_t = crate::http::DEFAULT_TIMEOUT.as_secs_f64(),
+        value_name = "SECS",
+        value_parser = crate::progress::secs_arg
+    )]
+    pub http_timeout: f64,
+    /// Connections open at once; more are answered HTTP 503 and closed.
+    #[arg(long, default_value_t = crate::http::DEFAULT_MAX_CONNECTIONS, value_name = "N")]
+    pub http_max_connections: usize,
+    /// Connections one client IP address may have open at once; more from it are answered
+    /// HTTP 503 and closed. At least 1; at or above --http-max-connections, only that cap
+    /// applies. Behind a proxy every client has the proxy's address: raise it to
+    /// --http-max-connections there.
+    #[arg(long, default_value_t = crate::http::DEFAULT_MAX_PER_CLIENT, value_name = "N")]
+    pub http_max_per_client: usize,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health (wrong or missing:
+    /// HTTP 401). Also read from the STORMO_API_KEY environment variable, which, unlike a
+    /// command-line argument, other users of the machine cannot see.
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Also serve requests whose Host header is this name (repeatable; `*`: any). Without it
+    /// only the listen address is accepted (for a loopback address also `localhost`; for
+    /// 0.0.0.0 or :: any IP address), so that a web page cannot reach the server through a
+    /// name it controls (DNS rebinding). Give the names clients use, e.g. the machine's.
+    #[arg(long, value_name = "NAME")]
+    pub allowed_host: Vec<String>,
+    /// Let web pages from this origin (e.g. http://localhost:3000; repeatable; `*`: any) call
+    /// the API (CORS). Without it a request from a browser page (one with an Origin header)
+    /// is refused with HTTP 403.
+    #[arg(long, value_name = "ORIGIN")]
+    pub cors: Vec<String>,
+    /// On SIGTERM or Ctrl-C: stop accepting connections, let running replies finish for up
+    /// to this long, then cut the rest cleanly (a stream ends with an error event and
+    /// `[DONE]`) and exit. At most 1e6.
+    #[arg(
+        long,
+        default_value_t = crate::http::DEFAULT_SHUTDOWN_GRACE.as_secs_f64(),
+        value_name = "SECS",
+        value_parser = crate::progress::secs_arg
+    )]
+    pub shutdown_grace: f64,
+}
+
+impl HttpArgs {
+    /// The settings, if `--http` was given, for the model in `model` (its
+    /// generation_config.json gives the default sampling; without --parallel, its KV cache's
+    /// size sets how many requests run together).
+    pub fn resolve(&self, model: &Path) -> anyhow::Result<Option<HttpConfig>> {
+        let Some(addr) = self.http else {
+            return Ok(None);
+        };
+        anyhow::ensure!(self.http_context >= 2, "--http-context must be at least 2");
+        anyhow::ensure!(
+            self.http_max_body >= 64,
+            "--http-max-body must be at least 64"
+        );
+        let timeout =
+            check_secs(self.http_timeout).map_err(|e| anyhow::anyhow!("--http-timeout: {e}"))?;
+        anyhow::ensure!(
+            (1..=crate::http::MAX_CONNECTIONS).contains(&self.http_max_connections),
+            "--http-max-connections must be between 1 and {}",
+            crate::http::MAX_CONNECTIONS
+        );
+        anyhow::ensure!(
+            self.http_max_per_client >= 1,
+            "--http-max-per-client must be at least 1 (to leave only --http-max-connections, \
+             give it that value)"
+        );
+        let grace = check_secs(self.shutdown_grace)
+            .map_err(|e| anyhow::anyhow!("--shutdown-grace: {e}"))?;
+        let api_key = match &self.api_key {
+            Some(k) => Some(k.clone()),
+            None => std::env::var("STORMO_API_KEY").ok(),
+        };
+        if let Some(k) = &api_key {
+            anyhow::ensure!(
+                !k.trim().is_empty() && !k.chars().any(|c| c.is_whitespace() || c.is_control()),
+                "the API key (--api-key or STORMO_API_KEY) must be non-empty, without spaces or \
+                 control characters"
+            );
+        }
+        for h in &self.allowed_host {
+            anyhow::ensure!(
+                !h.is_empty() && !h.contains(['/', ' ']),
+                "--allowed-host {h:?}: give a host name or address, without a scheme or path"
+            );
+        }
+        let parallel = match self.parallel {
+            Some(n) => n,
+            None => {
+                let cfg = stormo_engine::ModelConfig::from_dir(model)?;
+                let slot =
+                    (cfg.num_layers * 2 * cfg.kv_dim() * 4) as u64 * self.http_context as u64;
+                crate::http::default_parallel(slot, crate::experts::mem_available())
+            }
+        };
+        Ok(Some(
+            HttpConfig {
+                addr,
+                queue: self.http_queue,
+                parallel,
+                max_body: self.http_max_body,
+                context: self.http_context,
+                timeout: Duration::from_secs_f64(timeout),
+                max_connections: self.http_max_connections,
+                max_per_client: self.http_max_per_client,
+                api_key,
+                allowed_hosts: self.allowed_host.clone(),
+                cors: self.cors.clone(),
+                shutdown_grace: Duration::from_secs_f64(grace),
+                sampling: SamplingDefaults::default(),
+                health: Vec::new(),
+            }
+            .with_model_defaults(model),
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,5 +382,100 @@ mod tests {
             d.resolve(false).unwrap().keep.unwrap().dir,
             Some("/x".into())
         );
+    }
+
+    fn args() -> HttpArgs {
+        HttpArgs {
+            http: Some("127.0.0.1:0".parse().expect("addr")),
+            http_queue: 8,
+            parallel: Some(1),
+            http_max_body: 1 << 20,
+            http_context: 4096,
+            http_timeout: crate::http::DEFAULT_TIMEOUT.as_secs_f64(),
+            http_max_connections: crate::http::DEFAULT_MAX_CONNECTIONS,
+            http_max_per_client: crate::http::DEFAULT_MAX_PER_CLIENT,
+            api_key: None,
+            allowed_host: Vec::new(),
+            cors: Vec::new(),
+            shutdown_grace: crate::http::DEFAULT_SHUTDOWN_GRACE.as_secs_f64(),
+        }
+    }
+
+    #[test]
+    fn config_checks_the_timeout_and_connection_caps() {
+        let cfg = args()
+            .resolve(Path::new("m"))
+            .expect("defaults")
+            .expect("--http given");
+        assert_eq!(cfg.timeout, crate::http::DEFAULT_TIMEOUT);
+        assert_eq!(cfg.max_connections, crate::http::DEFAULT_MAX_CONNECTIONS);
+        assert_eq!(cfg.max_per_client, crate::http::DEFAULT_MAX_PER_CLIENT);
+        for t in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e18] {
+            let a = HttpArgs {
+                http_timeout: t,
+                ..args()
+            };
+            let e = a
+                .resolve(Path::new("m"))
+                .expect_err("a bad timeout is refused");
+            assert!(e.to_string().contains("--http-timeout"), "{t}: {e}");
+        }
+        for n in [0, crate::http::MAX_CONNECTIONS + 1, usize::MAX] {
+            let a = HttpArgs {
+                http_max_connections: n,
+                ..args()
+            };
+            let e = a.resolve(Path::new("m")).expect_err("a bad cap is refused");
+            assert!(e.to_string().contains("--http-max-connections"), "{n}: {e}");
+        }
+        let a = HttpArgs {
+            http_max_per_client: 0,
+            ..args()
+        };
+        let e = a
+            .resolve(Path::new("m"))
+            .expect_err("a per-client cap of 0 is refused");
+        assert!(e.to_string().contains("--http-max-per-client"), "{e}");
+        // Above the cap in all: accepted, and only that cap applies (see conn.rs).
+        for n in [
+            1,
+            crate::http::DEFAULT_MAX_CONNECTIONS,
+            crate::http::DEFAULT_MAX_CONNECTIONS + 1,
+            usize::MAX,
+        ] {
+            let a = HttpArgs {
+                http_max_per_client: n,
+                ..args()
+            };
+            let cfg = a
+                .resolve(Path::new("m"))
+                .expect("accepted")
+                .expect("--http given");
+            assert_eq!(cfg.max_per_client, n);
+        }
+    }
+
+    /// A negative or non-numeric per-client cap is refused by the command line, naming the
+    /// option.
+    #[test]
+    fn the_per_client_cap_is_a_number() {
+        for v in ["-1", "x", "1.5"] {
+            let e = crate::cli::Cli::try_parse_args([
+                "stormo",
+                "serve",
+                "--model",
+                "m",
+                "--http",
+                "127.0.0.1:0",
+                "--http-max-per-client",
+                v,
+            ])
+            .expect_err("refused")
+            .to_string();
+            assert!(
+                e.contains(&format!("invalid value '{v}' for '--http-max-per-client")),
+                "{v}: {e}"
+            );
+        }
     }
 }

@@ -21,7 +21,8 @@ pub struct Experts {
     usage_path: Option<PathBuf>,
 }
 
-fn mem_available() -> Option<u64> {
+/// The RAM available (`MemAvailable` of /proc/meminfo), if known.
+pub(crate) fn mem_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;

@@ -8,10 +8,12 @@
 //! queueing, streaming replies, and shutting down gracefully. Connections are capped, in all
 //! and per client address, and timed (see `http/conn.rs`): a client that stalls sending a
 //! request or taking a reply, or keeps an idle connection open, loses it after
-//! `--http-timeout`. One engine thread owns one [`ChatSession`] and runs one request at a time
-//! in arrival order; requests beyond `queue` waiting ones get 429 with `Retry-After`. Because
-//! clients send the whole conversation every time, consecutive turns of one conversation
-//! reuse the cached common prefix (see [`crate::chat::session`]).
+//! `--http-timeout`. One engine thread runs up to `parallel` requests together, one forward
+//! per step over all of them (continuous batching, see `http/batch.rs`), each token the one
+//! the request would get alone; requests beyond `queue` waiting ones get 429 with
+//! `Retry-After`. Because clients send the whole conversation every time, a request takes the
+//! slot whose KV cache holds the longest common prefix and computes only the rest (as
+//! [`crate::chat::session`] does).
 //!
 //! An honest API: what is not implemented is refused with a 400 naming the field (`tools`,
 //! `functions`, `tool_choice` other than `none`/`auto`, `response_format` other than text,
@@ -36,12 +38,10 @@
 //! server). axum would add a router, extractors and a layer stack to reach the same hyper
 //! calls; the hand-written dispatch (`route`) is one `match`.
 //!
-//! Non-goals: batching several requests into one forward (continuous batching; the engine
-//! runs one request at a time), `n > 1`, tools/function calling, structured output, TLS.
+//! Non-goals: `n > 1`, tools/function calling, structured output, TLS.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::ops::ControlFlow;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -63,9 +63,7 @@ use tokio::sync::mpsc;
 
 use crate::chat::defaults::SamplingDefaults;
 use crate::chat::reply::ReplyStream;
-use crate::chat::session::{
-    ChatSession, GenerateOptions, Generation, TokenLogprobs, MAX_TOP_LOGPROBS,
-};
+use crate::chat::session::{GenerateOptions, Generation, TokenLogprobs, MAX_TOP_LOGPROBS};
 use crate::chat::{
     harmony::ReasoningEffort, ChatFormat, OutputDelta, PromptOptions, TokenId, Tokenizer, Turn,
     TurnRole,
@@ -73,76 +71,15 @@ use crate::chat::{
 use crate::cmd::chat::TextModel;
 use crate::experts::Experts;
 
+mod batch;
 mod conn;
 mod guard;
 mod metrics;
 mod stop;
+pub use batch::{default_parallel, MAX_PARALLEL};
 pub use conn::{DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_CLIENT, DEFAULT_TIMEOUT};
 use metrics::Metrics;
 use stop::StopMatcher;
-
-/// Options of the HTTP API (`stormo serve --http`).
-#[derive(Debug, Clone, clap::Args)]
-pub struct HttpArgs {
-    /// Serve an OpenAI-compatible HTTP API here, e.g. 127.0.0.1:8080 or localhost:8080. Only
-    /// requests whose Host header names this address (or an --allowed-host) are served.
-    #[arg(long, value_name = "ADDR", value_parser = crate::cmd::serve::listen_addr)]
-    pub http: Option<SocketAddr>,
-    /// Requests that may wait while one runs; more get HTTP 429.
-    #[arg(long, default_value_t = 8, value_name = "N")]
-    pub http_queue: usize,
-    /// Largest request body accepted, in bytes (larger: HTTP 413).
-    #[arg(long, default_value_t = 1 << 20, value_name = "BYTES")]
-    pub http_max_body: usize,
-    /// Positions of the HTTP engine's session (prompt and reply); longer prompts get 400.
-    #[arg(long, default_value_t = 4096, value_name = "N")]
-    pub http_context: usize,
-    /// How long a client may take to send a request's headers (also how long an idle
-    /// keep-alive connection is kept), then its body, or to take the next part of a reply;
-    /// past it the connection is closed (a body too slow: HTTP 408). At most 1e6.
-    #[arg(
-        long,
-        default_value_t = DEFAULT_TIMEOUT.as_secs_f64(),
-        value_name = "SECS",
-        value_parser = crate::progress::secs_arg
-    )]
-    pub http_timeout: f64,
-    /// Connections open at once; more are answered HTTP 503 and closed.
-    #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS, value_name = "N")]
-    pub http_max_connections: usize,
-    /// Connections one client IP address may have open at once; more from it are answered
-    /// HTTP 503 and closed. At least 1; at or above --http-max-connections, only that cap
-    /// applies. Behind a proxy every client has the proxy's address: raise it to
-    /// --http-max-connections there.
-    #[arg(long, default_value_t = DEFAULT_MAX_PER_CLIENT, value_name = "N")]
-    pub http_max_per_client: usize,
-    /// Require `Authorization: Bearer KEY` on every endpoint but /health (wrong or missing:
-    /// HTTP 401). Also read from the STORMO_API_KEY environment variable, which, unlike a
-    /// command-line argument, other users of the machine cannot see.
-    #[arg(long, value_name = "KEY")]
-    pub api_key: Option<String>,
-    /// Also serve requests whose Host header is this name (repeatable; `*`: any). Without it
-    /// only the listen address is accepted (for a loopback address also `localhost`; for
-    /// 0.0.0.0 or :: any IP address), so that a web page cannot reach the server through a
-    /// name it controls (DNS rebinding). Give the names clients use, e.g. the machine's.
-    #[arg(long, value_name = "NAME")]
-    pub allowed_host: Vec<String>,
-    /// Let web pages from this origin (e.g. http://localhost:3000; repeatable; `*`: any) call
-    /// the API (CORS). Without it a request from a browser page (one with an Origin header)
-    /// is refused with HTTP 403.
-    #[arg(long, value_name = "ORIGIN")]
-    pub cors: Vec<String>,
-    /// On SIGTERM or Ctrl-C: stop accepting connections, let running replies finish for up
-    /// to this long, then cut the rest cleanly (a stream ends with an error event and
-    /// `[DONE]`) and exit. At most 1e6.
-    #[arg(
-        long,
-        default_value_t = DEFAULT_SHUTDOWN_GRACE.as_secs_f64(),
-        value_name = "SECS",
-        value_parser = crate::progress::secs_arg
-    )]
-    pub shutdown_grace: f64,
-}
 
 /// How long running replies may take to finish after SIGTERM, by default.
 pub const DEFAULT_SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
@@ -163,8 +100,11 @@ impl std::fmt::Debug for HealthCheck {
 pub struct HttpConfig {
     /// Where to listen.
     pub addr: SocketAddr,
-    /// Requests that may wait while one runs.
+    /// Requests that may wait while `parallel` run.
     pub queue: usize,
+    /// Requests generated together (continuous batching), each with its own KV cache of
+    /// `context` positions.
+    pub parallel: usize,
     /// Largest request body.
     pub max_body: usize,
     /// Positions of the session.
@@ -197,6 +137,7 @@ impl HttpConfig {
         Self {
             addr,
             queue: 8,
+            parallel: 1,
             max_body: 1 << 20,
             context: 4096,
             timeout: DEFAULT_TIMEOUT,
@@ -219,67 +160,8 @@ impl HttpConfig {
     }
 }
 
-impl HttpArgs {
-    /// The settings, if `--http` was given.
-    pub fn config(&self) -> anyhow::Result<Option<HttpConfig>> {
-        let Some(addr) = self.http else {
-            return Ok(None);
-        };
-        anyhow::ensure!(self.http_context >= 2, "--http-context must be at least 2");
-        anyhow::ensure!(
-            self.http_max_body >= 64,
-            "--http-max-body must be at least 64"
-        );
-        let timeout = crate::progress::check_secs(self.http_timeout)
-            .map_err(|e| anyhow::anyhow!("--http-timeout: {e}"))?;
-        anyhow::ensure!(
-            (1..=MAX_CONNECTIONS).contains(&self.http_max_connections),
-            "--http-max-connections must be between 1 and {MAX_CONNECTIONS}"
-        );
-        anyhow::ensure!(
-            self.http_max_per_client >= 1,
-            "--http-max-per-client must be at least 1 (to leave only --http-max-connections, \
-             give it that value)"
-        );
-        let grace = crate::progress::check_secs(self.shutdown_grace)
-            .map_err(|e| anyhow::anyhow!("--shutdown-grace: {e}"))?;
-        let api_key = match &self.api_key {
-            Some(k) => Some(k.clone()),
-            None => std::env::var("STORMO_API_KEY").ok(),
-        };
-        if let Some(k) = &api_key {
-            anyhow::ensure!(
-                !k.trim().is_empty() && !k.chars().any(|c| c.is_whitespace() || c.is_control()),
-                "the API key (--api-key or STORMO_API_KEY) must be non-empty, without spaces or \
-                 control characters"
-            );
-        }
-        for h in &self.allowed_host {
-            anyhow::ensure!(
-                !h.is_empty() && !h.contains(['/', ' ']),
-                "--allowed-host {h:?}: give a host name or address, without a scheme or path"
-            );
-        }
-        Ok(Some(HttpConfig {
-            addr,
-            queue: self.http_queue,
-            max_body: self.http_max_body,
-            context: self.http_context,
-            timeout: std::time::Duration::from_secs_f64(timeout),
-            max_connections: self.http_max_connections,
-            max_per_client: self.http_max_per_client,
-            api_key,
-            allowed_hosts: self.allowed_host.clone(),
-            cors: self.cors.clone(),
-            shutdown_grace: std::time::Duration::from_secs_f64(grace),
-            sampling: SamplingDefaults::default(),
-            health: Vec::new(),
-        }))
-    }
-}
-
 /// The most `--http-max-connections` takes (each connection is a file descriptor).
-const MAX_CONNECTIONS: usize = 1 << 20;
+pub const MAX_CONNECTIONS: usize = 1 << 20;
 
 /// Waits for SIGTERM or SIGINT (Ctrl-C); returns the signal's name.
 pub async fn shutdown_signal() -> anyhow::Result<&'static str> {
@@ -481,22 +363,19 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
         .await
         .with_context(|| format!("binding the HTTP address {}", cfg.addr))?;
     let addr = listener.local_addr().context("the HTTP socket's address")?;
-    let limit = cfg.queue + 1;
+    let limit = cfg.queue + cfg.parallel;
     let (tx, rx) = std::sync::mpsc::sync_channel::<JobBox>(limit);
     let experts = tm.experts.clone();
     let stats_of = experts.clone();
     let metrics = Arc::new(Metrics::new(Arc::new(move || stats_of.stats())));
-    let mut sess = ChatSession::new(tm.model.clone(), cfg.context)?;
+    let engine = batch::Engine::new(tm.model.clone(), cfg.context, cfg.parallel, metrics.clone())?;
     let engine_alive = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let alive = Alive(engine_alive.clone());
-    let engine_metrics = metrics.clone();
     std::thread::Builder::new()
         .name("stormo-http-engine".into())
         .spawn(move || {
             let _alive = alive;
-            while let Ok(JobBox(job)) = rx.recv() {
-                run_job(&mut sess, job, &engine_metrics);
-            }
+            engine.run(rx);
         })
         .context("starting the engine thread")?;
     let (phase_tx, phase) = tokio::sync::watch::channel(Phase::Serving);
@@ -611,47 +490,6 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
         grace: cfg.shutdown_grace,
         state,
     })
-}
-
-fn run_job(sess: &mut ChatSession, job: Job, metrics: &Metrics) {
-    if job.events.is_closed() {
-        return;
-    }
-    metrics.active.inc();
-    let events = &job.events;
-    let res = sess.generate_with_logprobs(&job.prompt, &job.opts, job.logprobs, |id, lp| {
-        metrics.tokens.inc();
-        if events.send(Event::Token(id, lp)).is_err() {
-            ControlFlow::Break(())
-        } else {
-            ControlFlow::Continue(())
-        }
-    });
-    metrics.active.dec();
-    // The place in the queue is given back before the client hears that the request is done,
-    // so whatever it asks next (another request, /metrics) sees the engine free.
-    let Job {
-        events, _permit, ..
-    } = job;
-    drop(_permit);
-    let _ = events.send(match res {
-        Ok(g) => {
-            tracing::info!(
-                "HTTP request: prompt {} tokens ({} reused), {} generated",
-                g.prompt_tokens,
-                g.reused,
-                g.ids.len()
-            );
-            metrics.prompt_tokens.inc_by(g.prompt_tokens as u64);
-            metrics.prompt_reused.inc_by(g.reused as u64);
-            let decode = g.ids.len().saturating_sub(1);
-            if decode > 0 && g.decode_s > 0.0 {
-                metrics.set_decode_rate(decode as f64 / g.decode_s);
-            }
-            Event::Done(g)
-        }
-        Err(e) => Event::Failed(e.to_string()),
-    });
 }
 
 // ---- Bodies and errors ----
@@ -1971,93 +1809,4 @@ pub fn parse_request_body(path: &str, body: &[u8]) -> Result<(), String> {
         other => return Err(format!("no endpoint {other}")),
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn args() -> HttpArgs {
-        HttpArgs {
-            http: Some("127.0.0.1:0".parse().expect("addr")),
-            http_queue: 8,
-            http_max_body: 1 << 20,
-            http_context: 4096,
-            http_timeout: DEFAULT_TIMEOUT.as_secs_f64(),
-            http_max_connections: DEFAULT_MAX_CONNECTIONS,
-            http_max_per_client: DEFAULT_MAX_PER_CLIENT,
-            api_key: None,
-            allowed_host: Vec::new(),
-            cors: Vec::new(),
-            shutdown_grace: DEFAULT_SHUTDOWN_GRACE.as_secs_f64(),
-        }
-    }
-
-    #[test]
-    fn config_checks_the_timeout_and_connection_caps() {
-        let cfg = args().config().expect("defaults").expect("--http given");
-        assert_eq!(cfg.timeout, DEFAULT_TIMEOUT);
-        assert_eq!(cfg.max_connections, DEFAULT_MAX_CONNECTIONS);
-        assert_eq!(cfg.max_per_client, DEFAULT_MAX_PER_CLIENT);
-        for t in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e18] {
-            let a = HttpArgs {
-                http_timeout: t,
-                ..args()
-            };
-            let e = a.config().expect_err("a bad timeout is refused");
-            assert!(e.to_string().contains("--http-timeout"), "{t}: {e}");
-        }
-        for n in [0, MAX_CONNECTIONS + 1, usize::MAX] {
-            let a = HttpArgs {
-                http_max_connections: n,
-                ..args()
-            };
-            let e = a.config().expect_err("a bad cap is refused");
-            assert!(e.to_string().contains("--http-max-connections"), "{n}: {e}");
-        }
-        let a = HttpArgs {
-            http_max_per_client: 0,
-            ..args()
-        };
-        let e = a.config().expect_err("a per-client cap of 0 is refused");
-        assert!(e.to_string().contains("--http-max-per-client"), "{e}");
-        // Above the cap in all: accepted, and only that cap applies (see conn.rs).
-        for n in [
-            1,
-            DEFAULT_MAX_CONNECTIONS,
-            DEFAULT_MAX_CONNECTIONS + 1,
-            usize::MAX,
-        ] {
-            let a = HttpArgs {
-                http_max_per_client: n,
-                ..args()
-            };
-            let cfg = a.config().expect("accepted").expect("--http given");
-            assert_eq!(cfg.max_per_client, n);
-        }
-    }
-
-    /// A negative or non-numeric per-client cap is refused by the command line, naming the
-    /// option.
-    #[test]
-    fn the_per_client_cap_is_a_number() {
-        for v in ["-1", "x", "1.5"] {
-            let e = crate::cli::Cli::try_parse_args([
-                "stormo",
-                "serve",
-                "--model",
-                "m",
-                "--http",
-                "127.0.0.1:0",
-                "--http-max-per-client",
-                v,
-            ])
-            .expect_err("refused")
-            .to_string();
-            assert!(
-                e.contains(&format!("invalid value '{v}' for '--http-max-per-client")),
-                "{v}: {e}"
-            );
-        }
-    }
 }

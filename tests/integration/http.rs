@@ -542,6 +542,47 @@ fn http_serves_the_python_openai_client() {
     );
 }
 
+/// Continuous batching through the Python `openai` client: four greedy streams sent at once
+/// to a server running four requests together each get the tokens and log-probabilities the
+/// same request gets alone (see http_openai_batching.py), and the server's steps ran more
+/// than one request at a time.
+#[test]
+fn http_four_concurrent_greedy_streams_equal_each_alone() {
+    let have = Command::new("python3")
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !have {
+        let msg = "python3 with the `openai` package is not available (pip install -r tests/requirements.txt)";
+        if !stormo_tests::python_opted_out() {
+            panic!("{msg}; set {}=1 to skip it", stormo_tests::SKIP_PYTHON);
+        }
+        eprintln!(
+            "SKIPPED http_four_concurrent_greedy_streams_equal_each_alone ({}=1): {msg}",
+            stormo_tests::SKIP_PYTHON
+        );
+        return;
+    }
+    let srv = Server::start_with(4, 2048, |c| c.parallel = 4);
+    let script = stormo_tests::repo_root().join("tests/integration/http_openai_batching.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(format!("http://{}/v1", srv.addr))
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "openai batching script failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("openai batching: all checks passed"),
+        "{stdout}"
+    );
+    eprintln!("{stdout}");
+}
+
 fn script_path() -> PathBuf {
     stormo_tests::repo_root().join("tests/integration/http_openai_client.py")
 }

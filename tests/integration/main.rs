@@ -1,5 +1,6 @@
 //! Workspace integration tests, one binary with a module per area.
 
+mod batch;
 mod chat;
 mod demo;
 mod discovery;

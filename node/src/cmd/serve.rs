@@ -84,7 +84,7 @@ pub struct Args {
     pub net: PeerArgs,
     /// The HTTP API for people and their tools.
     #[command(flatten)]
-    pub http: crate::http::HttpArgs,
+    pub http: crate::args::HttpArgs,
     /// Swarm membership and discovery.
     #[command(flatten)]
     pub swarm: crate::swarm_args::SwarmArgs,
@@ -96,7 +96,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.listen.is_some() || a.http.http.is_some(),
         "give --listen, --http, or both (on the command line or in the --config file)"
     );
-    let http = a.http.config()?.map(|c| c.with_model_defaults(&a.model));
+    let http = a.http.resolve(&a.model)?;
     // The checks that cost no loading come first.
     let text = match &http {
         Some(cfg) => Some(check_text_model(
@@ -133,7 +133,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             Some(spec) => LocalExperts::Only(spec.clone()),
             None => LocalExperts::All,
         },
-        context: http.as_ref().map_or(1, |c| c.context),
+        // Every request running at once has its own KV cache.
+        context: http.as_ref().map_or(1, |c| c.context * c.parallel),
         peers: a.net.resolve(listen.is_some())?,
         listen,
         swarm,

@@ -36,8 +36,12 @@ pub(super) struct Metrics {
     /// Prompt tokens of started requests, and those of them taken from the cache.
     pub(super) prompt_tokens: Counter,
     pub(super) prompt_reused: Counter,
-    /// Requests running on the engine (0 or 1 until batching).
+    /// Requests running on the engine (at most `--parallel`).
     pub(super) active: Gauge,
+    /// Forward steps of the engine, and the sequences they ran in all (their ratio is the
+    /// mean batch size).
+    pub(super) steps: Counter,
+    pub(super) step_sequences: Counter,
     /// Requests admitted and not finished (running or waiting).
     pub(super) admitted: Gauge,
     /// Decode speed of the last finished request, in tokens per second (f64 bits).
@@ -55,6 +59,8 @@ impl Metrics {
             prompt_tokens: Counter::default(),
             prompt_reused: Counter::default(),
             active: Gauge::default(),
+            steps: Counter::default(),
+            step_sequences: Counter::default(),
             admitted: Gauge::default(),
             last_decode_tps: Arc::new(AtomicU64::new(0f64.to_bits())),
         };
@@ -82,6 +88,17 @@ impl Metrics {
             "active_requests",
             "Requests being generated now",
             m.active.clone(),
+        );
+        registry.register(
+            "engine_steps",
+            "Forward steps of the engine (each runs every active request's next tokens)",
+            m.steps.clone(),
+        );
+        registry.register(
+            "engine_step_sequences",
+            "Requests run by the engine's steps, summed over steps (divided by \
+             stormo_engine_steps_total: the mean batch size)",
+            m.step_sequences.clone(),
         );
         registry.register_collector(Box::new(Derived {
             admitted: m.admitted.clone(),
