@@ -20,11 +20,16 @@ pub struct ExpertArgs {
     /// than one layer's top-k experts, never more than all of them.
     #[arg(long, default_value = "auto", value_name = "SIZE", value_parser = cache_size)]
     pub expert_cache: String,
-    /// Prefetch the next layer's predicted experts into the cache while the current layer
-    /// computes. Off by default: measured at gpt-oss-20b geometry with budgets below the
-    /// experts, it read 38-58% more from disk per decoded token and decoded 7-17% slower
-    /// (README, Performance).
-    #[arg(long, conflicts_with = "no_prefetch")]
+    /// Threads the engine computes on, 1 to 1024 (default: one per CPU core, or
+    /// RAYON_NUM_THREADS).
+    #[arg(short = 't', long, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
+    pub threads: Option<usize>,
+    /// Lab switch (hidden; docs/performance.md): prefetch the next layer's predicted experts
+    /// into the cache while the current layer computes. Off by default: measured at
+    /// gpt-oss-20b geometry with budgets below the experts, it read 38-58% more from disk per
+    /// decoded token and decoded 7-17% slower.
+    #[arg(long, hide = true, conflicts_with = "no_prefetch")]
     pub prefetch: bool,
     /// Do not prefetch (the default; kept so scripts that say so keep working).
     #[arg(long, hide = true)]
@@ -64,6 +69,7 @@ impl ExpertArgs {
             mmap: self.mmap_experts,
             io_threads: self.io_threads.max(1),
             hot_store: !self.no_hot_store,
+            threads: self.threads,
         })
     }
 

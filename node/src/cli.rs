@@ -72,8 +72,15 @@ impl Cli {
     }
 }
 
+/// The variable an option of this long name is read from: `STORMO_<LONG NAME>`, dashes as
+/// underscores.
+fn env_name(long: &str) -> String {
+    format!("STORMO_{}", long.to_uppercase().replace('-', "_"))
+}
+
 /// `a` also read from `STORMO_<LONG NAME>` (dashes as underscores), lists split at commas;
-/// help, version and counted flags excepted.
+/// help, version and counted flags excepted. A renamed option is also read from its old
+/// name's variable (its hidden alias's) when the new one is not set.
 fn env_for(a: clap::Arg) -> clap::Arg {
     let Some(long) = a.get_long() else {
         return a;
@@ -90,7 +97,18 @@ fn env_for(a: clap::Arg) -> clap::Arg {
     {
         return a;
     }
-    let name = format!("STORMO_{}", long.to_uppercase().replace('-', "_"));
+    let mut name = env_name(long);
+    if std::env::var_os(&name).is_none() {
+        let old = a
+            .get_all_aliases()
+            .into_iter()
+            .flatten()
+            .map(env_name)
+            .find(|n| std::env::var_os(n).is_some());
+        if let Some(old) = old {
+            name = old;
+        }
+    }
     let list =
         matches!(a.get_action(), clap::ArgAction::Append) && a.get_value_delimiter().is_none();
     let a = a.env(name).hide_env(true);
@@ -303,6 +321,334 @@ mod tests {
             .render_long_help()
             .to_string();
         assert!(!help.contains("--scenario"), "{help}");
+    }
+
+    /// Every renamed option, as (old spelling, new spelling) of one command line: the old
+    /// spellings stay accepted as hidden aliases and mean what the new ones do.
+    const RENAMED: &[(&[&str], &[&str])] = &[
+        (
+            &["key", "generate", "--out", "k"],
+            &["key", "generate", "--key", "k"],
+        ),
+        (
+            &["swarm", "create", "--out", "o"],
+            &["swarm", "create", "--owner", "o"],
+        ),
+        (
+            &[
+                "swarm", "admit", "--swarm", "o", "--node", "-", "--out", "c",
+            ],
+            &[
+                "swarm", "admit", "--owner", "o", "--node", "-", "--out", "c",
+            ],
+        ),
+        (
+            &[
+                "serve",
+                "--model",
+                "m",
+                "--http",
+                "127.0.0.1:0",
+                "--http-context",
+                "64",
+            ],
+            &[
+                "serve",
+                "--model",
+                "m",
+                "--http",
+                "127.0.0.1:0",
+                "--context",
+                "64",
+            ],
+        ),
+        (
+            &["chat", "--model", "m", "--quiet"],
+            &["chat", "--model", "m", "--no-stats"],
+        ),
+        (
+            &[
+                "run",
+                "--model",
+                "m",
+                "--prompt",
+                "hi",
+                "--reasoning",
+                "show",
+            ],
+            &[
+                "run",
+                "--model",
+                "m",
+                "--prompt",
+                "hi",
+                "--show-reasoning",
+                "show",
+            ],
+        ),
+        (
+            &["chat", "--model", "m", "--reasoning", "hide"],
+            &["chat", "--model", "m", "--show-reasoning", "hide"],
+        ),
+    ];
+
+    fn parsed(argv: &[&str]) -> String {
+        let full: Vec<&str> = std::iter::once("stormo")
+            .chain(argv.iter().copied())
+            .collect();
+        match super::Cli::try_parse_args(full) {
+            Ok(c) => format!("{:?}", c.command),
+            Err(e) => panic!("{argv:?} is refused: {e}"),
+        }
+    }
+
+    /// Issue 37: each old spelling in [`RENAMED`] is accepted and parses to what its new
+    /// spelling does; every alias the command line defines is listed there (so a rename
+    /// cannot drop one unnoticed), and none shows in any `--help`.
+    #[test]
+    fn renamed_options_keep_their_old_spelling() {
+        for (old, new) in RENAMED {
+            assert_eq!(parsed(old), parsed(new), "{old:?} vs {new:?}");
+        }
+        let mut aliases = Vec::new();
+        fn walk(c: &clap::Command, path: String, out: &mut Vec<(String, String)>) {
+            for a in c.get_arguments() {
+                for al in a.get_all_aliases().into_iter().flatten() {
+                    out.push((path.clone(), al.to_string()));
+                }
+            }
+            for s in c.get_subcommands() {
+                walk(s, format!("{path} {}", s.get_name()), out);
+            }
+        }
+        let cmd = super::Cli::command_line();
+        walk(&cmd, String::new(), &mut aliases);
+        assert!(!aliases.is_empty());
+        for (path, alias) in &aliases {
+            let words: Vec<&str> = path.split_whitespace().collect();
+            let listed = RENAMED.iter().any(|(old, _)| {
+                old.starts_with(&words) && old.contains(&format!("--{alias}").as_str())
+            });
+            assert!(listed, "`stormo{path} --{alias}` is not in RENAMED");
+            let mut c = super::Cli::command_line();
+            let mut sub = &mut c;
+            for w in &words {
+                sub = sub.find_subcommand_mut(w).expect("subcommand");
+            }
+            let help = sub.render_long_help().to_string();
+            assert!(
+                !help.contains(&format!("--{alias} ")),
+                "{path}: --{alias} shown:\n{help}"
+            );
+        }
+        // The old flag for thinking off is the new value `none`.
+        let popts = |argv: &[&str]| {
+            let full: Vec<&str> = std::iter::once("stormo")
+                .chain(argv.iter().copied())
+                .collect();
+            let c = super::Cli::try_parse_args(full).expect("parses");
+            let super::Command::Chat(a) = c.command else {
+                panic!("chat")
+            };
+            a.render.prompt_options().expect("options")
+        };
+        let old = popts(&["chat", "--model", "m", "--no-thinking"]);
+        let new = popts(&["chat", "--model", "m", "--reasoning-effort", "none"]);
+        assert!(!old.enable_thinking && !new.enable_thinking);
+        assert_eq!(old.reasoning_effort, new.reasoning_effort);
+        assert!(popts(&["chat", "--model", "m"]).enable_thinking);
+    }
+
+    /// The common options have the same short flags on every command that takes them.
+    #[test]
+    fn short_flags_are_their_long_options() {
+        let same = [
+            (
+                &[
+                    "run",
+                    "--model",
+                    "m",
+                    "--prompt",
+                    "x",
+                    "--max-new-tokens",
+                    "3",
+                    "--threads",
+                    "2",
+                ][..],
+                &["run", "-m", "m", "-p", "x", "-n", "3", "-t", "2"][..],
+            ),
+            (
+                &[
+                    "chat",
+                    "--model",
+                    "m",
+                    "--context",
+                    "64",
+                    "--max-new-tokens",
+                    "3",
+                    "--threads",
+                    "1",
+                ],
+                &["chat", "-m", "m", "-c", "64", "-n", "3", "-t", "1"],
+            ),
+            (
+                &[
+                    "serve",
+                    "--model",
+                    "m",
+                    "--http",
+                    "127.0.0.1:0",
+                    "--context",
+                    "64",
+                    "--threads",
+                    "2",
+                ],
+                &[
+                    "serve",
+                    "-m",
+                    "m",
+                    "--http",
+                    "127.0.0.1:0",
+                    "-c",
+                    "64",
+                    "-t",
+                    "2",
+                ],
+            ),
+            (
+                &["bench", "--model", "m", "--threads", "2"],
+                &["bench", "-m", "m", "-t", "2"],
+            ),
+            (
+                &["tokenize", "--model", "m", "x"],
+                &["tokenize", "-m", "m", "x"],
+            ),
+            (
+                &["convert", "--model", "m", "--out", "o"],
+                &["convert", "-m", "m", "--out", "o"],
+            ),
+            (
+                &["manifest", "build", "--model", "m"],
+                &["manifest", "build", "-m", "m"],
+            ),
+            (
+                &["manifest", "show", "--model", "m"],
+                &["manifest", "show", "-m", "m"],
+            ),
+            (
+                &["demo", "--prompt", "x", "--max-new-tokens", "3"],
+                &["demo", "-p", "x", "-n", "3"],
+            ),
+            (
+                &[
+                    "sim",
+                    "--scenario",
+                    "lan4",
+                    "--model",
+                    "m",
+                    "--max-new-tokens",
+                    "3",
+                ],
+                &["sim", "--scenario", "lan4", "-m", "m", "-n", "3"],
+            ),
+        ];
+        for (long, short) in same {
+            assert_eq!(parsed(long), parsed(short), "{short:?}");
+        }
+        // Every command that runs the model takes --threads, into its typed settings.
+        for cmd in ["run", "chat", "serve", "bench"] {
+            let help = super::Cli::command_line()
+                .find_subcommand_mut(cmd)
+                .expect(cmd)
+                .render_help()
+                .to_string();
+            assert!(help.contains("-t, --threads <N>"), "{cmd}:\n{help}");
+        }
+        let c = super::Cli::try_parse_args(["stormo", "run", "-m", "m", "-p", "x", "-t", "3"])
+            .expect("parses");
+        let super::Command::Run(a) = c.command else {
+            panic!("run")
+        };
+        assert_eq!(a.experts.resolve().expect("resolves").threads, Some(3));
+        for bad in ["0", "-2", "many"] {
+            let e = super::Cli::try_parse_args(["stormo", "run", "-m", "m", "-p", "x", "-t", bad])
+                .expect_err(bad)
+                .to_string();
+            assert!(e.contains("--threads"), "{bad}: {e}");
+        }
+    }
+
+    /// Lab switches are not in the everyday help (docs/performance.md lists them) but still
+    /// parse.
+    #[test]
+    fn lab_switches_are_hidden_but_accepted() {
+        let lab: &[(&str, &[&str])] = &[
+            (
+                "run",
+                &[
+                    "--int8-attn-head",
+                    "--int8-experts",
+                    "--full-head",
+                    "--prefetch",
+                ],
+            ),
+            (
+                "chat",
+                &[
+                    "--int8-attn-head",
+                    "--int8-experts",
+                    "--full-head",
+                    "--prefetch",
+                ],
+            ),
+            ("serve", &["--prefetch"]),
+            (
+                "bench",
+                &[
+                    "--int8-attn-head",
+                    "--int8-experts",
+                    "--full-head",
+                    "--prefetch",
+                ],
+            ),
+        ];
+        for (cmd, flags) in lab {
+            let help = super::Cli::command_line()
+                .find_subcommand_mut(cmd)
+                .expect(cmd)
+                .render_long_help()
+                .to_string();
+            for f in *flags {
+                assert!(
+                    !help.contains(&format!("{f}\n")) && !help.contains(&format!("{f} ")),
+                    "{cmd} shows {f}"
+                );
+                let mut argv = vec![*cmd, "--model", "m"];
+                match *cmd {
+                    "run" => argv.extend(["--prompt-ids", "1"]),
+                    "serve" => argv.extend(["--http", "127.0.0.1:0"]),
+                    _ => {}
+                }
+                argv.push(f);
+                parsed(&argv);
+            }
+        }
+        for (cmd, flags) in [
+            ("run", &["--prefill-block", "--logits-out"][..]),
+            (
+                "bench",
+                &["--pair-full-head", "--pair-prefetch", "--prefill-block"],
+            ),
+        ] {
+            let help = super::Cli::command_line()
+                .find_subcommand_mut(cmd)
+                .expect(cmd)
+                .render_long_help()
+                .to_string();
+            for f in flags {
+                assert!(!help.contains(f), "{cmd} shows {f}");
+            }
+        }
     }
 
     /// A cause already at the end of the message is not repeated; others follow their context.

@@ -95,7 +95,13 @@ pub struct HttpArgs {
     #[arg(long, default_value_t = 1 << 20, value_name = "BYTES")]
     pub http_max_body: usize,
     /// Positions of the HTTP engine's session (prompt and reply); longer prompts get 400.
-    #[arg(long, default_value_t = 4096, value_name = "N")]
+    #[arg(
+        short = 'c',
+        long = "context",
+        alias = "http-context",
+        default_value_t = 4096,
+        value_name = "N"
+    )]
     pub http_context: usize,
     /// How long a client may take to send a request's headers (also how long an idle
     /// keep-alive connection is kept), then its body, or to take the next part of a reply;
@@ -225,7 +231,7 @@ impl HttpArgs {
         let Some(addr) = self.http else {
             return Ok(None);
         };
-        anyhow::ensure!(self.http_context >= 2, "--http-context must be at least 2");
+        anyhow::ensure!(self.http_context >= 2, "--context must be at least 2");
         anyhow::ensure!(
             self.http_max_body >= 64,
             "--http-max-body must be at least 64"

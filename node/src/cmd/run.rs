@@ -31,11 +31,11 @@ use crate::node::Node;
 #[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_ids", "prompt_ids_file"])))]
 pub struct Args {
     /// The model directory (config.json and safetensors, as published on Hugging Face).
-    #[arg(long, value_name = "DIR")]
+    #[arg(short, long, value_name = "DIR")]
     pub model: PathBuf,
     /// The prompt as text: sent as one user turn through the model's chat format (Harmony
     /// for GPT-OSS, ChatML for Qwen3), the reply streamed to stdout. Needs DIR/tokenizer.json.
-    #[arg(long, value_name = "TEXT", allow_hyphen_values = true)]
+    #[arg(short, long, value_name = "TEXT", allow_hyphen_values = true)]
     pub prompt: Option<String>,
     /// With --prompt: use the text as it is, without the chat template.
     #[arg(long, requires = "prompt")]
@@ -53,7 +53,7 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub prompt_ids_file: Option<PathBuf>,
     /// How many tokens to generate.
-    #[arg(long, default_value_t = 16, value_name = "N")]
+    #[arg(short = 'n', long, default_value_t = 16, value_name = "N")]
     pub max_new_tokens: usize,
     /// Stop early when the model emits one of config.json's eos_token_id (with --prompt the
     /// chat format's stop tokens always stop; with --raw these ids do).
@@ -63,32 +63,34 @@ pub struct Args {
     /// instead of bare ids or streamed text.
     #[arg(long)]
     pub json: bool,
-    /// Write the logits that chose each generated token to this safetensors file, as one f32
-    /// tensor "logits" of shape [generated, vocab].
-    #[arg(long, value_name = "FILE", conflicts_with = "prompt")]
+    /// Lab switch (hidden; docs/performance.md): write the logits that chose each generated
+    /// token to this safetensors file, as one f32 tensor "logits" of shape [generated, vocab].
+    #[arg(long, hide = true, value_name = "FILE", conflicts_with = "prompt")]
     pub logits_out: Option<PathBuf>,
-    /// Positions per prefill block: the prompt runs through each layer in blocks this long,
-    /// every expert once per block for all positions that chose it.
-    #[arg(long, default_value_t = 128, value_name = "N")]
+    /// Lab switch (hidden): positions per prefill block: the prompt runs through each layer in
+    /// blocks this long, every expert once per block for all positions that chose it.
+    #[arg(long, hide = true, default_value_t = 128, value_name = "N")]
     pub prefill_block: usize,
-    /// Run attention projections and the output head from 8-bit row-scaled copies made at
-    /// load: about a third fewer bytes per decoded token on GPT-OSS, approximate (the exact
-    /// path is the default; the README gives the measured agreement).
-    #[arg(long)]
+    /// Lab switch (hidden): run attention projections and the output head from 8-bit
+    /// row-scaled copies made at load: about a third fewer bytes per decoded token on GPT-OSS,
+    /// approximate (the exact path is the default; docs/design.md gives the measured
+    /// agreement).
+    #[arg(long, hide = true)]
     pub int8_attn_head: bool,
-    /// Multiply MXFP4 experts by inputs rounded to int8 in blocks of 32 (integer products;
+    /// Lab switch (hidden): multiply MXFP4 experts by inputs rounded to int8 in blocks of 32 (integer products;
     /// fewer instructions per weight than the exact path on AVX2 CPUs, which matters where the
     /// expert kernel, not memory, is the limit; on AVX-512 CPUs the exact kernel is the faster
-    /// one). Approximate (the exact path is the default; the README gives the measured
-    /// agreement and speeds).
-    #[arg(long)]
+    /// one). Lab switch (hidden); approximate (the exact path is the default; docs/design.md
+    /// gives the measured agreement and speeds).
+    #[arg(long, hide = true)]
     pub int8_experts: bool,
     /// Compute every row of the exact output head for each greedy token. By default an
     /// 8-bit copy of the head made at load finds the few rows that can hold the largest
     /// logit and only those are computed exactly: the same tokens, bit for bit, with about
     /// half the head's bytes read per token (the copy replaces the bf16 head in memory).
-    /// Sampling with a temperature or a repetition penalty always uses the whole head.
-    #[arg(long)]
+    /// Sampling with a temperature or a repetition penalty always uses the whole head. Lab
+    /// switch (hidden).
+    #[arg(long, hide = true)]
     pub full_head: bool,
     /// Print expert statistics (hits, loads, waits, prefetch) on stderr.
     #[arg(long)]
@@ -191,6 +193,8 @@ pub(crate) fn check_output_file(out: &Path, model_dir: &Path, flag: &str) -> any
 
 /// Runs `stormo run`.
 pub fn run(a: Args) -> anyhow::Result<()> {
+    // First: the tokenizer and the probes use the pool whose size this sets.
+    crate::config::start_engine_threads(a.experts.threads)?;
     let mut text = None;
     let prompt = match (&a.prompt, &a.prompt_ids, &a.prompt_ids_file) {
         (Some(t), _, _) => {
@@ -308,7 +312,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             if a.json {
                 ReasoningDisplay::Hide
             } else {
-                a.render.reasoning
+                a.render.show_reasoning
             },
             std::io::IsTerminal::is_terminal(&std::io::stdout()),
         );

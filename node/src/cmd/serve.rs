@@ -42,7 +42,7 @@ pub struct Args {
     /// The model directory: a full or partial checkpoint, or a folder from `stormo pull`
     /// (dense weights only; its experts then come from --peer). Serving peers with --listen
     /// needs its manifest (DIR/stormo-manifest.bin, or --manifest, or fetched from a peer).
-    #[arg(long, value_name = "DIR")]
+    #[arg(short, long, value_name = "DIR")]
     pub model: PathBuf,
     /// Where to listen for peers (UDP), e.g. 0.0.0.0:4433 or 127.0.0.1:0. The node also
     /// dials its peers from this port.
@@ -92,6 +92,8 @@ pub struct Args {
 
 /// Runs `stormo serve` until interrupted (SIGINT or SIGTERM: a clean stop).
 pub fn run(a: Args) -> anyhow::Result<()> {
+    // First: the tokenizer and the probes use the pool whose size this sets.
+    crate::config::start_engine_threads(a.experts.threads)?;
     anyhow::ensure!(
         a.listen.is_some() || a.http.http.is_some(),
         "give --listen, --http, or both (on the command line or in the --config file)"
