@@ -1149,7 +1149,7 @@ fn chat_answers_piped_turns_and_reports_reuse() {
         "64",
         "--context",
         "512",
-        "--reasoning",
+        "--show-reasoning",
         "show",
         "--seed",
         "4",

@@ -20,7 +20,7 @@ pub const LAN_HELP: &str = "\
 One node for a LAN (every machine runs one node; a node serves what it holds, fetches what it
 lacks, keeps it and serves it on):
   # the machine with the checkpoint (build its manifest once; the folder is never written again)
-  stormo key generate --out node.key
+  stormo key generate --key node.key
   stormo manifest build --model /models/gpt-oss-20b           # prints the model id
   stormo serve --model /models/gpt-oss-20b --key node.key --listen 0.0.0.0:4433 --allow-any
   # a machine without room for the experts: the dense weights, then a node that fetches
