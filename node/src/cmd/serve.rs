@@ -50,7 +50,7 @@ pub struct Args {
     pub listen: Option<SocketAddr>,
     /// Admit the peer with this node key (64 hex); repeatable. Without --allow, --allow-file
     /// or --allow-any nobody can connect.
-    #[arg(long, value_name = "KEY")]
+    #[arg(long, value_name = "PUBKEY")]
     pub allow: Vec<String>,
     /// Admit the node keys listed in this file (one per line, `#` comments).
     #[arg(long, value_name = "FILE")]
@@ -167,9 +167,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     eprintln!("{signal}: shutting down (running replies have --shutdown-grace to finish)");
     if let Some(st) = node.serve_stats() {
         eprintln!(
-            "served {} requests ({} bytes) over {} connections",
+            "served {} requests ({}) over {} connections",
             st.served.load(std::sync::atomic::Ordering::Relaxed),
-            st.bytes.load(std::sync::atomic::Ordering::Relaxed),
+            crate::progress::human_bytes(st.bytes.load(std::sync::atomic::Ordering::Relaxed)),
             st.connections.load(std::sync::atomic::Ordering::Relaxed)
         );
     }
