@@ -182,10 +182,12 @@ pub enum Command {
     /// Turn text into token ids with the model's tokenizer, or ids back into text.
     Tokenize(cmd::tokenize::Args),
     /// Write a random-weight checkpoint with a real model's geometry and layout.
+    #[cfg(feature = "lab")]
     Synth(cmd::synth::Args),
     /// Talk with a model in the terminal (streams tokens, keeps the session between turns).
     Chat(cmd::chat::Args),
     /// Run a swarm scenario of real nodes on this machine (latency, loss, churn) and report it.
+    #[cfg(feature = "lab")]
     Sim(cmd::sim::Args),
     /// Make a swarm (its owner key) and admit nodes into it (membership certificates).
     #[command(subcommand)]
@@ -194,6 +196,7 @@ pub enum Command {
     ///
     /// A small model, nodes on 127.0.0.1, a generation on a node with no experts, every
     /// expert verified.
+    #[cfg(feature = "lab")]
     Demo(cmd::demo::Args),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions(cmd::completions::Args),
@@ -241,10 +244,13 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Tokenize(a) => cmd::tokenize::run(a),
         Command::Convert(a) => cmd::convert::run(a),
         Command::Bench(a) => cmd::bench::run(a),
+        #[cfg(feature = "lab")]
         Command::Synth(a) => cmd::synth::run(a),
         Command::Chat(a) => cmd::chat::run(a),
+        #[cfg(feature = "lab")]
         Command::Sim(a) => cmd::sim::run(a),
         Command::Swarm(c) => cmd::swarm::run(c),
+        #[cfg(feature = "lab")]
         Command::Demo(a) => cmd::demo::run(a),
         Command::Completions(a) => cmd::completions::run(a),
         Command::Man(a) => cmd::man::run(a),
@@ -302,6 +308,7 @@ mod tests {
 
     /// `stormo swarm --scenario NAME` (the simulator's old spelling) still runs the
     /// simulator; `stormo swarm create` is the membership command.
+    #[cfg(feature = "lab")]
     #[test]
     fn old_simulator_spelling_is_an_alias_of_sim() {
         use super::{Cli, Command};
@@ -535,6 +542,9 @@ mod tests {
                 &["manifest", "show", "--model", "m"],
                 &["manifest", "show", "-m", "m"],
             ),
+        ];
+        #[cfg(feature = "lab")]
+        let lab: [(&[&str], &[&str]); 2] = [
             (
                 &["demo", "--prompt", "x", "--max-new-tokens", "3"],
                 &["demo", "-p", "x", "-n", "3"],
@@ -552,7 +562,9 @@ mod tests {
                 &["sim", "--scenario", "lan4", "-m", "m", "-n", "3"],
             ),
         ];
-        for (long, short) in same {
+        #[cfg(not(feature = "lab"))]
+        let lab: [(&[&str], &[&str]); 0] = [];
+        for (long, short) in same.into_iter().chain(lab) {
             assert_eq!(parsed(long), parsed(short), "{short:?}");
         }
         // Every command that runs the model takes --threads, into its typed settings.
