@@ -97,18 +97,7 @@ fn env_for(a: clap::Arg) -> clap::Arg {
     {
         return a;
     }
-    let mut name = env_name(long);
-    if std::env::var_os(&name).is_none() {
-        let old = a
-            .get_all_aliases()
-            .into_iter()
-            .flatten()
-            .map(env_name)
-            .find(|n| std::env::var_os(n).is_some());
-        if let Some(old) = old {
-            name = old;
-        }
-    }
+    let name = env_var_of(&a, long, |n| std::env::var_os(n).is_some());
     let list =
         matches!(a.get_action(), clap::ArgAction::Append) && a.get_value_delimiter().is_none();
     let a = a.env(name).hide_env(true);
@@ -117,6 +106,21 @@ fn env_for(a: clap::Arg) -> clap::Arg {
     } else {
         a
     }
+}
+
+/// The variable `a` (long name `long`) is read from: its own, unless that is not set and the
+/// variable of one of its aliases is (`is_set` says which are).
+fn env_var_of(a: &clap::Arg, long: &str, is_set: impl Fn(&str) -> bool) -> String {
+    let name = env_name(long);
+    if is_set(&name) {
+        return name;
+    }
+    a.get_all_aliases()
+        .into_iter()
+        .flatten()
+        .map(env_name)
+        .find(|n| is_set(n))
+        .unwrap_or(name)
 }
 
 /// The arguments with the simulator's old spelling `stormo swarm --scenario ...` (from before
@@ -588,6 +592,30 @@ mod tests {
                 .to_string();
             assert!(e.contains("--threads"), "{bad}: {e}");
         }
+    }
+
+    /// A renamed option's old variable still works (`STORMO_HTTP_CONTEXT` for `--context`),
+    /// and its own variable wins when both are set.
+    #[test]
+    fn old_variables_of_renamed_options_are_read() {
+        let arg = clap::Arg::new("c").long("context").alias("http-context");
+        let set = |names: &'static [&'static str]| move |n: &str| names.contains(&n);
+        assert_eq!(
+            super::env_var_of(&arg, "context", set(&[])),
+            "STORMO_CONTEXT"
+        );
+        assert_eq!(
+            super::env_var_of(&arg, "context", set(&["STORMO_HTTP_CONTEXT"])),
+            "STORMO_HTTP_CONTEXT"
+        );
+        assert_eq!(
+            super::env_var_of(
+                &arg,
+                "context",
+                set(&["STORMO_HTTP_CONTEXT", "STORMO_CONTEXT"])
+            ),
+            "STORMO_CONTEXT"
+        );
     }
 
     /// Lab switches are not in the everyday help (docs/performance.md lists them) but still
