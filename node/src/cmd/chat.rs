@@ -401,6 +401,18 @@ impl RenderArgs {
     pub fn prompt_options(&self) -> anyhow::Result<PromptOptions> {
         prompt_options(&self.reasoning_effort, self.no_thinking)
     }
+
+    /// Warns (on stderr) when `--reasoning-effort none` meets a model that always reasons
+    /// (GPT-OSS, which takes it as `low`).
+    pub fn warn_for(&self, family: stormo_engine::Family) {
+        let none = self.no_thinking || self.reasoning_effort == "none";
+        if none && family == stormo_engine::Family::GptOss {
+            eprintln!(
+                "warning: GPT-OSS always reasons: --reasoning-effort none runs at its lowest \
+                 level, low"
+            );
+        }
+    }
 }
 
 /// Options of a prompt render from the command line.
@@ -556,6 +568,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         },
         &load,
     )?;
+    a.render.warn_for(tm.model.config().family);
     let interactive = std::io::stdin().is_terminal();
     let tty = std::io::stdout().is_terminal();
     if interactive {

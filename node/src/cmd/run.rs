@@ -241,6 +241,7 @@ fn read_prompt(a: &Args) -> anyhow::Result<(Vec<u32>, Option<TextPrompt>)> {
                             a.model.display()
                         )
                     })?;
+                a.render.warn_for(cfg.family);
                 let popts = a.render.prompt_options()?;
                 let ids = format.render_prompt(&[Turn::new(TurnRole::User, t.clone())], &popts)?;
                 (ids, Some(format))
