@@ -23,11 +23,16 @@ pub struct ExpertArgs {
     /// than one layer's top-k experts, never more than all of them.
     #[arg(long, default_value = "auto", value_name = "SIZE", value_parser = cache_size)]
     pub expert_cache: String,
-    /// Prefetch the next layer's predicted experts into the cache while the current layer
-    /// computes. Off by default: measured at gpt-oss-20b geometry with budgets below the
-    /// experts, it read 38-58% more from disk per decoded token and decoded 7-17% slower
-    /// (README, Performance).
-    #[arg(long, conflicts_with = "no_prefetch")]
+    /// Threads the engine computes on, 1 to 1024 (default: one per CPU core, or
+    /// RAYON_NUM_THREADS).
+    #[arg(short = 't', long, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
+    pub threads: Option<usize>,
+    /// Lab switch (hidden; docs/performance.md): prefetch the next layer's predicted experts
+    /// into the cache while the current layer computes. Off by default: measured at
+    /// gpt-oss-20b geometry with budgets below the experts, it read 38-58% more from disk per
+    /// decoded token and decoded 7-17% slower.
+    #[arg(long, hide = true, conflicts_with = "no_prefetch")]
     pub prefetch: bool,
     /// Do not prefetch (the default; kept so scripts that say so keep working).
     #[arg(long, hide = true)]
@@ -67,6 +72,7 @@ impl ExpertArgs {
             mmap: self.mmap_experts,
             io_threads: self.io_threads.max(1),
             hot_store: !self.no_hot_store,
+            threads: self.threads,
         })
     }
 
@@ -197,7 +203,7 @@ pub struct HttpArgs {
     pub http_queue: usize,
     /// Requests generated together (continuous batching: one forward per step over all of
     /// them, each expert read once for every request routed to it), each with its own KV
-    /// cache of --http-context positions. Default: as many as a quarter of the available RAM
+    /// cache of --context positions. Default: as many as a quarter of the available RAM
     /// holds caches for, 1 to 4.
     #[arg(long, value_name = "N",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
@@ -206,8 +212,14 @@ pub struct HttpArgs {
     /// Largest request body accepted, in bytes (larger: HTTP 413).
     #[arg(long, default_value_t = 1 << 20, value_name = "BYTES")]
     pub http_max_body: usize,
-    /// Positions of the HTTP engine's session (prompt and reply); longer prompts get 400.
-    #[arg(long, default_value_t = 4096, value_name = "N")]
+    /// Positions of each request's KV cache (prompt and reply); longer prompts get 400.
+    #[arg(
+        short = 'c',
+        long = "context",
+        alias = "http-context",
+        default_value_t = 4096,
+        value_name = "N"
+    )]
     pub http_context: usize,
     /// How long a client may take to send a request's headers (also how long an idle
     /// keep-alive connection is kept), then its body, or to take the next part of a reply;
@@ -264,7 +276,7 @@ impl HttpArgs {
         let Some(addr) = self.http else {
             return Ok(None);
         };
-        anyhow::ensure!(self.http_context >= 2, "--http-context must be at least 2");
+        anyhow::ensure!(self.http_context >= 2, "--context must be at least 2");
         anyhow::ensure!(
             self.http_max_body >= 64,
             "--http-max-body must be at least 64"

@@ -72,8 +72,15 @@ impl Cli {
     }
 }
 
+/// The variable an option of this long name is read from: `STORMO_<LONG NAME>`, dashes as
+/// underscores.
+fn env_name(long: &str) -> String {
+    format!("STORMO_{}", long.to_uppercase().replace('-', "_"))
+}
+
 /// `a` also read from `STORMO_<LONG NAME>` (dashes as underscores), lists split at commas;
-/// help, version and counted flags excepted.
+/// help, version and counted flags excepted. A renamed option is also read from its old
+/// name's variable (its hidden alias's) when the new one is not set.
 fn env_for(a: clap::Arg) -> clap::Arg {
     let Some(long) = a.get_long() else {
         return a;
@@ -90,7 +97,7 @@ fn env_for(a: clap::Arg) -> clap::Arg {
     {
         return a;
     }
-    let name = format!("STORMO_{}", long.to_uppercase().replace('-', "_"));
+    let name = env_var_of(&a, long, |n| std::env::var_os(n).is_some());
     let list =
         matches!(a.get_action(), clap::ArgAction::Append) && a.get_value_delimiter().is_none();
     let a = a.env(name).hide_env(true);
@@ -99,6 +106,21 @@ fn env_for(a: clap::Arg) -> clap::Arg {
     } else {
         a
     }
+}
+
+/// The variable `a` (long name `long`) is read from: its own, unless that is not set and the
+/// variable of one of its aliases is (`is_set` says which are).
+fn env_var_of(a: &clap::Arg, long: &str, is_set: impl Fn(&str) -> bool) -> String {
+    let name = env_name(long);
+    if is_set(&name) {
+        return name;
+    }
+    a.get_all_aliases()
+        .into_iter()
+        .flatten()
+        .map(env_name)
+        .find(|n| is_set(n))
+        .unwrap_or(name)
 }
 
 /// The arguments with the simulator's old spelling `stormo swarm --scenario ...` (from before
@@ -164,10 +186,12 @@ pub enum Command {
     /// Turn text into token ids with the model's tokenizer, or ids back into text.
     Tokenize(cmd::tokenize::Args),
     /// Write a random-weight checkpoint with a real model's geometry and layout.
+    #[cfg(feature = "lab")]
     Synth(cmd::synth::Args),
     /// Talk with a model in the terminal (streams tokens, keeps the session between turns).
     Chat(cmd::chat::Args),
     /// Run a swarm scenario of real nodes on this machine (latency, loss, churn) and report it.
+    #[cfg(feature = "lab")]
     Sim(cmd::sim::Args),
     /// Make a swarm (its owner key) and admit nodes into it (membership certificates).
     #[command(subcommand)]
@@ -176,6 +200,7 @@ pub enum Command {
     ///
     /// A small model, nodes on 127.0.0.1, a generation on a node with no experts, every
     /// expert verified.
+    #[cfg(feature = "lab")]
     Demo(cmd::demo::Args),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions(cmd::completions::Args),
@@ -223,10 +248,13 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Tokenize(a) => cmd::tokenize::run(a),
         Command::Convert(a) => cmd::convert::run(a),
         Command::Bench(a) => cmd::bench::run(a),
+        #[cfg(feature = "lab")]
         Command::Synth(a) => cmd::synth::run(a),
         Command::Chat(a) => cmd::chat::run(a),
+        #[cfg(feature = "lab")]
         Command::Sim(a) => cmd::sim::run(a),
         Command::Swarm(c) => cmd::swarm::run(c),
+        #[cfg(feature = "lab")]
         Command::Demo(a) => cmd::demo::run(a),
         Command::Completions(a) => cmd::completions::run(a),
         Command::Man(a) => cmd::man::run(a),
@@ -284,6 +312,7 @@ mod tests {
 
     /// `stormo swarm --scenario NAME` (the simulator's old spelling) still runs the
     /// simulator; `stormo swarm create` is the membership command.
+    #[cfg(feature = "lab")]
     #[test]
     fn old_simulator_spelling_is_an_alias_of_sim() {
         use super::{Cli, Command};
@@ -303,6 +332,363 @@ mod tests {
             .render_long_help()
             .to_string();
         assert!(!help.contains("--scenario"), "{help}");
+    }
+
+    /// Every renamed option, as (old spelling, new spelling) of one command line: the old
+    /// spellings stay accepted as hidden aliases and mean what the new ones do.
+    const RENAMED: &[(&[&str], &[&str])] = &[
+        (
+            &["key", "generate", "--out", "k"],
+            &["key", "generate", "--key", "k"],
+        ),
+        (
+            &["swarm", "create", "--out", "o"],
+            &["swarm", "create", "--owner", "o"],
+        ),
+        (
+            &[
+                "swarm", "admit", "--swarm", "o", "--node", "-", "--out", "c",
+            ],
+            &[
+                "swarm", "admit", "--owner", "o", "--node", "-", "--out", "c",
+            ],
+        ),
+        (
+            &[
+                "serve",
+                "--model",
+                "m",
+                "--http",
+                "127.0.0.1:0",
+                "--http-context",
+                "64",
+            ],
+            &[
+                "serve",
+                "--model",
+                "m",
+                "--http",
+                "127.0.0.1:0",
+                "--context",
+                "64",
+            ],
+        ),
+        (
+            &["chat", "--model", "m", "--quiet"],
+            &["chat", "--model", "m", "--no-stats"],
+        ),
+        (
+            &[
+                "run",
+                "--model",
+                "m",
+                "--prompt",
+                "hi",
+                "--reasoning",
+                "show",
+            ],
+            &[
+                "run",
+                "--model",
+                "m",
+                "--prompt",
+                "hi",
+                "--show-reasoning",
+                "show",
+            ],
+        ),
+        (
+            &["chat", "--model", "m", "--reasoning", "hide"],
+            &["chat", "--model", "m", "--show-reasoning", "hide"],
+        ),
+    ];
+
+    fn parsed(argv: &[&str]) -> String {
+        let full: Vec<&str> = std::iter::once("stormo")
+            .chain(argv.iter().copied())
+            .collect();
+        match super::Cli::try_parse_args(full) {
+            Ok(c) => format!("{:?}", c.command),
+            Err(e) => panic!("{argv:?} is refused: {e}"),
+        }
+    }
+
+    /// Issue 37: each old spelling in [`RENAMED`] is accepted and parses to what its new
+    /// spelling does; every alias the command line defines is listed there (so a rename
+    /// cannot drop one unnoticed), and none shows in any `--help`.
+    #[test]
+    fn renamed_options_keep_their_old_spelling() {
+        for (old, new) in RENAMED {
+            assert_eq!(parsed(old), parsed(new), "{old:?} vs {new:?}");
+        }
+        let mut aliases = Vec::new();
+        fn walk(c: &clap::Command, path: String, out: &mut Vec<(String, String)>) {
+            for a in c.get_arguments() {
+                for al in a.get_all_aliases().into_iter().flatten() {
+                    out.push((path.clone(), al.to_string()));
+                }
+            }
+            for s in c.get_subcommands() {
+                walk(s, format!("{path} {}", s.get_name()), out);
+            }
+        }
+        let cmd = super::Cli::command_line();
+        walk(&cmd, String::new(), &mut aliases);
+        assert!(!aliases.is_empty());
+        for (path, alias) in &aliases {
+            let words: Vec<&str> = path.split_whitespace().collect();
+            let listed = RENAMED.iter().any(|(old, _)| {
+                old.starts_with(&words) && old.contains(&format!("--{alias}").as_str())
+            });
+            assert!(listed, "`stormo{path} --{alias}` is not in RENAMED");
+            let mut c = super::Cli::command_line();
+            let mut sub = &mut c;
+            for w in &words {
+                sub = sub.find_subcommand_mut(w).expect("subcommand");
+            }
+            let help = sub.render_long_help().to_string();
+            assert!(
+                !help.contains(&format!("--{alias} ")),
+                "{path}: --{alias} shown:\n{help}"
+            );
+        }
+        // The old flag for thinking off is the new value `none`.
+        let popts = |argv: &[&str]| {
+            let full: Vec<&str> = std::iter::once("stormo")
+                .chain(argv.iter().copied())
+                .collect();
+            let c = super::Cli::try_parse_args(full).expect("parses");
+            let super::Command::Chat(a) = c.command else {
+                panic!("chat")
+            };
+            a.render.prompt_options().expect("options")
+        };
+        let old = popts(&["chat", "--model", "m", "--no-thinking"]);
+        let new = popts(&["chat", "--model", "m", "--reasoning-effort", "none"]);
+        assert!(!old.enable_thinking && !new.enable_thinking);
+        assert_eq!(old.reasoning_effort, new.reasoning_effort);
+        assert!(popts(&["chat", "--model", "m"]).enable_thinking);
+    }
+
+    /// The common options have the same short flags on every command that takes them.
+    #[test]
+    fn short_flags_are_their_long_options() {
+        let same = [
+            (
+                &[
+                    "run",
+                    "--model",
+                    "m",
+                    "--prompt",
+                    "x",
+                    "--max-new-tokens",
+                    "3",
+                    "--threads",
+                    "2",
+                ][..],
+                &["run", "-m", "m", "-p", "x", "-n", "3", "-t", "2"][..],
+            ),
+            (
+                &[
+                    "chat",
+                    "--model",
+                    "m",
+                    "--context",
+                    "64",
+                    "--max-new-tokens",
+                    "3",
+                    "--threads",
+                    "1",
+                ],
+                &["chat", "-m", "m", "-c", "64", "-n", "3", "-t", "1"],
+            ),
+            (
+                &[
+                    "serve",
+                    "--model",
+                    "m",
+                    "--http",
+                    "127.0.0.1:0",
+                    "--context",
+                    "64",
+                    "--threads",
+                    "2",
+                ],
+                &[
+                    "serve",
+                    "-m",
+                    "m",
+                    "--http",
+                    "127.0.0.1:0",
+                    "-c",
+                    "64",
+                    "-t",
+                    "2",
+                ],
+            ),
+            (
+                &["bench", "--model", "m", "--threads", "2"],
+                &["bench", "-m", "m", "-t", "2"],
+            ),
+            (
+                &["tokenize", "--model", "m", "x"],
+                &["tokenize", "-m", "m", "x"],
+            ),
+            (
+                &["convert", "--model", "m", "--out", "o"],
+                &["convert", "-m", "m", "--out", "o"],
+            ),
+            (
+                &["manifest", "build", "--model", "m"],
+                &["manifest", "build", "-m", "m"],
+            ),
+            (
+                &["manifest", "show", "--model", "m"],
+                &["manifest", "show", "-m", "m"],
+            ),
+        ];
+        #[cfg(feature = "lab")]
+        let lab: [(&[&str], &[&str]); 2] = [
+            (
+                &["demo", "--prompt", "x", "--max-new-tokens", "3"],
+                &["demo", "-p", "x", "-n", "3"],
+            ),
+            (
+                &[
+                    "sim",
+                    "--scenario",
+                    "lan4",
+                    "--model",
+                    "m",
+                    "--max-new-tokens",
+                    "3",
+                ],
+                &["sim", "--scenario", "lan4", "-m", "m", "-n", "3"],
+            ),
+        ];
+        #[cfg(not(feature = "lab"))]
+        let lab: [(&[&str], &[&str]); 0] = [];
+        for (long, short) in same.into_iter().chain(lab) {
+            assert_eq!(parsed(long), parsed(short), "{short:?}");
+        }
+        // Every command that runs the model takes --threads, into its typed settings.
+        for cmd in ["run", "chat", "serve", "bench"] {
+            let help = super::Cli::command_line()
+                .find_subcommand_mut(cmd)
+                .expect(cmd)
+                .render_help()
+                .to_string();
+            assert!(help.contains("-t, --threads <N>"), "{cmd}:\n{help}");
+        }
+        let c = super::Cli::try_parse_args(["stormo", "run", "-m", "m", "-p", "x", "-t", "3"])
+            .expect("parses");
+        let super::Command::Run(a) = c.command else {
+            panic!("run")
+        };
+        assert_eq!(a.experts.resolve().expect("resolves").threads, Some(3));
+        for bad in ["0", "-2", "many"] {
+            let e = super::Cli::try_parse_args(["stormo", "run", "-m", "m", "-p", "x", "-t", bad])
+                .expect_err(bad)
+                .to_string();
+            assert!(e.contains("--threads"), "{bad}: {e}");
+        }
+    }
+
+    /// A renamed option's old variable still works (`STORMO_HTTP_CONTEXT` for `--context`),
+    /// and its own variable wins when both are set.
+    #[test]
+    fn old_variables_of_renamed_options_are_read() {
+        let arg = clap::Arg::new("c").long("context").alias("http-context");
+        let set = |names: &'static [&'static str]| move |n: &str| names.contains(&n);
+        assert_eq!(
+            super::env_var_of(&arg, "context", set(&[])),
+            "STORMO_CONTEXT"
+        );
+        assert_eq!(
+            super::env_var_of(&arg, "context", set(&["STORMO_HTTP_CONTEXT"])),
+            "STORMO_HTTP_CONTEXT"
+        );
+        assert_eq!(
+            super::env_var_of(
+                &arg,
+                "context",
+                set(&["STORMO_HTTP_CONTEXT", "STORMO_CONTEXT"])
+            ),
+            "STORMO_CONTEXT"
+        );
+    }
+
+    /// Lab switches are not in the everyday help (docs/performance.md lists them) but still
+    /// parse.
+    #[test]
+    fn lab_switches_are_hidden_but_accepted() {
+        let lab: &[(&str, &[&str])] = &[
+            (
+                "run",
+                &[
+                    "--int8-attn-head",
+                    "--int8-experts",
+                    "--full-head",
+                    "--prefetch",
+                ],
+            ),
+            (
+                "chat",
+                &[
+                    "--int8-attn-head",
+                    "--int8-experts",
+                    "--full-head",
+                    "--prefetch",
+                ],
+            ),
+            ("serve", &["--prefetch"]),
+            (
+                "bench",
+                &[
+                    "--int8-attn-head",
+                    "--int8-experts",
+                    "--full-head",
+                    "--prefetch",
+                ],
+            ),
+        ];
+        for (cmd, flags) in lab {
+            let help = super::Cli::command_line()
+                .find_subcommand_mut(cmd)
+                .expect(cmd)
+                .render_long_help()
+                .to_string();
+            for f in *flags {
+                assert!(
+                    !help.contains(&format!("{f}\n")) && !help.contains(&format!("{f} ")),
+                    "{cmd} shows {f}"
+                );
+                let mut argv = vec![*cmd, "--model", "m"];
+                match *cmd {
+                    "run" => argv.extend(["--prompt-ids", "1"]),
+                    "serve" => argv.extend(["--http", "127.0.0.1:0"]),
+                    _ => {}
+                }
+                argv.push(f);
+                parsed(&argv);
+            }
+        }
+        for (cmd, flags) in [
+            ("run", &["--prefill-block", "--logits-out"][..]),
+            (
+                "bench",
+                &["--pair-full-head", "--pair-prefetch", "--prefill-block"],
+            ),
+        ] {
+            let help = super::Cli::command_line()
+                .find_subcommand_mut(cmd)
+                .expect(cmd)
+                .render_long_help()
+                .to_string();
+            for f in flags {
+                assert!(!help.contains(f), "{cmd} shows {f}");
+            }
+        }
     }
 
     /// A cause already at the end of the message is not repeated; others follow their context.

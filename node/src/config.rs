@@ -34,6 +34,9 @@ pub struct ExpertsConfig {
     /// Preload the most used experts at start and record usage counts (in the state
     /// directory).
     pub hot_store: bool,
+    /// Threads the engine computes on (`None`: rayon's default, one per core or
+    /// `RAYON_NUM_THREADS`); see [`start_engine_threads`].
+    pub threads: Option<usize>,
 }
 
 impl Default for ExpertsConfig {
@@ -44,7 +47,34 @@ impl Default for ExpertsConfig {
             mmap: false,
             io_threads: 4,
             hot_store: true,
+            threads: None,
         }
+    }
+}
+
+/// Sets the number of threads the engine computes on: the size of rayon's global pool, which
+/// the kernels' parallel loops and the tokenizer's loading share. It must run before anything
+/// uses that pool, so commands call it first thing (with [`ExpertsConfig::threads`]) and
+/// [`crate::node::Node::start`] calls it again (a library caller that skipped it). `None`
+/// leaves rayon's default. Asking again for the count the pool already has is fine; asking
+/// for another once the pool has started is an error naming both.
+pub fn start_engine_threads(threads: Option<usize>) -> anyhow::Result<()> {
+    let Some(n) = threads else {
+        return Ok(());
+    };
+    anyhow::ensure!(n >= 1, "--threads must be at least 1");
+    match rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .thread_name(|i| format!("stormo-engine-{i}"))
+        .build_global()
+    {
+        Ok(()) => Ok(()),
+        // Already started (by an earlier call or an earlier use): fine if it is the same size.
+        Err(_) if rayon::current_num_threads() == n => Ok(()),
+        Err(_) => anyhow::bail!(
+            "--threads {n}: the engine's threads had already started ({} of them)",
+            rayon::current_num_threads()
+        ),
     }
 }
 
@@ -148,4 +178,23 @@ pub fn default_state_dir() -> PathBuf {
         return Path::new(&h).join(".local/state/stormo");
     }
     PathBuf::from(".stormo-state")
+}
+
+#[cfg(test)]
+mod tests {
+    /// The pool's size is set once: the same count again is accepted, another is refused
+    /// naming both (the test asks for the size the pool already has, so it changes nothing
+    /// for the other tests in this process).
+    #[test]
+    fn engine_threads_are_set_once() {
+        super::start_engine_threads(None).unwrap();
+        let n = rayon::current_num_threads();
+        super::start_engine_threads(Some(n)).unwrap();
+        let e = super::start_engine_threads(Some(n + 1))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("--threads {}", n + 1)), "{e}");
+        assert!(e.contains(&format!("({n} of them)")), "{e}");
+        assert!(super::start_engine_threads(Some(0)).is_err());
+    }
 }

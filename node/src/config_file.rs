@@ -106,13 +106,19 @@ impl ConfigFile {
 
 fn collect_longs(c: &clap::Command, out: &mut std::collections::HashSet<String>) {
     for a in c.get_arguments() {
-        if let Some(l) = a.get_long() {
-            out.insert(l.to_string());
-        }
+        out.extend(names(a).map(str::to_string));
     }
     for s in c.get_subcommands() {
         collect_longs(s, out);
     }
+}
+
+/// The names a key may give `a` by: its long name, then its aliases (a renamed option's old
+/// spellings, so an old file keeps working).
+fn names(a: &clap::Arg) -> impl Iterator<Item = &str> {
+    a.get_long()
+        .into_iter()
+        .chain(a.get_all_aliases().into_iter().flatten())
 }
 
 fn with_defaults(c: clap::Command, entries: &[(String, Vec<String>)]) -> clap::Command {
@@ -120,10 +126,7 @@ fn with_defaults(c: clap::Command, entries: &[(String, Vec<String>)]) -> clap::C
     // by the file: clap counts only the command line there, so it is no longer required.
     let given: Vec<clap::Id> = c
         .get_arguments()
-        .filter(|a| {
-            a.get_long()
-                .is_some_and(|l| entries.iter().any(|(k, _)| k == l))
-        })
+        .filter(|a| names(a).any(|l| entries.iter().any(|(k, _)| k == l)))
         .map(|a| a.get_id().clone())
         .collect();
     let relax: Vec<clap::Id> = c
@@ -136,10 +139,11 @@ fn with_defaults(c: clap::Command, entries: &[(String, Vec<String>)]) -> clap::C
         c = c.mut_group(id, |g| g.required(false));
     }
     let c = c.mut_args(|a| {
-        let Some(long) = a.get_long() else {
-            return a;
-        };
-        let Some((_, values)) = entries.iter().find(|(k, _)| k == long) else {
+        // The long name wins over an alias when a file gives both.
+        let Some(values) = names(&a)
+            .find_map(|n| entries.iter().find(|(k, _)| k == n))
+            .map(|(_, v)| v.clone())
+        else {
             return a;
         };
         let values: Vec<clap::builder::OsStr> = values
@@ -218,6 +222,33 @@ mod tests {
         };
         assert_eq!(r.model, PathBuf::from("/m"));
         assert_eq!(r.net.peers.len(), 1);
+        // A renamed option's old name still works as a key (serve's --http-context is now
+        // --context), and the new name wins when both are given.
+        std::fs::write(
+            &file,
+            "model = \"/m\"\nhttp = \"127.0.0.1:8080\"\nhttp-context = 64\n",
+        )
+        .expect("write");
+        let old = parse(&["stormo", "serve", "--config", cfg]).expect("old key parses");
+        let new = parse(&[
+            "stormo",
+            "serve",
+            "--model",
+            "/m",
+            "--http",
+            "127.0.0.1:8080",
+            "--context",
+            "64",
+        ])
+        .expect("flags parse");
+        assert_eq!(format!("{:?}", old.command), format!("{:?}", new.command));
+        std::fs::write(
+            &file,
+            "model = \"/m\"\nhttp = \"127.0.0.1:8080\"\nhttp-context = 64\ncontext = 99\n",
+        )
+        .expect("write");
+        let both = parse(&["stormo", "serve", "--config", cfg]).expect("both parse");
+        assert!(format!("{:?}", both.command).contains("http_context: 99"));
         // A typo is named.
         std::fs::write(&file, "modle = \"/m\"\n").expect("write");
         let e = parse(&["stormo", "serve", "--config", cfg]).expect_err("typo");

@@ -55,7 +55,7 @@ pub fn node_key(path: Option<&Path>) -> anyhow::Result<SecretKey> {
         None => {
             let k = SecretKey::generate();
             tracing::warn!(
-                "no --key given: using an ephemeral node key {} (create one with `stormo key generate --out FILE`)",
+                "no --key given: using an ephemeral node key {} (create one with `stormo key generate --key FILE`)",
                 k.public()
             );
             Ok(k)

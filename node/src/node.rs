@@ -143,6 +143,7 @@ impl Node {
     /// (from the folder, or from a peer), connects to the peers, builds the tiers and, when it
     /// listens, starts serving.
     pub fn start(mut cfg: NodeConfig) -> anyhow::Result<Self> {
+        crate::config::start_engine_threads(cfg.experts.threads)?;
         let dir = cfg.model.clone();
         adopt_pulled_and_kept(&mut cfg)?;
         let files = ModelFiles::open(&dir)

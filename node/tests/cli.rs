@@ -475,7 +475,7 @@ fn options_that_would_mislead_or_destroy_are_refused() {
     // Manifest checks with nothing to check are refused, not ignored.
     let keys = tempfile::tempdir().unwrap();
     let key = keys.path().join("publisher.key");
-    let g = stormo(&["key", "generate", "--out", key.to_str().unwrap()]);
+    let g = stormo(&["key", "generate", "--key", key.to_str().unwrap()]);
     assert!(g.status.success(), "{}", stderr(&g));
     let public = String::from_utf8_lossy(&g.stdout).trim().to_string();
     assert_eq!(public.len(), 64, "{public}");
@@ -718,7 +718,7 @@ fn built_manifest_and_two_keys() -> (tempfile::TempDir, tempfile::TempDir, [(Str
     let keys = tempfile::tempdir().unwrap();
     let key = |name: &str| {
         let p = keys.path().join(name).to_str().unwrap().to_string();
-        let g = stormo(&["key", "generate", "--out", &p]);
+        let g = stormo(&["key", "generate", "--key", &p]);
         assert!(g.status.success(), "{}", stderr(&g));
         (p, String::from_utf8(g.stdout).unwrap().trim().to_string())
     };
@@ -822,7 +822,7 @@ fn key_show_on_a_file_that_is_not_a_key_says_so_and_not_chmod() {
     // A real key others may read: that is about permissions.
     let key = dir.path().join("loose.key");
     let key = key.to_str().unwrap();
-    let g = stormo(&["key", "generate", "--out", key]);
+    let g = stormo(&["key", "generate", "--key", key]);
     assert!(g.status.success(), "{}", stderr(&g));
     std::fs::set_permissions(key, std::fs::Permissions::from_mode(0o644)).unwrap();
     assert_clean_error(
@@ -875,7 +875,7 @@ fn synth_force_removes_the_manifest_of_the_checkpoint_it_replaces() {
     assert!(o.status.success(), "{}", stderr(&o));
     let key = tmp.path().join("publisher.key");
     let key = key.to_str().unwrap();
-    let g = stormo(&["key", "generate", "--out", key]);
+    let g = stormo(&["key", "generate", "--key", key]);
     assert!(g.status.success(), "{}", stderr(&g));
     let public = String::from_utf8(g.stdout).unwrap().trim().to_string();
     let build_sign_verify = || {
@@ -1105,11 +1105,11 @@ fn swarm_create_admit_show_and_their_errors() {
     let dir = tempfile::tempdir().unwrap();
     let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
     let owner = p("swarm.key");
-    let o = stormo(&["swarm", "create", "--out", &owner]);
+    let o = stormo(&["swarm", "create", "--owner", &owner]);
     assert!(o.status.success(), "{}", stderr(&o));
     let swarm = String::from_utf8(o.stdout).unwrap().trim().to_string();
     assert_eq!(swarm.len(), 64, "{swarm}");
-    let o = stormo(&["key", "generate", "--out", &p("node.key")]);
+    let o = stormo(&["key", "generate", "--key", &p("node.key")]);
     assert!(o.status.success(), "{}", stderr(&o));
     let node = String::from_utf8(o.stdout).unwrap().trim().to_string();
 
@@ -1117,7 +1117,7 @@ fn swarm_create_admit_show_and_their_errors() {
     let o = stormo(&[
         "swarm",
         "admit",
-        "--swarm",
+        "--owner",
         &owner,
         "--node",
         &node,
@@ -1132,7 +1132,7 @@ fn swarm_create_admit_show_and_their_errors() {
     let o = stormo(&[
         "swarm",
         "admit",
-        "--swarm",
+        "--owner",
         &owner,
         "--node",
         &p("node.key"),
@@ -1156,7 +1156,7 @@ fn swarm_create_admit_show_and_their_errors() {
         stormo(&[
             "swarm",
             "admit",
-            "--swarm",
+            "--owner",
             owner,
             "--node",
             node,
@@ -1169,7 +1169,7 @@ fn swarm_create_admit_show_and_their_errors() {
     assert_clean_error(&admit("abc", "7d", &owner), &["--node", "not a node key"]);
     assert_clean_error(
         &admit(&node, "7d", &p("missing.key")),
-        &["--swarm", "missing.key"],
+        &["--owner", "missing.key"],
     );
     assert_clean_error(
         &admit(&node, "2020-01-01", &owner),

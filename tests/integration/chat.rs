@@ -1149,7 +1149,7 @@ fn chat_answers_piped_turns_and_reports_reuse() {
         "64",
         "--context",
         "512",
-        "--reasoning",
+        "--show-reasoning",
         "show",
         "--seed",
         "4",
@@ -1468,6 +1468,41 @@ fn linked_except(src: &std::path::Path, skip: &str) -> tempfile::TempDir {
         }
     }
     dir
+}
+
+/// `--reasoning-effort none` (and its old spelling `--no-thinking`) on a GPT-OSS model, which
+/// always reasons, warns that it runs at `low`; `low` itself does not warn.
+#[test]
+fn reasoning_effort_none_on_gpt_oss_warns() {
+    let model = crate::http::synth_model();
+    let d = model.path().to_str().expect("utf-8 path");
+    let cache = tempfile::tempdir().expect("temp dir");
+    let base = [
+        "run",
+        "--model",
+        d,
+        "-p",
+        "Hello",
+        "-n",
+        "1",
+        "--no-hot-store",
+    ];
+    for (extra, warns) in [
+        (&["--reasoning-effort", "none"][..], true),
+        (&["--no-thinking"][..], true),
+        (&["--reasoning-effort", "low"][..], false),
+    ] {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        let out = stormo_bin(&args, cache.path());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {err}");
+        assert_eq!(
+            err.contains("GPT-OSS always reasons"),
+            warns,
+            "{args:?}: {err}"
+        );
+    }
 }
 
 /// Text prompts without the model folder's tokenizer.json: `stormo run --prompt` and `stormo

@@ -1336,7 +1336,7 @@ fn http_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0() {
         .args([
             "--http",
             "127.0.0.1:0",
-            "--http-context",
+            "--context",
             "32768",
             "--shutdown-grace",
             "1",

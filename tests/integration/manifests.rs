@@ -429,9 +429,9 @@ fn cli_build_sign_verify_round_trip_and_failures() {
     let keys = tempfile::tempdir().unwrap();
     let k = keys.path().join("publisher.key");
     let k = k.to_str().unwrap();
-    stormo(&["key", "generate", "--out", k]).unwrap();
+    stormo(&["key", "generate", "--key", k]).unwrap();
     assert!(
-        stormo(&["key", "generate", "--out", k]).is_err(),
+        stormo(&["key", "generate", "--key", k]).is_err(),
         "overwrote a key"
     );
     stormo(&["key", "show", "--key", k]).unwrap();

@@ -260,6 +260,21 @@ fn synth_small(dir: &Path, hidden: &str, intermediate: &str, experts: &str) {
     .unwrap();
 }
 
+/// `--threads N` (and `-t N`) is the number of threads the engine computes on, whatever the
+/// machine's core count (3 on a 2-core machine is 3).
+#[test]
+fn threads_option_sets_the_engine_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    synth_small(dir.path(), "64", "64", "4");
+    let short = ["--prompt-tokens", "4", "--decode-tokens", "2"];
+    for (t, flag) in [(1u64, "--threads"), (3, "-t")] {
+        let mut args = short.to_vec();
+        let n = t.to_string();
+        args.extend([flag, n.as_str()]);
+        assert_eq!(bench_json(dir.path(), &args)["threads"], t, "{args:?}");
+    }
+}
+
 /// Memory is bounded: with experts larger than the budget, peak RSS stays within budget +
 /// dense + KV + the stated overhead, where mapping the experts instead exceeds that bound.
 #[test]

@@ -15,7 +15,7 @@ pub struct TierConfig {
     pub budget: u64,
     /// Load predicted experts of the next layer while the current one computes. Off by
     /// default: at gpt-oss-20b geometry with budgets below the experts it read more from disk
-    /// and ran slower (README, Performance).
+    /// and ran slower (docs/performance.md).
     pub prefetch: bool,
     /// Share of the budget that hot experts (by usage counts) may hold and keep.
     pub hot_fraction: f64,

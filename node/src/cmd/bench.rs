@@ -19,7 +19,7 @@ use crate::progress::{human_bytes, parse_size};
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// The model directory.
-    #[arg(long, value_name = "DIR")]
+    #[arg(short, long, value_name = "DIR")]
     pub model: PathBuf,
     /// Prompt lengths to time prefill at (comma separated).
     #[arg(
@@ -33,7 +33,7 @@ pub struct Args {
     #[arg(long, default_value_t = 32, value_name = "N", value_parser = positive)]
     pub decode_tokens: usize,
     /// Seed of the random prompt tokens.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_name = "N")]
     pub seed: u64,
     /// Warm the expert cache before timing, as in a long-running server: load every expert
     /// when the cache budget holds them all (experts resident) and run one untimed forward
@@ -49,37 +49,39 @@ pub struct Args {
     /// Bytes to read from the checkpoint to measure disk bandwidth (0 skips it).
     #[arg(long, default_value = "1GiB", value_name = "SIZE", value_parser = crate::progress::size_arg)]
     pub disk_test: String,
-    /// Positions per prefill block (at least 1).
-    #[arg(long, default_value_t = 128, value_name = "N", value_parser = positive)]
+    /// Lab switch (hidden): positions per prefill block (at least 1).
+    #[arg(long, hide = true, default_value_t = 128, value_name = "N", value_parser = positive)]
     pub prefill_block: usize,
-    /// Run attention projections and the output head from 8-bit row-scaled copies made at
-    /// load: about a third fewer bytes per decoded token on GPT-OSS, approximate (the exact
-    /// path is the default; the README gives the measured agreement).
-    #[arg(long)]
+    /// Lab switch (hidden): run attention projections and the output head from 8-bit
+    /// row-scaled copies made at load: about a third fewer bytes per decoded token on GPT-OSS,
+    /// approximate (the exact path is the default; docs/design.md gives the measured
+    /// agreement).
+    #[arg(long, hide = true)]
     pub int8_attn_head: bool,
-    /// Multiply MXFP4 experts by inputs rounded to int8 in blocks of 32 (integer products;
-    /// fewer instructions per weight than the exact path on AVX2 CPUs, which matters where the
-    /// expert kernel, not memory, is the limit; on AVX-512 CPUs the exact kernel is the faster
-    /// one). Approximate (the exact path is the default; the README gives the measured
-    /// agreement and speeds).
-    #[arg(long)]
+    /// Lab switch (hidden): multiply MXFP4 experts by inputs rounded to int8 in blocks of 32
+    /// (integer products; fewer instructions per weight than the exact path on AVX2 CPUs,
+    /// which matters where the expert kernel, not memory, is the limit; on AVX-512 CPUs the
+    /// exact kernel is the faster one). Approximate (the exact path is the default;
+    /// docs/design.md gives the measured agreement and speeds).
+    #[arg(long, hide = true)]
     pub int8_experts: bool,
     /// Compute every row of the exact output head for each token (the decode and each
     /// prompt's last position are greedy). By default an 8-bit copy of the head finds the
     /// few rows that can hold the largest logit and only those are computed exactly: the same
-    /// tokens, about half the head's bytes read per token.
-    #[arg(long)]
+    /// tokens, about half the head's bytes read per token. Lab switch (hidden).
+    #[arg(long, hide = true)]
     pub full_head: bool,
     /// Alternate decoded tokens between the screened head and the whole exact head, and
     /// report both speeds: a paired comparison, fair on a machine whose memory speed drifts
-    /// between runs (the decode line then mixes the two).
-    #[arg(long, conflicts_with_all = ["full_head", "int8_attn_head"])]
+    /// between runs (the decode line then mixes the two). Lab switch (hidden).
+    #[arg(long, hide = true, conflicts_with_all = ["full_head", "int8_attn_head"])]
     pub pair_full_head: bool,
     /// Alternate decoded tokens between two distances (bytes, as A,B, e.g. 512,2048) at which
     /// the AVX-512 decode kernels prefetch each weight stream, and report both speeds and the
     /// median ratio of neighbouring tokens: a paired comparison, for tuning a CPU (the
-    /// default distance is 2 KiB; other tiers prefetch by rows and ignore it).
-    #[arg(long, value_name = "A,B", value_parser = prefetch_pair, conflicts_with = "pair_full_head")]
+    /// default distance is 2 KiB; other ISAs prefetch by rows and ignore it). Lab switch
+    /// (hidden).
+    #[arg(long, hide = true, value_name = "A,B", value_parser = prefetch_pair, conflicts_with = "pair_full_head")]
     pub pair_prefetch: Option<[usize; 2]>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
@@ -463,6 +465,8 @@ fn disk_run(
 
 /// Runs `stormo bench`.
 pub fn run(a: Args) -> anyhow::Result<()> {
+    // First: the tokenizer and the probes use the pool whose size this sets.
+    crate::config::start_engine_threads(a.experts.threads)?;
     anyhow::ensure!(
         !a.prompt_tokens.is_empty() && a.prompt_tokens.iter().all(|&p| p > 0),
         "--prompt-tokens needs positive lengths"

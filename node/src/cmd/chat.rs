@@ -201,7 +201,7 @@ pub fn check_text_model(
         load.prefill_block >= 1,
         "--prefill-block must be at least 1"
     );
-    // The caller's option is --context (chat) or --http-context (serve): name neither.
+    // --context in chat and serve; a library caller has no option, so it is said in words.
     anyhow::ensure!(context >= 1, "the context must be at least 1 position");
     let tokenizer = load_tokenizer(dir)?;
     // Before the weights: a tokenizer from another model is the likelier mistake to name.
@@ -326,7 +326,7 @@ impl Printer {
 )]
 pub struct Args {
     /// The model directory (config.json, safetensors and tokenizer.json).
-    #[arg(long, value_name = "DIR")]
+    #[arg(short, long, value_name = "DIR")]
     pub model: PathBuf,
     /// A system prompt (Harmony: developer instructions).
     #[arg(long, value_name = "TEXT")]
@@ -335,33 +335,34 @@ pub struct Args {
     #[command(flatten)]
     pub render: RenderArgs,
     /// Positions the conversation may hold (prompt and replies); the KV cache is sized for it.
-    #[arg(long, default_value_t = 4096, value_name = "N")]
+    #[arg(short, long, default_value_t = 4096, value_name = "N")]
     pub context: usize,
     /// At most this many tokens per reply.
-    #[arg(long, default_value_t = 1024, value_name = "N")]
+    #[arg(short = 'n', long, default_value_t = 1024, value_name = "N")]
     pub max_new_tokens: usize,
     /// Sampling (the chat default temperature is 0.7: greedy decoding tends to loop).
     #[command(flatten)]
     pub sampling: SamplingArgs,
-    /// Positions per prefill block.
-    #[arg(long, default_value_t = 128, value_name = "N")]
+    /// Lab switch (hidden): positions per prefill block.
+    #[arg(long, hide = true, default_value_t = 128, value_name = "N")]
     pub prefill_block: usize,
-    /// Run attention projections and the output head from 8-bit row-scaled copies
-    /// (approximate, faster; see `stormo run --help`).
-    #[arg(long)]
+    /// Lab switch (hidden): run attention projections and the output head from 8-bit
+    /// row-scaled copies (approximate, faster; docs/design.md).
+    #[arg(long, hide = true)]
     pub int8_attn_head: bool,
-    /// Multiply MXFP4 experts by int8-rounded inputs (approximate; faster on AVX2 CPUs where
-    /// the expert kernel is the limit, slower on AVX-512 ones; see `stormo run --help`).
-    #[arg(long)]
+    /// Lab switch (hidden): multiply MXFP4 experts by int8-rounded inputs (approximate;
+    /// faster on AVX2 CPUs where the expert kernel is the limit, slower on AVX-512 ones;
+    /// docs/design.md).
+    #[arg(long, hide = true)]
     pub int8_experts: bool,
     /// Compute the whole exact output head for every token even when sampling is greedy
     /// (--temperature 0, no penalty), instead of screening it with an 8-bit copy (the same
-    /// tokens; see `stormo run --help`).
-    #[arg(long)]
+    /// tokens; docs/design.md). Lab switch (hidden).
+    #[arg(long, hide = true)]
     pub full_head: bool,
-    /// No statistics line on stderr after each reply.
-    #[arg(long)]
-    pub quiet: bool,
+    /// No statistics line on stderr after each reply (`run` prints them with --stats).
+    #[arg(long, alias = "quiet")]
+    pub no_stats: bool,
     /// Keep no history file (the Up arrow still recalls this session's messages).
     #[arg(long)]
     pub no_history: bool,
@@ -380,15 +381,19 @@ pub struct Args {
 /// How a conversation is rendered and the reply's reasoning shown (`run --prompt`, `chat`).
 #[derive(Debug, clap::Args)]
 pub struct RenderArgs {
-    /// GPT-OSS reasoning effort.
-    #[arg(long, default_value = "medium", value_parser = ["low", "medium", "high"])]
+    /// How much the model reasons before it answers: low, medium or high (GPT-OSS's levels;
+    /// Qwen3 thinks at any of them), or none (Qwen3: an empty think block; GPT-OSS always
+    /// reasons and takes none as low).
+    #[arg(long, default_value = "medium", value_name = "EFFORT",
+          value_parser = ["low", "medium", "high", "none"])]
     pub reasoning_effort: String,
-    /// Qwen3: turn thinking off (an empty think block).
-    #[arg(long)]
+    /// The old spelling of `--reasoning-effort none` (hidden).
+    #[arg(long, hide = true, conflicts_with = "reasoning_effort")]
     pub no_thinking: bool,
     /// How the model's reasoning is shown.
-    #[arg(long, value_enum, default_value_t = ReasoningDisplay::Auto)]
-    pub reasoning: ReasoningDisplay,
+    #[arg(long, alias = "reasoning", value_name = "HOW", value_enum,
+          default_value_t = ReasoningDisplay::Auto)]
+    pub show_reasoning: ReasoningDisplay,
 }
 
 impl RenderArgs {
@@ -396,15 +401,35 @@ impl RenderArgs {
     pub fn prompt_options(&self) -> anyhow::Result<PromptOptions> {
         prompt_options(&self.reasoning_effort, self.no_thinking)
     }
+
+    /// Warns (on stderr) when `--reasoning-effort none` meets a model that always reasons
+    /// (GPT-OSS, which takes it as `low`).
+    pub fn warn_for(&self, family: stormo_engine::Family) {
+        let none = self.no_thinking || self.reasoning_effort == "none";
+        if none && family == stormo_engine::Family::GptOss {
+            eprintln!(
+                "warning: GPT-OSS always reasons: --reasoning-effort none runs at its lowest \
+                 level, low"
+            );
+        }
+    }
 }
 
 /// Options of a prompt render from the command line.
+/// `effort` is low, medium, high or none; `none` (or `no_thinking`, its old spelling) turns
+/// Qwen3's thinking off and gives GPT-OSS, which always reasons, its lowest level.
 pub fn prompt_options(effort: &str, no_thinking: bool) -> anyhow::Result<PromptOptions> {
+    let effort = if no_thinking { "none" } else { effort };
+    let off = effort == "none";
     Ok(PromptOptions {
-        reasoning_effort: ReasoningEffort::parse(effort)
-            .with_context(|| format!("unknown reasoning effort {effort:?}"))?,
+        reasoning_effort: if effort == "none" {
+            ReasoningEffort::Low
+        } else {
+            ReasoningEffort::parse(effort)
+                .with_context(|| format!("unknown reasoning effort {effort:?}"))?
+        },
         date: None,
-        enable_thinking: !no_thinking,
+        enable_thinking: !off,
     })
 }
 
@@ -518,6 +543,8 @@ impl Write for Noting<'_> {
 
 /// Runs `stormo chat`.
 pub fn run(a: Args) -> anyhow::Result<()> {
+    // First: the tokenizer and the probes use the pool whose size this sets.
+    crate::config::start_engine_threads(a.experts.threads)?;
     let defaults = SamplingDefaults::from_dir(&a.model);
     let sampling = a.sampling.params_with(&defaults, 0.7)?;
     a.sampling.warn_unused(&sampling);
@@ -541,6 +568,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         },
         &load,
     )?;
+    a.render.warn_for(tm.model.config().family);
     let interactive = std::io::stdin().is_terminal();
     let tty = std::io::stdout().is_terminal();
     if interactive {
@@ -619,7 +647,7 @@ impl<'a> Conversation<'a> {
             popts,
             sampling,
             sess,
-            printer: Printer::new(a.render.reasoning, tty),
+            printer: Printer::new(a.render.show_reasoning, tty),
             system_turns: turns.len(),
             turns,
             turn_no: 0,
@@ -763,7 +791,7 @@ impl<'a> Conversation<'a> {
                 "{dim}(stopped; the reply so far stays in the conversation){reset}"
             )?;
         }
-        if !a.quiet {
+        if !a.no_stats {
             let decode = g.ids.len().saturating_sub(1);
             writeln!(
                 notes,

@@ -11,13 +11,13 @@ use crate::progress::Progress;
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// The model directory as published (config.json and safetensors).
-    #[arg(long, value_name = "DIR")]
+    #[arg(short, long, value_name = "DIR")]
     pub model: PathBuf,
     /// Where to write the store (must not exist, or be empty). It holds experts.bin (one
     /// 4 KiB-aligned record per expert, read with one O_DIRECT read), dense.safetensors (every
     /// other tensor, unchanged), stormo-store.json (the index) and the model's small files.
-    /// `stormo run --model DIR2` then gives bit-identical logits to the original.
-    #[arg(long, value_name = "DIR2")]
+    /// `stormo run --model DIR` on it then gives bit-identical logits to the original.
+    #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
     /// No progress on stderr.
     #[arg(long, short)]

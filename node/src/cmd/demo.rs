@@ -49,13 +49,14 @@ pub struct Args {
     pub nodes: usize,
     /// The user's message, rendered as a Harmony prompt.
     #[arg(
+        short,
         long,
         default_value = "What is a mixture of experts?",
         value_name = "TEXT"
     )]
     pub prompt: String,
     /// Tokens to generate.
-    #[arg(long, default_value_t = 24, value_name = "N")]
+    #[arg(short = 'n', long, default_value_t = 24, value_name = "N")]
     pub max_new_tokens: usize,
     /// Scratch folder: new or empty, kept at the end (default: a new temp folder, removed at
     /// the end).
@@ -342,10 +343,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 format!("holds {} experts per layer", held(n))
             };
             println!(
-                "  {}  {role:<36} served {:>4} requests, sent {:>7.2} MB",
+                "  {}  {role:<36} served {:>4} requests, sent {:>10}",
                 n.name,
                 n.served.map_or_else(|| "?".into(), |v| v.to_string()),
-                n.link().down_bytes as f64 / 1e6
+                crate::progress::human_bytes(n.link().down_bytes)
             );
         }
         println!(

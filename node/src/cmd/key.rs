@@ -14,9 +14,10 @@ pub enum Command {
     /// The public key is printed as 64 lowercase hex characters: the form that `--trust`,
     /// `--allow` and `KEY@HOST:PORT` take. The secret is never printed.
     Generate {
-        /// Where to write the secret key (must not exist).
-        #[arg(long)]
-        out: PathBuf,
+        /// Where to write the secret key (must not exist): the file `--key` then names to
+        /// `key show`, `run`, `serve` and `manifest sign`.
+        #[arg(long, alias = "out", value_name = "FILE")]
+        key: PathBuf,
     },
     /// Print the public key of a secret key file (64 hex characters).
     ///
@@ -24,7 +25,7 @@ pub enum Command {
     /// its owner may read or write it (mode 0600 or 0400).
     Show {
         /// The secret key file.
-        #[arg(long)]
+        #[arg(long, value_name = "FILE")]
         key: PathBuf,
     },
 }
@@ -32,7 +33,7 @@ pub enum Command {
 /// Runs a key subcommand.
 pub fn run(c: Command) -> anyhow::Result<()> {
     match c {
-        Command::Generate { out } => {
+        Command::Generate { key: out } => {
             let key = SecretKey::generate();
             key.write_new(&out)?;
             eprintln!("wrote secret key {} (mode 0600)", out.display());

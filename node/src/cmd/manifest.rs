@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::progress::human_bytes;
 use anyhow::{bail, Context};
 use stormo_manifests::manifest::{DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
 use stormo_manifests::{
@@ -40,14 +41,14 @@ pub enum Command {
     #[command(after_help = PATHS_HELP)]
     Build {
         /// The model folder (config.json and safetensors).
-        #[arg(long)]
+        #[arg(short, long, value_name = "DIR")]
         model: PathBuf,
         /// Where to write the manifest (default DIR/stormo-manifest.bin); the JSON view is
         /// written beside it with a .json extension.
-        #[arg(long)]
+        #[arg(long, value_name = "FILE")]
         out: Option<PathBuf>,
         /// Chunk size of the per-expert chunk hashes, in KiB (a power of two, 16 to 65536).
-        #[arg(long, default_value_t = DEFAULT_CHUNK_SIZE / 1024)]
+        #[arg(long, default_value_t = DEFAULT_CHUNK_SIZE / 1024, value_name = "KIB")]
         chunk_kib: u32,
         #[command(flatten)]
         io: IoArgs,
@@ -59,13 +60,13 @@ pub enum Command {
     #[command(after_help = PATHS_HELP)]
     Sign {
         /// The model folder.
-        #[arg(long)]
+        #[arg(short, long, value_name = "DIR")]
         model: PathBuf,
         /// The secret key file (`stormo key generate`).
-        #[arg(long)]
+        #[arg(long, value_name = "FILE")]
         key: PathBuf,
         /// The manifest (default DIR/stormo-manifest.bin).
-        #[arg(long)]
+        #[arg(long, value_name = "FILE")]
         manifest: Option<PathBuf>,
         /// Replace an existing signature (stderr names the key that had signed it).
         #[arg(long)]
@@ -80,10 +81,10 @@ pub enum Command {
     #[command(after_help = PATHS_HELP)]
     Verify {
         /// The model folder.
-        #[arg(long)]
+        #[arg(short, long, value_name = "DIR")]
         model: PathBuf,
         /// The manifest (default DIR/stormo-manifest.bin).
-        #[arg(long)]
+        #[arg(long, value_name = "FILE")]
         manifest: Option<PathBuf>,
         /// A trusted publisher key (64 hex characters); repeat for several.
         #[arg(long = "trust", value_name = "PUBKEY")]
@@ -103,19 +104,24 @@ pub enum Command {
     /// read whatever the page cache holds.
     Bench {
         /// The model folder.
-        #[arg(long)]
+        #[arg(short, long, value_name = "DIR")]
         model: PathBuf,
         /// Rounds of (read, build).
-        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+        #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=100))]
         rounds: u32,
         #[command(flatten)]
         io: IoArgs,
     },
     /// Print a manifest's model id and summary (or its JSON view with --json).
+    #[command(group(clap::ArgGroup::new("which").required(true).multiple(true)
+        .args(["model", "manifest"])))]
     Show {
-        /// The manifest file.
-        #[arg(long)]
-        manifest: PathBuf,
+        /// The model folder (its manifest is DIR/stormo-manifest.bin).
+        #[arg(short, long, value_name = "DIR")]
+        model: Option<PathBuf>,
+        /// The manifest file (instead of the model folder's).
+        #[arg(long, value_name = "FILE")]
+        manifest: Option<PathBuf>,
         /// Print the JSON view.
         #[arg(long)]
         json: bool,
@@ -145,7 +151,16 @@ pub fn run(c: Command) -> anyhow::Result<()> {
             io,
         } => verify(&model, manifest.as_deref(), &trust, signature_only, io.io),
         Command::Bench { model, rounds, io } => bench(&model, rounds, io.io),
-        Command::Show { manifest, json } => {
+        Command::Show {
+            model,
+            manifest,
+            json,
+        } => {
+            let manifest = match (manifest, model) {
+                (Some(f), _) => f,
+                (None, Some(dir)) => dir.join(stormo_manifests::MANIFEST_FILE),
+                (None, None) => anyhow::bail!("give --model or --manifest"),
+            };
             let (m, bytes) = read_manifest(&manifest)?;
             if json {
                 println!("{}", m.to_json());
@@ -153,13 +168,13 @@ pub fn run(c: Command) -> anyhow::Result<()> {
                 println!("model id   {}", stormo_manifests::Hash::of(&bytes));
                 println!("family     {}", m.identity.family);
                 println!(
-                    "files      {} ({} bytes)",
+                    "files      {} ({})",
                     m.files.len(),
-                    m.total_file_bytes()
+                    human_bytes(m.total_file_bytes())
                 );
                 println!("tensors    {}", m.tensors.len());
                 println!("experts    {}", m.experts.len());
-                println!("chunk size {} bytes", m.chunk_size);
+                println!("chunk size {}", human_bytes(m.chunk_size.into()));
             }
             Ok(())
         }
@@ -188,15 +203,15 @@ fn with_progress<T>(what: &str, work: impl FnOnce(&Progress) -> T) -> T {
                 }
                 last = secs;
                 let pct = 100.0 * d as f64 / t as f64;
-                let mbs = d as f64 / 1e6 / secs;
+                let rate = human_bytes((d as f64 / secs) as u64);
                 let eta = if d > 0 {
                     format!("{:.0} s", t.saturating_sub(d) as f64 / (d as f64 / secs))
                 } else {
                     "?".to_string()
                 };
                 let line = format!(
-                    "{what}: {pct:5.1}% of {:.2} GB, {mbs:.0} MB/s, ETA {eta}",
-                    t as f64 / 1e9
+                    "{what}: {pct:5.1}% of {}, {rate}/s, ETA {eta}",
+                    human_bytes(t)
                 );
                 if tty {
                     eprint!("\r{line}   ");
@@ -288,11 +303,11 @@ fn build(model: &Path, out: Option<&Path>, chunk_kib: u32, io: IoMode) -> anyhow
     write_atomic(&paths.json, m.to_json().as_bytes())?;
     let total = m.total_file_bytes();
     eprintln!(
-        "hashed {} tensors, {} experts, {:.2} GB in {secs:.1} s ({:.0} MB/s)",
+        "hashed {} tensors, {} experts, {} in {secs:.1} s ({}/s)",
         m.tensors.len(),
         m.experts.len(),
-        total as f64 / 1e9,
-        total as f64 / 1e6 / secs.max(1e-9)
+        human_bytes(total),
+        human_bytes((total as f64 / secs.max(1e-9)) as u64)
     );
     eprintln!("wrote {} and {}", paths.bin.display(), paths.json.display());
     if paths.sig.exists() {
@@ -429,17 +444,17 @@ fn verify(
     })?;
     let secs = start.elapsed().as_secs_f64();
     eprintln!(
-        "checked {:.2} GB in {secs:.1} s ({:.0} MB/s)",
-        report.bytes as f64 / 1e9,
-        report.bytes as f64 / 1e6 / secs.max(1e-9)
+        "checked {} in {secs:.1} s ({}/s)",
+        human_bytes(report.bytes),
+        human_bytes((report.bytes as f64 / secs.max(1e-9)) as u64)
     );
     if report.is_ok() {
         println!(
-            "OK: {} tensors, {} experts, {} files ({} bytes) match the manifest",
+            "OK: {} tensors, {} experts, {} files ({}) match the manifest",
             report.tensors,
             report.experts,
             m.files.len(),
-            report.bytes
+            human_bytes(report.bytes)
         );
         return Ok(());
     }
@@ -483,10 +498,10 @@ fn bench(model: &Path, rounds: u32, io: IoMode) -> anyhow::Result<()> {
     let bytes: u64 = ckpt.files.iter().map(|f| f.len).sum();
     drop(ckpt);
     println!(
-        "{}: {} files, {:.2} GB, --io {}",
+        "{}: {} files, {}, --io {}",
         model.display(),
         names.len(),
-        bytes as f64 / 1e9,
+        human_bytes(bytes),
         match io {
             IoMode::Direct => "direct",
             _ => "buffered",

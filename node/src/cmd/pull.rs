@@ -153,12 +153,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     } else {
         eprintln!(
-            "pulled model {model} into {}: {} tensors, {:.1} MB fetched in {secs:.1}s ({:.1} MB/s), \
+            "pulled model {model} into {}: {} tensors, {} fetched in {secs:.1}s ({}/s), \
              {} tensors copied from files already there, {} files kept ({what})",
             a.out.display(),
             r.tensors,
-            r.fetched as f64 / 1e6,
-            r.fetched as f64 / 1e6 / secs.max(1e-9),
+            crate::progress::human_bytes(r.fetched),
+            crate::progress::human_bytes((r.fetched as f64 / secs.max(1e-9)) as u64),
             r.reused,
             r.kept,
         );

@@ -14,7 +14,7 @@ use anyhow::{bail, Context};
 use stormo_engine::generate::{greedy, greedy_ids, sampled, Timings};
 use stormo_engine::safetensors::{self, Dtype};
 use stormo_engine::sampling::{Sampler, SamplingParams};
-use stormo_engine::LoadOptions;
+use stormo_engine::{LoadOptions, Model};
 
 use crate::args::{ExpertArgs, PeerArgs};
 use crate::chat::reply::ReplyStream;
@@ -31,11 +31,11 @@ use crate::node::Node;
 #[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_ids", "prompt_ids_file"])))]
 pub struct Args {
     /// The model directory (config.json and safetensors, as published on Hugging Face).
-    #[arg(long, value_name = "DIR")]
+    #[arg(short, long, value_name = "DIR")]
     pub model: PathBuf,
     /// The prompt as text: sent as one user turn through the model's chat format (Harmony
     /// for GPT-OSS, ChatML for Qwen3), the reply streamed to stdout. Needs DIR/tokenizer.json.
-    #[arg(long, value_name = "TEXT", allow_hyphen_values = true)]
+    #[arg(short, long, value_name = "TEXT", allow_hyphen_values = true)]
     pub prompt: Option<String>,
     /// With --prompt: use the text as it is, without the chat template.
     #[arg(long, requires = "prompt")]
@@ -53,7 +53,7 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub prompt_ids_file: Option<PathBuf>,
     /// How many tokens to generate.
-    #[arg(long, default_value_t = 16, value_name = "N")]
+    #[arg(short = 'n', long, default_value_t = 16, value_name = "N")]
     pub max_new_tokens: usize,
     /// Stop early when the model emits one of config.json's eos_token_id (with --prompt the
     /// chat format's stop tokens always stop; with --raw these ids do).
@@ -63,32 +63,34 @@ pub struct Args {
     /// instead of bare ids or streamed text.
     #[arg(long)]
     pub json: bool,
-    /// Write the logits that chose each generated token to this safetensors file, as one f32
-    /// tensor "logits" of shape [generated, vocab].
-    #[arg(long, value_name = "FILE", conflicts_with = "prompt")]
+    /// Lab switch (hidden; docs/performance.md): write the logits that chose each generated
+    /// token to this safetensors file, as one f32 tensor "logits" of shape [generated, vocab].
+    #[arg(long, hide = true, value_name = "FILE", conflicts_with = "prompt")]
     pub logits_out: Option<PathBuf>,
-    /// Positions per prefill block: the prompt runs through each layer in blocks this long,
-    /// every expert once per block for all positions that chose it.
-    #[arg(long, default_value_t = 128, value_name = "N")]
+    /// Lab switch (hidden): positions per prefill block: the prompt runs through each layer in
+    /// blocks this long, every expert once per block for all positions that chose it.
+    #[arg(long, hide = true, default_value_t = 128, value_name = "N")]
     pub prefill_block: usize,
-    /// Run attention projections and the output head from 8-bit row-scaled copies made at
-    /// load: about a third fewer bytes per decoded token on GPT-OSS, approximate (the exact
-    /// path is the default; the README gives the measured agreement).
-    #[arg(long)]
+    /// Lab switch (hidden): run attention projections and the output head from 8-bit
+    /// row-scaled copies made at load: about a third fewer bytes per decoded token on GPT-OSS,
+    /// approximate (the exact path is the default; docs/design.md gives the measured
+    /// agreement).
+    #[arg(long, hide = true)]
     pub int8_attn_head: bool,
-    /// Multiply MXFP4 experts by inputs rounded to int8 in blocks of 32 (integer products;
+    /// Lab switch (hidden): multiply MXFP4 experts by inputs rounded to int8 in blocks of 32 (integer products;
     /// fewer instructions per weight than the exact path on AVX2 CPUs, which matters where the
     /// expert kernel, not memory, is the limit; on AVX-512 CPUs the exact kernel is the faster
-    /// one). Approximate (the exact path is the default; the README gives the measured
-    /// agreement and speeds).
-    #[arg(long)]
+    /// one). Lab switch (hidden); approximate (the exact path is the default; docs/design.md
+    /// gives the measured agreement and speeds).
+    #[arg(long, hide = true)]
     pub int8_experts: bool,
     /// Compute every row of the exact output head for each greedy token. By default an
     /// 8-bit copy of the head made at load finds the few rows that can hold the largest
     /// logit and only those are computed exactly: the same tokens, bit for bit, with about
     /// half the head's bytes read per token (the copy replaces the bf16 head in memory).
-    /// Sampling with a temperature or a repetition penalty always uses the whole head.
-    #[arg(long)]
+    /// Sampling with a temperature or a repetition penalty always uses the whole head. Lab
+    /// switch (hidden).
+    #[arg(long, hide = true)]
     pub full_head: bool,
     /// Print expert statistics (hits, loads, waits, prefetch) on stderr.
     #[arg(long)]
@@ -189,10 +191,41 @@ pub(crate) fn check_output_file(out: &Path, model_dir: &Path, flag: &str) -> any
     Ok(())
 }
 
-/// Runs `stormo run`.
+/// Runs `stormo run`: the prompt read and checked, a node started, the model loaded, then a
+/// text reply ([`run_text`]) or bare ids ([`run_ids`]).
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let mut text = None;
-    let prompt = match (&a.prompt, &a.prompt_ids, &a.prompt_ids_file) {
+    // First: the tokenizer and the probes use the pool whose size this sets.
+    crate::config::start_engine_threads(a.experts.threads)?;
+    let (prompt, text) = read_prompt(&a)?;
+    check_args(&a)?;
+    // Checked before the model loads, so a bad setting costs no time.
+    // A text prompt takes the model's recommended sampling (its generation_config.json) for
+    // the options not given; token ids stay greedy unless asked (they are for exact runs).
+    let defaults = if a.prompt.is_some() {
+        crate::chat::defaults::SamplingDefaults::from_dir(&a.model)
+    } else {
+        Default::default()
+    };
+    let sampling = a.sampling.params_with(&defaults, 0.0)?;
+    a.sampling.warn_unused(&sampling);
+    let context = context_for(&a, prompt.len())?;
+    let node = start_node(&a, context)?;
+    let model = node.load_model(&LoadOptions {
+        prefill_block: a.prefill_block,
+        int8_attn_head: a.int8_attn_head,
+        int8_experts: a.int8_experts,
+        screened_head: screened_head(&a, &sampling),
+    })?;
+    match text {
+        Some(tp) => run_text(&a, &node, model, &tp, &prompt, context, sampling),
+        None => run_ids(&a, &node, &model, &prompt, context, sampling),
+    }
+}
+
+/// The prompt's ids, from --prompt (through the chat format unless --raw; then also how to
+/// read the reply), --prompt-ids or --prompt-ids-file.
+fn read_prompt(a: &Args) -> anyhow::Result<(Vec<u32>, Option<TextPrompt>)> {
+    match (&a.prompt, &a.prompt_ids, &a.prompt_ids_file) {
         (Some(t), _, _) => {
             let tokenizer = load_tokenizer(&a.model)?;
             let cfg = stormo_engine::ModelConfig::from_dir(&a.model)
@@ -208,6 +241,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                             a.model.display()
                         )
                     })?;
+                a.render.warn_for(cfg.family);
                 let popts = a.render.prompt_options()?;
                 let ids = format.render_prompt(&[Turn::new(TurnRole::User, t.clone())], &popts)?;
                 (ids, Some(format))
@@ -215,19 +249,22 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             if ids.is_empty() {
                 bail!("--prompt: the text has no tokens");
             }
-            text = Some(TextPrompt { tokenizer, format });
-            ids
+            Ok((ids, Some(TextPrompt { tokenizer, format })))
         }
-        (None, Some(s), _) => parse_ids(s, "--prompt-ids")?,
+        (None, Some(s), _) => Ok((parse_ids(s, "--prompt-ids")?, None)),
         (None, None, Some(f)) => {
             // Token ids of any context that fits a model are far below 16 MiB of text; the
             // cap keeps a device or a runaway file from filling memory.
             let text = safetensors::read_small_text(f, 16 << 20)
                 .with_context(|| format!("--prompt-ids-file {}", f.display()))?;
-            parse_ids(&text, &f.display().to_string())?
+            Ok((parse_ids(&text, &f.display().to_string())?, None))
         }
         (None, None, None) => bail!("give --prompt, --prompt-ids or --prompt-ids-file"),
-    };
+    }
+}
+
+/// The checks of the other options that cost no loading.
+fn check_args(a: &Args) -> anyhow::Result<()> {
     if a.prefill_block == 0 {
         bail!("--prefill-block must be at least 1");
     }
@@ -240,29 +277,29 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(out) = &a.logits_out {
         check_output_file(out, &a.model, "--logits-out")?;
     }
-    // Checked before the model loads, so a bad setting costs no time.
-    // A text prompt takes the model's recommended sampling (its generation_config.json) for
-    // the options not given; token ids stay greedy unless asked (they are for exact runs).
-    let defaults = if a.prompt.is_some() {
-        crate::chat::defaults::SamplingDefaults::from_dir(&a.model)
-    } else {
-        Default::default()
-    };
-    let sampling = a.sampling.params_with(&defaults, 0.0)?;
-    a.sampling.warn_unused(&sampling);
+    Ok(())
+}
+
+/// The positions the run needs (the prompt's and the new tokens'), checked against the
+/// model's context.
+fn context_for(a: &Args, prompt: usize) -> anyhow::Result<usize> {
     let cfg = stormo_engine::ModelConfig::from_dir(&a.model)
         .with_context(|| format!("loading the model in {}", a.model.display()))?;
     // Saturating: an absurd --max-new-tokens must meet the context check below, not wrap.
-    let context = prompt.len().saturating_add(a.max_new_tokens.max(1) - 1);
+    let context = prompt.saturating_add(a.max_new_tokens.max(1) - 1);
     if context > cfg.max_position_embeddings {
         bail!(
-            "the prompt ({} tokens) plus {} new tokens needs {context} positions, more than the model's context of {} (max_position_embeddings)",
-            prompt.len(),
+            "the prompt ({prompt} tokens) plus {} new tokens needs {context} positions, more than the model's context of {} (max_position_embeddings)",
             a.max_new_tokens,
             cfg.max_position_embeddings
         );
     }
-    let node = Node::start(NodeConfig {
+    Ok(context)
+}
+
+/// The node the run's model runs on: its tiers from the options, serving nothing.
+fn start_node(a: &Args, context: usize) -> anyhow::Result<Node> {
+    Node::start(NodeConfig {
         model: a.model.clone(),
         state_dir: a.experts.state_dir(),
         experts: a.experts.resolve()?,
@@ -277,112 +314,126 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         peers: a.net.resolve(false)?,
         listen: None,
         swarm: crate::swarm_args::resolve_for_node(&a.swarm, a.net.key.as_deref())?,
-    })?;
-    let model = node.load_model(&LoadOptions {
-        prefill_block: a.prefill_block,
-        int8_attn_head: a.int8_attn_head,
-        int8_experts: a.int8_experts,
-        screened_head: screened_head(&a, &sampling),
-    })?;
+    })
+}
+
+/// A text prompt's reply, streamed as text (or, with --json, one object at the end).
+fn run_text(
+    a: &Args,
+    node: &Node,
+    model: Model,
+    tp: &TextPrompt,
+    prompt: &[u32],
+    context: usize,
+    sampling: SamplingParams,
+) -> anyhow::Result<()> {
     let cfg = model.config();
-    if let Some(tp) = text {
-        let mut stop = match &tp.format {
-            Some(f) => f.stop_tokens(),
-            None => cfg.eos_token_ids.clone(),
-        };
-        if a.stop_at_eos {
-            stop.extend_from_slice(&cfg.eos_token_ids);
-        }
-        let mut stream = match &tp.format {
-            Some(f) => ReplyStream::chat(f),
-            None => ReplyStream::plain(tp.tokenizer.clone()),
-        };
-        let model = Arc::new(model);
-        let mut sess = ChatSession::new(model, context)?;
-        let opts = GenerateOptions {
-            max_new_tokens: a.max_new_tokens,
-            stop,
-            sampling,
-        };
-        let mut printer = Printer::new(
-            if a.json {
-                ReasoningDisplay::Hide
-            } else {
-                a.render.reasoning
-            },
-            std::io::IsTerminal::is_terminal(&std::io::stdout()),
-        );
-        let mut out: Box<dyn Write> = if a.json {
-            Box::new(std::io::sink())
-        } else {
-            Box::new(std::io::stdout())
-        };
-        let mut so_far = Reply::default();
-        let g = match reply(
-            &mut sess,
-            &mut stream,
-            &prompt,
-            &opts,
-            &mut printer,
-            &mut out,
-            &mut so_far,
-        ) {
-            Ok(g) => g,
-            Err(e) => {
-                if a.json && !so_far.ids.is_empty() {
-                    print_partial_json(
-                        serde_json::json!({
-                            "text": so_far.content,
-                            "reasoning": so_far.reasoning,
-                            "generated_ids": so_far.ids,
-                            "prompt_ids": prompt,
-                            "prompt_tokens": prompt.len(),
-                            "finish_reason": "error",
-                        }),
-                        &e,
-                    );
-                }
-                return Err(e);
-            }
-        };
-        let Reply {
-            reasoning, content, ..
-        } = so_far;
-        if !a.json && content.is_empty() && reasoning.is_empty() && !g.ids.is_empty() {
-            eprintln!(
-                "note: the {} generated ids hold no message in the model's chat format (a \
-                 random-weight model's rarely do); --raw prints them as plain text, --json \
-                 lists them",
-                g.ids.len()
-            );
-        }
-        node.finish_run();
-        let prediction = sess.engine_session().prediction();
-        if a.stats {
-            eprint!("{}", node.table(prediction));
-        }
-        if a.json {
-            let experts_json = node.json(prediction);
-            let decode_steps = g.ids.len().saturating_sub(1);
-            let out = serde_json::json!({
-                "text": content,
-                "reasoning": reasoning,
-                "generated_ids": g.ids,
-                "prompt_ids": prompt,
-                "prompt_tokens": prompt.len(),
-                "finish_reason": g.finish.openai(),
-                "timings": {
-                    "prefill_s": g.prefill_s,
-                    "prefill_tok_s": rate(prompt.len(), g.prefill_s),
-                    "decode_s": g.decode_s,
-                    "decode_tok_s": rate(decode_steps, g.decode_s),
-                },
-                "experts": experts_json,
-            });
-            println!("{out}");
-        }
-        return Ok(());
+    let mut stop = match &tp.format {
+        Some(f) => f.stop_tokens(),
+        None => cfg.eos_token_ids.clone(),
+    };
+    if a.stop_at_eos {
+        stop.extend_from_slice(&cfg.eos_token_ids);
     }
+    let mut stream = match &tp.format {
+        Some(f) => ReplyStream::chat(f),
+        None => ReplyStream::plain(tp.tokenizer.clone()),
+    };
+    let mut sess = ChatSession::new(Arc::new(model), context)?;
+    let opts = GenerateOptions {
+        max_new_tokens: a.max_new_tokens,
+        stop,
+        sampling,
+    };
+    let mut printer = Printer::new(
+        if a.json {
+            ReasoningDisplay::Hide
+        } else {
+            a.render.show_reasoning
+        },
+        std::io::IsTerminal::is_terminal(&std::io::stdout()),
+    );
+    let mut out: Box<dyn Write> = if a.json {
+        Box::new(std::io::sink())
+    } else {
+        Box::new(std::io::stdout())
+    };
+    let mut so_far = Reply::default();
+    let generated = reply(
+        &mut sess,
+        &mut stream,
+        prompt,
+        &opts,
+        &mut printer,
+        &mut out,
+        &mut so_far,
+    );
+    let g = match generated {
+        Ok(g) => g,
+        Err(e) => {
+            if a.json && !so_far.ids.is_empty() {
+                print_partial_json(
+                    serde_json::json!({
+                        "text": so_far.content,
+                        "reasoning": so_far.reasoning,
+                        "generated_ids": so_far.ids,
+                        "prompt_ids": prompt,
+                        "prompt_tokens": prompt.len(),
+                        "finish_reason": "error",
+                    }),
+                    &e,
+                );
+            }
+            return Err(e);
+        }
+    };
+    let Reply {
+        reasoning, content, ..
+    } = so_far;
+    if !a.json && content.is_empty() && reasoning.is_empty() && !g.ids.is_empty() {
+        eprintln!(
+            "note: the {} generated ids hold no message in the model's chat format (a \
+             random-weight model's rarely do); --raw prints them as plain text, --json \
+             lists them",
+            g.ids.len()
+        );
+    }
+    node.finish_run();
+    let prediction = sess.engine_session().prediction();
+    if a.stats {
+        eprint!("{}", node.table(prediction));
+    }
+    if a.json {
+        let timings = Timings {
+            prefill_s: g.prefill_s,
+            decode_s: g.decode_s,
+        };
+        let mut out = serde_json::json!({
+            "text": content,
+            "reasoning": reasoning,
+            "generated_ids": g.ids,
+            "prompt_ids": prompt,
+            "prompt_tokens": prompt.len(),
+            "finish_reason": g.finish.openai(),
+        });
+        out["timings"] = timings_json(&timings, prompt.len(), g.ids.len());
+        out["experts"] = node.json(prediction);
+        println!("{out}");
+    }
+    Ok(())
+}
+
+/// Token-id generation: bare ids on stdout as they come (or, with --json, one object at the
+/// end), greedy through the screened head unless sampling or --logits-out asks otherwise.
+fn run_ids(
+    a: &Args,
+    node: &Node,
+    model: &Model,
+    prompt: &[u32],
+    context: usize,
+    sampling: SamplingParams,
+) -> anyhow::Result<()> {
+    let cfg = model.config();
     let mut sess = model.session(context)?;
     let vocab = cfg.vocab_size;
     let stop: Vec<u32> = if a.stop_at_eos {
@@ -390,59 +441,26 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         Vec::new()
     };
-    let mut logits = Vec::new();
-    let keep_logits = a.logits_out.is_some();
     let mut timings = Timings::default();
     // Bare ids are printed as they come; --json prints them at the end.
     let mut line = IdLine::new(std::io::stdout(), !a.json);
-    let generated = if !sampling.is_plain_argmax() {
-        let mut sampler = Sampler::new(sampling)?;
-        sampled(
-            &model,
-            &mut sess,
-            &prompt,
-            a.max_new_tokens,
-            &stop,
-            &mut sampler,
-            |id, l| {
-                line.push(id);
-                if keep_logits {
-                    logits.extend_from_slice(l)
-                }
-            },
-            &mut timings,
-        )
-    } else if keep_logits {
-        greedy(
-            &model,
-            &mut sess,
-            &prompt,
-            a.max_new_tokens,
-            &stop,
-            |id, l| {
-                line.push(id);
-                logits.extend_from_slice(l)
-            },
-            &mut timings,
-        )
-    } else {
-        // Through the screened head when the model keeps one: the same ids.
-        greedy_ids(
-            &model,
-            &mut sess,
-            &prompt,
-            a.max_new_tokens,
-            &stop,
-            |id| line.push(id),
-            &mut timings,
-        )
-    };
+    let mut logits = a.logits_out.as_ref().map(|_| Vec::new());
+    let generated = generate_ids(
+        model,
+        &mut sess,
+        prompt,
+        a.max_new_tokens,
+        &stop,
+        sampling,
+        &mut line,
+        logits.as_mut(),
+        &mut timings,
+    );
     let ids = match generated {
         Ok(ids) => ids,
         Err(e) => {
             // The ids made before the error are on stdout already: end their line.
             let _ = line.end();
-            let e = anyhow::Error::from(e);
             if a.json && !line.ids.is_empty() {
                 print_partial_json(
                     serde_json::json!({
@@ -457,7 +475,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     };
     line.end().context("writing the generated ids to stdout")?;
-    if let Some(path) = &a.logits_out {
+    if let (Some(path), Some(logits)) = (&a.logits_out, &logits) {
         let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
         safetensors::write(
             path,
@@ -466,28 +484,92 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         )
         .with_context(|| format!("writing {}", path.display()))?;
     }
-    let decode_steps = ids.len().saturating_sub(1);
     node.finish_run();
     let prediction = sess.prediction();
     if a.stats {
         eprint!("{}", node.table(prediction));
     }
     if a.json {
-        let experts_json = node.json(prediction);
         let out = serde_json::json!({
             "generated_ids": ids,
             "prompt_tokens": prompt.len(),
-            "timings": {
-                "prefill_s": timings.prefill_s,
-                "prefill_tok_s": rate(prompt.len(), timings.prefill_s),
-                "decode_s": timings.decode_s,
-                "decode_tok_s": rate(decode_steps, timings.decode_s),
-            },
-            "experts": experts_json,
+            "timings": timings_json(&timings, prompt.len(), ids.len()),
+            "experts": node.json(prediction),
         });
         println!("{out}");
     }
     Ok(())
+}
+
+/// Generates after `prompt`, each id pushed to `line` as it comes and, when `logits` is given,
+/// the logits that chose it appended there: sampled, or greedy through the whole head (logits
+/// kept) or the screened one (the same ids).
+#[allow(clippy::too_many_arguments)]
+fn generate_ids<W: Write>(
+    model: &Model,
+    sess: &mut stormo_engine::Session,
+    prompt: &[u32],
+    max_new: usize,
+    stop: &[u32],
+    sampling: SamplingParams,
+    line: &mut IdLine<W>,
+    mut logits: Option<&mut Vec<f32>>,
+    timings: &mut Timings,
+) -> anyhow::Result<Vec<u32>> {
+    if !sampling.is_plain_argmax() {
+        let mut sampler = Sampler::new(sampling)?;
+        sampled(
+            model,
+            sess,
+            prompt,
+            max_new,
+            stop,
+            &mut sampler,
+            |id, l| {
+                line.push(id);
+                if let Some(keep) = logits.as_deref_mut() {
+                    keep.extend_from_slice(l)
+                }
+            },
+            timings,
+        )
+    } else if let Some(keep) = logits {
+        greedy(
+            model,
+            sess,
+            prompt,
+            max_new,
+            stop,
+            |id, l| {
+                line.push(id);
+                keep.extend_from_slice(l)
+            },
+            timings,
+        )
+    } else {
+        // Through the screened head when the model keeps one: the same ids.
+        greedy_ids(
+            model,
+            sess,
+            prompt,
+            max_new,
+            stop,
+            |id| line.push(id),
+            timings,
+        )
+    }
+    .map_err(anyhow::Error::from)
+}
+
+/// --json's timings of a run that made `generated` tokens after `prompt` (the first of them
+/// at the end of the prefill, the others decoded).
+fn timings_json(t: &Timings, prompt: usize, generated: usize) -> serde_json::Value {
+    serde_json::json!({
+        "prefill_s": t.prefill_s,
+        "prefill_tok_s": rate(prompt, t.prefill_s),
+        "decode_s": t.decode_s,
+        "decode_tok_s": rate(generated.saturating_sub(1), t.decode_s),
+    })
 }
 
 /// Generated ids on one line of `out` as they are made: separated by spaces, flushed after

@@ -20,7 +20,7 @@ pub const LAN_HELP: &str = "\
 One node for a LAN (every machine runs one node; a node serves what it holds, fetches what it
 lacks, keeps it and serves it on):
   # the machine with the checkpoint (build its manifest once; the folder is never written again)
-  stormo key generate --out node.key
+  stormo key generate --key node.key
   stormo manifest build --model /models/gpt-oss-20b           # prints the model id
   stormo serve --model /models/gpt-oss-20b --key node.key --listen 0.0.0.0:4433 --allow-any
   # a machine without room for the experts: the dense weights, then a node that fetches
@@ -42,7 +42,7 @@ pub struct Args {
     /// The model directory: a full or partial checkpoint, or a folder from `stormo pull`
     /// (dense weights only; its experts then come from --peer). Serving peers with --listen
     /// needs its manifest (DIR/stormo-manifest.bin, or --manifest, or fetched from a peer).
-    #[arg(long, value_name = "DIR")]
+    #[arg(short, long, value_name = "DIR")]
     pub model: PathBuf,
     /// Where to listen for peers (UDP), e.g. 0.0.0.0:4433 or 127.0.0.1:0. The node also
     /// dials its peers from this port.
@@ -50,7 +50,7 @@ pub struct Args {
     pub listen: Option<SocketAddr>,
     /// Admit the peer with this node key (64 hex); repeatable. Without --allow, --allow-file
     /// or --allow-any nobody can connect.
-    #[arg(long, value_name = "KEY")]
+    #[arg(long, value_name = "PUBKEY")]
     pub allow: Vec<String>,
     /// Admit the node keys listed in this file (one per line, `#` comments).
     #[arg(long, value_name = "FILE")]
@@ -92,6 +92,8 @@ pub struct Args {
 
 /// Runs `stormo serve` until interrupted (SIGINT or SIGTERM: a clean stop).
 pub fn run(a: Args) -> anyhow::Result<()> {
+    // First: the tokenizer and the probes use the pool whose size this sets.
+    crate::config::start_engine_threads(a.experts.threads)?;
     anyhow::ensure!(
         a.listen.is_some() || a.http.http.is_some(),
         "give --listen, --http, or both (on the command line or in the --config file)"
@@ -166,9 +168,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     eprintln!("{signal}: shutting down (running replies have --shutdown-grace to finish)");
     if let Some(st) = node.serve_stats() {
         eprintln!(
-            "served {} requests ({} bytes) over {} connections",
+            "served {} requests ({}) over {} connections",
             st.served.load(std::sync::atomic::Ordering::Relaxed),
-            st.bytes.load(std::sync::atomic::Ordering::Relaxed),
+            crate::progress::human_bytes(st.bytes.load(std::sync::atomic::Ordering::Relaxed)),
             st.connections.load(std::sync::atomic::Ordering::Relaxed)
         );
     }

@@ -33,13 +33,13 @@ pub struct Args {
     #[arg(long, value_name = "NAME")]
     pub scenario: String,
     /// The checkpoint every node serves from (at least 4 experts per layer).
-    #[arg(long, value_name = "DIR")]
+    #[arg(short, long, value_name = "DIR")]
     pub model: Option<PathBuf>,
     /// Prompt token ids (default: 24 fixed ids below the vocabulary size).
     #[arg(long, value_name = "IDS")]
     pub prompt_ids: Option<String>,
     /// Tokens to generate.
-    #[arg(long, default_value_t = 48, value_name = "N")]
+    #[arg(short = 'n', long, default_value_t = 48, value_name = "N")]
     pub max_new_tokens: usize,
     /// One-way delay of every link, in milliseconds (default: the scenario's).
     #[arg(long, value_name = "MS")]

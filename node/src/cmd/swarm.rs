@@ -28,18 +28,19 @@ pub enum Command {
     /// The swarm key (64 hex) is what every member passes as `--swarm`; the secret key stays
     /// with the owner, who signs members in with `stormo swarm admit`.
     Create {
-        /// Where to write the owner's secret key (must not exist).
-        #[arg(long, value_name = "OWNER.key")]
-        out: PathBuf,
+        /// Where to write the owner's secret key (must not exist): the file `swarm admit
+        /// --owner` then names.
+        #[arg(long, alias = "out", value_name = "FILE")]
+        owner: PathBuf,
     },
     /// Sign a membership certificate admitting one node key into the swarm until an expiry.
     ///
-    /// Example: `stormo key generate --out node.key | ssh owner-host stormo swarm admit
-    /// --swarm swarm.key --node - --out - > node.cert` (the node's key never leaves it).
+    /// Example: `stormo key generate --key node.key | ssh owner-host stormo swarm admit
+    /// --owner owner.key --node - --out - > node.cert` (the node's key never leaves it).
     Admit {
-        /// The owner's secret key (from `stormo swarm create`).
-        #[arg(long, value_name = "OWNER.key")]
-        swarm: PathBuf,
+        /// The owner's secret key file (from `stormo swarm create --owner`).
+        #[arg(long, alias = "swarm", value_name = "FILE")]
+        owner: PathBuf,
         /// The node to admit: its public key (64 hex), its secret key file, or `-` to read the
         /// public key from the first line of standard input (what `stormo key generate`
         /// prints).
@@ -66,13 +67,13 @@ pub enum Command {
 /// Runs a swarm subcommand.
 pub fn run(c: Command) -> anyhow::Result<()> {
     match c {
-        Command::Create { out } => {
+        Command::Create { owner: out } => {
             let key = SecretKey::generate();
             key.write_new(&out)
                 .context("cannot write the swarm owner's key")?;
             eprintln!(
                 "wrote the swarm owner's secret key {} (mode 0600); keep it safe: it admits \
-                 nodes with `stormo swarm admit --swarm {} --node NODEPUB --out CERT`",
+                 nodes with `stormo swarm admit --owner {} --node NODEPUB --out CERT`",
                 out.display(),
                 out.display()
             );
@@ -80,13 +81,13 @@ pub fn run(c: Command) -> anyhow::Result<()> {
             println!("{}", key.public());
         }
         Command::Admit {
-            swarm,
+            owner: swarm,
             node,
             expires,
             out,
         } => {
             let owner = super::key::load_secret_key(&swarm)
-                .with_context(|| format!("--swarm {}: the swarm owner's key", swarm.display()))?;
+                .with_context(|| format!("--owner {}: the swarm owner's key", swarm.display()))?;
             let node = node_key(&node)?;
             let now = unix_now()?;
             let expires = parse_expiry(&expires, now).context("--expires")?;

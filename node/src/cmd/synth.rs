@@ -4,6 +4,7 @@ use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::progress::human_bytes;
 use anyhow::{bail, Context};
 use stormo_simulations::synth::{self, HotExperts, Overrides, Preset, Progress, SynthOptions};
 
@@ -85,7 +86,7 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
     /// Seed of every weight: the same seed gives byte-identical files.
-    #[arg(long, default_value_t = 0, value_name = "S")]
+    #[arg(long, default_value_t = 0, value_name = "N")]
     pub seed: u64,
     #[command(flatten)]
     pub geometry: GeometryArgs,
@@ -132,10 +133,6 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     }
 }
 
-fn gb(b: u64) -> String {
-    format!("{:.2} GB", b as f64 / 1e9)
-}
-
 fn secs(d: Duration) -> String {
     let s = d.as_secs();
     if s >= 60 {
@@ -153,10 +150,10 @@ fn progress_line(p: &Progress) -> String {
     };
     let eta = p.eta().map_or_else(|| "?".to_string(), secs);
     format!(
-        "synth: {} / {} ({pct:.0}%), {:.2} GB/s, ETA {eta}",
-        gb(p.written),
-        gb(p.total),
-        p.rate() / 1e9
+        "synth: {} / {} ({pct:.0}%), {}/s, ETA {eta}",
+        human_bytes(p.written),
+        human_bytes(p.total),
+        human_bytes(p.rate() as u64)
     )
 }
 
@@ -222,7 +219,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             geometry.hidden,
             geometry.vocab,
             a.seed,
-            gb(plan.files_size()),
+            human_bytes(plan.files_size()),
             plan.shards.len()
         );
         for s in &plan.shards {
@@ -310,7 +307,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let rate = report.bytes as f64 / report.elapsed.as_secs_f64().max(1e-9);
     println!(
-        "wrote {} ({}, seed {}) to {}: {} in {} files, {} ({:.2} GB/s)",
+        "wrote {} ({}, seed {}) to {}: {} in {} files, {} ({}/s)",
         preset,
         if plan.shards.len() == 1 {
             "1 shard".to_string()
@@ -319,10 +316,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         },
         a.seed,
         a.out.display(),
-        gb(report.bytes),
+        human_bytes(report.bytes),
         report.files.len() + usize::from(a.tokenizer.is_some()),
         secs(report.elapsed),
-        rate / 1e9
+        human_bytes(rate as u64)
     );
     if opts.hot.is_some() {
         for (l, hot) in plan.hot_experts.iter().enumerate() {

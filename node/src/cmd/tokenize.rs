@@ -17,7 +17,7 @@ use crate::chat::Tokenizer;
 )]
 pub struct Args {
     /// The model directory (its tokenizer.json is used).
-    #[arg(long, value_name = "DIR")]
+    #[arg(short, long, value_name = "DIR")]
     pub model: PathBuf,
     /// Recognize special tokens written in the text (e.g. `<|start|>`) as their ids; without
     /// it they are tokenized as ordinary text.

@@ -184,7 +184,7 @@ impl Cluster {
             let p = work.join(format!("{name}.key"));
             let out = run_capture(
                 exe,
-                &["key".into(), "generate".into(), "--out".into(), s(&p)],
+                &["key".into(), "generate".into(), "--key".into(), s(&p)],
                 &format!("making key {name}"),
             )?;
             Ok((p, out.trim().to_string()))
@@ -268,7 +268,7 @@ impl Cluster {
         let key = self.work.join(format!("{name}.key"));
         let public = run_capture(
             &self.exe,
-            &["key".into(), "generate".into(), "--out".into(), s(&key)],
+            &["key".into(), "generate".into(), "--key".into(), s(&key)],
             &format!("making the key of {name}"),
         )?
         .trim()
