@@ -315,7 +315,9 @@ impl HttpArgs {
         let parallel = match self.parallel {
             Some(n) => n,
             None => {
-                let cfg = stormo_engine::ModelConfig::from_dir(model)?;
+                let cfg = stormo_engine::ModelConfig::from_dir(model).map_err(|e| {
+                    anyhow::anyhow!("loading the model in {}: {e}", model.display())
+                })?;
                 let slot =
                     (cfg.num_layers * 2 * cfg.kv_dim() * 4) as u64 * self.http_context as u64;
                 crate::http::default_parallel(slot, crate::experts::mem_available())
