@@ -72,6 +72,20 @@ pub struct Node {
     /// Requests it reported serving when stopped gracefully (summed over its lives).
     pub served: Option<u64>,
     log: PathBuf,
+    spec: NodeSpec,
+}
+
+/// How a node serves, beyond the experts it holds: what the fault matrix varies.
+#[derive(Debug, Clone, Default)]
+pub struct NodeSpec {
+    /// Its `--only-experts` spec (`None`: every expert).
+    pub only: Option<String>,
+    /// The checkpoint it serves (`None`: the cluster's); the manifest is the cluster's.
+    pub model: Option<PathBuf>,
+    /// The key it admits (`None`: the cluster's client).
+    pub allow: Option<String>,
+    /// More `stormo serve` arguments (e.g. `--expert-cache 0`).
+    pub args: Vec<String>,
 }
 
 impl Node {
@@ -233,6 +247,18 @@ impl Cluster {
     /// Adds and starts a node serving `only` (an `--only-experts` spec, `None`: all) behind a
     /// relay with `link`. Returns its index.
     pub fn add_node(&mut self, only: Option<String>, link: LinkSpec) -> Result<usize, SwarmError> {
+        self.add_node_with(
+            NodeSpec {
+                only,
+                ..NodeSpec::default()
+            },
+            link,
+        )
+    }
+
+    /// Adds and starts a node serving as `spec` says behind a relay with `link`. Returns its
+    /// index.
+    pub fn add_node_with(&mut self, spec: NodeSpec, link: LinkSpec) -> Result<usize, SwarmError> {
         let i = self.nodes.len();
         let name = format!("n{i}");
         let key = self.work.join(format!("{name}.key"));
@@ -257,9 +283,10 @@ impl Cluster {
         self.nodes.push(Node {
             log: self.work.join(format!("{name}.log")),
             name,
-            only,
+            only: spec.only.clone(),
             public,
             key,
+            spec,
             child: None,
             listen: None,
             relay,
@@ -283,7 +310,7 @@ impl Cluster {
         let mut args = vec![
             "serve".into(),
             "--model".into(),
-            s(&self.model),
+            s(n.spec.model.as_ref().unwrap_or(&self.model)),
             "--manifest".into(),
             s(&self.manifest),
             "--listen".into(),
@@ -291,13 +318,17 @@ impl Cluster {
             "--key".into(),
             s(&n.key),
             "--allow".into(),
-            self.client_public.clone(),
+            n.spec
+                .allow
+                .clone()
+                .unwrap_or_else(|| self.client_public.clone()),
             "--no-hot-store".into(),
         ];
         if let Some(o) = &n.only {
             args.extend(["--only-experts".into(), o.clone()]);
         }
         args.extend(self.serve_args.iter().cloned());
+        args.extend(n.spec.args.iter().cloned());
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -360,6 +391,20 @@ impl Cluster {
         }
     }
 
+    /// Freezes node `i` (SIGSTOP): its process stays, silent, until [`Cluster::resume`].
+    pub fn pause(&mut self, i: usize) {
+        if let Some(c) = &self.nodes[i].child {
+            signal(c.id(), "STOP");
+        }
+    }
+
+    /// Lets a frozen node `i` go on (SIGCONT).
+    pub fn resume(&mut self, i: usize) {
+        if let Some(c) = &self.nodes[i].child {
+            signal(c.id(), "CONT");
+        }
+    }
+
     /// Stops node `i` gracefully (SIGINT, as Ctrl-C) and reads how many requests it served
     /// from its last words.
     pub fn stop(&mut self, i: usize) {
@@ -367,6 +412,8 @@ impl Cluster {
         let Some(mut c) = n.child.take() else {
             return;
         };
+        // A frozen process would not see the SIGINT.
+        signal(c.id(), "CONT");
         signal(c.id(), "INT");
         let deadline = Instant::now() + Duration::from_secs(5);
         while Instant::now() < deadline {
