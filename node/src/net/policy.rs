@@ -8,9 +8,10 @@
 //! up and went away: the peer may be restarting). A lost peer is redialled with back-off, at
 //! most [`MAX_RECONNECTS`] failed attempts, and while it may still come back the loads that
 //! have no other holder wait for it in rounds ([`coming_back`]) instead of failing at once;
-//! after the last failed attempt it is unreachable like a peer never reached. A peer that was
-//! never reached gets no such rounds: a dead address costs one attempt per back-off, not one
-//! per load or round.
+//! after the last failed attempt it is unreachable. A peer whose very first attempt failed
+//! (starting, or slow to answer on a busy machine) gets one more attempt that loads wait for,
+//! and then no more rounds: a dead address costs one attempt per back-off, not one per load or
+//! round.
 //!
 //! Nothing here touches a socket or reads a clock: every decision takes the time as an
 //! argument (as quinn-proto and this crate's wire client do), so the whole policy is tested
@@ -101,6 +102,8 @@ pub struct PeerView {
     pub lost: Option<Lost>,
     /// Connection attempts made.
     pub connects: u32,
+    /// A connection was made at some point.
+    pub ever_connected: bool,
     /// Measured throughput, bytes per second.
     pub rate: Option<f64>,
     /// Round trip of its connection.
@@ -223,6 +226,7 @@ impl PeerView {
     pub fn connected(&mut self) {
         self.unreachable = None;
         self.lost = None;
+        self.ever_connected = true;
     }
 
     /// Notes a failed connection attempt at `now`: the peer is unreachable for a back-off (see
@@ -232,6 +236,16 @@ impl PeerView {
     pub fn dial_failed(&mut self, why: &str, now: Instant) -> Duration {
         self.unreachable = Some(why.to_string());
         let backoff = self.fail(now);
+        if !self.ever_connected && self.connects == 1 {
+            // The very first attempt: the peer may be starting, or slow to answer on a busy
+            // machine. One more attempt, which loads without another source wait for; then
+            // it is unreachable like any.
+            self.lost = Some(Lost {
+                failed: MAX_RECONNECTS - 1,
+                next: now + RECONNECT_PAUSE,
+            });
+            return backoff;
+        }
         if let Some(l) = self.lost.as_mut() {
             l.failed += 1;
             if l.failed >= MAX_RECONNECTS {
@@ -734,15 +748,24 @@ mod tests {
         assert!(p.lose(now), "a loss after a reconnection is a new one");
     }
 
-    /// A peer never reached is not coming back (a dead address costs no rounds), nor is a
-    /// lost peer that was removed or dropped, or one that does not hold the expert.
+    /// A peer whose first attempt failed gets one more attempt, after a pause, and is then
+    /// not coming back (a dead address costs no more rounds); nor is a lost peer that was
+    /// removed or dropped, or one that does not hold the expert.
     #[test]
     fn only_a_lost_usable_holder_is_coming_back() {
         let t0 = Instant::now();
         let (x, y) = (id(0, 1), id(1, 2));
         let mut never = holding(&[x]);
-        never.dial(t0);
-        never.dial_failed("refused", t0);
+        assert_eq!(never.dial(t0), Dial::Now);
+        never.dial_failed("no answer within 3.0s", t0);
+        assert_eq!(
+            never.coming_back(t0),
+            Some(t0 + RECONNECT_PAUSE),
+            "one more try"
+        );
+        assert_eq!(never.dial(t0 + RECONNECT_PAUSE), Dial::Now);
+        never.dial_failed("no answer within 3.0s", t0 + RECONNECT_PAUSE);
+        assert_eq!(never.coming_back(t0 + RECONNECT_PAUSE), None, "and no more");
         let mut banned = holding(&[x]);
         banned.lose(t0);
         banned.ban("bad chunk");

@@ -23,7 +23,9 @@
 //! A peer that cannot be connected to is unreachable for its back-off: one connection attempt
 //! at a time (concurrent loads wait for it rather than each connecting), and until the
 //! back-off ends every try at it fails at once, naming the peer and why, without connecting
-//! again. A peer whose connection was up and was lost (closed, reset, or silent for the
+//! again (after its very first failed attempt, one more is made that loads with no other
+//! source wait for: a peer starting, or slow on a busy machine). A peer whose connection was up
+//! and was lost (closed, reset, or silent for the
 //! silence deadline: killed, stopped or restarting) is redialled with back-off a bounded
 //! number of times, and loads that have no other source wait for it in rounds like slow
 //! peers, so a holder that comes back is used again; one that does not ends them with an
@@ -701,10 +703,7 @@ enum LinkError {
 
 fn wait_message(why: &str, left: Duration, coming_back: bool) -> String {
     if coming_back {
-        format!(
-            "connection lost ({why}); reconnecting in {:.1}s",
-            left.as_secs_f64()
-        )
+        format!("{why}; trying again in {:.1}s", left.as_secs_f64())
     } else {
         format!(
             "unreachable ({why}); not trying to connect again for {:.1}s",
