@@ -990,7 +990,7 @@ enum AttemptError {
     /// The connection was lost during the request (the peer is already marked for it, once
     /// however many requests saw it: [`PeerView::lose`]).
     #[error("connection lost: {0}")]
-    Lost(Box<AttemptError>),
+    Lost(Box<Self>),
     #[error("{0:#}")]
     Other(anyhow::Error),
 }

@@ -111,6 +111,9 @@ impl FaultReport {
     }
 }
 
+/// How one `stormo run` ended: its `--json` output and wall seconds, or why it failed.
+type RunResult = Result<(serde_json::Value, f64), SwarmError>;
+
 /// What the fault cases share.
 struct Bench<'a> {
     c: Cluster,
@@ -153,7 +156,7 @@ impl Bench<'_> {
         &self,
         case: &str,
         expect: Expect,
-        runs: Vec<Result<(serde_json::Value, f64), SwarmError>>,
+        runs: Vec<RunResult>,
         started: Instant,
         blame: Option<usize>,
         mut detail: Vec<String>,
@@ -223,7 +226,7 @@ impl Bench<'_> {
         peers: &[usize],
         victim: usize,
         fault: Fault,
-    ) -> Result<(Result<(serde_json::Value, f64), SwarmError>, Vec<String>), SwarmError> {
+    ) -> Result<(RunResult, Vec<String>), SwarmError> {
         let args = self.args(peers);
         let mut client = self.c.spawn_run(name, &args)?;
         let before = self.c.nodes[victim].link().down_bytes;
