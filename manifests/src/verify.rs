@@ -637,3 +637,124 @@ fn compare_header(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! `verify` against a real checkpoint (the repository's tiny Qwen3-MoE fixture): a clean
+    //! copy verifies, and each kind of damage is named. These guard the bytes in this crate's
+    //! own tests (they were only reached through the CLI's integration tests, which a
+    //! mutation run scoped to this crate does not run).
+
+    use super::*;
+    use crate::manifest::MIN_CHUNK_SIZE;
+
+    /// A copy of the fixture's checkpoint (without the reference files) and its manifest.
+    fn checkpoint() -> (tempfile::TempDir, Manifest) {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen3moe-tiny");
+        let dir = tempfile::tempdir().unwrap();
+        for name in ["config.json", "model.safetensors"] {
+            std::fs::copy(src.join(name), dir.path().join(name)).unwrap();
+        }
+        let m = crate::build::build_reference(dir.path(), MIN_CHUNK_SIZE).unwrap();
+        (dir, m)
+    }
+
+    fn problems(dir: &Path, m: &Manifest) -> Vec<Problem> {
+        verify(dir, m, &VerifyOptions::default()).unwrap().problems
+    }
+
+    fn edit(path: &Path, f: impl FnOnce(&mut Vec<u8>)) {
+        let mut b = std::fs::read(path).unwrap();
+        f(&mut b);
+        std::fs::write(path, b).unwrap();
+    }
+
+    #[test]
+    fn a_clean_checkpoint_verifies() {
+        let (dir, m) = checkpoint();
+        let p = problems(dir.path(), &m);
+        assert!(p.is_empty(), "{p:?}");
+        assert!(verify(dir.path(), &m, &VerifyOptions::default())
+            .unwrap()
+            .is_ok());
+    }
+
+    #[test]
+    fn a_flipped_expert_byte_names_that_expert_and_chunk() {
+        let (dir, m) = checkpoint();
+        let e = &m.experts[m.experts.len() / 2];
+        let id = e.id;
+        // The first byte of the record: its first part's offset in the file.
+        let at = usize::try_from(e.parts[0].offset).unwrap();
+        edit(&dir.path().join("model.safetensors"), |b| b[at] ^= 0x40);
+        let p = problems(dir.path(), &m);
+        assert!(
+            p.iter()
+                .any(|p| matches!(p, Problem::ExpertDiffers { id: i, chunks, .. }
+                if *i == id && !chunks.is_empty())),
+            "{p:?}"
+        );
+        assert!(
+            !p.iter()
+                .any(|p| matches!(p, Problem::ExpertDiffers { id: i, .. } if *i != id)),
+            "another expert was blamed: {p:?}"
+        );
+    }
+
+    #[test]
+    fn a_truncated_file_and_a_bad_header_are_named() {
+        let (dir, m) = checkpoint();
+        let path = dir.path().join("model.safetensors");
+        let len = std::fs::metadata(&path).unwrap().len();
+        edit(&path, |b| b.truncate(b.len() - 100));
+        let p = problems(dir.path(), &m);
+        assert!(
+            p.iter().any(
+                |p| matches!(p, Problem::FileTruncated { expected, found, .. }
+                if *expected == len && *found == len - 100)
+            ),
+            "{p:?}"
+        );
+        let (dir, m) = checkpoint();
+        let path = dir.path().join("model.safetensors");
+        // A header length past the file.
+        edit(&path, |b| {
+            b[..8].copy_from_slice(&(u64::MAX / 2).to_le_bytes())
+        });
+        let p = problems(dir.path(), &m);
+        assert!(
+            p.iter()
+                .any(|p| matches!(p, Problem::HeaderInvalid { reason, .. } if reason.contains("implausible"))),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn changed_missing_and_unlisted_metadata_are_named() {
+        let (dir, m) = checkpoint();
+        edit(&dir.path().join("config.json"), |b| b.push(b' '));
+        std::fs::write(dir.path().join("tokenizer.json"), b"{}").unwrap();
+        let p = problems(dir.path(), &m);
+        assert!(
+            p.iter()
+                .any(|p| matches!(p, Problem::MetaDiffers { name } if name == "config.json")),
+            "{p:?}"
+        );
+        assert!(
+            p.iter()
+                .any(|p| matches!(p, Problem::MetaUnexpected { name } if name == "tokenizer.json")),
+            "{p:?}"
+        );
+        std::fs::remove_file(dir.path().join("config.json")).unwrap();
+        let p = problems(dir.path(), &m);
+        assert!(
+            p.iter()
+                .any(|p| matches!(p, Problem::MetaMissing { name } if name == "config.json")),
+            "{p:?}"
+        );
+        assert!(matches!(
+            verify(&dir.path().join("nope"), &m, &VerifyOptions::default()),
+            Err(VerifyError::NotADirectory { .. })
+        ));
+    }
+}

@@ -6,12 +6,14 @@
 //! - [`relay`]: the link shaper (a UDP relay per client-server link).
 //! - [`cluster`]: the processes (keys, manifest, serve nodes, client runs, cleanup).
 //! - [`run_scenario`]: the named scenarios and their [`SwarmReport`].
+//! - [`faults`]: the fault matrix against real processes and its [`faults::FaultReport`].
 //!
 //! This crate cannot depend on the node (the node depends on it), so it drives the `stormo`
 //! binary whose path the caller gives, exactly as a user would. Non-goals: more than one
 //! machine, network namespaces, simulated time.
 
 pub mod cluster;
+pub mod faults;
 pub mod relay;
 
 use std::fmt::Write as _;

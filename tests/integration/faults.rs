@@ -946,7 +946,6 @@ fn fault_peer_killed_mid_expert_falls_over_within_the_silence_deadline() {
 /// and comes back a second later on the same address, loads are supplied again (the client
 /// reconnects, with back-off) instead of failing on the lost connection.
 #[test]
-#[ignore = "open (issue 40 item 3): a load right after the sole holder's restart ends on 'connection lost' instead of reconnecting with back-off"]
 fn fault_sole_holder_restarted_on_the_same_port_is_reconnected() {
     let m = fixture_copy("qwen3moe-tiny");
     let node = Node::start(198, m.dir.path(), "auto", admit_client());

@@ -53,3 +53,48 @@ fn unknown_scenario_is_a_clear_error() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("lan4") && !err.contains("panicked"), "{err}");
 }
+
+/// `stormo sim --scenario faults` at a tiny size: every case of the fault matrix against real
+/// processes ends as it should (the ids of the local run, or for the refused key an error
+/// naming the peer), and the table lists each with its time.
+#[test]
+fn the_fault_matrix_against_real_processes_ends_as_expected() {
+    let started = std::time::Instant::now();
+    let out = Command::new(stormo_exe())
+        .args([
+            "sim",
+            "--scenario",
+            "faults",
+            "--json",
+            "--max-new-tokens",
+            "24",
+            "--fault-clients",
+            "3",
+            "--timeout",
+            "120",
+        ])
+        .output()
+        .expect("run stormo sim");
+    let err = String::from_utf8_lossy(&out.stderr);
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("sim --json is not JSON ({e}); stderr: {err}"));
+    let rows = v["rows"].as_array().expect("rows");
+    let cases: Vec<&str> = rows.iter().filter_map(|r| r["case"].as_str()).collect();
+    assert_eq!(rows.len(), 6, "{cases:?}");
+    for r in rows {
+        assert_eq!(r["ok"], true, "{r}\nstderr: {err}");
+        let want = if r["expect"] == "exact" {
+            "exact"
+        } else {
+            "clear error"
+        };
+        assert_eq!(r["outcome"], want, "{r}");
+        assert!(r["secs"].as_f64().is_some_and(|s| s > 0.0), "{r}");
+    }
+    assert!(
+        rows.iter().any(|r| r["expect"] == "clear-error"),
+        "no case expects an error: {cases:?}"
+    );
+    assert!(out.status.success(), "{err}");
+    eprintln!("the fault matrix took {:?}", started.elapsed());
+}

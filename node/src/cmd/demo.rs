@@ -226,12 +226,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     )?;
     let mut relay_args = vec!["--trust".to_string(), c.publisher.clone()];
     relay_args.extend(c.peer_args(holders.clone()));
-    let relay = c.add_node_with(NodeSpec {
-        model: Some(dense),
-        args: relay_args,
-        key: Some(relay_key),
-        ..NodeSpec::default()
-    })?;
+    let relay = c.add_node_with(
+        NodeSpec {
+            model: Some(dense),
+            args: relay_args,
+            key: Some(relay_key),
+            ..NodeSpec::default()
+        },
+        LinkSpec::ideal(),
+    )?;
     say(&format!(
         "{} serving on 127.0.0.1 with no experts, fetching from the others",
         c.nodes[relay].name

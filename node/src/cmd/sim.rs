@@ -23,13 +23,17 @@ use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 ///   churn       4 nodes hold every expert twice; a holder is killed mid-run and restarted
 ///   wan         join-empty over 20 ms / 100 Mbit/s / 0.5% loss links
 ///   all         each of them in turn
+///   faults      the fault matrix: a holder killed or stopped while it sends, the sole holder
+///               restarted on its port, corrupt bytes, an unknown key, a server at
+///               --expert-cache 0 under concurrent clients; prints a table of case, outcome
+///               (exact or clear error) and time, and fails unless every case is as expected
 ///
 /// Without --model a small GPT-OSS-shaped model is synthesized in the scratch folder.
 /// Example: `stormo sim --scenario churn --json`.
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// The scenario: lan4, join-empty, churn, wan or all.
+    /// The scenario: lan4, join-empty, churn, wan, all or faults.
     #[arg(long, value_name = "NAME")]
     pub scenario: String,
     /// The checkpoint every node serves from (at least 4 experts per layer).
@@ -75,6 +79,9 @@ pub struct Args {
     /// Print the reports as JSON on stdout (progress still goes to stderr).
     #[arg(long)]
     pub json: bool,
+    /// The faults scenario's concurrent clients of a server at --expert-cache 0 (1 to 64).
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    pub fault_clients: usize,
 }
 
 /// The link every scenario uses unless overridden.
@@ -166,13 +173,20 @@ impl Drop for Scratch {
 
 /// Runs `stormo sim`.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let scenarios: Vec<Scenario> = if a.scenario == "all" {
+    let faults = a.scenario == "faults";
+    anyhow::ensure!(
+        (1..=64).contains(&a.fault_clients),
+        "--fault-clients must be between 1 and 64"
+    );
+    let scenarios: Vec<Scenario> = if faults {
+        Vec::new()
+    } else if a.scenario == "all" {
         Scenario::ALL.to_vec()
     } else {
         vec![a
             .scenario
             .parse()
-            .map_err(|e: String| anyhow::anyhow!("--scenario: {e}, or all"))?]
+            .map_err(|e: String| anyhow::anyhow!("--scenario: {e}, all or faults"))?]
     };
     let links = scenarios
         .iter()
@@ -207,22 +221,57 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let reaper_slot = std::sync::Arc::new(std::sync::Mutex::new(Vec::<swarm::Reaper>::new()));
     crate::cmd::demo::on_interrupt(scratch_guard(&scratch), reaper_slot.clone());
+    let opts_for = |link: Option<LinkSpec>| SwarmOptions {
+        exe: exe.clone(),
+        model: model.clone(),
+        work: scratch.path.clone(),
+        prompt: prompt.clone(),
+        max_new_tokens: a.max_new_tokens,
+        link,
+        client_cache: a.client_cache.clone(),
+        timeout: Duration::from_secs_f64(timeout),
+        serve_args: match a.congestion {
+            crate::net::tls::Congestion::Cubic => Vec::new(),
+            crate::net::tls::Congestion::Bbr => vec!["--congestion".into(), "bbr".into()],
+        },
+    };
+    if faults {
+        let link = link_for(&a, Scenario::Lan4)?;
+        let slot = reaper_slot.clone();
+        let keep_reaper = move |r: swarm::Reaper| {
+            slot.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+        };
+        let r = swarm::faults::run_faults(
+            &opts_for(Some(link)),
+            a.fault_clients,
+            &mut |m| eprintln!("sim: {m}"),
+            Some(&keep_reaper),
+        )
+        .context("scenario faults")?;
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&r)?);
+        } else {
+            println!("{}", r.table());
+        }
+        if a.keep || a.work.is_some() {
+            eprintln!("logs kept in {}", scratch.path.display());
+        }
+        let bad: Vec<&str> = r
+            .rows
+            .iter()
+            .filter(|r| !r.ok)
+            .map(|r| r.case.as_str())
+            .collect();
+        anyhow::ensure!(
+            bad.is_empty(),
+            "the fault matrix: not as expected in: {}",
+            bad.join("; ")
+        );
+        return Ok(());
+    }
     let mut reports = Vec::new();
     for (s, link) in scenarios.iter().zip(links) {
-        let opts = SwarmOptions {
-            exe: exe.clone(),
-            model: model.clone(),
-            work: scratch.path.clone(),
-            prompt: prompt.clone(),
-            max_new_tokens: a.max_new_tokens,
-            link: Some(link),
-            client_cache: a.client_cache.clone(),
-            timeout: Duration::from_secs_f64(timeout),
-            serve_args: match a.congestion {
-                crate::net::tls::Congestion::Cubic => Vec::new(),
-                crate::net::tls::Congestion::Bbr => vec!["--congestion".into(), "bbr".into()],
-            },
-        };
+        let opts = opts_for(Some(link));
         let slot = reaper_slot.clone();
         let keep_reaper = move |r: swarm::Reaper| {
             slot.lock().unwrap_or_else(|e| e.into_inner()).push(r);

@@ -1,6 +1,17 @@
 //! The network tier's peer policy, sans-IO: which peer to ask for an expert, how long to wait
 //! before racing a second one, how long a failing peer is avoided, when a peer that sent bad
-//! bytes is dropped, and how the rounds over an expert's holders go on or end.
+//! bytes is dropped, when a peer may be dialled (and redialled after its connection was lost),
+//! and how the rounds over an expert's holders go on or end.
+//!
+//! A peer's connection is in one of four states here: never tried or up (dial when needed),
+//! unreachable (the last attempt failed: no attempt until its back-off ends), or lost (it was
+//! up and went away: the peer may be restarting). A lost peer is redialled with back-off, at
+//! most [`MAX_RECONNECTS`] failed attempts, and while it may still come back the loads that
+//! have no other holder wait for it in rounds ([`coming_back`]) instead of failing at once;
+//! after the last failed attempt it is unreachable. A peer whose very first attempt failed
+//! (starting, or slow to answer on a busy machine) gets one more attempt that loads wait for,
+//! and then no more rounds: a dead address costs one attempt per back-off, not one per load or
+//! round.
 //!
 //! Nothing here touches a socket or reads a clock: every decision takes the time as an
 //! argument (as quinn-proto and this crate's wire client do), so the whole policy is tested
@@ -33,6 +44,38 @@ pub const MAX_TIMEOUT_FACTOR: u32 = 8;
 /// and no try's deadline moves, past it.
 pub const LOAD_BUDGET_FACTOR: u32 = MAX_ROUNDS * MAX_TIMEOUT_FACTOR;
 
+/// Most failed attempts to reconnect to a peer whose connection was lost; after them it is
+/// unreachable like a peer never reached.
+pub const MAX_RECONNECTS: u32 = 3;
+/// The pause after the first failed reconnection attempt, doubled after each later one.
+pub const RECONNECT_PAUSE: Duration = Duration::from_millis(500);
+
+/// A connection that was up and was lost: redialled with back-off, a bounded number of times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lost {
+    /// Failed reconnection attempts since it was lost.
+    pub failed: u32,
+    /// No attempt before this.
+    pub next: Instant,
+}
+
+/// Whether the driver may dial a peer now ([`PeerView::dial`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Dial {
+    /// Connect now.
+    Now,
+    /// Not now: the last attempt failed `why`, and the next may start after `left`.
+    Wait {
+        /// Why the last attempt failed.
+        why: String,
+        /// Until an attempt may start again.
+        left: Duration,
+        /// The connection was lost and the peer may come back (a load without another holder
+        /// waits for it in rounds); false: unreachable for its back-off.
+        coming_back: bool,
+    },
+}
+
 /// What the policy knows of one peer.
 #[derive(Debug, Default)]
 pub struct PeerView {
@@ -55,8 +98,12 @@ pub struct PeerView {
     /// Why the last connection attempt failed, until a connection succeeds: while the peer is
     /// avoided for it, tries fail at once instead of connecting again.
     pub unreachable: Option<String>,
+    /// Its connection was up and was lost, and it is being redialled (see [`Lost`]).
+    pub lost: Option<Lost>,
     /// Connection attempts made.
     pub connects: u32,
+    /// A connection was made at some point.
+    pub ever_connected: bool,
     /// Measured throughput, bytes per second.
     pub rate: Option<f64>,
     /// Round trip of its connection.
@@ -145,6 +192,92 @@ impl PeerView {
         self.avoid_until = None;
     }
 
+    /// Whether the driver may dial it at `now` (when it has no live connection); counts the
+    /// attempt when it may. A lost peer may be dialled once its reconnection pause is over; an
+    /// unreachable one once its back-off is.
+    pub fn dial(&mut self, now: Instant) -> Dial {
+        let why = || {
+            self.unreachable
+                .clone()
+                .unwrap_or_else(|| "connection lost".into())
+        };
+        if let Some(l) = self.lost {
+            if l.next > now {
+                return Dial::Wait {
+                    why: why(),
+                    left: l.next - now,
+                    coming_back: true,
+                };
+            }
+        } else if let (Some(_), Some(until)) = (&self.unreachable, self.avoid_until) {
+            if until > now {
+                return Dial::Wait {
+                    why: why(),
+                    left: until - now,
+                    coming_back: false,
+                };
+            }
+        }
+        self.connects += 1;
+        Dial::Now
+    }
+
+    /// Notes a connection made: it is neither unreachable nor lost any more.
+    pub fn connected(&mut self) {
+        self.unreachable = None;
+        self.lost = None;
+        self.ever_connected = true;
+    }
+
+    /// Notes a failed connection attempt at `now`: the peer is unreachable for a back-off (see
+    /// [`PeerView::fail`]); a lost one is redialled after [`RECONNECT_PAUSE`] doubled per
+    /// failed attempt, until [`MAX_RECONNECTS`] have failed, when it is no longer coming back.
+    /// Returns the back-off.
+    pub fn dial_failed(&mut self, why: &str, now: Instant) -> Duration {
+        self.unreachable = Some(why.to_string());
+        let backoff = self.fail(now);
+        if !self.ever_connected && self.connects == 1 {
+            // The very first attempt: the peer may be starting, or slow to answer on a busy
+            // machine. One more attempt, which loads without another source wait for; then
+            // it is unreachable like any.
+            self.lost = Some(Lost {
+                failed: MAX_RECONNECTS - 1,
+                next: now + RECONNECT_PAUSE,
+            });
+            return backoff;
+        }
+        if let Some(l) = self.lost.as_mut() {
+            l.failed += 1;
+            if l.failed >= MAX_RECONNECTS {
+                self.lost = None;
+            } else {
+                l.next = now + RECONNECT_PAUSE.saturating_mul(1 << (l.failed - 1));
+            }
+        }
+        backoff
+    }
+
+    /// Notes at `now` that its live connection was lost (closed by the peer or the network,
+    /// or silent for the silence deadline): it may be restarting, so it is redialled (at once
+    /// the first time) and loads without another holder wait for it. Counts as one failure
+    /// however many loads saw the loss. Returns true when the loss is new.
+    pub fn lose(&mut self, now: Instant) -> bool {
+        if self.lost.is_some() || !self.usable() {
+            return false;
+        }
+        self.fail(now);
+        self.lost = Some(Lost {
+            failed: 0,
+            next: now,
+        });
+        true
+    }
+
+    /// When it may be dialled again if it is coming back (lost, with attempts left, usable).
+    pub fn coming_back(&self, now: Instant) -> Option<Instant> {
+        self.lost.filter(|_| self.usable()).map(|l| l.next.max(now))
+    }
+
     /// Drops the peer for the session: it sent bytes that failed verification. Returns true
     /// the first time (so the caller names it once).
     pub fn ban(&mut self, why: &str) -> bool {
@@ -200,6 +333,21 @@ pub fn other_holder_left<'a>(
     })
 }
 
+/// The earliest time a peer that may supply `id` and whose connection was lost may be dialled
+/// again (see [`PeerView::coming_back`]): a load with no other source waits until then for
+/// another round instead of failing. `None`: no such peer.
+pub fn coming_back<'a>(
+    peers: impl IntoIterator<Item = (usize, &'a PeerView)>,
+    id: ExpertId,
+    now: Instant,
+) -> Option<Instant> {
+    peers
+        .into_iter()
+        .filter(|(_, p)| p.may_supply(id))
+        .filter_map(|(_, p)| p.coming_back(now))
+        .min()
+}
+
 /// How long a demand request to `p` runs before it is raced by a second one: the p95 of its
 /// recent fetch times (before there are enough, three times the expected time), within
 /// `[min, max]` and never past `request_timeout`.
@@ -245,6 +393,41 @@ impl Rounds {
             self.stalls += 1;
         }
         (self.stalls < MAX_ROUNDS).then(|| Duration::from_millis(250 << self.quiet.min(3)))
+    }
+}
+
+/// How a round over an expert's holders ended (every holder tried), for [`Rounds::after`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RoundEnd {
+    /// It verified more of the expert.
+    pub progressed: bool,
+    /// Some peer answered `busy`.
+    pub busy: bool,
+    /// Some try ran out of time while its peer was still sending.
+    pub slow: bool,
+    /// A holder whose connection was lost may be dialled again at this time (see
+    /// [`coming_back`]; the driver leaves it out when another source, the local disk, holds
+    /// the expert).
+    pub coming_back: Option<Instant>,
+}
+
+impl Rounds {
+    /// After a round at `now` that ended as `end`: the pause before the next round, or `None`
+    /// to end the load. Another round is worth it only when a peer was slow or busy, or a lost
+    /// holder may come back; the pause is the rounds' (see [`Rounds::next`]) or, when longer,
+    /// the wait until that holder may be dialled; and no pause runs past `clock`'s budget.
+    /// Rounds spent waiting for a lost holder count as stalled rounds, and its reconnection
+    /// attempts are bounded too ([`MAX_RECONNECTS`]), so a holder that does not come back ends
+    /// the load within both bounds.
+    pub fn after(&mut self, end: RoundEnd, clock: &LoadClock, now: Instant) -> Option<Duration> {
+        if !(end.slow || end.busy || end.coming_back.is_some()) {
+            return None;
+        }
+        let pause = self.next(end.progressed, end.busy)?;
+        let pause = end
+            .coming_back
+            .map_or(pause, |t| pause.max(t.saturating_duration_since(now)));
+        clock.fits(now, pause).then_some(pause)
     }
 }
 
@@ -500,6 +683,126 @@ mod tests {
         let near_end = t0 + c.budget() - Duration::from_millis(100);
         assert!(!c.fits(near_end, Duration::from_millis(250)));
         assert!(c.spent(t0 + c.budget()));
+    }
+
+    /// A peer whose connection was lost is redialled at once, then after a pause that
+    /// doubles per failed attempt; after [`MAX_RECONNECTS`] failures it is unreachable like a
+    /// peer never reached (its back-off refuses dials, and it is no longer coming back). A
+    /// success ends all of it.
+    #[test]
+    fn a_lost_peer_is_redialled_with_back_off_a_bounded_number_of_times() {
+        let t0 = Instant::now();
+        let x = id(0, 1);
+        let mut p = holding(&[x]);
+        assert_eq!(p.dial(t0), Dial::Now, "a peer never tried is dialled");
+        p.connected();
+        assert!(p.lose(t0), "a new loss");
+        assert!(!p.lose(t0), "the same loss seen by another load");
+        assert_eq!(
+            p.failures, 1,
+            "one loss is one failure, however many loads saw it"
+        );
+        assert_eq!(p.coming_back(t0), Some(t0));
+        assert_eq!(p.dial(t0), Dial::Now, "the first redial is at once");
+        let mut now = t0;
+        let mut pauses = Vec::new();
+        for n in 1..MAX_RECONNECTS {
+            now += Duration::from_secs(3);
+            p.dial_failed("no answer within 3.0s", now);
+            let next = p.coming_back(now).expect("still coming back");
+            pauses.push(next - now);
+            match p.dial(now) {
+                Dial::Wait {
+                    coming_back: true,
+                    left,
+                    why,
+                } => {
+                    assert_eq!(left, next - now);
+                    assert!(why.contains("no answer"), "{why}");
+                }
+                d => panic!("dialled during the pause after failure {n}: {d:?}"),
+            }
+            assert_eq!(p.dial(next), Dial::Now, "after the pause");
+        }
+        assert_eq!(
+            pauses,
+            [RECONNECT_PAUSE, RECONNECT_PAUSE * 2][..(MAX_RECONNECTS - 1) as usize]
+        );
+        now += Duration::from_secs(3);
+        let backoff = p.dial_failed("no answer within 3.0s", now);
+        assert_eq!(p.coming_back(now), None, "given up after {MAX_RECONNECTS}");
+        assert!(matches!(
+            p.dial(now),
+            Dial::Wait {
+                coming_back: false,
+                ..
+            }
+        ));
+        assert_eq!(
+            p.dial(now + backoff),
+            Dial::Now,
+            "tried again after the back-off"
+        );
+        p.connected();
+        assert_eq!(p.unreachable, None);
+        assert!(p.lose(now), "a loss after a reconnection is a new one");
+    }
+
+    /// A peer whose first attempt failed gets one more attempt, after a pause, and is then
+    /// not coming back (a dead address costs no more rounds); nor is a lost peer that was
+    /// removed or dropped, or one that does not hold the expert.
+    #[test]
+    fn only_a_lost_usable_holder_is_coming_back() {
+        let t0 = Instant::now();
+        let (x, y) = (id(0, 1), id(1, 2));
+        let mut never = holding(&[x]);
+        assert_eq!(never.dial(t0), Dial::Now);
+        never.dial_failed("no answer within 3.0s", t0);
+        assert_eq!(
+            never.coming_back(t0),
+            Some(t0 + RECONNECT_PAUSE),
+            "one more try"
+        );
+        assert_eq!(never.dial(t0 + RECONNECT_PAUSE), Dial::Now);
+        never.dial_failed("no answer within 3.0s", t0 + RECONNECT_PAUSE);
+        assert_eq!(never.coming_back(t0 + RECONNECT_PAUSE), None, "and no more");
+        let mut banned = holding(&[x]);
+        banned.lose(t0);
+        banned.ban("bad chunk");
+        let mut other = holding(&[y]);
+        other.lose(t0);
+        let peers = vec![never, banned, other];
+        assert_eq!(coming_back(views(&peers), x, t0), None);
+        assert_eq!(coming_back(views(&peers), y, t0), Some(t0));
+        let mut removed = holding(&[x]);
+        removed.removed = true;
+        assert!(!removed.lose(t0));
+    }
+
+    /// A round after which a lost holder is coming back is followed by another, paused until
+    /// it may be dialled; without one (and nothing slow or busy) the load ends; rounds spent
+    /// waiting are stalls, so they end after [`MAX_ROUNDS`]; no pause passes the budget.
+    #[test]
+    fn rounds_wait_for_a_holder_coming_back_within_their_bounds() {
+        let t0 = Instant::now();
+        let clock = LoadClock::new(Duration::from_secs(1), t0);
+        let mut r = Rounds::default();
+        assert_eq!(r.after(RoundEnd::default(), &clock, t0), None);
+        let back = |at: Instant| RoundEnd {
+            coming_back: Some(at),
+            ..RoundEnd::default()
+        };
+        assert_eq!(r.after(back(t0), &clock, t0), ms(500));
+        assert_eq!(
+            r.after(back(t0 + Duration::from_secs(3)), &clock, t0),
+            ms(3000),
+            "paused until the holder may be dialled"
+        );
+        assert_eq!(r.after(back(t0), &clock, t0), ms(2000));
+        assert_eq!(r.after(back(t0), &clock, t0), None, "four stalled rounds");
+        let mut r = Rounds::default();
+        let late = t0 + clock.budget() - Duration::from_millis(100);
+        assert_eq!(r.after(back(late), &clock, late), None, "past the budget");
     }
 
     fn ms(n: u64) -> Option<Duration> {

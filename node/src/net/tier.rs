@@ -23,7 +23,15 @@
 //! A peer that cannot be connected to is unreachable for its back-off: one connection attempt
 //! at a time (concurrent loads wait for it rather than each connecting), and until the
 //! back-off ends every try at it fails at once, naming the peer and why, without connecting
-//! again. Failed tries that another peer made up for are counted through
+//! again (after its very first failed attempt, one more is made that loads with no other
+//! source wait for: a peer starting, or slow on a busy machine). A peer whose connection was up
+//! and was lost (closed, reset, or silent for the
+//! silence deadline: killed, stopped or restarting) is redialled with back-off a bounded
+//! number of times, and loads that have no other source wait for it in rounds like slow
+//! peers, so a holder that comes back is used again; one that does not ends them with an
+//! error naming it. Whether to dial, and whether another round is worth it, are
+//! [`policy`]'s decisions ([`PeerView::dial`], [`Rounds::after`]); this module only dials and
+//! reports what happened. Failed tries that another peer made up for are counted through
 //! [`Tier::retried_failures`], so the statistics show them as failures and fallbacks.
 
 use std::collections::HashSet;
@@ -190,14 +198,10 @@ impl Peer {
 
     /// Notes a failure: warns naming the peer, and avoids it for a while.
     fn mark(&self, what: &str, err: &dyn fmt::Display) {
-        let mut s = self.state();
-        Self::mark_state(&mut s, &self.addr, what, err);
-    }
-
-    fn mark_state(s: &mut PeerView, addr: &PeerAddr, what: &str, err: &dyn fmt::Display) {
-        let backoff = s.fail(Instant::now());
+        let backoff = self.state().fail(Instant::now());
         tracing::warn!(
-            "peer {addr} failed {what}: {err}; avoiding it for {:.1}s",
+            "peer {} failed {what}: {err}; avoiding it for {:.1}s",
+            self.addr,
             backoff.as_secs_f64()
         );
     }
@@ -684,41 +688,60 @@ enum LinkError {
     /// This call tried to connect and failed.
     #[error("cannot connect: {0}")]
     Connect(String),
-    /// A recent attempt failed and the peer is avoided for it: not tried again yet.
-    #[error("unreachable ({why}); not trying to connect again for {:.1}s", .left.as_secs_f64())]
-    Unreachable {
+    /// A recent attempt failed (or the connection was lost) and the policy says not to dial
+    /// yet ([`policy::Dial::Wait`]).
+    #[error("{}", wait_message(.why, *.left, *.coming_back))]
+    Wait {
         /// Why the last attempt failed.
         why: String,
-        /// Until the back-off ends.
+        /// Until an attempt may start.
         left: Duration,
+        /// Lost and being redialled, rather than unreachable.
+        coming_back: bool,
     },
 }
 
-/// The live link to `peer`, connecting if there is none (or the last one closed). Attempts
-/// are one at a time (the lock on the link is held while connecting), and a failed one makes
-/// the peer unreachable for its back-off: the calls that waited for it, and any call until
-/// the back-off ends, fail at once without connecting.
+fn wait_message(why: &str, left: Duration, coming_back: bool) -> String {
+    if coming_back {
+        format!("{why}; trying again in {:.1}s", left.as_secs_f64())
+    } else {
+        format!(
+            "unreachable ({why}); not trying to connect again for {:.1}s",
+            left.as_secs_f64()
+        )
+    }
+}
+
+/// The live link to `peer`, connecting if there is none (or the last one closed) and the
+/// policy allows a dial ([`PeerView::dial`]). Attempts are one at a time (the lock on the
+/// link is held while connecting): the calls that waited for a failed one find the policy
+/// refusing to dial again until its back-off ends, and fail at once without connecting. A
+/// link found closed is a lost connection ([`PeerView::lose`]): the peer is redialled.
 async fn link(inner: &Inner, peer: &Arc<Peer>) -> Result<Arc<Link>, LinkError> {
     let mut g = peer.link.clone().lock_owned().await;
     if let Some(l) = g.as_ref() {
         if l.conn.close_reason().is_none() {
             return Ok(l.clone());
         }
-        tracing::info!("peer {}: connection lost, reconnecting", peer.addr);
+        // Closed by this node only for silence (the loss is noted then) or a protocol
+        // violation (not a loss: no reconnection rounds for it).
+        if connection_lost(&l.conn) && peer.state().lose(Instant::now()) {
+            tracing::info!("peer {}: connection lost, reconnecting", peer.addr);
+        }
         *g = None;
     }
+    let dial = peer.state().dial(Instant::now());
+    if let policy::Dial::Wait {
+        why,
+        left,
+        coming_back,
+    } = dial
     {
-        let mut s = peer.state();
-        let now = Instant::now();
-        if let (Some(why), Some(until)) = (&s.unreachable, s.avoid_until) {
-            if until > now {
-                return Err(LinkError::Unreachable {
-                    why: why.clone(),
-                    left: until - now,
-                });
-            }
-        }
-        s.connects += 1;
+        return Err(LinkError::Wait {
+            why,
+            left,
+            coming_back,
+        });
     }
     // On a task of its own, holding the lock: the attempt runs to its end (and a failure is
     // marked) even when the try that started it is dropped, such as a race lost to the disk.
@@ -760,10 +783,17 @@ async fn connect_link(
         Err(e) => {
             let why = format!("{e:#}");
             // Marked before the lock on the link is released, so that the calls waiting for
-            // it see the peer unreachable.
+            // it see the policy's answer to this failure.
             let mut s = peer.state();
-            Peer::mark_state(&mut s, &peer.addr, "to connect", &why);
-            s.unreachable = Some(why.clone());
+            let backoff = s.dial_failed(&why, Instant::now());
+            let again = match s.coming_back(Instant::now()) {
+                Some(t) => format!(
+                    "reconnecting in {:.1}s",
+                    t.saturating_duration_since(Instant::now()).as_secs_f64()
+                ),
+                None => format!("avoiding it for {:.1}s", backoff.as_secs_f64()),
+            };
+            tracing::warn!("peer {} failed to connect: {why}; {again}", peer.addr);
             return Err(LinkError::Connect(why));
         }
     };
@@ -782,11 +812,18 @@ async fn connect_link(
         s.inventory = inv;
         s.offer = None;
         s.rtt = Some(l.conn.rtt());
-        s.unreachable = None;
+        s.connected();
     }
     tokio::spawn(control.follow(peer.clone(), model));
     *g = Some(l.clone());
     Ok(l)
+}
+
+/// Whether `conn` was lost: closed by the peer or the network (a reset, an idle timeout),
+/// not by this node (for a protocol violation, a removal or shutdown).
+fn connection_lost(conn: &quinn::Connection) -> bool {
+    conn.close_reason()
+        .is_some_and(|e| !matches!(e, quinn::ConnectionError::LocallyClosed))
 }
 
 /// Fetches a manifest from `peer` and returns its bytes, unchecked (check them against the
@@ -961,6 +998,10 @@ enum AttemptError {
     /// No link (the peer is already marked for it).
     #[error(transparent)]
     Link(#[from] LinkError),
+    /// The connection was lost during the request (the peer is already marked for it, once
+    /// however many requests saw it: [`PeerView::lose`]).
+    #[error("connection lost: {0}")]
+    Lost(Box<Self>),
     #[error("{0:#}")]
     Other(anyhow::Error),
 }
@@ -1232,6 +1273,14 @@ impl Inner {
         )
     }
 
+    /// When a holder of `id` whose connection was lost may be dialled again (see
+    /// [`policy::coming_back`]).
+    fn coming_back(&self, id: ExpertId, now: Instant) -> Option<Instant> {
+        let peers = self.peers();
+        let views: Vec<_> = peers.iter().map(|p| p.state()).collect();
+        policy::coming_back(views.iter().enumerate().map(|(i, v)| (i, &**v)), id, now)
+    }
+
     /// Chooses a peer for `id` not in `tried` (adding it there) and counts a request in
     /// flight at it.
     fn pick(
@@ -1334,7 +1383,7 @@ impl Inner {
                 Ok(record)
             }
             Err(_) if closing => Err(("the network tier is closed".into(), prefix)),
-            Err(e @ AttemptError::Link(_)) => {
+            Err(e @ (AttemptError::Link(_) | AttemptError::Lost(_))) => {
                 tracing::debug!("peer {} on expert {id}: {e}", peer.addr);
                 Err((format!("{}: {e}", peer.addr), prefix))
             }
@@ -1408,7 +1457,9 @@ impl Inner {
     /// Each holder is tried once per round, each try resuming after the longest verified
     /// prefix so far. When every holder has been tried and some try ran out of time while its
     /// peer was still sending, or a peer answered busy (slow or loaded peers, or a link shared
-    /// by many loads, not failing ones), another round starts after a short pause, with twice
+    /// by many loads, not failing ones), or a holder whose connection was lost may come back
+    /// (restarted; not waited for when the local disk holds the expert), another round starts
+    /// after a short pause (for a lost holder, until the policy lets it be redialled), with twice
     /// the per-try deadline (up to [`policy::MAX_TIMEOUT_FACTOR`] times the first); see [`Rounds`]
     /// for when the rounds end. A try is cut off at its deadline while another holder is
     /// left in the round; the last holder's, and every try after the first round, runs on
@@ -1462,21 +1513,29 @@ impl Inner {
                 break;
             }
             let mut picked = self.pick(id, len, &mut tried);
-            if picked.is_none() && tries.retry.swap(false, Ordering::Relaxed) {
-                let progressed = prefix.len() > round_start;
-                let busy = tries.busy.swap(false, Ordering::Relaxed);
-                if let Some(pause) = rounds
-                    .next(progressed, busy)
-                    .filter(|p| clock.fits(Instant::now(), *p))
-                {
+            if picked.is_none() {
+                // Every holder tried: another round, or the end (the policy's call).
+                let now = Instant::now();
+                let end = policy::RoundEnd {
+                    progressed: prefix.len() > round_start,
+                    busy: tries.busy.swap(false, Ordering::Relaxed),
+                    slow: tries.retry.swap(false, Ordering::Relaxed),
+                    // With the expert on the local disk, a lost holder is not waited for.
+                    coming_back: if self.local.get().is_some_and(|l| l.holds(key)) {
+                        None
+                    } else {
+                        self.coming_back(id, now)
+                    },
+                };
+                if let Some(pause) = rounds.after(end, &clock, now) {
                     tokio::time::sleep(pause).await;
                     round += 1;
                     clock.next_round();
                     round_start = prefix.len();
                     tracing::debug!(
-                        "expert {id}: every holder tried and some still sending or busy; round \
-                         {round} with {:.1}s per try (more while chunks verify), after {} \
-                         verified bytes",
+                        "expert {id}: every holder tried and some still sending, busy or \
+                         coming back; round {round} with {:.1}s per try (more while chunks \
+                         verify), after {} verified bytes",
                         clock.timeout.as_secs_f64(),
                         prefix.len()
                     );
@@ -1679,12 +1738,13 @@ impl Inner {
             Priority::Prefetch => 0,
         };
         let idle = self.cfg.idle_timeout;
-        match run_request(&l.conn, &l.reqs, fetch, Some(stream_priority), idle).await {
-            Ok(bytes) if prefix.is_empty() => Ok(bytes),
+        let mut lost = false;
+        let r = match run_request(&l.conn, &l.reqs, fetch, Some(stream_priority), idle).await {
+            Ok(bytes) if prefix.is_empty() => return Ok(bytes),
             Ok(bytes) => {
                 let mut all = std::mem::take(prefix);
                 all.extend_from_slice(&bytes);
-                Ok(all)
+                return Ok(all);
             }
             Err(AttemptError::Fetch(e, verified, heard)) => {
                 prefix.extend_from_slice(&verified);
@@ -1693,11 +1753,22 @@ impl Inner {
                     // (killed, stopped, restarted). Closing the link now makes the next try
                     // reconnect instead of waiting out QUIC's own idle timeout on it.
                     l.conn.close(0u32.into(), b"silent");
+                    lost = true;
                 }
-                Err(AttemptError::Fetch(e, Vec::new(), heard))
+                AttemptError::Fetch(e, Vec::new(), heard)
             }
-            Err(e) => Err(e),
+            Err(e) => e,
+        };
+        if !(lost || connection_lost(&l.conn)) {
+            return Err(r);
         }
+        if peer.state().lose(Instant::now()) {
+            tracing::info!(
+                "peer {}: connection lost on expert {id} ({r}); it will be redialled",
+                peer.addr
+            );
+        }
+        Err(AttemptError::Lost(Box::new(r)))
     }
 }
 

@@ -61,10 +61,6 @@ pub struct Node {
     /// Its node key's public half (64 hex).
     pub public: String,
     key: PathBuf,
-    /// The model folder it serves when not the cluster's (e.g. a dense-only pulled folder).
-    model: Option<PathBuf>,
-    /// Arguments of its own after the cluster's (e.g. `--peer` for a node that fetches).
-    args: Vec<String>,
     /// Its state directory (usage counts, kept experts), in the scratch folder.
     pub state_dir: PathBuf,
     child: Option<Child>,
@@ -78,6 +74,23 @@ pub struct Node {
     /// Requests it reported serving when stopped gracefully (summed over its lives).
     pub served: Option<u64>,
     log: PathBuf,
+    spec: NodeSpec,
+}
+
+/// How a node serves, beyond the experts it holds: what the fault matrix varies.
+#[derive(Debug, Clone, Default)]
+pub struct NodeSpec {
+    /// Its `--only-experts` spec (`None`: every expert).
+    pub only: Option<String>,
+    /// The checkpoint it serves (`None`: the cluster's); the manifest is the cluster's.
+    pub model: Option<PathBuf>,
+    /// The key it admits (`None`: the cluster's client).
+    pub allow: Option<String>,
+    /// More `stormo serve` arguments (e.g. `--expert-cache 0`, or `--peer` for a node that
+    /// fetches), after the cluster's `serve_args`.
+    pub args: Vec<String>,
+    /// Its node key (file, public half) made with [`Cluster::make_key`] (`None`: a new one).
+    pub key: Option<(PathBuf, String)>,
 }
 
 impl Node {
@@ -92,33 +105,6 @@ impl Node {
     /// Whether its process is running.
     pub fn is_up(&self) -> bool {
         self.child.is_some()
-    }
-}
-
-/// How to start one node of a [`Cluster`] (see [`Cluster::add_node_with`]).
-#[derive(Debug, Clone)]
-pub struct NodeSpec {
-    /// Its `--only-experts` spec (`None`: every expert the model folder holds).
-    pub only: Option<String>,
-    /// Its link, through its relay.
-    pub link: LinkSpec,
-    /// The model folder it serves (`None`: the cluster's).
-    pub model: Option<PathBuf>,
-    /// Arguments of its own, after the cluster's `serve_args`.
-    pub args: Vec<String>,
-    /// Its node key (file, public half) made with [`Cluster::make_key`] (`None`: a new one).
-    pub key: Option<(PathBuf, String)>,
-}
-
-impl Default for NodeSpec {
-    fn default() -> Self {
-        Self {
-            only: None,
-            link: LinkSpec::ideal(),
-            model: None,
-            args: Vec::new(),
-            key: None,
-        }
     }
 }
 
@@ -279,25 +265,21 @@ impl Cluster {
     /// Adds and starts a node serving `only` (an `--only-experts` spec, `None`: all) behind a
     /// relay with `link`. Returns its index.
     pub fn add_node(&mut self, only: Option<String>, link: LinkSpec) -> Result<usize, SwarmError> {
-        self.add_node_with(NodeSpec {
-            only,
+        self.add_node_with(
+            NodeSpec {
+                only,
+                ..NodeSpec::default()
+            },
             link,
-            ..NodeSpec::default()
-        })
+        )
     }
 
-    /// Adds and starts a node as `spec` says. Returns its index.
-    pub fn add_node_with(&mut self, spec: NodeSpec) -> Result<usize, SwarmError> {
-        let NodeSpec {
-            only,
-            link,
-            model,
-            args,
-            key,
-        } = spec;
+    /// Adds and starts a node serving as `spec` says behind a relay with `link`. Returns its
+    /// index.
+    pub fn add_node_with(&mut self, spec: NodeSpec, link: LinkSpec) -> Result<usize, SwarmError> {
         let i = self.nodes.len();
         let name = format!("n{i}");
-        let (key, public) = match key {
+        let (key, public) = match spec.key.clone() {
             Some(k) => k,
             None => self.make_key(&name)?,
         };
@@ -316,11 +298,10 @@ impl Cluster {
         self.nodes.push(Node {
             log: self.work.join(format!("{name}.log")),
             name,
-            only,
+            only: spec.only.clone(),
             public,
             key,
-            model,
-            args,
+            spec,
             state_dir,
             child: None,
             listen: None,
@@ -345,7 +326,7 @@ impl Cluster {
         let mut args = vec![
             "serve".into(),
             "--model".into(),
-            s(n.model.as_deref().unwrap_or(&self.model)),
+            s(n.spec.model.as_ref().unwrap_or(&self.model)),
             "--manifest".into(),
             s(&self.manifest),
             "--listen".into(),
@@ -353,7 +334,10 @@ impl Cluster {
             "--key".into(),
             s(&n.key),
             "--allow".into(),
-            self.client_public.clone(),
+            n.spec
+                .allow
+                .clone()
+                .unwrap_or_else(|| self.client_public.clone()),
             "--no-hot-store".into(),
             "--state-dir".into(),
             s(&n.state_dir),
@@ -362,7 +346,7 @@ impl Cluster {
             args.extend(["--only-experts".into(), o.clone()]);
         }
         args.extend(self.serve_args.iter().cloned());
-        args.extend(n.args.iter().cloned());
+        args.extend(n.spec.args.iter().cloned());
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -425,6 +409,20 @@ impl Cluster {
         }
     }
 
+    /// Freezes node `i` (SIGSTOP): its process stays, silent, until [`Cluster::resume`].
+    pub fn pause(&mut self, i: usize) {
+        if let Some(c) = &self.nodes[i].child {
+            signal(c.id(), "STOP");
+        }
+    }
+
+    /// Lets a frozen node `i` go on (SIGCONT).
+    pub fn resume(&mut self, i: usize) {
+        if let Some(c) = &self.nodes[i].child {
+            signal(c.id(), "CONT");
+        }
+    }
+
     /// Stops node `i` gracefully (SIGINT, as Ctrl-C) and reads how many requests it served
     /// from its last words.
     pub fn stop(&mut self, i: usize) {
@@ -432,6 +430,8 @@ impl Cluster {
         let Some(mut c) = n.child.take() else {
             return;
         };
+        // A frozen process would not see the SIGINT.
+        signal(c.id(), "CONT");
         signal(c.id(), "INT");
         let deadline = Instant::now() + Duration::from_secs(5);
         while Instant::now() < deadline {
