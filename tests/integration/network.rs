@@ -1792,7 +1792,9 @@ fn pulled_folder_runs_from_the_expert_dir_alone() {
         .lines()
         .filter(|l| l.contains("WARN") && l.contains("expert "))
         .count();
-    assert_eq!(warned, 1, "{err}");
+    // At most two: the loads that saw the first connect fail (a peer's first connection gets
+    // one more try), then those that found it unreachable; never one per expert.
+    assert!((1..=2).contains(&warned), "{warned} warnings: {err}");
     let second = run(&store, &[]);
     assert_eq!(ids(&second), want, "from the expert directory alone");
     let none = run(&empty, &[]);
