@@ -650,7 +650,14 @@ mod tests {
 
     /// A copy of the fixture's checkpoint (without the reference files) and its manifest.
     fn checkpoint() -> (tempfile::TempDir, Manifest) {
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/qwen3moe-tiny");
+        checkpoint_of("qwen3moe-tiny")
+    }
+
+    /// A copy of fixture `name`'s checkpoint and its manifest.
+    fn checkpoint_of(name: &str) -> (tempfile::TempDir, Manifest) {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fixtures")
+            .join(name);
         let dir = tempfile::tempdir().unwrap();
         for name in ["config.json", "model.safetensors"] {
             std::fs::copy(src.join(name), dir.path().join(name)).unwrap();
@@ -756,5 +763,305 @@ mod tests {
             verify(&dir.path().join("nope"), &m, &VerifyOptions::default()),
             Err(VerifyError::NotADirectory { .. })
         ));
+    }
+
+    /// Rewrites the safetensors header of `path` through `f` (as JSON), keeping the data bytes:
+    /// tensors' offsets are relative to the data, so only a header edit changes them.
+    fn edit_header(path: &Path, f: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
+        let b = std::fs::read(path).unwrap();
+        let n = usize::try_from(u64::from_le_bytes(b[..8].try_into().unwrap())).unwrap();
+        let mut h: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(&b[8..8 + n]).unwrap();
+        f(&mut h);
+        let mut text = serde_json::to_vec(&h).unwrap();
+        // The same header length as before, padded with spaces as safetensors does, so the
+        // data starts where it did.
+        assert!(text.len() <= n, "the edited header grew past the old one");
+        text.resize(n, b' ');
+        let mut out = b[..8].to_vec();
+        out.extend_from_slice(&text);
+        out.extend_from_slice(&b[8 + n..]);
+        std::fs::write(path, out).unwrap();
+    }
+
+    fn said(p: &[Problem]) -> Vec<String> {
+        p.iter().map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn a_damaged_checkpoint_is_not_ok_and_its_problems_are_said_in_words() {
+        let (dir, m) = checkpoint();
+        let e = &m.experts[0];
+        let at = usize::try_from(e.parts[0].offset).unwrap();
+        edit(&dir.path().join("model.safetensors"), |b| b[at] ^= 1);
+        let report = verify(dir.path(), &m, &VerifyOptions::default()).unwrap();
+        assert!(!report.is_ok(), "a damaged checkpoint verified");
+        assert_eq!(report.experts, m.experts.len());
+        assert_eq!(report.tensors, m.tensors.len());
+        let words = said(&report.problems);
+        assert!(
+            words.iter().any(|w| w.contains(&format!(
+                "(layer {}, expert {}) differs: chunk(s) [0]",
+                e.id.layer, e.id.expert
+            ))),
+            "{words:?}"
+        );
+        let truncated = Problem::FileTruncated {
+            file: "a.safetensors".into(),
+            expected: 10,
+            found: 4,
+        };
+        assert_eq!(
+            truncated.to_string(),
+            "file a.safetensors is truncated: 4 bytes, expected 10 (6 missing)"
+        );
+    }
+
+    #[test]
+    fn a_bad_header_is_the_only_problem_named_for_its_file() {
+        // The tensors of a file whose header is unreadable are not blamed one by one, nor is
+        // the file's hash: the header explains them.
+        let (dir, m) = checkpoint();
+        edit(&dir.path().join("model.safetensors"), |b| {
+            b[..8].copy_from_slice(&(u64::MAX / 2).to_le_bytes())
+        });
+        let p = problems(dir.path(), &m);
+        assert!(
+            matches!(&p[..], [Problem::HeaderInvalid { .. }]),
+            "expected the header alone: {p:?}"
+        );
+    }
+
+    #[test]
+    fn a_file_too_long_is_named_with_both_lengths() {
+        let (dir, m) = checkpoint();
+        let path = dir.path().join("model.safetensors");
+        let len = std::fs::metadata(&path).unwrap().len();
+        edit(&path, |b| b.extend_from_slice(&[0; 3]));
+        let p = problems(dir.path(), &m);
+        assert!(
+            p.iter().any(|p| matches!(p, Problem::FileTooLong { expected, found, .. }
+                if *expected == len && *found == len + 3)),
+            "{p:?}"
+        );
+        assert!(
+            !p.iter().any(|p| matches!(p, Problem::FileTruncated { .. })),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn a_changed_dense_tensor_is_named_and_explains_the_file_hash() {
+        let (dir, m) = checkpoint();
+        let t = m.tensors.iter().find(|t| t.name == "lm_head.weight").unwrap();
+        let at = usize::try_from(t.offset + 2).unwrap();
+        edit(&dir.path().join("model.safetensors"), |b| b[at] ^= 0x10);
+        let p = problems(dir.path(), &m);
+        assert!(
+            matches!(&p[..], [Problem::TensorDiffers { name, .. }] if name == "lm_head.weight"),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn experts_cut_off_by_truncation_are_unreadable_but_a_missing_file_is_named_once() {
+        let (dir, m) = checkpoint();
+        let path = dir.path().join("model.safetensors");
+        let last = m.experts.last().unwrap();
+        let cut = last.parts.iter().map(|p| p.offset).min().unwrap();
+        edit(&path, |b| b.truncate(usize::try_from(cut).unwrap()));
+        let p = problems(dir.path(), &m);
+        assert!(
+            p.iter()
+                .any(|p| matches!(p, Problem::ExpertUnreadable { id } if *id == last.id)),
+            "{p:?}"
+        );
+        let (dir, m) = checkpoint();
+        std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
+        let p = problems(dir.path(), &m);
+        assert!(
+            matches!(&p[..], [Problem::FileMissing { file, .. }] if file == "model.safetensors"),
+            "a missing file is one problem, not one per tensor or expert: {p:?}"
+        );
+    }
+
+    #[test]
+    fn a_damaged_chunk_names_exactly_the_tensors_that_overlap_it() {
+        // GPT-OSS's bf16 fixture: a record of parts larger and smaller than a chunk, so chunk
+        // boundaries meet part boundaries. A flipped byte names the tensors that share bytes
+        // with its chunk: none before the chunk starts, none from where it ends.
+        let (dir, m) = checkpoint_of("gptoss-tiny-bf16");
+        let e = &m.experts[1];
+        assert!(e.chunks.len() > 1, "the test wants a record of several chunks");
+        let cs = u64::from(m.chunk_size);
+        // Flip one byte inside each part in turn (a fresh copy each time).
+        let mut start = 0u64;
+        for (pi, part) in e.parts.iter().enumerate() {
+            let (copy, m2) = checkpoint_of("gptoss-tiny-bf16");
+            let at = usize::try_from(part.offset).unwrap();
+            edit(&copy.path().join("model.safetensors"), |b| b[at] ^= 0x20);
+            let chunk = start / cs;
+            let (c0, c1) = (chunk * cs, ((chunk + 1) * cs).min(e.len));
+            let mut want: Vec<String> = Vec::new();
+            let mut lo = 0u64;
+            for q in &e.parts {
+                let hi = lo + q.len;
+                if lo.max(c0) < hi.min(c1) {
+                    let name = m2.tensors[q.tensor as usize].name.clone();
+                    if !want.contains(&name) {
+                        want.push(name);
+                    }
+                }
+                lo = hi;
+            }
+            let p = problems(copy.path(), &m2);
+            let got: Vec<&Problem> = p
+                .iter()
+                .filter(|p| matches!(p, Problem::ExpertDiffers { id, .. } if *id == e.id))
+                .collect();
+            assert!(
+                matches!(&got[..], [Problem::ExpertDiffers { chunks, tensors, .. }]
+                    if *chunks == vec![u32::try_from(chunk).unwrap()] && *tensors == want),
+                "part {pi} at record byte {start}: want chunk {chunk} naming {want:?}, got {got:?}"
+            );
+            start += part.len;
+        }
+        drop(dir);
+    }
+
+    #[test]
+    fn a_metadata_file_changed_at_the_same_length_differs() {
+        let (dir, m) = checkpoint();
+        edit(&dir.path().join("config.json"), |b| {
+            let i = b.iter().position(|c| c.is_ascii_digit()).unwrap();
+            b[i] = if b[i] == b'7' { b'8' } else { b'7' };
+        });
+        let p = problems(dir.path(), &m);
+        assert!(
+            matches!(&p[..], [Problem::MetaDiffers { name }] if name == "config.json"),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn header_bytes_that_change_no_tensor_are_named_by_the_file_hash() {
+        // The header's own metadata, changed at the same length: every tensor and expert
+        // matches, the file's SHA-256 does not.
+        let (dir, m) = checkpoint();
+        edit_header(&dir.path().join("model.safetensors"), |h| {
+            h.insert("__metadata__".into(), serde_json::json!({"format": "px"}));
+        });
+        let p = problems(dir.path(), &m);
+        assert!(
+            matches!(&p[..], [Problem::FileBytesDiffer { file }] if file == "model.safetensors"),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn a_weight_file_the_engine_would_load_but_the_manifest_does_not_list_is_named() {
+        // Without an index and without model.safetensors, the engine loads every
+        // *.safetensors of the folder.
+        let (dir, m) = checkpoint();
+        std::fs::rename(
+            dir.path().join("model.safetensors"),
+            dir.path().join("other.safetensors"),
+        )
+        .unwrap();
+        let p = problems(dir.path(), &m);
+        assert!(
+            p.iter()
+                .any(|p| matches!(p, Problem::FileUnexpected { file } if file == "other.safetensors")),
+            "{p:?}"
+        );
+        assert!(
+            p.iter()
+                .any(|p| matches!(p, Problem::FileMissing { file, .. } if file == "model.safetensors")),
+            "{p:?}"
+        );
+    }
+
+    /// `read_header`'s verdict on a file of `len` bytes (sparse) whose header claims `n`.
+    fn header_verdict(n: u64, len: u64) -> String {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.safetensors");
+        let mut f = File::create(&path).unwrap();
+        std::io::Write::write_all(&mut f, &n.to_le_bytes()).unwrap();
+        f.set_len(len).unwrap();
+        drop(f);
+        match read_header(&path, len).unwrap() {
+            Ok(_) => "ok".into(),
+            Err(reason) => reason,
+        }
+    }
+
+    #[test]
+    fn a_header_length_is_implausible_exactly_past_the_file_or_past_the_limit() {
+        let len = 4096;
+        // One byte past the end of the file.
+        assert!(header_verdict(len - 7, len).contains("implausible"));
+        // Exactly to the end: plausible (it then fails to parse as JSON).
+        let v = header_verdict(len - 8, len);
+        assert!(!v.contains("implausible"), "{v}");
+        // An eighth of the file: plausible.
+        let v = header_verdict(len / 8 + 1, len);
+        assert!(!v.contains("implausible"), "{v}");
+        // Past the limit in a file long enough to hold it (sparse, nothing read).
+        let big = MAX_HEADER_LEN + 64;
+        assert!(header_verdict(MAX_HEADER_LEN + 1, big).contains("implausible"));
+        // At the limit: plausible (read, then not JSON).
+        let v = header_verdict(MAX_HEADER_LEN, big);
+        assert!(!v.contains("implausible"), "{v}");
+    }
+
+    #[test]
+    fn a_header_that_disagrees_with_the_manifest_names_each_tensor() {
+        let (dir, m) = checkpoint();
+        let path = dir.path().join("model.safetensors");
+        // One tensor's dtype (same width), two same-sized tensors' places swapped, one renamed.
+        let (a, b) = (
+            "model.layers.0.mlp.experts.0.gate_proj.weight",
+            "model.layers.0.mlp.experts.0.up_proj.weight",
+        );
+        edit_header(&path, |h| {
+            h["lm_head.weight"]["dtype"] = "F16".into();
+            let (oa, ob) = (h[a]["data_offsets"].clone(), h[b]["data_offsets"].clone());
+            h[a]["data_offsets"] = ob;
+            h[b]["data_offsets"] = oa;
+            let v = h.remove("model.norm.weight").unwrap();
+            h.insert("model.norm.weigh".into(), v);
+        });
+        let p = problems(dir.path(), &m);
+        let words = said(&p);
+        let has = |what: &str| words.iter().any(|w| w.contains(what));
+        assert!(has("tensor lm_head.weight: dtype is F16, expected BF16"), "{words:?}");
+        assert!(
+            !words.iter().any(|w| w.contains("model.embed_tokens.weight")),
+            "an unchanged tensor was blamed: {words:?}"
+        );
+        for t in [a, b] {
+            assert!(has(&format!("tensor {t}: bytes at")), "{t}: {words:?}");
+        }
+        assert!(has("tensor model.norm.weight is missing"), "{words:?}");
+        assert!(has("tensor model.norm.weigh in model.safetensors is not in the manifest"), "{words:?}");
+    }
+
+    #[test]
+    fn a_tensor_found_in_another_file_than_the_manifest_says_is_named() {
+        let (dir, mut m) = checkpoint();
+        // The manifest says lm_head.weight lives in a second file.
+        m.files.push(crate::manifest::WeightFile {
+            name: "second.safetensors".into(),
+            len: 8,
+            sha256: m.files[0].sha256,
+        });
+        let i = m.tensors.iter().position(|t| t.name == "lm_head.weight").unwrap();
+        m.tensors[i].file = 1;
+        let words = said(&problems(dir.path(), &m));
+        assert!(
+            words.iter().any(|w| w
+                == "tensor lm_head.weight: found in model.safetensors, expected in second.safetensors"),
+            "{words:?}"
+        );
     }
 }
