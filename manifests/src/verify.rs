@@ -461,9 +461,10 @@ pub fn verify(
 fn check_meta(dir: &Path, manifest: &Manifest, problems: &mut Vec<Problem>) {
     for m in &manifest.identity.meta {
         let path = dir.join(&m.name);
+        // Read with a bound (a metadata file is small; a huge one or a directory in its
+        // place simply differs).
         let bytes = match std::fs::metadata(&path) {
-            Ok(md) if md.len() <= MAX_META_LEN && md.is_file() => std::fs::read(&path).ok(),
-            Ok(_) => None,
+            Ok(_) => crate::read_small_file(&path, MAX_META_LEN).ok(),
             Err(_) => {
                 problems.push(Problem::MetaMissing {
                     name: m.name.clone(),
