@@ -316,6 +316,29 @@ fn fuzz_manifest_signatures() {
     assert!(ok > 0, "no seed signature verifies");
 }
 
+/// The swarm, node and time of the membership seed (`write_seed_corpus`).
+fn membership_parties() -> (stormo_manifests::SecretKey, stormo_manifests::SecretKey, u64) {
+    (
+        stormo_manifests::SecretKey::from_seed(&[41; 32]),
+        stormo_manifests::SecretKey::from_seed(&[42; 32]),
+        1_750_000_000,
+    )
+}
+
+#[test]
+fn fuzz_membership_certificates() {
+    let (swarm, node, now) = membership_parties();
+    let (swarm, node) = (swarm.public(), node.public());
+    let revoked = std::collections::HashSet::new();
+    let ok = fuzz("membership", |b| {
+        let Ok(cert) = stormo_manifests::Membership::from_bytes(b) else {
+            return false;
+        };
+        cert.verify(&swarm, &node, now, &revoked).is_ok()
+    });
+    assert!(ok > 0, "no seed certificate verifies");
+}
+
 #[test]
 fn fuzz_safetensors_headers() {
     let ok = fuzz("safetensors", |b| {
@@ -473,6 +496,15 @@ fn write_seed_corpus() {
         "signature",
         "qwen3moe-tiny.sig",
         &stormo_manifests::ManifestSignature::sign(&key, &m).to_bytes(),
+    );
+    // a membership certificate, valid at the target's time
+    let (swarm, node, now) = membership_parties();
+    put(
+        "membership",
+        "member.cert",
+        &stormo_manifests::Membership::issue(&swarm, node.public(), now - 3600, now + 3600)
+            .expect("certificate")
+            .to_bytes(),
     );
     // a small safetensors file
     let st = dir.path().join("small.safetensors");
