@@ -317,7 +317,11 @@ fn fuzz_manifest_signatures() {
 }
 
 /// The swarm, node and time of the membership seed (`write_seed_corpus`).
-fn membership_parties() -> (stormo_manifests::SecretKey, stormo_manifests::SecretKey, u64) {
+fn membership_parties() -> (
+    stormo_manifests::SecretKey,
+    stormo_manifests::SecretKey,
+    u64,
+) {
     (
         stormo_manifests::SecretKey::from_seed(&[41; 32]),
         stormo_manifests::SecretKey::from_seed(&[42; 32]),

@@ -184,3 +184,146 @@ fn five_nodes_on_a_loopback_dht_find_each_other_and_a_sixth_generates_exactly() 
     );
     drop(nodes);
 }
+
+/// The fault matrix's membership case (issue 40), through the CLI: a swarm node admits a
+/// client whose certificate is valid; a client whose certificate has expired does not start
+/// (naming it); a member whose key the server's `--revoked` file names (re-read while the
+/// server runs) is refused in the handshake, and with no other source its run ends with an
+/// error naming the server, within a bounded time.
+#[test]
+fn fault_expired_or_revoked_membership_is_refused_in_the_handshake() {
+    use std::process::{Command, Stdio};
+
+    let (m, id) = model_with_manifest();
+    let keys = tempfile::tempdir().expect("key dir");
+    let swarm = create_swarm(keys.path());
+    let (skey, scert) = admit(keys.path(), "server");
+    let revoked = keys.path().join("revoked.txt");
+    std::fs::write(&revoked, "# no one yet\n").expect("revoked file");
+    let st = state();
+    let server = Proc::start(&[
+        "serve",
+        "--model",
+        s(m.path()),
+        "--listen",
+        "127.0.0.1:0",
+        "--key",
+        s(&skey),
+        "--swarm",
+        &swarm,
+        "--cert",
+        s(&scert),
+        "--revoked",
+        s(&revoked),
+        "--state-dir",
+        s(st.path()),
+        "--expert-cache",
+        "0",
+    ]);
+    let addr = server.line.split_once('@').expect("KEY@ADDR").1;
+    // `stormo run` with every expert from the server alone; its exit status, JSON and stderr.
+    let run = |key: &Path, cert: &Path| {
+        let cst = state();
+        let t0 = Instant::now();
+        let out = Command::new(crate::demo::stormo_exe())
+            .args([
+                "run",
+                "--model",
+                s(m.path()),
+                "--prompt-ids",
+                "1,2,3,4,5,6,7,8",
+                "--max-new-tokens",
+                "12",
+                "--json",
+                "--no-local-experts",
+                "--state-dir",
+                s(cst.path()),
+                "--key",
+                s(key),
+                "--swarm",
+                &swarm,
+                "--cert",
+                s(cert),
+                "--peer",
+                &server.line,
+                "--model-id",
+                &id,
+            ])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run stormo");
+        (out, t0.elapsed())
+    };
+
+    // A valid certificate: admitted, the ids of a local run.
+    let (want, _) = run_ids(m.path(), state().path(), &[]);
+    let (good_key, good_cert) = admit(keys.path(), "member");
+    let (out, _) = run(&good_key, &good_cert);
+    assert!(
+        out.status.success(),
+        "a member was refused: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).expect("run --json");
+    let got: Vec<u64> = j["generated_ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .filter_map(|x| x.as_u64())
+        .collect();
+    assert_eq!(got, want, "a member's ids differ from a local run");
+
+    // An expired certificate (valid for 1 s, then waited out): refused.
+    let old_key = keys.path().join("old.key");
+    let old_cert = keys.path().join("old.cert");
+    stormo(&["key", "generate", "--out", s(&old_key)]);
+    stormo(&[
+        "swarm",
+        "admit",
+        "--owner",
+        s(&keys.path().join("owner.key")),
+        "--node",
+        s(&old_key),
+        "--expires",
+        "1s",
+        "--out",
+        s(&old_cert),
+    ]);
+    std::thread::sleep(Duration::from_millis(2100));
+    // The client itself refuses to start on it, naming the certificate and its expiry (the
+    // server's refusal of an expired certificate presented anyway is
+    // `faults::fault_an_expired_membership_is_refused_by_the_server_in_the_handshake`).
+    let (out, _) = run(&old_key, &old_cert);
+    assert!(
+        !out.status.success(),
+        "a client with an expired certificate generated: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("old.cert") && err.contains("expired"),
+        "the error does not name the expired certificate: {err}"
+    );
+
+    // The member's key revoked while the server runs: refused from then on.
+    let member_pub = stormo(&["key", "show", "--key", s(&good_key)]);
+    let member_pub = member_pub
+        .split_whitespace()
+        .find(|w| w.len() == 64 && w.chars().all(|c| c.is_ascii_hexdigit()))
+        .unwrap_or_else(|| panic!("key show printed no key: {member_pub}"))
+        .to_string();
+    std::fs::write(&revoked, format!("# revoked\n{member_pub}\n")).expect("revoke");
+    let (out, took) = run(&good_key, &good_cert);
+    assert!(
+        !out.status.success(),
+        "a revoked member generated: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(addr),
+        "the error does not name the peer {addr}: {err}"
+    );
+    assert!(took < Duration::from_secs(60), "the refusal took {took:?}");
+    drop(server);
+}

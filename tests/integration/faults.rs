@@ -814,6 +814,89 @@ fn fault_unknown_key_is_refused_within_the_connect_timeout() {
     tier.close();
 }
 
+/// Membership (issue 40's matrix): a swarm server refuses in the handshake a client that
+/// presents a certificate of its swarm that has expired (the library's client presents it; the
+/// CLI would not start on it), and admits the same key with a valid one.
+#[test]
+fn fault_an_expired_membership_is_refused_by_the_server_in_the_handshake() {
+    use stormo_manifests::Membership;
+    use stormo_node::net::tls::SwarmAdmission;
+
+    let m = fixture_copy("qwen3moe-tiny");
+    let owner = SecretKey::from_seed(&[77; 32]);
+    let node = Node::start(
+        196,
+        m.dir.path(),
+        "auto",
+        ServeConfig {
+            admission: Admission::Swarm(Arc::new(SwarmAdmission {
+                swarm: owner.public(),
+                allow: Default::default(),
+                allow_any: false,
+                revoked: None,
+            })),
+            ..ServeConfig::default()
+        },
+    );
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs();
+    let manifest = Arc::new(
+        stormo_manifests::read_manifest(&m.dir.path().join("stormo-manifest.bin"))
+            .expect("manifest")
+            .0,
+    );
+    let schemas = ModelFiles::open(m.dir.path())
+        .expect("files")
+        .layout
+        .schemas
+        .clone();
+    let try_with = |not_before: u64, expires: u64| {
+        let cert = Membership::issue(&owner, client_key().public(), not_before, expires)
+            .expect("certificate");
+        let tier = PeerTier::connect(
+            &client_key(),
+            &[],
+            manifest.clone(),
+            m.id,
+            schemas.clone(),
+            unhedged(Duration::from_secs(2)),
+            None,
+        )
+        .expect("tier")
+        .with_membership(Some(cert), Admission::Any);
+        tier.add_peers(&[node.addr()]).expect("add the server");
+        let t0 = Instant::now();
+        let r = load(
+            &tier,
+            &[ExpertId::from_indices(0, 0)],
+            Duration::from_secs(30),
+        );
+        tier.close();
+        (r, t0.elapsed())
+    };
+    // Expired an hour ago: refused within the connect bound, the error naming the server.
+    let (r, took) = try_with(now - 7200, now - 3600);
+    for (k, r) in r {
+        let e = match r {
+            Ok(b) => panic!(
+                "a client with an expired certificate got expert {k} ({} bytes)",
+                b.len()
+            ),
+            Err(e) => e,
+        };
+        assert!(e.contains(&node.addr().to_string()), "expert {k}: {e}");
+    }
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    assert_eq!(node.handle.stats.connections.load(Ordering::Relaxed), 0);
+    // Valid now: admitted, the expert served.
+    let (r, _) = try_with(now - 60, now + 3600);
+    for (k, r) in r {
+        r.unwrap_or_else(|e| panic!("a member was refused expert {k}: {e}"));
+    }
+}
+
 /// Well-framed but hostile messages from a client speaking the wire protocol: out-of-range
 /// layer or expert, a range past the record, another model, answers sent to a server, a
 /// huge length, a reserved tag. Each is answered with an error or closes only that
