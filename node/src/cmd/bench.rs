@@ -1,5 +1,15 @@
 //! `stormo bench`: prefill and decode speed of a model on this machine, beside the physical
 //! bounds measured by the same command (memory and disk bandwidth).
+//!
+//! Two decode bounds are measured, and both are reported: the **memory bound** (the bytes a
+//! token must read over the rate at which a plain sum of a large buffer reads memory, the
+//! probe) and the **kernel bound** (the same bytes over the rate at which the decode kernels
+//! themselves stream a matrix larger than the caches through one position: a bf16 matrix
+//! for the dense weights, an MXFP4 one for GPT-OSS's experts). The second is what a core
+//! that also computes can reach; the gap between the two is the kernels' cost beyond reading.
+//! `fraction_of_memory_bound` uses the first, `fraction_of_kernel_bound` the second. The
+//! probe is sampled at the start, between decoded tokens and at the end, and the kernels at
+//! the start and the end, so the noise of a shared machine shows in the report.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -208,12 +218,135 @@ impl MemoryProbe {
         rate
     }
 
+    /// The lowest and highest of the samples taken since the last [`take`](Self::take).
+    pub fn range(&self) -> Option<(f64, f64)> {
+        let lo = self.samples.iter().copied().reduce(f64::min)?;
+        let hi = self.samples.iter().copied().reduce(f64::max)?;
+        Some((lo, hi))
+    }
+
     /// The median of the samples taken since the last [`take`](Self::take), and clears them.
     pub fn take(&mut self) -> Option<f64> {
         let mut s = std::mem::take(&mut self.samples);
         s.sort_by(f64::total_cmp);
         s.get(s.len() / 2).copied()
     }
+}
+
+/// The CPU: its vendor, family and model (x86's CPUID, as `/proc/cpuinfo` counts them) and
+/// its name, so a figure says what machine kind it came from.
+pub fn cpu_identity() -> serde_json::Value {
+    let name = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|t| {
+        t.lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    });
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::__cpuid;
+        let (l0, l1) = (__cpuid(0), __cpuid(1));
+        let vendor: Vec<u8> = [l0.ebx, l0.edx, l0.ecx]
+            .iter()
+            .flat_map(|r| r.to_le_bytes())
+            .collect();
+        let base = (l1.eax >> 8) & 0xf;
+        let family = if base == 0xf {
+            base + ((l1.eax >> 20) & 0xff)
+        } else {
+            base
+        };
+        let mut model = (l1.eax >> 4) & 0xf;
+        if base == 0x6 || base == 0xf {
+            model |= ((l1.eax >> 16) & 0xf) << 4;
+        }
+        serde_json::json!({
+            "vendor": String::from_utf8_lossy(&vendor),
+            "family": family,
+            "model": model,
+            "name": name,
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    serde_json::json!({ "arch": std::env::consts::ARCH, "name": name })
+}
+
+/// Bytes/s of the bf16 and the MXFP4 decode kernels.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelRates {
+    /// bf16 (the dense weights: attention, head).
+    pub bf16: f64,
+    /// MXFP4 (GPT-OSS's experts).
+    pub mxfp4: f64,
+}
+
+impl MemoryProbe {
+    /// The input width of the kernel probe's matrices (GPT-OSS's hidden size; a multiple of
+    /// 32).
+    const COLS: usize = 2880;
+
+    /// The rate at which the decode kernels stream weights through one position, over the
+    /// probe's own buffer (no more memory): as one bf16 matrix, then as one MXFP4 matrix at
+    /// GPT-OSS's hidden width, each with normal values only (no subnormals to slow a core
+    /// down), each timed as the median of five passes after a warm-up. The buffer's bytes
+    /// are rewritten (the bandwidth probe reads any bytes).
+    pub fn kernel_rates(&mut self) -> KernelRates {
+        use stormo_engine::kernels::{matvec, Float, Mat};
+        let cols = Self::COLS;
+        let x: Vec<f32> = (0..cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
+            .collect();
+        let mut y = Vec::new();
+        // bf16: exponents forced into [2^-8, 2^8).
+        let rows = self.buf.len() / (2 * cols);
+        for e in self.buf[..rows * cols * 2].chunks_exact_mut(2) {
+            let v = u16::from_le_bytes([e[0], e[1]]);
+            let v = (v & 0x807f) | ((((v >> 7) & 0xf) + 0x77) << 7);
+            e.copy_from_slice(&v.to_le_bytes());
+        }
+        let bf16 = {
+            let w = Mat::Dense {
+                fmt: Float::BF16,
+                bytes: &self.buf[..rows * cols * 2],
+                rows,
+                cols,
+            };
+            y.resize(rows, 0.0);
+            time_rate((rows * cols * 2) as f64, || matvec(&w, &x, &mut y))
+        };
+        // MXFP4: any nibbles, scales from 2^-7 to 2^8.
+        let row_bytes = cols / 2 + cols / 32;
+        let rows = self.buf.len() / row_bytes;
+        let (blocks, scales) = self.buf[..rows * row_bytes].split_at_mut(rows * cols / 2);
+        for b in scales.iter_mut() {
+            *b = 120 + *b % 16;
+        }
+        let mxfp4 = {
+            let w = Mat::Mxfp4 {
+                blocks,
+                scales,
+                rows,
+                cols,
+            };
+            y.resize(rows, 0.0);
+            time_rate((rows * row_bytes) as f64, || matvec(&w, &x, &mut y))
+        };
+        KernelRates { bf16, mxfp4 }
+    }
+}
+
+/// `bytes` over the median time of five runs of `f` after one untimed run.
+fn time_rate(bytes: f64, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut t: Vec<f64> = (0..5)
+        .map(|_| {
+            let s = Instant::now();
+            f();
+            s.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    bytes / t[2]
 }
 
 /// Tokens of the untimed forward pass `--warm` runs when every expert is resident.
@@ -342,6 +475,24 @@ pub fn bytes_per_token(files: &ModelFiles, int8_attn_head: bool, screened_head: 
         .map(|l| l[0] * cfg.top_k as u64)
         .sum();
     dense + experts
+}
+
+/// The experts' share of [`bytes_per_token`], and whether they are MXFP4 (else as wide as
+/// the dense weights).
+pub fn expert_bytes_per_token(files: &ModelFiles) -> (u64, bool) {
+    let bytes = files
+        .layout
+        .sizes()
+        .iter()
+        .filter(|l| !l.is_empty())
+        .map(|l| l[0] * files.cfg.top_k as u64)
+        .sum();
+    let mxfp4 = files.layout.schemas.iter().flatten().any(|s| {
+        s.parts
+            .iter()
+            .any(|p| p.format == stormo_engine::moe::PartFormat::Mxfp4Blocks)
+    });
+    (bytes, mxfp4)
 }
 
 struct Rng(u64);
@@ -500,6 +651,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         probe.sample();
     }
     let mem_before = probe.take().expect("five samples");
+    say("measuring the kernels' streaming rate...".into());
+    let kernels_before = probe.kernel_rates();
     let disk = if disk_test > 0 {
         say("measuring disk bandwidth...".into());
         disk_bandwidth(&files, disk_test)?
@@ -512,6 +665,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let (flops_tok, flops_head) = prefill_flops(&files.cfg);
     let bpt = bytes_per_token(&files, a.int8_attn_head, !a.full_head);
     let bpt_full_head = bytes_per_token(&files, a.int8_attn_head, false);
+    let (expert_bpt, experts_mxfp4) = expert_bytes_per_token(&files);
     let vocab = files.cfg.vocab_size as u64;
     let sizes = files.layout.sizes();
     drop(files);
@@ -598,7 +752,29 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let paired_prefetch = a
         .pair_prefetch
         .map(|d| PairedPrefetch::new(d, &by_distance));
+    let (mem_min, mem_max) = probe.range().unwrap_or((mem_before, mem_before));
     let mem_bw = probe.take().unwrap_or(mem_before);
+    // The bounds again at the end: the noise of a shared machine shows as their spread.
+    for _ in 0..5 {
+        probe.sample();
+    }
+    let mem_after = probe.take().unwrap_or(mem_bw);
+    let kernels_after = probe.kernel_rates();
+    let kernel_rates = KernelRates {
+        bf16: kernels_before.bf16.max(kernels_after.bf16),
+        mxfp4: kernels_before.mxfp4.max(kernels_after.mxfp4),
+    };
+    // The kernel bound: the dense bytes at the bf16 kernel's rate, the experts' at their own
+    // (the MXFP4 kernel's for GPT-OSS); int8 copies (the screened head) are counted at the
+    // bf16 rate, a little pessimistic for them.
+    let expert_rate = if experts_mxfp4 {
+        kernel_rates.mxfp4
+    } else {
+        kernel_rates.bf16
+    };
+    let kernel_bound = 1.0
+        / (bpt.saturating_sub(expert_bpt) as f64 / kernel_rates.bf16
+            + expert_bpt as f64 / expert_rate);
     let after = experts.stats();
     let screen = sess.screen_stats().since(screen_before);
     let decode_tok_s = a.decode_tokens as f64 / dsecs;
@@ -656,8 +832,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "simd": isa.name(),
         "int8_attn_head": a.int8_attn_head,
         "int8_experts": a.int8_experts,
+        "cpu": cpu_identity(),
         "memory_bandwidth_gb_s": mem_bw / 1e9,
         "memory_bandwidth_at_start_gb_s": mem_before / 1e9,
+        "memory_bandwidth_at_end_gb_s": mem_after / 1e9,
+        "memory_bandwidth_during_decode_gb_s": {"min": mem_min / 1e9, "max": mem_max / 1e9},
+        "kernel_stream_gb_s": {
+            "bf16": {"start": kernels_before.bf16 / 1e9, "end": kernels_after.bf16 / 1e9},
+            "mxfp4": {"start": kernels_before.mxfp4 / 1e9, "end": kernels_after.mxfp4 / 1e9},
+        },
+        "decode_kernel_bound_tok_s": kernel_bound,
         "disk_bandwidth_gb_s": disk.map(|d| d.0 / 1e9),
         "disk_direct_io": disk.map(|d| d.1),
         "bytes_per_decoded_token": bpt,
@@ -671,7 +855,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "peak_gflop_s": peak / 1e9,
         "prefill_gflop_per_token": flops_tok / 1e9,
         "prefill": prefill,
-        "decode": {"tokens": a.decode_tokens, "seconds": dsecs, "tok_s": decode_tok_s, "fraction_of_memory_bound": decode_tok_s / bound, "disk_bytes_per_token": disk_per_tok},
+        "decode": {"tokens": a.decode_tokens, "seconds": dsecs, "tok_s": decode_tok_s, "fraction_of_memory_bound": decode_tok_s / bound, "fraction_of_kernel_bound": decode_tok_s / kernel_bound, "disk_bytes_per_token": disk_per_tok},
         "experts": experts_json,
         "from_peers": from_peers,
         "fetch_mb_s": fetch_mb_s,
@@ -704,10 +888,31 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             format!("approximate: {}", approx.join(", "))
         }
     );
+    let cpu = cpu_identity();
     println!(
-        "memory           {:.1} GB/s read (median between decoded tokens; {:.1} at start)",
+        "cpu              {}{}",
+        cpu["name"].as_str().unwrap_or("unknown"),
+        match (cpu["family"].as_u64(), cpu["model"].as_u64()) {
+            (Some(f), Some(m)) => format!(" (family {f}, model {m})"),
+            _ => String::new(),
+        }
+    );
+    println!(
+        "memory           {:.1} GB/s read (median between decoded tokens, from {:.1} to {:.1}; {:.1} at start, {:.1} at the end)",
         mem_bw / 1e9,
-        mem_before / 1e9
+        mem_min / 1e9,
+        mem_max / 1e9,
+        mem_before / 1e9,
+        mem_after / 1e9
+    );
+    println!(
+        "kernels          stream {:.1} GB/s bf16, {:.1} GB/s MXFP4 through one position (start {:.1}/{:.1}, end {:.1}/{:.1})",
+        kernel_rates.bf16 / 1e9,
+        kernel_rates.mxfp4 / 1e9,
+        kernels_before.bf16 / 1e9,
+        kernels_before.mxfp4 / 1e9,
+        kernels_after.bf16 / 1e9,
+        kernels_after.mxfp4 / 1e9
     );
     match disk {
         Some((d, direct)) => println!(
@@ -726,7 +931,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         None => {}
     }
     println!(
-        "per decoded token {} must be read{}: bound {:.2} tok/s at memory speed",
+        "per decoded token {} must be read{}: bound {:.2} tok/s at memory speed, {:.2} at the kernels' speed",
         human_bytes(bpt),
         if screened_head {
             format!(
@@ -736,7 +941,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         } else {
             String::new()
         },
-        bound
+        bound,
+        kernel_bound
     );
     println!(
         "floating point   {:.1} GFLOP/s peak ({} fused multiply-adds on registers, all threads); prefill costs {} per token and one output-head pass per prompt",
@@ -758,10 +964,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     println!(
-        "decode  {:>5} tok {:>8.2} tok/s = {:.0}% of the memory bound; disk {} per token",
+        "decode  {:>5} tok {:>8.2} tok/s = {:.0}% of the memory bound, {:.0}% of the kernel bound; disk {} per token",
         a.decode_tokens,
         decode_tok_s,
         100.0 * decode_tok_s / bound,
+        100.0 * decode_tok_s / kernel_bound,
         human_bytes(disk_per_tok as u64)
     );
     if let Some([s, f]) = paired {
@@ -864,6 +1071,30 @@ impl std::fmt::Display for PairedPrefetch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kernel_probe_times_both_kernels_over_the_probes_buffer() {
+        let mut p = MemoryProbe::new(MemoryProbe::MIN).unwrap();
+        let r = p.kernel_rates();
+        for (what, v) in [("bf16", r.bf16), ("mxfp4", r.mxfp4)] {
+            assert!(v.is_finite() && v > 0.0, "{what}: {v}");
+        }
+        // The bandwidth probe still reads the rewritten buffer.
+        assert!(p.sample() > 0.0);
+    }
+
+    #[test]
+    fn the_cpu_is_named() {
+        let c = cpu_identity();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let v = c["vendor"].as_str().unwrap();
+            assert_eq!(v.len(), 12, "{c}");
+            assert!(c["family"].as_u64().unwrap() > 0, "{c}");
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        assert!(c["arch"].is_string(), "{c}");
+    }
 
     /// gpt-oss-20b's prefill cost, counted by hand from its published geometry: attention
     /// 2880 x 64 x (2 x 64 + 2 x 8) weights, router 32 x 2880, four experts of 3 x 2880 x 2880,
