@@ -1,0 +1,378 @@
+//! The edges a mutation run (cargo-mutants over `client.rs`, `frame.rs` and `message.rs`)
+//! found unguarded: each test pins one boundary or count the protocol depends on, stepped
+//! directly through the sans-IO types with an injected clock.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use stormo_wire::*;
+
+use stormo_wire::frame::LEN_PREFIX;
+
+use crate::util::*;
+
+fn requests(max_outstanding: u32) -> Requests {
+    Requests::new(RequestsConfig {
+        timeout: Duration::from_secs(1),
+        idle_timeout: Duration::from_secs(5),
+        max_outstanding,
+    })
+}
+
+fn data(id: RequestId, offset: u64, bytes: &[u8]) -> Message {
+    Message::Data(Data {
+        request_id: id,
+        offset,
+        bytes: Bytes::copy_from_slice(bytes),
+    })
+}
+
+fn events(r: &mut Requests) -> Vec<Event> {
+    std::iter::from_fn(|| r.poll_event()).collect()
+}
+
+fn one_failure(r: &mut Requests) -> Failed {
+    match <[Event; 1]>::try_from(events(r)) {
+        Ok([Event::Failed(f)]) => f,
+        other => panic!("expected one failure: {other:?}"),
+    }
+}
+
+#[test]
+fn ids_and_nodes_print_as_documented() {
+    assert_eq!(RequestId(7).to_string(), "#7");
+    let n = NodeId([0xab; 32]);
+    assert_eq!(n.to_string(), "ab".repeat(32));
+    assert_eq!(n.short(), "ab".repeat(5));
+    assert_eq!(format!("{n:?}"), format!("NodeId({})", "ab".repeat(5)));
+    let f = Fetch::expert(model(), expert(1, 2), 10);
+    let s = format!("{f:?}");
+    assert!(s.starts_with("Fetch") && s.contains("resource"), "{s}");
+    let mut r = requests(4);
+    r.start(Instant::now(), f).unwrap();
+    let s = format!("{r:?}");
+    assert!(
+        s.starts_with("Requests") && s.contains("outstanding"),
+        "{s}"
+    );
+}
+
+#[test]
+fn outstanding_and_stray_messages_are_counted() {
+    let t = Instant::now();
+    let mut r = requests(4);
+    assert_eq!(r.outstanding(), 0);
+    assert_eq!(r.stray_messages(), 0);
+    let id = r
+        .start(t, Fetch::expert(model(), expert(0, 0), 10))
+        .unwrap();
+    assert_eq!(r.outstanding(), 1);
+    assert!(r.is_outstanding(id));
+    assert!(!r.is_outstanding(RequestId(999)));
+    let gone = RequestId(999);
+    r.handle_message(t, data(gone, 0, b"x")).unwrap();
+    r.handle_message(t, Message::End(End { request_id: gone }))
+        .unwrap();
+    r.handle_message(
+        t,
+        Message::Error(ErrorMessage::new(Some(gone), ErrorCode::BUSY, "busy")),
+    )
+    .unwrap();
+    assert_eq!(
+        r.stray_messages(),
+        3,
+        "one Data, one End, one Error for no request"
+    );
+    assert_eq!(r.outstanding(), 1);
+}
+
+#[test]
+fn the_limit_of_outstanding_requests_is_exact() {
+    let t = Instant::now();
+    let mut r = requests(2);
+    for e in 0..2 {
+        r.start(t, Fetch::expert(model(), expert(0, e), 10))
+            .unwrap();
+    }
+    assert_eq!(r.capacity(), 0);
+    match r.start(t, Fetch::expert(model(), expert(0, 2), 10)) {
+        Err(StartError::AtCapacity {
+            outstanding: 2,
+            limit: 2,
+        }) => {}
+        other => panic!("a third request at a limit of 2: {other:?}"),
+    }
+}
+
+#[test]
+fn file_ranges_must_be_non_empty_and_within_the_per_request_limit() {
+    let t = Instant::now();
+    let mut r = requests(8);
+    let file = |len| Fetch::file(model(), "config.json", ByteRange { offset: 0, len });
+    assert!(matches!(
+        r.start(t, file(0)),
+        Err(StartError::BadRange { .. })
+    ));
+    assert!(matches!(
+        r.start(t, file(MAX_FILE_RANGE_LEN + 1)),
+        Err(StartError::BadRange { .. })
+    ));
+    r.start(t, file(1)).expect("one byte");
+    r.start(t, file(MAX_FILE_RANGE_LEN))
+        .expect("the limit itself");
+}
+
+#[test]
+fn a_verified_range_must_start_and_end_on_chunk_boundaries_or_at_the_end() {
+    let t = Instant::now();
+    let record = vec![7u8; 35];
+    let mut r = requests(8);
+    let ranged = |offset, len| {
+        Fetch::expert(model(), expert(0, 0), 35)
+            .range(ByteRange { offset, len })
+            .verifier(Box::new(Blake3Chunks::of(&record, 10)))
+    };
+    r.start(t, ranged(10, 20))
+        .expect("10..30: both on boundaries");
+    r.start(t, ranged(10, 25))
+        .expect("10..35: ends at the record's end");
+    for (offset, len) in [(5, 25), (10, 15), (5, 30)] {
+        assert!(
+            matches!(
+                r.start(t, ranged(offset, len)),
+                Err(StartError::Verifier(_))
+            ),
+            "{offset}+{len} was accepted"
+        );
+    }
+}
+
+#[test]
+fn a_range_is_reserved_by_its_length_not_its_end() {
+    // A range near the top of a huge record: its 16 bytes are reserved, not its end offset.
+    let t = Instant::now();
+    let mut r = requests(8);
+    let top = 1u64 << 62;
+    r.start(
+        t,
+        Fetch::expert(model(), expert(0, 0), top + 16).range(ByteRange {
+            offset: top,
+            len: 16,
+        }),
+    )
+    .expect("16 bytes can be held");
+    // And a range that cannot be held is refused with its own length.
+    match r.start(
+        t,
+        Fetch::expert(model(), expert(0, 1), top + (1 << 61)).range(ByteRange {
+            offset: 1 << 61,
+            len: top,
+        }),
+    ) {
+        Err(StartError::TooLarge { len }) => assert_eq!(len, top),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn an_empty_data_frame_is_out_of_bounds() {
+    let t = Instant::now();
+    let mut r = requests(4);
+    let id = r
+        .start(t, Fetch::expert(model(), expert(0, 0), 10))
+        .unwrap();
+    r.handle_message(t, data(id, 0, b"")).unwrap();
+    let f = one_failure(&mut r);
+    assert!(
+        matches!(f.error, FetchError::OutOfBounds { len: 0, .. }),
+        "{}",
+        f.error
+    );
+}
+
+#[test]
+fn an_early_end_reports_the_ranges_own_length() {
+    let t = Instant::now();
+    let mut r = requests(4);
+    let id = r
+        .start(
+            t,
+            Fetch::expert(model(), expert(0, 0), 40).range(ByteRange {
+                offset: 10,
+                len: 20,
+            }),
+        )
+        .unwrap();
+    r.handle_message(t, data(id, 10, &[1; 5])).unwrap();
+    r.handle_message(t, Message::End(End { request_id: id }))
+        .unwrap();
+    let f = one_failure(&mut r);
+    assert!(
+        matches!(
+            f.error,
+            FetchError::Truncated {
+                received: 5,
+                expected: 20
+            }
+        ),
+        "{}",
+        f.error
+    );
+}
+
+#[test]
+fn a_failed_verified_range_keeps_only_its_verified_chunks() {
+    // From offset 10 (chunk 1), one whole chunk and half the next arrive, then silence: the
+    // failure carries the 10 verified bytes, not the 5 unverified ones after them.
+    let t = Instant::now();
+    let record: Vec<u8> = (0..40).collect();
+    let mut r = requests(4);
+    let id = r
+        .start(
+            t,
+            Fetch::expert(model(), expert(0, 0), 40)
+                .range(ByteRange {
+                    offset: 10,
+                    len: 30,
+                })
+                .verifier(Box::new(Blake3Chunks::of(&record, 10))),
+        )
+        .unwrap();
+    r.handle_message(t, data(id, 10, &record[10..25])).unwrap();
+    r.handle_timeout(t + Duration::from_secs(1));
+    let f = one_failure(&mut r);
+    assert!(
+        matches!(f.error, FetchError::TimedOut { .. }),
+        "{}",
+        f.error
+    );
+    assert_eq!(f.offset, 10);
+    assert_eq!(f.verified, record[10..20].to_vec());
+}
+
+#[test]
+fn the_deadline_of_one_request_is_its_own() {
+    let t = Instant::now();
+    let mut r = requests(4);
+    let id = r
+        .start(t, Fetch::expert(model(), expert(0, 0), 10))
+        .unwrap();
+    assert_eq!(r.poll_timeout_of(id), Some(t + Duration::from_secs(1)));
+    assert_eq!(r.poll_timeout_of(RequestId(999)), None);
+}
+
+#[test]
+fn progress_extends_a_ranged_request_from_its_deadline_not_before() {
+    // A range from offset 100 with no verifier: progress is the end of what arrived.
+    let t = Instant::now();
+    let ms = Duration::from_millis;
+    let mut r = requests(4);
+    let id = r
+        .start(
+            t,
+            Fetch::expert(model(), expert(0, 0), 1000)
+                .range(ByteRange {
+                    offset: 100,
+                    len: 900,
+                })
+                .extend_on_progress(Duration::from_secs(10)),
+        )
+        .unwrap();
+    r.handle_message(t + ms(200), data(id, 100, b"x")).unwrap();
+    // Before the deadline nothing moves, progress or not.
+    r.handle_timeout_of(t + ms(500), id);
+    assert_eq!(r.poll_timeout_of(id), Some(t + ms(1000)));
+    // At the deadline, one byte of progress earns another timeout from now.
+    r.handle_timeout_of(t + ms(1000), id);
+    assert!(r.is_outstanding(id), "{:?}", events(&mut r));
+    assert_eq!(r.poll_timeout_of(id), Some(t + ms(2000)));
+    // Without further progress the next deadline ends it.
+    r.handle_timeout_of(t + ms(2000), id);
+    let f = one_failure(&mut r);
+    assert!(
+        matches!(f.error, FetchError::TimedOut { .. }),
+        "{}",
+        f.error
+    );
+}
+
+#[test]
+fn frame_limits_are_exact() {
+    assert_eq!(FrameDecoder::new().max_frame_len(), MAX_FRAME_LEN);
+    assert_eq!(FrameDecoder::with_max(1000).max_frame_len(), 1000);
+    // A frame body of exactly the limit is taken; one byte less of limit refuses it.
+    let frame = encode_frame(&Message::Ping(Ping { nonce: 7 })).unwrap();
+    let body = frame.len() - LEN_PREFIX;
+    let mut input = &frame[..];
+    assert!(matches!(
+        FrameDecoder::with_max(body).decode(&mut input),
+        Ok(Some(Message::Ping(_)))
+    ));
+    let mut input = &frame[..];
+    assert!(matches!(
+        FrameDecoder::with_max(body - 1).decode(&mut input),
+        Err(DecodeError::Oversized { .. })
+    ));
+    // The default limit: a whole Data payload of MAX_DATA_LEN and its header, no more.
+    let mut input = &((MAX_FRAME_LEN + 1) as u32).to_le_bytes()[..];
+    assert!(matches!(
+        FrameDecoder::new().decode(&mut input),
+        Err(DecodeError::Oversized { .. })
+    ));
+    let big = Message::Data(Data {
+        request_id: RequestId(1),
+        offset: 0,
+        bytes: Bytes::from(vec![0u8; MAX_DATA_LEN]),
+    });
+    let frame = encode_frame(&big).unwrap();
+    let mut input = &frame[..];
+    assert!(matches!(
+        FrameDecoder::new().decode(&mut input),
+        Ok(Some(Message::Data(_)))
+    ));
+}
+
+#[test]
+fn the_decoder_knows_when_it_holds_part_of_a_frame() {
+    let frame = encode_frame(&Message::Ping(Ping { nonce: 7 })).unwrap();
+    let mut d = FrameDecoder::new();
+    assert!(!d.is_mid_frame());
+    let mut input = &frame[..2];
+    assert_eq!(d.decode(&mut input).unwrap(), None);
+    assert!(d.is_mid_frame(), "half a length prefix");
+    let mut input = &frame[2..LEN_PREFIX + 1];
+    assert_eq!(d.decode(&mut input).unwrap(), None);
+    assert!(d.is_mid_frame(), "a prefix and part of the body");
+    let mut input = &frame[LEN_PREFIX + 1..];
+    assert!(d.decode(&mut input).unwrap().is_some());
+    assert!(!d.is_mid_frame());
+    assert!(d.finish().is_ok());
+}
+
+#[test]
+fn an_inventory_update_may_name_up_to_its_limit_of_experts() {
+    let ids = |n: usize| -> Vec<_> {
+        (0..n)
+            .map(|i| expert((i / 1024) as u16, (i % 1024) as u16))
+            .collect()
+    };
+    let update = |n| {
+        Message::InventoryUpdate(InventoryUpdate {
+            model: model(),
+            added: ids(n),
+            removed: Vec::new(),
+        })
+    };
+    let frame = encode_frame(&update(MAX_UPDATE_EXPERTS)).expect("the limit encodes");
+    let mut input = &frame[..];
+    assert!(matches!(
+        FrameDecoder::new().decode(&mut input),
+        Ok(Some(Message::InventoryUpdate(_)))
+    ));
+    assert!(encode_frame(&update(MAX_UPDATE_EXPERTS + 1)).is_err());
+    assert_eq!(
+        MAX_UPDATE_EXPERTS,
+        16 * 1024,
+        "the limit the protocol documents"
+    );
+}
