@@ -376,3 +376,21 @@ fn an_inventory_update_may_name_up_to_its_limit_of_experts() {
         "the limit the protocol documents"
     );
 }
+
+#[test]
+fn codes_data_and_file_names_print_and_check_as_documented() {
+    assert_eq!(
+        format!("{:?}", ErrorCode::BUSY),
+        format!("ErrorCode({}: busy)", ErrorCode::BUSY.0)
+    );
+    let d = Data {
+        request_id: RequestId(3),
+        offset: 8,
+        bytes: Bytes::from_static(b"abcd"),
+    };
+    let s = format!("{d:?}");
+    assert!(s.contains("Data") && s.contains("len: 4"), "{s}");
+    // A file name of exactly the limit is one; one byte more is not.
+    assert!(check_file_name(&"a".repeat(MAX_FILE_NAME_LEN)).is_ok());
+    assert!(check_file_name(&"a".repeat(MAX_FILE_NAME_LEN + 1)).is_err());
+}
