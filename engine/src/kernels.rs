@@ -2233,6 +2233,87 @@ mod tests {
         );
     }
 
+    /// The AVX-512 ISA's software copy (`avx512_emulated`), which the tests use in its place on
+    /// AVX2-only CPUs, gives the scalar bits too, whether or not this CPU has AVX-512 (called
+    /// directly: [`Isa::available`] offers it only where the CPU lacks the real one).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn emulated_avx512_gives_the_scalar_bits() {
+        if !avx512_emulated::supported() {
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(41);
+        let same = |got: &[f32], want: &[f32], what: &str| {
+            if let Some(i) = (0..want.len()).find(|&i| !verify::same_bits(got[i], want[i])) {
+                panic!(
+                    "emulated avx512, {what}: output {i}: {:e} vs {:e}",
+                    got[i], want[i]
+                );
+            }
+        };
+        for &(rows, cols) in &[(7, 37), (9, 16), (5, 5), (33, 2880)] {
+            for fmt in [Float::F32, Float::BF16, Float::F16] {
+                let bytes = dense_weights(fmt, rows * cols, 50, &mut rng);
+                let (w, wt) = (
+                    Mat::Dense {
+                        fmt,
+                        bytes: &bytes,
+                        rows,
+                        cols,
+                    },
+                    Mat::DenseT {
+                        fmt,
+                        bytes: &bytes,
+                        rows,
+                        cols,
+                    },
+                );
+                for p in 1..=4 {
+                    let xs = inputs(p * cols, 50, &mut rng);
+                    let (mut got, mut want) = (vec![0f32; p * rows], vec![0f32; p * rows]);
+                    avx512_emulated::rows(&w, 0, rows, &xs, p, &mut got);
+                    scalar::rows(&w, 0, rows, &xs, p, &mut want);
+                    same(
+                        &got,
+                        &want,
+                        &format!("{fmt:?} {rows}x{cols}, {p} positions"),
+                    );
+                    let mut outs: Vec<Vec<f32>> = vec![vec![0f32; rows]; p];
+                    let mut refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+                    avx512_emulated::cols_t(&wt, 0, rows, &xs, &mut refs);
+                    let got: Vec<f32> = outs.concat();
+                    let mut outs: Vec<Vec<f32>> = vec![vec![0f32; rows]; p];
+                    let mut refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+                    scalar::cols_t(&wt, 0, rows, &xs, &mut refs);
+                    same(
+                        &got,
+                        &outs.concat(),
+                        &format!("input-major {fmt:?} {rows}x{cols}"),
+                    );
+                }
+            }
+        }
+        for &(rows, cols) in &[(5, 64), (17, 2880)] {
+            let blocks: Vec<u8> = (0..rows * cols / 2).map(|_| rng.gen()).collect();
+            let scales: Vec<u8> = (0..rows * cols / 32).map(|_| rng.gen()).collect();
+            let w = Mat::Mxfp4 {
+                blocks: &blocks,
+                scales: &scales,
+                rows,
+                cols,
+            };
+            for p in [1, 2, 5, 32] {
+                let xs = inputs(p * cols, 50, &mut rng);
+                let mut arranged = vec![0f32; xs.len()];
+                avx512_emulated::mxfp4_permute(&xs, &mut arranged);
+                let (mut got, mut want) = (vec![0f32; p * rows], vec![0f32; p * rows]);
+                avx512_emulated::rows(&w, 0, rows, &arranged, p, &mut got);
+                scalar::rows(&w, 0, rows, &xs, p, &mut want);
+                same(&got, &want, &format!("MXFP4 {rows}x{cols}, {p} positions"));
+            }
+        }
+    }
+
     #[cfg(target_arch = "aarch64")]
     #[test]
     fn detection_finds_neon_when_the_cpu_has_it() {
