@@ -2229,7 +2229,7 @@ mod tests {
             wide.iter()
                 .zip(&scalar)
                 .any(|(a, b)| a.to_bits() != b.to_bits()),
-            "the avx512 row kernel ignores the order of its inputs: is the instruction set falling back?"
+            "the avx512 row kernel ignores the order of its inputs: is the ISA falling back?"
         );
     }
 

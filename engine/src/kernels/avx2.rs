@@ -12,10 +12,10 @@
 //! MXFP4 weights are dequantized exactly on the fly, never copied out of the checkpoint's
 //! format: two byte shuffles of per-scale tables give each nibble's value times its block's
 //! scale as bf16 bytes, which widen to f32 (see [`decode_scaled`]). The decode yields a
-//! block's weights in its own order ([`MXFP4_ORDER`]); the two registers of an accumulator
-//! take its first and second vectors (elements of the block's first half) and then its third
-//! and fourth (the same lanes' elements of the second half), and [`hsum_mxfp4`] reduces them
-//! in the reference's order.
+//! block's weights in its own order ([`MXFP4_ORDER`]): four vectors, the first two of the
+//! block's first half, the last two of the same lanes' elements of its second half. An
+//! accumulator's first register takes the first and third, its second register the second
+//! and fourth, and [`hsum_mxfp4`] reduces them in the reference's order.
 
 use std::arch::x86_64::*;
 use std::cell::Cell;
@@ -311,10 +311,11 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
 /// [`mxfp4_value`](super::mxfp4_value) gives it), then one accumulator of two 8-lane
 /// registers takes a fused multiply-add per vector of 8 weights (the block's first and third
 /// vectors into the first register, its second and fourth into the second, block after block),
-/// and [`hsum_mxfp4`] reduces the lanes: the reference's arithmetic. One position ([`mxfp4_dot`]) streams four
-/// rows at a time, decoding in registers; several ([`mxfp4_block`]) decode a slab of rows into
-/// an L1 buffer once and multiply it by every position in register tiles. So a block of
-/// positions gets exactly what each position gets alone.
+/// and [`hsum_mxfp4`] reduces the lanes: the reference's arithmetic. One position
+/// ([`mxfp4_dot`]) streams four rows at a time, decoding in registers; several
+/// ([`mxfp4_block`]) decode a slab of rows into an L1 buffer once and multiply it by every
+/// position in register tiles. So a block of positions gets exactly what each position gets
+/// alone.
 ///
 /// # Safety
 /// As [`rows_impl`]: rows `r0 .. r0 + n` of `blocks`/`scales` and `p` positions in bounds.
@@ -377,9 +378,9 @@ const SLAB: usize = 4;
 
 /// The dot products of `R` consecutive rows (`b`, `s`: each row's blocks and scales) with one
 /// position `x` in [`MXFP4_ORDER`]: per row one accumulator (two registers), four fused
-/// multiply-adds per block. Four rows give the core eight independent chains (one alone waits on each
-/// multiply-add's latency); while they compute, the next `R` rows are prefetched, a line at a
-/// time (each row is a stream too short for the hardware prefetcher to ramp up on).
+/// multiply-adds per block. Four rows give the core eight independent chains (one alone waits
+/// on each multiply-add's latency); while they compute, the next `R` rows are prefetched, a
+/// line at a time (each row is a stream too short for the hardware prefetcher to ramp up on).
 ///
 /// # Safety
 /// The CPU supports the ISA; each `b[k]` points to `16 * nb` readable bytes, `s[k]` to `nb`,
