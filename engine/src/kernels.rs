@@ -26,11 +26,13 @@
 //! by one, fused. Input-major matrices ([`Mat::DenseT`]) add one fused product per input, in
 //! increasing input, to each output. This is what the AVX-512 ISA computed already (its speed is
 //! unchanged); AVX2 holds the sixteen lanes in two registers, NEON in four, and the scalar
-//! kernels use `f32::mul_add`. Every ISA is tested against the scalar kernels bit for bit on
-//! random shapes, special values included (every NaN counts as the same NaN: which one an
-//! operation returns is the CPU's choice); what it cost is in `docs/performance.md`. The
-//! opt-in int8-input MXFP4 path ([`Mat::Mxfp4Int8`], `--int8-experts`) is approximate by design
-//! and excluded: its ISAs agree with its reference to rounding, not to the bit.
+//! kernels use `f32::mul_add` (correctly rounded on every target, in hardware or in libm).
+//! The row-scaled int8 weights of `--int8-attn-head` ([`Mat::Q8`]) follow the dense order, then
+//! take the row's scale, so they agree too. Every ISA is tested against the scalar kernels bit
+//! for bit on random shapes, special values included (every NaN counts as the same NaN: which
+//! one an operation returns is the CPU's choice); what it cost is in `docs/performance.md`.
+//! The opt-in int8-input MXFP4 path ([`Mat::Mxfp4Int8`], `--int8-experts`) is approximate by
+//! design and excluded: its ISAs agree with its reference to rounding, not to the bit.
 //!
 //! Within an ISA, a position's output is bit-identical whether it was computed alone
 //! ([`matvec`], decode) or in a block ([`matmul`], prefill): every kernel keeps one accumulator
