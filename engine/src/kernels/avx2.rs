@@ -1,14 +1,21 @@
 //! The AVX2 + FMA + F16C ISA (x86-64 since Haswell / Zen).
 //!
-//! Row-major kernels keep one 8-lane accumulator per (row, position): lane `l` sums the
-//! products of elements `i ≡ l (mod 8)` in increasing `i`, then [`hsum`] reduces the lanes in a
-//! fixed order and a scalar tail adds the leftover elements with fused multiply-adds. How many
-//! rows (`R`) and positions (`P`) one call interleaves changes only which loads are shared, never
-//! a position's arithmetic, so a block of positions gets exactly what each position gets alone.
+//! The kernels compute the scalar reference's arithmetic (`scalar`: sixteen lanes of fused
+//! multiply-adds and a fixed reduction), so they give its bits. Row-major kernels keep one
+//! 16-lane accumulator per (row, position) in two 8-lane registers: for dense rows, lane `l`
+//! of the pair sums the products of elements `i ≡ l (mod 16)` in increasing `i`, then
+//! [`hsum16`] reduces the lanes in the reference's order and a scalar tail adds the leftover
+//! elements with fused multiply-adds. How many rows (`R`) and positions (`P`) one call
+//! interleaves changes only which loads are shared, never a position's arithmetic, so a block
+//! of positions gets exactly what each position gets alone.
 //!
 //! MXFP4 weights are dequantized exactly on the fly, never copied out of the checkpoint's
 //! format: two byte shuffles of per-scale tables give each nibble's value times its block's
-//! scale as bf16 bytes, which widen to f32 (see [`decode_scaled`]).
+//! scale as bf16 bytes, which widen to f32 (see [`decode_scaled`]). The decode yields a
+//! block's weights in its own order ([`MXFP4_ORDER`]): four vectors, the first two of the
+//! block's first half, the last two of the same lanes' elements of its second half. An
+//! accumulator's first register takes the first and third, its second register the second
+//! and fourth, and [`hsum_mxfp4`] reduces them in the reference's order.
 
 use std::arch::x86_64::*;
 use std::cell::Cell;
@@ -157,11 +164,12 @@ unsafe fn dense_rows<const FMT: u8>(
             }
         }};
     }
+    // At most twelve accumulator registers (two per row and position) of the sixteen.
     match p {
         1 => sweep!(4, 1),
-        2 => sweep!(2, 2),
+        2 => sweep!(3, 2),
         3 => sweep!(2, 3),
-        _ => sweep!(2, 4),
+        _ => sweep!(1, 4),
     }
 }
 
@@ -206,7 +214,7 @@ unsafe fn load1<const FMT: u8>(w: *const u8, i: usize) -> f32 {
     }
 }
 
-/// Sums the 8 lanes in a fixed order.
+/// Sums the 8 lanes in a fixed order: `l + 4`, then `l + 2`, then `l + 1`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn hsum(v: __m256) -> f32 {
@@ -216,7 +224,34 @@ pub(super) fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// Dot products of `R` consecutive rows with `P` positions, `n` elements each. With one
+/// Sums a dense accumulator's 16 lanes (lanes 0 to 7 in `a[0]`, 8 to 15 in `a[1]`) in the
+/// reference's order (`scalar::reduce`): `l + 8`, then [`hsum`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum16(a: [__m256; 2]) -> f32 {
+    hsum(_mm256_add_ps(a[0], a[1]))
+}
+
+/// Sums an MXFP4 accumulator's 16 lanes in the reference's order. Its registers hold, by lane,
+/// the block elements (of the first half; the second half's are the same plus 16)
+/// `[0, 4, 8, 12, 1, 5, 9, 13]` and `[2, 6, 10, 14, 3, 7, 11, 15]` ([`MXFP4_ORDER`]); the
+/// reference's lanes hold elements `0, 8, 1, 9, …` (`scalar::MXFP4_LANE`), so its tree sums,
+/// by element, `e + (e + 4)` for `e` in 0..4 and 8..12, then those `+ 2`, then `+ 1`, then the
+/// halves 0..8 and 8..16. Here: one horizontal add gives the first level (`0+4, 8+12, 2+6,
+/// 10+14 | 1+5, 9+13, 3+7, 11+15`), a shuffle the second (lanes `l` and `l + 2` of each
+/// 128-bit half), the 128-bit halves' sum the third, and the last two lanes the fourth.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_mxfp4(a: [__m256; 2]) -> f32 {
+    let h = _mm256_hadd_ps(a[0], a[1]);
+    let u = _mm256_add_ps(h, _mm256_permute_ps::<0b11_10_11_10>(h));
+    let s = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps::<1>(u));
+    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+    _mm_cvtss_f32(s)
+}
+
+/// Dot products of `R` consecutive rows with `P` positions, `n` elements each (`2 R P`
+/// accumulator registers: at most 12 of the 16 leave room for the loads). With one
 /// position (decode) it also prefetches, a cache line at a time, the next `R` rows: each row
 /// is a stream too short for the hardware prefetcher to ramp up before it ends (README,
 /// Kernels).
@@ -231,32 +266,34 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
     x: [*const f32; P],
     n: usize,
 ) -> [[f32; P]; R] {
-    let mut acc = [[_mm256_setzero_ps(); P]; R];
-    let main = n / 8 * 8;
+    let mut acc = [[[_mm256_setzero_ps(); 2]; P]; R];
+    let main = n / 16 * 16;
     let size = super::code_size(FMT);
     let (per_line, ahead) = (64 / size, R * n * size);
     let mut i = 0;
     while i < main {
-        if P == 1 && i % per_line == 0 {
+        if P == 1 && i % per_line < 16 {
             for p in w {
                 _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ahead + i * size) as *const i8);
             }
         }
-        for k in 0..R {
-            // SAFETY: `i + 8 <= n` (caller's bounds).
-            let wv = unsafe { load8::<FMT>(w[k], i) };
-            for q in 0..P {
-                // SAFETY: as above, for `x[q]`.
-                let xv = unsafe { _mm256_loadu_ps(x[q].add(i)) };
-                acc[k][q] = _mm256_fmadd_ps(wv, xv, acc[k][q]);
+        for (wk, ak) in w.iter().zip(&mut acc) {
+            for h in 0..2 {
+                // SAFETY: `i + 16 <= n` (caller's bounds).
+                let wv = unsafe { load8::<FMT>(*wk, i + 8 * h) };
+                for (xq, aq) in x.iter().zip(ak.iter_mut()) {
+                    // SAFETY: as above, for `x[q]`.
+                    let xv = unsafe { _mm256_loadu_ps(xq.add(i + 8 * h)) };
+                    aq[h] = _mm256_fmadd_ps(wv, xv, aq[h]);
+                }
             }
         }
-        i += 8;
+        i += 16;
     }
     let mut out = [[0f32; P]; R];
     for k in 0..R {
         for q in 0..P {
-            let mut s = hsum(acc[k][q]);
+            let mut s = hsum16(acc[k][q]);
             for j in main..n {
                 // SAFETY: `j < n` (caller's bounds).
                 s = unsafe { load1::<FMT>(w[k], j).mul_add(*x[q].add(j), s) };
@@ -271,12 +308,14 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
 ///
 /// Every (row, position) is the same computation whatever `p` and `n`: its weights dequantized
 /// exactly ([`decode_scaled`]: each FP4 value times its block's E8M0 scale, as
-/// [`mxfp4_value`](super::mxfp4_value) gives it), then one 8-lane accumulator takes a fused
-/// multiply-add per vector of 8 weights in increasing order (the block's four vectors, block
-/// after block), and [`hsum`] reduces the lanes. One position ([`mxfp4_dot`]) streams four
-/// rows at a time, decoding in registers; several ([`mxfp4_block`]) decode a slab of rows into
-/// an L1 buffer once and multiply it by every position in register tiles. So a block of
-/// positions gets exactly what each position gets alone.
+/// [`mxfp4_value`](super::mxfp4_value) gives it), then one accumulator of two 8-lane
+/// registers takes a fused multiply-add per vector of 8 weights (the block's first and third
+/// vectors into the first register, its second and fourth into the second, block after block),
+/// and [`hsum_mxfp4`] reduces the lanes: the reference's arithmetic. One position
+/// ([`mxfp4_dot`]) streams four rows at a time, decoding in registers; several
+/// ([`mxfp4_block`]) decode a slab of rows into an L1 buffer once and multiply it by every
+/// position in register tiles. So a block of positions gets exactly what each position gets
+/// alone.
 ///
 /// # Safety
 /// As [`rows_impl`]: rows `r0 .. r0 + n` of `blocks`/`scales` and `p` positions in bounds.
@@ -338,10 +377,10 @@ const MAX_ROWS: usize = 64;
 const SLAB: usize = 4;
 
 /// The dot products of `R` consecutive rows (`b`, `s`: each row's blocks and scales) with one
-/// position `x` in [`MXFP4_ORDER`]: per row one accumulator, four fused multiply-adds per
-/// block in order. Four rows give the core four independent chains (one alone waits on each
-/// multiply-add's latency); while they compute, the next `R` rows are prefetched, a line at a
-/// time (each row is a stream too short for the hardware prefetcher to ramp up on).
+/// position `x` in [`MXFP4_ORDER`]: per row one accumulator (two registers), four fused
+/// multiply-adds per block. Four rows give the core eight independent chains (one alone waits
+/// on each multiply-add's latency); while they compute, the next `R` rows are prefetched, a
+/// line at a time (each row is a stream too short for the hardware prefetcher to ramp up on).
 ///
 /// # Safety
 /// The CPU supports the ISA; each `b[k]` points to `16 * nb` readable bytes, `s[k]` to `nb`,
@@ -354,7 +393,7 @@ unsafe fn mxfp4_dot<const R: usize>(
     nb: usize,
     c: Fp4Consts,
 ) -> [f32; R] {
-    let mut a = [_mm256_setzero_ps(); R];
+    let mut a = [[_mm256_setzero_ps(); 2]; R];
     let ahead = R * nb * 16;
     for blk in 0..nb {
         if blk % 4 == 0 {
@@ -374,31 +413,31 @@ unsafe fn mxfp4_dot<const R: usize>(
                 let w = decode_scaled(b[k].add(16 * blk), *s[k].add(blk), c);
                 let mut acc = a[k];
                 for (j, wv) in w.iter().enumerate() {
-                    acc = _mm256_fmadd_ps(*wv, _mm256_loadu_ps(xp.add(8 * j)), acc);
+                    acc[j % 2] = _mm256_fmadd_ps(*wv, _mm256_loadu_ps(xp.add(8 * j)), acc[j % 2]);
                 }
                 a[k] = acc;
             }
         }
     }
-    a.map(|v| hsum(v))
+    a.map(|v| hsum_mxfp4(v))
 }
 
 /// Vectors of [`mxfp4_block`]'s scratch: the accumulators (`MAX_ROWS` rows of
-/// `MXFP4_POSITIONS`), then the slab of dequantized weights (`CHUNK_ROWS` rows of `SLAB`
-/// blocks of four vectors in [`MXFP4_ORDER`]).
-const SCRATCH: usize = MAX_ROWS * MXFP4_POSITIONS + CHUNK_ROWS * SLAB * 4;
+/// `MXFP4_POSITIONS` pairs of registers), then the slab of dequantized weights (`CHUNK_ROWS`
+/// rows of `SLAB` blocks of four vectors in [`MXFP4_ORDER`]).
+const SCRATCH: usize = MAX_ROWS * MXFP4_POSITIONS * 2 + CHUNK_ROWS * SLAB * 4;
 
 thread_local! {
-    /// [`mxfp4_block`]'s scratch (72 KiB), kept by each thread between calls instead of being
+    /// [`mxfp4_block`]'s scratch (136 KiB), kept by each thread between calls instead of being
     /// set up on the stack by every call (taken while in use).
     static BLOCK_SCRATCH: Cell<Vec<__m256>> = const { Cell::new(Vec::new()) };
 }
 
 /// [`mxfp4_rows`] for `2 <= p <= MXFP4_POSITIONS` positions: groups of up to [`MAX_ROWS`]
 /// rows, walked in slabs of [`SLAB`] blocks. For each slab, chunk after chunk of [`CHUNK_ROWS`]
-/// rows is decoded once into an L1 buffer, then tiles of 3 (or 2) rows x 4 positions multiply
-/// it ([`mxfp4_tile`]: twelve accumulators in registers, each input vector loaded once for the
-/// tile's rows, each weight vector once for four positions). The accumulators of the group's (row,
+/// rows is decoded once into an L1 buffer, then tiles of 3 (or 2) rows x 2 positions multiply
+/// it ([`mxfp4_tile`]: twelve accumulator registers, each input vector loaded once for the
+/// tile's rows, each weight vector once for two positions). The accumulators of the group's (row,
 /// position)s live in the thread's scratch between slabs, so each slab of inputs meets all the
 /// group's rows while it is in L1.
 ///
@@ -425,11 +464,12 @@ unsafe fn mxfp4_block(
     scratch.resize(SCRATCH, _mm256_setzero_ps());
     // The accumulators of every row of a group of up to MAX_ROWS rows, so each slab of inputs,
     // once in L1, meets all the group's rows before the next slab.
-    let (acc, slab) = scratch.split_at_mut(MAX_ROWS * MXFP4_POSITIONS);
+    let stride = MXFP4_POSITIONS * 2;
+    let (acc, slab) = scratch.split_at_mut(MAX_ROWS * stride);
     for g0 in (0..n).step_by(MAX_ROWS) {
         let g = MAX_ROWS.min(n - g0);
-        for a in acc[..g * MXFP4_POSITIONS].chunks_exact_mut(MXFP4_POSITIONS) {
-            a[..p].fill(_mm256_setzero_ps());
+        for a in acc[..g * stride].chunks_exact_mut(stride) {
+            a[..2 * p].fill(_mm256_setzero_ps());
         }
         for b0 in (0..nb).step_by(SLAB) {
             let k = SLAB.min(nb - b0);
@@ -453,8 +493,9 @@ unsafe fn mxfp4_block(
                 let mut i = 0;
                 while i < m {
                     // Three rows per tile where they divide evenly enough (16 rows: 3, 3, 3,
-                    // 3, 2, 2): twelve independent chains of multiply-adds keep both FMA
-                    // pipes busy through their latency, where eight just match it.
+                    // 3, 2, 2): with two positions, twelve accumulator registers, independent
+                    // chains of multiply-adds that keep both FMA pipes busy through their
+                    // latency, where eight just match it.
                     let r = match m - i {
                         1 => 1,
                         2 | 4 => 2,
@@ -462,40 +503,31 @@ unsafe fn mxfp4_block(
                     };
                     let mut q = 0;
                     while q < p {
-                        // SAFETY: positions `q .. q + 4.min(p - q) <= p` hold `cols` f32 each
+                        // SAFETY: positions `q .. q + 2.min(p - q) <= p` hold `cols` f32 each
                         // and the slab's blocks lie within them (caller); slab rows
                         // `i .. i + r <= m` and accumulator rows `c0 + i + r <= g <= MAX_ROWS`.
                         unsafe {
                             let x = xs.as_ptr().add(q * cols + 32 * b0);
-                            let a = acc.as_mut_ptr().add((c0 + i) * MXFP4_POSITIONS + q);
+                            let a = acc.as_mut_ptr().add((c0 + i) * stride + 2 * q);
                             let slab = slab.as_ptr();
-                            match (r, (p - q).min(4)) {
-                                (3, 4) => mxfp4_tile::<3, 4>(slab, i, x, cols, k, a),
-                                (3, 3) => mxfp4_tile::<3, 3>(slab, i, x, cols, k, a),
+                            match (r, (p - q).min(2)) {
                                 (3, 2) => mxfp4_tile::<3, 2>(slab, i, x, cols, k, a),
                                 (3, _) => mxfp4_tile::<3, 1>(slab, i, x, cols, k, a),
-                                (2, 4) => mxfp4_tile::<2, 4>(slab, i, x, cols, k, a),
-                                (2, 3) => mxfp4_tile::<2, 3>(slab, i, x, cols, k, a),
                                 (2, 2) => mxfp4_tile::<2, 2>(slab, i, x, cols, k, a),
                                 (2, _) => mxfp4_tile::<2, 1>(slab, i, x, cols, k, a),
-                                (_, 4) => mxfp4_tile::<1, 4>(slab, i, x, cols, k, a),
-                                (_, 3) => mxfp4_tile::<1, 3>(slab, i, x, cols, k, a),
                                 (_, 2) => mxfp4_tile::<1, 2>(slab, i, x, cols, k, a),
                                 (_, _) => mxfp4_tile::<1, 1>(slab, i, x, cols, k, a),
                             }
                         }
-                        q += 4;
+                        q += 2;
                     }
                     i += r;
                 }
             }
         }
-        for (i, a) in acc[..g * MXFP4_POSITIONS]
-            .chunks_exact(MXFP4_POSITIONS)
-            .enumerate()
-        {
-            for (q, v) in a[..p].iter().enumerate() {
-                out[q * n + g0 + i] = hsum(*v);
+        for (i, a) in acc[..g * stride].chunks_exact(stride).enumerate() {
+            for q in 0..p {
+                out[q * n + g0 + i] = hsum_mxfp4([a[2 * q], a[2 * q + 1]]);
             }
         }
     }
@@ -505,7 +537,8 @@ unsafe fn mxfp4_block(
 /// Adds `k` decoded blocks of slab rows `i .. i + R` (`slab`: block `blk` of row `i` is the four
 /// vectors at `slab + (i * SLAB + blk) * 4`) times `Q` positions (`x`: the slab's first input of
 /// the first position, positions `cols` apart) to the accumulators at `acc` (row `r`, position
-/// `q` at `acc + r * MXFP4_POSITIONS + q`), by [`mxfp4_dot`]'s arithmetic.
+/// `q`: the pair of registers at `acc + 2 * (r * MXFP4_POSITIONS + q)`), by [`mxfp4_dot`]'s
+/// arithmetic.
 ///
 /// # Safety
 /// The CPU supports the ISA; `x` points to `Q` positions of `32 * k` readable f32, `cols`
@@ -522,8 +555,9 @@ unsafe fn mxfp4_tile<const R: usize, const Q: usize>(
 ) {
     // SAFETY (whole body): the bounds above (caller).
     unsafe {
-        let at = |r: usize, q: usize| acc.add(r * MXFP4_POSITIONS + q);
-        let mut a: [[__m256; Q]; R] = std::array::from_fn(|r| std::array::from_fn(|q| *at(r, q)));
+        let at = |r: usize, q: usize, h: usize| acc.add(2 * (r * MXFP4_POSITIONS + q) + h);
+        let mut a: [[[__m256; 2]; Q]; R] =
+            std::array::from_fn(|r| std::array::from_fn(|q| [*at(r, q, 0), *at(r, q, 1)]));
         for blk in 0..k {
             for j in 0..4 {
                 let w: [__m256; R] =
@@ -531,14 +565,15 @@ unsafe fn mxfp4_tile<const R: usize, const Q: usize>(
                 for q in 0..Q {
                     let xv = _mm256_loadu_ps(x.add(q * cols + 32 * blk + 8 * j));
                     for (ar, wr) in a.iter_mut().zip(&w) {
-                        ar[q] = _mm256_fmadd_ps(*wr, xv, ar[q]);
+                        ar[q][j % 2] = _mm256_fmadd_ps(*wr, xv, ar[q][j % 2]);
                     }
                 }
             }
         }
         for (r, ar) in a.iter().enumerate() {
             for (q, v) in ar.iter().enumerate() {
-                *at(r, q) = *v;
+                *at(r, q, 0) = v[0];
+                *at(r, q, 1) = v[1];
             }
         }
     }

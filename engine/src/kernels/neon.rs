@@ -1,11 +1,13 @@
 //! The NEON ISA (AArch64: every 64-bit Arm CPU, Cortex-A53 and Apple M1 to Graviton).
 //!
-//! Row-major kernels keep one accumulator of two 4-lane vectors per (row, position): lane `l`
-//! of the pair sums the products of elements `i ≡ l (mod 8)` in increasing `i`; the two vectors
-//! are added and their lanes reduced pairwise ([`hsum`], a fixed order), then a scalar tail adds
-//! the leftover elements with fused multiply-adds. How many rows (`R`) and positions (`P`) one
-//! call interleaves changes only which loads are shared, never a position's arithmetic, so a
-//! block of positions gets exactly what each position gets alone.
+//! The kernels compute the scalar reference's arithmetic (`scalar`: sixteen lanes of fused
+//! multiply-adds and a fixed reduction), so they give its bits. Row-major kernels keep one
+//! 16-lane accumulator per (row, position) in four 4-lane vectors: for dense rows, lane `l` of
+//! the four sums the products of elements `i ≡ l (mod 16)` in increasing `i`; [`hsum16`]
+//! reduces the lanes in the reference's order, then a scalar tail adds the leftover elements
+//! with fused multiply-adds. How many rows (`R`) and positions (`P`) one call interleaves
+//! changes only which loads are shared, never a position's arithmetic, so a block of positions
+//! gets exactly what each position gets alone.
 //!
 //! Widening: bf16 by a long shift (`USHLL #16`), int8 by sign extension and conversion, f16 by
 //! integer arithmetic on the bits ([`f16_to_f32`], exact for every value including subnormals;
@@ -17,9 +19,12 @@
 //! scale's tables give the high and low bytes of each dequantized value (FP4 value times E8M0
 //! scale) as bf16 (exact: at most two significant bits), which a zip and a long shift turn into
 //! f32. Each (row, position) then takes a fused multiply-add per 4 weights, no per-block scale
-//! multiply. Decode reads four rows at a time in registers; prefill decodes a slab of rows
+//! multiply: vector `j` of the accumulator takes elements `4j .. 4j + 4` of each block's first
+//! half, then the same of its second half, and [`hsum_mxfp4`] reduces the lanes in the
+//! reference's order. Decode reads four rows at a time in registers; prefill decodes a slab of rows
 //! once per call of up to 32 positions into an L1 buffer and multiplies it in register tiles,
 //! as the AVX2 ISA does. Tested under QEMU (`.ci/neon-emulated.sh`); speed not measured.
+//! With four vectors per accumulator, tiles take at most 24 of the 32 registers.
 
 use std::arch::aarch64::*;
 
@@ -169,11 +174,12 @@ unsafe fn dense_rows<const FMT: u8>(
             }
         }};
     }
+    // At most 24 accumulator vectors (four per row and position) of the 32 registers.
     match p {
         1 => sweep!(4, 1),
         2 => sweep!(2, 2),
         3 => sweep!(2, 3),
-        _ => sweep!(2, 4),
+        _ => sweep!(1, 4),
     }
 }
 
@@ -260,11 +266,30 @@ unsafe fn load1<const FMT: u8>(w: *const u8, i: usize) -> f32 {
     }
 }
 
-/// Sums an accumulator's 8 lanes in a fixed order.
+/// `(c0 + c2) + (c1 + c3)`: the last two levels of the reference's reduction.
 #[inline]
 #[target_feature(enable = "neon")]
-fn hsum(a: [float32x4_t; 2]) -> f32 {
-    vaddvq_f32(vaddq_f32(a[0], a[1]))
+fn fold4(c: float32x4_t) -> f32 {
+    let d = vadd_f32(vget_low_f32(c), vget_high_f32(c));
+    vget_lane_f32::<0>(d) + vget_lane_f32::<1>(d)
+}
+
+/// Sums a dense accumulator's 16 lanes (lanes `4j .. 4j + 4` in `a[j]`) in the reference's
+/// order (`scalar::reduce`): lane `l` plus `l + 8`, then `l + 4`, then [`fold4`].
+#[inline]
+#[target_feature(enable = "neon")]
+fn hsum16(a: [float32x4_t; 4]) -> f32 {
+    fold4(vaddq_f32(vaddq_f32(a[0], a[2]), vaddq_f32(a[1], a[3])))
+}
+
+/// Sums an MXFP4 accumulator's 16 lanes (`a[j]` holds block elements `4j .. 4j + 4` of the
+/// first half, and the same plus 16) in the reference's order: its lanes hold elements
+/// `0, 8, 1, 9, …` (`scalar::MXFP4_LANE`), so its tree sums, by element, `e + (e + 4)`, then
+/// `+ 2`, then `+ 1` within 0..8 and within 8..16, then the two.
+#[inline]
+#[target_feature(enable = "neon")]
+fn hsum_mxfp4(a: [float32x4_t; 4]) -> f32 {
+    fold4(vaddq_f32(a[0], a[1])) + fold4(vaddq_f32(a[2], a[3]))
 }
 
 /// Dot products of `R` rows with `P` positions, `n` elements each.
@@ -280,27 +305,31 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
     n: usize,
 ) -> [[f32; P]; R] {
     let z = vdupq_n_f32(0.0);
-    let mut acc = [[[z; 2]; P]; R];
-    let main = n / 8 * 8;
+    let mut acc = [[[z; 4]; P]; R];
+    let main = n / 16 * 16;
     let mut i = 0;
     while i < main {
         for k in 0..R {
-            // SAFETY: `i + 8 <= n` (caller's bounds).
-            let wv = unsafe { load8::<FMT>(w[k], i) };
+            // SAFETY: `i + 16 <= n` (caller's bounds).
+            let [w0, w1] = unsafe { load8::<FMT>(w[k], i) };
+            // SAFETY: as above.
+            let [w2, w3] = unsafe { load8::<FMT>(w[k], i + 8) };
+            let wv = [w0, w1, w2, w3];
             for q in 0..P {
-                // SAFETY: as above, for `x[q]`.
-                let (x0, x1) = unsafe { (vld1q_f32(x[q].add(i)), vld1q_f32(x[q].add(i + 4))) };
                 let a = &mut acc[k][q];
-                a[0] = vfmaq_f32(a[0], wv[0], x0);
-                a[1] = vfmaq_f32(a[1], wv[1], x1);
+                for (h, (ah, wh)) in a.iter_mut().zip(&wv).enumerate() {
+                    // SAFETY: as above, for `x[q]`.
+                    let xv = unsafe { vld1q_f32(x[q].add(i + 4 * h)) };
+                    *ah = vfmaq_f32(*ah, *wh, xv);
+                }
             }
         }
-        i += 8;
+        i += 16;
     }
     let mut out = [[0f32; P]; R];
     for k in 0..R {
         for q in 0..P {
-            let mut s = hsum(acc[k][q]);
+            let mut s = hsum16(acc[k][q]);
             for j in main..n {
                 // SAFETY: `j < n` (caller's bounds).
                 s = unsafe { load1::<FMT>(w[k], j).mul_add(*x[q].add(j), s) };
@@ -315,9 +344,10 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
 ///
 /// Every (row, position) is the same computation whatever `p` and `n`: its weights dequantized
 /// exactly ([`decode_scaled`]: each FP4 value times its block's E8M0 scale, as
-/// [`mxfp4_value`](super::mxfp4_value) gives it), then the accumulator's two 4-lane vectors
-/// take a fused multiply-add per 8 weights (elements `i mod 8 < 4` into the first), block after
-/// block, and [`hsum`] reduces them. One position ([`mxfp4_dot`]) streams four rows at a time,
+/// [`mxfp4_value`](super::mxfp4_value) gives it), then the accumulator's four 4-lane vectors
+/// take a fused multiply-add per 4 weights (vector `j` the block's elements `4j .. 4j + 4`,
+/// then `16 + 4j .. 16 + 4j + 4`), block after block, and [`hsum_mxfp4`] reduces them. One
+/// position ([`mxfp4_dot`]) streams four rows at a time,
 /// decoding in registers; several ([`mxfp4_block`]) decode a slab of rows into an L1 buffer
 /// once and multiply it by every position in register tiles. So a block of positions gets
 /// exactly what each position gets alone.
@@ -455,31 +485,29 @@ unsafe fn mxfp4_dot<const R: usize>(
     x: *const f32,
     nb: usize,
 ) -> [f32; R] {
-    let mut acc = [[vdupq_n_f32(0.0); 2]; R];
+    let mut acc = [[vdupq_n_f32(0.0); 4]; R];
     for blk in 0..nb {
         // SAFETY: block `blk < nb` of every row and of the position (caller).
         unsafe {
             let xp = x.add(32 * blk);
             for k in 0..R {
                 let w = decode_scaled(b[k].add(16 * blk), *s[k].add(blk));
-                let [mut a0, mut a1] = acc[k];
-                for j in 0..4 {
-                    a0 = vfmaq_f32(a0, w[2 * j], vld1q_f32(xp.add(8 * j)));
-                    a1 = vfmaq_f32(a1, w[2 * j + 1], vld1q_f32(xp.add(8 * j + 4)));
+                let a = &mut acc[k];
+                for (j, wj) in w.iter().enumerate() {
+                    a[j % 4] = vfmaq_f32(a[j % 4], *wj, vld1q_f32(xp.add(4 * j)));
                 }
-                acc[k] = [a0, a1];
             }
         }
     }
-    acc.map(|a| hsum(a))
+    acc.map(|a| hsum_mxfp4(a))
 }
 
 /// Vectors of [`mxfp4_block`]'s scratch: the accumulators (`MAX_ROWS` rows of
-/// `MXFP4_POSITIONS` pairs), then the slab (`CHUNK_ROWS` rows of `SLAB` blocks of 8 vectors).
-const SCRATCH: usize = MAX_ROWS * MXFP4_POSITIONS * 2 + CHUNK_ROWS * SLAB * 8;
+/// `MXFP4_POSITIONS` fours), then the slab (`CHUNK_ROWS` rows of `SLAB` blocks of 8 vectors).
+const SCRATCH: usize = MAX_ROWS * MXFP4_POSITIONS * 4 + CHUNK_ROWS * SLAB * 8;
 
 thread_local! {
-    /// [`mxfp4_block`]'s scratch (72 KiB), kept by each thread between calls (taken while in
+    /// [`mxfp4_block`]'s scratch (136 KiB), kept by each thread between calls (taken while in
     /// use).
     static BLOCK_SCRATCH: std::cell::Cell<Vec<float32x4_t>> =
         const { std::cell::Cell::new(Vec::new()) };
@@ -488,8 +516,8 @@ thread_local! {
 /// [`mxfp4_rows`] for `2 <= p <= MXFP4_POSITIONS` positions, as the AVX2 ISA's prefill
 /// kernel: groups of up to [`MAX_ROWS`] rows walked in slabs of [`SLAB`] blocks; for each slab,
 /// chunk after chunk of [`CHUNK_ROWS`] rows is decoded once into an L1 buffer, then tiles of 2
-/// rows x 4 positions multiply it ([`tile`]: sixteen accumulator vectors in registers, each
-/// input vector loaded once for both rows, each weight vector once for four positions). The
+/// rows x 2 positions multiply it ([`tile`]: sixteen accumulator vectors in registers, each
+/// input vector loaded once for both rows, each weight vector once for two positions). The
 /// group's accumulators live in the thread's scratch between slabs.
 ///
 /// # Safety
@@ -512,12 +540,12 @@ unsafe fn mxfp4_block(
     let cols = nb * 32;
     let mut scratch = BLOCK_SCRATCH.take();
     scratch.resize(SCRATCH, vdupq_n_f32(0.0));
-    let (acc, slab) = scratch.split_at_mut(MAX_ROWS * MXFP4_POSITIONS * 2);
-    let stride = MXFP4_POSITIONS * 2;
+    let (acc, slab) = scratch.split_at_mut(MAX_ROWS * MXFP4_POSITIONS * 4);
+    let stride = MXFP4_POSITIONS * 4;
     for g0 in (0..n).step_by(MAX_ROWS) {
         let g = MAX_ROWS.min(n - g0);
         for a in acc[..g * stride].chunks_exact_mut(stride) {
-            a[..2 * p].fill(vdupq_n_f32(0.0));
+            a[..4 * p].fill(vdupq_n_f32(0.0));
         }
         for b0 in (0..nb).step_by(SLAB) {
             let k = SLAB.min(nb - b0);
@@ -539,25 +567,21 @@ unsafe fn mxfp4_block(
                     let r = (m - i).min(2);
                     let mut q = 0;
                     while q < p {
-                        // SAFETY: positions `q .. q + 4.min(p - q) <= p` hold `cols` f32 each
+                        // SAFETY: positions `q .. q + 2.min(p - q) <= p` hold `cols` f32 each
                         // and the slab's blocks lie within them (caller); slab rows
                         // `i .. i + r <= m` and accumulator rows `c0 + i + r <= g <= MAX_ROWS`.
                         unsafe {
                             let x = xs.as_ptr().add(q * cols + 32 * b0);
-                            let a = acc.as_mut_ptr().add((c0 + i) * stride + 2 * q);
+                            let a = acc.as_mut_ptr().add((c0 + i) * stride + 4 * q);
                             let slab = slab.as_ptr();
-                            match (r, (p - q).min(4)) {
-                                (2, 4) => tile::<2, 4>(slab, i, x, cols, k, a),
-                                (2, 3) => tile::<2, 3>(slab, i, x, cols, k, a),
+                            match (r, (p - q).min(2)) {
                                 (2, 2) => tile::<2, 2>(slab, i, x, cols, k, a),
                                 (2, _) => tile::<2, 1>(slab, i, x, cols, k, a),
-                                (_, 4) => tile::<1, 4>(slab, i, x, cols, k, a),
-                                (_, 3) => tile::<1, 3>(slab, i, x, cols, k, a),
                                 (_, 2) => tile::<1, 2>(slab, i, x, cols, k, a),
                                 (_, _) => tile::<1, 1>(slab, i, x, cols, k, a),
                             }
                         }
-                        q += 4;
+                        q += 2;
                     }
                     i += r;
                 }
@@ -565,7 +589,8 @@ unsafe fn mxfp4_block(
         }
         for (i, a) in acc[..g * stride].chunks_exact(stride).enumerate() {
             for q in 0..p {
-                out[q * n + g0 + i] = hsum([a[2 * q], a[2 * q + 1]]);
+                out[q * n + g0 + i] =
+                    hsum_mxfp4([a[4 * q], a[4 * q + 1], a[4 * q + 2], a[4 * q + 3]]);
             }
         }
     }
@@ -575,8 +600,8 @@ unsafe fn mxfp4_block(
 /// Adds `k` decoded blocks of slab rows `i .. i + R` (block `blk` of row `i` is the eight
 /// vectors at `slab + (i * SLAB + blk) * 8`) times `Q` positions (`x`: the slab's first input
 /// of the first position, positions `cols` apart) to the accumulators at `acc` (row `r`,
-/// position `q`: the pair at `acc + r * 2 * MXFP4_POSITIONS + 2 * q`), by [`mxfp4_rows`]'
-/// arithmetic.
+/// position `q`: the four vectors at `acc + 4 * (r * MXFP4_POSITIONS + q)`), by
+/// [`mxfp4_rows`]' arithmetic.
 ///
 /// # Safety
 /// The CPU supports the ISA; `x` points to `Q` positions of `32 * k` readable f32, `cols`
@@ -593,9 +618,9 @@ unsafe fn tile<const R: usize, const Q: usize>(
 ) {
     // SAFETY (whole body): the bounds above (caller).
     unsafe {
-        let at = |r: usize, q: usize, h: usize| acc.add(r * 2 * MXFP4_POSITIONS + 2 * q + h);
-        let mut a: [[[float32x4_t; 2]; Q]; R] =
-            std::array::from_fn(|r| std::array::from_fn(|q| [*at(r, q, 0), *at(r, q, 1)]));
+        let at = |r: usize, q: usize, h: usize| acc.add(4 * (r * MXFP4_POSITIONS + q) + h);
+        let mut a: [[[float32x4_t; 4]; Q]; R] =
+            std::array::from_fn(|r| std::array::from_fn(|q| std::array::from_fn(|h| *at(r, q, h))));
         for blk in 0..k {
             for j in 0..8 {
                 let w: [float32x4_t; R] =
@@ -603,15 +628,16 @@ unsafe fn tile<const R: usize, const Q: usize>(
                 for q in 0..Q {
                     let xv = vld1q_f32(x.add(q * cols + 32 * blk + 4 * j));
                     for (ar, wr) in a.iter_mut().zip(&w) {
-                        ar[q][j % 2] = vfmaq_f32(ar[q][j % 2], *wr, xv);
+                        ar[q][j % 4] = vfmaq_f32(ar[q][j % 4], *wr, xv);
                     }
                 }
             }
         }
         for (r, ar) in a.iter().enumerate() {
             for (q, v) in ar.iter().enumerate() {
-                *at(r, q, 0) = v[0];
-                *at(r, q, 1) = v[1];
+                for (h, vh) in v.iter().enumerate() {
+                    *at(r, q, h) = *vh;
+                }
             }
         }
     }

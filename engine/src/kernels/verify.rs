@@ -1,4 +1,5 @@
-//! Known-answer checks of an ISA's kernels against an f64 reference.
+//! Known-answer checks of an ISA's kernels against an f64 reference and, bit for bit, against
+//! the scalar reference kernels (every ISA computes their arithmetic, see [`super`]).
 //!
 //! The unit tests run every ISA this CPU has on many shapes (the AVX-512 ISA in software
 //! where the CPU lacks it: `avx512_emulated`). A machine elsewhere may run an ISA natively that
@@ -80,16 +81,62 @@ pub(crate) fn reference(w: &Mat<'_>, x: &[f32]) -> Vec<f64> {
         .collect()
 }
 
-/// Checks `ISA`'s kernels on `w` (see [`check_with`]).
+/// Checks `ISA`'s kernels on `w` (see [`check_with`]); and, for the exact formats (all but
+/// [`Mat::Mxfp4Int8`]) on an ISA other than the scalar one, that they give the scalar kernels'
+/// bits (see [`check_same_bits`]).
 pub(crate) fn check_mat(
     isa: Isa,
     w: &Mat<'_>,
     block_sizes: &[usize],
     g: &mut Gen,
 ) -> Result<(), String> {
-    check_with(w, block_sizes, g, |w, xs, ys| matmul_in(isa, w, xs, ys))
+    let kernel = |w: &Mat<'_>, xs: &[f32], ys: &mut [f32]| matmul_in(isa, w, xs, ys);
+    let scalar = |w: &Mat<'_>, xs: &[f32], ys: &mut [f32]| matmul_in(Isa::Scalar, w, xs, ys);
+    check_with(w, block_sizes, g, kernel)
         .and_then(|()| check_rows_alone(isa, w, g))
+        .and_then(|()| {
+            if isa == Isa::Scalar || matches!(w, Mat::Mxfp4Int8 { .. }) {
+                Ok(())
+            } else {
+                check_same_bits(w, block_sizes, g, kernel, scalar)
+            }
+        })
         .map_err(|e| format!("{isa} kernels on {}: {e}", describe(w)))
+}
+
+/// True if `a` and `b` are the same f32, bit for bit, counting every NaN as the same (which NaN
+/// an operation on NaNs returns is the CPU's choice, not the summation order's).
+pub(crate) fn same_bits(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+/// Checks that `kernel` gives `reference`'s bits ([`same_bits`]) on `w`, for one position and
+/// for blocks of each of `block_sizes` positions, inputs from `g`. The error names the first
+/// output that differs.
+pub(crate) fn check_same_bits(
+    w: &Mat<'_>,
+    block_sizes: &[usize],
+    g: &mut Gen,
+    kernel: impl Fn(&Mat<'_>, &[f32], &mut [f32]),
+    reference: impl Fn(&Mat<'_>, &[f32], &mut [f32]),
+) -> Result<(), String> {
+    let (rows, cols) = (w.rows(), w.cols());
+    for t in std::iter::once(1).chain(block_sizes.iter().copied()) {
+        let xs = g.units(t * cols);
+        let (mut got, mut want) = (vec![f32::NAN; t * rows], vec![f32::NAN; t * rows]);
+        kernel(w, &xs, &mut got);
+        reference(w, &xs, &mut want);
+        if let Some(i) = (0..t * rows).find(|&i| !same_bits(got[i], want[i])) {
+            return Err(format!(
+                "position {} of {t}, row {}: {:e} against the scalar reference's {:e}",
+                i / rows.max(1),
+                i % rows.max(1),
+                got[i],
+                want[i]
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// [`matvec_rows_in`](super::matvec_rows_in) on `ISA`: rows asked for alone, backwards and
@@ -119,7 +166,7 @@ fn check_rows_alone(isa: Isa, w: &Mat<'_>, g: &mut Gen) -> Result<(), String> {
 }
 
 /// `w`'s format and shape, in a few words (its `Debug` form lists every byte).
-fn describe(w: &Mat<'_>) -> String {
+pub(crate) fn describe(w: &Mat<'_>) -> String {
     let kind = match *w {
         Mat::Dense { fmt, .. } => format!("{fmt:?}"),
         Mat::DenseT { fmt, .. } => format!("input-major {fmt:?}"),
@@ -272,7 +319,8 @@ mod tests {
     }
 
     /// The check can fail: a wrong output for one position, a NaN, and a block whose positions
-    /// differ in the last bit from one position alone are each caught and named.
+    /// differ in the last bit from one position alone are each caught and named; so is a last
+    /// bit that differs from the scalar reference's.
     #[test]
     fn check_catches_wrong_results() {
         let (rows, cols) = (9, 64);
@@ -307,6 +355,19 @@ mod tests {
         };
         let e = check_with(&w, &[2, 5], &mut Gen::new(4), block).unwrap_err();
         assert!(e.starts_with("position 2 of a block of 5, row 6:"), "{e}");
+        assert_eq!(
+            check_same_bits(&w, &[2, 5], &mut Gen::new(4), right, right),
+            Ok(())
+        );
+        let e = check_same_bits(&w, &[2, 5], &mut Gen::new(4), block, right).unwrap_err();
+        assert!(e.starts_with("position 2 of 5, row 6:"), "{e}");
+        let last_bit = |w: &Mat<'_>, xs: &[f32], ys: &mut [f32]| {
+            right(w, xs, ys);
+            ys[4] = f32::from_bits(ys[4].to_bits() ^ 1);
+        };
+        let e = check_same_bits(&w, &[2, 5], &mut Gen::new(4), last_bit, right).unwrap_err();
+        assert!(e.starts_with("position 0 of 1, row 4:"), "{e}");
+        assert!(same_bits(f32::NAN, -f32::NAN) && !same_bits(0.0, -0.0));
     }
 
     #[test]
