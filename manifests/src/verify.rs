@@ -841,7 +841,8 @@ mod tests {
         edit(&path, |b| b.extend_from_slice(&[0; 3]));
         let p = problems(dir.path(), &m);
         assert!(
-            p.iter().any(|p| matches!(p, Problem::FileTooLong { expected, found, .. }
+            p.iter()
+                .any(|p| matches!(p, Problem::FileTooLong { expected, found, .. }
                 if *expected == len && *found == len + 3)),
             "{p:?}"
         );
@@ -854,7 +855,11 @@ mod tests {
     #[test]
     fn a_changed_dense_tensor_is_named_and_explains_the_file_hash() {
         let (dir, m) = checkpoint();
-        let t = m.tensors.iter().find(|t| t.name == "lm_head.weight").unwrap();
+        let t = m
+            .tensors
+            .iter()
+            .find(|t| t.name == "lm_head.weight")
+            .unwrap();
         let at = usize::try_from(t.offset + 2).unwrap();
         edit(&dir.path().join("model.safetensors"), |b| b[at] ^= 0x10);
         let p = problems(dir.path(), &m);
@@ -893,7 +898,10 @@ mod tests {
         // with its chunk: none before the chunk starts, none from where it ends.
         let (dir, m) = checkpoint_of("gptoss-tiny-bf16");
         let e = &m.experts[1];
-        assert!(e.chunks.len() > 1, "the test wants a record of several chunks");
+        assert!(
+            e.chunks.len() > 1,
+            "the test wants a record of several chunks"
+        );
         let cs = u64::from(m.chunk_size);
         // Flip one byte inside each part in turn (a fresh copy each time).
         let mut start = 0u64;
@@ -971,13 +979,15 @@ mod tests {
         .unwrap();
         let p = problems(dir.path(), &m);
         assert!(
-            p.iter()
-                .any(|p| matches!(p, Problem::FileUnexpected { file } if file == "other.safetensors")),
+            p.iter().any(
+                |p| matches!(p, Problem::FileUnexpected { file } if file == "other.safetensors")
+            ),
             "{p:?}"
         );
         assert!(
-            p.iter()
-                .any(|p| matches!(p, Problem::FileMissing { file, .. } if file == "model.safetensors")),
+            p.iter().any(
+                |p| matches!(p, Problem::FileMissing { file, .. } if file == "model.safetensors")
+            ),
             "{p:?}"
         );
     }
@@ -1035,16 +1045,24 @@ mod tests {
         let p = problems(dir.path(), &m);
         let words = said(&p);
         let has = |what: &str| words.iter().any(|w| w.contains(what));
-        assert!(has("tensor lm_head.weight: dtype is F16, expected BF16"), "{words:?}");
         assert!(
-            !words.iter().any(|w| w.contains("model.embed_tokens.weight")),
+            has("tensor lm_head.weight: dtype is F16, expected BF16"),
+            "{words:?}"
+        );
+        assert!(
+            !words
+                .iter()
+                .any(|w| w.contains("model.embed_tokens.weight")),
             "an unchanged tensor was blamed: {words:?}"
         );
         for t in [a, b] {
             assert!(has(&format!("tensor {t}: bytes at")), "{t}: {words:?}");
         }
         assert!(has("tensor model.norm.weight is missing"), "{words:?}");
-        assert!(has("tensor model.norm.weigh in model.safetensors is not in the manifest"), "{words:?}");
+        assert!(
+            has("tensor model.norm.weigh in model.safetensors is not in the manifest"),
+            "{words:?}"
+        );
     }
 
     #[test]
@@ -1056,7 +1074,11 @@ mod tests {
             len: 8,
             sha256: m.files[0].sha256,
         });
-        let i = m.tensors.iter().position(|t| t.name == "lm_head.weight").unwrap();
+        let i = m
+            .tensors
+            .iter()
+            .position(|t| t.name == "lm_head.weight")
+            .unwrap();
         m.tensors[i].file = 1;
         let words = said(&problems(dir.path(), &m));
         assert!(
