@@ -18,6 +18,8 @@ use stormo_node::net::tier::{PeerConfig, PeerTier};
 use stormo_node::net::tls::Admission;
 use stormo_node::net::{self, PeerAddr};
 use stormo_tests::{fixture, MODEL_FIXTURES};
+
+use crate::hostile::{ExecAnswer, ExecScript, HostilePeer, Observed};
 use stormo_wire::{encode_frame, ErrorCode, Exec, Message, RequestId};
 
 /// A copy of fixture `name` with its manifest built there; and the model id.
@@ -111,12 +113,17 @@ impl Drop for Server {
 
 /// The network tier of a client with key `seed`, connected to `server`.
 fn tier(dir: &Path, id: Hash, seed: u8, server: &Server) -> PeerTier {
+    tier_at(dir, id, seed, server.addr())
+}
+
+/// The network tier of a client with key `seed`, connected to the peer at `addr`.
+fn tier_at(dir: &Path, id: Hash, seed: u8, addr: PeerAddr) -> PeerTier {
     let files = ModelFiles::open(dir).expect("model");
     let (m, _) =
         stormo_manifests::read_manifest(&dir.join("stormo-manifest.bin")).expect("manifest");
     PeerTier::connect(
         &client(seed),
-        &[server.addr()],
+        &[addr],
         Arc::new(m),
         id,
         files.layout.schemas.clone(),
@@ -519,4 +526,57 @@ fn postcard_header(id: RequestId, model: Hash, e: ExpertId, positions: u32, len:
     varint(u64::from(positions), &mut out);
     varint(len, &mut out);
     out
+}
+
+/// The requesting side against a hostile executor: a perturbed answer comes back as rows (one
+/// call cannot tell a wrong float from a right one: spot-checks can), rows of the wrong length
+/// are `Malformed`, silence is a `Timeout` at the call's deadline, a connection dropped
+/// mid-call is `Lost`; none of them harms the next call.
+#[test]
+fn exec_errors_name_how_an_executor_failed() {
+    let (dir, id) = setup("gptoss-tiny-mxfp4");
+    let (layers, _, hidden) = shape(dir.path());
+    let script: ExecScript = Arc::new(|e, _| match e.expert {
+        0 => ExecAnswer::Honest,
+        1 => ExecAnswer::Perturb(1e-2),
+        2 => ExecAnswer::WrongLength,
+        3 => ExecAnswer::Stall,
+        _ => ExecAnswer::Die,
+    });
+    let peer = HostilePeer::start_exec(95, dir.path(), script);
+    let t = tier_at(dir.path(), id, 1, peer.peer_addr());
+    let key = peer.key.public();
+    let xs = rows(2, hidden, 5);
+    let e = |i| ExpertId::new(layers[0], i);
+    let call = |i, secs| t.exec_blocking(&key, e(i), &xs, Duration::from_secs_f64(secs));
+
+    let honest = call(0, 5.0).expect("an honest answer");
+    assert_eq!(bits(&honest), bits(&local(dir.path(), e(0), &xs)));
+    let lie = call(1, 5.0).expect("a lie still has the right shape");
+    let truth = local(dir.path(), e(1), &xs);
+    assert_eq!(lie[0], truth[0] + 1e-2);
+    assert_eq!(bits(&lie[1..]), bits(&truth[1..]));
+    match call(2, 5.0) {
+        Err(ExecError::Malformed(why)) => assert!(why.contains("expected"), "{why}"),
+        other => panic!("not malformed: {other:?}"),
+    }
+    let t0 = Instant::now();
+    assert_eq!(
+        call(3, 0.3),
+        Err(ExecError::Timeout(Duration::from_secs_f64(0.3)))
+    );
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    assert!(matches!(call(4, 5.0), Err(ExecError::Lost(_))));
+    // The tier dials again for the next call.
+    let again = call(0, 5.0).expect("after a dropped connection");
+    assert_eq!(bits(&again), bits(&honest));
+    let seen: Vec<_> = peer
+        .observed()
+        .into_iter()
+        .filter_map(|o| match o {
+            Observed::Exec { expert, positions } => Some((expert.expert, positions)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(seen, [(0, 2), (1, 2), (2, 2), (3, 2), (4, 2), (0, 2)]);
 }
