@@ -580,3 +580,58 @@ fn exec_errors_name_how_an_executor_failed() {
         .collect();
     assert_eq!(seen, [(0, 2), (1, 2), (2, 2), (3, 2), (4, 2), (0, 2)]);
 }
+
+/// `stormo serve --listen --exec-threads 2` runs experts for a peer (the options reach the
+/// node's serving side, the node's own holdings carry the layout), bit for bit, and says how
+/// many it ran when it stops.
+#[test]
+fn a_stormo_serve_process_runs_experts_for_peers() {
+    use crate::node::{model_with_manifest, s, state, Proc};
+    let (dir, id) = model_with_manifest();
+    let st = state();
+    let node = Proc::start_logging(
+        &[
+            "serve",
+            "--model",
+            s(dir.path()),
+            "--listen",
+            "127.0.0.1:0",
+            "--allow-any",
+            "--state-dir",
+            s(st.path()),
+            "--exec-threads",
+            "2",
+            "--exec-per-peer",
+            "2",
+        ],
+        Some("warn"),
+    );
+    let addr: PeerAddr = node.line.parse().expect("KEY@ADDR");
+    let id: Hash = id.parse().expect("model id");
+    let t = tier_at(dir.path(), id, 7, addr.clone());
+    let (layers, per, hidden) = shape(dir.path());
+    for (i, e) in [
+        ExpertId::new(layers[0], 0),
+        ExpertId::new(*layers.last().expect("a layer"), per - 1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let xs = rows(3, hidden, 40 + i as u64);
+        let got = t
+            .exec_blocking(&addr.key, e, &xs, Duration::from_secs(10))
+            .unwrap_or_else(|err| panic!("{e}: {err}"));
+        assert_eq!(bits(&got), bits(&local(dir.path(), e, &xs)), "{e}");
+    }
+    t.close();
+    let stderr = node.stderr.clone();
+    let status = node.terminate();
+    let said = "ran experts for peers: 2 calls (6 positions), 0 answered busy";
+    let t0 = Instant::now();
+    while !stderr.lock().expect("stderr").contains(said) && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let err = stderr.lock().expect("stderr").clone();
+    assert!(status.success(), "{err}");
+    assert!(err.contains(said), "{err}");
+}

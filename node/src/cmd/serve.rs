@@ -200,6 +200,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             st.connections.load(std::sync::atomic::Ordering::Relaxed)
         );
     }
+    if let Some(st) = node.exec_stats() {
+        let answered = st.answered.load(std::sync::atomic::Ordering::Relaxed);
+        let busy = st.busy.load(std::sync::atomic::Ordering::Relaxed);
+        if answered + busy > 0 {
+            eprintln!(
+                "ran experts for peers: {answered} calls ({} positions), {busy} answered busy",
+                st.positions.load(std::sync::atomic::Ordering::Relaxed)
+            );
+        }
+    }
     if let Some(w) = web {
         node.runtime().block_on(w.shutdown());
     }
