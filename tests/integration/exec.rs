@@ -14,7 +14,7 @@ use stormo_manifests::{build, BuildOptions, ExpertId, Hash, SecretKey};
 use stormo_node::config::ExpertsConfig;
 use stormo_node::net::exec::{ExecConfig, ExecError};
 use stormo_node::net::serve::{self, Holdings, ServeConfig, ServerHandle};
-use stormo_node::net::tier::{PeerConfig, PeerTier};
+use stormo_node::net::tier::{ExecRequest, PeerConfig, PeerTier, EXEC_IN_FLIGHT};
 use stormo_node::net::tls::Admission;
 use stormo_node::net::{self, PeerAddr};
 use stormo_tests::{fixture, MODEL_FIXTURES};
@@ -197,7 +197,8 @@ fn shape(dir: &Path) -> (Vec<u16>, u16, usize) {
 }
 
 /// Every model fixture: a node answers exec calls with the rows the requester computes itself,
-/// bit for bit, for one position, a few, and more than one call carries (split into calls).
+/// bit for bit, for one position, a few, and more than one call carries (split into calls);
+/// and many calls at once (`exec_all`), none of them `busy`.
 #[test]
 fn exec_answers_bit_identical_rows() {
     for name in MODEL_FIXTURES {
@@ -221,9 +222,27 @@ fn exec_answers_bit_identical_rows() {
             assert_eq!(got.len(), n * hidden, "{name} {e}");
             assert_eq!(bits(&got), bits(&want), "{name} {e} x{n}: other bits");
         }
+        // Many calls at once, more than one connection carries at a time: all answered.
+        let many: Vec<ExecRequest> = (0..2 * EXEC_IN_FLIGHT)
+            .map(|i| ExecRequest {
+                peer: server.key.public(),
+                expert: ExpertId::new(layers[i % layers.len()], (i % per as usize) as u16),
+                rows: rows(1 + i % 3, hidden, 100 + i as u64),
+            })
+            .collect();
+        let got = t.exec_all_blocking(many.clone(), Duration::from_secs(20));
+        for (c, r) in many.iter().zip(got) {
+            let r = r.unwrap_or_else(|err| panic!("{name} {}: {err}", c.expert));
+            assert_eq!(
+                bits(&r),
+                bits(&local(dir.path(), c.expert, &c.rows)),
+                "{name}"
+            );
+        }
         let st = &server.handle.exec_stats;
-        let calls = 2 + over.div_ceil(stormo_wire::max_positions(hidden));
+        let calls = 2 + over.div_ceil(stormo_wire::max_positions(hidden)) + many.len();
         assert_eq!(st.answered.load(Ordering::Relaxed), calls as u64, "{name}");
+        assert_eq!(st.busy.load(Ordering::Relaxed), 0, "{name}");
         assert_eq!(t.exec_holders(ExpertId::new(layers[0], 0)).len(), 1);
         t.close();
     }

@@ -191,13 +191,15 @@ impl Executor {
         pool.spawn(move || {
             // The slots are held until the computation ends, whether or not the peer still
             // waits for it: the pool's queue stays within the limits.
-            let _permits = permits;
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 let mut scratch = ExpertScratch::default();
                 let view = schema.view(&data);
                 expert_forward(&view, &xs, schema.hidden, schema.intermediate, &mut scratch);
                 scratch.output().to_vec()
             }));
+            // Free before the answer leaves: a requester that sends its next call as soon as
+            // this answer arrives finds the slots free.
+            drop(permits);
             let _ = tx.send(out);
         });
         match rx.await {
