@@ -420,6 +420,7 @@ impl Node {
                 dense_only,
                 withheld,
             })),
+            schemas: self.files.layout.schemas.clone(),
         });
         let h = {
             let _g = self.rt.enter();
@@ -603,6 +604,15 @@ impl Node {
             .expect("server lock")
             .as_ref()
             .map(|s| s.stats.clone())
+    }
+
+    /// The counters of experts run for peers (remote execution), when it listens.
+    pub fn exec_stats(&self) -> Option<Arc<net::exec::ExecStats>> {
+        self.server
+            .lock()
+            .expect("server lock")
+            .as_ref()
+            .map(|s| s.exec_stats.clone())
     }
 
     /// What the node holds and offers now, when it serves.

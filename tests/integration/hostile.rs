@@ -5,7 +5,9 @@
 //! requester cut an answer short. Shared by the fault tests (`faults.rs`).
 //!
 //! It holds every expert of the model folder it is started on and answers `GetManifest`
-//! honestly, so a client can be pointed at it alone.
+//! honestly, so a client can be pointed at it alone. It runs experts for `Exec` calls too, as
+//! its [`ExecScript`] says (honestly with the engine's kernels, with one output perturbed,
+//! with rows of the wrong length, silently, or by dropping the connection mid-call).
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -51,10 +53,30 @@ pub(crate) enum Observed {
     CutShort { expert: ExpertId, sent: u64 },
     /// An answer with a corrupt chunk was sent to its end: the requester did not stop it.
     Completed { expert: ExpertId },
+    /// An `Exec` of `expert` over `positions` rows.
+    Exec { expert: ExpertId, positions: u32 },
 }
 
 /// Decides the answer to the `n`th request (from 0) for `expert` at this peer.
 pub(crate) type Script = Arc<dyn Fn(ExpertId, usize) -> Answer + Send + Sync>;
+
+/// How the peer answers one `Exec` call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum ExecAnswer {
+    /// The expert's output rows, computed with the engine's kernels.
+    Honest,
+    /// The honest rows with `delta` added to the first float (a lying executor).
+    Perturb(f32),
+    /// The honest rows less their last float (a malformed answer).
+    WrongLength,
+    /// Nothing, until the requester gives up (a stalled executor).
+    Stall,
+    /// The connection closed mid-call, with no answer (a dying executor).
+    Die,
+}
+
+/// Decides the answer to the `n`th `Exec` (from 0) for `expert` at this peer.
+pub(crate) type ExecScript = Arc<dyn Fn(ExpertId, usize) -> ExecAnswer + Send + Sync>;
 
 /// A running hostile peer; stopped when dropped.
 pub(crate) struct HostilePeer {
@@ -70,7 +92,9 @@ struct State {
     holdings: Holdings,
     chunk: u64,
     script: Script,
+    exec: ExecScript,
     counts: Mutex<std::collections::HashMap<ExpertId, usize>>,
+    exec_counts: Mutex<std::collections::HashMap<ExpertId, usize>>,
     observed: Arc<Mutex<Vec<Observed>>>,
 }
 
@@ -89,12 +113,35 @@ impl HostilePeer {
         Self::start_sharing(seed, dir, script, Arc::default())
     }
 
+    /// As [`Self::start`], answering expert requests honestly and `Exec` calls as `exec`
+    /// says.
+    pub(crate) fn start_exec(seed: u8, dir: &Path, exec: ExecScript) -> Self {
+        Self::start_with(
+            seed,
+            dir,
+            Arc::new(|_, _| Answer::Honest),
+            exec,
+            Arc::default(),
+        )
+    }
+
     /// As [`Self::start`], recording into `observed` (a log shared by several peers, in the
     /// order of what they saw).
     pub(crate) fn start_sharing(
         seed: u8,
         dir: &Path,
         script: Script,
+        observed: Arc<Mutex<Vec<Observed>>>,
+    ) -> Self {
+        let honest: ExecScript = Arc::new(|_, _| ExecAnswer::Honest);
+        Self::start_with(seed, dir, script, honest, observed)
+    }
+
+    fn start_with(
+        seed: u8,
+        dir: &Path,
+        script: Script,
+        exec: ExecScript,
         observed: Arc<Mutex<Vec<Observed>>>,
     ) -> Self {
         let key = SecretKey::from_seed(&[seed; 32]);
@@ -106,7 +153,9 @@ impl HostilePeer {
             holdings,
             chunk,
             script,
+            exec,
             counts: Mutex::new(Default::default()),
+            exec_counts: Mutex::new(Default::default()),
             observed: observed.clone(),
         });
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -125,7 +174,7 @@ impl HostilePeer {
                     tokio::spawn(async move {
                         let Ok(conn) = incoming.await else { return };
                         while let Ok((send, recv)) = conn.accept_bi().await {
-                            tokio::spawn(stream(state.clone(), send, recv));
+                            tokio::spawn(stream(state.clone(), conn.clone(), send, recv));
                         }
                     });
                 }
@@ -192,13 +241,54 @@ async fn write(send: &mut quinn::SendStream, m: &Message) -> bool {
     net::write_message(send, m).await.is_ok()
 }
 
-async fn stream(state: Arc<State>, mut send: quinn::SendStream, recv: quinn::RecvStream) {
+async fn stream(
+    state: Arc<State>,
+    conn: quinn::Connection,
+    mut send: quinn::SendStream,
+    recv: quinn::RecvStream,
+) {
     let mut recv = FramedRecv::new(recv, 1 << 20);
     let Ok(Some(first)) = recv.next().await else {
         return;
     };
     let h = &state.holdings;
     match first {
+        Message::Exec(e) => {
+            state.log(Observed::Exec {
+                expert: e.expert,
+                positions: e.positions,
+            });
+            let n = {
+                let mut c = state.exec_counts.lock().expect("counts lock");
+                let n = c.entry(e.expert).or_insert(0);
+                *n += 1;
+                *n - 1
+            };
+            let answer = (state.exec)(e.expert, n);
+            match answer {
+                ExecAnswer::Stall => {
+                    let _ = tokio::time::timeout(Duration::from_secs(60), send.stopped()).await;
+                    return;
+                }
+                ExecAnswer::Die => {
+                    conn.close(0u32.into(), b"dying");
+                    return;
+                }
+                _ => {}
+            }
+            let mut rows = run_expert(h, &e).await;
+            match answer {
+                ExecAnswer::Perturb(d) => rows[0] += d,
+                ExecAnswer::WrongLength => {
+                    rows.pop();
+                }
+                _ => {}
+            }
+            let r = stormo_wire::ExecResult::new(e.request_id, &rows);
+            let _ = write(&mut send, &Message::ExecResult(r)).await;
+            let _ = send.finish();
+            let _ = tokio::time::timeout(Duration::from_secs(5), send.stopped()).await;
+        }
         Message::Hello(_) => {
             let hello = Message::Hello(Hello {
                 version: PROTOCOL_VERSION,
@@ -352,6 +442,32 @@ async fn send_range(
         off += piece.len() as u64;
     }
     true
+}
+
+/// The honest output rows of `e`, computed with the engine's kernels.
+async fn run_expert(h: &Holdings, e: &stormo_wire::Exec) -> Vec<f32> {
+    let schema = h.schemas[e.expert.layer as usize]
+        .clone()
+        .expect("an expert layer");
+    let mut out = Vec::new();
+    let (experts, id) = (h.experts.clone(), e.expert);
+    let data = tokio::task::spawn_blocking(move || {
+        experts
+            .fetch(id.layer as usize, &[id.expert as usize], &mut out)
+            .expect("the hostile peer's own expert");
+        out.pop().expect("one expert")
+    })
+    .await
+    .expect("reader");
+    let mut s = stormo_engine::moe::ExpertScratch::default();
+    stormo_engine::moe::expert_forward(
+        &schema.view(&data),
+        &e.rows_f32(),
+        schema.hidden,
+        schema.intermediate,
+        &mut s,
+    );
+    s.output().to_vec()
 }
 
 impl State {

@@ -68,6 +68,20 @@ pub struct Args {
     /// Requests of all peers served at once; more are answered busy.
     #[arg(long, default_value_t = 32, value_name = "N")]
     pub max_requests: usize,
+    /// Threads that run held experts for peers (remote execution: a peer sends an expert's
+    /// input rows, 11.5 KB a position, instead of fetching its weights), a pool apart from the
+    /// engine's: with C engine threads, generation keeps at least C/(C+N) of the CPU while
+    /// peers keep them busy. 0: run nothing for peers.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub exec_threads: usize,
+    /// Expert calls of one peer run (or waiting for an exec thread) at once; more are
+    /// answered busy.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub exec_per_peer: u32,
+    /// Expert calls of all peers run (or waiting for an exec thread) at once; more are
+    /// answered busy.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub exec_max: usize,
     /// How answers to peers are paced. `bbr` keeps experts flowing over long lossy paths
     /// (20 ms one way, 0.5% loss: about 12 times faster than `cubic` in `stormo swarm
     /// --scenario wan`, see the README), but quinn calls its BBR experimental, and it can take
@@ -110,6 +124,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     anyhow::ensure!(a.per_peer >= 1, "--per-peer must be at least 1");
     anyhow::ensure!(a.max_requests >= 1, "--max-requests must be at least 1");
+    anyhow::ensure!(a.exec_per_peer >= 1, "--exec-per-peer must be at least 1");
+    anyhow::ensure!(a.exec_max >= 1, "--exec-max must be at least 1");
+    anyhow::ensure!(
+        a.exec_threads <= 1024,
+        "--exec-threads {}: at most 1024",
+        a.exec_threads
+    );
     let swarm = crate::swarm_args::resolve_for_node(&a.swarm, a.net.key.as_deref())?;
     let listen = match a.listen {
         Some(addr) => Some(ListenConfig {
@@ -123,6 +144,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     .as_ref()
                     .and_then(|s| s.membership.as_ref())
                     .map(|m| m.cert.clone()),
+                exec: net::exec::ExecConfig {
+                    threads: a.exec_threads,
+                    per_peer: a.exec_per_peer,
+                    total: a.exec_max,
+                },
             },
         }),
         None => None,
@@ -173,6 +199,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             crate::progress::human_bytes(st.bytes.load(std::sync::atomic::Ordering::Relaxed)),
             st.connections.load(std::sync::atomic::Ordering::Relaxed)
         );
+    }
+    if let Some(st) = node.exec_stats() {
+        let answered = st.answered.load(std::sync::atomic::Ordering::Relaxed);
+        let busy = st.busy.load(std::sync::atomic::Ordering::Relaxed);
+        if answered + busy > 0 {
+            eprintln!(
+                "ran experts for peers: {answered} calls ({} positions), {busy} answered busy",
+                st.positions.load(std::sync::atomic::Ordering::Relaxed)
+            );
+        }
     }
     if let Some(w) = web {
         node.runtime().block_on(w.shutdown());
@@ -249,6 +285,35 @@ pub(crate) fn listen_addr(s: &str) -> Result<SocketAddr, String> {
 
 #[cfg(test)]
 mod tests {
+    /// The exec budget's options parse into `Args` with their defaults (1 thread, 4 calls a
+    /// peer, 8 in all) and take other values.
+    #[test]
+    fn exec_options_parse_with_small_defaults() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["stormo", "serve", "--model", "m", "--listen", "127.0.0.1:0"];
+            argv.extend_from_slice(extra);
+            match crate::cli::Cli::try_parse_args(argv)
+                .expect("parses")
+                .command
+            {
+                crate::cli::Command::Serve(a) => (a.exec_threads, a.exec_per_peer, a.exec_max),
+                _ => unreachable!("serve parses as serve"),
+            }
+        };
+        assert_eq!(parse(&[]), (1, 4, 8));
+        assert_eq!(
+            parse(&[
+                "--exec-threads",
+                "0",
+                "--exec-per-peer",
+                "2",
+                "--exec-max",
+                "3"
+            ]),
+            (0, 2, 3)
+        );
+    }
+
     /// `--http` takes what `--listen` takes: an address, or a host name that resolves.
     #[test]
     fn http_and_listen_take_host_names() {
