@@ -394,3 +394,33 @@ fn codes_data_and_file_names_print_and_check_as_documented() {
     assert!(check_file_name(&"a".repeat(MAX_FILE_NAME_LEN)).is_ok());
     assert!(check_file_name(&"a".repeat(MAX_FILE_NAME_LEN + 1)).is_err());
 }
+
+#[test]
+fn answers_are_routed_by_their_request_id() {
+    let id = RequestId(9);
+    for m in [
+        data(id, 0, b"x"),
+        Message::End(End { request_id: id }),
+        Message::Cancel(Cancel { request_id: id }),
+        Message::Error(ErrorMessage::new(Some(id), ErrorCode::BUSY, "busy")),
+    ] {
+        assert_eq!(m.request_id(), Some(id), "{}", m.name());
+    }
+    assert_eq!(Message::Ping(Ping { nonce: 1 }).request_id(), None);
+    assert_eq!(
+        Message::Error(ErrorMessage::new(None, ErrorCode::BUSY, "busy")).request_id(),
+        None
+    );
+}
+
+#[test]
+fn decode_all_takes_every_frame_of_its_input() {
+    let mut bytes = encode_frame(&Message::Ping(Ping { nonce: 1 })).unwrap();
+    bytes.extend(encode_frame(&Message::Pong(Pong { nonce: 1 })).unwrap());
+    let mut out = Vec::new();
+    FrameDecoder::new().decode_all(&bytes, &mut out).unwrap();
+    assert!(
+        matches!(&out[..], [Message::Ping(_), Message::Pong(_)]),
+        "{out:?}"
+    );
+}
