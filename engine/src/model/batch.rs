@@ -66,6 +66,10 @@ pub struct Batch {
     out: Vec<Output>,
     /// Sequences whose logits are computed, and their rows in the block.
     rows: Vec<(usize, usize)>,
+    /// The normed last rows of the sequences the screen chooses for, `[m, H]`, and their
+    /// 8-bit logits `[m, V]` (the 8-bit head read once for all of them).
+    screen_x: Vec<f32>,
+    screen_approx: Vec<f32>,
 }
 
 impl Batch {
@@ -202,24 +206,53 @@ impl Model {
             logits,
             out,
             rows,
+            screen_x,
+            screen_approx,
         } = batch;
         rows.clear();
+        // The last row of each sequence, final-normed.
         let mut end = 0;
-        for (i, q) in seqs.iter_mut().enumerate() {
-            end += q.tokens.len();
-            let r = end - 1;
+        let last_rows: Vec<usize> = seqs
+            .iter()
+            .map(|q| {
+                end += q.tokens.len();
+                end - 1
+            })
+            .collect();
+        screen_x.clear();
+        for (q, &r) in seqs.iter().zip(&last_rows) {
             if q.want == Want::Nothing {
-                out.push(Output::None);
                 continue;
             }
             let x = &mut s.h[r * h..(r + 1) * h];
             ops::rms_norm(&s.x[r * h..(r + 1) * h], &w, cfg.rms_norm_eps, x);
+            if q.want == Want::Greedy && self.screen.is_some() {
+                screen_x.extend_from_slice(x);
+            }
+        }
+        // The greedy sequences' 8-bit logits in one pass over the 8-bit head.
+        if let Some(sc) = &self.screen {
+            if !screen_x.is_empty() {
+                sc.approx_many(screen_x, screen_approx);
+            }
+        }
+        let mut screened = 0;
+        for (i, (q, &r)) in seqs.iter_mut().zip(&last_rows).enumerate() {
+            if q.want == Want::Nothing {
+                out.push(Output::None);
+                continue;
+            }
             if q.want == Want::Greedy {
                 if let Some(sc) = &self.screen {
+                    let x = &s.h[r * h..(r + 1) * h];
+                    let vr = head_mat.rows();
+                    let approx = &screen_approx[screened * vr..(screened + 1) * vr];
+                    screened += 1;
                     let qs = &mut q.session.s;
-                    let c = sc.choose(
+                    let c = sc.choose_from(
                         &head_mat,
                         x,
+                        approx,
                         &mut qs.screen,
                         &mut qs.screen_stats,
                         Some(&read),

@@ -18,7 +18,7 @@
 //! exact head is computed instead; rows with non-finite weights are always candidates.
 
 use crate::error::Result;
-use crate::kernels::{matvec, matvec_rows, Mat};
+use crate::kernels::{matmul, matvec, matvec_rows, Mat};
 
 use super::Q8Mat;
 
@@ -179,6 +179,46 @@ impl HeadScreen {
         }))
     }
 
+    /// The 8-bit head as a matrix.
+    fn q8_mat(&self) -> Mat<'_> {
+        Mat::Q8 {
+            q: &self.q8.q,
+            scales: &self.q8.scales,
+            rows: self.slack.len(),
+            cols: self.q8.q.len() / self.slack.len().max(1),
+        }
+    }
+
+    /// The 8-bit logits of several normed states at once (`xs` `[n, H]`, `out` `[n, V]`):
+    /// the 8-bit head read once for all of them, each state's row bit for bit what it gets
+    /// alone (the kernels compute each position on its own, whatever positions share a call).
+    /// A batched decode step screens its sequences with this and
+    /// [`choose_from`](Self::choose_from), rather than reading the whole 8-bit head once per
+    /// sequence.
+    pub(super) fn approx_many(&self, xs: &[f32], out: &mut Vec<f32>) {
+        let q = self.q8_mat();
+        let n = xs.len() / q.cols().max(1);
+        out.resize(n * q.rows(), 0.0);
+        matmul(&q, xs, out);
+    }
+
+    /// [`choose`](Self::choose) for a state whose 8-bit logits `approx` were computed already
+    /// ([`approx_many`](Self::approx_many)): the same choice, bit for bit.
+    pub(super) fn choose_from(
+        &self,
+        head: &Mat<'_>,
+        x: &[f32],
+        approx: &[f32],
+        sc: &mut ScreenScratch,
+        stats: &mut ScreenStats,
+        read: Option<ReadRows<'_>>,
+    ) -> Result<Option<Choice>> {
+        Ok(self.decide(head, x, approx, sc, read)?.inspect(|_| {
+            stats.screened += 1;
+            stats.exact_rows += sc.rows.len() as u64;
+        }))
+    }
+
     fn choose_inner(
         &self,
         head: &Mat<'_>,
@@ -186,26 +226,45 @@ impl HeadScreen {
         sc: &mut ScreenScratch,
         read: Option<ReadRows<'_>>,
     ) -> Result<Option<Choice>> {
-        let (rows, cols) = (head.rows(), head.cols());
-        debug_assert_eq!(self.slack.len(), rows);
-        let l1: f64 = x.iter().map(|&v| (v as f64).abs()).sum();
-        // No partial sum of a screened row's exact logit may overflow (the bound assumes it;
-        // rows with an infinite slack are always computed exactly, as the whole head would).
-        if !l1.is_finite() || self.max_w * l1 * 2.0 >= f32::MAX as f64 {
+        if !self.bounded(x) {
             return Ok(None);
         }
-        let q = Mat::Q8 {
-            q: &self.q8.q,
-            scales: &self.q8.scales,
-            rows,
-            cols,
-        };
-        sc.approx.resize(rows, 0.0);
-        matvec(&q, x, &mut sc.approx);
+        let mut approx = std::mem::take(&mut sc.approx);
+        approx.resize(head.rows(), 0.0);
+        matvec(&self.q8_mat(), x, &mut approx);
+        let r = self.decide(head, x, &approx, sc, read);
+        sc.approx = approx;
+        r
+    }
+
+    /// Whether no partial sum of a screened row's exact logit can overflow for `x` (the
+    /// bound assumes it; rows with an infinite slack are always computed exactly, as the
+    /// whole head would).
+    fn bounded(&self, x: &[f32]) -> bool {
+        let l1: f64 = x.iter().map(|&v| (v as f64).abs()).sum();
+        l1.is_finite() && self.max_w * l1 * 2.0 < f32::MAX as f64
+    }
+
+    /// The choice from the 8-bit logits `approx` of `x`: the candidate rows computed exactly.
+    fn decide(
+        &self,
+        head: &Mat<'_>,
+        x: &[f32],
+        approx: &[f32],
+        sc: &mut ScreenScratch,
+        read: Option<ReadRows<'_>>,
+    ) -> Result<Option<Choice>> {
+        let rows = head.rows();
+        debug_assert_eq!(self.slack.len(), rows);
+        debug_assert_eq!(approx.len(), rows);
+        if !self.bounded(x) {
+            return Ok(None);
+        }
+        let l1: f64 = x.iter().map(|&v| (v as f64).abs()).sum();
         // Underflow adds at most a few multiples of the smallest subnormal per operation.
         const TINY: f64 = 1e-30;
         let mut floor = f64::NEG_INFINITY;
-        for (&a, &s) in sc.approx.iter().zip(&self.slack) {
+        for (&a, &s) in approx.iter().zip(&self.slack) {
             let a = a as f64;
             if !a.is_finite() {
                 return Ok(None);
@@ -220,7 +279,7 @@ impl HeadScreen {
         let cap = rows / MAX_CANDIDATE_SHARE;
         sc.rows.clear();
         sc.rows.reserve(cap);
-        for (r, (&a, &s)) in sc.approx.iter().zip(&self.slack).enumerate() {
+        for (r, (&a, &s)) in approx.iter().zip(&self.slack).enumerate() {
             if a as f64 + (s * l1 + TINY) >= floor {
                 if sc.rows.len() == cap {
                     return Ok(None);
@@ -366,6 +425,50 @@ mod tests {
                         exact_rows < 8 * 40,
                         "{isa} {fmt:?}: {exact_rows} exact rows"
                     );
+                }
+            });
+        }
+    }
+
+    /// Several states screened together (the 8-bit head read once, `approx_many`) get each
+    /// the 8-bit logits and the choice it gets alone, bit for bit, in every ISA.
+    #[test]
+    fn states_screened_together_choose_as_alone() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let (rows, cols) = (3001, 96);
+        let w = normal(&mut rng, rows * cols);
+        let bytes = encode(Float::BF16, &w);
+        let head = Mat::Dense {
+            fmt: Float::BF16,
+            bytes: &bytes,
+            rows,
+            cols,
+        };
+        let screen = HeadScreen::build(&head).unwrap();
+        for isa in Isa::available() {
+            with_isa(isa, || {
+                for n in [1, 2, 5] {
+                    let xs = normal(&mut rng, n * cols);
+                    let mut approx = Vec::new();
+                    screen.approx_many(&xs, &mut approx);
+                    for (x, a) in xs.chunks(cols).zip(approx.chunks(rows)) {
+                        let mut alone = vec![0.0; rows];
+                        matvec(&screen.q8_mat(), x, &mut alone);
+                        assert!(
+                            alone.iter().zip(a).all(|(p, q)| p.to_bits() == q.to_bits()),
+                            "{isa} n={n}: 8-bit logits differ from a state alone"
+                        );
+                        let mut s1 = ScreenStats::default();
+                        let mut s2 = ScreenStats::default();
+                        let one = screen
+                            .choose(&head, x, &mut ScreenScratch::default(), &mut s1, None)
+                            .unwrap();
+                        let many = screen
+                            .choose_from(&head, x, a, &mut ScreenScratch::default(), &mut s2, None)
+                            .unwrap();
+                        assert_eq!(one, many, "{isa} n={n}");
+                        assert_eq!((s1.screened, s1.exact_rows), (s2.screened, s2.exact_rows));
+                    }
                 }
             });
         }
