@@ -1,0 +1,643 @@
+//! Remote expert execution, the node's side of the engine's seam: an
+//! [`ExpertExecutor`] that asks peers holding an expert to compute it.
+//!
+//! The engine calls [`RemoteExperts`] from its own threads. `choose` asks the sans-IO
+//! [`RemotePolicy`] for each expert of a block (is it cached here? who holds it, over which
+//! link?), `submit` starts the call as a task on the node's runtime and returns at once, and
+//! `collect` blocks the engine thread on that task's answer (never an async thread: the engine
+//! runs outside the runtime, as the network tier's loads do). A call carrying more positions
+//! than one wire message allows is split into several, sent at once, and joined in order.
+//! Each call is bounded by [`RemoteExperts::timeout`]; busy answers, failures and time-outs go
+//! back to the policy (which pauses that peer) and to the engine as [`ExecFailed`], so the
+//! engine fetches and computes that expert itself. A spot-check's verdict goes to the policy,
+//! which bans a peer whose rows differed for the rest of the session.
+//!
+//! The calls themselves go through an [`ExecClient`] (the network tier's connections in the
+//! node; a fake in this module's tests).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use stormo_engine::moe::{Demand, ExecFailed, Executed, ExpertExecutor, Ticket, Verdict};
+use stormo_engine::tiers::{ExpertId, TieredExperts};
+
+use super::remote_policy::{Choice, Holder, RemoteConfig, RemotePolicy, RemoteStats, Want};
+
+/// Why one call gave no rows.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CallError {
+    /// The peer is at its compute limit.
+    #[error("busy: {0}")]
+    Busy(String),
+    /// No answer in time.
+    #[error("timed out")]
+    TimedOut,
+    /// The peer refused, failed, broke the protocol, or the connection did.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// A call's future.
+pub type CallFuture = Pin<Box<dyn Future<Output = Result<Vec<f32>, CallError>> + Send>>;
+
+/// How the executor reaches peers.
+pub trait ExecClient: Send + Sync + fmt::Debug + 'static {
+    /// The peers that hold `id` now and could run it, with their links.
+    fn holders(&self, id: ExpertId) -> Vec<Holder>;
+
+    /// Asks `peer` to compute `id` on `rows` (`[n, H]`); resolves to `[n, H]` output rows.
+    /// Called on the runtime.
+    fn call(&self, peer: usize, id: ExpertId, rows: Vec<f32>) -> CallFuture;
+
+    /// The most positions one call may carry.
+    fn max_positions(&self) -> usize;
+}
+
+/// The longest one call may take when `--peer-timeout` is longer.
+pub const EXEC_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A call in flight.
+struct Pending {
+    peer: usize,
+    check: bool,
+    started: Instant,
+    bytes: u64,
+    rx: tokio::sync::oneshot::Receiver<Result<Vec<f32>, CallError>>,
+}
+
+/// The engine's executor over a node's peers. See the module docs.
+pub struct RemoteExperts {
+    client: Arc<dyn ExecClient>,
+    rt: tokio::runtime::Handle,
+    policy: Mutex<RemotePolicy>,
+    cache: Option<Arc<TieredExperts>>,
+    /// Bytes of every expert, `[layer][expert]`.
+    sizes: Vec<Vec<u64>>,
+    hidden: usize,
+    timeout: Duration,
+    /// The peer chosen for each expert of the block being planned, until it is submitted.
+    chosen: Mutex<HashMap<(usize, usize), usize>>,
+    next: AtomicU64,
+    pending: Mutex<HashMap<u64, Pending>>,
+    /// The peer of each collected answer awaiting a spot-check's verdict.
+    checking: Mutex<HashMap<u64, usize>>,
+}
+
+impl fmt::Debug for RemoteExperts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteExperts")
+            .field("client", &self.client)
+            .field("config", &self.lock_policy().config())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RemoteExperts {
+    /// An executor calling peers through `client` on `rt`, for a model of row width `hidden`
+    /// whose experts are `sizes[layer][expert]` bytes; `cache` (the RAM cache, when tiered)
+    /// tells which experts are at hand. Each call may take `timeout` (at most
+    /// [`EXEC_TIMEOUT`]).
+    pub fn new(
+        client: Arc<dyn ExecClient>,
+        rt: tokio::runtime::Handle,
+        cfg: RemoteConfig,
+        cache: Option<Arc<TieredExperts>>,
+        sizes: Vec<Vec<u64>>,
+        hidden: usize,
+        timeout: Duration,
+    ) -> Self {
+        let counts: Vec<usize> = sizes.iter().map(Vec::len).collect();
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        Self {
+            client,
+            rt,
+            policy: Mutex::new(RemotePolicy::new(cfg, &counts, seed)),
+            cache,
+            sizes,
+            hidden,
+            timeout: timeout.min(EXEC_TIMEOUT),
+            chosen: Mutex::default(),
+            next: AtomicU64::new(0),
+            pending: Mutex::default(),
+            checking: Mutex::default(),
+        }
+    }
+
+    fn lock_policy(&self) -> std::sync::MutexGuard<'_, RemotePolicy> {
+        self.policy.lock().expect("remote policy lock")
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> RemoteStats {
+        self.lock_policy().stats()
+    }
+
+    /// The `"remote"` counters of `run --json`.
+    pub fn json(&self) -> serde_json::Value {
+        let s = self.stats();
+        serde_json::json!({
+            "remote_calls": s.calls,
+            "remote_bytes": s.bytes,
+            "remote_failures": s.failures,
+            "spot_checks": s.spot_checks,
+            "spot_check_failures": s.spot_check_failures,
+        })
+    }
+
+    /// A ticket whose collect fails with `why`.
+    fn failed_ticket(&self, why: CallError) -> Ticket {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let _ = tx.send(Err(why));
+        let t = self.next.fetch_add(1, Ordering::Relaxed);
+        self.pending.lock().expect("pending lock").insert(
+            t,
+            Pending {
+                peer: usize::MAX,
+                check: false,
+                started: Instant::now(),
+                bytes: 0,
+                rx,
+            },
+        );
+        Ticket(t)
+    }
+}
+
+impl ExpertExecutor for RemoteExperts {
+    fn choose(&self, layer: usize, demand: &[Demand], delegate: &mut [bool]) {
+        let now = Instant::now();
+        let mut p = self.lock_policy();
+        p.observe(layer, demand.iter().map(|d| d.expert));
+        let mut chosen = self.chosen.lock().expect("chosen lock");
+        for (d, x) in demand.iter().zip(delegate) {
+            let (Ok(l), Ok(e)) = (u16::try_from(layer), u16::try_from(d.expert)) else {
+                continue;
+            };
+            let id = ExpertId::new(l, e);
+            let holders = self.client.holders(id);
+            if holders.is_empty() {
+                continue;
+            }
+            let want = Want {
+                layer,
+                expert: d.expert,
+                positions: d.positions,
+                expert_bytes: self
+                    .sizes
+                    .get(layer)
+                    .and_then(|s| s.get(d.expert))
+                    .copied()
+                    .unwrap_or(0),
+                cached: self.cache.as_ref().is_some_and(|c| c.is_resident(id)),
+            };
+            if let Choice::Execute { peer } = p.choose(now, &want, self.hidden, &holders) {
+                chosen.insert((layer, d.expert), peer);
+                *x = true;
+            }
+        }
+    }
+
+    fn submit(&self, layer: usize, expert: usize, inputs: &[f32]) -> Ticket {
+        let peer = self
+            .chosen
+            .lock()
+            .expect("chosen lock")
+            .remove(&(layer, expert));
+        let (Some(peer), Ok(l), Ok(e)) = (peer, u16::try_from(layer), u16::try_from(expert)) else {
+            return self.failed_ticket(CallError::Failed(format!(
+                "expert {expert} of layer {layer} was not chosen for a peer"
+            )));
+        };
+        let h = self.hidden.max(1);
+        if inputs.is_empty() || !inputs.len().is_multiple_of(h) {
+            return self.failed_ticket(CallError::Failed(format!(
+                "{} inputs are not rows of {h}",
+                inputs.len()
+            )));
+        }
+        let check = self.lock_policy().start(peer);
+        let id = ExpertId::new(l, e);
+        let per_call = self.client.max_positions().max(1) * h;
+        let calls: Vec<CallFuture> = inputs
+            .chunks(per_call)
+            .map(|rows| self.client.call(peer, id, rows.to_vec()))
+            .collect();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (timeout, want) = (self.timeout, inputs.len());
+        self.rt.spawn(async move {
+            let all = async {
+                let mut out = Vec::with_capacity(want);
+                for r in futures_join_in_order(calls).await {
+                    out.extend(r?);
+                }
+                if out.len() != want {
+                    return Err(CallError::Failed(format!(
+                        "{} output values for {want} inputs",
+                        out.len()
+                    )));
+                }
+                Ok(out)
+            };
+            let r = match tokio::time::timeout(timeout, all).await {
+                Ok(r) => r,
+                Err(_) => Err(CallError::TimedOut),
+            };
+            let _ = tx.send(r);
+        });
+        let t = self.next.fetch_add(1, Ordering::Relaxed);
+        self.pending.lock().expect("pending lock").insert(
+            t,
+            Pending {
+                peer,
+                check,
+                started: Instant::now(),
+                bytes: 2 * 4 * inputs.len() as u64,
+                rx,
+            },
+        );
+        Ticket(t)
+    }
+
+    fn collect(&self, ticket: Ticket) -> Result<Executed, ExecFailed> {
+        let Some(p) = self.pending.lock().expect("pending lock").remove(&ticket.0) else {
+            return Err(ExecFailed::Failed(format!("no call {}", ticket.0)));
+        };
+        let answer =
+            p.rx.blocking_recv()
+                .unwrap_or_else(|_| Err(CallError::Failed("the call's task ended".into())));
+        if p.peer == usize::MAX {
+            return Err(match answer {
+                Err(CallError::Failed(m)) => ExecFailed::Unavailable(m),
+                _ => ExecFailed::Unavailable("no peer".into()),
+            });
+        }
+        let mut policy = self.lock_policy();
+        match answer {
+            Ok(rows) => {
+                policy.answered(p.peer, p.started.elapsed(), p.bytes);
+                if p.check {
+                    self.checking
+                        .lock()
+                        .expect("checking lock")
+                        .insert(ticket.0, p.peer);
+                }
+                Ok(Executed {
+                    rows,
+                    check: p.check,
+                })
+            }
+            Err(CallError::Busy(m)) => {
+                policy.busy(p.peer, Instant::now());
+                tracing::debug!("remote execution: peer {} busy ({m})", p.peer);
+                Err(ExecFailed::Busy)
+            }
+            Err(CallError::TimedOut) => {
+                policy.failed(p.peer, Instant::now());
+                tracing::warn!(
+                    "remote execution: peer {} gave no answer within {:.1}s; computing here",
+                    p.peer,
+                    self.timeout.as_secs_f64()
+                );
+                Err(ExecFailed::TimedOut)
+            }
+            Err(CallError::Failed(m)) => {
+                policy.failed(p.peer, Instant::now());
+                tracing::warn!(
+                    "remote execution: peer {} failed ({m}); computing here",
+                    p.peer
+                );
+                Err(ExecFailed::Failed(m))
+            }
+        }
+    }
+
+    fn report(&self, ticket: Ticket, verdict: Verdict) {
+        let Some(peer) = self
+            .checking
+            .lock()
+            .expect("checking lock")
+            .remove(&ticket.0)
+        else {
+            return;
+        };
+        if verdict == Verdict::Disagreed {
+            tracing::warn!(
+                "remote execution: peer {peer} computed an expert wrong (a spot-check \
+                 disagreed); it is not asked again this session"
+            );
+        }
+        self.lock_policy().verdict(peer, verdict);
+    }
+}
+
+/// Runs `calls` at once and returns their results in order. Dropped early (a time-out), it
+/// cancels the calls still running.
+async fn futures_join_in_order(calls: Vec<CallFuture>) -> Vec<Result<Vec<f32>, CallError>> {
+    /// Aborts the tasks left when dropped.
+    struct Calls(Vec<tokio::task::JoinHandle<Result<Vec<f32>, CallError>>>);
+    impl Drop for Calls {
+        fn drop(&mut self) {
+            for h in &self.0 {
+                h.abort();
+            }
+        }
+    }
+    let mut running = Calls(calls.into_iter().map(tokio::spawn).collect());
+    let mut out = Vec::with_capacity(running.0.len());
+    for h in &mut running.0 {
+        out.push(
+            h.await
+                .unwrap_or_else(|e| Err(CallError::Failed(format!("the call's task: {e}")))),
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::remote_policy::{Link, RemoteExec};
+    use super::*;
+
+    /// How the fake peers answer.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Peer {
+        /// `2 x` each input.
+        Doubles,
+        /// Never answers.
+        Stalls,
+        /// `busy`.
+        Busy,
+        /// One value short.
+        Short,
+    }
+
+    /// Peers 0.. each behaving as given, all holding every expert.
+    #[derive(Debug)]
+    struct Fake {
+        peers: Vec<Peer>,
+        max_positions: usize,
+        calls: Arc<AtomicU64>,
+        /// Held by each stalled call while it runs.
+        live: Arc<()>,
+    }
+
+    impl ExecClient for Fake {
+        fn holders(&self, _id: ExpertId) -> Vec<Holder> {
+            (0..self.peers.len())
+                .map(|peer| Holder {
+                    peer,
+                    link: Link {
+                        rtt: Some(Duration::from_millis(1 + peer as u64)),
+                        rate: None,
+                    },
+                })
+                .collect()
+        }
+
+        fn call(&self, peer: usize, _id: ExpertId, rows: Vec<f32>) -> CallFuture {
+            assert!(rows.len() <= self.max_positions * H);
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            let how = self.peers[peer];
+            let live = self.live.clone();
+            Box::pin(async move {
+                match how {
+                    Peer::Doubles => Ok(rows.iter().map(|x| 2.0 * x).collect()),
+                    Peer::Stalls => {
+                        let _live = live;
+                        tokio::time::sleep(Duration::from_secs(3600)).await;
+                        unreachable!("cancelled by the time-out")
+                    }
+                    Peer::Busy => Err(CallError::Busy("full".into())),
+                    Peer::Short => Ok(rows[1..].to_vec()),
+                }
+            })
+        }
+
+        fn max_positions(&self) -> usize {
+            self.max_positions
+        }
+    }
+
+    const H: usize = 4;
+
+    fn executor(
+        rt: &tokio::runtime::Runtime,
+        peers: Vec<Peer>,
+        mode: RemoteExec,
+    ) -> (RemoteExperts, Arc<AtomicU64>, Arc<()>) {
+        let calls = Arc::new(AtomicU64::new(0));
+        let live = Arc::new(());
+        let fake = Fake {
+            peers,
+            max_positions: 2,
+            calls: calls.clone(),
+            live: live.clone(),
+        };
+        let x = RemoteExperts::new(
+            Arc::new(fake),
+            rt.handle().clone(),
+            RemoteConfig {
+                mode,
+                spot_check: 0.0,
+            },
+            None,
+            vec![vec![1 << 20; 8]; 2],
+            H,
+            Duration::from_millis(200),
+        );
+        (x, calls, live)
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// Delegates what the policy takes and submits to the peer chosen; returns the tickets.
+    fn plan(x: &RemoteExperts, layer: usize, demand: &[Demand], rows: &[f32]) -> Vec<Ticket> {
+        let mut delegate = vec![false; demand.len()];
+        x.choose(layer, demand, &mut delegate);
+        demand
+            .iter()
+            .zip(&delegate)
+            .filter(|(_, &d)| d)
+            .map(|(d, _)| x.submit(layer, d.expert, &rows[..d.positions * H]))
+            .collect()
+    }
+
+    /// A call of 5 positions goes out as three (at most 2 each) and comes back whole and in
+    /// order; the first answer of a peer is to be spot-checked and an agreeing verdict counts.
+    #[test]
+    fn calls_are_split_and_joined_in_order() {
+        let rt = runtime();
+        let (x, calls, _) = executor(&rt, vec![Peer::Doubles], RemoteExec::Always);
+        let rows: Vec<f32> = (0..5 * H).map(|i| i as f32).collect();
+        let t = plan(
+            &x,
+            1,
+            &[Demand {
+                expert: 3,
+                positions: 5,
+            }],
+            &rows,
+        );
+        assert_eq!(t.len(), 1);
+        let a = x.collect(t[0]).unwrap();
+        assert_eq!(calls.load(Ordering::Relaxed), 3);
+        let want: Vec<f32> = rows.iter().map(|v| 2.0 * v).collect();
+        assert_eq!(a.rows, want);
+        assert!(a.check, "a peer's first answer is checked");
+        x.report(t[0], Verdict::Agreed);
+        let s = x.stats();
+        assert_eq!(
+            (s.calls, s.bytes, s.spot_checks),
+            (1, 2 * 4 * 5 * H as u64, 1)
+        );
+        // The next answer is not checked (spot_check 0).
+        let t = plan(
+            &x,
+            1,
+            &[Demand {
+                expert: 3,
+                positions: 1,
+            }],
+            &rows,
+        );
+        assert!(!x.collect(t[0]).unwrap().check);
+    }
+
+    /// `never` delegates nothing; an unchosen expert's ticket fails without a call.
+    #[test]
+    fn never_delegates_and_unchosen_submits_fail() {
+        let rt = runtime();
+        let (x, calls, _) = executor(&rt, vec![Peer::Doubles], RemoteExec::Never);
+        let rows = vec![1.0; H];
+        assert!(plan(
+            &x,
+            0,
+            &[Demand {
+                expert: 1,
+                positions: 1
+            }],
+            &rows
+        )
+        .is_empty());
+        let t = x.submit(0, 1, &rows);
+        assert!(matches!(x.collect(t), Err(ExecFailed::Unavailable(_))));
+        assert_eq!(calls.load(Ordering::Relaxed), 0);
+    }
+
+    /// A peer that stalls is given up on at the time-out (its call cancelled), one that is
+    /// busy or answers short
+    /// fails at once; each is then paused, so the next block's call goes to another holder.
+    #[test]
+    fn stalled_busy_and_short_answers_fail_and_move_on() {
+        let rt = runtime();
+        for (bad, want) in [
+            (Peer::Stalls, ExecFailed::TimedOut),
+            (Peer::Busy, ExecFailed::Busy),
+        ] {
+            let (x, _, live) = executor(&rt, vec![bad, Peer::Doubles], RemoteExec::Always);
+            let rows = vec![1.0; H];
+            let start = Instant::now();
+            let t = plan(
+                &x,
+                0,
+                &[Demand {
+                    expert: 1,
+                    positions: 1,
+                }],
+                &rows,
+            );
+            assert_eq!(x.collect(t[0]), Err(want));
+            assert!(start.elapsed() < Duration::from_secs(5));
+            assert_eq!(x.stats().failures, 1);
+            // The stalled call was cancelled, not left running.
+            let until = Instant::now() + Duration::from_secs(5);
+            while Arc::strong_count(&live) > 2 && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(Arc::strong_count(&live), 2, "the fake's and this test's");
+            // Peer 0 (the shorter round trip) is paused: peer 1 answers.
+            let t = plan(
+                &x,
+                0,
+                &[Demand {
+                    expert: 1,
+                    positions: 1,
+                }],
+                &rows,
+            );
+            assert_eq!(x.collect(t[0]).unwrap().rows, vec![2.0; H]);
+        }
+        let (x, _, _) = executor(&rt, vec![Peer::Short], RemoteExec::Always);
+        let t = plan(
+            &x,
+            0,
+            &[Demand {
+                expert: 1,
+                positions: 1,
+            }],
+            &vec![1.0; H],
+        );
+        assert!(matches!(x.collect(t[0]), Err(ExecFailed::Failed(_))));
+    }
+
+    /// A disagreeing spot-check bans the peer: the next block goes to the other holder, and
+    /// with no other holder nothing is delegated.
+    #[test]
+    fn a_disagreeing_peer_is_not_asked_again() {
+        let rt = runtime();
+        let (x, _, _) = executor(&rt, vec![Peer::Doubles, Peer::Doubles], RemoteExec::Always);
+        let rows = vec![1.0; H];
+        let t = plan(
+            &x,
+            0,
+            &[Demand {
+                expert: 1,
+                positions: 1,
+            }],
+            &rows,
+        );
+        assert!(x.collect(t[0]).unwrap().check);
+        x.report(t[0], Verdict::Disagreed);
+        let s = x.stats();
+        assert_eq!((s.spot_checks, s.spot_check_failures), (1, 1));
+        let t = plan(
+            &x,
+            0,
+            &[Demand {
+                expert: 1,
+                positions: 1,
+            }],
+            &rows,
+        );
+        // Peer 1's first answer: checked, so it was peer 1 that answered.
+        assert!(x.collect(t[0]).unwrap().check);
+        x.report(t[0], Verdict::Disagreed);
+        assert!(plan(
+            &x,
+            0,
+            &[Demand {
+                expert: 1,
+                positions: 1
+            }],
+            &rows
+        )
+        .is_empty());
+        let j = x.json();
+        assert_eq!(j["spot_check_failures"], 2, "{j}");
+        assert_eq!(j["remote_calls"], 2, "{j}");
+    }
+}
