@@ -589,7 +589,7 @@ mod tests {
                 expert: 1,
                 positions: 1,
             }],
-            &vec![1.0; H],
+            &[1.0; H],
         );
         assert!(matches!(x.collect(t[0]), Err(ExecFailed::Failed(_))));
     }
