@@ -58,6 +58,8 @@ fn placements() -> Vec<Placement> {
     v
 }
 
+type Answer = Result<Executed, ExecFailed>;
+
 /// An executor in the test's process, computing experts from the mapped checkpoint with
 /// [`expert_forward`] when submitted, and recording the verdicts it gets.
 #[derive(Debug)]
@@ -65,7 +67,8 @@ struct InProcess {
     how: Executor,
     experts: MappedExperts,
     schemas: Vec<Option<ExpertSchema>>,
-    answers: Mutex<Vec<(usize, Option<Result<Executed, ExecFailed>>)>>,
+    /// Each call's expert and answer (taken when collected).
+    answers: Mutex<Vec<(usize, Option<Answer>)>>,
     verdicts: Mutex<Vec<(usize, Verdict)>>,
 }
 
