@@ -16,6 +16,7 @@
 //! ([`parse_only_experts`]), a tuned UDP endpoint ([`bind`]) and framed reads ([`FramedRecv`]).
 //! The [`crate::node::Node`] composes these with the engine's tiers.
 
+pub mod exec;
 pub mod expert_dir;
 pub mod policy;
 pub mod pull;

@@ -420,6 +420,7 @@ impl Node {
                 dense_only,
                 withheld,
             })),
+            schemas: self.files.layout.schemas.clone(),
         });
         let h = {
             let _g = self.rt.enter();

@@ -449,6 +449,20 @@ fn write_seed_corpus() {
             )),
         ),
         ("ping", Message::Ping(Ping { nonce: 3 })),
+        (
+            "exec",
+            Message::Exec(Exec::new(
+                RequestId(8),
+                model,
+                expert,
+                1,
+                &[1.0, -2.0, 0.5, f32::NAN],
+            )),
+        ),
+        (
+            "exec-result",
+            Message::ExecResult(ExecResult::new(RequestId(8), &[0.25, 3.0, -0.0, 0.125])),
+        ),
     ];
     for (name, m) in msgs {
         put(

@@ -4,6 +4,7 @@ mod batch;
 mod chat;
 mod demo;
 mod discovery;
+mod exec;
 mod extra_oracle;
 mod faults;
 mod hostile;

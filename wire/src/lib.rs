@@ -41,7 +41,8 @@
 //!   and a connection-level [`ErrorMessage`] (no request id) before closing.
 //! - **One bidirectional stream per request**, opened by the requester: it writes [`Get`],
 //!   [`GetManifest`] or [`GetFile`] (and possibly [`Cancel`] later, or resets the stream); the responder writes
-//!   [`Data`]\* then [`End`], or an [`ErrorMessage`], then finishes the stream.
+//!   [`Data`]\* then [`End`], or an [`ErrorMessage`], then finishes the stream. An [`Exec`]
+//!   is answered by one [`ExecResult`] or an [`ErrorMessage`].
 //!   [`Message::request_id`] routes each message from `poll_transmit` to its stream.
 //!   Request ids are per direction: answers on streams this node opened go to its
 //!   [`Requests`], requests on streams the peer opened go to its [`Server`], and the two id
@@ -77,11 +78,23 @@
 //! | 9 | [`Pong`] | nonce u64 | control |
 //! | 10 | [`ErrorMessage`] | request_id Option\<u64\>, code u16, message String (≤ [`MAX_ERROR_MESSAGE_LEN`]) | either |
 //! | 11 | [`GetFile`] | request_id u64, model Hash, name String (≤ [`MAX_FILE_NAME_LEN`]), offset u64, len u64 (1..=[`MAX_FILE_RANGE_LEN`]) | request |
-//! | 12–127 | reserved | decoding yields [`DecodeError::UnknownTag`] | |
+//! | 12 | [`Offer`] | model Hash, experts {layers u16, experts_per_layer u16, bitmap Vec\<u8\>} | control |
+//! | 13 | [`Exec`] | request_id u64, model Hash, expert {layer u16, expert u16}, positions u32 (1..=[`MAX_EXEC_POSITIONS`]), rows (varint length + raw f32 LE `[positions, hidden]`, ≤ [`MAX_EXEC_ROWS_LEN`]) | request |
+//! | 14 | [`ExecResult`] | request_id u64, rows (varint length + raw f32 LE, ≤ [`MAX_EXEC_ROWS_LEN`]) | request |
+//! | 15–127 | reserved | decoding yields [`DecodeError::UnknownTag`] | |
 //!
 //! A manifest is answered like an expert, as `Data` frames from offset 0 and `End`, so it
 //! is bounded by the requester's limit ([`MAX_MANIFEST_LEN`] by default), not by the frame size.
 //! A file range ([`GetFile`], for `stormo pull`) is answered the same way, from its offset.
+//!
+//! # Remote execution
+//! An [`Exec`] asks the responder to run one expert it holds over some positions' input rows;
+//! it answers one [`ExecResult`] with the output rows (the same shape), or an
+//! [`ErrorMessage`] (`busy` beyond its compute limits), on the request's own stream. Rows
+//! travel as exact f32, little-endian: `4 × hidden` bytes a position each way, 11,520 bytes at
+//! gpt-oss-20b's hidden width of 2,880 (against 13.2 MB for fetching that expert's weights).
+//! One call carries at most [`max_positions`] positions (22 at that width); more are split
+//! into several calls. [`ExecCall`] checks an answer before its rows are used.
 //!
 //! # Stepping it
 //! ```
@@ -113,6 +126,7 @@
 pub use bytes;
 
 pub mod client;
+pub mod exec;
 pub mod frame;
 pub mod handshake;
 pub mod inventory;
@@ -124,14 +138,16 @@ pub use client::{
     ChunkVerifier, Completed, Event, Failed, Fetch, FetchError, Requests, RequestsConfig, Resource,
     StartError, UnexpectedMessage,
 };
+pub use exec::{check_shape, max_positions, ExecAnswerError, ExecCall, ExecRequestError};
 pub use frame::{append_frame, encode_frame, DecodeError, FrameDecoder, MAX_FRAME_LEN};
 pub use handshake::{expect_hello, HelloError};
 pub use inventory::{ExpertSet, InventoryError};
 pub use latency::{Pinger, RttEstimator};
 pub use message::{
-    check_file_name, data_frame_prefix, tag, ByteRange, Cancel, Data, EncodeError, End, ErrorCode,
-    ErrorMessage, Get, GetFile, GetManifest, Hello, Inventory, InventoryUpdate, Limits, Message,
-    NodeId, Offer, Ping, Pong, Priority, RequestId, MAX_DATA_LEN, MAX_ERROR_MESSAGE_LEN,
+    check_file_name, data_frame_prefix, f32_bytes, f32s, tag, ByteRange, Cancel, Data, EncodeError,
+    End, ErrorCode, ErrorMessage, Exec, ExecResult, Get, GetFile, GetManifest, Hello, Inventory,
+    InventoryUpdate, Limits, Message, NodeId, Offer, Ping, Pong, Priority, RequestId, MAX_DATA_LEN,
+    MAX_ERROR_MESSAGE_LEN, MAX_EXEC_FRAME_LEN, MAX_EXEC_POSITIONS, MAX_EXEC_ROWS_LEN,
     MAX_FILE_NAME_LEN, MAX_FILE_RANGE_LEN, MAX_MANIFEST_LEN, MAX_MODELS, MAX_UPDATE_EXPERTS,
 };
 pub use server::{DataChunks, ServeRequest, Server, ServerConfig, ServerEvent, ServerStats};

@@ -50,8 +50,12 @@ pub mod tag {
     pub const GET_FILE: u8 = 11;
     /// [`super::Offer`].
     pub const OFFER: u8 = 12;
-    /// The first reserved tag: 13 up to and including 127 are free for new messages.
-    pub const FIRST_RESERVED: u8 = 13;
+    /// [`super::Exec`].
+    pub const EXEC: u8 = 13;
+    /// [`super::ExecResult`].
+    pub const EXEC_RESULT: u8 = 14;
+    /// The first reserved tag: 15 up to and including 127 are free for new messages.
+    pub const FIRST_RESERVED: u8 = 15;
 }
 
 /// The largest payload of one [`Data`] message: 1 MiB.
@@ -69,6 +73,15 @@ pub const MAX_FILE_NAME_LEN: usize = 255;
 /// The most bytes one [`GetFile`] may ask for: a responder holds at most this much per
 /// request, so larger files are fetched as several ranges.
 pub const MAX_FILE_RANGE_LEN: u64 = 16 << 20;
+/// The most positions one [`Exec`] may carry.
+pub const MAX_EXEC_POSITIONS: u32 = 64;
+/// The largest `rows` of one [`Exec`] or [`ExecResult`]: 256 KiB (65,536 f32). At
+/// gpt-oss-20b's hidden width of 2,880 a position is 11,520 bytes, so one call carries at most
+/// 22 positions there; a requester splits more into several calls.
+pub const MAX_EXEC_ROWS_LEN: usize = 256 << 10;
+/// The largest frame body of an [`Exec`]: its rows and room for its header (at most 59
+/// bytes). A responder reading requests accepts frames this large.
+pub const MAX_EXEC_FRAME_LEN: usize = MAX_EXEC_ROWS_LEN + 64;
 
 /// Identifies one request within a connection. Chosen by the requester; the responder echoes
 /// it in every answer.
@@ -427,6 +440,132 @@ impl ErrorMessage {
     }
 }
 
+/// Asks the responder to run one expert it holds over `positions` input rows and answer its
+/// output rows ([`ExecResult`]), or an [`ErrorMessage`]: `busy` beyond the responder's compute
+/// limits, `not found` for an expert it does not hold verified, `bad request` when the rows are
+/// not `positions` rows of the model's hidden width, `forbidden` when this node may not use
+/// its compute.
+///
+/// `rows` are `positions * hidden` f32, little-endian, row after row (`[positions, hidden]`),
+/// sent exactly (NaN and infinities are data, not errors): `4 * hidden` bytes per position,
+/// 11,520 at gpt-oss-20b's hidden width of 2,880. Encoded as the varints `request_id`, the
+/// 32 bytes of `model`, the varints `expert.layer`, `expert.expert`, `positions` and
+/// `rows.len()`, then the raw rows, exactly as postcard encodes
+/// `(u64, Hash, ExpertId, u32, &[u8])`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Exec {
+    /// Chosen by the requester; echoed in the answer.
+    pub request_id: RequestId,
+    /// The model id.
+    pub model: Hash,
+    /// Which expert to run.
+    pub expert: ExpertId,
+    /// How many input rows: 1 to [`MAX_EXEC_POSITIONS`].
+    pub positions: u32,
+    /// The input rows, f32 LE `[positions, hidden]`: a non-zero multiple of `4 * positions`
+    /// bytes, at most [`MAX_EXEC_ROWS_LEN`].
+    pub rows: Bytes,
+}
+
+impl Exec {
+    /// A request to run `expert` of `model` over `rows` (`[positions, hidden]` floats).
+    pub fn new(
+        request_id: RequestId,
+        model: Hash,
+        expert: ExpertId,
+        positions: u32,
+        rows: &[f32],
+    ) -> Self {
+        Self {
+            request_id,
+            model,
+            expert,
+            positions,
+            rows: f32_bytes(rows),
+        }
+    }
+
+    /// The row width the request implies: `rows.len() / (4 * positions)` (0 for an invalid
+    /// request with no positions).
+    pub fn hidden(&self) -> usize {
+        self.rows
+            .len()
+            .checked_div(4 * self.positions as usize)
+            .unwrap_or(0)
+    }
+
+    /// The input rows as floats.
+    pub fn rows_f32(&self) -> Vec<f32> {
+        f32s(&self.rows)
+    }
+}
+
+impl fmt::Debug for Exec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Exec")
+            .field("request_id", &self.request_id)
+            .field("model", &self.model)
+            .field("expert", &self.expert)
+            .field("positions", &self.positions)
+            .field("rows_len", &self.rows.len())
+            .finish()
+    }
+}
+
+/// The answer to an [`Exec`]: the expert's output rows, f32 LE, the same shape as the input
+/// (`[positions, hidden]`). Encoded as the varints `request_id` and `rows.len()`, then the raw
+/// rows.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ExecResult {
+    /// The request answered.
+    pub request_id: RequestId,
+    /// The output rows: a non-zero multiple of 4 bytes, at most [`MAX_EXEC_ROWS_LEN`]. The
+    /// requester checks that they are as many as it sent.
+    pub rows: Bytes,
+}
+
+impl ExecResult {
+    /// The answer to `request_id` with output `rows`.
+    pub fn new(request_id: RequestId, rows: &[f32]) -> Self {
+        Self {
+            request_id,
+            rows: f32_bytes(rows),
+        }
+    }
+
+    /// The output rows as floats.
+    pub fn rows_f32(&self) -> Vec<f32> {
+        f32s(&self.rows)
+    }
+}
+
+impl fmt::Debug for ExecResult {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExecResult")
+            .field("request_id", &self.request_id)
+            .field("rows_len", &self.rows.len())
+            .finish()
+    }
+}
+
+/// `xs` as little-endian bytes.
+pub fn f32_bytes(xs: &[f32]) -> Bytes {
+    let mut out = Vec::with_capacity(xs.len() * 4);
+    for x in xs {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    Bytes::from(out)
+}
+
+/// Little-endian `bytes` as floats (a trailing partial float is dropped; decoded messages
+/// have none).
+pub fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
 /// Every message of the protocol.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[allow(clippy::large_enum_variant)]
@@ -457,6 +596,10 @@ pub enum Message {
     GetFile(GetFile),
     /// Tag 12.
     Offer(Offer),
+    /// Tag 13.
+    Exec(Exec),
+    /// Tag 14.
+    ExecResult(ExecResult),
 }
 
 /// Why a message cannot be encoded (it breaks a limit of the protocol).
@@ -500,6 +643,8 @@ impl Message {
             Self::Error(_) => tag::ERROR,
             Self::GetFile(_) => tag::GET_FILE,
             Self::Offer(_) => tag::OFFER,
+            Self::Exec(_) => tag::EXEC,
+            Self::ExecResult(_) => tag::EXEC_RESULT,
         }
     }
 
@@ -519,6 +664,8 @@ impl Message {
             Self::GetManifest(m) => Some(m.request_id),
             Self::Cancel(m) => Some(m.request_id),
             Self::GetFile(m) => Some(m.request_id),
+            Self::Exec(m) => Some(m.request_id),
+            Self::ExecResult(m) => Some(m.request_id),
             Self::Error(m) => m.request_id,
             Self::Hello(_)
             | Self::Inventory(_)
@@ -608,6 +755,23 @@ impl Message {
                     return Err(format!("byte range {}+{} overflows u64", g.offset, g.len));
                 }
             }
+            Self::Exec(e) => {
+                if e.positions == 0 || e.positions > MAX_EXEC_POSITIONS {
+                    return Err(format!(
+                        "{} positions, outside 1..={MAX_EXEC_POSITIONS}",
+                        e.positions
+                    ));
+                }
+                check_rows(e.rows.len())?;
+                if e.rows.len() % (4 * e.positions as usize) != 0 {
+                    return Err(format!(
+                        "{} bytes of rows are not {} rows of f32",
+                        e.rows.len(),
+                        e.positions
+                    ));
+                }
+            }
+            Self::ExecResult(r) => check_rows(r.rows.len())?,
             Self::End(_)
             | Self::GetManifest(_)
             | Self::Cancel(_)
@@ -644,6 +808,18 @@ impl Message {
             Self::Error(m) => put(m, out),
             Self::GetFile(m) => put(m, out),
             Self::Offer(m) => put(m, out),
+            Self::Exec(m) => {
+                let header = (
+                    m.request_id.0,
+                    m.model,
+                    m.expert,
+                    m.positions,
+                    m.rows.len() as u64,
+                );
+                put(&header, out).map(|()| out.extend_from_slice(&m.rows))
+            }
+            Self::ExecResult(m) => put(&(m.request_id.0, m.rows.len() as u64), out)
+                .map(|()| out.extend_from_slice(&m.rows)),
         };
         // Serializing into a Vec has no failure mode for these types (no maps of unknown
         // length, no custom errors); surface it as Invalid rather than panic all the same.
@@ -686,6 +862,8 @@ impl Message {
             tag::ERROR => Self::Error(take_all(t, payload)?),
             tag::GET_FILE => Self::GetFile(take_all(t, payload)?),
             tag::OFFER => Self::Offer(take_all(t, payload)?),
+            tag::EXEC => Self::Exec(decode_exec(&body)?),
+            tag::EXEC_RESULT => Self::ExecResult(decode_exec_result(&body)?),
             other => return Err(DecodeError::UnknownTag(other)),
         };
         msg.validate().map_err(|reason| DecodeError::Invalid {
@@ -712,6 +890,8 @@ pub fn tag_name(t: u8) -> Option<&'static str> {
         tag::ERROR => "Error",
         tag::GET_FILE => "GetFile",
         tag::OFFER => "Offer",
+        tag::EXEC => "Exec",
+        tag::EXEC_RESULT => "ExecResult",
         _ => return None,
     })
 }
@@ -774,6 +954,84 @@ fn decode_data(body: &Bytes) -> Result<Data, DecodeError> {
     })
 }
 
+/// Checks the length of an [`Exec`]'s or [`ExecResult`]'s rows: not empty, whole floats,
+/// within [`MAX_EXEC_ROWS_LEN`].
+fn check_rows(len: usize) -> Result<(), String> {
+    if len == 0 {
+        return Err("no rows".into());
+    }
+    if len > MAX_EXEC_ROWS_LEN {
+        return Err(format!(
+            "{len} bytes of rows, over the limit of {MAX_EXEC_ROWS_LEN}"
+        ));
+    }
+    if !len.is_multiple_of(4) {
+        return Err(format!("{len} bytes of rows are not whole f32"));
+    }
+    Ok(())
+}
+
+/// The raw rows that end a frame body, after a header that announced `len` of them: a slice
+/// of `body`, checked against the limit before anything else.
+fn take_rows(
+    message: &'static str,
+    body: &Bytes,
+    len: u64,
+    rest: &[u8],
+) -> Result<Bytes, DecodeError> {
+    if len > MAX_EXEC_ROWS_LEN as u64 {
+        return Err(DecodeError::Invalid {
+            message,
+            reason: format!("{len} bytes of rows, over the limit of {MAX_EXEC_ROWS_LEN}"),
+        });
+    }
+    let len = len as usize;
+    if rest.len() < len {
+        return Err(DecodeError::Malformed {
+            message,
+            source: postcard::Error::DeserializeUnexpectedEnd,
+        });
+    }
+    if rest.len() > len {
+        return Err(DecodeError::TrailingBytes {
+            message,
+            extra: rest.len() - len,
+        });
+    }
+    Ok(body.slice(body.len() - len..))
+}
+
+fn decode_exec(body: &Bytes) -> Result<Exec, DecodeError> {
+    let ((request_id, model, expert, positions, len), rest) =
+        postcard::take_from_bytes::<(u64, Hash, ExpertId, u32, u64)>(&body[1..]).map_err(
+            |source| DecodeError::Malformed {
+                message: "Exec",
+                source,
+            },
+        )?;
+    Ok(Exec {
+        request_id: RequestId(request_id),
+        model,
+        expert,
+        positions,
+        rows: take_rows("Exec", body, len, rest)?,
+    })
+}
+
+fn decode_exec_result(body: &Bytes) -> Result<ExecResult, DecodeError> {
+    let ((request_id, len), rest) =
+        postcard::take_from_bytes::<(u64, u64)>(&body[1..]).map_err(|source| {
+            DecodeError::Malformed {
+                message: "ExecResult",
+                source,
+            }
+        })?;
+    Ok(ExecResult {
+        request_id: RequestId(request_id),
+        rows: take_rows("ExecResult", body, len, rest)?,
+    })
+}
+
 /// The frame header and Data header for a Data message whose payload the caller writes itself
 /// (zero-copy sending from a RAM cache or a mapped file): write the returned bytes, then the
 /// `len` payload bytes. `len` must be 1 to [`MAX_DATA_LEN`].
@@ -812,7 +1070,9 @@ impl_from!(
     Ping,
     Pong,
     GetFile,
-    Offer
+    Offer,
+    Exec,
+    ExecResult
 );
 
 impl From<ErrorMessage> for Message {
@@ -1120,6 +1380,177 @@ mod tests {
                 &[0x80, 0x80, 0x40], // len 2^20 (varint)
             ],
         );
+    }
+
+    #[test]
+    fn golden_exec_and_result() {
+        golden(
+            Message::Exec(Exec::new(
+                RequestId(300),
+                h(0x77),
+                ExpertId {
+                    layer: 23,
+                    expert: 200,
+                },
+                2,
+                &[1.0, -2.0],
+            )),
+            &[
+                &[48, 0, 0, 0],            // frame length 48
+                &[13],                     // tag: Exec
+                &[0xac, 0x02],             // request id 300
+                &[0x77; 32],               // model id
+                &[23, 0xc8, 0x01],         // expert: layer 23, expert 200 (varint)
+                &[2],                      // positions 2
+                &[8],                      // 8 bytes of rows follow
+                &[0x00, 0x00, 0x80, 0x3f], //   1.0 (f32 LE)
+                &[0x00, 0x00, 0x00, 0xc0], //   -2.0
+            ],
+        );
+        golden(
+            Message::ExecResult(ExecResult::new(RequestId(300), &[f32::NAN])),
+            &[
+                &[8, 0, 0, 0],             // frame length 8
+                &[14],                     // tag: ExecResult
+                &[0xac, 0x02],             // request id 300
+                &[4],                      // 4 bytes of rows follow
+                &[0x00, 0x00, 0xc0, 0x7f], //   NaN (f32 LE): data, not an error
+            ],
+        );
+    }
+
+    #[test]
+    fn exec_limits_are_checked_both_ways() {
+        let exec = |positions: u32, len: usize| {
+            Message::Exec(Exec {
+                request_id: RequestId(1),
+                model: h(0),
+                expert: ExpertId {
+                    layer: 0,
+                    expert: 0,
+                },
+                positions,
+                rows: Bytes::from(vec![0; len]),
+            })
+        };
+        let result = |len: usize| {
+            Message::ExecResult(ExecResult {
+                request_id: RequestId(1),
+                rows: Bytes::from(vec![0; len]),
+            })
+        };
+        // The largest of each kind encodes, fits the frame limits and decodes.
+        let largest = [
+            exec(MAX_EXEC_POSITIONS, MAX_EXEC_ROWS_LEN),
+            exec(1, MAX_EXEC_ROWS_LEN),
+            result(MAX_EXEC_ROWS_LEN),
+        ];
+        for m in largest {
+            let f = encode_frame(&m).unwrap();
+            assert!(f.len() - 4 <= MAX_EXEC_FRAME_LEN, "{m:?}: {}", f.len());
+            assert_eq!(decode_one(&f).unwrap(), Some(m));
+        }
+        for (bad, name) in [
+            (exec(0, 4), "Exec"),
+            (exec(MAX_EXEC_POSITIONS + 1, 4 * 65), "Exec"),
+            (exec(1, 0), "Exec"),
+            (exec(1, 6), "Exec"),
+            (exec(3, 16), "Exec"), // 4 floats are not 3 rows
+            (exec(1, MAX_EXEC_ROWS_LEN + 4), "Exec"),
+            (result(0), "ExecResult"),
+            (result(7), "ExecResult"),
+            (result(MAX_EXEC_ROWS_LEN + 4), "ExecResult"),
+        ] {
+            assert!(
+                matches!(encode_frame(&bad), Err(EncodeError::Invalid { .. })),
+                "{bad:?}"
+            );
+            // Hand-encoded, the decoder refuses it too, naming the message.
+            let mut body = vec![bad.tag()];
+            match &bad {
+                Message::Exec(e) => {
+                    body.extend_from_slice(
+                        &postcard::to_allocvec(&(
+                            e.request_id.0,
+                            e.model,
+                            e.expert,
+                            e.positions,
+                            e.rows.len() as u64,
+                        ))
+                        .unwrap(),
+                    );
+                    body.extend_from_slice(&e.rows);
+                }
+                Message::ExecResult(r) => {
+                    body.extend_from_slice(
+                        &postcard::to_allocvec(&(r.request_id.0, r.rows.len() as u64)).unwrap(),
+                    );
+                    body.extend_from_slice(&r.rows);
+                }
+                _ => unreachable!(),
+            }
+            let got = FrameDecoder::with_max(1 << 21).decode(&mut &framed(&body)[..]);
+            assert!(
+                matches!(got, Err(DecodeError::Invalid { message, .. }) if message == name),
+                "{bad:?}: {got:?}"
+            );
+        }
+        // A length announced past the limit is refused before the rows are looked at, and
+        // rows shorter or longer than announced are malformed.
+        let mut body = vec![tag::EXEC_RESULT, 1];
+        body.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f]);
+        assert!(matches!(
+            decode_one(&framed(&body)),
+            Err(DecodeError::Invalid {
+                message: "ExecResult",
+                ..
+            })
+        ));
+        assert!(matches!(
+            decode_one(&framed(&[tag::EXEC_RESULT, 1, 8, 0, 0, 0, 0])),
+            Err(DecodeError::Malformed {
+                message: "ExecResult",
+                ..
+            })
+        ));
+        assert_eq!(
+            decode_one(&framed(&[tag::EXEC_RESULT, 1, 4, 0, 0, 0, 0, 9])),
+            Err(DecodeError::TrailingBytes {
+                message: "ExecResult",
+                extra: 1
+            })
+        );
+        let mut short = vec![tag::EXEC, 1];
+        short.extend_from_slice(&[0; 32]);
+        short.extend_from_slice(&[0, 0, 1]); // expert 0:0, 1 position, then nothing
+        assert!(matches!(
+            decode_one(&framed(&short)),
+            Err(DecodeError::Malformed {
+                message: "Exec",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn exec_rows_are_slices_of_the_frame() {
+        let f = encode_frame(&Message::Exec(Exec::new(
+            RequestId(1),
+            h(1),
+            ExpertId {
+                layer: 0,
+                expert: 1,
+            },
+            1,
+            &[3.0; 100],
+        )))
+        .unwrap();
+        let body = Bytes::copy_from_slice(&f[4..]);
+        let Message::Exec(e) = Message::decode_body(body.clone()).unwrap() else {
+            panic!("not exec")
+        };
+        assert!(body.as_ptr_range().contains(&e.rows.as_ptr()));
+        assert_eq!(e.rows_f32(), vec![3.0; 100]);
     }
 
     #[test]

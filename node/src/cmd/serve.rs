@@ -68,6 +68,20 @@ pub struct Args {
     /// Requests of all peers served at once; more are answered busy.
     #[arg(long, default_value_t = 32, value_name = "N")]
     pub max_requests: usize,
+    /// Threads that run held experts for peers (remote execution: a peer sends an expert's
+    /// input rows, 11.5 KB a position, instead of fetching its weights), a pool apart from the
+    /// engine's: with C engine threads, generation keeps at least C/(C+N) of the CPU while
+    /// peers keep them busy. 0: run nothing for peers.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub exec_threads: usize,
+    /// Expert calls of one peer run (or waiting for an exec thread) at once; more are
+    /// answered busy.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub exec_per_peer: u32,
+    /// Expert calls of all peers run (or waiting for an exec thread) at once; more are
+    /// answered busy.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub exec_max: usize,
     /// How answers to peers are paced. `bbr` keeps experts flowing over long lossy paths
     /// (20 ms one way, 0.5% loss: about 12 times faster than `cubic` in `stormo swarm
     /// --scenario wan`, see the README), but quinn calls its BBR experimental, and it can take
@@ -110,6 +124,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     anyhow::ensure!(a.per_peer >= 1, "--per-peer must be at least 1");
     anyhow::ensure!(a.max_requests >= 1, "--max-requests must be at least 1");
+    anyhow::ensure!(a.exec_per_peer >= 1, "--exec-per-peer must be at least 1");
+    anyhow::ensure!(a.exec_max >= 1, "--exec-max must be at least 1");
+    anyhow::ensure!(
+        a.exec_threads <= 1024,
+        "--exec-threads {}: at most 1024",
+        a.exec_threads
+    );
     let swarm = crate::swarm_args::resolve_for_node(&a.swarm, a.net.key.as_deref())?;
     let listen = match a.listen {
         Some(addr) => Some(ListenConfig {
@@ -123,6 +144,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     .as_ref()
                     .and_then(|s| s.membership.as_ref())
                     .map(|m| m.cert.clone()),
+                exec: net::exec::ExecConfig {
+                    threads: a.exec_threads,
+                    per_peer: a.exec_per_peer,
+                    total: a.exec_max,
+                },
             },
         }),
         None => None,

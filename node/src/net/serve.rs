@@ -2,7 +2,8 @@
 //!
 //! One task per connection and one per stream. The connecting side's first stream is its
 //! control stream (its first frame is a `Hello`); every other stream carries one request (its
-//! first frame is a `Get` or `GetManifest`). Requests are admitted by a per-peer
+//! first frame is a `Get`, `GetManifest`, `GetFile` or `Exec`; an `Exec` is answered by
+//! [`super::exec`] with its own limits). Requests are admitted by a per-peer
 //! [`stormo_wire::Server`] (beyond its limit: `busy`) and a node-wide limit (also `busy`);
 //! expert records come from the node's expert provider (its RAM cache when hot, else its
 //! disk), fetched on tokio's blocking threads so the async threads never stall. A frame that
@@ -15,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
 use bytes::Bytes;
-use stormo_engine::moe::ExpertProvider;
+use stormo_engine::moe::{ExpertProvider, ExpertSchema};
 use stormo_manifests::{ExpertId, Hash, Manifest, SecretKey};
 use stormo_wire::{
     data_frame_prefix, expect_hello, ErrorCode, ExpertSet, Hello, Inventory, InventoryUpdate,
@@ -30,8 +31,12 @@ use super::{FramedRecv, ReadError};
 /// Bytes per `Data` frame sent.
 const DATA_CHUNK: usize = 256 << 10;
 /// The largest frame accepted from a peer (requests and control messages are small; an
-/// inventory bitmap of the largest model fits).
-const MAX_INBOUND_FRAME: usize = 256 << 10;
+/// inventory bitmap of the largest model fits; an `Exec`'s rows are at most 256 KiB).
+const MAX_INBOUND_FRAME: usize = if stormo_wire::MAX_EXEC_FRAME_LEN > 256 << 10 {
+    stormo_wire::MAX_EXEC_FRAME_LEN
+} else {
+    256 << 10
+};
 
 /// What a node serves: one model's manifest and the experts it holds or can fetch.
 pub struct Holdings {
@@ -47,6 +52,9 @@ pub struct Holdings {
     pub announce: tokio::sync::watch::Sender<Arc<Announce>>,
     /// The model folder's files served to `stormo pull` (`None`: none).
     pub files: Option<Arc<FileShare>>,
+    /// How each layer's experts are laid out (`files.layout.schemas`), to run them for peers
+    /// (`Exec`). Empty: the node runs no experts for peers (answered `not found`).
+    pub schemas: Vec<Option<ExpertSchema>>,
 }
 
 /// What a node announces: the experts it holds verified (its inventory) and those it does not
@@ -172,6 +180,8 @@ pub struct ServeConfig {
     pub congestion: tls::Congestion,
     /// This node's swarm membership certificate, presented in the handshake.
     pub membership: Option<stormo_manifests::Membership>,
+    /// Running experts for peers: threads and limits.
+    pub exec: super::exec::ExecConfig,
 }
 
 impl Default for ServeConfig {
@@ -182,6 +192,7 @@ impl Default for ServeConfig {
             admission: Admission::Keys(Default::default()),
             congestion: tls::Congestion::default(),
             membership: None,
+            exec: super::exec::ExecConfig::default(),
         }
     }
 }
@@ -233,6 +244,8 @@ pub struct ServerHandle {
     addr: SocketAddr,
     /// Its counters.
     pub stats: Arc<ServeStats>,
+    /// The counters of experts run for peers.
+    pub exec_stats: Arc<super::exec::ExecStats>,
 }
 
 impl ServerHandle {
@@ -258,6 +271,7 @@ struct Shared {
     cfg: ServeConfig,
     node_slots: Arc<Semaphore>,
     stats: Arc<ServeStats>,
+    exec: super::exec::Executor,
 }
 
 /// Starts serving `holdings` on `listen` as `secret`, on an endpoint of its own. Must be called
@@ -275,7 +289,9 @@ pub fn start(
 
 /// The TLS and transport settings of a server with `cfg`'s limits.
 pub fn server_config(secret: &SecretKey, cfg: &ServeConfig) -> anyhow::Result<quinn::ServerConfig> {
-    let streams = cfg.per_peer.saturating_mul(2).max(4) + 1;
+    // Requests (and the streams a requester gave up on that the server has not yet dropped),
+    // the exec calls, and the control stream.
+    let streams = cfg.per_peer.saturating_mul(2).max(4) + cfg.exec.per_peer.max(1) + 1;
     let id = tls::Identity {
         secret,
         membership: cfg.membership.as_ref(),
@@ -294,12 +310,15 @@ pub fn start_on(
     endpoint.set_server_config(Some(server_config(secret, &cfg)?));
     let addr = endpoint.local_addr().context("the bound address")?;
     let stats = Arc::new(ServeStats::default());
+    let exec = super::exec::Executor::new(cfg.exec)?;
+    let exec_stats = exec.stats.clone();
     let shared = Arc::new(Shared {
         key: NodeId(*secret.public().as_bytes()),
         holdings,
         node_slots: Arc::new(Semaphore::new(cfg.node_limit.max(1))),
         cfg,
         stats: stats.clone(),
+        exec,
     });
     let ep = endpoint.clone();
     tokio::spawn(async move {
@@ -319,6 +338,7 @@ pub fn start_on(
         endpoint,
         addr,
         stats,
+        exec_stats,
     })
 }
 
@@ -342,6 +362,7 @@ async fn connection(shared: Arc<Shared>, conn: quinn::Connection) {
     let server = Arc::new(Mutex::new(Server::new(ServerConfig {
         max_concurrent: shared.cfg.per_peer,
     })));
+    let exec_slots = shared.exec.peer_slots();
     loop {
         let (send, recv) = match conn.accept_bi().await {
             Ok(s) => s,
@@ -350,10 +371,19 @@ async fn connection(shared: Arc<Shared>, conn: quinn::Connection) {
                 return;
             }
         };
-        let (shared, conn, server, peer) =
-            (shared.clone(), conn.clone(), server.clone(), peer.clone());
+        let (shared, conn, server, peer, exec_slots) = (
+            shared.clone(),
+            conn.clone(),
+            server.clone(),
+            peer.clone(),
+            exec_slots.clone(),
+        );
         tokio::spawn(async move {
-            stream(&shared, &conn, &server, &peer, NodeId(key), send, recv).await;
+            let streams = Streams {
+                server: &server,
+                exec_slots: &exec_slots,
+            };
+            stream(&shared, &conn, streams, &peer, NodeId(key), send, recv).await;
         });
     }
 }
@@ -362,11 +392,17 @@ fn hex8(key: &[u8; 32]) -> String {
     key[..4].iter().map(|b| format!("{b:02x}")).collect()
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What the streams of one connection share: its request state and its exec slots.
+#[derive(Clone, Copy)]
+struct Streams<'a> {
+    server: &'a Mutex<Server>,
+    exec_slots: &'a Arc<Semaphore>,
+}
+
 async fn stream(
     shared: &Shared,
     conn: &quinn::Connection,
-    server: &Mutex<Server>,
+    streams: Streams<'_>,
     peer: &str,
     key: NodeId,
     mut send: quinn::SendStream,
@@ -379,8 +415,24 @@ async fn stream(
         Err(ReadError::Decode(e)) => return violation(shared, conn, peer, &e.to_string()),
         Err(ReadError::Stream(_)) => return,
     };
+    let server = streams.server;
     match first {
         Message::Hello(_) => control(shared, conn, peer, key, first, send, recv).await,
+        Message::Exec(exec) => {
+            let expert = exec.expert;
+            let answer = shared
+                .exec
+                .answer(&shared.holdings, streams.exec_slots, exec)
+                .await;
+            if let Message::Error(e) = &answer {
+                tracing::debug!("exec of {expert} for {peer}: {} {}", e.code, e.message);
+            }
+            if super::write_message(&mut send, &answer).await.is_err() {
+                return;
+            }
+            let _ = send.finish();
+            let _ = tokio::time::timeout(tls::IDLE_TIMEOUT, send.stopped()).await;
+        }
         Message::Get(_) | Message::GetManifest(_) | Message::GetFile(_) => {
             let (out, events) = {
                 let mut s = server.lock().expect("server state lock");
@@ -992,6 +1044,7 @@ fn holdings(
         })
         .collect();
     let experts = experts(&files, allowed)?;
+    let schemas = files.layout.schemas.clone();
     Ok(Holdings {
         manifest_bytes: Bytes::from(bytes),
         manifest: Arc::new(m),
@@ -1003,6 +1056,7 @@ fn holdings(
             dense_only,
             withheld,
         })),
+        schemas,
     })
 }
 

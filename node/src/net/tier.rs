@@ -51,6 +51,7 @@ use stormo_wire::{
 };
 use tokio::sync::Semaphore;
 
+use super::exec::ExecError;
 use super::policy::{self, LoadClock, PeerView, Rounds};
 use super::{tls, FramedRecv, PeerAddr, ReadError};
 
@@ -114,6 +115,9 @@ struct Link {
     conn: quinn::Connection,
     slots: Arc<Semaphore>,
     reqs: Mutex<LinkRequests>,
+    /// The next request id of an `Exec` on this connection: from 2^63 up, apart from the ids
+    /// `reqs` gives its fetches (from 0 up), so the two never meet.
+    exec_ids: AtomicU64,
 }
 
 /// The outstanding requests of one connection (request ids are per connection), with the
@@ -674,6 +678,84 @@ impl PeerTier {
             .collect()
     }
 
+    /// The peers in the set that hold expert `id` verified by their inventory (not those that
+    /// only offer to fetch it), and may be asked: where [`Self::exec`] can run it.
+    pub fn exec_holders(&self, id: ExpertId) -> Vec<PublicKey> {
+        self.inner
+            .peers()
+            .iter()
+            .filter(|p| {
+                let s = p.state();
+                s.usable() && s.holds(id)
+            })
+            .map(|p| p.addr.key)
+            .collect()
+    }
+
+    /// Runs expert `expert` at the peer with key `peer` over `rows` (`[n, hidden]` f32, the
+    /// layer's hidden width) and returns its output rows (`[n, hidden]`), within `deadline`
+    /// (connecting included). More positions than one call carries
+    /// ([`stormo_wire::max_positions`]) go as several calls, one after another. The answer's
+    /// length is checked before its rows are returned; whether they are right is the
+    /// caller's to check (spot-checks). Uses the tier's connection to the peer (dialling it if
+    /// there is none, as a fetch would); a failure changes nothing in the peer's standing
+    /// here, except that a lost connection is redialled later as for fetches.
+    pub async fn exec(
+        &self,
+        peer: &PublicKey,
+        expert: ExpertId,
+        rows: &[f32],
+        deadline: Duration,
+    ) -> Result<Vec<f32>, ExecError> {
+        let inner = &self.inner;
+        let hidden = inner
+            .schemas
+            .get(expert.layer as usize)
+            .and_then(Option::as_ref)
+            .map(|s| s.hidden)
+            .ok_or_else(|| ExecError::Invalid(format!("layer {} has no experts", expert.layer)))?;
+        if rows.is_empty() || !rows.len().is_multiple_of(hidden) {
+            return Err(ExecError::Invalid(format!(
+                "{} floats are not whole rows of {hidden}",
+                rows.len()
+            )));
+        }
+        let p = inner
+            .peers()
+            .iter()
+            .find(|p| p.addr.key == *peer && p.state().usable())
+            .cloned()
+            .ok_or_else(|| {
+                ExecError::Invalid(format!("peer {} is not in the set", super::short_key(peer)))
+            })?;
+        let per_call = stormo_wire::max_positions(hidden).max(1) * hidden;
+        let work = async {
+            let l = link(inner, &p)
+                .await
+                .map_err(|e| ExecError::Lost(format!("{}: {e}", p.addr)))?;
+            let mut out = Vec::with_capacity(rows.len());
+            for chunk in rows.chunks(per_call) {
+                out.extend(exec_call(&l, inner.model, expert, chunk, hidden).await?);
+            }
+            Ok(out)
+        };
+        tokio::time::timeout(deadline, work)
+            .await
+            .unwrap_or(Err(ExecError::Timeout(deadline)))
+    }
+
+    /// [`Self::exec`] from a thread outside the tier's runtime (an engine thread), blocking
+    /// it until the call ends. Must not be called from within an async task.
+    pub fn exec_blocking(
+        &self,
+        peer: &PublicKey,
+        expert: ExpertId,
+        rows: &[f32],
+        deadline: Duration,
+    ) -> Result<Vec<f32>, ExecError> {
+        self.rt.block_on(self.exec(peer, expert, rows, deadline))
+    }
+
     /// Closes every connection.
     pub fn close(&self) {
         self.inner.closing.store(true, Ordering::SeqCst);
@@ -806,6 +888,7 @@ async fn connect_link(
             idle_timeout: cfg.idle_timeout,
             max_outstanding: 64,
         }),
+        exec_ids: AtomicU64::new(1 << 63),
     });
     {
         let mut s = peer.state();
@@ -984,6 +1067,44 @@ impl PeerLink {
     pub fn close(&self) {
         self.conn.close(0u32.into(), b"done");
         self.endpoint.close(0u32.into(), b"done");
+    }
+}
+
+/// One `Exec` call on `l`'s connection: sends the rows on a stream of its own and reads the
+/// one answer.
+async fn exec_call(
+    l: &Link,
+    model: Hash,
+    expert: ExpertId,
+    rows: &[f32],
+    hidden: usize,
+) -> Result<Vec<f32>, ExecError> {
+    let id = stormo_wire::RequestId(l.exec_ids.fetch_add(1, Ordering::Relaxed));
+    let (call, msg) = stormo_wire::ExecCall::start(id, model, expert, rows, hidden)
+        .map_err(|e| ExecError::Invalid(e.to_string()))?;
+    let (mut send, recv) = l
+        .conn
+        .open_bi()
+        .await
+        .map_err(|e| ExecError::Lost(format!("opening a stream: {e}")))?;
+    super::write_message(&mut send, &Message::Exec(msg))
+        .await
+        .map_err(|e| ExecError::Lost(format!("{e:#}")))?;
+    let _ = send.finish();
+    let mut frames = FramedRecv::new(recv, stormo_wire::MAX_EXEC_FRAME_LEN);
+    match frames.next().await {
+        Ok(Some(m)) => call.answer(m).map_err(ExecError::from),
+        Ok(None) => Err(ExecError::Malformed(
+            "the stream ended without an answer".into(),
+        )),
+        Err(ReadError::Decode(e)) => {
+            l.conn.close(
+                u32::from(stormo_wire::ErrorCode::PROTOCOL_VIOLATION.0).into(),
+                e.to_string().as_bytes(),
+            );
+            Err(ExecError::Malformed(e.to_string()))
+        }
+        Err(ReadError::Stream(e)) => Err(ExecError::Lost(e.to_string())),
     }
 }
 

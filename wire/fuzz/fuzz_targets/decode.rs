@@ -1,6 +1,7 @@
 //! Feeds arbitrary bytes, cut at arbitrary points, to the frame decoder, and every message that
-//! decodes to both protocol state machines. Checks: no panic; the outcome does not depend on
-//! the cut points; every decoded message re-encodes and decodes to itself.
+//! decodes to both protocol state machines and to an exec call's answer check. Checks: no
+//! panic; the outcome does not depend on the cut points; every decoded message re-encodes and
+//! decodes to itself; an exec answer passes only with exactly the rows asked for.
 #![no_main]
 
 use std::time::{Duration, Instant};
@@ -8,8 +9,8 @@ use std::time::{Duration, Instant};
 use libfuzzer_sys::fuzz_target;
 use stormo_ids::{ExpertId, Hash};
 use stormo_wire::{
-    encode_frame, ByteRange, DecodeError, Fetch, FrameDecoder, Message, Requests, RequestsConfig,
-    Server, ServerConfig,
+    check_shape, encode_frame, ByteRange, DecodeError, ExecCall, Fetch, FrameDecoder, Message,
+    RequestId, Requests, RequestsConfig, Server, ServerConfig,
 };
 
 fn decode(data: &[u8], step: usize) -> (Vec<Message>, Option<DecodeError>) {
@@ -61,7 +62,27 @@ fuzz_target!(|input: &[u8]| {
         ),
     );
     let mut server = Server::new(ServerConfig { max_concurrent: 2 });
+    // An exec call in flight, judging every message as its answer; and every decoded Exec
+    // checked against a responder's row width.
+    let (call, _) = ExecCall::start(
+        RequestId(8),
+        model,
+        ExpertId {
+            layer: 0,
+            expert: 0,
+        },
+        &[0.0; 8],
+        4,
+    )
+    .expect("a valid call");
     for m in whole.0 {
+        if let Ok(rows) = call.answer(m.clone()) {
+            assert_eq!(rows.len(), 8, "an answer of another length passed");
+        }
+        if let Message::Exec(e) = &m {
+            let _ = check_shape(e, 4);
+            let _ = check_shape(e, 2880);
+        }
         let again = encode_frame(&m).expect("a decoded message encodes");
         assert_eq!(decode(&again, again.len()), (vec![m.clone()], None));
         let _ = client.handle_message(now, m.clone());

@@ -111,7 +111,36 @@ fn message() -> impl Strategy<Value = Message> {
         (prop::option::of(rid()), any::<u16>(), ".{0,40}").prop_map(|(id, code, message)| {
             Message::Error(ErrorMessage::new(id, ErrorCode(code), message))
         }),
+        // Any f32 bit pattern, NaNs included: rows are data.
+        (
+            rid(),
+            hash(),
+            expert_id(),
+            1..=MAX_EXEC_POSITIONS,
+            1usize..24,
+            any::<u64>()
+        )
+            .prop_map(|(request_id, model, expert, positions, hidden, seed)| {
+                let rows = bit_floats(positions as usize * hidden, seed);
+                Message::Exec(Exec::new(request_id, model, expert, positions, &rows))
+            }),
+        (rid(), 1usize..3000, any::<u64>()).prop_map(|(request_id, n, seed)| {
+            Message::ExecResult(ExecResult::new(request_id, &bit_floats(n, seed)))
+        }),
     ]
+}
+
+/// `n` floats of arbitrary bit patterns from `seed`.
+fn bit_floats(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            f32::from_bits(x as u32)
+        })
+        .collect()
 }
 
 /// Feeds `wire` to a fresh decoder cut at `cuts` (positions, any order, may repeat). Returns the
