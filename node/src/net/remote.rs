@@ -1,9 +1,9 @@
 //! Remote expert execution, the node's side of the engine's seam: an
 //! [`ExpertExecutor`] that asks peers holding an expert to compute it.
 //!
-//! The engine calls [`RemoteExperts`] from its own threads. `choose` asks the sans-IO
-//! [`RemotePolicy`] for each expert of a block (is it cached here? who holds it, over which
-//! link?), `submit` starts the call as a task on the node's runtime and returns at once, and
+//! The engine calls [`RemoteExperts`] from its own threads. An expert this machine holds (its
+//! disk, its kept experts) is always computed here; for the others `choose` asks the sans-IO
+//! [`RemotePolicy`] (is it in the RAM cache? who holds it, over which link?), `submit` starts the call as a task on the node's runtime and returns at once, and
 //! `collect` blocks the engine thread on that task's answer (never an async thread: the engine
 //! runs outside the runtime, as the network tier's loads do). A call carrying more positions
 //! than one wire message allows is split into several, sent at once, and joined in order.
@@ -24,9 +24,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use stormo_engine::moe::{Demand, ExecFailed, Executed, ExpertExecutor, Ticket, Verdict};
-use stormo_engine::tiers::{ExpertId, TieredExperts};
+use stormo_engine::tiers::{ExpertId, Tier, TieredExperts};
 
-use super::remote_policy::{Choice, Holder, RemoteConfig, RemotePolicy, RemoteStats, Want};
+use stormo_manifests::PublicKey;
+
+use super::exec::ExecError;
+use super::remote_policy::{Choice, Holder, Link, RemoteConfig, RemotePolicy, RemoteStats, Want};
+use super::tier::PeerTier;
 
 /// Why one call gave no rows.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -57,6 +61,83 @@ pub trait ExecClient: Send + Sync + fmt::Debug + 'static {
 
     /// The most positions one call may carry.
     fn max_positions(&self) -> usize;
+
+    /// `peer`'s name in logs.
+    fn name(&self, peer: usize) -> String {
+        format!("#{peer}")
+    }
+}
+
+/// The network tier as an [`ExecClient`]: its peers numbered in the order first seen here.
+#[derive(Debug)]
+pub struct PeerExec {
+    tier: Arc<PeerTier>,
+    keys: Mutex<Vec<PublicKey>>,
+    hidden: usize,
+    deadline: Duration,
+}
+
+impl PeerExec {
+    /// Calls through `tier` for a model of row width `hidden`, each bounded by `deadline`.
+    pub fn new(tier: Arc<PeerTier>, hidden: usize, deadline: Duration) -> Self {
+        Self {
+            tier,
+            keys: Mutex::default(),
+            hidden,
+            deadline,
+        }
+    }
+
+    fn index(&self, key: PublicKey) -> usize {
+        let mut keys = self.keys.lock().expect("peer keys lock");
+        match keys.iter().position(|k| *k == key) {
+            Some(i) => i,
+            None => {
+                keys.push(key);
+                keys.len() - 1
+            }
+        }
+    }
+
+    fn key(&self, peer: usize) -> Option<PublicKey> {
+        self.keys.lock().expect("peer keys lock").get(peer).copied()
+    }
+}
+
+impl ExecClient for PeerExec {
+    fn holders(&self, id: ExpertId) -> Vec<Holder> {
+        self.tier
+            .exec_links(id)
+            .into_iter()
+            .map(|(key, rtt, rate)| Holder {
+                peer: self.index(key),
+                link: Link { rtt, rate },
+            })
+            .collect()
+    }
+
+    fn call(&self, peer: usize, id: ExpertId, rows: Vec<f32>) -> CallFuture {
+        let (tier, deadline, key) = (self.tier.clone(), self.deadline, self.key(peer));
+        Box::pin(async move {
+            let key = key.ok_or_else(|| CallError::Failed(format!("no peer #{peer}")))?;
+            tier.exec(&key, id, &rows, deadline)
+                .await
+                .map_err(|e| match e {
+                    ExecError::Busy(m) => CallError::Busy(m),
+                    ExecError::Timeout(_) => CallError::TimedOut,
+                    other => CallError::Failed(other.to_string()),
+                })
+        })
+    }
+
+    fn max_positions(&self) -> usize {
+        stormo_wire::max_positions(self.hidden)
+    }
+
+    fn name(&self, peer: usize) -> String {
+        self.key(peer)
+            .map_or_else(|| format!("#{peer}"), |k| super::short_key(&k))
+    }
 }
 
 /// The longest one call may take when `--peer-timeout` is longer.
@@ -77,6 +158,9 @@ pub struct RemoteExperts {
     rt: tokio::runtime::Handle,
     policy: Mutex<RemotePolicy>,
     cache: Option<Arc<TieredExperts>>,
+    /// The tiers that hold experts on this machine (the disk, the kept experts): an expert
+    /// one of them holds is never delegated.
+    local: Vec<Arc<dyn Tier>>,
     /// Bytes of every expert, `[layer][expert]`.
     sizes: Vec<Vec<u64>>,
     hidden: usize,
@@ -101,13 +185,16 @@ impl fmt::Debug for RemoteExperts {
 impl RemoteExperts {
     /// An executor calling peers through `client` on `rt`, for a model of row width `hidden`
     /// whose experts are `sizes[layer][expert]` bytes; `cache` (the RAM cache, when tiered)
-    /// tells which experts are at hand. Each call may take `timeout` (at most
-    /// [`EXEC_TIMEOUT`]).
+    /// tells which experts are at hand, and an expert one of the `local` tiers (this
+    /// machine's disk and kept experts) holds is always computed here. Each call may take
+    /// `timeout` (at most [`EXEC_TIMEOUT`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         client: Arc<dyn ExecClient>,
         rt: tokio::runtime::Handle,
         cfg: RemoteConfig,
         cache: Option<Arc<TieredExperts>>,
+        local: Vec<Arc<dyn Tier>>,
         sizes: Vec<Vec<u64>>,
         hidden: usize,
         timeout: Duration,
@@ -121,6 +208,7 @@ impl RemoteExperts {
             rt,
             policy: Mutex::new(RemotePolicy::new(cfg, &counts, seed)),
             cache,
+            local,
             sizes,
             hidden,
             timeout: timeout.min(EXEC_TIMEOUT),
@@ -138,18 +226,6 @@ impl RemoteExperts {
     /// The counters so far.
     pub fn stats(&self) -> RemoteStats {
         self.lock_policy().stats()
-    }
-
-    /// The `"remote"` counters of `run --json`.
-    pub fn json(&self) -> serde_json::Value {
-        let s = self.stats();
-        serde_json::json!({
-            "remote_calls": s.calls,
-            "remote_bytes": s.bytes,
-            "remote_failures": s.failures,
-            "spot_checks": s.spot_checks,
-            "spot_check_failures": s.spot_check_failures,
-        })
     }
 
     /// A ticket whose collect fails with `why`.
@@ -182,6 +258,9 @@ impl ExpertExecutor for RemoteExperts {
                 continue;
             };
             let id = ExpertId::new(l, e);
+            if self.local.iter().any(|t| t.holds(id)) {
+                continue;
+            }
             let holders = self.client.holders(id);
             if holders.is_empty() {
                 continue;
@@ -296,14 +375,17 @@ impl ExpertExecutor for RemoteExperts {
             }
             Err(CallError::Busy(m)) => {
                 policy.busy(p.peer, Instant::now());
-                tracing::debug!("remote execution: peer {} busy ({m})", p.peer);
+                tracing::debug!(
+                    "remote execution: peer {} busy ({m})",
+                    self.client.name(p.peer)
+                );
                 Err(ExecFailed::Busy)
             }
             Err(CallError::TimedOut) => {
                 policy.failed(p.peer, Instant::now());
                 tracing::warn!(
                     "remote execution: peer {} gave no answer within {:.1}s; computing here",
-                    p.peer,
+                    self.client.name(p.peer),
                     self.timeout.as_secs_f64()
                 );
                 Err(ExecFailed::TimedOut)
@@ -312,7 +394,7 @@ impl ExpertExecutor for RemoteExperts {
                 policy.failed(p.peer, Instant::now());
                 tracing::warn!(
                     "remote execution: peer {} failed ({m}); computing here",
-                    p.peer
+                    self.client.name(p.peer)
                 );
                 Err(ExecFailed::Failed(m))
             }
@@ -330,8 +412,9 @@ impl ExpertExecutor for RemoteExperts {
         };
         if verdict == Verdict::Disagreed {
             tracing::warn!(
-                "remote execution: peer {peer} computed an expert wrong (a spot-check \
-                 disagreed); it is not asked again this session"
+                "remote execution: peer {} computed an expert wrong (a spot-check \
+                 disagreed); it is not asked again this session",
+                self.client.name(peer)
             );
         }
         self.lock_policy().verdict(peer, verdict);
@@ -363,7 +446,7 @@ async fn futures_join_in_order(calls: Vec<CallFuture>) -> Vec<Result<Vec<f32>, C
 
 #[cfg(test)]
 mod tests {
-    use super::super::remote_policy::{Link, RemoteExec};
+    use super::super::remote_policy::RemoteExec;
     use super::*;
 
     /// How the fake peers answer.
@@ -449,6 +532,7 @@ mod tests {
                 spot_check: 0.0,
             },
             None,
+            Vec::new(),
             vec![vec![1 << 20; 8]; 2],
             H,
             Duration::from_millis(200),
@@ -636,8 +720,7 @@ mod tests {
             &rows
         )
         .is_empty());
-        let j = x.json();
-        assert_eq!(j["spot_check_failures"], 2, "{j}");
-        assert_eq!(j["remote_calls"], 2, "{j}");
+        let s = x.stats();
+        assert_eq!((s.calls, s.spot_check_failures), (2, 2));
     }
 }
