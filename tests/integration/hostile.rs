@@ -5,20 +5,25 @@
 //! requester cut an answer short. Shared by the fault tests (`faults.rs`).
 //!
 //! It holds every expert of the model folder it is started on and answers `GetManifest`
-//! honestly, so a client can be pointed at it alone.
+//! honestly, so a client can be pointed at it alone. It also runs experts for a requester
+//! (`Exec`), computing them with the engine's own `expert_forward` and then answering as an
+//! [`ExecScript`] says: honestly, with perturbed rows (a lying executor), never (a stalled
+//! one), or by resetting the stream (one that dies mid-call).
 
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use stormo_engine::moe::{expert_forward, ExpertScratch};
 use stormo_manifests::{ExpertId, SecretKey};
 use stormo_node::config::ExpertsConfig;
 use stormo_node::net::serve::{self, Holdings};
 use stormo_node::net::tls::{self, Admission, Congestion};
 use stormo_node::net::{self, FramedRecv, PeerAddr};
 use stormo_wire::{
-    data_frame_prefix, End, Hello, Inventory, Limits, Message, NodeId, RequestId, PROTOCOL_VERSION,
+    data_frame_prefix, End, ExecResult, Hello, Inventory, Limits, Message, NodeId, RequestId,
+    PROTOCOL_VERSION,
 };
 
 /// How the peer answers one expert request.
@@ -56,11 +61,28 @@ pub(crate) enum Observed {
 /// Decides the answer to the `n`th request (from 0) for `expert` at this peer.
 pub(crate) type Script = Arc<dyn Fn(ExpertId, usize) -> Answer + Send + Sync>;
 
+/// How the peer answers one `Exec` (a request to run an expert on rows).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum ExecAnswer {
+    /// The expert's output rows, computed as the engine does.
+    Honest,
+    /// The output rows with this added to every value.
+    Perturbed(f32),
+    /// Nothing, until the requester stops the stream (or a minute passes).
+    Stall,
+    /// The stream reset before any answer.
+    Die,
+}
+
+/// Decides the answer to the `n`th `Exec` (from 0, over all experts) for `expert`.
+pub(crate) type ExecScript = Arc<dyn Fn(ExpertId, usize) -> ExecAnswer + Send + Sync>;
+
 /// A running hostile peer; stopped when dropped.
 pub(crate) struct HostilePeer {
     pub(crate) key: SecretKey,
     pub(crate) addr: SocketAddr,
     observed: Arc<Mutex<Vec<Observed>>>,
+    execs: Arc<std::sync::atomic::AtomicUsize>,
     endpoint: quinn::Endpoint,
     rt: Option<tokio::runtime::Runtime>,
 }
@@ -72,6 +94,8 @@ struct State {
     script: Script,
     counts: Mutex<std::collections::HashMap<ExpertId, usize>>,
     observed: Arc<Mutex<Vec<Observed>>>,
+    exec: ExecScript,
+    execs: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 fn expert_args() -> ExpertsConfig {
@@ -97,10 +121,38 @@ impl HostilePeer {
         script: Script,
         observed: Arc<Mutex<Vec<Observed>>>,
     ) -> Self {
+        Self::start_with(
+            seed,
+            dir,
+            script,
+            observed,
+            Arc::new(|_, _| ExecAnswer::Honest),
+        )
+    }
+
+    /// A peer answering every expert request honestly and each `Exec` as `exec` says.
+    pub(crate) fn start_exec(seed: u8, dir: &Path, exec: ExecScript) -> Self {
+        Self::start_with(
+            seed,
+            dir,
+            Arc::new(|_, _| Answer::Honest),
+            Arc::default(),
+            exec,
+        )
+    }
+
+    fn start_with(
+        seed: u8,
+        dir: &Path,
+        script: Script,
+        observed: Arc<Mutex<Vec<Observed>>>,
+        exec: ExecScript,
+    ) -> Self {
         let key = SecretKey::from_seed(&[seed; 32]);
         let (holdings, _experts) =
             serve::open_holdings(dir, None, &expert_args(), None).expect("holdings");
         let chunk = u64::from(holdings.manifest.chunk_size);
+        let execs: Arc<std::sync::atomic::AtomicUsize> = Arc::default();
         let state = Arc::new(State {
             key: NodeId(*key.public().as_bytes()),
             holdings,
@@ -108,6 +160,8 @@ impl HostilePeer {
             script,
             counts: Mutex::new(Default::default()),
             observed: observed.clone(),
+            exec,
+            execs: execs.clone(),
         });
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -136,6 +190,7 @@ impl HostilePeer {
             key,
             addr: endpoint.local_addr().expect("address"),
             observed,
+            execs,
             endpoint,
             rt: Some(rt),
         }
@@ -160,6 +215,11 @@ impl HostilePeer {
     /// What it observed so far, in order.
     pub(crate) fn observed(&self) -> Vec<Observed> {
         self.observed.lock().expect("log lock").clone()
+    }
+
+    /// `Exec` requests received so far.
+    pub(crate) fn execs(&self) -> usize {
+        self.execs.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -330,6 +390,52 @@ async fn stream(state: Arc<State>, mut send: quinn::SendStream, recv: quinn::Rec
             .await;
             let _ = send.finish();
             let _ = tokio::time::timeout(Duration::from_secs(5), send.stopped()).await;
+        }
+        Message::Exec(x) => {
+            let n = state
+                .execs
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let how = (state.exec)(x.expert, n);
+            match how {
+                ExecAnswer::Stall => {
+                    let _ = tokio::time::timeout(Duration::from_secs(60), send.stopped()).await;
+                    return;
+                }
+                ExecAnswer::Die => {
+                    let _ = send.reset(0u32.into());
+                    return;
+                }
+                ExecAnswer::Honest | ExecAnswer::Perturbed(_) => {}
+            }
+            let (layer, expert) = (x.expert.layer as usize, x.expert.expert as usize);
+            let schema = h.schemas[layer].clone().expect("an MoE layer");
+            let provider = h.experts.clone();
+            let xs = x.rows_f32();
+            let mut rows = tokio::task::spawn_blocking(move || {
+                let mut data = Vec::new();
+                provider
+                    .fetch(layer, &[expert], &mut data)
+                    .expect("the hostile peer's own expert");
+                let mut scratch = ExpertScratch::default();
+                expert_forward(
+                    &schema.view(&data[0]),
+                    &xs,
+                    schema.hidden,
+                    schema.intermediate,
+                    &mut scratch,
+                );
+                scratch.output().to_vec()
+            })
+            .await
+            .expect("computing the expert");
+            if let ExecAnswer::Perturbed(by) = how {
+                rows.iter_mut().for_each(|y| *y += by);
+            }
+            let answer = Message::ExecResult(ExecResult::new(x.request_id, &rows));
+            if write(&mut send, &answer).await {
+                let _ = send.finish();
+                let _ = tokio::time::timeout(Duration::from_secs(5), send.stopped()).await;
+            }
         }
         _ => {}
     }

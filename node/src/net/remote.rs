@@ -278,6 +278,7 @@ impl ExpertExecutor for RemoteExperts {
                 cached: self.cache.as_ref().is_some_and(|c| c.is_resident(id)),
             };
             if let Choice::Execute { peer } = p.choose(now, &want, self.hidden, &holders) {
+                p.begin(peer);
                 chosen.insert((layer, d.expert), peer);
                 *x = true;
             }
@@ -297,12 +298,13 @@ impl ExpertExecutor for RemoteExperts {
         };
         let h = self.hidden.max(1);
         if inputs.is_empty() || !inputs.len().is_multiple_of(h) {
+            self.lock_policy().cancel(peer);
             return self.failed_ticket(CallError::Failed(format!(
                 "{} inputs are not rows of {h}",
                 inputs.len()
             )));
         }
-        let check = self.lock_policy().start(peer);
+        let check = self.lock_policy().check(peer);
         let id = ExpertId::new(l, e);
         let per_call = self.client.max_positions().max(1) * h;
         let calls: Vec<CallFuture> = inputs

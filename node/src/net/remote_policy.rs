@@ -24,9 +24,12 @@
 //! delegated when no holder is usable (the engine then fetches it as without remote
 //! execution).
 //!
-//! Spot-checks: the first answer of each peer, and a share `spot_check` of the others (drawn
-//! from a seeded generator, so a test can replay it), is computed here as well and compared
-//! bit for bit by the engine ([`stormo_engine::moe::remote`]).
+//! Spot-checks: every call to a peer until its first answer, and a share `spot_check` of the
+//! later ones (drawn from a seeded generator, so a test can replay it), is computed here as
+//! well and compared bit for bit by the engine ([`stormo_engine::moe::remote`]).
+//!
+//! A peer is given at most [`MAX_IN_FLIGHT`] calls at once (a block's choices count the
+//! calls chosen before them); beyond that the expert goes to another holder or is fetched.
 //!
 //! Nothing here reads a clock or touches a socket: the time is an argument (as in
 //! [`super::policy`]), and the link's round trip and throughput are the network tier's
@@ -54,8 +57,10 @@ pub const BUSY_PAUSE: Duration = Duration::from_millis(50);
 pub const FAILURE_PAUSE: Duration = Duration::from_millis(500);
 /// The longest pause.
 pub const MAX_PAUSE: Duration = Duration::from_secs(30);
-/// Most calls in flight at one peer; a peer with this many is not chosen.
-pub const MAX_IN_FLIGHT: u32 = 64;
+/// Most calls in flight at one peer; a peer with this many is not chosen. A serving node
+/// admits 4 calls of one peer at once by default (`--exec-per-peer`) and answers `busy`
+/// beyond; one decode block of gpt-oss routes 4 experts per layer.
+pub const MAX_IN_FLIGHT: u32 = 4;
 
 /// `--remote-exec`: whether experts may be computed by the peers holding them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -168,10 +173,8 @@ pub enum Choice {
 /// What the policy knows of one peer as an executor.
 #[derive(Clone, Debug, Default)]
 struct Executor {
-    /// Answers received.
+    /// Answers received (every call before the first answer is checked).
     answers: u64,
-    /// A spot-check was asked of one of its answers (its first is always checked).
-    first_checked: bool,
     /// Why it is not asked again this session.
     banned: Option<String>,
     /// Not asked before this.
@@ -331,16 +334,24 @@ impl RemotePolicy {
         }
     }
 
-    /// A call to `peer` starts; returns whether its answer is to be spot-checked (its first
-    /// answer always is, then a `spot_check` share).
-    pub fn start(&mut self, peer: usize) -> bool {
+    /// A call to `peer` was chosen: it counts as in flight from now on, so the rest of the
+    /// block's choices see it (call right after [`choose`](Self::choose) answered it).
+    pub fn begin(&mut self, peer: usize) {
+        self.executor(peer).in_flight += 1;
+    }
+
+    /// A call begun for `peer` is not sent after all.
+    pub fn cancel(&mut self, peer: usize) {
+        let x = self.executor(peer);
+        x.in_flight = x.in_flight.saturating_sub(1);
+    }
+
+    /// Whether the answer of a call to `peer` about to be sent is to be spot-checked: every
+    /// call until the peer's first answer (a call that failed checked nothing), then a
+    /// `spot_check` share.
+    pub fn check(&mut self, peer: usize) -> bool {
         let f = self.cfg.spot_check;
-        let first = {
-            let x = self.executor(peer);
-            x.in_flight += 1;
-            !std::mem::replace(&mut x.first_checked, true)
-        };
-        first || self.next_draw() < f
+        self.executor(peer).answers == 0 || self.next_draw() < f
     }
 
     /// A uniform draw in [0, 1).
@@ -495,7 +506,7 @@ mod tests {
         let mut p = policy(RemoteExec::Auto, 0.0);
         let now = Instant::now();
         let fast = [holder(0, link(1, 100_000.0))];
-        p.start(0);
+        p.begin(0);
         p.answered(0, Duration::from_millis(5), 0);
         assert_eq!(
             p.choose(now, &want(1, 1, false), HIDDEN, &fast),
@@ -523,11 +534,11 @@ mod tests {
         // Both measured at 20 ms per call over equal links; peer 1 has three calls queued.
         let same = [holder(0, link(10, 100.0)), holder(1, link(10, 100.0))];
         for peer in [0, 1] {
-            p.start(peer);
+            p.begin(peer);
             p.answered(peer, Duration::from_millis(20), 0);
         }
         for _ in 0..3 {
-            p.start(1);
+            p.begin(1);
         }
         assert_eq!(
             p.choose(now, &want(1, 1, false), HIDDEN, &same),
@@ -566,19 +577,19 @@ mod tests {
         let t0 = Instant::now();
         let hs = [holder(0, link(10, 100.0))];
         let w = want(1, 1, false);
-        p.start(0);
+        p.begin(0);
         p.busy(0, t0);
         assert_eq!(p.choose(t0, &w, HIDDEN, &hs), Choice::Fetch);
         let t1 = t0 + Duration::from_millis(50);
         assert_eq!(p.choose(t1, &w, HIDDEN, &hs), Choice::Execute { peer: 0 });
-        p.start(0);
+        p.begin(0);
         p.busy(0, t1);
         assert!(!p.usable(0, t1 + Duration::from_millis(99)));
         assert!(p.usable(0, t1 + Duration::from_millis(100)));
-        p.start(0);
+        p.begin(0);
         p.answered(0, Duration::from_millis(12), 100);
         assert!(p.usable(0, t1));
-        p.start(0);
+        p.begin(0);
         p.failed(0, t1);
         assert!(!p.usable(0, t1 + Duration::from_millis(499)));
         assert!(p.usable(0, t1 + Duration::from_millis(500)));
@@ -609,25 +620,65 @@ mod tests {
         assert_eq!(pause(FAILURE_PAUSE, 40), MAX_PAUSE);
     }
 
-    /// Each peer's first answer is checked, then about the configured share (replayable from
-    /// the seed); 0 checks only first answers, 1 checks all.
+    /// Every call until a peer's first answer is checked (a failed call does not count), then
+    /// about the configured share (replayable from the seed); 0 checks only those, 1 all.
     #[test]
-    fn spot_checks_take_the_first_call_and_a_share() {
+    fn spot_checks_take_calls_until_the_first_answer_and_a_share() {
+        let now = Instant::now();
+        let answered = |p: &mut RemotePolicy, peer| {
+            p.begin(peer);
+            p.answered(peer, Duration::from_millis(1), 0);
+        };
         let mut p = policy(RemoteExec::Always, 0.05);
-        assert!(p.start(0));
-        assert!(p.start(1));
+        assert!(p.check(0) && p.check(0) && p.check(1));
+        p.begin(0);
+        p.busy(0, now);
+        assert!(p.check(0), "a busy answer is no answer");
+        answered(&mut p, 0);
         let n = 20_000;
-        let checked = (0..n).filter(|_| p.start(0)).count();
+        let checked = (0..n).filter(|_| p.check(0)).count();
         let share = checked as f64 / n as f64;
         assert!((0.04..0.06).contains(&share), "{share}");
+        assert!(p.check(1), "peer 1 has not answered yet");
         let mut q = policy(RemoteExec::Always, 0.05);
-        q.start(0);
-        q.start(1);
-        assert_eq!((0..n).filter(|_| q.start(0)).count(), checked, "replayable");
+        answered(&mut q, 0);
+        assert_eq!((0..n).filter(|_| q.check(0)).count(), checked, "replayable");
         let mut none = policy(RemoteExec::Always, 0.0);
-        assert!(none.start(4));
-        assert!((0..1000).all(|_| !none.start(4)));
+        assert!(none.check(4));
+        answered(&mut none, 4);
+        assert!((0..1000).all(|_| !none.check(4)));
         let mut all = policy(RemoteExec::Always, 1.0);
-        assert!((0..1000).all(|_| all.start(4)));
+        answered(&mut all, 4);
+        assert!((0..1000).all(|_| all.check(4)));
+    }
+
+    /// A peer is given at most [`MAX_IN_FLIGHT`] calls at once: the next choice goes to another
+    /// holder, or fetches when there is none; an answer frees a place.
+    #[test]
+    fn calls_in_flight_are_bounded_per_peer() {
+        let mut p = policy(RemoteExec::Always, 0.0);
+        let now = Instant::now();
+        let one = [holder(0, link(1, 1000.0))];
+        let two = [holder(0, link(1, 1000.0)), holder(1, link(2, 1000.0))];
+        for _ in 0..MAX_IN_FLIGHT {
+            assert_eq!(
+                p.choose(now, &want(1, 1, false), HIDDEN, &one),
+                Choice::Execute { peer: 0 }
+            );
+            p.begin(0);
+        }
+        assert_eq!(
+            p.choose(now, &want(1, 1, false), HIDDEN, &one),
+            Choice::Fetch
+        );
+        assert_eq!(
+            p.choose(now, &want(1, 1, false), HIDDEN, &two),
+            Choice::Execute { peer: 1 }
+        );
+        p.answered(0, Duration::from_millis(1), 0);
+        assert_eq!(
+            p.choose(now, &want(1, 1, false), HIDDEN, &one),
+            Choice::Execute { peer: 0 }
+        );
     }
 }
