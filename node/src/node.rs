@@ -645,6 +645,15 @@ impl Node {
             .map(|s| s.stats.clone())
     }
 
+    /// The counters of experts run for peers (remote execution), when it listens.
+    pub fn exec_stats(&self) -> Option<Arc<net::exec::ExecStats>> {
+        self.server
+            .lock()
+            .expect("server lock")
+            .as_ref()
+            .map(|s| s.exec_stats.clone())
+    }
+
     /// What the node holds and offers now, when it serves.
     pub fn announce(&self) -> Option<Arc<Announce>> {
         self.holdings.as_ref().map(|h| h.announce.borrow().clone())

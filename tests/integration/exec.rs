@@ -14,10 +14,12 @@ use stormo_manifests::{build, BuildOptions, ExpertId, Hash, SecretKey};
 use stormo_node::config::ExpertsConfig;
 use stormo_node::net::exec::{ExecConfig, ExecError};
 use stormo_node::net::serve::{self, Holdings, ServeConfig, ServerHandle};
-use stormo_node::net::tier::{PeerConfig, PeerTier};
+use stormo_node::net::tier::{ExecRequest, PeerConfig, PeerTier, EXEC_IN_FLIGHT};
 use stormo_node::net::tls::Admission;
 use stormo_node::net::{self, PeerAddr};
 use stormo_tests::{fixture, MODEL_FIXTURES};
+
+use crate::hostile::{ExecAnswer, ExecScript, HostilePeer, Observed};
 use stormo_wire::{encode_frame, ErrorCode, Exec, Message, RequestId};
 
 /// A copy of fixture `name` with its manifest built there; and the model id.
@@ -111,12 +113,17 @@ impl Drop for Server {
 
 /// The network tier of a client with key `seed`, connected to `server`.
 fn tier(dir: &Path, id: Hash, seed: u8, server: &Server) -> PeerTier {
+    tier_at(dir, id, seed, server.addr())
+}
+
+/// The network tier of a client with key `seed`, connected to the peer at `addr`.
+fn tier_at(dir: &Path, id: Hash, seed: u8, addr: PeerAddr) -> PeerTier {
     let files = ModelFiles::open(dir).expect("model");
     let (m, _) =
         stormo_manifests::read_manifest(&dir.join("stormo-manifest.bin")).expect("manifest");
     PeerTier::connect(
         &client(seed),
-        &[server.addr()],
+        &[addr],
         Arc::new(m),
         id,
         files.layout.schemas.clone(),
@@ -190,7 +197,8 @@ fn shape(dir: &Path) -> (Vec<u16>, u16, usize) {
 }
 
 /// Every model fixture: a node answers exec calls with the rows the requester computes itself,
-/// bit for bit, for one position, a few, and more than one call carries (split into calls).
+/// bit for bit, for one position, a few, and more than one call carries (split into calls);
+/// and many calls at once (`exec_all`), none of them `busy`.
 #[test]
 fn exec_answers_bit_identical_rows() {
     for name in MODEL_FIXTURES {
@@ -214,9 +222,27 @@ fn exec_answers_bit_identical_rows() {
             assert_eq!(got.len(), n * hidden, "{name} {e}");
             assert_eq!(bits(&got), bits(&want), "{name} {e} x{n}: other bits");
         }
+        // Many calls at once, more than one connection carries at a time: all answered.
+        let many: Vec<ExecRequest> = (0..2 * EXEC_IN_FLIGHT)
+            .map(|i| ExecRequest {
+                peer: server.key.public(),
+                expert: ExpertId::new(layers[i % layers.len()], (i % per as usize) as u16),
+                rows: rows(1 + i % 3, hidden, 100 + i as u64),
+            })
+            .collect();
+        let got = t.exec_all_blocking(many.clone(), Duration::from_secs(20));
+        for (c, r) in many.iter().zip(got) {
+            let r = r.unwrap_or_else(|err| panic!("{name} {}: {err}", c.expert));
+            assert_eq!(
+                bits(&r),
+                bits(&local(dir.path(), c.expert, &c.rows)),
+                "{name}"
+            );
+        }
         let st = &server.handle.exec_stats;
-        let calls = 2 + over.div_ceil(stormo_wire::max_positions(hidden));
+        let calls = 2 + over.div_ceil(stormo_wire::max_positions(hidden)) + many.len();
         assert_eq!(st.answered.load(Ordering::Relaxed), calls as u64, "{name}");
+        assert_eq!(st.busy.load(Ordering::Relaxed), 0, "{name}");
         assert_eq!(t.exec_holders(ExpertId::new(layers[0], 0)).len(), 1);
         t.close();
     }
@@ -519,4 +545,112 @@ fn postcard_header(id: RequestId, model: Hash, e: ExpertId, positions: u32, len:
     varint(u64::from(positions), &mut out);
     varint(len, &mut out);
     out
+}
+
+/// The requesting side against a hostile executor: a perturbed answer comes back as rows (one
+/// call cannot tell a wrong float from a right one: spot-checks can), rows of the wrong length
+/// are `Malformed`, silence is a `Timeout` at the call's deadline, a connection dropped
+/// mid-call is `Lost`; none of them harms the next call.
+#[test]
+fn exec_errors_name_how_an_executor_failed() {
+    let (dir, id) = setup("gptoss-tiny-mxfp4");
+    let (layers, _, hidden) = shape(dir.path());
+    let script: ExecScript = Arc::new(|e, _| match e.expert {
+        0 => ExecAnswer::Honest,
+        1 => ExecAnswer::Perturb(1e-2),
+        2 => ExecAnswer::WrongLength,
+        3 => ExecAnswer::Stall,
+        _ => ExecAnswer::Die,
+    });
+    let peer = HostilePeer::start_exec(95, dir.path(), script);
+    let t = tier_at(dir.path(), id, 1, peer.peer_addr());
+    let key = peer.key.public();
+    let xs = rows(2, hidden, 5);
+    let e = |i| ExpertId::new(layers[0], i);
+    let call = |i, secs| t.exec_blocking(&key, e(i), &xs, Duration::from_secs_f64(secs));
+
+    let honest = call(0, 5.0).expect("an honest answer");
+    assert_eq!(bits(&honest), bits(&local(dir.path(), e(0), &xs)));
+    let lie = call(1, 5.0).expect("a lie still has the right shape");
+    let truth = local(dir.path(), e(1), &xs);
+    assert_eq!(lie[0], truth[0] + 1e-2);
+    assert_eq!(bits(&lie[1..]), bits(&truth[1..]));
+    match call(2, 5.0) {
+        Err(ExecError::Malformed(why)) => assert!(why.contains("expected"), "{why}"),
+        other => panic!("not malformed: {other:?}"),
+    }
+    let t0 = Instant::now();
+    assert_eq!(
+        call(3, 0.3),
+        Err(ExecError::Timeout(Duration::from_secs_f64(0.3)))
+    );
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    assert!(matches!(call(4, 5.0), Err(ExecError::Lost(_))));
+    // The tier dials again for the next call.
+    let again = call(0, 5.0).expect("after a dropped connection");
+    assert_eq!(bits(&again), bits(&honest));
+    let seen: Vec<_> = peer
+        .observed()
+        .into_iter()
+        .filter_map(|o| match o {
+            Observed::Exec { expert, positions } => Some((expert.expert, positions)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(seen, [(0, 2), (1, 2), (2, 2), (3, 2), (4, 2), (0, 2)]);
+}
+
+/// `stormo serve --listen --exec-threads 2` runs experts for a peer (the options reach the
+/// node's serving side, the node's own holdings carry the layout), bit for bit, and says how
+/// many it ran when it stops.
+#[test]
+fn a_stormo_serve_process_runs_experts_for_peers() {
+    use crate::node::{model_with_manifest, s, state, Proc};
+    let (dir, id) = model_with_manifest();
+    let st = state();
+    let node = Proc::start_logging(
+        &[
+            "serve",
+            "--model",
+            s(dir.path()),
+            "--listen",
+            "127.0.0.1:0",
+            "--allow-any",
+            "--state-dir",
+            s(st.path()),
+            "--exec-threads",
+            "2",
+            "--exec-per-peer",
+            "2",
+        ],
+        Some("warn"),
+    );
+    let addr: PeerAddr = node.line.parse().expect("KEY@ADDR");
+    let id: Hash = id.parse().expect("model id");
+    let t = tier_at(dir.path(), id, 7, addr.clone());
+    let (layers, per, hidden) = shape(dir.path());
+    for (i, e) in [
+        ExpertId::new(layers[0], 0),
+        ExpertId::new(*layers.last().expect("a layer"), per - 1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let xs = rows(3, hidden, 40 + i as u64);
+        let got = t
+            .exec_blocking(&addr.key, e, &xs, Duration::from_secs(10))
+            .unwrap_or_else(|err| panic!("{e}: {err}"));
+        assert_eq!(bits(&got), bits(&local(dir.path(), e, &xs)), "{e}");
+    }
+    t.close();
+    let stderr = node.stderr.clone();
+    let status = node.terminate();
+    let said = "ran experts for peers: 2 calls (6 positions), 0 answered busy";
+    let t0 = Instant::now();
+    while !stderr.lock().expect("stderr").contains(said) && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let err = stderr.lock().expect("stderr").clone();
+    assert!(status.success(), "{err}");
+    assert!(err.contains(said), "{err}");
 }

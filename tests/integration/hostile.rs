@@ -5,25 +5,22 @@
 //! requester cut an answer short. Shared by the fault tests (`faults.rs`).
 //!
 //! It holds every expert of the model folder it is started on and answers `GetManifest`
-//! honestly, so a client can be pointed at it alone. It also runs experts for a requester
-//! (`Exec`), computing them with the engine's own `expert_forward` and then answering as an
-//! [`ExecScript`] says: honestly, with perturbed rows (a lying executor), never (a stalled
-//! one), or by resetting the stream (one that dies mid-call).
+//! honestly, so a client can be pointed at it alone. It runs experts for `Exec` calls too, as
+//! its [`ExecScript`] says (honestly with the engine's kernels, with one output perturbed,
+//! with rows of the wrong length, silently, or by dropping the connection mid-call).
 
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use stormo_engine::moe::{expert_forward, ExpertScratch};
 use stormo_manifests::{ExpertId, SecretKey};
 use stormo_node::config::ExpertsConfig;
 use stormo_node::net::serve::{self, Holdings};
 use stormo_node::net::tls::{self, Admission, Congestion};
 use stormo_node::net::{self, FramedRecv, PeerAddr};
 use stormo_wire::{
-    data_frame_prefix, End, ExecResult, Hello, Inventory, Limits, Message, NodeId, RequestId,
-    PROTOCOL_VERSION,
+    data_frame_prefix, End, Hello, Inventory, Limits, Message, NodeId, RequestId, PROTOCOL_VERSION,
 };
 
 /// How the peer answers one expert request.
@@ -56,25 +53,29 @@ pub(crate) enum Observed {
     CutShort { expert: ExpertId, sent: u64 },
     /// An answer with a corrupt chunk was sent to its end: the requester did not stop it.
     Completed { expert: ExpertId },
+    /// An `Exec` of `expert` over `positions` rows.
+    Exec { expert: ExpertId, positions: u32 },
 }
 
 /// Decides the answer to the `n`th request (from 0) for `expert` at this peer.
 pub(crate) type Script = Arc<dyn Fn(ExpertId, usize) -> Answer + Send + Sync>;
 
-/// How the peer answers one `Exec` (a request to run an expert on rows).
+/// How the peer answers one `Exec` call.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum ExecAnswer {
-    /// The expert's output rows, computed as the engine does.
+    /// The expert's output rows, computed with the engine's kernels.
     Honest,
-    /// The output rows with this added to every value.
-    Perturbed(f32),
-    /// Nothing, until the requester stops the stream (or a minute passes).
+    /// The honest rows with `delta` added to the first float (a lying executor).
+    Perturb(f32),
+    /// The honest rows less their last float (a malformed answer).
+    WrongLength,
+    /// Nothing, until the requester gives up (a stalled executor).
     Stall,
-    /// The stream reset before any answer.
+    /// The connection closed mid-call, with no answer (a dying executor).
     Die,
 }
 
-/// Decides the answer to the `n`th `Exec` (from 0, over all experts) for `expert`.
+/// Decides the answer to the `n`th `Exec` (from 0) for `expert` at this peer.
 pub(crate) type ExecScript = Arc<dyn Fn(ExpertId, usize) -> ExecAnswer + Send + Sync>;
 
 /// A running hostile peer; stopped when dropped.
@@ -82,7 +83,6 @@ pub(crate) struct HostilePeer {
     pub(crate) key: SecretKey,
     pub(crate) addr: SocketAddr,
     observed: Arc<Mutex<Vec<Observed>>>,
-    execs: Arc<std::sync::atomic::AtomicUsize>,
     endpoint: quinn::Endpoint,
     rt: Option<tokio::runtime::Runtime>,
 }
@@ -92,10 +92,10 @@ struct State {
     holdings: Holdings,
     chunk: u64,
     script: Script,
-    counts: Mutex<std::collections::HashMap<ExpertId, usize>>,
-    observed: Arc<Mutex<Vec<Observed>>>,
     exec: ExecScript,
-    execs: Arc<std::sync::atomic::AtomicUsize>,
+    counts: Mutex<std::collections::HashMap<ExpertId, usize>>,
+    exec_counts: Mutex<std::collections::HashMap<ExpertId, usize>>,
+    observed: Arc<Mutex<Vec<Observed>>>,
 }
 
 fn expert_args() -> ExpertsConfig {
@@ -113,6 +113,18 @@ impl HostilePeer {
         Self::start_sharing(seed, dir, script, Arc::default())
     }
 
+    /// As [`Self::start`], answering expert requests honestly and `Exec` calls as `exec`
+    /// says.
+    pub(crate) fn start_exec(seed: u8, dir: &Path, exec: ExecScript) -> Self {
+        Self::start_with(
+            seed,
+            dir,
+            Arc::new(|_, _| Answer::Honest),
+            exec,
+            Arc::default(),
+        )
+    }
+
     /// As [`Self::start`], recording into `observed` (a log shared by several peers, in the
     /// order of what they saw).
     pub(crate) fn start_sharing(
@@ -121,47 +133,30 @@ impl HostilePeer {
         script: Script,
         observed: Arc<Mutex<Vec<Observed>>>,
     ) -> Self {
-        Self::start_with(
-            seed,
-            dir,
-            script,
-            observed,
-            Arc::new(|_, _| ExecAnswer::Honest),
-        )
-    }
-
-    /// A peer answering every expert request honestly and each `Exec` as `exec` says.
-    pub(crate) fn start_exec(seed: u8, dir: &Path, exec: ExecScript) -> Self {
-        Self::start_with(
-            seed,
-            dir,
-            Arc::new(|_, _| Answer::Honest),
-            Arc::default(),
-            exec,
-        )
+        let honest: ExecScript = Arc::new(|_, _| ExecAnswer::Honest);
+        Self::start_with(seed, dir, script, honest, observed)
     }
 
     fn start_with(
         seed: u8,
         dir: &Path,
         script: Script,
-        observed: Arc<Mutex<Vec<Observed>>>,
         exec: ExecScript,
+        observed: Arc<Mutex<Vec<Observed>>>,
     ) -> Self {
         let key = SecretKey::from_seed(&[seed; 32]);
         let (holdings, _experts) =
             serve::open_holdings(dir, None, &expert_args(), None).expect("holdings");
         let chunk = u64::from(holdings.manifest.chunk_size);
-        let execs: Arc<std::sync::atomic::AtomicUsize> = Arc::default();
         let state = Arc::new(State {
             key: NodeId(*key.public().as_bytes()),
             holdings,
             chunk,
             script,
-            counts: Mutex::new(Default::default()),
-            observed: observed.clone(),
             exec,
-            execs: execs.clone(),
+            counts: Mutex::new(Default::default()),
+            exec_counts: Mutex::new(Default::default()),
+            observed: observed.clone(),
         });
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -179,7 +174,7 @@ impl HostilePeer {
                     tokio::spawn(async move {
                         let Ok(conn) = incoming.await else { return };
                         while let Ok((send, recv)) = conn.accept_bi().await {
-                            tokio::spawn(stream(state.clone(), send, recv));
+                            tokio::spawn(stream(state.clone(), conn.clone(), send, recv));
                         }
                     });
                 }
@@ -190,7 +185,6 @@ impl HostilePeer {
             key,
             addr: endpoint.local_addr().expect("address"),
             observed,
-            execs,
             endpoint,
             rt: Some(rt),
         }
@@ -215,11 +209,6 @@ impl HostilePeer {
     /// What it observed so far, in order.
     pub(crate) fn observed(&self) -> Vec<Observed> {
         self.observed.lock().expect("log lock").clone()
-    }
-
-    /// `Exec` requests received so far.
-    pub(crate) fn execs(&self) -> usize {
-        self.execs.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -252,13 +241,54 @@ async fn write(send: &mut quinn::SendStream, m: &Message) -> bool {
     net::write_message(send, m).await.is_ok()
 }
 
-async fn stream(state: Arc<State>, mut send: quinn::SendStream, recv: quinn::RecvStream) {
+async fn stream(
+    state: Arc<State>,
+    conn: quinn::Connection,
+    mut send: quinn::SendStream,
+    recv: quinn::RecvStream,
+) {
     let mut recv = FramedRecv::new(recv, 1 << 20);
     let Ok(Some(first)) = recv.next().await else {
         return;
     };
     let h = &state.holdings;
     match first {
+        Message::Exec(e) => {
+            state.log(Observed::Exec {
+                expert: e.expert,
+                positions: e.positions,
+            });
+            let n = {
+                let mut c = state.exec_counts.lock().expect("counts lock");
+                let n = c.entry(e.expert).or_insert(0);
+                *n += 1;
+                *n - 1
+            };
+            let answer = (state.exec)(e.expert, n);
+            match answer {
+                ExecAnswer::Stall => {
+                    let _ = tokio::time::timeout(Duration::from_secs(60), send.stopped()).await;
+                    return;
+                }
+                ExecAnswer::Die => {
+                    conn.close(0u32.into(), b"dying");
+                    return;
+                }
+                _ => {}
+            }
+            let mut rows = run_expert(h, &e).await;
+            match answer {
+                ExecAnswer::Perturb(d) => rows[0] += d,
+                ExecAnswer::WrongLength => {
+                    rows.pop();
+                }
+                _ => {}
+            }
+            let r = stormo_wire::ExecResult::new(e.request_id, &rows);
+            let _ = write(&mut send, &Message::ExecResult(r)).await;
+            let _ = send.finish();
+            let _ = tokio::time::timeout(Duration::from_secs(5), send.stopped()).await;
+        }
         Message::Hello(_) => {
             let hello = Message::Hello(Hello {
                 version: PROTOCOL_VERSION,
@@ -391,52 +421,6 @@ async fn stream(state: Arc<State>, mut send: quinn::SendStream, recv: quinn::Rec
             let _ = send.finish();
             let _ = tokio::time::timeout(Duration::from_secs(5), send.stopped()).await;
         }
-        Message::Exec(x) => {
-            let n = state
-                .execs
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let how = (state.exec)(x.expert, n);
-            match how {
-                ExecAnswer::Stall => {
-                    let _ = tokio::time::timeout(Duration::from_secs(60), send.stopped()).await;
-                    return;
-                }
-                ExecAnswer::Die => {
-                    let _ = send.reset(0u32.into());
-                    return;
-                }
-                ExecAnswer::Honest | ExecAnswer::Perturbed(_) => {}
-            }
-            let (layer, expert) = (x.expert.layer as usize, x.expert.expert as usize);
-            let schema = h.schemas[layer].clone().expect("an MoE layer");
-            let provider = h.experts.clone();
-            let xs = x.rows_f32();
-            let mut rows = tokio::task::spawn_blocking(move || {
-                let mut data = Vec::new();
-                provider
-                    .fetch(layer, &[expert], &mut data)
-                    .expect("the hostile peer's own expert");
-                let mut scratch = ExpertScratch::default();
-                expert_forward(
-                    &schema.view(&data[0]),
-                    &xs,
-                    schema.hidden,
-                    schema.intermediate,
-                    &mut scratch,
-                );
-                scratch.output().to_vec()
-            })
-            .await
-            .expect("computing the expert");
-            if let ExecAnswer::Perturbed(by) = how {
-                rows.iter_mut().for_each(|y| *y += by);
-            }
-            let answer = Message::ExecResult(ExecResult::new(x.request_id, &rows));
-            if write(&mut send, &answer).await {
-                let _ = send.finish();
-                let _ = tokio::time::timeout(Duration::from_secs(5), send.stopped()).await;
-            }
-        }
         _ => {}
     }
 }
@@ -458,6 +442,32 @@ async fn send_range(
         off += piece.len() as u64;
     }
     true
+}
+
+/// The honest output rows of `e`, computed with the engine's kernels.
+async fn run_expert(h: &Holdings, e: &stormo_wire::Exec) -> Vec<f32> {
+    let schema = h.schemas[e.expert.layer as usize]
+        .clone()
+        .expect("an expert layer");
+    let mut out = Vec::new();
+    let (experts, id) = (h.experts.clone(), e.expert);
+    let data = tokio::task::spawn_blocking(move || {
+        experts
+            .fetch(id.layer as usize, &[id.expert as usize], &mut out)
+            .expect("the hostile peer's own expert");
+        out.pop().expect("one expert")
+    })
+    .await
+    .expect("reader");
+    let mut s = stormo_engine::moe::ExpertScratch::default();
+    stormo_engine::moe::expert_forward(
+        &schema.view(&data),
+        &e.rows_f32(),
+        schema.hidden,
+        schema.intermediate,
+        &mut s,
+    );
+    s.output().to_vec()
 }
 
 impl State {

@@ -90,7 +90,7 @@ impl Proc {
     }
 
     /// Stops it with SIGTERM and returns its exit status (bounded: killed after 20 s).
-    fn terminate(mut self) -> std::process::ExitStatus {
+    pub(crate) fn terminate(mut self) -> std::process::ExitStatus {
         let pid = self.child.id().to_string();
         let _ = Command::new("kill").args(["-TERM", &pid]).status();
         let until = Instant::now() + Duration::from_secs(20);

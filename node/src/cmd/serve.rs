@@ -200,6 +200,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             st.connections.load(std::sync::atomic::Ordering::Relaxed)
         );
     }
+    if let Some(st) = node.exec_stats() {
+        let answered = st.answered.load(std::sync::atomic::Ordering::Relaxed);
+        let busy = st.busy.load(std::sync::atomic::Ordering::Relaxed);
+        if answered + busy > 0 {
+            eprintln!(
+                "ran experts for peers: {answered} calls ({} positions), {busy} answered busy",
+                st.positions.load(std::sync::atomic::Ordering::Relaxed)
+            );
+        }
+    }
     if let Some(w) = web {
         node.runtime().block_on(w.shutdown());
     }
@@ -275,6 +285,35 @@ pub(crate) fn listen_addr(s: &str) -> Result<SocketAddr, String> {
 
 #[cfg(test)]
 mod tests {
+    /// The exec budget's options parse into `Args` with their defaults (1 thread, 4 calls a
+    /// peer, 8 in all) and take other values.
+    #[test]
+    fn exec_options_parse_with_small_defaults() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["stormo", "serve", "--model", "m", "--listen", "127.0.0.1:0"];
+            argv.extend_from_slice(extra);
+            match crate::cli::Cli::try_parse_args(argv)
+                .expect("parses")
+                .command
+            {
+                crate::cli::Command::Serve(a) => (a.exec_threads, a.exec_per_peer, a.exec_max),
+                _ => unreachable!("serve parses as serve"),
+            }
+        };
+        assert_eq!(parse(&[]), (1, 4, 8));
+        assert_eq!(
+            parse(&[
+                "--exec-threads",
+                "0",
+                "--exec-per-peer",
+                "2",
+                "--exec-max",
+                "3"
+            ]),
+            (0, 2, 3)
+        );
+    }
+
     /// `--http` takes what `--listen` takes: an address, or a host name that resolves.
     #[test]
     fn http_and_listen_take_host_names() {

@@ -103,6 +103,13 @@ impl std::fmt::Debug for Executor {
 impl Executor {
     /// Starts the exec pool of `cfg.threads` threads (none for 0).
     pub fn new(cfg: ExecConfig) -> anyhow::Result<Self> {
+        // The kernels' instruction set is decided once, on first use, by a self-check that
+        // runs on a rayon pool of its own. Decided here, on the calling thread: decided on
+        // first use by an exec job, the job's thread waits for the self-check inside the
+        // one-time initialisation, steals the next exec job meanwhile (rayon's waiting
+        // threads run queued jobs), and that job waits for the same initialisation on the
+        // same thread: a deadlock (seen as every call of a prefill timing out).
+        let _ = stormo_engine::kernels::Isa::process();
         let pool = match cfg.threads {
             0 => None,
             n => Some(
@@ -191,13 +198,15 @@ impl Executor {
         pool.spawn(move || {
             // The slots are held until the computation ends, whether or not the peer still
             // waits for it: the pool's queue stays within the limits.
-            let _permits = permits;
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 let mut scratch = ExpertScratch::default();
                 let view = schema.view(&data);
                 expert_forward(&view, &xs, schema.hidden, schema.intermediate, &mut scratch);
                 scratch.output().to_vec()
             }));
+            // Free before the answer leaves: a requester that sends its next call as soon as
+            // this answer arrives finds the slots free.
+            drop(permits);
             let _ = tx.send(out);
         });
         match rx.await {

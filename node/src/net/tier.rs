@@ -118,6 +118,8 @@ struct Link {
     /// The next request id of an `Exec` on this connection: from 2^63 up, apart from the ids
     /// `reqs` gives its fetches (from 0 up), so the two never meet.
     exec_ids: AtomicU64,
+    /// The `Exec` calls in flight on this connection ([`EXEC_IN_FLIGHT`]).
+    exec_slots: Semaphore,
 }
 
 /// The outstanding requests of one connection (request ids are per connection), with the
@@ -720,41 +722,46 @@ impl PeerTier {
         rows: &[f32],
         deadline: Duration,
     ) -> Result<Vec<f32>, ExecError> {
-        let inner = &self.inner;
-        let hidden = inner
-            .schemas
-            .get(expert.layer as usize)
-            .and_then(Option::as_ref)
-            .map(|s| s.hidden)
-            .ok_or_else(|| ExecError::Invalid(format!("layer {} has no experts", expert.layer)))?;
-        if rows.is_empty() || !rows.len().is_multiple_of(hidden) {
-            return Err(ExecError::Invalid(format!(
-                "{} floats are not whole rows of {hidden}",
-                rows.len()
-            )));
+        exec_at(&self.inner, peer, expert, rows, deadline).await
+    }
+
+    /// Runs every call of `calls` at its peer, all at once (each on a task of its own; at most
+    /// [`EXEC_IN_FLIGHT`] at a time on one peer's connection, the others wait their turn
+    /// within the deadline), and returns their outputs in the same order. Each call is as
+    /// [`Self::exec`], with the same `deadline` from now.
+    pub async fn exec_all(
+        &self,
+        calls: Vec<ExecRequest>,
+        deadline: Duration,
+    ) -> Vec<Result<Vec<f32>, ExecError>> {
+        let tasks: Vec<_> = calls
+            .into_iter()
+            .map(|c| {
+                let inner = self.inner.clone();
+                tokio::spawn(
+                    async move { exec_at(&inner, &c.peer, c.expert, &c.rows, deadline).await },
+                )
+            })
+            .collect();
+        let mut out = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            out.push(
+                t.await.unwrap_or_else(|e| {
+                    Err(ExecError::Lost(format!("the call's task ended: {e}")))
+                }),
+            );
         }
-        let p = inner
-            .peers()
-            .iter()
-            .find(|p| p.addr.key == *peer && p.state().usable())
-            .cloned()
-            .ok_or_else(|| {
-                ExecError::Invalid(format!("peer {} is not in the set", super::short_key(peer)))
-            })?;
-        let per_call = stormo_wire::max_positions(hidden).max(1) * hidden;
-        let work = async {
-            let l = link(inner, &p)
-                .await
-                .map_err(|e| ExecError::Lost(format!("{}: {e}", p.addr)))?;
-            let mut out = Vec::with_capacity(rows.len());
-            for chunk in rows.chunks(per_call) {
-                out.extend(exec_call(&l, inner.model, expert, chunk, hidden).await?);
-            }
-            Ok(out)
-        };
-        tokio::time::timeout(deadline, work)
-            .await
-            .unwrap_or(Err(ExecError::Timeout(deadline)))
+        out
+    }
+
+    /// [`Self::exec_all`] from a thread outside the tier's runtime, blocking it until every
+    /// call ended. Must not be called from within an async task.
+    pub fn exec_all_blocking(
+        &self,
+        calls: Vec<ExecRequest>,
+        deadline: Duration,
+    ) -> Vec<Result<Vec<f32>, ExecError>> {
+        self.rt.block_on(self.exec_all(calls, deadline))
     }
 
     /// [`Self::exec`] from a thread outside the tier's runtime (an engine thread), blocking
@@ -902,6 +909,7 @@ async fn connect_link(
             max_outstanding: 64,
         }),
         exec_ids: AtomicU64::new(1 << 63),
+        exec_slots: Semaphore::new(EXEC_IN_FLIGHT),
     });
     {
         let mut s = peer.state();
@@ -1083,6 +1091,65 @@ impl PeerLink {
     }
 }
 
+/// The most `Exec` calls this node has in flight on one peer's connection at once (a serving
+/// node admits `--exec-per-peer` of them, 4 by default; more would only be answered `busy`).
+pub const EXEC_IN_FLIGHT: usize = 4;
+
+/// One call of [`PeerTier::exec_all`]: run `expert` at `peer` over `rows`.
+#[derive(Clone, Debug)]
+pub struct ExecRequest {
+    /// The peer's key.
+    pub peer: PublicKey,
+    /// The expert.
+    pub expert: ExpertId,
+    /// The input rows, `[n, hidden]`.
+    pub rows: Vec<f32>,
+}
+
+/// [`PeerTier::exec`] on `inner`.
+async fn exec_at(
+    inner: &Inner,
+    peer: &PublicKey,
+    expert: ExpertId,
+    rows: &[f32],
+    deadline: Duration,
+) -> Result<Vec<f32>, ExecError> {
+    let hidden = inner
+        .schemas
+        .get(expert.layer as usize)
+        .and_then(Option::as_ref)
+        .map(|s| s.hidden)
+        .ok_or_else(|| ExecError::Invalid(format!("layer {} has no experts", expert.layer)))?;
+    if rows.is_empty() || !rows.len().is_multiple_of(hidden) {
+        return Err(ExecError::Invalid(format!(
+            "{} floats are not whole rows of {hidden}",
+            rows.len()
+        )));
+    }
+    let p = inner
+        .peers()
+        .iter()
+        .find(|p| p.addr.key == *peer && p.state().usable())
+        .cloned()
+        .ok_or_else(|| {
+            ExecError::Invalid(format!("peer {} is not in the set", super::short_key(peer)))
+        })?;
+    let per_call = stormo_wire::max_positions(hidden).max(1) * hidden;
+    let work = async {
+        let l = link(inner, &p)
+            .await
+            .map_err(|e| ExecError::Lost(format!("{}: {e}", p.addr)))?;
+        let mut out = Vec::with_capacity(rows.len());
+        for chunk in rows.chunks(per_call) {
+            out.extend(exec_call(&l, inner.model, expert, chunk, hidden).await?);
+        }
+        Ok(out)
+    };
+    tokio::time::timeout(deadline, work)
+        .await
+        .unwrap_or(Err(ExecError::Timeout(deadline)))
+}
+
 /// One `Exec` call on `l`'s connection: sends the rows on a stream of its own and reads the
 /// one answer.
 async fn exec_call(
@@ -1092,6 +1159,11 @@ async fn exec_call(
     rows: &[f32],
     hidden: usize,
 ) -> Result<Vec<f32>, ExecError> {
+    let _slot = l
+        .exec_slots
+        .acquire()
+        .await
+        .map_err(|_| ExecError::Lost("the link is closed".into()))?;
     let id = stormo_wire::RequestId(l.exec_ids.fetch_add(1, Ordering::Relaxed));
     let (call, msg) = stormo_wire::ExecCall::start(id, model, expert, rows, hidden)
         .map_err(|e| ExecError::Invalid(e.to_string()))?;
