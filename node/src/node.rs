@@ -730,6 +730,17 @@ impl Node {
                 h.hedges, h.hedge_wins, h.local_wins
             );
         }
+        if let Some(r) = &self.remote {
+            let s = r.stats();
+            out += &format!(
+                "  remote execution: {} experts run by peers ({} of rows), {} failed calls, {} spot-checks ({} disagreed)\n",
+                s.calls,
+                crate::progress::human_bytes(s.bytes),
+                s.failures,
+                s.spot_checks,
+                s.spot_check_failures
+            );
+        }
         if let Some(d) = &self.dir {
             out += &format!(
                 "  expert dir: {} experts held, {}\n",
