@@ -3,14 +3,17 @@
 //!
 //! The engine calls [`RemoteExperts`] from its own threads. An expert this machine holds (its
 //! disk, its kept experts) is always computed here; for the others `choose` asks the sans-IO
-//! [`RemotePolicy`] (is it in the RAM cache? who holds it, over which link?), `submit` starts the call as a task on the node's runtime and returns at once, and
-//! `collect` blocks the engine thread on that task's answer (never an async thread: the engine
-//! runs outside the runtime, as the network tier's loads do). A call carrying more positions
-//! than one wire message allows is split into several, sent at once, and joined in order.
-//! Each call is bounded by [`RemoteExperts::timeout`]; busy answers, failures and time-outs go
-//! back to the policy (which pauses that peer) and to the engine as [`ExecFailed`], so the
-//! engine fetches and computes that expert itself. A spot-check's verdict goes to the policy,
-//! which bans a peer whose rows differed for the rest of the session.
+//! [`RemotePolicy`] (is it in the RAM cache? who holds it, over which link?). `submit` starts
+//! the call as a task on the node's runtime and returns at once, and `collect` blocks the
+//! engine thread on that task's answer (never an async thread: the engine runs outside the
+//! runtime, as the network tier's loads do). A call carrying more positions than one wire
+//! message allows is split into several, sent at once, and joined in order. Each call is
+//! bounded by `--peer-timeout` or [`EXEC_TIMEOUT`], whichever is shorter. Busy answers,
+//! failures and time-outs go back to the policy (which pauses that peer); a busy or failed
+//! call is asked of another holder the policy still takes while the call's time lasts, and
+//! otherwise (a time-out, no other holder) the engine gets [`ExecFailed`] and fetches and
+//! computes that expert itself. A spot-check's verdict goes to the policy, which bans a peer
+//! whose rows differed for the rest of the session.
 //!
 //! The calls themselves go through an [`ExecClient`] (the network tier's connections in the
 //! node; a fake in this module's tests).
@@ -150,6 +153,17 @@ struct Pending {
     started: Instant,
     bytes: u64,
     rx: tokio::sync::oneshot::Receiver<Result<Vec<f32>, CallError>>,
+    /// What another holder is asked if this one fails: the expert, its rows, the choice's
+    /// inputs, and the call's deadline (`None`: no call was made).
+    retry: Option<Retry>,
+}
+
+/// See [`Pending::retry`].
+struct Retry {
+    id: ExpertId,
+    rows: Arc<Vec<f32>>,
+    want: Want,
+    deadline: Instant,
 }
 
 /// The engine's executor over a node's peers. See the module docs.
@@ -165,8 +179,9 @@ pub struct RemoteExperts {
     sizes: Vec<Vec<u64>>,
     hidden: usize,
     timeout: Duration,
-    /// The peer chosen for each expert of the block being planned, until it is submitted.
-    chosen: Mutex<HashMap<(usize, usize), usize>>,
+    /// The peer chosen for each expert of the block being planned, and what was weighed,
+    /// until it is submitted.
+    chosen: Mutex<HashMap<(usize, usize), (usize, Want)>>,
     next: AtomicU64,
     pending: Mutex<HashMap<u64, Pending>>,
     /// The peer of each collected answer awaiting a spot-check's verdict.
@@ -228,6 +243,45 @@ impl RemoteExperts {
         self.lock_policy().stats()
     }
 
+    /// Starts computing `id` at `peer` on `rows`, split into calls of at most the wire's
+    /// positions sent at once, bounded by `timeout`; the answer comes on the receiver.
+    fn start(
+        &self,
+        peer: usize,
+        id: ExpertId,
+        rows: Arc<Vec<f32>>,
+        timeout: Duration,
+    ) -> tokio::sync::oneshot::Receiver<Result<Vec<f32>, CallError>> {
+        let per_call = self.client.max_positions().max(1) * self.hidden.max(1);
+        let calls: Vec<CallFuture> = rows
+            .chunks(per_call)
+            .map(|r| self.client.call(peer, id, r.to_vec()))
+            .collect();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let want = rows.len();
+        self.rt.spawn(async move {
+            let all = async {
+                let mut out = Vec::with_capacity(want);
+                for r in futures_join_in_order(calls).await {
+                    out.extend(r?);
+                }
+                if out.len() != want {
+                    return Err(CallError::Failed(format!(
+                        "{} output values for {want} inputs",
+                        out.len()
+                    )));
+                }
+                Ok(out)
+            };
+            let r = match tokio::time::timeout(timeout, all).await {
+                Ok(r) => r,
+                Err(_) => Err(CallError::TimedOut),
+            };
+            let _ = tx.send(r);
+        });
+        rx
+    }
+
     /// A ticket whose collect fails with `why`.
     fn failed_ticket(&self, why: CallError) -> Ticket {
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -241,6 +295,7 @@ impl RemoteExperts {
                 started: Instant::now(),
                 bytes: 0,
                 rx,
+                retry: None,
             },
         );
         Ticket(t)
@@ -279,19 +334,21 @@ impl ExpertExecutor for RemoteExperts {
             };
             if let Choice::Execute { peer } = p.choose(now, &want, self.hidden, &holders) {
                 p.begin(peer);
-                chosen.insert((layer, d.expert), peer);
+                chosen.insert((layer, d.expert), (peer, want));
                 *x = true;
             }
         }
     }
 
     fn submit(&self, layer: usize, expert: usize, inputs: &[f32]) -> Ticket {
-        let peer = self
+        let chosen = self
             .chosen
             .lock()
             .expect("chosen lock")
             .remove(&(layer, expert));
-        let (Some(peer), Ok(l), Ok(e)) = (peer, u16::try_from(layer), u16::try_from(expert)) else {
+        let (Some((peer, want)), Ok(l), Ok(e)) =
+            (chosen, u16::try_from(layer), u16::try_from(expert))
+        else {
             return self.failed_ticket(CallError::Failed(format!(
                 "expert {expert} of layer {layer} was not chosen for a peer"
             )));
@@ -306,100 +363,107 @@ impl ExpertExecutor for RemoteExperts {
         }
         let check = self.lock_policy().check(peer);
         let id = ExpertId::new(l, e);
-        let per_call = self.client.max_positions().max(1) * h;
-        let calls: Vec<CallFuture> = inputs
-            .chunks(per_call)
-            .map(|rows| self.client.call(peer, id, rows.to_vec()))
-            .collect();
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let (timeout, want) = (self.timeout, inputs.len());
-        self.rt.spawn(async move {
-            let all = async {
-                let mut out = Vec::with_capacity(want);
-                for r in futures_join_in_order(calls).await {
-                    out.extend(r?);
-                }
-                if out.len() != want {
-                    return Err(CallError::Failed(format!(
-                        "{} output values for {want} inputs",
-                        out.len()
-                    )));
-                }
-                Ok(out)
-            };
-            let r = match tokio::time::timeout(timeout, all).await {
-                Ok(r) => r,
-                Err(_) => Err(CallError::TimedOut),
-            };
-            let _ = tx.send(r);
-        });
+        let rows = Arc::new(inputs.to_vec());
+        let started = Instant::now();
+        let rx = self.start(peer, id, rows.clone(), self.timeout);
         let t = self.next.fetch_add(1, Ordering::Relaxed);
         self.pending.lock().expect("pending lock").insert(
             t,
             Pending {
                 peer,
                 check,
-                started: Instant::now(),
+                started,
                 bytes: 2 * 4 * inputs.len() as u64,
                 rx,
+                retry: Some(Retry {
+                    id,
+                    rows,
+                    want,
+                    deadline: started + self.timeout,
+                }),
             },
         );
         Ticket(t)
     }
 
     fn collect(&self, ticket: Ticket) -> Result<Executed, ExecFailed> {
-        let Some(p) = self.pending.lock().expect("pending lock").remove(&ticket.0) else {
+        let Some(mut p) = self.pending.lock().expect("pending lock").remove(&ticket.0) else {
             return Err(ExecFailed::Failed(format!("no call {}", ticket.0)));
         };
-        let answer =
-            p.rx.blocking_recv()
-                .unwrap_or_else(|_| Err(CallError::Failed("the call's task ended".into())));
-        if p.peer == usize::MAX {
-            return Err(match answer {
-                Err(CallError::Failed(m)) => ExecFailed::Unavailable(m),
-                _ => ExecFailed::Unavailable("no peer".into()),
-            });
-        }
-        let mut policy = self.lock_policy();
-        match answer {
-            Ok(rows) => {
-                policy.answered(p.peer, p.started.elapsed(), p.bytes);
-                if p.check {
-                    self.checking
-                        .lock()
-                        .expect("checking lock")
-                        .insert(ticket.0, p.peer);
+        loop {
+            let answer =
+                p.rx.blocking_recv()
+                    .unwrap_or_else(|_| Err(CallError::Failed("the call's task ended".into())));
+            let Some(retry) = &p.retry else {
+                return Err(match answer {
+                    Err(CallError::Failed(m)) => ExecFailed::Unavailable(m),
+                    _ => ExecFailed::Unavailable("no peer".into()),
+                });
+            };
+            let mut policy = self.lock_policy();
+            let now = Instant::now();
+            let failed = match answer {
+                Ok(rows) => {
+                    policy.answered(p.peer, p.started.elapsed(), p.bytes);
+                    if p.check {
+                        self.checking
+                            .lock()
+                            .expect("checking lock")
+                            .insert(ticket.0, p.peer);
+                    }
+                    return Ok(Executed {
+                        rows,
+                        check: p.check,
+                    });
                 }
-                Ok(Executed {
-                    rows,
-                    check: p.check,
-                })
+                Err(CallError::Busy(m)) => {
+                    policy.busy(p.peer, now);
+                    tracing::debug!(
+                        "remote execution: peer {} busy ({m})",
+                        self.client.name(p.peer)
+                    );
+                    ExecFailed::Busy
+                }
+                Err(CallError::TimedOut) => {
+                    policy.failed(p.peer, now);
+                    tracing::warn!(
+                        "remote execution: peer {} gave no answer in time; computing here",
+                        self.client.name(p.peer)
+                    );
+                    // The call's time is spent: no other holder is tried.
+                    return Err(ExecFailed::TimedOut);
+                }
+                Err(CallError::Failed(m)) => {
+                    policy.failed(p.peer, now);
+                    tracing::warn!(
+                        "remote execution: peer {} failed ({m})",
+                        self.client.name(p.peer)
+                    );
+                    ExecFailed::Failed(m)
+                }
+            };
+            // Another holder while the call's time lasts, if the choice still delegates (the
+            // failed peer is paused now, so it is not chosen again).
+            let left = retry.deadline.saturating_duration_since(now);
+            if left.is_zero() {
+                return Err(failed);
             }
-            Err(CallError::Busy(m)) => {
-                policy.busy(p.peer, Instant::now());
-                tracing::debug!(
-                    "remote execution: peer {} busy ({m})",
-                    self.client.name(p.peer)
-                );
-                Err(ExecFailed::Busy)
-            }
-            Err(CallError::TimedOut) => {
-                policy.failed(p.peer, Instant::now());
-                tracing::warn!(
-                    "remote execution: peer {} gave no answer within {:.1}s; computing here",
-                    self.client.name(p.peer),
-                    self.timeout.as_secs_f64()
-                );
-                Err(ExecFailed::TimedOut)
-            }
-            Err(CallError::Failed(m)) => {
-                policy.failed(p.peer, Instant::now());
-                tracing::warn!(
-                    "remote execution: peer {} failed ({m}); computing here",
-                    self.client.name(p.peer)
-                );
-                Err(ExecFailed::Failed(m))
-            }
+            let holders = self.client.holders(retry.id);
+            let Choice::Execute { peer } = policy.choose(now, &retry.want, self.hidden, &holders)
+            else {
+                return Err(failed);
+            };
+            policy.begin(peer);
+            p.check |= policy.check(peer);
+            drop(policy);
+            tracing::debug!(
+                "remote execution: expert {} asked of peer {} instead",
+                retry.id,
+                self.client.name(peer)
+            );
+            p.rx = self.start(peer, retry.id, retry.rows.clone(), left);
+            p.peer = peer;
+            p.started = now;
         }
     }
 
@@ -624,60 +688,59 @@ mod tests {
         assert_eq!(calls.load(Ordering::Relaxed), 0);
     }
 
-    /// A peer that stalls is given up on at the time-out (its call cancelled), one that is
-    /// busy or answers short
-    /// fails at once; each is then paused, so the next block's call goes to another holder.
+    /// One expert of layer 0 over one position, delegated and collected.
+    fn one_call(x: &RemoteExperts) -> Result<Executed, ExecFailed> {
+        let d = Demand {
+            expert: 1,
+            positions: 1,
+        };
+        let t = plan(x, 0, &[d], &[1.0; H]);
+        assert_eq!(t.len(), 1, "delegated");
+        x.collect(t[0])
+    }
+
+    /// A peer that stalls is given up on at the time-out (its call cancelled, no other holder
+    /// tried: the time is spent) and paused, so the next block's call goes to another holder.
     #[test]
-    fn stalled_busy_and_short_answers_fail_and_move_on() {
+    fn a_stalled_call_times_out_is_cancelled_and_the_next_goes_elsewhere() {
         let rt = runtime();
-        for (bad, want) in [
-            (Peer::Stalls, ExecFailed::TimedOut),
-            (Peer::Busy, ExecFailed::Busy),
-        ] {
-            let (x, _, live) = executor(&rt, vec![bad, Peer::Doubles], RemoteExec::Always);
-            let rows = vec![1.0; H];
-            let start = Instant::now();
-            let t = plan(
-                &x,
-                0,
-                &[Demand {
-                    expert: 1,
-                    positions: 1,
-                }],
-                &rows,
-            );
-            assert_eq!(x.collect(t[0]), Err(want));
-            assert!(start.elapsed() < Duration::from_secs(5));
-            assert_eq!(x.stats().failures, 1);
-            // The stalled call was cancelled, not left running.
-            let until = Instant::now() + Duration::from_secs(5);
-            while Arc::strong_count(&live) > 2 && Instant::now() < until {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            assert_eq!(Arc::strong_count(&live), 2, "the fake's and this test's");
-            // Peer 0 (the shorter round trip) is paused: peer 1 answers.
-            let t = plan(
-                &x,
-                0,
-                &[Demand {
-                    expert: 1,
-                    positions: 1,
-                }],
-                &rows,
-            );
-            assert_eq!(x.collect(t[0]).unwrap().rows, vec![2.0; H]);
+        let (x, _, live) = executor(&rt, vec![Peer::Stalls, Peer::Doubles], RemoteExec::Always);
+        let start = Instant::now();
+        assert_eq!(one_call(&x), Err(ExecFailed::TimedOut));
+        assert!(start.elapsed() < Duration::from_secs(5));
+        assert_eq!(x.stats().failures, 1);
+        // The stalled call was cancelled, not left running.
+        let until = Instant::now() + Duration::from_secs(5);
+        while Arc::strong_count(&live) > 2 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
         }
-        let (x, _, _) = executor(&rt, vec![Peer::Short], RemoteExec::Always);
-        let t = plan(
-            &x,
-            0,
-            &[Demand {
-                expert: 1,
-                positions: 1,
-            }],
-            &[1.0; H],
-        );
-        assert!(matches!(x.collect(t[0]), Err(ExecFailed::Failed(_))));
+        assert_eq!(Arc::strong_count(&live), 2, "the fake's and this test's");
+        // Peer 0 (the shorter round trip) is paused: peer 1 answers.
+        assert_eq!(one_call(&x).unwrap().rows, vec![2.0; H]);
+    }
+
+    /// A busy answer or a short one is made up for by another holder within the same call;
+    /// with no other holder the call fails and the engine fetches.
+    #[test]
+    fn a_busy_or_short_answer_goes_to_another_holder_within_the_call() {
+        let rt = runtime();
+        for (bad, alone) in [
+            (Peer::Busy, ExecFailed::Busy),
+            (
+                Peer::Short,
+                ExecFailed::Failed(format!("{} output values for {H} inputs", H - 1)),
+            ),
+        ] {
+            let (x, calls, _) = executor(&rt, vec![bad, Peer::Doubles], RemoteExec::Always);
+            let a = one_call(&x).unwrap();
+            assert_eq!(a.rows, vec![2.0; H], "{bad:?}");
+            assert!(a.check, "peer 1's first answer is checked");
+            assert_eq!(calls.load(Ordering::Relaxed), 2, "{bad:?}");
+            let s = x.stats();
+            assert_eq!((s.calls, s.failures), (1, 1), "{bad:?}");
+            let (x, _, _) = executor(&rt, vec![bad], RemoteExec::Always);
+            assert_eq!(one_call(&x), Err(alone), "{bad:?} alone");
+        }
     }
 
     /// A disagreeing spot-check bans the peer: the next block goes to the other holder, and
