@@ -42,9 +42,9 @@ use std::time::{Duration, Instant};
 use stormo_engine::moe::Verdict;
 
 /// Throughput assumed for a link not yet measured (bytes per second): 100 Mbit/s.
-pub const DEFAULT_RATE: f64 = 12.5e6;
+pub const UNMEASURED_RATE: f64 = 12.5e6;
 /// Round trip assumed for a link not yet measured.
-pub const DEFAULT_RTT: Duration = Duration::from_millis(5);
+pub const UNMEASURED_RTT: Duration = Duration::from_millis(5);
 /// Blocks over which a fetched expert is expected to stay cached and be reused.
 pub const HORIZON: f64 = 16.0;
 /// Weight of the newest block in an expert's heat.
@@ -126,11 +126,11 @@ pub struct Link {
 
 impl Link {
     fn rtt_s(&self) -> f64 {
-        self.rtt.unwrap_or(DEFAULT_RTT).as_secs_f64()
+        self.rtt.unwrap_or(UNMEASURED_RTT).as_secs_f64()
     }
 
     fn rate(&self) -> f64 {
-        self.rate.filter(|r| *r > 0.0).unwrap_or(DEFAULT_RATE)
+        self.rate.filter(|r| *r > 0.0).unwrap_or(UNMEASURED_RATE)
     }
 }
 
