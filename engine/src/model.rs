@@ -22,7 +22,9 @@ use crate::error::{Error, Result};
 use crate::huge::HugeBuf;
 use crate::kernels::{matmul, matmul_batch, Float, Mat, Product, Vector};
 use crate::layout::{ExpertLayout, Loader, Loc};
-use crate::moe::{self, ExpertData, ExpertProvider, MappedExperts, MoeScratch, PartBytes};
+use crate::moe::{
+    self, ExpertData, ExpertExecutor, ExpertProvider, MappedExperts, MoeScratch, PartBytes,
+};
 use crate::ops;
 use crate::rope::Rope;
 use crate::safetensors::{Checkpoint, MappedFile};
@@ -303,6 +305,8 @@ pub struct Model {
     layers: Vec<Layer>,
     rope: Rope,
     experts: Arc<dyn ExpertProvider>,
+    /// Runs chosen experts elsewhere ([`Model::with_executor`]); `None`: all computed here.
+    executor: Option<Arc<dyn ExpertExecutor>>,
     prefill_block: usize,
     /// [`LoadOptions::int8_experts`].
     int8_experts: bool,
@@ -347,6 +351,14 @@ impl Model {
         let files = ModelFiles::open(dir)?;
         let experts = Arc::new(files.mapped_experts()?);
         Self::new(files, experts, opts)
+    }
+
+    /// The same model with experts that `executor` chooses computed by it (a peer holding
+    /// them); the others, failed calls and spot-checks are fetched from the provider and
+    /// computed here (see [`moe::remote`]). The output is the same bits.
+    pub fn with_executor(mut self, executor: Arc<dyn ExpertExecutor>) -> Self {
+        self.executor = Some(executor);
+        self
     }
 
     /// Loads the dense weights of `files` and takes experts from `experts`.
@@ -469,6 +481,7 @@ impl Model {
             layers,
             rope,
             experts,
+            executor: None,
             prefill_block: opts.prefill_block.max(1),
             int8_experts: opts.int8_experts,
             q8: Vec::new(),
@@ -1017,6 +1030,7 @@ impl Model {
                     l,
                     schema,
                     &*self.experts,
+                    self.executor.as_deref(),
                     e,
                     &s.h[..t * h],
                     &mut s.o[..t * h],

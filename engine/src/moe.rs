@@ -6,6 +6,8 @@
 //! of an [`ExpertProvider`] in one call, which may serve them from the mapped checkpoint, a RAM
 //! cache, the disk or a peer; each expert of the union is then computed once for all the
 //! positions that chose it (batch-union), and each position sums its k outputs in slot order.
+//! An [`ExpertExecutor`] may take some of the union instead (a peer computing an expert it
+//! holds on the rows routed to it; see [`remote`]): the output bits are the same.
 
 use std::fmt;
 use std::ops::Range;
@@ -17,6 +19,10 @@ use crate::huge::HugeBuf;
 use crate::kernels::{each_mut, each_row_mut, matmul_batch, Float, Mat, Product, Vector};
 use crate::ops;
 use crate::safetensors::MappedFile;
+
+pub mod remote;
+
+pub use remote::{Demand, ExecFailed, Executed, ExpertExecutor, Ticket, Verdict};
 
 /// Which piece of an expert a stored part is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -528,6 +534,20 @@ pub struct MoeScratch {
     /// Per (position, slot), the fetched group's expert and row holding its output, if the
     /// expert is in the group.
     source: Vec<Option<(usize, usize)>>,
+    /// The union's experts with their position counts, for [`ExpertExecutor::choose`].
+    demand: Vec<Demand>,
+    /// Which of the union the executor takes.
+    delegate: Vec<bool>,
+    /// The experts computed here (fetched through the provider).
+    local: Vec<usize>,
+    /// A delegated expert's inputs, gathered for [`ExpertExecutor::submit`].
+    remote_in: Vec<f32>,
+    /// The delegated experts and their tickets.
+    remote: Vec<(usize, Ticket)>,
+    /// Answers to compare with the local computation (spot-checks).
+    checks: Vec<(usize, Ticket, Vec<f32>)>,
+    /// Delegated experts computed here after all (failed calls, spot-checks).
+    recompute: Vec<usize>,
 }
 
 impl MoeScratch {
@@ -562,16 +582,26 @@ impl MoeScratch {
             }
         }
     }
+
+    /// The (position, slot) pairs routed to `e`, in row order of its inputs and outputs.
+    fn members_of(&self, e: usize) -> &[(usize, usize)] {
+        &self.members[self.member_start[e]..self.member_start[e + 1]]
+    }
 }
 
 /// Runs the MoE for a block: `xs` `[t, H]` normalised inputs, adds the result into `out`
 /// `[t, H]`. The plan must already be in `s.plan`. With `int8_inputs`, MXFP4 experts take
 /// int8-quantized inputs ([`ExpertView::with_int8_inputs`]).
+///
+/// With an `executor`, the experts it chooses are computed by it while the others are fetched
+/// and computed here; a failed call or a spot-checked answer is computed here as well (see
+/// [`remote`]). The output is the same bits either way.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_block(
     layer: usize,
     schema: &ExpertSchema,
     provider: &dyn ExpertProvider,
+    executor: Option<&dyn ExpertExecutor>,
     num_experts: usize,
     xs: &[f32],
     out: &mut [f32],
@@ -582,34 +612,175 @@ pub fn moe_block(
     let (t, k) = (s.plan.positions(), s.plan.k);
     s.gather(num_experts);
     s.slot_out.resize(t * k * h, 0.0);
+    s.local.clear();
+    s.remote.clear();
+    let executor = executor.filter(|_| !int8_inputs);
+    match executor {
+        Some(x) => {
+            s.demand.clear();
+            for &e in &s.union {
+                s.demand.push(Demand {
+                    expert: e,
+                    positions: s.member_start[e + 1] - s.member_start[e],
+                });
+            }
+            s.delegate.clear();
+            s.delegate.resize(s.union.len(), false);
+            x.choose(layer, &s.demand, &mut s.delegate);
+            for i in 0..s.union.len() {
+                let e = s.union[i];
+                if !s.delegate[i] {
+                    s.local.push(e);
+                    continue;
+                }
+                let mut rows = std::mem::take(&mut s.remote_in);
+                rows.clear();
+                for &(p, _) in s.members_of(e) {
+                    rows.extend_from_slice(&xs[p * h..(p + 1) * h]);
+                }
+                let ticket = x.submit(layer, e, &rows);
+                s.remote_in = rows;
+                s.remote.push((e, ticket));
+            }
+        }
+        None => s.local.extend_from_slice(&s.union),
+    }
+    // The local experts while the delegated ones run elsewhere; every ticket is collected
+    // even when this fails, so the executor is left with no call nobody waits for.
+    let local = std::mem::take(&mut s.local);
+    let computed = compute_local(layer, schema, provider, &local, xs, int8_inputs, s);
+    s.local = local;
+    if let Some(x) = executor {
+        s.recompute.clear();
+        s.checks.clear();
+        for ri in 0..s.remote.len() {
+            let (e, ticket) = s.remote[ri];
+            let n = s.member_start[e + 1] - s.member_start[e];
+            match x.collect(ticket) {
+                Ok(a) if a.rows.len() == n * h => {
+                    if a.check {
+                        s.recompute.push(e);
+                        s.checks.push((e, ticket, a.rows));
+                    } else {
+                        let (members, slot_out) = (
+                            &s.members[s.member_start[e]..s.member_start[e + 1]],
+                            &mut s.slot_out,
+                        );
+                        for (j, &(p, slot)) in members.iter().enumerate() {
+                            slot_out[(p * k + slot) * h..(p * k + slot + 1) * h]
+                                .copy_from_slice(&a.rows[j * h..(j + 1) * h]);
+                        }
+                    }
+                }
+                Ok(a) => {
+                    tracing::debug!(
+                        layer,
+                        expert = e,
+                        "executor answered {} values for {} rows of {h}; computing it here",
+                        a.rows.len(),
+                        n
+                    );
+                    x.report(ticket, Verdict::Malformed);
+                    s.recompute.push(e);
+                }
+                Err(err) => {
+                    tracing::debug!(
+                        layer,
+                        expert = e,
+                        "delegated call failed ({err}); computing it here"
+                    );
+                    s.recompute.push(e);
+                }
+            }
+        }
+        computed?;
+        let recompute = std::mem::take(&mut s.recompute);
+        let done = compute_local(layer, schema, provider, &recompute, xs, int8_inputs, s);
+        s.recompute = recompute;
+        done?;
+        for (e, ticket, rows) in &s.checks {
+            let agree = s.members_of(*e).iter().enumerate().all(|(j, &(p, slot))| {
+                let here = &s.slot_out[(p * k + slot) * h..(p * k + slot + 1) * h];
+                let there = &rows[j * h..(j + 1) * h];
+                here.iter()
+                    .zip(there)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+            });
+            if !agree {
+                tracing::warn!(
+                    layer,
+                    expert = e,
+                    "a spot-checked remote result differs from the local computation; the local one is used"
+                );
+            }
+            x.report(
+                *ticket,
+                if agree {
+                    Verdict::Agreed
+                } else {
+                    Verdict::Disagreed
+                },
+            );
+        }
+        s.checks.clear();
+    } else {
+        computed?;
+    }
+    // Each position adds its slots' outputs in slot order, whichever thread runs it.
+    each_row_mut(&mut out[..t * h], h, t * k * h, |p, o| {
+        for slot in 0..k {
+            let w = s.plan.weights[p * k + slot];
+            let y = &s.slot_out[(p * k + slot) * h..(p * k + slot + 1) * h];
+            for (oi, &yi) in o.iter_mut().zip(y) {
+                *oi += w * yi;
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Fetches `experts` of `layer` through the provider (in groups of at most its
+/// [`max_batch`](ExpertProvider::max_batch)), computes each over the positions routed to it,
+/// and writes the outputs into the scratch's slot rows.
+#[allow(clippy::too_many_arguments)]
+fn compute_local(
+    layer: usize,
+    schema: &ExpertSchema,
+    provider: &dyn ExpertProvider,
+    experts: &[usize],
+    xs: &[f32],
+    int8_inputs: bool,
+    s: &mut MoeScratch,
+) -> Result<()> {
+    let h = schema.hidden;
+    let (t, k) = (s.plan.positions(), s.plan.k);
     let group = provider.max_batch(layer).max(1);
-    let mut g0 = 0;
-    while g0 < s.union.len() {
-        let g1 = (g0 + group).min(s.union.len());
+    for chunk in experts.chunks(group) {
+        let g = chunk.len();
         s.handles.clear();
-        provider.fetch(layer, &s.union[g0..g1], &mut s.handles)?;
-        if s.handles.len() != g1 - g0 {
+        provider.fetch(layer, chunk, &mut s.handles)?;
+        if s.handles.len() != g {
             return Err(Error::Expert {
                 layer,
-                expert: s.union[g0],
+                expert: chunk[0],
                 reason: format!(
                     "provider returned {} experts for {} requested",
                     s.handles.len(),
-                    g1 - g0
+                    g
                 ),
             });
         }
-        if s.experts.len() < g1 - g0 {
-            s.experts.resize_with(g1 - g0, ExpertScratch::default);
-            s.inputs.resize_with(g1 - g0, Vec::new);
+        if s.experts.len() < g {
+            s.experts.resize_with(g, ExpertScratch::default);
+            s.inputs.resize_with(g, Vec::new);
         }
-        for ui in g0..g1 {
-            check_lengths(layer, s.union[ui], schema, &s.handles[ui - g0])?;
+        for (i, &e) in chunk.iter().enumerate() {
+            check_lengths(layer, e, schema, &s.handles[i])?;
         }
         // Each expert's inputs gathered from its positions.
-        let (members, member_start, union) = (&s.members, &s.member_start, &s.union[g0..g1]);
-        each_mut(&mut s.inputs[..g1 - g0], t * k * h, |i, x| {
-            let e = union[i];
+        let (members, member_start) = (&s.members, &s.member_start);
+        each_mut(&mut s.inputs[..g], t * k * h, |i, x| {
+            let e = chunk[i];
             x.clear();
             for &(p, _) in &members[member_start[e]..member_start[e + 1]] {
                 x.extend_from_slice(&xs[p * h..(p + 1) * h]);
@@ -628,20 +799,19 @@ pub fn moe_block(
         experts_forward(
             view,
             |i| &inputs[i],
-            &mut s.experts[..g1 - g0],
+            &mut s.experts[..g],
             h,
             schema.intermediate,
         );
         // Where each (position, slot) of this group's experts finds its output row.
         s.source.clear();
         s.source.resize(t * k, None);
-        for ui in g0..g1 {
-            let e = s.union[ui];
+        for (i, &e) in chunk.iter().enumerate() {
             for (j, &(p, slot)) in s.members[s.member_start[e]..s.member_start[e + 1]]
                 .iter()
                 .enumerate()
             {
-                s.source[p * k + slot] = Some((ui - g0, j));
+                s.source[p * k + slot] = Some((i, j));
             }
         }
         let (experts, source) = (&s.experts, &s.source);
@@ -650,19 +820,8 @@ pub fn moe_block(
                 dst.copy_from_slice(&experts[i].ys[j * h..(j + 1) * h]);
             }
         });
-        g0 = g1;
     }
     s.handles.clear();
-    // Each position adds its slots' outputs in slot order, whichever thread runs it.
-    each_row_mut(&mut out[..t * h], h, t * k * h, |p, o| {
-        for slot in 0..k {
-            let w = s.plan.weights[p * k + slot];
-            let y = &s.slot_out[(p * k + slot) * h..(p * k + slot + 1) * h];
-            for (oi, &yi) in o.iter_mut().zip(y) {
-                *oi += w * yi;
-            }
-        }
-    });
     Ok(())
 }
 
@@ -708,63 +867,131 @@ mod tests {
         })
     }
 
+    /// Random MXFP4 experts of one layer, a block's inputs, router logits and residual.
+    struct Block {
+        schema: ExpertSchema,
+        provider: MappedExperts,
+        xs: Vec<f32>,
+        logits: Vec<f32>,
+        residual: Vec<f32>,
+        n_exp: usize,
+        k: usize,
+        t: usize,
+    }
+
+    impl Block {
+        fn new(h: usize, inter: usize, n_exp: usize, k: usize, t: usize) -> Self {
+            let part = |role, format, len| PartSchema { role, format, len };
+            let f32s = PartFormat::Dense(Float::F32);
+            let schema = ExpertSchema {
+                parts: vec![
+                    part(Role::GateUp, PartFormat::Mxfp4Blocks, 2 * inter * h / 2),
+                    part(
+                        Role::GateUpScales,
+                        PartFormat::Mxfp4Scales,
+                        2 * inter * h / 32,
+                    ),
+                    part(Role::GateUpBias, f32s, 2 * inter * 4),
+                    part(Role::Down, PartFormat::Mxfp4Blocks, h * inter / 2),
+                    part(Role::DownScales, PartFormat::Mxfp4Scales, h * inter / 32),
+                    part(Role::DownBias, f32s, h * 4),
+                ],
+                hidden: h,
+                intermediate: inter,
+                activation: Activation::ClippedSwiglu {
+                    limit: 7.0,
+                    alpha: 1.702,
+                },
+            };
+            let experts = (0..n_exp as u64)
+                .map(|e| {
+                    let mut buf = Vec::new();
+                    for (i, p) in schema.parts.iter().enumerate() {
+                        let seed = 1 + e * 16 + i as u64;
+                        match p.format {
+                            PartFormat::Mxfp4Blocks => {
+                                buf.extend(noise(p.len, seed).map(|v| v as u8));
+                            }
+                            // Scales 2^-6 .. 2^-3 and biases in [-0.5, 0.5).
+                            PartFormat::Mxfp4Scales => {
+                                buf.extend(noise(p.len, seed).map(|v| 121 + (v % 4) as u8));
+                            }
+                            _ => buf
+                                .extend(noise(p.len / 4, seed).flat_map(|v| {
+                                    ((v % 1000) as f32 / 1000.0 - 0.5).to_le_bytes()
+                                })),
+                        }
+                    }
+                    Arc::new(ExpertData::from_buffer(
+                        Arc::new(HugeBuf::copy_of(&buf).unwrap()),
+                        &schema,
+                    ))
+                })
+                .collect();
+            Self {
+                schema,
+                provider: MappedExperts::new(vec![experts]),
+                xs: noise(t * h, 99)
+                    .map(|v| (v % 2000) as f32 / 1000.0 - 1.0)
+                    .collect(),
+                logits: noise(t * n_exp, 7)
+                    .map(|v| (v % 1000) as f32 / 100.0)
+                    .collect(),
+                residual: noise(t * h, 5).map(|v| (v % 7) as f32 - 3.0).collect(),
+                n_exp,
+                k,
+                t,
+            }
+        }
+
+        /// The MoE over positions `ps` added to their residual.
+        fn run(
+            &self,
+            ps: Range<usize>,
+            provider: &dyn ExpertProvider,
+            executor: Option<&dyn ExpertExecutor>,
+        ) -> Result<Vec<f32>> {
+            let (h, n_exp) = (self.schema.hidden, self.n_exp);
+            let mut s = MoeScratch::default();
+            let logits = &self.logits[ps.start * n_exp..ps.end * n_exp];
+            s.plan.route(
+                logits,
+                n_exp,
+                self.k,
+                Routing::TopKThenSoftmax,
+                &mut Vec::new(),
+            );
+            let mut out = self.residual[ps.start * h..ps.end * h].to_vec();
+            let xs = &self.xs[ps.start * h..ps.end * h];
+            moe_block(
+                0,
+                &self.schema,
+                provider,
+                executor,
+                n_exp,
+                xs,
+                &mut out,
+                false,
+                &mut s,
+            )?;
+            Ok(out)
+        }
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
     /// A block large enough that the MoE gathers, activates, scatters and combines on the
     /// pool's threads (t * k * H and t * k * I at the threshold) gives, bit for bit, what each
     /// of its positions gives alone (on the calling thread), and the same when its experts come
     /// three at a time.
     #[test]
     fn a_threaded_block_equals_its_positions_alone() {
-        let (h, inter, n_exp, k, t) = (256, 256, 8, 4, 64);
+        let (h, inter, k, t) = (256, 256, 4, 64);
         assert!(t * k * h >= PARALLEL_ELEMENTS && t * k * inter >= PARALLEL_ELEMENTS);
         assert!(k * h < PARALLEL_ELEMENTS && k * inter < PARALLEL_ELEMENTS);
-        let part = |role, format, len| PartSchema { role, format, len };
-        let f32s = PartFormat::Dense(Float::F32);
-        let schema = ExpertSchema {
-            parts: vec![
-                part(Role::GateUp, PartFormat::Mxfp4Blocks, 2 * inter * h / 2),
-                part(
-                    Role::GateUpScales,
-                    PartFormat::Mxfp4Scales,
-                    2 * inter * h / 32,
-                ),
-                part(Role::GateUpBias, f32s, 2 * inter * 4),
-                part(Role::Down, PartFormat::Mxfp4Blocks, h * inter / 2),
-                part(Role::DownScales, PartFormat::Mxfp4Scales, h * inter / 32),
-                part(Role::DownBias, f32s, h * 4),
-            ],
-            hidden: h,
-            intermediate: inter,
-            activation: Activation::ClippedSwiglu {
-                limit: 7.0,
-                alpha: 1.702,
-            },
-        };
-        let experts = (0..n_exp as u64)
-            .map(|e| {
-                let mut buf = Vec::new();
-                for (i, p) in schema.parts.iter().enumerate() {
-                    let seed = 1 + e * 16 + i as u64;
-                    match p.format {
-                        PartFormat::Mxfp4Blocks => {
-                            buf.extend(noise(p.len, seed).map(|v| v as u8));
-                        }
-                        // Scales 2^-6 .. 2^-3 and biases in [-0.5, 0.5).
-                        PartFormat::Mxfp4Scales => {
-                            buf.extend(noise(p.len, seed).map(|v| 121 + (v % 4) as u8));
-                        }
-                        _ => buf.extend(
-                            noise(p.len / 4, seed)
-                                .flat_map(|v| ((v % 1000) as f32 / 1000.0 - 0.5).to_le_bytes()),
-                        ),
-                    }
-                }
-                Arc::new(ExpertData::from_buffer(
-                    Arc::new(HugeBuf::copy_of(&buf).unwrap()),
-                    &schema,
-                ))
-            })
-            .collect();
-        let provider = MappedExperts::new(vec![experts]);
+        let b = Block::new(h, inter, 8, k, t);
         // The same experts handed out three at a time (as a small RAM budget does).
         #[derive(Debug)]
         struct ThreeAtATime<'a>(&'a MappedExperts);
@@ -777,32 +1004,11 @@ mod tests {
                 3
             }
         }
-        let xs: Vec<f32> = noise(t * h, 99)
-            .map(|v| (v % 2000) as f32 / 1000.0 - 1.0)
-            .collect();
-        let logits: Vec<f32> = noise(t * n_exp, 7)
-            .map(|v| (v % 1000) as f32 / 100.0)
-            .collect();
-        // The residual the MoE adds into.
-        let residual: Vec<f32> = noise(t * h, 5).map(|v| (v % 7) as f32 - 3.0).collect();
-        let run = |ps: Range<usize>, provider: &dyn ExpertProvider| {
-            let mut s = MoeScratch::default();
-            let logits = &logits[ps.start * n_exp..ps.end * n_exp];
-            s.plan
-                .route(logits, n_exp, k, Routing::TopKThenSoftmax, &mut Vec::new());
-            let mut out = residual[ps.start * h..ps.end * h].to_vec();
-            let xs = &xs[ps.start * h..ps.end * h];
-            moe_block(0, &schema, provider, n_exp, xs, &mut out, false, &mut s).unwrap();
-            out
-        };
-        let block = run(0..t, &provider);
-        let in_threes = run(0..t, &ThreeAtATime(&provider));
-        assert!(block
-            .iter()
-            .zip(&in_threes)
-            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        let block = b.run(0..t, &b.provider, None).unwrap();
+        let in_threes = b.run(0..t, &ThreeAtATime(&b.provider), None).unwrap();
+        assert!(same_bits(&block, &in_threes));
         for p in 0..t {
-            let alone = run(p..p + 1, &provider);
+            let alone = b.run(p..p + 1, &b.provider, None).unwrap();
             for (i, (a, b)) in block[p * h..(p + 1) * h].iter().zip(&alone).enumerate() {
                 assert!(a.is_finite(), "position {p}, element {i}: {a}");
                 assert_eq!(
@@ -812,6 +1018,210 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// How an in-process executor answers.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Behaviour {
+        /// Computes the expert with [`expert_forward`].
+        Honest,
+        /// Computes, then adds this to every output of expert 3.
+        Lies(f32),
+        /// Answers every call with an error.
+        Fails,
+        /// Answers with one value missing.
+        Truncates,
+    }
+
+    /// An executor in the same process: delegates the experts `take` accepts, computes them
+    /// from `experts` at submit, marks answers for a spot-check when `check`, and records the
+    /// verdicts it is given.
+    #[derive(Debug)]
+    struct InProcess<'a> {
+        experts: &'a MappedExperts,
+        schema: &'a ExpertSchema,
+        take: fn(usize) -> bool,
+        behaviour: Behaviour,
+        check: bool,
+        answers: std::sync::Mutex<Vec<(usize, std::result::Result<Executed, ExecFailed>)>>,
+        collected: std::sync::Mutex<Vec<usize>>,
+        verdicts: std::sync::Mutex<Vec<(usize, Verdict)>>,
+    }
+
+    impl<'a> InProcess<'a> {
+        fn new(b: &'a Block, take: fn(usize) -> bool, behaviour: Behaviour, check: bool) -> Self {
+            Self {
+                experts: &b.provider,
+                schema: &b.schema,
+                take,
+                behaviour,
+                check,
+                answers: Default::default(),
+                collected: Default::default(),
+                verdicts: Default::default(),
+            }
+        }
+
+        /// (expert, verdict) pairs reported, by expert.
+        fn verdicts(&self) -> Vec<(usize, Verdict)> {
+            let mut v = self.verdicts.lock().unwrap().clone();
+            v.sort_by_key(|&(e, _)| e);
+            v
+        }
+    }
+
+    impl ExpertExecutor for InProcess<'_> {
+        fn choose(&self, _layer: usize, demand: &[Demand], delegate: &mut [bool]) {
+            assert!(delegate.iter().all(|d| !d), "delegate starts all false");
+            for (d, x) in demand.iter().zip(delegate) {
+                assert!(d.positions > 0);
+                *x = (self.take)(d.expert);
+            }
+        }
+
+        fn submit(&self, layer: usize, expert: usize, inputs: &[f32]) -> Ticket {
+            let answer = match self.behaviour {
+                Behaviour::Fails => Err(ExecFailed::Unavailable("test".into())),
+                _ => {
+                    let mut handles = Vec::new();
+                    self.experts.fetch(layer, &[expert], &mut handles).unwrap();
+                    let v = self.schema.view(&handles[0]);
+                    let mut s = ExpertScratch::default();
+                    let (h, i) = (self.schema.hidden, self.schema.intermediate);
+                    expert_forward(&v, inputs, h, i, &mut s);
+                    let mut rows = s.output().to_vec();
+                    match self.behaviour {
+                        Behaviour::Lies(by) if expert == 3 => {
+                            rows.iter_mut().for_each(|y| *y += by)
+                        }
+                        Behaviour::Truncates => {
+                            rows.pop();
+                        }
+                        _ => {}
+                    }
+                    Ok(Executed {
+                        rows,
+                        check: self.check,
+                    })
+                }
+            };
+            let mut a = self.answers.lock().unwrap();
+            a.push((expert, answer));
+            Ticket(a.len() as u64 - 1)
+        }
+
+        fn collect(&self, ticket: Ticket) -> std::result::Result<Executed, ExecFailed> {
+            let mut a = self.answers.lock().unwrap();
+            let (e, answer) = &mut a[ticket.0 as usize];
+            self.collected.lock().unwrap().push(*e);
+            std::mem::replace(answer, Err(ExecFailed::Failed("collected twice".into())))
+        }
+
+        fn report(&self, ticket: Ticket, verdict: Verdict) {
+            let e = self.answers.lock().unwrap()[ticket.0 as usize].0;
+            self.verdicts.lock().unwrap().push((e, verdict));
+        }
+    }
+
+    /// One test body over a decode position and a prefill block: the output with `executor`
+    /// is the bits of the output without one.
+    fn exact_with(b: &Block, x: &InProcess<'_>) {
+        for ps in [0..1, 5..6, 0..b.t] {
+            let here = b.run(ps.clone(), &b.provider, None).unwrap();
+            let there = b.run(ps.clone(), &b.provider, Some(x)).unwrap();
+            assert!(
+                same_bits(&here, &there),
+                "positions {ps:?}, {:?}",
+                x.behaviour
+            );
+        }
+        let mut submitted: Vec<usize> = x.answers.lock().unwrap().iter().map(|a| a.0).collect();
+        let mut collected = x.collected.lock().unwrap().clone();
+        submitted.sort_unstable();
+        collected.sort_unstable();
+        assert!(!submitted.is_empty());
+        assert_eq!(submitted, collected, "every call collected once");
+    }
+
+    /// An honest executor taking some or all experts gives the bits of no executor, checked
+    /// or not; a spot-check of an honest answer agrees.
+    #[test]
+    fn an_honest_executor_changes_no_bit() {
+        let b = Block::new(64, 64, 8, 4, 16);
+        for take in [(|e| e % 2 == 1) as fn(usize) -> bool, |_| true] {
+            exact_with(&b, &InProcess::new(&b, take, Behaviour::Honest, false));
+            let checked = InProcess::new(&b, take, Behaviour::Honest, true);
+            exact_with(&b, &checked);
+            let v = checked.verdicts();
+            assert!(!v.is_empty());
+            assert!(v.iter().all(|&(_, v)| v == Verdict::Agreed), "{v:?}");
+        }
+    }
+
+    /// An executor that perturbs expert 3's outputs by 1e-2 is caught by every spot-check of
+    /// expert 3 (and only of it), and the output stays exact; unchecked, the lie would change
+    /// the output (so the check is what keeps it exact).
+    #[test]
+    fn a_lying_executor_is_caught_and_the_output_stays_exact() {
+        let b = Block::new(64, 64, 8, 4, 16);
+        let x = InProcess::new(&b, |_| true, Behaviour::Lies(1e-2), true);
+        exact_with(&b, &x);
+        let v = x.verdicts();
+        assert!(v.iter().any(|&(e, _)| e == 3), "expert 3 was routed: {v:?}");
+        for (e, verdict) in v {
+            let want = if e == 3 {
+                Verdict::Disagreed
+            } else {
+                Verdict::Agreed
+            };
+            assert_eq!(verdict, want, "expert {e}");
+        }
+        let unchecked = InProcess::new(&b, |_| true, Behaviour::Lies(1e-2), false);
+        let here = b.run(0..b.t, &b.provider, None).unwrap();
+        let there = b.run(0..b.t, &b.provider, Some(&unchecked)).unwrap();
+        assert!(!same_bits(&here, &there));
+    }
+
+    /// Failed calls and answers of the wrong length are computed here: exact output, and a
+    /// short answer is reported malformed.
+    #[test]
+    fn failed_and_malformed_calls_fall_back_exactly() {
+        let b = Block::new(64, 64, 8, 4, 16);
+        let failing = InProcess::new(&b, |e| e != 0, Behaviour::Fails, true);
+        exact_with(&b, &failing);
+        assert!(
+            failing.verdicts().is_empty(),
+            "a failed call has no verdict"
+        );
+        let short = InProcess::new(&b, |_| true, Behaviour::Truncates, false);
+        exact_with(&b, &short);
+        let v = short.verdicts();
+        assert!(!v.is_empty());
+        assert!(v.iter().all(|&(_, v)| v == Verdict::Malformed), "{v:?}");
+    }
+
+    /// A provider that fails while calls are out still sees every ticket collected, and the
+    /// block returns the provider's error.
+    #[test]
+    fn every_ticket_is_collected_when_the_provider_fails() {
+        #[derive(Debug)]
+        struct Broken;
+        impl ExpertProvider for Broken {
+            fn fetch(&self, l: usize, e: &[usize], _: &mut Vec<Arc<ExpertData>>) -> Result<()> {
+                Err(Error::Expert {
+                    layer: l,
+                    expert: e[0],
+                    reason: "broken".into(),
+                })
+            }
+        }
+        let b = Block::new(64, 64, 8, 4, 16);
+        let x = InProcess::new(&b, |e| e % 2 == 0, Behaviour::Honest, false);
+        let e = b.run(0..b.t, &Broken, Some(&x)).unwrap_err();
+        assert!(e.to_string().contains("broken"), "{e}");
+        let submitted = x.answers.lock().unwrap().len();
+        assert!(submitted > 0);
+        assert_eq!(x.collected.lock().unwrap().len(), submitted);
     }
 
     #[test]

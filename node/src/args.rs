@@ -11,6 +11,7 @@ use stormo_manifests::{Hash, PublicKey};
 use crate::chat::defaults::SamplingDefaults;
 use crate::config::{CacheBudget, ExpertsConfig, KeepConfig, PeersConfig};
 use crate::http::HttpConfig;
+use crate::net::remote_policy::{RemoteConfig, RemoteExec};
 use crate::net::tier::PeerConfig;
 use crate::net::PeerAddr;
 use crate::progress::{check_secs, parse_size, secs_arg, size_arg};
@@ -155,6 +156,17 @@ pub struct PeerArgs {
     /// in RAM): the local disk becomes the fallback, and races slow peer answers.
     #[arg(long, requires = "peers")]
     pub peers_first: bool,
+    /// Whether an expert a peer holds may be computed by that peer on the rows routed to it
+    /// (a few KB each way) instead of fetched (MBs): `auto` chooses per expert and block from
+    /// the link's measured round trip and throughput, how often the expert is used and
+    /// whether it is cached; `always` asks a holder whenever one can take the call; `never`
+    /// always fetches. The output is the same bits either way.
+    #[arg(long, default_value_t = RemoteExec::Auto, value_name = "auto|always|never")]
+    pub remote_exec: RemoteExec,
+    /// The share of remote results also computed here and compared bit for bit (each peer's
+    /// first result always is); a peer whose result differs is not asked again this session.
+    #[arg(long, default_value_t = 0.05, value_name = "FRACTION", value_parser = fraction_arg)]
+    pub spot_check: f64,
 }
 
 impl PeerArgs {
@@ -187,7 +199,23 @@ impl PeerArgs {
             timeouts: self.timeouts()?,
             keep,
             peers_first: self.peers_first,
+            remote: RemoteConfig {
+                mode: self.remote_exec,
+                spot_check: self.spot_check,
+            },
         })
+    }
+}
+
+/// A share in [0, 1] (`--spot-check`).
+fn fraction_arg(s: &str) -> Result<f64, String> {
+    let f: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number (a share such as 0.05)"))?;
+    if (0.0..=1.0).contains(&f) {
+        Ok(f)
+    } else {
+        Err(format!("{s} is not a share between 0 and 1"))
     }
 }
 
@@ -349,6 +377,48 @@ impl HttpArgs {
 mod tests {
     use super::*;
     use crate::net::CONNECT_TIMEOUT;
+
+    /// `--remote-exec` and `--spot-check` resolve into the peers' configuration (default
+    /// auto and 0.05); a mode or share out of range is refused naming it.
+    #[test]
+    fn remote_exec_options_resolve_and_refuse_what_is_wrong() {
+        #[derive(Debug, clap::Parser)]
+        struct T {
+            #[command(flatten)]
+            p: PeerArgs,
+        }
+        use clap::Parser;
+        let parse = |args: &[&str]| {
+            let mut v = vec!["t"];
+            v.extend_from_slice(args);
+            T::try_parse_from(v).map(|t| t.p)
+        };
+        let c = parse(&[]).unwrap().resolve(false).unwrap();
+        assert_eq!(c.remote, RemoteConfig::default());
+        assert_eq!(c.remote.mode, RemoteExec::Auto);
+        assert_eq!(c.remote.spot_check, 0.05);
+        let c = parse(&["--remote-exec", "always", "--spot-check", "1"])
+            .unwrap()
+            .resolve(false)
+            .unwrap();
+        assert_eq!(
+            c.remote,
+            RemoteConfig {
+                mode: RemoteExec::Always,
+                spot_check: 1.0
+            }
+        );
+        for (args, named) in [
+            (&["--remote-exec", "sometimes"][..], "sometimes"),
+            (&["--spot-check", "1.5"][..], "1.5"),
+            (&["--spot-check=-0.1"][..], "-0.1"),
+            (&["--spot-check", "NaN"][..], "NaN"),
+            (&["--spot-check", "many"][..], "many"),
+        ] {
+            let e = parse(args).unwrap_err().to_string();
+            assert!(e.contains(named), "{args:?}: {e}");
+        }
+    }
 
     /// `--peer-timeout` bounds a whole try, so a connection attempt never gets more than it
     /// (it once always got 3 s).

@@ -120,6 +120,8 @@ pub struct PeersConfig {
     pub keep: Option<KeepConfig>,
     /// Ask peers before the local disk.
     pub peers_first: bool,
+    /// Whether experts may be computed by the peers holding them, and spot-checks.
+    pub remote: crate::net::remote_policy::RemoteConfig,
 }
 
 /// Serving experts to peers over QUIC.

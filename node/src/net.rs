@@ -8,6 +8,9 @@
 //! - [`tier`]: the fetching side, a [`stormo_engine::tiers::Tier`] named "peer" that streams
 //!   each expert from a peer holding it, verifies every chunk against the manifest, and moves
 //!   on to another peer on any failure.
+//! - [`remote`]: remote expert execution, the engine's executor over the node's peers.
+//! - [`remote_policy`]: remote expert execution's choice (fetch an expert or have a peer
+//!   holding it compute it), sans-IO.
 //!
 //! Helpers here: node identity ([`node_key`]), peer names ([`PeerAddr`]), expert subsets
 //! ([`parse_only_experts`]), a tuned UDP endpoint ([`bind`]) and framed reads ([`FramedRecv`]).
@@ -17,6 +20,8 @@ pub mod exec;
 pub mod expert_dir;
 pub mod policy;
 pub mod pull;
+pub mod remote;
+pub mod remote_policy;
 pub mod serve;
 pub mod tier;
 pub mod tls;

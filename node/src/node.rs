@@ -9,6 +9,8 @@
 //!   [`Node::remove_peer`]; discovery feeds it);
 //! - the expert tiers, built once: the RAM cache over the local disk, the kept experts and
 //!   the peers, in that order (peers before the disk with `peers_first`);
+//! - remote expert execution over the peers (`--remote-exec`, see [`crate::net::remote`]):
+//!   the engine's executor, given to every model the node loads;
 //! - the serving side, when it listens: it serves every expert it holds verified (its disk,
 //!   its kept experts, its RAM cache), offers what its direct peers hold (fetching it for the
 //!   asker, verified on the way through), and tells connected peers whenever either set
@@ -16,7 +18,8 @@
 //!
 //! The model folder is never written: usage counts and kept experts go to the state directory,
 //! under the model id (see [`StatePaths`]). The engine knows none of this: peers and kept
-//! experts reach it through the `Tier` trait.
+//! experts reach it through the `Tier` trait, and remote execution through the engine's
+//! `ExpertExecutor` trait.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -34,6 +37,8 @@ use stormo_wire::ExpertSet;
 use crate::config::{LocalExperts, NodeConfig};
 use crate::experts::Experts;
 use crate::net::expert_dir::{DirTier, ExpertDir};
+use crate::net::remote::{PeerExec, RemoteExperts};
+use crate::net::remote_policy::RemoteExec;
 use crate::net::serve::{Announce, FileShare, Holdings, ServerHandle};
 use crate::net::tier::PeerTier;
 use crate::net::{self, PeerAddr};
@@ -83,6 +88,8 @@ pub struct Node {
     manifest: Option<NodeManifest>,
     experts: Arc<Experts>,
     peers: Option<Arc<PeerTier>>,
+    /// Remote expert execution over the peers (`--remote-exec` auto or always).
+    remote: Option<Arc<RemoteExperts>>,
     dir: Option<Arc<ExpertDir>>,
     endpoint: Option<quinn::Endpoint>,
     server: Mutex<Option<ServerHandle>>,
@@ -322,6 +329,11 @@ impl Node {
             }
             _ => None,
         };
+        // The tiers on this machine: an expert they hold is never computed by a peer.
+        let mut on_machine: Vec<Arc<dyn Tier>> = disk.iter().cloned().collect();
+        if let Some(d) = &kept {
+            on_machine.push(Arc::new(DirTier(d.clone())));
+        }
         let mut tiers: Vec<Arc<dyn Tier>> = Vec::new();
         if !p.peers_first {
             tiers.extend(disk.clone());
@@ -353,6 +365,23 @@ impl Node {
             tiers,
             usage,
         )?);
+        let remote = match &peers {
+            Some(t) if p.remote.mode != RemoteExec::Never && !cfg.experts.mmap => {
+                let hidden = files.cfg.hidden_size;
+                let client = PeerExec::new(t.clone(), hidden, p.timeouts.request_timeout);
+                Some(Arc::new(RemoteExperts::new(
+                    Arc::new(client),
+                    rt.handle().clone(),
+                    p.remote,
+                    experts.tiered.clone(),
+                    on_machine,
+                    files.layout.sizes(),
+                    hidden,
+                    p.timeouts.request_timeout,
+                )))
+            }
+            _ => None,
+        };
         let mut node = Self {
             rt,
             files,
@@ -360,6 +389,7 @@ impl Node {
             manifest,
             experts,
             peers,
+            remote,
             dir: kept,
             endpoint,
             server: Mutex::new(None),
@@ -549,8 +579,17 @@ impl Node {
     /// The model, loaded with `opts` over this node's experts. Call once per model instance;
     /// the node stays needed while the model runs (its tiers and runtime serve the experts).
     pub fn load_model(&self, opts: &LoadOptions) -> anyhow::Result<Model> {
-        Model::new(share(&self.files), self.experts.provider.clone(), opts)
-            .with_context(|| format!("loading the model in {}", self.cfg.model.display()))
+        let model = Model::new(share(&self.files), self.experts.provider.clone(), opts)
+            .with_context(|| format!("loading the model in {}", self.cfg.model.display()))?;
+        Ok(match &self.remote {
+            Some(r) => model.with_executor(r.clone()),
+            None => model,
+        })
+    }
+
+    /// Remote expert execution, when on (`--remote-exec` auto or always, with peers).
+    pub fn remote(&self) -> Option<&Arc<RemoteExperts>> {
+        self.remote.as_ref()
     }
 
     /// The model's files.
@@ -691,6 +730,17 @@ impl Node {
                 h.hedges, h.hedge_wins, h.local_wins
             );
         }
+        if let Some(r) = &self.remote {
+            let s = r.stats();
+            out += &format!(
+                "  remote execution: {} experts run by peers ({} of rows), {} failed calls, {} spot-checks ({} disagreed)\n",
+                s.calls,
+                crate::progress::human_bytes(s.bytes),
+                s.failures,
+                s.spot_checks,
+                s.spot_check_failures
+            );
+        }
         if let Some(d) = &self.dir {
             out += &format!(
                 "  expert dir: {} experts held, {}\n",
@@ -710,6 +760,12 @@ impl Node {
             o["peer_hedge_wins"] = h.hedge_wins.into();
             o["peer_local_wins"] = h.local_wins.into();
         }
+        let r = self.remote.as_ref().map(|r| r.stats()).unwrap_or_default();
+        o["remote_calls"] = r.calls.into();
+        o["remote_bytes"] = r.bytes.into();
+        o["remote_failures"] = r.failures.into();
+        o["spot_checks"] = r.spot_checks.into();
+        o["spot_check_failures"] = r.spot_check_failures.into();
         if let Some(d) = &self.dir {
             o["dir_held"] = (d.len() as u64).into();
             o["dir_held_bytes"] = d.used().into();

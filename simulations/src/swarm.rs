@@ -84,11 +84,21 @@ pub enum Scenario {
     Churn,
     /// `join-empty` over internet-like links (20 ms one way, 100 Mbit/s, 0.5% loss).
     Wan,
+    /// `wan` run twice by the joining node: fetching every expert (`--remote-exec never`),
+    /// then choosing per expert between fetching and having a holder run it
+    /// (`--remote-exec auto`).
+    WanExec,
 }
 
 impl Scenario {
     /// Every scenario, in report order.
-    pub const ALL: [Self; 4] = [Self::Lan4, Self::JoinEmpty, Self::Churn, Self::Wan];
+    pub const ALL: [Self; 5] = [
+        Self::Lan4,
+        Self::JoinEmpty,
+        Self::Churn,
+        Self::Wan,
+        Self::WanExec,
+    ];
 
     /// Its name on the command line.
     pub fn name(self) -> &'static str {
@@ -97,13 +107,14 @@ impl Scenario {
             Self::JoinEmpty => "join-empty",
             Self::Churn => "churn",
             Self::Wan => "wan",
+            Self::WanExec => "wan-exec",
         }
     }
 
     /// The links it uses unless told otherwise.
     pub fn default_link(self) -> LinkSpec {
         match self {
-            Self::Wan => LinkSpec::wan(),
+            Self::Wan | Self::WanExec => LinkSpec::wan(),
             _ => LinkSpec::lan(),
         }
     }
@@ -121,6 +132,9 @@ impl Scenario {
                 "4 nodes hold every expert twice; a holder is killed mid-run and restarted"
             }
             Self::Wan => "join-empty over 20 ms / 100 Mbit/s / 0.5% loss links",
+            Self::WanExec => {
+                "wan fetching every expert, then with remote execution chosen per expert (auto)"
+            }
         }
     }
 }
@@ -183,6 +197,12 @@ pub struct RunOutcome {
     pub disk_loads: u64,
     /// Loads that fell to a lower tier after a failure.
     pub fallbacks: u64,
+    /// Experts computed by peers (calls answered).
+    pub remote_calls: u64,
+    /// Bytes of rows sent to and received from them.
+    pub remote_bytes: u64,
+    /// Calls that gave no rows (the expert was fetched instead).
+    pub remote_failures: u64,
 }
 
 impl RunOutcome {
@@ -219,6 +239,9 @@ impl RunOutcome {
             peer_failures: u("/experts/peer_failures"),
             disk_loads: u("/experts/disk_loads"),
             fallbacks: u("/experts/fallbacks"),
+            remote_calls: u("/experts/remote_calls"),
+            remote_bytes: u("/experts/remote_bytes"),
+            remote_failures: u("/experts/remote_failures"),
         })
     }
 }
@@ -253,6 +276,8 @@ pub struct SwarmReport {
     pub local: RunOutcome,
     /// The run in the swarm.
     pub swarm: RunOutcome,
+    /// `wan-exec`: the same run with `--remote-exec auto` (the swarm run fetched).
+    pub remote: Option<RunOutcome>,
     /// Whether the swarm's ids equal the local run's.
     pub token_exact: bool,
     /// What happened, in order, with seconds since the swarm run started.
@@ -359,7 +384,9 @@ pub fn run_scenario(
 
     let layouts: Vec<Vec<usize>> = match scenario {
         Scenario::Lan4 => vec![vec![1], vec![2], vec![3]],
-        Scenario::JoinEmpty | Scenario::Wan => vec![vec![0], vec![1], vec![2], vec![3]],
+        Scenario::JoinEmpty | Scenario::Wan | Scenario::WanExec => {
+            vec![vec![0], vec![1], vec![2], vec![3]]
+        }
         Scenario::Churn => vec![vec![0, 1], vec![1, 2], vec![2, 3], vec![3, 0]],
     };
     for r in &layouts {
@@ -394,7 +421,7 @@ pub fn run_scenario(
                 experts_with_residues(n_experts, &[0]),
             ]);
         }
-        Scenario::JoinEmpty | Scenario::Wan => {
+        Scenario::JoinEmpty | Scenario::Wan | Scenario::WanExec => {
             args.extend([
                 "--manifest".into(),
                 empty_manifest.to_string_lossy().into_owned(),
@@ -418,6 +445,15 @@ pub fn run_scenario(
                 format!("{:.1}", (one_expert as f64 / 2e6).max(2.0)),
             ]);
         }
+    }
+    // `wan-exec`'s first run fetches every expert; its second (below) chooses.
+    let auto_args = (scenario == Scenario::WanExec).then(|| {
+        let mut a = args.clone();
+        a.extend(["--remote-exec".into(), "auto".into()]);
+        a
+    });
+    if scenario == Scenario::WanExec {
+        args.extend(["--remote-exec".into(), "never".into()]);
     }
     log("swarm run");
     let mut events = Vec::new();
@@ -495,8 +531,21 @@ pub fn run_scenario(
     }
     let (v, wall) = client.wait(opts.timeout)?;
     let swarm = RunOutcome::from_json(&v, wall)?;
+    let remote = match auto_args {
+        Some(a) => {
+            log("swarm run with remote execution (auto)");
+            let mut client = c.spawn_run("swarm-auto", &a)?;
+            while !client.finished() && client.started.elapsed() <= opts.timeout {
+                report(&c, &client, log);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let (v, wall) = client.wait(opts.timeout)?;
+            Some(RunOutcome::from_json(&v, wall)?)
+        }
+        None => None,
+    };
     c.stop_all();
-    let token_exact = swarm.ids == local.ids;
+    let token_exact = swarm.ids == local.ids && remote.as_ref().is_none_or(|r| r.ids == local.ids);
     log(&format!(
         "{}: {}",
         scenario.name(),
@@ -524,6 +573,7 @@ pub fn run_scenario(
         nodes,
         local,
         swarm,
+        remote,
         token_exact,
         events,
     })
@@ -581,7 +631,10 @@ impl SwarmReport {
             "  {:<6} {:>9} {:>9} {:>7} {:>11} {:>10} {:>9} {:>9}",
             "run", "prefill", "decode", "wall", "peer loads", "peer data", "failures", "fallbacks"
         );
-        for (name, r) in [("local", &self.local), ("swarm", s)] {
+        let rows = [("local", &self.local), ("swarm", s)]
+            .into_iter()
+            .chain(self.remote.as_ref().map(|r| ("auto", r)));
+        for (name, r) in rows {
             let _ = writeln!(
                 o,
                 "  {:<6} {:>7.1}/s {:>7.1}/s {:>6.2}s {:>11} {:>10} {:>9} {:>9}",
@@ -593,6 +646,17 @@ impl SwarmReport {
                 mb(r.peer_bytes),
                 r.peer_failures,
                 r.fallbacks
+            );
+        }
+        if let Some(r) = &self.remote {
+            let _ = writeln!(
+                o,
+                "  auto: {} experts run by peers ({} of rows), {} failed calls; decode {:.2}x the \
+                 fetching run's",
+                r.remote_calls,
+                mb(r.remote_bytes),
+                r.remote_failures,
+                r.decode_tok_s / s.decode_tok_s.max(f64::MIN_POSITIVE)
             );
         }
         let _ = write!(

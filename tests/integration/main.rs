@@ -14,6 +14,7 @@ mod manifests;
 mod network;
 mod node;
 mod oracle;
+mod remote;
 mod swarm;
 mod synth;
 mod tiers;

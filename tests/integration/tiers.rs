@@ -1,27 +1,48 @@
 //! Placement decides only speed: the same ids and bit-identical logits whether experts are
 //! mapped, cached in RAM under any budget, prefetched or not, read from the original checkpoint
-//! or from a converted flat store. One test body runs across all of these.
+//! or from a converted flat store, or computed by an executor (honest; lying but spot-checked;
+//! failing). One test body runs across all of these.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use stormo_engine::generate::{greedy, Timings};
-use stormo_engine::moe::ExpertProvider;
+use stormo_engine::moe::{
+    expert_forward, Demand, ExecFailed, Executed, ExpertExecutor, ExpertProvider, ExpertSchema,
+    ExpertScratch, MappedExperts, Ticket, Verdict,
+};
 use stormo_engine::tiers::{store, Tier, TierConfig, TieredExperts};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 use stormo_tests::{fixture, Reference, MODEL_FIXTURES};
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Budget {
     Minimum,
     Half,
     Everything,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Placement {
     Mapped,
-    Tiered { budget: Budget, prefetch: bool },
+    Tiered {
+        budget: Budget,
+        prefetch: bool,
+    },
+    /// Mapped, with an in-process executor taking the odd experts (every expert when
+    /// `Lies`, whose answers are all spot-checked).
+    Executed(Executor),
+}
+
+/// How an in-process executor answers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Executor {
+    /// Computes the expert as the engine does.
+    Honest,
+    /// Adds 1e-2 to every output of expert 1 (of every layer); every answer is checked.
+    Lies,
+    /// Fails every call.
+    Fails,
 }
 
 fn placements() -> Vec<Placement> {
@@ -31,20 +52,97 @@ fn placements() -> Vec<Placement> {
             v.push(Placement::Tiered { budget, prefetch });
         }
     }
+    for x in [Executor::Honest, Executor::Lies, Executor::Fails] {
+        v.push(Placement::Executed(x));
+    }
     v
+}
+
+type Answer = Result<Executed, ExecFailed>;
+
+/// An executor in the test's process, computing experts from the mapped checkpoint with
+/// [`expert_forward`] when submitted, and recording the verdicts it gets.
+#[derive(Debug)]
+struct InProcess {
+    how: Executor,
+    experts: MappedExperts,
+    schemas: Vec<Option<ExpertSchema>>,
+    /// Each call's expert and answer (taken when collected).
+    answers: Mutex<Vec<(usize, Option<Answer>)>>,
+    verdicts: Mutex<Vec<(usize, Verdict)>>,
+}
+
+impl ExpertExecutor for InProcess {
+    fn choose(&self, _layer: usize, demand: &[Demand], delegate: &mut [bool]) {
+        for (d, x) in demand.iter().zip(delegate) {
+            *x = self.how == Executor::Lies || d.expert % 2 == 1;
+        }
+    }
+
+    fn submit(&self, layer: usize, expert: usize, inputs: &[f32]) -> Ticket {
+        let answer = if self.how == Executor::Fails {
+            Err(ExecFailed::Unavailable("the test's executor fails".into()))
+        } else {
+            let schema = self.schemas[layer].as_ref().expect("an MoE layer");
+            let mut data = Vec::new();
+            self.experts.fetch(layer, &[expert], &mut data).unwrap();
+            let mut s = ExpertScratch::default();
+            expert_forward(
+                &schema.view(&data[0]),
+                inputs,
+                schema.hidden,
+                schema.intermediate,
+                &mut s,
+            );
+            let mut rows = s.output().to_vec();
+            if self.how == Executor::Lies && expert == 1 {
+                rows.iter_mut().for_each(|y| *y += 1e-2);
+            }
+            Ok(Executed {
+                rows,
+                check: self.how == Executor::Lies,
+            })
+        };
+        let mut a = self.answers.lock().unwrap();
+        a.push((expert, Some(answer)));
+        Ticket(a.len() as u64 - 1)
+    }
+
+    fn collect(&self, ticket: Ticket) -> Result<Executed, ExecFailed> {
+        let mut a = self.answers.lock().unwrap();
+        a[ticket.0 as usize].1.take().expect("collected once")
+    }
+
+    fn report(&self, ticket: Ticket, verdict: Verdict) {
+        let e = self.answers.lock().unwrap()[ticket.0 as usize].0;
+        self.verdicts.lock().unwrap().push((e, verdict));
+    }
 }
 
 struct Outcome {
     ids: Vec<u32>,
     logits: Vec<f32>,
     stats: Option<stormo_engine::tiers::ExpertStats>,
+    executor: Option<Arc<InProcess>>,
 }
 
 fn generate(dir: &Path, placement: Placement, prompt: &[u32], n: usize, block: usize) -> Outcome {
     let files = ModelFiles::open(dir).unwrap();
     let mut tiered = None;
+    let mut executor = None;
     let provider: Arc<dyn ExpertProvider> = match placement {
         Placement::Mapped => Arc::new(files.mapped_experts().unwrap()),
+        Placement::Executed(how) => {
+            let x = Arc::new(InProcess {
+                how,
+                experts: files.mapped_experts().unwrap(),
+                schemas: files.layout.schemas.clone(),
+                answers: Mutex::default(),
+                verdicts: Mutex::default(),
+            });
+            executor = Some(x);
+            Arc::new(files.mapped_experts().unwrap())
+        }
         Placement::Tiered { budget, prefetch } => {
             let sizes = files.layout.sizes();
             let total: u64 = sizes.iter().flatten().sum();
@@ -64,7 +162,7 @@ fn generate(dir: &Path, placement: Placement, prompt: &[u32], n: usize, block: u
             t
         }
     };
-    let model = Model::new(
+    let mut model = Model::new(
         files,
         provider,
         &LoadOptions {
@@ -73,6 +171,9 @@ fn generate(dir: &Path, placement: Placement, prompt: &[u32], n: usize, block: u
         },
     )
     .unwrap();
+    if let Some(x) = &executor {
+        model = model.with_executor(x.clone());
+    }
     let mut sess = model.session(prompt.len() + n).unwrap();
     let mut logits = Vec::new();
     let ids = greedy(
@@ -89,6 +190,7 @@ fn generate(dir: &Path, placement: Placement, prompt: &[u32], n: usize, block: u
         ids,
         logits,
         stats: tiered.map(|t| t.stats()),
+        executor,
     }
 }
 
@@ -117,6 +219,23 @@ fn placement_decides_only_speed() {
                     "{name} {p:?} from {}: logits differ",
                     src.display()
                 );
+                if let Some(x) = &o.executor {
+                    let calls = x.answers.lock().unwrap().len();
+                    assert!(calls > 0, "{name} {p:?}: nothing delegated");
+                    let v = x.verdicts.lock().unwrap();
+                    if p == Placement::Executed(Executor::Lies) {
+                        assert_eq!(v.len(), calls, "{name}: every answer checked");
+                        assert!(
+                            v.contains(&(1, Verdict::Disagreed)),
+                            "{name}: lie not caught"
+                        );
+                        for &(e, verdict) in v.iter() {
+                            assert_eq!(verdict == Verdict::Disagreed, e == 1, "{name} expert {e}");
+                        }
+                    } else {
+                        assert!(v.is_empty(), "{name} {p:?}: {v:?}");
+                    }
+                }
                 if let (Placement::Tiered { budget, prefetch }, Some(s)) = (p, &o.stats) {
                     assert!(s.requests > 0);
                     assert_eq!(s.tiers[0].failures, 0);

@@ -221,6 +221,15 @@ impl TieredExperts {
             .collect()
     }
 
+    /// Whether `key` is in RAM now, ready to use (what remote execution's choice asks: a
+    /// cached expert costs nothing to compute here).
+    pub fn is_resident(&self, key: ExpertId) -> bool {
+        let g = self.shared.lock();
+        g.map
+            .get(&key)
+            .is_some_and(|e| matches!(e.state, State::Ready(_)))
+    }
+
     /// Requests per expert since start, `[layer][expert]`.
     pub fn usage(&self) -> Vec<Vec<u64>> {
         self.shared.lock().usage.clone()

@@ -203,6 +203,11 @@ fn pull_experts(
                 limit: u64::MAX,
             }),
             peers_first: false,
+            // A pull computes nothing.
+            remote: net::remote_policy::RemoteConfig {
+                mode: net::remote_policy::RemoteExec::Never,
+                spot_check: 0.0,
+            },
         },
         listen: None,
         swarm,

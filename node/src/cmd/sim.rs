@@ -22,6 +22,8 @@ use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 ///   join-empty  a node with no experts and no manifest joins 4 quarter-holders and generates
 ///   churn       4 nodes hold every expert twice; a holder is killed mid-run and restarted
 ///   wan         join-empty over 20 ms / 100 Mbit/s / 0.5% loss links
+///   wan-exec    wan fetching every expert, then with remote execution chosen per expert
+///               (--remote-exec auto): decode speed side by side
 ///   all         each of them in turn
 ///   faults      the fault matrix: a holder killed or stopped while it sends, the sole holder
 ///               restarted on its port, corrupt bytes, an unknown key, a server at
@@ -33,7 +35,7 @@ use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// The scenario: lan4, join-empty, churn, wan, all or faults.
+    /// The scenario: lan4, join-empty, churn, wan, wan-exec, all or faults.
     #[arg(long, value_name = "NAME")]
     pub scenario: String,
     /// The checkpoint every node serves from (at least 4 experts per layer).

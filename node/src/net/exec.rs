@@ -103,6 +103,13 @@ impl std::fmt::Debug for Executor {
 impl Executor {
     /// Starts the exec pool of `cfg.threads` threads (none for 0).
     pub fn new(cfg: ExecConfig) -> anyhow::Result<Self> {
+        // The kernels' instruction set is decided once, on first use, by a self-check that
+        // runs on a rayon pool of its own. Decided here, on the calling thread: decided on
+        // first use by an exec job, the job's thread waits for the self-check inside the
+        // one-time initialisation, steals the next exec job meanwhile (rayon's waiting
+        // threads run queued jobs), and that job waits for the same initialisation on the
+        // same thread: a deadlock (seen as every call of a prefill timing out).
+        let _ = stormo_engine::kernels::Isa::process();
         let pool = match cfg.threads {
             0 => None,
             n => Some(

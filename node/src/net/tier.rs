@@ -694,6 +694,19 @@ impl PeerTier {
             .collect()
     }
 
+    /// [`Self::exec_holders`] with each one's measured link: round trip and throughput
+    /// (`None`: not measured yet), for remote execution's choice.
+    pub fn exec_links(&self, id: ExpertId) -> Vec<(PublicKey, Option<Duration>, Option<f64>)> {
+        self.inner
+            .peers()
+            .iter()
+            .filter_map(|p| {
+                let s = p.state();
+                (s.usable() && s.holds(id)).then(|| (p.addr.key, s.rtt, s.rate))
+            })
+            .collect()
+    }
+
     /// Runs expert `expert` at the peer with key `peer` over `rows` (`[n, hidden]` f32, the
     /// layer's hidden width) and returns its output rows (`[n, hidden]`), within `deadline`
     /// (connecting included). More positions than one call carries

@@ -1,0 +1,791 @@
+//! Remote expert execution, the node's side of the engine's seam: an
+//! [`ExpertExecutor`] that asks peers holding an expert to compute it.
+//!
+//! The engine calls [`RemoteExperts`] from its own threads. An expert this machine holds (its
+//! disk, its kept experts) is always computed here; for the others `choose` asks the sans-IO
+//! [`RemotePolicy`] (is it in the RAM cache? who holds it, over which link?). `submit` starts
+//! the call as a task on the node's runtime and returns at once, and `collect` blocks the
+//! engine thread on that task's answer (never an async thread: the engine runs outside the
+//! runtime, as the network tier's loads do). A call carrying more positions than one wire
+//! message allows is split into several, sent at once, and joined in order. Each call is
+//! bounded by `--peer-timeout` or [`EXEC_TIMEOUT`], whichever is shorter. Busy answers,
+//! failures and time-outs go back to the policy (which pauses that peer); a busy or failed
+//! call is asked of another holder the policy still takes while the call's time lasts, and
+//! otherwise (a time-out, no other holder) the engine gets [`ExecFailed`] and fetches and
+//! computes that expert itself. A spot-check's verdict goes to the policy, which bans a peer
+//! whose rows differed for the rest of the session.
+//!
+//! The calls themselves go through an [`ExecClient`] (the network tier's connections in the
+//! node; a fake in this module's tests).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use stormo_engine::moe::{Demand, ExecFailed, Executed, ExpertExecutor, Ticket, Verdict};
+use stormo_engine::tiers::{ExpertId, Tier, TieredExperts};
+
+use stormo_manifests::PublicKey;
+
+use super::exec::ExecError;
+use super::remote_policy::{Choice, Holder, Link, RemoteConfig, RemotePolicy, RemoteStats, Want};
+use super::tier::PeerTier;
+
+/// Why one call gave no rows.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CallError {
+    /// The peer is at its compute limit.
+    #[error("busy: {0}")]
+    Busy(String),
+    /// No answer in time.
+    #[error("timed out")]
+    TimedOut,
+    /// The peer refused, failed, broke the protocol, or the connection did.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// A call's future.
+pub type CallFuture = Pin<Box<dyn Future<Output = Result<Vec<f32>, CallError>> + Send>>;
+
+/// How the executor reaches peers.
+pub trait ExecClient: Send + Sync + fmt::Debug + 'static {
+    /// The peers that hold `id` now and could run it, with their links.
+    fn holders(&self, id: ExpertId) -> Vec<Holder>;
+
+    /// Asks `peer` to compute `id` on `rows` (`[n, H]`); resolves to `[n, H]` output rows.
+    /// Called on the runtime.
+    fn call(&self, peer: usize, id: ExpertId, rows: Vec<f32>) -> CallFuture;
+
+    /// The most positions one call may carry.
+    fn max_positions(&self) -> usize;
+
+    /// `peer`'s name in logs.
+    fn name(&self, peer: usize) -> String {
+        format!("#{peer}")
+    }
+}
+
+/// The network tier as an [`ExecClient`]: its peers numbered in the order first seen here.
+#[derive(Debug)]
+pub struct PeerExec {
+    tier: Arc<PeerTier>,
+    keys: Mutex<Vec<PublicKey>>,
+    hidden: usize,
+    deadline: Duration,
+}
+
+impl PeerExec {
+    /// Calls through `tier` for a model of row width `hidden`, each bounded by `deadline`.
+    pub fn new(tier: Arc<PeerTier>, hidden: usize, deadline: Duration) -> Self {
+        Self {
+            tier,
+            keys: Mutex::default(),
+            hidden,
+            deadline,
+        }
+    }
+
+    fn index(&self, key: PublicKey) -> usize {
+        let mut keys = self.keys.lock().expect("peer keys lock");
+        match keys.iter().position(|k| *k == key) {
+            Some(i) => i,
+            None => {
+                keys.push(key);
+                keys.len() - 1
+            }
+        }
+    }
+
+    fn key(&self, peer: usize) -> Option<PublicKey> {
+        self.keys.lock().expect("peer keys lock").get(peer).copied()
+    }
+}
+
+impl ExecClient for PeerExec {
+    fn holders(&self, id: ExpertId) -> Vec<Holder> {
+        self.tier
+            .exec_links(id)
+            .into_iter()
+            .map(|(key, rtt, rate)| Holder {
+                peer: self.index(key),
+                link: Link { rtt, rate },
+            })
+            .collect()
+    }
+
+    fn call(&self, peer: usize, id: ExpertId, rows: Vec<f32>) -> CallFuture {
+        let (tier, deadline, key) = (self.tier.clone(), self.deadline, self.key(peer));
+        Box::pin(async move {
+            let key = key.ok_or_else(|| CallError::Failed(format!("no peer #{peer}")))?;
+            tier.exec(&key, id, &rows, deadline)
+                .await
+                .map_err(|e| match e {
+                    ExecError::Busy(m) => CallError::Busy(m),
+                    ExecError::Timeout(_) => CallError::TimedOut,
+                    other => CallError::Failed(other.to_string()),
+                })
+        })
+    }
+
+    fn max_positions(&self) -> usize {
+        stormo_wire::max_positions(self.hidden)
+    }
+
+    fn name(&self, peer: usize) -> String {
+        self.key(peer)
+            .map_or_else(|| format!("#{peer}"), |k| super::short_key(&k))
+    }
+}
+
+/// The longest one call may take when `--peer-timeout` is longer.
+pub const EXEC_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A call in flight.
+struct Pending {
+    peer: usize,
+    check: bool,
+    started: Instant,
+    bytes: u64,
+    rx: tokio::sync::oneshot::Receiver<Result<Vec<f32>, CallError>>,
+    /// What another holder is asked if this one fails: the expert, its rows, the choice's
+    /// inputs, and the call's deadline (`None`: no call was made).
+    retry: Option<Retry>,
+}
+
+/// See [`Pending::retry`].
+struct Retry {
+    id: ExpertId,
+    rows: Arc<Vec<f32>>,
+    want: Want,
+    deadline: Instant,
+}
+
+/// The engine's executor over a node's peers. See the module docs.
+pub struct RemoteExperts {
+    client: Arc<dyn ExecClient>,
+    rt: tokio::runtime::Handle,
+    policy: Mutex<RemotePolicy>,
+    cache: Option<Arc<TieredExperts>>,
+    /// The tiers that hold experts on this machine (the disk, the kept experts): an expert
+    /// one of them holds is never delegated.
+    local: Vec<Arc<dyn Tier>>,
+    /// Bytes of every expert, `[layer][expert]`.
+    sizes: Vec<Vec<u64>>,
+    hidden: usize,
+    timeout: Duration,
+    /// The peer chosen for each expert of the block being planned, and what was weighed,
+    /// until it is submitted.
+    chosen: Mutex<HashMap<(usize, usize), (usize, Want)>>,
+    next: AtomicU64,
+    pending: Mutex<HashMap<u64, Pending>>,
+    /// The peer of each collected answer awaiting a spot-check's verdict.
+    checking: Mutex<HashMap<u64, usize>>,
+}
+
+impl fmt::Debug for RemoteExperts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteExperts")
+            .field("client", &self.client)
+            .field("config", &self.lock_policy().config())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RemoteExperts {
+    /// An executor calling peers through `client` on `rt`, for a model of row width `hidden`
+    /// whose experts are `sizes[layer][expert]` bytes; `cache` (the RAM cache, when tiered)
+    /// tells which experts are at hand, and an expert one of the `local` tiers (this
+    /// machine's disk and kept experts) holds is always computed here. Each call may take
+    /// `timeout` (at most [`EXEC_TIMEOUT`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        client: Arc<dyn ExecClient>,
+        rt: tokio::runtime::Handle,
+        cfg: RemoteConfig,
+        cache: Option<Arc<TieredExperts>>,
+        local: Vec<Arc<dyn Tier>>,
+        sizes: Vec<Vec<u64>>,
+        hidden: usize,
+        timeout: Duration,
+    ) -> Self {
+        let counts: Vec<usize> = sizes.iter().map(Vec::len).collect();
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        Self {
+            client,
+            rt,
+            policy: Mutex::new(RemotePolicy::new(cfg, &counts, seed)),
+            cache,
+            local,
+            sizes,
+            hidden,
+            timeout: timeout.min(EXEC_TIMEOUT),
+            chosen: Mutex::default(),
+            next: AtomicU64::new(0),
+            pending: Mutex::default(),
+            checking: Mutex::default(),
+        }
+    }
+
+    fn lock_policy(&self) -> std::sync::MutexGuard<'_, RemotePolicy> {
+        self.policy.lock().expect("remote policy lock")
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> RemoteStats {
+        self.lock_policy().stats()
+    }
+
+    /// Starts computing `id` at `peer` on `rows`, split into calls of at most the wire's
+    /// positions sent at once, bounded by `timeout`; the answer comes on the receiver.
+    fn start(
+        &self,
+        peer: usize,
+        id: ExpertId,
+        rows: Arc<Vec<f32>>,
+        timeout: Duration,
+    ) -> tokio::sync::oneshot::Receiver<Result<Vec<f32>, CallError>> {
+        let per_call = self.client.max_positions().max(1) * self.hidden.max(1);
+        let calls: Vec<CallFuture> = rows
+            .chunks(per_call)
+            .map(|r| self.client.call(peer, id, r.to_vec()))
+            .collect();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let want = rows.len();
+        self.rt.spawn(async move {
+            let all = async {
+                let mut out = Vec::with_capacity(want);
+                for r in futures_join_in_order(calls).await {
+                    out.extend(r?);
+                }
+                if out.len() != want {
+                    return Err(CallError::Failed(format!(
+                        "{} output values for {want} inputs",
+                        out.len()
+                    )));
+                }
+                Ok(out)
+            };
+            let r = match tokio::time::timeout(timeout, all).await {
+                Ok(r) => r,
+                Err(_) => Err(CallError::TimedOut),
+            };
+            let _ = tx.send(r);
+        });
+        rx
+    }
+
+    /// A ticket whose collect fails with `why`.
+    fn failed_ticket(&self, why: CallError) -> Ticket {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let _ = tx.send(Err(why));
+        let t = self.next.fetch_add(1, Ordering::Relaxed);
+        self.pending.lock().expect("pending lock").insert(
+            t,
+            Pending {
+                peer: usize::MAX,
+                check: false,
+                started: Instant::now(),
+                bytes: 0,
+                rx,
+                retry: None,
+            },
+        );
+        Ticket(t)
+    }
+}
+
+impl ExpertExecutor for RemoteExperts {
+    fn choose(&self, layer: usize, demand: &[Demand], delegate: &mut [bool]) {
+        let now = Instant::now();
+        let mut p = self.lock_policy();
+        p.observe(layer, demand.iter().map(|d| d.expert));
+        let mut chosen = self.chosen.lock().expect("chosen lock");
+        for (d, x) in demand.iter().zip(delegate) {
+            let (Ok(l), Ok(e)) = (u16::try_from(layer), u16::try_from(d.expert)) else {
+                continue;
+            };
+            let id = ExpertId::new(l, e);
+            if self.local.iter().any(|t| t.holds(id)) {
+                continue;
+            }
+            let holders = self.client.holders(id);
+            if holders.is_empty() {
+                continue;
+            }
+            let want = Want {
+                layer,
+                expert: d.expert,
+                positions: d.positions,
+                expert_bytes: self
+                    .sizes
+                    .get(layer)
+                    .and_then(|s| s.get(d.expert))
+                    .copied()
+                    .unwrap_or(0),
+                cached: self.cache.as_ref().is_some_and(|c| c.is_resident(id)),
+            };
+            if let Choice::Execute { peer } = p.choose(now, &want, self.hidden, &holders) {
+                p.begin(peer);
+                chosen.insert((layer, d.expert), (peer, want));
+                *x = true;
+            }
+        }
+    }
+
+    fn submit(&self, layer: usize, expert: usize, inputs: &[f32]) -> Ticket {
+        let chosen = self
+            .chosen
+            .lock()
+            .expect("chosen lock")
+            .remove(&(layer, expert));
+        let (Some((peer, want)), Ok(l), Ok(e)) =
+            (chosen, u16::try_from(layer), u16::try_from(expert))
+        else {
+            return self.failed_ticket(CallError::Failed(format!(
+                "expert {expert} of layer {layer} was not chosen for a peer"
+            )));
+        };
+        let h = self.hidden.max(1);
+        if inputs.is_empty() || !inputs.len().is_multiple_of(h) {
+            self.lock_policy().cancel(peer);
+            return self.failed_ticket(CallError::Failed(format!(
+                "{} inputs are not rows of {h}",
+                inputs.len()
+            )));
+        }
+        let check = self.lock_policy().check(peer);
+        let id = ExpertId::new(l, e);
+        let rows = Arc::new(inputs.to_vec());
+        let started = Instant::now();
+        let rx = self.start(peer, id, rows.clone(), self.timeout);
+        let t = self.next.fetch_add(1, Ordering::Relaxed);
+        self.pending.lock().expect("pending lock").insert(
+            t,
+            Pending {
+                peer,
+                check,
+                started,
+                bytes: 2 * 4 * inputs.len() as u64,
+                rx,
+                retry: Some(Retry {
+                    id,
+                    rows,
+                    want,
+                    deadline: started + self.timeout,
+                }),
+            },
+        );
+        Ticket(t)
+    }
+
+    fn collect(&self, ticket: Ticket) -> Result<Executed, ExecFailed> {
+        let Some(mut p) = self.pending.lock().expect("pending lock").remove(&ticket.0) else {
+            return Err(ExecFailed::Failed(format!("no call {}", ticket.0)));
+        };
+        loop {
+            let answer =
+                p.rx.blocking_recv()
+                    .unwrap_or_else(|_| Err(CallError::Failed("the call's task ended".into())));
+            let Some(retry) = &p.retry else {
+                return Err(match answer {
+                    Err(CallError::Failed(m)) => ExecFailed::Unavailable(m),
+                    _ => ExecFailed::Unavailable("no peer".into()),
+                });
+            };
+            let mut policy = self.lock_policy();
+            let now = Instant::now();
+            let failed = match answer {
+                Ok(rows) => {
+                    policy.answered(p.peer, p.started.elapsed(), p.bytes);
+                    if p.check {
+                        self.checking
+                            .lock()
+                            .expect("checking lock")
+                            .insert(ticket.0, p.peer);
+                    }
+                    return Ok(Executed {
+                        rows,
+                        check: p.check,
+                    });
+                }
+                Err(CallError::Busy(m)) => {
+                    policy.busy(p.peer, now);
+                    tracing::debug!(
+                        "remote execution: peer {} busy ({m})",
+                        self.client.name(p.peer)
+                    );
+                    ExecFailed::Busy
+                }
+                Err(CallError::TimedOut) => {
+                    policy.failed(p.peer, now);
+                    tracing::warn!(
+                        "remote execution: peer {} gave no answer in time; computing here",
+                        self.client.name(p.peer)
+                    );
+                    // The call's time is spent: no other holder is tried.
+                    return Err(ExecFailed::TimedOut);
+                }
+                Err(CallError::Failed(m)) => {
+                    policy.failed(p.peer, now);
+                    tracing::warn!(
+                        "remote execution: peer {} failed ({m})",
+                        self.client.name(p.peer)
+                    );
+                    ExecFailed::Failed(m)
+                }
+            };
+            // Another holder while the call's time lasts, if the choice still delegates (the
+            // failed peer is paused now, so it is not chosen again).
+            let left = retry.deadline.saturating_duration_since(now);
+            if left.is_zero() {
+                return Err(failed);
+            }
+            let holders = self.client.holders(retry.id);
+            let Choice::Execute { peer } = policy.choose(now, &retry.want, self.hidden, &holders)
+            else {
+                return Err(failed);
+            };
+            policy.begin(peer);
+            p.check |= policy.check(peer);
+            drop(policy);
+            tracing::debug!(
+                "remote execution: expert {} asked of peer {} instead",
+                retry.id,
+                self.client.name(peer)
+            );
+            p.rx = self.start(peer, retry.id, retry.rows.clone(), left);
+            p.peer = peer;
+            p.started = now;
+        }
+    }
+
+    fn report(&self, ticket: Ticket, verdict: Verdict) {
+        let Some(peer) = self
+            .checking
+            .lock()
+            .expect("checking lock")
+            .remove(&ticket.0)
+        else {
+            return;
+        };
+        if verdict == Verdict::Disagreed {
+            tracing::warn!(
+                "remote execution: peer {} computed an expert wrong (a spot-check \
+                 disagreed); it is not asked again this session",
+                self.client.name(peer)
+            );
+        }
+        self.lock_policy().verdict(peer, verdict);
+    }
+}
+
+/// Runs `calls` at once and returns their results in order. Dropped early (a time-out), it
+/// cancels the calls still running.
+async fn futures_join_in_order(calls: Vec<CallFuture>) -> Vec<Result<Vec<f32>, CallError>> {
+    /// Aborts the tasks left when dropped.
+    struct Calls(Vec<tokio::task::JoinHandle<Result<Vec<f32>, CallError>>>);
+    impl Drop for Calls {
+        fn drop(&mut self) {
+            for h in &self.0 {
+                h.abort();
+            }
+        }
+    }
+    let mut running = Calls(calls.into_iter().map(tokio::spawn).collect());
+    let mut out = Vec::with_capacity(running.0.len());
+    for h in &mut running.0 {
+        out.push(
+            h.await
+                .unwrap_or_else(|e| Err(CallError::Failed(format!("the call's task: {e}")))),
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::remote_policy::RemoteExec;
+    use super::*;
+
+    /// How the fake peers answer.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Peer {
+        /// `2 x` each input.
+        Doubles,
+        /// Never answers.
+        Stalls,
+        /// `busy`.
+        Busy,
+        /// One value short.
+        Short,
+    }
+
+    /// Peers 0.. each behaving as given, all holding every expert.
+    #[derive(Debug)]
+    struct Fake {
+        peers: Vec<Peer>,
+        max_positions: usize,
+        calls: Arc<AtomicU64>,
+        /// Held by each stalled call while it runs.
+        live: Arc<()>,
+    }
+
+    impl ExecClient for Fake {
+        fn holders(&self, _id: ExpertId) -> Vec<Holder> {
+            (0..self.peers.len())
+                .map(|peer| Holder {
+                    peer,
+                    link: Link {
+                        rtt: Some(Duration::from_millis(1 + peer as u64)),
+                        rate: None,
+                    },
+                })
+                .collect()
+        }
+
+        fn call(&self, peer: usize, _id: ExpertId, rows: Vec<f32>) -> CallFuture {
+            assert!(rows.len() <= self.max_positions * H);
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            let how = self.peers[peer];
+            let live = self.live.clone();
+            Box::pin(async move {
+                match how {
+                    Peer::Doubles => Ok(rows.iter().map(|x| 2.0 * x).collect()),
+                    Peer::Stalls => {
+                        let _live = live;
+                        tokio::time::sleep(Duration::from_secs(3600)).await;
+                        unreachable!("cancelled by the time-out")
+                    }
+                    Peer::Busy => Err(CallError::Busy("full".into())),
+                    Peer::Short => Ok(rows[1..].to_vec()),
+                }
+            })
+        }
+
+        fn max_positions(&self) -> usize {
+            self.max_positions
+        }
+    }
+
+    const H: usize = 4;
+
+    fn executor(
+        rt: &tokio::runtime::Runtime,
+        peers: Vec<Peer>,
+        mode: RemoteExec,
+    ) -> (RemoteExperts, Arc<AtomicU64>, Arc<()>) {
+        let calls = Arc::new(AtomicU64::new(0));
+        let live = Arc::new(());
+        let fake = Fake {
+            peers,
+            max_positions: 2,
+            calls: calls.clone(),
+            live: live.clone(),
+        };
+        let x = RemoteExperts::new(
+            Arc::new(fake),
+            rt.handle().clone(),
+            RemoteConfig {
+                mode,
+                spot_check: 0.0,
+            },
+            None,
+            Vec::new(),
+            vec![vec![1 << 20; 8]; 2],
+            H,
+            Duration::from_millis(200),
+        );
+        (x, calls, live)
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// Delegates what the policy takes and submits to the peer chosen; returns the tickets.
+    fn plan(x: &RemoteExperts, layer: usize, demand: &[Demand], rows: &[f32]) -> Vec<Ticket> {
+        let mut delegate = vec![false; demand.len()];
+        x.choose(layer, demand, &mut delegate);
+        demand
+            .iter()
+            .zip(&delegate)
+            .filter(|(_, &d)| d)
+            .map(|(d, _)| x.submit(layer, d.expert, &rows[..d.positions * H]))
+            .collect()
+    }
+
+    /// A call of 5 positions goes out as three (at most 2 each) and comes back whole and in
+    /// order; the first answer of a peer is to be spot-checked and an agreeing verdict counts.
+    #[test]
+    fn calls_are_split_and_joined_in_order() {
+        let rt = runtime();
+        let (x, calls, _) = executor(&rt, vec![Peer::Doubles], RemoteExec::Always);
+        let rows: Vec<f32> = (0..5 * H).map(|i| i as f32).collect();
+        let t = plan(
+            &x,
+            1,
+            &[Demand {
+                expert: 3,
+                positions: 5,
+            }],
+            &rows,
+        );
+        assert_eq!(t.len(), 1);
+        let a = x.collect(t[0]).unwrap();
+        assert_eq!(calls.load(Ordering::Relaxed), 3);
+        let want: Vec<f32> = rows.iter().map(|v| 2.0 * v).collect();
+        assert_eq!(a.rows, want);
+        assert!(a.check, "a peer's first answer is checked");
+        x.report(t[0], Verdict::Agreed);
+        let s = x.stats();
+        assert_eq!(
+            (s.calls, s.bytes, s.spot_checks),
+            (1, 2 * 4 * 5 * H as u64, 1)
+        );
+        // The next answer is not checked (spot_check 0).
+        let t = plan(
+            &x,
+            1,
+            &[Demand {
+                expert: 3,
+                positions: 1,
+            }],
+            &rows,
+        );
+        assert!(!x.collect(t[0]).unwrap().check);
+    }
+
+    /// `never` delegates nothing; an unchosen expert's ticket fails without a call.
+    #[test]
+    fn never_delegates_and_unchosen_submits_fail() {
+        let rt = runtime();
+        let (x, calls, _) = executor(&rt, vec![Peer::Doubles], RemoteExec::Never);
+        let rows = vec![1.0; H];
+        assert!(plan(
+            &x,
+            0,
+            &[Demand {
+                expert: 1,
+                positions: 1
+            }],
+            &rows
+        )
+        .is_empty());
+        let t = x.submit(0, 1, &rows);
+        assert!(matches!(x.collect(t), Err(ExecFailed::Unavailable(_))));
+        assert_eq!(calls.load(Ordering::Relaxed), 0);
+    }
+
+    /// One expert of layer 0 over one position, delegated and collected.
+    fn one_call(x: &RemoteExperts) -> Result<Executed, ExecFailed> {
+        let d = Demand {
+            expert: 1,
+            positions: 1,
+        };
+        let t = plan(x, 0, &[d], &[1.0; H]);
+        assert_eq!(t.len(), 1, "delegated");
+        x.collect(t[0])
+    }
+
+    /// A peer that stalls is given up on at the time-out (its call cancelled, no other holder
+    /// tried: the time is spent) and paused, so the next block's call goes to another holder.
+    #[test]
+    fn a_stalled_call_times_out_is_cancelled_and_the_next_goes_elsewhere() {
+        let rt = runtime();
+        let (x, _, live) = executor(&rt, vec![Peer::Stalls, Peer::Doubles], RemoteExec::Always);
+        let start = Instant::now();
+        assert_eq!(one_call(&x), Err(ExecFailed::TimedOut));
+        assert!(start.elapsed() < Duration::from_secs(5));
+        assert_eq!(x.stats().failures, 1);
+        // The stalled call was cancelled, not left running.
+        let until = Instant::now() + Duration::from_secs(5);
+        while Arc::strong_count(&live) > 2 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(Arc::strong_count(&live), 2, "the fake's and this test's");
+        // Peer 0 (the shorter round trip) is paused: peer 1 answers.
+        assert_eq!(one_call(&x).unwrap().rows, vec![2.0; H]);
+    }
+
+    /// A busy answer or a short one is made up for by another holder within the same call;
+    /// with no other holder the call fails and the engine fetches.
+    #[test]
+    fn a_busy_or_short_answer_goes_to_another_holder_within_the_call() {
+        let rt = runtime();
+        for (bad, alone) in [
+            (Peer::Busy, ExecFailed::Busy),
+            (
+                Peer::Short,
+                ExecFailed::Failed(format!("{} output values for {H} inputs", H - 1)),
+            ),
+        ] {
+            let (x, calls, _) = executor(&rt, vec![bad, Peer::Doubles], RemoteExec::Always);
+            let a = one_call(&x).unwrap();
+            assert_eq!(a.rows, vec![2.0; H], "{bad:?}");
+            assert!(a.check, "peer 1's first answer is checked");
+            assert_eq!(calls.load(Ordering::Relaxed), 2, "{bad:?}");
+            let s = x.stats();
+            assert_eq!((s.calls, s.failures), (1, 1), "{bad:?}");
+            let (x, _, _) = executor(&rt, vec![bad], RemoteExec::Always);
+            assert_eq!(one_call(&x), Err(alone), "{bad:?} alone");
+        }
+    }
+
+    /// A disagreeing spot-check bans the peer: the next block goes to the other holder, and
+    /// with no other holder nothing is delegated.
+    #[test]
+    fn a_disagreeing_peer_is_not_asked_again() {
+        let rt = runtime();
+        let (x, _, _) = executor(&rt, vec![Peer::Doubles, Peer::Doubles], RemoteExec::Always);
+        let rows = vec![1.0; H];
+        let t = plan(
+            &x,
+            0,
+            &[Demand {
+                expert: 1,
+                positions: 1,
+            }],
+            &rows,
+        );
+        assert!(x.collect(t[0]).unwrap().check);
+        x.report(t[0], Verdict::Disagreed);
+        let s = x.stats();
+        assert_eq!((s.spot_checks, s.spot_check_failures), (1, 1));
+        let t = plan(
+            &x,
+            0,
+            &[Demand {
+                expert: 1,
+                positions: 1,
+            }],
+            &rows,
+        );
+        // Peer 1's first answer: checked, so it was peer 1 that answered.
+        assert!(x.collect(t[0]).unwrap().check);
+        x.report(t[0], Verdict::Disagreed);
+        assert!(plan(
+            &x,
+            0,
+            &[Demand {
+                expert: 1,
+                positions: 1
+            }],
+            &rows
+        )
+        .is_empty());
+        let s = x.stats();
+        assert_eq!((s.calls, s.spot_check_failures), (2, 2));
+    }
+}

@@ -1,0 +1,230 @@
+//! Remote expert execution end to end on 127.0.0.1: `stormo run --no-local-experts` whose
+//! experts are computed by its peers gives the fixtures' reference ids, whether the peer
+//! computes right (a `stormo serve`), lies (a hand-made peer perturbing one expert's rows,
+//! caught by spot-checks), stalls or dies mid-call (the expert is fetched and computed here).
+//! Every run is bounded by the test harness's process time-out and `--peer-timeout`.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use stormo_manifests::{build, BuildOptions, ExpertId};
+use stormo_tests::{fixture, Reference, MODEL_FIXTURES};
+
+use crate::hostile::{ExecAnswer, HostilePeer, Observed};
+use crate::node::{s, state, stormo, Proc};
+
+/// A copy of fixture `name` with its manifest built there, and the model id (hex).
+fn setup(name: &str) -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for e in std::fs::read_dir(fixture(name)).expect("fixture dir") {
+        let e = e.expect("entry");
+        let n = e.file_name().to_string_lossy().into_owned();
+        if !n.starts_with("reference") {
+            std::fs::copy(e.path(), dir.path().join(&n)).expect("copy");
+        }
+    }
+    let m = build(dir.path(), &BuildOptions::default()).expect("manifest builds");
+    std::fs::write(dir.path().join("stormo-manifest.bin"), m.encode()).expect("write manifest");
+    (dir, m.model_id().to_string())
+}
+
+/// Tokens generated per run (the references hold more).
+const N: usize = 8;
+
+/// The prompt and the first [`N`] reference ids of fixture `name`.
+fn reference(name: &str) -> (String, Vec<u64>) {
+    let r = Reference::open(&fixture(name));
+    let prompt: Vec<String> = r.ids("input_ids").iter().map(u32::to_string).collect();
+    let want = r.ids("generated_ids")[..N]
+        .iter()
+        .map(|&i| u64::from(i))
+        .collect();
+    (prompt.join(","), want)
+}
+
+/// `stormo run --no-local-experts --json` on `model` with `peers`, and `extra` options; the
+/// generated ids and the `"experts"` object.
+fn run_remote(
+    model: &Path,
+    id: &str,
+    prompt: &str,
+    peers: &[String],
+    extra: &[&str],
+) -> (Vec<u64>, Value) {
+    let st = state();
+    let n = N.to_string();
+    let mut args = vec![
+        "run",
+        "--model",
+        s(model),
+        "--no-local-experts",
+        "--prompt-ids",
+        prompt,
+        "--max-new-tokens",
+        &n,
+        "--json",
+        "--state-dir",
+        s(st.path()),
+        "--expert-cache",
+        "0",
+        "--no-keep",
+        "--model-id",
+        id,
+    ];
+    for p in peers {
+        args.extend(["--peer", p.as_str()]);
+    }
+    args.extend_from_slice(extra);
+    let v: Value = serde_json::from_str(&stormo(&args)).expect("run --json");
+    let ids = v["generated_ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .map(|x| x.as_u64().expect("id"))
+        .collect();
+    (ids, v["experts"].clone())
+}
+
+fn num(j: &Value, k: &str) -> u64 {
+    j[k].as_u64()
+        .unwrap_or_else(|| panic!("{k} missing in {j}"))
+}
+
+/// `Exec` calls a hand-made peer received.
+fn execs(p: &HostilePeer) -> usize {
+    p.observed()
+        .iter()
+        .filter(|o| matches!(o, Observed::Exec { .. }))
+        .count()
+}
+
+/// A hand-made peer's `KEY@ADDR`.
+fn line(p: &HostilePeer) -> String {
+    format!("{}@{}", p.key.public(), p.addr)
+}
+
+/// Issue 39 (a): a node with no local experts and `--remote-exec always` generates each
+/// fixture's reference ids from a peer executing its experts: calls made and answered, the
+/// first one spot-checked and agreeing, none failed.
+#[test]
+fn a_node_without_experts_generates_the_reference_ids_from_peers_executing() {
+    for name in MODEL_FIXTURES {
+        let (dir, id) = setup(name);
+        let st = state();
+        let server = Proc::start(&[
+            "serve",
+            "--model",
+            s(dir.path()),
+            "--listen",
+            "127.0.0.1:0",
+            "--allow-any",
+            "--state-dir",
+            s(st.path()),
+        ]);
+        let (prompt, want) = reference(name);
+        let (ids, j) = run_remote(
+            dir.path(),
+            &id,
+            &prompt,
+            std::slice::from_ref(&server.line),
+            &["--remote-exec", "always"],
+        );
+        assert_eq!(ids, want, "{name}: {j}");
+        assert!(num(&j, "remote_calls") > 0, "{name}: {j}");
+        assert!(num(&j, "remote_bytes") > 0, "{name}: {j}");
+        assert_eq!(num(&j, "remote_failures"), 0, "{name}: {j}");
+        assert!(num(&j, "spot_checks") >= 1, "{name}: {j}");
+        assert_eq!(num(&j, "spot_check_failures"), 0, "{name}: {j}");
+        // `never` fetches instead: no call.
+        let (ids, j) = run_remote(
+            dir.path(),
+            &id,
+            &prompt,
+            std::slice::from_ref(&server.line),
+            &["--remote-exec", "never"],
+        );
+        assert_eq!(ids, want, "{name} never: {j}");
+        assert_eq!(num(&j, "remote_calls"), 0, "{name} never: {j}");
+        assert!(num(&j, "peer_loads") > 0, "{name} never: {j}");
+    }
+}
+
+/// Issue 39 (b): a peer that perturbs the outputs of one expert by 1e-2 is caught by a
+/// spot-check, and the ids stay exact: when it lies from its first answer (always checked,
+/// at the default share), and when it lies only after its fourth answer (`--spot-check 1`).
+#[test]
+fn a_lying_executor_is_caught_by_spot_checks_and_the_ids_stay_exact() {
+    let name = "gptoss-tiny-mxfp4";
+    let (dir, id) = setup(name);
+    let (prompt, want) = reference(name);
+    for (from, extra) in [(0usize, &[][..]), (4, &["--spot-check", "1"][..])] {
+        // The expert of the first call from call `from` on is the one that gets perturbed.
+        let target: Arc<Mutex<Option<ExpertId>>> = Arc::default();
+        let t = target.clone();
+        let count = Arc::new(AtomicUsize::new(0));
+        let liar = HostilePeer::start_exec(
+            201,
+            dir.path(),
+            Arc::new(move |e, _| {
+                let n = count.fetch_add(1, Ordering::Relaxed);
+                let mut t = t.lock().expect("target lock");
+                if n >= from && t.is_none() {
+                    *t = Some(e);
+                }
+                if *t == Some(e) {
+                    ExecAnswer::Perturb(1e-2)
+                } else {
+                    ExecAnswer::Honest
+                }
+            }),
+        );
+        let mut args = vec!["--remote-exec", "always"];
+        args.extend_from_slice(extra);
+        let (ids, j) = run_remote(dir.path(), &id, &prompt, &[line(&liar)], &args);
+        assert_eq!(ids, want, "lying from call {from}: {j}");
+        assert!(
+            target.lock().expect("target lock").is_some(),
+            "the liar got fewer than {} calls: {j}",
+            from + 1
+        );
+        assert!(num(&j, "spot_check_failures") >= 1, "from {from}: {j}");
+        // Banned once caught: later experts are fetched (the liar's records are honest).
+        assert!(num(&j, "peer_loads") > 0, "from {from}: {j}");
+        let calls = execs(&liar);
+        assert!(calls > from, "from {from}: {calls} calls");
+    }
+}
+
+/// Issue 39 (c): a peer that stalls, or resets the stream mid-call, costs a failed call (the
+/// stall its time-out), and the expert is fetched and computed here: exact ids.
+#[test]
+fn a_stalled_or_dying_executor_falls_back_to_fetching_with_exact_ids() {
+    let name = "qwen3moe-tiny";
+    let (dir, id) = setup(name);
+    let (prompt, want) = reference(name);
+    for how in [ExecAnswer::Stall, ExecAnswer::Die] {
+        let peer = HostilePeer::start_exec(202, dir.path(), Arc::new(move |_, _| how));
+        let start = Instant::now();
+        let (ids, j) = run_remote(
+            dir.path(),
+            &id,
+            &prompt,
+            &[line(&peer)],
+            &["--remote-exec", "always", "--peer-timeout", "1"],
+        );
+        assert_eq!(ids, want, "{how:?}: {j}");
+        assert!(num(&j, "remote_failures") >= 1, "{how:?}: {j}");
+        assert_eq!(num(&j, "remote_calls"), 0, "{how:?}: {j}");
+        assert!(num(&j, "peer_loads") > 0, "{how:?}: {j}");
+        assert!(execs(&peer) >= 1, "{how:?}");
+        // Paused after each failure (doubling), the peer is not waited on for every block.
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{how:?}: {:?}",
+            start.elapsed()
+        );
+    }
+}
