@@ -139,7 +139,7 @@ pub use client::{
     StartError, UnexpectedMessage,
 };
 pub use exec::{check_shape, max_positions, ExecAnswerError, ExecCall, ExecRequestError};
-pub use frame::{append_frame, encode_frame, DecodeError, FrameDecoder, MAX_FRAME_LEN};
+pub use frame::{append_frame, encode_frame, DecodeError, FrameDecoder, Piece, MAX_FRAME_LEN};
 pub use handshake::{expect_hello, HelloError};
 pub use inventory::{ExpertSet, InventoryError};
 pub use latency::{Pinger, RttEstimator};
