@@ -135,8 +135,8 @@ pub mod message;
 pub mod server;
 
 pub use client::{
-    ChunkVerifier, Completed, Event, Failed, Fetch, FetchError, Requests, RequestsConfig, Resource,
-    StartError, UnexpectedMessage,
+    ChunkVerifier, Completed, Event, Failed, Fetch, FetchError, RecordBuffer, Requests,
+    RequestsConfig, Resource, StartError, UnexpectedMessage,
 };
 pub use exec::{check_shape, max_positions, ExecAnswerError, ExecCall, ExecRequestError};
 pub use frame::{append_frame, encode_frame, DecodeError, FrameDecoder, Piece, MAX_FRAME_LEN};
