@@ -32,7 +32,7 @@ use anyhow::Context;
 use stormo_manifests::{
     read_manifest, Hash, Manifest, ManifestPaths, ManifestSignature, PublicKey, SecretKey,
 };
-use stormo_wire::{DecodeError, FrameDecoder, Message};
+use stormo_wire::{DecodeError, FrameDecoder, Message, Piece};
 
 /// UDP socket buffer size: the default ~200 KiB drops packets of a 13 MB expert on loopback.
 pub const SOCKET_BUFFER: usize = 4 << 20;
@@ -314,9 +314,128 @@ impl FramedRecv {
         }
     }
 
+    /// The next piece, as [`stormo_wire::FrameDecoder::decode_streaming`] cuts the stream: a
+    /// Data frame's payload comes out as slices of the chunks quinn received (no copy), for the
+    /// caller to write where they belong. `None` at a clean end of the stream. Use this or
+    /// [`FramedRecv::next`] on a stream, not both.
+    pub async fn next_piece(&mut self) -> Result<Option<StreamPiece>, ReadError> {
+        loop {
+            if !self.buf.is_empty() {
+                let mut input: &[u8] = &self.buf;
+                let before = input.len();
+                let piece = self.dec.decode_streaming(&mut input)?.map(|p| match p {
+                    Piece::Message(m) => StreamPiece::Message(m),
+                    Piece::DataHeader {
+                        request_id,
+                        offset,
+                        len,
+                    } => StreamPiece::DataHeader {
+                        request_id,
+                        offset,
+                        len,
+                    },
+                    Piece::DataBytes {
+                        request_id,
+                        offset,
+                        bytes,
+                        last,
+                    } => StreamPiece::DataBytes {
+                        request_id,
+                        offset,
+                        bytes: self.buf.slice_ref(bytes),
+                        last,
+                    },
+                });
+                let used = before - input.len();
+                let _ = self.buf.split_to(used);
+                if let Some(p) = piece {
+                    return Ok(Some(p));
+                }
+                continue;
+            }
+            match self.recv.read_chunk(1 << 20, true).await? {
+                Some(c) => {
+                    self.received += c.bytes.len() as u64;
+                    self.buf = c.bytes;
+                }
+                None => {
+                    self.dec.finish()?;
+                    return Ok(None);
+                }
+            }
+        }
+    }
+
     /// The underlying stream (to stop it).
     pub fn stream(&mut self) -> &mut quinn::RecvStream {
         &mut self.recv
+    }
+}
+
+/// A piece of [`FramedRecv::next_piece`]: [`Piece`] with the payload bytes held as a slice of
+/// the received chunk.
+#[derive(Debug)]
+pub enum StreamPiece {
+    /// A whole message other than Data.
+    Message(Message),
+    /// A Data frame's header.
+    DataHeader {
+        /// The request answered.
+        request_id: stormo_wire::RequestId,
+        /// The payload's offset in the resource.
+        offset: u64,
+        /// The payload's length.
+        len: u64,
+    },
+    /// Payload bytes of the current Data frame.
+    DataBytes {
+        /// The request answered.
+        request_id: stormo_wire::RequestId,
+        /// Offset of `bytes[0]` in the resource.
+        offset: u64,
+        /// The bytes.
+        bytes: bytes::Bytes,
+        /// Whether they end the frame.
+        last: bool,
+    },
+}
+
+impl StreamPiece {
+    /// Hands the piece to `req` ([`stormo_wire::Requests::handle_piece`]).
+    pub fn feed(
+        self,
+        req: &mut stormo_wire::Requests,
+        now: std::time::Instant,
+    ) -> Result<(), stormo_wire::UnexpectedMessage> {
+        match self {
+            Self::Message(m) => req.handle_message(now, m),
+            Self::DataHeader {
+                request_id,
+                offset,
+                len,
+            } => req.handle_piece(
+                now,
+                Piece::DataHeader {
+                    request_id,
+                    offset,
+                    len,
+                },
+            ),
+            Self::DataBytes {
+                request_id,
+                offset,
+                bytes,
+                last,
+            } => req.handle_piece(
+                now,
+                Piece::DataBytes {
+                    request_id,
+                    offset,
+                    bytes: &bytes,
+                    last,
+                },
+            ),
+        }
     }
 }
 

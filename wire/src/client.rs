@@ -228,6 +228,12 @@ impl Fetch {
         self.into = Some(buffer);
         self
     }
+
+    /// Takes back the buffer given to [`Fetch::into_buffer`] (a request that is not sent after
+    /// all).
+    pub fn take_buffer(&mut self) -> Option<Box<dyn RecordBuffer>> {
+        self.into.take()
+    }
 }
 
 /// Settings of a [`Requests`].
@@ -412,6 +418,16 @@ pub struct Failed {
     /// verified; what lies after them is not to be trusted.
     pub buffer: Option<Box<dyn RecordBuffer>>,
     /// The end of the verified prefix in the resource (`offset` without a verifier).
+    pub verified_end: u64,
+}
+
+/// What [`Requests::cancel_keeping`] hands back.
+#[derive(Debug)]
+pub struct Abandoned {
+    /// The caller's buffer ([`Fetch::into_buffer`]): bytes up to `verified_end` of the range
+    /// in it are verified.
+    pub buffer: Option<Box<dyn RecordBuffer>>,
+    /// The end of the verified prefix in the resource (the range's start without a verifier).
     pub verified_end: u64,
 }
 
@@ -711,6 +727,19 @@ impl Requests {
         } else {
             false
         }
+    }
+
+    /// [`Requests::cancel`], handing back the caller's buffer ([`Fetch::into_buffer`]) and the
+    /// end of its verified prefix, as a [`Failed`] event would have. `None` when `id` is not
+    /// outstanding.
+    pub fn cancel_keeping(&mut self, id: RequestId) -> Option<Abandoned> {
+        let p = self.pending.remove(&id)?;
+        self.transmits
+            .push_back(Message::Cancel(Cancel { request_id: id }));
+        Some(Abandoned {
+            buffer: p.into,
+            verified_end: p.verified_to,
+        })
     }
 
     /// Feeds a message that arrived from the peer on a response path: `Data`, `End` or `Error`.

@@ -135,7 +135,7 @@ pub mod message;
 pub mod server;
 
 pub use client::{
-    ChunkVerifier, Completed, Event, Failed, Fetch, FetchError, RecordBuffer, Requests,
+    Abandoned, ChunkVerifier, Completed, Event, Failed, Fetch, FetchError, RecordBuffer, Requests,
     RequestsConfig, Resource, StartError, UnexpectedMessage,
 };
 pub use exec::{check_shape, max_positions, ExecAnswerError, ExecCall, ExecRequestError};
