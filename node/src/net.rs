@@ -314,56 +314,69 @@ impl FramedRecv {
         }
     }
 
-    /// The next piece, as [`stormo_wire::FrameDecoder::decode_streaming`] cuts the stream: a
-    /// Data frame's payload comes out as slices of the chunks quinn received (no copy), for the
-    /// caller to write where they belong. `None` at a clean end of the stream. Use this or
-    /// [`FramedRecv::next`] on a stream, not both.
-    pub async fn next_piece(&mut self) -> Result<Option<StreamPiece>, ReadError> {
+    /// The next pieces, as [`stormo_wire::FrameDecoder::decode_streaming`] cuts the stream,
+    /// appended to `out`: those of every chunk quinn has received (up to 32 at once), so that
+    /// the caller handles a batch at a time rather than a datagram's worth. A Data frame's
+    /// payload comes out as slices of those chunks (no copy), for the caller to write where
+    /// it belongs. Returns `false` at a clean end of the stream (nothing appended). Use this
+    /// or [`FramedRecv::next`] on a stream, not both.
+    pub async fn next_pieces(&mut self, out: &mut Vec<StreamPiece>) -> Result<bool, ReadError> {
+        const BATCH: usize = 32;
+        let mut chunks: [bytes::Bytes; BATCH] = Default::default();
         loop {
-            if !self.buf.is_empty() {
-                let mut input: &[u8] = &self.buf;
-                let before = input.len();
-                let piece = self.dec.decode_streaming(&mut input)?.map(|p| match p {
-                    Piece::Message(m) => StreamPiece::Message(m),
-                    Piece::DataHeader {
-                        request_id,
-                        offset,
-                        len,
-                    } => StreamPiece::DataHeader {
-                        request_id,
-                        offset,
-                        len,
-                    },
-                    Piece::DataBytes {
-                        request_id,
-                        offset,
-                        bytes,
-                        last,
-                    } => StreamPiece::DataBytes {
-                        request_id,
-                        offset,
-                        bytes: self.buf.slice_ref(bytes),
-                        last,
-                    },
-                });
-                let used = before - input.len();
-                let _ = self.buf.split_to(used);
-                if let Some(p) = piece {
-                    return Ok(Some(p));
-                }
-                continue;
+            self.decode_pieces(out)?;
+            if !out.is_empty() {
+                return Ok(true);
             }
-            match self.recv.read_chunk(1 << 20, true).await? {
-                Some(c) => {
-                    self.received += c.bytes.len() as u64;
-                    self.buf = c.bytes;
+            match self.recv.read_chunks(&mut chunks).await? {
+                Some(n) => {
+                    for c in &mut chunks[..n] {
+                        self.received += c.len() as u64;
+                        self.buf = std::mem::take(c);
+                        self.decode_pieces(out)?;
+                    }
                 }
                 None => {
                     self.dec.finish()?;
-                    return Ok(None);
+                    return Ok(false);
                 }
             }
         }
+    }
+
+    /// Decodes the whole of `self.buf` into `out`.
+    fn decode_pieces(&mut self, out: &mut Vec<StreamPiece>) -> Result<(), ReadError> {
+        let mut input: &[u8] = &self.buf;
+        while !input.is_empty() {
+            let Some(p) = self.dec.decode_streaming(&mut input)? else {
+                continue;
+            };
+            out.push(match p {
+                Piece::Message(m) => StreamPiece::Message(m),
+                Piece::DataHeader {
+                    request_id,
+                    offset,
+                    len,
+                } => StreamPiece::DataHeader {
+                    request_id,
+                    offset,
+                    len,
+                },
+                Piece::DataBytes {
+                    request_id,
+                    offset,
+                    bytes,
+                    last,
+                } => StreamPiece::DataBytes {
+                    request_id,
+                    offset,
+                    bytes: self.buf.slice_ref(bytes),
+                    last,
+                },
+            });
+        }
+        self.buf = bytes::Bytes::new();
+        Ok(())
     }
 
     /// The underlying stream (to stop it).

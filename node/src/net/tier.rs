@@ -1336,6 +1336,7 @@ async fn run_request(
     // connection's stream frames received by then.
     let mut heard_to = 0;
     let mut rx_mark = rx_before;
+    let mut pieces = Vec::new();
     loop {
         let deadline = {
             let mut g = lock(reqs);
@@ -1375,17 +1376,21 @@ async fn run_request(
         }
         .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
         tokio::select! {
-            m = frames.next_piece() => match m {
-                Ok(Some(piece)) => {
+            m = frames.next_pieces(&mut pieces) => match m {
+                Ok(true) => {
                     heard_to = frames.received();
                     rx_mark = conn.stats().frame_rx.stream;
-                    let r = piece.feed(&mut lock(reqs).req, Instant::now());
+                    let r = {
+                        let mut g = lock(reqs);
+                        let now = Instant::now();
+                        pieces.drain(..).try_for_each(|p| p.feed(&mut g.req, now))
+                    };
                     if let Err(e) = r {
                         conn.close(u32::from(stormo_wire::ErrorCode::PROTOCOL_VIOLATION.0).into(), e.to_string().as_bytes());
                         return Err(give_up(e.to_string(), kept));
                     }
                 }
-                Ok(None) => {
+                Ok(false) => {
                     // The answer may have completed with the last frame.
                     let mut g = lock(reqs);
                     g.pump();
