@@ -536,9 +536,10 @@ impl Requests {
         self.pending.contains_key(&id)
     }
 
-    /// Part of a frame of `id`'s answer arrived (the caller reads its stream): the peer is
-    /// not silent, so `id`'s idle deadline starts again from `now`. Nothing else changes (what
-    /// counts as progress is whole frames). Returns whether `id` was outstanding.
+    /// Part of a frame of `id`'s answer arrived (the caller reads its stream) that was not
+    /// handed in: the peer is not silent, so `id`'s idle deadline starts again from `now`.
+    /// Nothing else changes (what counts as progress is the bytes handed in, as messages or
+    /// pieces). Returns whether `id` was outstanding.
     pub fn handle_partial(&mut self, now: Instant, id: RequestId) -> bool {
         match self.pending.get_mut(&id) {
             Some(p) => {
