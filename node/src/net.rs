@@ -37,7 +37,7 @@ use anyhow::Context;
 use stormo_manifests::{
     read_manifest, Hash, Manifest, ManifestPaths, ManifestSignature, PublicKey, SecretKey,
 };
-use stormo_wire::{DecodeError, FrameDecoder, Message};
+use stormo_wire::{DecodeError, FrameDecoder, Message, Piece};
 
 /// UDP socket buffer size: the default ~200 KiB drops packets of a 13 MB expert on loopback.
 pub const SOCKET_BUFFER: usize = 4 << 20;
@@ -319,9 +319,141 @@ impl FramedRecv {
         }
     }
 
+    /// The next pieces, as [`stormo_wire::FrameDecoder::decode_streaming`] cuts the stream,
+    /// appended to `out`: those of every chunk quinn has received (up to 32 at once), so that
+    /// the caller handles a batch at a time rather than a datagram's worth. A Data frame's
+    /// payload comes out as slices of those chunks (no copy), for the caller to write where
+    /// it belongs. Returns `false` at a clean end of the stream (nothing appended). Use this
+    /// or [`FramedRecv::next`] on a stream, not both.
+    pub async fn next_pieces(&mut self, out: &mut Vec<StreamPiece>) -> Result<bool, ReadError> {
+        const BATCH: usize = 32;
+        let mut chunks: [bytes::Bytes; BATCH] = Default::default();
+        loop {
+            self.decode_pieces(out)?;
+            if !out.is_empty() {
+                return Ok(true);
+            }
+            match self.recv.read_chunks(&mut chunks).await? {
+                Some(n) => {
+                    for c in &mut chunks[..n] {
+                        self.received += c.len() as u64;
+                        self.buf = std::mem::take(c);
+                        self.decode_pieces(out)?;
+                    }
+                }
+                None => {
+                    self.dec.finish()?;
+                    return Ok(false);
+                }
+            }
+        }
+    }
+
+    /// Decodes the whole of `self.buf` into `out`.
+    fn decode_pieces(&mut self, out: &mut Vec<StreamPiece>) -> Result<(), ReadError> {
+        let mut input: &[u8] = &self.buf;
+        while !input.is_empty() {
+            let Some(p) = self.dec.decode_streaming(&mut input)? else {
+                continue;
+            };
+            out.push(match p {
+                Piece::Message(m) => StreamPiece::Message(m),
+                Piece::DataHeader {
+                    request_id,
+                    offset,
+                    len,
+                } => StreamPiece::DataHeader {
+                    request_id,
+                    offset,
+                    len,
+                },
+                Piece::DataBytes {
+                    request_id,
+                    offset,
+                    bytes,
+                    last,
+                } => StreamPiece::DataBytes {
+                    request_id,
+                    offset,
+                    bytes: self.buf.slice_ref(bytes),
+                    last,
+                },
+            });
+        }
+        self.buf = bytes::Bytes::new();
+        Ok(())
+    }
+
     /// The underlying stream (to stop it).
     pub fn stream(&mut self) -> &mut quinn::RecvStream {
         &mut self.recv
+    }
+}
+
+/// A piece of [`FramedRecv::next_piece`]: [`Piece`] with the payload bytes held as a slice of
+/// the received chunk.
+#[derive(Debug)]
+pub enum StreamPiece {
+    /// A whole message other than Data.
+    Message(Message),
+    /// A Data frame's header.
+    DataHeader {
+        /// The request answered.
+        request_id: stormo_wire::RequestId,
+        /// The payload's offset in the resource.
+        offset: u64,
+        /// The payload's length.
+        len: u64,
+    },
+    /// Payload bytes of the current Data frame.
+    DataBytes {
+        /// The request answered.
+        request_id: stormo_wire::RequestId,
+        /// Offset of `bytes[0]` in the resource.
+        offset: u64,
+        /// The bytes.
+        bytes: bytes::Bytes,
+        /// Whether they end the frame.
+        last: bool,
+    },
+}
+
+impl StreamPiece {
+    /// Hands the piece to `req` ([`stormo_wire::Requests::handle_piece`]).
+    pub fn feed(
+        self,
+        req: &mut stormo_wire::Requests,
+        now: std::time::Instant,
+    ) -> Result<(), stormo_wire::UnexpectedMessage> {
+        match self {
+            Self::Message(m) => req.handle_message(now, m),
+            Self::DataHeader {
+                request_id,
+                offset,
+                len,
+            } => req.handle_piece(
+                now,
+                Piece::DataHeader {
+                    request_id,
+                    offset,
+                    len,
+                },
+            ),
+            Self::DataBytes {
+                request_id,
+                offset,
+                bytes,
+                last,
+            } => req.handle_piece(
+                now,
+                Piece::DataBytes {
+                    request_id,
+                    offset,
+                    bytes: &bytes,
+                    last,
+                },
+            ),
+        }
     }
 }
 

@@ -280,6 +280,33 @@ fn fuzz_wire_frames() {
                 break;
             }
         }
+        // the streaming decoder on the same bytes in 7-byte pieces, its Data payloads written
+        // into a caller's buffer by a requester with two experts in flight
+        let now = std::time::Instant::now();
+        let mut reqs = stormo_wire::Requests::new(stormo_wire::RequestsConfig::default());
+        for e in 0..2 {
+            let id = stormo_manifests::ExpertId {
+                layer: 0,
+                expert: e,
+            };
+            let fetch = stormo_wire::Fetch::expert(stormo_manifests::Hash::of(b"fuzz"), id, 4096)
+                .into_buffer(Box::new(vec![0u8; 4096]));
+            let _ = reqs.start(now, fetch);
+        }
+        let mut dec = FrameDecoder::with_max(1 << 20);
+        'pieces: for piece in b.chunks(7) {
+            let mut input = piece;
+            while !input.is_empty() {
+                match dec.decode_streaming(&mut input) {
+                    Ok(Some(p)) => {
+                        let _ = reqs.handle_piece(now, p);
+                    }
+                    Ok(None) => {}
+                    Err(_) => break 'pieces,
+                }
+            }
+        }
+        while reqs.poll_event().is_some() {}
         whole && !out.is_empty()
     });
     assert!(ok > 0, "no seed frame decodes");

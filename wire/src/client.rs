@@ -1,7 +1,12 @@
 //! The requester's side: [`Requests`] tracks the outstanding requests to one peer.
 //!
-//! It owns request ids, deadlines, reassembly of streamed [`Data`] into one contiguous record,
+//! It owns request ids, deadlines, reassembly of streamed [`crate::Data`] into one contiguous record,
 //! the in-order and bounds rules, and chunk verification through a caller's [`ChunkVerifier`].
+//! Data arrives whole ([`Requests::handle_message`]) or in the pieces of
+//! [`crate::FrameDecoder::decode_streaming`] ([`Requests::handle_piece`]), and lands in a
+//! buffer `Requests` grows, or straight at its offset in a buffer the caller allocated for the
+//! whole record ([`Fetch::into_buffer`]): the bytes are then copied once after the transport,
+//! and a retry can resume writing after the verified prefix in the same buffer.
 //! It does not own sockets, streams or clocks: the caller passes messages in
 //! ([`Requests::handle_message`]) with the current time, drains messages to send
 //! ([`Requests::poll_transmit`]) and events ([`Requests::poll_event`]), and wakes it at
@@ -20,6 +25,7 @@
 //!   a request started with [`Fetch::extend_on_progress`]), and no more than the idle timeout
 //!   passes between frames.
 
+use std::any::Any;
 use std::collections::{BTreeMap, VecDeque};
 use std::error::Error as StdError;
 use std::fmt;
@@ -27,9 +33,10 @@ use std::time::{Duration, Instant};
 
 use stormo_ids::{ExpertId, Hash};
 
+use crate::frame::Piece;
 use crate::message::{
-    check_file_name, ByteRange, Cancel, Data, End, ErrorCode, ErrorMessage, Get, GetFile,
-    GetManifest, Limits, Message, Priority, RequestId, MAX_FILE_RANGE_LEN,
+    check_file_name, ByteRange, Cancel, End, ErrorCode, ErrorMessage, Get, GetFile, GetManifest,
+    Limits, Message, Priority, RequestId, MAX_FILE_RANGE_LEN,
 };
 
 /// Verifies a resource chunk by chunk as it streams in. The manifests crate implements this
@@ -50,6 +57,21 @@ pub trait ChunkVerifier: Send {
         index: u64,
         bytes: &[u8],
     ) -> Result<(), Box<dyn StdError + Send + Sync>>;
+}
+
+/// A buffer the caller allocated for a whole resource (e.g. on huge pages, where the record
+/// is used from): [`crate::Data`] bytes are written at their offset in the resource, chunks are
+/// verified in place, and the buffer comes back in [`Completed::buffer`] or
+/// [`Failed::buffer`] (downcast it to the caller's type through [`Any`]).
+pub trait RecordBuffer: Any + Send + fmt::Debug {
+    /// The buffer's bytes; byte `i` is byte `i` of the resource.
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+impl RecordBuffer for Vec<u8> {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self
+    }
 }
 
 /// What a request is for.
@@ -96,6 +118,7 @@ pub struct Fetch {
     timeout: Option<Duration>,
     extend_on_progress: Option<Duration>,
     verifier: Option<Box<dyn ChunkVerifier>>,
+    into: Option<Box<dyn RecordBuffer>>,
 }
 
 impl fmt::Debug for Fetch {
@@ -108,6 +131,7 @@ impl fmt::Debug for Fetch {
             .field("timeout", &self.timeout)
             .field("extend_on_progress", &self.extend_on_progress)
             .field("verified", &self.verifier.is_some())
+            .field("into_buffer", &self.into.is_some())
             .finish()
     }
 }
@@ -123,6 +147,7 @@ impl Fetch {
             timeout: None,
             extend_on_progress: None,
             verifier: None,
+            into: None,
         }
     }
 
@@ -138,6 +163,7 @@ impl Fetch {
             timeout: None,
             extend_on_progress: None,
             verifier: None,
+            into: None,
         }
     }
 
@@ -156,6 +182,7 @@ impl Fetch {
             timeout: None,
             extend_on_progress: None,
             verifier: None,
+            into: None,
         }
     }
 
@@ -191,6 +218,21 @@ impl Fetch {
     pub fn verifier(mut self, verifier: Box<dyn ChunkVerifier>) -> Self {
         self.verifier = Some(verifier);
         self
+    }
+
+    /// Writes the answer into `buffer` at its offsets in the resource instead of a buffer of
+    /// its own (experts and file ranges: requests of a known length). `buffer` must reach at
+    /// least to the end of the requested range; bytes before the range (a verified prefix from
+    /// an earlier try) are left as they are.
+    pub fn into_buffer(mut self, buffer: Box<dyn RecordBuffer>) -> Self {
+        self.into = Some(buffer);
+        self
+    }
+
+    /// Takes back the buffer given to [`Fetch::into_buffer`] (a request that is not sent after
+    /// all).
+    pub fn take_buffer(&mut self) -> Option<Box<dyn RecordBuffer>> {
+        self.into.take()
     }
 }
 
@@ -249,6 +291,9 @@ pub enum StartError {
     /// The verifier does not fit the request.
     #[error("verifier does not fit the request: {0}")]
     Verifier(String),
+    /// The caller's buffer ([`Fetch::into_buffer`]) does not fit the request.
+    #[error("buffer does not fit the request: {0}")]
+    Buffer(String),
 }
 
 /// Why a request failed.
@@ -347,8 +392,10 @@ pub struct Completed {
     pub resource: Resource,
     /// Offset of `bytes[0]` within the resource.
     pub offset: u64,
-    /// The bytes.
+    /// The bytes (empty when they went into the caller's buffer).
     pub bytes: Vec<u8>,
+    /// The caller's buffer ([`Fetch::into_buffer`]), holding the range at its offsets.
+    pub buffer: Option<Box<dyn RecordBuffer>>,
     /// Time from [`Requests::start`] to completion.
     pub elapsed: Duration,
 }
@@ -364,9 +411,24 @@ pub struct Failed {
     pub error: FetchError,
     /// Offset of `verified[0]` within the resource (the start of the requested range).
     pub offset: u64,
-    /// The prefix of the range that arrived and passed verification (empty without a verifier):
-    /// resume from `offset + verified.len()` on another peer.
+    /// The prefix of the range that arrived and passed verification (empty without a verifier,
+    /// or when it is in the caller's buffer): resume from `verified_end` on another peer.
     pub verified: Vec<u8>,
+    /// The caller's buffer ([`Fetch::into_buffer`]): bytes `offset..verified_end` of it are
+    /// verified; what lies after them is not to be trusted.
+    pub buffer: Option<Box<dyn RecordBuffer>>,
+    /// The end of the verified prefix in the resource (`offset` without a verifier).
+    pub verified_end: u64,
+}
+
+/// What [`Requests::cancel_keeping`] hands back.
+#[derive(Debug)]
+pub struct Abandoned {
+    /// The caller's buffer ([`Fetch::into_buffer`]): bytes up to `verified_end` of the range
+    /// in it are verified.
+    pub buffer: Option<Box<dyn RecordBuffer>>,
+    /// The end of the verified prefix in the resource (the range's start without a verifier).
+    pub verified_end: u64,
 }
 
 /// What happened to a request.
@@ -389,7 +451,12 @@ struct Pending {
     start: u64,
     end: u64,
     exact: bool,
+    /// The bytes received, when they go into a buffer of the request's own.
     buf: Vec<u8>,
+    /// The caller's buffer, when they go there.
+    into: Option<Box<dyn RecordBuffer>>,
+    /// Bytes of the range received.
+    received: u64,
     verifier: Option<Box<dyn ChunkVerifier>>,
     /// Resource offset up to which chunks were verified.
     verified_to: u64,
@@ -404,7 +471,7 @@ struct Pending {
 
 impl Pending {
     fn received(&self) -> u64 {
-        self.buf.len() as u64
+        self.received
     }
 
     /// What [`Fetch::extend_on_progress`] counts: the verified end, or the bytes received
@@ -469,9 +536,10 @@ impl Requests {
         self.pending.contains_key(&id)
     }
 
-    /// Part of a frame of `id`'s answer arrived (the caller reads its stream): the peer is
-    /// not silent, so `id`'s idle deadline starts again from `now`. Nothing else changes (what
-    /// counts as progress is whole frames). Returns whether `id` was outstanding.
+    /// Part of a frame of `id`'s answer arrived (the caller reads its stream) that was not
+    /// handed in: the peer is not silent, so `id`'s idle deadline starts again from `now`.
+    /// Nothing else changes (what counts as progress is the bytes handed in, as messages or
+    /// pieces). Returns whether `id` was outstanding.
     pub fn handle_partial(&mut self, now: Instant, id: RequestId) -> bool {
         match self.pending.get_mut(&id) {
             Some(p) => {
@@ -576,11 +644,25 @@ impl Requests {
                 )));
             }
         }
+        if fetch.into.is_some() && !exact {
+            return Err(StartError::Buffer(
+                "a manifest's length is not known before it arrives".into(),
+            ));
+        }
+        let mut into = fetch.into;
+        if let Some(b) = into.as_mut() {
+            let have = b.bytes_mut().len() as u64;
+            if have < end {
+                return Err(StartError::Buffer(format!(
+                    "{have} bytes, the range ends at {end}"
+                )));
+            }
+        }
         // An exact range was sized by the caller (from the manifest); reserve it now, and refuse
         // a size this process cannot hold rather than abort. A manifest grows as its bytes
         // arrive, bounded by the caller's limit.
         let mut buf = Vec::new();
-        if exact {
+        if exact && into.is_none() {
             buf.try_reserve_exact((end - start) as usize)
                 .map_err(|_| StartError::TooLarge { len: end - start })?;
         }
@@ -623,6 +705,8 @@ impl Requests {
                 end,
                 exact,
                 buf,
+                into,
+                received: 0,
                 verifier: fetch.verifier,
                 verified_to: start,
                 started: now,
@@ -646,12 +730,30 @@ impl Requests {
         }
     }
 
+    /// [`Requests::cancel`], handing back the caller's buffer ([`Fetch::into_buffer`]) and the
+    /// end of its verified prefix, as a [`Failed`] event would have. `None` when `id` is not
+    /// outstanding.
+    pub fn cancel_keeping(&mut self, id: RequestId) -> Option<Abandoned> {
+        let p = self.pending.remove(&id)?;
+        self.transmits
+            .push_back(Message::Cancel(Cancel { request_id: id }));
+        Some(Abandoned {
+            buffer: p.into,
+            verified_end: p.verified_to,
+        })
+    }
+
     /// Feeds a message that arrived from the peer on a response path: `Data`, `End` or `Error`.
     /// Breaches of the response rules fail the request (an [`Event`]); only a message a
     /// requester never receives is an `Err`.
     pub fn handle_message(&mut self, now: Instant, msg: Message) -> Result<(), UnexpectedMessage> {
         match msg {
-            Message::Data(d) => self.handle_data(now, d),
+            Message::Data(d) => {
+                let len = d.bytes.len() as u64;
+                if self.handle_data_header(now, d.request_id, d.offset, len) {
+                    self.handle_data_bytes(now, d.request_id, d.offset, &d.bytes);
+                }
+            }
             Message::End(e) => self.handle_end(now, e),
             Message::Error(e) => self.handle_error(e),
             other => return Err(UnexpectedMessage(other.name())),
@@ -659,39 +761,106 @@ impl Requests {
         Ok(())
     }
 
-    fn handle_data(&mut self, now: Instant, d: Data) {
-        let Some(p) = self.pending.get_mut(&d.request_id) else {
+    /// Feeds a piece from [`crate::FrameDecoder::decode_streaming`] of a response path, as
+    /// [`Requests::handle_message`] does whole messages.
+    pub fn handle_piece(
+        &mut self,
+        now: Instant,
+        piece: Piece<'_>,
+    ) -> Result<(), UnexpectedMessage> {
+        match piece {
+            Piece::Message(m) => return self.handle_message(now, m),
+            Piece::DataHeader {
+                request_id,
+                offset,
+                len,
+            } => {
+                self.handle_data_header(now, request_id, offset, len);
+            }
+            Piece::DataBytes {
+                request_id,
+                offset,
+                bytes,
+                ..
+            } => self.handle_data_bytes(now, request_id, offset, bytes),
+        }
+        Ok(())
+    }
+
+    /// A Data frame of `len` bytes at `offset` begins: checks it against the order and bounds
+    /// rules as a whole. Returns whether its request is still outstanding.
+    fn handle_data_header(&mut self, now: Instant, id: RequestId, offset: u64, len: u64) -> bool {
+        let Some(p) = self.pending.get_mut(&id) else {
             self.stray += 1;
-            return;
+            return false;
         };
         let expected = p.start + p.received();
-        let len = d.bytes.len() as u64;
-        if d.offset != expected {
+        if offset != expected {
             let error = FetchError::OutOfOrder {
                 expected,
-                got: d.offset,
+                got: offset,
             };
-            return self.fail(d.request_id, error, true);
+            self.fail(id, error, true);
+            return false;
         }
-        // Data messages are validated on decode, but a caller may build one by hand.
-        match d.offset.checked_add(len) {
+        // Data headers are validated on decode, but a caller may build one by hand.
+        match offset.checked_add(len) {
             Some(e) if e <= p.end && len > 0 => {}
             _ => {
                 let error = FetchError::OutOfBounds {
-                    offset: d.offset,
+                    offset,
                     len,
                     end: p.end,
                 };
-                return self.fail(d.request_id, error, true);
+                self.fail(id, error, true);
+                return false;
             }
         }
-        p.buf.extend_from_slice(&d.bytes);
+        p.idle_deadline = now + self.config.idle_timeout;
+        true
+    }
+
+    /// Payload bytes of the current Data frame of `id` (after its header; dropped when the
+    /// request is no longer outstanding). Checked again for order and bounds, since a caller
+    /// may pass pieces by hand.
+    fn handle_data_bytes(&mut self, now: Instant, id: RequestId, offset: u64, bytes: &[u8]) {
+        let Some(p) = self.pending.get_mut(&id) else {
+            return;
+        };
+        let len = bytes.len() as u64;
+        let expected = p.start + p.received();
+        if offset != expected {
+            let error = FetchError::OutOfOrder {
+                expected,
+                got: offset,
+            };
+            return self.fail(id, error, true);
+        }
+        match offset.checked_add(len) {
+            Some(e) if e <= p.end => {}
+            _ => {
+                let error = FetchError::OutOfBounds {
+                    offset,
+                    len,
+                    end: p.end,
+                };
+                return self.fail(id, error, true);
+            }
+        }
+        match p.into.as_mut() {
+            // In bounds: `start` checked that the buffer reaches the range's end.
+            Some(b) => {
+                b.bytes_mut()[offset as usize..(offset + len) as usize].copy_from_slice(bytes)
+            }
+            None => p.buf.extend_from_slice(bytes),
+        }
+        p.received += len;
         p.idle_deadline = now + self.config.idle_timeout;
         if let Err(error) = verify_ready(p) {
-            return self.fail(d.request_id, error, true);
+            return self.fail(id, error, true);
         }
         if p.exact && p.start + p.received() == p.end {
-            self.complete(now, d.request_id);
+            self.complete(now, id);
         }
     }
 
@@ -833,6 +1002,7 @@ impl Requests {
             resource: p.resource,
             offset: p.start,
             bytes: p.buf,
+            buffer: p.into,
             elapsed: now.saturating_duration_since(p.started),
         }));
     }
@@ -858,6 +1028,8 @@ impl Requests {
             error,
             offset: p.start,
             verified,
+            buffer: p.into,
+            verified_end: p.verified_to,
         }));
     }
 }
@@ -869,16 +1041,18 @@ fn verify_ready(p: &mut Pending) -> Result<(), FetchError> {
     };
     let c = v.chunk_len();
     let total = v.resource_len();
-    let received_to = p.start + p.buf.len() as u64;
+    let received_to = p.start + p.received;
     while p.verified_to < p.end {
         let index = p.verified_to / c;
         let chunk_end = (index + 1).saturating_mul(c).min(total);
         if chunk_end > received_to {
             break;
         }
-        let from = (p.verified_to - p.start) as usize;
-        let to = (chunk_end - p.start) as usize;
-        v.verify_chunk(index, &p.buf[from..to])
+        let bytes = match p.into.as_mut() {
+            Some(b) => &b.bytes_mut()[p.verified_to as usize..chunk_end as usize],
+            None => &p.buf[(p.verified_to - p.start) as usize..(chunk_end - p.start) as usize],
+        };
+        v.verify_chunk(index, bytes)
             .map_err(|source| FetchError::BadChunk {
                 index,
                 offset: p.verified_to,

@@ -135,11 +135,11 @@ pub mod message;
 pub mod server;
 
 pub use client::{
-    ChunkVerifier, Completed, Event, Failed, Fetch, FetchError, Requests, RequestsConfig, Resource,
-    StartError, UnexpectedMessage,
+    Abandoned, ChunkVerifier, Completed, Event, Failed, Fetch, FetchError, RecordBuffer, Requests,
+    RequestsConfig, Resource, StartError, UnexpectedMessage,
 };
 pub use exec::{check_shape, max_positions, ExecAnswerError, ExecCall, ExecRequestError};
-pub use frame::{append_frame, encode_frame, DecodeError, FrameDecoder, MAX_FRAME_LEN};
+pub use frame::{append_frame, encode_frame, DecodeError, FrameDecoder, Piece, MAX_FRAME_LEN};
 pub use handshake::{expect_hello, HelloError};
 pub use inventory::{ExpertSet, InventoryError};
 pub use latency::{Pinger, RttEstimator};

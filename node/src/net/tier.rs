@@ -2,8 +2,10 @@
 //!
 //! For each requested expert it picks a peer whose inventory holds it (fewest requests in
 //! flight, then the shortest expected time from measured round trip and throughput), streams
-//! the record on its own QUIC stream through a [`Requests`], checks every chunk against the
-//! manifest as it arrives and the whole record before completing. On any failure (a bad chunk,
+//! the record on its own QUIC stream through a [`Requests`] straight into the buffer the kernels
+//! will read (huge pages, allocated once per load: the payload bytes are copied once, from
+//! the chunks quinn received), and checks every chunk against the manifest as it arrives, in
+//! that buffer. On any failure (a bad chunk,
 //! a timeout or silence, a lost connection, a peer that does not hold what it advertised, another
 //! protocol version) it logs a warning naming the peer, puts the peer on a growing back-off,
 //! and goes on with another peer, resuming after the verified prefix; only when no peer can
@@ -46,8 +48,9 @@ use stormo_engine::moe::{ExpertData, ExpertSchema};
 use stormo_engine::tiers::{Completion, ExpertId, Priority, Tier};
 use stormo_manifests::{Hash, Manifest, PublicKey, SecretKey};
 use stormo_wire::{
-    expect_hello, ByteRange, ChunkVerifier, Event, ExpertSet, Fetch, FetchError, Hello, Message,
-    NodeId, Requests, RequestsConfig, MAX_FRAME_LEN, MAX_MANIFEST_LEN, PROTOCOL_VERSION,
+    expect_hello, ByteRange, ChunkVerifier, Completed, Event, ExpertSet, Fetch, FetchError, Hello,
+    Message, NodeId, RecordBuffer, Requests, RequestsConfig, MAX_FRAME_LEN, MAX_MANIFEST_LEN,
+    PROTOCOL_VERSION,
 };
 use tokio::sync::Semaphore;
 
@@ -188,7 +191,59 @@ struct Tries {
 
 /// How one try at one peer ended: the verified record, or why not (naming the peer) and the
 /// verified prefix it left.
-type TryResult = Result<Vec<u8>, (String, Vec<u8>)>;
+type TryResult = Result<HugeBuf, (String, Prefix)>;
+
+/// A record's buffer (huge pages, the record's length) as the wire writes into it.
+#[derive(Debug)]
+struct RecordBuf(HugeBuf);
+
+impl RecordBuffer for RecordBuf {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
+/// What the tries of one load have verified of a record: its first `verified` bytes, in
+/// `buffer` (none before the first try allocates it, or after a try lost it).
+#[derive(Debug, Default)]
+struct Prefix {
+    buffer: Option<Box<dyn RecordBuffer>>,
+    verified: u64,
+}
+
+impl Prefix {
+    fn len(&self) -> usize {
+        self.verified as usize
+    }
+
+    /// What a request hands back: `buffer` with its bytes up to `verified_end` verified.
+    fn kept(buffer: Option<Box<dyn RecordBuffer>>, verified_end: u64) -> Self {
+        match buffer {
+            Some(b) => Self {
+                buffer: Some(b),
+                verified: verified_end,
+            },
+            None => Self::default(),
+        }
+    }
+
+    /// A copy in a buffer of its own (for a second try racing the one that holds this).
+    fn copy(&mut self, len: u64) -> Result<Self, String> {
+        let mut buf = HugeBuf::zeroed(len as usize).map_err(|e| e.to_string())?;
+        let n = self.len();
+        if let Some(b) = self.buffer.as_mut() {
+            buf[..n].copy_from_slice(&b.bytes_mut()[..n]);
+        }
+        Ok(Self {
+            buffer: Some(Box::new(RecordBuf(buf))),
+            verified: if self.buffer.is_some() {
+                self.verified
+            } else {
+                0
+            },
+        })
+    }
+}
 
 struct Peer {
     addr: PeerAddr,
@@ -972,8 +1027,10 @@ pub async fn fetch_manifest(
         Fetch::manifest(model, MAX_MANIFEST_LEN),
         None,
         cfg.idle_timeout,
+        &mut Prefix::default(),
     )
-    .await;
+    .await
+    .map(|c| c.bytes);
     endpoint.close(0u32.into(), b"done");
     match out {
         Ok(bytes) => Ok((model, bytes)),
@@ -1058,9 +1115,17 @@ impl PeerLink {
 
     async fn request(&self, fetch: Fetch) -> anyhow::Result<Vec<u8>> {
         let _slot = self.slots.acquire().await.context("the link is closed")?;
-        run_request(&self.conn, &self.reqs, fetch, None, self.idle)
-            .await
-            .map_err(|e| anyhow::anyhow!("peer {}: {e}", self.peer))
+        run_request(
+            &self.conn,
+            &self.reqs,
+            fetch,
+            None,
+            self.idle,
+            &mut Prefix::default(),
+        )
+        .await
+        .map(|c| c.bytes)
+        .map_err(|e| anyhow::anyhow!("peer {}: {e}", self.peer))
     }
 
     /// The manifest of `model`, unchecked (check it against the pinned id or trusted key).
@@ -1196,11 +1261,10 @@ async fn exec_call(
 /// Why one attempt at one peer failed.
 #[derive(Debug, thiserror::Error)]
 enum AttemptError {
-    /// The request failed: why, the bytes it verified, and whether the peer sent stream data
-    /// on the connection meanwhile (for this request or another; acknowledgements and pings
-    /// do not count).
+    /// The request failed: why, and whether the peer sent stream data on the connection
+    /// meanwhile (for this request or another; acknowledgements and pings do not count).
     #[error("{0}")]
-    Fetch(FetchError, Vec<u8>, bool),
+    Fetch(FetchError, bool),
     /// No link (the peer is already marked for it).
     #[error(transparent)]
     Link(#[from] LinkError),
@@ -1213,14 +1277,18 @@ enum AttemptError {
 }
 
 /// Starts `fetch` among the requests of `conn`, sends it on a new stream and drives it to
-/// its end.
+/// its end. Data payloads go from the chunks quinn received to where the request keeps them
+/// (the caller's buffer with [`Fetch::into_buffer`]) without another copy. On failure, `kept`
+/// gets back the caller's buffer and the end of its verified prefix.
 async fn run_request(
     conn: &quinn::Connection,
     reqs: &Mutex<LinkRequests>,
     fetch: Fetch,
     priority: Option<i32>,
     idle: Duration,
-) -> Result<Vec<u8>, AttemptError> {
+    kept: &mut Prefix,
+) -> Result<Completed, AttemptError> {
+    let mut fetch = fetch;
     let rx_before = conn.stats().frame_rx.stream;
     // A peer that died or stopped grants no new stream: that wait is silence too, bounded
     // by the same deadline as silence within an answer.
@@ -1228,20 +1296,20 @@ async fn run_request(
         // Closed by the peer, the network, or this node (a silent link is closed so that the
         // next try reconnects): lost either way, and worth another round.
         Ok(r) => r.map_err(|e| {
+            kept.buffer = fetch.take_buffer();
             AttemptError::Fetch(
                 FetchError::ConnectionLost {
                     reason: format!("opening a stream: {e}"),
                 },
-                Vec::new(),
                 false,
             )
         })?,
         Err(_) => {
+            kept.buffer = fetch.take_buffer();
             return Err(AttemptError::Fetch(
                 FetchError::Stalled { idle, received: 0 },
-                Vec::new(),
                 false,
-            ))
+            ));
         }
     };
     if let Some(p) = priority {
@@ -1264,13 +1332,15 @@ async fn run_request(
     // Whatever ends this request (also the future being dropped when a race is lost), it
     // leaves nothing behind in the link's requests.
     let _outstanding = Outstanding { reqs, id };
-    let give_up = |why: String| {
-        lock(reqs).req.cancel(id);
+    let give_up = |why: String, kept: &mut Prefix| {
+        if let Some(a) = lock(reqs).req.cancel_keeping(id) {
+            *kept = Prefix::kept(a.buffer, a.verified_end);
+        }
         AttemptError::Other(anyhow::anyhow!(why))
     };
     for m in &out {
         if let Err(e) = super::write_message(&mut send, m).await {
-            return Err(give_up(format!("{e:#}")));
+            return Err(give_up(format!("{e:#}"), kept));
         }
     }
     let _ = send.finish();
@@ -1279,6 +1349,7 @@ async fn run_request(
     // connection's stream frames received by then.
     let mut heard_to = 0;
     let mut rx_mark = rx_before;
+    let mut pieces = Vec::new();
     loop {
         let deadline = {
             let mut g = lock(reqs);
@@ -1286,8 +1357,9 @@ async fn run_request(
             if let Some(ev) = g.events.remove(&id) {
                 drop(g);
                 return match ev {
-                    Event::Completed(c) => Ok(c.bytes),
+                    Event::Completed(c) => Ok(c),
                     Event::Failed(f) => {
+                        *kept = Prefix::kept(f.buffer, f.verified_end);
                         let _ = frames.stream().stop(0u32.into());
                         let _ = send.reset(0u32.into());
                         // Report what arrived of a frame still coming in too, not only whole
@@ -1307,7 +1379,7 @@ async fn run_request(
                             FetchError::Stalled { .. } => rx > rx_mark,
                             _ => rx > rx_before,
                         };
-                        Err(AttemptError::Fetch(error, f.verified, heard))
+                        Err(AttemptError::Fetch(error, heard))
                     }
                 };
             }
@@ -1317,17 +1389,21 @@ async fn run_request(
         }
         .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
         tokio::select! {
-            m = frames.next() => match m {
-                Ok(Some(msg)) => {
+            m = frames.next_pieces(&mut pieces) => match m {
+                Ok(true) => {
                     heard_to = frames.received();
                     rx_mark = conn.stats().frame_rx.stream;
-                    let r = lock(reqs).req.handle_message(Instant::now(), msg);
+                    let r = {
+                        let mut g = lock(reqs);
+                        let now = Instant::now();
+                        pieces.drain(..).try_for_each(|p| p.feed(&mut g.req, now))
+                    };
                     if let Err(e) = r {
                         conn.close(u32::from(stormo_wire::ErrorCode::PROTOCOL_VIOLATION.0).into(), e.to_string().as_bytes());
-                        return Err(give_up(e.to_string()));
+                        return Err(give_up(e.to_string(), kept));
                     }
                 }
-                Ok(None) => {
+                Ok(false) => {
                     // The answer may have completed with the last frame.
                     let mut g = lock(reqs);
                     g.pump();
@@ -1335,13 +1411,13 @@ async fn run_request(
                         continue;
                     }
                     drop(g);
-                    return Err(give_up("the stream ended before the answer".into()));
+                    return Err(give_up("the stream ended before the answer".into(), kept));
                 }
                 Err(ReadError::Decode(e)) => {
                     conn.close(u32::from(stormo_wire::ErrorCode::PROTOCOL_VIOLATION.0).into(), e.to_string().as_bytes());
-                    return Err(give_up(format!("malformed frame: {e}")));
+                    return Err(give_up(format!("malformed frame: {e}"), kept));
                 }
-                Err(e) => return Err(give_up(e.to_string())),
+                Err(e) => return Err(give_up(e.to_string(), kept)),
             },
             _ = tokio::time::sleep_until(deadline.into()) => {
                 // Part of a frame arrived since: a slow stream (a frame is 256 KiB), not a
@@ -1555,7 +1631,7 @@ impl Inner {
         f: InFlight,
         id: ExpertId,
         len: u64,
-        mut prefix: Vec<u8>,
+        mut prefix: Prefix,
         priority: Priority,
         limit: TryLimit,
         tries: &Tries,
@@ -1583,7 +1659,7 @@ impl Inner {
                     failed.fetch_add(1, Ordering::Relaxed);
                     let e = format!("{} bytes of a {len}-byte record", record.len());
                     peer.ban(&format!("expert {id}"), &e);
-                    return Err((format!("{}: {e}", peer.addr), Vec::new()));
+                    return Err((format!("{}: {e}", peer.addr), Prefix::default()));
                 }
                 peer.state().succeed(len, started.elapsed().as_secs_f64());
                 Ok(record)
@@ -1593,7 +1669,7 @@ impl Inner {
                 tracing::debug!("peer {} on expert {id}: {e}", peer.addr);
                 Err((format!("{}: {e}", peer.addr), prefix))
             }
-            Err(e @ AttemptError::Fetch(FetchError::Remote { code, .. }, _, _))
+            Err(e @ AttemptError::Fetch(FetchError::Remote { code, .. }, _))
                 if code == stormo_wire::ErrorCode::BUSY =>
             {
                 // Alive but serving as many of this node's requests as it takes (some may be
@@ -1607,7 +1683,6 @@ impl Inner {
             Err(
                 e @ AttemptError::Fetch(
                     FetchError::TimedOut { .. } | FetchError::Stalled { .. },
-                    _,
                     true,
                 ),
             ) => {
@@ -1623,7 +1698,7 @@ impl Inner {
                 tries.retry.store(true, Ordering::Relaxed);
                 Err((format!("{}: {e}", peer.addr), prefix))
             }
-            Err(e @ AttemptError::Fetch(FetchError::BadChunk { .. }, _, _)) => {
+            Err(e @ AttemptError::Fetch(FetchError::BadChunk { .. }, _)) => {
                 peer.ban(&format!("expert {id}"), &e);
                 Err((format!("{}: {e}", peer.addr), prefix))
             }
@@ -1690,8 +1765,8 @@ impl Inner {
             .ok_or_else(|| format!("layer {} has no experts", key.layer))?;
         // On huge pages, as the disk tier reads experts: where an expert came from decides
         // nothing, not even how fast the kernels stream it.
-        let done = |record: Vec<u8>| -> Result<Arc<ExpertData>, String> {
-            let buf = Arc::new(HugeBuf::copy_of(&record).map_err(|e| e.to_string())?);
+        let done = |record: HugeBuf| -> Result<Arc<ExpertData>, String> {
+            let buf = Arc::new(record);
             if let Some(dir) = self.store.get() {
                 let (dir, buf) = (dir.clone(), buf.clone());
                 tokio::task::spawn_blocking(move || dir.store(id, &buf));
@@ -1699,7 +1774,7 @@ impl Inner {
             Ok(Arc::new(ExpertData::from_buffer(buf, schema)))
         };
         let mut tried = HashSet::new();
-        let mut prefix: Vec<u8> = Vec::new();
+        let mut prefix = Prefix::default();
         let mut errors = Vec::new();
         let mut local_tried = false;
         let mut clock = LoadClock::new(self.cfg.request_timeout, Instant::now());
@@ -1763,7 +1838,13 @@ impl Inner {
             };
             let started = Instant::now();
             let delay = self.hedge_delay(i, len);
-            let prefix_in = prefix.clone();
+            // The try takes the verified prefix (and its buffer) and hands it back; a hedge
+            // racing it starts from a copy (made only when there is a prefix to copy).
+            let mut hedge_prefix = match priority {
+                Priority::Demand if prefix.len() > 0 => Some(prefix.copy(len)?),
+                _ => None,
+            };
+            let prefix_in = std::mem::take(&mut prefix);
             let mut a =
                 std::pin::pin!(self.try_peer(i, f, id, len, prefix_in, priority, limit, tries));
             let first = if priority == Priority::Demand {
@@ -1791,7 +1872,7 @@ impl Inner {
                             g,
                             id,
                             len,
-                            prefix.clone(),
+                            hedge_prefix.take().unwrap_or_default(),
                             priority,
                             // The racer's limit: a hedge taking the last holder must not let
                             // the slower of the two run on while the other is cut off.
@@ -1896,16 +1977,17 @@ impl Inner {
     }
 
     /// One attempt at `peer`: fetches the bytes after `prefix` (a verified prefix from an
-    /// earlier attempt) and returns the whole record, or extends `prefix` with what verified.
+    /// earlier attempt) into its buffer (allocated here on the first try) and returns the
+    /// whole record, or extends `prefix` with what verified.
     async fn attempt(
         &self,
         peer: &Arc<Peer>,
         id: ExpertId,
         len: u64,
-        prefix: &mut Vec<u8>,
+        prefix: &mut Prefix,
         priority: Priority,
         limit: TryLimit,
-    ) -> Result<Vec<u8>, AttemptError> {
+    ) -> Result<HugeBuf, AttemptError> {
         // `limit` bounds the request from when it is sent. Connecting has its own bound (the
         // connect timeout), and waiting for one of the link's request slots is not counted:
         // that queue is this node's own loads, not the peer's doing, and every request holding
@@ -1932,7 +2014,19 @@ impl Inner {
         if let Some(until) = limit.extend_until {
             fetch = fetch.extend_on_progress(until.saturating_duration_since(Instant::now()));
         }
-        let have = prefix.len() as u64;
+        // On huge pages, as the disk tier reads experts: where an expert came from decides
+        // nothing, not even how fast the kernels stream it.
+        let buffer = match prefix.buffer.take() {
+            Some(b) => b,
+            None => {
+                prefix.verified = 0;
+                let b = HugeBuf::zeroed(len as usize)
+                    .map_err(|e| AttemptError::Other(anyhow::anyhow!("{e}")))?;
+                Box::new(RecordBuf(b))
+            }
+        };
+        fetch = fetch.into_buffer(buffer);
+        let have = prefix.verified;
         if have > 0 {
             fetch = fetch.range(ByteRange {
                 offset: have,
@@ -1945,15 +2039,22 @@ impl Inner {
         };
         let idle = self.cfg.idle_timeout;
         let mut lost = false;
-        let r = match run_request(&l.conn, &l.reqs, fetch, Some(stream_priority), idle).await {
-            Ok(bytes) if prefix.is_empty() => return Ok(bytes),
-            Ok(bytes) => {
-                let mut all = std::mem::take(prefix);
-                all.extend_from_slice(&bytes);
-                return Ok(all);
+        let r = run_request(&l.conn, &l.reqs, fetch, Some(stream_priority), idle, prefix).await;
+        if r.is_err() && prefix.buffer.is_none() {
+            // The buffer went with a request that never started: begin again from scratch.
+            prefix.verified = 0;
+        }
+        let r = match r {
+            Ok(c) => {
+                let b: Box<dyn std::any::Any> = c
+                    .buffer
+                    .expect("a request into a buffer completes with the buffer");
+                let b = b
+                    .downcast::<RecordBuf>()
+                    .expect("the buffer is the RecordBuf given above");
+                return Ok(b.0);
             }
-            Err(AttemptError::Fetch(e, verified, heard)) => {
-                prefix.extend_from_slice(&verified);
+            Err(AttemptError::Fetch(e, heard)) => {
                 if matches!(e, FetchError::Stalled { .. }) && !heard {
                     // Silent on the whole connection for the silence deadline: presumed gone
                     // (killed, stopped, restarted). Closing the link now makes the next try
@@ -1961,7 +2062,7 @@ impl Inner {
                     l.conn.close(0u32.into(), b"silent");
                     lost = true;
                 }
-                AttemptError::Fetch(e, Vec::new(), heard)
+                AttemptError::Fetch(e, heard)
             }
             Err(e) => e,
         };

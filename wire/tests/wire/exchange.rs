@@ -912,3 +912,161 @@ fn impossible_sizes_are_refused_not_aborted() {
     assert!(c.poll_transmit().is_none());
     assert_eq!(c.outstanding(), 0);
 }
+
+/// The caller's buffer back from an event, as the `Vec<u8>` it was.
+fn vec_of(buffer: Option<Box<dyn RecordBuffer>>) -> Vec<u8> {
+    let b: Box<dyn std::any::Any> = buffer.expect("the caller's buffer comes back");
+    *b.downcast::<Vec<u8>>().expect("a Vec<u8> went in")
+}
+
+#[test]
+fn record_streamed_in_odd_pieces_lands_in_the_callers_buffer_bit_for_bit() {
+    for sizes in [
+        vec![1],
+        vec![3, 1, 4, 1, 5],
+        vec![7],
+        vec![1499],
+        vec![4099, 2],
+        vec![1 << 20],
+    ] {
+        let mut p = pair();
+        p.stream_pieces = Some(sizes.clone());
+        let data = bytes_of(20_000, 11);
+        p.experts.insert(expert(2, 2), data.clone());
+        p.chunk = 1500;
+        let v = Blake3Chunks::of(&data, 4096);
+        let checked = v.checked.clone();
+        let fetch = Fetch::expert(model(), expert(2, 2), 20_000)
+            .verifier(Box::new(v))
+            .into_buffer(Box::new(vec![0xAAu8; 20_000]));
+        p.client.start(p.now, fetch).unwrap();
+        let c = completed(p.run());
+        assert!(
+            c.bytes.is_empty(),
+            "nothing copied beside the buffer ({sizes:?})"
+        );
+        assert_eq!(vec_of(c.buffer), data, "pieces {sizes:?}");
+        assert_eq!(
+            checked.load(Ordering::Relaxed),
+            5,
+            "every chunk verified once"
+        );
+    }
+}
+
+#[test]
+fn corrupt_chunk_keeps_only_the_verified_prefix_and_a_retry_resumes_in_the_same_buffer() {
+    let data = bytes_of(20_000, 12);
+    let mut liar = pair();
+    liar.stream_pieces = Some(vec![1000, 333]);
+    liar.experts.insert(expert(1, 1), data.clone());
+    liar.faults.corrupt_at = Some(9000); // inside chunk 2 of 4096-byte chunks
+    let fetch = Fetch::expert(model(), expert(1, 1), 20_000)
+        .verifier(Box::new(Blake3Chunks::of(&data, 4096)))
+        .into_buffer(Box::new(vec![0u8; 20_000]));
+    let id = liar.client.start(liar.now, fetch).unwrap();
+    let f = failed(liar.run());
+    assert!(
+        matches!(
+            f.error,
+            FetchError::BadChunk {
+                index: 2,
+                offset: 8192,
+                ..
+            }
+        ),
+        "{}",
+        f.error
+    );
+    assert_eq!(f.verified_end, 8192);
+    assert!(
+        f.verified.is_empty(),
+        "the prefix is in the buffer, not copied out"
+    );
+    assert_eq!(cancels_seen(&liar), vec![id]);
+    let buf = vec_of(f.buffer);
+    assert_eq!(buf[..8192], data[..8192], "the verified prefix is kept");
+    assert_ne!(
+        buf[8192..12288],
+        data[8192..12288],
+        "the corrupt chunk arrived, unverified"
+    );
+
+    // Another peer, from the verified end, into the same buffer.
+    let mut honest = pair();
+    honest.stream_pieces = Some(vec![777]);
+    honest.experts.insert(expert(1, 1), data.clone());
+    let v = Blake3Chunks::of(&data, 4096);
+    let checked = v.checked.clone();
+    let fetch = Fetch::expert(model(), expert(1, 1), 20_000)
+        .range(ByteRange {
+            offset: f.verified_end,
+            len: 20_000 - f.verified_end,
+        })
+        .verifier(Box::new(v))
+        .into_buffer(Box::new(buf));
+    honest.client.start(honest.now, fetch).unwrap();
+    let c = completed(honest.run());
+    assert_eq!(c.offset, 8192);
+    assert_eq!(checked.load(Ordering::Relaxed), 3, "chunks 2, 3 and 4 only");
+    assert_eq!(vec_of(c.buffer), data);
+}
+
+#[test]
+fn a_buffer_too_short_for_the_range_or_a_manifest_is_refused_before_sending() {
+    let mut p = pair();
+    let short =
+        Fetch::expert(model(), expert(0, 1), 10_000).into_buffer(Box::new(vec![0u8; 9_999]));
+    assert!(matches!(
+        p.client.start(p.now, short),
+        Err(StartError::Buffer(_))
+    ));
+    let manifest = Fetch::manifest(model(), 1000).into_buffer(Box::new(vec![0u8; 1000]));
+    assert!(matches!(
+        p.client.start(p.now, manifest),
+        Err(StartError::Buffer(_))
+    ));
+    assert!(p.client.poll_transmit().is_none());
+}
+
+#[test]
+fn streamed_data_keeps_the_order_and_bounds_rules() {
+    let data = bytes_of(10_000, 13);
+    let mut p = pair();
+    p.stream_pieces = Some(vec![5]);
+    p.experts.insert(expert(0, 3), data.clone());
+    p.faults.skip_frame = Some(1);
+    let fetch =
+        Fetch::expert(model(), expert(0, 3), 10_000).into_buffer(Box::new(vec![0u8; 10_000]));
+    p.client.start(p.now, fetch).unwrap();
+    let f = failed(p.run());
+    assert!(
+        matches!(
+            f.error,
+            FetchError::OutOfOrder {
+                expected: 1000,
+                got: 2000
+            }
+        ),
+        "{}",
+        f.error
+    );
+
+    let mut p = pair();
+    p.stream_pieces = Some(vec![5]);
+    p.experts.insert(expert(0, 3), data.clone());
+    p.faults.ignore_range = true;
+    let fetch = Fetch::expert(model(), expert(0, 3), 10_000)
+        .range(ByteRange {
+            offset: 0,
+            len: 4000,
+        })
+        .into_buffer(Box::new(vec![0u8; 4000]));
+    p.client.start(p.now, fetch).unwrap();
+    let c = completed(p.run());
+    assert_eq!(
+        vec_of(c.buffer),
+        data[..4000],
+        "completes on its last byte; the rest is stray"
+    );
+}

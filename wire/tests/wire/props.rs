@@ -160,8 +160,117 @@ fn decode_split(wire: &[u8], cuts: &[usize]) -> (Vec<Message>, Option<DecodeErro
     (out, dec.finish().err())
 }
 
+/// [`decode_split`] through [`FrameDecoder::decode_streaming`], each Data frame put together
+/// again from its header and payload pieces (which must tile it in order).
+fn stream_split(wire: &[u8], cuts: &[usize]) -> (Vec<Message>, Option<DecodeError>) {
+    let mut cuts: Vec<usize> = cuts.iter().map(|&c| c % (wire.len() + 1)).collect();
+    cuts.push(0);
+    cuts.push(wire.len());
+    cuts.sort_unstable();
+    let mut dec = FrameDecoder::new();
+    let mut out = Vec::new();
+    let mut data: Option<(RequestId, u64, u64, Vec<u8>)> = None;
+    for w in cuts.windows(2) {
+        let mut input = &wire[w[0]..w[1]];
+        while !input.is_empty() {
+            match dec.decode_streaming(&mut input) {
+                Err(e) => return (out, Some(e)),
+                Ok(None) => {}
+                Ok(Some(Piece::Message(m))) => {
+                    assert!(data.is_none(), "a message inside a Data frame");
+                    out.push(m);
+                }
+                Ok(Some(Piece::DataHeader {
+                    request_id,
+                    offset,
+                    len,
+                })) => {
+                    assert!(data.is_none(), "a header inside a Data frame");
+                    data = Some((request_id, offset, len, Vec::new()));
+                }
+                Ok(Some(Piece::DataBytes {
+                    request_id,
+                    offset,
+                    bytes,
+                    last,
+                })) => {
+                    let (id, at, len, buf) = data.as_mut().expect("bytes after a header");
+                    assert_eq!((request_id, offset), (*id, *at + buf.len() as u64));
+                    assert!(!bytes.is_empty());
+                    buf.extend_from_slice(bytes);
+                    assert!(buf.len() as u64 <= *len);
+                    assert_eq!(last, buf.len() as u64 == *len);
+                    if last {
+                        let (request_id, offset, _, buf) = data.take().expect("just used");
+                        out.push(Message::Data(Data {
+                            request_id,
+                            offset,
+                            bytes: buf.into(),
+                        }));
+                    }
+                }
+            }
+        }
+    }
+    (out, dec.finish().err())
+}
+
+/// The streaming decoder against the whole-frame one on the same input: the same messages,
+/// and the same error, except that a bad Data header is refused at once, where the
+/// whole-frame decoder may first see the stream end inside that frame.
+fn same_as_whole(wire: &[u8], cuts: &[usize]) -> Result<(), TestCaseError> {
+    let (wm, we) = decode_split(wire, &[]);
+    let (sm, se) = stream_split(wire, cuts);
+    prop_assert_eq!(wm, sm);
+    match (we, se) {
+        (Some(DecodeError::Truncated { .. }), Some(_)) => {}
+        (we, se) => prop_assert_eq!(we, se),
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn streaming_decoder_agrees_on_valid_messages(
+        msgs in prop::collection::vec(message(), 1..8),
+        cuts in prop::collection::vec(any::<usize>(), 0..12),
+    ) {
+        let mut wire = Vec::new();
+        for m in &msgs {
+            append_frame(m, &mut wire).unwrap();
+        }
+        let (got, err) = stream_split(&wire, &cuts);
+        prop_assert_eq!(err, None);
+        prop_assert_eq!(got, msgs);
+    }
+
+    #[test]
+    fn streaming_decoder_agrees_on_random_and_mutated_bytes(
+        body in prop::collection::vec(any::<u8>(), 0..600),
+        m in message(),
+        pos in any::<usize>(),
+        byte in any::<u8>(),
+        cuts in prop::collection::vec(any::<usize>(), 0..12),
+    ) {
+        let mut wire = (body.len() as u32).to_le_bytes().to_vec();
+        wire.extend_from_slice(&body);
+        same_as_whole(&wire, &cuts)?;
+        same_as_whole(&body, &cuts)?;
+        // A Data frame's header (tag 4) with random fields after it.
+        if !body.is_empty() {
+            let mut data = body.clone();
+            data[0] = 4;
+            let mut w = (data.len() as u32).to_le_bytes().to_vec();
+            w.extend_from_slice(&data);
+            same_as_whole(&w, &cuts)?;
+        }
+        let mut wire = encode_frame(&m).unwrap();
+        let p = pos % wire.len();
+        wire[p] = byte;
+        same_as_whole(&wire, &cuts)?;
+    }
 
     #[test]
     fn messages_round_trip_through_any_split(

@@ -105,6 +105,10 @@ pub(crate) struct Pair {
     pub(crate) server_saw: Vec<Message>,
     /// Serve requests held by `Faults::hold`.
     pub(crate) held: Vec<ServeRequest>,
+    /// When set, the client reads its stream with `decode_streaming` in pieces of these sizes
+    /// (in turn), and Data payloads go to it piece by piece; otherwise whole messages in 7-byte
+    /// pieces.
+    pub(crate) stream_pieces: Option<Vec<usize>>,
     to_server: FrameDecoder,
     to_client: FrameDecoder,
 }
@@ -121,6 +125,7 @@ impl Pair {
             faults: Faults::default(),
             server_saw: Vec::new(),
             held: Vec::new(),
+            stream_pieces: None,
             to_server: FrameDecoder::new(),
             to_client: FrameDecoder::new(),
         }
@@ -168,12 +173,39 @@ impl Pair {
             while let Some(m) = self.server.poll_transmit() {
                 down.push(m);
             }
-            let down = Self::pipe(&mut self.to_client, down);
             let progressed_down = !down.is_empty();
-            for m in down {
-                self.client
-                    .handle_message(self.now, m)
-                    .expect("server sends responses only");
+            if let Some(sizes) = &self.stream_pieces {
+                let mut wire = Vec::new();
+                for m in &down {
+                    append_frame(m, &mut wire).expect("test messages encode");
+                }
+                let mut at = 0;
+                for &n in sizes.iter().cycle() {
+                    if at == wire.len() {
+                        break;
+                    }
+                    let end = (at + n.max(1)).min(wire.len());
+                    let mut input = &wire[at..end];
+                    while let Some(piece) = self
+                        .to_client
+                        .decode_streaming(&mut input)
+                        .expect("test frames decode")
+                    {
+                        self.client
+                            .handle_piece(self.now, piece)
+                            .expect("server sends responses only");
+                    }
+                    assert!(input.is_empty());
+                    at = end;
+                }
+                self.to_client.finish().expect("whole frames");
+            } else {
+                let down = Self::pipe(&mut self.to_client, down);
+                for m in down {
+                    self.client
+                        .handle_message(self.now, m)
+                        .expect("server sends responses only");
+                }
             }
             if !progressed_up && !progressed_down {
                 break;
