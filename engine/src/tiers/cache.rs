@@ -382,6 +382,10 @@ impl Shared {
                 });
                 if repeat {
                     tracing::debug!("expert {k} from {name}: {why} (as the last one)");
+                } else if priority == Priority::Prefetch {
+                    // Nothing asked for it yet (the hot store, a predicted expert): a load
+                    // that needs it warns if it fails too.
+                    tracing::debug!("expert {k} from {name}, prefetched: {why}");
                 } else {
                     tracing::warn!(
                         "expert {k} from {name}: {why} (the same failure of other experts in \
