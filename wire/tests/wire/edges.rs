@@ -424,3 +424,102 @@ fn decode_all_takes_every_frame_of_its_input() {
         "{out:?}"
     );
 }
+
+#[test]
+fn a_buffer_given_to_a_fetch_can_be_taken_back() {
+    let mut f = Fetch::expert(model(), expert(0, 0), 10).into_buffer(Box::new(vec![0u8; 10]));
+    assert!(f.take_buffer().is_some());
+    assert!(f.take_buffer().is_none());
+}
+
+#[test]
+fn an_empty_expert_range_is_refused() {
+    let mut r = requests(4);
+    let f = Fetch::expert(model(), expert(0, 0), 10).range(ByteRange { offset: 3, len: 0 });
+    assert!(matches!(
+        r.start(Instant::now(), f),
+        Err(StartError::BadRange { len: 0, .. })
+    ));
+}
+
+#[test]
+fn a_cancelled_request_hands_back_its_buffer_and_verified_end() {
+    let t = Instant::now();
+    let record: Vec<u8> = (0..40).collect();
+    let mut r = requests(4);
+    let id = r
+        .start(
+            t,
+            Fetch::expert(model(), expert(0, 0), 40)
+                .verifier(Box::new(Blake3Chunks::of(&record, 10)))
+                .into_buffer(Box::new(vec![0u8; 40])),
+        )
+        .unwrap();
+    r.handle_message(t, data(id, 0, &record[..15])).unwrap();
+    let a = r.cancel_keeping(id).expect("outstanding");
+    assert_eq!(a.verified_end, 10);
+    let mut b = a.buffer.expect("the buffer comes back");
+    assert_eq!(&b.bytes_mut()[..10], &record[..10]);
+    assert!(r.cancel_keeping(id).is_none());
+    assert_eq!(
+        r.poll_transmit().and_then(|m| m.request_id()),
+        Some(id),
+        "the Get"
+    );
+    assert!(matches!(r.poll_transmit(), Some(Message::Cancel(_))));
+}
+
+#[test]
+fn a_data_header_alone_shows_the_peer_is_not_silent() {
+    // Streaming: the header of a frame arrives at 3 s, its bytes not yet; the idle deadline
+    // (5 s) counts from the header, so at 6 s the request is still waiting.
+    let t = Instant::now();
+    let s = Duration::from_secs;
+    let mut r = Requests::new(RequestsConfig {
+        timeout: s(60),
+        idle_timeout: s(5),
+        max_outstanding: 4,
+    });
+    let id = r
+        .start(t, Fetch::expert(model(), expert(0, 0), 10))
+        .unwrap();
+    r.handle_piece(
+        t + s(3),
+        Piece::DataHeader {
+            request_id: id,
+            offset: 0,
+            len: 10,
+        },
+    )
+    .unwrap();
+    r.handle_timeout(t + s(6));
+    assert!(r.is_outstanding(id), "{:?}", events(&mut r));
+    r.handle_timeout(t + s(8));
+    assert!(matches!(
+        one_failure(&mut r).error,
+        FetchError::Stalled { .. }
+    ));
+}
+
+#[test]
+fn data_bytes_past_the_range_are_out_of_bounds_even_without_a_header() {
+    let t = Instant::now();
+    let mut r = requests(4);
+    let id = r
+        .start(t, Fetch::expert(model(), expert(0, 0), 10))
+        .unwrap();
+    r.handle_piece(
+        t,
+        Piece::DataBytes {
+            request_id: id,
+            offset: 0,
+            bytes: &[1; 12],
+            last: true,
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        one_failure(&mut r).error,
+        FetchError::OutOfBounds { len: 12, .. }
+    ));
+}
