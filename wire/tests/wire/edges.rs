@@ -523,3 +523,29 @@ fn data_bytes_past_the_range_are_out_of_bounds_even_without_a_header() {
         FetchError::OutOfBounds { len: 12, .. }
     ));
 }
+
+#[test]
+fn an_exec_call_may_carry_exactly_its_maximum_of_positions() {
+    let hidden = 2880;
+    let max = max_positions(hidden);
+    assert!(max >= 1);
+    let rows = |n: usize| vec![0.5f32; n * hidden];
+    assert!(ExecCall::start(RequestId(1), model(), expert(0, 0), &rows(max), hidden).is_ok());
+    assert!(matches!(
+        ExecCall::start(RequestId(2), model(), expert(0, 0), &rows(max + 1), hidden),
+        Err(ExecRequestError::TooMany { .. })
+    ));
+}
+
+#[test]
+fn the_frame_limit_is_one_data_payload_and_64_bytes_of_header() {
+    // The limit documented for MAX_FRAME_LEN, stated from MAX_DATA_LEN.
+    let limit = MAX_DATA_LEN + 64;
+    let mut ok = &(limit as u32).to_le_bytes()[..];
+    assert!(matches!(FrameDecoder::new().decode(&mut ok), Ok(None)));
+    let mut over = &((limit + 1) as u32).to_le_bytes()[..];
+    assert!(matches!(
+        FrameDecoder::new().decode(&mut over),
+        Err(DecodeError::Oversized { .. })
+    ));
+}
