@@ -549,3 +549,43 @@ fn the_frame_limit_is_one_data_payload_and_64_bytes_of_header() {
         Err(DecodeError::Oversized { .. })
     ));
 }
+
+/// Every piece `decode_streaming` hands out for `input`, and the payload bytes it carried.
+fn stream_all(d: &mut FrameDecoder, mut input: &[u8]) -> Result<(usize, usize), DecodeError> {
+    let (mut pieces, mut payload) = (0, 0);
+    while !input.is_empty() {
+        if let Some(p) = d.decode_streaming(&mut input)? {
+            pieces += 1;
+            if let Piece::DataBytes { bytes, .. } = p {
+                payload += bytes.len();
+            }
+        }
+    }
+    Ok((pieces, payload))
+}
+
+#[test]
+fn streaming_takes_a_whole_data_payload_and_counts_a_cut_one_exactly() {
+    let big = Message::Data(Data {
+        request_id: RequestId(1),
+        offset: 0,
+        bytes: Bytes::from(vec![3u8; MAX_DATA_LEN]),
+    });
+    let frame = encode_frame(&big).unwrap();
+    let mut d = FrameDecoder::new();
+    let (_, payload) = stream_all(&mut d, &frame).expect("a payload of MAX_DATA_LEN streams");
+    assert_eq!(payload, MAX_DATA_LEN);
+    assert!(d.finish().is_ok());
+    // Cut 100 bytes before the end: the stream ended inside the payload, and finish() says
+    // how much of the frame arrived.
+    let mut d = FrameDecoder::new();
+    let cut = frame.len() - 100;
+    let (_, payload) = stream_all(&mut d, &frame[..cut]).unwrap();
+    assert_eq!(payload, MAX_DATA_LEN - 100);
+    match d.finish() {
+        Err(DecodeError::Truncated { have, need }) => {
+            assert_eq!((have, need), (cut, frame.len()));
+        }
+        other => panic!("{other:?}"),
+    }
+}
