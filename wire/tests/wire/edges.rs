@@ -589,3 +589,23 @@ fn streaming_takes_a_whole_data_payload_and_counts_a_cut_one_exactly() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn the_largest_exec_fits_the_exec_frame_limit_of_its_rows_and_64_bytes() {
+    assert_eq!(
+        MAX_EXEC_FRAME_LEN,
+        MAX_EXEC_ROWS_LEN + 64,
+        "the documented limit"
+    );
+    // Rows of exactly MAX_EXEC_ROWS_LEN: 64 positions of 1024 floats.
+    let hidden = MAX_EXEC_ROWS_LEN / 4 / 64;
+    let rows = vec![1.0f32; 64 * hidden];
+    let (_, exec) = ExecCall::start(RequestId(u64::MAX), model(), expert(0, 0), &rows, hidden)
+        .expect("the largest call");
+    let frame = encode_frame(&Message::Exec(exec)).unwrap();
+    let mut input = &frame[..];
+    assert!(matches!(
+        FrameDecoder::with_max(MAX_EXEC_FRAME_LEN).decode(&mut input),
+        Ok(Some(Message::Exec(_)))
+    ));
+}
