@@ -609,3 +609,25 @@ fn the_largest_exec_fits_the_exec_frame_limit_of_its_rows_and_64_bytes() {
         Ok(Some(Message::Exec(_)))
     ));
 }
+
+#[test]
+fn exec_answers_give_back_their_floats_and_name_trailing_bytes() {
+    let r = ExecResult::new(RequestId(4), &[1.5, -2.0, f32::MIN_POSITIVE]);
+    assert_eq!(r.rows_f32(), vec![1.5, -2.0, f32::MIN_POSITIVE]);
+    let s = format!("{r:?}");
+    assert!(
+        s.contains("ExecResult") && s.contains("rows_len: 12"),
+        "{s}"
+    );
+    let (_, exec) = ExecCall::start(RequestId(5), model(), expert(0, 1), &[0.25; 8], 4).unwrap();
+    let s = format!("{exec:?}");
+    assert!(s.contains("Exec") && s.contains("positions: 2"), "{s}");
+    // Three bytes past the rows the answer announces: named, with their count.
+    let mut body = Vec::new();
+    Message::ExecResult(r).encode_body(&mut body).unwrap();
+    body.extend_from_slice(&[0, 0, 0]);
+    match Message::decode_body(Bytes::from(body)) {
+        Err(DecodeError::TrailingBytes { extra, .. }) => assert_eq!(extra, 3),
+        other => panic!("{other:?}"),
+    }
+}
