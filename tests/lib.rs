@@ -19,6 +19,18 @@ pub fn fixture(name: &str) -> PathBuf {
     repo_root().join("fixtures").join(name)
 }
 
+/// Copies fixture `name`'s model (every file but its `reference*` outputs) into `to`, an
+/// existing folder, for a test that writes beside it (a manifest, kept experts).
+pub fn copy_model(name: &str, to: &Path) {
+    for e in std::fs::read_dir(fixture(name)).expect("fixture dir") {
+        let e = e.expect("fixture entry");
+        let n = e.file_name();
+        if !n.to_string_lossy().starts_with("reference") {
+            std::fs::copy(e.path(), to.join(&n)).expect("copying a fixture file");
+        }
+    }
+}
+
 /// The model fixtures with Transformers references.
 pub const MODEL_FIXTURES: &[&str] = &["gptoss-tiny-mxfp4", "gptoss-tiny-bf16", "qwen3moe-tiny"];
 

@@ -527,12 +527,7 @@ fn write_seed_corpus() {
     }
     // manifest and signature of a fixture
     let dir = tempfile::tempdir().expect("tempdir");
-    for e in std::fs::read_dir(stormo_tests::fixture("qwen3moe-tiny")).expect("fixture") {
-        let e = e.expect("entry");
-        if !e.file_name().to_string_lossy().starts_with("reference") {
-            std::fs::copy(e.path(), dir.path().join(e.file_name())).expect("copy");
-        }
-    }
+    stormo_tests::copy_model("qwen3moe-tiny", dir.path());
     let m = stormo_manifests::build(dir.path(), &stormo_manifests::BuildOptions::default())
         .expect("manifest");
     put("manifest", "qwen3moe-tiny.bin", &m.encode());

@@ -17,21 +17,14 @@ use stormo_node::net::serve::{self, Holdings, ServeConfig, ServerHandle};
 use stormo_node::net::tier::{ExecRequest, PeerConfig, PeerTier, EXEC_IN_FLIGHT};
 use stormo_node::net::tls::Admission;
 use stormo_node::net::{self, PeerAddr};
-use stormo_tests::{fixture, MODEL_FIXTURES};
+use stormo_tests::MODEL_FIXTURES;
 
 use crate::hostile::{ExecAnswer, ExecScript, HostilePeer, Observed};
 use stormo_wire::{encode_frame, ErrorCode, Exec, Message, RequestId};
 
 /// A copy of fixture `name` with its manifest built there; and the model id.
 fn setup(name: &str) -> (tempfile::TempDir, Hash) {
-    let dir = tempfile::tempdir().expect("tempdir");
-    for e in std::fs::read_dir(fixture(name)).expect("fixture dir") {
-        let e = e.expect("entry");
-        let n = e.file_name().to_string_lossy().into_owned();
-        if !n.starts_with("reference") {
-            std::fs::copy(e.path(), dir.path().join(&n)).expect("copy");
-        }
-    }
+    let dir = crate::manifests::copy_fixture(name);
     let m = build(dir.path(), &BuildOptions::default()).expect("manifest builds");
     std::fs::write(dir.path().join("stormo-manifest.bin"), m.encode()).expect("write manifest");
     (dir, m.model_id())

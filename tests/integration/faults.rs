@@ -71,14 +71,7 @@ fn sign(dir: tempfile::TempDir, chunk_size: u32) -> Signed {
 
 /// A copy of fixture `name` (without its reference), signed with the default chunk size.
 fn fixture_copy(name: &str) -> Signed {
-    let dir = tempfile::tempdir().expect("tempdir");
-    for e in std::fs::read_dir(fixture(name)).expect("fixture dir") {
-        let e = e.expect("entry");
-        let n = e.file_name().to_string_lossy().into_owned();
-        if !n.starts_with("reference") {
-            std::fs::copy(e.path(), dir.path().join(&n)).expect("copy");
-        }
-    }
+    let dir = crate::manifests::copy_fixture(name);
     sign(dir, BuildOptions::default().chunk_size)
 }
 

@@ -19,17 +19,10 @@ use stormo_tests::{fixture, MODEL_FIXTURES};
 const GOLDEN_MXFP4_MODEL_ID: &str =
     "9699d34bb95ca3490d1e7904013eb44cccbff7eb1d378edb3af4dc62e80ce026";
 
+/// A copy of fixture `name`'s model in a temporary folder.
 pub(crate) fn copy_fixture(name: &str) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().expect("tempdir");
-    for entry in std::fs::read_dir(fixture(name)).expect("fixture dir") {
-        let entry = entry.expect("entry");
-        let n = entry.file_name();
-        let n = n.to_str().expect("utf-8 name");
-        if n.starts_with("reference") {
-            continue;
-        }
-        std::fs::copy(entry.path(), tmp.path().join(n)).expect("copy");
-    }
+    stormo_tests::copy_model(name, tmp.path());
     tmp
 }
 

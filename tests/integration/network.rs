@@ -53,14 +53,7 @@ struct Fixture {
 
 /// A copy of fixture `name` with a manifest built and signed there.
 fn setup(name: &str) -> Fixture {
-    let dir = tempfile::tempdir().expect("tempdir");
-    for e in std::fs::read_dir(fixture(name)).expect("fixture dir") {
-        let e = e.expect("entry");
-        let n = e.file_name().to_string_lossy().into_owned();
-        if !n.starts_with("reference") {
-            std::fs::copy(e.path(), dir.path().join(&n)).expect("copy");
-        }
-    }
+    let dir = crate::manifests::copy_fixture(name);
     sign_dir(dir)
 }
 

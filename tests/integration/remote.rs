@@ -18,14 +18,7 @@ use crate::node::{s, state, stormo, Proc};
 
 /// A copy of fixture `name` with its manifest built there, and the model id (hex).
 fn setup(name: &str) -> (tempfile::TempDir, String) {
-    let dir = tempfile::tempdir().expect("tempdir");
-    for e in std::fs::read_dir(fixture(name)).expect("fixture dir") {
-        let e = e.expect("entry");
-        let n = e.file_name().to_string_lossy().into_owned();
-        if !n.starts_with("reference") {
-            std::fs::copy(e.path(), dir.path().join(&n)).expect("copy");
-        }
-    }
+    let dir = crate::manifests::copy_fixture(name);
     let m = build(dir.path(), &BuildOptions::default()).expect("manifest builds");
     std::fs::write(dir.path().join("stormo-manifest.bin"), m.encode()).expect("write manifest");
     (dir, m.model_id().to_string())
