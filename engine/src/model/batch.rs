@@ -211,16 +211,11 @@ impl Model {
         } = batch;
         rows.clear();
         // The last row of each sequence, final-normed.
-        let mut end = 0;
-        let last_rows: Vec<usize> = seqs
-            .iter()
-            .map(|q| {
-                end += q.tokens.len();
-                end - 1
-            })
-            .collect();
         screen_x.clear();
-        for (q, &r) in seqs.iter().zip(&last_rows) {
+        let mut end = 0;
+        for q in seqs.iter() {
+            end += q.tokens.len();
+            let r = end - 1;
             if q.want == Want::Nothing {
                 continue;
             }
@@ -236,8 +231,10 @@ impl Model {
                 sc.approx_many(screen_x, screen_approx);
             }
         }
-        let mut screened = 0;
-        for (i, (q, &r)) in seqs.iter_mut().zip(&last_rows).enumerate() {
+        let (mut screened, mut end) = (0, 0);
+        for (i, q) in seqs.iter_mut().enumerate() {
+            end += q.tokens.len();
+            let r = end - 1;
             if q.want == Want::Nothing {
                 out.push(Output::None);
                 continue;

@@ -226,7 +226,8 @@ impl HeadScreen {
         sc: &mut ScreenScratch,
         read: Option<ReadRows<'_>>,
     ) -> Result<Option<Choice>> {
-        if !self.bounded(x) {
+        // Not worth the 8-bit pass when the bound cannot hold (`decide` would give up).
+        if self.l1_within_bound(x).is_none() {
             return Ok(None);
         }
         let mut approx = std::mem::take(&mut sc.approx);
@@ -237,12 +238,12 @@ impl HeadScreen {
         r
     }
 
-    /// Whether no partial sum of a screened row's exact logit can overflow for `x` (the
-    /// bound assumes it; rows with an infinite slack are always computed exactly, as the
-    /// whole head would).
-    fn bounded(&self, x: &[f32]) -> bool {
+    /// `x`'s L1 norm when no partial sum of a screened row's exact logit can overflow for it
+    /// (the bound assumes it; rows with an infinite slack are always computed exactly, as the
+    /// whole head would); `None` otherwise.
+    fn l1_within_bound(&self, x: &[f32]) -> Option<f64> {
         let l1: f64 = x.iter().map(|&v| (v as f64).abs()).sum();
-        l1.is_finite() && self.max_w * l1 * 2.0 < f32::MAX as f64
+        (l1.is_finite() && self.max_w * l1 * 2.0 < f32::MAX as f64).then_some(l1)
     }
 
     /// The choice from the 8-bit logits `approx` of `x`: the candidate rows computed exactly.
@@ -257,10 +258,9 @@ impl HeadScreen {
         let rows = head.rows();
         debug_assert_eq!(self.slack.len(), rows);
         debug_assert_eq!(approx.len(), rows);
-        if !self.bounded(x) {
+        let Some(l1) = self.l1_within_bound(x) else {
             return Ok(None);
-        }
-        let l1: f64 = x.iter().map(|&v| (v as f64).abs()).sum();
+        };
         // Underflow adds at most a few multiples of the smallest subnormal per operation.
         const TINY: f64 = 1e-30;
         let mut floor = f64::NEG_INFINITY;

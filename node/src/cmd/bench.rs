@@ -467,14 +467,7 @@ pub fn bytes_per_token(files: &ModelFiles, int8_attn_head: bool, screened_head: 
             dense += t.len;
         }
     }
-    let experts: u64 = files
-        .layout
-        .sizes()
-        .iter()
-        .filter(|l| !l.is_empty())
-        .map(|l| l[0] * cfg.top_k as u64)
-        .sum();
-    dense + experts
+    dense + expert_bytes_per_token(files).0
 }
 
 /// The experts' share of [`bytes_per_token`], and whether they are MXFP4 (else as wide as
@@ -826,13 +819,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         })
     });
     let peer_vs_disk = disk_run.as_ref().map(|d| decode_tok_s / d.decode_tok_s);
+    let cpu = cpu_identity();
     let out = serde_json::json!({
         "model": a.model.display().to_string(),
         "threads": rayon::current_num_threads(),
         "simd": isa.name(),
         "int8_attn_head": a.int8_attn_head,
         "int8_experts": a.int8_experts,
-        "cpu": cpu_identity(),
+        "cpu": cpu,
         "memory_bandwidth_gb_s": mem_bw / 1e9,
         "memory_bandwidth_at_start_gb_s": mem_before / 1e9,
         "memory_bandwidth_at_end_gb_s": mem_after / 1e9,
@@ -888,7 +882,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             format!("approximate: {}", approx.join(", "))
         }
     );
-    let cpu = cpu_identity();
+    let cpu = &out["cpu"];
     println!(
         "cpu              {}{}",
         cpu["name"].as_str().unwrap_or("unknown"),
