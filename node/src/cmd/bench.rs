@@ -51,9 +51,11 @@ pub struct Args {
     /// prefill of the longest prompt. Without it, timing starts from a cold cache.
     #[arg(long)]
     pub warm: bool,
-    /// Size of the buffer read to measure memory bandwidth, at start and between decoded
-    /// tokens (it stays allocated, so it counts in the peak RSS reported). At least 512 KiB;
-    /// a buffer that fits the last-level cache measures the cache, not memory.
+    /// Size of the buffer read to measure memory bandwidth, at start, between decoded tokens
+    /// and at the end, and streamed by the decode kernels (as a bf16 and an MXFP4 matrix) at
+    /// start and end for the kernel bound (it stays allocated, so it counts in the peak RSS
+    /// reported). At least 512 KiB; a buffer that fits the last-level cache measures the
+    /// cache, not memory.
     #[arg(long, default_value = "256MiB", value_name = "SIZE", value_parser = mem_test_size)]
     pub mem_test: String,
     /// Bytes to read from the checkpoint to measure disk bandwidth (0 skips it).
