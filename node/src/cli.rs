@@ -179,8 +179,7 @@ pub enum Command {
     /// Create and show Ed25519 node and publisher keys.
     #[command(subcommand)]
     Key(cmd::key::Command),
-    /// Measure prefill and decode speed beside the machine's bounds: memory and disk
-    /// bandwidth, and the rate the decode kernels stream weights.
+    /// Measure prefill and decode speed beside the machine's memory, kernel and disk bounds.
     Bench(cmd::bench::Args),
     /// Write a checkpoint's experts as a flat store of 4 KiB-aligned records (one read each).
     Convert(cmd::convert::Args),
