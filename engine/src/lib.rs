@@ -16,6 +16,7 @@ pub mod layout;
 pub mod model;
 pub mod moe;
 pub mod ops;
+pub mod profile;
 pub mod qwen3_moe;
 pub mod rope;
 pub mod safetensors;

@@ -26,6 +26,7 @@ use crate::moe::{
     self, ExpertData, ExpertExecutor, ExpertProvider, MappedExperts, MoeScratch, PartBytes,
 };
 use crate::ops;
+use crate::profile::{self, Phase};
 use crate::rope::Rope;
 use crate::safetensors::{Checkpoint, MappedFile};
 use crate::tiers::{self, disk::DiskFile, DiskTier};
@@ -831,11 +832,13 @@ impl Model {
         s.ensure(t, cfg);
         // The exact rows as stored (the embedding never runs from an 8-bit copy), read rather
         // than touched through the mapping: see `read_rows`.
+        let embed_span = profile::span(Phase::Head);
         s.embed_row.resize(h * self.embed.fmt.size(), 0);
         for (i, &tok) in tokens.iter().enumerate() {
             self.read_rows(&self.embed, &[tok as usize], &mut s.embed_row)?;
             (self.embed.fmt).widen_into(&s.embed_row, &mut s.x[i * h..(i + 1) * h]);
         }
+        drop(embed_span);
         if let Some(o) = obs.as_deref_mut() {
             o.hidden(0, &s.x[..t * h]);
         }
@@ -877,6 +880,7 @@ impl Model {
     /// output projection over all rows, added to the residual `s.x`. Every step is computed
     /// per row (or per sequence), so a row's result does not depend on the other rows.
     fn attention(&self, layer: &Layer, s: &mut Scratch, t: usize, seqs: &mut [SeqRows<'_>]) {
+        let mut span = profile::span(Phase::Qkv);
         let cfg = &self.cfg;
         let h = cfg.hidden_size;
         let (qd, kvd, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
@@ -921,6 +925,7 @@ impl Model {
             ops::rms_norm_heads(&mut s.q[..t * qd], hd, &self.vector(qn), eps);
             ops::rms_norm_heads(&mut s.k[..t * kvd], hd, &self.vector(kn), eps);
         }
+        span.next(Phase::Attend);
         let sinks = a.sinks.as_ref().map(|v| self.vector(v));
         for seq in seqs.iter_mut() {
             let SeqRows {
@@ -964,6 +969,7 @@ impl Model {
                 }
             }
         }
+        span.next(Phase::OProj);
         matmul(&self.mat(&a.o), &s.att[..t * qd], &mut s.o[..t * h]);
         if let Some([_, _, _, bo]) = &a.biases {
             add_bias_rows(&self.vector(bo), &mut s.o[..t * h]);
@@ -984,6 +990,7 @@ impl Model {
         t: usize,
         obs: Option<&mut (dyn Observer + 'o)>,
     ) -> Result<()> {
+        let mut span = profile::span(Phase::Router);
         let cfg = &self.cfg;
         let h = cfg.hidden_size;
         let w = self.vector(&layer.post_norm);
@@ -1026,6 +1033,7 @@ impl Model {
                 let schema = self.layout.schemas[l]
                     .as_ref()
                     .expect("MoE layer has an expert schema");
+                span.next(Phase::Experts);
                 moe::moe_block(
                     l,
                     schema,
@@ -1039,6 +1047,7 @@ impl Model {
                 )?;
             }
             Mlp::Dense { gate, up, down } => {
+                span.next(Phase::Experts);
                 let view = moe::ExpertView {
                     gate_up: None,
                     gate: Some(self.mat(gate)),
@@ -1073,6 +1082,7 @@ impl Model {
         head: Head,
         obs: Option<&mut (dyn Observer + 'o)>,
     ) -> Result<Option<Choice>> {
+        let _span = profile::span(Phase::Head);
         let cfg = &self.cfg;
         let h = cfg.hidden_size;
         let w = self.vector(&self.final_norm);

@@ -758,7 +758,9 @@ fn compute_local(
     for chunk in experts.chunks(group) {
         let g = chunk.len();
         s.handles.clear();
+        let fetch_span = crate::profile::span(crate::profile::Phase::ExpertFetch);
         provider.fetch(layer, chunk, &mut s.handles)?;
+        drop(fetch_span);
         if s.handles.len() != g {
             return Err(Error::Expert {
                 layer,

@@ -456,6 +456,45 @@ fn bench_warm_makes_experts_resident_with_short_prompts() {
         Some(0.0),
         "every expert resident after --warm: {v}"
     );
+    // Where the decode's time went: every phase timed, together no more than the decode took
+    // (the bandwidth probe between tokens is outside them), and their bytes are the token's.
+    let phases = v["decode"]["phases"].as_object().expect("decode.phases");
+    let names: Vec<&str> = phases.keys().map(String::as_str).collect();
+    for p in [
+        "qkv",
+        "attention",
+        "o_proj",
+        "router",
+        "expert_fetch",
+        "experts",
+        "head",
+    ] {
+        assert!(names.contains(&p), "{p} missing from {names:?}");
+    }
+    let ms: f64 = phases
+        .values()
+        .map(|p| p["ms_per_token"].as_f64().expect("ms_per_token"))
+        .sum();
+    let per_token_ms = v["decode"]["seconds"].as_f64().unwrap() * 1e3 / 6.0;
+    assert!(
+        ms > 0.0 && ms <= per_token_ms * 1.001,
+        "{ms} of {per_token_ms}: {v}"
+    );
+    for p in ["qkv", "experts", "head"] {
+        assert!(
+            phases[p]["ms_per_token"].as_f64().unwrap() > 0.0,
+            "{p}: {v}"
+        );
+    }
+    let phase_bytes: u64 = phases
+        .values()
+        .map(|p| p["bytes_per_token"].as_u64().expect("bytes_per_token"))
+        .sum();
+    assert_eq!(
+        Some(phase_bytes),
+        v["bytes_per_decoded_token"].as_u64(),
+        "{v}"
+    );
     // Greedy decoding goes through the screened head by default: fewer bytes per token.
     assert_eq!(v["screened_head"], true, "{v}");
     let bytes = |v: &serde_json::Value, k: &str| v[k].as_u64().expect(k);

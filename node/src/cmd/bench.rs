@@ -18,6 +18,7 @@ use std::time::Instant;
 use anyhow::Context;
 use rayon::prelude::*;
 use stormo_engine::generate::argmax;
+use stormo_engine::profile::{self, Phase};
 use stormo_engine::{LoadOptions, Logits, Model, ModelFiles, Session};
 
 use crate::args::{ExpertArgs, PeerArgs};
@@ -435,9 +436,24 @@ fn peak_rss() -> Option<u64> {
 /// Bytes each decoded token must read: every dense weight except the embedding table (one row),
 /// the head, and top-k experts in every MoE layer.
 pub fn bytes_per_token(files: &ModelFiles, int8_attn_head: bool, screened_head: bool) -> u64 {
+    phase_bytes(files, int8_attn_head, screened_head)
+        .iter()
+        .sum()
+}
+
+/// [`bytes_per_token`] by the phase of the forward pass that reads them, in
+/// [`Phase::ALL`]'s order: the attention's norm and q/k/v, its sinks, its output projection,
+/// the MLP's norm and router, the experts (or dense MLP), and the embedding row, final norm
+/// and head.
+pub fn phase_bytes(
+    files: &ModelFiles,
+    int8_attn_head: bool,
+    screened_head: bool,
+) -> [u64; profile::N] {
     let cfg = &files.cfg;
     let expert_names = files.layout.expert_tensor_names();
-    let mut dense = 0u64;
+    let mut bytes = [0u64; profile::N];
+    let mut add = |p: Phase, n: u64| bytes[profile::index(p)] += n;
     // With 8-bit copies, a matrix of `n` elements reads `n` bytes and one f32 per row.
     let int8 = |t: &stormo_engine::safetensors::TensorInfo| -> u64 {
         let elems: u64 = t.shape.iter().map(|&d| d as u64).product();
@@ -448,6 +464,29 @@ pub fn bytes_per_token(files: &ModelFiles, int8_attn_head: bool, screened_head: 
             .iter()
             .any(|p| name.ends_with(&format!("self_attn.{p}.weight")))
     };
+    let phase_of = |name: &str| {
+        let has = |parts: &[&str]| parts.iter().any(|p| name.contains(p));
+        if has(&[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "q_norm",
+            "k_norm",
+            "input_layernorm",
+        ]) {
+            Phase::Qkv
+        } else if has(&["o_proj"]) {
+            Phase::OProj
+        } else if has(&["sinks"]) {
+            Phase::Attend
+        } else if has(&["post_attention_layernorm", "router", "mlp.gate.weight"]) {
+            Phase::Router
+        } else if has(&["lm_head", "embed_tokens", "model.norm"]) {
+            Phase::Head
+        } else {
+            Phase::Experts
+        }
+    };
     for (name, t) in &files.ckpt.tensors {
         if expert_names.contains(name.as_str()) {
             continue;
@@ -455,21 +494,25 @@ pub fn bytes_per_token(files: &ModelFiles, int8_attn_head: bool, screened_head: 
         let head = name == "lm_head.weight";
         if name == "model.embed_tokens.weight" {
             // One row looked up per token; when tied it is also the head.
-            dense += t.len / cfg.vocab_size.max(1) as u64;
+            add(Phase::Head, t.len / cfg.vocab_size.max(1) as u64);
             if cfg.tie_word_embeddings && !files.ckpt.tensors.contains_key("lm_head.weight") {
-                dense += if int8_attn_head || screened_head {
-                    int8(t)
-                } else {
-                    t.len
-                };
+                add(
+                    Phase::Head,
+                    if int8_attn_head || screened_head {
+                        int8(t)
+                    } else {
+                        t.len
+                    },
+                );
             }
         } else if (int8_attn_head && (head || is_attn(name))) || (screened_head && head) {
-            dense += int8(t);
+            add(phase_of(name), int8(t));
         } else {
-            dense += t.len;
+            add(phase_of(name), t.len);
         }
     }
-    dense + expert_bytes_per_token(files).0
+    add(Phase::Experts, expert_bytes_per_token(files).0);
+    bytes
 }
 
 /// The experts' share of [`bytes_per_token`], and whether they are MXFP4 (else as wide as
@@ -661,6 +704,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let bpt = bytes_per_token(&files, a.int8_attn_head, !a.full_head);
     let bpt_full_head = bytes_per_token(&files, a.int8_attn_head, false);
     let (expert_bpt, experts_mxfp4) = expert_bytes_per_token(&files);
+    let per_phase = phase_bytes(&files, a.int8_attn_head, !a.full_head);
     let vocab = files.cfg.vocab_size as u64;
     let sizes = files.layout.sizes();
     drop(files);
@@ -724,6 +768,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "warning: the {isa} kernels do not use the prefetch distance; both sides of --pair-prefetch run the same kernels"
         );
     }
+    // Where the decoded tokens' time goes, phase by phase (the probe's samples between tokens
+    // are outside the spans).
+    profile::take();
+    profile::enable(true);
     for i in 0..a.decode_tokens {
         if let Some(d) = a.pair_prefetch {
             stormo_engine::kernels::set_prefetch_ahead(d[i % 2]);
@@ -742,6 +790,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         by_distance[i % 2].push(secs);
         probe.sample();
     }
+    profile::enable(false);
+    let phase_nanos = profile::take();
     stormo_engine::kernels::set_prefetch_ahead(default_ahead);
     let paired = a.pair_full_head.then(|| paired.map(|(s, n)| n as f64 / s));
     let paired_prefetch = a
@@ -822,6 +872,22 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     });
     let peer_vs_disk = disk_run.as_ref().map(|d| decode_tok_s / d.decode_tok_s);
     let cpu = cpu_identity();
+    let phases = Phase::ALL.iter().enumerate().map(|(i, ph)| {
+        let ms = phase_nanos[i] as f64 / 1e6 / a.decode_tokens.max(1) as f64;
+        let bytes = per_phase[i];
+        let gb_s = (ms > 0.0).then(|| bytes as f64 / (ms / 1e3) / 1e9);
+        (ph.name(), ms, bytes, gb_s)
+    });
+    let phases: Vec<_> = phases.collect();
+    let phases_json: serde_json::Map<String, serde_json::Value> = phases
+        .iter()
+        .map(|&(name, ms, bytes, gb_s)| {
+            (
+                name.to_string(),
+                serde_json::json!({"ms_per_token": ms, "bytes_per_token": bytes, "gb_s": gb_s}),
+            )
+        })
+        .collect();
     let out = serde_json::json!({
         "model": a.model.display().to_string(),
         "threads": rayon::current_num_threads(),
@@ -851,7 +917,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "peak_gflop_s": peak / 1e9,
         "prefill_gflop_per_token": flops_tok / 1e9,
         "prefill": prefill,
-        "decode": {"tokens": a.decode_tokens, "seconds": dsecs, "tok_s": decode_tok_s, "fraction_of_memory_bound": decode_tok_s / bound, "fraction_of_kernel_bound": decode_tok_s / kernel_bound, "disk_bytes_per_token": disk_per_tok},
+        "decode": {"tokens": a.decode_tokens, "seconds": dsecs, "tok_s": decode_tok_s, "fraction_of_memory_bound": decode_tok_s / bound, "fraction_of_kernel_bound": decode_tok_s / kernel_bound, "disk_bytes_per_token": disk_per_tok, "phases": phases_json},
         "experts": experts_json,
         "from_peers": from_peers,
         "fetch_mb_s": fetch_mb_s,
@@ -966,6 +1032,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         100.0 * decode_tok_s / bound,
         100.0 * decode_tok_s / kernel_bound,
         human_bytes(disk_per_tok as u64)
+    );
+    let listed: Vec<String> = phases
+        .iter()
+        .map(|&(name, ms, _, gb_s)| match gb_s {
+            Some(r) if r >= 0.05 => format!("{name} {ms:.1} ({r:.1} GB/s)"),
+            _ => format!("{name} {ms:.1}"),
+        })
+        .collect();
+    println!(
+        "phases           ms per decoded token: {}",
+        listed.join(", ")
     );
     if let Some([s, f]) = paired {
         println!(
