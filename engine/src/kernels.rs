@@ -515,9 +515,80 @@ pub fn with_isa<R>(isa: Isa, f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// The CPU as CPUID names it: vendor, family and model (family and model with their extended
+/// fields added in, as the vendors' manuals define them). `None` off x86-64.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuId {
+    /// The vendor string, e.g. `GenuineIntel` or `AuthenticAMD`.
+    pub vendor: String,
+    /// The family, e.g. 25 for AMD's Zen 3 and Zen 4, 26 for Zen 5, 6 for Intel's cores.
+    pub family: u32,
+    /// The model within the family.
+    pub model: u32,
+}
+
+impl CpuId {
+    /// This CPU.
+    pub fn get() -> Option<Self> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::__cpuid;
+            let (l0, l1) = (__cpuid(0), __cpuid(1));
+            let vendor: Vec<u8> = [l0.ebx, l0.edx, l0.ecx]
+                .iter()
+                .flat_map(|r| r.to_le_bytes())
+                .collect();
+            Some(Self::from_signature(
+                String::from_utf8_lossy(&vendor).into_owned(),
+                l1.eax,
+            ))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        None
+    }
+
+    /// The family and model encoded in CPUID leaf 1's EAX.
+    fn from_signature(vendor: String, eax: u32) -> Self {
+        let base = (eax >> 8) & 0xf;
+        let family = if base == 0xf {
+            base + ((eax >> 20) & 0xff)
+        } else {
+            base
+        };
+        let mut model = (eax >> 4) & 0xf;
+        if base == 0x6 || base == 0xf {
+            model |= ((eax >> 16) & 0xf) << 4;
+        }
+        Self {
+            vendor,
+            family,
+            model,
+        }
+    }
+
+    /// True for AMD's family 25 (Zen 3 and Zen 4; of those only Zen 4 runs the AVX-512 ISA).
+    pub fn is_zen4_family(&self) -> bool {
+        self.vendor == "AuthenticAMD" && self.family == 25
+    }
+}
+
+/// The AVX-512 decode kernels' default prefetch distance on `cpu`, chosen by paired
+/// measurement (`stormo bench --pair-prefetch A,B`: decoded tokens alternate between two
+/// distances in one process, so the host's drifting memory speed hits both alike): 512 bytes
+/// on Zen 4 (6-8% faster than 1 or 2 KiB, 6% faster than none, 2% faster than 256 bytes at
+/// gpt-oss-20b geometry), 2 KiB elsewhere (5-7% faster than 512 bytes on Zen 5 and on the
+/// Xeon). docs/performance.md has the runs.
+pub fn default_prefetch_ahead(cpu: Option<&CpuId>) -> usize {
+    match cpu {
+        Some(c) if c.is_zen4_family() => 512,
+        _ => 2048,
+    }
+}
+
 /// How many bytes ahead in each of its weight streams the AVX-512 ISA's one-position (decode)
-/// kernels prefetch: 2 KiB unless [`set_prefetch_ahead`] changed it (0 off x86-64, where there
-/// is no such ISA). The other ISAs prefetch the next rows instead and ignore this.
+/// kernels prefetch: [`default_prefetch_ahead`] for this CPU unless [`set_prefetch_ahead`]
+/// changed it (0 off x86-64, where there is no such ISA). The other ISAs prefetch the next rows
+/// instead and ignore this.
 pub fn prefetch_ahead() -> usize {
     #[cfg(target_arch = "x86_64")]
     return avx512::ahead();
@@ -1521,6 +1592,27 @@ mod tests {
             })
         }
         set_prefetch_ahead(default);
+    }
+
+    #[test]
+    fn cpu_signatures_decode_and_choose_the_prefetch_distance() {
+        let amd = |eax| CpuId::from_signature("AuthenticAMD".into(), eax);
+        // Zen 4 (EPYC 9004/Genoa-class VM): family 0xf + 0xa = 25, model 0x11 = 17.
+        let zen4 = amd(0x00a1_0f11);
+        assert_eq!((zen4.family, zen4.model), (25, 17));
+        assert_eq!(default_prefetch_ahead(Some(&zen4)), 512);
+        // Zen 5: family 0xf + 0xb = 26, model 2.
+        let zen5 = amd(0x00b0_0f20);
+        assert_eq!((zen5.family, zen5.model), (26, 2));
+        assert_eq!(default_prefetch_ahead(Some(&zen5)), 2048);
+        // An Intel core: family 6, model 0xa7 (extended model 0xa, model 7).
+        let xeon = CpuId::from_signature("GenuineIntel".into(), 0x000a_0671);
+        assert_eq!((xeon.family, xeon.model), (6, 167));
+        assert_eq!(default_prefetch_ahead(Some(&xeon)), 2048);
+        // Family 25 from another vendor is not Zen 4.
+        let other = CpuId::from_signature("HygonGenuine".into(), 0x00a1_0f11);
+        assert_eq!(default_prefetch_ahead(Some(&other)), 2048);
+        assert_eq!(default_prefetch_ahead(None), 2048);
     }
 
     /// The int8-input MXFP4 path in every ISA: `matvec` equals the scalar reference on the

@@ -12,7 +12,7 @@
 //! brings each lane's nibble to the bits `vpermps` reads, so its weights come out of element
 //! order and the inputs are permuted to match ([`MXFP4_ORDER`]). Decode reads a matrix as four
 //! sequential streams (rows from the four quarters of a task's range, interleaved) with a
-//! software prefetch 2 KiB ahead in each. Prefill decodes a slab of rows once per call of up to 32
+//! software prefetch ahead in each (a distance chosen per CPU family). Prefill decodes a slab of rows once per call of up to 32
 //! positions, as the AVX2 ISA does. Measured on Zen 4 (README, Kernels); on CPUs without
 //! AVX-512 the tests run the ISA in software emulation (`avx512_emulated`), and where it runs
 //! natively the runtime self-check guards it.
@@ -247,26 +247,32 @@ fn hsum(v: __m512) -> f32 {
 
 /// How far ahead in its own stream a one-position kernel prefetches each row's weights (one
 /// cache line per line it reads; rows of a stream are contiguous, so near a row's end this is
-/// the next row of the stream). With the rows read as four sequential streams the hardware
-/// prefetchers do most of it; 512 bytes measured 2-5% faster than none for bf16 rows and
-/// 10-15% for MXFP4 experts on Zen 4, with 256 bytes to 2 KiB within noise of each other there.
-/// On Zen 5, decoded tokens alternated between 512 bytes and 2 KiB in one process (a paired
-/// comparison, immune to the host's drifting memory speed) put 2 KiB ahead by 5-13%, for the
-/// bf16 attention rows and the MXFP4 experts each (README, Kernels).
-pub(super) const AHEAD: usize = 2048;
+/// the next row of the stream), unless set: [`super::default_prefetch_ahead`] for this CPU.
+/// With the rows read as four sequential streams the hardware prefetchers do most of it; the
+/// distance was chosen per CPU family by decoded tokens alternated between two distances in
+/// one process (a paired comparison, immune to the host's drifting memory speed): 2 KiB on
+/// Zen 5 and the Xeon, 512 bytes on Zen 4 (docs/performance.md).
+static AHEAD_NOW: AtomicUsize = AtomicUsize::new(UNSET);
 
-/// The distance the one-position kernels prefetch at: [`AHEAD`] unless
-/// [`set_prefetch_ahead`](super::set_prefetch_ahead) changed it.
-static AHEAD_NOW: AtomicUsize = AtomicUsize::new(AHEAD);
+/// [`AHEAD_NOW`] before the first use picks the CPU's default.
+const UNSET: usize = usize::MAX;
 
 /// Sets [`AHEAD_NOW`].
 pub(super) fn set_ahead(bytes: usize) {
-    AHEAD_NOW.store(bytes, Ordering::Relaxed);
+    AHEAD_NOW.store(bytes.min(UNSET - 1), Ordering::Relaxed);
 }
 
-/// [`AHEAD_NOW`].
+/// [`AHEAD_NOW`], the CPU's default until set.
 pub(super) fn ahead() -> usize {
-    AHEAD_NOW.load(Ordering::Relaxed)
+    match AHEAD_NOW.load(Ordering::Relaxed) {
+        UNSET => {
+            let d = super::default_prefetch_ahead(super::CpuId::get().as_ref());
+            // A race with `set_ahead` keeps whichever value was set.
+            let _ = AHEAD_NOW.compare_exchange(UNSET, d, Ordering::Relaxed, Ordering::Relaxed);
+            AHEAD_NOW.load(Ordering::Relaxed)
+        }
+        v => v,
+    }
 }
 
 /// Dot products of `R` rows with `P` positions, `n` elements each; with one position (decode)
