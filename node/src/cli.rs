@@ -310,6 +310,39 @@ mod tests {
         }
     }
 
+    /// The congestion control a serving node uses unless told otherwise is `tolerant`, as the
+    /// README and docs/network.md say (change them with it); `--congestion cubic` opts out;
+    /// the simulator's nodes follow `serve`'s default.
+    #[test]
+    fn serve_paces_with_the_tolerant_controller_unless_told_otherwise() {
+        use super::{Cli, Command};
+        use crate::net::tls::Congestion;
+        assert_eq!(Congestion::default(), Congestion::Tolerant);
+        let serve = |extra: &[&str]| {
+            let mut argv = vec!["stormo", "serve", "--model", "m", "--listen", "127.0.0.1:0"];
+            argv.extend_from_slice(extra);
+            match Cli::try_parse_args(argv).expect("parses").command {
+                Command::Serve(a) => a.congestion,
+                _ => panic!("not serve"),
+            }
+        };
+        assert_eq!(serve(&[]), Congestion::Tolerant);
+        assert_eq!(serve(&["--congestion", "cubic"]), Congestion::Cubic);
+        assert_eq!(serve(&["--congestion", "bbr"]), Congestion::Bbr);
+        assert_eq!(
+            crate::net::serve::ServeConfig::default().congestion,
+            Congestion::Tolerant
+        );
+        #[cfg(feature = "lab")]
+        match Cli::try_parse_args(["stormo", "sim", "--scenario", "wan"])
+            .expect("parses")
+            .command
+        {
+            Command::Sim(a) => assert_eq!(a.congestion, Congestion::Tolerant),
+            _ => panic!("not sim"),
+        }
+    }
+
     /// `stormo swarm --scenario NAME` (the simulator's old spelling) still runs the
     /// simulator; `stormo swarm create` is the membership command.
     #[cfg(feature = "lab")]

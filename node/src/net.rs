@@ -1,5 +1,7 @@
 //! The network tier: serving and fetching verified experts over QUIC.
 //!
+//! - [`congestion`]: stormo's own congestion controller (CUBIC that lets random loss pass
+//!   while the path's queue is empty).
 //! - [`tls`]: TLS 1.3 with both sides authenticated by their Ed25519 node keys (raw public
 //!   keys), and the admission policy of a private swarm.
 //! - [`serve`]: the serving side (`stormo serve`): hello and inventory on a control stream,
@@ -16,6 +18,7 @@
 //! ([`parse_only_experts`]), a tuned UDP endpoint ([`bind`]) and framed reads ([`FramedRecv`]).
 //! The [`crate::node::Node`] composes these with the engine's tiers.
 
+pub mod congestion;
 pub mod exec;
 pub mod expert_dir;
 pub mod policy;

@@ -7,12 +7,15 @@
 //! - [`cluster`]: the processes (keys, manifest, serve nodes, client runs, cleanup).
 //! - [`run_scenario`]: the named scenarios and their [`SwarmReport`].
 //! - [`faults`]: the fault matrix against real processes and its [`faults::FaultReport`].
+//! - [`fairness`]: two bulk transfers sharing one bottleneck, paced by different congestion
+//!   controls, and each one's share ([`fairness::FairnessReport`]).
 //!
 //! This crate cannot depend on the node (the node depends on it), so it drives the `stormo`
 //! binary whose path the caller gives, exactly as a user would. Non-goals: more than one
 //! machine, network namespaces, simulated time.
 
 pub mod cluster;
+pub mod fairness;
 pub mod faults;
 pub mod relay;
 
@@ -21,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 pub use cluster::{Cluster, NodeSpec, Reaper};
-pub use relay::{LinkCounts, LinkSpec, Relay, ETHERNET_MTU};
+pub use relay::{LinkCounts, LinkSpec, Relay, SharedLink, ETHERNET_MTU};
 
 /// Why a swarm could not run.
 #[derive(Debug, thiserror::Error)]
@@ -280,6 +283,10 @@ pub struct SwarmReport {
     pub remote: Option<RunOutcome>,
     /// Whether the swarm's ids equal the local run's.
     pub token_exact: bool,
+    /// The least time the links' rate allows for what they carried: the busiest link's bytes
+    /// (every run of the scenario, both ways) at its bandwidth, each node's link running in
+    /// parallel with the others (`None`: unlimited links).
+    pub link_bound_s: Option<f64>,
     /// What happened, in order, with seconds since the swarm run started.
     pub events: Vec<String>,
 }
@@ -555,7 +562,7 @@ pub fn run_scenario(
             "OUTPUT DIFFERS"
         }
     ));
-    let nodes = c
+    let nodes: Vec<NodeReport> = c
         .nodes
         .iter()
         .map(|n| NodeReport {
@@ -567,9 +574,11 @@ pub fn run_scenario(
             starts: n.starts,
         })
         .collect();
+    let link_bound_s = link_bound(&nodes, &link);
     Ok(SwarmReport {
         scenario: scenario.name().into(),
         link: link.into(),
+        link_bound_s,
         nodes,
         local,
         swarm,
@@ -577,6 +586,17 @@ pub fn run_scenario(
         token_exact,
         events,
     })
+}
+
+/// The busiest node link's bytes (both ways) at the link's bandwidth, in seconds.
+fn link_bound(nodes: &[NodeReport], link: &LinkSpec) -> Option<f64> {
+    let bw = link.bandwidth? as f64;
+    let busiest = nodes
+        .iter()
+        .map(|n| n.link.down_bytes.max(n.link.up_bytes))
+        .max()
+        .unwrap_or(0);
+    Some(busiest as f64 / bw)
 }
 
 fn mb(b: u64) -> String {
@@ -657,6 +677,16 @@ impl SwarmReport {
                 mb(r.remote_bytes),
                 r.remote_failures,
                 r.decode_tok_s / s.decode_tok_s.max(f64::MIN_POSITIVE)
+            );
+        }
+        if let Some(bound) = self.link_bound_s {
+            let runs = s.wall_s + self.remote.as_ref().map_or(0.0, |r| r.wall_s);
+            let _ = writeln!(
+                o,
+                "  the links' rate allows {bound:.1} s for what the busiest one carried; the \
+                 swarm run{} took {runs:.1} s ({:.2}x)",
+                if self.remote.is_some() { "s" } else { "" },
+                runs / bound.max(f64::MIN_POSITIVE)
             );
         }
         let _ = write!(

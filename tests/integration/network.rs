@@ -322,48 +322,51 @@ fn peers_holding_parts_supply_exact_generation_on_every_fixture() {
     }
 }
 
-/// A node pacing its answers with BBR (`stormo serve --congestion bbr`), behind a relay that
-/// delays and drops datagrams, supplies exactly the reference generation.
+/// A node pacing its answers with BBR (`stormo serve --congestion bbr`) or with the default
+/// `tolerant` controller (which ignores losses on an empty queue), behind a relay that delays
+/// and drops datagrams, supplies exactly the reference generation.
 #[test]
-fn a_bbr_paced_peer_over_a_lossy_link_gives_the_reference_ids() {
+fn a_bbr_or_tolerant_paced_peer_over_a_lossy_link_gives_the_reference_ids() {
     let name = "gptoss-tiny-mxfp4";
     let f = setup(name);
-    let (h, _experts) =
-        serve::open_holdings(f.dir.path(), None, &expert_args(), None).expect("holdings");
-    let node = start_node_with(
-        90,
-        h,
-        ServeConfig {
-            admission: allow_client(),
-            congestion: Congestion::Bbr,
-            ..ServeConfig::default()
-        },
-    );
-    let relay = Relay::start(
-        node.addr().addr,
-        LinkSpec {
-            delay: Duration::from_millis(5),
-            loss: 0.02,
-            ..LinkSpec::ideal()
-        },
-        11,
-    )
-    .expect("relay");
-    let tier = peer_tier(
-        &f,
-        vec![PeerAddr {
-            key: node.addr().key,
-            addr: relay.addr(),
-        }],
-    );
-    let (got, want, loads) = generate_from(&f, name, tier.clone());
-    assert_eq!(got, want, "ids through a BBR-paced peer");
-    assert!(loads > 0 && node.served() >= loads);
-    assert!(
-        relay.counts().lost > 0,
-        "the link lost nothing: no loss was tested"
-    );
-    tier.close();
+    for (seed, congestion) in [(90, Congestion::Bbr), (91, Congestion::Tolerant)] {
+        let (h, _experts) =
+            serve::open_holdings(f.dir.path(), None, &expert_args(), None).expect("holdings");
+        let node = start_node_with(
+            seed,
+            h,
+            ServeConfig {
+                admission: allow_client(),
+                congestion,
+                ..ServeConfig::default()
+            },
+        );
+        let relay = Relay::start(
+            node.addr().addr,
+            LinkSpec {
+                delay: Duration::from_millis(5),
+                loss: 0.02,
+                ..LinkSpec::ideal()
+            },
+            11,
+        )
+        .expect("relay");
+        let tier = peer_tier(
+            &f,
+            vec![PeerAddr {
+                key: node.addr().key,
+                addr: relay.addr(),
+            }],
+        );
+        let (got, want, loads) = generate_from(&f, name, tier.clone());
+        assert_eq!(got, want, "ids through a {congestion:?}-paced peer");
+        assert!(loads > 0 && node.served() >= loads);
+        assert!(
+            relay.counts().lost > 0,
+            "the link lost nothing: no loss was tested"
+        );
+        tier.close();
+    }
 }
 
 /// A copy of the model folder `src` whose experts are then corrupted (its manifest still

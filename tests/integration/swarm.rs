@@ -98,3 +98,65 @@ fn the_fault_matrix_against_real_processes_ends_as_expected() {
     assert!(out.status.success(), "{err}");
     eprintln!("the fault matrix took {:?}", started.elapsed());
 }
+
+/// `stormo sim --scenario fair-wan` at a tiny size (the small model, a slow shared link, a
+/// 2 s window): every pair of congestion controls runs to the end through one shared
+/// bottleneck and both flows of each are reported with their bytes and shares. What the shares
+/// are is measured, never asserted.
+#[test]
+fn the_fairness_scenario_reports_both_flows_of_each_pair() {
+    let out = Command::new(stormo_exe())
+        .args([
+            "sim",
+            "--scenario",
+            "fair-wan",
+            "--json",
+            "--bandwidth-mbit",
+            "20",
+            "--fair-secs",
+            "2",
+        ])
+        .output()
+        .expect("run stormo sim");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stormo sim failed: {err}");
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("sim --json is not JSON ({e}); stderr: {err}"));
+    assert_eq!(v["scenario"], "fair-wan");
+    let pairs = v["pairs"].as_array().expect("pairs");
+    let names: Vec<String> = pairs
+        .iter()
+        .map(|p| {
+            format!(
+                "{}+{}",
+                p["flows"][0]["congestion"], p["flows"][1]["congestion"]
+            )
+        })
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "\"cubic\"+\"cubic\"",
+            "\"bbr\"+\"cubic\"",
+            "\"bbr\"+\"bbr\"",
+            "\"tolerant\"+\"cubic\"",
+            "\"tolerant\"+\"tolerant\""
+        ],
+        "{v}"
+    );
+    for p in pairs {
+        let flows = p["flows"].as_array().expect("two flows");
+        assert_eq!(flows.len(), 2, "{p}");
+        let shares: f64 = flows.iter().filter_map(|f| f["share"].as_f64()).sum();
+        assert!((shares - 1.0).abs() < 1e-9, "shares do not add up: {p}");
+        let bytes: Vec<u64> = flows.iter().filter_map(|f| f["bytes"].as_u64()).collect();
+        assert_eq!(bytes.len(), 2, "{p}");
+        assert!(
+            bytes.iter().sum::<u64>() > 0,
+            "the link carried nothing: {p}"
+        );
+        for f in flows {
+            assert!(f["pulls"].as_u64().is_some_and(|n| n >= 1), "{p}");
+        }
+    }
+}

@@ -82,11 +82,13 @@ pub struct Args {
     /// answered busy.
     #[arg(long, default_value_t = 8, value_name = "N")]
     pub exec_max: usize,
-    /// How answers to peers are paced. `bbr` keeps experts flowing over long lossy paths
-    /// (20 ms one way, 0.5% loss: about 12 times faster than `cubic` in `stormo swarm
-    /// --scenario wan`, see the README), but quinn calls its BBR experimental, and it can take
-    /// more than its share of a link shared with other traffic.
-    #[arg(long, value_enum, default_value_t = Congestion::Cubic, value_name = "ALGORITHM")]
+    /// How answers to peers are paced (QUIC congestion control). `tolerant` (the default) is
+    /// CUBIC that does not back off for a loss while the path's queue is empty: it keeps
+    /// experts flowing over long lossy paths and is CUBIC wherever a queue builds, so it
+    /// shares a link fairly; `cubic` is the plain opt-out; `bbr` is quinn's experimental BBR,
+    /// which took most of a link it shared with a CUBIC flow (`stormo sim --scenario
+    /// fair-wan`, docs/network.md).
+    #[arg(long, value_enum, default_value_t = Congestion::default(), value_name = "ALGORITHM")]
     pub congestion: Congestion,
     /// Where experts come from (one RAM cache over the local disk, kept experts and peers,
     /// shared by the peers served and the HTTP API).

@@ -29,13 +29,18 @@ use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 ///               restarted on its port, corrupt bytes, an unknown key, a server at
 ///               --expert-cache 0 under concurrent clients; prints a table of case, outcome
 ///               (exact or clear error) and time, and fails unless every case is as expected
+///   fair-lan    fairness: two nodes each pace a bulk pull through one shared bottleneck
+///   fair-wan    (the lan or wan link's rate and drop-tail queue; each flow its own delay
+///               and loss), as cubic+cubic, bbr+cubic, bbr+bbr, tolerant+cubic and
+///               tolerant+tolerant; prints each flow's throughput and share over --fair-secs
+///               after a 3 s warm-up
 ///
 /// Without --model a small GPT-OSS-shaped model is synthesized in the scratch folder.
 /// Example: `stormo sim --scenario churn --json`.
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// The scenario: lan4, join-empty, churn, wan, wan-exec, all or faults.
+    /// The scenario: lan4, join-empty, churn, wan, wan-exec, all, faults, fair-lan or fair-wan.
     #[arg(long, value_name = "NAME")]
     pub scenario: String,
     /// The checkpoint every node serves from (at least 4 experts per layer).
@@ -68,8 +73,9 @@ pub struct Args {
         value_parser = crate::progress::secs_arg
     )]
     pub timeout: f64,
-    /// How the serving nodes pace their answers (`stormo serve --congestion`).
-    #[arg(long, value_enum, default_value_t = crate::net::tls::Congestion::Cubic, value_name = "ALGORITHM")]
+    /// How the serving nodes pace their answers (`stormo serve --congestion`, whose default
+    /// this follows; the fairness scenarios set each flow's own).
+    #[arg(long, value_enum, default_value_t = crate::net::tls::Congestion::default(), value_name = "ALGORITHM")]
     pub congestion: crate::net::tls::Congestion,
     /// Scratch folder (keys, manifest, logs; the synthesized model): new or empty, kept at the
     /// end. Default: a new folder in the system's temp dir, removed at the end unless --keep.
@@ -84,6 +90,18 @@ pub struct Args {
     /// The faults scenario's concurrent clients of a server at --expert-cache 0 (1 to 64).
     #[arg(long, default_value_t = 16, value_name = "N")]
     pub fault_clients: usize,
+    /// Seconds each pair of the fairness scenarios is measured, after the warm-up (1 to 3600).
+    #[arg(long, default_value_t = 20.0, value_name = "SECS")]
+    pub fair_secs: f64,
+}
+
+/// The fairness scenarios: their name and the link whose rate and queue the flows share.
+fn fairness_link(name: &str) -> Option<Scenario> {
+    match name {
+        "fair-lan" => Some(Scenario::Lan4),
+        "fair-wan" => Some(Scenario::Wan),
+        _ => None,
+    }
 }
 
 /// The link every scenario uses unless overridden.
@@ -176,19 +194,23 @@ impl Drop for Scratch {
 /// Runs `stormo sim`.
 pub fn run(a: Args) -> anyhow::Result<()> {
     let faults = a.scenario == "faults";
+    let fairness = fairness_link(&a.scenario);
     anyhow::ensure!(
         (1..=64).contains(&a.fault_clients),
         "--fault-clients must be between 1 and 64"
     );
-    let scenarios: Vec<Scenario> = if faults {
+    anyhow::ensure!(
+        a.fair_secs.is_finite() && (1.0..=3600.0).contains(&a.fair_secs),
+        "--fair-secs must be between 1 and 3600"
+    );
+    let scenarios: Vec<Scenario> = if faults || fairness.is_some() {
         Vec::new()
     } else if a.scenario == "all" {
         Scenario::ALL.to_vec()
     } else {
-        vec![a
-            .scenario
-            .parse()
-            .map_err(|e: String| anyhow::anyhow!("--scenario: {e}, all or faults"))?]
+        vec![a.scenario.parse().map_err(|e: String| {
+            anyhow::anyhow!("--scenario: {e}, all, faults, fair-lan or fair-wan")
+        })?]
     };
     let links = scenarios
         .iter()
@@ -232,11 +254,34 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         link,
         client_cache: a.client_cache.clone(),
         timeout: Duration::from_secs_f64(timeout),
-        serve_args: match a.congestion {
-            crate::net::tls::Congestion::Cubic => Vec::new(),
-            crate::net::tls::Congestion::Bbr => vec!["--congestion".into(), "bbr".into()],
-        },
+        serve_args: vec!["--congestion".into(), congestion_arg(a.congestion)],
     };
+    if let Some(path) = fairness {
+        let link = link_for(&a, path)?;
+        let slot = reaper_slot.clone();
+        let keep_reaper = move |r: swarm::Reaper| {
+            slot.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+        };
+        let r = swarm::fairness::run_fairness(
+            &a.scenario,
+            &opts_for(Some(link)),
+            link,
+            &swarm::fairness::PAIRS,
+            Duration::from_secs_f64(a.fair_secs),
+            &mut |m| eprintln!("sim: {m}"),
+            Some(&keep_reaper),
+        )
+        .with_context(|| format!("scenario {}", a.scenario))?;
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&r)?);
+        } else {
+            println!("{}", r.table());
+        }
+        if a.keep || a.work.is_some() {
+            eprintln!("logs kept in {}", scratch.path.display());
+        }
+        return Ok(());
+    }
     if faults {
         let link = link_for(&a, Scenario::Lan4)?;
         let slot = reaper_slot.clone();
@@ -307,6 +352,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         inexact.join(", ")
     );
     Ok(())
+}
+
+/// `--congestion`'s value for `c`, as `stormo serve` parses it.
+fn congestion_arg(c: crate::net::tls::Congestion) -> String {
+    use clap::ValueEnum as _;
+    c.to_possible_value()
+        .expect("every congestion control has a name")
+        .get_name()
+        .to_string()
 }
 
 /// The folder a Ctrl-C handler should remove (none when kept).

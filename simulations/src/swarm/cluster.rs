@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::relay::{LinkCounts, LinkSpec, Relay};
+use super::relay::{LinkCounts, LinkSpec, Relay, SharedLink};
 use super::SwarmError;
 
 /// The process ids a cluster has running, to kill from elsewhere (a Ctrl-C handler).
@@ -91,6 +91,9 @@ pub struct NodeSpec {
     pub args: Vec<String>,
     /// Its node key (file, public half) made with [`Cluster::make_key`] (`None`: a new one).
     pub key: Option<(PathBuf, String)>,
+    /// A bottleneck its relay's way to the client shares with other nodes' relays (`None`:
+    /// the link's own).
+    pub shared_down: Option<SharedLink>,
 }
 
 impl Node {
@@ -284,11 +287,11 @@ impl Cluster {
             None => self.make_key(&name)?,
         };
         // A placeholder target until the node says where it listens.
-        let relay = Relay::start(
-            "127.0.0.1:9".parse().expect("a literal address"),
-            link,
-            self.next_seed,
-        )
+        let placeholder = "127.0.0.1:9".parse().expect("a literal address");
+        let relay = match &spec.shared_down {
+            Some(down) => Relay::start_shared(placeholder, link, self.next_seed, down),
+            None => Relay::start(placeholder, link, self.next_seed),
+        }
         .map_err(|e| SwarmError::Failed {
             what: format!("starting the relay of {name}"),
             detail: e.to_string(),
@@ -474,12 +477,23 @@ impl Cluster {
     /// Starts `stormo run` with `args`, stdout and stderr to files named after `name` in the
     /// scratch folder.
     pub fn spawn_run(&self, name: &str, args: &[String]) -> Result<RunningClient, SwarmError> {
+        self.spawn_command(name, "run", args)
+    }
+
+    /// Starts `stormo COMMAND args` (e.g. a `pull`), stdout and stderr to files named after
+    /// `name` in the scratch folder.
+    pub fn spawn_command(
+        &self,
+        name: &str,
+        command: &str,
+        args: &[String],
+    ) -> Result<RunningClient, SwarmError> {
         let out = self.work.join(format!("{name}.json"));
         let err = self.work.join(format!("{name}.log"));
         let fo = File::create(&out).map_err(|e| SwarmError::io(&out, e))?;
         let fe = File::create(&err).map_err(|e| SwarmError::io(&err, e))?;
         let child = Command::new(&self.exe)
-            .arg("run")
+            .arg(command)
             .args(args)
             .stdin(Stdio::null())
             .stdout(fo)
@@ -532,6 +546,29 @@ impl RunningClient {
     /// Whether it has exited.
     pub fn finished(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
+    /// `None` while it runs; then `Ok` if it exited successfully, or an error with its log's
+    /// last lines.
+    pub fn outcome(&mut self) -> Option<Result<(), SwarmError>> {
+        let status = match self.child.try_wait() {
+            Ok(Some(st)) => st,
+            Ok(None) => return None,
+            Err(e) => return Some(Err(SwarmError::io(&self.out, e))),
+        };
+        self.reaper.remove(self.child.id());
+        if status.success() {
+            return Some(Ok(()));
+        }
+        let err = std::fs::read_to_string(&self.err).unwrap_or_default();
+        Some(Err(SwarmError::Failed {
+            what: format!("the {} process", self.name),
+            detail: format!(
+                "{status}; its log ({}):\n{}",
+                self.err.display(),
+                tail(&err, 20)
+            ),
+        }))
     }
 
     /// Waits for it (killing it past `timeout`) and parses its `--json` output.

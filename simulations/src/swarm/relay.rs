@@ -8,9 +8,14 @@
 //! `delay` after the link has finished "transmitting" it at `bandwidth`, is dropped with
 //! probability `loss`, and is dropped when more than `queue_bytes` wait (a router's tail drop).
 //! Every byte is counted, so the relay also measures how much each peer sent.
+//!
+//! Several relays can share one bottleneck on their way to the client ([`SharedLink`],
+//! [`Relay::start_shared`]): one token bucket and one drop-tail queue of bounded size that
+//! every server-to-client datagram of those relays passes, in arrival order, as flows that
+//! meet at a router's congested port do. Each relay keeps its own delay and loss.
 
 use std::net::{SocketAddr, UdpSocket};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -25,7 +30,9 @@ pub struct LinkSpec {
     pub bandwidth: Option<u64>,
     /// Probability that a datagram is lost, in [0, 1).
     pub loss: f64,
-    /// Bytes that may wait in one direction's queue before datagrams are dropped.
+    /// Bytes that may wait in one direction's queue to be transmitted at `bandwidth` before
+    /// datagrams are dropped (bytes already on the wire, in their `delay`, do not count; a link
+    /// without a bandwidth never queues).
     pub queue_bytes: usize,
     /// The largest UDP payload the path carries; larger datagrams are dropped, as a real path
     /// drops them (QUIC sets don't-fragment and finds the path's MTU by probing). `None`: any
@@ -147,6 +154,63 @@ pub struct Relay {
     threads: Vec<JoinHandle<()>>,
 }
 
+/// One direction's transmitter: a token bucket (`bandwidth`) feeding a drop-tail queue of at
+/// most `queue_bytes` waiting to be transmitted. Each relay direction has its own, unless
+/// several relays share one ([`SharedLink`]).
+#[derive(Debug)]
+struct Bottleneck {
+    bandwidth: Option<u64>,
+    queue_bytes: usize,
+    /// When the link finishes transmitting what it has accepted so far.
+    free_at: Mutex<Instant>,
+}
+
+impl Bottleneck {
+    fn new(bandwidth: Option<u64>, queue_bytes: usize) -> Self {
+        Self {
+            bandwidth,
+            queue_bytes,
+            free_at: Mutex::new(Instant::now()),
+        }
+    }
+
+    /// Accepts `n` bytes arriving now: the time they have left the link, or `None` when the
+    /// queue is full (dropped). The bytes waiting are those the link has yet to transmit:
+    /// what is left before `free_at` at its rate (a link without a rate never queues).
+    fn admit(&self, n: usize) -> Option<Instant> {
+        let mut free_at = self.free_at.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        *free_at = (*free_at).max(now);
+        if let Some(bw) = self.bandwidth {
+            let waiting = (*free_at - now).as_secs_f64() * bw as f64;
+            if waiting + n as f64 > self.queue_bytes as f64 {
+                return None;
+            }
+            *free_at += Duration::from_secs_f64(n as f64 / bw as f64);
+        }
+        Some(*free_at)
+    }
+}
+
+/// A bottleneck several relays share on their way to the client: every datagram their servers
+/// send passes one token bucket of `bandwidth` bytes a second and one drop-tail queue of
+/// `queue_bytes`, whichever relay it came through. Give the same one to each
+/// [`Relay::start_shared`] whose flows should compete.
+#[derive(Debug, Clone)]
+pub struct SharedLink(Arc<Bottleneck>);
+
+impl SharedLink {
+    /// A shared bottleneck with `spec`'s bandwidth and queue (its delay, loss and MTU stay
+    /// each relay's own).
+    pub fn new(spec: &LinkSpec) -> Result<Self, String> {
+        spec.validate()?;
+        Ok(Self(Arc::new(Bottleneck::new(
+            spec.bandwidth,
+            spec.queue_bytes,
+        ))))
+    }
+}
+
 /// The largest UDP payload.
 const MAX_DATAGRAM: usize = 65_536;
 /// Socket buffers: QUIC on loopback loses packets with the default ~200 KiB.
@@ -195,6 +259,7 @@ impl Dest {
 
 struct Direction {
     spec: LinkSpec,
+    link: Arc<Bottleneck>,
     from: UdpSocket,
     to: UdpSocket,
     dest: Dest,
@@ -208,6 +273,27 @@ impl Relay {
     /// Starts relaying to the server at `target` with `spec` on both directions; loss draws
     /// come from `seed`.
     pub fn start(target: SocketAddr, spec: LinkSpec, seed: u64) -> std::io::Result<Self> {
+        Self::start_with(target, spec, seed, None)
+    }
+
+    /// Like [`Relay::start`], but what the server sends passes `down` (shared with other
+    /// relays) instead of a bottleneck of this relay's own: `spec`'s bandwidth and queue then
+    /// shape only the client's direction.
+    pub fn start_shared(
+        target: SocketAddr,
+        spec: LinkSpec,
+        seed: u64,
+        down: &SharedLink,
+    ) -> std::io::Result<Self> {
+        Self::start_with(target, spec, seed, Some(down.0.clone()))
+    }
+
+    fn start_with(
+        target: SocketAddr,
+        spec: LinkSpec,
+        seed: u64,
+        down: Option<Arc<Bottleneck>>,
+    ) -> std::io::Result<Self> {
         spec.validate()
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
         let front = udp_socket()?;
@@ -221,6 +307,7 @@ impl Relay {
         let dirs = [
             Direction {
                 spec,
+                link: Arc::new(Bottleneck::new(spec.bandwidth, spec.queue_bytes)),
                 from: front.try_clone()?,
                 to: back.try_clone()?,
                 dest: Dest::Server(target.clone()),
@@ -230,6 +317,8 @@ impl Relay {
             },
             Direction {
                 spec,
+                link: down
+                    .unwrap_or_else(|| Arc::new(Bottleneck::new(spec.bandwidth, spec.queue_bytes))),
                 from: back,
                 to: front,
                 dest: Dest::Client(client),
@@ -282,9 +371,9 @@ fn spawn_direction(
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<[JoinHandle<()>; 2]> {
     let (tx, rx) = mpsc::channel::<(Instant, Vec<u8>)>();
-    let queued = Arc::new(AtomicUsize::new(0));
     let Direction {
         spec,
+        link,
         from,
         to,
         dest,
@@ -292,14 +381,12 @@ fn spawn_direction(
         delivered,
         seed,
     } = d;
-    let (q2, s2, stop2) = (queued.clone(), stats.clone(), stop.clone());
+    let (s2, stop2) = (stats.clone(), stop.clone());
     let reader = std::thread::Builder::new()
         .name("swarm-relay-in".into())
         .spawn(move || {
             let mut buf = vec![0u8; MAX_DATAGRAM];
             let mut rng = seed;
-            // When the link finishes transmitting what it has accepted so far.
-            let mut free_at = Instant::now();
             while !stop2.load(Ordering::Relaxed) {
                 let (n, src) = match from.recv_from(&mut buf) {
                     Ok(x) => x,
@@ -327,16 +414,10 @@ fn spawn_direction(
                     s2.lost.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
-                if q2.load(Ordering::Relaxed) + n > spec.queue_bytes {
+                let Some(free_at) = link.admit(n) else {
                     s2.overflowed.fetch_add(1, Ordering::Relaxed);
                     continue;
-                }
-                let now = Instant::now();
-                free_at = free_at.max(now);
-                if let Some(bw) = spec.bandwidth {
-                    free_at += Duration::from_secs_f64(n as f64 / bw as f64);
-                }
-                q2.fetch_add(n, Ordering::Relaxed);
+                };
                 if tx.send((free_at + spec.delay, buf[..n].to_vec())).is_err() {
                     break;
                 }
@@ -359,7 +440,6 @@ fn spawn_direction(
             if due > now {
                 std::thread::sleep(due - now);
             }
-            queued.fetch_sub(pkt.len(), Ordering::Relaxed);
             if let Some(to_addr) = dest.get() {
                 if to.send_to(&pkt, to_addr).is_ok() {
                     delivered(&stats).fetch_add(pkt.len() as u64, Ordering::Relaxed);
@@ -474,6 +554,74 @@ mod tests {
         assert_eq!(got, k.down_bytes / 10);
         stop.store(true, Ordering::Relaxed);
         h.join().unwrap();
+    }
+
+    /// Two relays whose servers share one bottleneck: their echoes together take the
+    /// shared rate's time, and what overflows the one shared queue is dropped and counted.
+    #[test]
+    fn relays_sharing_a_link_share_its_rate_and_queue() {
+        let (a, stop_a, ha) = echo();
+        let (b, stop_b, hb) = echo();
+        // 2 x 50 datagrams of 1000 bytes come back through 200 kB/s shared: at least 0.5 s,
+        // where each relay alone would pass its 50 in 0.25 s.
+        let shared = LinkSpec {
+            bandwidth: Some(200_000),
+            ..LinkSpec::ideal()
+        };
+        let link = SharedLink::new(&shared).unwrap();
+        let ra = Relay::start_shared(a, LinkSpec::ideal(), 1, &link).unwrap();
+        let rb = Relay::start_shared(b, LinkSpec::ideal(), 2, &link).unwrap();
+        let (ca, cb) = (client(), client());
+        let t = Instant::now();
+        for _ in 0..50 {
+            ca.send_to(&[1u8; 1000], ra.addr()).unwrap();
+            cb.send_to(&[2u8; 1000], rb.addr()).unwrap();
+        }
+        let mut buf = [0u8; 2048];
+        for _ in 0..50 {
+            ca.recv_from(&mut buf).unwrap();
+            cb.recv_from(&mut buf).unwrap();
+        }
+        assert!(
+            t.elapsed() >= Duration::from_millis(490),
+            "{:?}",
+            t.elapsed()
+        );
+        drop((ra, rb));
+        // A shared queue of 64 KiB at 100 kB/s: 2 x 200 datagrams of 1000 bytes sent at once
+        // cannot all wait; every one is either delivered or counted as overflowed.
+        let small = LinkSpec {
+            bandwidth: Some(100_000),
+            queue_bytes: 65_536,
+            ..LinkSpec::ideal()
+        };
+        let link = SharedLink::new(&small).unwrap();
+        let ra = Relay::start_shared(a, LinkSpec::ideal(), 3, &link).unwrap();
+        let rb = Relay::start_shared(b, LinkSpec::ideal(), 4, &link).unwrap();
+        for _ in 0..200 {
+            ca.send_to(&[1u8; 1000], ra.addr()).unwrap();
+            cb.send_to(&[2u8; 1000], rb.addr()).unwrap();
+        }
+        let t = Instant::now();
+        // Settled: all 200 went up (that way is ideal), and each echo was either delivered
+        // or dropped at the shared queue.
+        let settled = |r: &Relay| {
+            let k = r.counts();
+            k.up_bytes == 200_000 && k.down_bytes / 1000 + k.overflowed == 200
+        };
+        while !(settled(&ra) && settled(&rb)) && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (ka, kb) = (ra.counts(), rb.counts());
+        assert!(settled(&ra) && settled(&rb), "{ka:?} {kb:?}");
+        // About 64 datagrams fit the one queue, whichever relay they came through (a burst
+        // from one may take it all: drop-tail).
+        assert!(ka.overflowed + kb.overflowed > 0, "{ka:?} {kb:?}");
+        assert!(ka.down_bytes + kb.down_bytes > 0, "{ka:?} {kb:?}");
+        stop_a.store(true, Ordering::Relaxed);
+        stop_b.store(true, Ordering::Relaxed);
+        ha.join().unwrap();
+        hb.join().unwrap();
     }
 
     #[test]

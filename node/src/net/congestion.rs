@@ -1,0 +1,306 @@
+//! A congestion controller of stormo's own for what a node sends: CUBIC that does not back
+//! off for a loss while the path's queue is empty ([`Tolerant`], `--congestion tolerant`).
+//!
+//! # Why
+//! CUBIC cuts its window to 0.7 of itself on every loss, whatever caused it. On a long path with
+//! random loss (20 ms one way, 0.5% of datagrams: `stormo sim --scenario wan`) that holds it
+//! near 5% of the link. quinn's BBR ignores such loss, but its bandwidth estimate overshoots
+//! (it sent about 1.7 times what the link carried and lost the excess at the bottleneck) and it
+//! takes nearly the whole link from a CUBIC flow beside it (`stormo sim --scenario fair-wan`,
+//! figures in docs/network.md).
+//!
+//! # What it does
+//! It is quinn's CUBIC with one filter in front of its loss signal. A loss is taken for
+//! random, and not passed on, when both hold:
+//! - the path's queue is empty: the smoothed round trip is within
+//!   max([`QUEUE_DELAY_FRACTION`] of the minimum round trip, [`QUEUE_DELAY_FLOOR`]) of the
+//!   minimum. A loss at a full drop-tail queue comes with a grown round trip, so congestion
+//!   (a competing flow, our own overshoot) is answered as CUBIC answers it;
+//! - recent loss is rare: at most [`TOLERATED_LOSS`] of the last [`LOSS_WINDOW`] bytes. A
+//!   path that drops much more without queueing (a policer) is answered as CUBIC answers it.
+//!
+//! Persistent congestion always passes. Everything else (slow start, the cubic growth,
+//! recovery, pacing) is quinn's CUBIC unchanged. The rule is the one TCP Veno and Westwood
+//! rest on: a loss without a queue says little about congestion. The decision is a sans-IO
+//! state ([`LossFilter`]) with time and round trips passed in, tested without sockets.
+
+use std::any::Any;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use quinn::congestion::{Controller, ControllerFactory, ControllerMetrics, CubicConfig};
+
+/// The queueing delay, as a share of the minimum round trip, under which a path counts as
+/// not queueing.
+pub const QUEUE_DELAY_FRACTION: f64 = 0.25;
+/// The queueing delay under which a path always counts as not queueing (timer, acknowledgement
+/// and scheduling noise on short paths).
+pub const QUEUE_DELAY_FLOOR: Duration = Duration::from_millis(4);
+/// The share of recent bytes that may be lost for losses to still count as random.
+pub const TOLERATED_LOSS: f64 = 0.02;
+/// How many bytes "recent" spans: the counts of acknowledged and lost bytes are scaled down
+/// together to stay within it (about 3,000 full datagrams).
+pub const LOSS_WINDOW: f64 = (4 << 20) as f64;
+
+/// The loss filter's state: acknowledged and lost bytes of about the last [`LOSS_WINDOW`],
+/// and the round trips last seen.
+#[derive(Debug, Clone)]
+pub struct LossFilter {
+    acked: f64,
+    lost: f64,
+    srtt: Duration,
+    min_rtt: Duration,
+    /// Losses not passed on to CUBIC.
+    pub ignored: u64,
+    /// Losses passed on.
+    pub passed: u64,
+}
+
+impl Default for LossFilter {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl LossFilter {
+    /// A filter that has seen nothing (its first loss passes: no round trip is known).
+    pub fn new() -> Self {
+        Self {
+            acked: 0.0,
+            lost: 0.0,
+            srtt: Duration::ZERO,
+            min_rtt: Duration::ZERO,
+            ignored: 0,
+            passed: 0,
+        }
+    }
+
+    /// `bytes` were acknowledged; the path's smoothed and minimum round trips.
+    pub fn on_ack(&mut self, bytes: u64, srtt: Duration, min_rtt: Duration) {
+        self.srtt = srtt;
+        self.min_rtt = min_rtt;
+        self.acked += bytes as f64;
+        self.rescale();
+    }
+
+    /// `bytes` were lost: whether CUBIC should hear of it. Loss is rare while the bytes lost
+    /// lately are at most [`TOLERATED_LOSS`] of a whole [`LOSS_WINDOW`] (so a young or slow
+    /// connection is not judged on its first few datagrams).
+    pub fn on_loss(&mut self, bytes: u64, persistent: bool) -> bool {
+        self.lost += bytes as f64;
+        self.rescale();
+        let queue = self.srtt.saturating_sub(self.min_rtt);
+        let empty = self.min_rtt > Duration::ZERO
+            && queue
+                <= self
+                    .min_rtt
+                    .mul_f64(QUEUE_DELAY_FRACTION)
+                    .max(QUEUE_DELAY_FLOOR);
+        let rare = self.lost <= TOLERATED_LOSS * LOSS_WINDOW;
+        let pass = persistent || !empty || !rare;
+        if pass {
+            self.passed += 1;
+        } else {
+            self.ignored += 1;
+        }
+        pass
+    }
+
+    /// Scales both counts down to keep them within the window.
+    fn rescale(&mut self) {
+        let total = self.acked + self.lost;
+        if total > LOSS_WINDOW {
+            let k = LOSS_WINDOW / total;
+            self.acked *= k;
+            self.lost *= k;
+        }
+    }
+}
+
+/// quinn's CUBIC behind a [`LossFilter`].
+pub struct Tolerant {
+    cubic: Box<dyn Controller>,
+    filter: LossFilter,
+}
+
+impl std::fmt::Debug for Tolerant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tolerant")
+            .field("window", &self.cubic.window())
+            .field("filter", &self.filter)
+            .finish()
+    }
+}
+
+impl Tolerant {
+    /// Its loss filter (how many losses it ignored and passed on).
+    pub fn filter(&self) -> &LossFilter {
+        &self.filter
+    }
+}
+
+impl Controller for Tolerant {
+    fn on_sent(&mut self, now: Instant, bytes: u64, last_packet_number: u64) {
+        self.cubic.on_sent(now, bytes, last_packet_number);
+    }
+
+    fn on_ack(
+        &mut self,
+        now: Instant,
+        sent: Instant,
+        bytes: u64,
+        app_limited: bool,
+        rtt: &quinn_proto::RttEstimator,
+    ) {
+        self.filter.on_ack(bytes, rtt.get(), rtt.min());
+        self.cubic.on_ack(now, sent, bytes, app_limited, rtt);
+    }
+
+    fn on_end_acks(
+        &mut self,
+        now: Instant,
+        in_flight: u64,
+        app_limited: bool,
+        largest_packet_num_acked: Option<u64>,
+    ) {
+        self.cubic
+            .on_end_acks(now, in_flight, app_limited, largest_packet_num_acked);
+    }
+
+    fn on_congestion_event(
+        &mut self,
+        now: Instant,
+        sent: Instant,
+        is_persistent_congestion: bool,
+        lost_bytes: u64,
+    ) {
+        if self.filter.on_loss(lost_bytes, is_persistent_congestion) {
+            self.cubic
+                .on_congestion_event(now, sent, is_persistent_congestion, lost_bytes);
+        }
+    }
+
+    fn on_mtu_update(&mut self, new_mtu: u16) {
+        self.cubic.on_mtu_update(new_mtu);
+    }
+
+    fn window(&self) -> u64 {
+        self.cubic.window()
+    }
+
+    fn metrics(&self) -> ControllerMetrics {
+        self.cubic.metrics()
+    }
+
+    fn clone_box(&self) -> Box<dyn Controller> {
+        Box::new(Self {
+            cubic: self.cubic.clone_box(),
+            filter: self.filter.clone(),
+        })
+    }
+
+    fn initial_window(&self) -> u64 {
+        self.cubic.initial_window()
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+}
+
+/// Makes [`Tolerant`] controllers (CUBIC with quinn's default settings inside).
+#[derive(Debug, Default)]
+pub struct TolerantConfig {
+    cubic: CubicConfig,
+}
+
+impl ControllerFactory for TolerantConfig {
+    fn build(self: Arc<Self>, now: Instant, current_mtu: u16) -> Box<dyn Controller> {
+        let cubic = Arc::new(self.cubic.clone()).build(now, current_mtu);
+        Box::new(Tolerant {
+            cubic,
+            filter: LossFilter::new(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// A filter that has seen `acked` bytes on a path of round trip `srtt` (minimum `min`).
+    fn warmed(srtt: Duration, min: Duration, acked: u64) -> LossFilter {
+        let mut f = LossFilter::new();
+        f.on_ack(acked, srtt, min);
+        f
+    }
+
+    #[test]
+    fn a_rare_loss_on_an_empty_queue_is_ignored() {
+        let mut f = warmed(41 * MS, 40 * MS, 1_000_000);
+        assert!(!f.on_loss(1200, false));
+        assert_eq!((f.ignored, f.passed), (1, 0));
+        // A young connection's first losses too, once a round trip is known.
+        let mut f = warmed(40 * MS, 40 * MS, 3000);
+        assert!(!f.on_loss(1200, false));
+    }
+
+    #[test]
+    fn a_loss_with_a_queue_is_passed() {
+        // 40 ms of minimum round trip: the queue may add 10 ms before it counts.
+        let mut f = warmed(51 * MS, 40 * MS, 1_000_000);
+        assert!(f.on_loss(1200, false));
+        let mut f = warmed(50 * MS, 40 * MS, 1_000_000);
+        assert!(!f.on_loss(1200, false));
+        // A short path: the floor of 4 ms, not a quarter of 0.5 ms.
+        let mut f = warmed(4 * MS, MS / 2, 1_000_000);
+        assert!(!f.on_loss(1200, false));
+        let mut f = warmed(5 * MS, MS / 2, 1_000_000);
+        assert!(f.on_loss(1200, false));
+    }
+
+    #[test]
+    fn persistent_congestion_and_a_loss_before_any_round_trip_are_passed() {
+        let mut f = warmed(40 * MS, 40 * MS, 1_000_000);
+        assert!(f.on_loss(1200, true));
+        let mut f = LossFilter::new();
+        assert!(f.on_loss(1200, false));
+    }
+
+    #[test]
+    fn frequent_loss_is_passed_even_without_a_queue() {
+        let mut f = warmed(40 * MS, 40 * MS, 1_000_000);
+        // 2% of the 4 MiB window, about 84 kB: 69 losses of 1,200 bytes are tolerated, the
+        // 70th is not.
+        for _ in 0..69 {
+            assert!(!f.on_loss(1200, false));
+        }
+        assert!(f.on_loss(1200, false));
+        assert_eq!((f.ignored, f.passed), (69, 1));
+    }
+
+    #[test]
+    fn old_losses_weigh_less_as_bytes_arrive() {
+        let mut f = warmed(40 * MS, 40 * MS, 1_000_000);
+        while !f.on_loss(1200, false) {}
+        // Two windows of clean delivery later, old losses weigh a quarter: ignored again.
+        for _ in 0..8 {
+            f.on_ack(1 << 20, 40 * MS, 40 * MS);
+        }
+        assert!(!f.on_loss(1200, false));
+    }
+
+    /// Random loss of 0.5% on an empty queue is never passed on, whatever the flow's rate.
+    #[test]
+    fn half_a_percent_of_random_loss_is_always_tolerated() {
+        let mut f = warmed(40 * MS, 40 * MS, 10_000);
+        for _ in 0..100_000 {
+            for _ in 0..199 {
+                f.on_ack(1200, 40 * MS, 40 * MS);
+            }
+            assert!(!f.on_loss(1200, false));
+        }
+    }
+}
