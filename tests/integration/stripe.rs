@@ -83,8 +83,13 @@ fn ids_of(model: &Model) -> Vec<u32> {
 
 /// Loads every expert of `m` from `tier` and checks each against its manifest hash.
 fn load_all_verified(m: &Signed, tier: &PeerTier) {
+    load_verified(m, tier, &all_keys(m.dir.path()));
+}
+
+/// Loads `keys` from `tier` and checks each against its manifest hash.
+fn load_verified(m: &Signed, tier: &PeerTier, keys: &[ExpertId]) {
     let man = manifest(m);
-    for (k, r) in load(tier, &all_keys(m.dir.path()), Duration::from_secs(60)) {
+    for (k, r) in load(tier, keys, Duration::from_secs(60)) {
         let bytes = r.unwrap_or_else(|e| panic!("expert {k}: {e}"));
         let id = ExpertId {
             layer: k.layer,
@@ -130,14 +135,15 @@ fn two_holders_stripe_every_multi_chunk_expert_and_the_ids_are_the_local_runs() 
         .sum();
     let bytes = tier.peer_bytes();
     assert_eq!(bytes[0].1 + bytes[1].1, total, "{bytes:?}");
-    // Equal holders, each record split in halves: half the bytes from each.
-    assert_eq!(bytes[0].1, total / 2, "{bytes:?}");
+    assert!(bytes[0].1 > 0 && bytes[1].1 > 0, "{bytes:?}");
     let sent = |n: &Node| n.handle.stats.served.load(Ordering::Relaxed);
-    assert_eq!(
-        (sent(&a), sent(&b)),
-        (keys, keys),
-        "one stripe of each from each"
-    );
+    if tier.races_lost() == [0, 0] {
+        // No stripe moved (one can on a machine that stalls a holder for long enough):
+        // equal holders split each record in halves, half the bytes and one answer from each.
+        assert_eq!(bytes[0].1, total / 2, "{bytes:?}");
+        assert_eq!((sent(&a), sent(&b)), (keys, keys), "one stripe from each");
+    }
+    assert!(sent(&a) > 0 && sent(&b) > 0);
     assert_eq!(tier.failures()[0].1 + tier.failures()[1].1, 0);
     let got = peer_ids(&m, tier.clone());
     assert_eq!(got, want, "striped experts changed the output");
@@ -185,13 +191,25 @@ fn a_holder_corrupt_in_its_stripe_is_dropped_and_the_other_finishes_it() {
         hostile::corrupt_first(vec![(x, 1)], Duration::from_secs(3)),
         log.clone(),
     );
-    let honest = HostilePeer::start(233, m.dir.path(), Arc::new(|_, _| Answer::Honest));
+    // The honest holder answers x after a pause, so that the liar's bad chunk arrives while
+    // its stripe is still running (before the liar could fall behind a finished stripe).
+    let honest = HostilePeer::start(
+        233,
+        m.dir.path(),
+        Arc::new(move |e, _| {
+            if e == x {
+                Answer::HonestAfter(Duration::from_millis(500))
+            } else {
+                Answer::Honest
+            }
+        }),
+    );
     let tier = peer_tier(
         &m,
         vec![liar.peer_addr(), honest.peer_addr()],
         striping(Duration::from_secs(10)),
     );
-    load_all_verified(&m, &tier);
+    load_verified(&m, &tier, &[x]);
     assert_eq!(
         requests_for(&liar.observed(), x),
         [(0, 3 * CHUNK)],

@@ -1,7 +1,9 @@
 //! The network tier's peer policy, sans-IO: which peer to ask for an expert, how long to wait
 //! before racing a second one, how long a failing peer is avoided, when a peer that sent bad
 //! bytes is dropped, when a peer may be dialled (and redialled after its connection was lost),
-//! and how the rounds over an expert's holders go on or end.
+//! how the rounds over an expert's holders go on or end, how a record is striped over several
+//! holders ([`stripes`]), and when a stripe has fallen far enough behind to move its rest to
+//! another holder ([`far_behind`]).
 //!
 //! A peer's connection is in one of four states here: never tried or up (dial when needed),
 //! unreachable (the last attempt failed: no attempt until its back-off ends), or lost (it was
@@ -554,14 +556,17 @@ pub enum StripeState {
         verified: u64,
         /// The stripe's length.
         len: u64,
+        /// Another holder than this try's peer may take the rest (moving it back to the same
+        /// peer would only throw away what it has sent).
+        elsewhere: bool,
     },
     /// Between tries (waiting for a round, a connection, or a request slot).
     Waiting,
 }
 
 /// The stripe whose try has fallen far behind at `now`, to move its unverified remainder to
-/// another holder: of the running tries that ran at least [`MIN_OBSERVE`] and have at least
-/// one `chunk` left, one whose rate is below the fastest finished stripe's divided by
+/// another holder: of the running tries that another holder could take over, that ran at
+/// least [`MIN_OBSERVE`] and have at least one `chunk` left, one whose rate is below the fastest finished stripe's divided by
 /// [`FAR_BEHIND`] (a stalled try's rate is 0), the one that would take longest to finish at
 /// its rate. `None` before some stripe has finished (no holder is free to take it on, and
 /// nothing to compare with).
@@ -580,6 +585,7 @@ pub fn far_behind(stripes: &[StripeState], chunk: u64, now: Instant) -> Option<u
             verified_at_start,
             verified,
             len,
+            elsewhere: true,
         } = s
         else {
             continue;
@@ -1042,8 +1048,8 @@ mod tests {
     }
 
     /// A try slower than half the fastest finished stripe is moved, once it ran long enough to
-    /// tell and while a chunk is left; a stalled one first; nothing moves before a stripe
-    /// finished.
+    /// tell, while a chunk is left and another holder could take it; a stalled one first;
+    /// nothing moves before a stripe finished.
     #[test]
     fn a_stripe_far_behind_the_fastest_is_moved() {
         let t0 = Instant::now();
@@ -1053,6 +1059,7 @@ mod tests {
             verified_at_start: 0,
             verified: done,
             len,
+            elsewhere: true,
         };
         let later = t0 + Duration::from_secs(1);
         // Nothing finished yet: nothing to compare with, no holder free.
@@ -1087,9 +1094,20 @@ mod tests {
                 verified_at_start: 500_000,
                 verified: 500_000,
                 len: 1 << 20,
+                elsewhere: true,
             },
         ];
         assert_eq!(far_behind(&s, chunk, later), Some(2));
+        // Unless no other holder could take it: then the slow one.
+        let mut s = s;
+        if let StripeState::Running { elsewhere, .. } = &mut s[2] {
+            *elsewhere = false;
+        }
+        assert_eq!(far_behind(&s, chunk, later), Some(1));
+        if let StripeState::Running { elsewhere, .. } = &mut s[1] {
+            *elsewhere = false;
+        }
+        assert_eq!(far_behind(&s, chunk, later), None, "nowhere to move either");
     }
 
     fn ms(n: u64) -> Option<Duration> {

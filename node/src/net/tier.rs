@@ -16,6 +16,14 @@
 //! otherwise it runs on while its chunks keep verifying. When every holder has been tried
 //! another round starts with a longer deadline (big experts over a link that many loads
 //! share); the rounds end after a few that verify nothing more and meet no `busy` answer.
+//!
+//! An expert that several peers hold, long enough to be worth it ([`policy::stripes`]), is
+//! striped: its buffer is split into chunk-aligned parts, one per holder, each fetched at once
+//! by its own task with the same tries and rounds as a whole record (starting at its holder,
+//! going on to the others after a failure, resuming after its verified chunks), into its part
+//! of the buffer; the parts join back into the record without a copy once each verified. A
+//! stripe whose try falls far behind a finished one ([`policy::far_behind`]) is made to give
+//! up, and its rest goes to another holder. Striped loads are not hedged.
 //! Keys are fetched in parallel, each on its own task. Prefetch loads are sent with the
 //! `Prefetch` priority. Every wait is bounded: the connect (handshake plus hello), each try's
 //! deadline (from when its request is sent; moved on only by verified chunks, never past the
@@ -321,8 +329,9 @@ impl Prefix {
 struct StripeCtl {
     /// Bumped to make the running try give up (its remainder moves to another holder).
     moves: tokio::sync::watch::Sender<u64>,
-    /// The running try: when it began and the end of the stripe's verified bytes then.
-    run: Mutex<Option<(Instant, u64)>>,
+    /// The running try: when it began, the end of the stripe's verified bytes then, and its
+    /// peer.
+    run: Mutex<Option<(Instant, u64, usize)>>,
     /// The end of the stripe's verified bytes now (in the record).
     verified: AtomicU64,
     /// The count of `moves` when the running try began: a try that finds it changed when it
@@ -344,16 +353,16 @@ impl StripeCtl {
         }
     }
 
-    fn run(&self) -> std::sync::MutexGuard<'_, Option<(Instant, u64)>> {
+    fn run(&self) -> std::sync::MutexGuard<'_, Option<(Instant, u64, usize)>> {
         self.run.lock().expect("stripe lock")
     }
 
-    /// A try begins, with the stripe verified up to `verified`.
-    fn begin(&self, verified: u64) {
+    /// A try at peer `peer` begins, with the stripe verified up to `verified`.
+    fn begin(&self, verified: u64, peer: usize) {
         self.moves_at_begin
             .store(*self.moves.borrow(), Ordering::SeqCst);
         self.verified.store(verified, Ordering::Relaxed);
-        *self.run() = Some((Instant::now(), verified));
+        *self.run() = Some((Instant::now(), verified, peer));
     }
 
     /// The try ended.
@@ -361,14 +370,16 @@ impl StripeCtl {
         *self.run() = None;
     }
 
-    /// What [`policy::far_behind`] needs to know of it at `now`, while it is not done.
-    fn state(&self) -> StripeState {
+    /// What [`policy::far_behind`] needs to know of it, while it is not done; `elsewhere`
+    /// says whether a holder other than peer `i` could take it over.
+    fn state(&self, elsewhere: impl Fn(usize) -> bool) -> StripeState {
         match *self.run() {
-            Some((since, at_start)) => StripeState::Running {
+            Some((since, at_start, peer)) => StripeState::Running {
                 since,
                 verified_at_start: at_start - self.start,
                 verified: self.verified.load(Ordering::Relaxed) - self.start,
                 len: self.end - self.start,
+                elsewhere: elsewhere(peer),
             },
             None => StripeState::Waiting,
         }
@@ -377,7 +388,7 @@ impl StripeCtl {
     /// The rate of the try that finished it (bytes per second), at `now`.
     fn final_rate(&self, now: Instant) -> f64 {
         match *self.run() {
-            Some((since, at_start)) => {
+            Some((since, at_start, _)) => {
                 (self.end - at_start) as f64 / now.duration_since(since).as_secs_f64().max(1e-6)
             }
             None => 0.0,
@@ -1886,7 +1897,7 @@ impl Inner {
         let started = Instant::now();
         let from = prefix.verified.max(prefix.start);
         if let Some(c) = stripe {
-            c.begin(from);
+            c.begin(from, i);
         }
         let got = self
             .attempt(peer, id, len, &mut prefix, priority, limit, stripe)
@@ -2123,9 +2134,20 @@ impl Inner {
                 None => {}
             }
             let now = Instant::now();
+            let elsewhere = |i: usize| {
+                let peers = self.peers();
+                let views: Vec<_> = peers.iter().map(|p| p.state()).collect();
+                let tried: HashSet<usize> = [i].into();
+                policy::other_holder_left(
+                    views.iter().enumerate().map(|(j, v)| (j, &**v)),
+                    id,
+                    &tried,
+                    now,
+                )
+            };
             for (st, c) in states.iter_mut().zip(&ctls) {
                 if !matches!(st, StripeState::Done { .. }) {
-                    *st = c.state();
+                    *st = c.state(elsewhere);
                 }
             }
             if let Some(k) = policy::far_behind(&states, chunk, now) {
