@@ -9,6 +9,7 @@
 //! to 18.6 ms a decoded token.
 
 use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
 
 /// Zero-initialised bytes, their 2 MiB-aligned span advised for huge pages.
 pub struct HugeBuf {
@@ -62,6 +63,114 @@ impl DerefMut for HugeBuf {
     }
 }
 
+/// One of the disjoint parts of a [`HugeBuf`] that [`HugeBuf::split`] cut: its bytes, writable
+/// by their owner alone, while other owners (other threads) write the other parts. The parts
+/// go back together with [`HugePart::join`], without copying a byte.
+pub struct HugePart {
+    /// The buffer the part belongs to: kept alive by every part, never read or written
+    /// through while parts exist.
+    whole: Arc<HugeBuf>,
+    /// The start of the buffer's bytes.
+    base: *mut u8,
+    /// Where the part begins in the buffer.
+    start: usize,
+    len: usize,
+}
+
+// SAFETY: a part is the only handle to its bytes (parts are disjoint, and the whole buffer is
+// not touched while any part lives), like a `&mut [u8]` it may move to another thread with.
+unsafe impl Send for HugePart {}
+// SAFETY: through `&HugePart` only its own bytes can be read.
+unsafe impl Sync for HugePart {}
+
+impl HugeBuf {
+    /// Cuts the buffer at the offsets `cuts` (increasing, each within the buffer) into parts
+    /// that can be written at once from several threads: `cuts.len() + 1` parts, in order,
+    /// the first from 0, the last to the end. Offsets out of order or past the end are an
+    /// error naming them, and the buffer comes back unchanged.
+    pub fn split(mut self, cuts: &[usize]) -> Result<Vec<HugePart>, (Self, String)> {
+        let mut last = 0;
+        for &c in cuts {
+            if c < last || c > self.len {
+                let why = format!("cut at {c} after {last} in a buffer of {}", self.len);
+                return Err((self, why));
+            }
+            last = c;
+        }
+        let base = self.deref_mut().as_mut_ptr();
+        let whole = Arc::new(self);
+        let mut bounds = Vec::with_capacity(cuts.len() + 2);
+        bounds.push(0);
+        bounds.extend_from_slice(cuts);
+        bounds.push(whole.len);
+        Ok(bounds
+            .windows(2)
+            .map(|w| HugePart {
+                whole: whole.clone(),
+                base,
+                start: w[0],
+                len: w[1] - w[0],
+            })
+            .collect())
+    }
+}
+
+impl HugePart {
+    /// Where the part begins in the buffer it was cut from.
+    pub fn start(&self) -> usize {
+        self.start
+    }
+
+    /// Puts the parts of one [`HugeBuf::split`] back together, without copying: they must be
+    /// all of them, in order. Otherwise they come back as they were, with the reason.
+    pub fn join(parts: Vec<Self>) -> Result<HugeBuf, (Vec<Self>, String)> {
+        let Some(first) = parts.first() else {
+            return Err((parts, "no parts".into()));
+        };
+        let whole = first.whole.clone();
+        let mut at = 0;
+        for p in &parts {
+            if !Arc::ptr_eq(&p.whole, &whole) || p.start != at {
+                let why = format!("a part at {} where {at} was expected", p.start);
+                return Err((parts, why));
+            }
+            at += p.len;
+        }
+        if at != whole.len {
+            let why = format!("parts up to {at} of a buffer of {}", whole.len);
+            return Err((parts, why));
+        }
+        drop(parts);
+        Arc::try_unwrap(whole).map_err(|_| (Vec::new(), "a part is still held".into()))
+    }
+}
+
+impl Deref for HugePart {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `start..start + len` lies within the buffer (`split` checked the cuts),
+        // which `whole` keeps mapped; no other part covers these bytes and the buffer itself
+        // is not accessed while parts exist, so no `&mut` to them exists elsewhere.
+        unsafe { std::slice::from_raw_parts(self.base.add(self.start), self.len) }
+    }
+}
+
+impl DerefMut for HugePart {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`, and `&mut self` makes this the only reference to them.
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(self.start), self.len) }
+    }
+}
+
+impl std::fmt::Debug for HugePart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HugePart")
+            .field("start", &self.start)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
 impl std::fmt::Debug for HugeBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HugeBuf").field("len", &self.len).finish()
@@ -88,6 +197,55 @@ mod tests {
             let c = HugeBuf::copy_of(&b).unwrap();
             assert_eq!(&c[..], &b[..]);
         }
+    }
+
+    /// Parts written from several threads at once join back into the buffer they were cut
+    /// from, at the same address (no copy), holding what each wrote; parts that are not all
+    /// of one split, or not in order, are refused and handed back.
+    #[test]
+    fn parts_written_on_threads_join_back_without_a_copy() {
+        let len = 3 * HUGE + 17;
+        let mut b = HugeBuf::zeroed(len).unwrap();
+        let addr = b.as_mut_ptr() as usize;
+        let cuts = [HUGE / 2, HUGE / 2, 2 * HUGE + 5];
+        let parts = b.split(&cuts).unwrap();
+        assert_eq!(parts.len(), 4);
+        let parts: Vec<HugePart> = std::thread::scope(|s| {
+            let hs: Vec<_> = parts
+                .into_iter()
+                .map(|mut p| {
+                    s.spawn(move || {
+                        let start = p.start();
+                        for (i, x) in p.iter_mut().enumerate() {
+                            *x = ((start + i) % 251) as u8;
+                        }
+                        p
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mut shuffled = parts;
+        shuffled.swap(0, 2);
+        let (mut parts, why) = HugePart::join(shuffled).unwrap_err();
+        assert!(why.contains("expected"), "{why}");
+        parts.swap(0, 2);
+        let last = parts.pop().unwrap();
+        let (mut parts, why) = HugePart::join(parts).unwrap_err();
+        assert!(why.contains("parts up to"), "{why}");
+        parts.push(last);
+        let other = HugeBuf::zeroed(16).unwrap().split(&[8]).unwrap();
+        let mut mixed = other;
+        mixed.extend(parts);
+        let (mixed, _) = HugePart::join(mixed).unwrap_err();
+        let parts: Vec<HugePart> = mixed.into_iter().skip(2).collect();
+        let mut whole = HugePart::join(parts).unwrap();
+        assert_eq!(whole.len(), len);
+        assert_eq!(whole.as_mut_ptr() as usize, addr, "joined without a copy");
+        assert!(whole.iter().enumerate().all(|(i, &x)| x == (i % 251) as u8));
+        let (back, why) = whole.split(&[5, 4]).unwrap_err();
+        assert!(why.contains("cut at 4"), "{why}");
+        assert_eq!(back.len(), len);
     }
 
     #[test]

@@ -30,7 +30,7 @@ use crate::hostile::{self, Answer, HostilePeer, Observed};
 
 const CLIENT_SEED: u8 = 201;
 
-fn client_key() -> SecretKey {
+pub(crate) fn client_key() -> SecretKey {
     SecretKey::from_seed(&[CLIENT_SEED; 32])
 }
 
@@ -43,10 +43,10 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 /// A model folder with its manifest (chunks of `chunk_size`) built and signed there.
-struct Signed {
-    dir: tempfile::TempDir,
-    publisher: SecretKey,
-    id: Hash,
+pub(crate) struct Signed {
+    pub(crate) dir: tempfile::TempDir,
+    pub(crate) publisher: SecretKey,
+    pub(crate) id: Hash,
 }
 
 fn sign(dir: tempfile::TempDir, chunk_size: u32) -> Signed {
@@ -77,7 +77,7 @@ fn fixture_copy(name: &str) -> Signed {
 
 /// A synthetic Qwen3-MoE whose expert records (96 KiB) are six chunks of the smallest chunk
 /// size, signed with that chunk size: multi-chunk experts on a model that builds in a moment.
-fn multi_chunk_model() -> Signed {
+pub(crate) fn multi_chunk_model() -> Signed {
     let dir = tempfile::tempdir().expect("tempdir");
     let o = Overrides {
         layers: Some(1),
@@ -110,14 +110,14 @@ fn expert_args(cache: &str) -> ExpertsConfig {
 }
 
 /// A real server (`stormo serve`'s code) on its own runtime; closed when dropped.
-struct Node {
+pub(crate) struct Node {
     key: SecretKey,
-    handle: ServerHandle,
+    pub(crate) handle: ServerHandle,
     rt: Option<tokio::runtime::Runtime>,
 }
 
 impl Node {
-    fn start(seed: u8, dir: &Path, cache: &str, cfg: ServeConfig) -> Self {
+    pub(crate) fn start(seed: u8, dir: &Path, cache: &str, cfg: ServeConfig) -> Self {
         Self::start_at(seed, dir, cache, cfg, "127.0.0.1:0")
     }
 
@@ -166,7 +166,7 @@ impl Node {
         }
     }
 
-    fn addr(&self) -> PeerAddr {
+    pub(crate) fn addr(&self) -> PeerAddr {
         PeerAddr {
             key: self.key.public(),
             addr: self.handle.local_addr(),
@@ -202,7 +202,7 @@ impl Drop for Node {
     }
 }
 
-fn admit_client() -> ServeConfig {
+pub(crate) fn admit_client() -> ServeConfig {
     ServeConfig {
         admission: Admission::Keys([*client_key().public().as_bytes()].into()),
         ..ServeConfig::default()
@@ -210,13 +210,14 @@ fn admit_client() -> ServeConfig {
 }
 
 /// Short timeouts and no hedging (so the requests a peer sees are the tier's tries alone).
-fn unhedged(idle: Duration) -> PeerConfig {
+pub(crate) fn unhedged(idle: Duration) -> PeerConfig {
     PeerConfig {
         connect_timeout: Duration::from_secs(2),
         request_timeout: Duration::from_secs(20),
         idle_timeout: idle,
         hedge_min: Duration::from_secs(60),
         hedge_max: Duration::from_secs(60),
+        ..PeerConfig::default()
     }
 }
 
@@ -230,13 +231,13 @@ fn peer_args(m: &Signed, peers: Vec<PeerAddr>) -> PeersConfig {
 }
 
 /// The peer tier of a client of `m` (key [`CLIENT_SEED`]) over `peers`.
-fn peer_tier(m: &Signed, peers: Vec<PeerAddr>, cfg: PeerConfig) -> Arc<PeerTier> {
+pub(crate) fn peer_tier(m: &Signed, peers: Vec<PeerAddr>, cfg: PeerConfig) -> Arc<PeerTier> {
     crate::network::client_tier(m.dir.path(), &peer_args(m, peers), &client_key(), cfg)
 }
 
 /// Demand loads of `keys` from `tier`: each one's bytes or error, waiting at most `within`
 /// for all of them.
-fn load(
+pub(crate) fn load(
     tier: &PeerTier,
     keys: &[ExpertId],
     within: Duration,
@@ -264,7 +265,7 @@ fn load(
         .collect()
 }
 
-fn all_keys(dir: &Path) -> Vec<ExpertId> {
+pub(crate) fn all_keys(dir: &Path) -> Vec<ExpertId> {
     ModelFiles::open(dir)
         .expect("model files")
         .layout
@@ -307,7 +308,7 @@ fn generate(m: &Signed, name: &str, tier: Arc<PeerTier>) -> (Result<Vec<u32>, St
     (got, want)
 }
 
-fn requests_for(log: &[Observed], expert: ExpertId) -> Vec<(u64, u64)> {
+pub(crate) fn requests_for(log: &[Observed], expert: ExpertId) -> Vec<(u64, u64)> {
     log.iter()
         .filter_map(|o| match o {
             Observed::Request {

@@ -28,6 +28,8 @@ use stormo_wire::{
 pub(crate) enum Answer {
     /// The bytes asked for, as they are.
     Honest,
+    /// The same, after a pause (a slower holder).
+    HonestAfter(Duration),
     /// The bytes asked for in frames of one manifest chunk each, with one byte of the record's
     /// chunk `index` flipped. After that chunk the peer sends nothing more and waits up to
     /// `hold` for the requester to stop the stream (observed as [`Observed::CutShort`]); if
@@ -350,6 +352,10 @@ async fn stream(
             let bytes = record.slice(offset.min(end) as usize..end as usize);
             match answer {
                 Answer::Honest => {
+                    send_range(&mut send, g.request_id, &bytes, offset).await;
+                }
+                Answer::HonestAfter(pause) => {
+                    tokio::time::sleep(pause).await;
                     send_range(&mut send, g.request_id, &bytes, offset).await;
                 }
                 Answer::PartThenSilence { bytes: n } => {

@@ -15,6 +15,7 @@ mod network;
 mod node;
 mod oracle;
 mod remote;
+mod stripe;
 mod swarm;
 mod synth;
 mod tiers;

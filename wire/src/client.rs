@@ -63,9 +63,19 @@ pub trait ChunkVerifier: Send {
 /// is used from): [`crate::Data`] bytes are written at their offset in the resource, chunks are
 /// verified in place, and the buffer comes back in [`Completed::buffer`] or
 /// [`Failed::buffer`] (downcast it to the caller's type through [`Any`]).
+///
+/// A buffer may hold only a window of the resource (one stripe of a record fetched from
+/// several peers at once, each window written by its own request): byte `i` of
+/// [`RecordBuffer::bytes_mut`] is then byte `offset() + i` of the resource, and a request into
+/// it must lie within the window.
 pub trait RecordBuffer: Any + Send + fmt::Debug {
-    /// The buffer's bytes; byte `i` is byte `i` of the resource.
+    /// The buffer's bytes; byte `i` is byte `offset() + i` of the resource.
     fn bytes_mut(&mut self) -> &mut [u8];
+
+    /// Where the buffer's first byte lies in the resource (0: the buffer starts with it).
+    fn offset(&self) -> u64 {
+        0
+    }
 }
 
 impl RecordBuffer for Vec<u8> {
@@ -221,9 +231,10 @@ impl Fetch {
     }
 
     /// Writes the answer into `buffer` at its offsets in the resource instead of a buffer of
-    /// its own (experts and file ranges: requests of a known length). `buffer` must reach at
-    /// least to the end of the requested range; bytes before the range (a verified prefix from
-    /// an earlier try) are left as they are.
+    /// its own (experts and file ranges: requests of a known length). `buffer` must cover the
+    /// requested range (from [`RecordBuffer::offset`] at or before its start to at least its
+    /// end); bytes outside the range (a verified prefix from an earlier try) are left as they
+    /// are.
     pub fn into_buffer(mut self, buffer: Box<dyn RecordBuffer>) -> Self {
         self.into = Some(buffer);
         self
@@ -536,6 +547,12 @@ impl Requests {
         self.pending.contains_key(&id)
     }
 
+    /// The end of the verified part of `id`'s range in the resource (its start before a chunk
+    /// verified; without a verifier, its start), if `id` is outstanding.
+    pub fn verified_end(&self, id: RequestId) -> Option<u64> {
+        self.pending.get(&id).map(|p| p.verified_to)
+    }
+
     /// Part of a frame of `id`'s answer arrived (the caller reads its stream) that was not
     /// handed in: the peer is not silent, so `id`'s idle deadline starts again from `now`.
     /// Nothing else changes (what counts as progress is the bytes handed in, as messages or
@@ -651,10 +668,11 @@ impl Requests {
         }
         let mut into = fetch.into;
         if let Some(b) = into.as_mut() {
-            let have = b.bytes_mut().len() as u64;
-            if have < end {
+            let from = b.offset();
+            let to = from.saturating_add(b.bytes_mut().len() as u64);
+            if from > start || to < end {
                 return Err(StartError::Buffer(format!(
-                    "{have} bytes, the range ends at {end}"
+                    "it holds bytes {from}..{to}, the range is {start}..{end}"
                 )));
             }
         }
@@ -850,7 +868,8 @@ impl Requests {
         match p.into.as_mut() {
             // In bounds: `start` checked that the buffer reaches the range's end.
             Some(b) => {
-                b.bytes_mut()[offset as usize..(offset + len) as usize].copy_from_slice(bytes)
+                let at = (offset - b.offset()) as usize;
+                b.bytes_mut()[at..at + len as usize].copy_from_slice(bytes)
             }
             None => p.buf.extend_from_slice(bytes),
         }
@@ -1049,7 +1068,10 @@ fn verify_ready(p: &mut Pending) -> Result<(), FetchError> {
             break;
         }
         let bytes = match p.into.as_mut() {
-            Some(b) => &b.bytes_mut()[p.verified_to as usize..chunk_end as usize],
+            Some(b) => {
+                let from = b.offset();
+                &b.bytes_mut()[(p.verified_to - from) as usize..(chunk_end - from) as usize]
+            }
             None => &p.buf[(p.verified_to - p.start) as usize..(chunk_end - p.start) as usize],
         };
         v.verify_chunk(index, bytes)

@@ -1,7 +1,9 @@
 //! The network tier's peer policy, sans-IO: which peer to ask for an expert, how long to wait
 //! before racing a second one, how long a failing peer is avoided, when a peer that sent bad
 //! bytes is dropped, when a peer may be dialled (and redialled after its connection was lost),
-//! and how the rounds over an expert's holders go on or end.
+//! how the rounds over an expert's holders go on or end, how a record is striped over several
+//! holders ([`stripes`]), and when a stripe has fallen far enough behind to move its rest to
+//! another holder ([`far_behind`]).
 //!
 //! A peer's connection is in one of four states here: never tried or up (dial when needed),
 //! unreachable (the last attempt failed: no attempt until its back-off ends), or lost (it was
@@ -113,6 +115,8 @@ pub struct PeerView {
     recent: VecDeque<f64>,
     /// Races it lost (it was slow; not a failure).
     pub races_lost: u32,
+    /// Verified expert bytes received from it.
+    pub bytes: u64,
 }
 
 impl PeerView {
@@ -429,6 +433,182 @@ impl Rounds {
             .map_or(pause, |t| pause.max(t.saturating_duration_since(now)));
         clock.fits(now, pause).then_some(pause)
     }
+}
+
+/// The smallest stripe of a record fetched from several holders at once. A record shorter
+/// than two of them is fetched whole from one peer, as is any record with one holder: each
+/// stripe costs a request of its own (a stream, a `Get`, a round trip before its first byte)
+/// and a chunk verified apart, which at 1 MiB is about a millisecond of a 1 GB/s link or a
+/// tenth of a 100 Mbit/s one, against a round trip of a fraction of a millisecond on a LAN:
+/// a few percent at most, while every byte past it comes from a second link.
+pub const MIN_STRIPE: u64 = 1 << 20;
+
+/// The most holders one record is striped across.
+pub const MAX_STRIPES: usize = 8;
+
+/// A stripe's try is moved to another holder when its rate is below the fastest finished
+/// stripe's divided by this (see [`far_behind`]).
+pub const FAR_BEHIND: f64 = 2.0;
+
+/// A stripe's try is judged on its rate only after it ran this long.
+pub const MIN_OBSERVE: Duration = Duration::from_millis(50);
+
+/// One stripe of a record: bytes `start..end`, asked first of peer `peer`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stripe {
+    /// The stripe's first byte in the record (on a chunk boundary).
+    pub start: u64,
+    /// The end of the stripe (on a chunk boundary, or the record's end).
+    pub end: u64,
+    /// The holder asked first (an index into the peers given to [`stripes`]).
+    pub peer: usize,
+}
+
+/// How to stripe a record of `len` bytes in chunks of `chunk` over the peers `peers` (index,
+/// view) that may serve `id`, at `now`: `None` to fetch it whole from one peer (fewer than two
+/// holders ready, or a record shorter than two stripes of `min_stripe`). Only holders by their
+/// inventory take part, not avoided, not unreachable, and not offerers (which fetch it
+/// themselves first); at most [`MAX_STRIPES`] of them, in [`choose`]'s order. Each one's
+/// share is proportional to its measured (or assumed) rate, cut on chunk boundaries, at least
+/// `min_stripe` (the slowest holders are left out until every share is).
+pub fn stripes<'a>(
+    peers: impl IntoIterator<Item = (usize, &'a PeerView)>,
+    id: ExpertId,
+    len: u64,
+    chunk: u64,
+    min_stripe: u64,
+    now: Instant,
+) -> Option<Vec<Stripe>> {
+    let chunk = chunk.max(1);
+    let min_stripe = min_stripe.max(chunk);
+    let ready: Vec<(usize, &PeerView)> = peers
+        .into_iter()
+        .filter(|(_, p)| p.usable() && p.holds(id) && !p.avoided(now) && p.unreachable.is_none())
+        .collect();
+    if ready.len() < 2 || len < 2 * min_stripe {
+        return None;
+    }
+    // In the order `choose` would ask them.
+    let mut order = Vec::with_capacity(ready.len());
+    let mut tried = HashSet::new();
+    while let Some(i) = choose(ready.iter().copied(), id, len, &tried, now) {
+        tried.insert(i);
+        order.push(i);
+    }
+    let rate = |i: usize| {
+        let p = ready.iter().find(|(j, _)| *j == i).map(|(_, p)| *p);
+        p.and_then(|p| p.rate).unwrap_or(DEFAULT_RATE).max(1.0)
+    };
+    let most = usize::try_from(len / min_stripe).unwrap_or(usize::MAX);
+    order.truncate(MAX_STRIPES.min(most));
+    let chunks = len.div_ceil(chunk);
+    loop {
+        if order.len() < 2 {
+            return None;
+        }
+        let total: f64 = order.iter().map(|&i| rate(i)).sum();
+        // Chunk counts proportional to the rates: each stripe ends at the rounded share of
+        // the rates so far (so rounding never piles up on the last), the last at the end.
+        let mut out = Vec::with_capacity(order.len());
+        let (mut at, mut sum) = (0u64, 0.0);
+        for (k, &i) in order.iter().enumerate() {
+            sum += rate(i);
+            let start = (at * chunk).min(len);
+            at = if k + 1 == order.len() {
+                chunks
+            } else {
+                ((chunks as f64 * sum / total).round() as u64).clamp(at, chunks)
+            };
+            out.push(Stripe {
+                start,
+                end: (at * chunk).min(len),
+                peer: i,
+            });
+        }
+        if out.iter().all(|s| s.end - s.start >= min_stripe) {
+            return Some(out);
+        }
+        // The slowest holder goes (the last of the fastest-first order on ties).
+        let slowest = (0..order.len())
+            .rev()
+            .min_by(|&a, &b| rate(order[a]).total_cmp(&rate(order[b])))
+            .expect("at least two holders");
+        order.remove(slowest);
+    }
+}
+
+/// What the driver of a striped load knows of one stripe, for [`far_behind`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum StripeState {
+    /// Verified whole, at `rate` bytes per second (its last try's).
+    Done {
+        /// Bytes per second of the try that finished it.
+        rate: f64,
+    },
+    /// A try is running since `since`, when `verified_at_start` bytes of the stripe were
+    /// verified; `verified` are now, of `len`.
+    Running {
+        /// When the try began.
+        since: Instant,
+        /// Bytes of the stripe verified then.
+        verified_at_start: u64,
+        /// Bytes of the stripe verified now.
+        verified: u64,
+        /// The stripe's length.
+        len: u64,
+        /// Another holder than this try's peer may take the rest (moving it back to the same
+        /// peer would only throw away what it has sent).
+        elsewhere: bool,
+    },
+    /// Between tries (waiting for a round, a connection, or a request slot).
+    Waiting,
+}
+
+/// The stripe whose try has fallen far behind at `now`, to move its unverified remainder to
+/// another holder: of the running tries that another holder could take over, that ran at
+/// least [`MIN_OBSERVE`] and have at least one `chunk` left, one whose rate is below the fastest finished stripe's divided by
+/// [`FAR_BEHIND`] (a stalled try's rate is 0), the one that would take longest to finish at
+/// its rate. `None` before some stripe has finished (no holder is free to take it on, and
+/// nothing to compare with).
+pub fn far_behind(stripes: &[StripeState], chunk: u64, now: Instant) -> Option<usize> {
+    let fastest = stripes
+        .iter()
+        .filter_map(|s| match s {
+            StripeState::Done { rate } => Some(*rate),
+            _ => None,
+        })
+        .max_by(f64::total_cmp)?;
+    let mut worst: Option<(f64, usize)> = None;
+    for (k, s) in stripes.iter().enumerate() {
+        let &StripeState::Running {
+            since,
+            verified_at_start,
+            verified,
+            len,
+            elsewhere: true,
+        } = s
+        else {
+            continue;
+        };
+        let ran = now.saturating_duration_since(since);
+        let left = len.saturating_sub(verified);
+        if ran < MIN_OBSERVE || left < chunk.max(1) {
+            continue;
+        }
+        let rate = verified.saturating_sub(verified_at_start) as f64 / ran.as_secs_f64();
+        if rate * FAR_BEHIND >= fastest {
+            continue;
+        }
+        let eta = if rate > 0.0 {
+            left as f64 / rate
+        } else {
+            f64::INFINITY
+        };
+        if worst.is_none_or(|(w, _)| eta > w) {
+            worst = Some((eta, k));
+        }
+    }
+    worst.map(|w| w.1)
 }
 
 /// The time limits of one load: the first round's per-try deadline, doubled each round up to
@@ -803,6 +983,131 @@ mod tests {
         let mut r = Rounds::default();
         let late = t0 + clock.budget() - Duration::from_millis(100);
         assert_eq!(r.after(back(late), &clock, late), None, "past the budget");
+    }
+
+    /// Two holders of equal (assumed) rate split a record in halves on a chunk boundary, the
+    /// first peer in the set first; a measured faster holder gets the larger share; a record
+    /// under two stripes, a lone holder, an offerer, an avoided or a dropped holder: no
+    /// stripes.
+    #[test]
+    fn a_record_is_striped_over_ready_holders_by_their_rates() {
+        let t0 = Instant::now();
+        let x = id(0, 1);
+        let mib = 1u64 << 20;
+        let chunk = 256 << 10;
+        let len = 13 * mib + 5;
+        let mut peers = vec![holding(&[x]), holding(&[x])];
+        let s = stripes(views(&peers), x, len, chunk, MIN_STRIPE, t0).expect("striped");
+        assert_eq!(s.len(), 2);
+        assert_eq!((s[0].start, s[0].peer, s[1].peer), (0, 0, 1));
+        assert_eq!(s[0].end, s[1].start);
+        assert_eq!(s[1].end, len);
+        assert_eq!(s[0].end % chunk, 0, "on a chunk boundary");
+        assert!((s[0].end as f64 / len as f64 - 0.5).abs() < 0.02, "{s:?}");
+        // Three times as fast: three quarters.
+        peers[1].rate = Some(3.0 * DEFAULT_RATE);
+        let s = stripes(views(&peers), x, len, chunk, MIN_STRIPE, t0).expect("striped");
+        assert_eq!(s[0].peer, 1, "the faster first");
+        assert!((s[0].end as f64 / len as f64 - 0.75).abs() < 0.02, "{s:?}");
+        // So much faster that the other's share would be under a stripe: not striped.
+        peers[1].rate = Some(100.0 * DEFAULT_RATE);
+        assert_eq!(stripes(views(&peers), x, len, chunk, MIN_STRIPE, t0), None);
+        peers[1].rate = None;
+        assert_eq!(
+            stripes(views(&peers), x, 2 * MIN_STRIPE - 1, chunk, MIN_STRIPE, t0),
+            None,
+            "under two stripes"
+        );
+        assert!(stripes(views(&peers), x, 2 * MIN_STRIPE, chunk, MIN_STRIPE, t0).is_some());
+        let offering = PeerView {
+            inventory: Some(inv(&[])),
+            offer: Some(inv(&[x])),
+            ..PeerView::default()
+        };
+        let mut avoided = holding(&[x]);
+        avoided.fail(t0);
+        let mut banned = holding(&[x]);
+        banned.ban("bad chunk");
+        for other in [offering, avoided, banned, holding(&[id(1, 1)])] {
+            let v = vec![holding(&[x]), other];
+            assert_eq!(stripes(views(&v), x, len, chunk, MIN_STRIPE, t0), None);
+        }
+        // Many holders: at most MAX_STRIPES, each at least a stripe.
+        let many: Vec<PeerView> = (0..12).map(|_| holding(&[x])).collect();
+        let s = stripes(views(&many), x, len, chunk, MIN_STRIPE, t0).expect("striped");
+        assert_eq!(s.len(), MAX_STRIPES);
+        assert!(s.iter().all(|s| s.end - s.start >= MIN_STRIPE), "{s:?}");
+        let s = stripes(views(&many), x, 3 * MIN_STRIPE, chunk, MIN_STRIPE, t0).expect("striped");
+        assert_eq!(s.len(), 3, "{s:?}");
+        // Small chunks and a small minimum (as the tests' small models use).
+        let s = stripes(views(&peers), x, 96 << 10, 16 << 10, 16 << 10, t0).expect("striped");
+        assert_eq!(
+            s.iter().map(|s| (s.start, s.end)).collect::<Vec<_>>(),
+            [(0, 48 << 10), (48 << 10, 96 << 10)]
+        );
+    }
+
+    /// A try slower than half the fastest finished stripe is moved, once it ran long enough to
+    /// tell, while a chunk is left and another holder could take it; a stalled one first;
+    /// nothing moves before a stripe finished.
+    #[test]
+    fn a_stripe_far_behind_the_fastest_is_moved() {
+        let t0 = Instant::now();
+        let chunk = 1 << 10;
+        let running = |since: Instant, done: u64, len: u64| StripeState::Running {
+            since,
+            verified_at_start: 0,
+            verified: done,
+            len,
+            elsewhere: true,
+        };
+        let later = t0 + Duration::from_secs(1);
+        // Nothing finished yet: nothing to compare with, no holder free.
+        let s = [running(t0, 0, 1 << 20), StripeState::Waiting];
+        assert_eq!(far_behind(&s, chunk, later), None);
+        // 100 KB/s against 1 MB/s: moved; 600 KB/s: not.
+        let s = [
+            StripeState::Done { rate: 1e6 },
+            running(t0, 100_000, 1 << 20),
+        ];
+        assert_eq!(far_behind(&s, chunk, later), Some(1));
+        let s = [
+            StripeState::Done { rate: 1e6 },
+            running(t0, 600_000, 1 << 20),
+        ];
+        assert_eq!(far_behind(&s, chunk, later), None);
+        // Too early to tell, or less than a chunk left.
+        let s = [StripeState::Done { rate: 1e6 }, running(t0, 0, 1 << 20)];
+        assert_eq!(far_behind(&s, chunk, t0 + MIN_OBSERVE / 2), None);
+        assert_eq!(far_behind(&s, chunk, t0 + MIN_OBSERVE), Some(1));
+        let s = [
+            StripeState::Done { rate: 1e6 },
+            running(t0, (1 << 20) - chunk + 1, 1 << 20),
+        ];
+        assert_eq!(far_behind(&s, chunk, later), None);
+        // A stalled try goes before a slow one; the rate counts this try's bytes only.
+        let s = [
+            StripeState::Done { rate: 1e6 },
+            running(t0, 10_000, 1 << 20),
+            StripeState::Running {
+                since: t0,
+                verified_at_start: 500_000,
+                verified: 500_000,
+                len: 1 << 20,
+                elsewhere: true,
+            },
+        ];
+        assert_eq!(far_behind(&s, chunk, later), Some(2));
+        // Unless no other holder could take it: then the slow one.
+        let mut s = s;
+        if let StripeState::Running { elsewhere, .. } = &mut s[2] {
+            *elsewhere = false;
+        }
+        assert_eq!(far_behind(&s, chunk, later), Some(1));
+        if let StripeState::Running { elsewhere, .. } = &mut s[1] {
+            *elsewhere = false;
+        }
+        assert_eq!(far_behind(&s, chunk, later), None, "nowhere to move either");
     }
 
     fn ms(n: u64) -> Option<Duration> {

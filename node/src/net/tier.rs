@@ -16,6 +16,14 @@
 //! otherwise it runs on while its chunks keep verifying. When every holder has been tried
 //! another round starts with a longer deadline (big experts over a link that many loads
 //! share); the rounds end after a few that verify nothing more and meet no `busy` answer.
+//!
+//! An expert that several peers hold, long enough to be worth it ([`policy::stripes`]), is
+//! striped: its buffer is split into chunk-aligned parts, one per holder, each fetched at once
+//! by its own task with the same tries and rounds as a whole record (starting at its holder,
+//! going on to the others after a failure, resuming after its verified chunks), into its part
+//! of the buffer; the parts join back into the record without a copy once each verified. A
+//! stripe whose try falls far behind a finished one ([`policy::far_behind`]) is made to give
+//! up, and its rest goes to another holder. Striped loads are not hedged.
 //! Keys are fetched in parallel, each on its own task. Prefetch loads are sent with the
 //! `Prefetch` priority. Every wait is bounded: the connect (handshake plus hello), each try's
 //! deadline (from when its request is sent; moved on only by verified chunks, never past the
@@ -43,7 +51,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use stormo_engine::huge::HugeBuf;
+use stormo_engine::huge::{HugeBuf, HugePart};
 use stormo_engine::moe::{ExpertData, ExpertSchema};
 use stormo_engine::tiers::{Completion, ExpertId, Priority, Tier};
 use stormo_manifests::{Hash, Manifest, PublicKey, SecretKey};
@@ -55,7 +63,7 @@ use stormo_wire::{
 use tokio::sync::Semaphore;
 
 use super::exec::ExecError;
-use super::policy::{self, LoadClock, PeerView, Rounds};
+use super::policy::{self, LoadClock, PeerView, Rounds, StripeState};
 use super::{tls, FramedRecv, PeerAddr, ReadError};
 
 /// Timeouts of the network tier.
@@ -74,6 +82,10 @@ pub struct PeerConfig {
     pub hedge_min: Duration,
     /// The longest delay before a demand request is hedged.
     pub hedge_max: Duration,
+    /// The smallest stripe of a record fetched from several holders at once: a record shorter
+    /// than two of them comes whole from one peer ([`policy::MIN_STRIPE`] by default;
+    /// `u64::MAX` never stripes).
+    pub stripe_min: u64,
 }
 
 impl Default for PeerConfig {
@@ -84,6 +96,7 @@ impl Default for PeerConfig {
             idle_timeout: Duration::from_secs(5),
             hedge_min: Duration::from_millis(20),
             hedge_max: Duration::from_secs(2),
+            stripe_min: policy::MIN_STRIPE,
         }
     }
 }
@@ -189,9 +202,9 @@ struct Tries {
     busy: std::sync::atomic::AtomicBool,
 }
 
-/// How one try at one peer ended: the verified record, or why not (naming the peer) and the
-/// verified prefix it left.
-type TryResult = Result<HugeBuf, (String, Prefix)>;
+/// How one try at one peer ended: its span verified whole, or why not (naming the peer) and
+/// the verified prefix it left.
+type TryResult = Result<Prefix, (String, Prefix)>;
 
 /// A record's buffer (huge pages, the record's length) as the wire writes into it.
 #[derive(Debug)]
@@ -203,31 +216,77 @@ impl RecordBuffer for RecordBuf {
     }
 }
 
-/// What the tries of one load have verified of a record: its first `verified` bytes, in
-/// `buffer` (none before the first try allocates it, or after a try lost it).
+/// One stripe's part of a record's buffer (see [`HugeBuf::split`]), as the wire writes into
+/// it: byte `i` is byte `offset + i` of the record.
+#[derive(Debug)]
+struct StripeBuf {
+    part: HugePart,
+    offset: u64,
+}
+
+impl RecordBuffer for StripeBuf {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.part
+    }
+    fn offset(&self) -> u64 {
+        self.offset
+    }
+}
+
+/// What the tries of one load have verified of a span of a record (the whole record, or one
+/// stripe): bytes `start..verified`, in `buffer` (none before the first try at a whole record
+/// allocates it, or after a try lost it).
 #[derive(Debug, Default)]
 struct Prefix {
     buffer: Option<Box<dyn RecordBuffer>>,
+    /// The span: bytes `start..end` of the record.
+    start: u64,
+    end: u64,
+    /// The end of the verified bytes, from `start`.
     verified: u64,
 }
 
 impl Prefix {
-    fn len(&self) -> usize {
-        self.verified as usize
-    }
-
-    /// What a request hands back: `buffer` with its bytes up to `verified_end` verified.
-    fn kept(buffer: Option<Box<dyn RecordBuffer>>, verified_end: u64) -> Self {
-        match buffer {
-            Some(b) => Self {
-                buffer: Some(b),
-                verified: verified_end,
-            },
-            None => Self::default(),
+    /// The whole record of `len` bytes, nothing verified or allocated yet.
+    fn whole(len: u64) -> Self {
+        Self {
+            end: len,
+            ..Self::default()
         }
     }
 
-    /// A copy in a buffer of its own (for a second try racing the one that holds this).
+    /// Takes the verified prefix and its buffer, leaving the same span with neither.
+    fn take(&mut self) -> Self {
+        let (start, end) = (self.start, self.end);
+        std::mem::replace(
+            self,
+            Self {
+                start,
+                end,
+                verified: start,
+                buffer: None,
+            },
+        )
+    }
+
+    /// Bytes of the span verified.
+    fn len(&self) -> usize {
+        self.verified.saturating_sub(self.start) as usize
+    }
+
+    /// What a request hands back: `buffer` with its bytes up to `verified_end` verified
+    /// (without a buffer, nothing is).
+    fn keep(&mut self, buffer: Option<Box<dyn RecordBuffer>>, verified_end: u64) {
+        self.verified = if buffer.is_some() {
+            verified_end
+        } else {
+            self.start
+        };
+        self.buffer = buffer;
+    }
+
+    /// A copy in a buffer of its own (for a second try racing the one that holds this; a
+    /// whole record's only).
     fn copy(&mut self, len: u64) -> Result<Self, String> {
         let mut buf = HugeBuf::zeroed(len as usize).map_err(|e| e.to_string())?;
         let n = self.len();
@@ -235,14 +294,118 @@ impl Prefix {
             buf[..n].copy_from_slice(&b.bytes_mut()[..n]);
         }
         Ok(Self {
-            buffer: Some(Box::new(RecordBuf(buf))),
             verified: if self.buffer.is_some() {
                 self.verified
             } else {
                 0
             },
+            buffer: Some(Box::new(RecordBuf(buf))),
+            start: 0,
+            end: len,
         })
     }
+
+    /// The whole record's buffer, once verified.
+    fn into_record(self) -> HugeBuf {
+        let b: Box<dyn std::any::Any> = self.buffer.expect("a verified span has its buffer");
+        b.downcast::<RecordBuf>()
+            .expect("a whole record's buffer is a RecordBuf")
+            .0
+    }
+
+    /// A stripe's part of the record's buffer, once verified.
+    fn into_part(self) -> HugePart {
+        let b: Box<dyn std::any::Any> = self.buffer.expect("a verified span has its buffer");
+        b.downcast::<StripeBuf>()
+            .expect("a stripe's buffer is a StripeBuf")
+            .part
+    }
+}
+
+/// How the driver of a striped load follows one stripe, and moves it: the stripe's tries
+/// report their progress here, and give up when told to (their verified prefix stays, and
+/// the stripe's next try, at another holder, resumes after it).
+#[derive(Debug)]
+struct StripeCtl {
+    /// Bumped to make the running try give up (its remainder moves to another holder).
+    moves: tokio::sync::watch::Sender<u64>,
+    /// The running try: when it began, the end of the stripe's verified bytes then, and its
+    /// peer.
+    run: Mutex<Option<(Instant, u64, usize)>>,
+    /// The end of the stripe's verified bytes now (in the record).
+    verified: AtomicU64,
+    /// The count of `moves` when the running try began: a try that finds it changed when it
+    /// starts its request was moved before it could hear of it.
+    moves_at_begin: AtomicU64,
+    start: u64,
+    end: u64,
+}
+
+impl StripeCtl {
+    fn new(start: u64, end: u64) -> Self {
+        Self {
+            moves: tokio::sync::watch::Sender::new(0),
+            run: Mutex::new(None),
+            verified: AtomicU64::new(start),
+            moves_at_begin: AtomicU64::new(0),
+            start,
+            end,
+        }
+    }
+
+    fn run(&self) -> std::sync::MutexGuard<'_, Option<(Instant, u64, usize)>> {
+        self.run.lock().expect("stripe lock")
+    }
+
+    /// A try at peer `peer` begins, with the stripe verified up to `verified`.
+    fn begin(&self, verified: u64, peer: usize) {
+        self.moves_at_begin
+            .store(*self.moves.borrow(), Ordering::SeqCst);
+        self.verified.store(verified, Ordering::Relaxed);
+        *self.run() = Some((Instant::now(), verified, peer));
+    }
+
+    /// The try ended.
+    fn end_try(&self) {
+        *self.run() = None;
+    }
+
+    /// What [`policy::far_behind`] needs to know of it, while it is not done; `elsewhere`
+    /// says whether a holder other than peer `i` could take it over.
+    fn state(&self, elsewhere: impl Fn(usize) -> bool) -> StripeState {
+        match *self.run() {
+            Some((since, at_start, peer)) => StripeState::Running {
+                since,
+                verified_at_start: at_start - self.start,
+                verified: self.verified.load(Ordering::Relaxed) - self.start,
+                len: self.end - self.start,
+                elsewhere: elsewhere(peer),
+            },
+            None => StripeState::Waiting,
+        }
+    }
+
+    /// The rate of the try that finished it (bytes per second), at `now`.
+    fn final_rate(&self, now: Instant) -> f64 {
+        match *self.run() {
+            Some((since, at_start, _)) => {
+                (self.end - at_start) as f64 / now.duration_since(since).as_secs_f64().max(1e-6)
+            }
+            None => 0.0,
+        }
+    }
+
+    /// Makes the running try give up, so that its remainder moves.
+    fn move_on(&self) {
+        self.moves.send_modify(|n| *n += 1);
+    }
+}
+
+/// What loading a span ended with: the span verified, or (a whole record raced against the
+/// local disk) the disk's expert.
+enum Got {
+    Span(Prefix),
+    Local(Arc<ExpertData>),
 }
 
 struct Peer {
@@ -309,6 +472,8 @@ struct Inner {
     hedges: Mutex<HedgeStats>,
     /// Failed tries at peers that were followed by a try elsewhere ([`Tier::retried_failures`]).
     retried: AtomicU64,
+    /// Loads striped across several holders.
+    striped: AtomicU64,
 }
 
 /// The network tier. See the module docs.
@@ -580,6 +745,7 @@ impl PeerTier {
             store: Default::default(),
             hedges: Default::default(),
             retried: Default::default(),
+            striped: Default::default(),
         });
         Self {
             inner,
@@ -713,6 +879,21 @@ impl PeerTier {
             .iter()
             .map(|p| p.state().races_lost)
             .collect()
+    }
+
+    /// Verified expert bytes received so far per peer (whole records, stripes, and the
+    /// verified part of failed tries), in `peers` order.
+    pub fn peer_bytes(&self) -> Vec<(PeerAddr, u64)> {
+        self.inner
+            .peers()
+            .iter()
+            .map(|p| (p.addr.clone(), p.state().bytes))
+            .collect()
+    }
+
+    /// Loads striped across several holders so far.
+    pub fn striped_loads(&self) -> u64 {
+        self.inner.striped.load(Ordering::Relaxed)
     }
 
     /// Connection attempts so far per peer (the first at start included), in `peers` order.
@@ -1028,6 +1209,7 @@ pub async fn fetch_manifest(
         None,
         cfg.idle_timeout,
         &mut Prefix::default(),
+        None,
     )
     .await
     .map(|c| c.bytes);
@@ -1122,6 +1304,7 @@ impl PeerLink {
             None,
             self.idle,
             &mut Prefix::default(),
+            None,
         )
         .await
         .map(|c| c.bytes)
@@ -1272,6 +1455,10 @@ enum AttemptError {
     /// however many requests saw it: [`PeerView::lose`]).
     #[error("connection lost: {0}")]
     Lost(Box<Self>),
+    /// The driver of a striped load moved the rest of this stripe to another holder (this
+    /// try fell far behind); not the peer's fault.
+    #[error("fell far behind the other stripes; its remainder moved to another holder")]
+    Moved,
     #[error("{0:#}")]
     Other(anyhow::Error),
 }
@@ -1279,7 +1466,9 @@ enum AttemptError {
 /// Starts `fetch` among the requests of `conn`, sends it on a new stream and drives it to
 /// its end. Data payloads go from the chunks quinn received to where the request keeps them
 /// (the caller's buffer with [`Fetch::into_buffer`]) without another copy. On failure, `kept`
-/// gets back the caller's buffer and the end of its verified prefix.
+/// gets back the caller's buffer and the end of its verified prefix. With `stripe`, the
+/// verified end is reported there as chunks verify, and the request gives up
+/// ([`AttemptError::Moved`]) when the stripe is moved.
 async fn run_request(
     conn: &quinn::Connection,
     reqs: &Mutex<LinkRequests>,
@@ -1287,7 +1476,9 @@ async fn run_request(
     priority: Option<i32>,
     idle: Duration,
     kept: &mut Prefix,
+    stripe: Option<&StripeCtl>,
 ) -> Result<Completed, AttemptError> {
+    let mut moves = stripe.map(|c| c.moves.subscribe());
     let mut fetch = fetch;
     let rx_before = conn.stats().frame_rx.stream;
     // A peer that died or stopped grants no new stream: that wait is silence too, bounded
@@ -1334,10 +1525,16 @@ async fn run_request(
     let _outstanding = Outstanding { reqs, id };
     let give_up = |why: String, kept: &mut Prefix| {
         if let Some(a) = lock(reqs).req.cancel_keeping(id) {
-            *kept = Prefix::kept(a.buffer, a.verified_end);
+            kept.keep(a.buffer, a.verified_end);
         }
         AttemptError::Other(anyhow::anyhow!(why))
     };
+    if let (Some(c), Some(rx)) = (stripe, moves.as_ref()) {
+        if *rx.borrow() != c.moves_at_begin.load(Ordering::SeqCst) {
+            give_up(String::new(), kept);
+            return Err(AttemptError::Moved);
+        }
+    }
     for m in &out {
         if let Err(e) = super::write_message(&mut send, m).await {
             return Err(give_up(format!("{e:#}"), kept));
@@ -1359,7 +1556,7 @@ async fn run_request(
                 return match ev {
                     Event::Completed(c) => Ok(c),
                     Event::Failed(f) => {
-                        *kept = Prefix::kept(f.buffer, f.verified_end);
+                        kept.keep(f.buffer, f.verified_end);
                         let _ = frames.stream().stop(0u32.into());
                         let _ = send.reset(0u32.into());
                         // Report what arrived of a frame still coming in too, not only whole
@@ -1396,7 +1593,11 @@ async fn run_request(
                     let r = {
                         let mut g = lock(reqs);
                         let now = Instant::now();
-                        pieces.drain(..).try_for_each(|p| p.feed(&mut g.req, now))
+                        let r = pieces.drain(..).try_for_each(|p| p.feed(&mut g.req, now));
+                        if let (Some(c), Some(v)) = (stripe, g.req.verified_end(id)) {
+                            c.verified.store(v, Ordering::Relaxed);
+                        }
+                        r
                     };
                     if let Err(e) = r {
                         conn.close(u32::from(stormo_wire::ErrorCode::PROTOCOL_VIOLATION.0).into(), e.to_string().as_bytes());
@@ -1419,6 +1620,10 @@ async fn run_request(
                 }
                 Err(e) => return Err(give_up(e.to_string(), kept)),
             },
+            _ = moved(&mut moves) => {
+                give_up(String::new(), kept);
+                return Err(AttemptError::Moved);
+            }
             _ = tokio::time::sleep_until(deadline.into()) => {
                 // Part of a frame arrived since: a slow stream (a frame is 256 KiB), not a
                 // silent peer.
@@ -1432,6 +1637,18 @@ async fn run_request(
                 g.req.handle_timeout_of(now, id);
             }
         }
+    }
+}
+
+/// Resolves when the stripe `moves` follows is moved (never without one).
+async fn moved(moves: &mut Option<tokio::sync::watch::Receiver<u64>>) {
+    match moves {
+        Some(rx) => {
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+        None => std::future::pending().await,
     }
 }
 
@@ -1579,6 +1796,42 @@ impl Inner {
         Some((i, InFlight(p)))
     }
 
+    /// Counts a request in flight at peer `i` for `id` and adds it to `tried`, if it may still
+    /// supply `id` (a stripe's first holder, chosen by [`policy::stripes`]).
+    fn pick_this(
+        &self,
+        i: usize,
+        id: ExpertId,
+        tried: &mut HashSet<usize>,
+    ) -> Option<(usize, InFlight)> {
+        let _g = self.choosing.lock().expect("choosing lock");
+        let p = self.peers().get(i)?.clone();
+        {
+            let mut s = p.state();
+            if tried.contains(&i) || !s.may_supply(id) {
+                return None;
+            }
+            s.in_flight += 1;
+        }
+        tried.insert(i);
+        Some((i, InFlight(p)))
+    }
+
+    /// The stripes of `id` (`len` bytes) over its holders now, if it is worth striping (see
+    /// [`policy::stripes`]).
+    fn stripe_plan(&self, id: ExpertId, len: u64) -> Option<Vec<policy::Stripe>> {
+        let peers = self.peers();
+        let views: Vec<_> = peers.iter().map(|p| p.state()).collect();
+        policy::stripes(
+            views.iter().enumerate().map(|(i, v)| (i, &**v)),
+            id,
+            len,
+            u64::from(self.manifest.chunk_size),
+            self.cfg.stripe_min,
+            Instant::now(),
+        )
+    }
+
     /// How long a demand request to peer `i` runs before it is hedged: the p95 of its recent
     /// fetch times (before there are enough, three times the expected time), within the
     /// configured bounds and never past the request timeout.
@@ -1619,11 +1872,12 @@ impl Inner {
     }
 
     /// One try at peer `i` (counted in flight by `f`) within `limit`, resuming after
-    /// `prefix`; the whole record is verified before it is returned. Failures mark the peer and
+    /// `prefix`; the whole span is verified before it is returned. Failures mark the peer and
     /// are counted in `tries.failed` (unless the tier is closing); successes feed its latency
     /// and throughput. A try whose deadline passed while the peer was still sending is slow,
     /// not faulty, and a busy answer is load, not a fault: neither marks the peer, and both set
-    /// `tries.retry`.
+    /// `tries.retry`. A stripe's try (with `stripe`) reports its progress there and gives up
+    /// when the stripe is moved, which is not a failure either.
     #[allow(clippy::too_many_arguments)]
     async fn try_peer(
         &self,
@@ -1635,36 +1889,58 @@ impl Inner {
         priority: Priority,
         limit: TryLimit,
         tries: &Tries,
+        stripe: Option<&StripeCtl>,
     ) -> TryResult {
         let failed = &tries.failed;
         let peers = self.peers();
         let peer = &peers[i];
         let started = Instant::now();
+        let from = prefix.verified.max(prefix.start);
+        if let Some(c) = stripe {
+            c.begin(from, i);
+        }
         let got = self
-            .attempt(peer, id, len, &mut prefix, priority, limit)
+            .attempt(peer, id, len, &mut prefix, priority, limit, stripe)
             .await;
         drop(f);
+        if let Some(c) = stripe {
+            if got.is_err() {
+                c.end_try();
+            }
+        }
         let closing = self.closing.load(Ordering::SeqCst);
-        if !closing && got.is_err() {
+        if !closing && got.is_err() && !matches!(got, Err(AttemptError::Moved)) {
             failed.fetch_add(1, Ordering::Relaxed);
         }
+        let span = prefix.end - prefix.start;
+        // The verified bytes this try added (a try that lost its buffer kept none).
+        let added = prefix.verified.saturating_sub(from);
+        peer.state().bytes += added;
         match got {
-            Ok(record) => {
-                // Every chunk of the record passed `ChunkCheck` as it arrived (this attempt's
+            Ok(()) => {
+                // Every chunk of the span passed `ChunkCheck` as it arrived (this attempt's
                 // and the verified prefix of earlier ones), and the chunk hashes are part of
                 // the same manifest as the record's hash (one canonical encoding, named by the
-                // model id or signed): the record is verified without hashing it again. Its
+                // model id or signed): the span is verified without hashing it again. Its
                 // length is the one thing left to check.
-                if record.len() as u64 != len {
+                let have = prefix.buffer.as_mut().map_or(0, |b| b.bytes_mut().len()) as u64;
+                if have != span {
                     failed.fetch_add(1, Ordering::Relaxed);
-                    let e = format!("{} bytes of a {len}-byte record", record.len());
+                    let e = format!("{have} bytes of a {span}-byte span of a {len}-byte record");
                     peer.ban(&format!("expert {id}"), &e);
-                    return Err((format!("{}: {e}", peer.addr), Prefix::default()));
+                    prefix.keep(None, 0);
+                    return Err((format!("{}: {e}", peer.addr), prefix));
                 }
-                peer.state().succeed(len, started.elapsed().as_secs_f64());
-                Ok(record)
+                peer.state().succeed(added, started.elapsed().as_secs_f64());
+                Ok(prefix)
             }
             Err(_) if closing => Err(("the network tier is closed".into(), prefix)),
+            Err(e @ AttemptError::Moved) => {
+                tracing::debug!("peer {} on expert {id}: {e}", peer.addr);
+                self.lost(i, started.elapsed());
+                tries.retry.store(true, Ordering::Relaxed);
+                Err((format!("{}: {e}", peer.addr), prefix))
+            }
             Err(e @ (AttemptError::Link(_) | AttemptError::Lost(_))) => {
                 tracing::debug!("peer {} on expert {id}: {e}", peer.addr);
                 Err((format!("{}: {e}", peer.addr), prefix))
@@ -1720,10 +1996,14 @@ impl Inner {
     /// Loads `key` from the peers, and counts the failed tries that were followed by another
     /// (all of them when the load succeeds; all but the last, which is the load's own error,
     /// when it fails).
-    async fn fetch(&self, key: ExpertId, priority: Priority) -> Result<Arc<ExpertData>, String> {
-        let tries = Tries::default();
+    async fn fetch(
+        self: &Arc<Self>,
+        key: ExpertId,
+        priority: Priority,
+    ) -> Result<Arc<ExpertData>, String> {
+        let tries = Arc::new(Tries::default());
         let r = self.fetch_from_peers(key, priority, &tries).await;
-        let failed = tries.failed.into_inner();
+        let failed = tries.failed.load(Ordering::Relaxed);
         let retried = if r.is_ok() {
             failed
         } else {
@@ -1733,24 +2013,14 @@ impl Inner {
         r
     }
 
-    /// Loads `key` from the peers, counting failed tries in `tries`.
-    ///
-    /// Each holder is tried once per round, each try resuming after the longest verified
-    /// prefix so far. When every holder has been tried and some try ran out of time while its
-    /// peer was still sending, or a peer answered busy (slow or loaded peers, or a link shared
-    /// by many loads, not failing ones), or a holder whose connection was lost may come back
-    /// (restarted; not waited for when the local disk holds the expert), another round starts
-    /// after a short pause (for a lost holder, until the policy lets it be redialled), with twice
-    /// the per-try deadline (up to [`policy::MAX_TIMEOUT_FACTOR`] times the first); see [`Rounds`]
-    /// for when the rounds end. A try is cut off at its deadline while another holder is
-    /// left in the round; the last holder's, and every try after the first round, runs on
-    /// while its chunks keep verifying. Neither a round nor such a run goes past the load's
-    /// budget, [`policy::LOAD_BUDGET_FACTOR`] times the first per-try deadline.
+    /// Loads `key` from the peers, counting failed tries in `tries`: striped across its
+    /// holders when [`policy::stripes`] says so ([`Self::fetch_striped`]), else whole
+    /// ([`Self::fetch_span`]).
     async fn fetch_from_peers(
-        &self,
+        self: &Arc<Self>,
         key: ExpertId,
         priority: Priority,
-        tries: &Tries,
+        tries: &Arc<Tries>,
     ) -> Result<Arc<ExpertData>, String> {
         let id = key;
         let entry = self
@@ -1773,8 +2043,164 @@ impl Inner {
             }
             Ok(Arc::new(ExpertData::from_buffer(buf, schema)))
         };
+        if let Some(plan) = self.stripe_plan(id, len) {
+            return done(self.fetch_striped(id, len, plan, priority, tries).await?);
+        }
+        match self
+            .fetch_span(id, len, Prefix::whole(len), None, None, priority, tries)
+            .await?
+        {
+            Got::Span(p) => done(p.into_record()),
+            Got::Local(d) => Ok(d),
+        }
+    }
+
+    /// Loads `id` (`len` bytes) striped as `plan` says: each stripe into its part of one
+    /// buffer, all at once, each by [`Self::fetch_span`] (which starts at the stripe's holder
+    /// and goes on to the others as for a whole record). When a stripe has finished, a try
+    /// that fell far behind it ([`policy::far_behind`]) is made to give up, and its stripe
+    /// goes on from its verified prefix at another holder. The record is whole once every
+    /// stripe verified; a stripe that fails fails the load.
+    async fn fetch_striped(
+        self: &Arc<Self>,
+        id: ExpertId,
+        len: u64,
+        plan: Vec<policy::Stripe>,
+        priority: Priority,
+        tries: &Arc<Tries>,
+    ) -> Result<HugeBuf, String> {
+        self.striped.fetch_add(1, Ordering::Relaxed);
+        let buf = HugeBuf::zeroed(len as usize).map_err(|e| e.to_string())?;
+        let cuts: Vec<usize> = plan.iter().skip(1).map(|s| s.start as usize).collect();
+        let parts = buf.split(&cuts).map_err(|(_, e)| e)?;
+        tracing::debug!(
+            "expert {id}: striped over {} holders ({})",
+            plan.len(),
+            plan.iter()
+                .map(|s| format!("{}..{} at {}", s.start, s.end, self.peers()[s.peer].addr))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let ctls: Vec<Arc<StripeCtl>> = plan
+            .iter()
+            .map(|s| Arc::new(StripeCtl::new(s.start, s.end)))
+            .collect();
+        let mut set = tokio::task::JoinSet::new();
+        for (k, (s, part)) in plan.iter().zip(parts).enumerate() {
+            let prefix = Prefix {
+                buffer: Some(Box::new(StripeBuf {
+                    part,
+                    offset: s.start,
+                })),
+                start: s.start,
+                end: s.end,
+                verified: s.start,
+            };
+            let (inner, tries, ctl, first) = (self.clone(), tries.clone(), ctls[k].clone(), s.peer);
+            set.spawn(async move {
+                let r = inner
+                    .fetch_span(id, len, prefix, Some(first), Some(&ctl), priority, &tries)
+                    .await;
+                let rate = ctl.final_rate(Instant::now());
+                (k, r, rate)
+            });
+        }
+        let mut done: Vec<Option<HugePart>> = plan.iter().map(|_| None).collect();
+        let mut states = vec![StripeState::Waiting; plan.len()];
+        let chunk = u64::from(self.manifest.chunk_size);
+        // Once a stripe has finished, the others are looked at this often.
+        let tick = policy::MIN_OBSERVE / 5;
+        while !set.is_empty() {
+            let any_done = states.iter().any(|s| matches!(s, StripeState::Done { .. }));
+            let next = tokio::select! {
+                r = set.join_next() => r,
+                _ = tokio::time::sleep(tick), if any_done => None,
+            };
+            match next {
+                Some(Ok((k, Ok(Got::Span(p)), rate))) => {
+                    states[k] = StripeState::Done { rate };
+                    done[k] = Some(p.into_part());
+                }
+                Some(Ok((k, Ok(Got::Local(_)), _))) => {
+                    return Err(format!(
+                        "stripe {k}: a stripe is never raced against the disk"
+                    ));
+                }
+                Some(Ok((k, Err(e), _))) => {
+                    let s = &plan[k];
+                    return Err(format!("bytes {}..{} of {len}: {e}", s.start, s.end));
+                }
+                Some(Err(e)) => return Err(format!("a stripe's task ended: {e}")),
+                None => {}
+            }
+            let now = Instant::now();
+            let elsewhere = |i: usize| {
+                let peers = self.peers();
+                let views: Vec<_> = peers.iter().map(|p| p.state()).collect();
+                let tried: HashSet<usize> = [i].into();
+                policy::other_holder_left(
+                    views.iter().enumerate().map(|(j, v)| (j, &**v)),
+                    id,
+                    &tried,
+                    now,
+                )
+            };
+            for (st, c) in states.iter_mut().zip(&ctls) {
+                if !matches!(st, StripeState::Done { .. }) {
+                    *st = c.state(elsewhere);
+                }
+            }
+            if let Some(k) = policy::far_behind(&states, chunk, now) {
+                tracing::debug!(
+                    "expert {id}: bytes {}..{} fell far behind the other stripes; moving the \
+                     rest to another holder",
+                    plan[k].start,
+                    plan[k].end
+                );
+                ctls[k].move_on();
+                // Not judged again until its next try has run long enough.
+                ctls[k].end_try();
+                states[k] = StripeState::Waiting;
+            }
+        }
+        let parts: Vec<HugePart> = done
+            .into_iter()
+            .map(|p| p.expect("every stripe finished"))
+            .collect();
+        HugePart::join(parts).map_err(|(_, e)| e)
+    }
+
+    /// Loads the span `prefix` of `id` (`len` bytes: the whole record, or a stripe) from the
+    /// peers, starting at peer `first` if given, counting failed tries in `tries`.
+    ///
+    /// Each holder is tried once per round, each try resuming after the longest verified
+    /// prefix so far. When every holder has been tried and some try ran out of time while its
+    /// peer was still sending, or a peer answered busy (slow or loaded peers, or a link shared
+    /// by many loads, not failing ones), or a holder whose connection was lost may come back
+    /// (restarted; not waited for when the local disk holds the expert), another round starts
+    /// after a short pause (for a lost holder, until the policy lets it be redialled), with twice
+    /// the per-try deadline (up to [`policy::MAX_TIMEOUT_FACTOR`] times the first); see [`Rounds`]
+    /// for when the rounds end. A try is cut off at its deadline while another holder is
+    /// left in the round; the last holder's, and every try after the first round, runs on
+    /// while its chunks keep verifying. Neither a round nor such a run goes past the load's
+    /// budget, [`policy::LOAD_BUDGET_FACTOR`] times the first per-try deadline. A whole
+    /// record's demand load is hedged; a stripe (with `stripe`) is not: the other stripes'
+    /// holders already race it, and [`Self::fetch_striped`] moves it when it falls behind.
+    #[allow(clippy::too_many_arguments)]
+    async fn fetch_span(
+        &self,
+        id: ExpertId,
+        len: u64,
+        mut prefix: Prefix,
+        mut first: Option<usize>,
+        stripe: Option<&StripeCtl>,
+        priority: Priority,
+        tries: &Tries,
+    ) -> Result<Got, String> {
+        let key = id;
+        let done = |p: Prefix| Ok(Got::Span(p));
+        let hedged = priority == Priority::Demand && stripe.is_none();
         let mut tried = HashSet::new();
-        let mut prefix = Prefix::default();
         let mut errors = Vec::new();
         let mut local_tried = false;
         let mut clock = LoadClock::new(self.cfg.request_timeout, Instant::now());
@@ -1793,7 +2219,12 @@ impl Inner {
                 ));
                 break;
             }
-            let mut picked = self.pick(id, len, &mut tried);
+            let mut picked = match first.take() {
+                Some(i) => self
+                    .pick_this(i, id, &mut tried)
+                    .or_else(|| self.pick(id, len, &mut tried)),
+                None => self.pick(id, len, &mut tried),
+            };
             if picked.is_none() {
                 // Every holder tried: another round, or the end (the policy's call).
                 let now = Instant::now();
@@ -1840,14 +2271,15 @@ impl Inner {
             let delay = self.hedge_delay(i, len);
             // The try takes the verified prefix (and its buffer) and hands it back; a hedge
             // racing it starts from a copy (made only when there is a prefix to copy).
-            let mut hedge_prefix = match priority {
-                Priority::Demand if prefix.len() > 0 => Some(prefix.copy(len)?),
+            let mut hedge_prefix = match hedged {
+                true if prefix.len() > 0 => Some(prefix.copy(len)?),
                 _ => None,
             };
-            let prefix_in = std::mem::take(&mut prefix);
-            let mut a =
-                std::pin::pin!(self.try_peer(i, f, id, len, prefix_in, priority, limit, tries));
-            let first = if priority == Priority::Demand {
+            let prefix_in = prefix.take();
+            let mut a = std::pin::pin!(
+                self.try_peer(i, f, id, len, prefix_in, priority, limit, tries, stripe)
+            );
+            let first_try = if hedged {
                 tokio::select! {
                     r = &mut a => Some(r),
                     _ = tokio::time::sleep(delay) => None,
@@ -1855,7 +2287,7 @@ impl Inner {
             } else {
                 Some(a.as_mut().await)
             };
-            let r = match first {
+            let r = match first_try {
                 Some(r) => r,
                 None => {
                     // Slow: race a second request.
@@ -1872,12 +2304,13 @@ impl Inner {
                             g,
                             id,
                             len,
-                            hedge_prefix.take().unwrap_or_default(),
+                            hedge_prefix.take().unwrap_or_else(|| Prefix::whole(len)),
                             priority,
                             // The racer's limit: a hedge taking the last holder must not let
                             // the slower of the two run on while the other is cut off.
                             limit,
-                            tries
+                            tries,
+                            None
                         ));
                         let (r, b_first) = tokio::select! {
                             r = &mut a => (r, false),
@@ -1931,10 +2364,10 @@ impl Inner {
                                     match rx.await {
                                         Ok(Ok(d)) => {
                                             self.count(|h| h.local_wins += 1);
-                                            return Ok(d);
+                                            return Ok(Got::Local(d));
                                         }
-                                        Ok(Err(e)) => Err((format!("local disk: {e}"), std::mem::take(&mut prefix))),
-                                        Err(_) => Err(("local disk: dropped the load".into(), std::mem::take(&mut prefix))),
+                                        Ok(Err(e)) => Err((format!("local disk: {e}"), prefix.take())),
+                                        Err(_) => Err(("local disk: dropped the load".into(), prefix.take())),
                                     }
                                 }
                             },
@@ -1942,7 +2375,7 @@ impl Inner {
                                 Ok(Ok(d)) => {
                                     self.lost(i, started.elapsed());
                                     self.count(|h| h.local_wins += 1);
-                                    return Ok(d);
+                                    return Ok(Got::Local(d));
                                 }
                                 Ok(Err(e)) => {
                                     errors.push(format!("local disk: {e}"));
@@ -1976,9 +2409,11 @@ impl Inner {
         }
     }
 
-    /// One attempt at `peer`: fetches the bytes after `prefix` (a verified prefix from an
-    /// earlier attempt) into its buffer (allocated here on the first try) and returns the
-    /// whole record, or extends `prefix` with what verified.
+    /// One attempt at `peer`: fetches the bytes of `prefix`'s span after its verified prefix
+    /// (from an earlier attempt) into its buffer (a whole record's is allocated here on the
+    /// first try) and leaves the span verified in `prefix`, or extends `prefix` with what
+    /// verified.
+    #[allow(clippy::too_many_arguments)]
     async fn attempt(
         &self,
         peer: &Arc<Peer>,
@@ -1987,7 +2422,8 @@ impl Inner {
         prefix: &mut Prefix,
         priority: Priority,
         limit: TryLimit,
-    ) -> Result<HugeBuf, AttemptError> {
+        stripe: Option<&StripeCtl>,
+    ) -> Result<(), AttemptError> {
         // `limit` bounds the request from when it is sent. Connecting has its own bound (the
         // connect timeout), and waiting for one of the link's request slots is not counted:
         // that queue is this node's own loads, not the peer's doing, and every request holding
@@ -2016,21 +2452,29 @@ impl Inner {
         }
         // On huge pages, as the disk tier reads experts: where an expert came from decides
         // nothing, not even how fast the kernels stream it.
+        let whole = prefix.start == 0 && prefix.end == len;
         let buffer = match prefix.buffer.take() {
             Some(b) => b,
-            None => {
+            None if whole => {
                 prefix.verified = 0;
                 let b = HugeBuf::zeroed(len as usize)
                     .map_err(|e| AttemptError::Other(anyhow::anyhow!("{e}")))?;
                 Box::new(RecordBuf(b))
             }
+            None => {
+                return Err(AttemptError::Other(anyhow::anyhow!(
+                    "the buffer of bytes {}..{} was lost",
+                    prefix.start,
+                    prefix.end
+                )))
+            }
         };
         fetch = fetch.into_buffer(buffer);
-        let have = prefix.verified;
-        if have > 0 {
+        let have = prefix.verified.max(prefix.start);
+        if have > 0 || prefix.end != len {
             fetch = fetch.range(ByteRange {
                 offset: have,
-                len: len - have,
+                len: prefix.end - have,
             });
         }
         let stream_priority = match priority {
@@ -2039,20 +2483,28 @@ impl Inner {
         };
         let idle = self.cfg.idle_timeout;
         let mut lost = false;
-        let r = run_request(&l.conn, &l.reqs, fetch, Some(stream_priority), idle, prefix).await;
+        let r = run_request(
+            &l.conn,
+            &l.reqs,
+            fetch,
+            Some(stream_priority),
+            idle,
+            prefix,
+            stripe,
+        )
+        .await;
         if r.is_err() && prefix.buffer.is_none() {
             // The buffer went with a request that never started: begin again from scratch.
-            prefix.verified = 0;
+            prefix.verified = prefix.start;
         }
         let r = match r {
             Ok(c) => {
-                let b: Box<dyn std::any::Any> = c
-                    .buffer
-                    .expect("a request into a buffer completes with the buffer");
-                let b = b
-                    .downcast::<RecordBuf>()
-                    .expect("the buffer is the RecordBuf given above");
-                return Ok(b.0);
+                prefix.buffer = Some(
+                    c.buffer
+                        .expect("a request into a buffer completes with the buffer"),
+                );
+                prefix.verified = prefix.end;
+                return Ok(());
             }
             Err(AttemptError::Fetch(e, heard)) => {
                 if matches!(e, FetchError::Stalled { .. }) && !heard {

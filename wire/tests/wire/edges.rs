@@ -631,3 +631,108 @@ fn exec_answers_give_back_their_floats_and_name_trailing_bytes() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A window of a record (bytes `offset..offset + len` of it), as one stripe of a record
+/// fetched from several peers at once.
+#[derive(Debug)]
+struct Window {
+    offset: u64,
+    bytes: Vec<u8>,
+}
+
+impl RecordBuffer for Window {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.bytes
+    }
+    fn offset(&self) -> u64 {
+        self.offset
+    }
+}
+
+/// Two requests for the two halves of a record, each into a window of its own, are written
+/// and verified at their offsets in their windows; a window that does not cover the range is
+/// refused before anything is sent; a bad chunk in the second window leaves the verified
+/// end at that chunk, in the resource's offsets.
+#[test]
+fn windows_of_a_record_are_written_and_verified_at_their_offsets() {
+    let t = Instant::now();
+    let record: Vec<u8> = (0..40).collect();
+    let mut r = requests(4);
+    let fetch = |w: Window, offset: u64, len: u64, record: &[u8]| {
+        Fetch::expert(model(), expert(0, 0), 40)
+            .range(ByteRange { offset, len })
+            .verifier(Box::new(Blake3Chunks::of(record, 10)))
+            .into_buffer(Box::new(w))
+    };
+    for (offset, len, w_off, w_len) in [(20, 20, 21, 19), (20, 20, 10, 20), (10, 10, 0, 10)] {
+        let w = Window {
+            offset: w_off,
+            bytes: vec![0; w_len],
+        };
+        assert!(
+            matches!(
+                r.start(t, fetch(w, offset, len, &record)),
+                Err(StartError::Buffer(_))
+            ),
+            "window {w_off}+{w_len} for range {offset}+{len}"
+        );
+    }
+    let a = r
+        .start(
+            t,
+            fetch(
+                Window {
+                    offset: 0,
+                    bytes: vec![0; 20],
+                },
+                0,
+                20,
+                &record,
+            ),
+        )
+        .unwrap();
+    let mut wrong = record.clone();
+    wrong[35] ^= 1;
+    let b = r
+        .start(
+            t,
+            Fetch::expert(model(), expert(0, 0), 40)
+                .range(ByteRange {
+                    offset: 20,
+                    len: 20,
+                })
+                .verifier(Box::new(Blake3Chunks::of(&record, 10)))
+                .into_buffer(Box::new(Window {
+                    offset: 20,
+                    bytes: vec![0; 20],
+                })),
+        )
+        .unwrap();
+    r.handle_message(t, data(b, 20, &wrong[20..30])).unwrap();
+    assert_eq!(r.verified_end(b), Some(30));
+    r.handle_message(t, data(a, 0, &record[..20])).unwrap();
+    r.handle_message(t, data(b, 30, &wrong[30..40])).unwrap();
+    assert_eq!(r.verified_end(b), None, "failed");
+    let evs = events(&mut r);
+    let mut saw = 0;
+    for e in evs {
+        match e {
+            Event::Completed(c) => {
+                assert_eq!(c.id, a);
+                let mut w = c.buffer.expect("the window comes back");
+                assert_eq!(w.offset(), 0);
+                assert_eq!(w.bytes_mut(), &record[..20]);
+                saw += 1;
+            }
+            Event::Failed(f) => {
+                assert_eq!(f.id, b);
+                assert!(matches!(f.error, FetchError::BadChunk { index: 3, .. }));
+                assert_eq!(f.verified_end, 30);
+                let mut w = f.buffer.expect("the window comes back");
+                assert_eq!(&w.bytes_mut()[..10], &record[20..30]);
+                saw += 1;
+            }
+        }
+    }
+    assert_eq!(saw, 2);
+}
