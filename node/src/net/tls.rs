@@ -1344,6 +1344,44 @@ mod tests {
         });
     }
 
+    /// A list is re-read when its file's modification time or length changes, and only then
+    /// (one `stat` per handshake, not a read): a rewrite that keeps both is not seen until the
+    /// time moves.
+    #[test]
+    fn a_list_is_re_read_only_when_its_stamp_changes() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("allowed");
+        let a = SecretKey::from_seed(&[43; 32]).public();
+        let b = SecretKey::from_seed(&[44; 32]).public();
+        std::fs::write(&path, format!("{a}\n")).expect("write");
+        let stamp = std::fs::metadata(&path)
+            .and_then(|m| m.modified())
+            .expect("modification time");
+        let list = RevokedList::load(&path).expect("loads");
+        assert!(list.with(|s| s.contains(&a)));
+        // Same length, same time: not re-read.
+        std::fs::write(&path, format!("{b}\n")).expect("rewrite");
+        let f = std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .expect("open");
+        f.set_modified(stamp).expect("set the time back");
+        drop(f);
+        assert!(
+            list.with(|s| s.contains(&a) && !s.contains(&b)),
+            "an unchanged stamp re-read the file"
+        );
+        // The time moves: re-read.
+        let f = std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .expect("open");
+        f.set_modified(stamp + Duration::from_secs(2))
+            .expect("move the time");
+        drop(f);
+        assert!(list.with(|s| s.contains(&b) && !s.contains(&a)));
+    }
+
     /// A changed `--allow-file` is picked up without a restart: a key added is admitted, a key
     /// removed is refused, from the next check on.
     #[test]
