@@ -2567,6 +2567,377 @@ impl Tier for PeerTier {
 mod tests {
     use super::*;
 
+    use std::path::Path;
+
+    use stormo_engine::moe::ExpertProvider;
+    use stormo_manifests::{manifest::MIN_CHUNK_SIZE, BuildOptions};
+
+    use crate::config::ExpertsConfig;
+    use crate::net::serve::{self, ServeConfig, ServerHandle};
+
+    /// Passes on its provider's records with byte `at` of each flipped: a peer whose files went
+    /// bad after its manifest was made.
+    #[derive(Debug)]
+    struct FlipByte {
+        inner: Arc<dyn ExpertProvider>,
+        at: usize,
+    }
+
+    impl ExpertProvider for FlipByte {
+        fn fetch(
+            &self,
+            layer: usize,
+            experts: &[usize],
+            out: &mut Vec<Arc<ExpertData>>,
+        ) -> stormo_engine::Result<()> {
+            let mut honest = Vec::new();
+            self.inner.fetch(layer, experts, &mut honest)?;
+            for d in honest {
+                let lens: Vec<usize> = d.parts().map(<[u8]>::len).collect();
+                let mut buf = HugeBuf::zeroed(lens.iter().sum()).expect("a record buffer");
+                let mut at = 0;
+                for p in d.parts() {
+                    buf[at..at + p.len()].copy_from_slice(p);
+                    at += p.len();
+                }
+                buf[self.at] ^= 1;
+                out.push(Arc::new(ExpertData::from_lengths(Arc::new(buf), 0, lens)));
+            }
+            Ok(())
+        }
+    }
+
+    /// Servers of the tiny bf16 GPT-OSS fixture under a manifest of the smallest chunk size
+    /// (each expert record is two chunks, the second one short), and a client tier over them.
+    struct Bench {
+        _dir: tempfile::TempDir,
+        chunk: u64,
+        id: ExpertId,
+        /// Expert `id`'s record, as the manifest hashes it.
+        record: Vec<u8>,
+        tier: PeerTier,
+        servers: Vec<ServerHandle>,
+        _server_rt: tokio::runtime::Runtime,
+    }
+
+    impl Drop for Bench {
+        fn drop(&mut self) {
+            self.tier.close();
+            for s in &self.servers {
+                s.close();
+            }
+        }
+    }
+
+    /// One server per entry of `flips`: honest (`None`) or flipping that byte of every record.
+    fn bench(flips: &[Option<usize>]) -> Bench {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/gptoss-tiny-bf16");
+        let dir = tempfile::tempdir().expect("tempdir");
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(src.join(f), dir.path().join(f)).expect("copying the fixture");
+        }
+        let opts = BuildOptions {
+            chunk_size: MIN_CHUNK_SIZE,
+            ..BuildOptions::default()
+        };
+        let m = stormo_manifests::build(dir.path(), &opts).expect("manifest");
+        std::fs::write(dir.path().join("stormo-manifest.bin"), m.encode()).expect("manifest");
+        let chunk = u64::from(MIN_CHUNK_SIZE);
+        let entry = m.experts[0].clone();
+        assert!(
+            entry.len > chunk && entry.len < 2 * chunk,
+            "a record of {} bytes is not two chunks with a short last one",
+            entry.len
+        );
+        let files = stormo_engine::ModelFiles::open(dir.path()).expect("model files");
+        let cfg = ExpertsConfig {
+            io_threads: 1,
+            hot_store: false,
+            ..ExpertsConfig::default()
+        };
+        let client = SecretKey::from_seed(&[70; 32]);
+        let serve_cfg = || ServeConfig {
+            admission: tls::Admission::Keys([*client.public().as_bytes()].into()),
+            ..ServeConfig::default()
+        };
+        let server_rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let mut record = Vec::new();
+        let mut servers = Vec::new();
+        let mut addrs = Vec::new();
+        for (i, flip) in flips.iter().enumerate() {
+            let (h, _experts) =
+                serve::open_holdings(dir.path(), None, &cfg, None).expect("holdings");
+            if record.is_empty() {
+                let mut out = Vec::new();
+                h.experts
+                    .fetch(
+                        entry.id.layer as usize,
+                        &[entry.id.expert as usize],
+                        &mut out,
+                    )
+                    .expect("the record");
+                record = out[0].parts().flatten().copied().collect();
+                assert_eq!(Hash::of(&record), entry.hash);
+            }
+            let h = match flip {
+                Some(at) => serve::Holdings {
+                    experts: Arc::new(FlipByte {
+                        inner: h.experts.clone(),
+                        at: *at,
+                    }),
+                    ..h
+                },
+                None => h,
+            };
+            let key = SecretKey::from_seed(&[71 + i as u8; 32]);
+            let handle = server_rt
+                .block_on(async {
+                    serve::start(
+                        &key,
+                        "127.0.0.1:0".parse().expect("address"),
+                        Arc::new(h),
+                        serve_cfg(),
+                    )
+                })
+                .expect("server starts");
+            addrs.push(PeerAddr {
+                key: key.public(),
+                addr: handle.local_addr(),
+            });
+            servers.push(handle);
+        }
+        let peer_cfg = PeerConfig {
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(5),
+            hedge_min: Duration::from_secs(60),
+            hedge_max: Duration::from_secs(60),
+        };
+        let model = m.model_id();
+        let tier = PeerTier::connect(
+            &client,
+            &addrs,
+            Arc::new(m),
+            model,
+            files.layout.schemas.clone(),
+            peer_cfg,
+            None,
+        )
+        .expect("client tier");
+        assert_eq!(
+            tier.peer_addrs().iter().map(|p| p.key).collect::<Vec<_>>(),
+            addrs.iter().map(|p| p.key).collect::<Vec<_>>(),
+            "peers in the order given"
+        );
+        Bench {
+            _dir: dir,
+            chunk,
+            id: entry.id,
+            record,
+            tier,
+            servers,
+            _server_rt: server_rt,
+        }
+    }
+
+    impl Bench {
+        fn len(&self) -> u64 {
+            self.record.len() as u64
+        }
+
+        /// One [`Inner::attempt`] at peer `i` from `prefix`.
+        fn attempt(&self, i: usize, prefix: &mut Prefix) -> Result<HugeBuf, AttemptError> {
+            let inner = &self.tier.inner;
+            let peer = inner.peers()[i].clone();
+            let limit = TryLimit {
+                timeout: Duration::from_secs(10),
+                extend_until: None,
+            };
+            self.tier.rt.block_on(inner.attempt(
+                &peer,
+                self.id,
+                self.len(),
+                prefix,
+                Priority::Demand,
+                limit,
+            ))
+        }
+
+        /// One [`Inner::try_peer`] at peer `i` from `prefix`, counting into `tries`.
+        fn try_peer(&self, i: usize, prefix: Prefix, tries: &Tries) -> TryResult {
+            let inner = &self.tier.inner;
+            let peer = inner.peers()[i].clone();
+            let limit = TryLimit {
+                timeout: Duration::from_secs(10),
+                extend_until: None,
+            };
+            self.tier.rt.block_on(inner.try_peer(
+                i,
+                InFlight(peer),
+                self.id,
+                self.len(),
+                prefix,
+                Priority::Demand,
+                limit,
+                tries,
+            ))
+        }
+    }
+
+    /// A prefix buffer of `len` bytes holding `bytes` at its start, all of them verified.
+    fn prefix_of(bytes: &[u8], len: u64) -> Prefix {
+        let mut b = HugeBuf::zeroed(len as usize).expect("buffer");
+        b[..bytes.len()].copy_from_slice(bytes);
+        Prefix {
+            buffer: Some(Box::new(RecordBuf(b))),
+            verified: bytes.len() as u64,
+        }
+    }
+
+    fn prefix_bytes(p: &mut Prefix) -> Vec<u8> {
+        let n = p.len();
+        p.buffer.as_mut().expect("a buffer").bytes_mut()[..n].to_vec()
+    }
+
+    /// The chunk check in a real fetch: an honest peer's record arrives whole; a corrupt chunk
+    /// (the first, or the short last one) fails the try at that chunk, naming it, and what
+    /// verified before it is kept; a try from a verified prefix asks only for the bytes
+    /// after it and completes the record.
+    #[test]
+    fn a_corrupt_chunk_ends_the_try_at_the_verified_prefix_and_a_try_resumes_after_it() {
+        let b = bench(&[None, Some(5), Some(MIN_CHUNK_SIZE as usize + 5)]);
+        let (chunk, len) = (b.chunk, b.len());
+        let got = b
+            .attempt(0, &mut Prefix::default())
+            .expect("the honest peer");
+        assert!(got[..] == b.record[..], "the honest peer's record differs");
+
+        for (peer, bad) in [(1, 0u64), (2, 1)] {
+            let mut prefix = Prefix::default();
+            match b.attempt(peer, &mut prefix) {
+                Err(AttemptError::Fetch(FetchError::BadChunk { index, offset, .. }, _)) => {
+                    assert_eq!((index, offset), (bad, bad * chunk));
+                }
+                other => panic!("chunk {bad} corrupt: {other:?}"),
+            }
+            assert_eq!(prefix.verified, bad * chunk, "chunk {bad} corrupt");
+            assert!(prefix.buffer.is_some(), "the buffer is kept");
+            assert!(prefix_bytes(&mut prefix) == b.record[..(bad * chunk) as usize]);
+        }
+
+        // A try from a prefix: the bytes after it complete the record.
+        let mut prefix = Prefix::default();
+        assert!(b.attempt(2, &mut prefix).is_err());
+        assert_eq!(prefix.verified, chunk);
+        let got = b
+            .attempt(0, &mut prefix)
+            .expect("resumed at the honest peer");
+        assert!(got[..] == b.record[..], "the resumed record differs");
+        // Only those bytes are asked for: a prefix marked verified is not fetched again.
+        let marker = vec![0xa5; chunk as usize];
+        let mut prefix = prefix_of(&marker, len);
+        let got = b.attempt(0, &mut prefix).expect("resumed");
+        assert!(
+            got[..chunk as usize] == marker[..],
+            "the prefix was fetched again"
+        );
+        assert!(got[chunk as usize..] == b.record[chunk as usize..]);
+        // A prefix without a buffer starts over, whatever it says.
+        let mut prefix = Prefix {
+            buffer: None,
+            verified: chunk,
+        };
+        let got = b.attempt(0, &mut prefix).expect("from scratch");
+        assert!(got[..] == b.record[..]);
+    }
+
+    /// What a try does with bytes that fail: the peer is dropped for the session (not merely
+    /// backed off), the failure is counted once, and the verified prefix is handed back. A good
+    /// try counts no failure and feeds the peer's throughput; a try ending because the tier
+    /// closes is not the peer's failure.
+    #[test]
+    fn a_peer_that_sends_a_bad_chunk_is_dropped_and_its_verified_prefix_kept() {
+        let b = bench(&[None, Some(MIN_CHUNK_SIZE as usize + 5)]);
+        let peers = b.tier.inner.peers();
+        let tries = Tries::default();
+        let got = b
+            .try_peer(0, Prefix::default(), &tries)
+            .expect("the honest peer");
+        assert!(got[..] == b.record[..]);
+        assert_eq!(tries.failed.load(Ordering::Relaxed), 0);
+        assert!(
+            peers[0].state().rate.is_some(),
+            "a success feeds the throughput"
+        );
+        assert!(peers[0].state().usable());
+
+        let (why, mut prefix) = b
+            .try_peer(1, Prefix::default(), &tries)
+            .expect_err("a corrupt chunk");
+        assert!(
+            why.contains(&peers[1].addr.to_string()) && why.contains("chunk 1"),
+            "{why}"
+        );
+        assert_eq!(prefix.len() as u64, b.chunk);
+        assert!(prefix_bytes(&mut prefix) == b.record[..b.chunk as usize]);
+        assert_eq!(tries.failed.load(Ordering::Relaxed), 1);
+        assert!(
+            peers[1].state().banned.is_some(),
+            "a peer that sent bad bytes is not dropped"
+        );
+        assert!(!peers[1].state().usable());
+        assert!(peers[0].state().banned.is_none());
+
+        // The verified prefix completes at the honest peer.
+        let got = b.try_peer(0, prefix, &tries).expect("resumed");
+        assert!(got[..] == b.record[..]);
+        assert_eq!(tries.failed.load(Ordering::Relaxed), 1);
+
+        b.tier.close();
+        let (why, _) = b
+            .try_peer(0, Prefix::default(), &tries)
+            .expect_err("the tier is closed");
+        assert!(why.contains("closed"), "{why}");
+        assert_eq!(
+            tries.failed.load(Ordering::Relaxed),
+            1,
+            "a try ended by closing counted as a failure"
+        );
+    }
+
+    /// What one load keeps between tries: a request hands back its buffer with the verified
+    /// end, or nothing without a buffer; a copy for a racing try holds the same verified bytes.
+    #[test]
+    fn prefixes_keep_exactly_their_verified_bytes() {
+        let kept = Prefix::kept(None, 7);
+        assert_eq!((kept.len(), kept.buffer.is_none()), (0, true));
+        let mut from = prefix_of(&[1, 2, 3, 4, 5], 16);
+        let buffer = from.buffer.take();
+        let mut kept = Prefix::kept(buffer, 3);
+        assert_eq!(kept.len(), 3);
+        assert_eq!(prefix_bytes(&mut kept), [1, 2, 3]);
+
+        let mut copy = kept.copy(16).expect("copy");
+        assert_eq!(copy.len(), 3);
+        assert_eq!(prefix_bytes(&mut copy), [1, 2, 3]);
+        let whole = copy.buffer.as_mut().expect("a buffer").bytes_mut().to_vec();
+        assert_eq!(whole.len(), 16);
+        assert_eq!(&whole[3..], &[0; 13], "bytes past the prefix copied");
+        assert_eq!(prefix_bytes(&mut kept), [1, 2, 3], "the original changed");
+
+        let mut none = Prefix {
+            buffer: None,
+            verified: 9,
+        };
+        let copy = none.copy(16).expect("copy");
+        assert_eq!(copy.len(), 0, "a prefix without bytes copied as verified");
+        assert!(copy.buffer.is_some());
+    }
+
     #[test]
     fn long_error_lists_keep_their_ends() {
         let few: Vec<String> = (0..7).map(|i| format!("e{i}")).collect();

@@ -193,7 +193,7 @@ impl Admission {
             }
         };
         // A key on `--allow` (or `--allow-any`) is admitted even without a valid certificate,
-        // unless it is revoked.
+        // unless it is revoked (a certificate that does not decode was refused above).
         match checked {
             Ok(()) => Ok(()),
             Err(Refusal::Membership(MembershipError::Revoked { node })) => {
@@ -964,6 +964,439 @@ mod tests {
                 assert_eq!(ran, cc);
             }
         });
+    }
+
+    fn at(secs: u64) -> UnixTime {
+        UnixTime::since_unix_epoch(Duration::from_secs(secs))
+    }
+
+    fn refused() -> Result<(), rustls::Error> {
+        Err(rustls::Error::InvalidCertificate(
+            CertificateError::ApplicationVerificationFailure,
+        ))
+    }
+
+    fn bad_encoding() -> Result<(), rustls::Error> {
+        Err(rustls::Error::InvalidCertificate(
+            CertificateError::BadEncoding,
+        ))
+    }
+
+    /// Where the Ed25519 SPKI (prefix and key) starts in a certificate's DER.
+    fn spki_at(der: &[u8]) -> usize {
+        der.windows(SPKI_PREFIX.len())
+            .position(|w| w == SPKI_PREFIX)
+            .expect("an Ed25519 SPKI in the certificate")
+    }
+
+    /// The verifier's own verdicts, without a handshake: a pinned key is the only one a client
+    /// accepts; no allow-list admits nobody; certificates that are not Ed25519 node
+    /// certificates, or whose key is no usable Ed25519 point, are refused as bad encodings
+    /// (the other refusals are policy refusals).
+    #[test]
+    fn the_verifier_refuses_another_key_than_the_pinned_one_and_what_is_not_a_node_certificate() {
+        let node = SecretKey::from_seed(&[50; 32]);
+        let other = SecretKey::from_seed(&[51; 32]);
+        let (der, _) = certificate(Identity::key(&node)).expect("certificate");
+        let t = at(now());
+        let check = |admission: Admission, pin: Option<PublicKey>, der: &[u8]| {
+            KeyVerifier::new(admission, pin, "server").check(&CertificateDer::from(der), t)
+        };
+        assert_eq!(check(Admission::Any, Some(node.public()), &der), Ok(()));
+        assert_eq!(check(Admission::Any, None, &der), Ok(()));
+        assert_eq!(
+            check(Admission::Any, Some(other.public()), &der),
+            refused(),
+            "a server proving another key than the one dialled was accepted"
+        );
+        // The pin does not replace the policy: a pinned key must be admitted too.
+        let only_other = Admission::Keys([*other.public().as_bytes()].into());
+        assert_eq!(
+            check(only_other.clone(), Some(node.public()), &der),
+            refused()
+        );
+        assert_eq!(check(only_other, None, &der), refused());
+        assert_eq!(
+            check(Admission::Keys(HashSet::new()), None, &der),
+            refused(),
+            "no allow-list admitted a peer"
+        );
+        assert_eq!(
+            check(
+                Admission::Keys([*node.public().as_bytes()].into()),
+                None,
+                &der
+            ),
+            Ok(())
+        );
+
+        assert_eq!(
+            check(Admission::Any, None, b"not a certificate"),
+            bad_encoding()
+        );
+        assert_eq!(check(Admission::Any, None, &[]), bad_encoding());
+        let at_spki = spki_at(&der);
+        // Another algorithm's SPKI (the OID's last byte: Ed448 is 1.3.101.113).
+        let mut ed448 = der.to_vec();
+        ed448[at_spki + 8] = 0x71;
+        assert!(x509_parser::parse_x509_certificate(&ed448).is_ok());
+        assert!(read_peer_cert(&ed448).is_none());
+        assert_eq!(check(Admission::Any, None, &ed448), bad_encoding());
+        // An Ed25519 SPKI whose 32 bytes are no usable point.
+        let invalid = (0u8..=255)
+            .map(|b| [b; 32])
+            .find(|k| PublicKey::from_bytes(k).is_err())
+            .expect("some 32 equal bytes are not an Ed25519 point");
+        let mut no_point = der.to_vec();
+        no_point[at_spki + 12..at_spki + 44].copy_from_slice(&invalid);
+        assert_eq!(
+            read_peer_cert(&no_point).map(|c| c.key),
+            Some(invalid),
+            "the certificate still reads"
+        );
+        assert_eq!(check(Admission::Any, None, &no_point), bad_encoding());
+    }
+
+    /// A membership is judged at the handshake's time, as rustls gives it: valid within its
+    /// period, not before it nor after it.
+    #[test]
+    fn the_verifier_judges_a_membership_at_the_handshake_time() {
+        let owner = SecretKey::from_seed(&[52; 32]);
+        let node = SecretKey::from_seed(&[53; 32]);
+        let t = now();
+        let m = Membership::issue(&owner, node.public(), t - 60, t + 3600).expect("period");
+        let (der, _) = certificate(Identity {
+            secret: &node,
+            membership: Some(&m),
+        })
+        .expect("certificate");
+        let v = KeyVerifier::new(
+            Admission::Swarm(Arc::new(SwarmAdmission {
+                swarm: owner.public(),
+                allow: HashSet::new(),
+                allow_any: false,
+                revoked: None,
+            })),
+            None,
+            "client",
+        );
+        let der = CertificateDer::from(der.as_ref());
+        assert_eq!(v.check(&der, at(t)), Ok(()));
+        assert_eq!(v.check(&der, at(t + 7200)), refused(), "expired");
+        assert_eq!(v.check(&der, at(t - 3600)), refused(), "not yet valid");
+    }
+
+    /// Each admission policy on its own: who is admitted with and without a membership
+    /// certificate, and that revocation beats `--allow` and `--allow-any`.
+    #[test]
+    fn admission_policies_admit_exactly_their_keys() {
+        let t = now();
+        let owner = SecretKey::from_seed(&[54; 32]);
+        let member = SecretKey::from_seed(&[55; 32]);
+        let listed = SecretKey::from_seed(&[56; 32]);
+        let stranger = SecretKey::from_seed(&[57; 32]);
+        let cert = |node: &SecretKey| {
+            Membership::issue(&owner, node.public(), t - 60, t + 3600)
+                .expect("period")
+                .to_bytes()
+        };
+        let (member_cert, listed_cert) = (cert(&member), cert(&listed));
+        let expired = Membership::issue(&owner, listed.public(), t - 7200, t - 3600)
+            .expect("period")
+            .to_bytes();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let revoked_path = dir.path().join("revoked");
+        std::fs::write(&revoked_path, format!("{}\n", listed.public())).expect("write");
+        let revoked = Arc::new(RevokedList::load(&revoked_path).expect("revoked list"));
+        let swarm = |allow: &[&SecretKey], allow_any: bool, revoked: Option<Arc<RevokedList>>| {
+            Admission::Swarm(Arc::new(SwarmAdmission {
+                swarm: owner.public(),
+                allow: allow.iter().map(|k| *k.public().as_bytes()).collect(),
+                allow_any,
+                revoked,
+            }))
+        };
+
+        // Swarm members, with no --allow.
+        let plain = swarm(&[], false, None);
+        assert!(plain.check(&member.public(), Some(&member_cert), t).is_ok());
+        assert!(matches!(
+            plain.check(&member.public(), None, t),
+            Err(Refusal::NoMembership { .. })
+        ));
+        assert!(matches!(
+            plain.check(&member.public(), Some(b"junk"), t),
+            Err(Refusal::BadMembership(_))
+        ));
+        assert!(matches!(
+            plain.check(&stranger.public(), Some(&member_cert), t),
+            Err(Refusal::Membership(MembershipError::OtherKey { .. }))
+        ));
+        assert!(!plain.admits(member.public().as_bytes()));
+
+        // --allow: a listed key is admitted without a certificate, or with an expired one;
+        // nobody else is.
+        let allow = swarm(&[&listed], false, None);
+        assert!(allow.admits(listed.public().as_bytes()));
+        assert!(!allow.admits(stranger.public().as_bytes()));
+        assert!(allow.check(&listed.public(), None, t).is_ok());
+        // (A membership extension that does not decode is refused all the same.)
+        assert!(matches!(
+            allow.check(&listed.public(), Some(b"junk"), t),
+            Err(Refusal::BadMembership(_))
+        ));
+        assert!(allow.check(&listed.public(), Some(&expired), t).is_ok());
+        assert!(allow.check(&listed.public(), Some(&listed_cert), t).is_ok());
+        assert!(allow.check(&stranger.public(), None, t).is_err());
+        assert!(allow.check(&member.public(), Some(&member_cert), t).is_ok());
+
+        // --allow-any: anyone, certificate or not.
+        let any = swarm(&[], true, None);
+        assert!(any.admits(stranger.public().as_bytes()));
+        assert!(any.check(&stranger.public(), None, t).is_ok());
+
+        // Revoked: refused whether listed, allowed by --allow-any, or certified.
+        for adm in [
+            swarm(&[&listed], false, Some(revoked.clone())),
+            swarm(&[], true, Some(revoked.clone())),
+        ] {
+            assert!(matches!(
+                adm.check(&listed.public(), None, t),
+                Err(Refusal::NoMembership { .. })
+            ));
+            assert!(matches!(
+                adm.check(&listed.public(), Some(&listed_cert), t),
+                Err(Refusal::Membership(MembershipError::Revoked { .. }))
+            ));
+            assert!(adm.check(&member.public(), Some(&member_cert), t).is_ok());
+        }
+        let revoking = swarm(&[], false, Some(revoked.clone()));
+        assert!(matches!(
+            revoking.check(&listed.public(), Some(&listed_cert), t),
+            Err(Refusal::Membership(MembershipError::Revoked { .. }))
+        ));
+
+        // Without a swarm: exactly the keys listed, or anyone with --allow-any; a membership
+        // certificate changes nothing.
+        assert!(Admission::Any.check(&stranger.public(), None, t).is_ok());
+        let keys = Admission::Keys([*listed.public().as_bytes()].into());
+        assert!(keys.check(&listed.public(), None, t).is_ok());
+        assert!(matches!(
+            keys.check(&member.public(), Some(&member_cert), t),
+            Err(Refusal::NotAllowed)
+        ));
+        assert!(matches!(
+            Admission::Keys(HashSet::new()).check(&listed.public(), None, t),
+            Err(Refusal::NotAllowed)
+        ));
+        let listed_file = Admission::Listed {
+            keys: [*member.public().as_bytes()].into(),
+            file: revoked,
+        };
+        assert!(listed_file.check(&member.public(), None, t).is_ok());
+        assert!(listed_file.check(&listed.public(), None, t).is_ok());
+        assert!(listed_file.check(&stranger.public(), None, t).is_err());
+    }
+
+    /// The certificate size bound: a certificate of exactly [`MAX_PEER_CERT`] bytes is read, one
+    /// byte more is not; two membership extensions are refused rather than one picked.
+    #[test]
+    fn peer_certificates_are_bounded_and_carry_one_membership_at_most() {
+        let node = SecretKey::from_seed(&[58; 32]);
+        let pair = |filler: usize, extensions: &[(&[u64], usize)]| {
+            let seed = node.seed();
+            let mut pkcs8 = PKCS8_PREFIX.to_vec();
+            pkcs8.extend_from_slice(&seed[..]);
+            let der = PrivatePkcs8KeyDer::from(pkcs8);
+            let kp = rcgen::KeyPair::from_pkcs8_der_and_sign_algo(&der, &rcgen::PKCS_ED25519)
+                .expect("key pair");
+            let mut params =
+                rcgen::CertificateParams::new(vec!["stormo".to_string()]).expect("params");
+            params
+                .custom_extensions
+                .push(rcgen::CustomExtension::from_oid_content(
+                    &[1, 3, 6, 1, 4, 1, 61_541, 41, 99],
+                    vec![7; filler],
+                ));
+            for (oid, len) in extensions {
+                params
+                    .custom_extensions
+                    .push(rcgen::CustomExtension::from_oid_content(oid, vec![1; *len]));
+            }
+            params.self_signed(&kp).expect("certificate").der().to_vec()
+        };
+        // A filler that makes the certificate `len` bytes long: about the bound less the
+        // certificate without it (DER length fields grow by steps, so search around that).
+        let estimate = MAX_PEER_CERT - pair(0, &[]).len();
+        let of_len = |len: usize| {
+            (estimate - 16..estimate + 16)
+                .map(|n| pair(n, &[]))
+                .find(|d| d.len() == len)
+                .unwrap_or_else(|| panic!("no filler gives a certificate of {len} bytes"))
+        };
+        let exact = of_len(MAX_PEER_CERT);
+        assert_eq!(
+            read_peer_cert(&exact).map(|c| c.key),
+            Some(*node.public().as_bytes())
+        );
+        let over = of_len(MAX_PEER_CERT + 1);
+        assert!(x509_parser::parse_x509_certificate(&over).is_ok());
+        assert!(
+            read_peer_cert(&over).is_none(),
+            "an oversized certificate was read"
+        );
+
+        let one = pair(10, &[(MEMBERSHIP_OID, 154)]);
+        assert_eq!(
+            read_peer_cert(&one).and_then(|c| c.membership),
+            Some(vec![1; 154])
+        );
+        let two = pair(10, &[(MEMBERSHIP_OID, 154), (MEMBERSHIP_OID, 154)]);
+        if x509_parser::parse_x509_certificate(&two).is_ok() {
+            assert!(read_peer_cert(&two).is_none(), "two memberships were read");
+        }
+    }
+
+    /// One connection of `client` to `server` on loopback (both must admit each other): the
+    /// key and membership each side reads from the other's certificate.
+    async fn peers_seen(
+        server: Identity<'_>,
+        client: Identity<'_>,
+    ) -> (
+        (Option<[u8; 32]>, Option<Membership>),
+        (Option<[u8; 32]>, Option<Membership>),
+    ) {
+        let sc = server_config_for(server, Admission::Any, 4, Congestion::Cubic).expect("server");
+        let ep = crate::net::bind("127.0.0.1:0".parse().expect("addr"), Some(sc)).expect("bind");
+        let addr = ep.local_addr().expect("address");
+        let cep = crate::net::bind("127.0.0.1:0".parse().expect("addr"), None).expect("bind");
+        let cc = client_config_for(client, Some(&server.secret.public()), Admission::Any)
+            .expect("client");
+        let connecting = cep.connect_with(cc, addr, "stormo").expect("connect");
+        let accepting = async { ep.accept().await.expect("incoming").await };
+        let (inbound, outbound) = tokio::time::timeout(Duration::from_secs(5), async {
+            tokio::join!(accepting, connecting)
+        })
+        .await
+        .expect("a handshake within 5 s");
+        let (inbound, outbound) = (inbound.expect("accepted"), outbound.expect("connected"));
+        let seen = (
+            (peer_key(&inbound), peer_membership(&inbound)),
+            (peer_key(&outbound), peer_membership(&outbound)),
+        );
+        cep.close(0u32.into(), b"done");
+        ep.close(0u32.into(), b"done");
+        seen
+    }
+
+    /// Issue 40 (b) and (c) in a live handshake: a client refuses a server that proves another
+    /// key than the one it dialled, and a server with no allow-list refuses every client; the
+    /// keys a connection reports are the ones proven, with the membership presented.
+    #[test]
+    fn live_handshakes_refuse_the_wrong_server_key_and_clients_without_an_allow_list() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let server = SecretKey::from_seed(&[59; 32]);
+        let client = SecretKey::from_seed(&[60; 32]);
+        let impostor = SecretKey::from_seed(&[61; 32]);
+        let owner = SecretKey::from_seed(&[62; 32]);
+        let t = now();
+        let m = Membership::issue(&owner, client.public(), t - 60, t + 3600).expect("period");
+        let client_allowed = || Admission::Keys([*client.public().as_bytes()].into());
+        rt.block_on(async {
+            let (s, c) = handshake(
+                (Identity::key(&server), client_allowed()),
+                (
+                    Identity::key(&client),
+                    Some(&server.public()),
+                    Admission::Any,
+                ),
+            )
+            .await;
+            assert!(
+                s && c,
+                "the right server and client (server {s}, client {c})"
+            );
+            let (_, c) = handshake(
+                (Identity::key(&impostor), client_allowed()),
+                (
+                    Identity::key(&client),
+                    Some(&server.public()),
+                    Admission::Any,
+                ),
+            )
+            .await;
+            assert!(
+                !c,
+                "a server under another key than the one dialled was accepted"
+            );
+            let (s, c) = handshake(
+                (Identity::key(&server), Admission::Keys(HashSet::new())),
+                (
+                    Identity::key(&client),
+                    Some(&server.public()),
+                    Admission::Any,
+                ),
+            )
+            .await;
+            assert!(
+                !s && !c,
+                "no allow-list admitted a client (server {s}, client {c})"
+            );
+
+            let ((key_in, m_in), (key_out, m_out)) = peers_seen(
+                Identity::key(&server),
+                Identity {
+                    secret: &client,
+                    membership: Some(&m),
+                },
+            )
+            .await;
+            assert_eq!(key_in, Some(*client.public().as_bytes()));
+            assert_eq!(m_in.map(|m| m.to_bytes()), Some(m.to_bytes()));
+            assert_eq!(key_out, Some(*server.public().as_bytes()));
+            assert!(m_out.is_none());
+        });
+    }
+
+    /// A list is re-read when its file's modification time or length changes, and only then
+    /// (one `stat` per handshake, not a read): a rewrite that keeps both is not seen until the
+    /// time moves.
+    #[test]
+    fn a_list_is_re_read_only_when_its_stamp_changes() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("allowed");
+        let a = SecretKey::from_seed(&[43; 32]).public();
+        let b = SecretKey::from_seed(&[44; 32]).public();
+        std::fs::write(&path, format!("{a}\n")).expect("write");
+        let stamp = std::fs::metadata(&path)
+            .and_then(|m| m.modified())
+            .expect("modification time");
+        let list = RevokedList::load(&path).expect("loads");
+        assert!(list.with(|s| s.contains(&a)));
+        // Same length, same time: not re-read.
+        std::fs::write(&path, format!("{b}\n")).expect("rewrite");
+        let f = std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .expect("open");
+        f.set_modified(stamp).expect("set the time back");
+        drop(f);
+        assert!(
+            list.with(|s| s.contains(&a) && !s.contains(&b)),
+            "an unchanged stamp re-read the file"
+        );
+        // The time moves: re-read.
+        let f = std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .expect("open");
+        f.set_modified(stamp + Duration::from_secs(2))
+            .expect("move the time");
+        drop(f);
+        assert!(list.with(|s| s.contains(&b) && !s.contains(&a)));
     }
 
     /// A changed `--allow-file` is picked up without a restart: a key added is admitted, a key
