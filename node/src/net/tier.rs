@@ -2716,6 +2716,8 @@ mod tests {
             idle_timeout: Duration::from_secs(5),
             hedge_min: Duration::from_secs(60),
             hedge_max: Duration::from_secs(60),
+            // One record, one request: these tests are of a single try's verification.
+            stripe_min: u64::MAX,
         };
         let model = m.model_id();
         let tier = PeerTier::connect(
@@ -2749,7 +2751,8 @@ mod tests {
             self.record.len() as u64
         }
 
-        /// One [`Inner::attempt`] at peer `i` from `prefix`.
+        /// One [`Inner::attempt`] at peer `i` from `prefix` (of the whole record), and the
+        /// record it completed.
         fn attempt(&self, i: usize, prefix: &mut Prefix) -> Result<HugeBuf, AttemptError> {
             let inner = &self.tier.inner;
             let peer = inner.peers()[i].clone();
@@ -2764,27 +2767,44 @@ mod tests {
                 prefix,
                 Priority::Demand,
                 limit,
-            ))
+                None,
+            ))?;
+            Ok(prefix.take().into_record())
         }
 
-        /// One [`Inner::try_peer`] at peer `i` from `prefix`, counting into `tries`.
-        fn try_peer(&self, i: usize, prefix: Prefix, tries: &Tries) -> TryResult {
+        /// One [`Inner::try_peer`] at peer `i` from `prefix` (of the whole record), counting
+        /// into `tries`, and the record it completed.
+        fn try_peer(
+            &self,
+            i: usize,
+            prefix: Prefix,
+            tries: &Tries,
+        ) -> Result<HugeBuf, (String, Prefix)> {
             let inner = &self.tier.inner;
             let peer = inner.peers()[i].clone();
             let limit = TryLimit {
                 timeout: Duration::from_secs(10),
                 extend_until: None,
             };
-            self.tier.rt.block_on(inner.try_peer(
-                i,
-                InFlight(peer),
-                self.id,
-                self.len(),
-                prefix,
-                Priority::Demand,
-                limit,
-                tries,
-            ))
+            self.tier
+                .rt
+                .block_on(inner.try_peer(
+                    i,
+                    InFlight(peer),
+                    self.id,
+                    self.len(),
+                    prefix,
+                    Priority::Demand,
+                    limit,
+                    tries,
+                    None,
+                ))
+                .map(Prefix::into_record)
+        }
+
+        /// A whole-record prefix with nothing verified.
+        fn fresh(&self) -> Prefix {
+            Prefix::whole(self.len())
         }
     }
 
@@ -2794,6 +2814,8 @@ mod tests {
         b[..bytes.len()].copy_from_slice(bytes);
         Prefix {
             buffer: Some(Box::new(RecordBuf(b))),
+            start: 0,
+            end: len,
             verified: bytes.len() as u64,
         }
     }
@@ -2811,13 +2833,11 @@ mod tests {
     fn a_corrupt_chunk_ends_the_try_at_the_verified_prefix_and_a_try_resumes_after_it() {
         let b = bench(&[None, Some(5), Some(MIN_CHUNK_SIZE as usize + 5)]);
         let (chunk, len) = (b.chunk, b.len());
-        let got = b
-            .attempt(0, &mut Prefix::default())
-            .expect("the honest peer");
+        let got = b.attempt(0, &mut b.fresh()).expect("the honest peer");
         assert!(got[..] == b.record[..], "the honest peer's record differs");
 
         for (peer, bad) in [(1, 0u64), (2, 1)] {
-            let mut prefix = Prefix::default();
+            let mut prefix = b.fresh();
             match b.attempt(peer, &mut prefix) {
                 Err(AttemptError::Fetch(FetchError::BadChunk { index, offset, .. }, _)) => {
                     assert_eq!((index, offset), (bad, bad * chunk));
@@ -2830,7 +2850,7 @@ mod tests {
         }
 
         // A try from a prefix: the bytes after it complete the record.
-        let mut prefix = Prefix::default();
+        let mut prefix = b.fresh();
         assert!(b.attempt(2, &mut prefix).is_err());
         assert_eq!(prefix.verified, chunk);
         let got = b
@@ -2849,6 +2869,8 @@ mod tests {
         // A prefix without a buffer starts over, whatever it says.
         let mut prefix = Prefix {
             buffer: None,
+            start: 0,
+            end: len,
             verified: chunk,
         };
         let got = b.attempt(0, &mut prefix).expect("from scratch");
@@ -2864,9 +2886,7 @@ mod tests {
         let b = bench(&[None, Some(MIN_CHUNK_SIZE as usize + 5)]);
         let peers = b.tier.inner.peers();
         let tries = Tries::default();
-        let got = b
-            .try_peer(0, Prefix::default(), &tries)
-            .expect("the honest peer");
+        let got = b.try_peer(0, b.fresh(), &tries).expect("the honest peer");
         assert!(got[..] == b.record[..]);
         assert_eq!(tries.failed.load(Ordering::Relaxed), 0);
         assert!(
@@ -2876,7 +2896,7 @@ mod tests {
         assert!(peers[0].state().usable());
 
         let (why, mut prefix) = b
-            .try_peer(1, Prefix::default(), &tries)
+            .try_peer(1, b.fresh(), &tries)
             .expect_err("a corrupt chunk");
         assert!(
             why.contains(&peers[1].addr.to_string()) && why.contains("chunk 1"),
@@ -2899,7 +2919,7 @@ mod tests {
 
         b.tier.close();
         let (why, _) = b
-            .try_peer(0, Prefix::default(), &tries)
+            .try_peer(0, b.fresh(), &tries)
             .expect_err("the tier is closed");
         assert!(why.contains("closed"), "{why}");
         assert_eq!(
@@ -2913,11 +2933,13 @@ mod tests {
     /// end, or nothing without a buffer; a copy for a racing try holds the same verified bytes.
     #[test]
     fn prefixes_keep_exactly_their_verified_bytes() {
-        let kept = Prefix::kept(None, 7);
+        let mut kept = Prefix::whole(16);
+        kept.keep(None, 7);
         assert_eq!((kept.len(), kept.buffer.is_none()), (0, true));
         let mut from = prefix_of(&[1, 2, 3, 4, 5], 16);
         let buffer = from.buffer.take();
-        let mut kept = Prefix::kept(buffer, 3);
+        let mut kept = Prefix::whole(16);
+        kept.keep(buffer, 3);
         assert_eq!(kept.len(), 3);
         assert_eq!(prefix_bytes(&mut kept), [1, 2, 3]);
 
@@ -2931,6 +2953,8 @@ mod tests {
 
         let mut none = Prefix {
             buffer: None,
+            start: 0,
+            end: 16,
             verified: 9,
         };
         let copy = none.copy(16).expect("copy");
