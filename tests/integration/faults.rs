@@ -276,13 +276,10 @@ pub(crate) fn all_keys(dir: &Path) -> Vec<ExpertId> {
         .collect()
 }
 
-/// Greedy ids of fixture `name` after its reference prompt with every expert from `tier`, at
-/// the smallest RAM budget (so experts are fetched again and again), and the reference's.
-fn generate(m: &Signed, name: &str, tier: Arc<PeerTier>) -> (Result<Vec<u32>, String>, Vec<u32>) {
+/// `m` with every expert from `tier`, at the smallest RAM budget (so experts are fetched
+/// again and again).
+pub(crate) fn peer_model(m: &Signed, tier: Arc<PeerTier>) -> Model {
     let files = ModelFiles::open(m.dir.path()).expect("model files");
-    let r = Reference::open(&fixture(name));
-    let prompt = r.ids("input_ids");
-    let want = r.ids("generated_ids");
     let sizes = files.layout.sizes();
     let cache = Arc::new(TieredExperts::new(
         vec![tier as Arc<dyn Tier>],
@@ -293,7 +290,16 @@ fn generate(m: &Signed, name: &str, tier: Arc<PeerTier>) -> (Result<Vec<u32>, St
             ..TierConfig::default()
         },
     ));
-    let model = Model::new(files, cache, &LoadOptions::default()).expect("model");
+    Model::new(files, cache, &LoadOptions::default()).expect("model")
+}
+
+/// Greedy ids of fixture `name` after its reference prompt with every expert from `tier`
+/// ([`peer_model`]), and the reference's.
+fn generate(m: &Signed, name: &str, tier: Arc<PeerTier>) -> (Result<Vec<u32>, String>, Vec<u32>) {
+    let r = Reference::open(&fixture(name));
+    let prompt = r.ids("input_ids");
+    let want = r.ids("generated_ids");
+    let model = peer_model(m, tier);
     let mut sess = model.session(prompt.len() + want.len()).expect("session");
     let got = greedy(
         &model,

@@ -12,15 +12,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use stormo_engine::generate::{greedy, Timings};
-use stormo_engine::tiers::{ExpertId, Tier, TierConfig, TieredExperts};
-use stormo_engine::{LoadOptions, Model, ModelFiles};
+use stormo_engine::tiers::{ExpertId, Tier};
+use stormo_engine::{LoadOptions, Model};
 use stormo_manifests::manifest::MIN_CHUNK_SIZE;
 use stormo_manifests::{read_manifest, Hash, Manifest};
 use stormo_node::net::tier::{PeerConfig, PeerTier};
 
 use crate::faults::{
-    admit_client, all_keys, load, multi_chunk_model, peer_tier, requests_for, unhedged, Node,
-    Signed,
+    admit_client, all_keys, load, multi_chunk_model, peer_model, peer_tier, requests_for, unhedged,
+    Node, Signed,
 };
 use crate::hostile::{self, Answer, HostilePeer, Observed};
 
@@ -52,19 +52,7 @@ fn local_ids(m: &Signed) -> Vec<u32> {
 /// The same with every expert from `tier`, at the smallest RAM budget (experts are fetched
 /// again and again).
 fn peer_ids(m: &Signed, tier: Arc<PeerTier>) -> Vec<u32> {
-    let files = ModelFiles::open(m.dir.path()).expect("model files");
-    let sizes = files.layout.sizes();
-    let cache = Arc::new(TieredExperts::new(
-        vec![tier as Arc<dyn Tier>],
-        sizes,
-        files.cfg.top_k,
-        &TierConfig {
-            budget: 0,
-            ..TierConfig::default()
-        },
-    ));
-    let model = Model::new(files, cache, &LoadOptions::default()).expect("model");
-    ids_of(&model)
+    ids_of(&peer_model(m, tier))
 }
 
 fn ids_of(model: &Model) -> Vec<u32> {

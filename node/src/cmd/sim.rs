@@ -245,6 +245,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let reaper_slot = std::sync::Arc::new(std::sync::Mutex::new(Vec::<swarm::Reaper>::new()));
     crate::cmd::demo::on_interrupt(scratch_guard(&scratch), reaper_slot.clone());
+    // Every node the scenarios start, for the interrupt handler to stop.
+    let keep_reaper = |r: swarm::Reaper| {
+        reaper_slot
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(r);
+    };
+    // A single-report scenario's output: its JSON or its table, and where its logs stayed.
+    let print_report = |json: anyhow::Result<String>, table: String| -> anyhow::Result<()> {
+        if a.json {
+            println!("{}", json?);
+        } else {
+            println!("{table}");
+        }
+        if a.keep || a.work.is_some() {
+            eprintln!("logs kept in {}", scratch.path.display());
+        }
+        Ok(())
+    };
     let opts_for = |link: Option<LinkSpec>| SwarmOptions {
         exe: exe.clone(),
         model: model.clone(),
@@ -258,10 +277,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     if let Some(path) = fairness {
         let link = link_for(&a, path)?;
-        let slot = reaper_slot.clone();
-        let keep_reaper = move |r: swarm::Reaper| {
-            slot.lock().unwrap_or_else(|e| e.into_inner()).push(r);
-        };
         let r = swarm::fairness::run_fairness(
             &a.scenario,
             &opts_for(Some(link)),
@@ -272,22 +287,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             Some(&keep_reaper),
         )
         .with_context(|| format!("scenario {}", a.scenario))?;
-        if a.json {
-            println!("{}", serde_json::to_string_pretty(&r)?);
-        } else {
-            println!("{}", r.table());
-        }
-        if a.keep || a.work.is_some() {
-            eprintln!("logs kept in {}", scratch.path.display());
-        }
+        print_report(
+            serde_json::to_string_pretty(&r).map_err(Into::into),
+            r.table(),
+        )?;
         return Ok(());
     }
     if faults {
         let link = link_for(&a, Scenario::Lan4)?;
-        let slot = reaper_slot.clone();
-        let keep_reaper = move |r: swarm::Reaper| {
-            slot.lock().unwrap_or_else(|e| e.into_inner()).push(r);
-        };
         let r = swarm::faults::run_faults(
             &opts_for(Some(link)),
             a.fault_clients,
@@ -295,14 +302,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             Some(&keep_reaper),
         )
         .context("scenario faults")?;
-        if a.json {
-            println!("{}", serde_json::to_string_pretty(&r)?);
-        } else {
-            println!("{}", r.table());
-        }
-        if a.keep || a.work.is_some() {
-            eprintln!("logs kept in {}", scratch.path.display());
-        }
+        print_report(
+            serde_json::to_string_pretty(&r).map_err(Into::into),
+            r.table(),
+        )?;
         let bad: Vec<&str> = r
             .rows
             .iter()
@@ -319,10 +322,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut reports = Vec::new();
     for (s, link) in scenarios.iter().zip(links) {
         let opts = opts_for(Some(link));
-        let slot = reaper_slot.clone();
-        let keep_reaper = move |r: swarm::Reaper| {
-            slot.lock().unwrap_or_else(|e| e.into_inner()).push(r);
-        };
         let r = swarm::run_scenario(
             *s,
             &opts,
