@@ -717,6 +717,26 @@ const SERIAL_BYTES: usize = 96 << 10;
 /// Smallest share of weights worth handing to another thread.
 const MIN_TASK_BYTES: usize = 24 << 10;
 
+/// Tasks per thread a parallel product is split into unless [`set_tasks_per_thread`] changed
+/// it.
+pub const DEFAULT_TASKS_PER_THREAD: usize = 6;
+
+static TASKS_PER_THREAD: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(DEFAULT_TASKS_PER_THREAD);
+
+/// How many tasks per thread a parallel call's weights are split into
+/// ([`DEFAULT_TASKS_PER_THREAD`] unless [`set_tasks_per_thread`] changed it).
+pub fn tasks_per_thread() -> usize {
+    TASKS_PER_THREAD.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Sets [`tasks_per_thread`] for the whole process (at least 1; results do not depend on it,
+/// only the balance between threads does). For measuring, as `stormo bench --pair-tasks`
+/// does.
+pub fn set_tasks_per_thread(n: usize) {
+    TASKS_PER_THREAD.store(n.max(1), std::sync::atomic::Ordering::Relaxed);
+}
+
 /// How many tasks to split `bytes` of weights into: one if small, else enough for every
 /// thread to take several (so a slow or busy core does not hold the others up).
 fn tasks_for(bytes: usize) -> usize {
@@ -724,7 +744,9 @@ fn tasks_for(bytes: usize) -> usize {
     if threads <= 1 || bytes < SERIAL_BYTES {
         1
     } else {
-        (threads * 6).min(bytes / MIN_TASK_BYTES).max(threads)
+        (threads * tasks_per_thread())
+            .min(bytes / MIN_TASK_BYTES)
+            .max(threads)
     }
 }
 

@@ -759,6 +759,13 @@ impl Node {
             o["peer_hedges"] = h.hedges.into();
             o["peer_hedge_wins"] = h.hedge_wins.into();
             o["peer_local_wins"] = h.local_wins.into();
+            o["peer_striped_loads"] = p.striped_loads().into();
+            o["peer_bytes_by_peer"] = p
+                .peer_bytes()
+                .into_iter()
+                .map(|(addr, bytes)| (addr.to_string(), serde_json::Value::from(bytes)))
+                .collect::<serde_json::Map<_, _>>()
+                .into();
         }
         let r = self.remote.as_ref().map(|r| r.stats()).unwrap_or_default();
         o["remote_calls"] = r.calls.into();

@@ -1193,6 +1193,23 @@ fn peers_first_falls_back_to_the_local_disk_when_peers_lie_or_die() {
         "the dying peer served nothing first: {j}"
     );
     assert!(num(&j, "peer_bytes") > 0, "{j}");
+    // Each peer's verified bytes, by name: at least the records they completed (the verified
+    // part of failed tries counts too).
+    let by_peer = j["peer_bytes_by_peer"]
+        .as_object()
+        .expect("peer_bytes_by_peer");
+    assert_eq!(by_peer.len(), 2, "{j}");
+    let sum: u64 = by_peer.values().map(|v| v.as_u64().expect("bytes")).sum();
+    assert!(sum >= num(&j, "peer_bytes"), "{j}");
+    assert!(
+        by_peer.contains_key(&dying.addr().to_string()),
+        "named as KEY@ADDR: {j}"
+    );
+    assert_eq!(
+        num(&j, "peer_striped_loads"),
+        0,
+        "tiny experts are never striped: {j}"
+    );
     assert!(num(&j, "peer_failures") > 0, "{j}");
     assert!(num(&j, "fallbacks") > 0, "{j}");
     assert_eq!(

@@ -456,6 +456,31 @@ fn bench_warm_makes_experts_resident_with_short_prompts() {
         Some(0.0),
         "every expert resident after --warm: {v}"
     );
+    // The kernel bound is judged by the kernels' rates sampled between the decoded tokens:
+    // the bound is the token's bytes at those medians.
+    for kernel in ["bf16", "mxfp4"] {
+        let d = &v["kernel_stream_gb_s"][kernel]["during_decode"];
+        let [min, median, max] = ["min", "median", "max"].map(|k| d[k].as_f64().unwrap_or(0.0));
+        assert!(0.0 < min && min <= median && median <= max, "{kernel}: {v}");
+    }
+    let (dense, experts) = (
+        v["kernel_stream_gb_s"]["bf16"]["during_decode"]["median"].as_f64(),
+        v["kernel_stream_gb_s"]["mxfp4"]["during_decode"]["median"].as_f64(),
+    );
+    let bound = v["decode_kernel_bound_tok_s"]
+        .as_f64()
+        .expect("kernel bound");
+    let (lo, hi) = (
+        dense.unwrap().min(experts.unwrap()),
+        dense.unwrap().max(experts.unwrap()),
+    );
+    let bpt = v["bytes_per_decoded_token"]
+        .as_f64()
+        .expect("bytes per token");
+    assert!(
+        lo * 1e9 / bpt <= bound * 1.000_001 && bound <= hi * 1e9 / bpt * 1.000_001,
+        "the bound lies between the token's bytes at the slower and at the faster rate: {v}"
+    );
     // Where the decode's time went: every phase timed, together no more than the decode took
     // (the bandwidth probe between tokens is outside them), and their bytes are the token's.
     let phases = v["decode"]["phases"].as_object().expect("decode.phases");
@@ -528,6 +553,14 @@ fn bench_warm_makes_experts_resident_with_short_prompts() {
         "{prefetch}"
     );
     assert!(v["paired_prefetch"].is_null(), "{v}");
+    let tasks = bench_json(dir.path(), &[&short[..], &["--pair-tasks", "6,1"]].concat());
+    let p = &tasks["paired_tasks"];
+    assert_eq!(p["tasks_per_thread"], serde_json::json!([6, 1]), "{tasks}");
+    for k in 0..2 {
+        assert!(p["tok_s"][k].as_f64().unwrap_or(0.0) > 0.0, "{tasks}");
+    }
+    assert!(tasks["paired_prefetch"].is_null(), "{tasks}");
+    assert!(v["paired_tasks"].is_null(), "{v}");
 }
 
 /// Something other than a regular file in a checkpoint's place (a named pipe, a directory, a

@@ -7,9 +7,11 @@
 //! themselves stream a matrix larger than the caches through one position: a bf16 matrix
 //! for the dense weights, an MXFP4 one for GPT-OSS's experts). The second is what a core
 //! that also computes can reach; the gap between the two is the kernels' cost beyond reading.
-//! `fraction_of_memory_bound` uses the first, `fraction_of_kernel_bound` the second. The
-//! probe is sampled at the start, between decoded tokens and at the end, and the kernels at
-//! the start and the end, so the noise of a shared machine shows in the report.
+//! `fraction_of_memory_bound` uses the first, `fraction_of_kernel_bound` the second. Both
+//! probes are sampled at the start, between decoded tokens and at the end, and each bound
+//! uses the median of its samples between decoded tokens: it is measured over the same
+//! minutes as the decode it judges, and the noise of a shared machine shows in the report
+//! (the memory probe's rate moved 15-65 GB/s within one run on the 2-vCPU Zen 4 VM).
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -96,6 +98,12 @@ pub struct Args {
     /// and ignore it). Lab switch (hidden).
     #[arg(long, hide = true, value_name = "A,B", value_parser = prefetch_pair, conflicts_with = "pair_full_head")]
     pub pair_prefetch: Option<[usize; 2]>,
+    /// Alternate decoded tokens between two numbers of tasks per thread (as A,B, e.g. 6,2)
+    /// that the kernels split a parallel product into, and report both speeds and the median
+    /// ratio of neighbouring tokens: a paired comparison of the balance between threads
+    /// against the cost of each task's start (the default is 6). Lab switch (hidden).
+    #[arg(long, hide = true, value_name = "A,B", value_parser = tasks_pair, conflicts_with_all = ["pair_full_head", "pair_prefetch"])]
+    pub pair_tasks: Option<[usize; 2]>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -128,6 +136,24 @@ fn mem_test_size(s: &str) -> Result<String, String> {
         ));
     }
     Ok(s.to_owned())
+}
+
+/// A `--pair-tasks` pair: two numbers of tasks per thread, from 1 to 64.
+fn tasks_pair(s: &str) -> Result<[usize; 2], String> {
+    let parse = |v: &str| -> Result<usize, String> {
+        match v.trim().parse::<usize>() {
+            Ok(n) if (1..=64).contains(&n) => Ok(n),
+            _ => Err(format!(
+                "{v:?} is not a number of tasks per thread from 1 to 64"
+            )),
+        }
+    };
+    match s.split(',').collect::<Vec<_>>()[..] {
+        [a, b] => Ok([parse(a)?, parse(b)?]),
+        _ => Err(format!(
+            "{s:?} is not two numbers A,B (tasks per thread, e.g. 6,2)"
+        )),
+    }
 }
 
 /// A `--pair-prefetch` pair: two distances in bytes of at most 1 MiB (a prefetch further
@@ -165,6 +191,9 @@ fn positive(s: &str) -> Result<usize, String> {
 pub struct MemoryProbe {
     buf: memmap2::MmapMut,
     samples: Vec<f64>,
+    /// Whether the buffer holds the kernel probe's matrices yet.
+    kernels_laid_out: bool,
+    kernel_samples: Vec<KernelRates>,
 }
 
 impl MemoryProbe {
@@ -191,6 +220,8 @@ impl MemoryProbe {
         Ok(Self {
             buf,
             samples: Vec::new(),
+            kernels_laid_out: false,
+            kernel_samples: Vec::new(),
         })
     }
 
@@ -273,57 +304,107 @@ impl MemoryProbe {
     const COLS: usize = 2880;
 
     /// The rate at which the decode kernels stream weights through one position, over the
-    /// probe's own buffer (no more memory): as one bf16 matrix, then as one MXFP4 matrix at
-    /// GPT-OSS's hidden width, each with normal values only (no subnormals to slow a core
-    /// down), each timed as the median of five passes after a warm-up. The buffer's bytes
-    /// are rewritten (the bandwidth probe reads any bytes).
+    /// probe's own buffer (no more memory): its first half as one bf16 matrix, its second as
+    /// one MXFP4 matrix at GPT-OSS's hidden width, each with normal values only (no
+    /// subnormals to slow a core down), each timed as the median of five passes after a
+    /// warm-up. The first call rewrites the buffer's bytes (the bandwidth probe reads any
+    /// bytes).
     pub fn kernel_rates(&mut self) -> KernelRates {
+        let (bf16, mxfp4) = self.kernel_passes(|bytes, f| time_rate(bytes, f));
+        KernelRates { bf16, mxfp4 }
+    }
+
+    /// One timed pass of each kernel, as [`kernel_rates`](Self::kernel_rates) times five,
+    /// recorded for [`take_kernels`](Self::take_kernels): sampled between decoded tokens, so
+    /// the kernel bound is measured over the same minutes as the decode it judges.
+    pub fn sample_kernels(&mut self) {
+        let (bf16, mxfp4) = self.kernel_passes(|bytes, f| {
+            let t = Instant::now();
+            f();
+            bytes / t.elapsed().as_secs_f64()
+        });
+        self.kernel_samples.push(KernelRates { bf16, mxfp4 });
+    }
+
+    /// The median and the range of each kernel's samples since the last call, and clears
+    /// them; `None` without samples.
+    pub fn take_kernels(&mut self) -> Option<KernelSamples> {
+        let s = std::mem::take(&mut self.kernel_samples);
+        let stats = |f: fn(&KernelRates) -> f64| {
+            let mut v: Vec<f64> = s.iter().map(f).collect();
+            v.sort_by(f64::total_cmp);
+            Some([*v.first()?, v[v.len() / 2], *v.last()?])
+        };
+        Some(KernelSamples {
+            bf16: stats(|r| r.bf16)?,
+            mxfp4: stats(|r| r.mxfp4)?,
+        })
+    }
+
+    /// Times the bf16 and the MXFP4 kernel over the buffer with `time` (given the bytes and
+    /// one pass), laying the buffer out for them first if not done yet.
+    fn kernel_passes(&mut self, time: impl Fn(f64, &mut dyn FnMut()) -> f64) -> (f64, f64) {
         use stormo_engine::kernels::{matvec, Float, Mat};
         let cols = Self::COLS;
         let x: Vec<f32> = (0..cols)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
             .collect();
         let mut y = Vec::new();
-        // bf16: exponents forced into [2^-8, 2^8).
-        let rows = self.buf.len() / (2 * cols);
-        for e in self.buf[..rows * cols * 2].chunks_exact_mut(2) {
-            let v = u16::from_le_bytes([e[0], e[1]]);
-            let v = (v & 0x807f) | ((((v >> 7) & 0xf) + 0x77) << 7);
-            e.copy_from_slice(&v.to_le_bytes());
+        let half = self.buf.len() / 2;
+        let (first, second) = self.buf.split_at_mut(half);
+        let rows = first.len() / (2 * cols);
+        let dense = &mut first[..rows * cols * 2];
+        let row_bytes = cols / 2 + cols / 32;
+        let mx_rows = second.len() / row_bytes;
+        let (blocks, scales) = second[..mx_rows * row_bytes].split_at_mut(mx_rows * cols / 2);
+        if !self.kernels_laid_out {
+            // bf16: exponents forced into [2^-8, 2^8).
+            for e in dense.chunks_exact_mut(2) {
+                let v = u16::from_le_bytes([e[0], e[1]]);
+                let v = (v & 0x807f) | ((((v >> 7) & 0xf) + 0x77) << 7);
+                e.copy_from_slice(&v.to_le_bytes());
+            }
+            // MXFP4: any nibbles, scales from 2^-7 to 2^8.
+            for b in scales.iter_mut() {
+                *b = 120 + *b % 16;
+            }
+            self.kernels_laid_out = true;
         }
         let bf16 = {
             let w = Mat::Dense {
                 fmt: Float::BF16,
-                bytes: &self.buf[..rows * cols * 2],
+                bytes: dense,
                 rows,
                 cols,
             };
             y.resize(rows, 0.0);
-            time_rate((rows * cols * 2) as f64, || matvec(&w, &x, &mut y))
+            time((rows * cols * 2) as f64, &mut || matvec(&w, &x, &mut y))
         };
-        // MXFP4: any nibbles, scales from 2^-7 to 2^8.
-        let row_bytes = cols / 2 + cols / 32;
-        let rows = self.buf.len() / row_bytes;
-        let (blocks, scales) = self.buf[..rows * row_bytes].split_at_mut(rows * cols / 2);
-        for b in scales.iter_mut() {
-            *b = 120 + *b % 16;
-        }
         let mxfp4 = {
             let w = Mat::Mxfp4 {
                 blocks,
                 scales,
-                rows,
+                rows: mx_rows,
                 cols,
             };
-            y.resize(rows, 0.0);
-            time_rate((rows * row_bytes) as f64, || matvec(&w, &x, &mut y))
+            y.resize(mx_rows, 0.0);
+            time((mx_rows * row_bytes) as f64, &mut || matvec(&w, &x, &mut y))
         };
-        KernelRates { bf16, mxfp4 }
+        (bf16, mxfp4)
     }
 }
 
+/// Each kernel's rate sampled between decoded tokens, as `[min, median, max]` bytes/s.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelSamples {
+    /// bf16 (the dense weights).
+    pub bf16: [f64; 3],
+    /// MXFP4 (GPT-OSS's experts).
+    pub mxfp4: [f64; 3],
+}
+
 /// `bytes` over the median time of five runs of `f` after one untimed run.
-fn time_rate(bytes: f64, mut f: impl FnMut()) -> f64 {
+fn time_rate(bytes: f64, f: &mut dyn FnMut()) -> f64 {
     f();
     let mut t: Vec<f64> = (0..5)
         .map(|_| {
@@ -744,9 +825,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut dsecs = 0.0;
     // Seconds and tokens decoded through the screen and through the whole head when paired.
     let mut paired = [(0.0, 0u32); 2];
-    // Seconds of each decoded token at each prefetch distance when paired.
+    // Seconds of each decoded token at each prefetch distance (or tasks per thread) when
+    // paired.
     let mut by_distance: [Vec<f64>; 2] = Default::default();
     let default_ahead = stormo_engine::kernels::prefetch_ahead();
+    let default_tasks = stormo_engine::kernels::tasks_per_thread();
     if a.pair_prefetch.is_some() && isa != stormo_engine::kernels::Isa::Avx512 {
         eprintln!(
             "warning: the {isa} kernels do not use the prefetch distance; both sides of --pair-prefetch run the same kernels"
@@ -759,6 +842,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     for i in 0..a.decode_tokens {
         if let Some(d) = a.pair_prefetch {
             stormo_engine::kernels::set_prefetch_ahead(d[i % 2]);
+        }
+        if let Some(n) = a.pair_tasks {
+            stormo_engine::kernels::set_tasks_per_thread(n[i % 2]);
         }
         let t = Instant::now();
         let whole = a.pair_full_head && i % 2 == 1;
@@ -773,14 +859,20 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         paired[whole as usize].1 += 1;
         by_distance[i % 2].push(secs);
         probe.sample();
+        probe.sample_kernels();
     }
     profile::enable(false);
     let phase_nanos = profile::take();
     stormo_engine::kernels::set_prefetch_ahead(default_ahead);
+    stormo_engine::kernels::set_tasks_per_thread(default_tasks);
     let paired = a.pair_full_head.then(|| paired.map(|(s, n)| n as f64 / s));
-    let paired_prefetch = a
+    let paired_knob = a
         .pair_prefetch
-        .map(|d| PairedPrefetch::new(d, &by_distance));
+        .map(|d| Paired::new(Knob::Prefetch, d, &by_distance))
+        .or_else(|| {
+            a.pair_tasks
+                .map(|n| Paired::new(Knob::Tasks, n, &by_distance))
+        });
     let (mem_min, mem_max) = probe.range().unwrap_or((mem_before, mem_before));
     let mem_bw = probe.take().unwrap_or(mem_before);
     // The bounds again at the end: the noise of a shared machine shows as their spread.
@@ -789,9 +881,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let mem_after = probe.take().unwrap_or(mem_bw);
     let kernels_after = probe.kernel_rates();
+    // The kernels' rates as the memory's: the medians of the samples between decoded tokens.
+    let kernels_during = probe.take_kernels().expect("at least one decoded token");
     let kernel_rates = KernelRates {
-        bf16: kernels_before.bf16.max(kernels_after.bf16),
-        mxfp4: kernels_before.mxfp4.max(kernels_after.mxfp4),
+        bf16: kernels_during.bf16[1],
+        mxfp4: kernels_during.mxfp4[1],
     };
     // The kernel bound: the dense bytes at the bf16 kernel's rate, the experts' at their own
     // (the MXFP4 kernel's for GPT-OSS); int8 copies (the screened head) are counted at the
@@ -885,8 +979,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "memory_bandwidth_at_end_gb_s": mem_after / 1e9,
         "memory_bandwidth_during_decode_gb_s": {"min": mem_min / 1e9, "max": mem_max / 1e9},
         "kernel_stream_gb_s": {
-            "bf16": {"start": kernels_before.bf16 / 1e9, "end": kernels_after.bf16 / 1e9},
-            "mxfp4": {"start": kernels_before.mxfp4 / 1e9, "end": kernels_after.mxfp4 / 1e9},
+            "bf16": {
+                "start": kernels_before.bf16 / 1e9, "end": kernels_after.bf16 / 1e9,
+                "during_decode": {"min": kernels_during.bf16[0] / 1e9, "median": kernels_during.bf16[1] / 1e9, "max": kernels_during.bf16[2] / 1e9},
+            },
+            "mxfp4": {
+                "start": kernels_before.mxfp4 / 1e9, "end": kernels_after.mxfp4 / 1e9,
+                "during_decode": {"min": kernels_during.mxfp4[0] / 1e9, "median": kernels_during.mxfp4[1] / 1e9, "max": kernels_during.mxfp4[2] / 1e9},
+            },
         },
         "decode_kernel_bound_tok_s": kernel_bound,
         "disk_bandwidth_gb_s": disk.map(|d| d.0 / 1e9),
@@ -897,7 +997,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "head_exact_rows_per_token": screen.rows_per_token(),
         "head_full_passes": screen.full,
         "paired_tok_s": paired.map(|[s, f]| serde_json::json!({"screened_head": s, "full_head": f})),
-        "paired_prefetch": paired_prefetch.as_ref().map(PairedPrefetch::json),
+        "paired_prefetch": paired_knob.as_ref().filter(|p| p.knob == Knob::Prefetch).map(Paired::json),
+        "paired_tasks": paired_knob.as_ref().filter(|p| p.knob == Knob::Tasks).map(Paired::json),
         "decode_bound_tok_s": bound,
         "peak_gflop_s": peak / 1e9,
         "prefill_gflop_per_token": flops_tok / 1e9,
@@ -957,9 +1058,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         mem_after / 1e9
     );
     println!(
-        "kernels          stream {:.1} GB/s bf16, {:.1} GB/s MXFP4 through one position (start {:.1}/{:.1}, end {:.1}/{:.1})",
+        "kernels          stream {:.1} GB/s bf16, {:.1} GB/s MXFP4 through one position (median between decoded tokens, from {:.1}/{:.1} to {:.1}/{:.1}; start {:.1}/{:.1}, end {:.1}/{:.1})",
         kernel_rates.bf16 / 1e9,
         kernel_rates.mxfp4 / 1e9,
+        kernels_during.bf16[0] / 1e9,
+        kernels_during.mxfp4[0] / 1e9,
+        kernels_during.bf16[2] / 1e9,
+        kernels_during.mxfp4[2] / 1e9,
         kernels_before.bf16 / 1e9,
         kernels_before.mxfp4 / 1e9,
         kernels_after.bf16 / 1e9,
@@ -1039,7 +1144,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             s / f
         );
     }
-    if let Some(p) = &paired_prefetch {
+    if let Some(p) = &paired_knob {
         println!("{p}");
     }
     if screened_head {
@@ -1080,19 +1185,30 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Decode speeds at two prefetch distances, tokens alternated (`--pair-prefetch`).
-struct PairedPrefetch {
-    /// The two distances in bytes.
-    bytes: [usize; 2],
-    /// Tokens per second at each (`None` for a distance no token was decoded at).
+/// What a paired decode alternates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Knob {
+    /// The AVX-512 kernels' prefetch distance (`--pair-prefetch`).
+    Prefetch,
+    /// Tasks per thread (`--pair-tasks`).
+    Tasks,
+}
+
+/// Decode speeds at two settings of a [`Knob`], tokens alternated (`--pair-prefetch`,
+/// `--pair-tasks`).
+struct Paired {
+    knob: Knob,
+    /// The two settings (bytes ahead, or tasks per thread).
+    values: [usize; 2],
+    /// Tokens per second at each (`None` for a setting no token was decoded at).
     tok_s: [Option<f64>; 2],
-    /// The median over neighbouring pairs (token `2j` at the first distance, `2j + 1` at the
+    /// The median over neighbouring pairs (token `2j` at the first setting, `2j + 1` at the
     /// second) of the second's speed over the first's; `None` without a whole pair.
     median_ratio: Option<f64>,
 }
 
-impl PairedPrefetch {
-    fn new(bytes: [usize; 2], secs: &[Vec<f64>; 2]) -> Self {
+impl Paired {
+    fn new(knob: Knob, values: [usize; 2], secs: &[Vec<f64>; 2]) -> Self {
         let tok_s = [0, 1].map(|k| {
             (!secs[k].is_empty()).then(|| secs[k].len() as f64 / secs[k].iter().sum::<f64>())
         });
@@ -1100,29 +1216,40 @@ impl PairedPrefetch {
         ratios.sort_by(f64::total_cmp);
         let median_ratio = (!ratios.is_empty()).then(|| ratios[ratios.len() / 2]);
         Self {
-            bytes,
+            knob,
+            values,
             tok_s,
             median_ratio,
         }
     }
 
     fn json(&self) -> serde_json::Value {
+        let key = match self.knob {
+            Knob::Prefetch => "bytes",
+            Knob::Tasks => "tasks_per_thread",
+        };
         serde_json::json!({
-            "bytes": self.bytes, "tok_s": self.tok_s, "median_pair_ratio": self.median_ratio,
+            key: self.values, "tok_s": self.tok_s, "median_pair_ratio": self.median_ratio,
         })
     }
 }
 
-impl std::fmt::Display for PairedPrefetch {
+impl std::fmt::Display for Paired {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let [a, b] = self.bytes;
+        let [a, b] = self.values;
         let [sa, sb] = self
             .tok_s
             .map(|s| s.map_or_else(|| "-".to_owned(), |s| format!("{s:.2}")));
-        write!(
-            f,
-            "paired           prefetch {a} B ahead {sa} tok/s, {b} B ahead {sb} tok/s (alternate decoded tokens)"
-        )?;
+        match self.knob {
+            Knob::Prefetch => write!(
+                f,
+                "paired           prefetch {a} B ahead {sa} tok/s, {b} B ahead {sb} tok/s (alternate decoded tokens)"
+            )?,
+            Knob::Tasks => write!(
+                f,
+                "paired           {a} tasks per thread {sa} tok/s, {b} tasks per thread {sb} tok/s (alternate decoded tokens)"
+            )?,
+        }
         match self.median_ratio {
             Some(r) => write!(f, "; median of neighbouring pairs {r:.3}x"),
             None => write!(f, "; decode at least 2 tokens for a pair"),
@@ -1152,6 +1279,19 @@ mod tests {
         }
         // The bandwidth probe still reads the rewritten buffer.
         assert!(p.sample() > 0.0);
+        // Samples between tokens: one pass each, summed up as min, median and max, then gone.
+        assert!(p.take_kernels().is_none());
+        for _ in 0..3 {
+            p.sample_kernels();
+        }
+        let s = p.take_kernels().expect("three samples");
+        for (what, [min, median, max]) in [("bf16", s.bf16), ("mxfp4", s.mxfp4)] {
+            assert!(
+                0.0 < min && min <= median && median <= max && max.is_finite(),
+                "{what}: {min} {median} {max}"
+            );
+        }
+        assert!(p.take_kernels().is_none());
     }
 
     #[test]
@@ -1210,6 +1350,14 @@ mod tests {
                 &["--pair-prefetch", "0,64", "--pair-full-head"],
                 "cannot be used with",
             ),
+            (&["--pair-tasks", "6"], "not two numbers"),
+            (&["--pair-tasks", "0,6"], "from 1 to 64"),
+            (&["--pair-tasks", "6,65"], "from 1 to 64"),
+            (&["--pair-tasks", "6,x"], "from 1 to 64"),
+            (
+                &["--pair-tasks", "6,2", "--pair-prefetch", "0,64"],
+                "cannot be used with",
+            ),
         ] {
             let err = parse(args).expect_err(&format!("{args:?} must be refused"));
             assert!(err.contains(needle), "{args:?}: {err}");
@@ -1219,6 +1367,7 @@ mod tests {
             &["--mem-test", "512KiB"],
             &["--disk-test", "0"],
             &["--pair-prefetch", "0, 1MiB"],
+            &["--pair-tasks", "1, 64"],
         ] {
             parse(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
         }
