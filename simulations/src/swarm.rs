@@ -91,16 +91,31 @@ pub enum Scenario {
     /// then choosing per expert between fetching and having a holder run it
     /// (`--remote-exec auto`).
     WanExec,
+    /// Two nodes each hold every expert, each behind its own 200 Mbit/s link; a node with no
+    /// experts generates from one of them, then from both (each expert of at least 2 MiB
+    /// striped across the two). Not in [`Scenario::ALL`]: it needs experts that large.
+    Stripe,
 }
 
 impl Scenario {
-    /// Every scenario, in report order.
+    /// Every scenario `all` runs, in report order (the small model `stormo sim` makes
+    /// suits each).
     pub const ALL: [Self; 5] = [
         Self::Lan4,
         Self::JoinEmpty,
         Self::Churn,
         Self::Wan,
         Self::WanExec,
+    ];
+
+    /// Every scenario by name: [`Self::ALL`], and those that need a model of their own.
+    pub const NAMED: [Self; 6] = [
+        Self::Lan4,
+        Self::JoinEmpty,
+        Self::Churn,
+        Self::Wan,
+        Self::WanExec,
+        Self::Stripe,
     ];
 
     /// Its name on the command line.
@@ -111,6 +126,7 @@ impl Scenario {
             Self::Churn => "churn",
             Self::Wan => "wan",
             Self::WanExec => "wan-exec",
+            Self::Stripe => "stripe",
         }
     }
 
@@ -118,6 +134,10 @@ impl Scenario {
     pub fn default_link(self) -> LinkSpec {
         match self {
             Self::Wan | Self::WanExec => LinkSpec::wan(),
+            Self::Stripe => LinkSpec {
+                bandwidth: Some(25_000_000),
+                ..LinkSpec::lan()
+            },
             _ => LinkSpec::lan(),
         }
     }
@@ -138,6 +158,10 @@ impl Scenario {
             Self::WanExec => {
                 "wan fetching every expert, then with remote execution chosen per expert (auto)"
             }
+            Self::Stripe => {
+                "2 nodes hold every expert behind 200 Mbit/s links; an empty node generates \
+                 from one, then from both (striped)"
+            }
         }
     }
 }
@@ -145,11 +169,11 @@ impl Scenario {
 impl std::str::FromStr for Scenario {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL
+        Self::NAMED
             .into_iter()
             .find(|x| x.name() == s)
             .ok_or_else(|| {
-                let names: Vec<&str> = Self::ALL.iter().map(|x| x.name()).collect();
+                let names: Vec<&str> = Self::NAMED.iter().map(|x| x.name()).collect();
                 format!("unknown scenario {s:?} (one of {})", names.join(", "))
             })
     }
@@ -206,6 +230,8 @@ pub struct RunOutcome {
     pub remote_bytes: u64,
     /// Calls that gave no rows (the expert was fetched instead).
     pub remote_failures: u64,
+    /// Loads striped across several holders.
+    pub peer_striped_loads: u64,
 }
 
 impl RunOutcome {
@@ -245,6 +271,7 @@ impl RunOutcome {
             remote_calls: u("/experts/remote_calls"),
             remote_bytes: u("/experts/remote_bytes"),
             remote_failures: u("/experts/remote_failures"),
+            peer_striped_loads: u("/experts/peer_striped_loads"),
         })
     }
 }
@@ -281,6 +308,8 @@ pub struct SwarmReport {
     pub swarm: RunOutcome,
     /// `wan-exec`: the same run with `--remote-exec auto` (the swarm run fetched).
     pub remote: Option<RunOutcome>,
+    /// `stripe`: the same run with one holder as its only peer (the swarm run had both).
+    pub one_holder: Option<RunOutcome>,
     /// Whether the swarm's ids equal the local run's.
     pub token_exact: bool,
     /// The least time the links' rate allows for what they carried: the busiest link's bytes
@@ -370,6 +399,17 @@ pub fn run_scenario(
             "the model has {n_experts} experts per layer; the scenarios need at least 4"
         )));
     }
+    if scenario == Scenario::Stripe {
+        let largest = largest_expert(&opts.model)?;
+        if largest < STRIPE_MIN {
+            return Err(SwarmError::Model(format!(
+                "the stripe scenario needs experts of at least {} MiB (a node stripes only those); \
+                 this model's largest is {largest} bytes: give --model a larger one, e.g. from \
+                 `stormo synth --preset gpt-oss-20b --layers 2 --vocab 4096 --out DIR`",
+                STRIPE_MIN >> 20
+            )));
+        }
+    }
     let work = opts.work.join(scenario.name());
     log(&format!("{}: {}", scenario.name(), scenario.describe()));
     let mut c = Cluster::prepare(&opts.exe, &opts.model, &work)?;
@@ -395,9 +435,12 @@ pub fn run_scenario(
             vec![vec![0], vec![1], vec![2], vec![3]]
         }
         Scenario::Churn => vec![vec![0, 1], vec![1, 2], vec![2, 3], vec![3, 0]],
+        Scenario::Stripe => vec![vec![0, 1, 2, 3], vec![0, 1, 2, 3]],
     };
     for r in &layouts {
-        let i = c.add_node(Some(experts_with_residues(n_experts, r)), link)?;
+        // Every residue: the whole model (`all` in the report).
+        let only = (r.len() < 4).then(|| experts_with_residues(n_experts, r));
+        let i = c.add_node(only, link)?;
         log(&format!(
             "started {} holding experts {}",
             c.nodes[i].name,
@@ -415,7 +458,6 @@ pub fn run_scenario(
         "--expert-cache".into(),
         cache,
     ]);
-    args.extend(c.peer_args(0..c.nodes.len()));
     let empty_manifest = work.join("joining-node").join("stormo-manifest.bin");
     match scenario {
         Scenario::Lan4 => {
@@ -428,7 +470,7 @@ pub fn run_scenario(
                 experts_with_residues(n_experts, &[0]),
             ]);
         }
-        Scenario::JoinEmpty | Scenario::Wan | Scenario::WanExec => {
+        Scenario::JoinEmpty | Scenario::Wan | Scenario::WanExec | Scenario::Stripe => {
             args.extend([
                 "--manifest".into(),
                 empty_manifest.to_string_lossy().into_owned(),
@@ -453,6 +495,17 @@ pub fn run_scenario(
             ]);
         }
     }
+    // `stripe`'s first run has one holder as its only peer, each run its own state folder.
+    let one_holder_args = (scenario == Scenario::Stripe).then(|| {
+        let mut a = args.clone();
+        a.extend(c.peer_args(0..1));
+        a.extend(["--state-dir".into(), state_arg(&work, "one-holder")]);
+        a
+    });
+    if scenario == Scenario::Stripe {
+        args.extend(["--state-dir".into(), state_arg(&work, "two-holders")]);
+    }
+    args.extend(c.peer_args(0..c.nodes.len()));
     // `wan-exec`'s first run fetches every expert; its second (below) chooses.
     let auto_args = (scenario == Scenario::WanExec).then(|| {
         let mut a = args.clone();
@@ -462,7 +515,23 @@ pub fn run_scenario(
     if scenario == Scenario::WanExec {
         args.extend(["--remote-exec".into(), "never".into()]);
     }
-    log("swarm run");
+    let one_holder = match one_holder_args {
+        Some(a) => {
+            log("run with one holder as the only peer");
+            let mut client = c.spawn_run("one-holder", &a)?;
+            while !client.finished() && client.started.elapsed() <= opts.timeout {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let (v, wall) = client.wait(opts.timeout)?;
+            Some(RunOutcome::from_json(&v, wall)?)
+        }
+        None => None,
+    };
+    log(if scenario == Scenario::Stripe {
+        "run with both holders"
+    } else {
+        "swarm run"
+    });
     let mut events = Vec::new();
     let mut client = c.spawn_run("swarm", &args)?;
     // A line every half minute of a long run: how long, and what the nodes have sent.
@@ -552,7 +621,9 @@ pub fn run_scenario(
         None => None,
     };
     c.stop_all();
-    let token_exact = swarm.ids == local.ids && remote.as_ref().is_none_or(|r| r.ids == local.ids);
+    let token_exact = swarm.ids == local.ids
+        && remote.as_ref().is_none_or(|r| r.ids == local.ids)
+        && one_holder.as_ref().is_none_or(|r| r.ids == local.ids);
     log(&format!(
         "{}: {}",
         scenario.name(),
@@ -583,9 +654,36 @@ pub fn run_scenario(
         local,
         swarm,
         remote,
+        one_holder,
         token_exact,
         events,
     })
+}
+
+/// A node stripes an expert across its holders from this size on (the network tier's
+/// minimum stripe is 1 MiB, and a record is striped when each of two holders gets one).
+const STRIPE_MIN: u64 = 2 << 20;
+
+/// The largest expert record of `model`, in bytes.
+fn largest_expert(model: &Path) -> Result<u64, SwarmError> {
+    let files = stormo_engine::ModelFiles::open(model).map_err(|e| {
+        SwarmError::Model(format!("cannot open the model in {}: {e}", model.display()))
+    })?;
+    Ok(files
+        .layout
+        .sizes()
+        .iter()
+        .flatten()
+        .copied()
+        .max()
+        .unwrap_or(0))
+}
+
+/// `--state-dir` of a client run named `name`, in the scenario's folder.
+fn state_arg(work: &Path, name: &str) -> String {
+    work.join(format!("{name}.state"))
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// The busiest node link's bytes (both ways) at the link's bandwidth, in seconds.
@@ -651,8 +749,17 @@ impl SwarmReport {
             "  {:<6} {:>9} {:>9} {:>7} {:>11} {:>10} {:>9} {:>9}",
             "run", "prefill", "decode", "wall", "peer loads", "peer data", "failures", "fallbacks"
         );
-        let rows = [("local", &self.local), ("swarm", s)]
+        let rows = [("local", &self.local)]
             .into_iter()
+            .chain(self.one_holder.as_ref().map(|r| ("one", r)))
+            .chain([(
+                if self.one_holder.is_some() {
+                    "both"
+                } else {
+                    "swarm"
+                },
+                s,
+            )])
             .chain(self.remote.as_ref().map(|r| ("auto", r)));
         for (name, r) in rows {
             let _ = writeln!(
@@ -679,7 +786,19 @@ impl SwarmReport {
                 r.decode_tok_s / s.decode_tok_s.max(f64::MIN_POSITIVE)
             );
         }
-        if let Some(bound) = self.link_bound_s {
+        if let Some(r) = &self.one_holder {
+            let _ = writeln!(
+                o,
+                "  both holders: {} of {} peer loads striped; decode {:.2}x, prefill {:.2}x, \
+                 wall {:.2}x the one holder's",
+                s.peer_striped_loads,
+                s.peer_loads,
+                s.decode_tok_s / r.decode_tok_s.max(f64::MIN_POSITIVE),
+                s.prefill_tok_s / r.prefill_tok_s.max(f64::MIN_POSITIVE),
+                s.wall_s / r.wall_s.max(f64::MIN_POSITIVE)
+            );
+        }
+        if let (Some(bound), None) = (self.link_bound_s, &self.one_holder) {
             let runs = s.wall_s + self.remote.as_ref().map_or(0.0, |r| r.wall_s);
             let _ = writeln!(
                 o,

@@ -25,6 +25,10 @@ use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 ///   wan-exec    wan fetching every expert, then with remote execution chosen per expert
 ///               (--remote-exec auto): decode speed side by side
 ///   all         each of them in turn
+///   stripe      2 nodes hold every expert, each behind its own 200 Mbit/s link; a node with
+///               no experts generates from one of them, then from both (experts of 2 MiB or
+///               more striped across the two): speed side by side. Needs such experts (give
+///               --model, e.g. from `stormo synth --preset gpt-oss-20b --layers 2`)
 ///   faults      the fault matrix: a holder killed or stopped while it sends, the sole holder
 ///               restarted on its port, corrupt bytes, an unknown key, a server at
 ///               --expert-cache 0 under concurrent clients; prints a table of case, outcome
@@ -40,7 +44,8 @@ use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// The scenario: lan4, join-empty, churn, wan, wan-exec, all, faults, fair-lan or fair-wan.
+    /// The scenario: lan4, join-empty, churn, wan, wan-exec, all, stripe, faults, fair-lan or
+    /// fair-wan.
     #[arg(long, value_name = "NAME")]
     pub scenario: String,
     /// The checkpoint every node serves from (at least 4 experts per layer).
