@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::{Completion, ExpertId, Priority, Tier};
 use crate::error::{Error, Result};
-use crate::moe::{ExpertData, ExpertProvider};
+use crate::moe::{with_landing, ExpertData, ExpertProvider};
 
 /// Settings of the RAM tier.
 #[derive(Clone, Debug)]
@@ -306,10 +306,12 @@ impl Shared {
         g: &mut Inner,
         len: u64,
         demand: bool,
-        keep: Option<(usize, &[usize])>,
+        keep: Option<(usize, &[&[usize]])>,
     ) -> bool {
         let kept = |k: &ExpertId| {
-            keep.is_some_and(|(l, es)| k.layer as usize == l && es.contains(&(k.expert as usize)))
+            keep.is_some_and(|(l, lists)| {
+                k.layer as usize == l && lists.iter().any(|es| es.contains(&(k.expert as usize)))
+            })
         };
         while g.used + len > self.budget {
             // least recently used ready entry that nobody holds and the current request does not
@@ -341,6 +343,52 @@ impl Shared {
             }
         }
         true
+    }
+
+    /// Makes room for and marks loading those of `ahead` (experts of `layer` that a request
+    /// for `experts` names as asked for next) that are not in RAM, in order, as far as the
+    /// budget allows without evicting one of `experts` or `ahead` or overshooting; returns
+    /// them by tier, for [`start`](Self::start) at prefetch priority once the lock is
+    /// released. They count as prefetched. Allocates nothing when none is missing.
+    fn load_ahead(
+        &self,
+        g: &mut Inner,
+        layer: usize,
+        experts: &[usize],
+        ahead: &[usize],
+    ) -> Vec<Vec<ExpertId>> {
+        let mut batch: Vec<Vec<ExpertId>> = Vec::new();
+        for &e in ahead {
+            let k = ExpertId::from_indices(layer, e);
+            if g.map.contains_key(&k) {
+                continue;
+            }
+            let (Some(len), Some(tier)) = (self.size(k), self.first_tier(k, 0)) else {
+                continue;
+            };
+            if !self.make_room(g, len, false, Some((layer, &[experts, ahead]))) {
+                break;
+            }
+            let stamp = g.clock;
+            g.map.insert(
+                k,
+                Entry {
+                    state: State::Loading,
+                    len,
+                    stamp,
+                    unused_prefetch: true,
+                    hot: false,
+                    tier,
+                    waiters: 0,
+                },
+            );
+            g.used += len;
+            if batch.is_empty() {
+                batch.resize(self.tiers.len(), Vec::new());
+            }
+            batch[tier].push(k);
+        }
+        batch
     }
 
     fn start(self: &Arc<Self>, batches: Vec<Vec<ExpertId>>, priority: Priority) {
@@ -429,8 +477,18 @@ fn unpin(g: &mut Inner, layer: usize, experts: &[usize]) {
     }
 }
 
-impl ExpertProvider for TieredExperts {
-    fn fetch(&self, layer: usize, experts: &[usize], out: &mut Vec<Arc<ExpertData>>) -> Result<()> {
+impl TieredExperts {
+    /// [`fetch_each`](ExpertProvider::fetch_each), and with `whole` [`fetch`]
+    /// (ExpertProvider::fetch): nothing handed over until every expert of the request is ready,
+    /// then all of them at once, in request order.
+    fn serve(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        ahead: &[usize],
+        whole: bool,
+        landed: &mut dyn FnMut(&[usize], &[Arc<ExpertData>]) -> Result<()>,
+    ) -> Result<()> {
         let sh = &self.shared;
         let mut g = sh.lock();
         g.clock += 1;
@@ -438,7 +496,8 @@ impl ExpertProvider for TieredExperts {
         // allocated on the first miss only: an all-hit fetch allocates nothing
         let mut batch: Vec<Vec<ExpertId>> = Vec::new();
         // Every expert of this request is pinned (its `waiters` counted) from here until its
-        // handle is taken or the request fails, so no concurrent request evicts it meanwhile.
+        // handle is handed over or the request fails, so no concurrent request evicts it
+        // meanwhile; a handed-over expert is kept by its handle until the caller drops it.
         for (i, &e) in experts.iter().enumerate() {
             let k = ExpertId::from_indices(layer, e);
             g.stats.requests += 1;
@@ -482,7 +541,7 @@ impl ExpertProvider for TieredExperts {
                     });
                 }
             };
-            sh.make_room(&mut g, len, true, Some((layer, experts)));
+            sh.make_room(&mut g, len, true, Some((layer, &[experts])));
             g.map.insert(
                 k,
                 Entry {
@@ -501,85 +560,161 @@ impl ExpertProvider for TieredExperts {
             }
             batch[tier].push(k);
         }
+        let early = sh.load_ahead(&mut g, layer, experts, ahead);
         drop(g);
         sh.start(batch, Priority::Demand);
-        let t0 = Instant::now();
-        let mut g = sh.lock();
-        loop {
-            let mut pending = false;
-            let mut lost = None;
-            for &e in experts {
-                let k = ExpertId::from_indices(layer, e);
-                match g.map.get(&k).map(|en| &en.state) {
-                    Some(State::Ready(_)) => {}
-                    Some(State::Loading) => pending = true,
-                    Some(State::Failed(msg)) => {
-                        let reason = msg.clone();
-                        unpin(&mut g, layer, experts);
-                        return Err(Error::Expert {
-                            layer,
-                            expert: e,
-                            reason,
-                        });
+        sh.start(early, Priority::Prefetch);
+        with_landing(|l| {
+            l.taken.resize(experts.len(), false);
+            let mut left = experts.len();
+            let mut waited = std::time::Duration::ZERO;
+            let mut g = sh.lock();
+            let failed = 'wait: loop {
+                l.places.clear();
+                l.handles.clear();
+                let mut pending = false;
+                let mut lost = None;
+                for (i, &e) in experts.iter().enumerate() {
+                    if l.taken[i] {
+                        continue;
                     }
-                    None => {
-                        lost = Some(k);
-                        break;
+                    let k = ExpertId::from_indices(layer, e);
+                    match g.map.get(&k).map(|en| &en.state) {
+                        Some(State::Ready(d)) => {
+                            l.places.push(i);
+                            l.handles.push(d.clone());
+                        }
+                        Some(State::Loading) => pending = true,
+                        Some(State::Failed(msg)) => {
+                            break 'wait Some(Error::Expert {
+                                layer,
+                                expert: e,
+                                reason: msg.clone(),
+                            });
+                        }
+                        None => {
+                            lost = Some(k);
+                            break;
+                        }
                     }
                 }
+                if let Some(k) = lost {
+                    // Pinned entries are never evicted, so this is not expected; should it
+                    // happen, the expert is loaded again rather than the request failed.
+                    let (len, tier) = (sh.size(k), sh.first_tier(k, 0));
+                    let (Some(len), Some(tier)) = (len, tier) else {
+                        break Some(Error::Expert {
+                            layer,
+                            expert: k.expert as usize,
+                            reason: "evicted while loading, and no tier holds it now".into(),
+                        });
+                    };
+                    tracing::debug!(
+                        "expert {k} was evicted while a request waited: loading it again"
+                    );
+                    let waiters = experts
+                        .iter()
+                        .zip(&l.taken)
+                        .filter(|&(&e, &taken)| !taken && e == k.expert as usize)
+                        .count();
+                    sh.make_room(&mut g, len, true, Some((layer, &[experts])));
+                    g.map.insert(
+                        k,
+                        Entry {
+                            state: State::Loading,
+                            len,
+                            stamp: clock,
+                            unused_prefetch: false,
+                            hot: false,
+                            tier,
+                            waiters: u32::try_from(waiters).unwrap_or(u32::MAX),
+                        },
+                    );
+                    g.used += len;
+                    drop(g);
+                    let mut batch = vec![Vec::new(); sh.tiers.len()];
+                    batch[tier].push(k);
+                    sh.start(batch, Priority::Demand);
+                    g = sh.lock();
+                    continue;
+                }
+                if whole && pending {
+                    l.places.clear();
+                    l.handles.clear();
+                }
+                if !l.places.is_empty() {
+                    for &i in &l.places {
+                        l.taken[i] = true;
+                    }
+                    for &i in &l.places {
+                        unpin(&mut g, layer, &experts[i..=i]);
+                    }
+                    left -= l.places.len();
+                    g.stats.wait_s += waited.as_secs_f64();
+                    waited = std::time::Duration::ZERO;
+                    drop(g);
+                    let r = landed(&l.places, &l.handles);
+                    // The caller is done with them: computed experts may be evicted now.
+                    l.handles.clear();
+                    g = sh.lock();
+                    if let Err(e) = r {
+                        break Some(e);
+                    }
+                    if left == 0 {
+                        break None;
+                    }
+                    // The room the computed experts freed goes to the next experts.
+                    let more = sh.load_ahead(&mut g, layer, experts, ahead);
+                    if !more.is_empty() {
+                        drop(g);
+                        sh.start(more, Priority::Prefetch);
+                        g = sh.lock();
+                    }
+                    continue;
+                }
+                if left == 0 {
+                    break None;
+                }
+                let t = Instant::now();
+                g = sh.ready.wait(g).expect("expert cache lock");
+                waited += t.elapsed();
+            };
+            g.stats.wait_s += waited.as_secs_f64();
+            match failed {
+                None => Ok(()),
+                Some(e) => {
+                    for (i, &taken) in l.taken.iter().enumerate() {
+                        if !taken {
+                            unpin(&mut g, layer, &experts[i..=i]);
+                        }
+                    }
+                    Err(e)
+                }
             }
-            if let Some(k) = lost {
-                // Pinned entries are never evicted, so this is not expected; should it happen,
-                // the expert is loaded again rather than the request failed.
-                let (len, tier) = (sh.size(k), sh.first_tier(k, 0));
-                let (Some(len), Some(tier)) = (len, tier) else {
-                    unpin(&mut g, layer, experts);
-                    return Err(Error::Expert {
-                        layer,
-                        expert: k.expert as usize,
-                        reason: "evicted while loading, and no tier holds it now".into(),
-                    });
-                };
-                tracing::debug!("expert {k} was evicted while a request waited: loading it again");
-                let waiters = experts.iter().filter(|&&e| e == k.expert as usize).count();
-                sh.make_room(&mut g, len, true, Some((layer, experts)));
-                g.map.insert(
-                    k,
-                    Entry {
-                        state: State::Loading,
-                        len,
-                        stamp: clock,
-                        unused_prefetch: false,
-                        hot: false,
-                        tier,
-                        waiters: u32::try_from(waiters).unwrap_or(u32::MAX),
-                    },
-                );
-                g.used += len;
-                drop(g);
-                let mut batch = vec![Vec::new(); sh.tiers.len()];
-                batch[tier].push(k);
-                sh.start(batch, Priority::Demand);
-                g = sh.lock();
-                continue;
-            }
-            if !pending {
-                break;
-            }
-            g = sh.ready.wait(g).expect("expert cache lock");
-        }
-        for &e in experts {
-            let en = g
-                .map
-                .get_mut(&ExpertId::from_indices(layer, e))
-                .expect("every expert of the request is ready");
-            en.waiters = en.waiters.saturating_sub(1);
-            if let State::Ready(d) = &en.state {
-                out.push(d.clone());
-            }
-        }
-        g.stats.wait_s += t0.elapsed().as_secs_f64();
-        Ok(())
+        })
+    }
+}
+
+impl ExpertProvider for TieredExperts {
+    fn fetch(&self, layer: usize, experts: &[usize], out: &mut Vec<Arc<ExpertData>>) -> Result<()> {
+        self.serve(layer, experts, &[], true, &mut |_, handles| {
+            out.extend_from_slice(handles);
+            Ok(())
+        })
+    }
+
+    /// Hits are handed over at once, each miss as its load completes (from whichever tier).
+    /// The experts of `ahead` not in RAM start loading (at prefetch priority, behind every
+    /// demand load) as far as the budget allows without evicting one of `experts` or
+    /// `ahead`: at once, and again after each landing, whose experts the caller is done with.
+    fn fetch_each(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        ahead: &[usize],
+        landed: &mut dyn FnMut(&[usize], &[Arc<ExpertData>]) -> Result<()>,
+    ) -> Result<()> {
+        self.serve(layer, experts, ahead, false, landed)
     }
 
     fn hint(&self, layer: usize, experts: &[usize]) {
