@@ -885,16 +885,7 @@ fn compute_local(
             let mut fetch_span = Some(crate::profile::span(crate::profile::Phase::ExpertFetch));
             provider.fetch_each(layer, chunk, ahead, &mut |places, handles| {
                 fetch_span = None;
-                compute_landed(
-                    layer,
-                    schema,
-                    chunk,
-                    places,
-                    handles,
-                    xs,
-                    int8_inputs,
-                    s,
-                )?;
+                compute_landed(layer, schema, chunk, places, handles, xs, int8_inputs, s)?;
                 fetch_span = Some(crate::profile::span(crate::profile::Phase::ExpertFetch));
                 Ok(())
             })?;
@@ -911,16 +902,8 @@ fn compute_local(
                 s.places.clear();
                 s.places.extend(0..chunk.len());
                 let places = std::mem::take(&mut s.places);
-                let done = compute_landed(
-                    layer,
-                    schema,
-                    chunk,
-                    &places,
-                    &handles,
-                    xs,
-                    int8_inputs,
-                    s,
-                );
+                let done =
+                    compute_landed(layer, schema, chunk, &places, &handles, xs, int8_inputs, s);
                 s.places = places;
                 done
             });
@@ -1210,6 +1193,85 @@ mod tests {
                     b.to_bits(),
                     "position {p}, element {i}: {a} vs {b}"
                 );
+            }
+        }
+    }
+
+    /// A provider that hands each request's experts over in a scrambled order, one or two at
+    /// a time (from `seed`), in groups of three, recording each request and its `ahead`.
+    #[derive(Debug)]
+    struct Scrambled<'a> {
+        inner: &'a MappedExperts,
+        seed: u64,
+        requests: std::sync::Mutex<Vec<(Vec<usize>, Vec<usize>)>>,
+    }
+
+    impl ExpertProvider for Scrambled<'_> {
+        fn fetch(&self, l: usize, e: &[usize], out: &mut Vec<Arc<ExpertData>>) -> Result<()> {
+            self.inner.fetch(l, e, out)
+        }
+        fn max_batch(&self, _layer: usize) -> usize {
+            3
+        }
+        fn fetch_each(
+            &self,
+            layer: usize,
+            experts: &[usize],
+            ahead: &[usize],
+            landed: &mut dyn FnMut(&[usize], &[Arc<ExpertData>]) -> Result<()>,
+        ) -> Result<()> {
+            self.requests
+                .lock()
+                .unwrap()
+                .push((experts.to_vec(), ahead.to_vec()));
+            let n = experts.len();
+            let mut order: Vec<usize> = (0..n).collect();
+            let mut r = noise(2 * n, self.seed + n as u64);
+            for i in (1..n).rev() {
+                order.swap(i, r.next().unwrap() as usize % (i + 1));
+            }
+            let mut at = 0;
+            while at < n {
+                let take = (1 + r.next().unwrap() as usize % 2).min(n - at);
+                let places = &order[at..at + take];
+                let mut handles = Vec::new();
+                for &p in places {
+                    self.inner.fetch(layer, &experts[p..=p], &mut handles)?;
+                }
+                landed(places, &handles)?;
+                at += take;
+            }
+            Ok(())
+        }
+    }
+
+    /// Experts handed over in scrambled orders and pieces give the bits of the whole group at
+    /// once, and each group names the next one as `ahead` (the last none).
+    #[test]
+    fn scrambled_landings_give_the_bits_of_the_in_order_run() {
+        let (h, inter, k, t) = (256, 256, 4, 64);
+        let b = Block::new(h, inter, 8, k, t);
+        let in_order = b.run(0..t, &b.provider, None).unwrap();
+        for seed in 1..6 {
+            let p = Scrambled {
+                inner: &b.provider,
+                seed,
+                requests: Default::default(),
+            };
+            let scrambled = b.run(0..t, &p, None).unwrap();
+            assert!(same_bits(&in_order, &scrambled), "seed {seed}");
+            let requests = std::mem::take(&mut *p.requests.lock().unwrap());
+            let union: Vec<usize> = requests.iter().flat_map(|(g, _)| g.clone()).collect();
+            assert_eq!(union, (0..8).collect::<Vec<_>>(), "every expert, in groups");
+            for (i, (group, ahead)) in requests.iter().enumerate() {
+                assert!(group.len() <= 3);
+                let next = requests.get(i + 1).map(|r| r.0.clone()).unwrap_or_default();
+                assert_eq!(ahead, &next, "group {i}'s ahead is the next group");
+            }
+            // A decode position too (a few experts, one group).
+            for ps in [0..1, 7..8] {
+                let alone = b.run(ps.clone(), &b.provider, None).unwrap();
+                assert!(same_bits(&alone, &b.run(ps, &p, None).unwrap()));
             }
         }
     }

@@ -257,7 +257,7 @@ impl TieredExperts {
             let Some(tier) = self.shared.first_tier(k, 0) else {
                 continue;
             };
-            if !self.shared.make_room(&mut g, len, false, None) {
+            if !self.shared.make_room(&mut g, len, false, &|_| false) {
                 break;
             }
             g.map.insert(
@@ -306,13 +306,8 @@ impl Shared {
         g: &mut Inner,
         len: u64,
         demand: bool,
-        keep: Option<(usize, &[&[usize]])>,
+        kept: &dyn Fn(&ExpertId) -> bool,
     ) -> bool {
-        let kept = |k: &ExpertId| {
-            keep.is_some_and(|(l, lists)| {
-                k.layer as usize == l && lists.iter().any(|es| es.contains(&(k.expert as usize)))
-            })
-        };
         while g.used + len > self.budget {
             // least recently used ready entry that nobody holds and the current request does not
             // need; hot ones only as a last resort
@@ -347,7 +342,8 @@ impl Shared {
 
     /// Makes room for and marks loading those of `ahead` (experts of `layer` that a request
     /// for `experts` names as asked for next) that are not in RAM, in order, as far as the
-    /// budget allows without evicting one of `experts` or `ahead` or overshooting; returns
+    /// budget allows without evicting one of `ahead` or of `experts` not yet handed over
+    /// (`taken[i]` false) or overshooting; returns
     /// them by tier, for [`start`](Self::start) at prefetch priority once the lock is
     /// released. They count as prefetched. Allocates nothing when none is missing.
     fn load_ahead(
@@ -355,6 +351,7 @@ impl Shared {
         g: &mut Inner,
         layer: usize,
         experts: &[usize],
+        taken: &[bool],
         ahead: &[usize],
     ) -> Vec<Vec<ExpertId>> {
         let mut batch: Vec<Vec<ExpertId>> = Vec::new();
@@ -366,7 +363,15 @@ impl Shared {
             let (Some(len), Some(tier)) = (self.size(k), self.first_tier(k, 0)) else {
                 continue;
             };
-            if !self.make_room(g, len, false, Some((layer, &[experts, ahead]))) {
+            let kept = |k: &ExpertId| {
+                in_request(k, layer, ahead)
+                    || k.layer as usize == layer
+                        && experts
+                            .iter()
+                            .zip(taken)
+                            .any(|(&e, &t)| !t && e == k.expert as usize)
+            };
+            if !self.make_room(g, len, false, &kept) {
                 break;
             }
             let stamp = g.clock;
@@ -468,6 +473,11 @@ impl Shared {
     }
 }
 
+/// Whether `k` is one of `experts` of `layer`.
+fn in_request(k: &ExpertId, layer: usize, experts: &[usize]) -> bool {
+    k.layer as usize == layer && experts.contains(&(k.expert as usize))
+}
+
 /// Releases the pins of `experts` of `layer` (one per occurrence) that a request took.
 fn unpin(g: &mut Inner, layer: usize, experts: &[usize]) {
     for &e in experts {
@@ -541,7 +551,7 @@ impl TieredExperts {
                     });
                 }
             };
-            sh.make_room(&mut g, len, true, Some((layer, &[experts])));
+            sh.make_room(&mut g, len, true, &|k| in_request(k, layer, experts));
             g.map.insert(
                 k,
                 Entry {
@@ -560,15 +570,19 @@ impl TieredExperts {
             }
             batch[tier].push(k);
         }
-        let early = sh.load_ahead(&mut g, layer, experts, ahead);
         drop(g);
         sh.start(batch, Priority::Demand);
-        sh.start(early, Priority::Prefetch);
         with_landing(|l| {
             l.taken.resize(experts.len(), false);
             let mut left = experts.len();
             let mut waited = std::time::Duration::ZERO;
             let mut g = sh.lock();
+            let early = sh.load_ahead(&mut g, layer, experts, &l.taken, ahead);
+            if !early.is_empty() {
+                drop(g);
+                sh.start(early, Priority::Prefetch);
+                g = sh.lock();
+            }
             let failed = 'wait: loop {
                 l.places.clear();
                 l.handles.clear();
@@ -617,7 +631,7 @@ impl TieredExperts {
                         .zip(&l.taken)
                         .filter(|&(&e, &taken)| !taken && e == k.expert as usize)
                         .count();
-                    sh.make_room(&mut g, len, true, Some((layer, &[experts])));
+                    sh.make_room(&mut g, len, true, &|k| in_request(k, layer, experts));
                     g.map.insert(
                         k,
                         Entry {
@@ -660,15 +674,15 @@ impl TieredExperts {
                     if let Err(e) = r {
                         break Some(e);
                     }
-                    if left == 0 {
-                        break None;
-                    }
                     // The room the computed experts freed goes to the next experts.
-                    let more = sh.load_ahead(&mut g, layer, experts, ahead);
+                    let more = sh.load_ahead(&mut g, layer, experts, &l.taken, ahead);
                     if !more.is_empty() {
                         drop(g);
                         sh.start(more, Priority::Prefetch);
                         g = sh.lock();
+                    }
+                    if left == 0 {
+                        break None;
                     }
                     continue;
                 }
@@ -733,7 +747,7 @@ impl ExpertProvider for TieredExperts {
             let (Some(len), Some(tier)) = (sh.size(k), sh.first_tier(k, 0)) else {
                 continue;
             };
-            if !sh.make_room(&mut g, len, false, None) {
+            if !sh.make_room(&mut g, len, false, &|_| false) {
                 break;
             }
             let stamp = g.clock;
@@ -922,6 +936,347 @@ mod tests {
                 .fetch(0, &[1, 2], &mut out)
                 .expect("a two-expert fetch");
             assert_eq!(out.len(), 2, "two records even where the budget holds one");
+        }
+    }
+
+    /// A tier that holds every load until the test completes it, so the test chooses the
+    /// order loads land in (and which fail). Records each load asked of it.
+    #[derive(Default)]
+    struct Gated {
+        calls: Mutex<Vec<(ExpertId, Priority, Option<Completion>)>>,
+        cv: Condvar,
+    }
+
+    impl std::fmt::Debug for Gated {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Gated")
+        }
+    }
+
+    impl Tier for Gated {
+        fn name(&self) -> &str {
+            "gated"
+        }
+        fn holds(&self, _: ExpertId) -> bool {
+            true
+        }
+        fn load(&self, keys: &[ExpertId], p: Priority, done: Completion) {
+            let mut c = self.calls.lock().unwrap();
+            for &k in keys {
+                c.push((k, p, Some(done.clone())));
+            }
+            self.cv.notify_all();
+        }
+    }
+
+    /// An expert whose one part is `[layer, expert]`: the test knows a handle by its bytes.
+    fn labelled(k: ExpertId) -> Arc<ExpertData> {
+        let bytes = [k.layer as u8, k.expert as u8];
+        Arc::new(ExpertData::from_lengths(
+            Arc::new(crate::huge::HugeBuf::copy_of(&bytes).unwrap()),
+            0,
+            [2],
+        ))
+    }
+
+    fn label(d: &ExpertData) -> (usize, usize) {
+        let b = d.parts().next().unwrap();
+        (b[0] as usize, b[1] as usize)
+    }
+
+    impl Gated {
+        /// Waits (at most 10 s) until `n` loads were asked, and returns them.
+        fn asked(&self, n: usize) -> Vec<(ExpertId, Priority)> {
+            let c = self.calls.lock().unwrap();
+            let (c, _) = self
+                .cv
+                .wait_timeout_while(c, std::time::Duration::from_secs(10), |c| c.len() < n)
+                .unwrap();
+            assert!(c.len() >= n, "{} loads asked, waited for {n}", c.len());
+            c.iter().map(|(k, p, _)| (*k, *p)).collect()
+        }
+
+        /// Completes the pending load of `k`: its labelled data, or an error.
+        fn finish(&self, k: ExpertId, ok: bool) {
+            let done = {
+                let mut c = self.calls.lock().unwrap();
+                let call = c
+                    .iter_mut()
+                    .find(|(key, _, d)| *key == k && d.is_some())
+                    .unwrap_or_else(|| panic!("no pending load of {k}"));
+                call.2.take().unwrap()
+            };
+            let r = if ok {
+                Ok(labelled(k))
+            } else {
+                Err(Error::Expert {
+                    layer: k.layer as usize,
+                    expert: k.expert as usize,
+                    reason: "the disk said no".into(),
+                })
+            };
+            done(k, r);
+        }
+    }
+
+    fn cache_over(tier: Arc<dyn Tier>, budget: u64) -> Arc<TieredExperts> {
+        Arc::new(TieredExperts::new(
+            vec![tier],
+            vec![vec![64; 16]; 2],
+            1,
+            &TierConfig {
+                budget,
+                hot_fraction: 0.0,
+                ..TierConfig::default()
+            },
+        ))
+    }
+
+    /// Every landing of a `fetch_each`: (place, label of its handle).
+    type Landings = Vec<Vec<(usize, (usize, usize))>>;
+
+    /// Runs `fetch_each` on its own thread; its landings arrive on the channel as they come.
+    fn fetch_each_on_thread(
+        cache: &Arc<TieredExperts>,
+        layer: usize,
+        experts: Vec<usize>,
+        ahead: Vec<usize>,
+    ) -> (
+        std::sync::mpsc::Receiver<Vec<(usize, (usize, usize))>>,
+        std::thread::JoinHandle<Result<Landings>>,
+    ) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let cache = cache.clone();
+        let t = std::thread::spawn(move || {
+            let mut all = Vec::new();
+            cache
+                .fetch_each(layer, &experts, &ahead, &mut |places, handles| {
+                    let l: Vec<_> = places
+                        .iter()
+                        .zip(handles)
+                        .map(|(&p, d)| (p, label(d)))
+                        .collect();
+                    all.push(l.clone());
+                    let _ = tx.send(l);
+                    Ok(())
+                })
+                .map(|()| all)
+        });
+        (rx, t)
+    }
+
+    fn next_landing(
+        rx: &std::sync::mpsc::Receiver<Vec<(usize, (usize, usize))>>,
+    ) -> Vec<(usize, (usize, usize))> {
+        rx.recv_timeout(std::time::Duration::from_secs(10))
+            .expect("a landing within 10 s")
+    }
+
+    /// Whatever order the loads complete in, each expert is handed over once, as its load
+    /// completes (hits at once, before any miss), with its own bytes; nothing stays pinned.
+    #[test]
+    fn fetch_each_hands_each_expert_over_as_it_lands_in_any_order() {
+        for order in [[0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]] {
+            let gated = Arc::new(Gated::default());
+            let cache = cache_over(gated.clone(), 16 * 64);
+            // Experts 5 and 9 of layer 1 in RAM first.
+            let hits = std::thread::spawn({
+                let cache = cache.clone();
+                move || cache.fetch(1, &[5, 9], &mut Vec::new())
+            });
+            gated.asked(2);
+            gated.finish(ExpertId::from_indices(1, 5), true);
+            gated.finish(ExpertId::from_indices(1, 9), true);
+            hits.join().unwrap().unwrap();
+            let request = vec![7, 9, 2, 5, 11, 3];
+            let (rx, t) = fetch_each_on_thread(&cache, 1, request.clone(), Vec::new());
+            let first = next_landing(&rx);
+            assert_eq!(first, vec![(1, (1, 9)), (3, (1, 5))], "the hits, at once");
+            let misses = [7, 2, 11, 3];
+            let asked = gated.asked(6);
+            assert_eq!(
+                asked[2..]
+                    .iter()
+                    .map(|(k, _)| k.expert as usize)
+                    .collect::<Vec<_>>(),
+                misses,
+                "the misses, in one batch"
+            );
+            assert!(asked.iter().all(|&(_, p)| p == Priority::Demand));
+            for i in order {
+                let e = misses[i];
+                gated.finish(ExpertId::from_indices(1, e), true);
+                let place = request.iter().position(|&x| x == e).unwrap();
+                assert_eq!(next_landing(&rx), vec![(place, (1, e))], "order {order:?}");
+            }
+            let all = t.join().unwrap().unwrap();
+            let mut places: Vec<usize> = all.iter().flatten().map(|&(p, _)| p).collect();
+            places.sort_unstable();
+            assert_eq!(places, (0..request.len()).collect::<Vec<_>>());
+            let s = cache.stats();
+            assert_eq!((s.requests, s.ram_hits, s.tiers[0].loads), (8, 2, 6));
+            let g = cache.shared.lock();
+            assert!(g.map.values().all(|e| e.waiters == 0), "a pin was left");
+        }
+    }
+
+    /// A load failing mid-group ends the request with its error after the experts that
+    /// landed before it were handed over; the pins of the rest are released (the experts
+    /// still loading are evictable once they land), and the next request loads the failed
+    /// expert again. An error of the caller's own ends the request the same way.
+    #[test]
+    fn a_failure_mid_group_ends_the_request_and_leaves_no_pin() {
+        let gated = Arc::new(Gated::default());
+        let cache = cache_over(gated.clone(), 16 * 64);
+        let (rx, t) = fetch_each_on_thread(&cache, 0, vec![4, 6, 8], Vec::new());
+        gated.asked(3);
+        gated.finish(ExpertId::from_indices(0, 8), true);
+        assert_eq!(next_landing(&rx), vec![(2, (0, 8))]);
+        gated.finish(ExpertId::from_indices(0, 4), false);
+        let e = t.join().unwrap().unwrap_err().to_string();
+        assert_eq!(e, "expert 4 of layer 0: the disk said no");
+        {
+            let g = cache.shared.lock();
+            assert!(g.map.values().all(|e| e.waiters == 0), "a pin was left");
+        }
+        // Expert 6 lands after the request ended: nobody holds it.
+        gated.finish(ExpertId::from_indices(0, 6), true);
+        assert!(cache.is_resident(ExpertId::from_indices(0, 6)));
+        // Expert 4 is loaded again by the next request.
+        let (rx, t) = fetch_each_on_thread(&cache, 0, vec![4, 6], Vec::new());
+        assert_eq!(next_landing(&rx), vec![(1, (0, 6))]);
+        gated.asked(4);
+        gated.finish(ExpertId::from_indices(0, 4), true);
+        assert_eq!(next_landing(&rx), vec![(0, (0, 4))]);
+        t.join().unwrap().unwrap();
+        // The caller's error.
+        let r = cache.fetch_each(0, &[4, 6, 8], &[], &mut |_, _| {
+            Err(Error::Expert {
+                layer: 0,
+                expert: 4,
+                reason: "the caller gave up".into(),
+            })
+        });
+        assert!(r.unwrap_err().to_string().contains("the caller gave up"));
+        let g = cache.shared.lock();
+        assert!(g.map.values().all(|e| e.waiters == 0), "a pin was left");
+    }
+
+    /// The next group (`ahead`) starts loading, at prefetch priority, as soon as room allows
+    /// without evicting the current group or itself: at a budget of three records and a group
+    /// of three, one at a time as the current group's experts are handed over.
+    #[test]
+    fn ahead_loads_fill_the_room_the_current_group_frees() {
+        let gated = Arc::new(Gated::default());
+        let cache = cache_over(gated.clone(), 3 * 64);
+        let (rx, t) = fetch_each_on_thread(&cache, 0, vec![0, 1, 2], vec![3, 4, 5]);
+        let asked = gated.asked(3);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(gated.asked(3).len(), 3, "no room for the next group yet");
+        assert!(asked.iter().all(|&(_, p)| p == Priority::Demand));
+        gated.finish(ExpertId::from_indices(0, 1), true);
+        next_landing(&rx);
+        // Expert 1 handed over and dropped: its room goes to expert 3.
+        let asked = gated.asked(4);
+        assert_eq!(asked[3], (ExpertId::from_indices(0, 3), Priority::Prefetch));
+        gated.finish(ExpertId::from_indices(0, 0), true);
+        gated.finish(ExpertId::from_indices(0, 2), true);
+        let all = t.join().unwrap().unwrap();
+        assert_eq!(all.iter().flatten().count(), 3);
+        // The whole next group is loading ahead once the current one is done.
+        let asked = gated.asked(6);
+        assert_eq!(asked.len(), 6);
+        for (i, &(k, p)) in asked[3..].iter().enumerate() {
+            assert_eq!(
+                (k, p),
+                (ExpertId::from_indices(0, 3 + i), Priority::Prefetch)
+            );
+            gated.finish(k, true);
+        }
+        let mut out = Vec::new();
+        cache.fetch(0, &[3, 4, 5], &mut out).unwrap();
+        assert_eq!(
+            out.iter().map(|d| label(d)).collect::<Vec<_>>(),
+            [(0, 3), (0, 4), (0, 5)]
+        );
+        let s = cache.stats();
+        assert_eq!(
+            (s.ram_hits, s.prefetch_used, s.prefetch_wasted),
+            (3, 3, 0),
+            "{s:?}"
+        );
+        assert_eq!(s.tiers[0].loads, 6, "no expert loaded twice: {s:?}");
+    }
+
+    /// Regression guard for the landing path at a tiny budget: many threads asking
+    /// overlapping groups with overlapping `ahead` lists all get every expert they asked for,
+    /// once each, with its own bytes, and leave no pin.
+    #[test]
+    fn concurrent_fetch_each_at_a_tiny_budget_gets_every_expert_once() {
+        /// Completes each load on its own thread after a short pause, with labelled data.
+        #[derive(Debug)]
+        struct Labelled;
+        impl Tier for Labelled {
+            fn name(&self) -> &str {
+                "labelled"
+            }
+            fn holds(&self, _: ExpertId) -> bool {
+                true
+            }
+            fn load(&self, keys: &[ExpertId], _: Priority, done: Completion) {
+                for &k in keys {
+                    let done = done.clone();
+                    std::thread::spawn(move || {
+                        std::thread::sleep(std::time::Duration::from_micros(
+                            100 + 50 * k.expert as u64,
+                        ));
+                        done(k, Ok(labelled(k)));
+                    });
+                }
+            }
+        }
+        for budget in [0, 64, 3 * 64] {
+            let cache = cache_over(Arc::new(Labelled), budget);
+            let threads: Vec<_> = (0..12)
+                .map(|t| {
+                    let cache = cache.clone();
+                    std::thread::spawn(move || {
+                        for i in 0..30usize {
+                            let layer = (t + i) % 2;
+                            let a = (t * 5 + i * 3) % 16;
+                            let group = [a, (a + 1) % 16];
+                            let ahead = [(a + 2) % 16, (a + 7) % 16];
+                            let mut seen = [0u8; 2];
+                            cache
+                                .fetch_each(layer, &group, &ahead, &mut |places, handles| {
+                                    for (&p, d) in places.iter().zip(handles) {
+                                        assert_eq!(label(d), (layer, group[p]));
+                                        seen[p] += 1;
+                                    }
+                                    Ok(())
+                                })
+                                .unwrap_or_else(|e| panic!("budget {budget}, thread {t}: {e}"));
+                            assert_eq!(seen, [1, 1], "budget {budget}, thread {t}");
+                        }
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().expect("a fetching thread failed");
+            }
+            // Ahead loads may still be landing: wait for them, then nothing is pinned.
+            let start = Instant::now();
+            loop {
+                let g = cache.shared.lock();
+                let loading = g.map.values().any(|e| matches!(e.state, State::Loading));
+                if !loading {
+                    assert!(g.map.values().all(|e| e.waiters == 0), "a pin was left");
+                    break;
+                }
+                drop(g);
+                assert!(start.elapsed().as_secs() < 10, "loads never landed");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
         }
     }
 }
