@@ -710,7 +710,12 @@ mod tests {
             ("run", &["--prefill-block", "--logits-out"][..]),
             (
                 "bench",
-                &["--pair-full-head", "--pair-prefetch", "--prefill-block"],
+                &[
+                    "--pair-full-head",
+                    "--pair-prefetch",
+                    "--pair-completion",
+                    "--prefill-block",
+                ],
             ),
         ] {
             let help = super::Cli::command_line()
