@@ -329,7 +329,7 @@ pub trait ExpertProvider: Send + Sync + fmt::Debug {
         layer: usize,
         experts: &[usize],
         ahead: &[usize],
-        landed: &mut dyn FnMut(&[usize], &[Arc<ExpertData>]) -> Result<()>,
+        landed: &mut Landed<'_>,
     ) -> Result<()> {
         let _ = ahead;
         with_landing(|l| {
@@ -372,6 +372,10 @@ pub(crate) fn with_landing<R>(f: impl FnOnce(&mut Landing) -> R) -> R {
     LANDING.with(|c| c.set(l));
     r
 }
+
+/// What [`ExpertProvider::fetch_each`] hands each landing to: the places in the request of
+/// the experts that landed, and their handles.
+pub type Landed<'a> = dyn FnMut(&[usize], &[Arc<ExpertData>]) -> Result<()> + 'a;
 
 /// The error of a provider that returned `got` experts for the request `experts`.
 fn wrong_count(layer: usize, experts: &[usize], got: usize) -> Error {
@@ -1218,7 +1222,7 @@ mod tests {
             layer: usize,
             experts: &[usize],
             ahead: &[usize],
-            landed: &mut dyn FnMut(&[usize], &[Arc<ExpertData>]) -> Result<()>,
+            landed: &mut Landed<'_>,
         ) -> Result<()> {
             self.requests
                 .lock()

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::{Completion, ExpertId, Priority, Tier};
 use crate::error::{Error, Result};
-use crate::moe::{with_landing, ExpertData, ExpertProvider};
+use crate::moe::{with_landing, ExpertData, ExpertProvider, Landed};
 
 /// Settings of the RAM tier.
 #[derive(Clone, Debug)]
@@ -497,7 +497,7 @@ impl TieredExperts {
         experts: &[usize],
         ahead: &[usize],
         whole: bool,
-        landed: &mut dyn FnMut(&[usize], &[Arc<ExpertData>]) -> Result<()>,
+        landed: &mut Landed<'_>,
     ) -> Result<()> {
         let sh = &self.shared;
         let mut g = sh.lock();
@@ -726,7 +726,7 @@ impl ExpertProvider for TieredExperts {
         layer: usize,
         experts: &[usize],
         ahead: &[usize],
-        landed: &mut dyn FnMut(&[usize], &[Arc<ExpertData>]) -> Result<()>,
+        landed: &mut Landed<'_>,
     ) -> Result<()> {
         self.serve(layer, experts, ahead, false, landed)
     }
@@ -1032,8 +1032,8 @@ mod tests {
         ))
     }
 
-    /// Every landing of a `fetch_each`: (place, label of its handle).
-    type Landings = Vec<Vec<(usize, (usize, usize))>>;
+    /// One landing of a `fetch_each`: (place, label of its handle).
+    type Landing = Vec<(usize, (usize, usize))>;
 
     /// Runs `fetch_each` on its own thread; its landings arrive on the channel as they come.
     fn fetch_each_on_thread(
@@ -1042,8 +1042,8 @@ mod tests {
         experts: Vec<usize>,
         ahead: Vec<usize>,
     ) -> (
-        std::sync::mpsc::Receiver<Vec<(usize, (usize, usize))>>,
-        std::thread::JoinHandle<Result<Landings>>,
+        std::sync::mpsc::Receiver<Landing>,
+        std::thread::JoinHandle<Result<Vec<Landing>>>,
     ) {
         let (tx, rx) = std::sync::mpsc::channel();
         let cache = cache.clone();
@@ -1065,9 +1065,7 @@ mod tests {
         (rx, t)
     }
 
-    fn next_landing(
-        rx: &std::sync::mpsc::Receiver<Vec<(usize, (usize, usize))>>,
-    ) -> Vec<(usize, (usize, usize))> {
+    fn next_landing(rx: &std::sync::mpsc::Receiver<Landing>) -> Landing {
         rx.recv_timeout(std::time::Duration::from_secs(10))
             .expect("a landing within 10 s")
     }
