@@ -75,10 +75,9 @@ fn experts_computed_as_they_land_give_the_mapped_bits() {
                     same_bits(&mapped, &got),
                     "{name}, budget of {budget} experts, completion-driven {on}"
                 );
-                // The next group loaded ahead only when completion-driven (the hint-driven
-                // prefetch is off).
+                // The next group loaded ahead only when completion-driven.
                 assert_eq!(
-                    stats.prefetch_used > 0,
+                    stats.ahead_used > 0,
                     on,
                     "{name}, budget {budget}, completion-driven {on}: {stats:?}"
                 );

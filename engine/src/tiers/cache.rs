@@ -56,6 +56,11 @@ pub struct ExpertStats {
     pub prefetch_used: u64,
     /// Prefetched experts evicted (or left) unused.
     pub prefetch_wasted: u64,
+    /// Experts loaded ahead of the request that then asked for them (the next group of a
+    /// layer, loaded while the current one computes: [`ExpertProvider::fetch_each`]).
+    pub ahead_used: u64,
+    /// Experts loaded ahead and evicted (or left) unused (another request needed the room).
+    pub ahead_wasted: u64,
     /// Failures followed by a try elsewhere: a load that failed in one tier and was retried in
     /// the next, or a failure a tier followed with another of its sources
     /// ([`Tier::retried_failures`]).
@@ -80,6 +85,9 @@ struct Entry {
     stamp: u64,
     /// Loaded by a prefetch and not used yet.
     unused_prefetch: bool,
+    /// Loaded ahead of a request that named it as next ([`ExpertProvider::fetch_each`]'s
+    /// `ahead`) and not used yet.
+    unused_ahead: bool,
     /// A hot expert (evicted last).
     hot: bool,
     /// Index of the tier currently loading it.
@@ -202,6 +210,7 @@ impl TieredExperts {
         let g = self.shared.lock();
         let mut s = g.stats.clone();
         s.prefetch_wasted += g.map.values().filter(|e| e.unused_prefetch).count() as u64;
+        s.ahead_wasted += g.map.values().filter(|e| e.unused_ahead).count() as u64;
         drop(g);
         for (t, tier) in s.tiers.iter_mut().zip(&self.shared.tiers) {
             let n = tier.retried_failures();
@@ -267,6 +276,7 @@ impl TieredExperts {
                     len,
                     stamp: 0,
                     unused_prefetch: false,
+                    unused_ahead: false,
                     hot: true,
                     tier,
                     waiters: 0,
@@ -333,6 +343,9 @@ impl Shared {
                     if e.unused_prefetch {
                         g.stats.prefetch_wasted += 1;
                     }
+                    if e.unused_ahead {
+                        g.stats.ahead_wasted += 1;
+                    }
                 }
                 None => return demand,
             }
@@ -345,7 +358,7 @@ impl Shared {
     /// budget allows without evicting one of `ahead` or of `experts` not yet handed over
     /// (`taken[i]` false) or overshooting; returns
     /// them by tier, for [`start`](Self::start) at prefetch priority once the lock is
-    /// released. They count as prefetched. Allocates nothing when none is missing.
+    /// released. They count as loaded ahead. Allocates nothing when none is missing.
     fn load_ahead(
         &self,
         g: &mut Inner,
@@ -381,7 +394,8 @@ impl Shared {
                     state: State::Loading,
                     len,
                     stamp,
-                    unused_prefetch: true,
+                    unused_prefetch: false,
+                    unused_ahead: true,
                     hot: false,
                     tier,
                     waiters: 0,
@@ -522,15 +536,20 @@ impl TieredExperts {
                 g.used -= old.len;
                 waiters += old.waiters;
             }
-            if let Some(entry) = g.map.get_mut(&k) {
+            let Inner { map, stats, .. } = &mut *g;
+            if let Some(entry) = map.get_mut(&k) {
                 entry.stamp = clock;
                 entry.waiters += 1;
                 if entry.unused_prefetch {
                     entry.unused_prefetch = false;
-                    g.stats.prefetch_used += 1;
+                    stats.prefetch_used += 1;
                 }
-                if matches!(g.map[&k].state, State::Ready(_)) {
-                    g.stats.ram_hits += 1;
+                if entry.unused_ahead {
+                    entry.unused_ahead = false;
+                    stats.ahead_used += 1;
+                }
+                if matches!(entry.state, State::Ready(_)) {
+                    stats.ram_hits += 1;
                 }
                 continue;
             }
@@ -559,6 +578,7 @@ impl TieredExperts {
                     len,
                     stamp: clock,
                     unused_prefetch: false,
+                    unused_ahead: false,
                     hot: false,
                     tier,
                     waiters,
@@ -639,6 +659,7 @@ impl TieredExperts {
                             len,
                             stamp: clock,
                             unused_prefetch: false,
+                            unused_ahead: false,
                             hot: false,
                             tier,
                             waiters: u32::try_from(waiters).unwrap_or(u32::MAX),
@@ -758,6 +779,7 @@ impl ExpertProvider for TieredExperts {
                     len,
                     stamp,
                     unused_prefetch: true,
+                    unused_ahead: false,
                     hot: false,
                     tier,
                     waiters: 0,
@@ -1199,9 +1221,14 @@ mod tests {
         );
         let s = cache.stats();
         assert_eq!(
-            (s.ram_hits, s.prefetch_used, s.prefetch_wasted),
+            (s.ram_hits, s.ahead_used, s.ahead_wasted),
             (3, 3, 0),
             "{s:?}"
+        );
+        assert_eq!(
+            s.prefetch_used + s.prefetch_wasted,
+            0,
+            "not predictions: {s:?}"
         );
         assert_eq!(s.tiers[0].loads, 6, "no expert loaded twice: {s:?}");
     }
