@@ -563,6 +563,10 @@ impl TieredExperts {
                 Ok(found) => found,
                 Err(reason) => {
                     unpin(&mut g, layer, &experts[..i]);
+                    drop(g);
+                    // The misses before it are marked loading: they load (for the next request)
+                    // rather than stay marked forever.
+                    sh.start(batch, Priority::Demand);
                     return Err(Error::Expert {
                         layer,
                         expert: e,
@@ -893,6 +897,39 @@ mod tests {
         let e = cache.fetch(0, &[2], &mut out).unwrap_err().to_string();
         assert_eq!(e, "expert 2 of layer 0: no peer could supply it");
         assert!(out.is_empty());
+    }
+
+    /// Regression: a request whose second expert no tier holds failed before it started the
+    /// load of its first, a miss already marked loading, so the next request for that one
+    /// waited forever.
+    #[test]
+    fn a_request_failing_on_an_unheld_expert_still_loads_the_misses_before_it() {
+        /// Holds expert 0 only; its loads complete on their own threads.
+        #[derive(Debug)]
+        struct OnlyZero;
+        impl Tier for OnlyZero {
+            fn name(&self) -> &str {
+                "only-zero"
+            }
+            fn holds(&self, k: ExpertId) -> bool {
+                k.expert == 0
+            }
+            fn load(&self, keys: &[ExpertId], p: Priority, done: Completion) {
+                Threaded.load(keys, p, done)
+            }
+        }
+        let cache = cache_over(Arc::new(OnlyZero), 16 * 64);
+        let e = cache.fetch(0, &[0, 1], &mut Vec::new()).unwrap_err();
+        assert!(e.to_string().contains("no tier holds it"), "{e}");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut out = Vec::new();
+            let _ = tx.send(cache.fetch(0, &[0], &mut out).map(|()| out.len()));
+        });
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the fetch of expert 0 returned");
+        assert_eq!(got.unwrap(), 1);
     }
 
     /// A tier whose loads complete on their own threads after a short pause, as the disk
