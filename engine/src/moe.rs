@@ -8,9 +8,21 @@
 //! positions that chose it (batch-union), and each position sums its k outputs in slot order.
 //! An [`ExpertExecutor`] may take some of the union instead (a peer computing an expert it
 //! holds on the rows routed to it; see [`remote`]): the output bits are the same.
+//!
+//! **Completion-driven.** The union is asked of the provider a group at a time (as many as its
+//! RAM budget holds, [`ExpertProvider::max_batch`]), and each group's experts are computed as
+//! they land, in whatever order ([`ExpertProvider::fetch_each`]): all the experts ready and
+//! not yet computed go through one [`experts_forward`] call (so the thread pool stays busy)
+//! while the rest still load from the disk or the network, and the next group of the same
+//! layer (known: the route is) starts loading as the computed experts free room. Each expert's
+//! rows go to its own slot rows and each position sums its slots in slot order at the end, so
+//! the output is the same bits in any landing order. [`set_completion_driven`] (or
+//! `STORMO_COMPLETION_DRIVEN=0`) turns it off for measurement: then each group is fetched
+//! whole, then computed, as before.
 
 use std::fmt;
 use std::ops::Range;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use crate::config::{Activation, Routing};
@@ -300,6 +312,113 @@ pub trait ExpertProvider: Send + Sync + fmt::Debug {
     fn max_batch(&self, _layer: usize) -> usize {
         usize::MAX
     }
+
+    /// Makes `experts` of `layer` available as [`fetch`](Self::fetch) does, but hands them to
+    /// `landed` as they arrive, in any order: each call gives the places in `experts` of the
+    /// experts that became ready since the last call, and their handles (`landed(places,
+    /// handles)`, one handle per place). When it returns `Ok`, every place was handed over
+    /// exactly once. An error of a load, or of `landed`, ends the call with that error (places
+    /// not handed over by then never are).
+    ///
+    /// `ahead` are experts of the same layer that the caller will ask for next (the route is
+    /// known): a provider may start loading them as room frees up, never evicting one of
+    /// `experts` or `ahead` for them. The default fetches the whole request, then hands it
+    /// over in one call, and ignores `ahead`.
+    fn fetch_each(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        ahead: &[usize],
+        landed: &mut Landed<'_>,
+    ) -> Result<()> {
+        let _ = ahead;
+        with_landing(|l| {
+            self.fetch(layer, experts, &mut l.handles)?;
+            if l.handles.len() != experts.len() {
+                return Err(wrong_count(layer, experts, l.handles.len()));
+            }
+            l.places.extend(0..experts.len());
+            landed(&l.places, &l.handles)
+        })
+    }
+}
+
+/// Buffers for handing experts over as they land ([`ExpertProvider::fetch_each`]), kept by
+/// each thread so that a decoded token allocates nothing.
+#[derive(Debug, Default)]
+pub(crate) struct Landing {
+    /// Places in the request of the experts of one landing.
+    pub(crate) places: Vec<usize>,
+    /// Their handles.
+    pub(crate) handles: Vec<Arc<ExpertData>>,
+    /// Per place of the request, whether it was handed over.
+    pub(crate) taken: Vec<bool>,
+}
+
+thread_local! {
+    static LANDING: std::cell::Cell<Landing> = std::cell::Cell::new(Landing::default());
+}
+
+/// Runs `f` with this thread's [`Landing`] buffers, empty (a nested call gets new ones). The
+/// handles are dropped before the buffers are kept: a kept handle would keep its expert from
+/// being evicted.
+pub(crate) fn with_landing<R>(f: impl FnOnce(&mut Landing) -> R) -> R {
+    let mut l = LANDING.with(std::cell::Cell::take);
+    l.places.clear();
+    l.handles.clear();
+    l.taken.clear();
+    let r = f(&mut l);
+    l.handles.clear();
+    LANDING.with(|c| c.set(l));
+    r
+}
+
+/// What [`ExpertProvider::fetch_each`] hands each landing to: the places in the request of
+/// the experts that landed, and their handles.
+pub type Landed<'a> = dyn FnMut(&[usize], &[Arc<ExpertData>]) -> Result<()> + 'a;
+
+/// The error of a provider that returned `got` experts for the request `experts`.
+fn wrong_count(layer: usize, experts: &[usize], got: usize) -> Error {
+    Error::Expert {
+        layer,
+        expert: experts.first().copied().unwrap_or(0),
+        reason: format!(
+            "provider returned {got} experts for {} requested",
+            experts.len()
+        ),
+    }
+}
+
+/// Whether [`moe_block`] computes experts as they land (0: not read yet, 1: off, 2: on).
+static COMPLETION_DRIVEN: AtomicU8 = AtomicU8::new(0);
+
+/// Whether [`moe_block`] computes each group's experts as they land
+/// ([`ExpertProvider::fetch_each`]), loading the next group meanwhile: on unless
+/// [`set_completion_driven`] or `STORMO_COMPLETION_DRIVEN=0` turned it off. Never changes a
+/// result.
+pub fn completion_driven() -> bool {
+    match COMPLETION_DRIVEN.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => {
+            let on = std::env::var("STORMO_COMPLETION_DRIVEN").map_or(true, |v| v.trim() != "0");
+            // A concurrent `set_completion_driven` wins over the environment.
+            let _ = COMPLETION_DRIVEN.compare_exchange(
+                0,
+                if on { 2 } else { 1 },
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+            COMPLETION_DRIVEN.load(Ordering::Relaxed) == 2
+        }
+    }
+}
+
+/// Turns completion-driven MoE on or off for the whole process (a lab switch: `stormo bench
+/// --pair-completion` alternates the two). Off, each group of experts is fetched whole, then
+/// computed. The same bits either way.
+pub fn set_completion_driven(on: bool) {
+    COMPLETION_DRIVEN.store(if on { 2 } else { 1 }, Ordering::Relaxed);
 }
 
 /// Experts served straight from the mapped checkpoint: every expert resident (or paged in by
@@ -525,14 +644,18 @@ pub struct MoeScratch {
     member_start: Vec<usize>,
     fill: Vec<usize>,
     handles: Vec<Arc<ExpertData>>,
+    /// Places `0..g` of a group fetched whole.
+    places: Vec<usize>,
+    /// The experts of one landing, in its order.
+    landed: Vec<usize>,
     /// Per (position, slot) expert output `[t, k, H]`.
     slot_out: Vec<f32>,
-    /// One per expert of a fetched group.
+    /// One per expert of a landing.
     experts: Vec<ExpertScratch>,
-    /// Each fetched expert's inputs `[n_e, H]`, gathered from its positions.
+    /// Each landed expert's inputs `[n_e, H]`, gathered from its positions.
     inputs: Vec<Vec<f32>>,
-    /// Per (position, slot), the fetched group's expert and row holding its output, if the
-    /// expert is in the group.
+    /// Per (position, slot), the landing's expert and row holding its output, if the expert
+    /// is in the landing.
     source: Vec<Option<(usize, usize)>>,
     /// The union's experts with their position counts, for [`ExpertExecutor::choose`].
     demand: Vec<Demand>,
@@ -741,7 +864,9 @@ pub fn moe_block(
 
 /// Fetches `experts` of `layer` through the provider (in groups of at most its
 /// [`max_batch`](ExpertProvider::max_batch)), computes each over the positions routed to it,
-/// and writes the outputs into the scratch's slot rows.
+/// and writes the outputs into the scratch's slot rows. Completion-driven
+/// ([`completion_driven`]): each group's experts are computed as they land, the next group
+/// named to the provider as `ahead`; else each group is fetched whole, then computed.
 #[allow(clippy::too_many_arguments)]
 fn compute_local(
     layer: usize,
@@ -752,78 +877,132 @@ fn compute_local(
     int8_inputs: bool,
     s: &mut MoeScratch,
 ) -> Result<()> {
+    let group = provider.max_batch(layer).max(1);
+    let streamed = completion_driven();
+    let mut rest = experts;
+    while !rest.is_empty() {
+        let (chunk, after) = rest.split_at(group.min(rest.len()));
+        rest = after;
+        if streamed {
+            let ahead = &rest[..group.min(rest.len())];
+            // The fetch span covers the waits only: each landing is computed in the experts'.
+            let mut fetch_span = Some(crate::profile::span(crate::profile::Phase::ExpertFetch));
+            provider.fetch_each(layer, chunk, ahead, &mut |places, handles| {
+                fetch_span = None;
+                compute_landed(layer, schema, chunk, places, handles, xs, int8_inputs, s)?;
+                fetch_span = Some(crate::profile::span(crate::profile::Phase::ExpertFetch));
+                Ok(())
+            })?;
+        } else {
+            let mut handles = std::mem::take(&mut s.handles);
+            handles.clear();
+            let fetch_span = crate::profile::span(crate::profile::Phase::ExpertFetch);
+            let fetched = provider.fetch(layer, chunk, &mut handles);
+            drop(fetch_span);
+            let done = fetched.and_then(|()| {
+                if handles.len() != chunk.len() {
+                    return Err(wrong_count(layer, chunk, handles.len()));
+                }
+                s.places.clear();
+                s.places.extend(0..chunk.len());
+                let places = std::mem::take(&mut s.places);
+                let done =
+                    compute_landed(layer, schema, chunk, &places, &handles, xs, int8_inputs, s);
+                s.places = places;
+                done
+            });
+            handles.clear();
+            s.handles = handles;
+            done?;
+        }
+    }
+    Ok(())
+}
+
+/// Computes the experts `chunk[places[i]]` of `layer`, whose bytes are `handles[i]`, over
+/// the positions routed to each (in one [`experts_forward`] call), and writes their outputs
+/// into the scratch's slot rows. What an expert gives does not depend on which others share
+/// the call, so any split of a group into landings gives the same bits.
+#[allow(clippy::too_many_arguments)]
+fn compute_landed(
+    layer: usize,
+    schema: &ExpertSchema,
+    chunk: &[usize],
+    places: &[usize],
+    handles: &[Arc<ExpertData>],
+    xs: &[f32],
+    int8_inputs: bool,
+    s: &mut MoeScratch,
+) -> Result<()> {
     let h = schema.hidden;
     let (t, k) = (s.plan.positions(), s.plan.k);
-    let group = provider.max_batch(layer).max(1);
-    for chunk in experts.chunks(group) {
-        let g = chunk.len();
-        s.handles.clear();
-        let fetch_span = crate::profile::span(crate::profile::Phase::ExpertFetch);
-        provider.fetch(layer, chunk, &mut s.handles)?;
-        drop(fetch_span);
-        if s.handles.len() != g {
-            return Err(Error::Expert {
-                layer,
-                expert: chunk[0],
-                reason: format!(
-                    "provider returned {} experts for {} requested",
-                    s.handles.len(),
-                    g
-                ),
-            });
-        }
-        if s.experts.len() < g {
-            s.experts.resize_with(g, ExpertScratch::default);
-            s.inputs.resize_with(g, Vec::new);
-        }
-        for (i, &e) in chunk.iter().enumerate() {
-            check_lengths(layer, e, schema, &s.handles[i])?;
-        }
-        // Each expert's inputs gathered from its positions.
-        let (members, member_start) = (&s.members, &s.member_start);
-        each_mut(&mut s.inputs[..g], t * k * h, |i, x| {
-            let e = chunk[i];
-            x.clear();
-            for &(p, _) in &members[member_start[e]..member_start[e + 1]] {
-                x.extend_from_slice(&xs[p * h..(p + 1) * h]);
-            }
-        });
-        let handles = &s.handles;
-        let view = |i: usize| {
-            let v = schema.view(&handles[i]);
-            if int8_inputs {
-                v.with_int8_inputs()
-            } else {
-                v
-            }
-        };
-        let inputs = &s.inputs;
-        experts_forward(
-            view,
-            |i| &inputs[i],
-            &mut s.experts[..g],
-            h,
-            schema.intermediate,
-        );
-        // Where each (position, slot) of this group's experts finds its output row.
-        s.source.clear();
-        s.source.resize(t * k, None);
-        for (i, &e) in chunk.iter().enumerate() {
-            for (j, &(p, slot)) in s.members[s.member_start[e]..s.member_start[e + 1]]
-                .iter()
-                .enumerate()
-            {
-                s.source[p * k + slot] = Some((i, j));
-            }
-        }
-        let (experts, source) = (&s.experts, &s.source);
-        each_row_mut(&mut s.slot_out[..t * k * h], h, t * k * h, |d, dst| {
-            if let Some((i, j)) = source[d] {
-                dst.copy_from_slice(&experts[i].ys[j * h..(j + 1) * h]);
-            }
-        });
+    let g = places.len();
+    if handles.len() != g {
+        return Err(wrong_count(layer, chunk, handles.len()));
     }
-    s.handles.clear();
+    let expert = |i: usize| -> Result<usize> {
+        chunk.get(places[i]).copied().ok_or_else(|| Error::Expert {
+            layer,
+            expert: chunk.first().copied().unwrap_or(0),
+            reason: format!(
+                "provider handed over place {} of a request for {}",
+                places[i],
+                chunk.len()
+            ),
+        })
+    };
+    s.landed.clear();
+    for (i, d) in handles.iter().enumerate() {
+        let e = expert(i)?;
+        check_lengths(layer, e, schema, d)?;
+        s.landed.push(e);
+    }
+    if s.experts.len() < g {
+        s.experts.resize_with(g, ExpertScratch::default);
+        s.inputs.resize_with(g, Vec::new);
+    }
+    // Each expert's inputs gathered from its positions.
+    let (members, member_start, landed) = (&s.members, &s.member_start, &s.landed);
+    each_mut(&mut s.inputs[..g], t * k * h, |i, x| {
+        let e = landed[i];
+        x.clear();
+        for &(p, _) in &members[member_start[e]..member_start[e + 1]] {
+            x.extend_from_slice(&xs[p * h..(p + 1) * h]);
+        }
+    });
+    let view = |i: usize| {
+        let v = schema.view(&handles[i]);
+        if int8_inputs {
+            v.with_int8_inputs()
+        } else {
+            v
+        }
+    };
+    let inputs = &s.inputs;
+    experts_forward(
+        view,
+        |i| &inputs[i],
+        &mut s.experts[..g],
+        h,
+        schema.intermediate,
+    );
+    // Where each (position, slot) of these experts finds its output row.
+    s.source.clear();
+    s.source.resize(t * k, None);
+    for (i, &e) in s.landed.iter().enumerate() {
+        for (j, &(p, slot)) in s.members[s.member_start[e]..s.member_start[e + 1]]
+            .iter()
+            .enumerate()
+        {
+            s.source[p * k + slot] = Some((i, j));
+        }
+    }
+    let (experts, source) = (&s.experts, &s.source);
+    each_row_mut(&mut s.slot_out[..t * k * h], h, t * k * h, |d, dst| {
+        if let Some((i, j)) = source[d] {
+            dst.copy_from_slice(&experts[i].ys[j * h..(j + 1) * h]);
+        }
+    });
     Ok(())
 }
 
@@ -1018,6 +1197,85 @@ mod tests {
                     b.to_bits(),
                     "position {p}, element {i}: {a} vs {b}"
                 );
+            }
+        }
+    }
+
+    /// A provider that hands each request's experts over in a scrambled order, one or two at
+    /// a time (from `seed`), in groups of three, recording each request and its `ahead`.
+    #[derive(Debug)]
+    struct Scrambled<'a> {
+        inner: &'a MappedExperts,
+        seed: u64,
+        requests: std::sync::Mutex<Vec<(Vec<usize>, Vec<usize>)>>,
+    }
+
+    impl ExpertProvider for Scrambled<'_> {
+        fn fetch(&self, l: usize, e: &[usize], out: &mut Vec<Arc<ExpertData>>) -> Result<()> {
+            self.inner.fetch(l, e, out)
+        }
+        fn max_batch(&self, _layer: usize) -> usize {
+            3
+        }
+        fn fetch_each(
+            &self,
+            layer: usize,
+            experts: &[usize],
+            ahead: &[usize],
+            landed: &mut Landed<'_>,
+        ) -> Result<()> {
+            self.requests
+                .lock()
+                .unwrap()
+                .push((experts.to_vec(), ahead.to_vec()));
+            let n = experts.len();
+            let mut order: Vec<usize> = (0..n).collect();
+            let mut r = noise(2 * n, self.seed + n as u64);
+            for i in (1..n).rev() {
+                order.swap(i, r.next().unwrap() as usize % (i + 1));
+            }
+            let mut at = 0;
+            while at < n {
+                let take = (1 + r.next().unwrap() as usize % 2).min(n - at);
+                let places = &order[at..at + take];
+                let mut handles = Vec::new();
+                for &p in places {
+                    self.inner.fetch(layer, &experts[p..=p], &mut handles)?;
+                }
+                landed(places, &handles)?;
+                at += take;
+            }
+            Ok(())
+        }
+    }
+
+    /// Experts handed over in scrambled orders and pieces give the bits of the whole group at
+    /// once, and each group names the next one as `ahead` (the last none).
+    #[test]
+    fn scrambled_landings_give_the_bits_of_the_in_order_run() {
+        let (h, inter, k, t) = (256, 256, 4, 64);
+        let b = Block::new(h, inter, 8, k, t);
+        let in_order = b.run(0..t, &b.provider, None).unwrap();
+        for seed in 1..6 {
+            let p = Scrambled {
+                inner: &b.provider,
+                seed,
+                requests: Default::default(),
+            };
+            let scrambled = b.run(0..t, &p, None).unwrap();
+            assert!(same_bits(&in_order, &scrambled), "seed {seed}");
+            let requests = std::mem::take(&mut *p.requests.lock().unwrap());
+            let union: Vec<usize> = requests.iter().flat_map(|(g, _)| g.clone()).collect();
+            assert_eq!(union, (0..8).collect::<Vec<_>>(), "every expert, in groups");
+            for (i, (group, ahead)) in requests.iter().enumerate() {
+                assert!(group.len() <= 3);
+                let next = requests.get(i + 1).map(|r| r.0.clone()).unwrap_or_default();
+                assert_eq!(ahead, &next, "group {i}'s ahead is the next group");
+            }
+            // A decode position too (a few experts, one group).
+            for ps in [0..1, 7..8] {
+                let alone = b.run(ps.clone(), &b.provider, None).unwrap();
+                assert!(same_bits(&alone, &b.run(ps, &p, None).unwrap()));
             }
         }
     }

@@ -2,9 +2,10 @@
 //! other [`Tier`] (the network, in the node crate) that the engine knows only through the trait.
 //!
 //! - [`TieredExperts`] is an [`ExpertProvider`](crate::moe::ExpertProvider): it serves hits from RAM and sends misses to the
-//!   first lower tier that holds the expert, falling back to the next on failure. Demand loads
-//!   block the caller; prefetch hints start loads that land in the cache while the model
-//!   computes. The cache keeps within its budget by evicting the least recently used expert that
+//!   first lower tier that holds the expert, falling back to the next on failure. `fetch`
+//!   blocks until a whole request is in RAM; `fetch_each` hands each expert over as it lands
+//!   (hits at once) and loads the experts the caller names as next while it computes; prefetch
+//!   hints start loads that land in the cache while the model computes. The cache keeps within its budget by evicting the least recently used expert that
 //!   no computation is holding; hot experts (by persisted usage counts) are preloaded and evicted
 //!   last.
 //! - [`DiskTier`] reads an expert by its byte ranges with positioned reads into an owned buffer

@@ -714,6 +714,7 @@ mod tests {
                     "--pair-full-head",
                     "--pair-prefetch",
                     "--pair-tasks",
+                    "--pair-completion",
                     "--prefill-block",
                 ],
             ),

@@ -149,6 +149,8 @@ impl Experts {
             "ram_hits": s.ram_hits,
             "prefetch_used": s.prefetch_used,
             "prefetch_wasted": s.prefetch_wasted,
+            "ahead_used": s.ahead_used,
+            "ahead_wasted": s.ahead_wasted,
             "fallbacks": s.fallbacks,
             "wait_s": s.wait_s,
             "budget_bytes": self.tiered.as_ref().map(|t| t.budget()),
@@ -186,8 +188,8 @@ impl Experts {
             );
         }
         out += &format!(
-            "  prefetch: {} used, {} wasted",
-            s.prefetch_used, s.prefetch_wasted
+            "  prefetch: {} used, {} wasted; loaded ahead: {} used, {} wasted",
+            s.prefetch_used, s.prefetch_wasted, s.ahead_used, s.ahead_wasted
         );
         if prediction.1 > 0 {
             out += &format!(

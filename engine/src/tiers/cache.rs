@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::{Completion, ExpertId, Priority, Tier};
 use crate::error::{Error, Result};
-use crate::moe::{ExpertData, ExpertProvider};
+use crate::moe::{with_landing, ExpertData, ExpertProvider, Landed};
 
 /// Settings of the RAM tier.
 #[derive(Clone, Debug)]
@@ -56,6 +56,11 @@ pub struct ExpertStats {
     pub prefetch_used: u64,
     /// Prefetched experts evicted (or left) unused.
     pub prefetch_wasted: u64,
+    /// Experts loaded ahead of the request that then asked for them (the next group of a
+    /// layer, loaded while the current one computes: [`ExpertProvider::fetch_each`]).
+    pub ahead_used: u64,
+    /// Experts loaded ahead and evicted (or left) unused (another request needed the room).
+    pub ahead_wasted: u64,
     /// Failures followed by a try elsewhere: a load that failed in one tier and was retried in
     /// the next, or a failure a tier followed with another of its sources
     /// ([`Tier::retried_failures`]).
@@ -80,6 +85,9 @@ struct Entry {
     stamp: u64,
     /// Loaded by a prefetch and not used yet.
     unused_prefetch: bool,
+    /// Loaded ahead of a request that named it as next ([`ExpertProvider::fetch_each`]'s
+    /// `ahead`) and not used yet.
+    unused_ahead: bool,
     /// A hot expert (evicted last).
     hot: bool,
     /// Index of the tier currently loading it.
@@ -202,6 +210,7 @@ impl TieredExperts {
         let g = self.shared.lock();
         let mut s = g.stats.clone();
         s.prefetch_wasted += g.map.values().filter(|e| e.unused_prefetch).count() as u64;
+        s.ahead_wasted += g.map.values().filter(|e| e.unused_ahead).count() as u64;
         drop(g);
         for (t, tier) in s.tiers.iter_mut().zip(&self.shared.tiers) {
             let n = tier.retried_failures();
@@ -257,7 +266,7 @@ impl TieredExperts {
             let Some(tier) = self.shared.first_tier(k, 0) else {
                 continue;
             };
-            if !self.shared.make_room(&mut g, len, false, None) {
+            if !self.shared.make_room(&mut g, len, false, &|_| false) {
                 break;
             }
             g.map.insert(
@@ -267,6 +276,7 @@ impl TieredExperts {
                     len,
                     stamp: 0,
                     unused_prefetch: false,
+                    unused_ahead: false,
                     hot: true,
                     tier,
                     waiters: 0,
@@ -306,11 +316,8 @@ impl Shared {
         g: &mut Inner,
         len: u64,
         demand: bool,
-        keep: Option<(usize, &[usize])>,
+        kept: &dyn Fn(&ExpertId) -> bool,
     ) -> bool {
-        let kept = |k: &ExpertId| {
-            keep.is_some_and(|(l, es)| k.layer as usize == l && es.contains(&(k.expert as usize)))
-        };
         while g.used + len > self.budget {
             // least recently used ready entry that nobody holds and the current request does not
             // need; hot ones only as a last resort
@@ -336,11 +343,71 @@ impl Shared {
                     if e.unused_prefetch {
                         g.stats.prefetch_wasted += 1;
                     }
+                    if e.unused_ahead {
+                        g.stats.ahead_wasted += 1;
+                    }
                 }
                 None => return demand,
             }
         }
         true
+    }
+
+    /// Makes room for and marks loading those of `ahead` (experts of `layer` that a request
+    /// for `experts` names as asked for next) that are not in RAM, in order, as far as the
+    /// budget allows without evicting one of `ahead` or of `experts` not yet handed over
+    /// (`taken[i]` false) or overshooting; returns
+    /// them by tier, for [`start`](Self::start) at prefetch priority once the lock is
+    /// released. They count as loaded ahead. Allocates nothing when none is missing.
+    fn load_ahead(
+        &self,
+        g: &mut Inner,
+        layer: usize,
+        experts: &[usize],
+        taken: &[bool],
+        ahead: &[usize],
+    ) -> Vec<Vec<ExpertId>> {
+        let mut batch: Vec<Vec<ExpertId>> = Vec::new();
+        for &e in ahead {
+            let k = ExpertId::from_indices(layer, e);
+            if g.map.contains_key(&k) {
+                continue;
+            }
+            let (Some(len), Some(tier)) = (self.size(k), self.first_tier(k, 0)) else {
+                continue;
+            };
+            let kept = |k: &ExpertId| {
+                in_request(k, layer, ahead)
+                    || k.layer as usize == layer
+                        && experts
+                            .iter()
+                            .zip(taken)
+                            .any(|(&e, &t)| !t && e == k.expert as usize)
+            };
+            if !self.make_room(g, len, false, &kept) {
+                break;
+            }
+            let stamp = g.clock;
+            g.map.insert(
+                k,
+                Entry {
+                    state: State::Loading,
+                    len,
+                    stamp,
+                    unused_prefetch: false,
+                    unused_ahead: true,
+                    hot: false,
+                    tier,
+                    waiters: 0,
+                },
+            );
+            g.used += len;
+            if batch.is_empty() {
+                batch.resize(self.tiers.len(), Vec::new());
+            }
+            batch[tier].push(k);
+        }
+        batch
     }
 
     fn start(self: &Arc<Self>, batches: Vec<Vec<ExpertId>>, priority: Priority) {
@@ -420,6 +487,11 @@ impl Shared {
     }
 }
 
+/// Whether `k` is one of `experts` of `layer`.
+fn in_request(k: &ExpertId, layer: usize, experts: &[usize]) -> bool {
+    k.layer as usize == layer && experts.contains(&(k.expert as usize))
+}
+
 /// Releases the pins of `experts` of `layer` (one per occurrence) that a request took.
 fn unpin(g: &mut Inner, layer: usize, experts: &[usize]) {
     for &e in experts {
@@ -429,8 +501,18 @@ fn unpin(g: &mut Inner, layer: usize, experts: &[usize]) {
     }
 }
 
-impl ExpertProvider for TieredExperts {
-    fn fetch(&self, layer: usize, experts: &[usize], out: &mut Vec<Arc<ExpertData>>) -> Result<()> {
+impl TieredExperts {
+    /// [`fetch_each`](ExpertProvider::fetch_each), and with `whole` [`fetch`]
+    /// (ExpertProvider::fetch): nothing handed over until every expert of the request is ready,
+    /// then all of them at once, in request order.
+    fn serve(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        ahead: &[usize],
+        whole: bool,
+        landed: &mut Landed<'_>,
+    ) -> Result<()> {
         let sh = &self.shared;
         let mut g = sh.lock();
         g.clock += 1;
@@ -438,7 +520,8 @@ impl ExpertProvider for TieredExperts {
         // allocated on the first miss only: an all-hit fetch allocates nothing
         let mut batch: Vec<Vec<ExpertId>> = Vec::new();
         // Every expert of this request is pinned (its `waiters` counted) from here until its
-        // handle is taken or the request fails, so no concurrent request evicts it meanwhile.
+        // handle is handed over or the request fails, so no concurrent request evicts it
+        // meanwhile; a handed-over expert is kept by its handle until the caller drops it.
         for (i, &e) in experts.iter().enumerate() {
             let k = ExpertId::from_indices(layer, e);
             g.stats.requests += 1;
@@ -453,15 +536,20 @@ impl ExpertProvider for TieredExperts {
                 g.used -= old.len;
                 waiters += old.waiters;
             }
-            if let Some(entry) = g.map.get_mut(&k) {
+            let Inner { map, stats, .. } = &mut *g;
+            if let Some(entry) = map.get_mut(&k) {
                 entry.stamp = clock;
                 entry.waiters += 1;
                 if entry.unused_prefetch {
                     entry.unused_prefetch = false;
-                    g.stats.prefetch_used += 1;
+                    stats.prefetch_used += 1;
                 }
-                if matches!(g.map[&k].state, State::Ready(_)) {
-                    g.stats.ram_hits += 1;
+                if entry.unused_ahead {
+                    entry.unused_ahead = false;
+                    stats.ahead_used += 1;
+                }
+                if matches!(entry.state, State::Ready(_)) {
+                    stats.ram_hits += 1;
                 }
                 continue;
             }
@@ -475,6 +563,10 @@ impl ExpertProvider for TieredExperts {
                 Ok(found) => found,
                 Err(reason) => {
                     unpin(&mut g, layer, &experts[..i]);
+                    drop(g);
+                    // The misses before it are marked loading: they load (for the next request)
+                    // rather than stay marked forever.
+                    sh.start(batch, Priority::Demand);
                     return Err(Error::Expert {
                         layer,
                         expert: e,
@@ -482,7 +574,7 @@ impl ExpertProvider for TieredExperts {
                     });
                 }
             };
-            sh.make_room(&mut g, len, true, Some((layer, experts)));
+            sh.make_room(&mut g, len, true, &|k| in_request(k, layer, experts));
             g.map.insert(
                 k,
                 Entry {
@@ -490,6 +582,7 @@ impl ExpertProvider for TieredExperts {
                     len,
                     stamp: clock,
                     unused_prefetch: false,
+                    unused_ahead: false,
                     hot: false,
                     tier,
                     waiters,
@@ -503,83 +596,164 @@ impl ExpertProvider for TieredExperts {
         }
         drop(g);
         sh.start(batch, Priority::Demand);
-        let t0 = Instant::now();
-        let mut g = sh.lock();
-        loop {
-            let mut pending = false;
-            let mut lost = None;
-            for &e in experts {
-                let k = ExpertId::from_indices(layer, e);
-                match g.map.get(&k).map(|en| &en.state) {
-                    Some(State::Ready(_)) => {}
-                    Some(State::Loading) => pending = true,
-                    Some(State::Failed(msg)) => {
-                        let reason = msg.clone();
-                        unpin(&mut g, layer, experts);
-                        return Err(Error::Expert {
-                            layer,
-                            expert: e,
-                            reason,
-                        });
+        with_landing(|l| {
+            l.taken.resize(experts.len(), false);
+            let mut left = experts.len();
+            let mut waited = std::time::Duration::ZERO;
+            let mut g = sh.lock();
+            let early = sh.load_ahead(&mut g, layer, experts, &l.taken, ahead);
+            if !early.is_empty() {
+                drop(g);
+                sh.start(early, Priority::Prefetch);
+                g = sh.lock();
+            }
+            let failed = 'wait: loop {
+                l.places.clear();
+                l.handles.clear();
+                let mut pending = false;
+                let mut lost = None;
+                for (i, &e) in experts.iter().enumerate() {
+                    if l.taken[i] {
+                        continue;
                     }
-                    None => {
-                        lost = Some(k);
-                        break;
+                    let k = ExpertId::from_indices(layer, e);
+                    match g.map.get(&k).map(|en| &en.state) {
+                        Some(State::Ready(d)) => {
+                            l.places.push(i);
+                            l.handles.push(d.clone());
+                        }
+                        Some(State::Loading) => pending = true,
+                        Some(State::Failed(msg)) => {
+                            break 'wait Some(Error::Expert {
+                                layer,
+                                expert: e,
+                                reason: msg.clone(),
+                            });
+                        }
+                        None => {
+                            lost = Some(k);
+                            break;
+                        }
                     }
                 }
+                if let Some(k) = lost {
+                    // Pinned entries are never evicted, so this is not expected; should it
+                    // happen, the expert is loaded again rather than the request failed.
+                    let (len, tier) = (sh.size(k), sh.first_tier(k, 0));
+                    let (Some(len), Some(tier)) = (len, tier) else {
+                        break Some(Error::Expert {
+                            layer,
+                            expert: k.expert as usize,
+                            reason: "evicted while loading, and no tier holds it now".into(),
+                        });
+                    };
+                    tracing::debug!(
+                        "expert {k} was evicted while a request waited: loading it again"
+                    );
+                    let waiters = experts
+                        .iter()
+                        .zip(&l.taken)
+                        .filter(|&(&e, &taken)| !taken && e == k.expert as usize)
+                        .count();
+                    sh.make_room(&mut g, len, true, &|k| in_request(k, layer, experts));
+                    g.map.insert(
+                        k,
+                        Entry {
+                            state: State::Loading,
+                            len,
+                            stamp: clock,
+                            unused_prefetch: false,
+                            unused_ahead: false,
+                            hot: false,
+                            tier,
+                            waiters: u32::try_from(waiters).unwrap_or(u32::MAX),
+                        },
+                    );
+                    g.used += len;
+                    drop(g);
+                    let mut batch = vec![Vec::new(); sh.tiers.len()];
+                    batch[tier].push(k);
+                    sh.start(batch, Priority::Demand);
+                    g = sh.lock();
+                    continue;
+                }
+                if whole && pending {
+                    l.places.clear();
+                    l.handles.clear();
+                }
+                if !l.places.is_empty() {
+                    for &i in &l.places {
+                        l.taken[i] = true;
+                    }
+                    for &i in &l.places {
+                        unpin(&mut g, layer, &experts[i..=i]);
+                    }
+                    left -= l.places.len();
+                    g.stats.wait_s += waited.as_secs_f64();
+                    waited = std::time::Duration::ZERO;
+                    drop(g);
+                    let r = landed(&l.places, &l.handles);
+                    // The caller is done with them: computed experts may be evicted now.
+                    l.handles.clear();
+                    g = sh.lock();
+                    if let Err(e) = r {
+                        break Some(e);
+                    }
+                    // The room the computed experts freed goes to the next experts.
+                    let more = sh.load_ahead(&mut g, layer, experts, &l.taken, ahead);
+                    if !more.is_empty() {
+                        drop(g);
+                        sh.start(more, Priority::Prefetch);
+                        g = sh.lock();
+                    }
+                    if left == 0 {
+                        break None;
+                    }
+                    continue;
+                }
+                if left == 0 {
+                    break None;
+                }
+                let t = Instant::now();
+                g = sh.ready.wait(g).expect("expert cache lock");
+                waited += t.elapsed();
+            };
+            g.stats.wait_s += waited.as_secs_f64();
+            match failed {
+                None => Ok(()),
+                Some(e) => {
+                    for (i, &taken) in l.taken.iter().enumerate() {
+                        if !taken {
+                            unpin(&mut g, layer, &experts[i..=i]);
+                        }
+                    }
+                    Err(e)
+                }
             }
-            if let Some(k) = lost {
-                // Pinned entries are never evicted, so this is not expected; should it happen,
-                // the expert is loaded again rather than the request failed.
-                let (len, tier) = (sh.size(k), sh.first_tier(k, 0));
-                let (Some(len), Some(tier)) = (len, tier) else {
-                    unpin(&mut g, layer, experts);
-                    return Err(Error::Expert {
-                        layer,
-                        expert: k.expert as usize,
-                        reason: "evicted while loading, and no tier holds it now".into(),
-                    });
-                };
-                tracing::debug!("expert {k} was evicted while a request waited: loading it again");
-                let waiters = experts.iter().filter(|&&e| e == k.expert as usize).count();
-                sh.make_room(&mut g, len, true, Some((layer, experts)));
-                g.map.insert(
-                    k,
-                    Entry {
-                        state: State::Loading,
-                        len,
-                        stamp: clock,
-                        unused_prefetch: false,
-                        hot: false,
-                        tier,
-                        waiters: u32::try_from(waiters).unwrap_or(u32::MAX),
-                    },
-                );
-                g.used += len;
-                drop(g);
-                let mut batch = vec![Vec::new(); sh.tiers.len()];
-                batch[tier].push(k);
-                sh.start(batch, Priority::Demand);
-                g = sh.lock();
-                continue;
-            }
-            if !pending {
-                break;
-            }
-            g = sh.ready.wait(g).expect("expert cache lock");
-        }
-        for &e in experts {
-            let en = g
-                .map
-                .get_mut(&ExpertId::from_indices(layer, e))
-                .expect("every expert of the request is ready");
-            en.waiters = en.waiters.saturating_sub(1);
-            if let State::Ready(d) = &en.state {
-                out.push(d.clone());
-            }
-        }
-        g.stats.wait_s += t0.elapsed().as_secs_f64();
-        Ok(())
+        })
+    }
+}
+
+impl ExpertProvider for TieredExperts {
+    fn fetch(&self, layer: usize, experts: &[usize], out: &mut Vec<Arc<ExpertData>>) -> Result<()> {
+        self.serve(layer, experts, &[], true, &mut |_, handles| {
+            out.extend_from_slice(handles);
+            Ok(())
+        })
+    }
+
+    /// Hits are handed over at once, each miss as its load completes (from whichever tier).
+    /// The experts of `ahead` not in RAM start loading (at prefetch priority, behind every
+    /// demand load) as far as the budget allows without evicting one of `experts` or
+    /// `ahead`: at once, and again after each landing, whose experts the caller is done with.
+    fn fetch_each(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        ahead: &[usize],
+        landed: &mut Landed<'_>,
+    ) -> Result<()> {
+        self.serve(layer, experts, ahead, false, landed)
     }
 
     fn hint(&self, layer: usize, experts: &[usize]) {
@@ -598,7 +772,7 @@ impl ExpertProvider for TieredExperts {
             let (Some(len), Some(tier)) = (sh.size(k), sh.first_tier(k, 0)) else {
                 continue;
             };
-            if !sh.make_room(&mut g, len, false, None) {
+            if !sh.make_room(&mut g, len, false, &|_| false) {
                 break;
             }
             let stamp = g.clock;
@@ -609,6 +783,7 @@ impl ExpertProvider for TieredExperts {
                     len,
                     stamp,
                     unused_prefetch: true,
+                    unused_ahead: false,
                     hot: false,
                     tier,
                     waiters: 0,
@@ -724,6 +899,39 @@ mod tests {
         assert!(out.is_empty());
     }
 
+    /// Regression: a request whose second expert no tier holds failed before it started the
+    /// load of its first, a miss already marked loading, so the next request for that one
+    /// waited forever.
+    #[test]
+    fn a_request_failing_on_an_unheld_expert_still_loads_the_misses_before_it() {
+        /// Holds expert 0 only; its loads complete on their own threads.
+        #[derive(Debug)]
+        struct OnlyZero;
+        impl Tier for OnlyZero {
+            fn name(&self) -> &str {
+                "only-zero"
+            }
+            fn holds(&self, k: ExpertId) -> bool {
+                k.expert == 0
+            }
+            fn load(&self, keys: &[ExpertId], p: Priority, done: Completion) {
+                Threaded.load(keys, p, done)
+            }
+        }
+        let cache = cache_over(Arc::new(OnlyZero), 16 * 64);
+        let e = cache.fetch(0, &[0, 1], &mut Vec::new()).unwrap_err();
+        assert!(e.to_string().contains("no tier holds it"), "{e}");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut out = Vec::new();
+            let _ = tx.send(cache.fetch(0, &[0], &mut out).map(|()| out.len()));
+        });
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the fetch of expert 0 returned");
+        assert_eq!(got.unwrap(), 1);
+    }
+
     /// A tier whose loads complete on their own threads after a short pause, as the disk
     /// and network tiers' do.
     #[derive(Debug)]
@@ -787,6 +995,350 @@ mod tests {
                 .fetch(0, &[1, 2], &mut out)
                 .expect("a two-expert fetch");
             assert_eq!(out.len(), 2, "two records even where the budget holds one");
+        }
+    }
+
+    /// A tier that holds every load until the test completes it, so the test chooses the
+    /// order loads land in (and which fail). Records each load asked of it.
+    #[derive(Default)]
+    struct Gated {
+        calls: Mutex<Vec<(ExpertId, Priority, Option<Completion>)>>,
+        cv: Condvar,
+    }
+
+    impl std::fmt::Debug for Gated {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Gated")
+        }
+    }
+
+    impl Tier for Gated {
+        fn name(&self) -> &str {
+            "gated"
+        }
+        fn holds(&self, _: ExpertId) -> bool {
+            true
+        }
+        fn load(&self, keys: &[ExpertId], p: Priority, done: Completion) {
+            let mut c = self.calls.lock().unwrap();
+            for &k in keys {
+                c.push((k, p, Some(done.clone())));
+            }
+            self.cv.notify_all();
+        }
+    }
+
+    /// An expert whose one part is `[layer, expert]`: the test knows a handle by its bytes.
+    fn labelled(k: ExpertId) -> Arc<ExpertData> {
+        let bytes = [k.layer as u8, k.expert as u8];
+        Arc::new(ExpertData::from_lengths(
+            Arc::new(crate::huge::HugeBuf::copy_of(&bytes).unwrap()),
+            0,
+            [2],
+        ))
+    }
+
+    fn label(d: &ExpertData) -> (usize, usize) {
+        let b = d.parts().next().unwrap();
+        (b[0] as usize, b[1] as usize)
+    }
+
+    impl Gated {
+        /// Waits (at most 10 s) until `n` loads were asked, and returns them.
+        fn asked(&self, n: usize) -> Vec<(ExpertId, Priority)> {
+            let c = self.calls.lock().unwrap();
+            let (c, _) = self
+                .cv
+                .wait_timeout_while(c, std::time::Duration::from_secs(10), |c| c.len() < n)
+                .unwrap();
+            assert!(c.len() >= n, "{} loads asked, waited for {n}", c.len());
+            c.iter().map(|(k, p, _)| (*k, *p)).collect()
+        }
+
+        /// Completes the pending load of `k`: its labelled data, or an error.
+        fn finish(&self, k: ExpertId, ok: bool) {
+            let done = {
+                let mut c = self.calls.lock().unwrap();
+                let call = c
+                    .iter_mut()
+                    .find(|(key, _, d)| *key == k && d.is_some())
+                    .unwrap_or_else(|| panic!("no pending load of {k}"));
+                call.2.take().unwrap()
+            };
+            let r = if ok {
+                Ok(labelled(k))
+            } else {
+                Err(Error::Expert {
+                    layer: k.layer as usize,
+                    expert: k.expert as usize,
+                    reason: "the disk said no".into(),
+                })
+            };
+            done(k, r);
+        }
+    }
+
+    fn cache_over(tier: Arc<dyn Tier>, budget: u64) -> Arc<TieredExperts> {
+        Arc::new(TieredExperts::new(
+            vec![tier],
+            vec![vec![64; 16]; 2],
+            1,
+            &TierConfig {
+                budget,
+                hot_fraction: 0.0,
+                ..TierConfig::default()
+            },
+        ))
+    }
+
+    /// One landing of a `fetch_each`: (place, label of its handle).
+    type Landing = Vec<(usize, (usize, usize))>;
+
+    /// Runs `fetch_each` on its own thread; its landings arrive on the channel as they come.
+    fn fetch_each_on_thread(
+        cache: &Arc<TieredExperts>,
+        layer: usize,
+        experts: Vec<usize>,
+        ahead: Vec<usize>,
+    ) -> (
+        std::sync::mpsc::Receiver<Landing>,
+        std::thread::JoinHandle<Result<Vec<Landing>>>,
+    ) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let cache = cache.clone();
+        let t = std::thread::spawn(move || {
+            let mut all = Vec::new();
+            cache
+                .fetch_each(layer, &experts, &ahead, &mut |places, handles| {
+                    let l: Vec<_> = places
+                        .iter()
+                        .zip(handles)
+                        .map(|(&p, d)| (p, label(d)))
+                        .collect();
+                    all.push(l.clone());
+                    let _ = tx.send(l);
+                    Ok(())
+                })
+                .map(|()| all)
+        });
+        (rx, t)
+    }
+
+    fn next_landing(rx: &std::sync::mpsc::Receiver<Landing>) -> Landing {
+        rx.recv_timeout(std::time::Duration::from_secs(10))
+            .expect("a landing within 10 s")
+    }
+
+    /// Whatever order the loads complete in, each expert is handed over once, as its load
+    /// completes (hits at once, before any miss), with its own bytes; nothing stays pinned.
+    #[test]
+    fn fetch_each_hands_each_expert_over_as_it_lands_in_any_order() {
+        for order in [[0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]] {
+            let gated = Arc::new(Gated::default());
+            let cache = cache_over(gated.clone(), 16 * 64);
+            // Experts 5 and 9 of layer 1 in RAM first.
+            let hits = std::thread::spawn({
+                let cache = cache.clone();
+                move || cache.fetch(1, &[5, 9], &mut Vec::new())
+            });
+            gated.asked(2);
+            gated.finish(ExpertId::from_indices(1, 5), true);
+            gated.finish(ExpertId::from_indices(1, 9), true);
+            hits.join().unwrap().unwrap();
+            let request = vec![7, 9, 2, 5, 11, 3];
+            let (rx, t) = fetch_each_on_thread(&cache, 1, request.clone(), Vec::new());
+            let first = next_landing(&rx);
+            assert_eq!(first, vec![(1, (1, 9)), (3, (1, 5))], "the hits, at once");
+            let misses = [7, 2, 11, 3];
+            let asked = gated.asked(6);
+            assert_eq!(
+                asked[2..]
+                    .iter()
+                    .map(|(k, _)| k.expert as usize)
+                    .collect::<Vec<_>>(),
+                misses,
+                "the misses, in one batch"
+            );
+            assert!(asked.iter().all(|&(_, p)| p == Priority::Demand));
+            for i in order {
+                let e = misses[i];
+                gated.finish(ExpertId::from_indices(1, e), true);
+                let place = request.iter().position(|&x| x == e).unwrap();
+                assert_eq!(next_landing(&rx), vec![(place, (1, e))], "order {order:?}");
+            }
+            let all = t.join().unwrap().unwrap();
+            let mut places: Vec<usize> = all.iter().flatten().map(|&(p, _)| p).collect();
+            places.sort_unstable();
+            assert_eq!(places, (0..request.len()).collect::<Vec<_>>());
+            let s = cache.stats();
+            assert_eq!((s.requests, s.ram_hits, s.tiers[0].loads), (8, 2, 6));
+            let g = cache.shared.lock();
+            assert!(g.map.values().all(|e| e.waiters == 0), "a pin was left");
+        }
+    }
+
+    /// A load failing mid-group ends the request with its error after the experts that
+    /// landed before it were handed over; the pins of the rest are released (the experts
+    /// still loading are evictable once they land), and the next request loads the failed
+    /// expert again. An error of the caller's own ends the request the same way.
+    #[test]
+    fn a_failure_mid_group_ends_the_request_and_leaves_no_pin() {
+        let gated = Arc::new(Gated::default());
+        let cache = cache_over(gated.clone(), 16 * 64);
+        let (rx, t) = fetch_each_on_thread(&cache, 0, vec![4, 6, 8], Vec::new());
+        gated.asked(3);
+        gated.finish(ExpertId::from_indices(0, 8), true);
+        assert_eq!(next_landing(&rx), vec![(2, (0, 8))]);
+        gated.finish(ExpertId::from_indices(0, 4), false);
+        let e = t.join().unwrap().unwrap_err().to_string();
+        assert_eq!(e, "expert 4 of layer 0: the disk said no");
+        {
+            let g = cache.shared.lock();
+            assert!(g.map.values().all(|e| e.waiters == 0), "a pin was left");
+        }
+        // Expert 6 lands after the request ended: nobody holds it.
+        gated.finish(ExpertId::from_indices(0, 6), true);
+        assert!(cache.is_resident(ExpertId::from_indices(0, 6)));
+        // Expert 4 is loaded again by the next request.
+        let (rx, t) = fetch_each_on_thread(&cache, 0, vec![4, 6], Vec::new());
+        assert_eq!(next_landing(&rx), vec![(1, (0, 6))]);
+        gated.asked(4);
+        gated.finish(ExpertId::from_indices(0, 4), true);
+        assert_eq!(next_landing(&rx), vec![(0, (0, 4))]);
+        t.join().unwrap().unwrap();
+        // The caller's error.
+        let r = cache.fetch_each(0, &[4, 6, 8], &[], &mut |_, _| {
+            Err(Error::Expert {
+                layer: 0,
+                expert: 4,
+                reason: "the caller gave up".into(),
+            })
+        });
+        assert!(r.unwrap_err().to_string().contains("the caller gave up"));
+        let g = cache.shared.lock();
+        assert!(g.map.values().all(|e| e.waiters == 0), "a pin was left");
+    }
+
+    /// The next group (`ahead`) starts loading, at prefetch priority, as soon as room allows
+    /// without evicting the current group or itself: at a budget of three records and a group
+    /// of three, one at a time as the current group's experts are handed over.
+    #[test]
+    fn ahead_loads_fill_the_room_the_current_group_frees() {
+        let gated = Arc::new(Gated::default());
+        let cache = cache_over(gated.clone(), 3 * 64);
+        let (rx, t) = fetch_each_on_thread(&cache, 0, vec![0, 1, 2], vec![3, 4, 5]);
+        let asked = gated.asked(3);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(gated.asked(3).len(), 3, "no room for the next group yet");
+        assert!(asked.iter().all(|&(_, p)| p == Priority::Demand));
+        gated.finish(ExpertId::from_indices(0, 1), true);
+        next_landing(&rx);
+        // Expert 1 handed over and dropped: its room goes to expert 3.
+        let asked = gated.asked(4);
+        assert_eq!(asked[3], (ExpertId::from_indices(0, 3), Priority::Prefetch));
+        gated.finish(ExpertId::from_indices(0, 0), true);
+        gated.finish(ExpertId::from_indices(0, 2), true);
+        let all = t.join().unwrap().unwrap();
+        assert_eq!(all.iter().flatten().count(), 3);
+        // The whole next group is loading ahead once the current one is done.
+        let asked = gated.asked(6);
+        assert_eq!(asked.len(), 6);
+        for (i, &(k, p)) in asked[3..].iter().enumerate() {
+            assert_eq!(
+                (k, p),
+                (ExpertId::from_indices(0, 3 + i), Priority::Prefetch)
+            );
+            gated.finish(k, true);
+        }
+        let mut out = Vec::new();
+        cache.fetch(0, &[3, 4, 5], &mut out).unwrap();
+        assert_eq!(
+            out.iter().map(|d| label(d)).collect::<Vec<_>>(),
+            [(0, 3), (0, 4), (0, 5)]
+        );
+        let s = cache.stats();
+        assert_eq!(
+            (s.ram_hits, s.ahead_used, s.ahead_wasted),
+            (3, 3, 0),
+            "{s:?}"
+        );
+        assert_eq!(
+            s.prefetch_used + s.prefetch_wasted,
+            0,
+            "not predictions: {s:?}"
+        );
+        assert_eq!(s.tiers[0].loads, 6, "no expert loaded twice: {s:?}");
+    }
+
+    /// Regression guard for the landing path at a tiny budget: many threads asking
+    /// overlapping groups with overlapping `ahead` lists all get every expert they asked for,
+    /// once each, with its own bytes, and leave no pin.
+    #[test]
+    fn concurrent_fetch_each_at_a_tiny_budget_gets_every_expert_once() {
+        /// Completes each load on its own thread after a short pause, with labelled data.
+        #[derive(Debug)]
+        struct Labelled;
+        impl Tier for Labelled {
+            fn name(&self) -> &str {
+                "labelled"
+            }
+            fn holds(&self, _: ExpertId) -> bool {
+                true
+            }
+            fn load(&self, keys: &[ExpertId], _: Priority, done: Completion) {
+                for &k in keys {
+                    let done = done.clone();
+                    std::thread::spawn(move || {
+                        std::thread::sleep(std::time::Duration::from_micros(
+                            100 + 50 * k.expert as u64,
+                        ));
+                        done(k, Ok(labelled(k)));
+                    });
+                }
+            }
+        }
+        for budget in [0, 64, 3 * 64] {
+            let cache = cache_over(Arc::new(Labelled), budget);
+            let threads: Vec<_> = (0..12)
+                .map(|t| {
+                    let cache = cache.clone();
+                    std::thread::spawn(move || {
+                        for i in 0..30usize {
+                            let layer = (t + i) % 2;
+                            let a = (t * 5 + i * 3) % 16;
+                            let group = [a, (a + 1) % 16];
+                            let ahead = [(a + 2) % 16, (a + 7) % 16];
+                            let mut seen = [0u8; 2];
+                            cache
+                                .fetch_each(layer, &group, &ahead, &mut |places, handles| {
+                                    for (&p, d) in places.iter().zip(handles) {
+                                        assert_eq!(label(d), (layer, group[p]));
+                                        seen[p] += 1;
+                                    }
+                                    Ok(())
+                                })
+                                .unwrap_or_else(|e| panic!("budget {budget}, thread {t}: {e}"));
+                            assert_eq!(seen, [1, 1], "budget {budget}, thread {t}");
+                        }
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().expect("a fetching thread failed");
+            }
+            // Ahead loads may still be landing: wait for them, then nothing is pinned.
+            let start = Instant::now();
+            loop {
+                let g = cache.shared.lock();
+                let loading = g.map.values().any(|e| matches!(e.state, State::Loading));
+                if !loading {
+                    assert!(g.map.values().all(|e| e.waiters == 0), "a pin was left");
+                    break;
+                }
+                drop(g);
+                assert!(start.elapsed().as_secs() < 10, "loads never landed");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
         }
     }
 }

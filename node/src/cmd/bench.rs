@@ -104,6 +104,15 @@ pub struct Args {
     /// against the cost of each task's start (the default is 6). Lab switch (hidden).
     #[arg(long, hide = true, value_name = "A,B", value_parser = tasks_pair, conflicts_with_all = ["pair_full_head", "pair_prefetch"])]
     pub pair_tasks: Option<[usize; 2]>,
+    /// Alternate completion-driven MoE (each group's experts computed as they land, the next
+    /// group of the layer loaded meanwhile; the default) with fetching each group whole, then
+    /// computing it: decoded tokens alternate, and after the timed prefills each prompt length
+    /// is prefilled four more times on a new prompt (fetch-then-compute, completion-driven,
+    /// completion-driven, fetch-then-compute). Both speeds, their ratios and whether the
+    /// prefills' next tokens agree are reported. Meant for a RAM budget below the experts
+    /// (`--expert-cache`, `--no-hot-store`). Lab switch (hidden).
+    #[arg(long, hide = true, conflicts_with_all = ["pair_full_head", "pair_prefetch", "pair_tasks"])]
+    pub pair_completion: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -817,6 +826,31 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         last = Some((s, next));
     }
     let (mut sess, mut tok) = last.expect("at least one prompt");
+    let completion_default = stormo_engine::moe::completion_driven();
+    let paired_prefill = if a.pair_completion {
+        let mut runs = Vec::new();
+        for &p in &a.prompt_tokens {
+            say(format!(
+                "prefill of {p} tokens, fetch-then-compute and completion-driven alternated..."
+            ));
+            let tokens = prompt(p);
+            // seconds per mode (off, on) and the next tokens
+            let mut secs = [0.0; 2];
+            let mut next = Vec::new();
+            for on in [false, true, true, false] {
+                stormo_engine::moe::set_completion_driven(on);
+                let (_, n, s) = prefill_once(&model, context, &tokens)?;
+                secs[on as usize] += s / 2.0;
+                next.push(n);
+            }
+            let same = next.iter().all(|&n| n == next[0]);
+            runs.push((p, secs, same));
+        }
+        stormo_engine::moe::set_completion_driven(completion_default);
+        Some(runs)
+    } else {
+        None
+    };
     say(format!("decoding {} tokens...", a.decode_tokens));
     let before = experts.stats();
     let screen_before = sess.screen_stats();
@@ -825,9 +859,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut dsecs = 0.0;
     // Seconds and tokens decoded through the screen and through the whole head when paired.
     let mut paired = [(0.0, 0u32); 2];
-    // Seconds of each decoded token at each prefetch distance (or tasks per thread) when
-    // paired.
-    let mut by_distance: [Vec<f64>; 2] = Default::default();
+    // Seconds of the even and of the odd decoded tokens (the two settings when paired).
+    let mut by_parity: [Vec<f64>; 2] = Default::default();
     let default_ahead = stormo_engine::kernels::prefetch_ahead();
     let default_tasks = stormo_engine::kernels::tasks_per_thread();
     if a.pair_prefetch.is_some() && isa != stormo_engine::kernels::Isa::Avx512 {
@@ -846,6 +879,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         if let Some(n) = a.pair_tasks {
             stormo_engine::kernels::set_tasks_per_thread(n[i % 2]);
         }
+        if a.pair_completion {
+            stormo_engine::moe::set_completion_driven(i % 2 == 1);
+        }
         let t = Instant::now();
         let whole = a.pair_full_head && i % 2 == 1;
         tok = if whole {
@@ -857,7 +893,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         dsecs += secs;
         paired[whole as usize].0 += secs;
         paired[whole as usize].1 += 1;
-        by_distance[i % 2].push(secs);
+        by_parity[i % 2].push(secs);
         probe.sample();
         probe.sample_kernels();
     }
@@ -865,14 +901,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let phase_nanos = profile::take();
     stormo_engine::kernels::set_prefetch_ahead(default_ahead);
     stormo_engine::kernels::set_tasks_per_thread(default_tasks);
+    stormo_engine::moe::set_completion_driven(completion_default);
     let paired = a.pair_full_head.then(|| paired.map(|(s, n)| n as f64 / s));
     let paired_knob = a
         .pair_prefetch
-        .map(|d| Paired::new(Knob::Prefetch, d, &by_distance))
+        .map(|d| PairedKnob::new(Knob::Prefetch, d, &by_parity))
         .or_else(|| {
             a.pair_tasks
-                .map(|n| Paired::new(Knob::Tasks, n, &by_distance))
+                .map(|n| PairedKnob::new(Knob::Tasks, n, &by_parity))
         });
+    let paired_completion = a.pair_completion.then(|| PairedCompletion {
+        decode: Paired::new(&by_parity),
+        prefill: paired_prefill.unwrap_or_default(),
+    });
     let (mem_min, mem_max) = probe.range().unwrap_or((mem_before, mem_before));
     let mem_bw = probe.take().unwrap_or(mem_before);
     // The bounds again at the end: the noise of a shared machine shows as their spread.
@@ -997,8 +1038,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "head_exact_rows_per_token": screen.rows_per_token(),
         "head_full_passes": screen.full,
         "paired_tok_s": paired.map(|[s, f]| serde_json::json!({"screened_head": s, "full_head": f})),
-        "paired_prefetch": paired_knob.as_ref().filter(|p| p.knob == Knob::Prefetch).map(Paired::json),
-        "paired_tasks": paired_knob.as_ref().filter(|p| p.knob == Knob::Tasks).map(Paired::json),
+        "paired_prefetch": paired_knob.as_ref().filter(|p| p.knob == Knob::Prefetch).map(PairedKnob::json),
+        "paired_tasks": paired_knob.as_ref().filter(|p| p.knob == Knob::Tasks).map(PairedKnob::json),
+        "paired_completion": paired_completion.as_ref().map(PairedCompletion::json),
         "decode_bound_tok_s": bound,
         "peak_gflop_s": peak / 1e9,
         "prefill_gflop_per_token": flops_tok / 1e9,
@@ -1147,6 +1189,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(p) = &paired_knob {
         println!("{p}");
     }
+    if let Some(p) = &paired_completion {
+        println!("{p}");
+    }
     if screened_head {
         println!(
             "head             screened: {:.1} exact rows per decoded token on average (of {}); the whole head computed for {} of {} greedy tokens",
@@ -1185,6 +1230,32 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Decode speeds of two settings, decoded tokens alternated between them (token `2j` at the
+/// first, `2j + 1` at the second).
+struct Paired {
+    /// Tokens per second at each (`None` for a setting no token was decoded at).
+    tok_s: [Option<f64>; 2],
+    /// The median over neighbouring pairs of the second's speed over the first's; `None`
+    /// without a whole pair.
+    median_ratio: Option<f64>,
+}
+
+impl Paired {
+    /// From the seconds of each token at each setting.
+    fn new(secs: &[Vec<f64>; 2]) -> Self {
+        let tok_s = [0, 1].map(|k| {
+            (!secs[k].is_empty()).then(|| secs[k].len() as f64 / secs[k].iter().sum::<f64>())
+        });
+        let mut ratios: Vec<f64> = secs[0].iter().zip(&secs[1]).map(|(a, b)| a / b).collect();
+        ratios.sort_by(f64::total_cmp);
+        let median_ratio = (!ratios.is_empty()).then(|| ratios[ratios.len() / 2]);
+        Self {
+            tok_s,
+            median_ratio,
+        }
+    }
+}
+
 /// What a paired decode alternates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Knob {
@@ -1196,7 +1267,7 @@ enum Knob {
 
 /// Decode speeds at two settings of a [`Knob`], tokens alternated (`--pair-prefetch`,
 /// `--pair-tasks`).
-struct Paired {
+struct PairedKnob {
     knob: Knob,
     /// The two settings (bytes ahead, or tasks per thread).
     values: [usize; 2],
@@ -1207,14 +1278,12 @@ struct Paired {
     median_ratio: Option<f64>,
 }
 
-impl Paired {
+impl PairedKnob {
     fn new(knob: Knob, values: [usize; 2], secs: &[Vec<f64>; 2]) -> Self {
-        let tok_s = [0, 1].map(|k| {
-            (!secs[k].is_empty()).then(|| secs[k].len() as f64 / secs[k].iter().sum::<f64>())
-        });
-        let mut ratios: Vec<f64> = secs[0].iter().zip(&secs[1]).map(|(a, b)| a / b).collect();
-        ratios.sort_by(f64::total_cmp);
-        let median_ratio = (!ratios.is_empty()).then(|| ratios[ratios.len() / 2]);
+        let Paired {
+            tok_s,
+            median_ratio,
+        } = Paired::new(secs);
         Self {
             knob,
             values,
@@ -1234,7 +1303,64 @@ impl Paired {
     }
 }
 
-impl std::fmt::Display for Paired {
+/// Fetch-then-compute against completion-driven MoE (`--pair-completion`).
+struct PairedCompletion {
+    /// Decoded tokens alternated: fetch-then-compute first.
+    decode: Paired,
+    /// Per prompt length: its tokens, the mean seconds of its prefills fetch-then-compute and
+    /// completion-driven, and whether all four prefills chose the same next token.
+    prefill: Vec<(usize, [f64; 2], bool)>,
+}
+
+impl PairedCompletion {
+    fn json(&self) -> serde_json::Value {
+        let [off, on] = self.decode.tok_s;
+        serde_json::json!({
+            "decode": {
+                "fetch_then_compute_tok_s": off,
+                "completion_driven_tok_s": on,
+                "median_pair_ratio": self.decode.median_ratio,
+            },
+            "prefill": self.prefill.iter().map(|&(p, [off, on], same)| serde_json::json!({
+                "tokens": p,
+                "fetch_then_compute_tok_s": p as f64 / off,
+                "completion_driven_tok_s": p as f64 / on,
+                "ratio": off / on,
+                "same_next_token": same,
+            })).collect::<Vec<_>>(),
+        })
+    }
+}
+
+impl std::fmt::Display for PairedCompletion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let [off, on] = self
+            .decode
+            .tok_s
+            .map(|s| s.map_or_else(|| "-".to_owned(), |s| format!("{s:.2}")));
+        write!(
+            f,
+            "paired           decode completion-driven {on} tok/s, fetch-then-compute {off} tok/s (alternate decoded tokens)"
+        )?;
+        match self.decode.median_ratio {
+            Some(r) => write!(f, "; median of neighbouring pairs {r:.3}x")?,
+            None => write!(f, "; decode at least 2 tokens for a pair")?,
+        }
+        for &(p, [off, on], same) in &self.prefill {
+            write!(
+                f,
+                "\npaired           prefill {p:>5} tok completion-driven {:.2} tok/s, fetch-then-compute {:.2} tok/s (two prefills each, alternated): {:.3}x{}",
+                p as f64 / on,
+                p as f64 / off,
+                off / on,
+                if same { "" } else { "; THE NEXT TOKENS DIFFER" }
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for PairedKnob {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let [a, b] = self.values;
         let [sa, sb] = self
