@@ -1801,13 +1801,18 @@ fn pulled_folder_runs_from_the_expert_dir_alone() {
         "a gone peer and an empty directory cannot serve"
     );
     let err = String::from_utf8_lossy(&gone.stderr);
-    let warned = err
-        .lines()
-        .filter(|l| l.contains("WARN") && l.contains("expert "))
-        .count();
-    // At most two: the loads that saw the first connect fail (a peer's first connection gets
-    // one more try), then those that found it unreachable; never one per expert.
-    assert!((1..=2).contains(&warned), "{warned} warnings: {err}");
+    let warnings: Vec<&str> = err.lines().filter(|l| l.contains("WARN")).collect();
+    let per_expert = warnings.iter().filter(|l| l.contains("expert ")).count();
+    // Said once per event, never once per expert: the peer's failed connect and its
+    // reconnection, then its being avoided (warnings that name the peer), and at most two
+    // that name an expert (the loads that saw the first connect fail, then those that found
+    // the peer unreachable). Which of these a run prints depends on how its loads meet the
+    // connection's attempts, so only the bounds are fixed.
+    assert!(
+        !warnings.is_empty() && warnings.len() <= 4 && per_expert <= 2,
+        "{} warnings, {per_expert} naming an expert: {err}",
+        warnings.len()
+    );
     let second = run(&store, &[]);
     assert_eq!(ids(&second), want, "from the expert directory alone");
     let none = run(&empty, &[]);
