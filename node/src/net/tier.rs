@@ -2963,6 +2963,29 @@ mod tests {
     }
 
     #[test]
+    fn peer_timeout_sets_each_deadline_it_documents() {
+        // Shorter than every default: each deadline is the given one.
+        let t = Duration::from_secs(2);
+        assert!(t < crate::net::CONNECT_TIMEOUT && t < PeerConfig::default().idle_timeout);
+        let short = PeerConfig::with_timeout(t);
+        assert_eq!(short.connect_timeout, t);
+        assert_eq!(short.request_timeout, t);
+        assert_eq!(short.idle_timeout, t);
+        // Longer than every default: connection and silence keep their bounds.
+        let t = Duration::from_secs(60);
+        let long = PeerConfig::with_timeout(t);
+        assert_eq!(long.connect_timeout, crate::net::CONNECT_TIMEOUT);
+        assert_eq!(long.request_timeout, t);
+        assert_eq!(long.idle_timeout, Duration::from_secs(5));
+        // The rest are the defaults.
+        let d = PeerConfig::default();
+        assert_eq!(
+            (long.hedge_min, long.hedge_max, long.stripe_min),
+            (d.hedge_min, d.hedge_max, d.stripe_min)
+        );
+    }
+
+    #[test]
     fn long_error_lists_keep_their_ends() {
         let few: Vec<String> = (0..7).map(|i| format!("e{i}")).collect();
         assert_eq!(summarize(&few), "e0; e1; e2; e3; e4; e5; e6");
