@@ -2607,6 +2607,58 @@ mod tests {
         }
     }
 
+    /// Fails every read: a peer whose disk went away (it answers `internal`).
+    #[derive(Debug)]
+    struct Failing;
+
+    impl ExpertProvider for Failing {
+        fn fetch(
+            &self,
+            _layer: usize,
+            _experts: &[usize],
+            _out: &mut Vec<Arc<ExpertData>>,
+        ) -> stormo_engine::Result<()> {
+            Err(stormo_engine::Error::Input("the disk went away".into()))
+        }
+    }
+
+    /// Reads honestly after `delay`, sending nothing meanwhile (a stopped or overloaded peer),
+    /// and counts the reads begun.
+    #[derive(Debug)]
+    struct Late {
+        inner: Arc<dyn ExpertProvider>,
+        delay: Duration,
+        begun: Arc<AtomicU64>,
+    }
+
+    impl ExpertProvider for Late {
+        fn fetch(
+            &self,
+            layer: usize,
+            experts: &[usize],
+            out: &mut Vec<Arc<ExpertData>>,
+        ) -> stormo_engine::Result<()> {
+            self.begun.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(self.delay);
+            self.inner.fetch(layer, experts, out)
+        }
+    }
+
+    /// How one of a bench's servers answers.
+    #[derive(Clone, Copy, Debug)]
+    enum Serving {
+        Honest,
+        /// With byte `at` of every record flipped.
+        Flip(usize),
+        /// `internal`: every read fails.
+        Failing,
+        /// Honestly, after a read of this long.
+        Late(Duration),
+        /// Honestly, one request at a time, after a read of this long: `busy` to any other
+        /// request meanwhile.
+        Busy(Duration),
+    }
+
     /// Servers of the tiny bf16 GPT-OSS fixture under a manifest of the smallest chunk size
     /// (each expert record is two chunks, the second one short), and a client tier over them.
     struct Bench {
@@ -2617,6 +2669,8 @@ mod tests {
         record: Vec<u8>,
         tier: PeerTier,
         servers: Vec<ServerHandle>,
+        /// Reads begun by its `Late` servers.
+        begun: Arc<AtomicU64>,
         _server_rt: tokio::runtime::Runtime,
     }
 
@@ -2629,8 +2683,25 @@ mod tests {
         }
     }
 
-    /// One server per entry of `flips`: honest (`None`) or flipping that byte of every record.
-    fn bench(flips: &[Option<usize>]) -> Bench {
+    /// The client's timeouts of a bench: far longer than any of its tries takes.
+    fn bench_config() -> PeerConfig {
+        PeerConfig {
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(5),
+            hedge_min: Duration::from_secs(60),
+            hedge_max: Duration::from_secs(60),
+            // One record, one request: these tests are of single tries.
+            stripe_min: u64::MAX,
+        }
+    }
+
+    /// One server per entry of `serving`, answering as it says.
+    fn bench(serving: &[Serving]) -> Bench {
+        bench_with(serving, bench_config())
+    }
+
+    fn bench_with(serving: &[Serving], peer_cfg: PeerConfig) -> Bench {
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/gptoss-tiny-bf16");
         let dir = tempfile::tempdir().expect("tempdir");
         for f in ["config.json", "model.safetensors"] {
@@ -2656,10 +2727,16 @@ mod tests {
             ..ExpertsConfig::default()
         };
         let client = SecretKey::from_seed(&[70; 32]);
-        let serve_cfg = || ServeConfig {
+        let serve_cfg = |busy: bool| ServeConfig {
             admission: tls::Admission::Keys([*client.public().as_bytes()].into()),
+            node_limit: if busy {
+                1
+            } else {
+                ServeConfig::default().node_limit
+            },
             ..ServeConfig::default()
         };
+        let begun = Arc::new(AtomicU64::new(0));
         let server_rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -2668,7 +2745,7 @@ mod tests {
         let mut record = Vec::new();
         let mut servers = Vec::new();
         let mut addrs = Vec::new();
-        for (i, flip) in flips.iter().enumerate() {
+        for (i, serving) in serving.iter().enumerate() {
             let (h, _experts) =
                 serve::open_holdings(dir.path(), None, &cfg, None).expect("holdings");
             if record.is_empty() {
@@ -2683,16 +2760,20 @@ mod tests {
                 record = out[0].parts().flatten().copied().collect();
                 assert_eq!(Hash::of(&record), entry.hash);
             }
-            let h = match flip {
-                Some(at) => serve::Holdings {
-                    experts: Arc::new(FlipByte {
-                        inner: h.experts.clone(),
-                        at: *at,
-                    }),
-                    ..h
-                },
-                None => h,
+            let experts: Arc<dyn ExpertProvider> = match *serving {
+                Serving::Honest => h.experts.clone(),
+                Serving::Flip(at) => Arc::new(FlipByte {
+                    inner: h.experts.clone(),
+                    at,
+                }),
+                Serving::Failing => Arc::new(Failing),
+                Serving::Late(delay) | Serving::Busy(delay) => Arc::new(Late {
+                    inner: h.experts.clone(),
+                    delay,
+                    begun: begun.clone(),
+                }),
             };
+            let h = serve::Holdings { experts, ..h };
             let key = SecretKey::from_seed(&[71 + i as u8; 32]);
             let handle = server_rt
                 .block_on(async {
@@ -2700,7 +2781,7 @@ mod tests {
                         &key,
                         "127.0.0.1:0".parse().expect("address"),
                         Arc::new(h),
-                        serve_cfg(),
+                        serve_cfg(matches!(serving, Serving::Busy(_))),
                     )
                 })
                 .expect("server starts");
@@ -2710,15 +2791,6 @@ mod tests {
             });
             servers.push(handle);
         }
-        let peer_cfg = PeerConfig {
-            connect_timeout: Duration::from_secs(5),
-            request_timeout: Duration::from_secs(10),
-            idle_timeout: Duration::from_secs(5),
-            hedge_min: Duration::from_secs(60),
-            hedge_max: Duration::from_secs(60),
-            // One record, one request: these tests are of a single try's verification.
-            stripe_min: u64::MAX,
-        };
         let model = m.model_id();
         let tier = PeerTier::connect(
             &client,
@@ -2742,6 +2814,7 @@ mod tests {
             record,
             tier,
             servers,
+            begun,
             _server_rt: server_rt,
         }
     }
@@ -2754,10 +2827,21 @@ mod tests {
         /// One [`Inner::attempt`] at peer `i` from `prefix` (of the whole record), and the
         /// record it completed.
         fn attempt(&self, i: usize, prefix: &mut Prefix) -> Result<HugeBuf, AttemptError> {
+            self.attempt_span(i, prefix, Duration::from_secs(10))?;
+            Ok(prefix.take().into_record())
+        }
+
+        /// One [`Inner::attempt`] at peer `i` from `prefix` (of any span) within `timeout`.
+        fn attempt_span(
+            &self,
+            i: usize,
+            prefix: &mut Prefix,
+            timeout: Duration,
+        ) -> Result<(), AttemptError> {
             let inner = &self.tier.inner;
             let peer = inner.peers()[i].clone();
             let limit = TryLimit {
-                timeout: Duration::from_secs(10),
+                timeout,
                 extend_until: None,
             };
             self.tier.rt.block_on(inner.attempt(
@@ -2768,8 +2852,7 @@ mod tests {
                 Priority::Demand,
                 limit,
                 None,
-            ))?;
-            Ok(prefix.take().into_record())
+            ))
         }
 
         /// One [`Inner::try_peer`] at peer `i` from `prefix` (of the whole record), counting
@@ -2780,26 +2863,36 @@ mod tests {
             prefix: Prefix,
             tries: &Tries,
         ) -> Result<HugeBuf, (String, Prefix)> {
+            self.try_span(i, prefix, tries).map(Prefix::into_record)
+        }
+
+        /// One [`Inner::try_peer`] at peer `i` from `prefix` (of any span), counting into
+        /// `tries`.
+        fn try_span(&self, i: usize, prefix: Prefix, tries: &Tries) -> TryResult {
             let inner = &self.tier.inner;
             let peer = inner.peers()[i].clone();
             let limit = TryLimit {
                 timeout: Duration::from_secs(10),
                 extend_until: None,
             };
-            self.tier
-                .rt
-                .block_on(inner.try_peer(
-                    i,
-                    InFlight(peer),
-                    self.id,
-                    self.len(),
-                    prefix,
-                    Priority::Demand,
-                    limit,
-                    tries,
-                    None,
-                ))
-                .map(Prefix::into_record)
+            self.tier.rt.block_on(inner.try_peer(
+                i,
+                InFlight(peer),
+                self.id,
+                self.len(),
+                prefix,
+                Priority::Demand,
+                limit,
+                tries,
+                None,
+            ))
+        }
+
+        /// Why peer `i`'s connection was closed (`None`: it is open, or there is none).
+        fn closed_why(&self, i: usize) -> Option<quinn::ConnectionError> {
+            let peer = self.tier.inner.peers()[i].clone();
+            let link = self.tier.rt.block_on(peer.link.lock()).clone();
+            link.and_then(|l| l.conn.close_reason())
         }
 
         /// A whole-record prefix with nothing verified.
@@ -2831,7 +2924,11 @@ mod tests {
     /// after it and completes the record.
     #[test]
     fn a_corrupt_chunk_ends_the_try_at_the_verified_prefix_and_a_try_resumes_after_it() {
-        let b = bench(&[None, Some(5), Some(MIN_CHUNK_SIZE as usize + 5)]);
+        let b = bench(&[
+            Serving::Honest,
+            Serving::Flip(5),
+            Serving::Flip(MIN_CHUNK_SIZE as usize + 5),
+        ]);
         let (chunk, len) = (b.chunk, b.len());
         let got = b.attempt(0, &mut b.fresh()).expect("the honest peer");
         assert!(got[..] == b.record[..], "the honest peer's record differs");
@@ -2883,7 +2980,7 @@ mod tests {
     /// closes is not the peer's failure.
     #[test]
     fn a_peer_that_sends_a_bad_chunk_is_dropped_and_its_verified_prefix_kept() {
-        let b = bench(&[None, Some(MIN_CHUNK_SIZE as usize + 5)]);
+        let b = bench(&[Serving::Honest, Serving::Flip(MIN_CHUNK_SIZE as usize + 5)]);
         let peers = b.tier.inner.peers();
         let tries = Tries::default();
         let got = b.try_peer(0, b.fresh(), &tries).expect("the honest peer");
@@ -2893,6 +2990,8 @@ mod tests {
             peers[0].state().rate.is_some(),
             "a success feeds the throughput"
         );
+        let len = b.len();
+        assert_eq!(peers[0].state().bytes, len, "verified bytes credited");
         assert!(peers[0].state().usable());
 
         let (why, mut prefix) = b
@@ -2905,6 +3004,11 @@ mod tests {
         assert_eq!(prefix.len() as u64, b.chunk);
         assert!(prefix_bytes(&mut prefix) == b.record[..b.chunk as usize]);
         assert_eq!(tries.failed.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            peers[1].state().bytes,
+            b.chunk,
+            "its verified chunk credited"
+        );
         assert!(
             peers[1].state().banned.is_some(),
             "a peer that sent bad bytes is not dropped"
@@ -2916,17 +3020,173 @@ mod tests {
         let got = b.try_peer(0, prefix, &tries).expect("resumed");
         assert!(got[..] == b.record[..]);
         assert_eq!(tries.failed.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            peers[0].state().bytes,
+            2 * len - b.chunk,
+            "only the bytes after the prefix credited"
+        );
 
         b.tier.close();
         let (why, _) = b
             .try_peer(0, b.fresh(), &tries)
             .expect_err("the tier is closed");
-        assert!(why.contains("closed"), "{why}");
+        assert_eq!(why, "the network tier is closed");
         assert_eq!(
             tries.failed.load(Ordering::Relaxed),
             1,
             "a try ended by closing counted as a failure"
         );
+    }
+
+    /// A stripe (a span of the record, in its part of a split buffer) is asked for exactly:
+    /// the first, from 0 to before the record's end, and the last, from a chunk boundary to the
+    /// end, each verified and credited to its peer at its own length. A stripe whose buffer
+    /// was lost fails its try: it is not fetched into a buffer of the whole record.
+    #[test]
+    fn a_stripe_is_fetched_into_its_part_of_the_record() {
+        let b = bench(&[Serving::Honest]);
+        let (chunk, len) = (b.chunk, b.len());
+        let peers = b.tier.inner.peers();
+        let tries = Tries::default();
+        let parts = HugeBuf::zeroed(len as usize)
+            .expect("a record buffer")
+            .split(&[chunk as usize])
+            .expect("two stripes");
+        for (part, (start, end)) in parts.into_iter().zip([(0, chunk), (chunk, len)]) {
+            let prefix = Prefix {
+                buffer: Some(Box::new(StripeBuf {
+                    part,
+                    offset: start,
+                })),
+                start,
+                end,
+                verified: start,
+            };
+            let before = peers[0].state().bytes;
+            let got = b
+                .try_span(0, prefix, &tries)
+                .unwrap_or_else(|(e, _)| panic!("stripe {start}..{end}: {e}"))
+                .into_part();
+            assert!(
+                got[..] == b.record[start as usize..end as usize],
+                "stripe {start}..{end} differs"
+            );
+            assert_eq!(peers[0].state().bytes - before, end - start);
+        }
+        assert_eq!(tries.failed.load(Ordering::Relaxed), 0);
+
+        for (start, end) in [(0, chunk), (chunk, len)] {
+            let mut prefix = Prefix {
+                buffer: None,
+                start,
+                end,
+                verified: start,
+            };
+            match b.attempt_span(0, &mut prefix, Duration::from_secs(10)) {
+                Err(AttemptError::Other(e)) => {
+                    assert!(e.to_string().contains("was lost"), "{e:#}");
+                }
+                other => panic!("stripe {start}..{end} without its buffer: {other:?}"),
+            }
+            assert!(prefix.buffer.is_none());
+        }
+    }
+
+    /// A peer that answers `busy` is loaded, not failing: its try is worth another round and
+    /// the peer is not marked. Any other error it answers is its failure: marked (backed off),
+    /// with no other round for it.
+    #[test]
+    fn a_busy_answer_is_load_and_another_error_a_failure() {
+        let b = bench(&[Serving::Busy(Duration::from_secs(3)), Serving::Failing]);
+        let peers = b.tier.inner.peers();
+        for (i, busy) in [(0, true), (1, false)] {
+            let tries = Tries::default();
+            let (why, prefix) = std::thread::scope(|s| {
+                if busy {
+                    // Another request holds the server's one slot.
+                    s.spawn(|| b.attempt_span(0, &mut b.fresh(), Duration::from_secs(10)));
+                    let until = Instant::now() + Duration::from_secs(30);
+                    while b.begun.load(Ordering::SeqCst) == 0 {
+                        assert!(Instant::now() < until, "the first request never began");
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
+                b.try_span(i, b.fresh(), &tries).expect_err("no record")
+            });
+            let code = if busy { "busy" } else { "internal" };
+            assert!(why.contains(&format!("peer answered {code}")), "{why}");
+            assert_eq!(prefix.len(), 0);
+            assert_eq!(tries.failed.load(Ordering::Relaxed), 1);
+            assert_eq!(tries.retry.load(Ordering::Relaxed), busy, "{why}");
+            assert_eq!(tries.busy.load(Ordering::Relaxed), busy, "{why}");
+            let s = peers[i].state();
+            assert_eq!(s.failures, u32::from(!busy), "{why}");
+            assert_eq!(s.avoid_until.is_some(), !busy, "{why}");
+            assert!(s.usable() && s.lost.is_none(), "{why}");
+        }
+    }
+
+    /// A peer whose stream is silent for the silence deadline (stopped, killed) is presumed
+    /// gone: its connection is closed, so that the next try dials again, and it is noted as
+    /// lost. One that sent nothing before the request's own deadline, when that is the
+    /// shorter, timed out: its connection stays, and it is not lost.
+    #[test]
+    fn silence_closes_the_connection_and_a_timeout_does_not() {
+        let cfg = PeerConfig {
+            idle_timeout: Duration::from_secs(1),
+            ..bench_config()
+        };
+        let b = bench_with(&[Serving::Late(Duration::from_secs(4))], cfg);
+        let peer = b.tier.inner.peers()[0].clone();
+        let mut prefix = b.fresh();
+        match b.attempt_span(0, &mut prefix, Duration::from_millis(100)) {
+            Err(AttemptError::Fetch(FetchError::TimedOut { .. }, false)) => {}
+            other => panic!("a silent peer past a 100 ms deadline: {other:?}"),
+        }
+        assert!(b.closed_why(0).is_none(), "a timeout closed the connection");
+        assert!(peer.state().lost.is_none());
+
+        let mut prefix = b.fresh();
+        match b.attempt_span(0, &mut prefix, Duration::from_secs(10)) {
+            Err(AttemptError::Lost(e))
+                if matches!(*e, AttemptError::Fetch(FetchError::Stalled { .. }, false)) => {}
+            other => panic!("a peer silent for 1 s: {other:?}"),
+        }
+        assert!(
+            matches!(b.closed_why(0), Some(quinn::ConnectionError::LocallyClosed)),
+            "the silent peer's connection is still open"
+        );
+        assert!(peer.state().lost.is_some());
+    }
+
+    /// A connection the peer closes while a request waits on it is lost: the try says so, and
+    /// the peer is noted as lost (to be dialled again), whatever error the request saw.
+    #[test]
+    fn a_connection_closed_by_the_peer_mid_request_is_lost() {
+        let b = bench(&[Serving::Late(Duration::from_secs(2))]);
+        let got = std::thread::scope(|s| {
+            s.spawn(|| {
+                let until = Instant::now() + Duration::from_secs(30);
+                while b.begun.load(Ordering::SeqCst) == 0 {
+                    assert!(
+                        Instant::now() < until,
+                        "the request never reached the server"
+                    );
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                b.servers[0].close();
+            });
+            b.attempt_span(0, &mut b.fresh(), Duration::from_secs(10))
+        });
+        match got {
+            Err(AttemptError::Lost(_)) => {}
+            other => panic!("the server closed mid-request: {other:?}"),
+        }
+        assert!(matches!(
+            b.closed_why(0),
+            Some(quinn::ConnectionError::ApplicationClosed(_))
+        ));
+        assert!(b.tier.inner.peers()[0].state().lost.is_some());
     }
 
     /// What one load keeps between tries: a request hands back its buffer with the verified
@@ -2960,6 +3220,29 @@ mod tests {
         let copy = none.copy(16).expect("copy");
         assert_eq!(copy.len(), 0, "a prefix without bytes copied as verified");
         assert!(copy.buffer.is_some());
+    }
+
+    #[test]
+    fn peer_timeout_sets_each_deadline_it_documents() {
+        // Shorter than every default: each deadline is the given one.
+        let t = Duration::from_secs(2);
+        assert!(t < crate::net::CONNECT_TIMEOUT && t < PeerConfig::default().idle_timeout);
+        let short = PeerConfig::with_timeout(t);
+        assert_eq!(short.connect_timeout, t);
+        assert_eq!(short.request_timeout, t);
+        assert_eq!(short.idle_timeout, t);
+        // Longer than every default: connection and silence keep their bounds.
+        let t = Duration::from_secs(60);
+        let long = PeerConfig::with_timeout(t);
+        assert_eq!(long.connect_timeout, crate::net::CONNECT_TIMEOUT);
+        assert_eq!(long.request_timeout, t);
+        assert_eq!(long.idle_timeout, Duration::from_secs(5));
+        // The rest are the defaults.
+        let d = PeerConfig::default();
+        assert_eq!(
+            (long.hedge_min, long.hedge_max, long.stripe_min),
+            (d.hedge_min, d.hedge_max, d.stripe_min)
+        );
     }
 
     #[test]

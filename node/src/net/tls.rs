@@ -714,10 +714,16 @@ mod tests {
         client: (Identity<'_>, Option<&PublicKey>, Admission),
     ) -> (bool, bool) {
         let sc = server_config_for(server.0, server.1, 4, Congestion::Cubic).expect("server");
+        let cc = client_config_for(client.0, client.1, client.2).expect("client");
+        handshake_with(sc, cc).await
+    }
+
+    /// Whether the server and the client (in that order) accept each other in a loopback
+    /// handshake of these configurations.
+    async fn handshake_with(sc: quinn::ServerConfig, cc: quinn::ClientConfig) -> (bool, bool) {
         let ep = crate::net::bind("127.0.0.1:0".parse().expect("addr"), Some(sc)).expect("bind");
         let addr = ep.local_addr().expect("address");
         let cep = crate::net::bind("127.0.0.1:0".parse().expect("addr"), None).expect("bind");
-        let cc = client_config_for(client.0, client.1, client.2).expect("client");
         let connecting = cep.connect_with(cc, addr, "stormo").expect("connect");
         let accepting = async {
             let incoming = ep.accept().await.expect("incoming");
@@ -1358,6 +1364,122 @@ mod tests {
             assert_eq!(m_in.map(|m| m.to_bytes()), Some(m.to_bytes()));
             assert_eq!(key_out, Some(*server.public().as_bytes()));
             assert!(m_out.is_none());
+        });
+    }
+
+    /// Presents node `shown`'s certificate and signs the handshake with `signer`'s key: a peer
+    /// replaying another node's certificate without that node's secret key (or, with
+    /// `shown == signer`, an honest one).
+    #[derive(Debug)]
+    struct Presents(Arc<rustls::sign::CertifiedKey>);
+
+    impl Presents {
+        fn new(shown: &SecretKey, signer: &SecretKey) -> Arc<Self> {
+            let (cert, _) = certificate(Identity::key(shown)).expect("a certificate");
+            let (_, key) = certificate(Identity::key(signer)).expect("a key");
+            let key = provider()
+                .key_provider
+                .load_private_key(key)
+                .expect("a signing key");
+            Arc::new(Self(Arc::new(rustls::sign::CertifiedKey::new(
+                vec![cert],
+                key,
+            ))))
+        }
+    }
+
+    impl rustls::server::ResolvesServerCert for Presents {
+        fn resolve(
+            &self,
+            _hello: rustls::server::ClientHello<'_>,
+        ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+            Some(self.0.clone())
+        }
+    }
+
+    impl rustls::client::ResolvesClientCert for Presents {
+        fn resolve(
+            &self,
+            _hints: &[&[u8]],
+            _schemes: &[SignatureScheme],
+        ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+            Some(self.0.clone())
+        }
+
+        fn has_certs(&self) -> bool {
+            true
+        }
+    }
+
+    /// A server presenting what `presents` resolves to, admitting `admission`.
+    fn presenting_server(presents: Arc<Presents>, admission: Admission) -> quinn::ServerConfig {
+        let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .expect("TLS 1.3")
+            .with_client_cert_verifier(Arc::new(KeyVerifier::new(admission, None, "client")))
+            .with_cert_resolver(presents);
+        cfg.alpn_protocols = vec![stormo_wire::ALPN.to_vec()];
+        let quic = quinn::crypto::rustls::QuicServerConfig::try_from(cfg).expect("QUIC");
+        quinn::ServerConfig::with_crypto(Arc::new(quic))
+    }
+
+    /// A client presenting what `presents` resolves to, pinning `pin`.
+    fn presenting_client(presents: Arc<Presents>, pin: &PublicKey) -> quinn::ClientConfig {
+        let verifier = KeyVerifier::new(Admission::Any, Some(*pin), "server");
+        let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .expect("TLS 1.3")
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(verifier))
+            .with_client_cert_resolver(presents);
+        cfg.alpn_protocols = vec![stormo_wire::ALPN.to_vec()];
+        let quic = quinn::crypto::rustls::QuicClientConfig::try_from(cfg).expect("QUIC");
+        quinn::ClientConfig::new(Arc::new(quic))
+    }
+
+    /// A key is proven by the handshake signature, not by the certificate that names it: a
+    /// server or a client presenting the certificate of an admitted node (public, sent in
+    /// every handshake) without that node's secret key is refused.
+    #[test]
+    fn a_certificate_replayed_without_its_key_is_refused_both_ways() {
+        let subscriber = tracing_subscriber::fmt()
+            .with_test_writer()
+            .with_max_level(tracing::Level::WARN)
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let server = SecretKey::from_seed(&[63; 32]);
+        let client = SecretKey::from_seed(&[64; 32]);
+        let impostor = SecretKey::from_seed(&[65; 32]);
+        let client_allowed = || Admission::Keys([*client.public().as_bytes()].into());
+        rt.block_on(async {
+            let (s, c) = handshake_with(
+                presenting_server(Presents::new(&server, &server), client_allowed()),
+                presenting_client(Presents::new(&client, &client), &server.public()),
+            )
+            .await;
+            assert!(s && c, "honest peers (server {s}, client {c})");
+            let (_, c) = handshake_with(
+                presenting_server(Presents::new(&server, &impostor), client_allowed()),
+                presenting_client(Presents::new(&client, &client), &server.public()),
+            )
+            .await;
+            assert!(
+                !c,
+                "a server replaying the pinned key's certificate was accepted"
+            );
+            let (s, _) = handshake_with(
+                presenting_server(Presents::new(&server, &server), client_allowed()),
+                presenting_client(Presents::new(&client, &impostor), &server.public()),
+            )
+            .await;
+            assert!(
+                !s,
+                "a client replaying an allowed key's certificate was admitted"
+            );
         });
     }
 
