@@ -518,12 +518,9 @@ pub fn run_scenario(
     let one_holder = match one_holder_args {
         Some(a) => {
             log("run with one holder as the only peer");
-            let mut client = c.spawn_run("one-holder", &a)?;
-            while !client.finished() && client.started.elapsed() <= opts.timeout {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let (v, wall) = client.wait(opts.timeout)?;
-            Some(RunOutcome::from_json(&v, wall)?)
+            let client = c.spawn_run("one-holder", &a)?;
+            let mut next_report = REPORT_EVERY;
+            Some(finish(&c, client, opts.timeout, &mut next_report, log)?)
         }
         None => None,
     };
@@ -534,20 +531,7 @@ pub fn run_scenario(
     });
     let mut events = Vec::new();
     let mut client = c.spawn_run("swarm", &args)?;
-    // A line every half minute of a long run: how long, and what the nodes have sent.
-    let mut next_report = Duration::from_secs(30);
-    let mut report = |c: &Cluster, client: &cluster::RunningClient, log: &mut dyn FnMut(&str)| {
-        let t = client.started.elapsed();
-        if t >= next_report {
-            next_report += Duration::from_secs(30);
-            let sent: u64 = c.nodes.iter().map(|n| n.link().down_bytes).sum();
-            log(&format!(
-                "swarm run: {}s, the nodes have sent {}",
-                t.as_secs(),
-                mb(sent)
-            ));
-        }
-    };
+    let mut next_report = REPORT_EVERY;
     if scenario == Scenario::Churn {
         let victim = 1;
         let mut killed_at: Option<Instant> = None;
@@ -578,7 +562,7 @@ pub fn run_scenario(
             if client.started.elapsed() > opts.timeout {
                 break;
             }
-            report(&c, &client, log);
+            report(&c, &client, &mut next_report, log);
             std::thread::sleep(Duration::from_millis(5));
         }
         if killed_at.is_some() && !restarted {
@@ -601,22 +585,13 @@ pub fn run_scenario(
             });
         }
     }
-    while !client.finished() && client.started.elapsed() <= opts.timeout {
-        report(&c, &client, log);
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let (v, wall) = client.wait(opts.timeout)?;
-    let swarm = RunOutcome::from_json(&v, wall)?;
+    let swarm = finish(&c, client, opts.timeout, &mut next_report, log)?;
     let remote = match auto_args {
         Some(a) => {
             log("swarm run with remote execution (auto)");
-            let mut client = c.spawn_run("swarm-auto", &a)?;
-            while !client.finished() && client.started.elapsed() <= opts.timeout {
-                report(&c, &client, log);
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let (v, wall) = client.wait(opts.timeout)?;
-            Some(RunOutcome::from_json(&v, wall)?)
+            let client = c.spawn_run("swarm-auto", &a)?;
+            let mut next_report = REPORT_EVERY;
+            Some(finish(&c, client, opts.timeout, &mut next_report, log)?)
         }
         None => None,
     };
@@ -658,6 +633,46 @@ pub fn run_scenario(
         token_exact,
         events,
     })
+}
+
+/// How often a long client run says how far it got.
+const REPORT_EVERY: Duration = Duration::from_secs(30);
+
+/// Says how long `client` has run and what the nodes have sent, once `next` is reached (then
+/// `next` moves on by [`REPORT_EVERY`]).
+fn report(
+    c: &Cluster,
+    client: &cluster::RunningClient,
+    next: &mut Duration,
+    log: &mut dyn FnMut(&str),
+) {
+    let t = client.started.elapsed();
+    if t >= *next {
+        *next += REPORT_EVERY;
+        let sent: u64 = c.nodes.iter().map(|n| n.link().down_bytes).sum();
+        log(&format!(
+            "{} run: {}s, the nodes have sent {}",
+            client.name(),
+            t.as_secs(),
+            mb(sent)
+        ));
+    }
+}
+
+/// Waits for `client` to end (reporting as it runs), then reads its `--json`.
+fn finish(
+    c: &Cluster,
+    mut client: cluster::RunningClient,
+    timeout: Duration,
+    next_report: &mut Duration,
+    log: &mut dyn FnMut(&str),
+) -> Result<RunOutcome, SwarmError> {
+    while !client.finished() && client.started.elapsed() <= timeout {
+        report(c, &client, next_report, log);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (v, wall) = client.wait(timeout)?;
+    RunOutcome::from_json(&v, wall)
 }
 
 /// A node stripes an expert across its holders from this size on (the network tier's

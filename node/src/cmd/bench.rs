@@ -319,7 +319,7 @@ impl MemoryProbe {
     /// warm-up. The first call rewrites the buffer's bytes (the bandwidth probe reads any
     /// bytes).
     pub fn kernel_rates(&mut self) -> KernelRates {
-        let (bf16, mxfp4) = self.kernel_passes(|bytes, f| time_rate(bytes, f));
+        let (bf16, mxfp4) = self.kernel_passes(time_rate);
         KernelRates { bf16, mxfp4 }
     }
 

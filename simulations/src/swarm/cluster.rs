@@ -543,6 +543,11 @@ pub struct RunningClient {
 }
 
 impl RunningClient {
+    /// Its name (`swarm`, `one-holder`, ...).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// Whether it has exited.
     pub fn finished(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(Some(_)))
