@@ -404,7 +404,12 @@ impl ExpertExecutor for RemoteExperts {
             let now = Instant::now();
             let failed = match answer {
                 Ok(rows) => {
-                    policy.answered(p.peer, p.started.elapsed(), p.bytes);
+                    policy.answered(
+                        p.peer,
+                        now,
+                        now.saturating_duration_since(p.started),
+                        p.bytes,
+                    );
                     if p.check {
                         self.checking
                             .lock()

@@ -14,7 +14,11 @@
 //!   expert, or a fast link, is fetched;
 //! - the call's time is the round trip, the rows both ways over the throughput, and the
 //!   service time of the calls already in flight at the peer (its measured call time less the
-//!   round trip); a prefill block with many positions moves many rows, so it tends to fetch;
+//!   round trip); a prefill block with many positions moves many rows, so it tends to fetch.
+//!   A measured call time fades with the time since the peer's last answer (half-life
+//!   [`CALL_HALF_LIFE`]): calls measured slow while the link was full of fetches (a prefill)
+//!   would otherwise keep every later call from being chosen, and so from being measured
+//!   again, for the whole session;
 //! - the cheaper way wins; among holders, the one with the cheapest call.
 //!
 //! `always` delegates whenever some holder can take the call; `never` never does. In every
@@ -51,6 +55,10 @@ pub const HORIZON: f64 = 16.0;
 const HEAT_ALPHA: f32 = 0.1;
 /// Weight of the newest call in a peer's measured call time.
 const CALL_ALPHA: f64 = 0.25;
+/// How long after a peer's last answer its measured call time counts half: a slow answer
+/// (a queue at the peer, rows behind a link full of fetches) says less of the peer the longer
+/// ago it came, and a peer written off by it is asked again once it has faded.
+pub const CALL_HALF_LIFE: Duration = Duration::from_secs(2);
 /// The first pause after a `busy` answer, doubled after each further one.
 pub const BUSY_PAUSE: Duration = Duration::from_millis(50);
 /// The first pause after a failed call, doubled after each further one.
@@ -185,8 +193,22 @@ struct Executor {
     failure_streak: u32,
     /// Calls in flight.
     in_flight: u32,
-    /// Measured seconds per call (EWMA).
+    /// Measured seconds per call (EWMA), as of `call_at`.
     call_s: Option<f64>,
+    /// When `call_s` was last updated.
+    call_at: Option<Instant>,
+}
+
+impl Executor {
+    /// The measured seconds per call at `now`: faded by half every [`CALL_HALF_LIFE`] since
+    /// the last answer.
+    fn call_s(&self, now: Instant) -> Option<f64> {
+        let c = self.call_s?;
+        let age = self
+            .call_at
+            .map_or(Duration::ZERO, |at| now.saturating_duration_since(at));
+        Some(c * 0.5f64.powf(age.as_secs_f64() / CALL_HALF_LIFE.as_secs_f64()))
+    }
 }
 
 /// Counters of remote execution, as `run --json` reports them.
@@ -285,13 +307,15 @@ impl RemotePolicy {
         self.executors.get(peer)?.banned.as_deref()
     }
 
-    /// Seconds a call of `rows` rows of width `hidden` to `h` is expected to take.
-    fn call_cost(&self, h: &Holder, rows: usize, hidden: usize) -> f64 {
+    /// Seconds a call of `rows` rows of width `hidden` to `h` is expected to take at `now`.
+    fn call_cost(&self, now: Instant, h: &Holder, rows: usize, hidden: usize) -> f64 {
         let rtt = h.link.rtt_s();
         let wire = rtt + 2.0 * (rows * hidden * 4) as f64 / h.link.rate();
         let x = self.executors.get(h.peer);
         // The peer's service time per call (compute and its queue), from its measured calls.
-        let service = x.and_then(|x| x.call_s).map_or(0.0, |c| (c - rtt).max(0.0));
+        let service = x
+            .and_then(|x| x.call_s(now))
+            .map_or(0.0, |c| (c - rtt).max(0.0));
         let queued = x.map_or(0, |x| x.in_flight) as f64;
         wire + service * (1.0 + queued)
     }
@@ -311,7 +335,7 @@ impl RemotePolicy {
         let best = holders
             .iter()
             .filter(|h| self.usable(h.peer, now))
-            .map(|h| (h, self.call_cost(h, w.positions, hidden)))
+            .map(|h| (h, self.call_cost(now, h, w.positions, hidden)))
             .min_by(|a, b| a.1.total_cmp(&b.1));
         let Some((h, call)) = best else {
             return Choice::Fetch;
@@ -364,16 +388,19 @@ impl RemotePolicy {
         (x >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    /// `peer` answered with rows after `elapsed`, having moved `bytes` both ways.
-    pub fn answered(&mut self, peer: usize, elapsed: Duration, bytes: u64) {
+    /// `peer` answered with rows at `now`, `elapsed` after the call, having moved `bytes`
+    /// both ways.
+    pub fn answered(&mut self, peer: usize, now: Instant, elapsed: Duration, bytes: u64) {
         let x = self.executor(peer);
+        let before = x.call_s(now);
         x.in_flight = x.in_flight.saturating_sub(1);
         x.answers += 1;
         x.busy_streak = 0;
         x.failure_streak = 0;
         x.paused_until = None;
         let s = elapsed.as_secs_f64();
-        x.call_s = Some(x.call_s.map_or(s, |c| c + CALL_ALPHA * (s - c)));
+        x.call_s = Some(before.map_or(s, |c| c + CALL_ALPHA * (s - c)));
+        x.call_at = Some(now);
         self.stats.calls += 1;
         self.stats.bytes += bytes;
     }
@@ -507,7 +534,7 @@ mod tests {
         let now = Instant::now();
         let fast = [holder(0, link(1, 100_000.0))];
         p.begin(0);
-        p.answered(0, Duration::from_millis(5), 0);
+        p.answered(0, now, Duration::from_millis(5), 0);
         assert_eq!(
             p.choose(now, &want(1, 1, false), HIDDEN, &fast),
             Choice::Fetch
@@ -518,6 +545,41 @@ mod tests {
             p.choose(now, &want(1, 1, false), HIDDEN, &fresh),
             Choice::Execute { peer: 1 }
         );
+    }
+
+    /// A peer whose call was measured slow (rows behind a link full of fetches, as in a
+    /// prefill) is not asked while that is recent, and is asked again once it has faded; a
+    /// fast answer then keeps it asked.
+    #[test]
+    fn a_slow_answer_fades_and_the_peer_is_asked_again() {
+        let mut p = policy(RemoteExec::Auto, 0.0);
+        let t0 = Instant::now();
+        let home = [holder(0, link(40, 100.0))];
+        p.begin(0);
+        p.answered(0, t0, Duration::from_secs(5), 0);
+        // 5 s a call against 1.1 s to fetch the cold expert: fetched, and still at 2.5 s.
+        let cold = want(1, 1, false);
+        assert_eq!(p.choose(t0, &cold, HIDDEN, &home), Choice::Fetch);
+        assert_eq!(
+            p.choose(t0 + CALL_HALF_LIFE, &cold, HIDDEN, &home),
+            Choice::Fetch
+        );
+        // Eight half-lives on, 20 ms: below the round trip, so the call is the wire's 42 ms.
+        let later = t0 + CALL_HALF_LIFE * 8;
+        assert_eq!(
+            p.choose(later, &cold, HIDDEN, &home),
+            Choice::Execute { peer: 0 }
+        );
+        p.begin(0);
+        p.answered(0, later, Duration::from_millis(45), 0);
+        assert_eq!(
+            p.choose(later, &cold, HIDDEN, &home),
+            Choice::Execute { peer: 0 }
+        );
+        // A second slow answer writes it off again.
+        p.begin(0);
+        p.answered(0, later, Duration::from_secs(20), 0);
+        assert_eq!(p.choose(later, &cold, HIDDEN, &home), Choice::Fetch);
     }
 
     /// Among holders the cheapest call wins: a shorter round trip, and a peer with fewer calls
@@ -535,7 +597,7 @@ mod tests {
         let same = [holder(0, link(10, 100.0)), holder(1, link(10, 100.0))];
         for peer in [0, 1] {
             p.begin(peer);
-            p.answered(peer, Duration::from_millis(20), 0);
+            p.answered(peer, now, Duration::from_millis(20), 0);
         }
         for _ in 0..3 {
             p.begin(1);
@@ -587,7 +649,7 @@ mod tests {
         assert!(!p.usable(0, t1 + Duration::from_millis(99)));
         assert!(p.usable(0, t1 + Duration::from_millis(100)));
         p.begin(0);
-        p.answered(0, Duration::from_millis(12), 100);
+        p.answered(0, t1, Duration::from_millis(12), 100);
         assert!(p.usable(0, t1));
         p.begin(0);
         p.failed(0, t1);
@@ -627,7 +689,7 @@ mod tests {
         let now = Instant::now();
         let answered = |p: &mut RemotePolicy, peer| {
             p.begin(peer);
-            p.answered(peer, Duration::from_millis(1), 0);
+            p.answered(peer, now, Duration::from_millis(1), 0);
         };
         let mut p = policy(RemoteExec::Always, 0.05);
         assert!(p.check(0) && p.check(0) && p.check(1));
@@ -675,7 +737,7 @@ mod tests {
             p.choose(now, &want(1, 1, false), HIDDEN, &two),
             Choice::Execute { peer: 1 }
         );
-        p.answered(0, Duration::from_millis(1), 0);
+        p.answered(0, now, Duration::from_millis(1), 0);
         assert_eq!(
             p.choose(now, &want(1, 1, false), HIDDEN, &one),
             Choice::Execute { peer: 0 }

@@ -28,6 +28,11 @@ use tokio::sync::Semaphore;
 use super::tls::{self, Admission};
 use super::{FramedRecv, ReadError};
 
+/// The send priority of the stream of an `Exec` answer (and of its request, at the caller):
+/// above the experts' bytes (0) and prefetches (-1), so rows a layer waits on do not queue
+/// behind a fetch's megabytes on a slow link.
+pub const EXEC_PRIORITY: i32 = 1;
+
 /// Bytes per `Data` frame sent.
 const DATA_CHUNK: usize = 256 << 10;
 /// The largest frame accepted from a peer (requests and control messages are small; an
@@ -427,6 +432,9 @@ async fn stream(
             if let Message::Error(e) = &answer {
                 tracing::debug!("exec of {expert} for {peer}: {} {}", e.code, e.message);
             }
+            // A few KiB that a whole layer of the caller waits on: sent ahead of the experts'
+            // bytes on the same connection (those at 0, prefetches at -1), not behind them.
+            let _ = send.set_priority(EXEC_PRIORITY);
             if super::write_message(&mut send, &answer).await.is_err() {
                 return;
             }

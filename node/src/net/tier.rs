@@ -1420,6 +1420,7 @@ async fn exec_call(
         .open_bi()
         .await
         .map_err(|e| ExecError::Lost(format!("opening a stream: {e}")))?;
+    let _ = send.set_priority(super::serve::EXEC_PRIORITY);
     super::write_message(&mut send, &Message::Exec(msg))
         .await
         .map_err(|e| ExecError::Lost(format!("{e:#}")))?;
