@@ -540,6 +540,72 @@ fn pull_experts_fetches_records_from_partial_holders_and_runs_without_peers() {
     );
 }
 
+/// Regression: the expert directory reserved a record's entry before writing its file, so it
+/// said it held the expert while the file was still a temporary one; `pull --experts` waits
+/// until every expert is held and then exits, and under load the last record was left as its
+/// temporary file, which the next run removes ("no tier holds it"). Now an expert is held
+/// only once its file is in place, full length, whenever a reader asks.
+#[test]
+fn the_expert_directory_holds_an_expert_only_once_its_file_is_in_place() {
+    use stormo_engine::tiers::ExpertId;
+    let (m, _) = model_with_manifest();
+    let manifest = stormo_manifests::read_manifest(&m.path().join("stormo-manifest.bin"))
+        .expect("manifest")
+        .0;
+    let ckpt = stormo_engine::safetensors::Checkpoint::open(m.path()).expect("checkpoint");
+    let cfg = stormo_engine::ModelConfig::from_dir(m.path()).expect("config");
+    let layout = stormo_engine::layout::ExpertLayout::from_checkpoint(&ckpt, &cfg).expect("layout");
+    let st = state();
+    let dir = Arc::new(
+        stormo_node::net::expert_dir::ExpertDir::open(
+            st.path(),
+            manifest.model_id(),
+            u64::MAX,
+            Arc::new(manifest),
+            layout.schemas.clone(),
+        )
+        .expect("expert dir"),
+    );
+    for (l, per_layer) in layout.parts.iter().enumerate() {
+        for (e, parts) in per_layer.iter().enumerate() {
+            let id = ExpertId::from_indices(l, e);
+            let mut record = Vec::new();
+            for p in parts {
+                let f = &ckpt.files[p.loc.file].map;
+                record.extend_from_slice(
+                    &f[p.loc.offset as usize..(p.loc.offset + p.loc.len) as usize],
+                );
+            }
+            let len = record.len() as u64;
+            let path = dir.root().join(format!("{}-{}.bin", id.layer, id.expert));
+            let storing = {
+                let dir = dir.clone();
+                std::thread::spawn(move || dir.store(id, &record))
+            };
+            // Every time the directory says it holds the expert, the file is there, whole.
+            let until = Instant::now() + Duration::from_secs(30);
+            while !dir.contains(id) {
+                assert!(Instant::now() < until, "expert {id} never stored");
+                std::hint::spin_loop();
+            }
+            let on_disk = std::fs::metadata(&path).map(|m| m.len());
+            assert_eq!(
+                on_disk.ok(),
+                Some(len),
+                "expert {id} held before {} was in place",
+                path.display()
+            );
+            storing.join().expect("store");
+        }
+    }
+    let tmp = std::fs::read_dir(dir.root())
+        .expect("dir")
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .count();
+    assert_eq!(tmp, 0, "temporary files left");
+}
+
 /// Issue 35: `bench --peer` measures decode and prefill with every expert from a peer, then
 /// the same prompts from the local disk, and reports both and their ratio; on a folder pulled
 /// without experts it measures the peers' run alone.

@@ -28,6 +28,10 @@ use stormo_manifests::{Hash, Manifest};
 struct Entry {
     len: u64,
     stamp: u64,
+    /// The record's file is in place under its final name. A store reserves its entry (and
+    /// its room in the limit) before writing; until the rename the expert is not held: a
+    /// reader would find no file, and a process that exits then leaves only the temporary one.
+    written: bool,
 }
 
 #[derive(Default)]
@@ -116,6 +120,7 @@ impl ExpertDir {
                 Entry {
                     len,
                     stamp: st.clock,
+                    written: true,
                 },
             );
         }
@@ -148,9 +153,9 @@ impl ExpertDir {
         &self.root
     }
 
-    /// Records held.
+    /// Records held (written in place).
     pub fn len(&self) -> usize {
-        self.lock().entries.len()
+        self.lock().entries.values().filter(|e| e.written).count()
     }
 
     /// Whether no record is held.
@@ -163,21 +168,24 @@ impl ExpertDir {
         self.lock().used
     }
 
-    /// Whether expert `id` is held.
+    /// Whether expert `id` is held: its record's file is in place (a store still writing it
+    /// does not count).
     pub fn contains(&self, id: ExpertId) -> bool {
-        self.lock().entries.contains_key(&id)
+        self.lock().entries.get(&id).is_some_and(|e| e.written)
     }
 
     fn path(&self, id: ExpertId) -> PathBuf {
         self.root.join(file_name(id))
     }
 
-    /// Evicts least recently used records until `extra` more bytes fit in the limit.
+    /// Evicts least recently used records until `extra` more bytes fit in the limit (never
+    /// one still being written: its store owns it until then).
     fn evict(&self, g: &mut State, extra: u64) {
         while g.used + extra > self.limit {
             let Some(id) = g
                 .entries
                 .iter()
+                .filter(|(_, e)| e.written)
                 .min_by_key(|(_, e)| e.stamp)
                 .map(|(k, _)| *k)
             else {
@@ -223,7 +231,14 @@ impl ExpertDir {
             g.clock += 1;
             let stamp = g.clock;
             g.used += len;
-            g.entries.insert(id, Entry { len, stamp });
+            g.entries.insert(
+                id,
+                Entry {
+                    len,
+                    stamp,
+                    written: false,
+                },
+            );
         }
         let tmp = self.root.join(format!(
             ".{}.{}.{:x}.tmp",
@@ -237,12 +252,14 @@ impl ExpertDir {
                 std::fs::rename(&tmp, self.path(id))
                     .with_context(|| format!("renaming {} into place", tmp.display()))
             });
+        let mut g = self.lock();
         if written.is_err() {
             let _ = std::fs::remove_file(&tmp);
-            let mut g = self.lock();
             if let Some(e) = g.entries.remove(&id) {
                 g.used -= e.len;
             }
+        } else if let Some(e) = g.entries.get_mut(&id) {
+            e.written = true;
         }
         written
     }
