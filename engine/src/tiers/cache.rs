@@ -98,6 +98,31 @@ struct Entry {
     waiters: u32,
 }
 
+impl Entry {
+    /// A load of `len` bytes from `tier`, last used at `stamp`: no flag set, nobody waiting.
+    fn loading(len: u64, stamp: u64, tier: usize) -> Self {
+        Self {
+            state: State::Loading,
+            len,
+            stamp,
+            unused_prefetch: false,
+            unused_ahead: false,
+            hot: false,
+            tier,
+            waiters: 0,
+        }
+    }
+}
+
+/// Adds `k` to the loads of its tier in `batch` (by tier, sized on the first load, so that a
+/// request with no miss allocates nothing).
+fn add_load(batch: &mut Vec<Vec<ExpertId>>, tiers: usize, tier: usize, k: ExpertId) {
+    if batch.is_empty() {
+        batch.resize(tiers, Vec::new());
+    }
+    batch[tier].push(k);
+}
+
 struct Inner {
     map: HashMap<ExpertId, Entry>,
     /// Requests per expert since start, `[layer][expert]` (the hot-store's counts).
@@ -109,6 +134,14 @@ struct Inner {
     /// failure of the next experts (a dead peer fails every expert of a layer at once) is
     /// logged at debug level instead, for [`REPEAT_QUIET`].
     last_failure: Option<(usize, String, Instant)>,
+}
+
+impl Inner {
+    /// Puts `e` in the map under `k` and its bytes in the budget (room already made).
+    fn reserve(&mut self, k: ExpertId, e: Entry) {
+        self.used += e.len;
+        self.map.insert(k, e);
+    }
 }
 
 /// How long the same failure of one tier is not warned about again.
@@ -269,20 +302,13 @@ impl TieredExperts {
             if !self.shared.make_room(&mut g, len, false, &|_| false) {
                 break;
             }
-            g.map.insert(
+            g.reserve(
                 k,
                 Entry {
-                    state: State::Loading,
-                    len,
-                    stamp: 0,
-                    unused_prefetch: false,
-                    unused_ahead: false,
                     hot: true,
-                    tier,
-                    waiters: 0,
+                    ..Entry::loading(len, 0, tier)
                 },
             );
-            g.used += len;
             hot_bytes += len;
             batch[tier].push(k);
             n += 1;
@@ -388,24 +414,14 @@ impl Shared {
                 break;
             }
             let stamp = g.clock;
-            g.map.insert(
+            g.reserve(
                 k,
                 Entry {
-                    state: State::Loading,
-                    len,
-                    stamp,
-                    unused_prefetch: false,
                     unused_ahead: true,
-                    hot: false,
-                    tier,
-                    waiters: 0,
+                    ..Entry::loading(len, stamp, tier)
                 },
             );
-            g.used += len;
-            if batch.is_empty() {
-                batch.resize(self.tiers.len(), Vec::new());
-            }
-            batch[tier].push(k);
+            add_load(&mut batch, self.tiers.len(), tier, k);
         }
         batch
     }
@@ -575,24 +591,14 @@ impl TieredExperts {
                 }
             };
             sh.make_room(&mut g, len, true, &|k| in_request(k, layer, experts));
-            g.map.insert(
+            g.reserve(
                 k,
                 Entry {
-                    state: State::Loading,
-                    len,
-                    stamp: clock,
-                    unused_prefetch: false,
-                    unused_ahead: false,
-                    hot: false,
-                    tier,
                     waiters,
+                    ..Entry::loading(len, clock, tier)
                 },
             );
-            g.used += len;
-            if batch.is_empty() {
-                batch.resize(sh.tiers.len(), Vec::new());
-            }
-            batch[tier].push(k);
+            add_load(&mut batch, sh.tiers.len(), tier, k);
         }
         drop(g);
         sh.start(batch, Priority::Demand);
@@ -656,20 +662,13 @@ impl TieredExperts {
                         .filter(|&(&e, &taken)| !taken && e == k.expert as usize)
                         .count();
                     sh.make_room(&mut g, len, true, &|k| in_request(k, layer, experts));
-                    g.map.insert(
+                    g.reserve(
                         k,
                         Entry {
-                            state: State::Loading,
-                            len,
-                            stamp: clock,
-                            unused_prefetch: false,
-                            unused_ahead: false,
-                            hot: false,
-                            tier,
                             waiters: u32::try_from(waiters).unwrap_or(u32::MAX),
+                            ..Entry::loading(len, clock, tier)
                         },
                     );
-                    g.used += len;
                     drop(g);
                     let mut batch = vec![Vec::new(); sh.tiers.len()];
                     batch[tier].push(k);
@@ -684,8 +683,6 @@ impl TieredExperts {
                 if !l.places.is_empty() {
                     for &i in &l.places {
                         l.taken[i] = true;
-                    }
-                    for &i in &l.places {
                         unpin(&mut g, layer, &experts[i..=i]);
                     }
                     left -= l.places.len();
@@ -776,24 +773,14 @@ impl ExpertProvider for TieredExperts {
                 break;
             }
             let stamp = g.clock;
-            g.map.insert(
+            g.reserve(
                 k,
                 Entry {
-                    state: State::Loading,
-                    len,
-                    stamp,
                     unused_prefetch: true,
-                    unused_ahead: false,
-                    hot: false,
-                    tier,
-                    waiters: 0,
+                    ..Entry::loading(len, stamp, tier)
                 },
             );
-            g.used += len;
-            if batch.is_empty() {
-                batch.resize(sh.tiers.len(), Vec::new());
-            }
-            batch[tier].push(k);
+            add_load(&mut batch, sh.tiers.len(), tier, k);
         }
         drop(g);
         sh.start(batch, Priority::Prefetch);
@@ -1078,6 +1065,12 @@ mod tests {
         }
     }
 
+    /// No request's pin is left on any entry.
+    fn assert_no_pin(cache: &TieredExperts) {
+        let g = cache.shared.lock();
+        assert!(g.map.values().all(|e| e.waiters == 0), "a pin was left");
+    }
+
     fn cache_over(tier: Arc<dyn Tier>, budget: u64) -> Arc<TieredExperts> {
         Arc::new(TieredExperts::new(
             vec![tier],
@@ -1172,8 +1165,7 @@ mod tests {
             assert_eq!(places, (0..request.len()).collect::<Vec<_>>());
             let s = cache.stats();
             assert_eq!((s.requests, s.ram_hits, s.tiers[0].loads), (8, 2, 6));
-            let g = cache.shared.lock();
-            assert!(g.map.values().all(|e| e.waiters == 0), "a pin was left");
+            assert_no_pin(&cache);
         }
     }
 
@@ -1192,10 +1184,7 @@ mod tests {
         gated.finish(ExpertId::from_indices(0, 4), false);
         let e = t.join().unwrap().unwrap_err().to_string();
         assert_eq!(e, "expert 4 of layer 0: the disk said no");
-        {
-            let g = cache.shared.lock();
-            assert!(g.map.values().all(|e| e.waiters == 0), "a pin was left");
-        }
+        assert_no_pin(&cache);
         // Expert 6 lands after the request ended: nobody holds it.
         gated.finish(ExpertId::from_indices(0, 6), true);
         assert!(cache.is_resident(ExpertId::from_indices(0, 6)));
@@ -1215,8 +1204,7 @@ mod tests {
             })
         });
         assert!(r.unwrap_err().to_string().contains("the caller gave up"));
-        let g = cache.shared.lock();
-        assert!(g.map.values().all(|e| e.waiters == 0), "a pin was left");
+        assert_no_pin(&cache);
     }
 
     /// The next group (`ahead`) starts loading, at prefetch priority, as soon as room allows

@@ -1254,6 +1254,20 @@ impl Paired {
             median_ratio,
         }
     }
+
+    /// The two speeds as printed (`-` for a setting no token was decoded at).
+    fn speeds(&self) -> [String; 2] {
+        self.tok_s
+            .map(|s| s.map_or_else(|| "-".to_owned(), |s| format!("{s:.2}")))
+    }
+
+    /// The median pair ratio as printed after the speeds.
+    fn ratio_note(&self) -> String {
+        match self.median_ratio {
+            Some(r) => format!("; median of neighbouring pairs {r:.3}x"),
+            None => "; decode at least 2 tokens for a pair".to_owned(),
+        }
+    }
 }
 
 /// What a paired decode alternates.
@@ -1271,24 +1285,16 @@ struct PairedKnob {
     knob: Knob,
     /// The two settings (bytes ahead, or tasks per thread).
     values: [usize; 2],
-    /// Tokens per second at each (`None` for a setting no token was decoded at).
-    tok_s: [Option<f64>; 2],
-    /// The median over neighbouring pairs (token `2j` at the first setting, `2j + 1` at the
-    /// second) of the second's speed over the first's; `None` without a whole pair.
-    median_ratio: Option<f64>,
+    /// The speeds at each.
+    speeds: Paired,
 }
 
 impl PairedKnob {
     fn new(knob: Knob, values: [usize; 2], secs: &[Vec<f64>; 2]) -> Self {
-        let Paired {
-            tok_s,
-            median_ratio,
-        } = Paired::new(secs);
         Self {
             knob,
             values,
-            tok_s,
-            median_ratio,
+            speeds: Paired::new(secs),
         }
     }
 
@@ -1298,7 +1304,7 @@ impl PairedKnob {
             Knob::Tasks => "tasks_per_thread",
         };
         serde_json::json!({
-            key: self.values, "tok_s": self.tok_s, "median_pair_ratio": self.median_ratio,
+            key: self.values, "tok_s": self.speeds.tok_s, "median_pair_ratio": self.speeds.median_ratio,
         })
     }
 }
@@ -1334,18 +1340,12 @@ impl PairedCompletion {
 
 impl std::fmt::Display for PairedCompletion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let [off, on] = self
-            .decode
-            .tok_s
-            .map(|s| s.map_or_else(|| "-".to_owned(), |s| format!("{s:.2}")));
+        let [off, on] = self.decode.speeds();
         write!(
             f,
-            "paired           decode completion-driven {on} tok/s, fetch-then-compute {off} tok/s (alternate decoded tokens)"
+            "paired           decode completion-driven {on} tok/s, fetch-then-compute {off} tok/s (alternate decoded tokens){}",
+            self.decode.ratio_note()
         )?;
-        match self.decode.median_ratio {
-            Some(r) => write!(f, "; median of neighbouring pairs {r:.3}x")?,
-            None => write!(f, "; decode at least 2 tokens for a pair")?,
-        }
         for &(p, [off, on], same) in &self.prefill {
             write!(
                 f,
@@ -1363,9 +1363,7 @@ impl std::fmt::Display for PairedCompletion {
 impl std::fmt::Display for PairedKnob {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let [a, b] = self.values;
-        let [sa, sb] = self
-            .tok_s
-            .map(|s| s.map_or_else(|| "-".to_owned(), |s| format!("{s:.2}")));
+        let [sa, sb] = self.speeds.speeds();
         match self.knob {
             Knob::Prefetch => write!(
                 f,
@@ -1376,10 +1374,7 @@ impl std::fmt::Display for PairedKnob {
                 "paired           {a} tasks per thread {sa} tok/s, {b} tasks per thread {sb} tok/s (alternate decoded tokens)"
             )?,
         }
-        match self.median_ratio {
-            Some(r) => write!(f, "; median of neighbouring pairs {r:.3}x"),
-            None => write!(f, "; decode at least 2 tokens for a pair"),
-        }
+        f.write_str(&self.speeds.ratio_note())
     }
 }
 
