@@ -369,16 +369,27 @@ impl Node {
             Some(t) if p.remote.mode != RemoteExec::Never && !cfg.experts.mmap => {
                 let hidden = files.cfg.hidden_size;
                 let client = PeerExec::new(t.clone(), hidden, p.timeouts.request_timeout);
-                Some(Arc::new(RemoteExperts::new(
+                let sizes = files.layout.sizes();
+                // A decoded token's experts: top-k of each MoE layer, at the layer's mean size.
+                let per_token: u64 = sizes
+                    .iter()
+                    .filter(|l| !l.is_empty())
+                    .map(|l| l.iter().sum::<u64>() / l.len() as u64 * files.cfg.top_k as u64)
+                    .sum();
+                let x = RemoteExperts::new(
                     Arc::new(client),
                     rt.handle().clone(),
                     p.remote,
                     experts.tiered.clone(),
                     on_machine,
-                    files.layout.sizes(),
+                    sizes,
                     hidden,
                     p.timeouts.request_timeout,
-                )))
+                );
+                if let Some(t) = &experts.tiered {
+                    x.set_cache(t.budget(), per_token);
+                }
+                Some(Arc::new(x))
             }
             _ => None,
         };

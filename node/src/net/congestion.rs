@@ -13,11 +13,26 @@
 //! It is quinn's CUBIC with one filter in front of its loss signal. A loss is taken for
 //! random, and not passed on, when both hold:
 //! - the path's queue is empty: the smoothed round trip is within
-//!   max([`QUEUE_DELAY_FRACTION`] of the minimum round trip, [`QUEUE_DELAY_FLOOR`]) of the
-//!   minimum. A loss at a full drop-tail queue comes with a grown round trip, so congestion
-//!   (a competing flow, our own overshoot) is answered as CUBIC answers it;
+//!   max([`QUEUE_DELAY_FRACTION`] of the base round trip, [`QUEUE_DELAY_FLOOR`]) of the
+//!   base, the least smoothed round trip of the last [`BASE_WINDOW`] or two. A loss at a
+//!   full drop-tail queue comes with a
+//!   grown round trip, so congestion (a competing flow, our own overshoot) is answered as
+//!   CUBIC answers it;
 //! - recent loss is rare: at most [`TOLERATED_LOSS`] of the last [`LOSS_WINDOW`] bytes. A
 //!   path that drops much more without queueing (a policer) is answered as CUBIC answers it.
+//!
+//! The base is the least *smoothed* round trip, not quinn's minimum sample: a sample is
+//! timed from a clock read before the datagrams it covers were received, so on a busy host
+//! (a process descheduled between the two) one can come out shorter than the path allows.
+//! In `stormo sim --scenario wan` (40 ms round trip, seven processes on two cores) one
+//! connection's minimum fell to 30.9 ms; from then on every random loss looked like a queue
+//! of 11 ms, was passed on, and CUBIC held that link at a few percent of its rate for the
+//! rest of the run (324 s instead of about 50). One short sample moves the smoothed round
+//! trip by an eighth of its error, but a burst of them (a batch of acknowledgements read
+//! late) drags it down too (a later run: a minimum sample of 16.1 ms, the same collapse), so
+//! the base is also forgotten: it is the least smoothed round trip of the current and the
+//! previous [`BASE_WINDOW`], and a base dragged down recovers within two windows, as BBR's
+//! minimum round trip expires after 10 s.
 //!
 //! Persistent congestion always passes. Everything else (slow start, the cubic growth,
 //! recovery, pacing) is quinn's CUBIC unchanged. The rule is the one TCP Veno and Westwood
@@ -41,15 +56,23 @@ pub const TOLERATED_LOSS: f64 = 0.02;
 /// How many bytes "recent" spans: the counts of acknowledged and lost bytes are scaled down
 /// together to stay within it (about 3,000 full datagrams).
 pub const LOSS_WINDOW: f64 = (4 << 20) as f64;
+/// How long a least round trip counts for the base: the base is the least smoothed round trip
+/// of the window under way and the one before it.
+pub const BASE_WINDOW: Duration = Duration::from_secs(10);
 
 /// The loss filter's state: acknowledged and lost bytes of about the last [`LOSS_WINDOW`],
-/// and the round trips last seen.
+/// the smoothed round trip last seen and the least one (the base).
 #[derive(Debug, Clone)]
 pub struct LossFilter {
     acked: f64,
     lost: f64,
     srtt: Duration,
-    min_rtt: Duration,
+    /// The least smoothed round trip of the window under way (zero: none yet).
+    base_now: Duration,
+    /// The least of the window before it (zero: none).
+    base_before: Duration,
+    /// When the window under way began.
+    window_start: Option<Instant>,
     /// Losses not passed on to CUBIC.
     pub ignored: u64,
     /// Losses passed on.
@@ -69,16 +92,31 @@ impl LossFilter {
             acked: 0.0,
             lost: 0.0,
             srtt: Duration::ZERO,
-            min_rtt: Duration::ZERO,
+            base_now: Duration::ZERO,
+            base_before: Duration::ZERO,
+            window_start: None,
             ignored: 0,
             passed: 0,
         }
     }
 
-    /// `bytes` were acknowledged; the path's smoothed and minimum round trips.
-    pub fn on_ack(&mut self, bytes: u64, srtt: Duration, min_rtt: Duration) {
+    /// `bytes` were acknowledged at `now`; the path's smoothed round trip is `srtt`.
+    pub fn on_ack(&mut self, now: Instant, bytes: u64, srtt: Duration) {
         self.srtt = srtt;
-        self.min_rtt = min_rtt;
+        let start = *self.window_start.get_or_insert(now);
+        if now.saturating_duration_since(start) >= BASE_WINDOW {
+            // A window with no acknowledgement leaves nothing to remember.
+            self.base_before = if now.saturating_duration_since(start) >= 2 * BASE_WINDOW {
+                Duration::ZERO
+            } else {
+                self.base_now
+            };
+            self.base_now = Duration::ZERO;
+            self.window_start = Some(now);
+        }
+        if self.base_now.is_zero() || srtt < self.base_now {
+            self.base_now = srtt;
+        }
         self.acked += bytes as f64;
         self.rescale();
     }
@@ -89,13 +127,10 @@ impl LossFilter {
     pub fn on_loss(&mut self, bytes: u64, persistent: bool) -> bool {
         self.lost += bytes as f64;
         self.rescale();
-        let queue = self.srtt.saturating_sub(self.min_rtt);
-        let empty = self.min_rtt > Duration::ZERO
-            && queue
-                <= self
-                    .min_rtt
-                    .mul_f64(QUEUE_DELAY_FRACTION)
-                    .max(QUEUE_DELAY_FLOOR);
+        let base = self.base();
+        let queue = self.srtt.saturating_sub(base);
+        let empty = base > Duration::ZERO
+            && queue <= base.mul_f64(QUEUE_DELAY_FRACTION).max(QUEUE_DELAY_FLOOR);
         let rare = self.lost <= TOLERATED_LOSS * LOSS_WINDOW;
         let pass = persistent || !empty || !rare;
         if pass {
@@ -104,6 +139,16 @@ impl LossFilter {
             self.ignored += 1;
         }
         pass
+    }
+
+    /// The base round trip: the least smoothed one of this window and the one before (zero:
+    /// none yet).
+    pub fn base(&self) -> Duration {
+        match (self.base_now.is_zero(), self.base_before.is_zero()) {
+            (true, _) => self.base_before,
+            (false, true) => self.base_now,
+            (false, false) => self.base_now.min(self.base_before),
+        }
     }
 
     /// Scales both counts down to keep them within the window.
@@ -152,7 +197,7 @@ impl Controller for Tolerant {
         app_limited: bool,
         rtt: &quinn_proto::RttEstimator,
     ) {
-        self.filter.on_ack(bytes, rtt.get(), rtt.min());
+        self.filter.on_ack(now, bytes, rtt.get());
         self.cubic.on_ack(now, sent, bytes, app_limited, rtt);
     }
 
@@ -230,10 +275,13 @@ mod tests {
 
     const MS: Duration = Duration::from_millis(1);
 
-    /// A filter that has seen `acked` bytes on a path of round trip `srtt` (minimum `min`).
+    /// A filter that has seen `acked` bytes on a path whose smoothed round trip was `min` and
+    /// is `srtt` now.
     fn warmed(srtt: Duration, min: Duration, acked: u64) -> LossFilter {
         let mut f = LossFilter::new();
-        f.on_ack(acked, srtt, min);
+        let t0 = Instant::now();
+        f.on_ack(t0, 0, min);
+        f.on_ack(t0, acked, srtt);
         f
     }
 
@@ -287,7 +335,7 @@ mod tests {
         while !f.on_loss(1200, false) {}
         // Two windows of clean delivery later, old losses weigh a quarter: ignored again.
         for _ in 0..8 {
-            f.on_ack(1 << 20, 40 * MS, 40 * MS);
+            f.on_ack(Instant::now(), 1 << 20, 40 * MS);
         }
         assert!(!f.on_loss(1200, false));
     }
@@ -296,11 +344,75 @@ mod tests {
     #[test]
     fn half_a_percent_of_random_loss_is_always_tolerated() {
         let mut f = warmed(40 * MS, 40 * MS, 10_000);
+        let t0 = Instant::now();
         for _ in 0..100_000 {
             for _ in 0..199 {
-                f.on_ack(1200, 40 * MS, 40 * MS);
+                f.on_ack(t0, 1200, 40 * MS);
             }
             assert!(!f.on_loss(1200, false));
         }
+    }
+
+    /// The base is the least smoothed round trip: on a 40 ms path where one sample came out
+    /// at 31 ms (a busy host; quinn's minimum then says 31 ms for the rest of the
+    /// connection), the smoothed round trip dips by an eighth of that error, and a random loss
+    /// at 42 ms is still taken for random. Measured against the 31 ms sample it would look
+    /// like a queue of 11 ms and be passed on, every time.
+    #[test]
+    fn one_short_round_trip_sample_does_not_make_every_loss_congestion() {
+        let mut f = LossFilter::new();
+        let t0 = Instant::now();
+        let mut srtt = 41.0f64;
+        for i in 0..2000 {
+            // RFC 6298's smoothing, as quinn does it, of samples of 41-42 ms and one of 31.
+            let sample = if i == 1000 {
+                31.0
+            } else {
+                41.0 + (i % 2) as f64
+            };
+            srtt = (7.0 * srtt + sample) / 8.0;
+            f.on_ack(t0, 1200, Duration::from_secs_f64(srtt / 1e3));
+        }
+        assert!(f.base() > 39 * MS, "base {:?}", f.base());
+        f.on_ack(t0, 1200, 42 * MS);
+        assert!(!f.on_loss(1200, false), "a random loss was passed on");
+    }
+
+    /// A burst of short samples drags even the smoothed round trip down (to 28 ms here): for
+    /// a while every loss looks like a queue and is passed on, but the base is forgotten
+    /// after two [`BASE_WINDOW`]s, and random loss is taken for random again.
+    #[test]
+    fn a_base_dragged_down_by_a_burst_of_short_samples_recovers() {
+        let mut f = LossFilter::new();
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        for i in 0..1000 {
+            f.on_ack(at(i), 1200, 41 * MS);
+        }
+        f.on_ack(at(1000), 1200, 28 * MS);
+        f.on_ack(at(1001), 1200, 41 * MS);
+        assert_eq!(f.base(), 28 * MS);
+        assert!(
+            f.on_loss(1200, false),
+            "41 ms over a base of 28 looks like a queue"
+        );
+        // Acknowledgements every 10 ms at 41 ms for two windows.
+        let mut t = 1001;
+        while Duration::from_millis(t - 1001) <= 2 * BASE_WINDOW {
+            t += 10;
+            f.on_ack(at(t), 1200, 41 * MS);
+        }
+        assert_eq!(f.base(), 41 * MS);
+        assert!(!f.on_loss(1200, false), "a random loss was passed on");
+    }
+
+    /// A path quiet for two windows forgets its base; the next acknowledgement starts anew.
+    #[test]
+    fn a_quiet_path_starts_its_base_anew() {
+        let mut f = LossFilter::new();
+        let t0 = Instant::now();
+        f.on_ack(t0, 1200, 20 * MS);
+        f.on_ack(t0 + 3 * BASE_WINDOW, 1200, 60 * MS);
+        assert_eq!(f.base(), 60 * MS);
     }
 }

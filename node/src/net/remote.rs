@@ -247,6 +247,13 @@ impl RemoteExperts {
         self.lock_policy().stats()
     }
 
+    /// Tells the choice how long a fetched expert would stay cached: the RAM cache's `budget`
+    /// in bytes beside the bytes of experts one decoded token routes over all layers
+    /// ([`RemotePolicy::set_cache`]).
+    pub fn set_cache(&self, budget: u64, per_block: u64) {
+        self.lock_policy().set_cache(budget, per_block);
+    }
+
     /// Starts computing `id` at `peer` on `rows`, split into calls of at most the wire's
     /// positions sent at once, bounded by `timeout`; the answer comes on the receiver.
     fn start(

@@ -9,9 +9,12 @@
 //! use, plus a round trip and the peer's queue. So in `auto`:
 //! - an expert already in the RAM cache is computed here;
 //! - otherwise the fetch's time (round trip + bytes / throughput) is shared among the uses
-//!   expected while it would stay cached: `1 + heat x HORIZON`, where `heat` is how often the
-//!   expert was routed in recent blocks of its layer (an exponentially weighted share); a hot
-//!   expert, or a fast link, is fetched;
+//!   expected while it would stay cached: `1 + heat x horizon`, where `heat` is how often the
+//!   expert was routed in recent blocks of its layer (an exponentially weighted share) and
+//!   `horizon` the blocks a fetched expert stays in the RAM cache: [`HORIZON`], or fewer when
+//!   the budget holds less than that many blocks' experts ([`RemotePolicy::set_cache`]: at the
+//!   smallest budget an expert is evicted before the next block, so its fetch serves one use);
+//!   a hot expert, or a fast link, is fetched;
 //! - the call's time is the round trip, the rows both ways over the throughput, and the
 //!   service time of the calls already in flight at the peer (its measured call time less the
 //!   round trip); a prefill block with many positions moves many rows, so it tends to fetch.
@@ -49,7 +52,8 @@ use stormo_engine::moe::Verdict;
 pub const UNMEASURED_RATE: f64 = 12.5e6;
 /// Round trip assumed for a link not yet measured.
 pub const UNMEASURED_RTT: Duration = Duration::from_millis(5);
-/// Blocks over which a fetched expert is expected to stay cached and be reused.
+/// Blocks over which a fetched expert is expected to stay cached and be reused, at most (a
+/// budget that holds fewer blocks' experts shortens it: [`RemotePolicy::set_cache`]).
 pub const HORIZON: f64 = 16.0;
 /// Weight of the newest block in an expert's heat.
 const HEAT_ALPHA: f32 = 0.1;
@@ -67,7 +71,9 @@ pub const FAILURE_PAUSE: Duration = Duration::from_millis(500);
 pub const MAX_PAUSE: Duration = Duration::from_secs(30);
 /// Most calls in flight at one peer; a peer with this many is not chosen. A serving node
 /// admits 4 calls of one peer at once by default (`--exec-per-peer`) and answers `busy`
-/// beyond; one decode block of gpt-oss routes 4 experts per layer.
+/// beyond; one decode block of gpt-oss routes 4 experts per layer. (8, with the serving
+/// defaults raised to match, made the `wan` swarm's prefill faster and its decode slower by
+/// as much: more calls, so more spot-checks, each fetching its expert; docs/performance.md.)
 pub const MAX_IN_FLIGHT: u32 = 4;
 
 /// `--remote-exec`: whether experts may be computed by the peers holding them.
@@ -236,6 +242,8 @@ pub struct RemotePolicy {
     /// xorshift state of the spot-check draw.
     draw: u64,
     stats: RemoteStats,
+    /// Blocks a fetched expert is expected to stay cached: [`HORIZON`] at most.
+    horizon: f64,
 }
 
 impl RemotePolicy {
@@ -248,7 +256,25 @@ impl RemotePolicy {
             executors: Vec::new(),
             draw: seed | 1,
             stats: RemoteStats::default(),
+            horizon: HORIZON,
         }
+    }
+
+    /// The RAM cache holds `budget` bytes of experts and one block (a decoded token) routes
+    /// `per_block` bytes of experts over all layers: a fetched expert is then expected to stay
+    /// cached for about `budget / per_block` blocks (fewer misses than routed experts make it
+    /// stay longer, so this errs short), at most [`HORIZON`].
+    pub fn set_cache(&mut self, budget: u64, per_block: u64) {
+        self.horizon = if per_block == 0 {
+            HORIZON
+        } else {
+            (budget as f64 / per_block as f64).min(HORIZON)
+        };
+    }
+
+    /// Blocks a fetched expert is expected to stay cached (see [`set_cache`](Self::set_cache)).
+    pub fn horizon(&self) -> f64 {
+        self.horizon
     }
 
     /// The configuration.
@@ -324,7 +350,7 @@ impl RemotePolicy {
     /// expected while it stays cached.
     fn fetch_cost(&self, w: &Want, h: &Holder) -> f64 {
         let once = h.link.rtt_s() + w.expert_bytes as f64 / h.link.rate();
-        once / (1.0 + self.heat(w.layer, w.expert) as f64 * HORIZON)
+        once / (1.0 + self.heat(w.layer, w.expert) as f64 * self.horizon)
     }
 
     /// Fetch `w` or ask one of its `holders` (rows of width `hidden`) at `now`.
@@ -580,6 +606,43 @@ mod tests {
         p.begin(0);
         p.answered(0, later, Duration::from_secs(20), 0);
         assert_eq!(p.choose(later, &cold, HIDDEN, &home), Choice::Fetch);
+    }
+
+    /// An expert routed in every block is fetched when the cache keeps it for the next ones,
+    /// and executed when the budget holds less than one block's experts (at the smallest
+    /// budget the fetch would serve one use): on loopback (0.1 ms, 8 Gbit/s), a call measured
+    /// at 3 ms against the fetch's 13.3 ms.
+    #[test]
+    fn a_cache_too_small_to_keep_an_expert_makes_its_fetch_serve_one_use() {
+        let mut p = policy(RemoteExec::Auto, 0.0);
+        let now = Instant::now();
+        let lo = [holder(
+            0,
+            Link {
+                rtt: Some(Duration::from_micros(100)),
+                rate: Some(1e9),
+            },
+        )];
+        p.begin(0);
+        p.answered(0, now, Duration::from_millis(3), 0);
+        for _ in 0..60 {
+            p.observe(3, [5]);
+        }
+        let hot = want(5, 1, false);
+        assert_eq!(p.horizon(), HORIZON);
+        assert_eq!(p.choose(now, &hot, HIDDEN, &lo), Choice::Fetch);
+        // Room for 4 experts; a token routes 4 in each of 24 layers.
+        p.set_cache(4 * EXPERT, 96 * EXPERT);
+        assert!((p.horizon() - 4.0 / 96.0).abs() < 1e-12);
+        assert_eq!(
+            p.choose(now, &hot, HIDDEN, &lo),
+            Choice::Execute { peer: 0 }
+        );
+        // A budget of many tokens' experts is capped at the horizon.
+        p.set_cache(1000 * 96 * EXPERT, 96 * EXPERT);
+        assert_eq!(p.horizon(), HORIZON);
+        p.set_cache(1, 0);
+        assert_eq!(p.horizon(), HORIZON, "no experts routed: the cap");
     }
 
     /// Among holders the cheapest call wins: a shorter round trip, and a peer with fewer calls

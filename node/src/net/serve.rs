@@ -356,6 +356,28 @@ fn violation(shared: &Shared, conn: &quinn::Connection, peer: &str, why: &str) {
     );
 }
 
+/// What a connection's path did, for the log when it ends: how much was sent and lost, the
+/// congestion window and round trip at the end, the datagram size, and what went wrong with
+/// it (congestion events, black holes found by MTU discovery). A slow transfer is read from
+/// these without a packet capture.
+pub(crate) fn path_summary(s: &quinn::ConnectionStats) -> String {
+    let p = &s.path;
+    format!(
+        "sent {:.1} MB in {} datagrams, {} lost ({:.1} MB), {} congestion events, window {} KB \
+         at the end, round trip {:.1} ms (least {:.1} ms), MTU {} ({} black holes)",
+        s.udp_tx.bytes as f64 / 1e6,
+        s.udp_tx.datagrams,
+        p.lost_packets,
+        p.lost_bytes as f64 / 1e6,
+        p.congestion_events,
+        p.cwnd / 1000,
+        p.rtt.as_secs_f64() * 1e3,
+        p.min_rtt.as_secs_f64() * 1e3,
+        p.current_mtu,
+        p.black_holes_detected,
+    )
+}
+
 async fn connection(shared: Arc<Shared>, conn: quinn::Connection) {
     let Some(key) = tls::peer_key(&conn) else {
         conn.close(u32::from(ErrorCode::FORBIDDEN.0).into(), b"no node key");
@@ -372,7 +394,7 @@ async fn connection(shared: Arc<Shared>, conn: quinn::Connection) {
         let (send, recv) = match conn.accept_bi().await {
             Ok(s) => s,
             Err(e) => {
-                tracing::info!("peer {peer} gone: {e}");
+                tracing::info!("peer {peer} gone: {e}; {}", path_summary(&conn.stats()));
                 return;
             }
         };
