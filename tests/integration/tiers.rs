@@ -520,6 +520,28 @@ fn bench_warm_makes_experts_resident_with_short_prompts() {
         v["bytes_per_decoded_token"].as_u64(),
         "{v}"
     );
+    // Where the prefill's time went: the same phases, together no more than it took, the
+    // experts and the projections among them.
+    let pp = v["prefill"][0]["phases"]
+        .as_object()
+        .expect("prefill[].phases");
+    assert_eq!(
+        pp.keys().collect::<Vec<_>>(),
+        phases.keys().collect::<Vec<_>>(),
+        "{v}"
+    );
+    let ms: f64 = pp
+        .values()
+        .map(|p| p["ms_per_token"].as_f64().expect("ms_per_token"))
+        .sum();
+    let per_token_ms = v["prefill"][0]["seconds"].as_f64().unwrap() * 1e3 / 3.0;
+    assert!(
+        ms > 0.0 && ms <= per_token_ms * 1.001,
+        "{ms} of {per_token_ms}: {v}"
+    );
+    for p in ["qkv", "experts"] {
+        assert!(pp[p]["ms_per_token"].as_f64().unwrap() > 0.0, "{p}: {v}");
+    }
     // Greedy decoding goes through the screened head by default: fewer bytes per token.
     assert_eq!(v["screened_head"], true, "{v}");
     let bytes = |v: &serde_json::Value, k: &str| v[k].as_u64().expect(k);

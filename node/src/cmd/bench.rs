@@ -816,12 +816,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         say("warming the expert cache...".into());
         warm(&model, &experts, &sizes, max_p, &mut prompt)?;
     }
-    // (tokens, seconds, GFLOP/s) per prompt; reported against the peak once it is final.
+    // (tokens, seconds, GFLOP/s) per prompt; reported against the peak once it is final;
+    // and where each prefill's time went, phase by phase (nanoseconds).
     let mut prefill = Vec::new();
+    let mut prefill_phases = Vec::new();
     let mut last = None;
     for &p in &a.prompt_tokens {
         say(format!("prefill of {p} tokens..."));
-        let (s, next, secs) = prefill_once(&model, context, &prompt(p))?;
+        profile::take();
+        profile::enable(true);
+        let r = prefill_once(&model, context, &prompt(p));
+        profile::enable(false);
+        let (s, next, secs) = r?;
+        prefill_phases.push(profile::take());
         prefill.push((p, secs, (flops_tok * p as f64 + flops_head) / secs / 1e9));
         last = Some((s, next));
     }
@@ -950,10 +957,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let prefill_secs = prefill.clone();
     let prefill: Vec<_> = prefill
         .iter()
-        .map(|&(p, secs, gflop_s)| {
+        .zip(&prefill_phases)
+        .map(|(&(p, secs, gflop_s), nanos)| {
+            // Milliseconds per prompt token in each phase.
+            let phases: serde_json::Map<String, serde_json::Value> = Phase::ALL
+                .iter()
+                .map(|&ph| {
+                    let ms = nanos[profile::index(ph)] as f64 / 1e6 / p.max(1) as f64;
+                    (
+                        ph.name().to_string(),
+                        serde_json::json!({"ms_per_token": ms}),
+                    )
+                })
+                .collect();
             serde_json::json!({
                 "tokens": p, "seconds": secs, "tok_s": p as f64 / secs,
                 "gflop_s": gflop_s, "fraction_of_peak": gflop_s * 1e9 / peak,
+                "phases": phases,
             })
         })
         .collect();
@@ -1159,6 +1179,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             p["tok_s"].as_f64().unwrap_or(0.0),
             p["gflop_s"].as_f64().unwrap_or(0.0),
             100.0 * p["fraction_of_peak"].as_f64().unwrap_or(0.0)
+        );
+        let phases: Vec<String> = Phase::ALL
+            .iter()
+            .map(|ph| {
+                let ms = p["phases"][ph.name()]["ms_per_token"]
+                    .as_f64()
+                    .unwrap_or(0.0);
+                format!("{} {ms:.2}", ph.name())
+            })
+            .collect();
+        println!(
+            "  phases         ms per prompt token: {}",
+            phases.join(", ")
         );
     }
     println!(
