@@ -32,7 +32,9 @@ use stormo_engine::tiers::{ExpertId, Tier, TieredExperts};
 use stormo_manifests::PublicKey;
 
 use super::exec::ExecError;
-use super::remote_policy::{Choice, Holder, Link, RemoteConfig, RemotePolicy, RemoteStats, Want};
+use super::remote_policy::{
+    self, Choice, Holder, Link, RemoteConfig, RemotePolicy, RemoteStats, Want, UNMEASURED_RTT,
+};
 use super::tier::PeerTier;
 
 /// Why one call gave no rows.
@@ -152,6 +154,10 @@ struct Pending {
     check: bool,
     started: Instant,
     bytes: u64,
+    /// The peer's round trip, and the calls sent to it together with this one
+    /// ([`remote_policy::alone`]).
+    rtt: Duration,
+    together: u32,
     rx: tokio::sync::oneshot::Receiver<Answer>,
     /// What another holder is asked if this one fails: the expert, its rows, the choice's
     /// inputs, and the call's deadline (`None`: no call was made).
@@ -161,6 +167,17 @@ struct Pending {
 /// A call's outcome and when it came: the call's time is measured to its arrival, not to when
 /// the engine, busy with the block's other experts meanwhile, collects it.
 type Answer = (Result<Vec<f32>, CallError>, Instant);
+
+/// An expert of the block being planned that the choice gave a peer.
+struct Chosen {
+    peer: usize,
+    /// What the choice weighed.
+    want: Want,
+    /// The peer's link as the choice saw it.
+    link: Link,
+    /// Calls of this block given the same peer (filled in when the block's choice ends).
+    together: u32,
+}
 
 /// See [`Pending::retry`].
 struct Retry {
@@ -185,7 +202,7 @@ pub struct RemoteExperts {
     timeout: Duration,
     /// The peer chosen for each expert of the block being planned, and what was weighed,
     /// until it is submitted.
-    chosen: Mutex<HashMap<(usize, usize), (usize, Want)>>,
+    chosen: Mutex<HashMap<(usize, usize), Chosen>>,
     next: AtomicU64,
     pending: Mutex<HashMap<u64, Pending>>,
     /// The peer of each collected answer awaiting a spot-check's verdict.
@@ -305,6 +322,8 @@ impl RemoteExperts {
                 check: false,
                 started: Instant::now(),
                 bytes: 0,
+                rtt: UNMEASURED_RTT,
+                together: 1,
                 rx,
                 retry: None,
             },
@@ -319,6 +338,8 @@ impl ExpertExecutor for RemoteExperts {
         let mut p = self.lock_policy();
         p.observe(layer, demand.iter().map(|d| d.expert));
         let mut chosen = self.chosen.lock().expect("chosen lock");
+        // This block's (expert, peer) choices.
+        let mut mine = Vec::new();
         for (d, x) in demand.iter().zip(delegate) {
             let (Ok(l), Ok(e)) = (u16::try_from(layer), u16::try_from(d.expert)) else {
                 continue;
@@ -345,8 +366,27 @@ impl ExpertExecutor for RemoteExperts {
             };
             if let Choice::Execute { peer } = p.choose(now, &want, self.hidden, &holders) {
                 p.begin(peer);
-                chosen.insert((layer, d.expert), (peer, want));
+                let link = holders
+                    .iter()
+                    .find(|h| h.peer == peer)
+                    .map_or(Link::default(), |h| h.link);
+                chosen.insert(
+                    (layer, d.expert),
+                    Chosen {
+                        peer,
+                        want,
+                        link,
+                        together: 1,
+                    },
+                );
+                mine.push((d.expert, peer));
                 *x = true;
+            }
+        }
+        for &(e, peer) in &mine {
+            let n = mine.iter().filter(|&&(_, q)| q == peer).count();
+            if let Some(c) = chosen.get_mut(&(layer, e)) {
+                c.together = u32::try_from(n).unwrap_or(u32::MAX);
             }
         }
     }
@@ -357,8 +397,16 @@ impl ExpertExecutor for RemoteExperts {
             .lock()
             .expect("chosen lock")
             .remove(&(layer, expert));
-        let (Some((peer, want)), Ok(l), Ok(e)) =
-            (chosen, u16::try_from(layer), u16::try_from(expert))
+        let (
+            Some(Chosen {
+                peer,
+                want,
+                link,
+                together,
+            }),
+            Ok(l),
+            Ok(e),
+        ) = (chosen, u16::try_from(layer), u16::try_from(expert))
         else {
             return self.failed_ticket(CallError::Failed(format!(
                 "expert {expert} of layer {layer} was not chosen for a peer"
@@ -385,6 +433,8 @@ impl ExpertExecutor for RemoteExperts {
                 check,
                 started,
                 bytes: 2 * 4 * inputs.len() as u64,
+                rtt: link.rtt(),
+                together,
                 rx,
                 retry: Some(Retry {
                     id,
@@ -421,7 +471,11 @@ impl ExpertExecutor for RemoteExperts {
                     policy.answered(
                         p.peer,
                         arrived,
-                        arrived.saturating_duration_since(p.started),
+                        remote_policy::alone(
+                            arrived.saturating_duration_since(p.started),
+                            p.rtt,
+                            p.together,
+                        ),
                         p.bytes,
                     );
                     if p.check {
@@ -483,6 +537,11 @@ impl ExpertExecutor for RemoteExperts {
             p.rx = self.start(peer, retry.id, retry.rows.clone(), left);
             p.peer = peer;
             p.started = now;
+            p.rtt = holders
+                .iter()
+                .find(|h| h.peer == peer)
+                .map_or(UNMEASURED_RTT, |h| h.link.rtt());
+            p.together = 1;
         }
     }
 

@@ -17,7 +17,8 @@
 //!   a hot expert, or a fast link, is fetched;
 //! - the call's time is the round trip, the rows both ways over the throughput, and the
 //!   service time of the calls already in flight at the peer (its measured call time less the
-//!   round trip); a prefill block with many positions moves many rows, so it tends to fetch.
+//!   round trip, each call measured as if it had been sent alone: [`alone`]); a prefill block
+//!   with many positions moves many rows, so it tends to fetch.
 //!   A measured call time fades with the time since the peer's last answer (half-life
 //!   [`CALL_HALF_LIFE`]): calls measured slow while the link was full of fetches (a prefill)
 //!   would otherwise keep every later call from being chosen, and so from being measured
@@ -139,6 +140,11 @@ pub struct Link {
 }
 
 impl Link {
+    /// The round trip, or [`UNMEASURED_RTT`] before one is measured.
+    pub fn rtt(&self) -> Duration {
+        self.rtt.unwrap_or(UNMEASURED_RTT)
+    }
+
     fn rtt_s(&self) -> f64 {
         self.rtt.unwrap_or(UNMEASURED_RTT).as_secs_f64()
     }
@@ -466,6 +472,20 @@ impl RemotePolicy {
             }
         }
     }
+}
+
+/// What one of `together` calls sent to a peer at once would have taken alone, from the
+/// `elapsed` it took on a link of round trip `rtt`: the peer runs them one after another, so
+/// on average a call also waited for half of the others, and what the call took beyond the
+/// round trip is divided by `(together + 1) / 2`. The choice multiplies a peer's service time
+/// by the calls queued ahead of a new one ([`RemotePolicy::choose`]); a measured time that
+/// holds that queue already would count it twice (four calls of a decode step to one peer
+/// measured 2.5 times the service, and the 4th call was judged at 10 times it, so a loopback
+/// peer's experts were fetched instead).
+pub fn alone(elapsed: Duration, rtt: Duration, together: u32) -> Duration {
+    let share = (f64::from(together.max(1)) + 1.0) / 2.0;
+    let beyond = elapsed.saturating_sub(rtt).as_secs_f64() / share;
+    elapsed.min(rtt) + Duration::from_secs_f64(beyond)
 }
 
 /// `first` doubled for each of `streak - 1` repeats, at most [`MAX_PAUSE`].
@@ -805,5 +825,24 @@ mod tests {
             p.choose(now, &want(1, 1, false), HIDDEN, &one),
             Choice::Execute { peer: 0 }
         );
+    }
+
+    /// Calls sent together are measured as if alone: four calls of 1 ms each, run one after
+    /// another behind a 0.1 ms round trip, took 1.1, 2.1, 3.1 and 4.1 ms; their mean, alone,
+    /// is the 1.1 ms a single call takes. One call, or a call no slower than the round trip,
+    /// is unchanged.
+    #[test]
+    fn calls_sent_together_are_measured_as_if_alone() {
+        let us = Duration::from_micros;
+        let rtt = us(100);
+        let mean: f64 = [1100, 2100, 3100, 4100]
+            .iter()
+            .map(|&e| alone(us(e), rtt, 4).as_secs_f64())
+            .sum::<f64>()
+            / 4.0;
+        assert!((mean - 1.1e-3).abs() < 1e-9, "{mean}");
+        assert_eq!(alone(us(1100), rtt, 1), us(1100));
+        assert_eq!(alone(us(1100), rtt, 0), us(1100));
+        assert_eq!(alone(us(50), rtt, 4), us(50));
     }
 }

@@ -360,7 +360,7 @@ fn violation(shared: &Shared, conn: &quinn::Connection, peer: &str, why: &str) {
 /// congestion window and round trip at the end, the datagram size, and what went wrong with
 /// it (congestion events, black holes found by MTU discovery). A slow transfer is read from
 /// these without a packet capture.
-pub(crate) fn path_summary(s: &quinn::ConnectionStats) -> String {
+fn path_summary(s: &quinn::ConnectionStats) -> String {
     let p = &s.path;
     format!(
         "sent {:.1} MB in {} datagrams, {} lost ({:.1} MB), {} congestion events, window {} KB \
