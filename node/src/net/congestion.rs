@@ -32,12 +32,8 @@
 //! again, by [`BASE_GAIN`] per acknowledgement: a dip of a few acknowledgements moves it by a
 //! small share of the dip, a path that got faster is followed within a hundred or so. The
 //! base never rises, so a queue a competing flow keeps standing is never taken for the
-//! path's own round trip (an expiring minimum, as BBR's, would take it after its window, and
-//! stop answering that flow's losses as CUBIC does; tried here, with the least smoothed round
-//! trip of the last 10-20 s: no stall in 8 `wan` runs). Tried as well and not kept: a base
-//! that fell only to a level held for a second; it settled first on the first second's
-//! highest round trip, slow start's queue included, ignored the losses of its own overshoot
-//! for a while and made the `wan` runs slower (51-61 s against 43-50).
+//! path's own round trip, as an expiring minimum (BBR's) would take it. The variants tried
+//! and their `wan` runs are in docs/network.md and docs/performance.md.
 //!
 //! Persistent congestion always passes. Everything else (slow start, the cubic growth,
 //! recovery, pacing) is quinn's CUBIC unchanged. The rule is the one TCP Veno and Westwood
@@ -50,8 +46,8 @@ use std::time::{Duration, Instant};
 
 use quinn::congestion::{Controller, ControllerFactory, ControllerMetrics, CubicConfig};
 
-/// The queueing delay, as a share of the minimum round trip, under which a path counts as
-/// not queueing.
+/// The queueing delay, as a share of the base round trip, under which a path counts as not
+/// queueing.
 pub const QUEUE_DELAY_FRACTION: f64 = 0.25;
 /// The queueing delay under which a path always counts as not queueing (timer, acknowledgement
 /// and scheduling noise on short paths).
@@ -65,14 +61,15 @@ pub const LOSS_WINDOW: f64 = (4 << 20) as f64;
 pub const BASE_GAIN: f64 = 1.0 / 32.0;
 
 /// The loss filter's state: acknowledged and lost bytes of about the last [`LOSS_WINDOW`],
-/// the smoothed round trip last seen and the least one (the base).
+/// the smoothed round trip last seen, that smoothed again, and the least of the latter (the
+/// base).
 #[derive(Debug, Clone)]
 pub struct LossFilter {
     acked: f64,
     lost: f64,
     srtt: Duration,
-    /// The smoothed round trip smoothed again ([`BASE_GAIN`]), seconds (zero: none yet).
-    slow: f64,
+    /// The smoothed round trip smoothed again ([`BASE_GAIN`]), seconds.
+    slow: Option<f64>,
     /// The least `slow` has been: the base round trip (zero: none yet).
     base: Duration,
     /// Losses not passed on to CUBIC.
@@ -94,7 +91,7 @@ impl LossFilter {
             acked: 0.0,
             lost: 0.0,
             srtt: Duration::ZERO,
-            slow: 0.0,
+            slow: None,
             base: Duration::ZERO,
             ignored: 0,
             passed: 0,
@@ -105,12 +102,9 @@ impl LossFilter {
     pub fn on_ack(&mut self, bytes: u64, srtt: Duration) {
         self.srtt = srtt;
         let s = srtt.as_secs_f64();
-        self.slow = if self.slow == 0.0 {
-            s
-        } else {
-            self.slow + BASE_GAIN * (s - self.slow)
-        };
-        let slow = Duration::from_secs_f64(self.slow);
+        let slow = self.slow.map_or(s, |x| x + BASE_GAIN * (s - x));
+        self.slow = Some(slow);
+        let slow = Duration::from_secs_f64(slow);
         if self.base.is_zero() || slow < self.base {
             self.base = slow;
         }

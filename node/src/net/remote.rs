@@ -366,16 +366,12 @@ impl ExpertExecutor for RemoteExperts {
             };
             if let Choice::Execute { peer } = p.choose(now, &want, self.hidden, &holders) {
                 p.begin(peer);
-                let link = holders
-                    .iter()
-                    .find(|h| h.peer == peer)
-                    .map_or(Link::default(), |h| h.link);
                 chosen.insert(
                     (layer, d.expert),
                     Chosen {
                         peer,
                         want,
-                        link,
+                        link: link_of(&holders, peer),
                         together: 1,
                     },
                 );
@@ -537,10 +533,7 @@ impl ExpertExecutor for RemoteExperts {
             p.rx = self.start(peer, retry.id, retry.rows.clone(), left);
             p.peer = peer;
             p.started = now;
-            p.rtt = holders
-                .iter()
-                .find(|h| h.peer == peer)
-                .map_or(UNMEASURED_RTT, |h| h.link.rtt());
+            p.rtt = link_of(&holders, peer).rtt();
             p.together = 1;
         }
     }
@@ -563,6 +556,14 @@ impl ExpertExecutor for RemoteExperts {
         }
         self.lock_policy().verdict(peer, verdict);
     }
+}
+
+/// `peer`'s link among `holders` (unmeasured if it is not one of them).
+fn link_of(holders: &[Holder], peer: usize) -> Link {
+    holders
+        .iter()
+        .find(|h| h.peer == peer)
+        .map_or(Link::default(), |h| h.link)
 }
 
 /// Runs `calls` at once and returns their results in order. Dropped early (a time-out), it

@@ -146,7 +146,7 @@ impl Link {
     }
 
     fn rtt_s(&self) -> f64 {
-        self.rtt.unwrap_or(UNMEASURED_RTT).as_secs_f64()
+        self.rtt().as_secs_f64()
     }
 
     fn rate(&self) -> f64 {
