@@ -2,6 +2,7 @@
 
 use crate::error::Result;
 use crate::model::{Logits, Model, Session};
+use crate::moe::{ExpertExecutor, Settled};
 use crate::sampling::Sampler;
 
 /// Index of the largest logit; the first one on ties (as `torch.argmax`). NaN never wins.
@@ -39,7 +40,7 @@ pub fn greedy(
     timings: &mut Timings,
 ) -> Result<Vec<u32>> {
     let mut warned = false;
-    let choose = |logits: &[f32]| {
+    let choose = |_: &mut (), logits: &[f32]| {
         let tok = argmax(logits);
         let best = logits.get(tok as usize).copied().unwrap_or(f32::NAN);
         warn_once_without_a_logit(best, &mut warned);
@@ -49,6 +50,7 @@ pub fn greedy(
         model,
         sess,
         (prompt, max_new, stop),
+        &mut (),
         choose,
         on_token,
         timings,
@@ -71,16 +73,16 @@ pub fn greedy_ids(
     generate(
         model,
         sess,
-        prompt,
-        max_new,
-        stop,
-        timings,
-        |sess, tokens| {
+        (prompt, max_new, stop),
+        &mut (),
+        |sess, tokens, _| {
             let c = model.forward_greedy(sess, tokens, None)?;
             warn_once_without_a_logit(c.logit, &mut warned);
-            on_token(c.token);
             Ok(c.token)
         },
+        None::<fn(u32, &[f32])>,
+        |tok, _| on_token(tok),
+        timings,
     )
 }
 
@@ -98,47 +100,51 @@ pub fn sampled(
     on_token: impl FnMut(u32, &[f32]),
     timings: &mut Timings,
 ) -> Result<Vec<u32>> {
-    let mut history = prompt.to_vec();
-    let choose = |logits: &[f32]| {
-        let tok = sampler
-            .sample(logits, &history)
-            .map_err(|e| crate::Error::Input(e.to_string()))?;
-        history.push(tok);
-        Ok(tok)
-    };
-    from_logits(
+    // The sampler and the history are the state a rolled-back step restores.
+    let mut state = (sampler.clone(), prompt.to_vec());
+    let out = from_logits(
         model,
         sess,
         (prompt, max_new, stop),
-        choose,
+        &mut state,
+        |(sampler, history): &mut (Sampler, Vec<u32>), logits: &[f32]| {
+            let tok = sampler
+                .sample(logits, history)
+                .map_err(|e| crate::Error::Input(e.to_string()))?;
+            history.push(tok);
+            Ok(tok)
+        },
         on_token,
         timings,
-    )
+    );
+    *sampler = state.0;
+    out
 }
 
 /// [`greedy`] and [`sampled`]: each step's last-position logits, and the token `choose` picks
-/// from them; the prompt, the most tokens to make and the stop tokens come as one tuple.
-fn from_logits(
+/// from them (with `state`, which a rolled-back step restores); the prompt, the most tokens to
+/// make and the stop tokens come as one tuple.
+fn from_logits<S: Clone>(
     model: &Model,
     sess: &mut Session,
-    (prompt, max_new, stop): (&[u32], usize, &[u32]),
-    mut choose: impl FnMut(&[f32]) -> Result<u32>,
+    run: (&[u32], usize, &[u32]),
+    state: &mut S,
+    mut choose: impl FnMut(&mut S, &[f32]) -> Result<u32>,
     mut on_token: impl FnMut(u32, &[f32]),
     timings: &mut Timings,
 ) -> Result<Vec<u32>> {
     generate(
         model,
         sess,
-        prompt,
-        max_new,
-        stop,
-        timings,
-        |sess, tokens| {
+        run,
+        state,
+        |sess, tokens, state| {
             let logits = model.forward(sess, tokens, Logits::Last, None)?;
-            let tok = choose(logits)?;
-            on_token(tok, logits);
-            Ok(tok)
+            choose(state, logits)
         },
+        Some(|tok: u32, logits: &[f32]| on_token(tok, logits)),
+        |_, _| {},
+        timings,
     )
 }
 
@@ -155,16 +161,38 @@ fn warn_once_without_a_logit(best: f32, warned: &mut bool) {
     }
 }
 
-/// The loop of [`greedy`], [`greedy_ids`] and [`sampled`]: `step` runs tokens and returns the
-/// next one.
-fn generate(
+/// A step's token held back until its deferred checks end ([`ExpertExecutor::settle`]).
+struct Held<S> {
+    /// The executor's name for the step.
+    step: u64,
+    /// The session's position when the step began.
+    start: usize,
+    token: u32,
+    /// The logits that chose it, when they are handed on.
+    logits: Vec<f32>,
+    /// The caller's state before the step.
+    state: S,
+}
+
+/// The loop of [`greedy`], [`greedy_ids`] and [`sampled`]: `step` runs tokens (with the
+/// caller's `state`) and returns the next one; each token goes to `with_logits` (with the
+/// logits [`Model::forward`] left in the session) or, without it, to `alone`.
+///
+/// When the model's executor defers its spot-checks ([`ExpertExecutor::defer_checks`]), a
+/// token is handed on only once its step and every step before it are checked; a step whose
+/// check disagreed is rolled back: the session is truncated to the step's start, the state
+/// restored, and the step and every later one made again (their tokens were never handed
+/// on). The tokens are those of inline checks.
+#[allow(clippy::too_many_arguments)]
+fn generate<S: Clone>(
     model: &Model,
     sess: &mut Session,
-    prompt: &[u32],
-    max_new: usize,
-    stop: &[u32],
+    (prompt, max_new, stop): (&[u32], usize, &[u32]),
+    state: &mut S,
+    mut step: impl FnMut(&mut Session, &[u32], &mut S) -> Result<u32>,
+    mut with_logits: Option<impl FnMut(u32, &[f32])>,
+    mut alone: impl FnMut(u32, &[f32]),
     timings: &mut Timings,
-    mut step: impl FnMut(&mut Session, &[u32]) -> Result<u32>,
 ) -> Result<Vec<u32>> {
     // Saturating: a `max_new` near `usize::MAX` must fail this check, not wrap past it.
     let total = prompt.len().saturating_add(max_new.saturating_sub(1));
@@ -181,17 +209,127 @@ fn generate(
     if max_new == 0 {
         return Ok(out);
     }
+    let deferred = Deferred::new(model.executor().map(|x| &**x));
+    let base = sess.position();
+    // The tokens of this generation fed or to feed: the prompt, then each one made.
+    let mut fed = prompt.to_vec();
+    let mut held: std::collections::VecDeque<Held<S>> = Default::default();
+    let keep_logits = with_logits.is_some();
+    let mut hand_on = |token: u32, logits: &[f32]| match &mut with_logits {
+        Some(f) => f(token, logits),
+        None => alone(token, logits),
+    };
     let t0 = std::time::Instant::now();
-    let mut tok = step(sess, prompt)?;
-    timings.prefill_s = t0.elapsed().as_secs_f64();
-    let t1 = std::time::Instant::now();
+    let mut t1 = None;
     loop {
+        let start = sess.position();
+        let x = deferred.executor();
+        let id = x.map_or(0, |x| x.begin_step());
+        let before = x.is_some().then(|| state.clone());
+        let tok = step(sess, &fed[start - base..], state)?;
+        if t1.is_none() {
+            timings.prefill_s = t0.elapsed().as_secs_f64();
+            t1 = Some(std::time::Instant::now());
+        }
         out.push(tok);
-        if out.len() == max_new || stop.contains(&tok) {
+        fed.push(tok);
+        let logits = if keep_logits { sess.logits() } else { &[] };
+        match before {
+            Some(state) => held.push_back(Held {
+                step: id,
+                start,
+                token: tok,
+                logits: logits.to_vec(),
+                state,
+            }),
+            None => hand_on(tok, logits),
+        }
+        let mut emit = |h: Held<S>| hand_on(h.token, &h.logits);
+        let done = out.len() == max_new || stop.contains(&tok);
+        if let Some(x) = x {
+            // At the end, wait for every check: the last tokens are handed on checked too.
+            match x.settle(done) {
+                Settled::Clear => held.drain(..).for_each(&mut emit),
+                Settled::Pending(p) => {
+                    while held.front().is_some_and(|h| h.step < p) {
+                        emit(held.pop_front().expect("a held step"));
+                    }
+                }
+                Settled::Failed(f) => {
+                    let Some(r) = held.iter().position(|h| h.step >= f) else {
+                        return Err(crate::Error::Input(format!(
+                            "a deferred check failed for step {f}, which was already handed on"
+                        )));
+                    };
+                    // Every step before the failed one is checked.
+                    held.drain(..r).for_each(&mut emit);
+                    let bad = held.pop_front().expect("the failed step");
+                    x.forget(bad.step);
+                    let dropped = 1 + held.len();
+                    held.clear();
+                    out.truncate(out.len() - dropped);
+                    fed.truncate(prompt.len() + out.len());
+                    *state = bad.state;
+                    deferred.rolled_back();
+                    let kept = sess.truncate(bad.start);
+                    if kept < base {
+                        return Err(crate::Error::Input(format!(
+                            "a peer's wrong answer was found at position {}, and the session \
+                             cannot go back before position {base} where this generation began",
+                            bad.start
+                        )));
+                    }
+                    tracing::warn!(
+                        position = bad.start,
+                        "a deferred spot-check disagreed: generating again from position {kept}"
+                    );
+                    continue;
+                }
+            }
+        }
+        if done {
             break;
         }
-        tok = step(sess, &[tok])?;
     }
-    timings.decode_s = t1.elapsed().as_secs_f64();
+    timings.decode_s = t1.map_or(0.0, |t| t.elapsed().as_secs_f64());
     Ok(out)
+}
+
+/// Deferred spot-checks for one generation: on while it runs (when the model's executor
+/// can defer them), off when it ends, however it ends.
+struct Deferred<'a> {
+    executor: Option<&'a dyn ExpertExecutor>,
+}
+
+impl<'a> Deferred<'a> {
+    fn new(executor: Option<&'a dyn ExpertExecutor>) -> Self {
+        Self {
+            executor: executor.filter(|x| x.defer_checks(true)),
+        }
+    }
+
+    fn executor(&self) -> Option<&'a dyn ExpertExecutor> {
+        self.executor
+    }
+
+    fn rolled_back(&self) {
+        ROLLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Drop for Deferred<'_> {
+    fn drop(&mut self) {
+        if let Some(x) = self.executor {
+            x.defer_checks(false);
+        }
+    }
+}
+
+/// Steps rolled back after a deferred check disagreed, in this process.
+static ROLLBACKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many steps generations of this process rolled back because a deferred spot-check
+/// disagreed ([`ExpertExecutor::defer_checks`]).
+pub fn rollbacks() -> u64 {
+    ROLLBACKS.load(std::sync::atomic::Ordering::Relaxed)
 }

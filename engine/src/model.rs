@@ -354,6 +354,11 @@ impl Model {
         Self::new(files, experts, opts)
     }
 
+    /// The executor of [`with_executor`](Self::with_executor), if any.
+    pub fn executor(&self) -> Option<&Arc<dyn ExpertExecutor>> {
+        self.executor.as_ref()
+    }
+
     /// The same model with experts that `executor` chooses computed by it (a peer holding
     /// them); the others, failed calls and spot-checks are fetched from the provider and
     /// computed here (see [`moe::remote`]). The output is the same bits.
@@ -1288,6 +1293,12 @@ impl Session {
     /// How this session's greedy tokens were chosen ([`Model::forward_greedy`]).
     pub fn screen_stats(&self) -> ScreenStats {
         self.s.screen_stats
+    }
+
+    /// The logits the last [`Model::forward`] returned ([`Model::forward_greedy`] leaves them
+    /// as they were).
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
     }
 
     /// The most positions this session can hold.

@@ -34,7 +34,7 @@ use crate::safetensors::MappedFile;
 
 pub mod remote;
 
-pub use remote::{Demand, ExecFailed, Executed, ExpertExecutor, Ticket, Verdict};
+pub use remote::{Demand, ExecFailed, Executed, ExpertExecutor, Settled, Ticket, Verdict};
 
 /// Which piece of an expert a stored part is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -167,6 +167,13 @@ pub struct PeerArgs {
     /// first result always is); a peer whose result differs is not asked again this session.
     #[arg(long, default_value_t = 0.05, value_name = "FRACTION", value_parser = fraction_arg)]
     pub spot_check: f64,
+    /// Hold each step back until its spot-checks end. By default `run` uses a checked result
+    /// at once and checks it in the background (the expert fetched meanwhile), handing a
+    /// token on only once its checks agree, and on a disagreement generates again from the
+    /// step that used the wrong result: the same tokens, without a slow link's fetch in every
+    /// checked token. `chat`, `serve --http` and `bench` always check inline.
+    #[arg(long)]
+    pub spot_check_inline: bool,
 }
 
 impl PeerArgs {
@@ -202,6 +209,7 @@ impl PeerArgs {
             remote: RemoteConfig {
                 mode: self.remote_exec,
                 spot_check: self.spot_check,
+                inline: self.spot_check_inline,
             },
         })
     }
@@ -405,7 +413,8 @@ mod tests {
             c.remote,
             RemoteConfig {
                 mode: RemoteExec::Always,
-                spot_check: 1.0
+                spot_check: 1.0,
+                inline: false,
             }
         );
         for (args, named) in [

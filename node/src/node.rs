@@ -389,6 +389,11 @@ impl Node {
                 if let Some(t) = &experts.tiered {
                     x.set_cache(t.budget(), per_token);
                 }
+                let x = if p.remote.inline {
+                    x
+                } else {
+                    x.with_deferred_checks(files.layout.schemas.clone())
+                };
                 Some(Arc::new(x))
             }
             _ => None,
@@ -744,12 +749,14 @@ impl Node {
         if let Some(r) = &self.remote {
             let s = r.stats();
             out += &format!(
-                "  remote execution: {} experts run by peers ({} of rows), {} failed calls, {} spot-checks ({} disagreed)\n",
+                "  remote execution: {} experts run by peers ({} of rows), {} failed calls, {} spot-checks ({} disagreed, {} in the background), {} steps generated again\n",
                 s.calls,
                 crate::progress::human_bytes(s.bytes),
                 s.failures,
                 s.spot_checks,
-                s.spot_check_failures
+                s.spot_check_failures,
+                s.deferred_checks,
+                stormo_engine::generate::rollbacks()
             );
         }
         if let Some(d) = &self.dir {
@@ -784,6 +791,8 @@ impl Node {
         o["remote_failures"] = r.failures.into();
         o["spot_checks"] = r.spot_checks.into();
         o["spot_check_failures"] = r.spot_check_failures.into();
+        o["deferred_checks"] = r.deferred_checks.into();
+        o["rollbacks"] = stormo_engine::generate::rollbacks().into();
         if let Some(d) = &self.dir {
             o["dir_held"] = (d.len() as u64).into();
             o["dir_held_bytes"] = d.used().into();

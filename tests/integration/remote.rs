@@ -147,13 +147,21 @@ fn a_node_without_experts_generates_the_reference_ids_from_peers_executing() {
 
 /// Issue 39 (b): a peer that perturbs the outputs of one expert by 1e-2 is caught by a
 /// spot-check, and the ids stay exact: when it lies from its first answer (always checked,
-/// at the default share), and when it lies only after its fourth answer (`--spot-check 1`).
+/// at the default share), and when it lies only after its fourth answer (`--spot-check 1`);
+/// with the checks in the background (the default: the wrong answer is used, found later,
+/// and the steps from the one that used it made again) and inline (`--spot-check-inline`).
 #[test]
 fn a_lying_executor_is_caught_by_spot_checks_and_the_ids_stay_exact() {
     let name = "gptoss-tiny-mxfp4";
     let (dir, id) = setup(name);
     let (prompt, want) = reference(name);
-    for (from, extra) in [(0usize, &[][..]), (4, &["--spot-check", "1"][..])] {
+    for (from, extra) in [
+        (0usize, &[][..]),
+        (4, &["--spot-check", "1"][..]),
+        (0, &["--spot-check-inline"][..]),
+        (4, &["--spot-check", "1", "--spot-check-inline"][..]),
+    ] {
+        let inline = extra.contains(&"--spot-check-inline");
         // The expert of the first call from call `from` on is the one that gets perturbed.
         let target: Arc<Mutex<Option<ExpertId>>> = Arc::default();
         let t = target.clone();
@@ -184,6 +192,13 @@ fn a_lying_executor_is_caught_by_spot_checks_and_the_ids_stay_exact() {
             from + 1
         );
         assert!(num(&j, "spot_check_failures") >= 1, "from {from}: {j}");
+        if inline {
+            assert_eq!(num(&j, "deferred_checks"), 0, "from {from}, inline: {j}");
+            assert_eq!(num(&j, "rollbacks"), 0, "from {from}, inline: {j}");
+        } else {
+            assert!(num(&j, "deferred_checks") >= 1, "from {from}: {j}");
+            assert!(num(&j, "rollbacks") >= 1, "from {from}: {j}");
+        }
         // Banned once caught: later experts are fetched (the liar's records are honest).
         assert!(num(&j, "peer_loads") > 0, "from {from}: {j}");
         let calls = execs(&liar);

@@ -20,6 +20,16 @@
 //!   of a block computed wholly locally as long as the executor computes each row as the
 //!   engine does (the kernels give the same bits for a row whatever rows share its call).
 //!
+//! Deferred checks: an executor may also check answers without holding the engine back
+//! ([`ExpertExecutor::defer_checks`]). A generation loop that can roll back
+//! ([`crate::generate`]) turns this on: the answers drawn for a spot-check are then used at
+//! once like the others and checked in the background, each step of the loop is named with
+//! [`ExpertExecutor::begin_step`], and [`ExpertExecutor::settle`] tells the loop which steps
+//! are checked. A step whose check disagreed is rolled back (the session truncated to its
+//! start, its token and every later one made again) and the loop forgets it
+//! ([`ExpertExecutor::forget`]); a token leaves the loop only once its step and every step
+//! before it are checked. The tokens are those of checks made inline.
+//!
 //! Non-goals: the engine knows no network, no peers and no policy: which experts to delegate,
 //! to whom, and which answers to check are the executor's business (the node implements it).
 //! A model run with int8-quantized expert inputs (`--int8-experts`) never delegates: a peer
@@ -99,4 +109,46 @@ pub trait ExpertExecutor: Send + Sync + fmt::Debug {
     /// What the engine found about the answer to `ticket`: a spot-check's verdict, or a
     /// malformed answer. Answers used without a check are not reported.
     fn report(&self, ticket: Ticket, verdict: Verdict);
+
+    /// Asks for spot-checks that do not hold the engine back (see the module docs): with
+    /// `on`, an answer drawn for a check is collected with [`Executed::check`] false and
+    /// checked in the background, its verdict read through [`settle`](Self::settle). Only a
+    /// caller that rolls back what a disagreeing step made may ask; `false` turns it off.
+    /// Returns whether checks are deferred from now on. Default: never.
+    fn defer_checks(&self, on: bool) -> bool {
+        let _ = on;
+        false
+    }
+
+    /// A step of a generation begins: answers collected from now until the next call belong
+    /// to it. Returns the step's id; ids grow.
+    fn begin_step(&self) -> u64 {
+        0
+    }
+
+    /// The deferred checks of the steps not forgotten: with `wait`, blocks until none is
+    /// running or one has disagreed. Default: [`Settled::Clear`].
+    fn settle(&self, wait: bool) -> Settled {
+        let _ = wait;
+        Settled::Clear
+    }
+
+    /// The steps from `step` on were rolled back: their checks no longer count (they still
+    /// end, and a disagreeing one still costs its peer the executor's trust).
+    fn forget(&self, step: u64) {
+        let _ = step;
+    }
+}
+
+/// The deferred checks' state ([`ExpertExecutor::settle`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Settled {
+    /// Every deferred check of the steps not forgotten agreed, or none was drawn.
+    Clear,
+    /// Checks of this step (the earliest with any running) have not ended; every step before
+    /// it is checked.
+    Pending(u64),
+    /// A check of this step (the earliest such) disagreed: the step used a wrong answer, and
+    /// so did every later one.
+    Failed(u64),
 }

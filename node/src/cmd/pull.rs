@@ -207,6 +207,7 @@ fn pull_experts(
             remote: net::remote_policy::RemoteConfig {
                 mode: net::remote_policy::RemoteExec::Never,
                 spot_check: 0.0,
+                inline: false,
             },
         },
         listen: None,

@@ -15,18 +15,32 @@
 //! computes that expert itself. A spot-check's verdict goes to the policy, which bans a peer
 //! whose rows differed for the rest of the session.
 //!
+//! Deferred checks ([`RemoteExperts::with_deferred_checks`]): while a generation that can roll
+//! back asks for them ([`ExpertExecutor::defer_checks`]), an answer drawn for a spot-check is
+//! handed to the engine at once and checked on one of the runtime's blocking threads: the
+//! expert fetched through the tiers (RAM cache, disk, peers, verified as every fetch is),
+//! computed with the engine's kernels on the same rows ([`expert_forward`], the code a serving
+//! peer runs) and compared bit for bit. The verdict goes to the policy as an inline check's
+//! does (a disagreeing peer is banned as soon as it is known), and to the step the answer
+//! belongs to, which the generation reads with [`ExpertExecutor::settle`]. The check's thread
+//! holds the expert only while it computes, so it never keeps a full RAM cache from the
+//! engine's own loads.
+//!
 //! The calls themselves go through an [`ExecClient`] (the network tier's connections in the
 //! node; a fake in this module's tests).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use stormo_engine::moe::{Demand, ExecFailed, Executed, ExpertExecutor, Ticket, Verdict};
+use stormo_engine::moe::{
+    expert_forward, Demand, ExecFailed, Executed, ExpertExecutor, ExpertProvider, ExpertSchema,
+    ExpertScratch, Settled, Ticket, Verdict,
+};
 use stormo_engine::tiers::{ExpertId, Tier, TieredExperts};
 
 use stormo_manifests::PublicKey;
@@ -187,11 +201,51 @@ struct Retry {
     deadline: Instant,
 }
 
+/// The deferred checks' state, shared with the threads that make them.
+#[derive(Debug, Default)]
+struct Steps {
+    /// A generation asked for deferred checks ([`ExpertExecutor::defer_checks`]).
+    on: bool,
+    /// The last step's id.
+    current: u64,
+    /// The steps not forgotten with checks running or failed.
+    live: BTreeMap<u64, StepChecks>,
+}
+
+/// One step's deferred checks.
+#[derive(Debug, Default)]
+struct StepChecks {
+    running: u32,
+    failed: bool,
+}
+
+/// [`Steps`] and the signal of a check's end.
+#[derive(Debug, Default)]
+struct Deferred {
+    steps: Mutex<Steps>,
+    ended: Condvar,
+}
+
+impl Deferred {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Steps> {
+        self.steps.lock().expect("deferred checks lock")
+    }
+}
+
+/// One deferred check: what it needs on its thread.
+struct Check {
+    id: ExpertId,
+    peer: usize,
+    step: u64,
+    rows: Arc<Vec<f32>>,
+    answer: Vec<f32>,
+}
+
 /// The engine's executor over a node's peers. See the module docs.
 pub struct RemoteExperts {
     client: Arc<dyn ExecClient>,
     rt: tokio::runtime::Handle,
-    policy: Mutex<RemotePolicy>,
+    policy: Arc<Mutex<RemotePolicy>>,
     cache: Option<Arc<TieredExperts>>,
     /// The tiers that hold experts on this machine (the disk, the kept experts): an expert
     /// one of them holds is never delegated.
@@ -207,6 +261,10 @@ pub struct RemoteExperts {
     pending: Mutex<HashMap<u64, Pending>>,
     /// The peer of each collected answer awaiting a spot-check's verdict.
     checking: Mutex<HashMap<u64, usize>>,
+    /// Each layer's expert schema, when checks may be deferred
+    /// ([`with_deferred_checks`](Self::with_deferred_checks)).
+    schemas: Option<Arc<Vec<Option<ExpertSchema>>>>,
+    deferred: Arc<Deferred>,
 }
 
 impl fmt::Debug for RemoteExperts {
@@ -242,7 +300,7 @@ impl RemoteExperts {
         Self {
             client,
             rt,
-            policy: Mutex::new(RemotePolicy::new(cfg, &counts, seed)),
+            policy: Arc::new(Mutex::new(RemotePolicy::new(cfg, &counts, seed))),
             cache,
             local,
             sizes,
@@ -252,7 +310,74 @@ impl RemoteExperts {
             next: AtomicU64::new(0),
             pending: Mutex::default(),
             checking: Mutex::default(),
+            schemas: None,
+            deferred: Arc::default(),
         }
+    }
+
+    /// Lets a generation that can roll back defer its spot-checks (see the module docs):
+    /// `schemas` are each layer's expert schema, for computing a checked expert here. Without
+    /// a RAM cache to fetch through, checks stay inline.
+    pub fn with_deferred_checks(mut self, schemas: Vec<Option<ExpertSchema>>) -> Self {
+        self.schemas = Some(Arc::new(schemas));
+        self
+    }
+
+    /// Checks `c` on a blocking thread of the runtime: its expert fetched through the tiers,
+    /// computed on its rows and compared with the answer bit for bit.
+    fn check_later(&self, c: Check) {
+        let (Some(cache), Some(schemas)) = (self.cache.clone(), self.schemas.clone()) else {
+            return;
+        };
+        let (policy, deferred, name) = (
+            self.policy.clone(),
+            self.deferred.clone(),
+            self.client.name(c.peer),
+        );
+        self.rt.spawn_blocking(move || {
+            let computed = compute(&cache, &schemas, c.id, &c.rows);
+            let agreed = match computed {
+                Ok(rows) => {
+                    let agree = rows.len() == c.answer.len()
+                        && rows
+                            .iter()
+                            .zip(&c.answer)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                    let verdict = if agree {
+                        Verdict::Agreed
+                    } else {
+                        tracing::warn!(
+                            "remote execution: peer {name} computed expert {} wrong (a deferred \
+                             spot-check disagreed); it is not asked again this session, and the \
+                             generation goes back to the step that used its answer",
+                            c.id
+                        );
+                        Verdict::Disagreed
+                    };
+                    policy
+                        .lock()
+                        .expect("remote policy lock")
+                        .verdict(c.peer, verdict);
+                    agree
+                }
+                Err(e) => {
+                    // As an answer not drawn for a check: used, unchecked.
+                    tracing::warn!(
+                        "remote execution: a deferred spot-check of expert {} (peer {name}) \
+                         could not be made: {e}; its answer stays unchecked",
+                        c.id
+                    );
+                    true
+                }
+            };
+            let mut s = deferred.lock();
+            if let Some(step) = s.live.get_mut(&c.step) {
+                step.running = step.running.saturating_sub(1);
+                step.failed |= !agreed;
+            }
+            drop(s);
+            deferred.ended.notify_all();
+        });
     }
 
     fn lock_policy(&self) -> std::sync::MutexGuard<'_, RemotePolicy> {
@@ -474,6 +599,24 @@ impl ExpertExecutor for RemoteExperts {
                         ),
                         p.bytes,
                     );
+                    drop(policy);
+                    if p.check && self.schemas.is_some() {
+                        let mut s = self.deferred.lock();
+                        if s.on {
+                            let step = s.current;
+                            s.live.entry(step).or_default().running += 1;
+                            drop(s);
+                            self.lock_policy().deferred();
+                            self.check_later(Check {
+                                id: retry.id,
+                                peer: p.peer,
+                                step,
+                                rows: retry.rows.clone(),
+                                answer: rows.clone(),
+                            });
+                            return Ok(Executed { rows, check: false });
+                        }
+                    }
                     if p.check {
                         self.checking
                             .lock()
@@ -556,6 +699,75 @@ impl ExpertExecutor for RemoteExperts {
         }
         self.lock_policy().verdict(peer, verdict);
     }
+
+    fn defer_checks(&self, on: bool) -> bool {
+        let on = on && self.schemas.is_some() && self.cache.is_some();
+        let mut s = self.deferred.lock();
+        s.on = on;
+        if !on {
+            s.live.clear();
+        }
+        on
+    }
+
+    fn begin_step(&self) -> u64 {
+        let mut s = self.deferred.lock();
+        s.current += 1;
+        s.current
+    }
+
+    fn settle(&self, wait: bool) -> Settled {
+        let mut s = self.deferred.lock();
+        loop {
+            while let Some(e) = s.live.first_entry() {
+                if e.get().running > 0 || e.get().failed {
+                    break;
+                }
+                e.remove();
+            }
+            if let Some((&step, _)) = s.live.iter().find(|(_, c)| c.failed) {
+                return Settled::Failed(step);
+            }
+            match s.live.keys().next() {
+                None => return Settled::Clear,
+                Some(&step) if !wait => return Settled::Pending(step),
+                Some(_) => s = self.deferred.ended.wait(s).expect("deferred checks lock"),
+            }
+        }
+    }
+
+    fn forget(&self, step: u64) {
+        self.deferred.lock().live.retain(|&s, _| s < step);
+    }
+}
+
+/// `id` computed here on `rows` (`[n, H]`): fetched through `cache` and run with the engine's
+/// kernels, as a serving peer runs it.
+fn compute(
+    cache: &TieredExperts,
+    schemas: &[Option<ExpertSchema>],
+    id: ExpertId,
+    rows: &[f32],
+) -> Result<Vec<f32>, String> {
+    let (layer, expert) = (usize::from(id.layer), usize::from(id.expert));
+    let schema = schemas
+        .get(layer)
+        .and_then(Option::as_ref)
+        .ok_or_else(|| format!("layer {layer} has no experts"))?;
+    let mut data = Vec::with_capacity(1);
+    cache
+        .fetch(layer, &[expert], &mut data)
+        .map_err(|e| e.to_string())?;
+    let data = data.pop().ok_or("the tiers returned no expert")?;
+    let mut scratch = ExpertScratch::default();
+    expert_forward(
+        &schema.view(&data),
+        rows,
+        schema.hidden,
+        schema.intermediate,
+        &mut scratch,
+    );
+    Ok(scratch.output().to_vec())
 }
 
 /// `peer`'s link among `holders` (unmeasured if it is not one of them).
@@ -675,6 +887,7 @@ mod tests {
             RemoteConfig {
                 mode,
                 spot_check: 0.0,
+                inline: false,
             },
             None,
             Vec::new(),

@@ -119,6 +119,9 @@ pub struct RemoteConfig {
     pub mode: RemoteExec,
     /// `--spot-check`: the share of answers (beyond each peer's first) checked, in [0, 1].
     pub spot_check: f64,
+    /// `--spot-check-inline`: a checked answer holds its step back until the check ends,
+    /// also where the generation could roll back instead.
+    pub inline: bool,
 }
 
 impl Default for RemoteConfig {
@@ -126,6 +129,7 @@ impl Default for RemoteConfig {
         Self {
             mode: RemoteExec::Auto,
             spot_check: 0.05,
+            inline: false,
         }
     }
 }
@@ -236,6 +240,8 @@ pub struct RemoteStats {
     pub spot_checks: u64,
     /// Spot-checks that disagreed.
     pub spot_check_failures: u64,
+    /// Spot-checks made in the background (of `spot_checks`, once they end).
+    pub deferred_checks: u64,
 }
 
 /// The choice's state: each expert's heat, each peer's standing, the spot-check draw.
@@ -455,6 +461,11 @@ impl RemotePolicy {
         self.stats.failures += 1;
     }
 
+    /// A spot-check is made in the background; its verdict comes later.
+    pub fn deferred(&mut self) {
+        self.stats.deferred_checks += 1;
+    }
+
     /// What the engine found about an answer of `peer`: a disagreeing spot-check or a
     /// malformed answer bans it for the session.
     pub fn verdict(&mut self, peer: usize, v: Verdict) {
@@ -504,7 +515,15 @@ mod tests {
     const EXPERT: u64 = 13_240_000;
 
     fn policy(mode: RemoteExec, spot_check: f64) -> RemotePolicy {
-        RemotePolicy::new(RemoteConfig { mode, spot_check }, &[32; 24], 7)
+        RemotePolicy::new(
+            RemoteConfig {
+                mode,
+                spot_check,
+                inline: false,
+            },
+            &[32; 24],
+            7,
+        )
     }
 
     fn want(expert: usize, positions: usize, cached: bool) -> Want {
