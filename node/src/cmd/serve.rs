@@ -76,11 +76,11 @@ pub struct Args {
     pub exec_threads: usize,
     /// Expert calls of one peer run (or waiting for an exec thread) at once; more are
     /// answered busy.
-    #[arg(long, default_value_t = 4, value_name = "N")]
+    #[arg(long, default_value_t = 8, value_name = "N")]
     pub exec_per_peer: u32,
     /// Expert calls of all peers run (or waiting for an exec thread) at once; more are
     /// answered busy.
-    #[arg(long, default_value_t = 8, value_name = "N")]
+    #[arg(long, default_value_t = 16, value_name = "N")]
     pub exec_max: usize,
     /// How answers to peers are paced (QUIC congestion control). `tolerant` (the default) is
     /// CUBIC that does not back off for a loss while the path's queue is empty: it keeps

@@ -63,8 +63,8 @@ impl Default for ExecConfig {
     fn default() -> Self {
         Self {
             threads: 1,
-            per_peer: 4,
-            total: 8,
+            per_peer: 8,
+            total: 16,
         }
     }
 }

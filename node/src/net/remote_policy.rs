@@ -75,7 +75,7 @@ pub const MAX_PAUSE: Duration = Duration::from_secs(30);
 /// beyond; one decode block of gpt-oss routes 4 experts per layer. (8, with the serving
 /// defaults raised to match, made the `wan` swarm's prefill faster and its decode slower by
 /// as much: more calls, so more spot-checks, each fetching its expert; docs/performance.md.)
-pub const MAX_IN_FLIGHT: u32 = 4;
+pub const MAX_IN_FLIGHT: u32 = 8;
 
 /// `--remote-exec`: whether experts may be computed by the peers holding them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1340,8 +1340,8 @@ impl PeerLink {
 }
 
 /// The most `Exec` calls this node has in flight on one peer's connection at once (a serving
-/// node admits `--exec-per-peer` of them, 4 by default; more would only be answered `busy`).
-pub const EXEC_IN_FLIGHT: usize = 4;
+/// node admits `--exec-per-peer` of them, 8 by default; more would only be answered `busy`).
+pub const EXEC_IN_FLIGHT: usize = 8;
 
 /// One call of [`PeerTier::exec_all`]: run `expert` at `peer` over `rows`.
 #[derive(Clone, Debug)]
