@@ -879,7 +879,28 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // are outside the spans).
     profile::take();
     profile::enable(true);
+    // Spot-checks of peers' answers in the background, as `run` makes them (unless
+    // --spot-check-inline): each token is a step, and the checks still running at the end
+    // are waited for within the decode's time. A check that disagrees is counted, not rolled
+    // back: the bench's tokens are never shown.
+    let deferred = model
+        .executor()
+        .filter(|x| x.defer_checks(true))
+        .map(|x| &**x);
+    let mut late_disagreements = 0u64;
+    // Whether a check was found to disagree.
+    let mut settle = |wait: bool| match deferred.map(|x| (x, x.settle(wait))) {
+        Some((x, stormo_engine::moe::Settled::Failed(step))) => {
+            late_disagreements += 1;
+            x.forget(step);
+            true
+        }
+        _ => false,
+    };
     for i in 0..a.decode_tokens {
+        if let Some(x) = deferred {
+            x.begin_step();
+        }
         if let Some(d) = a.pair_prefetch {
             stormo_engine::kernels::set_prefetch_ahead(d[i % 2]);
         }
@@ -896,6 +917,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         } else {
             model.forward_greedy(&mut sess, &[tok], None)?.token
         };
+        settle(false);
         let secs = t.elapsed().as_secs_f64();
         dsecs += secs;
         paired[whole as usize].0 += secs;
@@ -903,6 +925,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         by_parity[i % 2].push(secs);
         probe.sample();
         probe.sample_kernels();
+    }
+    let t = Instant::now();
+    // A disagreement ends a wait (and forgets its step): wait again for the rest.
+    while settle(true) {}
+    dsecs += t.elapsed().as_secs_f64();
+    if let Some(x) = deferred {
+        x.defer_checks(false);
     }
     profile::enable(false);
     let phase_nanos = profile::take();
@@ -1071,6 +1100,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "fetch_mb_s": fetch_mb_s,
         "disk": versus_disk,
         "peer_vs_disk": peer_vs_disk,
+        "late_disagreements": late_disagreements,
         "peak_rss_bytes": peak_rss(),
     });
     if let Some(svg) = &svg {

@@ -287,8 +287,8 @@ pub(crate) fn listen_addr(s: &str) -> Result<SocketAddr, String> {
 
 #[cfg(test)]
 mod tests {
-    /// The exec budget's options parse into `Args` with their defaults (1 thread, 4 calls a
-    /// peer, 8 in all) and take other values.
+    /// The exec budget's options parse into `Args` with their defaults (1 thread, 8 calls a
+    /// peer, 16 in all) and take other values.
     #[test]
     fn exec_options_parse_with_small_defaults() {
         let parse = |extra: &[&str]| {
@@ -302,7 +302,7 @@ mod tests {
                 _ => unreachable!("serve parses as serve"),
             }
         };
-        assert_eq!(parse(&[]), (1, 4, 8));
+        assert_eq!(parse(&[]), (1, 8, 16));
         assert_eq!(
             parse(&[
                 "--exec-threads",

@@ -16,8 +16,8 @@
 //!   remote execution off: every `Exec` is answered `forbidden`). The engine's pool (rayon's
 //!   global pool, `--threads`) is never used for a peer: the kernels' parallel loops run on
 //!   whichever pool they are called from, and an exec job is always called from this one.
-//! - Calls admitted at once are bounded per peer (`--exec-per-peer`, default 4) and node-wide
-//!   (`--exec-max`, default 8); a call beyond either is answered `busy` at once, before its
+//! - Calls admitted at once are bounded per peer (`--exec-per-peer`, default 8) and node-wide
+//!   (`--exec-max`, default 16); a call beyond either is answered `busy` at once, before its
 //!   rows are looked at again, and never queued. An admitted call holds its slots until its
 //!   computation ends (also when its peer gave up), so the work queued on the pool is bounded
 //!   by `--exec-max` calls of at most [`stormo_wire::MAX_EXEC_ROWS_LEN`] bytes of rows each.

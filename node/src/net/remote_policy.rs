@@ -71,10 +71,11 @@ pub const FAILURE_PAUSE: Duration = Duration::from_millis(500);
 /// The longest pause.
 pub const MAX_PAUSE: Duration = Duration::from_secs(30);
 /// Most calls in flight at one peer; a peer with this many is not chosen. A serving node
-/// admits 4 calls of one peer at once by default (`--exec-per-peer`) and answers `busy`
-/// beyond; one decode block of gpt-oss routes 4 experts per layer. (8, with the serving
-/// defaults raised to match, made the `wan` swarm's prefill faster and its decode slower by
-/// as much: more calls, so more spot-checks, each fetching its expert; docs/performance.md.)
+/// admits 8 calls of one peer at once by default (`--exec-per-peer`) and answers `busy`
+/// beyond. A 24-token prefill block routes to 30-odd experts of a layer; with 4, a quarter
+/// holder's experts beyond its 4th were fetched (13.2 MB each) and the `wan` swarm's prefill
+/// ran about 1 tok/s, with 8 it runs 7-9. (8 was slower while spot-checks held the decoded
+/// token back: more calls meant more checks in its way; docs/performance.md.)
 pub const MAX_IN_FLIGHT: u32 = 8;
 
 /// `--remote-exec`: whether experts may be computed by the peers holding them.
