@@ -161,16 +161,11 @@ fn warn_once_without_a_logit(best: f32, warned: &mut bool) {
     }
 }
 
-/// A step's token held back until its deferred checks end ([`ExpertExecutor::settle`]).
-struct Held<S> {
-    /// The executor's name for the step.
-    step: u64,
-    /// The session's position when the step began.
-    start: usize,
+/// What [`generate`] keeps of a step until its checks end: the token, the logits that chose
+/// it (when handed on), and the caller's state before the step.
+struct Made<S> {
     token: u32,
-    /// The logits that chose it, when they are handed on.
     logits: Vec<f32>,
-    /// The caller's state before the step.
     state: S,
 }
 
@@ -178,11 +173,11 @@ struct Held<S> {
 /// caller's `state`) and returns the next one; each token goes to `with_logits` (with the
 /// logits [`Model::forward`] left in the session) or, without it, to `alone`.
 ///
-/// When the model's executor defers its spot-checks ([`ExpertExecutor::defer_checks`]), a
-/// token is handed on only once its step and every step before it are checked; a step whose
-/// check disagreed is rolled back: the session is truncated to the step's start, the state
-/// restored, and the step and every later one made again (their tokens were never handed
-/// on). The tokens are those of inline checks.
+/// When the model's executor defers its spot-checks ([`Checked`]), a token is handed on only
+/// once its step and every step before it are checked; a step whose check disagreed is rolled
+/// back: the session is truncated to the step's start, the state restored, and the step and
+/// every later one made again (their tokens were never handed on). The tokens are those of
+/// inline checks.
 #[allow(clippy::too_many_arguments)]
 fn generate<S: Clone>(
     model: &Model,
@@ -209,11 +204,10 @@ fn generate<S: Clone>(
     if max_new == 0 {
         return Ok(out);
     }
-    let deferred = Deferred::new(model.executor().map(|x| &**x));
+    let mut checked = Checked::new(model, sess.position());
     let base = sess.position();
     // The tokens of this generation fed or to feed: the prompt, then each one made.
     let mut fed = prompt.to_vec();
-    let mut held: std::collections::VecDeque<Held<S>> = Default::default();
     let keep_logits = with_logits.is_some();
     let mut hand_on = |token: u32, logits: &[f32]| match &mut with_logits {
         Some(f) => f(token, logits),
@@ -223,9 +217,8 @@ fn generate<S: Clone>(
     let mut t1 = None;
     loop {
         let start = sess.position();
-        let x = deferred.executor();
-        let id = x.map_or(0, |x| x.begin_step());
-        let before = x.is_some().then(|| state.clone());
+        let id = checked.begin();
+        let before = checked.deferring().then(|| state.clone());
         let tok = step(sess, &fed[start - base..], state)?;
         if t1.is_none() {
             timings.prefill_s = t0.elapsed().as_secs_f64();
@@ -234,90 +227,162 @@ fn generate<S: Clone>(
         out.push(tok);
         fed.push(tok);
         let logits = if keep_logits { sess.logits() } else { &[] };
-        match before {
-            Some(state) => held.push_back(Held {
-                step: id,
-                start,
-                token: tok,
-                logits: logits.to_vec(),
-                state,
-            }),
-            None => hand_on(tok, logits),
-        }
-        let mut emit = |h: Held<S>| hand_on(h.token, &h.logits);
-        let done = out.len() == max_new || stop.contains(&tok);
-        if let Some(x) = x {
-            // At the end, wait for every check: the last tokens are handed on checked too.
-            match x.settle(done) {
-                Settled::Clear => held.drain(..).for_each(&mut emit),
-                Settled::Pending(p) => {
-                    while held.front().is_some_and(|h| h.step < p) {
-                        emit(held.pop_front().expect("a held step"));
-                    }
-                }
-                Settled::Failed(f) => {
-                    let Some(r) = held.iter().position(|h| h.step >= f) else {
-                        return Err(crate::Error::Input(format!(
-                            "a deferred check failed for step {f}, which was already handed on"
-                        )));
-                    };
-                    // Every step before the failed one is checked.
-                    held.drain(..r).for_each(&mut emit);
-                    let bad = held.pop_front().expect("the failed step");
-                    x.forget(bad.step);
-                    let dropped = 1 + held.len();
-                    held.clear();
-                    out.truncate(out.len() - dropped);
-                    fed.truncate(prompt.len() + out.len());
-                    *state = bad.state;
-                    deferred.rolled_back();
-                    let kept = sess.truncate(bad.start);
-                    if kept < base {
-                        return Err(crate::Error::Input(format!(
-                            "a peer's wrong answer was found at position {}, and the session \
-                             cannot go back before position {base} where this generation began",
-                            bad.start
-                        )));
-                    }
-                    tracing::warn!(
-                        position = bad.start,
-                        "a deferred spot-check disagreed: generating again from position {kept}"
-                    );
-                    continue;
-                }
+        let Some(state_before) = before else {
+            hand_on(tok, logits);
+            if out.len() == max_new || stop.contains(&tok) {
+                break;
             }
-        }
-        if done {
-            break;
+            continue;
+        };
+        let made = Made {
+            token: tok,
+            logits: logits.to_vec(),
+            state: state_before,
+        };
+        checked.push(id, start, made);
+        // At the end, wait for every check: the last tokens are handed on checked too.
+        let done = out.len() == max_new || stop.contains(&tok);
+        let emit = |m: Made<S>| hand_on(m.token, &m.logits);
+        match checked.settle(done, emit)? {
+            None if done => break,
+            None => {}
+            Some(back) => {
+                out.truncate(out.len() - back.dropped);
+                fed.truncate(prompt.len() + out.len());
+                back.truncate(sess)?;
+                *state = back.item.state;
+            }
         }
     }
     timings.decode_s = t1.map_or(0.0, |t| t.elapsed().as_secs_f64());
     Ok(out)
 }
 
-/// Deferred spot-checks for one generation: on while it runs (when the model's executor
-/// can defer them), off when it ends, however it ends.
-struct Deferred<'a> {
+/// A generation's steps under deferred spot-checks ([`ExpertExecutor::defer_checks`]): on
+/// from [`new`](Self::new) (when the model's executor can defer them) until dropped, however
+/// the generation ends. Each step's output (`T`) is held until the checks of its step and of
+/// every step before it have ended, then handed on in order; a step whose check disagreed is
+/// given back as a [`Rollback`]. The loop of [`greedy`] and [`sampled`] uses it, and so does
+/// any other loop that can go back (the node's chat).
+#[derive(Debug)]
+pub struct Checked<'a, T> {
     executor: Option<&'a dyn ExpertExecutor>,
+    /// The session position where the generation began: it cannot go back before it.
+    base: usize,
+    held: std::collections::VecDeque<(u64, usize, T)>,
 }
 
-impl<'a> Deferred<'a> {
-    fn new(executor: Option<&'a dyn ExpertExecutor>) -> Self {
+/// A step whose deferred check disagreed, and what to undo ([`Checked::settle`]).
+#[derive(Debug)]
+pub struct Rollback<T> {
+    /// The session's position when the step began: truncate it there.
+    pub start: usize,
+    /// The step's output (with whatever state from before the step the caller kept in it).
+    pub item: T,
+    /// Steps dropped: this one and every later one (none of them handed on).
+    pub dropped: usize,
+    base: usize,
+}
+
+impl<T> Rollback<T> {
+    /// Truncates `sess` to the failed step's start (see [`Session::truncate`]); fails when the
+    /// session cannot go back to where the generation began.
+    pub fn truncate(&self, sess: &mut Session) -> Result<usize> {
+        let kept = sess.truncate(self.start);
+        if kept < self.base {
+            return Err(crate::Error::Input(format!(
+                "a peer's wrong answer was found at position {}, and the session cannot go \
+                 back before position {} where this generation began",
+                self.start, self.base
+            )));
+        }
+        tracing::warn!(
+            position = self.start,
+            "a deferred spot-check disagreed: generating again from position {kept}"
+        );
+        Ok(kept)
+    }
+}
+
+impl<'a, T> Checked<'a, T> {
+    /// Deferred checks for a generation of `model` beginning at session position `base`, if
+    /// its executor can defer them.
+    pub fn new(model: &'a Model, base: usize) -> Self {
         Self {
-            executor: executor.filter(|x| x.defer_checks(true)),
+            executor: model
+                .executor()
+                .map(|x| &**x)
+                .filter(|x| x.defer_checks(true)),
+            base,
+            held: Default::default(),
         }
     }
 
-    fn executor(&self) -> Option<&'a dyn ExpertExecutor> {
-        self.executor
+    /// Whether checks are deferred: else every output is the caller's to hand on at once.
+    pub fn deferring(&self) -> bool {
+        self.executor.is_some()
     }
 
-    fn rolled_back(&self) {
-        ROLLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    /// A step begins; its id (0 when not deferring).
+    pub fn begin(&self) -> u64 {
+        self.executor.map_or(0, |x| x.begin_step())
+    }
+
+    /// Holds the output of step `step`, which began at session position `start`.
+    pub fn push(&mut self, step: u64, start: usize, item: T) {
+        self.held.push_back((step, start, item));
+    }
+
+    /// Whether outputs are held.
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+
+    /// Hands on, in order, the outputs whose checks have ended, to `hand_on`; with `wait`,
+    /// first waits for every running check (or a disagreement). A disagreement hands on the
+    /// outputs before the failed step and returns that step's [`Rollback`].
+    pub fn settle(
+        &mut self,
+        wait: bool,
+        mut hand_on: impl FnMut(T),
+    ) -> Result<Option<Rollback<T>>> {
+        let Some(x) = self.executor else {
+            self.held.drain(..).for_each(|h| hand_on(h.2));
+            return Ok(None);
+        };
+        match x.settle(wait) {
+            Settled::Clear => self.held.drain(..).for_each(|h| hand_on(h.2)),
+            Settled::Pending(p) => {
+                while self.held.front().is_some_and(|h| h.0 < p) {
+                    hand_on(self.held.pop_front().expect("a held step").2);
+                }
+            }
+            Settled::Failed(f) => {
+                let Some(r) = self.held.iter().position(|h| h.0 >= f) else {
+                    return Err(crate::Error::Input(format!(
+                        "a deferred check failed for step {f}, which was already handed on"
+                    )));
+                };
+                // Every step before the failed one is checked.
+                self.held.drain(..r).for_each(|h| hand_on(h.2));
+                let (step, start, item) = self.held.pop_front().expect("the failed step");
+                x.forget(step);
+                let dropped = 1 + self.held.len();
+                self.held.clear();
+                ROLLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                return Ok(Some(Rollback {
+                    start,
+                    item,
+                    dropped,
+                    base: self.base,
+                }));
+            }
+        }
+        Ok(None)
     }
 }
 
-impl Drop for Deferred<'_> {
+impl<T> Drop for Checked<'_, T> {
     fn drop(&mut self) {
         if let Some(x) = self.executor {
             x.defer_checks(false);

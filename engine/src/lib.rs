@@ -12,6 +12,8 @@ pub mod generate;
 pub mod gpt_oss;
 pub mod huge;
 pub mod kernels;
+#[doc(hidden)]
+pub mod late_liar;
 pub mod layout;
 pub mod model;
 pub mod moe;

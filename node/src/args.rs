@@ -167,11 +167,12 @@ pub struct PeerArgs {
     /// first result always is); a peer whose result differs is not asked again this session.
     #[arg(long, default_value_t = 0.05, value_name = "FRACTION", value_parser = fraction_arg)]
     pub spot_check: f64,
-    /// Hold each step back until its spot-checks end. By default `run` uses a checked result
-    /// at once and checks it in the background (the expert fetched meanwhile), handing a
-    /// token on only once its checks agree, and on a disagreement generates again from the
-    /// step that used the wrong result: the same tokens, without a slow link's fetch in every
-    /// checked token. `chat`, `serve --http` and `bench` always check inline.
+    /// Hold each step back until its spot-checks end. By default `run` and `chat` use a
+    /// checked result at once and check it in the background (the expert fetched meanwhile),
+    /// showing a token only once its checks agree, and on a disagreement generate again from
+    /// the step that used the wrong result: the same tokens, without a slow link's fetch in
+    /// every checked token. `bench` defers its decoded tokens' checks too; `serve --http`
+    /// always checks inline.
     #[arg(long)]
     pub spot_check_inline: bool,
 }

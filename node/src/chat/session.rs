@@ -19,6 +19,7 @@ use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Instant;
 
+use stormo_engine::generate::Checked;
 use stormo_engine::sampling::{Sampler, SamplingError, SamplingParams};
 use stormo_engine::{Logits, Model, Session};
 
@@ -286,9 +287,10 @@ impl ChatSession {
         // Log-probabilities need the whole head.
         let screened =
             top.is_none() && model.has_screened_head() && opts.sampling.is_plain_argmax();
-        let mut step = |sess: &mut Session,
-                        tokens: &[TokenId],
-                        history: &[TokenId]|
+        let step = |sess: &mut Session,
+                    tokens: &[TokenId],
+                    history: &[TokenId],
+                    sampler: &mut Sampler|
          -> Result<(TokenId, Option<TokenLogprobs>), SessionError> {
             if screened {
                 let c = model.forward_greedy(sess, tokens, None)?;
@@ -304,31 +306,102 @@ impl ChatSession {
         };
         let rest = &prompt[kept..];
         let mut history = prompt.to_vec();
-        let (mut tok, mut lp) = step(&mut self.sess, rest, &history)?;
+        // Spot-checks of peers' answers in the background when the executor defers them: a
+        // token goes to `on_token` only once its step is checked, and a step whose check
+        // disagreed is made again (its token never shown).
+        let mut checked = Checked::new(&model, kept);
+        let deferring = checked.deferring();
+        let before = deferring.then(|| sampler.clone());
+        let id = checked.begin();
+        let (mut tok, mut lp) = step(&mut self.sess, rest, &history, sampler)?;
         self.cached.extend_from_slice(rest);
         let prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
+        // The tokens made (`ids`), of which the first `shown` went to `on_token`.
         let mut ids = Vec::new();
+        let mut shown = 0;
+        let mut cancelled = false;
+        let mut made = before.map(|b| (id, kept, b));
         let finish = loop {
             ids.push(tok);
             history.push(tok);
-            let flow = on_token(tok, lp.take());
-            if opts.stop.contains(&tok) {
-                break FinishReason::Stop;
+            let mut finish = if opts.stop.contains(&tok) {
+                Some(FinishReason::Stop)
+            } else if ids.len() >= opts.max_new_tokens.max(1) {
+                Some(FinishReason::Length)
+            } else if self.sess.position() >= self.sess.max_context() {
+                Some(FinishReason::ContextFull)
+            } else {
+                None
+            };
+            match made.take() {
+                None => {
+                    shown += 1;
+                    if on_token(tok, lp.take()).is_break() && finish != Some(FinishReason::Stop) {
+                        finish = Some(FinishReason::Cancelled);
+                    }
+                }
+                Some((step_id, start, sampler_before)) => {
+                    checked.push(step_id, start, (tok, lp.take(), sampler_before));
+                    // At the end, and once cancelled, wait for every check.
+                    let mut wait = finish.is_some() || cancelled;
+                    let back = loop {
+                        let back = checked.settle(wait, |(t, l, _)| {
+                            if !cancelled {
+                                shown += 1;
+                                cancelled = on_token(t, l).is_break();
+                            }
+                        })?;
+                        if back.is_some() || wait || !cancelled {
+                            break back;
+                        }
+                        wait = true;
+                    };
+                    if let Some(back) = back {
+                        // Go back to the failed step: the session, its ids, the sampler.
+                        let kept = back.truncate(&mut self.sess)?;
+                        let keep = ids.len() - back.dropped;
+                        ids.truncate(keep);
+                        history.truncate(prompt.len() + keep);
+                        self.cached.truncate(kept);
+                        *sampler = back.item.2;
+                        if cancelled {
+                            // Nothing after what was shown is made again.
+                            break FinishReason::Cancelled;
+                        }
+                        let input = history[kept..].to_vec();
+                        let before = sampler.clone();
+                        let step_id = checked.begin();
+                        (tok, lp) = step(&mut self.sess, &input, &history, sampler)?;
+                        self.cached.extend_from_slice(&input);
+                        made = Some((step_id, kept, before));
+                        continue;
+                    }
+                    if cancelled && finish != Some(FinishReason::Stop) {
+                        finish = Some(FinishReason::Cancelled);
+                    }
+                    debug_assert!(finish.is_none() || checked.is_empty());
+                }
             }
-            if flow.is_break() {
-                break FinishReason::Cancelled;
+            if let Some(f) = finish {
+                break f;
             }
-            if ids.len() >= opts.max_new_tokens.max(1) {
-                break FinishReason::Length;
-            }
-            if self.sess.position() >= self.sess.max_context() {
-                break FinishReason::ContextFull;
-            }
-            let (next, next_lp) = step(&mut self.sess, &[tok], &history)?;
+            let start = self.sess.position();
+            let before = deferring.then(|| sampler.clone());
+            let step_id = checked.begin();
+            let (next, next_lp) = step(&mut self.sess, &[tok], &history, sampler)?;
             self.cached.push(tok);
+            made = before.map(|b| (step_id, start, b));
             (tok, lp) = (next, next_lp);
         };
+        if ids.len() > shown {
+            // Cancelled with tokens made but not shown: keep only what was shown (the session
+            // holds every shown token but the last, as when not deferring).
+            let keep = prompt.len() + shown.saturating_sub(1);
+            let kept = self.sess.truncate(keep);
+            self.cached.truncate(kept);
+            ids.truncate(shown);
+        }
         Ok(Generation {
             ids,
             prompt_tokens: prompt.len(),
@@ -343,6 +416,103 @@ impl ChatSession {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tiny() -> std::path::PathBuf {
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/gptoss-tiny-mxfp4")
+    }
+
+    /// A session over the tiny fixture whose experts a [`LateLiar`] runs: wrong for one expert
+    /// from call `from` on, each check found two steps late.
+    fn lied_to(from: usize) -> (ChatSession, Arc<stormo_engine::late_liar::LateLiar>) {
+        let liar =
+            Arc::new(stormo_engine::late_liar::LateLiar::new(&tiny(), from, 2, true).unwrap());
+        let model = Model::load(&tiny(), &stormo_engine::LoadOptions::default())
+            .unwrap()
+            .with_executor(liar.clone());
+        (ChatSession::new(Arc::new(model), 64).unwrap(), liar)
+    }
+
+    /// With checks in the background, a chat turn shows only checked tokens: a lie found late
+    /// (in the prefill or in a decoded token) is made again, greedy and sampled, and the turn
+    /// shows and returns the ids of a session without the liar; the next turn reuses the cache
+    /// as usual. A turn cancelled after three tokens keeps those three and the cache before
+    /// the last.
+    #[test]
+    fn a_lie_found_late_is_made_again_and_never_shown() {
+        let prompt: Vec<TokenId> = (0..9).map(|i| (i * 37 + 5) % 1000).collect();
+        let opts = |sampling| GenerateOptions {
+            max_new_tokens: 10,
+            stop: Vec::new(),
+            sampling,
+        };
+        let sampled = SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            repetition_penalty: 1.1,
+            seed: 3,
+        };
+        let local = || {
+            let m = Model::load(&tiny(), &stormo_engine::LoadOptions::default()).unwrap();
+            ChatSession::new(Arc::new(m), 64).unwrap()
+        };
+        for sampling in [SamplingParams::default(), sampled] {
+            let mut reference = local();
+            let want = reference
+                .generate(&prompt, &opts(sampling), |_| ControlFlow::Continue(()))
+                .unwrap()
+                .ids;
+            let second: Vec<TokenId> = [&prompt[..], &want, &[7, 8]].concat();
+            let want2 = reference
+                .generate(&second, &opts(sampling), |_| ControlFlow::Continue(()))
+                .unwrap()
+                .ids;
+            let decode_call = {
+                let (mut s, liar) = lied_to(usize::MAX);
+                s.generate(&prompt, &opts(sampling), |_| ControlFlow::Continue(()))
+                    .unwrap();
+                liar.calls_before()[2] + 1
+            };
+            for from in [0, decode_call] {
+                let (mut s, liar) = lied_to(from);
+                let before = stormo_engine::generate::rollbacks();
+                let mut shown = Vec::new();
+                let g = s
+                    .generate(&prompt, &opts(sampling), |id| {
+                        shown.push(id);
+                        ControlFlow::Continue(())
+                    })
+                    .unwrap();
+                let what = format!("{sampling:?}, lying from call {from}");
+                assert_eq!(g.ids, want, "{what}");
+                assert_eq!(shown, want, "{what}");
+                assert!(liar.caught(), "{what}");
+                assert!(stormo_engine::generate::rollbacks() > before, "{what}");
+                assert_eq!(s.cached(), &second[..prompt.len() + want.len() - 1]);
+                let g2 = s
+                    .generate(&second, &opts(sampling), |_| ControlFlow::Continue(()))
+                    .unwrap();
+                assert_eq!(g2.ids, want2, "{what}: the next turn");
+                assert_eq!(g2.reused, prompt.len() + want.len() - 1, "{what}");
+            }
+            // Cancelled after three tokens shown, with the lie in the prefill.
+            let (mut s, _) = lied_to(0);
+            let mut n = 0;
+            let g = s
+                .generate(&prompt, &opts(sampling), |_| {
+                    n += 1;
+                    if n == 3 {
+                        ControlFlow::Break(())
+                    } else {
+                        ControlFlow::Continue(())
+                    }
+                })
+                .unwrap();
+            assert_eq!(g.finish, FinishReason::Cancelled);
+            assert_eq!(g.ids, want[..3]);
+            assert_eq!(s.cached(), &second[..prompt.len() + 2]);
+        }
+    }
 
     #[test]
     fn common_prefix_counts_equal_leading_ids() {
