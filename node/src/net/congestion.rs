@@ -32,8 +32,11 @@
 //! again, by [`BASE_GAIN`] per acknowledgement: a dip of a few acknowledgements moves it by a
 //! small share of the dip, a path that got faster is followed within a hundred or so. The
 //! base never rises, so a queue a competing flow keeps standing is never taken for the
-//! path's own round trip, as an expiring minimum (BBR's) would take it. The variants tried
-//! and their `wan` runs are in docs/network.md and docs/performance.md.
+//! path's own round trip, as an expiring minimum (BBR's) would take it. Nor is the base
+//! taken before [`WARMUP_ACKS`] acknowledgements: quinn's smoothed round trip starts at the
+//! first sample, and a first sample of 8.3 ms on a 40 ms path became a base that never rose
+//! (one `wan` run of two stalled so, at 147 s). The variants tried and their `wan` runs are
+//! in docs/network.md and docs/performance.md.
 //!
 //! Persistent congestion always passes. Everything else (slow start, the cubic growth,
 //! recovery, pacing) is quinn's CUBIC unchanged. The rule is the one TCP Veno and Westwood
@@ -59,6 +62,11 @@ pub const TOLERATED_LOSS: f64 = 0.02;
 pub const LOSS_WINDOW: f64 = (4 << 20) as f64;
 /// The weight of each acknowledgement's smoothed round trip in the base's own smoothing.
 pub const BASE_GAIN: f64 = 1.0 / 32.0;
+/// Acknowledged datagrams before the base is taken: until then every loss passes (as CUBIC
+/// answers it). quinn's smoothed round trip starts at the first sample, and a first sample
+/// timed short (8.3 ms on a 40 ms path, seen in a `wan` run) would otherwise become a base
+/// that never rises: every later random loss looks like a queue.
+pub const WARMUP_ACKS: u32 = 256;
 
 /// The loss filter's state: acknowledged and lost bytes of about the last [`LOSS_WINDOW`],
 /// the smoothed round trip last seen, that smoothed again, and the least of the latter (the
@@ -72,6 +80,8 @@ pub struct LossFilter {
     slow: Option<f64>,
     /// The least `slow` has been: the base round trip (zero: none yet).
     base: Duration,
+    /// Acknowledgements seen, up to [`WARMUP_ACKS`].
+    acks: u32,
     /// Losses not passed on to CUBIC.
     pub ignored: u64,
     /// Losses passed on.
@@ -93,6 +103,7 @@ impl LossFilter {
             srtt: Duration::ZERO,
             slow: None,
             base: Duration::ZERO,
+            acks: 0,
             ignored: 0,
             passed: 0,
         }
@@ -102,13 +113,20 @@ impl LossFilter {
     pub fn on_ack(&mut self, bytes: u64, srtt: Duration) {
         self.srtt = srtt;
         let s = srtt.as_secs_f64();
+        self.acked += bytes as f64;
+        if self.acks < WARMUP_ACKS {
+            // Until the smoothed round trip has left its first sample behind.
+            self.acks += 1;
+            self.slow = Some(s);
+            self.rescale();
+            return;
+        }
         let slow = self.slow.map_or(s, |x| x + BASE_GAIN * (s - x));
         self.slow = Some(slow);
         let slow = Duration::from_secs_f64(slow);
         if self.base.is_zero() || slow < self.base {
             self.base = slow;
         }
-        self.acked += bytes as f64;
         self.rescale();
     }
 
@@ -265,7 +283,10 @@ mod tests {
     /// is `srtt` now.
     fn warmed(srtt: Duration, min: Duration, acked: u64) -> LossFilter {
         let mut f = LossFilter::new();
-        f.on_ack(0, min);
+        // The warm-up, then the base.
+        for _ in 0..=WARMUP_ACKS {
+            f.on_ack(0, min);
+        }
         // The base's own smoothing follows a jump up without moving the base.
         for _ in 0..1000 {
             f.on_ack(0, srtt);
@@ -361,6 +382,24 @@ mod tests {
         }
         assert!(f.base() > 40 * MS + 9 * MS / 10, "base {:?}", f.base());
         f.on_ack(1200, 42 * MS);
+        assert!(!f.on_loss(1200, false), "a random loss was passed on");
+    }
+
+    /// A first round-trip sample timed short (8.3 ms on a 40 ms path) starts quinn's smoothed
+    /// round trip there; the base is taken only after the warm-up, when the smoothed round
+    /// trip has reached the path's, so random loss is still taken for random. Losses during
+    /// the warm-up pass.
+    #[test]
+    fn a_short_first_sample_does_not_become_the_base() {
+        let mut f = LossFilter::new();
+        let mut srtt = 8.3f64;
+        f.on_ack(1200, Duration::from_secs_f64(srtt / 1e3));
+        assert!(f.on_loss(1200, false), "a loss in the warm-up passes");
+        for _ in 1..3000 {
+            srtt = (7.0 * srtt + 40.5) / 8.0;
+            f.on_ack(1200, Duration::from_secs_f64(srtt / 1e3));
+        }
+        assert!(f.base() > 40 * MS, "base {:?}", f.base());
         assert!(!f.on_loss(1200, false), "a random loss was passed on");
     }
 

@@ -541,7 +541,8 @@ impl ExpertExecutor for RemoteExperts {
                 inputs.len()
             )));
         }
-        let check = self.lock_policy().check(peer);
+        let deferring = self.schemas.is_some() && self.deferred.lock().on;
+        let check = self.lock_policy().check(peer, deferring);
         let id = ExpertId::new(l, e);
         let rows = Arc::new(inputs.to_vec());
         let started = Instant::now();
@@ -589,6 +590,9 @@ impl ExpertExecutor for RemoteExperts {
             let now = Instant::now();
             let failed = match answer {
                 Ok(rows) => {
+                    if p.check {
+                        policy.checked_answer(p.peer);
+                    }
                     policy.answered(
                         p.peer,
                         arrived,
@@ -638,6 +642,9 @@ impl ExpertExecutor for RemoteExperts {
                 }
                 Err(CallError::TimedOut) => {
                     policy.failed(p.peer, now);
+                    if p.check {
+                        policy.check_lost(p.peer);
+                    }
                     tracing::warn!(
                         "remote execution: peer {} gave no answer in time; computing here",
                         self.client.name(p.peer)
@@ -654,6 +661,9 @@ impl ExpertExecutor for RemoteExperts {
                     ExecFailed::Failed(m)
                 }
             };
+            if p.check {
+                policy.check_lost(p.peer);
+            }
             // Another holder while the call's time lasts, if the choice still delegates (the
             // failed peer is paused now, so it is not chosen again).
             let left = retry.deadline.saturating_duration_since(now);
@@ -666,7 +676,8 @@ impl ExpertExecutor for RemoteExperts {
                 return Err(failed);
             };
             policy.begin(peer);
-            p.check |= policy.check(peer);
+            let deferring = self.schemas.is_some() && self.deferred.lock().on;
+            p.check |= policy.check(peer, deferring);
             drop(policy);
             tracing::debug!(
                 "remote execution: expert {} asked of peer {} instead",
