@@ -527,6 +527,7 @@ impl TieredExperts {
         experts: &[usize],
         ahead: &[usize],
         whole: bool,
+        miss: Priority,
         landed: &mut Landed<'_>,
     ) -> Result<()> {
         let sh = &self.shared;
@@ -582,7 +583,7 @@ impl TieredExperts {
                     drop(g);
                     // The misses before it are marked loading: they load (for the next request)
                     // rather than stay marked forever.
-                    sh.start(batch, Priority::Demand);
+                    sh.start(batch, miss);
                     return Err(Error::Expert {
                         layer,
                         expert: e,
@@ -601,7 +602,7 @@ impl TieredExperts {
             add_load(&mut batch, sh.tiers.len(), tier, k);
         }
         drop(g);
-        sh.start(batch, Priority::Demand);
+        sh.start(batch, miss);
         with_landing(|l| {
             l.taken.resize(experts.len(), false);
             let mut left = experts.len();
@@ -672,7 +673,7 @@ impl TieredExperts {
                     drop(g);
                     let mut batch = vec![Vec::new(); sh.tiers.len()];
                     batch[tier].push(k);
-                    sh.start(batch, Priority::Demand);
+                    sh.start(batch, miss);
                     g = sh.lock();
                     continue;
                 }
@@ -731,12 +732,43 @@ impl TieredExperts {
     }
 }
 
+impl TieredExperts {
+    /// [`fetch`](ExpertProvider::fetch) for work nobody is waiting on (a spot-check made in the
+    /// background): its misses load at prefetch priority, behind every demand load, in the
+    /// tiers and at the peers that serve them.
+    pub fn fetch_behind(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        out: &mut Vec<Arc<ExpertData>>,
+    ) -> Result<()> {
+        self.serve(
+            layer,
+            experts,
+            &[],
+            true,
+            Priority::Prefetch,
+            &mut |_, handles| {
+                out.extend_from_slice(handles);
+                Ok(())
+            },
+        )
+    }
+}
+
 impl ExpertProvider for TieredExperts {
     fn fetch(&self, layer: usize, experts: &[usize], out: &mut Vec<Arc<ExpertData>>) -> Result<()> {
-        self.serve(layer, experts, &[], true, &mut |_, handles| {
-            out.extend_from_slice(handles);
-            Ok(())
-        })
+        self.serve(
+            layer,
+            experts,
+            &[],
+            true,
+            Priority::Demand,
+            &mut |_, handles| {
+                out.extend_from_slice(handles);
+                Ok(())
+            },
+        )
     }
 
     /// Hits are handed over at once, each miss as its load completes (from whichever tier).
@@ -750,7 +782,7 @@ impl ExpertProvider for TieredExperts {
         ahead: &[usize],
         landed: &mut Landed<'_>,
     ) -> Result<()> {
-        self.serve(layer, experts, ahead, false, landed)
+        self.serve(layer, experts, ahead, false, Priority::Demand, landed)
     }
 
     fn hint(&self, layer: usize, experts: &[usize]) {

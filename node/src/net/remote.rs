@@ -38,8 +38,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use stormo_engine::moe::{
-    expert_forward, Demand, ExecFailed, Executed, ExpertExecutor, ExpertProvider, ExpertSchema,
-    ExpertScratch, Settled, Ticket, Verdict,
+    expert_forward, Demand, ExecFailed, Executed, ExpertExecutor, ExpertSchema, ExpertScratch,
+    Settled, Ticket, Verdict,
 };
 use stormo_engine::tiers::{ExpertId, Tier, TieredExperts};
 
@@ -541,8 +541,7 @@ impl ExpertExecutor for RemoteExperts {
                 inputs.len()
             )));
         }
-        let deferring = self.schemas.is_some() && self.deferred.lock().on;
-        let check = self.lock_policy().check(peer, deferring);
+        let check = self.lock_policy().check(peer);
         let id = ExpertId::new(l, e);
         let rows = Arc::new(inputs.to_vec());
         let started = Instant::now();
@@ -590,9 +589,6 @@ impl ExpertExecutor for RemoteExperts {
             let now = Instant::now();
             let failed = match answer {
                 Ok(rows) => {
-                    if p.check {
-                        policy.checked_answer(p.peer);
-                    }
                     policy.answered(
                         p.peer,
                         arrived,
@@ -642,9 +638,6 @@ impl ExpertExecutor for RemoteExperts {
                 }
                 Err(CallError::TimedOut) => {
                     policy.failed(p.peer, now);
-                    if p.check {
-                        policy.check_lost(p.peer);
-                    }
                     tracing::warn!(
                         "remote execution: peer {} gave no answer in time; computing here",
                         self.client.name(p.peer)
@@ -661,9 +654,6 @@ impl ExpertExecutor for RemoteExperts {
                     ExecFailed::Failed(m)
                 }
             };
-            if p.check {
-                policy.check_lost(p.peer);
-            }
             // Another holder while the call's time lasts, if the choice still delegates (the
             // failed peer is paused now, so it is not chosen again).
             let left = retry.deadline.saturating_duration_since(now);
@@ -676,8 +666,7 @@ impl ExpertExecutor for RemoteExperts {
                 return Err(failed);
             };
             policy.begin(peer);
-            let deferring = self.schemas.is_some() && self.deferred.lock().on;
-            p.check |= policy.check(peer, deferring);
+            p.check |= policy.check(peer);
             drop(policy);
             tracing::debug!(
                 "remote execution: expert {} asked of peer {} instead",
@@ -766,8 +755,9 @@ fn compute(
         .and_then(Option::as_ref)
         .ok_or_else(|| format!("layer {layer} has no experts"))?;
     let mut data = Vec::with_capacity(1);
+    // Behind the engine's own loads: nobody waits on a check.
     cache
-        .fetch(layer, &[expert], &mut data)
+        .fetch_behind(layer, &[expert], &mut data)
         .map_err(|e| e.to_string())?;
     let data = data.pop().ok_or("the tiers returned no expert")?;
     let mut scratch = ExpertScratch::default();

@@ -210,8 +210,6 @@ struct Executor {
     failure_streak: u32,
     /// Calls in flight.
     in_flight: u32,
-    /// Its first check when checks are deferred.
-    first: First,
     /// Measured seconds per call (EWMA), as of `call_at`.
     call_s: Option<f64>,
     /// When `call_s` was last updated.
@@ -228,18 +226,6 @@ impl Executor {
             .map_or(Duration::ZERO, |at| now.saturating_duration_since(at));
         Some(c * 0.5f64.powf(age.as_secs_f64() / CALL_HALF_LIFE.as_secs_f64()))
     }
-}
-
-/// Where a peer's first spot-check stands when checks are deferred ([`RemotePolicy::check`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-enum First {
-    /// None drawn yet, or the one drawn got no answer.
-    #[default]
-    None,
-    /// A checked call is on its way.
-    Sent,
-    /// A checked call was answered.
-    Done,
 }
 
 /// Counters of remote execution, as `run --json` reports them.
@@ -425,38 +411,10 @@ impl RemotePolicy {
 
     /// Whether the answer of a call to `peer` about to be sent is to be spot-checked: every
     /// call until the peer's first answer (a call that failed checked nothing), then a
-    /// `spot_check` share. With `deferred` checks only the first call is (until one checked
-    /// call is answered: [`checked_answer`](Self::checked_answer),
-    /// [`check_lost`](Self::check_lost)), then the share: a disagreeing deferred check makes
-    /// the step it came in again, and with it every other answer of the peer's first calls,
-    /// which came in the same step (a step's answers are collected before the next begins).
-    pub fn check(&mut self, peer: usize, deferred: bool) -> bool {
+    /// `spot_check` share.
+    pub fn check(&mut self, peer: usize) -> bool {
         let f = self.cfg.spot_check;
-        let x = self.executor(peer);
-        let first = if deferred {
-            let first = x.first == First::None;
-            if first {
-                x.first = First::Sent;
-            }
-            first
-        } else {
-            x.answers == 0
-        };
-        first || self.next_draw() < f
-    }
-
-    /// A checked call of `peer` was answered.
-    pub fn checked_answer(&mut self, peer: usize) {
-        self.executor(peer).first = First::Done;
-    }
-
-    /// A checked call of `peer` got no answer (busy, failed, timed out): if it was the first,
-    /// the next call is checked instead.
-    pub fn check_lost(&mut self, peer: usize) {
-        let x = self.executor(peer);
-        if x.first == First::Sent {
-            x.first = First::None;
-        }
+        self.executor(peer).answers == 0 || self.next_draw() < f
     }
 
     /// A uniform draw in [0, 1).
@@ -837,47 +795,26 @@ mod tests {
             p.answered(peer, now, Duration::from_millis(1), 0);
         };
         let mut p = policy(RemoteExec::Always, 0.05);
-        assert!(p.check(0, false) && p.check(0, false) && p.check(1, false));
+        assert!(p.check(0) && p.check(0) && p.check(1));
         p.begin(0);
         p.busy(0, now);
-        assert!(p.check(0, false), "a busy answer is no answer");
+        assert!(p.check(0), "a busy answer is no answer");
         answered(&mut p, 0);
         let n = 20_000;
-        let checked = (0..n).filter(|_| p.check(0, false)).count();
+        let checked = (0..n).filter(|_| p.check(0)).count();
         let share = checked as f64 / n as f64;
         assert!((0.04..0.06).contains(&share), "{share}");
-        assert!(p.check(1, false), "peer 1 has not answered yet");
+        assert!(p.check(1), "peer 1 has not answered yet");
         let mut q = policy(RemoteExec::Always, 0.05);
         answered(&mut q, 0);
-        assert_eq!(
-            (0..n).filter(|_| q.check(0, false)).count(),
-            checked,
-            "replayable"
-        );
+        assert_eq!((0..n).filter(|_| q.check(0)).count(), checked, "replayable");
         let mut none = policy(RemoteExec::Always, 0.0);
-        assert!(none.check(4, false));
+        assert!(none.check(4));
         answered(&mut none, 4);
-        assert!((0..1000).all(|_| !none.check(4, false)));
+        assert!((0..1000).all(|_| !none.check(4)));
         let mut all = policy(RemoteExec::Always, 1.0);
         answered(&mut all, 4);
-        assert!((0..1000).all(|_| all.check(4, false)));
-    }
-
-    /// With deferred checks a peer's first call is checked and the others by the share, also
-    /// before its first answer; a first check that got no answer passes to the next call.
-    #[test]
-    fn deferred_checks_take_the_first_call_and_a_share() {
-        let mut none = policy(RemoteExec::Always, 0.0);
-        assert!(none.check(0, true), "the first call");
-        assert!((0..100).all(|_| !none.check(0, true)), "not the others");
-        none.check_lost(0);
-        assert!(none.check(0, true), "the first check got no answer");
-        none.checked_answer(0);
-        none.check_lost(0);
-        assert!((0..100).all(|_| !none.check(0, true)), "answered: done");
-        assert!(none.check(1, true), "each peer's first call");
-        let mut all = policy(RemoteExec::Always, 1.0);
-        assert!((0..100).all(|_| all.check(0, true)));
+        assert!((0..1000).all(|_| all.check(4)));
     }
 
     /// A peer is given at most [`MAX_IN_FLIGHT`] calls at once: the next choice goes to another
