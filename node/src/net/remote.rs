@@ -324,18 +324,25 @@ impl RemoteExperts {
     }
 
     /// Checks `c` on a blocking thread of the runtime: its expert fetched through the tiers,
-    /// computed on its rows and compared with the answer bit for bit.
+    /// computed on its rows and compared with the answer bit for bit. However it ends, its
+    /// step's count of running checks goes down (a generation waits on it).
     fn check_later(&self, c: Check) {
-        let (Some(cache), Some(schemas)) = (self.cache.clone(), self.schemas.clone()) else {
-            return;
-        };
+        let (cache, schemas) = (self.cache.clone(), self.schemas.clone());
         let (policy, deferred, name) = (
             self.policy.clone(),
             self.deferred.clone(),
             self.client.name(c.peer),
         );
         self.rt.spawn_blocking(move || {
-            let computed = compute(&cache, &schemas, c.id, &c.rows);
+            let computed = match (&cache, &schemas) {
+                (Some(cache), Some(schemas)) => {
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        compute(cache, schemas, c.id, &c.rows)
+                    }))
+                    .unwrap_or_else(|_| Err("computing it panicked".into()))
+                }
+                _ => Err("no RAM cache to fetch it through".into()),
+            };
             let agreed = match computed {
                 Ok(rows) => {
                     let agree = rows.len() == c.answer.len()
