@@ -80,8 +80,7 @@ pub fn greedy_ids(
             warn_once_without_a_logit(c.logit, &mut warned);
             Ok(c.token)
         },
-        None::<fn(u32, &[f32])>,
-        |tok, _| on_token(tok),
+        (false, |tok, _: &[f32]| on_token(tok)),
         timings,
     )
 }
@@ -130,7 +129,7 @@ fn from_logits<S: Clone>(
     run: (&[u32], usize, &[u32]),
     state: &mut S,
     mut choose: impl FnMut(&mut S, &[f32]) -> Result<u32>,
-    mut on_token: impl FnMut(u32, &[f32]),
+    on_token: impl FnMut(u32, &[f32]),
     timings: &mut Timings,
 ) -> Result<Vec<u32>> {
     generate(
@@ -142,8 +141,7 @@ fn from_logits<S: Clone>(
             let logits = model.forward(sess, tokens, Logits::Last, None)?;
             choose(state, logits)
         },
-        Some(|tok: u32, logits: &[f32]| on_token(tok, logits)),
-        |_, _| {},
+        (true, on_token),
         timings,
     )
 }
@@ -170,8 +168,8 @@ struct Made<S> {
 }
 
 /// The loop of [`greedy`], [`greedy_ids`] and [`sampled`]: `step` runs tokens (with the
-/// caller's `state`) and returns the next one; each token goes to `with_logits` (with the
-/// logits [`Model::forward`] left in the session) or, without it, to `alone`.
+/// caller's `state`) and returns the next one; each token goes to `hand_on`, with the logits
+/// [`Model::forward`] left in the session when `with_logits` (else none).
 ///
 /// When the model's executor defers its spot-checks ([`Checked`]), a token is handed on only
 /// once its step and every step before it are checked; a step whose check disagreed is rolled
@@ -185,8 +183,7 @@ fn generate<S: Clone>(
     (prompt, max_new, stop): (&[u32], usize, &[u32]),
     state: &mut S,
     mut step: impl FnMut(&mut Session, &[u32], &mut S) -> Result<u32>,
-    mut with_logits: Option<impl FnMut(u32, &[f32])>,
-    mut alone: impl FnMut(u32, &[f32]),
+    (with_logits, mut hand_on): (bool, impl FnMut(u32, &[f32])),
     timings: &mut Timings,
 ) -> Result<Vec<u32>> {
     // Saturating: a `max_new` near `usize::MAX` must fail this check, not wrap past it.
@@ -208,11 +205,6 @@ fn generate<S: Clone>(
     let base = sess.position();
     // The tokens of this generation fed or to feed: the prompt, then each one made.
     let mut fed = prompt.to_vec();
-    let keep_logits = with_logits.is_some();
-    let mut hand_on = |token: u32, logits: &[f32]| match &mut with_logits {
-        Some(f) => f(token, logits),
-        None => alone(token, logits),
-    };
     let t0 = std::time::Instant::now();
     let mut t1 = None;
     loop {
@@ -226,10 +218,11 @@ fn generate<S: Clone>(
         }
         out.push(tok);
         fed.push(tok);
-        let logits = if keep_logits { sess.logits() } else { &[] };
+        let logits = if with_logits { sess.logits() } else { &[] };
+        let done = out.len() == max_new || stop.contains(&tok);
         let Some(state_before) = before else {
             hand_on(tok, logits);
-            if out.len() == max_new || stop.contains(&tok) {
+            if done {
                 break;
             }
             continue;
@@ -241,7 +234,6 @@ fn generate<S: Clone>(
         };
         checked.push(id, start, made);
         // At the end, wait for every check: the last tokens are handed on checked too.
-        let done = out.len() == max_new || stop.contains(&tok);
         let emit = |m: Made<S>| hand_on(m.token, &m.logits);
         match checked.settle(done, emit)? {
             None if done => break,
@@ -339,8 +331,9 @@ impl<'a, T> Checked<'a, T> {
     }
 
     /// Hands on, in order, the outputs whose checks have ended, to `hand_on`; with `wait`,
-    /// first waits for every running check (or a disagreement). A disagreement hands on the
-    /// outputs before the failed step and returns that step's [`Rollback`].
+    /// first waits for every running check (or a disagreement). A disagreement drops the
+    /// outputs from the failed step on and returns that step's [`Rollback`]; the outputs
+    /// before it stay held (their checks may still be running) until a later call.
     pub fn settle(
         &mut self,
         wait: bool,
@@ -363,12 +356,10 @@ impl<'a, T> Checked<'a, T> {
                         "a deferred check failed for step {f}, which was already handed on"
                     )));
                 };
-                // Every step before the failed one is checked.
-                self.held.drain(..r).for_each(|h| hand_on(h.2));
-                let (step, start, item) = self.held.pop_front().expect("the failed step");
+                let mut dropped = self.held.drain(r..);
+                let (step, start, item) = dropped.next().expect("the failed step");
+                let dropped = 1 + dropped.count();
                 x.forget(step);
-                let dropped = 1 + self.held.len();
-                self.held.clear();
                 ROLLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 return Ok(Some(Rollback {
                     start,
@@ -397,4 +388,69 @@ static ROLLBACKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::n
 /// disagreed ([`ExpertExecutor::defer_checks`]).
 pub fn rollbacks() -> u64 {
     ROLLBACKS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::moe::{Demand, ExecFailed, Executed, Ticket, Verdict};
+    use std::sync::Mutex;
+
+    /// An executor whose `settle` answers from a script, recording what was forgotten.
+    #[derive(Debug, Default)]
+    struct Scripted {
+        answers: Mutex<Vec<Settled>>,
+        forgotten: Mutex<Vec<u64>>,
+    }
+
+    impl ExpertExecutor for Scripted {
+        fn choose(&self, _: usize, _: &[Demand], _: &mut [bool]) {}
+        fn submit(&self, _: usize, _: usize, _: &[f32]) -> Ticket {
+            Ticket(0)
+        }
+        fn collect(&self, _: Ticket) -> std::result::Result<Executed, ExecFailed> {
+            Err(ExecFailed::Unavailable("none".into()))
+        }
+        fn report(&self, _: Ticket, _: Verdict) {}
+        fn settle(&self, _: bool) -> Settled {
+            self.answers.lock().unwrap().remove(0)
+        }
+        fn forget(&self, step: u64) {
+            self.forgotten.lock().unwrap().push(step);
+        }
+    }
+
+    /// A later step's disagreement while an earlier step's check still runs: only the failed
+    /// step and those after it are dropped; the earlier ones stay held until their own checks
+    /// end, then are handed on in order.
+    #[test]
+    fn a_failed_step_leaves_earlier_unchecked_steps_held() {
+        let x = Scripted::default();
+        *x.answers.lock().unwrap() = vec![Settled::Failed(3), Settled::Pending(2), Settled::Clear];
+        let mut c: Checked<'_, u32> = Checked {
+            executor: Some(&x),
+            base: 0,
+            held: Default::default(),
+        };
+        for step in 1..=4 {
+            c.push(step, 10 + step as usize, step as u32 * 100);
+        }
+        let mut handed = Vec::new();
+        let back = c
+            .settle(false, |t| handed.push(t))
+            .unwrap()
+            .expect("a rollback");
+        assert_eq!((back.start, back.item, back.dropped), (13, 300, 2));
+        assert!(
+            handed.is_empty(),
+            "step 1's check may still be running: {handed:?}"
+        );
+        assert_eq!(*x.forgotten.lock().unwrap(), [3]);
+        assert!(c.settle(false, |t| handed.push(t)).unwrap().is_none());
+        assert_eq!(handed, [100], "step 1 checked, step 2 still running");
+        assert!(c.settle(true, |t| handed.push(t)).unwrap().is_none());
+        assert_eq!(handed, [100, 200]);
+        assert!(c.is_empty());
+        // `Checked` turns deferral off when dropped; the default `defer_checks` ignores it.
+    }
 }

@@ -5,8 +5,8 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use crate::moe::{
-    expert_forward, Demand, ExecFailed, Executed, ExpertExecutor, ExpertProvider, ExpertSchema,
-    ExpertScratch, MappedExperts, Settled, Ticket, Verdict,
+    Demand, ExecFailed, Executed, ExpertExecutor, ExpertProvider, ExpertSchema, MappedExperts,
+    Settled, Ticket, Verdict,
 };
 use crate::ModelFiles;
 
@@ -79,15 +79,7 @@ impl ExpertExecutor for LateLiar {
         self.experts
             .fetch(layer, &[expert], &mut data)
             .expect("the checkpoint holds the expert");
-        let mut scratch = ExpertScratch::default();
-        expert_forward(
-            &schema.view(&data[0]),
-            inputs,
-            schema.hidden,
-            schema.intermediate,
-            &mut scratch,
-        );
-        let mut rows = scratch.output().to_vec();
+        let mut rows = schema.compute(&data[0], inputs);
         let mut s = self.s.lock().expect("liar lock");
         if s.calls == self.from && s.target.is_none() {
             s.target = Some((layer, expert));

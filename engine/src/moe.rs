@@ -101,6 +101,21 @@ impl ExpertSchema {
         self.parts.iter().map(|p| p.len).sum()
     }
 
+    /// `expert(xs)` for `n` rows of `xs` (`[n, H]`), the expert's parts in `data`: `[n, H]`
+    /// output rows ([`expert_forward`] over [`view`](Self::view)), as a serving peer computes
+    /// an `Exec` and as a spot-check computes it again.
+    pub fn compute(&self, data: &ExpertData, xs: &[f32]) -> Vec<f32> {
+        let mut scratch = ExpertScratch::default();
+        expert_forward(
+            &self.view(data),
+            xs,
+            self.hidden,
+            self.intermediate,
+            &mut scratch,
+        );
+        scratch.ys
+    }
+
     /// Interprets an expert's parts as matrices.
     pub fn view<'a>(&self, data: &'a ExpertData) -> ExpertView<'a> {
         let (h, i) = (self.hidden, self.intermediate);

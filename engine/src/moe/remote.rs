@@ -149,6 +149,6 @@ pub enum Settled {
     /// it is checked.
     Pending(u64),
     /// A check of this step (the earliest such) disagreed: the step used a wrong answer, and
-    /// so did every later one.
+    /// so did every later one. Checks of earlier steps may still be running.
     Failed(u64),
 }

@@ -730,9 +730,7 @@ impl TieredExperts {
             }
         })
     }
-}
 
-impl TieredExperts {
     /// [`fetch`](ExpertProvider::fetch) for work nobody is waiting on (a spot-check made in the
     /// background): its misses load at prefetch priority, behind every demand load, in the
     /// tiers and at the peers that serve them.
@@ -742,33 +740,27 @@ impl TieredExperts {
         experts: &[usize],
         out: &mut Vec<Arc<ExpertData>>,
     ) -> Result<()> {
-        self.serve(
-            layer,
-            experts,
-            &[],
-            true,
-            Priority::Prefetch,
-            &mut |_, handles| {
-                out.extend_from_slice(handles);
-                Ok(())
-            },
-        )
+        self.fetch_whole(layer, experts, Priority::Prefetch, out)
+    }
+
+    /// The whole request into `out`, in request order, its misses loaded at `miss` priority.
+    fn fetch_whole(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        miss: Priority,
+        out: &mut Vec<Arc<ExpertData>>,
+    ) -> Result<()> {
+        self.serve(layer, experts, &[], true, miss, &mut |_, handles| {
+            out.extend_from_slice(handles);
+            Ok(())
+        })
     }
 }
 
 impl ExpertProvider for TieredExperts {
     fn fetch(&self, layer: usize, experts: &[usize], out: &mut Vec<Arc<ExpertData>>) -> Result<()> {
-        self.serve(
-            layer,
-            experts,
-            &[],
-            true,
-            Priority::Demand,
-            &mut |_, handles| {
-                out.extend_from_slice(handles);
-                Ok(())
-            },
-        )
+        self.fetch_whole(layer, experts, Priority::Demand, out)
     }
 
     /// Hits are handed over at once, each miss as its load completes (from whichever tier).

@@ -8,7 +8,7 @@
 //! cache's verified records; never one it merely offers to fetch), of the model it serves,
 //! for a peer its admission let connect (the TLS handshake refuses everyone else before any
 //! request is read). The expert is computed with the engine's own kernels
-//! ([`stormo_engine::moe::expert_forward`] over the layer's [`ExpertSchema`] view), the same
+//! ([`ExpertSchema::compute`]: [`stormo_engine::moe::expert_forward`] over the layer's view), the same
 //! code a node runs for itself; the rows come back as exact f32.
 //!
 //! # The budget, and the share left to generation
@@ -40,7 +40,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use stormo_engine::moe::{expert_forward, ExpertData, ExpertSchema, ExpertScratch};
+use stormo_engine::moe::{ExpertData, ExpertSchema};
 use stormo_manifests::ExpertId;
 use stormo_wire::{ErrorCode, ErrorMessage, Exec, ExecResult, Message};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -199,10 +199,7 @@ impl Executor {
             // The slots are held until the computation ends, whether or not the peer still
             // waits for it: the pool's queue stays within the limits.
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let mut scratch = ExpertScratch::default();
-                let view = schema.view(&data);
-                expert_forward(&view, &xs, schema.hidden, schema.intermediate, &mut scratch);
-                scratch.output().to_vec()
+                schema.compute(&data, &xs)
             }));
             // Free before the answer leaves: a requester that sends its next call as soon as
             // this answer arrives finds the slots free.

@@ -19,7 +19,7 @@
 //! back asks for them ([`ExpertExecutor::defer_checks`]), an answer drawn for a spot-check is
 //! handed to the engine at once and checked on one of the runtime's blocking threads: the
 //! expert fetched through the tiers (RAM cache, disk, peers, verified as every fetch is),
-//! computed with the engine's kernels on the same rows ([`expert_forward`], the code a serving
+//! computed with the engine's kernels on the same rows ([`ExpertSchema::compute`], the code a serving
 //! peer runs) and compared bit for bit. The verdict goes to the policy as an inline check's
 //! does (a disagreeing peer is banned as soon as it is known), and to the step the answer
 //! belongs to, which the generation reads with [`ExpertExecutor::settle`]. The check's thread
@@ -38,8 +38,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use stormo_engine::moe::{
-    expert_forward, Demand, ExecFailed, Executed, ExpertExecutor, ExpertSchema, ExpertScratch,
-    Settled, Ticket, Verdict,
+    Demand, ExecFailed, Executed, ExpertExecutor, ExpertSchema, Settled, Ticket, Verdict,
 };
 use stormo_engine::tiers::{ExpertId, Tier, TieredExperts};
 
@@ -606,24 +605,31 @@ impl ExpertExecutor for RemoteExperts {
                         ),
                         p.bytes,
                     );
-                    drop(policy);
-                    if p.check && self.schemas.is_some() {
+                    // A check deferred (`on` only with a cache and schemas to make it): counted
+                    // as running in the current step until its thread ends.
+                    let deferred = if p.check {
                         let mut s = self.deferred.lock();
-                        if s.on {
+                        s.on.then(|| {
                             let step = s.current;
                             s.live.entry(step).or_default().running += 1;
-                            drop(s);
-                            self.lock_policy().deferred();
-                            self.check_later(Check {
-                                id: retry.id,
-                                peer: p.peer,
-                                step,
-                                rows: retry.rows.clone(),
-                                answer: rows.clone(),
-                            });
-                            return Ok(Executed { rows, check: false });
-                        }
+                            step
+                        })
+                    } else {
+                        None
+                    };
+                    if let Some(step) = deferred {
+                        policy.deferred();
+                        drop(policy);
+                        self.check_later(Check {
+                            id: retry.id,
+                            peer: p.peer,
+                            step,
+                            rows: retry.rows.clone(),
+                            answer: rows.clone(),
+                        });
+                        return Ok(Executed { rows, check: false });
                     }
+                    drop(policy);
                     if p.check {
                         self.checking
                             .lock()
@@ -767,15 +773,7 @@ fn compute(
         .fetch_behind(layer, &[expert], &mut data)
         .map_err(|e| e.to_string())?;
     let data = data.pop().ok_or("the tiers returned no expert")?;
-    let mut scratch = ExpertScratch::default();
-    expert_forward(
-        &schema.view(&data),
-        rows,
-        schema.hidden,
-        schema.intermediate,
-        &mut scratch,
-    );
-    Ok(scratch.output().to_vec())
+    Ok(schema.compute(&data, rows))
 }
 
 /// `peer`'s link among `holders` (unmeasured if it is not one of them).
