@@ -25,6 +25,9 @@ pub struct Timings {
     pub prefill_s: f64,
     /// Seconds spent producing tokens after the first.
     pub decode_s: f64,
+    /// Of `decode_s`, seconds spent waiting for deferred spot-checks still running after the
+    /// last token was made (zero when checks are inline or none were deferred).
+    pub check_wait_s: f64,
 }
 
 /// Runs `prompt` then generates up to `max_new` tokens greedily, calling `on_token` with each
@@ -235,7 +238,10 @@ fn generate<S: Clone>(
         checked.push(id, start, made);
         // At the end, wait for every check: the last tokens are handed on checked too.
         let emit = |m: Made<S>| hand_on(m.token, &m.logits);
-        match checked.settle(done, emit)? {
+        let waited = done.then(std::time::Instant::now);
+        let settled = checked.settle(done, emit)?;
+        timings.check_wait_s += waited.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        match settled {
             None if done => break,
             None => {}
             Some(back) => {

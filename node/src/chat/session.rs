@@ -105,6 +105,10 @@ pub struct Generation {
     pub prefill_s: f64,
     /// Seconds spent producing tokens after the first.
     pub decode_s: f64,
+    /// Of `decode_s`, the seconds spent waiting for spot-checks still running after the last
+    /// token was made (or the turn was cancelled): the checks that ran in the background did
+    /// not end with the tokens.
+    pub check_wait_s: f64,
 }
 
 /// The log-probability of a chosen token and of the most likely tokens at its position,
@@ -322,6 +326,7 @@ impl ChatSession {
         let mut shown = 0;
         let mut cancelled = false;
         let mut made = before.map(|b| (id, kept, b));
+        let mut check_wait_s = 0.0;
         let finish = loop {
             ids.push(tok);
             history.push(tok);
@@ -346,12 +351,14 @@ impl ChatSession {
                     // At the end, and once cancelled, wait for every check.
                     let mut wait = finish.is_some() || cancelled;
                     let back = loop {
+                        let waited = wait.then(Instant::now);
                         let back = checked.settle(wait, |(t, l, _)| {
                             if !cancelled {
                                 shown += 1;
                                 cancelled = on_token(t, l).is_break();
                             }
                         })?;
+                        check_wait_s += waited.map_or(0.0, |t| t.elapsed().as_secs_f64());
                         if back.is_some() || wait || !cancelled {
                             break back;
                         }
@@ -409,6 +416,7 @@ impl ChatSession {
             finish,
             prefill_s,
             decode_s: t1.elapsed().as_secs_f64(),
+            check_wait_s,
         })
     }
 }

@@ -407,6 +407,7 @@ fn run_text(
         let timings = Timings {
             prefill_s: g.prefill_s,
             decode_s: g.decode_s,
+            check_wait_s: g.check_wait_s,
         };
         let mut out = serde_json::json!({
             "text": content,
@@ -569,6 +570,7 @@ fn timings_json(t: &Timings, prompt: usize, generated: usize) -> serde_json::Val
         "prefill_tok_s": rate(prompt, t.prefill_s),
         "decode_s": t.decode_s,
         "decode_tok_s": rate(generated.saturating_sub(1), t.decode_s),
+        "check_wait_s": t.check_wait_s,
     })
 }
 

@@ -386,6 +386,8 @@ impl Engine {
             finish,
             prefill_s: r.prefill_s,
             decode_s: r.first_token.map_or(0.0, |t| t.elapsed().as_secs_f64()),
+            // Batched serving checks inline.
+            check_wait_s: 0.0,
             ids: r.ids,
         };
         // The place in the queue is given back before the client hears that the request is

@@ -394,7 +394,11 @@ async fn connection(shared: Arc<Shared>, conn: quinn::Connection) {
         let (send, recv) = match conn.accept_bi().await {
             Ok(s) => s,
             Err(e) => {
-                tracing::info!("peer {peer} gone: {e}; {}", path_summary(&conn.stats()));
+                tracing::info!(
+                    "peer {peer} gone: {e}; {}{}",
+                    path_summary(&conn.stats()),
+                    super::congestion::filter_summary(&conn).unwrap_or_default()
+                );
                 return;
             }
         };
