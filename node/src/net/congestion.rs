@@ -55,7 +55,8 @@
 //! of that size keeps the link full without a queue, where random loss is ignored; a
 //! competing flow's standing queue lowers the measured rate, and the floor with it, so the
 //! floor yields to it as the rate falls (BBR keeps its window at twice that; this floor is
-//! only a floor, CUBIC still decides above it).
+//! only a floor, CUBIC still decides above it). Persistent congestion (every datagram of
+//! several round trips lost) forgets the rate: the path may have changed.
 
 use std::any::Any;
 use std::sync::Arc;
@@ -244,6 +245,11 @@ impl DeliveryRate {
         (self.rate() * base.as_secs_f64()) as u64
     }
 
+    /// Forgets the rate measured (persistent congestion: the path may have changed).
+    pub fn forget(&mut self) {
+        *self = Self::default();
+    }
+
     /// `window` (the controller's own), raised to the pipe of a path of round trip `base`.
     pub fn floor(&self, window: u64, base: Duration) -> u64 {
         window.max(self.pipe(base))
@@ -310,6 +316,11 @@ impl Controller for Tolerant {
         is_persistent_congestion: bool,
         lost_bytes: u64,
     ) {
+        if is_persistent_congestion {
+            // The path may not be the one measured (every datagram of several round trips
+            // lost): no floor until its rate is measured again.
+            self.delivery.forget();
+        }
         if self.filter.on_loss(lost_bytes, is_persistent_congestion) {
             self.cubic
                 .on_congestion_event(now, sent, is_persistent_congestion, lost_bytes);
@@ -607,5 +618,8 @@ mod tests {
             s.on_ack(now, 500_000, false, 100 * MS);
         }
         assert_eq!(s.floor(150_000, 40 * MS), 200_000);
+        // Persistent congestion: no floor until the rate is measured again.
+        s.forget();
+        assert_eq!(s.floor(14_720, 40 * MS), 14_720);
     }
 }
