@@ -212,6 +212,8 @@ pub struct RunOutcome {
     pub prefill_tok_s: f64,
     /// Decode tokens per second.
     pub decode_tok_s: f64,
+    /// Of the decode's time, seconds the end waited for spot-checks still running.
+    pub check_wait_s: f64,
     /// Seconds from process start to exit (loading included).
     pub wall_s: f64,
     /// Experts loaded from peers (each verified against the manifest).
@@ -262,6 +264,7 @@ impl RunOutcome {
             ids,
             prefill_tok_s: f("/timings/prefill_tok_s"),
             decode_tok_s: f("/timings/decode_tok_s"),
+            check_wait_s: f("/timings/check_wait_s"),
             wall_s,
             peer_loads: u("/experts/peer_loads"),
             peer_bytes: u("/experts/peer_bytes"),
@@ -790,6 +793,16 @@ impl SwarmReport {
                 r.fallbacks
             );
         }
+        let runs = [("swarm", Some(s)), ("auto", self.remote.as_ref())];
+        for (name, r) in runs.into_iter().filter_map(|(n, r)| Some((n, r?))) {
+            if r.check_wait_s > 0.0 {
+                let _ = writeln!(
+                    o,
+                    "  {name}: the decode's end waited {:.1} s for spot-checks still running",
+                    r.check_wait_s
+                );
+            }
+        }
         if let Some(r) = &self.remote {
             let _ = writeln!(
                 o,
@@ -868,13 +881,14 @@ mod tests {
     fn run_json_is_read_and_bad_json_named() {
         let v = serde_json::json!({
             "generated_ids": [5, 6],
-            "timings": {"prefill_tok_s": 10.0, "decode_tok_s": 20.0},
+            "timings": {"prefill_tok_s": 10.0, "decode_tok_s": 20.0, "check_wait_s": 1.5},
             "experts": {"peer_loads": 7, "peer_failures": 1}
         });
         let r = RunOutcome::from_json(&v, 1.5).unwrap();
         assert_eq!(r.ids, [5, 6]);
         assert_eq!((r.peer_loads, r.peer_failures), (7, 1));
         assert_eq!(r.decode_tok_s, 20.0);
+        assert_eq!(r.check_wait_s, 1.5);
         let e = RunOutcome::from_json(&serde_json::json!({"generated_ids": [-1]}), 0.0);
         assert!(e.unwrap_err().to_string().contains("generated_ids"));
     }
