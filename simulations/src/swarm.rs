@@ -795,7 +795,7 @@ impl SwarmReport {
         }
         let runs = [("swarm", Some(s)), ("auto", self.remote.as_ref())];
         for (name, r) in runs.into_iter().filter_map(|(n, r)| Some((n, r?))) {
-            if r.check_wait_s > 0.0 {
+            if r.check_wait_s >= 0.05 {
                 let _ = writeln!(
                     o,
                     "  {name}: the decode's end waited {:.1} s for spot-checks still running",
