@@ -190,9 +190,6 @@ impl LossFilter {
     }
 }
 
-/// The interval a delivery-rate sample spans, at least: this many smoothed round trips.
-const RATE_INTERVAL_RTTS: f64 = 1.0;
-
 /// Delivery-rate samples the estimate is the largest of (BBR's bottleneck-bandwidth filter
 /// spans ten round trips too): answers come in bursts with gaps between them, and a sample
 /// that spans a gap reads low.
@@ -222,7 +219,8 @@ impl DeliveryRate {
         };
         self.bytes += bytes;
         let elapsed = now.saturating_duration_since(start);
-        if srtt.is_zero() || elapsed < srtt.mul_f64(RATE_INTERVAL_RTTS) {
+        // A sample spans at least a smoothed round trip.
+        if srtt.is_zero() || elapsed < srtt {
             return;
         }
         let sample = self.bytes as f64 / elapsed.as_secs_f64();
@@ -367,7 +365,7 @@ pub fn filter_summary(conn: &quinn::Connection) -> Option<String> {
         .ok()?;
     let f = t.filter();
     Some(format!(
-        "; loss filter: base {:.1} ms, {} losses passed on, {} taken for random",
+        "loss filter: base {:.1} ms, {} losses passed on, {} taken for random",
         f.base().as_secs_f64() * 1e3,
         f.passed,
         f.ignored

@@ -394,10 +394,11 @@ async fn connection(shared: Arc<Shared>, conn: quinn::Connection) {
         let (send, recv) = match conn.accept_bi().await {
             Ok(s) => s,
             Err(e) => {
+                let filter = super::congestion::filter_summary(&conn)
+                    .map_or_else(String::new, |f| format!("; {f}"));
                 tracing::info!(
-                    "peer {peer} gone: {e}; {}{}",
-                    path_summary(&conn.stats()),
-                    super::congestion::filter_summary(&conn).unwrap_or_default()
+                    "peer {peer} gone: {e}; {}{filter}",
+                    path_summary(&conn.stats())
                 );
                 return;
             }

@@ -553,8 +553,9 @@ pub enum Congestion {
     /// little; but quinn calls it experimental, its estimate overshoots (it loses much of
     /// what it sends at a full queue), and it takes most of a link it shares with CUBIC.
     Bbr,
-    /// CUBIC that lets a loss pass while the path's queue is empty and loss is rare
-    /// ([`super::congestion::Tolerant`]): keeps experts flowing on long lossy paths, and is
+    /// CUBIC that lets a loss pass while the path's queue is empty and loss is rare, its
+    /// window never below the path's measured rate times its round trip
+    /// (docs/network.md, Congestion control): keeps experts flowing on long lossy paths, and is
     /// CUBIC wherever a queue builds.
     #[default]
     Tolerant,
