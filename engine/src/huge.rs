@@ -8,18 +8,85 @@
 //! gpt-oss-20b geometry on a 2-core Xeon VM: the 8-bit head screen (0.58 GB) went from 21.6
 //! to 18.6 ms a decoded token.
 
+use std::collections::VecDeque;
+use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-/// Zero-initialised bytes, their 2 MiB-aligned span advised for huge pages.
+/// Bytes whose 2 MiB-aligned span is advised for huge pages: zero-initialised
+/// ([`HugeBuf::zeroed`]), or an earlier buffer's for a caller that overwrites them
+/// ([`HugeBuf::recycled`]).
 pub struct HugeBuf {
-    map: memmap2::MmapMut,
+    /// Taken only in `drop`.
+    map: ManuallyDrop<memmap2::MmapMut>,
     off: usize,
     len: usize,
 }
 
 /// A huge page.
 const HUGE: usize = 2 << 20;
+
+/// At most this many bytes of dropped buffers are kept for [`HugeBuf::recycled`]: a few experts'
+/// records (13.2 MB at gpt-oss geometry), enough for the buffers that a fetch or a read at the
+/// smallest RAM budget drops as fast as it needs new ones.
+const SPARE_BYTES: usize = 64 << 20;
+
+/// Dropped buffers kept for reuse, the latest last, at most `limit` bytes of them.
+///
+/// A fresh mapping costs a page fault and the kernel zeroing each 2 MiB page on first touch:
+/// measured on the network benchmark (`cargo bench -p stormo-node --bench net`, `perf`), the
+/// zeroing was 13% of the fetch phase's samples, more than hashing the bytes (8%) or copying
+/// them in (8%). A reused buffer is already faulted in.
+struct Spares {
+    kept: VecDeque<(memmap2::MmapMut, usize)>,
+    limit: usize,
+}
+
+impl Spares {
+    const fn new(limit: usize) -> Self {
+        Self {
+            kept: VecDeque::new(),
+            limit,
+        }
+    }
+
+    /// The bytes a kept mapping offers from its aligned start.
+    fn room((map, off): &(memmap2::MmapMut, usize)) -> usize {
+        map.len() - off
+    }
+
+    /// The latest kept mapping with room for `len` bytes and not more than two huge pages
+    /// over, with its aligned start.
+    fn take(&mut self, len: usize) -> Option<(memmap2::MmapMut, usize)> {
+        let i = self
+            .kept
+            .iter()
+            .rposition(|k| (len..=len + 2 * HUGE).contains(&Self::room(k)))?;
+        self.kept.remove(i)
+    }
+
+    /// Keeps `map` (its aligned start at `off`) unless it is larger than a quarter of the
+    /// limit; the oldest kept ones over the limit come back to be unmapped.
+    fn give(&mut self, map: memmap2::MmapMut, off: usize) -> Vec<memmap2::MmapMut> {
+        if map.len() > self.limit / 4 {
+            return vec![map];
+        }
+        self.kept.push_back((map, off));
+        let mut total: usize = self.kept.iter().map(|(m, _)| m.len()).sum();
+        let mut out = Vec::new();
+        while total > self.limit {
+            let Some((m, _)) = self.kept.pop_front() else {
+                break;
+            };
+            total -= m.len();
+            out.push(m);
+        }
+        out
+    }
+}
+
+/// The process's kept buffers.
+static SPARES: Mutex<Spares> = Mutex::new(Spares::new(SPARE_BYTES));
 
 impl HugeBuf {
     /// `len` zero bytes. Advice that the kernel refuses is ignored: the memory is still good.
@@ -39,7 +106,29 @@ impl HugeBuf {
         if slack > 0 {
             let _ = map.advise_range(memmap2::Advice::HugePage, off, len);
         }
-        Ok(Self { map, off, len })
+        Ok(Self {
+            map: ManuallyDrop::new(map),
+            off,
+            len,
+        })
+    }
+
+    /// `len` bytes of unspecified content, for a caller that writes every byte before it
+    /// reads any (an expert read from disk or fetched from peers, which is verified whole):
+    /// a buffer dropped earlier in this process when one of about the size is kept, so that
+    /// its pages are already faulted in and zeroed once; otherwise as [`HugeBuf::zeroed`].
+    pub fn recycled(len: usize) -> std::io::Result<Self> {
+        if len >= HUGE {
+            let spare = SPARES.lock().ok().and_then(|mut s| s.take(len));
+            if let Some((map, off)) = spare {
+                return Ok(Self {
+                    map: ManuallyDrop::new(map),
+                    off,
+                    len,
+                });
+            }
+        }
+        Self::zeroed(len)
     }
 
     /// A copy of `bytes` (as [`HugeBuf::zeroed`], then filled).
@@ -47,6 +136,23 @@ impl HugeBuf {
         let mut b = Self::zeroed(bytes.len())?;
         b.copy_from_slice(bytes);
         Ok(b)
+    }
+}
+
+impl Drop for HugeBuf {
+    /// Keeps buffers of a huge page or more for [`HugeBuf::recycled`] (up to [`SPARE_BYTES`]),
+    /// unmaps the rest.
+    fn drop(&mut self) {
+        // SAFETY: `map` is not used again: this is the buffer's end.
+        let map = unsafe { ManuallyDrop::take(&mut self.map) };
+        if self.len < HUGE {
+            return;
+        }
+        let unmap = match SPARES.lock() {
+            Ok(mut s) => s.give(map, self.off),
+            Err(_) => vec![map],
+        };
+        drop(unmap);
     }
 }
 
@@ -246,6 +352,50 @@ mod tests {
         let (back, why) = whole.split(&[5, 4]).unwrap_err();
         assert!(why.contains("cut at 4"), "{why}");
         assert_eq!(back.len(), len);
+    }
+
+    /// Kept mappings are handed out latest first, only to a request they have room for
+    /// without more than two huge pages over, and the oldest go once the limit is passed.
+    #[test]
+    fn spares_are_reused_by_size_within_their_limit() {
+        let map = |len: usize| memmap2::MmapMut::map_anon(len).unwrap();
+        let mut s = Spares::new(16 * HUGE);
+        assert!(s.give(map(3 * HUGE), 0).is_empty());
+        assert!(s.give(map(3 * HUGE), HUGE).is_empty());
+        let (m, off) = s.take(2 * HUGE).unwrap();
+        assert_eq!((m.len(), off), (3 * HUGE, HUGE), "the latest first");
+        assert!(s.take(4 * HUGE).is_none(), "no room");
+        assert!(s.take(HUGE - 1).is_none(), "room for it, but too much");
+        assert_eq!(s.take(HUGE).unwrap().0.len(), 3 * HUGE);
+        assert!(s.take(HUGE).is_none(), "taken");
+        assert_eq!(s.give(map(5 * HUGE), 0).len(), 1, "over a quarter of the limit");
+        for len in [3, 4, 2, 2, 2] {
+            assert!(s.give(map(len * HUGE), 0).is_empty());
+        }
+        let out = s.give(map(4 * HUGE), 7);
+        assert_eq!(out.iter().map(|m| m.len()).collect::<Vec<_>>(), [3 * HUGE]);
+        assert_eq!(s.kept.iter().map(|(m, _)| m.len()).sum::<usize>(), 14 * HUGE);
+        assert_eq!(s.kept.back().unwrap().1, 7);
+    }
+
+    /// A recycled buffer has the length asked for, starts on a huge page and holds what is
+    /// written; the bytes a dropped buffer held may come back in it, which its callers
+    /// overwrite.
+    #[test]
+    fn recycled_buffers_hold_what_is_written() {
+        for len in [17, HUGE + 3, 5 * HUGE + 1] {
+            for _ in 0..3 {
+                let mut b = HugeBuf::recycled(len).unwrap();
+                assert_eq!(b.len(), len);
+                if len >= HUGE {
+                    assert_eq!(b.as_ptr() as usize % HUGE, 0, "len {len}");
+                }
+                for (i, x) in b.iter_mut().enumerate() {
+                    *x = (i % 251) as u8;
+                }
+                assert!(b.iter().enumerate().all(|(i, &x)| x == (i % 251) as u8));
+            }
+        }
     }
 
     #[test]

@@ -263,13 +263,13 @@ impl DiskInner {
         let (b, base) =
             if contiguous && file.direct && (first.offset as usize).is_multiple_of(ALIGN) {
                 let padded = total.div_ceil(ALIGN) * ALIGN;
-                let mut b = zeroed(padded + ALIGN, l, e)?;
+                let mut b = buffer(padded + ALIGN, l, e)?;
                 let skew = b.as_ptr() as usize % ALIGN;
                 let base = if skew == 0 { 0 } else { ALIGN - skew };
                 file.read_exact_at(&mut b[base..base + padded], first.offset)?;
                 (b, base)
             } else {
-                let mut b = zeroed(total, l, e)?;
+                let mut b = buffer(total, l, e)?;
                 let mut off = 0;
                 for p in parts {
                     let len = p.loc.len as usize;
@@ -283,10 +283,11 @@ impl DiskInner {
     }
 }
 
-/// A zero-filled buffer for an expert, on huge pages where the kernel allows: decode streams
-/// every cached expert's bytes through the kernels (see [`crate::huge`]).
-fn zeroed(n: usize, layer: usize, expert: usize) -> Result<HugeBuf> {
-    HugeBuf::zeroed(n).map_err(|e| Error::Expert {
+/// A buffer for an expert's bytes, which the read overwrites ([`HugeBuf::recycled`]), on huge
+/// pages where the kernel allows: decode streams every cached expert's bytes through the
+/// kernels (see [`crate::huge`]).
+fn buffer(n: usize, layer: usize, expert: usize) -> Result<HugeBuf> {
+    HugeBuf::recycled(n).map_err(|e| Error::Expert {
         layer,
         expert,
         reason: e.to_string(),

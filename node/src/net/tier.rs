@@ -288,7 +288,7 @@ impl Prefix {
     /// A copy in a buffer of its own (for a second try racing the one that holds this; a
     /// whole record's only).
     fn copy(&mut self, len: u64) -> Result<Self, String> {
-        let mut buf = HugeBuf::zeroed(len as usize).map_err(|e| e.to_string())?;
+        let mut buf = HugeBuf::recycled(len as usize).map_err(|e| e.to_string())?;
         let n = self.len();
         if let Some(b) = self.buffer.as_mut() {
             buf[..n].copy_from_slice(&b.bytes_mut()[..n]);
@@ -2071,7 +2071,7 @@ impl Inner {
         tries: &Arc<Tries>,
     ) -> Result<HugeBuf, String> {
         self.striped.fetch_add(1, Ordering::Relaxed);
-        let buf = HugeBuf::zeroed(len as usize).map_err(|e| e.to_string())?;
+        let buf = HugeBuf::recycled(len as usize).map_err(|e| e.to_string())?;
         let cuts: Vec<usize> = plan.iter().skip(1).map(|s| s.start as usize).collect();
         let parts = buf.split(&cuts).map_err(|(_, e)| e)?;
         tracing::debug!(
@@ -2458,7 +2458,7 @@ impl Inner {
             Some(b) => b,
             None if whole => {
                 prefix.verified = 0;
-                let b = HugeBuf::zeroed(len as usize)
+                let b = HugeBuf::recycled(len as usize)
                     .map_err(|e| AttemptError::Other(anyhow::anyhow!("{e}")))?;
                 Box::new(RecordBuf(b))
             }
