@@ -368,13 +368,20 @@ mod tests {
         assert!(s.take(HUGE - 1).is_none(), "room for it, but too much");
         assert_eq!(s.take(HUGE).unwrap().0.len(), 3 * HUGE);
         assert!(s.take(HUGE).is_none(), "taken");
-        assert_eq!(s.give(map(5 * HUGE), 0).len(), 1, "over a quarter of the limit");
+        assert_eq!(
+            s.give(map(5 * HUGE), 0).len(),
+            1,
+            "over a quarter of the limit"
+        );
         for len in [3, 4, 2, 2, 2] {
             assert!(s.give(map(len * HUGE), 0).is_empty());
         }
         let out = s.give(map(4 * HUGE), 7);
         assert_eq!(out.iter().map(|m| m.len()).collect::<Vec<_>>(), [3 * HUGE]);
-        assert_eq!(s.kept.iter().map(|(m, _)| m.len()).sum::<usize>(), 14 * HUGE);
+        assert_eq!(
+            s.kept.iter().map(|(m, _)| m.len()).sum::<usize>(),
+            14 * HUGE
+        );
         assert_eq!(s.kept.back().unwrap().1, 7);
     }
 

@@ -628,6 +628,42 @@ impl Node {
         &self.experts
     }
 
+    /// Reads the experts this node holds (its disk and its kept experts; see
+    /// [`Announce::held`]) into the RAM cache, layer by layer, as many as the cache's budget
+    /// holds, so that peers' first calls and fetches are answered from RAM, not from the disk
+    /// (`stormo serve --warm`). Blocking: run it on a thread of its own. Returns the experts
+    /// and bytes read; a node that serves nothing warms nothing.
+    pub fn warm_cache(&self) -> anyhow::Result<(usize, u64)> {
+        let (Some(t), Some(a)) = (self.experts.tiered.as_ref(), self.announce()) else {
+            return Ok((0, 0));
+        };
+        let budget = t.budget();
+        let provider = self.provider();
+        let schemas = &self.files.layout.schemas;
+        let (mut n, mut bytes) = (0usize, 0u64);
+        let mut out = Vec::with_capacity(1);
+        for id in a.held.iter() {
+            let (l, e) = (id.layer as usize, id.expert as usize);
+            let Some(len) = schemas
+                .get(l)
+                .and_then(Option::as_ref)
+                .map(|s| s.expert_len() as u64)
+            else {
+                continue;
+            };
+            if bytes + len > budget {
+                break;
+            }
+            provider
+                .fetch(l, &[e], &mut out)
+                .with_context(|| format!("warming the RAM cache with expert {id}"))?;
+            out.clear();
+            n += 1;
+            bytes += len;
+        }
+        Ok((n, bytes))
+    }
+
     /// The node's runtime.
     pub fn runtime(&self) -> &tokio::runtime::Runtime {
         &self.rt

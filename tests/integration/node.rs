@@ -656,3 +656,67 @@ fn bench_with_peers_reports_the_run_from_peers_beside_the_local_disk() {
     assert!(v["experts"]["peer_loads"].as_u64().unwrap_or(0) > 0, "{v}");
     assert!(v["disk"].is_null() && v["peer_vs_disk"].is_null(), "{v}");
 }
+
+/// The line `serve --warm` prints once the warm-up ended, waited for (bounded).
+fn warmed_line(p: &Proc) -> String {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let err = p.stderr.lock().expect("stderr lock").clone();
+        if let Some(l) = err
+            .lines()
+            .find(|l| l.starts_with("warmed the RAM cache: "))
+        {
+            return l.to_string();
+        }
+        assert!(Instant::now() < until, "no warm-up line within 60 s: {err}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `serve --warm` reads every held expert into the RAM cache when the budget holds them all,
+/// and only as many as the budget holds when it does not (`--expert-cache 0`: one layer's
+/// top-k, 2 here); without `--listen` it is refused.
+#[test]
+fn serve_warm_fills_the_ram_cache_up_to_its_budget() {
+    let (m, _id) = model_with_manifest();
+    let cases = [("auto", "8 experts"), ("0", "2 experts")];
+    for (budget, want) in cases {
+        let st = state();
+        let p = Proc::start_logging(
+            &[
+                "serve",
+                "--model",
+                s(m.path()),
+                "--listen",
+                "127.0.0.1:0",
+                "--allow-any",
+                "--state-dir",
+                s(st.path()),
+                "--expert-cache",
+                budget,
+                "--warm",
+            ],
+            Some("warn"),
+        );
+        let line = warmed_line(&p);
+        assert!(
+            line.starts_with(&format!("warmed the RAM cache: {want} (")),
+            "--expert-cache {budget}: {line}"
+        );
+        assert!(p.terminate().success());
+    }
+    let out = Command::new(stormo_exe())
+        .args([
+            "serve",
+            "--model",
+            s(m.path()),
+            "--http",
+            "127.0.0.1:0",
+            "--warm",
+        ])
+        .output()
+        .expect("run stormo");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--listen"), "{err}");
+}

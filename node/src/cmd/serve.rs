@@ -5,6 +5,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use anyhow::Context;
+
 use stormo_engine::LoadOptions;
 
 use crate::args::{ExpertArgs, PeerArgs};
@@ -90,6 +92,11 @@ pub struct Args {
     /// fair-wan`, docs/network.md).
     #[arg(long, value_enum, default_value_t = Congestion::default(), value_name = "ALGORITHM")]
     pub congestion: Congestion,
+    /// Read the experts this node holds into its RAM cache at start, in the background, as
+    /// many as --expert-cache holds, so that peers' first calls and fetches are answered from
+    /// RAM rather than the disk (logged when done). Without it the cache fills as peers ask.
+    #[arg(long, requires = "listen")]
+    pub warm: bool,
     /// Where experts come from (one RAM cache over the local disk, kept experts and peers,
     /// shared by the peers served and the HTTP API).
     #[command(flatten)]
@@ -180,6 +187,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         for reachable in crate::discover::reachable_addrs(addr) {
             println!("{key}@{reachable}");
         }
+    }
+    if a.warm {
+        let n = node.clone();
+        std::thread::Builder::new()
+            .name("stormo-warm".into())
+            .spawn(move || {
+                let t = std::time::Instant::now();
+                match n.warm_cache() {
+                    Ok((count, bytes)) => eprintln!(
+                        "warmed the RAM cache: {count} experts ({}) in {:.1} s",
+                        crate::progress::human_bytes(bytes),
+                        t.elapsed().as_secs_f64()
+                    ),
+                    Err(e) => tracing::warn!("{e:#}; the cache fills as peers ask"),
+                }
+            })
+            .context("starting the warm-up thread")?;
     }
     let web = match (http, text) {
         (Some(cfg), Some((tokenizer, format))) => {
