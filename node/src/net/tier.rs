@@ -472,7 +472,7 @@ struct Inner {
     hedges: Mutex<HedgeStats>,
     /// Failed tries at peers that were followed by a try elsewhere ([`Tier::retried_failures`]).
     retried: AtomicU64,
-    /// Loads striped across several holders.
+    /// Loads striped across several holders that ended with the record.
     striped: AtomicU64,
 }
 
@@ -891,7 +891,7 @@ impl PeerTier {
             .collect()
     }
 
-    /// Loads striped across several holders so far.
+    /// Loads striped across several holders that ended with the record, so far.
     pub fn striped_loads(&self) -> u64 {
         self.inner.striped.load(Ordering::Relaxed)
     }
@@ -2045,7 +2045,10 @@ impl Inner {
             Ok(Arc::new(ExpertData::from_buffer(buf, schema)))
         };
         if let Some(plan) = self.stripe_plan(id, len) {
-            return done(self.fetch_striped(id, len, plan, priority, tries).await?);
+            let record = self.fetch_striped(id, len, plan, priority, tries).await?;
+            // Counted once loaded, as the loads it is a share of are.
+            self.striped.fetch_add(1, Ordering::Relaxed);
+            return done(record);
         }
         match self
             .fetch_span(id, len, Prefix::whole(len), None, None, priority, tries)
@@ -2070,7 +2073,6 @@ impl Inner {
         priority: Priority,
         tries: &Arc<Tries>,
     ) -> Result<HugeBuf, String> {
-        self.striped.fetch_add(1, Ordering::Relaxed);
         let buf = HugeBuf::recycled(len as usize).map_err(|e| e.to_string())?;
         let cuts: Vec<usize> = plan.iter().skip(1).map(|s| s.start as usize).collect();
         let parts = buf.split(&cuts).map_err(|(_, e)| e)?;
