@@ -29,7 +29,7 @@ use std::time::Duration;
 use anyhow::Context;
 use bytes::Bytes;
 use stormo_engine::moe::ExpertProvider;
-use stormo_engine::tiers::Tier;
+use stormo_engine::tiers::{ExpertId, Tier};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 use stormo_manifests::{Hash, Manifest, ManifestPaths, PublicKey, SecretKey};
 use stormo_wire::ExpertSet;
@@ -629,39 +629,31 @@ impl Node {
     }
 
     /// Reads the experts this node holds (its disk and its kept experts; see
-    /// [`Announce::held`]) into the RAM cache, layer by layer, as many as the cache's budget
-    /// holds, so that peers' first calls and fetches are answered from RAM, not from the disk
-    /// (`stormo serve --warm`). Blocking: run it on a thread of its own. Returns the experts
-    /// and bytes read; a node that serves nothing warms nothing.
-    pub fn warm_cache(&self) -> anyhow::Result<(usize, u64)> {
+    /// [`Announce::held`]) into the free room of its RAM cache, layer by layer, in the
+    /// background at prefetch priority, evicting nothing and counting no use
+    /// ([`stormo_engine::tiers::TieredExperts::warm`]), so that peers' first calls and fetches are answered from RAM,
+    /// not from the disk (`stormo serve --warm`). Blocks until those loads end: run it on a
+    /// thread of its own. Returns how many of the held experts are in RAM then, and their
+    /// bytes; a node that serves nothing warms nothing.
+    pub fn warm_cache(&self) -> (usize, u64) {
         let (Some(t), Some(a)) = (self.experts.tiered.as_ref(), self.announce()) else {
-            return Ok((0, 0));
+            return (0, 0);
         };
-        let budget = t.budget();
-        let provider = self.provider();
-        let schemas = &self.files.layout.schemas;
-        let (mut n, mut bytes) = (0usize, 0u64);
-        let mut out = Vec::with_capacity(1);
-        for id in a.held.iter() {
-            let (l, e) = (id.layer as usize, id.expert as usize);
-            let Some(len) = schemas
-                .get(l)
-                .and_then(Option::as_ref)
-                .map(|s| s.expert_len() as u64)
-            else {
-                continue;
-            };
-            if bytes + len > budget {
-                break;
-            }
-            provider
-                .fetch(l, &[e], &mut out)
-                .with_context(|| format!("warming the RAM cache with expert {id}"))?;
-            out.clear();
-            n += 1;
-            bytes += len;
+        let held: Vec<ExpertId> = a.held.iter().collect();
+        let queued = t.warm(&held);
+        while t.loading(&queued) > 0 {
+            std::thread::sleep(Duration::from_millis(20));
         }
-        Ok((n, bytes))
+        let schemas = &self.files.layout.schemas;
+        held.iter()
+            .filter(|&&k| t.is_resident(k))
+            .map(|k| {
+                schemas
+                    .get(k.layer as usize)
+                    .and_then(Option::as_ref)
+                    .map_or(0, |s| s.expert_len() as u64)
+            })
+            .fold((0, 0), |(n, b), len| (n + 1, b + len))
     }
 
     /// The node's runtime.

@@ -277,6 +277,46 @@ impl TieredExperts {
         self.shared.lock().usage.clone()
     }
 
+    /// Starts loading those of `keys` not in RAM, in order, in the background at prefetch
+    /// priority, into the budget's free room only: nothing is evicted for them, they are not
+    /// hot (the least recently used of all), and no request or usage count is added for them
+    /// (warming the cache at start: `stormo serve --warm`). Returns the keys queued.
+    pub fn warm(&self, keys: &[ExpertId]) -> Vec<ExpertId> {
+        let mut g = self.shared.lock();
+        let mut batch: Vec<Vec<ExpertId>> = Vec::new();
+        let mut queued = Vec::new();
+        for &k in keys {
+            if g.map.contains_key(&k) {
+                continue;
+            }
+            let (Some(len), Some(tier)) = (self.shared.size(k), self.shared.first_tier(k, 0))
+            else {
+                continue;
+            };
+            if g.used + len > self.shared.budget {
+                break;
+            }
+            g.reserve(k, Entry::loading(len, 0, tier));
+            add_load(&mut batch, self.shared.tiers.len(), tier, k);
+            queued.push(k);
+        }
+        drop(g);
+        self.shared.start(batch, Priority::Prefetch);
+        queued
+    }
+
+    /// How many of `keys` are still loading.
+    pub fn loading(&self, keys: &[ExpertId]) -> usize {
+        let g = self.shared.lock();
+        keys.iter()
+            .filter(|k| {
+                g.map
+                    .get(k)
+                    .is_some_and(|e| matches!(e.state, State::Loading))
+            })
+            .count()
+    }
+
     /// Starts loading `keys` as hot experts (kept in preference to others), in the background,
     /// up to the hot share of the budget. Returns how many were queued.
     pub fn preload_hot(&self, keys: &[ExpertId]) -> usize {
@@ -964,6 +1004,48 @@ mod tests {
                 });
             }
         }
+    }
+
+    /// Warming loads into the free room only, in order: it evicts nothing (not even an expert
+    /// a request used), stops at the budget, skips what is in RAM, and counts no request or
+    /// usage.
+    #[test]
+    fn warming_fills_only_the_free_room_and_counts_no_use() {
+        let cache = TieredExperts::new(
+            vec![Arc::new(Threaded)],
+            vec![vec![64; 8]; 2],
+            1,
+            &TierConfig {
+                budget: 5 * 64,
+                hot_fraction: 0.0,
+                ..TierConfig::default()
+            },
+        );
+        cache.fetch(1, &[7], &mut Vec::new()).unwrap();
+        let used = cache.stats().requests;
+        let keys: Vec<ExpertId> = (0..8)
+            .map(|e| ExpertId::from_indices(0, e))
+            .chain([ExpertId::from_indices(1, 7)])
+            .collect();
+        let queued = cache.warm(&keys);
+        assert_eq!(queued, keys[..4], "four more fit beside the one in RAM");
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while cache.loading(&queued) > 0 {
+            assert!(std::time::Instant::now() < until, "warming never ended");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let mut resident = cache.resident();
+        resident.sort_by_key(|k| (k.layer, k.expert));
+        let mut want = keys[..4].to_vec();
+        want.push(ExpertId::from_indices(1, 7));
+        assert_eq!(resident, want, "the used one is still there");
+        assert_eq!(cache.stats().requests, used);
+        assert_eq!(cache.usage()[0], vec![0; 8]);
+        assert!(
+            cache.warm(&keys).is_empty(),
+            "full: nothing more, nothing evicted"
+        );
+        assert_eq!(cache.resident().len(), 5);
     }
 
     /// Regression (issue 40, item 1): at a budget of one record, concurrent demand loads

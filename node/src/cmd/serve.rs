@@ -194,14 +194,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .name("stormo-warm".into())
             .spawn(move || {
                 let t = std::time::Instant::now();
-                match n.warm_cache() {
-                    Ok((count, bytes)) => eprintln!(
-                        "warmed the RAM cache: {count} experts ({}) in {:.1} s",
-                        crate::progress::human_bytes(bytes),
-                        t.elapsed().as_secs_f64()
-                    ),
-                    Err(e) => tracing::warn!("{e:#}; the cache fills as peers ask"),
-                }
+                let (count, bytes) = n.warm_cache();
+                eprintln!(
+                    "warmed the RAM cache: {count} experts ({}) in {:.1} s",
+                    crate::progress::human_bytes(bytes),
+                    t.elapsed().as_secs_f64()
+                );
             })
             .context("starting the warm-up thread")?;
     }
