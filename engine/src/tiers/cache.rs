@@ -1029,9 +1029,9 @@ mod tests {
             .collect();
         let queued = cache.warm(&keys);
         assert_eq!(queued, keys[..4], "four more fit beside the one in RAM");
-        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let until = Instant::now() + std::time::Duration::from_secs(10);
         while cache.loading(&queued) > 0 {
-            assert!(std::time::Instant::now() < until, "warming never ended");
+            assert!(Instant::now() < until, "warming never ended");
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
         let mut resident = cache.resident();
