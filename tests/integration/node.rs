@@ -673,29 +673,34 @@ fn warmed_line(p: &Proc) -> String {
     }
 }
 
-/// `serve --warm` reads every held expert into the RAM cache when the budget holds them all,
-/// and only as many as the budget holds when it does not (`--expert-cache 0`: one layer's
-/// top-k, 2 here); without `--listen` it is refused.
+/// A serving node reads every held expert into its RAM cache at start when the budget holds
+/// them all, and only as many as the budget holds when it does not (`--expert-cache 0`: one
+/// layer's top-k, 2 here); `--no-warm` turns it off.
 #[test]
-fn serve_warm_fills_the_ram_cache_up_to_its_budget() {
+fn serve_warms_the_ram_cache_up_to_its_budget() {
     let (m, _id) = model_with_manifest();
     let cases = [("auto", "8 experts"), ("0", "2 experts")];
+    let args = |st: &Path, budget: &str| -> Vec<String> {
+        [
+            "serve",
+            "--model",
+            s(m.path()),
+            "--listen",
+            "127.0.0.1:0",
+            "--allow-any",
+            "--state-dir",
+            s(st),
+            "--expert-cache",
+            budget,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
     for (budget, want) in cases {
         let st = state();
+        let a = args(st.path(), budget);
         let p = Proc::start_logging(
-            &[
-                "serve",
-                "--model",
-                s(m.path()),
-                "--listen",
-                "127.0.0.1:0",
-                "--allow-any",
-                "--state-dir",
-                s(st.path()),
-                "--expert-cache",
-                budget,
-                "--warm",
-            ],
+            &a.iter().map(String::as_str).collect::<Vec<_>>(),
             Some("warn"),
         );
         let line = warmed_line(&p);
@@ -705,18 +710,15 @@ fn serve_warm_fills_the_ram_cache_up_to_its_budget() {
         );
         assert!(p.terminate().success());
     }
-    let out = Command::new(stormo_exe())
-        .args([
-            "serve",
-            "--model",
-            s(m.path()),
-            "--http",
-            "127.0.0.1:0",
-            "--warm",
-        ])
-        .output()
-        .expect("run stormo");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--listen"), "{err}");
+    let st = state();
+    let mut a = args(st.path(), "auto");
+    a.push("--no-warm".into());
+    let p = Proc::start_logging(
+        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+        Some("warn"),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let err = p.stderr.lock().expect("stderr lock").clone();
+    assert!(!err.contains("warmed the RAM cache"), "{err}");
+    assert!(p.terminate().success());
 }

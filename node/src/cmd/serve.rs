@@ -92,11 +92,13 @@ pub struct Args {
     /// fair-wan`, docs/network.md).
     #[arg(long, value_enum, default_value_t = Congestion::default(), value_name = "ALGORITHM")]
     pub congestion: Congestion,
-    /// Read the experts this node holds into its RAM cache at start, in the background, as
-    /// many as --expert-cache holds, so that peers' first calls and fetches are answered from
-    /// RAM rather than the disk (logged when done). Without it the cache fills as peers ask.
-    #[arg(long, requires = "listen")]
-    pub warm: bool,
+    /// Do not read the experts this node holds into its RAM cache at start. By default a node
+    /// that listens does, in the background and at the lowest priority, into the cache's free
+    /// room (as many as --expert-cache holds, evicting nothing), so that peers' first calls
+    /// and fetches are answered from RAM rather than the disk; it prints a line when done.
+    /// With this the cache fills as peers ask.
+    #[arg(long)]
+    pub no_warm: bool,
     /// Where experts come from (one RAM cache over the local disk, kept experts and peers,
     /// shared by the peers served and the HTTP API).
     #[command(flatten)]
@@ -188,7 +190,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             println!("{key}@{reachable}");
         }
     }
-    if a.warm {
+    if a.listen.is_some() && !a.no_warm {
         let n = node.clone();
         std::thread::Builder::new()
             .name("stormo-warm".into())
