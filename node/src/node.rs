@@ -631,8 +631,9 @@ impl Node {
     /// Reads the experts this node holds (its disk and its kept experts; see
     /// [`Announce::held`]) into the free room of its RAM cache, layer by layer, in the
     /// background at prefetch priority, evicting nothing and counting no use
-    /// ([`stormo_engine::tiers::TieredExperts::warm`]), so that peers' first calls and fetches are answered from RAM,
-    /// not from the disk (`stormo serve --warm`). Blocks until those loads end: run it on a
+    /// ([`stormo_engine::tiers::TieredExperts::warm`]), so that peers' first calls and
+    /// fetches are answered from RAM, not from the disk (`stormo serve` does unless
+    /// `--no-warm`). Blocks until those loads end: run it on a
     /// thread of its own. Returns how many of the held experts are in RAM then, and their
     /// bytes; a node that serves nothing warms nothing.
     pub fn warm_cache(&self) -> (usize, u64) {

@@ -179,9 +179,10 @@ pub(crate) fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
 }
 
-/// `stormo serve --listen` on loopback admitting anyone, with `extra` options.
-fn serve(model: &Path, st: &Path, extra: &[&str]) -> Proc {
-    let mut args = vec![
+/// The arguments of `stormo serve --listen` on loopback admitting anyone, at an expert cache
+/// of `budget`.
+fn serve_args<'a>(model: &'a Path, st: &'a Path, budget: &'a str) -> Vec<&'a str> {
+    vec![
         "serve",
         "--model",
         s(model),
@@ -191,8 +192,13 @@ fn serve(model: &Path, st: &Path, extra: &[&str]) -> Proc {
         "--state-dir",
         s(st),
         "--expert-cache",
-        "0",
-    ];
+        budget,
+    ]
+}
+
+/// [`serve_args`] at the smallest budget, with `extra` options.
+fn serve(model: &Path, st: &Path, extra: &[&str]) -> Proc {
+    let mut args = serve_args(model, st, "0");
     args.extend_from_slice(extra);
     Proc::start(&args)
 }
@@ -680,29 +686,9 @@ fn warmed_line(p: &Proc) -> String {
 fn serve_warms_the_ram_cache_up_to_its_budget() {
     let (m, _id) = model_with_manifest();
     let cases = [("auto", "8 experts"), ("0", "2 experts")];
-    let args = |st: &Path, budget: &str| -> Vec<String> {
-        [
-            "serve",
-            "--model",
-            s(m.path()),
-            "--listen",
-            "127.0.0.1:0",
-            "--allow-any",
-            "--state-dir",
-            s(st),
-            "--expert-cache",
-            budget,
-        ]
-        .map(String::from)
-        .to_vec()
-    };
     for (budget, want) in cases {
         let st = state();
-        let a = args(st.path(), budget);
-        let p = Proc::start_logging(
-            &a.iter().map(String::as_str).collect::<Vec<_>>(),
-            Some("warn"),
-        );
+        let p = Proc::start_logging(&serve_args(m.path(), st.path(), budget), Some("warn"));
         let line = warmed_line(&p);
         assert!(
             line.starts_with(&format!("warmed the RAM cache: {want} (")),
@@ -711,12 +697,9 @@ fn serve_warms_the_ram_cache_up_to_its_budget() {
         assert!(p.terminate().success());
     }
     let st = state();
-    let mut a = args(st.path(), "auto");
-    a.push("--no-warm".into());
-    let p = Proc::start_logging(
-        &a.iter().map(String::as_str).collect::<Vec<_>>(),
-        Some("warn"),
-    );
+    let mut a = serve_args(m.path(), st.path(), "auto");
+    a.push("--no-warm");
+    let p = Proc::start_logging(&a, Some("warn"));
     std::thread::sleep(Duration::from_millis(500));
     let err = p.stderr.lock().expect("stderr lock").clone();
     assert!(!err.contains("warmed the RAM cache"), "{err}");

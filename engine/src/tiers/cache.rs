@@ -280,7 +280,7 @@ impl TieredExperts {
     /// Starts loading those of `keys` not in RAM, in order, in the background at prefetch
     /// priority, into the budget's free room only: nothing is evicted for them, they are not
     /// hot (the least recently used of all), and no request or usage count is added for them
-    /// (warming the cache at start: `stormo serve --warm`). Returns the keys queued.
+    /// (warming a serving node's cache at start). Returns the keys queued.
     pub fn warm(&self, keys: &[ExpertId]) -> Vec<ExpertId> {
         let mut g = self.shared.lock();
         let mut batch: Vec<Vec<ExpertId>> = Vec::new();
