@@ -337,6 +337,30 @@ pub fn other_holder_left<'a>(
     })
 }
 
+/// Whether a holder other than peer `running` could take over the rest of a stripe of `id`
+/// that fell behind: one that holds it by its inventory, is not avoided or unreachable, and
+/// has no fetch of this node's in flight. A busy holder is left alone: with several loads
+/// sharing the links (a prefill's), a finished stripe's rate says what its holder did before
+/// the next loads reached it, not what it would do for this one; moving then only throws away
+/// what the slow holder had on the wire and adds a request to a full one (measured: in
+/// `stormo sim --scenario stripe` the moves went back and forth and the holders answered
+/// busy). An idle holder is what a laggard's share moves to, as in BitTorrent's end game.
+pub fn idle_holder_left<'a>(
+    peers: impl IntoIterator<Item = (usize, &'a PeerView)>,
+    id: ExpertId,
+    running: usize,
+    now: Instant,
+) -> bool {
+    peers.into_iter().any(|(i, p)| {
+        i != running
+            && p.usable()
+            && p.holds(id)
+            && p.in_flight == 0
+            && !p.avoided(now)
+            && p.unreachable.is_none()
+    })
+}
+
 /// The earliest time a peer that may supply `id` and whose connection was lost may be dialled
 /// again (see [`PeerView::coming_back`]): a load with no other source waits until then for
 /// another round instead of failing. `None`: no such peer.
@@ -777,6 +801,39 @@ mod tests {
         let peers = vec![p];
         assert!(!other_holder_left(views(&peers), x, &HashSet::new(), t0));
         assert!(other_holder_left(views(&peers), x, &HashSet::new(), t0 + b));
+    }
+
+    /// A stripe that fell behind moves only to another holder that is idle: one with a
+    /// fetch of this node in flight, an offerer, a banned or an unreachable peer does not
+    /// count, nor does the stripe's own holder.
+    #[test]
+    fn a_laggard_moves_only_to_an_idle_holder() {
+        let t0 = Instant::now();
+        let x = id(1, 2);
+        let mut peers = vec![holding(&[x]), holding(&[x])];
+        assert!(idle_holder_left(views(&peers), x, 0, t0));
+        assert!(idle_holder_left(views(&peers), x, 1, t0));
+        peers[1].in_flight = 1;
+        assert!(!idle_holder_left(views(&peers), x, 0, t0), "busy");
+        assert!(idle_holder_left(views(&peers), x, 1, t0), "0 is idle");
+        peers[1].in_flight = 0;
+        assert!(
+            !idle_holder_left(views(&peers), id(1, 3), 0, t0),
+            "holds other"
+        );
+        let offering = PeerView {
+            inventory: Some(inv(&[])),
+            offer: Some(inv(&[x])),
+            ..PeerView::default()
+        };
+        let lone = vec![holding(&[x]), offering];
+        assert!(!idle_holder_left(views(&lone), x, 0, t0), "an offerer");
+        assert!(peers[1].ban("chunk 3 failed verification"));
+        assert!(!idle_holder_left(views(&peers), x, 0, t0), "banned");
+        let mut gone = holding(&[x]);
+        gone.unreachable = Some("connection refused".into());
+        let peers = vec![holding(&[x]), gone];
+        assert!(!idle_holder_left(views(&peers), x, 0, t0), "unreachable");
     }
 
     /// Near-equal expected times keep the set's order (round-trip noise decides nothing).

@@ -23,7 +23,8 @@
 //! going on to the others after a failure, resuming after its verified chunks), into its part
 //! of the buffer; the parts join back into the record without a copy once each verified. A
 //! stripe whose try falls far behind a finished one ([`policy::far_behind`]) is made to give
-//! up, and its rest goes to another holder. Striped loads are not hedged.
+//! up, and its rest goes to an idle holder ([`policy::idle_holder_left`]). Striped loads are
+//! not hedged.
 //! Keys are fetched in parallel, each on its own task. Prefetch loads are sent with the
 //! `Prefetch` priority. Every wait is bounded: the connect (handshake plus hello), each try's
 //! deadline (from when its request is sent; moved on only by verified chunks, never past the
@@ -2140,11 +2141,10 @@ impl Inner {
             let elsewhere = |i: usize| {
                 let peers = self.peers();
                 let views: Vec<_> = peers.iter().map(|p| p.state()).collect();
-                let tried: HashSet<usize> = [i].into();
-                policy::other_holder_left(
+                policy::idle_holder_left(
                     views.iter().enumerate().map(|(j, v)| (j, &**v)),
                     id,
-                    &tried,
+                    i,
                     now,
                 )
             };
