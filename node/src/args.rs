@@ -163,8 +163,9 @@ pub struct PeerArgs {
     /// always fetches. The output is the same bits either way.
     #[arg(long, default_value_t = RemoteExec::Auto, value_name = "auto|always|never")]
     pub remote_exec: RemoteExec,
-    /// The share of remote results also computed here and compared bit for bit (each peer's
-    /// first result always is); a peer whose result differs is not asked again this session.
+    /// The share of remote results also computed here and compared bit for bit (every call
+    /// sent to a peer before its first answer always is); a peer whose result differs is not
+    /// asked again this session.
     #[arg(long, default_value_t = 0.05, value_name = "FRACTION", value_parser = fraction_arg)]
     pub spot_check: f64,
     /// Hold each step back until its spot-checks end. By default `run` and `chat` use a
