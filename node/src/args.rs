@@ -172,8 +172,8 @@ pub struct PeerArgs {
     /// checked result at once and check it in the background (the expert fetched meanwhile),
     /// showing a token only once its checks agree, and on a disagreement generate again from
     /// the step that used the wrong result: the same tokens, without a slow link's fetch in
-    /// every checked token. `bench` defers its decoded tokens' checks too; `serve --http`
-    /// always checks inline.
+    /// every checked token. `serve --http` does the same for its batched requests (a client
+    /// is sent only checked tokens), and `bench` defers its decoded tokens' checks.
     #[arg(long)]
     pub spot_check_inline: bool,
 }

@@ -18,10 +18,22 @@
 //!
 //! A step that fails (an expert no tier could give) fails every request in it: their slots
 //! are reset (as `ChatSession` drops its cache on an error) and each client gets the error.
+//!
+//! Spot-checks of peers' answers (when the model's experts run on peers) do not hold a step
+//! back unless `--spot-check-inline` is given: each step's outputs (tokens, ends, errors) are
+//! held until the checks of that step and of every earlier one have ended, and only then
+//! sent, as `run` and the chat do ([`stormo_engine::generate::Checked`]). A check that
+//! disagrees rolls back every request that took part in its step or a later one: each slot
+//! goes back to its position before that step, each request to its sampler, history and ids
+//! then, and those steps are made again. A client only ever sees checked tokens; a request
+//! ends (and its slot is free again) once its last step is checked, and when nothing is left
+//! to compute the engine waits for the checks still running.
 
-use std::ops::ControlFlow;
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
+
+use stormo_engine::moe::Settled;
 
 use stormo_engine::model::{Seq, Want};
 use stormo_engine::sampling::{Sampler, SamplingError};
@@ -66,8 +78,17 @@ impl Slot {
 
 /// A request generating in a slot.
 struct Running {
+    /// The engine's id of the request (steps name their requests by it).
+    id: u64,
     slot: usize,
     job: Job,
+    /// How it ends, once a step decided so (the slot stays busy until that step is checked
+    /// and handed on: it can still be rolled back).
+    ending: Option<Result<FinishReason, String>>,
+    /// Its client left: it ends as cancelled whatever a rollback makes again.
+    gone: bool,
+    /// Seconds the engine waited for spot-checks while this request was running.
+    check_wait_s: f64,
     sampler: Sampler,
     /// Prompt and generated ids (the repetition penalty's history).
     history: Vec<TokenId>,
@@ -84,6 +105,32 @@ struct Running {
     first_token: Option<Instant>,
 }
 
+/// A request's state before a step, to go back to if that step is rolled back.
+struct Snapshot {
+    /// Its slot's position (and cached ids).
+    position: usize,
+    done: usize,
+    next: Option<TokenId>,
+    history: usize,
+    ids: usize,
+    sampler: Sampler,
+    ending: Option<Result<FinishReason, String>>,
+}
+
+/// What a step chose for one request: a token (with its log-probabilities, if asked) or an
+/// error.
+type Choice = Result<(TokenId, Option<TokenLogprobs>), String>;
+
+/// A step whose outputs wait for its spot-checks (and those of every earlier step).
+struct Held {
+    /// The executor's id of the step (0 when checks are not deferred).
+    step: u64,
+    /// The requests that took part (by id), each as it was before the step.
+    before: Vec<(u64, Snapshot)>,
+    /// What the step chose, in order, by request id.
+    chose: Vec<(u64, Choice)>,
+}
+
 /// The engine thread's state.
 pub(super) struct Engine {
     model: Arc<Model>,
@@ -91,6 +138,11 @@ pub(super) struct Engine {
     running: Vec<Running>,
     batch: Batch,
     metrics: Arc<Metrics>,
+    /// Whether spot-checks are deferred (the model's executor agreed to).
+    deferring: bool,
+    /// Steps not yet handed on, oldest first.
+    held: VecDeque<Held>,
+    next_id: u64,
 }
 
 impl Engine {
@@ -116,12 +168,16 @@ impl Engine {
                 })
             })
             .collect::<anyhow::Result<_>>()?;
+        let deferring = model.executor().is_some_and(|x| x.defer_checks(true));
         Ok(Self {
             model,
             slots,
             running: Vec::new(),
             batch: Batch::new(),
             metrics,
+            deferring,
+            held: VecDeque::new(),
+            next_id: 0,
         })
     }
 
@@ -186,8 +242,13 @@ impl Engine {
             && self.model.has_screened_head()
             && job.opts.sampling.is_plain_argmax();
         self.metrics.active.inc();
+        self.next_id += 1;
         self.running.push(Running {
+            id: self.next_id,
             slot,
+            ending: None,
+            gone: false,
+            check_wait_s: 0.0,
             history: job.prompt.clone(),
             job,
             sampler,
@@ -202,31 +263,52 @@ impl Engine {
         });
     }
 
-    /// One forward over every running request's next tokens, then each request's choice.
+    /// Whether request `id` took part in a step not yet handed on.
+    fn in_held(&self, id: u64) -> bool {
+        self.held.iter().any(|h| h.before.iter().any(|b| b.0 == id))
+    }
+
+    /// One forward over every running request's next tokens, then each request's choice,
+    /// held until its checks end ([`Self::settle`]). With nothing left to compute, waits for
+    /// the checks still running instead.
     fn step(&mut self) {
-        // Requests whose clients left stop here (their caches stay valid for reuse).
-        let mut i = 0;
-        while i < self.running.len() {
-            if self.running[i].job.events.is_closed() {
-                let r = self.running.swap_remove(i);
-                self.release(r, FinishReason::Cancelled);
-            } else {
-                i += 1;
+        // Requests whose clients left stop here (their caches stay valid for reuse); one with
+        // steps still held ends once they are handed on.
+        for r in &mut self.running {
+            if !r.gone && r.job.events.is_closed() {
+                r.gone = true;
+                r.ending = Some(Ok(FinishReason::Cancelled));
             }
         }
+        self.release_ended();
         if self.running.is_empty() {
+            return;
+        }
+        if self.running.iter().all(|r| r.ending.is_some()) {
+            // Every request has made its last step: wait for those steps' checks.
+            let t = Instant::now();
+            self.settle(true);
+            let waited = t.elapsed().as_secs_f64();
+            for r in &mut self.running {
+                r.check_wait_s += waited;
+            }
+            self.release_ended();
             return;
         }
         // Slot order: the batch's sequences are the slots, taken in order.
         self.running.sort_by_key(|r| r.slot);
-        let decoding = self.running.iter().any(|r| r.next.is_some());
+        let decoding = self
+            .running
+            .iter()
+            .any(|r| r.ending.is_none() && r.next.is_some());
         let block = self.slots[0].sess.max_step();
         let mut budget = if decoding {
             PREFILL_WHILE_DECODING.min(block)
         } else {
             block
         };
-        // Per running request: its tokens this step (empty: it waits for prompt budget).
+        // Per running request: its tokens this step (empty: it waits for prompt budget, or
+        // has ended).
         let mut inputs: Vec<(Vec<TokenId>, Want)> = Vec::with_capacity(self.running.len());
         for r in &self.running {
             let want = if r.screened {
@@ -234,6 +316,10 @@ impl Engine {
             } else {
                 Want::Logits
             };
+            if r.ending.is_some() {
+                inputs.push((Vec::new(), Want::Nothing));
+                continue;
+            }
             if let Some(tok) = r.next {
                 inputs.push((vec![tok], want));
                 continue;
@@ -248,6 +334,13 @@ impl Engine {
             };
             inputs.push((r.job.prompt[r.done..end].to_vec(), want));
         }
+        let before: Vec<(u64, Snapshot)> = self
+            .running
+            .iter()
+            .zip(&inputs)
+            .filter(|(_, (tokens, _))| !tokens.is_empty())
+            .map(|(r, _)| (r.id, self.snapshot(r)))
+            .collect();
         let mut seqs: Vec<Seq<'_>> = Vec::with_capacity(inputs.len());
         let mut at = 0;
         for (i, slot) in self.slots.iter_mut().enumerate() {
@@ -267,11 +360,18 @@ impl Engine {
         }
         self.metrics.steps.inc();
         self.metrics.step_sequences.inc_by(seqs.len() as u64);
+        let executor = self.model.executor().filter(|_| self.deferring).cloned();
+        let step = executor.as_ref().map_or(0, |x| x.begin_step());
         let res = self.model.forward_batch(&mut self.batch, &mut seqs);
         drop(seqs);
         if let Err(e) = res {
             let msg = e.to_string();
             tracing::warn!("HTTP engine step failed: {msg}");
+            // The held steps' requests fail with it: their checks no longer count.
+            if let (Some(x), Some(h)) = (&executor, self.held.front()) {
+                x.forget(h.step);
+            }
+            self.held.clear();
             for r in std::mem::take(&mut self.running) {
                 self.slots[r.slot].reset();
                 self.slots[r.slot].busy = false;
@@ -281,7 +381,7 @@ impl Engine {
             return;
         }
         let vocab = self.model.config().vocab_size;
-        let mut finished = Vec::new();
+        let mut chose = Vec::new();
         let mut j = 0;
         for (i, (tokens, want)) in inputs.iter().enumerate() {
             if tokens.is_empty() {
@@ -294,44 +394,210 @@ impl Engine {
                 r.done += tokens.len();
             }
             let out = match want {
-                Want::Nothing => Ok(None),
+                Want::Nothing => None,
                 Want::Greedy => {
                     let c = self
                         .batch
                         .choice(j, vocab)
                         .expect("a greedy choice was asked");
-                    if c.logit == f32::NEG_INFINITY {
+                    Some(if c.logit == f32::NEG_INFINITY {
                         Err(SamplingError::NoFiniteLogit.to_string())
                     } else {
-                        Ok(Some((c.token, None)))
-                    }
+                        Ok((c.token, None))
+                    })
                 }
                 Want::Logits => {
                     let logits = self.batch.logits(j, vocab).expect("logits were asked");
-                    match r.sampler.sample(logits, &r.history) {
-                        Ok(tok) => Ok(Some((
+                    Some(match r.sampler.sample(logits, &r.history) {
+                        Ok(tok) => Ok((
                             tok,
                             r.job.logprobs.map(|n| TokenLogprobs::of(logits, tok, n)),
-                        ))),
+                        )),
                         Err(e) => Err(e.to_string()),
-                    }
+                    })
                 }
             };
             j += 1;
             match out {
-                Ok(None) => {}
-                Ok(Some((tok, lp))) => {
-                    if let Some(reason) = self.took(i, tok, lp) {
-                        finished.push((i, Ok(reason)));
-                    }
+                None => {}
+                Some(Ok((tok, lp))) => {
+                    let ending = self.advance(i, tok).map(Ok);
+                    let r = &mut self.running[i];
+                    r.ending = ending;
+                    chose.push((r.id, Ok((tok, lp))));
                 }
-                Err(msg) => finished.push((i, Err(msg))),
+                Some(Err(msg)) => {
+                    r.ending = Some(Err(msg.clone()));
+                    chose.push((r.id, Err(msg)));
+                }
             }
         }
-        // Highest index first, so the indices of the others stay valid.
-        for (i, end) in finished.into_iter().rev() {
-            let r = self.running.swap_remove(i);
-            match end {
+        self.held.push_back(Held {
+            step,
+            before,
+            chose,
+        });
+        self.settle(false);
+        self.release_ended();
+    }
+
+    /// Request `r` as it is now, to go back to.
+    fn snapshot(&self, r: &Running) -> Snapshot {
+        Snapshot {
+            position: self.slots[r.slot].sess.position(),
+            done: r.done,
+            next: r.next,
+            history: r.history.len(),
+            ids: r.ids.len(),
+            sampler: r.sampler.clone(),
+            ending: r.ending.clone(),
+        }
+    }
+
+    /// Request `i` chose `tok` in a step: records it; returns how it ends, if it does (the
+    /// order of `ChatSession`'s checks: stop id, length, context full; a client that left is
+    /// found when the token is handed on).
+    fn advance(&mut self, i: usize, tok: TokenId) -> Option<FinishReason> {
+        let r = &mut self.running[i];
+        r.ids.push(tok);
+        r.history.push(tok);
+        let sess = &self.slots[r.slot].sess;
+        if r.job.opts.stop.contains(&tok) {
+            return Some(FinishReason::Stop);
+        }
+        if r.ids.len() >= r.job.opts.max_new_tokens.max(1) {
+            return Some(FinishReason::Length);
+        }
+        if sess.position() >= sess.max_context() {
+            return Some(FinishReason::ContextFull);
+        }
+        r.next = Some(tok);
+        None
+    }
+
+    /// Hands on the held steps whose checks have ended (all of them when checks are not
+    /// deferred; with `wait`, after waiting for the running ones), or rolls back from a step
+    /// whose check disagreed.
+    fn settle(&mut self, wait: bool) {
+        let Some(x) = self.model.executor().filter(|_| self.deferring).cloned() else {
+            while let Some(h) = self.held.pop_front() {
+                self.hand_on(h);
+            }
+            return;
+        };
+        match x.settle(wait) {
+            Settled::Clear => {
+                while let Some(h) = self.held.pop_front() {
+                    self.hand_on(h);
+                }
+            }
+            Settled::Pending(p) => {
+                while self.held.front().is_some_and(|h| h.step < p) {
+                    let h = self.held.pop_front().expect("a held step");
+                    self.hand_on(h);
+                }
+            }
+            Settled::Failed(f) => {
+                let Some(k) = self.held.iter().position(|h| h.step >= f) else {
+                    // Only steps whose checks all ended were handed on: cannot happen, and
+                    // nothing held is wrong if it does.
+                    tracing::warn!("a deferred check failed for step {f}, already handed on");
+                    x.forget(f);
+                    return;
+                };
+                let dropped: Vec<Held> = self.held.drain(k..).collect();
+                // From `f` on (the first dropped step is `f` itself unless a bug handed `f` on):
+                // a failure left standing would roll back again and again.
+                x.forget(f);
+                self.roll_back(dropped);
+            }
+        }
+    }
+
+    /// Steps `dropped` (oldest first) are undone: every request in them goes back to its state
+    /// before the first of them it took part in, its slot to that position.
+    fn roll_back(&mut self, dropped: Vec<Held>) {
+        tracing::warn!(
+            "a deferred spot-check disagreed: {} step(s) of the HTTP engine made again",
+            dropped.len()
+        );
+        let mut restored = std::collections::HashSet::new();
+        for h in dropped {
+            for (id, snap) in h.before {
+                if !restored.insert(id) {
+                    continue;
+                }
+                let Some(i) = self.running.iter().position(|r| r.id == id) else {
+                    continue;
+                };
+                let r = &mut self.running[i];
+                let slot = &mut self.slots[r.slot];
+                let kept = slot.sess.truncate(snap.position);
+                slot.cached.truncate(kept);
+                if kept != snap.position {
+                    // A slot keeps its whole context, so this does not happen; if it did, the
+                    // request could not be made again exactly.
+                    r.ending = Some(Err(format!(
+                        "a peer's wrong answer was found at position {}, and the request's \
+                         cache cannot go back there",
+                        snap.position
+                    )));
+                    slot.reset();
+                    continue;
+                }
+                r.done = snap.done;
+                r.next = snap.next;
+                r.history.truncate(snap.history);
+                r.ids.truncate(snap.ids);
+                r.sampler = snap.sampler;
+                r.ending = if r.gone {
+                    Some(Ok(FinishReason::Cancelled))
+                } else {
+                    snap.ending
+                };
+            }
+        }
+    }
+
+    /// Sends a checked step's tokens and errors to their clients.
+    fn hand_on(&mut self, h: Held) {
+        for (id, choice) in h.chose {
+            let Some(r) = self.running.iter_mut().find(|r| r.id == id) else {
+                continue;
+            };
+            let Ok((tok, lp)) = choice else {
+                // Its ending says the error; sent when it is released.
+                continue;
+            };
+            if r.gone {
+                continue;
+            }
+            if r.first_token.is_none() {
+                r.prefill_s = r.started.elapsed().as_secs_f64();
+                r.first_token = Some(Instant::now());
+            }
+            self.metrics.tokens.inc();
+            if r.job.events.send(Event::Token(tok, lp)).is_err() {
+                r.gone = true;
+                // `ChatSession`'s order: a stop id ends the request before a client that left.
+                if !matches!(r.ending, Some(Ok(FinishReason::Stop))) {
+                    r.ending = Some(Ok(FinishReason::Cancelled));
+                }
+            }
+        }
+    }
+
+    /// Ends the requests whose last step has been handed on.
+    fn release_ended(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &self.running[i];
+            if r.ending.is_none() || self.in_held(r.id) {
+                i += 1;
+                continue;
+            }
+            let mut r = self.running.swap_remove(i);
+            match r.ending.take().expect("an ending") {
                 Ok(reason) => self.release(r, reason),
                 Err(msg) => {
                     // As `ChatSession` on an error: the cache is dropped, never left inconsistent.
@@ -344,38 +610,6 @@ impl Engine {
         }
     }
 
-    /// Request `i` chose `tok`: tells its client; returns how it ends, if it does.
-    fn took(&mut self, i: usize, tok: TokenId, lp: Option<TokenLogprobs>) -> Option<FinishReason> {
-        let r = &mut self.running[i];
-        if r.first_token.is_none() {
-            r.prefill_s = r.started.elapsed().as_secs_f64();
-            r.first_token = Some(Instant::now());
-        }
-        r.ids.push(tok);
-        r.history.push(tok);
-        self.metrics.tokens.inc();
-        let flow = if r.job.events.send(Event::Token(tok, lp)).is_err() {
-            ControlFlow::Break(())
-        } else {
-            ControlFlow::Continue(())
-        };
-        let sess = &self.slots[r.slot].sess;
-        if r.job.opts.stop.contains(&tok) {
-            return Some(FinishReason::Stop);
-        }
-        if flow.is_break() {
-            return Some(FinishReason::Cancelled);
-        }
-        if r.ids.len() >= r.job.opts.max_new_tokens.max(1) {
-            return Some(FinishReason::Length);
-        }
-        if sess.position() >= sess.max_context() {
-            return Some(FinishReason::ContextFull);
-        }
-        r.next = Some(tok);
-        None
-    }
-
     /// Ends request `r` (its slot keeps its cache for the next request that shares it).
     fn release(&mut self, r: Running, finish: FinishReason) {
         self.slots[r.slot].busy = false;
@@ -386,8 +620,7 @@ impl Engine {
             finish,
             prefill_s: r.prefill_s,
             decode_s: r.first_token.map_or(0.0, |t| t.elapsed().as_secs_f64()),
-            // Batched serving checks inline.
-            check_wait_s: 0.0,
+            check_wait_s: r.check_wait_s,
             ids: r.ids,
         };
         // The place in the queue is given back before the client hears that the request is
@@ -412,6 +645,14 @@ impl Engine {
     }
 }
 
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if let Some(x) = self.model.executor().filter(|_| self.deferring) {
+            x.defer_checks(false);
+        }
+    }
+}
+
 /// Tells `job`'s client that it failed.
 fn fail(job: Job, msg: &str) {
     let Job {
@@ -424,6 +665,111 @@ fn fail(job: Job, msg: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::chat::session::GenerateOptions;
+    use stormo_engine::late_liar::LateLiar;
+    use stormo_engine::sampling::SamplingParams;
+
+    fn tiny() -> std::path::PathBuf {
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/gptoss-tiny-mxfp4")
+    }
+
+    /// What a client of a request saw: its tokens, and how it ended.
+    type Seen = (Vec<TokenId>, Result<Generation, String>);
+
+    /// Runs `jobs` (prompt, sampling, max new tokens) through an engine over `model` with
+    /// `parallel` slots, all submitted at once; what each client saw.
+    fn serve(
+        model: Model,
+        parallel: usize,
+        jobs: &[(Vec<TokenId>, SamplingParams, usize)],
+    ) -> Vec<Seen> {
+        let metrics = Arc::new(Metrics::new(Arc::new(|| None)));
+        let engine = Engine::new(Arc::new(model), 64, parallel, metrics.clone()).unwrap();
+        let pending = Arc::new(std::sync::atomic::AtomicUsize::new(jobs.len()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut clients = Vec::new();
+        for (prompt, sampling, n) in jobs {
+            let (events, seen) = tokio::sync::mpsc::unbounded_channel();
+            let job = Job {
+                prompt: prompt.clone(),
+                opts: GenerateOptions {
+                    max_new_tokens: *n,
+                    stop: Vec::new(),
+                    sampling: *sampling,
+                },
+                logprobs: None,
+                events,
+                _permit: super::super::Permit(pending.clone(), metrics.clone()),
+            };
+            tx.send(JobBox(job)).unwrap();
+            clients.push(seen);
+        }
+        drop(tx);
+        engine.run(rx);
+        clients
+            .into_iter()
+            .map(|mut seen| {
+                let mut ids = Vec::new();
+                loop {
+                    match seen.try_recv().expect("the request ended") {
+                        Event::Token(t, _) => ids.push(t),
+                        Event::Done(g) => return (ids, Ok(g)),
+                        Event::Failed(e) => return (ids, Err(e)),
+                    }
+                }
+            })
+            .collect()
+    }
+
+    /// With the experts run by a peer that lies about one expert and whose spot-checks end
+    /// two steps late, batched requests (greedy and sampled, two and three at once, the lie
+    /// starting in a prompt or in a decoded token) are made again from the lying step: every
+    /// client sees exactly the tokens of a server without the liar, never a wrong one, and the
+    /// ids it was told at the end. With the check never reported, the tokens differ (the test
+    /// can fail).
+    #[test]
+    fn a_lie_found_late_is_made_again_and_clients_see_only_checked_tokens() {
+        let sampled = SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            repetition_penalty: 1.1,
+            seed: 3,
+        };
+        let prompt = |k: u32, n: u32| (0..n).map(|i| (i * 37 + 5 * k) % 1000).collect::<Vec<_>>();
+        let jobs = vec![
+            (prompt(1, 9), SamplingParams::default(), 8),
+            (prompt(2, 5), sampled, 10),
+            (prompt(3, 12), SamplingParams::default(), 6),
+        ];
+        let load = || Model::load(&tiny(), &stormo_engine::LoadOptions::default()).unwrap();
+        for parallel in [2, 3] {
+            let want = serve(load(), parallel, &jobs);
+            for (ids, end) in &want {
+                assert_eq!(&end.as_ref().unwrap().ids, ids);
+            }
+            // A call in the first step (a prompt), and one well into the decoding.
+            for from in [0, 40] {
+                let liar = Arc::new(LateLiar::new(&tiny(), from, 2, true).unwrap());
+                let got = serve(load().with_executor(liar.clone()), parallel, &jobs);
+                assert!(liar.caught(), "parallel {parallel}, lie from call {from}");
+                for (k, ((ids, end), (want_ids, _))) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        ids, want_ids,
+                        "request {k}, parallel {parallel}, from {from}"
+                    );
+                    assert_eq!(&end.as_ref().unwrap().ids, want_ids);
+                }
+            }
+            // The control: the same lie never reported changes what the clients see.
+            let silent = Arc::new(LateLiar::new(&tiny(), 0, 2, false).unwrap());
+            let got = serve(load().with_executor(silent), parallel, &jobs);
+            assert_ne!(
+                got.iter().map(|g| &g.0).collect::<Vec<_>>(),
+                want.iter().map(|g| &g.0).collect::<Vec<_>>()
+            );
+        }
+    }
 
     #[test]
     fn the_default_parallel_fits_a_quarter_of_the_ram_between_1_and_4() {
