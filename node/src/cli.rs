@@ -180,6 +180,11 @@ pub enum Command {
     #[command(subcommand)]
     Key(cmd::key::Command),
     /// Measure prefill and decode speed beside the machine's memory, kernel and disk bounds.
+    ///
+    /// With --peer, the experts come from the peers (fetched, or computed there by remote
+    /// execution), then the same prompts and decode run again from the local disk at the same
+    /// RAM budget and both are printed side by side (`peer_vs_disk` in --json). A peer that
+    /// cannot be reached fails the run: the first run never falls back to the local experts.
     Bench(cmd::bench::Args),
     /// Write a checkpoint's experts as a flat store of 4 KiB-aligned records (one read each).
     Convert(cmd::convert::Args),

@@ -185,8 +185,12 @@ impl TieredExperts {
         let everything: u64 = sizes.iter().flatten().sum();
         // One request (a layer's top-k experts) must fit, or it could never be served whole:
         // a smaller budget is raised up front, with a warning, instead of failing loads later.
+        // A budget of 0 asks for exactly that smallest cache (as `--expert-cache` documents):
+        // no warning then.
         let least = (largest * top_k as u64).min(everything.max(largest));
-        if cfg.budget < least {
+        if cfg.budget == 0 {
+            tracing::debug!("expert cache budget 0: the smallest, {least} bytes");
+        } else if cfg.budget < least {
             tracing::warn!(
                 "expert cache budget of {} bytes is below one layer's top-{top_k} experts: \
                  raised to {least} bytes",

@@ -787,6 +787,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // disk when the folder holds the experts.
     let from_peers = !peers.peers.is_empty();
     let beside_disk = from_peers && !crate::net::pull::Pulled::dense_only(&a.model)?;
+    if from_peers && !beside_disk {
+        say(format!(
+            "{} holds no experts (pulled without them): measuring from peers only, with no \
+             local-disk run beside it",
+            a.model.display()
+        ));
+    }
     let load = LoadOptions {
         prefill_block: a.prefill_block,
         int8_attn_head: a.int8_attn_head,
@@ -1202,10 +1209,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             format!("{:.3} MFLOP", flops_tok / 1e6)
         }
     );
+    // The first run's lines say where its experts came from when a second run follows.
+    let from = if from_peers {
+        "; experts from peers"
+    } else {
+        ""
+    };
     for p in out["prefill"].as_array().expect("list") {
         println!(
-            "prefill {:>5} tok {:>8.2} tok/s = {:.1} GFLOP/s, {:.0}% of the peak",
-            p["tokens"],
+            "prefill {:>5} tok {:>8.2} tok/s = {:.1} GFLOP/s, {:.0}% of the peak{from}",
+            p["tokens"].as_u64().unwrap_or(0),
             p["tok_s"].as_f64().unwrap_or(0.0),
             p["gflop_s"].as_f64().unwrap_or(0.0),
             100.0 * p["fraction_of_peak"].as_f64().unwrap_or(0.0)
@@ -1225,7 +1238,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     println!(
-        "decode  {:>5} tok {:>8.2} tok/s = {:.0}% of the memory bound, {:.0}% of the kernel bound; disk {} per token",
+        "decode  {:>5} tok {:>8.2} tok/s = {:.0}% of the memory bound, {:.0}% of the kernel bound; disk {} per token{from}",
         a.decode_tokens,
         decode_tok_s,
         100.0 * decode_tok_s / bound,
@@ -1280,7 +1293,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     if let Some(f) = fetch_mb_s {
-        println!("peers            {f:.0} MB of experts per second waited for them");
+        println!(
+            "fetch            {f:.0} MB/s: MB of experts fetched from peers per second spent \
+             waiting for them (experts the peers computed are not fetched)"
+        );
     }
     println!("{experts_table}");
     if let Some(r) = peak_rss() {
