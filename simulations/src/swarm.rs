@@ -735,10 +735,11 @@ impl SwarmReport {
             ),
             l.loss * 100.0
         );
+        // `lost`: datagrams the relay dropped by the link's loss probability.
         let _ = writeln!(
             o,
-            "  {:<4} {:>10} {:>10} {:>8} {:>6} {:>6}  holds",
-            "node", "sent", "received", "served", "kills", "lost"
+            "  {:<4} {:>10} {:>10} {:>8} {:>6} {:>14}  holds",
+            "node", "sent", "received", "served", "kills", "datagrams lost"
         );
         for n in &self.nodes {
             let holds = if n.holds.len() > 40 {
@@ -748,7 +749,7 @@ impl SwarmReport {
             };
             let _ = writeln!(
                 o,
-                "  {:<4} {:>10} {:>10} {:>8} {:>6} {:>6}  {}",
+                "  {:<4} {:>10} {:>10} {:>8} {:>6} {:>14}  {}",
                 n.name,
                 mb(n.link.down_bytes),
                 mb(n.link.up_bytes),
