@@ -184,6 +184,17 @@ impl Sampler {
         &self.params
     }
 
+    /// The sampler as it is, without its scratch (refilled by every call): what going back
+    /// to this point needs, without copying two vocabulary-sized buffers.
+    pub fn checkpoint(&self) -> Self {
+        Self {
+            params: self.params,
+            rng: self.rng.clone(),
+            work: Vec::new(),
+            cand: Vec::new(),
+        }
+    }
+
     /// Chooses the next token from `logits` (one per vocabulary entry); `history` holds the
     /// tokens the repetition penalty applies to (Transformers uses prompt and output).
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Result<u32, SamplingError> {
@@ -338,6 +349,27 @@ mod tests {
 
     fn logits_of(probs: &[f64]) -> Vec<f32> {
         probs.iter().map(|p| p.ln() as f32).collect()
+    }
+
+    /// A checkpoint samples what the sampler would have from that point, however much
+    /// scratch the sampler had filled.
+    #[test]
+    fn a_checkpoint_continues_the_same_choices() {
+        let p = SamplingParams {
+            temperature: 0.9,
+            top_k: 5,
+            top_p: 0.9,
+            repetition_penalty: 1.2,
+            seed: 11,
+        };
+        let logits: Vec<f32> = (0..50).map(|i| ((i * 7) % 13) as f32 * 0.3).collect();
+        let mut s = Sampler::new(p).unwrap();
+        s.sample(&logits, &[1, 2]).unwrap();
+        let mut c = s.checkpoint();
+        let a: Vec<u32> = (0..20).map(|_| s.sample(&logits, &[3]).unwrap()).collect();
+        let b: Vec<u32> = (0..20).map(|_| c.sample(&logits, &[3]).unwrap()).collect();
+        assert_eq!(a, b);
+        assert!(a.iter().any(|&t| t != a[0]), "the draws vary: {a:?}");
     }
 
     /// Pins the generator: these values must never change (same seed, same tokens).

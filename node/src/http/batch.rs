@@ -125,7 +125,8 @@ type Choice = Result<(TokenId, Option<TokenLogprobs>), String>;
 struct Held {
     /// The executor's id of the step (0 when checks are not deferred).
     step: u64,
-    /// The requests that took part (by id), each as it was before the step.
+    /// The requests that took part (by id), each as it was before the step (none when
+    /// checks are not deferred: such a step is handed on at once and never rolled back).
     before: Vec<(u64, Snapshot)>,
     /// What the step chose, in order, by request id.
     chose: Vec<(u64, Choice)>,
@@ -334,13 +335,17 @@ impl Engine {
             };
             inputs.push((r.job.prompt[r.done..end].to_vec(), want));
         }
-        let before: Vec<(u64, Snapshot)> = self
-            .running
-            .iter()
-            .zip(&inputs)
-            .filter(|(_, (tokens, _))| !tokens.is_empty())
-            .map(|(r, _)| (r.id, self.snapshot(r)))
-            .collect();
+        // Only a step that may be rolled back needs what its requests were before it.
+        let before: Vec<(u64, Snapshot)> = if self.deferring {
+            self.running
+                .iter()
+                .zip(&inputs)
+                .filter(|(_, (tokens, _))| !tokens.is_empty())
+                .map(|(r, _)| (r.id, self.snapshot(r)))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let mut seqs: Vec<Seq<'_>> = Vec::with_capacity(inputs.len());
         let mut at = 0;
         for (i, slot) in self.slots.iter_mut().enumerate() {
@@ -449,7 +454,7 @@ impl Engine {
             next: r.next,
             history: r.history.len(),
             ids: r.ids.len(),
-            sampler: r.sampler.clone(),
+            sampler: r.sampler.checkpoint(),
             ending: r.ending.clone(),
         }
     }
