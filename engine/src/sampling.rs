@@ -149,8 +149,9 @@ impl Rng {
     }
 }
 
-/// Picks tokens; keeps its generator and scratch between calls.
-#[derive(Debug, Clone)]
+/// Picks tokens; keeps its generator and scratch between calls. A clone is a
+/// [`Sampler::checkpoint`]: the same choices from then on, without the scratch.
+#[derive(Debug)]
 pub struct Sampler {
     params: SamplingParams,
     rng: Rng,
@@ -158,6 +159,12 @@ pub struct Sampler {
     work: Vec<f32>,
     /// (logit, id) candidates for top-k / top-p.
     cand: Vec<(f32, u32)>,
+}
+
+impl Clone for Sampler {
+    fn clone(&self) -> Self {
+        self.checkpoint()
+    }
 }
 
 /// Largest first, lower id first on ties; NaN was mapped to -inf before.
