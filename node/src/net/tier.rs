@@ -667,7 +667,18 @@ async fn connect(
         .map_err(|e| {
             // Either side refusing the other's key ends the connection with this reason, in
             // the handshake or (TLS 1.3: the server checks the client last) at the first read.
-            if format!("{e:#}").contains("ApplicationVerificationFailure") {
+            let text = format!("{e:#}");
+            let refused = text.contains("ApplicationVerificationFailure");
+            if refused && text.contains("aborted by peer") {
+                // The peer closed the connection over this node's certificate.
+                e.context(
+                    "a key was refused: the peer does not admit this node's key (not on its \
+                     --allow list, and it does not serve with --allow-any)",
+                )
+            } else if refused && text.contains("invalid peer certificate") {
+                // This side refused the peer's certificate: its key is another node's.
+                e.context("a key was refused: the peer's key is not the NODE given in NODE@ADDR")
+            } else if refused {
                 e.context(
                     "a key was refused (the peer's must be the NODE given in NODE@ADDR, and \
                      this node's must be on the peer's --allow list unless it serves with \
