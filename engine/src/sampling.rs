@@ -149,8 +149,7 @@ impl Rng {
     }
 }
 
-/// Picks tokens; keeps its generator and scratch between calls. A clone is a
-/// [`Sampler::checkpoint`]: the same choices from then on, without the scratch.
+/// Picks tokens; keeps its generator and scratch between calls.
 #[derive(Debug)]
 pub struct Sampler {
     params: SamplingParams,
@@ -161,9 +160,17 @@ pub struct Sampler {
     cand: Vec<(f32, u32)>,
 }
 
+/// A clone makes the same choices from then on, without the scratch (refilled by every
+/// call): generations that can roll back clone their sampler at every step, and the scratch
+/// is two vocabulary-sized buffers.
 impl Clone for Sampler {
     fn clone(&self) -> Self {
-        self.checkpoint()
+        Self {
+            params: self.params,
+            rng: self.rng.clone(),
+            work: Vec::new(),
+            cand: Vec::new(),
+        }
     }
 }
 
@@ -189,17 +196,6 @@ impl Sampler {
     /// The settings.
     pub fn params(&self) -> &SamplingParams {
         &self.params
-    }
-
-    /// The sampler as it is, without its scratch (refilled by every call): what going back
-    /// to this point needs, without copying two vocabulary-sized buffers.
-    pub fn checkpoint(&self) -> Self {
-        Self {
-            params: self.params,
-            rng: self.rng.clone(),
-            work: Vec::new(),
-            cand: Vec::new(),
-        }
     }
 
     /// Chooses the next token from `logits` (one per vocabulary entry); `history` holds the
@@ -358,10 +354,10 @@ mod tests {
         probs.iter().map(|p| p.ln() as f32).collect()
     }
 
-    /// A checkpoint samples what the sampler would have from that point, however much
-    /// scratch the sampler had filled.
+    /// A clone samples what the sampler would have from that point, however much scratch
+    /// the sampler had filled.
     #[test]
-    fn a_checkpoint_continues_the_same_choices() {
+    fn a_clone_continues_the_same_choices() {
         let p = SamplingParams {
             temperature: 0.9,
             top_k: 5,
@@ -372,7 +368,7 @@ mod tests {
         let logits: Vec<f32> = (0..50).map(|i| ((i * 7) % 13) as f32 * 0.3).collect();
         let mut s = Sampler::new(p).unwrap();
         s.sample(&logits, &[1, 2]).unwrap();
-        let mut c = s.checkpoint();
+        let mut c = s.clone();
         let a: Vec<u32> = (0..20).map(|_| s.sample(&logits, &[3]).unwrap()).collect();
         let b: Vec<u32> = (0..20).map(|_| c.sample(&logits, &[3]).unwrap()).collect();
         assert_eq!(a, b);

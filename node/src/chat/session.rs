@@ -315,7 +315,7 @@ impl ChatSession {
         // disagreed is made again (its token never shown).
         let mut checked = Checked::new(&model, kept);
         let deferring = checked.deferring();
-        let before = deferring.then(|| sampler.checkpoint());
+        let before = deferring.then(|| sampler.clone());
         let id = checked.begin();
         let (mut tok, mut lp) = step(&mut self.sess, rest, &history, sampler)?;
         self.cached.extend_from_slice(rest);
@@ -377,7 +377,7 @@ impl ChatSession {
                             break FinishReason::Cancelled;
                         }
                         let input = history[kept..].to_vec();
-                        let before = sampler.checkpoint();
+                        let before = sampler.clone();
                         let step_id = checked.begin();
                         (tok, lp) = step(&mut self.sess, &input, &history, sampler)?;
                         self.cached.extend_from_slice(&input);
@@ -394,7 +394,7 @@ impl ChatSession {
                 break f;
             }
             let start = self.sess.position();
-            let before = deferring.then(|| sampler.checkpoint());
+            let before = deferring.then(|| sampler.clone());
             let step_id = checked.begin();
             let (next, next_lp) = step(&mut self.sess, &[tok], &history, sampler)?;
             self.cached.push(tok);

@@ -33,9 +33,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use stormo_engine::moe::Settled;
-
 use stormo_engine::model::{Seq, Want};
+use stormo_engine::moe::{ExpertExecutor, Settled};
 use stormo_engine::sampling::{Sampler, SamplingError};
 use stormo_engine::{Batch, Model, Session};
 
@@ -105,7 +104,8 @@ struct Running {
     first_token: Option<Instant>,
 }
 
-/// A request's state before a step, to go back to if that step is rolled back.
+/// A request's state before a step, to go back to if that step is rolled back (it had not
+/// ended then: an ended request takes no part in steps).
 struct Snapshot {
     /// Its slot's position (and cached ids).
     position: usize,
@@ -114,12 +114,7 @@ struct Snapshot {
     history: usize,
     ids: usize,
     sampler: Sampler,
-    ending: Option<Result<FinishReason, String>>,
 }
-
-/// What a step chose for one request: a token (with its log-probabilities, if asked) or an
-/// error.
-type Choice = Result<(TokenId, Option<TokenLogprobs>), String>;
 
 /// A step whose outputs wait for its spot-checks (and those of every earlier step).
 struct Held {
@@ -128,8 +123,9 @@ struct Held {
     /// The requests that took part (by id), each as it was before the step (none when
     /// checks are not deferred: such a step is handed on at once and never rolled back).
     before: Vec<(u64, Snapshot)>,
-    /// What the step chose, in order, by request id.
-    chose: Vec<(u64, Choice)>,
+    /// The tokens the step chose (with their log-probabilities, if asked), in order, by
+    /// request id. A request whose choice failed ended with the error.
+    chose: Vec<(u64, TokenId, Option<TokenLogprobs>)>,
 }
 
 /// The engine thread's state.
@@ -264,6 +260,11 @@ impl Engine {
         });
     }
 
+    /// The model's executor, when its spot-checks are deferred.
+    fn deferred(&self) -> Option<Arc<dyn ExpertExecutor>> {
+        self.model.executor().filter(|_| self.deferring).cloned()
+    }
+
     /// Whether request `id` took part in a step not yet handed on.
     fn in_held(&self, id: u64) -> bool {
         self.held.iter().any(|h| h.before.iter().any(|b| b.0 == id))
@@ -346,6 +347,8 @@ impl Engine {
         } else {
             Vec::new()
         };
+        let executor = self.deferred();
+        let step = executor.as_ref().map_or(0, |x| x.begin_step());
         let mut seqs: Vec<Seq<'_>> = Vec::with_capacity(inputs.len());
         let mut at = 0;
         for (i, slot) in self.slots.iter_mut().enumerate() {
@@ -365,16 +368,15 @@ impl Engine {
         }
         self.metrics.steps.inc();
         self.metrics.step_sequences.inc_by(seqs.len() as u64);
-        let executor = self.model.executor().filter(|_| self.deferring).cloned();
-        let step = executor.as_ref().map_or(0, |x| x.begin_step());
         let res = self.model.forward_batch(&mut self.batch, &mut seqs);
         drop(seqs);
         if let Err(e) = res {
             let msg = e.to_string();
             tracing::warn!("HTTP engine step failed: {msg}");
-            // The held steps' requests fail with it: their checks no longer count.
-            if let (Some(x), Some(h)) = (&executor, self.held.front()) {
-                x.forget(h.step);
+            // The held steps' requests fail with it, and so does this step: their checks no
+            // longer count.
+            if let Some(x) = &executor {
+                x.forget(self.held.front().map_or(step, |h| h.step));
             }
             self.held.clear();
             for r in std::mem::take(&mut self.running) {
@@ -429,12 +431,9 @@ impl Engine {
                     let ending = self.advance(i, tok).map(Ok);
                     let r = &mut self.running[i];
                     r.ending = ending;
-                    chose.push((r.id, Ok((tok, lp))));
+                    chose.push((r.id, tok, lp));
                 }
-                Some(Err(msg)) => {
-                    r.ending = Some(Err(msg.clone()));
-                    chose.push((r.id, Err(msg)));
-                }
+                Some(Err(msg)) => r.ending = Some(Err(msg)),
             }
         }
         self.held.push_back(Held {
@@ -454,8 +453,7 @@ impl Engine {
             next: r.next,
             history: r.history.len(),
             ids: r.ids.len(),
-            sampler: r.sampler.checkpoint(),
-            ending: r.ending.clone(),
+            sampler: r.sampler.clone(),
         }
     }
 
@@ -484,13 +482,8 @@ impl Engine {
     /// deferred; with `wait`, after waiting for the running ones), or rolls back from a step
     /// whose check disagreed.
     fn settle(&mut self, wait: bool) {
-        let Some(x) = self.model.executor().filter(|_| self.deferring).cloned() else {
-            while let Some(h) = self.held.pop_front() {
-                self.hand_on(h);
-            }
-            return;
-        };
-        match x.settle(wait) {
+        let x = self.deferred();
+        match x.as_ref().map_or(Settled::Clear, |x| x.settle(wait)) {
             Settled::Clear => {
                 while let Some(h) = self.held.pop_front() {
                     self.hand_on(h);
@@ -503,6 +496,7 @@ impl Engine {
                 }
             }
             Settled::Failed(f) => {
+                let x = x.expect("only an executor's checks fail");
                 let Some(k) = self.held.iter().position(|h| h.step >= f) else {
                     // Only steps whose checks all ended were handed on: cannot happen, and
                     // nothing held is wrong if it does.
@@ -555,28 +549,18 @@ impl Engine {
                 r.history.truncate(snap.history);
                 r.ids.truncate(snap.ids);
                 r.sampler = snap.sampler;
-                r.ending = if r.gone {
-                    Some(Ok(FinishReason::Cancelled))
-                } else {
-                    snap.ending
-                };
+                r.ending = r.gone.then_some(Ok(FinishReason::Cancelled));
             }
         }
     }
 
-    /// Sends a checked step's tokens and errors to their clients.
+    /// Sends a checked step's tokens to their clients (its errors and ends go with the
+    /// requests' release, [`Self::release_ended`]).
     fn hand_on(&mut self, h: Held) {
-        for (id, choice) in h.chose {
-            let Some(r) = self.running.iter_mut().find(|r| r.id == id) else {
+        for (id, tok, lp) in h.chose {
+            let Some(r) = self.running.iter_mut().find(|r| r.id == id && !r.gone) else {
                 continue;
             };
-            let Ok((tok, lp)) = choice else {
-                // Its ending says the error; sent when it is released.
-                continue;
-            };
-            if r.gone {
-                continue;
-            }
             if r.first_token.is_none() {
                 r.prefill_s = r.started.elapsed().as_secs_f64();
                 r.first_token = Some(Instant::now());
@@ -652,7 +636,7 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        if let Some(x) = self.model.executor().filter(|_| self.deferring) {
+        if let Some(x) = self.deferred() {
             x.defer_checks(false);
         }
     }
