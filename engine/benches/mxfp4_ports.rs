@@ -1,5 +1,5 @@
 //! What bounds the AVX-512 MXFP4 decode kernel on a core: the instruction mix of one block
-//! (32 weights, one position) in three data layouts, timed alone on one thread over 16 KiB of
+//! (32 weights, one position) in four decodes, timed alone on one thread over 16 KiB of
 //! weights (in L1, so memory plays no part):
 //!
 //! - `published`: today's kernel (`decode` in `engine/src/kernels/avx512.rs`): per
@@ -10,6 +10,13 @@
 //!   repacking at load time, not built): four loads at byte offsets 0 to 3 put the low
 //!   nibbles in place with no shift, one immediate shift by 4 per load gives the high
 //!   nibbles; per block one shift, two lookups, two multiply-adds;
+//! - `words`: today's layout with one 32-word lookup per block (not built): the block
+//!   broadcast to the four 128-bit lanes, one `vpsrlvd` (128-bit lane `L` shifted by `4L`),
+//!   one `vpermw` (AVX-512 BW) into 32 bf16 values (every scaled FP4 value is exact in bf16),
+//!   then `vpslld` by 16 and `vpandd` widen the even and the odd words to two f32 vectors; per
+//!   block three shift or permute operations and one logical one where today's kernel has
+//!   four. It pairs element `e` with `e + 4` in a lane, not `e + 16`, so building it would
+//!   change the canonical order of every ISA (`scalar::MXFP4_LANE`);
 //! - `no-shift`: the lookups and multiply-adds alone, the bound of any layout of 4-bit codes
 //!   that still needs one lookup per 16 weights.
 //!
@@ -37,6 +44,7 @@ fn main() {
             for (name, f) in [
                 ("published", x86::published as unsafe fn(&[u8]) -> f32),
                 ("interleaved", x86::interleaved),
+                ("words", x86::words),
                 ("no-shift", x86::no_shift),
             ] {
                 let t = Instant::now();
@@ -105,6 +113,33 @@ mod x86 {
                     let w1 = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), table);
                     *a = _mm512_fmadd_ps(w1, x, _mm512_fmadd_ps(w0, x, *a));
                 }
+            }
+        }
+        sum(acc)
+    }
+
+    /// Today's layout, one 32-word lookup per block: the block broadcast to the four 128-bit
+    /// lanes, one `vpsrlvd` (lane `L` shifted by `4L`), one `vpermw` into 32 bf16 values, then
+    /// `vpslld` by 16 (even words) and `vpandd` (odd words) widen them to two f32 vectors.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn words(b: &[u8]) -> f32 {
+        let table = _mm512_set1_epi16(0x3f80);
+        let shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+        let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
+        let x = _mm512_set1_ps(0.5);
+        let mut acc = [_mm512_setzero_ps(); ROWS];
+        let blocks = (b.len() - 64) / 16 - ROWS;
+        let p = b.as_ptr();
+        for i in 0..super::BLOCKS / ROWS {
+            let blk = i % blocks;
+            for (k, a) in acc.iter_mut().enumerate() {
+                // SAFETY: blocks `blk + k < blocks + ROWS` lie within `b`.
+                let q = unsafe { p.add(16 * (blk + k)) };
+                let v = unsafe { _mm512_broadcast_i32x4(_mm_loadu_si128(q as *const __m128i)) };
+                let w = _mm512_permutexvar_epi16(_mm512_srlv_epi32(v, shifts), table);
+                let w0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w));
+                let w1 = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+                *a = _mm512_fmadd_ps(w1, x, _mm512_fmadd_ps(w0, x, *a));
             }
         }
         sum(acc)

@@ -372,6 +372,10 @@ pub(super) const MXFP4_POSITIONS: usize = 32;
 const CHUNK_ROWS: usize = 16;
 /// Rows whose accumulators [`mxfp4_block`] keeps at once (the largest prefill tile).
 const MAX_ROWS: usize = 64;
+/// Accumulator registers [`mxfp4_block`] keeps per group of rows (16 KiB): fewer rows per
+/// group as positions grow, so the accumulators a slab walks stay in L1 beside the slab and
+/// the inputs (as the AVX-512 ISA's `ACC_VECTORS`).
+const ACC_VECTORS: usize = 512;
 /// Blocks per slab in [`mxfp4_block`]: one cache line of each row's weights, 512 bytes of
 /// inputs per position, so the decoded slab (8 KiB) and the inputs it meets stay in L1.
 const SLAB: usize = 4;
@@ -434,7 +438,7 @@ thread_local! {
 }
 
 /// [`mxfp4_rows`] for `2 <= p <= MXFP4_POSITIONS` positions: groups of up to [`MAX_ROWS`]
-/// rows, walked in slabs of [`SLAB`] blocks. For each slab, chunk after chunk of [`CHUNK_ROWS`]
+/// rows (fewer as positions grow: [`ACC_VECTORS`]), walked in slabs of [`SLAB`] blocks. For each slab, chunk after chunk of [`CHUNK_ROWS`]
 /// rows is decoded once into an L1 buffer, then tiles of 3 (or 2) rows x 2 positions multiply
 /// it ([`mxfp4_tile`]: twelve accumulator registers, each input vector loaded once for the
 /// tile's rows, each weight vector once for two positions). The accumulators of the group's (row,
@@ -462,15 +466,15 @@ unsafe fn mxfp4_block(
     let c = Fp4Consts::new();
     let mut scratch = BLOCK_SCRATCH.take();
     scratch.resize(SCRATCH, _mm256_setzero_ps());
-    // The accumulators of every row of a group of up to MAX_ROWS rows, so each slab of inputs,
-    // once in L1, meets all the group's rows before the next slab.
-    let stride = MXFP4_POSITIONS * 2;
-    let (acc, slab) = scratch.split_at_mut(MAX_ROWS * stride);
-    for g0 in (0..n).step_by(MAX_ROWS) {
-        let g = MAX_ROWS.min(n - g0);
-        for a in acc[..g * stride].chunks_exact_mut(stride) {
-            a[..2 * p].fill(_mm256_setzero_ps());
-        }
+    // The accumulators of every row of a group of rows, packed `p` positions apart, so each
+    // slab of inputs, once in L1, meets all the group's rows before the next slab; as many rows
+    // as keep them within [`ACC_VECTORS`].
+    let stride = 2 * p;
+    let rows = (ACC_VECTORS / stride).clamp(4, MAX_ROWS);
+    let (acc, slab) = scratch.split_at_mut(MAX_ROWS * MXFP4_POSITIONS * 2);
+    for g0 in (0..n).step_by(rows) {
+        let g = rows.min(n - g0);
+        acc[..g * stride].fill(_mm256_setzero_ps());
         for b0 in (0..nb).step_by(SLAB) {
             let k = SLAB.min(nb - b0);
             for c0 in (0..g).step_by(CHUNK_ROWS) {
@@ -511,12 +515,12 @@ unsafe fn mxfp4_block(
                             let a = acc.as_mut_ptr().add((c0 + i) * stride + 2 * q);
                             let slab = slab.as_ptr();
                             match (r, (p - q).min(2)) {
-                                (3, 2) => mxfp4_tile::<3, 2>(slab, i, x, cols, k, a),
-                                (3, _) => mxfp4_tile::<3, 1>(slab, i, x, cols, k, a),
-                                (2, 2) => mxfp4_tile::<2, 2>(slab, i, x, cols, k, a),
-                                (2, _) => mxfp4_tile::<2, 1>(slab, i, x, cols, k, a),
-                                (_, 2) => mxfp4_tile::<1, 2>(slab, i, x, cols, k, a),
-                                (_, _) => mxfp4_tile::<1, 1>(slab, i, x, cols, k, a),
+                                (3, 2) => mxfp4_tile::<3, 2>(slab, i, x, cols, k, a, p),
+                                (3, _) => mxfp4_tile::<3, 1>(slab, i, x, cols, k, a, p),
+                                (2, 2) => mxfp4_tile::<2, 2>(slab, i, x, cols, k, a, p),
+                                (2, _) => mxfp4_tile::<2, 1>(slab, i, x, cols, k, a, p),
+                                (_, 2) => mxfp4_tile::<1, 2>(slab, i, x, cols, k, a, p),
+                                (_, _) => mxfp4_tile::<1, 1>(slab, i, x, cols, k, a, p),
                             }
                         }
                         q += 2;
@@ -537,8 +541,7 @@ unsafe fn mxfp4_block(
 /// Adds `k` decoded blocks of slab rows `i .. i + R` (`slab`: block `blk` of row `i` is the four
 /// vectors at `slab + (i * SLAB + blk) * 4`) times `Q` positions (`x`: the slab's first input of
 /// the first position, positions `cols` apart) to the accumulators at `acc` (row `r`, position
-/// `q`: the pair of registers at `acc + 2 * (r * MXFP4_POSITIONS + q)`), by [`mxfp4_dot`]'s
-/// arithmetic.
+/// `q`: the pair of registers at `acc + 2 * (r * p + q)`), by [`mxfp4_dot`]'s arithmetic.
 ///
 /// # Safety
 /// The CPU supports the ISA; `x` points to `Q` positions of `32 * k` readable f32, `cols`
@@ -552,10 +555,11 @@ unsafe fn mxfp4_tile<const R: usize, const Q: usize>(
     cols: usize,
     k: usize,
     acc: *mut __m256,
+    p: usize,
 ) {
     // SAFETY (whole body): the bounds above (caller).
     unsafe {
-        let at = |r: usize, q: usize, h: usize| acc.add(2 * (r * MXFP4_POSITIONS + q) + h);
+        let at = |r: usize, q: usize, h: usize| acc.add(2 * (r * p + q) + h);
         let mut a: [[[__m256; 2]; Q]; R] =
             std::array::from_fn(|r| std::array::from_fn(|q| [*at(r, q, 0), *at(r, q, 1)]));
         for blk in 0..k {

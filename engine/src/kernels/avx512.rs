@@ -390,10 +390,17 @@ unsafe fn mxfp4_rows(
 pub(super) const POSITIONS: usize = 32;
 /// Rows [`mxfp4_block`] decodes at once.
 const CHUNK_ROWS: usize = 16;
-/// Rows whose accumulators [`mxfp4_block`] keeps at once: half the AVX2 ISA's 64, since each
-/// accumulator is twice the size (the scratch stays at 72 KiB); a 64-row prefill tile thus
-/// meets each slab of inputs twice. Not measured (no AVX-512 here).
+/// Most rows whose accumulators [`mxfp4_block`] keeps at once (at up to 8 positions; fewer
+/// beyond, [`ACC_VECTORS`]): half the AVX2 ISA's 64, since each accumulator is twice the size.
 const MAX_ROWS: usize = 32;
+/// Accumulator vectors [`mxfp4_block`] keeps per group of rows (16 KiB, half of Zen 4's L1
+/// data cache): fewer rows per group as positions grow (32 rows at 8 positions, 8 at 32), so
+/// that the accumulators a slab walks stay in L1 beside the slab and the inputs; rows are
+/// packed `p` positions apart. On the Xeon (family 6, model 207), against 32 rows at every
+/// count with rows `POSITIONS` apart, three alternations of `cargo bench -p stormo-engine
+/// --bench kernel_min -- mxfp4 P 40 avx512`: 9-13% faster at 32 positions, -2 to +6% at 8 and
+/// 16; Zen 4 not measured.
+const ACC_VECTORS: usize = 256;
 /// Blocks per slab in [`mxfp4_block`]: one cache line of each row's weights, 512 bytes of
 /// inputs per position; the decoded slab is 8 KiB.
 const SLAB: usize = 4;
@@ -534,7 +541,8 @@ thread_local! {
 }
 
 /// [`mxfp4_rows`] for `2 <= p <= POSITIONS` positions, as the AVX2 ISA's prefill kernel:
-/// groups of up to [`MAX_ROWS`] rows walked in slabs of [`SLAB`] blocks; for each slab, chunk
+/// groups of up to [`MAX_ROWS`] rows (fewer as positions grow: [`ACC_VECTORS`]) walked in slabs
+/// of [`SLAB`] blocks; for each slab, chunk
 /// after chunk of [`CHUNK_ROWS`] rows is decoded once into an L1 buffer, then tiles of 4 rows
 /// x 4 positions multiply it ([`tile`]: sixteen accumulators in registers, each input vector
 /// loaded once for four rows, each weight vector once for four positions). The group's
@@ -562,11 +570,11 @@ unsafe fn mxfp4_block(
     let mut scratch = BLOCK_SCRATCH.take();
     scratch.resize(SCRATCH, _mm512_setzero_ps());
     let (acc, slab) = scratch.split_at_mut(MAX_ROWS * POSITIONS);
-    for g0 in (0..n).step_by(MAX_ROWS) {
-        let g = MAX_ROWS.min(n - g0);
-        for a in acc[..g * POSITIONS].chunks_exact_mut(POSITIONS) {
-            a[..p].fill(_mm512_setzero_ps());
-        }
+    // Rows per group: as many as keep the group's accumulators within [`ACC_VECTORS`].
+    let rows = (ACC_VECTORS / p / 4 * 4).clamp(4, MAX_ROWS);
+    for g0 in (0..n).step_by(rows) {
+        let g = rows.min(n - g0);
+        acc[..g * p].fill(_mm512_setzero_ps());
         for b0 in (0..nb).step_by(SLAB) {
             let k = SLAB.min(nb - b0);
             for c0 in (0..g).step_by(CHUNK_ROWS) {
@@ -594,15 +602,15 @@ unsafe fn mxfp4_block(
                         // `i .. i + r <= m` and accumulator rows `c0 + i + r <= g <= MAX_ROWS`.
                         unsafe {
                             let x = xs.as_ptr().add(q * cols + 32 * b0);
-                            let a = acc.as_mut_ptr().add((c0 + i) * POSITIONS + q);
+                            let a = acc.as_mut_ptr().add((c0 + i) * p + q);
                             let slab = slab.as_ptr();
                             macro_rules! go {
                                 ($r:literal) => {
                                     match (p - q).min(4) {
-                                        4 => tile::<$r, 4>(slab, i, x, cols, k, a),
-                                        3 => tile::<$r, 3>(slab, i, x, cols, k, a),
-                                        2 => tile::<$r, 2>(slab, i, x, cols, k, a),
-                                        _ => tile::<$r, 1>(slab, i, x, cols, k, a),
+                                        4 => tile::<$r, 4>(slab, i, x, cols, k, a, p),
+                                        3 => tile::<$r, 3>(slab, i, x, cols, k, a, p),
+                                        2 => tile::<$r, 2>(slab, i, x, cols, k, a, p),
+                                        _ => tile::<$r, 1>(slab, i, x, cols, k, a, p),
                                     }
                                 };
                             }
@@ -619,8 +627,8 @@ unsafe fn mxfp4_block(
                 }
             }
         }
-        for (i, a) in acc[..g * POSITIONS].chunks_exact(POSITIONS).enumerate() {
-            for (q, v) in a[..p].iter().enumerate() {
+        for (i, a) in acc[..g * p].chunks_exact(p).enumerate() {
+            for (q, v) in a.iter().enumerate() {
                 out[q * n + g0 + i] = hsum(*v);
             }
         }
@@ -631,7 +639,7 @@ unsafe fn mxfp4_block(
 /// Adds `k` decoded blocks of slab rows `i .. i + R` (block `blk` of row `i` is the two
 /// vectors at `slab + (i * SLAB + blk) * 2`) times `Q` positions (`x`: the slab's first input
 /// of the first position, positions `cols` apart) to the accumulators at `acc` (row `r`,
-/// position `q` at `acc + r * POSITIONS + q`), by [`mxfp4_rows`]' arithmetic.
+/// position `q` at `acc + r * p + q`), by [`mxfp4_rows`]' arithmetic.
 ///
 /// # Safety
 /// The CPU supports the ISA; `x` points to `Q` positions of `32 * k` readable f32, `cols`
@@ -646,10 +654,11 @@ unsafe fn tile<const R: usize, const Q: usize>(
     cols: usize,
     k: usize,
     acc: *mut __m512,
+    stride: usize,
 ) {
     // SAFETY (whole body): the bounds above (caller).
     unsafe {
-        let at = |r: usize, q: usize| acc.add(r * POSITIONS + q);
+        let at = |r: usize, q: usize| acc.add(r * stride + q);
         let mut a: [[__m512; Q]; R] = std::array::from_fn(|r| std::array::from_fn(|q| *at(r, q)));
         for blk in 0..k {
             for j in 0..2 {
