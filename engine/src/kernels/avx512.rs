@@ -397,9 +397,10 @@ const MAX_ROWS: usize = 32;
 /// data cache): fewer rows per group as positions grow (32 rows at 8 positions, 8 at 32), so
 /// that the accumulators a slab walks stay in L1 beside the slab and the inputs; rows are
 /// packed `p` positions apart. On the Xeon (family 6, model 207), against 32 rows at every
-/// count with rows `POSITIONS` apart, three alternations of `cargo bench -p stormo-engine
-/// --bench kernel_min -- mxfp4 P 40 avx512`: 9-13% faster at 32 positions, -2 to +6% at 8 and
-/// 16; Zen 4 not measured.
+/// count with rows `POSITIONS` apart, eight alternations of `cargo bench -p stormo-engine
+/// --bench kernel_min -- mxfp4 P 40 avx512`: 2-14% faster at 32 positions, from 2% slower
+/// to 8% faster at 8 and 16 (one run 13%); the prefill's experts phase 3-6% faster. Zen 4 not
+/// measured.
 const ACC_VECTORS: usize = 256;
 /// Blocks per slab in [`mxfp4_block`]: one cache line of each row's weights, 512 bytes of
 /// inputs per position; the decoded slab is 8 KiB.
