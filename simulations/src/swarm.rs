@@ -174,7 +174,7 @@ impl std::str::FromStr for Scenario {
             .find(|x| x.name() == s)
             .ok_or_else(|| {
                 let names: Vec<&str> = Self::NAMED.iter().map(|x| x.name()).collect();
-                format!("unknown scenario {s:?} (one of {})", names.join(", "))
+                format!("unknown scenario {s:?}: one of {}", names.join(", "))
             })
     }
 }

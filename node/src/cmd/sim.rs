@@ -214,7 +214,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Scenario::ALL.to_vec()
     } else {
         vec![a.scenario.parse().map_err(|e: String| {
-            anyhow::anyhow!("--scenario: {e}, all, faults, fair-lan or fair-wan")
+            anyhow::anyhow!(
+                "--scenario: {e}, all (each of them but stripe), faults, fair-lan or fair-wan"
+            )
         })?]
     };
     let links = scenarios
