@@ -672,8 +672,10 @@ async fn connect(
             if refused && text.contains("aborted by peer") {
                 // The peer closed the connection over this node's certificate.
                 e.context(
-                    "a key was refused: the peer does not admit this node's key (not on its \
-                     --allow list, and it does not serve with --allow-any)",
+                    "a key was refused: the peer does not admit this node (its key is not on \
+                     the peer's --allow list, the peer does not serve with --allow-any, and \
+                     this node showed no certificate of a swarm the peer is in: --swarm and \
+                     --cert)",
                 )
             } else if refused && text.contains("invalid peer certificate") {
                 // This side refused the peer's certificate: its key is another node's.
@@ -681,7 +683,8 @@ async fn connect(
             } else if refused {
                 e.context(
                     "a key was refused (the peer's must be the NODE given in NODE@ADDR, and \
-                     this node's must be on the peer's --allow list unless it serves with \
+                     this node's must be on the peer's --allow list, or carry a certificate of \
+                     a swarm the peer is in (--swarm and --cert), unless the peer serves with \
                      --allow-any)",
                 )
             } else {
