@@ -426,22 +426,29 @@ unsafe fn mxfp4_dot<const R: usize>(
     a.map(|v| hsum_mxfp4(v))
 }
 
-/// Vectors of [`mxfp4_block`]'s scratch: the accumulators (`MAX_ROWS` rows of
-/// `MXFP4_POSITIONS` pairs of registers), then the slab of dequantized weights (`CHUNK_ROWS`
-/// rows of `SLAB` blocks of four vectors in [`MXFP4_ORDER`]).
-const SCRATCH: usize = MAX_ROWS * MXFP4_POSITIONS * 2 + CHUNK_ROWS * SLAB * 4;
+/// Vectors of [`mxfp4_block`]'s scratch: a group's accumulators ([`ACC_VECTORS`]: at most
+/// that many whatever the positions, as [`group_rows`] chooses), then the slab of dequantized
+/// weights (`CHUNK_ROWS` rows of `SLAB` blocks of four vectors in [`MXFP4_ORDER`]).
+const SCRATCH: usize = ACC_VECTORS + CHUNK_ROWS * SLAB * 4;
+
+/// Rows of a group at `p` positions (a pair of registers each): as many as keep their
+/// accumulators within [`ACC_VECTORS`], at most [`MAX_ROWS`].
+fn group_rows(p: usize) -> usize {
+    (ACC_VECTORS / (2 * p)).clamp(4, MAX_ROWS)
+}
 
 thread_local! {
-    /// [`mxfp4_block`]'s scratch (136 KiB), kept by each thread between calls instead of being
+    /// [`mxfp4_block`]'s scratch (24 KiB), kept by each thread between calls instead of being
     /// set up on the stack by every call (taken while in use).
     static BLOCK_SCRATCH: Cell<Vec<__m256>> = const { Cell::new(Vec::new()) };
 }
 
 /// [`mxfp4_rows`] for `2 <= p <= MXFP4_POSITIONS` positions: groups of up to [`MAX_ROWS`]
-/// rows (fewer as positions grow: [`ACC_VECTORS`]), walked in slabs of [`SLAB`] blocks. For each slab, chunk after chunk of [`CHUNK_ROWS`]
-/// rows is decoded once into an L1 buffer, then tiles of 3 (or 2) rows x 2 positions multiply
-/// it ([`mxfp4_tile`]: twelve accumulator registers, each input vector loaded once for the
-/// tile's rows, each weight vector once for two positions). The accumulators of the group's (row,
+/// rows (fewer as positions grow: [`group_rows`]), walked in slabs of [`SLAB`] blocks. For
+/// each slab, chunk after chunk of [`CHUNK_ROWS`] rows is decoded once into an L1 buffer,
+/// then tiles of 3 (or 2) rows x 2 positions multiply it ([`mxfp4_tile`]: twelve accumulator
+/// registers, each input vector loaded once for the tile's rows, each weight vector once for
+/// two positions). The accumulators of the group's (row,
 /// position)s live in the thread's scratch between slabs, so each slab of inputs meets all the
 /// group's rows while it is in L1.
 ///
@@ -466,12 +473,11 @@ unsafe fn mxfp4_block(
     let c = Fp4Consts::new();
     let mut scratch = BLOCK_SCRATCH.take();
     scratch.resize(SCRATCH, _mm256_setzero_ps());
-    // The accumulators of every row of a group of rows, packed `p` positions apart, so each
-    // slab of inputs, once in L1, meets all the group's rows before the next slab; as many rows
-    // as keep them within [`ACC_VECTORS`].
+    // The accumulators of every row of a group, packed `p` positions apart, so each slab of
+    // inputs, once in L1, meets all the group's rows before the next slab.
     let stride = 2 * p;
-    let rows = (ACC_VECTORS / stride).clamp(4, MAX_ROWS);
-    let (acc, slab) = scratch.split_at_mut(MAX_ROWS * MXFP4_POSITIONS * 2);
+    let rows = group_rows(p);
+    let (acc, slab) = scratch.split_at_mut(ACC_VECTORS);
     for g0 in (0..n).step_by(rows) {
         let g = rows.min(n - g0);
         acc[..g * stride].fill(_mm256_setzero_ps());
@@ -808,4 +814,19 @@ unsafe fn fma_burst_impl() -> f64 {
     }
     std::hint::black_box(acc);
     (2 * 8 * CHAINS * STEPS) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every position count's group of rows fits the scratch's accumulators.
+    #[test]
+    fn groups_fit_the_accumulator_scratch() {
+        for p in 2..=MXFP4_POSITIONS {
+            let rows = group_rows(p);
+            assert!((4..=MAX_ROWS).contains(&rows), "{p} positions: {rows} rows");
+            assert!(rows * 2 * p <= ACC_VECTORS, "{p} positions: {rows} rows");
+        }
+    }
 }

@@ -531,20 +531,26 @@ unsafe fn mxfp4_dot<const R: usize>(
     acc.map(|v| hsum(v))
 }
 
-/// Vectors of [`mxfp4_block`]'s scratch: the accumulators (`MAX_ROWS` rows of `POSITIONS`),
-/// then the slab (`CHUNK_ROWS` rows of `SLAB` blocks of two vectors).
-const SCRATCH: usize = MAX_ROWS * POSITIONS + CHUNK_ROWS * SLAB * 2;
+/// Vectors of [`mxfp4_block`]'s scratch: a group's accumulators ([`ACC_VECTORS`]: at most
+/// that many whatever the positions, as [`group_rows`] chooses), then the slab (`CHUNK_ROWS`
+/// rows of `SLAB` blocks of two vectors).
+const SCRATCH: usize = ACC_VECTORS + CHUNK_ROWS * SLAB * 2;
+
+/// Rows of a group at `p` positions: as many as keep their accumulators within
+/// [`ACC_VECTORS`], a multiple of the 4-row tiles, at most [`MAX_ROWS`].
+fn group_rows(p: usize) -> usize {
+    (ACC_VECTORS / p / 4 * 4).clamp(4, MAX_ROWS)
+}
 
 thread_local! {
-    /// [`mxfp4_block`]'s scratch (72 KiB), kept by each thread between calls (taken while in
+    /// [`mxfp4_block`]'s scratch (24 KiB), kept by each thread between calls (taken while in
     /// use).
     static BLOCK_SCRATCH: std::cell::Cell<Vec<__m512>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// [`mxfp4_rows`] for `2 <= p <= POSITIONS` positions, as the AVX2 ISA's prefill kernel:
-/// groups of up to [`MAX_ROWS`] rows (fewer as positions grow: [`ACC_VECTORS`]) walked in slabs
-/// of [`SLAB`] blocks; for each slab, chunk
-/// after chunk of [`CHUNK_ROWS`] rows is decoded once into an L1 buffer, then tiles of 4 rows
+/// groups of up to [`MAX_ROWS`] rows (fewer as positions grow: [`group_rows`]) walked in
+/// slabs of [`SLAB`] blocks; for each slab, chunk after chunk of [`CHUNK_ROWS`] rows is decoded once into an L1 buffer, then tiles of 4 rows
 /// x 4 positions multiply it ([`tile`]: sixteen accumulators in registers, each input vector
 /// loaded once for four rows, each weight vector once for four positions). The group's
 /// accumulators live in the thread's scratch between slabs.
@@ -570,9 +576,8 @@ unsafe fn mxfp4_block(
     let c = Shifts::new();
     let mut scratch = BLOCK_SCRATCH.take();
     scratch.resize(SCRATCH, _mm512_setzero_ps());
-    let (acc, slab) = scratch.split_at_mut(MAX_ROWS * POSITIONS);
-    // Rows per group: as many as keep the group's accumulators within [`ACC_VECTORS`].
-    let rows = (ACC_VECTORS / p / 4 * 4).clamp(4, MAX_ROWS);
+    let (acc, slab) = scratch.split_at_mut(ACC_VECTORS);
+    let rows = group_rows(p);
     for g0 in (0..n).step_by(rows) {
         let g = rows.min(n - g0);
         acc[..g * p].fill(_mm512_setzero_ps());
@@ -655,11 +660,11 @@ unsafe fn tile<const R: usize, const Q: usize>(
     cols: usize,
     k: usize,
     acc: *mut __m512,
-    stride: usize,
+    p: usize,
 ) {
     // SAFETY (whole body): the bounds above (caller).
     unsafe {
-        let at = |r: usize, q: usize| acc.add(r * stride + q);
+        let at = |r: usize, q: usize| acc.add(r * p + q);
         let mut a: [[__m512; Q]; R] = std::array::from_fn(|r| std::array::from_fn(|q| *at(r, q)));
         for blk in 0..k {
             for j in 0..2 {
@@ -769,4 +774,19 @@ unsafe fn fma_burst_impl() -> f64 {
     }
     std::hint::black_box(acc);
     (2 * 16 * CHAINS * STEPS) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every position count's group of rows fits the scratch's accumulators.
+    #[test]
+    fn groups_fit_the_accumulator_scratch() {
+        for p in 2..=POSITIONS {
+            let rows = group_rows(p);
+            assert!((4..=MAX_ROWS).contains(&rows), "{p} positions: {rows} rows");
+            assert!(rows * p <= ACC_VECTORS, "{p} positions: {rows} rows");
+        }
+    }
 }
