@@ -1,10 +1,13 @@
-//! A UDP relay between one client and one server that imposes a link's latency, bandwidth
-//! and loss: the portable way to shape a QUIC link on loopback (no network namespaces, no tc,
-//! no root).
+//! A UDP relay between clients and one server that imposes a link's latency, bandwidth and
+//! loss: the portable way to shape a QUIC link on loopback (no network namespaces, no tc, no
+//! root).
 //!
-//! The client is given the relay's address instead of the server's. Datagrams from the client
-//! go out of a second socket to the server, so the server sees the relay as its peer; answers
-//! come back the same way. Each direction is a FIFO with a token bucket: a datagram leaves
+//! Clients are given the relay's address instead of the server's. Each client's datagrams go
+//! out of a socket of that client's own to the server, so the server sees each client at an
+//! address of the relay, and its answers from there go back to that client, as through a NAT.
+//! (A relay that answered whoever sent last would hand one client's handshake to another when
+//! several start at once.) Each direction is one FIFO with one token bucket, whichever client
+//! a datagram is from or for: a datagram leaves
 //! `delay` after the link has finished "transmitting" it at `bandwidth`, is dropped with
 //! probability `loss`, and is dropped when more than `queue_bytes` wait (a router's tail drop).
 //! Every byte is counted, so the relay also measures how much each peer sent.
@@ -14,6 +17,7 @@
 //! every server-to-client datagram of those relays passes, in arrival order, as flows that
 //! meet at a router's congested port do. Each relay keeps its own delay and loss.
 
+use std::collections::HashMap;
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -151,7 +155,10 @@ pub struct Relay {
     target: Arc<Mutex<SocketAddr>>,
     stats: Arc<LinkStats>,
     stop: Arc<AtomicBool>,
+    /// The front reader and the two pacers.
     threads: Vec<JoinHandle<()>>,
+    /// The readers of the clients' sessions, started by the front reader.
+    sessions: Arc<Mutex<Vec<JoinHandle<()>>>>,
 }
 
 /// One direction's transmitter: a token bucket (`bandwidth`) feeding a drop-tail queue of at
@@ -240,34 +247,43 @@ fn next_u64(state: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Where a direction sends: the server (fixed until [`Relay::set_target`]) or the client
-/// (whoever last sent to the front socket).
-#[derive(Clone)]
-enum Dest {
-    Server(Arc<Mutex<SocketAddr>>),
-    Client(Arc<Mutex<Option<SocketAddr>>>),
+/// What one direction's datagrams pass: the link's rate and queue, its loss and its MTU.
+struct Gate {
+    spec: LinkSpec,
+    link: Arc<Bottleneck>,
+    stats: Arc<LinkStats>,
+    /// The loss draws.
+    rng: u64,
 }
 
-impl Dest {
-    fn get(&self) -> Option<SocketAddr> {
-        match self {
-            Self::Server(a) => Some(*a.lock().unwrap_or_else(|e| e.into_inner())),
-            Self::Client(a) => *a.lock().unwrap_or_else(|e| e.into_inner()),
+impl Gate {
+    /// When a datagram of `n` bytes arriving now leaves the link (after its delay), or `None`
+    /// when it is dropped (too large, lost, or the queue is full), counted.
+    fn pass(&mut self, n: usize) -> Option<Instant> {
+        if self.spec.mtu.is_some_and(|m| n > m) {
+            self.stats.too_large.fetch_add(1, Ordering::Relaxed);
+            return None;
         }
+        if self.spec.loss > 0.0
+            && (next_u64(&mut self.rng) >> 11) as f64 / (1u64 << 53) as f64 > 1.0 - self.spec.loss
+        {
+            self.stats.lost.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        let Some(free_at) = self.link.admit(n) else {
+            self.stats.overflowed.fetch_add(1, Ordering::Relaxed);
+            return None;
+        };
+        Some(free_at + self.spec.delay)
     }
 }
 
-struct Direction {
-    spec: LinkSpec,
-    link: Arc<Bottleneck>,
-    from: UdpSocket,
-    to: UdpSocket,
-    dest: Dest,
-    /// Set to the sender of each datagram read (the client's address, for the up direction).
-    learn: Option<Arc<Mutex<Option<SocketAddr>>>>,
-    delivered: fn(&LinkStats) -> &AtomicU64,
-    seed: u64,
-}
+/// A datagram on its way: when it leaves, its bytes, and where it goes.
+type Queued<T> = (Instant, Vec<u8>, T);
+
+/// The most clients one relay carries at once; datagrams from further new addresses are
+/// dropped (a simulation has a few dozen processes).
+const MAX_CLIENTS: usize = 1024;
 
 impl Relay {
     /// Starts relaying to the server at `target` with `spec` on both directions; loss draws
@@ -296,46 +312,65 @@ impl Relay {
     ) -> std::io::Result<Self> {
         spec.validate()
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-        let front = udp_socket()?;
-        let back = udp_socket()?;
+        let front = Arc::new(udp_socket()?);
         let addr = front.local_addr()?;
         let target = Arc::new(Mutex::new(target));
-        let client = Arc::new(Mutex::new(None));
         let stats = Arc::new(LinkStats::default());
         let stop = Arc::new(AtomicBool::new(false));
-        let mut threads = Vec::new();
-        let dirs = [
-            Direction {
-                spec,
-                link: Arc::new(Bottleneck::new(spec.bandwidth, spec.queue_bytes)),
-                from: front.try_clone()?,
-                to: back.try_clone()?,
-                dest: Dest::Server(target.clone()),
-                learn: Some(client.clone()),
-                delivered: |s| &s.up_bytes,
-                seed,
+        let sessions = Arc::new(Mutex::new(Vec::new()));
+        let (up_tx, up_rx) = mpsc::channel::<Queued<Arc<UdpSocket>>>();
+        let (down_tx, down_rx) = mpsc::channel::<Queued<SocketAddr>>();
+        let to_server = target.clone();
+        let up_pacer = spawn_pacer(
+            up_rx,
+            stop.clone(),
+            stats.clone(),
+            |s| &s.up_bytes,
+            move |pkt, back: Arc<UdpSocket>| {
+                let to = *to_server.lock().unwrap_or_else(|e| e.into_inner());
+                back.send_to(pkt, to).is_ok()
             },
-            Direction {
-                spec,
-                link: down
-                    .unwrap_or_else(|| Arc::new(Bottleneck::new(spec.bandwidth, spec.queue_bytes))),
-                from: back,
-                to: front,
-                dest: Dest::Client(client),
-                learn: None,
-                delivered: |s| &s.down_bytes,
-                seed: seed ^ 0x5eed_d0e5,
-            },
-        ];
-        for d in dirs {
-            threads.extend(spawn_direction(d, stats.clone(), stop.clone())?);
-        }
+        )?;
+        let out = front.clone();
+        let down_pacer = spawn_pacer(
+            down_rx,
+            stop.clone(),
+            stats.clone(),
+            |s| &s.down_bytes,
+            move |pkt, client| out.send_to(pkt, client).is_ok(),
+        )?;
+        let up = Gate {
+            spec,
+            link: Arc::new(Bottleneck::new(spec.bandwidth, spec.queue_bytes)),
+            stats: stats.clone(),
+            rng: seed,
+        };
+        let down = Gate {
+            spec,
+            link: down
+                .unwrap_or_else(|| Arc::new(Bottleneck::new(spec.bandwidth, spec.queue_bytes))),
+            stats: stats.clone(),
+            rng: seed ^ 0x5eed_d0e5,
+        };
+        let ctx = FrontCtx {
+            front,
+            up,
+            down: Arc::new(Mutex::new(down)),
+            up_tx,
+            down_tx,
+            stop: stop.clone(),
+            sessions: sessions.clone(),
+        };
+        let reader = std::thread::Builder::new()
+            .name("swarm-relay-up".into())
+            .spawn(move || ctx.run())?;
         Ok(Self {
             addr,
             target,
             stats,
             stop,
-            threads,
+            threads: vec![reader, up_pacer, down_pacer],
+            sessions,
         })
     }
 
@@ -358,75 +393,110 @@ impl Relay {
 impl Drop for Relay {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
+        // The front reader first: once it is gone, no session starts.
         for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        let sessions =
+            std::mem::take(&mut *self.sessions.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in sessions {
             let _ = t.join();
         }
     }
 }
 
-/// Starts the reader and the pacer of one direction.
-fn spawn_direction(
-    d: Direction,
-    stats: Arc<LinkStats>,
+/// What the front socket's reader holds: each client's session, and both directions' gates
+/// (the server's direction is shared by the sessions' readers, as one link is).
+struct FrontCtx {
+    front: Arc<UdpSocket>,
+    up: Gate,
+    /// The server's direction, which every session's reader passes.
+    down: Arc<Mutex<Gate>>,
+    up_tx: mpsc::Sender<Queued<Arc<UdpSocket>>>,
+    down_tx: mpsc::Sender<Queued<SocketAddr>>,
     stop: Arc<AtomicBool>,
-) -> std::io::Result<[JoinHandle<()>; 2]> {
-    let (tx, rx) = mpsc::channel::<(Instant, Vec<u8>)>();
-    let Direction {
-        spec,
-        link,
-        from,
-        to,
-        dest,
-        learn,
-        delivered,
-        seed,
-    } = d;
-    let (s2, stop2) = (stats.clone(), stop.clone());
-    let reader = std::thread::Builder::new()
-        .name("swarm-relay-in".into())
-        .spawn(move || {
-            let mut buf = vec![0u8; MAX_DATAGRAM];
-            let mut rng = seed;
-            while !stop2.load(Ordering::Relaxed) {
-                let (n, src) = match from.recv_from(&mut buf) {
-                    Ok(x) => x,
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                        ) =>
-                    {
-                        continue
-                    }
-                    // ICMP port unreachable from a killed server surfaces here: keep going.
-                    Err(_) => continue,
-                };
-                if let Some(l) = &learn {
-                    *l.lock().unwrap_or_else(|e| e.into_inner()) = Some(src);
+    sessions: Arc<Mutex<Vec<JoinHandle<()>>>>,
+}
+
+impl FrontCtx {
+    /// Reads what clients send; a new client's first datagram opens its session: a socket of
+    /// its own towards the server, and a reader that sends the server's answers back to it.
+    fn run(mut self) {
+        let mut back: HashMap<SocketAddr, Arc<UdpSocket>> = HashMap::new();
+        let mut buf = vec![0u8; MAX_DATAGRAM];
+        while !self.stop.load(Ordering::Relaxed) {
+            // Timeouts (the stop flag's poll) and errors (ICMP port unreachable from a killed
+            // peer) alike: keep going.
+            let Ok((n, src)) = self.front.recv_from(&mut buf) else {
+                continue;
+            };
+            let sock = match back.get(&src) {
+                Some(s) => s.clone(),
+                None if back.len() >= MAX_CLIENTS => continue,
+                None => {
+                    let Ok(s) = self.open_session(src) else {
+                        continue;
+                    };
+                    back.insert(src, s.clone());
+                    s
                 }
-                if spec.mtu.is_some_and(|m| n > m) {
-                    s2.too_large.fetch_add(1, Ordering::Relaxed);
-                    continue;
-                }
-                if spec.loss > 0.0
-                    && (next_u64(&mut rng) >> 11) as f64 / (1u64 << 53) as f64 > 1.0 - spec.loss
-                {
-                    s2.lost.fetch_add(1, Ordering::Relaxed);
-                    continue;
-                }
-                let Some(free_at) = link.admit(n) else {
-                    s2.overflowed.fetch_add(1, Ordering::Relaxed);
-                    continue;
-                };
-                if tx.send((free_at + spec.delay, buf[..n].to_vec())).is_err() {
-                    break;
-                }
+            };
+            let Some(due) = self.up.pass(n) else {
+                continue;
+            };
+            if self.up_tx.send((due, buf[..n].to_vec(), sock)).is_err() {
+                break;
             }
-        })?;
-    let pacer = std::thread::Builder::new()
+        }
+    }
+
+    /// Opens `client`'s socket towards the server and starts the reader of its answers.
+    fn open_session(&self, client: SocketAddr) -> std::io::Result<Arc<UdpSocket>> {
+        let sock = Arc::new(udp_socket()?);
+        let (from, down, tx, stop) = (
+            sock.clone(),
+            self.down.clone(),
+            self.down_tx.clone(),
+            self.stop.clone(),
+        );
+        let h = std::thread::Builder::new()
+            .name("swarm-relay-down".into())
+            .spawn(move || {
+                let mut buf = vec![0u8; MAX_DATAGRAM];
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok((n, _)) = from.recv_from(&mut buf) else {
+                        continue;
+                    };
+                    let due = down.lock().unwrap_or_else(|e| e.into_inner()).pass(n);
+                    let Some(due) = due else {
+                        continue;
+                    };
+                    if tx.send((due, buf[..n].to_vec(), client)).is_err() {
+                        break;
+                    }
+                }
+            })?;
+        self.sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(h);
+        Ok(sock)
+    }
+}
+
+/// Starts the thread that sends each queued datagram with `send` when it is due, in the order
+/// queued, counting what was delivered.
+fn spawn_pacer<T: Send + 'static>(
+    rx: mpsc::Receiver<Queued<T>>,
+    stop: Arc<AtomicBool>,
+    stats: Arc<LinkStats>,
+    delivered: fn(&LinkStats) -> &AtomicU64,
+    send: impl Fn(&[u8], T) -> bool + Send + 'static,
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
         .name("swarm-relay-out".into())
         .spawn(move || loop {
-            let (due, pkt) = match rx.recv_timeout(POLL) {
+            let (due, pkt, to) = match rx.recv_timeout(POLL) {
                 Ok(x) => x,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     if stop.load(Ordering::Relaxed) {
@@ -440,13 +510,10 @@ fn spawn_direction(
             if due > now {
                 std::thread::sleep(due - now);
             }
-            if let Some(to_addr) = dest.get() {
-                if to.send_to(&pkt, to_addr).is_ok() {
-                    delivered(&stats).fetch_add(pkt.len() as u64, Ordering::Relaxed);
-                }
+            if send(&pkt, to) {
+                delivered(&stats).fetch_add(pkt.len() as u64, Ordering::Relaxed);
             }
-        })?;
-    Ok([reader, pacer])
+        })
 }
 
 #[cfg(test)]
@@ -503,6 +570,34 @@ mod tests {
         }
         let k = r.counts();
         assert_eq!((k.up_bytes, k.down_bytes), (5, 5));
+        stop.store(true, Ordering::Relaxed);
+        h.join().unwrap();
+    }
+
+    /// Clients that take turns through one relay each get their own answers back, and the
+    /// server sees each at an address of its own.
+    #[test]
+    fn each_client_gets_its_own_answers() {
+        let (addr, stop, h) = echo();
+        let r = Relay::start(addr, LinkSpec::ideal(), 5).unwrap();
+        let clients: Vec<UdpSocket> = (0..4).map(|_| client()).collect();
+        for round in 0..10u8 {
+            for (k, c) in clients.iter().enumerate() {
+                c.send_to(&[k as u8, round], r.addr()).unwrap();
+            }
+        }
+        let mut buf = [0u8; 64];
+        for (k, c) in clients.iter().enumerate() {
+            for round in 0..10u8 {
+                let (n, from) = c.recv_from(&mut buf).unwrap();
+                assert_eq!(&buf[..n], &[k as u8, round], "client {k}");
+                assert_eq!(from, r.addr());
+            }
+        }
+        assert_eq!(r.sessions.lock().unwrap().len(), 4, "a session per client");
+        let k = r.counts();
+        assert_eq!((k.up_bytes, k.down_bytes), (80, 80));
+        drop(r);
         stop.store(true, Ordering::Relaxed);
         h.join().unwrap();
     }
