@@ -4,8 +4,8 @@ use clap::{Parser, Subcommand};
 
 use crate::cmd;
 
-/// stormo: Mixture-of-Experts models (GPT-OSS, Qwen3-MoE) on CPUs, experts from RAM, disk or
-/// verified peers.
+/// Mixture-of-Experts models (GPT-OSS, Qwen3-MoE) on CPUs, experts from RAM, disk or verified
+/// peers.
 #[derive(Debug, Parser)]
 #[command(name = "stormo", version, propagate_version = true)]
 pub struct Cli {
@@ -60,16 +60,97 @@ impl Cli {
     {
         let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
         let mut cmd = Self::command_line();
+        let mut file = None;
         if let Some(path) = crate::config_file::named(&args) {
-            let file = crate::config_file::ConfigFile::read(&path)
+            let f = crate::config_file::ConfigFile::read(&path)
                 .map_err(|e| cmd.error(clap::error::ErrorKind::Io, format!("{e:#}")))?;
-            cmd = file.apply(cmd).map_err(|e| {
+            cmd = f.apply(cmd).map_err(|e| {
                 clap::Error::raw(clap::error::ErrorKind::InvalidValue, format!("{e:#}\n"))
             })?;
+            file = Some(f);
         }
-        let m = cmd.try_get_matches_from_mut(old_sim_spelling(args))?;
+        let m = cmd
+            .try_get_matches_from_mut(old_sim_spelling(args.clone()))
+            .map_err(|e| {
+                attribute(e, &cmd, &args, file.as_ref(), |n| {
+                    std::env::var_os(n).is_some_and(|v| !v.is_empty())
+                })
+            })?;
         <Self as clap::FromArgMatches>::from_arg_matches(&m).map_err(|e| e.format(&mut cmd))
     }
+}
+
+/// `e` saying where the value it refuses came from, when that is not the command line
+/// (`args`): the option's `STORMO_*` variable (`is_set` says which are set), else the config
+/// file. clap names only the option, so without this a bad `threads = 0` in a file reads as a
+/// bad `--threads` that is nowhere on the command line.
+fn attribute(
+    e: clap::Error,
+    cmd: &clap::Command,
+    args: &[std::ffi::OsString],
+    file: Option<&crate::config_file::ConfigFile>,
+    is_set: impl Fn(&str) -> bool,
+) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if !matches!(
+        e.kind(),
+        ErrorKind::InvalidValue | ErrorKind::ValueValidation
+    ) {
+        return e;
+    }
+    let Some(ContextValue::String(shown)) = e.get(ContextKind::InvalidArg) else {
+        return e;
+    };
+    // clap shows the option as "--threads <N>".
+    let Some(long) = shown
+        .strip_prefix("--")
+        .and_then(|a| a.split([' ', '=']).next())
+    else {
+        return e;
+    };
+    let Some(a) = find_arg(cmd, long) else {
+        return e;
+    };
+    let on_line = args
+        .iter()
+        .skip(1)
+        .map(|x| x.to_string_lossy())
+        .take_while(|x| x != "--")
+        .any(|x| {
+            let long = crate::config_file::names(a)
+                .any(|n| x == format!("--{n}") || x.starts_with(&format!("--{n}=")));
+            let short = a
+                .get_short()
+                .is_some_and(|c| x.starts_with('-') && !x.starts_with("--") && x[1..].contains(c));
+            long || short
+        });
+    if on_line {
+        return e;
+    }
+    let env = a
+        .get_env()
+        .map(|v| v.to_string_lossy().into_owned())
+        .filter(|n| is_set(n));
+    let from = match (env, file) {
+        (Some(env), _) => env,
+        (None, Some(f)) if crate::config_file::names(a).any(|n| f.has(n)) => {
+            format!("--config {}", f.path().display())
+        }
+        _ => return e,
+    };
+    let text = e.to_string().replacen(
+        &format!("'{shown}'"),
+        &format!("'{shown}' (from {from})"),
+        1,
+    );
+    clap::Error::raw(e.kind(), text.strip_prefix("error: ").unwrap_or(&text))
+}
+
+/// The option of long name `long` in `c` or its subcommands.
+fn find_arg<'a>(c: &'a clap::Command, long: &str) -> Option<&'a clap::Arg> {
+    c.get_arguments()
+        .find(|a| a.get_long() == Some(long))
+        .or_else(|| c.get_subcommands().find_map(|s| find_arg(s, long)))
 }
 
 /// The variable an option of this long name is read from: `STORMO_<LONG NAME>`, dashes as
@@ -298,6 +379,48 @@ mod tests {
         assert!(parse(&["--stats"]).is_ok());
         let e = parse(&["-x"]).unwrap_err();
         assert!(e.contains("unexpected argument '-x'"), "{e}");
+    }
+
+    /// A bad value that came from a `STORMO_*` variable or the config file says so; one on
+    /// the command line reads as clap's own message.
+    #[test]
+    fn a_bad_value_names_where_it_came_from() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = dir.path().join("node.toml");
+        std::fs::write(&file, "threads = 0\nhttp-context = \"many\"\n").expect("write");
+        let cfg = file.to_str().expect("utf-8");
+        let e = super::Cli::try_parse_args(["stormo", "run", "--config", cfg, "--prompt-ids", "1"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&format!(
+                "'--threads <N>' (from --config {cfg}): 0 is not in"
+            )),
+            "{e}"
+        );
+        // An alias (a renamed option's old name) is found too.
+        let e = super::Cli::try_parse_args(["stormo", "serve", "--config", cfg, "--threads", "2"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("(from --config {cfg})")), "{e}");
+        assert!(e.contains("'many'"), "{e}");
+        // On the command line, the file's value is overridden and the flag's is the bad one.
+        for bad in [&["--threads", "x"][..], &["-t", "x"], &["--threads=x"]] {
+            let mut argv = vec!["stormo", "run", "--config", cfg, "--prompt-ids", "1"];
+            argv.extend_from_slice(bad);
+            let e = super::Cli::try_parse_args(argv).unwrap_err().to_string();
+            assert!(e.contains("invalid value 'x' for '--threads <N>':"), "{e}");
+        }
+        // A variable: the error is clap's for the value (here from the command line), told
+        // that the line does not hold it and the variable is set.
+        let cmd = super::Cli::command_line();
+        let e = cmd
+            .clone()
+            .try_get_matches_from(["stormo", "run", "--model", "m", "--threads", "x"])
+            .unwrap_err();
+        let argv: Vec<std::ffi::OsString> = ["stormo", "run"].iter().map(Into::into).collect();
+        let e = super::attribute(e, &cmd, &argv, None, |n| n == "STORMO_THREADS").to_string();
+        assert!(e.contains("'--threads <N>' (from STORMO_THREADS)"), "{e}");
     }
 
     /// `stormo --help` fits a screen: at most 40 lines, none wider than 120 columns (clap

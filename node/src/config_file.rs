@@ -88,6 +88,16 @@ impl ConfigFile {
         })
     }
 
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether the file gives the option of long name (or alias) `long`.
+    pub fn has(&self, long: &str) -> bool {
+        self.entries.iter().any(|(k, _)| k == long)
+    }
+
     /// `cmd` with the file's values as the defaults of the options they name, in every
     /// subcommand that has them. Fails naming a key that no command takes.
     pub fn apply(&self, cmd: clap::Command) -> anyhow::Result<clap::Command> {
@@ -115,7 +125,7 @@ fn collect_longs(c: &clap::Command, out: &mut std::collections::HashSet<String>)
 
 /// The names a key may give `a` by: its long name, then its aliases (a renamed option's old
 /// spellings, so an old file keeps working).
-fn names(a: &clap::Arg) -> impl Iterator<Item = &str> {
+pub fn names(a: &clap::Arg) -> impl Iterator<Item = &str> {
     a.get_long()
         .into_iter()
         .chain(a.get_all_aliases().into_iter().flatten())

@@ -324,6 +324,13 @@ impl Node {
                 if let (true, Some(d)) = (p.peers_first, &disk) {
                     t.set_local(d.clone());
                 }
+                // One peer list for a whole swarm (a shared config file) names each node too.
+                for own in p.peers.iter().filter(|q| q.key == secret.public()) {
+                    tracing::warn!(
+                        "--peer {own} has this node's own key (--key): left out, a node does \
+                         not dial itself"
+                    );
+                }
                 t.add_peers(&p.peers)?;
                 Some(Arc::new(t))
             }

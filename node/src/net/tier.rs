@@ -667,29 +667,27 @@ async fn connect(
         .map_err(|e| {
             // Either side refusing the other's key ends the connection with this reason, in
             // the handshake or (TLS 1.3: the server checks the client last) at the first read.
+            // A refusal is said in the user's terms alone; TLS's words for it ("error 49:
+            // invalid peer certificate: ApplicationVerificationFailure") go to the debug log.
             let text = format!("{e:#}");
             let refused = text.contains("ApplicationVerificationFailure");
-            if refused && text.contains("aborted by peer") {
+            let why = if !refused {
+                return e;
+            } else if text.contains("aborted by peer") {
                 // The peer closed the connection over this node's certificate.
-                e.context(
-                    "a key was refused: the peer does not admit this node (its key is not on \
-                     the peer's --allow list, the peer does not serve with --allow-any, and \
-                     this node showed no certificate of a swarm the peer is in: --swarm and \
-                     --cert)",
-                )
-            } else if refused && text.contains("invalid peer certificate") {
+                "a key was refused: the peer does not admit this node's key (the peer admits \
+                 keys on its --allow list, nodes with a certificate of a swarm it is in (--swarm \
+                 and --cert here), or any key when it serves with --allow-any)"
+            } else if text.contains("invalid peer certificate") {
                 // This side refused the peer's certificate: its key is another node's.
-                e.context("a key was refused: the peer's key is not the NODE given in NODE@ADDR")
-            } else if refused {
-                e.context(
-                    "a key was refused (the peer's must be the NODE given in NODE@ADDR, and \
-                     this node's must be on the peer's --allow list, or carry a certificate of \
-                     a swarm the peer is in (--swarm and --cert), unless the peer serves with \
-                     --allow-any)",
-                )
+                "a key was refused: the peer's key is not the NODE given in NODE@ADDR"
             } else {
-                e
-            }
+                "a key was refused (the peer's must be the NODE given in NODE@ADDR, and this \
+                 node's must be on the peer's --allow list, or carry a certificate of a swarm \
+                 the peer is in (--swarm and --cert), unless the peer serves with --allow-any)"
+            };
+            tracing::debug!("{why}: {text}");
+            anyhow::anyhow!(why)
         })
 }
 
