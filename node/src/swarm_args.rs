@@ -94,14 +94,27 @@ impl SwarmArgs {
                     .as_ref()
                     .map(|r| r.with(Clone::clone))
                     .unwrap_or_default();
-                cert.verify(&swarm, &node.public(), now, &revoked_now)
-                    .with_context(|| {
-                        format!(
-                            "--cert {}: this node ({}) cannot use it in swarm {swarm}",
-                            cert_path.display(),
-                            node.public()
-                        )
-                    })?;
+                let checked = cert.verify(&swarm, &node.public(), now, &revoked_now);
+                if let Err(stormo_manifests::membership::MembershipError::OtherKey {
+                    certified,
+                    ..
+                }) = checked
+                {
+                    anyhow::bail!(
+                        "--cert {}: it was issued to node {certified}, not to this node's key \
+                         {} (--key); give the certificate issued for --key, or the key it was \
+                         issued to",
+                        cert_path.display(),
+                        node.public()
+                    );
+                }
+                checked.with_context(|| {
+                    format!(
+                        "--cert {}: this node ({}) cannot use it in swarm {swarm}",
+                        cert_path.display(),
+                        node.public()
+                    )
+                })?;
                 Some(MembershipConfig {
                     swarm,
                     cert,
@@ -264,7 +277,11 @@ mod tests {
         // Another node's certificate, an expired one, another swarm: named at start.
         let other = SecretKey::from_seed(&[3; 32]);
         let e = format!("{:#}", a.resolve(&other, NOW).unwrap_err());
-        assert!(e.contains("bound to node"), "{e}");
+        assert!(
+            e.contains(&format!("issued to node {}", node.public()))
+                && e.contains(&format!("not to this node's key {}", other.public())),
+            "{e}"
+        );
         let e = format!("{:#}", a.resolve(&node, NOW + 100).unwrap_err());
         assert!(e.contains("expired"), "{e}");
         let b = parse(&["--swarm", &other.public().to_string(), "--cert", cp]).unwrap();
