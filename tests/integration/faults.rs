@@ -4,9 +4,6 @@
 //! whose experts all come from peers. For each case either the generated ids equal the local
 //! run's, or the load ends with a clear error within a stated time. docs/reliability.md lists
 //! the cases and what each guarantees.
-//!
-//! Cases that need the peer-policy fixes of the Node refactor (issue 40 items 2, 3 and 5a)
-//! are written out and `#[ignore]`d until those land.
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -1044,6 +1041,53 @@ fn fault_sole_holder_restarted_on_the_same_port_is_reconnected() {
     for (k, r) in load(&tier, &keys, Duration::from_secs(60)) {
         r.unwrap_or_else(|e| panic!("expert {k} after the holder came back: {e}"));
     }
+    tier.close();
+}
+
+/// The sole holder dies mid-answer, after sending half a chunk of every answer (nothing
+/// verifies, so no deadline is moved on), and is back on the same port a second later. The tries heard it only before it died: at their deadline the
+/// connection has received nothing for 4 s (the tier's `SILENT_CONNECTION`), so it is closed
+/// and redialled, and the loads complete from the holder that came back. Before, a try that
+/// had received anything counted as "still sending": the dead connection was kept and tried
+/// again on until QUIC's idle timeout (10 s after the death): this test took 14 s.
+#[test]
+fn fault_sole_holder_killed_mid_answer_and_restarted_is_redialled_before_the_idle_timeout() {
+    let m = multi_chunk_model();
+    let mut dying = HostilePeer::start(
+        206,
+        m.dir.path(),
+        Arc::new(|_, _| Answer::PartThenSilence { bytes: 8 << 10 }),
+    );
+    let at = dying.addr.to_string();
+    let tier = peer_tier(
+        &m,
+        vec![dying.peer_addr()],
+        // The tries' deadline (5 s from the request) comes before the silence between two
+        // frames (8 s) is up: whether the peer was heard decides.
+        PeerConfig {
+            request_timeout: Duration::from_secs(5),
+            ..unhedged(Duration::from_secs(8))
+        },
+    );
+    let keys = all_keys(m.dir.path());
+    let dir = m.dir.path().to_path_buf();
+    let t0 = Instant::now();
+    let restarter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        dying.kill();
+        drop(dying);
+        std::thread::sleep(Duration::from_secs(1));
+        Node::start_at(206, &dir, "auto", admit_client(), &at)
+    });
+    for (k, r) in load(&tier, &keys, Duration::from_secs(60)) {
+        r.unwrap_or_else(|e| panic!("expert {k}: {e}"));
+    }
+    let took = t0.elapsed();
+    let _back = restarter.join().expect("restarter");
+    assert!(
+        took < Duration::from_secs(9),
+        "the loads took {took:?}: the dead connection was kept until QUIC's idle timeout"
+    );
     tier.close();
 }
 

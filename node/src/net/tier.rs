@@ -130,6 +130,8 @@ pub struct HedgeStats {
 
 struct Link {
     conn: quinn::Connection,
+    /// When `conn` last received a datagram.
+    live: Liveness,
     slots: Arc<Semaphore>,
     reqs: Mutex<LinkRequests>,
     /// The next request id of an `Exec` on this connection: from 2^63 up, apart from the ids
@@ -137,6 +139,68 @@ struct Link {
     exec_ids: AtomicU64,
     /// The `Exec` calls in flight on this connection ([`EXEC_IN_FLIGHT`]).
     exec_slots: Semaphore,
+}
+
+/// How long a connection may receive nothing at all, with requests waiting on it, before its
+/// peer is presumed gone (killed, stopped, its host down): longer than the keep-alive
+/// interval, since a live peer acknowledges a keep-alive within a round trip.
+const SILENT_CONNECTION: Duration = Duration::from_secs(4);
+/// How often a connection's datagram count is sampled for [`Liveness`].
+const LIVENESS_SAMPLE: Duration = Duration::from_millis(100);
+
+/// When a connection last received a datagram (an answer's bytes, an acknowledgement of a
+/// request or keep-alive), to within [`LIVENESS_SAMPLE`]: quinn counts datagrams but keeps no
+/// time, so a task samples the count ([`Liveness::watch`]).
+///
+/// A try at a peer that heard from it only before it died must not read as "still sending":
+/// a peer killed 0.1 s into a 5 s try sent bytes in that try, and its connection would be
+/// kept for QUIC's idle timeout (10 s) and the load tried again on it.
+struct Liveness {
+    start: Instant,
+    /// Milliseconds from `start` to when the count last changed.
+    last_ms: AtomicU64,
+}
+
+impl Liveness {
+    fn new() -> Self {
+        Self {
+            start: Instant::now(),
+            last_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// How long the connection has received nothing, at `now`.
+    fn silent_for(&self, now: Instant) -> Duration {
+        let last = self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
+        now.saturating_duration_since(last)
+    }
+
+    /// Whether the connection has been silent for [`SILENT_CONNECTION`] at `now`.
+    fn silent(&self, now: Instant) -> bool {
+        self.silent_for(now) >= SILENT_CONNECTION
+    }
+
+    /// Samples `link`'s datagram count until the link is dropped or its connection closes.
+    /// Must be called inside a tokio runtime.
+    fn watch(link: &Arc<Link>) {
+        let weak = Arc::downgrade(link);
+        let mut seen = link.conn.stats().udp_rx.datagrams;
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(LIVENESS_SAMPLE).await;
+                let Some(l) = weak.upgrade() else { return };
+                if l.conn.close_reason().is_some() {
+                    return;
+                }
+                let n = l.conn.stats().udp_rx.datagrams;
+                if n != seen {
+                    seen = n;
+                    let ms = l.live.start.elapsed().as_millis() as u64;
+                    l.live.last_ms.store(ms, Ordering::Relaxed);
+                }
+            }
+        });
+    }
 }
 
 /// The outstanding requests of one connection (request ids are per connection), with the
@@ -1151,6 +1215,7 @@ async fn connect_link(
     let slots = hello.limits.max_concurrent_requests.clamp(1, 64) as usize;
     let l = Arc::new(Link {
         conn,
+        live: Liveness::new(),
         slots: Arc::new(Semaphore::new(slots)),
         reqs: LinkRequests::new(RequestsConfig {
             timeout: cfg.request_timeout,
@@ -1168,6 +1233,7 @@ async fn connect_link(
         s.connected();
     }
     tokio::spawn(control.follow(peer.clone(), model));
+    Liveness::watch(&l);
     *g = Some(l.clone());
     Ok(l)
 }
@@ -1221,6 +1287,7 @@ pub async fn fetch_manifest(
         Fetch::manifest(model, MAX_MANIFEST_LEN),
         None,
         cfg.idle_timeout,
+        None,
         &mut Prefix::default(),
         None,
     )
@@ -1316,6 +1383,7 @@ impl PeerLink {
             fetch,
             None,
             self.idle,
+            None,
             &mut Prefix::default(),
             None,
         )
@@ -1482,13 +1550,17 @@ enum AttemptError {
 /// (the caller's buffer with [`Fetch::into_buffer`]) without another copy. On failure, `kept`
 /// gets back the caller's buffer and the end of its verified prefix. With `stripe`, the
 /// verified end is reported there as chunks verify, and the request gives up
-/// ([`AttemptError::Moved`]) when the stripe is moved.
+/// ([`AttemptError::Moved`]) when the stripe is moved. With `live`, a try that fails while
+/// the whole connection has been silent for [`SILENT_CONNECTION`] did not hear the peer,
+/// whatever arrived before that.
+#[allow(clippy::too_many_arguments)]
 async fn run_request(
     conn: &quinn::Connection,
     reqs: &Mutex<LinkRequests>,
     fetch: Fetch,
     priority: Option<i32>,
     idle: Duration,
+    live: Option<&Liveness>,
     kept: &mut Prefix,
     stripe: Option<&StripeCtl>,
 ) -> Result<Completed, AttemptError> {
@@ -1589,7 +1661,7 @@ async fn run_request(
                         let heard = match error {
                             FetchError::Stalled { .. } => rx > rx_mark,
                             _ => rx > rx_before,
-                        };
+                        } && !live.is_some_and(|l| l.silent(Instant::now()));
                         Err(AttemptError::Fetch(error, heard))
                     }
                 };
@@ -2504,6 +2576,7 @@ impl Inner {
             fetch,
             Some(stream_priority),
             idle,
+            Some(&l.live),
             prefix,
             stripe,
         )
@@ -2522,10 +2595,12 @@ impl Inner {
                 return Ok(());
             }
             Err(AttemptError::Fetch(e, heard)) => {
-                if matches!(e, FetchError::Stalled { .. }) && !heard {
-                    // Silent on the whole connection for the silence deadline: presumed gone
-                    // (killed, stopped, restarted). Closing the link now makes the next try
-                    // reconnect instead of waiting out QUIC's own idle timeout on it.
+                let stalled = matches!(e, FetchError::Stalled { .. });
+                if !heard && (stalled || l.live.silent(Instant::now())) {
+                    // Silent on the whole connection for the silence deadline, or nothing at
+                    // all received for `SILENT_CONNECTION`: presumed gone (killed, stopped,
+                    // restarted). Closing the link now makes the next try reconnect instead
+                    // of waiting out QUIC's own idle timeout on it.
                     l.conn.close(0u32.into(), b"silent");
                     lost = true;
                 }
