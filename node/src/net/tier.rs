@@ -157,6 +157,8 @@ const LIVENESS_SAMPLE: Duration = Duration::from_millis(100);
 /// kept for QUIC's idle timeout (10 s) and the load tried again on it.
 struct Liveness {
     start: Instant,
+    /// The datagram count the sampler saw last.
+    seen: AtomicU64,
     /// Milliseconds from `start` to when the count last changed.
     last_ms: AtomicU64,
 }
@@ -165,6 +167,7 @@ impl Liveness {
     fn new() -> Self {
         Self {
             start: Instant::now(),
+            seen: AtomicU64::new(0),
             last_ms: AtomicU64::new(0),
         }
     }
@@ -175,9 +178,12 @@ impl Liveness {
         now.saturating_duration_since(last)
     }
 
-    /// Whether the connection has been silent for [`SILENT_CONNECTION`] at `now`.
-    fn silent(&self, now: Instant) -> bool {
-        self.silent_for(now) >= SILENT_CONNECTION
+    /// Whether `conn` (the connection watched) has been silent for [`SILENT_CONNECTION`] at
+    /// `now`. A datagram the sampler has not seen yet (this node's runtime busy for a while)
+    /// counts as heard: a busy node must not drop live peers.
+    fn silent(&self, conn: &quinn::Connection, now: Instant) -> bool {
+        conn.stats().udp_rx.datagrams == self.seen.load(Ordering::Relaxed)
+            && self.silent_for(now) >= SILENT_CONNECTION
     }
 
     /// Samples `link`'s datagram count until the link is dropped or its connection closes.
@@ -185,6 +191,7 @@ impl Liveness {
     fn watch(link: &Arc<Link>) {
         let weak = Arc::downgrade(link);
         let mut seen = link.conn.stats().udp_rx.datagrams;
+        link.live.seen.store(seen, Ordering::Relaxed);
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(LIVENESS_SAMPLE).await;
@@ -197,6 +204,7 @@ impl Liveness {
                     seen = n;
                     let ms = l.live.start.elapsed().as_millis() as u64;
                     l.live.last_ms.store(ms, Ordering::Relaxed);
+                    l.live.seen.store(n, Ordering::Relaxed);
                 }
             }
         });
@@ -1661,7 +1669,7 @@ async fn run_request(
                         let heard = match error {
                             FetchError::Stalled { .. } => rx > rx_mark,
                             _ => rx > rx_before,
-                        } && !live.is_some_and(|l| l.silent(Instant::now()));
+                        } && !live.is_some_and(|l| l.silent(conn, Instant::now()));
                         Err(AttemptError::Fetch(error, heard))
                     }
                 };
@@ -2596,7 +2604,7 @@ impl Inner {
             }
             Err(AttemptError::Fetch(e, heard)) => {
                 let stalled = matches!(e, FetchError::Stalled { .. });
-                if !heard && (stalled || l.live.silent(Instant::now())) {
+                if !heard && (stalled || l.live.silent(&l.conn, Instant::now())) {
                     // Silent on the whole connection for the silence deadline, or nothing at
                     // all received for `SILENT_CONNECTION`: presumed gone (killed, stopped,
                     // restarted). Closing the link now makes the next try reconnect instead
