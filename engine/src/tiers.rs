@@ -57,6 +57,12 @@ pub trait Tier: Send + Sync + fmt::Debug {
     fn holds(&self, key: ExpertId) -> bool;
     /// Starts loading `keys`.
     fn load(&self, keys: &[ExpertId], priority: Priority, done: Completion);
+    /// Why this tier does not hold `key` although it might have (a source it held it at was
+    /// dropped, say), for the error of a load that no tier can supply; `None` when there is
+    /// nothing worth telling.
+    fn why_not(&self, _key: ExpertId) -> Option<String> {
+        None
+    }
     /// Failures so far that this tier followed with another try of its own (a tier with
     /// several sources, such as the network tier trying peer after peer): its completions do
     /// not show them, since a load that one source failed and another supplied completes with

@@ -127,6 +127,11 @@ impl HostilePeer {
         )
     }
 
+    /// Answers fetches by `script` and `Exec` calls by `exec`.
+    pub(crate) fn start_scripted(seed: u8, dir: &Path, script: Script, exec: ExecScript) -> Self {
+        Self::start_with(seed, dir, script, exec, Arc::default())
+    }
+
     /// As [`Self::start`], recording into `observed` (a log shared by several peers, in the
     /// order of what they saw).
     pub(crate) fn start_sharing(

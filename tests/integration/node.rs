@@ -138,7 +138,7 @@ fn stormo_with_input(args: &[&str], input: Option<&str>) -> String {
     String::from_utf8(out.stdout).expect("utf-8 stdout")
 }
 
-fn wait_bounded(mut child: Child, within: Duration) -> std::process::Output {
+pub(crate) fn wait_bounded(mut child: Child, within: Duration) -> std::process::Output {
     let until = Instant::now() + within;
     loop {
         if child.try_wait().expect("wait").is_some() {

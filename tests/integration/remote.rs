@@ -206,6 +206,71 @@ fn a_lying_executor_is_caught_by_spot_checks_and_the_ids_stay_exact() {
     }
 }
 
+/// The only peer computes wrong and serves no expert's bytes, so no spot-check of its answers
+/// can be made (as with a peer serving corrupt bytes: the expert is verified nowhere): with checks deferred (the default) its
+/// answers must not be used unchecked. The run fails naming the peer, and prints no token (it printed a wrong one before: an answer whose check could not be made stayed
+/// used).
+#[test]
+fn an_executor_whose_answers_cannot_be_checked_shows_no_token() {
+    // One layer: the prefill's answers are used (and a token made) before a check's fetch
+    // finds the bytes corrupt.
+    let m = crate::faults::multi_chunk_model();
+    let (dir, id, prompt) = (&m.dir, m.id.to_string(), "1,2,3");
+    let liar = HostilePeer::start_scripted(
+        202,
+        dir.path(),
+        // Announces every expert, answers every fetch `not_found`: nothing to check against.
+        Arc::new(|_, _| crate::hostile::Answer::NotFound),
+        Arc::new(|_, _| ExecAnswer::Perturb(1e-2)),
+    );
+    let st = state();
+    let peer = line(&liar);
+    let child = std::process::Command::new(crate::demo::stormo_exe())
+        .args([
+            "run",
+            "--model",
+            s(dir.path()),
+            "--no-local-experts",
+            "--prompt-ids",
+            prompt,
+            "--max-new-tokens",
+            "4",
+            "--state-dir",
+            s(st.path()),
+            "--expert-cache",
+            "0",
+            "--no-keep",
+            "--model-id",
+            &id,
+            "--peer",
+            &peer,
+            "--remote-exec",
+            "always",
+            "--peer-timeout",
+            "5",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("stormo runs");
+    let out = crate::node::wait_bounded(child, Duration::from_secs(120));
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success(), "it generated from a liar: {stdout}");
+    assert!(
+        stdout.trim().is_empty(),
+        "tokens shown: {stdout:?}\n{stderr}"
+    );
+    assert!(
+        stderr.contains(&liar.key.public().to_string()[..8])
+            && stderr.contains("no peer could supply"),
+        "{stderr}"
+    );
+    assert!(execs(&liar) >= 1, "no call was made: {stderr}");
+}
+
 /// Issue 39 (c): a peer that stalls, or resets the stream mid-call, costs a failed call (the
 /// stall its time-out), and the expert is fetched and computed here: exact ids.
 #[test]

@@ -614,12 +614,21 @@ impl TieredExperts {
                 }
                 continue;
             }
-            let found = sh.size(k).ok_or("no such expert").and_then(|len| {
-                let tier = sh
-                    .first_tier(k, 0)
-                    .ok_or("no tier holds it (not on local disk, and no peer serves it)")?;
-                Ok((len, tier))
-            });
+            let found = sh
+                .size(k)
+                .ok_or_else(|| "no such expert".to_string())
+                .and_then(|len| {
+                    let tier = sh.first_tier(k, 0).ok_or_else(|| {
+                        let why: Vec<String> =
+                            sh.tiers.iter().filter_map(|t| t.why_not(k)).collect();
+                        if why.is_empty() {
+                            "no tier holds it (not on local disk, and no peer serves it)".into()
+                        } else {
+                            format!("no tier holds it: {}", why.join("; "))
+                        }
+                    })?;
+                    Ok((len, tier))
+                });
             let (len, tier) = match found {
                 Ok(found) => found,
                 Err(reason) => {
@@ -952,6 +961,50 @@ mod tests {
         let e = cache.fetch(0, &[2], &mut out).unwrap_err().to_string();
         assert_eq!(e, "expert 2 of layer 0: no peer could supply it");
         assert!(out.is_empty());
+    }
+
+    /// An expert no tier holds is named with what the tiers say of it (a source dropped);
+    /// with nothing said, the plain reason.
+    #[test]
+    fn an_unheld_expert_names_why_the_tiers_do_not_hold_it() {
+        #[derive(Debug)]
+        struct Dropped(Option<&'static str>);
+        impl Tier for Dropped {
+            fn name(&self) -> &str {
+                "peer"
+            }
+            fn holds(&self, _: ExpertId) -> bool {
+                false
+            }
+            fn load(&self, keys: &[ExpertId], p: Priority, done: Completion) {
+                Refusing.load(keys, p, done)
+            }
+            fn why_not(&self, _: ExpertId) -> Option<String> {
+                self.0.map(str::to_string)
+            }
+        }
+        for (why, want) in [
+            (
+                Some("peer x was dropped"),
+                "expert 1 of layer 0: no tier holds it: peer x was dropped",
+            ),
+            (
+                None,
+                "expert 1 of layer 0: no tier holds it (not on local disk, and no peer serves it)",
+            ),
+        ] {
+            let cache = TieredExperts::new(
+                vec![Arc::new(Dropped(why))],
+                vec![vec![64; 4]],
+                1,
+                &TierConfig::default(),
+            );
+            let e = cache
+                .fetch(0, &[1], &mut Vec::new())
+                .unwrap_err()
+                .to_string();
+            assert_eq!(e, want);
+        }
     }
 
     /// Regression: a request whose second expert no tier holds failed before it started the

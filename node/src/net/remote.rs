@@ -22,7 +22,9 @@
 //! computed with the engine's kernels on the same rows ([`ExpertSchema::compute`], the code a serving
 //! peer runs) and compared bit for bit. The verdict goes to the policy as an inline check's
 //! does (a disagreeing peer is banned as soon as it is known), and to the step the answer
-//! belongs to, which the generation reads with [`ExpertExecutor::settle`]. The check's thread
+//! belongs to, which the generation reads with [`ExpertExecutor::settle`]. A check that cannot
+//! be made (the expert can be had nowhere verified) fails its step as a disagreement does,
+//! and the peer is not asked again this session. The check's thread
 //! holds the expert only while it computes, so it never keeps a full RAM cache from the
 //! engine's own loads.
 //!
@@ -367,13 +369,21 @@ impl RemoteExperts {
                     agree
                 }
                 Err(e) => {
-                    // As an answer not drawn for a check: used, unchecked.
+                    // An answer drawn for a check that cannot be made is not used: a peer
+                    // whose expert can be had nowhere verified (it serves corrupt bytes, say)
+                    // would otherwise have its first answer used unchecked. Its step is made
+                    // again without it; costing time, never a token.
                     tracing::warn!(
                         "remote execution: a deferred spot-check of expert {} (peer {name}) \
-                         could not be made: {e}; its answer stays unchecked",
+                         could not be made: {e}; its answer is not used (the step is made \
+                         again) and the peer is not asked again this session",
                         c.id
                     );
-                    true
+                    policy
+                        .lock()
+                        .expect("remote policy lock")
+                        .unverifiable(c.peer);
+                    false
                 }
             };
             let mut s = deferred.lock();

@@ -491,6 +491,14 @@ impl RemotePolicy {
         self.stats.deferred_checks += 1;
     }
 
+    /// An answer of `peer` drawn for a spot-check could not be checked (its expert could not
+    /// be had here): it is not used, and the peer is asked nothing more this session, since
+    /// an answer that cannot be checked is worth no more than a wrong one.
+    pub fn unverifiable(&mut self, peer: usize) {
+        self.stats.failures += 1;
+        self.executor(peer).banned = Some("an answer of its could not be spot-checked".into());
+    }
+
     /// What the engine found about an answer of `peer`: a disagreeing spot-check or a
     /// malformed answer bans it for the session.
     pub fn verdict(&mut self, peer: usize, v: Verdict) {
@@ -839,6 +847,11 @@ mod tests {
             (s.spot_checks, s.spot_check_failures, s.failures),
             (2, 1, 4)
         );
+        // An answer that could not be checked bans its peer too.
+        p.unverifiable(2);
+        assert!(!p.usable(2, later));
+        assert!(p.banned(2).is_some_and(|why| why.contains("could not")));
+        assert_eq!(p.stats().failures, 5);
     }
 
     /// The pause doubles and stops at the maximum.

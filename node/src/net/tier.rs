@@ -2643,6 +2643,24 @@ impl Tier for PeerTier {
         self.inner.retried.load(Ordering::Relaxed)
     }
 
+    fn why_not(&self, id: ExpertId) -> Option<String> {
+        let dropped: Vec<String> = self
+            .inner
+            .peers()
+            .iter()
+            .filter_map(|p| {
+                let s = p.state();
+                let held = s.inventory.is_none() || s.holds(id) || s.offers(id);
+                let why = s.banned.as_ref().filter(|_| held && !s.removed)?;
+                Some(format!(
+                    "peer {} held it but was dropped this session: {why}",
+                    p.addr
+                ))
+            })
+            .collect();
+        (!dropped.is_empty()).then(|| dropped.join("; "))
+    }
+
     fn load(&self, keys: &[ExpertId], priority: Priority, done: Completion) {
         for &key in keys {
             let inner = self.inner.clone();
