@@ -640,7 +640,7 @@ impl TieredExperts {
                     return Err(Error::Expert {
                         layer,
                         expert: e,
-                        reason: reason.into(),
+                        reason,
                     });
                 }
             };
