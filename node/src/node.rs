@@ -854,13 +854,17 @@ fn own_manifest(dir: &Path, manifest: Option<&Path>) -> anyhow::Result<(Manifest
 /// pull` pins the model id it was pulled for (its manifest was accepted then), and experts
 /// kept earlier for this model in the state directory (by a serving node, or `stormo pull
 /// --experts`) are used, read-only unless keeping was asked for.
+///
+/// The pin is taken only by a node that checks experts against the manifest (one that dials,
+/// keeps or listens): a folder pulled with its experts runs alone as any checkpoint does.
 fn adopt_pulled_and_kept(cfg: &mut NodeConfig) -> anyhow::Result<()> {
+    let discovering = cfg.swarm.as_ref().is_some_and(|s| s.discover.is_on());
+    let listens = cfg.listen.is_some();
     let p = &mut cfg.peers;
-    if let Some(pulled) = net::pull::Pulled::read(&cfg.model)? {
-        if p.model_id.is_none() && p.trust.is_empty() {
-            p.model_id = pulled.model_id.parse().ok();
-        }
-    }
+    let pinned: Option<Hash> = match net::pull::Pulled::read(&cfg.model)? {
+        Some(pulled) if p.model_id.is_none() && p.trust.is_empty() => pulled.model_id.parse().ok(),
+        _ => None,
+    };
     if p.keep.is_none() {
         let bin = ManifestPaths::resolve(&cfg.model, p.manifest.as_deref()).bin;
         if let Ok(bytes) = std::fs::read(&bin) {
@@ -869,7 +873,8 @@ fn adopt_pulled_and_kept(cfg: &mut NodeConfig) -> anyhow::Result<()> {
                 .experts
                 .join(id.to_hex());
             let any = std::fs::read_dir(&kept).is_ok_and(|mut d| d.next().is_some());
-            if any && (p.model_id == Some(id) || !p.trust.is_empty()) {
+            let trusted = p.model_id.or(pinned) == Some(id) || !p.trust.is_empty();
+            if any && trusted {
                 tracing::info!("using the experts kept in {}", kept.display());
                 p.keep = Some(crate::config::KeepConfig {
                     dir: None,
@@ -877,6 +882,10 @@ fn adopt_pulled_and_kept(cfg: &mut NodeConfig) -> anyhow::Result<()> {
                 });
             }
         }
+    }
+    let checks = !p.peers.is_empty() || discovering || p.keep.is_some() || listens;
+    if checks && pinned.is_some() {
+        p.model_id = pinned;
     }
     Ok(())
 }

@@ -1712,6 +1712,31 @@ fn pull_with_experts_gives_a_complete_folder_that_runs_and_serves() {
     let want = r.ids("generated_ids");
     let (got, _) = greedy_ids(&model, &r.ids("input_ids"), want.len());
     assert_eq!(got, want, "ids from the pulled folder alone");
+    // So does `stormo run` on it, with no peer: the model id the folder pins is for checking
+    // experts from peers, and here there are none (it refused the folder before).
+    let st = crate::node::state();
+    let prompt: Vec<String> = r.ids("input_ids").iter().map(u32::to_string).collect();
+    let n = want.len().to_string();
+    let v: serde_json::Value = serde_json::from_str(&crate::node::stormo(&[
+        "run",
+        "--model",
+        crate::node::s(out.path()),
+        "--prompt-ids",
+        &prompt.join(","),
+        "--max-new-tokens",
+        &n,
+        "--json",
+        "--state-dir",
+        crate::node::s(st.path()),
+    ]))
+    .expect("run --json");
+    let ids: Vec<u32> = v["generated_ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect();
+    assert_eq!(ids, want, "stormo run on the pulled folder alone");
     // And serves every expert.
     let (h, _e) = serve::open_holdings(out.path(), None, &expert_args(), None)
         .expect("holdings of the pulled folder");
