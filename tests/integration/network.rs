@@ -1730,12 +1730,7 @@ fn pull_with_experts_gives_a_complete_folder_that_runs_and_serves() {
         crate::node::s(st.path()),
     ]))
     .expect("run --json");
-    let ids: Vec<u32> = v["generated_ids"]
-        .as_array()
-        .expect("ids")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect();
+    let ids: Vec<u32> = serde_json::from_value(v["generated_ids"].clone()).expect("ids");
     assert_eq!(ids, want, "stormo run on the pulled folder alone");
     // And serves every expert.
     let (h, _e) = serve::open_holdings(out.path(), None, &expert_args(), None)

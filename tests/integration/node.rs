@@ -114,6 +114,17 @@ pub(crate) fn stormo(args: &[&str]) -> String {
 }
 
 fn stormo_with_input(args: &[&str], input: Option<&str>) -> String {
+    let out = stormo_output(args, input);
+    assert!(
+        out.status.success(),
+        "stormo {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 stdout")
+}
+
+/// Runs `stormo ARGS` (with `input` on its stdin) to its end, bounded, however it ends.
+pub(crate) fn stormo_output(args: &[&str], input: Option<&str>) -> std::process::Output {
     let mut child = Command::new(stormo_exe())
         .args(args)
         .stdin(if input.is_some() {
@@ -129,16 +140,10 @@ fn stormo_with_input(args: &[&str], input: Option<&str>) -> String {
         let mut stdin = child.stdin.take().expect("stdin");
         stdin.write_all(text.as_bytes()).expect("write stdin");
     }
-    let out = wait_bounded(child, Duration::from_secs(180));
-    assert!(
-        out.status.success(),
-        "stormo {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8 stdout")
+    wait_bounded(child, Duration::from_secs(180))
 }
 
-pub(crate) fn wait_bounded(mut child: Child, within: Duration) -> std::process::Output {
+fn wait_bounded(mut child: Child, within: Duration) -> std::process::Output {
     let until = Instant::now() + within;
     loop {
         if child.try_wait().expect("wait").is_some() {

@@ -49,24 +49,8 @@ fn run_remote(
 ) -> (Vec<u64>, Value) {
     let st = state();
     let n = N.to_string();
-    let mut args = vec![
-        "run",
-        "--model",
-        s(model),
-        "--no-local-experts",
-        "--prompt-ids",
-        prompt,
-        "--max-new-tokens",
-        &n,
-        "--json",
-        "--state-dir",
-        s(st.path()),
-        "--expert-cache",
-        "0",
-        "--no-keep",
-        "--model-id",
-        id,
-    ];
+    let mut args = remote_args(model, id, prompt, &n, st.path());
+    args.push("--json");
     for p in peers {
         args.extend(["--peer", p.as_str()]);
     }
@@ -79,6 +63,34 @@ fn run_remote(
         .map(|x| x.as_u64().expect("id"))
         .collect();
     (ids, v["experts"].clone())
+}
+
+/// `stormo run --no-local-experts` of `n` tokens on `model` (model id `id`), its state in
+/// `st`, no expert cached or kept: every expert comes from peers.
+fn remote_args<'a>(
+    model: &'a Path,
+    id: &'a str,
+    prompt: &'a str,
+    n: &'a str,
+    st: &'a Path,
+) -> Vec<&'a str> {
+    vec![
+        "run",
+        "--model",
+        s(model),
+        "--no-local-experts",
+        "--prompt-ids",
+        prompt,
+        "--max-new-tokens",
+        n,
+        "--state-dir",
+        s(st),
+        "--expert-cache",
+        "0",
+        "--no-keep",
+        "--model-id",
+        id,
+    ]
 }
 
 fn num(j: &Value, k: &str) -> u64 {
@@ -207,13 +219,13 @@ fn a_lying_executor_is_caught_by_spot_checks_and_the_ids_stay_exact() {
 }
 
 /// The only peer computes wrong and serves no expert's bytes, so no spot-check of its answers
-/// can be made (as with a peer serving corrupt bytes: the expert is verified nowhere): with checks deferred (the default) its
-/// answers must not be used unchecked. The run fails naming the peer, and prints no token (it printed a wrong one before: an answer whose check could not be made stayed
-/// used).
+/// can be made (as with a peer serving corrupt bytes: the expert is verified nowhere). With
+/// checks deferred (the default) its answers must not be used unchecked: the run fails naming
+/// the peer and prints no token. Before, an answer whose check could not be made stayed used,
+/// and this run printed four wrong tokens and exited 0.
 #[test]
 fn an_executor_whose_answers_cannot_be_checked_shows_no_token() {
-    // One layer: the prefill's answers are used (and a token made) before a check's fetch
-    // finds the bytes corrupt.
+    // One layer, so that a used answer makes a token at once.
     let m = crate::faults::multi_chunk_model();
     let (dir, id, prompt) = (&m.dir, m.id.to_string(), "1,2,3");
     let liar = HostilePeer::start_scripted(
@@ -225,35 +237,16 @@ fn an_executor_whose_answers_cannot_be_checked_shows_no_token() {
     );
     let st = state();
     let peer = line(&liar);
-    let child = std::process::Command::new(crate::demo::stormo_exe())
-        .args([
-            "run",
-            "--model",
-            s(dir.path()),
-            "--no-local-experts",
-            "--prompt-ids",
-            prompt,
-            "--max-new-tokens",
-            "4",
-            "--state-dir",
-            s(st.path()),
-            "--expert-cache",
-            "0",
-            "--no-keep",
-            "--model-id",
-            &id,
-            "--peer",
-            &peer,
-            "--remote-exec",
-            "always",
-            "--peer-timeout",
-            "5",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("stormo runs");
-    let out = crate::node::wait_bounded(child, Duration::from_secs(120));
+    let mut args = remote_args(dir.path(), &id, prompt, "4", st.path());
+    args.extend([
+        "--peer",
+        &peer,
+        "--remote-exec",
+        "always",
+        "--peer-timeout",
+        "5",
+    ]);
+    let out = crate::node::stormo_output(&args, None);
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),

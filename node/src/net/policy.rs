@@ -163,9 +163,14 @@ impl PeerView {
         !self.removed && self.banned.is_none()
     }
 
-    /// Whether it may supply `id`: it holds or offers it, or has not said what it holds.
+    /// Whether it may supply `id`: it is usable and [`announces`](Self::announces) it.
     pub fn may_supply(&self, id: ExpertId) -> bool {
-        self.usable() && (self.inventory.is_none() || self.holds(id) || self.offers(id))
+        self.usable() && self.announces(id)
+    }
+
+    /// Whether it holds or offers `id`, or has not said what it holds (usable or not).
+    pub fn announces(&self, id: ExpertId) -> bool {
+        self.inventory.is_none() || self.holds(id) || self.offers(id)
     }
 
     /// Whether it is waiting out a back-off at `now`.

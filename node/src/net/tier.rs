@@ -2650,8 +2650,10 @@ impl Tier for PeerTier {
             .iter()
             .filter_map(|p| {
                 let s = p.state();
-                let held = s.inventory.is_none() || s.holds(id) || s.offers(id);
-                let why = s.banned.as_ref().filter(|_| held && !s.removed)?;
+                let why = s
+                    .banned
+                    .as_ref()
+                    .filter(|_| s.announces(id) && !s.removed)?;
                 Some(format!(
                     "peer {} held it but was dropped this session: {why}",
                     p.addr
