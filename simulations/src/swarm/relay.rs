@@ -595,6 +595,11 @@ mod tests {
             }
         }
         assert_eq!(r.sessions.lock().unwrap().len(), 4, "a session per client");
+        // The pacer counts after its send returns, which may be after the echo arrived.
+        let t = Instant::now();
+        while r.counts().down_bytes < 80 && t.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let k = r.counts();
         assert_eq!((k.up_bytes, k.down_bytes), (80, 80));
         drop(r);
