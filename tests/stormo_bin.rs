@@ -3,5 +3,5 @@
 //! start nodes as processes of the binary they run in.
 
 fn main() -> std::process::ExitCode {
-    stormo_node::cli::main()
+    stormo_cli::cli::main()
 }

@@ -31,8 +31,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use serde_json::{json, Value};
+use stormo_cli::cmd::chat::load_text_model;
 use stormo_engine::LoadOptions;
-use stormo_node::cmd::chat::load_text_model;
 use stormo_node::config::{ExpertsConfig, NodeConfig};
 use stormo_node::http::{self, HttpConfig};
 use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};

@@ -26,12 +26,12 @@ use stormo_engine::moe::{expert_forward, ExpertData, ExpertProvider, ExpertScrat
 use stormo_engine::tiers::{Priority, Tier};
 use stormo_engine::ModelFiles;
 use stormo_manifests::{build, BuildOptions, ExpertId, SecretKey};
+use stormo_net::exec::ExecConfig;
+use stormo_net::serve::{self, ServeConfig};
+use stormo_net::tier::{PeerConfig, PeerTier};
+use stormo_net::tls::Admission;
+use stormo_net::PeerAddr;
 use stormo_node::config::{CacheBudget, ExpertsConfig};
-use stormo_node::net::exec::ExecConfig;
-use stormo_node::net::serve::{self, ServeConfig};
-use stormo_node::net::tier::{PeerConfig, PeerTier};
-use stormo_node::net::tls::Admission;
-use stormo_node::net::PeerAddr;
 use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 
 fn env(name: &str, default: usize) -> usize {
@@ -159,7 +159,7 @@ fn main() -> anyhow::Result<()> {
         hot_store: false,
         ..ExpertsConfig::default()
     };
-    let (holdings, _experts) = serve::open_holdings(&dir, None, &experts, None)?;
+    let (holdings, _experts) = stormo_node::experts::open_holdings(&dir, None, &experts, None)?;
     let handle = rt.block_on(async {
         serve::start(
             &server_key,

@@ -33,12 +33,12 @@ use stormo_engine::moe::{ExpertData, ExpertProvider};
 use stormo_engine::tiers::{ExpertId, Priority, Tier};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 use stormo_manifests::{build, BuildOptions, SecretKey};
+use stormo_net::serve::{self, ServeConfig};
+use stormo_net::tier::{PeerConfig, PeerTier};
+use stormo_net::tls::{self, Admission};
+use stormo_net::{self as net, PeerAddr};
 use stormo_node::config::{CacheBudget, ExpertsConfig};
 use stormo_node::experts::Experts;
-use stormo_node::net::serve::{self, ServeConfig};
-use stormo_node::net::tier::{PeerConfig, PeerTier};
-use stormo_node::net::tls::{self, Admission};
-use stormo_node::net::{self, PeerAddr};
 use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 
 fn env(name: &str, default: usize) -> usize {
@@ -230,7 +230,7 @@ fn main() -> anyhow::Result<()> {
     let server_key = SecretKey::from_seed(&[3; 32]);
     let client_key = SecretKey::from_seed(&[4; 32]);
     let (holdings, _experts) =
-        serve::open_holdings(&dir, None, &expert_args(CacheBudget::Auto), None)?;
+        stormo_node::experts::open_holdings(&dir, None, &expert_args(CacheBudget::Auto), None)?;
     let handle = rt.block_on(async {
         serve::start(
             &server_key,

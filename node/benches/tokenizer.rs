@@ -15,7 +15,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use stormo_node::chat::tokenizer::Tokenizer;
+use stormo_text::tokenizer::Tokenizer;
 
 fn stats(mut v: Vec<Duration>) -> (Duration, Duration) {
     v.sort();

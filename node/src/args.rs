@@ -1,6 +1,6 @@
 //! The command line's shared option groups (clap types live here and in each command's own
 //! file, never in library code): each resolves once into the typed configuration of
-//! [`crate::config`], which is all the library takes.
+//! [`stormo_node::config`], which is all the library takes.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -8,13 +8,13 @@ use std::time::Duration;
 
 use stormo_manifests::{Hash, PublicKey};
 
-use crate::chat::defaults::SamplingDefaults;
-use crate::config::{CacheBudget, ExpertsConfig, KeepConfig, PeersConfig};
-use crate::http::HttpConfig;
-use crate::net::remote_policy::{RemoteConfig, RemoteExec};
-use crate::net::tier::PeerConfig;
-use crate::net::PeerAddr;
-use crate::progress::{check_secs, parse_size, secs_arg, size_arg};
+use stormo_net::progress::{check_secs, parse_size, secs_arg, size_arg};
+use stormo_net::remote_policy::{RemoteConfig, RemoteExec};
+use stormo_net::tier::PeerConfig;
+use stormo_net::PeerAddr;
+use stormo_node::config::{CacheBudget, ExpertsConfig, KeepConfig, PeersConfig};
+use stormo_node::http::HttpConfig;
+use stormo_text::defaults::SamplingDefaults;
 
 /// Options for experts and their tiers.
 #[derive(Debug, Clone, clap::Args)]
@@ -81,7 +81,7 @@ impl ExpertArgs {
     pub fn state_dir(&self) -> PathBuf {
         self.state_dir
             .clone()
-            .unwrap_or_else(crate::config::default_state_dir)
+            .unwrap_or_else(stormo_node::config::default_state_dir)
     }
 }
 
@@ -245,7 +245,7 @@ pub struct HttpArgs {
     /// holds caches for, 1 to 4.
     #[arg(long, value_name = "N",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
-              .range(1..=crate::http::MAX_PARALLEL as u64))]
+              .range(1..=stormo_node::http::MAX_PARALLEL as u64))]
     pub parallel: Option<usize>,
     /// Largest request body accepted, in bytes (larger: HTTP 413).
     #[arg(long, default_value_t = 1 << 20, value_name = "BYTES")]
@@ -264,19 +264,19 @@ pub struct HttpArgs {
     /// past it the connection is closed (a body too slow: HTTP 408). At most 1e6.
     #[arg(
         long,
-        default_value_t = crate::http::DEFAULT_TIMEOUT.as_secs_f64(),
+        default_value_t = stormo_node::http::DEFAULT_TIMEOUT.as_secs_f64(),
         value_name = "SECS",
-        value_parser = crate::progress::secs_arg
+        value_parser = stormo_net::progress::secs_arg
     )]
     pub http_timeout: f64,
     /// Connections open at once; more are answered HTTP 503 and closed.
-    #[arg(long, default_value_t = crate::http::DEFAULT_MAX_CONNECTIONS, value_name = "N")]
+    #[arg(long, default_value_t = stormo_node::http::DEFAULT_MAX_CONNECTIONS, value_name = "N")]
     pub http_max_connections: usize,
     /// Connections one client IP address may have open at once; more from it are answered
     /// HTTP 503 and closed. At least 1; at or above --http-max-connections, only that cap
     /// applies. Behind a proxy every client has the proxy's address: raise it to
     /// --http-max-connections there.
-    #[arg(long, default_value_t = crate::http::DEFAULT_MAX_PER_CLIENT, value_name = "N")]
+    #[arg(long, default_value_t = stormo_node::http::DEFAULT_MAX_PER_CLIENT, value_name = "N")]
     pub http_max_per_client: usize,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (wrong or missing:
     /// HTTP 401). Also read from the STORMO_API_KEY environment variable, which, unlike a
@@ -299,9 +299,9 @@ pub struct HttpArgs {
     /// `[DONE]`) and exit. At most 1e6.
     #[arg(
         long,
-        default_value_t = crate::http::DEFAULT_SHUTDOWN_GRACE.as_secs_f64(),
+        default_value_t = stormo_node::http::DEFAULT_SHUTDOWN_GRACE.as_secs_f64(),
         value_name = "SECS",
-        value_parser = crate::progress::secs_arg
+        value_parser = stormo_net::progress::secs_arg
     )]
     pub shutdown_grace: f64,
 }
@@ -322,9 +322,9 @@ impl HttpArgs {
         let timeout =
             check_secs(self.http_timeout).map_err(|e| anyhow::anyhow!("--http-timeout: {e}"))?;
         anyhow::ensure!(
-            (1..=crate::http::MAX_CONNECTIONS).contains(&self.http_max_connections),
+            (1..=stormo_node::http::MAX_CONNECTIONS).contains(&self.http_max_connections),
             "--http-max-connections must be between 1 and {}",
-            crate::http::MAX_CONNECTIONS
+            stormo_node::http::MAX_CONNECTIONS
         );
         anyhow::ensure!(
             self.http_max_per_client >= 1,
@@ -358,7 +358,7 @@ impl HttpArgs {
                 })?;
                 let slot =
                     (cfg.num_layers * 2 * cfg.kv_dim() * 4) as u64 * self.http_context as u64;
-                crate::http::default_parallel(slot, crate::experts::mem_available())
+                stormo_node::http::default_parallel(slot, stormo_node::experts::mem_available())
             }
         };
         Ok(Some(
@@ -386,7 +386,7 @@ impl HttpArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::net::CONNECT_TIMEOUT;
+    use stormo_net::CONNECT_TIMEOUT;
 
     /// `--remote-exec` and `--spot-check` resolve into the peers' configuration (default
     /// auto and 0.05); a mode or share out of range is refused naming it.
@@ -486,13 +486,13 @@ mod tests {
             parallel: Some(1),
             http_max_body: 1 << 20,
             http_context: 4096,
-            http_timeout: crate::http::DEFAULT_TIMEOUT.as_secs_f64(),
-            http_max_connections: crate::http::DEFAULT_MAX_CONNECTIONS,
-            http_max_per_client: crate::http::DEFAULT_MAX_PER_CLIENT,
+            http_timeout: stormo_node::http::DEFAULT_TIMEOUT.as_secs_f64(),
+            http_max_connections: stormo_node::http::DEFAULT_MAX_CONNECTIONS,
+            http_max_per_client: stormo_node::http::DEFAULT_MAX_PER_CLIENT,
             api_key: None,
             allowed_host: Vec::new(),
             cors: Vec::new(),
-            shutdown_grace: crate::http::DEFAULT_SHUTDOWN_GRACE.as_secs_f64(),
+            shutdown_grace: stormo_node::http::DEFAULT_SHUTDOWN_GRACE.as_secs_f64(),
         }
     }
 
@@ -502,9 +502,15 @@ mod tests {
             .resolve(Path::new("m"))
             .expect("defaults")
             .expect("--http given");
-        assert_eq!(cfg.timeout, crate::http::DEFAULT_TIMEOUT);
-        assert_eq!(cfg.max_connections, crate::http::DEFAULT_MAX_CONNECTIONS);
-        assert_eq!(cfg.max_per_client, crate::http::DEFAULT_MAX_PER_CLIENT);
+        assert_eq!(cfg.timeout, stormo_node::http::DEFAULT_TIMEOUT);
+        assert_eq!(
+            cfg.max_connections,
+            stormo_node::http::DEFAULT_MAX_CONNECTIONS
+        );
+        assert_eq!(
+            cfg.max_per_client,
+            stormo_node::http::DEFAULT_MAX_PER_CLIENT
+        );
         for t in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e18] {
             let a = HttpArgs {
                 http_timeout: t,
@@ -515,7 +521,7 @@ mod tests {
                 .expect_err("a bad timeout is refused");
             assert!(e.to_string().contains("--http-timeout"), "{t}: {e}");
         }
-        for n in [0, crate::http::MAX_CONNECTIONS + 1, usize::MAX] {
+        for n in [0, stormo_node::http::MAX_CONNECTIONS + 1, usize::MAX] {
             let a = HttpArgs {
                 http_max_connections: n,
                 ..args()
@@ -534,8 +540,8 @@ mod tests {
         // Above the cap in all: accepted, and only that cap applies (see conn.rs).
         for n in [
             1,
-            crate::http::DEFAULT_MAX_CONNECTIONS,
-            crate::http::DEFAULT_MAX_CONNECTIONS + 1,
+            stormo_node::http::DEFAULT_MAX_CONNECTIONS,
+            stormo_node::http::DEFAULT_MAX_CONNECTIONS + 1,
             usize::MAX,
         ] {
             let a = HttpArgs {
@@ -573,4 +579,21 @@ mod tests {
             );
         }
     }
+}
+
+/// A clap value parser for `--congestion` that lists the choices in `--help`
+/// ([`stormo_net::tls::Congestion`] knows nothing of clap).
+pub fn congestion_arg() -> impl clap::builder::TypedValueParser<Value = stormo_net::tls::Congestion>
+{
+    use clap::builder::TypedValueParser as _;
+    use stormo_net::tls::Congestion;
+    clap::builder::PossibleValuesParser::new(
+        Congestion::ALL.map(|c| clap::builder::PossibleValue::new(c.name())),
+    )
+    .map(|s| {
+        Congestion::ALL
+            .into_iter()
+            .find(|c| c.name() == s)
+            .expect("the parser admits only these names")
+    })
 }

@@ -294,20 +294,7 @@ pub enum Command {
     Man(cmd::man::Args),
 }
 
-/// `e` as one line for the user: each cause after its context, except a cause the text
-/// already ends with (an error whose message includes its source, as many I/O errors with a
-/// path do, would otherwise repeat it).
-pub fn error_message(e: &anyhow::Error) -> String {
-    let mut msg = e.to_string();
-    for cause in e.chain().skip(1) {
-        let c = cause.to_string();
-        if !msg.ends_with(&c) {
-            msg.push_str(": ");
-            msg.push_str(&c);
-        }
-    }
-    msg
-}
+pub use stormo_net::error_message;
 
 /// The whole process: parses the arguments, sets up logging, runs the subcommand and prints
 /// its error, if any, on one line (the `stormo` binary's `main`).
@@ -444,7 +431,7 @@ mod tests {
     #[test]
     fn serve_paces_with_the_tolerant_controller_unless_told_otherwise() {
         use super::{Cli, Command};
-        use crate::net::tls::Congestion;
+        use stormo_net::tls::Congestion;
         assert_eq!(Congestion::default(), Congestion::Tolerant);
         let serve = |extra: &[&str]| {
             let mut argv = vec!["stormo", "serve", "--model", "m", "--listen", "127.0.0.1:0"];
@@ -458,7 +445,7 @@ mod tests {
         assert_eq!(serve(&["--congestion", "cubic"]), Congestion::Cubic);
         assert_eq!(serve(&["--congestion", "bbr"]), Congestion::Bbr);
         assert_eq!(
-            crate::net::serve::ServeConfig::default().congestion,
+            stormo_net::serve::ServeConfig::default().congestion,
             Congestion::Tolerant
         );
         #[cfg(feature = "lab")]

@@ -3,5 +3,5 @@
 #![forbid(unsafe_code)]
 
 fn main() -> std::process::ExitCode {
-    stormo_node::cli::main()
+    stormo_cli::cli::main()
 }

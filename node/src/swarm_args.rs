@@ -12,10 +12,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
-use stormo_manifests::{Membership, PublicKey, SecretKey};
+use stormo_manifests::{PublicKey, SecretKey};
 
-use crate::discover::{dht::DhtConfig, lan::LanConfig, DiscoverConfig, Source};
-use crate::net::tls::{Admission, Identity, RevokedList, SwarmAdmission};
+use stormo_net::discover::{dht::DhtConfig, lan::LanConfig, DiscoverConfig, Source};
+pub use stormo_net::swarm::{MembershipConfig, SwarmConfig};
+use stormo_net::tls::RevokedList;
 
 /// Swarm membership and discovery options.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -54,26 +55,6 @@ pub struct SwarmArgs {
     pub dht_listen: Option<SocketAddr>,
 }
 
-/// The resolved swarm options.
-#[derive(Clone, Debug, Default)]
-pub struct SwarmConfig {
-    /// The swarm and this node's place in it, if `--swarm`.
-    pub membership: Option<MembershipConfig>,
-    /// Which discovery sources to run.
-    pub discover: DiscoverConfig,
-}
-
-/// A node's swarm: the swarm key, its certificate, the revocation list.
-#[derive(Clone, Debug)]
-pub struct MembershipConfig {
-    /// The swarm key.
-    pub swarm: PublicKey,
-    /// This node's certificate (checked at start: this swarm, this node's key, valid now).
-    pub cert: Membership,
-    /// The revoked keys, re-read when the file changes.
-    pub revoked: Option<Arc<RevokedList>>,
-}
-
 impl SwarmArgs {
     /// Checks and loads the options for the node whose key is `node` at `now` (Unix seconds):
     /// the swarm key parses, the certificate file is one, is for that swarm and this node's
@@ -85,7 +66,7 @@ impl SwarmArgs {
                 let swarm: PublicKey = swarm
                     .parse()
                     .map_err(|e| anyhow::anyhow!("--swarm {swarm:?}: not a swarm key ({e})"))?;
-                let cert = crate::cmd::swarm::read_cert(cert_path).context("--cert")?;
+                let cert = stormo_net::identity::read_cert(cert_path).context("--cert")?;
                 let revoked = match &self.revoked {
                     Some(p) => Some(Arc::new(RevokedList::load(p)?)),
                     None => None,
@@ -193,51 +174,22 @@ pub fn resolve_for_node(
         return Ok(None);
     }
     let secret = match key {
-        Some(k) => crate::cmd::key::load_secret_key(k).context("--key")?,
+        Some(k) => stormo_net::identity::load_secret_key(k).context("--key")?,
         None if args.cert.is_some() => {
             anyhow::bail!("--cert needs --key: the certificate names this node's key")
         }
         None => SecretKey::generate(),
     };
-    args.resolve(&secret, crate::cmd::swarm::unix_now()?)
+    args.resolve(&secret, stormo_net::identity::unix_now()?)
         .map(Some)
-}
-
-impl SwarmConfig {
-    /// This node's handshake identity: its key, and its certificate in a swarm.
-    pub fn identity<'a>(&'a self, secret: &'a SecretKey) -> Identity<'a> {
-        Identity {
-            secret,
-            membership: self.membership.as_ref().map(|m| &m.cert),
-        }
-    }
-
-    /// Whom this node admits: the swarm's members (if `--swarm`) and the keys of `allow`
-    /// (`--allow`, `--allow-file`), or anyone (`--allow-any`).
-    pub fn admission(&self, allow: &[PublicKey], allow_any: bool) -> Admission {
-        let keys: HashSet<[u8; 32]> = allow.iter().map(|k| *k.as_bytes()).collect();
-        match &self.membership {
-            None if allow_any => Admission::Any,
-            None => Admission::Keys(keys),
-            Some(m) => Admission::Swarm(Arc::new(SwarmAdmission {
-                swarm: m.swarm,
-                allow: keys,
-                allow_any,
-                revoked: m.revoked.clone(),
-            })),
-        }
-    }
-
-    /// The swarm key, if any (what discovery derives its topics from).
-    pub fn swarm(&self) -> Option<PublicKey> {
-        self.membership.as_ref().map(|m| m.swarm)
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
+    use stormo_manifests::Membership;
+    use stormo_net::tls::Admission;
 
     #[derive(Debug, Parser)]
     struct T {

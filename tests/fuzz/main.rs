@@ -392,7 +392,7 @@ fn fuzz_config_json() {
 #[test]
 fn fuzz_tokenizer_json() {
     let ok = fuzz("tokenizer", |b| {
-        stormo_node::chat::tokenizer::Tokenizer::from_json(b).is_ok()
+        stormo_text::tokenizer::Tokenizer::from_json(b).is_ok()
     });
     assert!(ok > 0, "no seed tokenizer loads");
 }

@@ -11,15 +11,15 @@ use std::sync::{Arc, OnceLock};
 
 use serde_json::Value;
 use stormo_engine::Family;
-use stormo_node::chat::chatml::{self, ChatMl};
-use stormo_node::chat::harmony::{
+use stormo_tests::fixture;
+use stormo_text::chatml::{self, ChatMl};
+use stormo_text::harmony::{
     self, Content, DeveloperContent, Harmony, Message, ReasoningEffort, RenderOptions, Role,
     StreamEvent, SystemContent,
 };
-use stormo_node::chat::{
+use stormo_text::{
     ChatFormat, OutputDelta, PromptOptions, StreamDecoder, Tokenizer, Turn, TurnRole,
 };
-use stormo_tests::fixture;
 
 fn o200k_dir() -> PathBuf {
     fixture("o200k-harmony")
@@ -868,8 +868,8 @@ mod sessions {
 
     use stormo_engine::sampling::SamplingParams;
     use stormo_engine::{LoadOptions, Model};
-    use stormo_node::chat::session::{ChatSession, FinishReason, GenerateOptions, SessionError};
     use stormo_tests::fixture;
+    use stormo_text::session::{ChatSession, FinishReason, GenerateOptions, SessionError};
 
     use super::Gen;
 
@@ -1132,7 +1132,7 @@ mod sessions {
 #[test]
 fn chat_answers_piped_turns_and_reports_reuse() {
     use clap::Parser;
-    use stormo_node::cmd::chat::{converse, Args};
+    use stormo_cli::cmd::chat::{converse, Args};
 
     #[derive(Parser)]
     struct Wrap {
@@ -1247,7 +1247,7 @@ fn run_prompt_renders_harmony_and_generates_as_prompt_ids() {
     let prompt = ids_of(&v["prompt_ids"]);
     let format =
         ChatFormat::for_family(Family::GptOss, o200k().clone()).expect("o200k fits Harmony");
-    let popts = stormo_node::cmd::chat::prompt_options("medium", false).expect("options");
+    let popts = stormo_cli::cmd::chat::prompt_options("medium", false).expect("options");
     let want = format
         .render_prompt(&[Turn::new(TurnRole::User, text)], &popts)
         .expect("render");

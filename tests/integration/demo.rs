@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use serde_json::Value;
-use stormo_node::cli::{dispatch, Cli};
+use stormo_cli::cli::{dispatch, Cli};
 use stormo_tests::fixture;
 
 /// The stormo binary built in this package.

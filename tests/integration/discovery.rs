@@ -99,7 +99,10 @@ fn five_nodes_on_a_loopback_dht_find_each_other_and_a_sixth_generates_exactly() 
             "--expert-cache",
             "0",
         ];
-        nodes.push(Proc::start_logging(&args, Some("warn,stormo_node=info")));
+        nodes.push(Proc::start_logging(
+            &args,
+            Some("warn,stormo_node=info,stormo_net=info"),
+        ));
     }
     // Each finds the other four (lookups every 2, 4, 8... s at first).
     let until = Instant::now() + Duration::from_secs(120);

@@ -11,12 +11,12 @@ use std::time::{Duration, Instant};
 use stormo_engine::moe::{expert_forward, ExpertData, ExpertProvider, ExpertScratch};
 use stormo_engine::ModelFiles;
 use stormo_manifests::{build, BuildOptions, ExpertId, Hash, SecretKey};
+use stormo_net::exec::{ExecConfig, ExecError};
+use stormo_net::serve::{self, Holdings, ServeConfig, ServerHandle};
+use stormo_net::tier::{ExecRequest, PeerConfig, PeerTier, EXEC_IN_FLIGHT};
+use stormo_net::tls::Admission;
+use stormo_net::{self as net, PeerAddr};
 use stormo_node::config::ExpertsConfig;
-use stormo_node::net::exec::{ExecConfig, ExecError};
-use stormo_node::net::serve::{self, Holdings, ServeConfig, ServerHandle};
-use stormo_node::net::tier::{ExecRequest, PeerConfig, PeerTier, EXEC_IN_FLIGHT};
-use stormo_node::net::tls::Admission;
-use stormo_node::net::{self, PeerAddr};
 use stormo_tests::MODEL_FIXTURES;
 
 use crate::hostile::{ExecAnswer, ExecScript, HostilePeer, Observed};
@@ -137,7 +137,8 @@ fn local(dir: &Path, id: ExpertId, xs: &[f32]) -> Vec<f32> {
     let schema = files.layout.schemas[id.layer as usize]
         .clone()
         .expect("an expert layer");
-    let (h, _e) = serve::open_holdings(dir, None, &expert_args(), None).expect("holdings");
+    let (h, _e) =
+        stormo_node::experts::open_holdings(dir, None, &expert_args(), None).expect("holdings");
     let mut out = Vec::new();
     h.experts
         .fetch(id.layer as usize, &[id.expert as usize], &mut out)
@@ -196,7 +197,8 @@ fn shape(dir: &Path) -> (Vec<u16>, u16, usize) {
 fn exec_answers_bit_identical_rows() {
     for name in MODEL_FIXTURES {
         let (dir, id) = setup(name);
-        let (h, _e) = serve::open_holdings(dir.path(), None, &expert_args(), None).expect("h");
+        let (h, _e) =
+            stormo_node::experts::open_holdings(dir.path(), None, &expert_args(), None).expect("h");
         let server = Server::start(h, &[1], ExecConfig::default());
         let t = tier(dir.path(), id, 1, &server);
         let (layers, per, hidden) = shape(dir.path());
@@ -289,7 +291,8 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 #[test]
 fn exec_beyond_the_limits_is_busy_and_the_rest_is_answered() {
     let (dir, id) = setup("gptoss-tiny-mxfp4");
-    let (mut h, _e) = serve::open_holdings(dir.path(), None, &expert_args(), None).expect("h");
+    let (mut h, _e) =
+        stormo_node::experts::open_holdings(dir.path(), None, &expert_args(), None).expect("h");
     let gate = Arc::new(Gate {
         inner: h.experts.clone(),
         open: Mutex::new(false),
@@ -358,7 +361,8 @@ fn exec_beyond_the_limits_is_busy_and_the_rest_is_answered() {
     assert_eq!(stats.answered.load(Ordering::SeqCst), 4);
 
     // A node with no exec threads refuses.
-    let (h, _e2) = serve::open_holdings(dir.path(), None, &expert_args(), None).expect("h");
+    let (h, _e2) =
+        stormo_node::experts::open_holdings(dir.path(), None, &expert_args(), None).expect("h");
     let off = Server::start(
         h,
         &[1],
@@ -409,7 +413,8 @@ fn hostile_exec_requests_are_refused_and_the_node_is_unharmed() {
     let (dir, id) = setup("qwen3moe-tiny");
     let (layers, per, hidden) = shape(dir.path());
     // Serves only expert 0 of each layer.
-    let (h, _e) = serve::open_holdings(dir.path(), None, &expert_args(), Some("0")).expect("h");
+    let (h, _e) = stormo_node::experts::open_holdings(dir.path(), None, &expert_args(), Some("0"))
+        .expect("h");
     let server = Server::start(h, &[1], ExecConfig::default());
     let exec = |expert: ExpertId, positions: u32, len: usize, model: Hash| {
         // Hand-encoded, past the encoder's checks.

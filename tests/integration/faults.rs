@@ -15,11 +15,11 @@ use stormo_engine::moe::ExpertData;
 use stormo_engine::tiers::{ExpertId, Priority, Tier, TierConfig, TieredExperts};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 use stormo_manifests::{build, BuildOptions, Hash, ManifestSignature, SecretKey};
+use stormo_net::serve::{self, ServeConfig, ServerHandle};
+use stormo_net::tier::{PeerConfig, PeerTier};
+use stormo_net::tls::Admission;
+use stormo_net::{self as net, PeerAddr};
 use stormo_node::config::{CacheBudget, ExpertsConfig, PeersConfig};
-use stormo_node::net::serve::{self, ServeConfig, ServerHandle};
-use stormo_node::net::tier::{PeerConfig, PeerTier};
-use stormo_node::net::tls::Admission;
-use stormo_node::net::{self, PeerAddr};
 use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 use stormo_tests::{fixture, Reference};
 
@@ -98,7 +98,7 @@ fn expert_args(cache: &str) -> ExpertsConfig {
         cache: if cache == "auto" {
             CacheBudget::Auto
         } else {
-            CacheBudget::Bytes(stormo_node::progress::parse_size(cache).expect("a size"))
+            CacheBudget::Bytes(stormo_net::progress::parse_size(cache).expect("a size"))
         },
         io_threads: 2,
         hot_store: false,
@@ -121,7 +121,8 @@ impl Node {
     fn start_at(seed: u8, dir: &Path, cache: &str, cfg: ServeConfig, at: &str) -> Self {
         let key = SecretKey::from_seed(&[seed; 32]);
         let (h, _experts) =
-            serve::open_holdings(dir, None, &expert_args(cache), None).expect("holdings");
+            stormo_node::experts::open_holdings(dir, None, &expert_args(cache), None)
+                .expect("holdings");
         let rt = runtime();
         let handle = rt
             .block_on(async { serve::start(&key, at.parse().expect("address"), Arc::new(h), cfg) })
@@ -137,7 +138,8 @@ impl Node {
     fn start_slow(seed: u8, dir: &Path, delay: Duration) -> Self {
         let key = SecretKey::from_seed(&[seed; 32]);
         let (h, _experts) =
-            serve::open_holdings(dir, None, &expert_args("auto"), None).expect("holdings");
+            stormo_node::experts::open_holdings(dir, None, &expert_args("auto"), None)
+                .expect("holdings");
         let h = serve::Holdings {
             experts: Arc::new(Slow {
                 inner: h.experts.clone(),
@@ -484,7 +486,8 @@ fn serve_refuses_a_manifest_whose_own_signature_fails() {
     let m = fixture_copy("qwen3moe-tiny");
     let sig_path = m.dir.path().join("stormo-manifest.sig");
     let good = std::fs::read(&sig_path).expect("signature");
-    serve::open_holdings(m.dir.path(), None, &expert_args("auto"), None).expect("a good one");
+    stormo_node::experts::open_holdings(m.dir.path(), None, &expert_args("auto"), None)
+        .expect("a good one");
     let other = {
         let mut man = stormo_manifests::read_manifest(&m.dir.path().join("stormo-manifest.bin"))
             .expect("manifest")
@@ -499,7 +502,7 @@ fn serve_refuses_a_manifest_whose_own_signature_fails() {
     flipped[last] ^= 1;
     for (what, bytes) in [("damaged", flipped), ("another manifest's", other)] {
         std::fs::write(&sig_path, bytes).expect("write");
-        let e = serve::open_holdings(m.dir.path(), None, &expert_args("auto"), None)
+        let e = stormo_node::experts::open_holdings(m.dir.path(), None, &expert_args("auto"), None)
             .map(|_| ())
             .expect_err(what);
         let e = format!("{e:#}");
@@ -509,7 +512,8 @@ fn serve_refuses_a_manifest_whose_own_signature_fails() {
         );
     }
     std::fs::remove_file(&sig_path).expect("remove");
-    serve::open_holdings(m.dir.path(), None, &expert_args("auto"), None).expect("none at all");
+    stormo_node::experts::open_holdings(m.dir.path(), None, &expert_args("auto"), None)
+        .expect("none at all");
 }
 
 /// Mutation (d): a `--logits-out` file of zeros passed the CLI test naming it. The file
@@ -817,7 +821,7 @@ fn fault_unknown_key_is_refused_within_the_connect_timeout() {
 #[test]
 fn fault_an_expired_membership_is_refused_by_the_server_in_the_handshake() {
     use stormo_manifests::Membership;
-    use stormo_node::net::tls::SwarmAdmission;
+    use stormo_net::tls::SwarmAdmission;
 
     let m = fixture_copy("qwen3moe-tiny");
     let owner = SecretKey::from_seed(&[77; 32]);

@@ -1,5 +1,5 @@
 //! A scriptable hostile peer: a QUIC server on 127.0.0.1 that speaks stormo's wire protocol by
-//! hand (Hello, Inventory, Data, End) instead of through `stormo_node::net::serve`, answers
+//! hand (Hello, Inventory, Data, End) instead of through `stormo_net::serve`, answers
 //! each expert request as a test's [`Script`] says (honestly, with a corrupt chunk, silently,
 //! or with raw bytes), and records what it observed: the ranges requested and whether the
 //! requester cut an answer short. Shared by the fault tests (`faults.rs`).
@@ -15,10 +15,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use stormo_manifests::{ExpertId, SecretKey};
+use stormo_net::serve::{self, Holdings};
+use stormo_net::tls::{self, Admission, Congestion};
+use stormo_net::{self as net, FramedRecv, PeerAddr};
 use stormo_node::config::ExpertsConfig;
-use stormo_node::net::serve::{self, Holdings};
-use stormo_node::net::tls::{self, Admission, Congestion};
-use stormo_node::net::{self, FramedRecv, PeerAddr};
 use stormo_wire::{
     data_frame_prefix, End, Hello, Inventory, Limits, Message, NodeId, RequestId, PROTOCOL_VERSION,
 };
@@ -153,7 +153,7 @@ impl HostilePeer {
     ) -> Self {
         let key = SecretKey::from_seed(&[seed; 32]);
         let (holdings, _experts) =
-            serve::open_holdings(dir, None, &expert_args(), None).expect("holdings");
+            stormo_node::experts::open_holdings(dir, None, &expert_args(), None).expect("holdings");
         let chunk = u64::from(holdings.manifest.chunk_size);
         let state = Arc::new(State {
             key: NodeId(*key.public().as_bytes()),

@@ -12,11 +12,11 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use stormo_node::chat::{PromptOptions, Turn, TurnRole};
-use stormo_node::cmd::chat::{load_text_model, TextModel};
+use stormo_cli::cmd::chat::{load_text_model, TextModel};
 use stormo_node::config::{ExpertsConfig, NodeConfig};
 use stormo_node::http::{self, HttpConfig, HttpServer};
 use stormo_tests::fixture;
+use stormo_text::{PromptOptions, Turn, TurnRole};
 
 /// A synthetic model folder (the same model on every call: the seed is fixed), removed when
 /// the returned handle drops. Each test writes its own (a fraction of a second) rather than

@@ -2,6 +2,7 @@
 
 mod batch;
 mod chat;
+mod crates;
 mod demo;
 mod discovery;
 mod exec;

@@ -406,10 +406,10 @@ fn signature_failures_on_real_manifests_are_distinct() {
 }
 
 fn stormo(args: &[&str]) -> anyhow::Result<()> {
-    let cli = stormo_node::cli::Cli::try_parse_args(
+    let cli = stormo_cli::cli::Cli::try_parse_args(
         std::iter::once("stormo").chain(args.iter().copied()),
     )?;
-    stormo_node::cli::dispatch(cli)
+    stormo_cli::cli::dispatch(cli)
 }
 
 /// The commands end to end, in process: key generate/show, manifest build (beside the model

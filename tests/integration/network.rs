@@ -11,11 +11,11 @@ use stormo_engine::moe::{ExpertData, ExpertProvider};
 use stormo_engine::tiers::{ExpertStats, Tier, TierConfig, TieredExperts};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 use stormo_manifests::{build, BuildOptions, Hash, ManifestSignature, SecretKey};
+use stormo_net::serve::{self, Holdings, ServeConfig, ServerHandle};
+use stormo_net::tier::{PeerConfig, PeerTier};
+use stormo_net::tls::{Admission, Congestion};
+use stormo_net::{self as net, pull, PeerAddr};
 use stormo_node::config::{ExpertsConfig, KeepConfig, LocalExperts, NodeConfig, PeersConfig};
-use stormo_node::net::serve::{self, Holdings, ServeConfig, ServerHandle};
-use stormo_node::net::tier::{PeerConfig, PeerTier};
-use stormo_node::net::tls::{Admission, Congestion};
-use stormo_node::net::{self, pull, PeerAddr};
 use stormo_simulations::swarm::{LinkSpec, Relay, ETHERNET_MTU};
 use stormo_tests::{fixture, Reference, MODEL_FIXTURES};
 
@@ -156,7 +156,8 @@ fn start_node_with(seed: u8, holdings: Holdings, cfg: ServeConfig) -> Node {
 
 /// A node serving the experts of `dir` named by `only` (an --only-experts spec).
 fn serve_dir(seed: u8, dir: &Path, only: Option<&str>, admission: Admission) -> Node {
-    let (h, _experts) = serve::open_holdings(dir, None, &expert_args(), only).expect("holdings");
+    let (h, _experts) =
+        stormo_node::experts::open_holdings(dir, None, &expert_args(), only).expect("holdings");
     start_node(seed, h, admission)
 }
 
@@ -228,7 +229,8 @@ pub(crate) fn client_tier(
 ) -> Arc<PeerTier> {
     let files = ModelFiles::open(dir).expect("model files");
     let rt = runtime();
-    let (m, id, _) = net::resolve_manifest(dir, args, key, &rt).expect("manifest accepted");
+    let (m, id, _) =
+        stormo_node::manifest::resolve_manifest(dir, args, key, &rt).expect("manifest accepted");
     serve::check_layout(&m, &files.layout.sizes()).expect("layout");
     let rt = Arc::new(rt);
     let t = PeerTier::connect(
@@ -331,7 +333,8 @@ fn a_bbr_or_tolerant_paced_peer_over_a_lossy_link_gives_the_reference_ids() {
     let f = setup(name);
     for (seed, congestion) in [(90, Congestion::Bbr), (91, Congestion::Tolerant)] {
         let (h, _experts) =
-            serve::open_holdings(f.dir.path(), None, &expert_args(), None).expect("holdings");
+            stormo_node::experts::open_holdings(f.dir.path(), None, &expert_args(), None)
+                .expect("holdings");
         let node = start_node_with(
             seed,
             h,
@@ -510,7 +513,8 @@ fn killed_stalled_and_silent_peers_fall_back_to_another() {
     let f = setup(name);
     let start = Instant::now();
     // Killed after 3 records.
-    let (h, _e) = serve::open_holdings(f.dir.path(), None, &expert_args(), None).expect("holdings");
+    let (h, _e) = stormo_node::experts::open_holdings(f.dir.path(), None, &expert_args(), None)
+        .expect("holdings");
     let cell = Arc::new(OnceLock::new());
     let h = Holdings {
         experts: Arc::new(KillAfter {
@@ -523,7 +527,8 @@ fn killed_stalled_and_silent_peers_fall_back_to_another() {
     let dying = start_node(30, h, allow_client());
     cell.set(dying.handle.clone()).expect("set once");
     // Hello and inventory, then silence on every request.
-    let (h, _e) = serve::open_holdings(f.dir.path(), None, &expert_args(), None).expect("holdings");
+    let (h, _e) = stormo_node::experts::open_holdings(f.dir.path(), None, &expert_args(), None)
+        .expect("holdings");
     let stalled = start_node(
         31,
         Holdings {
@@ -753,12 +758,13 @@ fn untrusted_or_unpinned_manifest_is_refused() {
     let mut args = peer_args(&f, vec![node.addr()]);
     args.trust.clear();
     args.model_id = Some(Hash::of(b"another model"));
-    let e = net::resolve_manifest(client_dir.path(), &args, &client_key(), &rt)
+    let e = stormo_node::manifest::resolve_manifest(client_dir.path(), &args, &client_key(), &rt)
         .expect_err("another id accepted");
     assert!(format!("{e:#}").contains("does not serve model"), "{e:#}");
     args.model_id = Some(f.id);
     let (_, id, _) =
-        net::resolve_manifest(client_dir.path(), &args, &client_key(), &rt).expect("pinned id");
+        stormo_node::manifest::resolve_manifest(client_dir.path(), &args, &client_key(), &rt)
+            .expect("pinned id");
     assert_eq!(id, f.id);
 }
 
@@ -836,7 +842,8 @@ impl ExpertProvider for Slow {
 
 /// A node serving every expert of `dir`, each answer delayed by `delay`.
 fn serve_slow(seed: u8, dir: &Path, delay: Duration, admission: Admission) -> Node {
-    let (h, _e) = serve::open_holdings(dir, None, &expert_args(), None).expect("holdings");
+    let (h, _e) =
+        stormo_node::experts::open_holdings(dir, None, &expert_args(), None).expect("holdings");
     let h = Holdings {
         experts: Arc::new(Slow {
             inner: h.experts.clone(),
@@ -860,7 +867,8 @@ fn slow_peer_is_hedged_and_not_blamed() {
     let args = peer_args(&f, vec![slow.addr(), fast.addr()]);
     let rt = runtime();
     let (m, id, _) =
-        net::resolve_manifest(f.dir.path(), &args, &client_key(), &rt).expect("manifest");
+        stormo_node::manifest::resolve_manifest(f.dir.path(), &args, &client_key(), &rt)
+            .expect("manifest");
     let rt = Arc::new(rt);
     let tier = Arc::new(
         PeerTier::connect(
@@ -1168,7 +1176,8 @@ fn peers_first_falls_back_to_the_local_disk_when_peers_lie_or_die() {
     let f = setup(name);
     let bad_dir = corrupted_copy(f.dir.path());
     let liar = serve_dir(90, bad_dir.path(), None, allow_client());
-    let (h, _e) = serve::open_holdings(f.dir.path(), None, &expert_args(), None).expect("holdings");
+    let (h, _e) = stormo_node::experts::open_holdings(f.dir.path(), None, &expert_args(), None)
+        .expect("holdings");
     let cell = Arc::new(OnceLock::new());
     let dying = start_node(
         91,
@@ -1319,7 +1328,8 @@ fn expert_dir_keeps_fetched_experts_for_the_next_run() {
 fn many_fetchers_get_data_or_busy_and_server_memory_stays_bounded() {
     let name = "qwen3moe-tiny";
     let f = setup(name);
-    let (h, _e) = serve::open_holdings(f.dir.path(), None, &expert_args(), None).expect("holdings");
+    let (h, _e) = stormo_node::experts::open_holdings(f.dir.path(), None, &expert_args(), None)
+        .expect("holdings");
     let max_record = h
         .manifest
         .experts
@@ -1463,7 +1473,7 @@ fn pull_options(f: &Fixture, node: &Node, out: &Path, with_experts: bool) -> pul
 /// exactly the fixture's ids; the source node and a pulled folder refuse to serve experts.
 #[test]
 fn pull_dense_part_then_run_from_it_with_peers() {
-    use stormo_node::net::pull::Pulled;
+    use stormo_net::pull::Pulled;
     let name = "gptoss-tiny-mxfp4";
     let f = setup(name);
     let node = serve_dir(40, f.dir.path(), None, allow_client());
@@ -1523,8 +1533,9 @@ fn pull_dense_part_then_run_from_it_with_peers() {
     assert!(loads > 0);
     tier.close();
     // The pulled folder serves no experts and no expert bytes.
-    let (h, _e) = serve::open_holdings(pulled.dir.path(), None, &expert_args(), None)
-        .expect("holdings of the pulled folder");
+    let (h, _e) =
+        stormo_node::experts::open_holdings(pulled.dir.path(), None, &expert_args(), None)
+            .expect("holdings of the pulled folder");
     assert_eq!(h.held().len(), 0);
     let share = h.files.clone().expect("files shared");
     assert!(share.dense_only);
@@ -1534,7 +1545,7 @@ fn pull_dense_part_then_run_from_it_with_peers() {
 /// safetensors file (final or temporary) behind.
 #[test]
 fn pull_refuses_a_corrupted_dense_tensor_and_writes_nothing_half_done() {
-    use stormo_node::net::pull::PullOptions;
+    use stormo_net::pull::PullOptions;
     let f = setup("gptoss-tiny-bf16");
     let m = stormo_manifests::Manifest::decode(
         &std::fs::read(f.dir.path().join("stormo-manifest.bin")).expect("manifest"),
@@ -1681,7 +1692,7 @@ fn a_node_serving_through_a_models_expert_cache_gives_the_reference_ids() {
 /// and it can serve every expert in turn.
 #[test]
 fn pull_with_experts_gives_a_complete_folder_that_runs_and_serves() {
-    use stormo_node::net::pull::Pulled;
+    use stormo_net::pull::Pulled;
     let name = "gptoss-tiny-mxfp4";
     let f = setup(name);
     let node = serve_dir(50, f.dir.path(), None, allow_client());
@@ -1733,7 +1744,7 @@ fn pull_with_experts_gives_a_complete_folder_that_runs_and_serves() {
     let ids: Vec<u32> = serde_json::from_value(v["generated_ids"].clone()).expect("ids");
     assert_eq!(ids, want, "stormo run on the pulled folder alone");
     // And serves every expert.
-    let (h, _e) = serve::open_holdings(out.path(), None, &expert_args(), None)
+    let (h, _e) = stormo_node::experts::open_holdings(out.path(), None, &expert_args(), None)
         .expect("holdings of the pulled folder");
     assert_eq!(h.held().len(), m.experts.len());
 }
@@ -2003,7 +2014,7 @@ fn pull_refuses_a_folder_whose_weights_differ_in_one_tensor() {
 /// pulled without them fetches only the experts.
 #[test]
 fn pull_without_experts_keeps_a_full_copy_full() {
-    use stormo_node::net::pull::Pulled;
+    use stormo_net::pull::Pulled;
     let f = setup("gptoss-tiny-mxfp4");
     let node = serve_dir(62, f.dir.path(), None, allow_client());
     let rt = runtime();

@@ -568,7 +568,7 @@ fn the_expert_directory_holds_an_expert_only_once_its_file_is_in_place() {
     let layout = stormo_engine::layout::ExpertLayout::from_checkpoint(&ckpt, &cfg).expect("layout");
     let st = state();
     let dir = Arc::new(
-        stormo_node::net::expert_dir::ExpertDir::open(
+        stormo_net::expert_dir::ExpertDir::open(
             st.path(),
             manifest.model_id(),
             u64::MAX,

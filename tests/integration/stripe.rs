@@ -16,7 +16,7 @@ use stormo_engine::tiers::{ExpertId, Tier};
 use stormo_engine::{LoadOptions, Model};
 use stormo_manifests::manifest::MIN_CHUNK_SIZE;
 use stormo_manifests::{read_manifest, Hash, Manifest};
-use stormo_node::net::tier::{PeerConfig, PeerTier};
+use stormo_net::tier::{PeerConfig, PeerTier};
 
 use crate::faults::{
     admit_client, all_keys, load, multi_chunk_model, peer_model, peer_tier, requests_for, unhedged,

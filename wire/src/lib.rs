@@ -81,7 +81,8 @@
 //! | 12 | [`Offer`] | model Hash, experts {layers u16, experts_per_layer u16, bitmap Vec\<u8\>} | control |
 //! | 13 | [`Exec`] | request_id u64, model Hash, expert {layer u16, expert u16}, positions u32 (1..=[`MAX_EXEC_POSITIONS`]), rows (varint length + raw f32 LE `[positions, hidden]`, ≤ [`MAX_EXEC_ROWS_LEN`]) | request |
 //! | 14 | [`ExecResult`] | request_id u64, rows (varint length + raw f32 LE, ≤ [`MAX_EXEC_ROWS_LEN`]) | request |
-//! | 15–127 | reserved | decoding yields [`DecodeError::UnknownTag`] | |
+//! | 15 | [`Placement`] | model Hash, budget u64, used u64, pinned ExpertSet, kept ExpertSet, fetching ExpertSet, demand Vec\<(ExpertId, u32)\> (at most 256), leaving bool | control |
+//! | 16–127 | reserved | decoding yields [`DecodeError::UnknownTag`] | |
 //!
 //! A manifest is answered like an expert, as `Data` frames from offset 0 and `End`, so it
 //! is bounded by the requester's limit ([`MAX_MANIFEST_LEN`] by default), not by the frame size.
@@ -146,9 +147,10 @@ pub use latency::{Pinger, RttEstimator};
 pub use message::{
     check_file_name, data_frame_prefix, f32_bytes, f32s, tag, ByteRange, Cancel, Data, EncodeError,
     End, ErrorCode, ErrorMessage, Exec, ExecResult, Get, GetFile, GetManifest, Hello, Inventory,
-    InventoryUpdate, Limits, Message, NodeId, Offer, Ping, Pong, Priority, RequestId, MAX_DATA_LEN,
-    MAX_ERROR_MESSAGE_LEN, MAX_EXEC_FRAME_LEN, MAX_EXEC_POSITIONS, MAX_EXEC_ROWS_LEN,
-    MAX_FILE_NAME_LEN, MAX_FILE_RANGE_LEN, MAX_MANIFEST_LEN, MAX_MODELS, MAX_UPDATE_EXPERTS,
+    InventoryUpdate, Limits, Message, NodeId, Offer, Ping, Placement, Pong, Priority, RequestId,
+    MAX_DATA_LEN, MAX_ERROR_MESSAGE_LEN, MAX_EXEC_FRAME_LEN, MAX_EXEC_POSITIONS, MAX_EXEC_ROWS_LEN,
+    MAX_FILE_NAME_LEN, MAX_FILE_RANGE_LEN, MAX_MANIFEST_LEN, MAX_MODELS, MAX_PLACEMENT_DEMAND,
+    MAX_UPDATE_EXPERTS,
 };
 pub use server::{DataChunks, ServeRequest, Server, ServerConfig, ServerEvent, ServerStats};
 

@@ -54,8 +54,10 @@ pub mod tag {
     pub const EXEC: u8 = 13;
     /// [`super::ExecResult`].
     pub const EXEC_RESULT: u8 = 14;
-    /// The first reserved tag: 15 up to and including 127 are free for new messages.
-    pub const FIRST_RESERVED: u8 = 15;
+    /// [`super::Placement`].
+    pub const PLACEMENT: u8 = 15;
+    /// The first reserved tag: 16 up to and including 127 are free for new messages.
+    pub const FIRST_RESERVED: u8 = 16;
 }
 
 /// The largest payload of one [`Data`] message: 1 MiB.
@@ -238,6 +240,37 @@ pub struct Offer {
     pub model: Hash,
     /// Which experts, as a bitmap.
     pub experts: ExpertSet,
+}
+
+/// The most demand counts one [`Placement`] may carry.
+pub const MAX_PLACEMENT_DEMAND: usize = 256;
+
+/// What a serving node tells its peers so the swarm places copies of `model`'s experts by
+/// itself (replicas by rarity and demand): its room for kept experts, which experts it holds
+/// for good (its model folder's own, pinned: never evicted; and those it keeps on disk, not
+/// those merely in its RAM cache, which its [`Inventory`] lists too), which it is fetching
+/// (claims, so others hold back), and how often it was asked for experts. Sent on the control stream after
+/// [`Inventory`] and when it changes; each one replaces the sender's last of the same model.
+/// `leaving` says the sender is stopping cleanly: its copies are about to go.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// The model id.
+    pub model: Hash,
+    /// Bytes the sender may keep for this model (its budget for kept experts).
+    pub budget: u64,
+    /// Bytes of kept experts it holds now.
+    pub used: u64,
+    /// Held experts that are its model folder's own.
+    pub pinned: ExpertSet,
+    /// Experts it keeps on disk (within `budget`).
+    pub kept: ExpertSet,
+    /// Experts it is fetching to keep.
+    pub fetching: ExpertSet,
+    /// Requests for experts it saw recently: (expert, count), at most
+    /// [`MAX_PLACEMENT_DEMAND`].
+    pub demand: Vec<(ExpertId, u32)>,
+    /// The sender is stopping.
+    pub leaving: bool,
 }
 
 /// A byte range `[offset, offset + len)` within a resource.
@@ -600,6 +633,8 @@ pub enum Message {
     Exec(Exec),
     /// Tag 14.
     ExecResult(ExecResult),
+    /// Tag 15.
+    Placement(Placement),
 }
 
 /// Why a message cannot be encoded (it breaks a limit of the protocol).
@@ -645,6 +680,7 @@ impl Message {
             Self::Offer(_) => tag::OFFER,
             Self::Exec(_) => tag::EXEC,
             Self::ExecResult(_) => tag::EXEC_RESULT,
+            Self::Placement(_) => tag::PLACEMENT,
         }
     }
 
@@ -671,6 +707,7 @@ impl Message {
             | Self::Inventory(_)
             | Self::InventoryUpdate(_)
             | Self::Offer(_)
+            | Self::Placement(_)
             | Self::Ping(_)
             | Self::Pong(_) => None,
         }
@@ -693,6 +730,17 @@ impl Message {
             }
             Self::Inventory(i) => i.experts.validate().map_err(|e| e.to_string())?,
             Self::Offer(o) => o.experts.validate().map_err(|e| e.to_string())?,
+            Self::Placement(p) => {
+                p.pinned.validate().map_err(|e| e.to_string())?;
+                p.kept.validate().map_err(|e| e.to_string())?;
+                p.fetching.validate().map_err(|e| e.to_string())?;
+                if p.demand.len() > MAX_PLACEMENT_DEMAND {
+                    return Err(format!(
+                        "{} demand counts, over the limit of {MAX_PLACEMENT_DEMAND}",
+                        p.demand.len()
+                    ));
+                }
+            }
             Self::InventoryUpdate(u) => {
                 let n = u.added.len() + u.removed.len();
                 if n > MAX_UPDATE_EXPERTS {
@@ -808,6 +856,7 @@ impl Message {
             Self::Error(m) => put(m, out),
             Self::GetFile(m) => put(m, out),
             Self::Offer(m) => put(m, out),
+            Self::Placement(m) => put(m, out),
             Self::Exec(m) => {
                 let header = (
                     m.request_id.0,
@@ -862,6 +911,7 @@ impl Message {
             tag::ERROR => Self::Error(take_all(t, payload)?),
             tag::GET_FILE => Self::GetFile(take_all(t, payload)?),
             tag::OFFER => Self::Offer(take_all(t, payload)?),
+            tag::PLACEMENT => Self::Placement(take_all(t, payload)?),
             tag::EXEC => Self::Exec(decode_exec(&body)?),
             tag::EXEC_RESULT => Self::ExecResult(decode_exec_result(&body)?),
             other => return Err(DecodeError::UnknownTag(other)),
@@ -892,6 +942,7 @@ pub fn tag_name(t: u8) -> Option<&'static str> {
         tag::OFFER => "Offer",
         tag::EXEC => "Exec",
         tag::EXEC_RESULT => "ExecResult",
+        tag::PLACEMENT => "Placement",
         _ => return None,
     })
 }
@@ -1072,7 +1123,8 @@ impl_from!(
     GetFile,
     Offer,
     Exec,
-    ExecResult
+    ExecResult,
+    Placement
 );
 
 impl From<ErrorMessage> for Message {
@@ -1181,6 +1233,52 @@ mod tests {
                 &[0b0001_0001], //   bits 0 and 4, LSB first
             ],
         );
+    }
+
+    #[test]
+    fn golden_placement() {
+        let mut pinned = ExpertSet::new(2, 3).unwrap();
+        pinned.insert(ExpertId::new(0, 1)).unwrap(); // bit 1
+        let mut kept = ExpertSet::new(2, 3).unwrap();
+        kept.insert(ExpertId::new(1, 0)).unwrap(); // bit 3
+        let mut fetching = ExpertSet::new(2, 3).unwrap();
+        fetching.insert(ExpertId::new(1, 2)).unwrap(); // bit 1*3+2 = 5
+        golden(
+            Message::Placement(Placement {
+                model: h(0x55),
+                budget: 300,
+                used: 5,
+                pinned,
+                kept,
+                fetching,
+                demand: vec![(ExpertId::new(1, 0), 7)],
+                leaving: true,
+            }),
+            &[
+                &[55, 0, 0, 0],     // frame length 55
+                &[15],              // tag: Placement
+                &[0x55; 32],        // model id
+                &[0xac, 0x02],      // budget 300 (varint)
+                &[5],               // used 5
+                &[2, 3, 1, 0b10],   // pinned: 2 layers x 3, 1 byte, bit 1
+                &[2, 3, 1, 1 << 3], // kept: bit 3
+                &[2, 3, 1, 1 << 5], // fetching: bit 5
+                &[1],               // demand: 1 entry
+                &[1, 0, 7],         //   layer 1, expert 0, count 7
+                &[1],               // leaving: true
+            ],
+        );
+        let too_many = Placement {
+            model: h(0),
+            budget: 0,
+            used: 0,
+            pinned: ExpertSet::new(1, 1).unwrap(),
+            kept: ExpertSet::new(1, 1).unwrap(),
+            fetching: ExpertSet::new(1, 1).unwrap(),
+            demand: vec![(ExpertId::new(0, 0), 1); MAX_PLACEMENT_DEMAND + 1],
+            leaving: false,
+        };
+        assert!(Message::Placement(too_many).validate().is_err());
     }
 
     #[test]

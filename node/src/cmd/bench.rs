@@ -24,9 +24,9 @@ use stormo_engine::profile::{self, Phase};
 use stormo_engine::{LoadOptions, Logits, Model, ModelFiles, Session};
 
 use crate::args::{ExpertArgs, PeerArgs};
-use crate::config::{LocalExperts, NodeConfig};
-use crate::node::Node;
-use crate::progress::{human_bytes, parse_size};
+use stormo_net::progress::{human_bytes, parse_size};
+use stormo_node::config::{LocalExperts, NodeConfig};
+use stormo_node::node::Node;
 
 /// Arguments of `stormo bench`.
 #[derive(Debug, clap::Args)]
@@ -62,7 +62,7 @@ pub struct Args {
     #[arg(long, default_value = "256MiB", value_name = "SIZE", value_parser = mem_test_size)]
     pub mem_test: String,
     /// Bytes to read from the checkpoint to measure disk bandwidth (0 skips it).
-    #[arg(long, default_value = "1GiB", value_name = "SIZE", value_parser = crate::progress::size_arg)]
+    #[arg(long, default_value = "1GiB", value_name = "SIZE", value_parser = stormo_net::progress::size_arg)]
     pub disk_test: String,
     /// Lab switch (hidden): positions per prefill block (at least 1).
     #[arg(long, hide = true, default_value_t = 128, value_name = "N", value_parser = positive)]
@@ -623,7 +623,7 @@ impl Rng {
 /// resident), else runs one prompt of `max_p` tokens; then the dense weights are in memory.
 fn warm(
     model: &Model,
-    experts: &crate::experts::Experts,
+    experts: &stormo_node::experts::Experts,
     sizes: &[Vec<u64>],
     max_p: usize,
     prompt: &mut impl FnMut(usize) -> Vec<u32>,
@@ -694,7 +694,7 @@ fn disk_run(
         experts: a.experts.resolve()?,
         local: LocalExperts::All,
         context,
-        peers: crate::config::PeersConfig::default(),
+        peers: stormo_node::config::PeersConfig::default(),
         listen: None,
         swarm: None,
     })?;
@@ -729,7 +729,7 @@ fn disk_run(
 /// Runs `stormo bench`.
 pub fn run(a: Args) -> anyhow::Result<()> {
     // First: the tokenizer and the probes use the pool whose size this sets.
-    crate::config::start_engine_threads(a.experts.threads)?;
+    stormo_node::config::start_engine_threads(a.experts.threads)?;
     anyhow::ensure!(
         !a.prompt_tokens.is_empty() && a.prompt_tokens.iter().all(|&p| p > 0),
         "--prompt-tokens needs positive lengths"
@@ -786,7 +786,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // With --peer every expert comes from peers, measured beside the same run from the local
     // disk when the folder holds the experts.
     let from_peers = !peers.peers.is_empty();
-    let beside_disk = from_peers && !crate::net::pull::Pulled::dense_only(&a.model)?;
+    let beside_disk = from_peers && !stormo_net::pull::Pulled::dense_only(&a.model)?;
     if from_peers && !beside_disk {
         say(format!(
             "{} holds no experts (pulled without them): measuring from peers only, with no \

@@ -3,30 +3,29 @@
 //!
 //! The conversation keeps one [`ChatSession`]: each turn renders the whole conversation again
 //! and computes only what differs from the cache. On a terminal it reads messages through a
-//! line editor (history, multi-line, Ctrl-C stops a reply: [`crate::chat::editor`]); from a
+//! line editor (history, multi-line, Ctrl-C stops a reply: [`crate::cmd::chat::editor`]); from a
 //! pipe it reads one line per turn (`printf 'hi\nmore\n' | stormo chat --model DIR`).
-//! `/save` and `/load` keep conversations in JSON files ([`crate::chat::transcript`]).
+//! `/save` and `/load` keep conversations in JSON files ([`stormo_text::transcript`]).
+
+pub mod editor;
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use stormo_engine::sampling::SamplingParams;
-use stormo_engine::{LoadOptions, Model};
+use stormo_engine::LoadOptions;
 
 use crate::args::{ExpertArgs, PeerArgs};
-use crate::chat::defaults::SamplingDefaults;
-use crate::chat::harmony::ReasoningEffort;
-use crate::chat::reply::ReplyStream;
-use crate::chat::session::{ChatSession, FinishReason, GenerateOptions, Generation};
-use crate::chat::{editor, transcript};
-use crate::chat::{ChatFormat, OutputDelta, PromptOptions, Tokenizer, Turn, TurnRole};
-use crate::config::{LocalExperts, NodeConfig};
-use crate::experts::Experts;
-use crate::node::Node;
+use stormo_node::config::{LocalExperts, NodeConfig};
+use stormo_text::defaults::SamplingDefaults;
+use stormo_text::harmony::ReasoningEffort;
+use stormo_text::reply::ReplyStream;
+use stormo_text::session::{ChatSession, FinishReason, GenerateOptions, Generation};
+use stormo_text::transcript;
+use stormo_text::{OutputDelta, PromptOptions, Turn, TurnRole};
 
 /// Sampling options shared by `run` and `chat` (the HTTP API takes them per request). Each
 /// one not given takes the model folder's `generation_config.json` value when it has one
@@ -122,124 +121,10 @@ pub enum ReasoningDisplay {
     Hide,
 }
 
-/// Refuses a tokenizer that can give ids the model has no embedding for (`vocab`, the
-/// model's vocab_size): caught at load instead of failing every request that meets one.
-pub fn check_tokenizer_fits(tok: &Tokenizer, vocab: usize, dir: &Path) -> anyhow::Result<()> {
-    let ids = tok.vocab_size();
-    if ids > vocab {
-        bail!(
-            "the tokenizer in {} has token ids up to {}, beyond the model's vocabulary of \
-             {vocab} (vocab_size in config.json): it is not this model's tokenizer",
-            dir.display(),
-            ids - 1
-        );
-    }
-    Ok(())
-}
-
-/// Loads `dir/tokenizer.json`, naming the file when it is missing.
-pub fn load_tokenizer(dir: &Path) -> anyhow::Result<Arc<Tokenizer>> {
-    // A wrong model folder is the likelier mistake than a missing tokenizer: name it first.
-    if !dir.join("config.json").is_file() {
-        stormo_engine::ModelConfig::from_dir(dir)
-            .with_context(|| format!("loading the model in {}", dir.display()))?;
-    }
-    let path = dir.join("tokenizer.json");
-    if !path.is_file() {
-        bail!(
-            "no tokenizer at {}: text prompts need the model folder's tokenizer.json (as \
-             published with the model); without it, only `stormo run --prompt-ids` works \
-             (prompts as token ids)",
-            path.display()
-        );
-    }
-    let t0 = std::time::Instant::now();
-    let tok = Tokenizer::from_file(&path)
-        .with_context(|| format!("loading the tokenizer {}", path.display()))?;
-    tracing::info!(
-        "tokenizer {} loaded in {:.2} s",
-        path.display(),
-        t0.elapsed().as_secs_f64()
-    );
-    Ok(Arc::new(tok))
-}
-
-/// A model loaded for text: weights, tokenizer, chat format, and the node serving its experts.
-#[derive(Debug)]
-pub struct TextModel {
-    /// The model.
-    pub model: Arc<Model>,
-    /// Its tokenizer.
-    pub tokenizer: Arc<Tokenizer>,
-    /// Its chat format.
-    pub format: ChatFormat,
-    /// Where its experts come from (the node's cache and tiers).
-    pub experts: Arc<Experts>,
-    /// The node the model runs on (its runtime, tiers and peers).
-    pub node: Arc<Node>,
-    /// A name for it (the folder's name).
-    pub name: String,
-}
-
-/// Loads the model of `cfg` for text on a new node built from `cfg`: the tokenizer first (a
-/// missing one is the quickest error), then the node, then the weights.
-pub fn load_text_model(cfg: NodeConfig, load: &LoadOptions) -> anyhow::Result<TextModel> {
-    let dir = cfg.model.clone();
-    let (tokenizer, format) = check_text_model(&dir, cfg.context, load)?;
-    let node = Arc::new(Node::start(cfg)?);
-    text_model_on(node, tokenizer, format, load)
-}
-
-/// The checks of a model folder for text that cost no loading: the tokenizer (it must fit the
-/// model's vocabulary), the chat format, the context. Returns the tokenizer and the format.
-pub fn check_text_model(
-    dir: &Path,
-    context: usize,
-    load: &LoadOptions,
-) -> anyhow::Result<(Arc<Tokenizer>, ChatFormat)> {
-    anyhow::ensure!(
-        load.prefill_block >= 1,
-        "--prefill-block must be at least 1"
-    );
-    // --context in chat and serve; a library caller has no option, so it is said in words.
-    anyhow::ensure!(context >= 1, "the context must be at least 1 position");
-    let tokenizer = load_tokenizer(dir)?;
-    // Before the weights: a tokenizer from another model is the likelier mistake to name.
-    let cfg = stormo_engine::ModelConfig::from_dir(dir)
-        .with_context(|| format!("loading the model in {}", dir.display()))?;
-    check_tokenizer_fits(&tokenizer, cfg.vocab_size, dir)?;
-    let max = cfg.max_position_embeddings;
-    if context > max {
-        bail!("a context of {context} positions is more than the model's context of {max} (max_position_embeddings)");
-    }
-    let format = ChatFormat::for_family(cfg.family, tokenizer.clone())
-        .with_context(|| format!("the tokenizer in {} does not fit the model", dir.display()))?;
-    Ok((tokenizer, format))
-}
-
-/// The text model over `node`'s experts, with `tokenizer` and `format` from
-/// [`check_text_model`].
-pub fn text_model_on(
-    node: Arc<Node>,
-    tokenizer: Arc<Tokenizer>,
-    format: ChatFormat,
-    load: &LoadOptions,
-) -> anyhow::Result<TextModel> {
-    let model = node.load_model(load)?;
-    let dir = &node.config().model;
-    let name = std::fs::canonicalize(dir)
-        .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-        .unwrap_or_else(|| "stormo".into());
-    Ok(TextModel {
-        model: Arc::new(model),
-        tokenizer,
-        format,
-        experts: node.experts().clone(),
-        node,
-        name,
-    })
-}
+pub use stormo_node::text_model::{
+    check_text_model, check_tokenizer_fits, load_text_model, load_tokenizer, text_model_on,
+    TextModel,
+};
 
 /// Writes reasoning and answer text to a terminal or pipe as it arrives.
 #[derive(Debug)]
@@ -544,7 +429,7 @@ impl Write for Noting<'_> {
 /// Runs `stormo chat`.
 pub fn run(a: Args) -> anyhow::Result<()> {
     // First: the tokenizer and the probes use the pool whose size this sets.
-    crate::config::start_engine_threads(a.experts.threads)?;
+    stormo_node::config::start_engine_threads(a.experts.threads)?;
     let defaults = SamplingDefaults::from_dir(&a.model);
     let sampling = a.sampling.params_with(&defaults, 0.7)?;
     a.sampling.warn_unused(&sampling);
@@ -859,7 +744,7 @@ pub fn converse(
 
 /// The conversation on a terminal: a line editor with history in the state directory
 /// (unless --no-history), multi-line messages, and Ctrl-C that stops a reply and keeps the
-/// conversation (see [`crate::chat::editor`]).
+/// conversation (see [`crate::cmd::chat::editor`]).
 pub fn converse_terminal(
     a: &Args,
     tm: &TextModel,

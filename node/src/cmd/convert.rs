@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use stormo_engine::tiers::store;
 
-use crate::progress::Progress;
+use stormo_net::progress::Progress;
 
 /// Arguments of `stormo convert`.
 #[derive(Debug, clap::Args)]

@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use stormo_simulations::swarm::{self, Cluster, LinkSpec, NodeSpec, Reaper, RunOutcome};
 
-use crate::chat::{ChatFormat, PromptOptions, Tokenizer, Turn, TurnRole};
 use crate::cmd::sim::Scratch;
+use stormo_text::{ChatFormat, PromptOptions, Tokenizer, Turn, TurnRole};
 
 /// The o200k_harmony tokenizer.json, zlib-compressed by build.rs (empty when the build had
 /// no fixture).
@@ -349,7 +349,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 "  {}  {role:<36} served {:>4} requests, sent {:>10}",
                 n.name,
                 n.served.map_or_else(|| "?".into(), |v| v.to_string()),
-                crate::progress::human_bytes(n.link().down_bytes)
+                stormo_net::progress::human_bytes(n.link().down_bytes)
             );
         }
         println!(

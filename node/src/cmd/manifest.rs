@@ -5,13 +5,13 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::progress::human_bytes;
 use anyhow::{bail, Context};
 use stormo_manifests::manifest::{DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
 use stormo_manifests::{
     read_manifest, BuildOptions, IoMode, ManifestPaths, ManifestSignature, Progress, PublicKey,
     SignatureError, VerifyOptions,
 };
+use stormo_net::progress::human_bytes;
 
 const PATHS_HELP: &str = "Files: by default the manifest is written beside the model as \
 DIR/stormo-manifest.bin (canonical bytes; the model id is their BLAKE3), \
@@ -330,7 +330,7 @@ fn sign(model: &Path, key: &Path, manifest: Option<&Path>, force: bool) -> anyho
             paths.bin.display()
         );
     }
-    let key = crate::cmd::key::load_secret_key(key)?;
+    let key = stormo_net::identity::load_secret_key(key)?;
     let (m, bytes) = read_manifest(&paths.bin).context("run `stormo manifest build` first?")?;
     // A link counts as there, even a dangling one: writing would replace it.
     let old = std::fs::symlink_metadata(&paths.sig)
@@ -458,13 +458,13 @@ fn verify(
         );
         return Ok(());
     }
-    if crate::net::pull::Pulled::dense_only(model).unwrap_or(false) {
+    if stormo_net::pull::Pulled::dense_only(model).unwrap_or(false) {
         println!(
             "note: {} was pulled without experts ({}): its expert bytes are holes, so the \
              expert tensors, the experts and the files holding them differ from the manifest \
              by design (`stormo pull --with-experts` fetches them)",
             model.display(),
-            crate::net::pull::MARKER_FILE
+            stormo_net::pull::MARKER_FILE
         );
     }
     const SHOWN: usize = 200;

@@ -1,5 +1,5 @@
 //! `stormo pull`: fetch a model folder from peers, verified against the L0 manifest (the
-//! layout is described in [`crate::net::pull`]).
+//! layout is described in [`stormo_net::pull`]).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use stormo_manifests::{Hash, PublicKey};
 
-use crate::net::{self, pull, tier::PeerConfig, PeerAddr};
+use stormo_net::{self as net, pull, tier::PeerConfig, PeerAddr};
 
 /// Arguments of `stormo pull`.
 #[derive(Debug, clap::Args)]
@@ -64,7 +64,7 @@ pub struct Args {
         long,
         default_value_t = 30.0,
         value_name = "SECS",
-        value_parser = crate::progress::secs_arg
+        value_parser = stormo_net::progress::secs_arg
     )]
     pub peer_timeout: f64,
     /// Swarm membership and discovery (peers found by themselves instead of --peer).
@@ -74,7 +74,7 @@ pub struct Args {
 
 /// Runs `stormo pull`.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let t = crate::progress::check_secs(a.peer_timeout)
+    let t = stormo_net::progress::check_secs(a.peer_timeout)
         .map_err(|e| anyhow::anyhow!("--peer-timeout: {e}"))?;
     let t = Duration::from_secs_f64(t);
     let secret = net::node_key(a.key.as_deref())?;
@@ -90,7 +90,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let id = a.model_id.context(
             "--discover needs --model-id: peers are found under a key derived from the model id",
         )?;
-        for p in crate::discover::find_peers(&rt, &secret, sw, id, crate::discover::FIND_WITHIN)? {
+        for p in stormo_net::discover::find_peers(
+            &rt,
+            &secret,
+            sw,
+            id,
+            stormo_net::discover::FIND_WITHIN,
+        )? {
             if !peers.iter().any(|q| q.key == p.key) {
                 peers.push(p);
             }
@@ -157,8 +163,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
              {} tensors copied from files already there, {} files kept ({what})",
             a.out.display(),
             r.tensors,
-            crate::progress::human_bytes(r.fetched),
-            crate::progress::human_bytes((r.fetched as f64 / secs.max(1e-9)) as u64),
+            stormo_net::progress::human_bytes(r.fetched),
+            stormo_net::progress::human_bytes((r.fetched as f64 / secs.max(1e-9)) as u64),
             r.reused,
             r.kept,
         );
@@ -180,25 +186,25 @@ fn pull_experts(
     let state_dir = a
         .state_dir
         .clone()
-        .unwrap_or_else(crate::config::default_state_dir);
-    let node = crate::node::Node::start(crate::config::NodeConfig {
+        .unwrap_or_else(stormo_node::config::default_state_dir);
+    let node = stormo_node::node::Node::start(stormo_node::config::NodeConfig {
         model: a.out.clone(),
         state_dir,
-        experts: crate::config::ExpertsConfig {
-            cache: crate::config::CacheBudget::Bytes(0),
+        experts: stormo_node::config::ExpertsConfig {
+            cache: stormo_node::config::CacheBudget::Bytes(0),
             hot_store: false,
             ..Default::default()
         },
-        local: crate::config::LocalExperts::None,
+        local: stormo_node::config::LocalExperts::None,
         context: 1,
-        peers: crate::config::PeersConfig {
+        peers: stormo_node::config::PeersConfig {
             peers,
             key: a.key.clone(),
             trust: a.trust.clone(),
             model_id: model.or(a.model_id),
             manifest: None,
             timeouts,
-            keep: Some(crate::config::KeepConfig {
+            keep: Some(stormo_node::config::KeepConfig {
                 dir: a.expert_dir.clone(),
                 limit: u64::MAX,
             }),
@@ -234,7 +240,7 @@ fn pull_experts(
         keys.len() - todo.len(),
         dir.root().display()
     );
-    let mut progress = crate::progress::Progress::new("pull: experts");
+    let mut progress = stormo_net::progress::Progress::new("pull: experts");
     let total = todo.len() as u64;
     // A few at a time: each load holds its whole record in memory until it is kept.
     for (n, batch) in todo.chunks(4).enumerate() {

@@ -17,14 +17,14 @@ use stormo_engine::sampling::{Sampler, SamplingParams};
 use stormo_engine::{LoadOptions, Model};
 
 use crate::args::{ExpertArgs, PeerArgs};
-use crate::chat::reply::ReplyStream;
-use crate::chat::session::{ChatSession, GenerateOptions};
-use crate::chat::{ChatFormat, Tokenizer, Turn, TurnRole};
 use crate::cmd::chat::{
     load_tokenizer, reply, Printer, ReasoningDisplay, RenderArgs, Reply, SamplingArgs,
 };
-use crate::config::{LocalExperts, NodeConfig};
-use crate::node::Node;
+use stormo_node::config::{LocalExperts, NodeConfig};
+use stormo_node::node::Node;
+use stormo_text::reply::ReplyStream;
+use stormo_text::session::{ChatSession, GenerateOptions};
+use stormo_text::{ChatFormat, Tokenizer, Turn, TurnRole};
 
 /// Arguments of `stormo run`.
 #[derive(Debug, clap::Args)]
@@ -195,14 +195,14 @@ pub(crate) fn check_output_file(out: &Path, model_dir: &Path, flag: &str) -> any
 /// text reply ([`run_text`]) or bare ids ([`run_ids`]).
 pub fn run(a: Args) -> anyhow::Result<()> {
     // First: the tokenizer and the probes use the pool whose size this sets.
-    crate::config::start_engine_threads(a.experts.threads)?;
+    stormo_node::config::start_engine_threads(a.experts.threads)?;
     let (prompt, text) = read_prompt(&a)?;
     check_args(&a)?;
     // Checked before the model loads, so a bad setting costs no time.
     // A text prompt takes the model's recommended sampling (its generation_config.json) for
     // the options not given; token ids stay greedy unless asked (they are for exact runs).
     let defaults = if a.prompt.is_some() {
-        crate::chat::defaults::SamplingDefaults::from_dir(&a.model)
+        stormo_text::defaults::SamplingDefaults::from_dir(&a.model)
     } else {
         Default::default()
     };

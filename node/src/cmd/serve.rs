@@ -1,5 +1,5 @@
 //! `stormo serve`: serve this node's manifest and experts to peers over QUIC (`--listen`),
-//! and/or an OpenAI-compatible HTTP API (`--http`, see [`crate::http`]), in one process.
+//! and/or an OpenAI-compatible HTTP API (`--http`, see [`stormo_node::http`]), in one process.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -11,11 +11,11 @@ use stormo_engine::LoadOptions;
 
 use crate::args::{ExpertArgs, PeerArgs};
 use crate::cmd::chat::{check_text_model, text_model_on};
-use crate::config::{ListenConfig, LocalExperts, NodeConfig};
-use crate::net::tls::{Admission, Congestion};
-use crate::net::{self, serve};
-use crate::node::Node;
 use crate::swarm_args::SwarmConfig;
+use stormo_net::tls::{Admission, Congestion};
+use stormo_net::{self as net, serve};
+use stormo_node::config::{ListenConfig, LocalExperts, NodeConfig};
+use stormo_node::node::Node;
 
 /// How to run one node for a LAN, shown after `stormo serve --help`.
 pub const LAN_HELP: &str = "\
@@ -90,7 +90,7 @@ pub struct Args {
     /// shares a link fairly; `cubic` is the plain opt-out; `bbr` is quinn's experimental BBR,
     /// which took most of a link it shared with a CUBIC flow (`stormo sim --scenario
     /// fair-wan`, docs/network.md).
-    #[arg(long, value_enum, default_value_t = Congestion::default(), value_name = "ALGORITHM")]
+    #[arg(long, default_value_t = Congestion::default(), value_name = "ALGORITHM", value_parser = crate::args::congestion_arg())]
     pub congestion: Congestion,
     /// Do not read the experts this node holds into its RAM cache at start. By default a node
     /// that listens does, in the background and at the lowest priority, into the cache's free
@@ -118,7 +118,7 @@ pub struct Args {
 /// Runs `stormo serve` until interrupted (SIGINT or SIGTERM: a clean stop).
 pub fn run(a: Args) -> anyhow::Result<()> {
     // First: the tokenizer and the probes use the pool whose size this sets.
-    crate::config::start_engine_threads(a.experts.threads)?;
+    stormo_node::config::start_engine_threads(a.experts.threads)?;
     anyhow::ensure!(
         a.listen.is_some() || a.http.http.is_some(),
         "give --listen, --http, or both (on the command line or in the --config file)"
@@ -186,7 +186,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             id.to_hex()
         );
         // One `KEY@ADDR` line per address a peer can dial (never 0.0.0.0).
-        for reachable in crate::discover::reachable_addrs(addr) {
+        for reachable in stormo_net::discover::reachable_addrs(addr) {
             println!("{key}@{reachable}");
         }
     }
@@ -199,7 +199,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 let (count, bytes) = n.warm_cache();
                 eprintln!(
                     "warmed the RAM cache: {count} experts ({}) in {:.1} s",
-                    crate::progress::human_bytes(bytes),
+                    stormo_net::progress::human_bytes(bytes),
                     t.elapsed().as_secs_f64()
                 );
             })
@@ -216,13 +216,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         _ => None,
     };
-    let signal = node.runtime().block_on(crate::http::shutdown_signal())?;
+    let signal = node
+        .runtime()
+        .block_on(stormo_node::http::shutdown_signal())?;
     eprintln!("{signal}: shutting down (running replies have --shutdown-grace to finish)");
     if let Some(st) = node.serve_stats() {
         eprintln!(
             "served {} requests ({}) over {} connections",
             st.served.load(std::sync::atomic::Ordering::Relaxed),
-            crate::progress::human_bytes(st.bytes.load(std::sync::atomic::Ordering::Relaxed)),
+            stormo_net::progress::human_bytes(st.bytes.load(std::sync::atomic::Ordering::Relaxed)),
             st.connections.load(std::sync::atomic::Ordering::Relaxed)
         );
     }
@@ -281,10 +283,10 @@ fn admission(a: &Args, swarm: Option<&SwarmConfig>) -> anyhow::Result<Admission>
 
 async fn start_http(
     tm: crate::cmd::chat::TextModel,
-    cfg: crate::http::HttpConfig,
-) -> anyhow::Result<crate::http::HttpServer> {
+    cfg: stormo_node::http::HttpConfig,
+) -> anyhow::Result<stormo_node::http::HttpServer> {
     let name = tm.name.clone();
-    let w = crate::http::start(tm, cfg).await?;
+    let w = stormo_node::http::start(tm, cfg).await?;
     eprintln!(
         "serving {name} over HTTP (OpenAI API) at http://{}/v1",
         w.local_addr()

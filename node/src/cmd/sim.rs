@@ -68,20 +68,20 @@ pub struct Args {
     pub loss: Option<f64>,
     /// The generating node's --expert-cache (default: half of all experts, so experts keep
     /// moving through the run).
-    #[arg(long, value_name = "SIZE", value_parser = crate::progress::size_arg)]
+    #[arg(long, value_name = "SIZE", value_parser = stormo_net::progress::size_arg)]
     pub client_cache: Option<String>,
     /// Seconds any one generation may take (at most 1e6).
     #[arg(
         long,
         default_value_t = 600.0,
         value_name = "SECS",
-        value_parser = crate::progress::secs_arg
+        value_parser = stormo_net::progress::secs_arg
     )]
     pub timeout: f64,
     /// How the serving nodes pace their answers (`stormo serve --congestion`, whose default
     /// this follows; the fairness scenarios set each flow's own).
-    #[arg(long, value_enum, default_value_t = crate::net::tls::Congestion::default(), value_name = "ALGORITHM")]
-    pub congestion: crate::net::tls::Congestion,
+    #[arg(long, default_value_t = stormo_net::tls::Congestion::default(), value_name = "ALGORITHM", value_parser = crate::args::congestion_arg())]
+    pub congestion: stormo_net::tls::Congestion,
     /// Scratch folder (keys, manifest, logs; the synthesized model): new or empty, kept at the
     /// end. Default: a new folder in the system's temp dir, removed at the end unless --keep.
     #[arg(long, value_name = "DIR")]
@@ -223,8 +223,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .iter()
         .map(|&s| link_for(&a, s))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let timeout =
-        crate::progress::check_secs(a.timeout).map_err(|e| anyhow::anyhow!("--timeout: {e}"))?;
+    let timeout = stormo_net::progress::check_secs(a.timeout)
+        .map_err(|e| anyhow::anyhow!("--timeout: {e}"))?;
     anyhow::ensure!(a.max_new_tokens >= 1, "--max-new-tokens must be at least 1");
     let exe = std::env::current_exe().context("finding the stormo binary")?;
     let scratch = Scratch::new(a.work.clone(), "swarm", a.keep)?;
@@ -361,12 +361,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 }
 
 /// `--congestion`'s value for `c`, as `stormo serve` parses it.
-fn congestion_arg(c: crate::net::tls::Congestion) -> String {
-    use clap::ValueEnum as _;
-    c.to_possible_value()
-        .expect("every congestion control has a name")
-        .get_name()
-        .to_string()
+fn congestion_arg(c: stormo_net::tls::Congestion) -> String {
+    c.name().to_string()
 }
 
 /// The folder a Ctrl-C handler should remove (none when kept).

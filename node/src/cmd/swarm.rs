@@ -9,10 +9,10 @@
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use stormo_manifests::{Membership, PublicKey, SecretKey, MEMBERSHIP_LEN};
+use stormo_manifests::{Membership, PublicKey, SecretKey};
+pub use stormo_net::identity::{read_cert, unix_now, utc_date_time};
 
 /// How far before "now" a new certificate starts: room for peers whose clocks run a little
 /// behind the owner's.
@@ -86,7 +86,7 @@ pub fn run(c: Command) -> anyhow::Result<()> {
             expires,
             out,
         } => {
-            let owner = super::key::load_secret_key(&swarm)
+            let owner = stormo_net::identity::load_secret_key(&swarm)
                 .with_context(|| format!("--owner {}: the swarm owner's key", swarm.display()))?;
             let node = node_key(&node)?;
             let now = unix_now()?;
@@ -122,14 +122,6 @@ pub fn run(c: Command) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Seconds since the Unix epoch.
-pub fn unix_now() -> anyhow::Result<u64> {
-    Ok(SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .context("the system clock is before 1970")?
-        .as_secs())
-}
-
 /// The node key `--node` names: 64 hex, a secret key file, or `-` (standard input).
 fn node_key(arg: &str) -> anyhow::Result<PublicKey> {
     if arg == "-" {
@@ -153,7 +145,7 @@ fn node_key(arg: &str) -> anyhow::Result<PublicKey> {
             )
         });
     }
-    Ok(super::key::load_secret_key(Path::new(arg))
+    Ok(stormo_net::identity::load_secret_key(Path::new(arg))
         .with_context(|| format!("--node {arg}"))?
         .public())
 }
@@ -220,27 +212,6 @@ fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
-/// `YYYY-MM-DD HH:MM` (UTC) of Unix seconds.
-pub fn utc_date_time(secs: u64) -> String {
-    let days = i64::try_from(secs / 86_400).unwrap_or(i64::MAX / 2);
-    let rem = secs % 86_400;
-    // Inverse of days_from_civil.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}",
-        rem / 3600,
-        (rem % 3600) / 60
-    )
-}
-
 fn write_cert(out: &Path, cert: &Membership) -> anyhow::Result<()> {
     let bytes = cert.to_bytes();
     if out == Path::new("-") {
@@ -258,20 +229,6 @@ fn write_cert(out: &Path, cert: &Membership) -> anyhow::Result<()> {
     f.write_all(&bytes)
         .and_then(|()| f.sync_all())
         .with_context(|| format!("--out {}", out.display()))
-}
-
-/// Reads a membership certificate file (bounded; a file that is not one is named).
-pub fn read_cert(path: &Path) -> anyhow::Result<Membership> {
-    let bytes = stormo_manifests::read_small_file(path, 4096)
-        .with_context(|| format!("{}: cannot read the membership certificate", path.display()))?;
-    // `read_small_file` caps the size; anything but the exact length fails to decode below.
-    debug_assert!(bytes.len() <= 4096);
-    Membership::from_bytes(&bytes).with_context(|| {
-        format!(
-            "{}: not a membership certificate (`stormo swarm admit` writes {MEMBERSHIP_LEN} bytes)",
-            path.display()
-        )
-    })
 }
 
 #[cfg(test)]

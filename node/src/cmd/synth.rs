@@ -4,8 +4,8 @@ use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::progress::human_bytes;
 use anyhow::{bail, Context};
+use stormo_net::progress::human_bytes;
 use stormo_simulations::synth::{self, HotExperts, Overrides, Preset, Progress, SynthOptions};
 
 /// A published model to imitate.
@@ -124,10 +124,10 @@ pub struct Args {
     pub quiet: bool,
 }
 
-/// A shard size: [`crate::progress::parse_size`] (one size syntax across the CLI), at least one
+/// A shard size: [`stormo_net::progress::parse_size`] (one size syntax across the CLI), at least one
 /// byte.
 pub fn parse_size(s: &str) -> Result<u64, String> {
-    match crate::progress::parse_size(s)? {
+    match stormo_net::progress::parse_size(s)? {
         0 => Err(format!("size {s:?} must be at least one byte")),
         v => Ok(v),
     }
@@ -339,7 +339,7 @@ fn stale_companions(dir: &Path) -> Vec<PathBuf> {
         m.bin,
         m.json,
         m.sig,
-        dir.join(crate::net::pull::MARKER_FILE),
+        dir.join(stormo_net::pull::MARKER_FILE),
     ]
     .into_iter()
     .filter(|p| std::fs::symlink_metadata(p).is_ok())
@@ -362,7 +362,7 @@ fn old_tokenizer(dir: &Path, described: bool) -> anyhow::Result<Option<PathBuf>>
 /// Checks that the tokenizer in `path` loads and that every id it can produce is below
 /// `vocab` (the model's embedding rows).
 pub fn check_tokenizer(path: &Path, vocab: usize) -> anyhow::Result<()> {
-    let tok = crate::chat::Tokenizer::from_file(path)
+    let tok = stormo_text::Tokenizer::from_file(path)
         .with_context(|| format!("--tokenizer {}", path.display()))?;
     let n = tok.vocab_size();
     if n > vocab {

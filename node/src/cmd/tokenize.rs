@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 
-use crate::chat::Tokenizer;
+use stormo_text::Tokenizer;
 
 /// Arguments of `stormo tokenize`.
 #[derive(Debug, clap::Args)]

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use stormo_manifests::{Hash, PublicKey};
 
-use crate::net::tier::PeerConfig;
-use crate::net::{serve, PeerAddr};
+use stormo_net::tier::PeerConfig;
+use stormo_net::{serve, PeerAddr};
 
 /// How much RAM the expert cache may hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -121,7 +121,7 @@ pub struct PeersConfig {
     /// Ask peers before the local disk.
     pub peers_first: bool,
     /// Whether experts may be computed by the peers holding them, and spot-checks.
-    pub remote: crate::net::remote_policy::RemoteConfig,
+    pub remote: stormo_net::remote_policy::RemoteConfig,
 }
 
 /// Serving experts to peers over QUIC.
@@ -151,7 +151,7 @@ pub struct NodeConfig {
     /// Serving to peers, if the node listens.
     pub listen: Option<ListenConfig>,
     /// Swarm membership (the certificate presented, the members admitted) and discovery.
-    pub swarm: Option<crate::swarm_args::SwarmConfig>,
+    pub swarm: Option<stormo_net::swarm::SwarmConfig>,
 }
 
 impl NodeConfig {

@@ -29,6 +29,7 @@
 //! picked for stormo and not registered: only stormo reads it, and it is marked non-critical.
 
 use std::collections::HashSet;
+use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -269,7 +270,7 @@ impl RevokedList {
                     tracing::warn!(
                         "--revoked {}: {}; keeping the {} keys read before",
                         self.path.display(),
-                        crate::cli::error_message(&e),
+                        crate::error_message(&e),
                         st.keys.len()
                     );
                     st.stamp = now;
@@ -544,7 +545,7 @@ impl ClientCertVerifier for KeyVerifier {
 }
 
 /// How a sender paces its data (QUIC congestion control).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Congestion {
     /// CUBIC (RFC 9438), as TCP uses: backs off on every loss, so random loss on a long path
     /// holds it far below the link's rate.
@@ -559,6 +560,36 @@ pub enum Congestion {
     /// CUBIC wherever a queue builds.
     #[default]
     Tolerant,
+}
+
+impl Congestion {
+    /// Every choice, in the order `--help` lists them.
+    pub const ALL: [Self; 3] = [Self::Cubic, Self::Bbr, Self::Tolerant];
+
+    /// The name the command line takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cubic => "cubic",
+            Self::Bbr => "bbr",
+            Self::Tolerant => "tolerant",
+        }
+    }
+}
+
+impl fmt::Display for Congestion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Congestion {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|c| c.name() == s)
+            .ok_or_else(|| format!("{s:?} is not one of cubic, bbr, tolerant"))
+    }
 }
 
 /// Transport settings shared by both ends: bounded idle time, keep-alives, at most `streams`
@@ -722,9 +753,9 @@ mod tests {
     /// Whether the server and the client (in that order) accept each other in a loopback
     /// handshake of these configurations.
     async fn handshake_with(sc: quinn::ServerConfig, cc: quinn::ClientConfig) -> (bool, bool) {
-        let ep = crate::net::bind("127.0.0.1:0".parse().expect("addr"), Some(sc)).expect("bind");
+        let ep = crate::bind("127.0.0.1:0".parse().expect("addr"), Some(sc)).expect("bind");
         let addr = ep.local_addr().expect("address");
-        let cep = crate::net::bind("127.0.0.1:0".parse().expect("addr"), None).expect("bind");
+        let cep = crate::bind("127.0.0.1:0".parse().expect("addr"), None).expect("bind");
         let connecting = cep.connect_with(cc, addr, "stormo").expect("connect");
         let accepting = async {
             let incoming = ep.accept().await.expect("incoming");
@@ -946,10 +977,10 @@ mod tests {
             for cc in [Congestion::Bbr, Congestion::Cubic, Congestion::Tolerant] {
                 let server_key = SecretKey::from_seed(&[3; 32]);
                 let sc = server_config(&server_key, Admission::Any, 4, cc).expect("server");
-                let server = crate::net::bind("127.0.0.1:0".parse().expect("addr"), Some(sc))
+                let server = crate::bind("127.0.0.1:0".parse().expect("addr"), Some(sc))
                     .expect("server endpoint");
                 let addr = server.local_addr().expect("address");
-                let client = crate::net::bind("127.0.0.1:0".parse().expect("addr"), None)
+                let client = crate::bind("127.0.0.1:0".parse().expect("addr"), None)
                     .expect("client endpoint");
                 let cfg = client_config(&SecretKey::from_seed(&[4; 32]), &server_key.public())
                     .expect("client");
@@ -963,7 +994,7 @@ mod tests {
                     Congestion::Bbr
                 } else if state.is::<quinn::congestion::Cubic>() {
                     Congestion::Cubic
-                } else if state.is::<crate::net::congestion::Tolerant>() {
+                } else if state.is::<crate::congestion::Tolerant>() {
                     Congestion::Tolerant
                 } else {
                     panic!("{cc:?}: an unknown controller")
@@ -1274,9 +1305,9 @@ mod tests {
         (Option<[u8; 32]>, Option<Membership>),
     ) {
         let sc = server_config_for(server, Admission::Any, 4, Congestion::Cubic).expect("server");
-        let ep = crate::net::bind("127.0.0.1:0".parse().expect("addr"), Some(sc)).expect("bind");
+        let ep = crate::bind("127.0.0.1:0".parse().expect("addr"), Some(sc)).expect("bind");
         let addr = ep.local_addr().expect("address");
-        let cep = crate::net::bind("127.0.0.1:0".parse().expect("addr"), None).expect("bind");
+        let cep = crate::bind("127.0.0.1:0".parse().expect("addr"), None).expect("bind");
         let cc = client_config_for(client, Some(&server.secret.public()), Admission::Any)
             .expect("client");
         let connecting = cep.connect_with(cc, addr, "stormo").expect("connect");

@@ -5,7 +5,7 @@
 //! Each request runs in a slot: an engine [`Session`] (its own KV cache and position) and the
 //! ids its cache holds. A new request takes the free slot whose cached ids share the longest
 //! prefix with its prompt (a conversation's next turn usually finds its previous turn there)
-//! and computes only the rest, as [`crate::chat::session::ChatSession`] does. Requests join
+//! and computes only the rest, as [`stormo_text::session::ChatSession`] does. Requests join
 //! and leave between steps. A prompt goes in chunks: at most one prefill block per step when
 //! nothing decodes, at most [`PREFILL_WHILE_DECODING`] positions per step while others decode,
 //! so a long prompt delays their next tokens by a few small steps instead of one long one.
@@ -40,8 +40,8 @@ use stormo_engine::{Batch, Model, Session};
 
 use super::metrics::Metrics;
 use super::{Event, Job, JobBox};
-use crate::chat::session::{common_prefix, FinishReason, Generation, TokenLogprobs};
-use crate::chat::TokenId;
+use stormo_text::session::{common_prefix, FinishReason, Generation, TokenLogprobs};
+use stormo_text::TokenId;
 
 /// The most prompt positions run in one step while other requests decode: each step then
 /// costs about what decoding this many more tokens costs, so the decoding requests slow down
@@ -654,12 +654,13 @@ fn fail(job: Job, msg: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::chat::session::GenerateOptions;
     use stormo_engine::late_liar::LateLiar;
     use stormo_engine::sampling::SamplingParams;
+    use stormo_text::session::GenerateOptions;
 
     fn tiny() -> std::path::PathBuf {
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/gptoss-tiny-mxfp4")
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/gptoss-tiny-mxfp4")
     }
 
     /// What a client of a request saw: its tokens, and how it ended.

@@ -67,6 +67,19 @@ use super::exec::ExecError;
 use super::policy::{self, LoadClock, PeerView, Rounds, StripeState};
 use super::{tls, FramedRecv, PeerAddr, ReadError};
 
+/// One peer as [`PeerTier::swarm_view`] sees it.
+#[derive(Clone, Debug)]
+pub struct PeerSnapshot {
+    /// Its key and address.
+    pub addr: PeerAddr,
+    /// The experts it holds (`None`: not heard yet).
+    pub inventory: Option<ExpertSet>,
+    /// Its last placement announcement.
+    pub placement: Option<stormo_wire::Placement>,
+    /// Its connection is up and its control stream open.
+    pub connected: bool,
+}
+
 /// Timeouts of the network tier.
 #[derive(Clone, Copy, Debug)]
 pub struct PeerConfig {
@@ -633,10 +646,17 @@ impl Control {
 
     /// Reads the peer's control messages until the stream ends, applying its inventory
     /// updates and offers of `model` to `peer`'s state.
-    async fn follow(mut self, peer: Arc<Peer>, model: Hash) {
-        let _send = self.send;
+    async fn follow(self, peer: Arc<Peer>, model: Hash) {
+        let Self { send, mut frames } = self;
+        let _send = send;
+        peer.state().control_open = true;
+        Self::follow_frames(&mut frames, &peer, model).await;
+        peer.state().control_open = false;
+    }
+
+    async fn follow_frames(frames: &mut FramedRecv, peer: &Arc<Peer>, model: Hash) {
         loop {
-            match self.frames.next().await {
+            match frames.next().await {
                 Ok(Some(Message::Inventory(i))) if i.model == model => {
                     if i.experts.validate().is_ok() {
                         peer.state().inventory = Some(i.experts);
@@ -664,6 +684,9 @@ impl Control {
                     if o.experts.validate().is_ok() {
                         peer.state().offer = Some(o.experts);
                     }
+                }
+                Ok(Some(Message::Placement(p))) if p.model == model => {
+                    peer.state().placement = Some(p);
                 }
                 Ok(Some(_)) => {}
                 Ok(None) | Err(_) => return,
@@ -923,6 +946,27 @@ impl PeerTier {
             }
         }
         Some(out)
+    }
+
+    /// What this node knows of each peer in the set: its key, its inventory, its last
+    /// placement announcement, and whether its connection is up now.
+    pub fn swarm_view(&self) -> Vec<PeerSnapshot> {
+        self.inner
+            .peers()
+            .iter()
+            .filter_map(|p| {
+                let s = p.state();
+                (!s.removed).then(|| PeerSnapshot {
+                    addr: p.addr.clone(),
+                    inventory: s.inventory.clone(),
+                    placement: s.placement.clone(),
+                    connected: s.control_open
+                        && s.banned.is_none()
+                        && s.lost.is_none()
+                        && s.unreachable.is_none(),
+                })
+            })
+            .collect()
     }
 
     /// How many experts each peer advertised (in `peers` order; `None`: not reached).
@@ -2690,8 +2734,7 @@ mod tests {
     use stormo_engine::moe::ExpertProvider;
     use stormo_manifests::{manifest::MIN_CHUNK_SIZE, BuildOptions};
 
-    use crate::config::ExpertsConfig;
-    use crate::net::serve::{self, ServeConfig, ServerHandle};
+    use crate::serve::{self, ServeConfig, ServerHandle};
 
     /// Passes on its provider's records with byte `at` of each flipped: a peer whose files went
     /// bad after its manifest was made.
@@ -2820,7 +2863,7 @@ mod tests {
     }
 
     fn bench_with(serving: &[Serving], peer_cfg: PeerConfig) -> Bench {
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/gptoss-tiny-bf16");
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/gptoss-tiny-bf16");
         let dir = tempfile::tempdir().expect("tempdir");
         for f in ["config.json", "model.safetensors"] {
             std::fs::copy(src.join(f), dir.path().join(f)).expect("copying the fixture");
@@ -2839,11 +2882,6 @@ mod tests {
             entry.len
         );
         let files = stormo_engine::ModelFiles::open(dir.path()).expect("model files");
-        let cfg = ExpertsConfig {
-            io_threads: 1,
-            hot_store: false,
-            ..ExpertsConfig::default()
-        };
         let client = SecretKey::from_seed(&[70; 32]);
         let serve_cfg = |busy: bool| ServeConfig {
             admission: tls::Admission::Keys([*client.public().as_bytes()].into()),
@@ -2864,8 +2902,10 @@ mod tests {
         let mut servers = Vec::new();
         let mut addrs = Vec::new();
         for (i, serving) in serving.iter().enumerate() {
-            let (h, _experts) =
-                serve::open_holdings(dir.path(), None, &cfg, None).expect("holdings");
+            let h = serve::holdings(dir.path(), None, None, |files, _| {
+                Ok(Arc::new(files.mapped_experts()?) as Arc<dyn ExpertProvider>)
+            })
+            .expect("holdings");
             if record.is_empty() {
                 let mut out = Vec::new();
                 h.experts
@@ -3344,7 +3384,7 @@ mod tests {
     fn peer_timeout_sets_each_deadline_it_documents() {
         // Shorter than every default: each deadline is the given one.
         let t = Duration::from_secs(2);
-        assert!(t < crate::net::CONNECT_TIMEOUT && t < PeerConfig::default().idle_timeout);
+        assert!(t < crate::CONNECT_TIMEOUT && t < PeerConfig::default().idle_timeout);
         let short = PeerConfig::with_timeout(t);
         assert_eq!(short.connect_timeout, t);
         assert_eq!(short.request_timeout, t);
@@ -3352,7 +3392,7 @@ mod tests {
         // Longer than every default: connection and silence keep their bounds.
         let t = Duration::from_secs(60);
         let long = PeerConfig::with_timeout(t);
-        assert_eq!(long.connect_timeout, crate::net::CONNECT_TIMEOUT);
+        assert_eq!(long.connect_timeout, crate::CONNECT_TIMEOUT);
         assert_eq!(long.request_timeout, t);
         assert_eq!(long.idle_timeout, Duration::from_secs(5));
         // The rest are the defaults.

@@ -83,6 +83,10 @@ pub enum Dial {
 pub struct PeerView {
     /// The experts it holds, once connected (`None`: not known yet).
     pub inventory: Option<ExpertSet>,
+    /// Its last placement announcement (room, pinned and claimed experts, demand), if any.
+    pub placement: Option<stormo_wire::Placement>,
+    /// Its control stream is open (a connection is up and following its inventory).
+    pub control_open: bool,
     /// The experts it can fetch for this node from its own peers (one hop).
     pub offer: Option<ExpertSet>,
     /// Left the peer set: never chosen again.

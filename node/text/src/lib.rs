@@ -1,4 +1,4 @@
-//! Text for people: tokenizers, chat formats and their stop tokens.
+//! stormo's text, for people: tokenizers, chat formats and their stop tokens.
 //!
 //! Owns: [`tokenizer`] (byte-level BPE from a model folder's `tokenizer.json`, exact for
 //! o200k_harmony and Qwen2/Qwen3), [`harmony`] (GPT-OSS's Harmony format: render a
@@ -12,12 +12,12 @@
 //! [`session`] keeps a conversation's KV cache between turns and reuses the longest common
 //! prefix of each new render.
 //!
-//! [`editor`] is `stormo chat`'s terminal (line editor, history, Ctrl-C) and [`transcript`]
-//! its saved conversations.
+//! [`transcript`] is a saved conversation (`stormo chat`'s /save and /load).
 //!
 //! [`defaults`] reads the sampling a model's `generation_config.json` recommends.
 //!
-//! Non-goals here: sampling (in `stormo_engine::sampling`), servers (in `crate::http`).
+//! Non-goals here: sampling (in `stormo_engine::sampling`), servers (in `stormo_node::http`), the
+//! terminal (in the `stormo` binary). No async runtime and no network here.
 
 use std::sync::Arc;
 
@@ -25,7 +25,6 @@ use stormo_engine::Family;
 
 pub mod chatml;
 pub mod defaults;
-pub mod editor;
 pub mod harmony;
 pub mod reply;
 pub mod session;

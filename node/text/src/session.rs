@@ -426,7 +426,8 @@ mod tests {
     use super::*;
 
     fn tiny() -> std::path::PathBuf {
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/gptoss-tiny-mxfp4")
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/gptoss-tiny-mxfp4")
     }
 
     /// A session over the tiny fixture whose experts a [`LateLiar`] runs: wrong for one expert

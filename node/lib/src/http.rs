@@ -13,7 +13,7 @@
 //! the request would get alone; requests beyond `queue` waiting ones get 429 with
 //! `Retry-After`. Because clients send the whole conversation every time, a request takes the
 //! slot whose KV cache holds the longest common prefix and computes only the rest (as
-//! [`crate::chat::session`] does).
+//! [`stormo_text::session`] does).
 //!
 //! An honest API: what is not implemented is refused with a 400 naming the field (`tools`,
 //! `functions`, `tool_choice` other than `none`/`auto`, `response_format` other than text,
@@ -22,7 +22,7 @@
 //! `log_softmax` of the whole output head's logits before penalty, temperature, top-k and
 //! top-p, so when they are asked the screened head (an int8 shortcut for greedy argmax) is not
 //! used for that request. The sampling a request leaves out comes from the model folder's
-//! `generation_config.json` (see [`crate::chat::defaults`]), else OpenAI's defaults.
+//! `generation_config.json` (see [`stormo_text::defaults`]), else OpenAI's defaults.
 //!
 //! SIGTERM or Ctrl-C (see [`shutdown_signal`] and [`HttpServer::shutdown`]): the listener
 //! closes, `/health` answers 503, idle keep-alive connections close, running replies may
@@ -61,21 +61,24 @@ use serde_json::{json, Value};
 use stormo_engine::sampling::SamplingParams;
 use tokio::sync::mpsc;
 
-use crate::chat::defaults::SamplingDefaults;
-use crate::chat::reply::ReplyStream;
-use crate::chat::session::{GenerateOptions, Generation, TokenLogprobs, MAX_TOP_LOGPROBS};
-use crate::chat::{
+use crate::experts::Experts;
+use crate::text_model::TextModel;
+use stormo_text::defaults::SamplingDefaults;
+use stormo_text::reply::ReplyStream;
+use stormo_text::session::{GenerateOptions, Generation, TokenLogprobs, MAX_TOP_LOGPROBS};
+use stormo_text::{
     harmony::ReasoningEffort, ChatFormat, OutputDelta, PromptOptions, TokenId, Tokenizer, Turn,
     TurnRole,
 };
-use crate::cmd::chat::TextModel;
-use crate::experts::Experts;
 
+mod answer;
 mod batch;
 mod conn;
 mod guard;
 mod metrics;
 mod stop;
+
+use answer::{now_s, Kind, Reply};
 pub use batch::{default_parallel, MAX_PARALLEL};
 pub use conn::{DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_CLIENT, DEFAULT_TIMEOUT};
 use metrics::Metrics;
@@ -355,9 +358,9 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
         "the HTTP server's per-client connection cap must be at least 1"
     );
     anyhow::ensure!(
-        !cfg.timeout.is_zero() && cfg.timeout.as_secs_f64() <= crate::progress::MAX_SECS,
+        !cfg.timeout.is_zero() && cfg.timeout.as_secs_f64() <= stormo_net::progress::MAX_SECS,
         "the HTTP server's timeout must be positive and at most {} s",
-        crate::progress::MAX_SECS
+        stormo_net::progress::MAX_SECS
     );
     let listener = tokio::net::TcpListener::bind(cfg.addr)
         .await
@@ -1261,372 +1264,6 @@ fn queue(
         }
         Err(std::sync::mpsc::TrySendError::Disconnected(_)) => {
             Err(ApiError::server("the engine has stopped"))
-        }
-    }
-}
-
-/// Text pieces of one reply as they are made, with stop strings applied to the answer.
-struct Reply {
-    events: mpsc::UnboundedReceiver<Event>,
-    stream: ReplyStream,
-    stop: StopMatcher,
-    tokens: usize,
-    ready: std::collections::VecDeque<Step>,
-    finished: bool,
-    /// Log-probabilities of the tokens received and not yet sent (when asked).
-    logprobs: Vec<(TokenId, TokenLogprobs)>,
-}
-
-/// One step of a [`Reply`].
-#[derive(Debug)]
-enum Step {
-    Delta(OutputDelta),
-    /// Finished: OpenAI's finish reason and the completion's token count.
-    End(&'static str, usize),
-}
-
-impl Reply {
-    fn new(events: mpsc::UnboundedReceiver<Event>, stream: ReplyStream, stop: Vec<String>) -> Self {
-        Self {
-            events,
-            stream,
-            stop: StopMatcher::new(stop),
-            tokens: 0,
-            ready: Default::default(),
-            finished: false,
-            logprobs: Vec::new(),
-        }
-    }
-
-    fn content(&mut self, t: &str) -> bool {
-        let (emit, hit) = self.stop.push(t);
-        if !emit.is_empty() {
-            self.ready
-                .push_back(Step::Delta(OutputDelta::Content(emit)));
-        }
-        hit
-    }
-
-    async fn next(&mut self) -> Result<Option<Step>, ApiError> {
-        loop {
-            if let Some(s) = self.ready.pop_front() {
-                return Ok(Some(s));
-            }
-            if self.finished {
-                return Ok(None);
-            }
-            let Some(ev) = self.events.recv().await else {
-                return Err(ApiError::server("the engine dropped the request"));
-            };
-            match ev {
-                Event::Token(id, lp) => {
-                    self.tokens += 1;
-                    if let Some(lp) = lp {
-                        self.logprobs.push((id, lp));
-                    }
-                    match self.stream.push(id) {
-                        Some(OutputDelta::Content(t)) => {
-                            let hit = self.content(&t);
-                            if hit {
-                                // Closing the channel cancels the generation.
-                                self.events.close();
-                                self.finished = true;
-                                self.ready.push_back(Step::End("stop", self.tokens));
-                            }
-                        }
-                        Some(d) => self.ready.push_back(Step::Delta(d)),
-                        None => {}
-                    }
-                }
-                Event::Done(g) => {
-                    self.finished = true;
-                    let mut hit = false;
-                    if let Some(OutputDelta::Content(t)) = self.stream.finish() {
-                        hit = self.content(&t);
-                    }
-                    if !hit {
-                        let tail = self.stop.finish();
-                        if !tail.is_empty() {
-                            self.ready
-                                .push_back(Step::Delta(OutputDelta::Content(tail)));
-                        }
-                    }
-                    let reason = if hit { "stop" } else { g.finish.openai() };
-                    self.ready.push_back(Step::End(reason, self.tokens));
-                }
-                Event::Failed(msg) => return Err(ApiError::server(msg)),
-            }
-        }
-    }
-}
-
-fn usage(prompt: usize, completion: usize) -> Value {
-    json!({
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    })
-}
-
-fn now_s() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
-/// Which endpoint a reply is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Chat,
-    Text,
-}
-
-/// Everything needed to answer once the request is queued.
-struct Answer {
-    kind: Kind,
-    id: String,
-    model: String,
-    created: u64,
-    prompt_tokens: usize,
-    include_usage: bool,
-    reply: Reply,
-    /// Whether log-probabilities were asked.
-    logprobs: bool,
-    tokenizer: Arc<Tokenizer>,
-    /// Characters of completion text covered by the log-probabilities sent so far (the
-    /// completions endpoint's `text_offset`).
-    offset: usize,
-    phase: tokio::sync::watch::Receiver<Phase>,
-}
-
-/// A log-probability for JSON: a number, never infinity (JSON has none; OpenAI's API uses
-/// -9999 for "impossible").
-fn lp_json(v: f32) -> f64 {
-    if v.is_finite() {
-        f64::from(v)
-    } else {
-        -9999.0
-    }
-}
-
-impl Answer {
-    fn token_text(&self, id: TokenId) -> (String, Vec<u8>) {
-        let b = self.tokenizer.token_bytes(id).unwrap_or_default().to_vec();
-        (String::from_utf8_lossy(&b).into_owned(), b)
-    }
-
-    /// The `logprobs` value of a choice for the tokens `lps` (`null` when not asked).
-    fn logprobs_json(&mut self, lps: &[(TokenId, TokenLogprobs)]) -> Value {
-        if !self.logprobs {
-            return Value::Null;
-        }
-        match self.kind {
-            Kind::Chat => {
-                let entry = |this: &Self, id: TokenId, lp: f32| {
-                    let (token, bytes) = this.token_text(id);
-                    json!({ "token": token, "logprob": lp_json(lp), "bytes": bytes })
-                };
-                let content: Vec<Value> = lps
-                    .iter()
-                    .map(|(id, lp)| {
-                        let mut e = entry(self, *id, lp.logprob);
-                        e["top_logprobs"] = lp
-                            .top
-                            .iter()
-                            .map(|&(t, l)| entry(self, t, l))
-                            .collect::<Vec<_>>()
-                            .into();
-                        e
-                    })
-                    .collect();
-                json!({ "content": content, "refusal": null })
-            }
-            Kind::Text => {
-                let (mut tokens, mut token_lps, mut tops, mut offsets) =
-                    (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-                for (id, lp) in lps {
-                    let (t, _) = self.token_text(*id);
-                    offsets.push(self.offset);
-                    self.offset += t.chars().count();
-                    tokens.push(t);
-                    token_lps.push(lp_json(lp.logprob));
-                    let top: serde_json::Map<String, Value> = lp
-                        .top
-                        .iter()
-                        .map(|&(t, l)| (self.token_text(t).0, json!(lp_json(l))))
-                        .collect();
-                    tops.push(Value::Object(top));
-                }
-                json!({ "tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-                        "text_offset": offsets })
-            }
-        }
-    }
-
-    fn chunk(&mut self, delta: Value, finish: Option<&str>) -> Value {
-        let lps = std::mem::take(&mut self.reply.logprobs);
-        let logprobs = self.logprobs_json(&lps);
-        match self.kind {
-            Kind::Chat => json!({
-                "id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model,
-                "choices": [{ "index": 0, "delta": delta, "logprobs": logprobs,
-                              "finish_reason": finish }],
-            }),
-            Kind::Text => json!({
-                "id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model,
-                "choices": [{ "index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")),
-                              "logprobs": logprobs, "finish_reason": finish }],
-            }),
-        }
-    }
-
-    /// The next step of the reply, or an error when the server cuts running replies (on
-    /// shutdown, past the grace period): the generation is cancelled.
-    async fn next(&mut self) -> Result<Option<Step>, ApiError> {
-        let mut phase = self.phase.clone();
-        tokio::select! {
-            r = self.reply.next() => r,
-            true = phase_reached(&mut phase, Phase::Cutting) => {
-                // Closing the channel cancels the generation.
-                self.reply.events.close();
-                Err(ApiError::server(format!(
-                    "the server is shutting down: the reply was cut after {} tokens",
-                    self.reply.tokens
-                ))
-                .status(StatusCode::SERVICE_UNAVAILABLE)
-                .code("server_shutting_down"))
-            }
-        }
-    }
-
-    async fn whole(mut self) -> Result<Response<Body>, ApiError> {
-        let (mut content, mut reasoning) = (String::new(), String::new());
-        let (mut reason, mut tokens) = ("stop", 0);
-        while let Some(step) = self.next().await? {
-            match step {
-                Step::Delta(OutputDelta::Content(t)) => content.push_str(&t),
-                Step::Delta(OutputDelta::Reasoning(t)) => reasoning.push_str(&t),
-                Step::End(r, n) => (reason, tokens) = (r, n),
-            }
-        }
-        let usage = usage(self.prompt_tokens, tokens);
-        let lps = std::mem::take(&mut self.reply.logprobs);
-        let logprobs = self.logprobs_json(&lps);
-        let v = match self.kind {
-            Kind::Chat => {
-                let mut message = json!({ "role": "assistant", "content": content });
-                if !reasoning.is_empty() {
-                    message["reasoning_content"] = json!(reasoning);
-                }
-                json!({
-                    "id": self.id, "object": "chat.completion", "created": self.created,
-                    "model": self.model,
-                    "choices": [{ "index": 0, "message": message, "logprobs": logprobs,
-                                  "finish_reason": reason }],
-                    "usage": usage,
-                })
-            }
-            Kind::Text => json!({
-                "id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model,
-                "choices": [{ "index": 0, "text": content, "logprobs": logprobs,
-                              "finish_reason": reason }],
-                "usage": usage,
-            }),
-        };
-        Ok(json_response(StatusCode::OK, &v))
-    }
-
-    fn streamed(mut self) -> Response<Body> {
-        let (tx, rx) = mpsc::channel::<Bytes>(32);
-        tokio::spawn(async move {
-            let event = |v: &Value| Bytes::from(format!("data: {v}\n\n"));
-            if self.kind == Kind::Chat {
-                let first = self.chunk(json!({ "role": "assistant", "content": "" }), None);
-                if tx.send(event(&first)).await.is_err() {
-                    return;
-                }
-            }
-            loop {
-                let v = match self.next().await {
-                    Ok(Some(Step::Delta(OutputDelta::Content(t)))) => {
-                        self.chunk(json!({ "content": t }), None)
-                    }
-                    Ok(Some(Step::Delta(OutputDelta::Reasoning(t)))) => {
-                        if self.kind == Kind::Text {
-                            continue;
-                        }
-                        self.chunk(json!({ "reasoning_content": t }), None)
-                    }
-                    Ok(Some(Step::End(reason, tokens))) => {
-                        let mut last = self.chunk(json!({}), Some(reason));
-                        if self.include_usage {
-                            if tx.send(event(&last)).await.is_err() {
-                                return;
-                            }
-                            last = self.chunk(json!({}), None);
-                            last["choices"] = json!([]);
-                            last["usage"] = usage(self.prompt_tokens, tokens);
-                        }
-                        last
-                    }
-                    Ok(None) => break,
-                    Err(e) => e.body(),
-                };
-                let is_err = v.get("error").is_some();
-                if tx.send(event(&v)).await.is_err() {
-                    return;
-                }
-                if is_err {
-                    // The stream still ends as a stream does, so clients see a clean end.
-                    break;
-                }
-            }
-            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
-        });
-        let mut r = Response::new(Body::Stream(rx));
-        let h = r.headers_mut();
-        h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-        h.insert(
-            hyper::header::CACHE_CONTROL,
-            HeaderValue::from_static("no-cache"),
-        );
-        r
-    }
-}
-
-impl State {
-    fn answer(
-        &self,
-        kind: Kind,
-        common: &Common,
-        prompt_tokens: usize,
-        reply: Reply,
-        logprobs: bool,
-    ) -> Answer {
-        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let prefix = match kind {
-            Kind::Chat => "chatcmpl",
-            Kind::Text => "cmpl",
-        };
-        Answer {
-            kind,
-            id: format!("{prefix}-{:x}{n:06x}", self.created),
-            model: self.name.clone(),
-            created: now_s(),
-            prompt_tokens,
-            include_usage: common
-                .stream_options
-                .as_ref()
-                .is_some_and(|o| o.include_usage),
-            reply,
-            logprobs,
-            tokenizer: self.tokenizer.clone(),
-            offset: 0,
-            phase: self.phase.clone(),
         }
     }
 }

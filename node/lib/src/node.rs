@@ -9,7 +9,7 @@
 //!   [`Node::remove_peer`]; discovery feeds it);
 //! - the expert tiers, built once: the RAM cache over the local disk, the kept experts and
 //!   the peers, in that order (peers before the disk with `peers_first`);
-//! - remote expert execution over the peers (`--remote-exec`, see [`crate::net::remote`]):
+//! - remote expert execution over the peers (`--remote-exec`, see [`stormo_net::remote`]):
 //!   the engine's executor, given to every model the node loads;
 //! - the serving side, when it listens: it serves every expert it holds verified (its disk,
 //!   its kept experts, its RAM cache), offers what its direct peers hold (fetching it for the
@@ -36,12 +36,12 @@ use stormo_wire::ExpertSet;
 
 use crate::config::{LocalExperts, NodeConfig};
 use crate::experts::Experts;
-use crate::net::expert_dir::{DirTier, ExpertDir};
-use crate::net::remote::{PeerExec, RemoteExperts};
-use crate::net::remote_policy::RemoteExec;
-use crate::net::serve::{Announce, FileShare, Holdings, ServerHandle};
-use crate::net::tier::PeerTier;
-use crate::net::{self, PeerAddr};
+use stormo_net::expert_dir::{DirTier, ExpertDir};
+use stormo_net::remote::{PeerExec, RemoteExperts};
+use stormo_net::remote_policy::RemoteExec;
+use stormo_net::serve::{Announce, FileShare, Holdings, ServerHandle};
+use stormo_net::tier::PeerTier;
+use stormo_net::{self as net, PeerAddr};
 
 /// How often a serving node recomputes what it holds and offers (and tells its peers).
 const ANNOUNCE_EVERY: Duration = Duration::from_millis(500);
@@ -96,7 +96,7 @@ pub struct Node {
     holdings: Option<Arc<Holdings>>,
     state: StatePaths,
     /// Running discovery (dropping it stops announcing), when asked for.
-    discovery: Mutex<Option<crate::discover::Discovery>>,
+    discovery: Mutex<Option<stormo_net::discover::Discovery>>,
 }
 
 impl std::fmt::Debug for Node {
@@ -260,7 +260,7 @@ impl Node {
                         // node serves and keeps (its peers check it against their own pin).
                         own_manifest(&dir, p.manifest.as_deref())?
                     } else {
-                        net::resolve_manifest(&dir, p, secret, &rt)?
+                        crate::manifest::resolve_manifest(&dir, p, secret, &rt)?
                     };
                 net::serve::check_layout(&m, &files.layout.sizes())
                     .context("the manifest does not describe this checkpoint")?;
@@ -508,14 +508,14 @@ impl Node {
     }
 
     /// Announces this node (when it serves) and feeds the peers that discovery finds into the
-    /// peer set, taking out those that go away ([`crate::discover::drive`]): a LAN record
+    /// peer set, taking out those that go away ([`stormo_net::discover::drive`]): a LAN record
     /// names its key (proven in the handshake when dialled), a DHT record only an address,
     /// which is dialled to learn the key it proves. A node that does not serve and was given
     /// no peer on the command line waits (bounded) until the first DHT lookup's peers are
     /// connected (LAN only: the first peer), so a run that starts at once has them to ask; a
     /// serving node starts serving at once.
     fn start_discovery(&self) -> anyhow::Result<()> {
-        use crate::discover::{self, book::Change};
+        use stormo_net::discover::{self, book::Change};
         let (Some(sw), Some(secret), Some(ep), Some(m), Some(tier)) = (
             self.cfg.swarm.as_ref(),
             self.secret.as_ref(),
@@ -787,7 +787,7 @@ impl Node {
             out += &format!(
                 "  remote execution: {} experts run by peers ({} of rows), {} failed calls, {} spot-checks ({} disagreed, {} in the background), {} steps generated again\n",
                 s.calls,
-                crate::progress::human_bytes(s.bytes),
+                stormo_net::progress::human_bytes(s.bytes),
                 s.failures,
                 s.spot_checks,
                 s.spot_check_failures,
@@ -799,7 +799,7 @@ impl Node {
             out += &format!(
                 "  expert dir: {} experts held, {}\n",
                 d.len(),
-                crate::progress::human_bytes(d.used())
+                stormo_net::progress::human_bytes(d.used())
             );
         }
         out
@@ -900,7 +900,7 @@ const DISCOVERY_WAIT: Duration = Duration::from_secs(15);
 /// How long a peer found on the DHT stays in the peer set after it last answered: three
 /// lookups' time (a lookup dials every address it finds).
 const DISCOVERED_LOST_AFTER: Duration =
-    Duration::from_secs(3 * crate::discover::dht::LOOKUP_EVERY.as_secs());
+    Duration::from_secs(3 * stormo_net::discover::dht::LOOKUP_EVERY.as_secs());
 
 /// Recomputes what a serving node holds and offers.
 #[derive(Clone)]
@@ -939,6 +939,11 @@ impl Announcer {
         for e in held.iter() {
             let _ = offered.remove(e);
         }
-        self.holdings.set_announce(Announce { held, offered });
+        let placement = self.holdings.announce.borrow().placement.clone();
+        self.holdings.set_announce(Announce {
+            held,
+            offered,
+            placement,
+        });
     }
 }

@@ -1,4 +1,4 @@
-//! The network tier: serving and fetching verified experts over QUIC.
+//! stormo's network tier: serving and fetching verified experts over QUIC.
 //!
 //! - [`congestion`]: stormo's own congestion controller (CUBIC that lets random loss pass
 //!   while the path's queue is empty).
@@ -16,16 +16,28 @@
 //!
 //! Helpers here: node identity ([`node_key`]), peer names ([`PeerAddr`]), expert subsets
 //! ([`parse_only_experts`]), a tuned UDP endpoint ([`bind`]) and framed reads ([`FramedRecv`]).
-//! The [`crate::node::Node`] composes these with the engine's tiers.
+//! - [`placement`]: which experts a serving node fetches and evicts so the swarm keeps
+//!   `--replicas` copies of each (sans-IO).
+//! - [`discover`]: finding peers by mDNS and the mainline DHT.
+//! - [`identity`]: the node key and swarm certificate files; [`swarm`]: membership resolved.
+//! - [`progress`]: progress lines and human units.
+//!
+//! No CLI and no HTTP here (the `stormo` binary and `stormo_node` sit above); the
+//! `stormo_node::node::Node` composes these with the engine's tiers.
 
 pub mod congestion;
+pub mod discover;
 pub mod exec;
 pub mod expert_dir;
+pub mod identity;
+pub mod placement;
 pub mod policy;
+pub mod progress;
 pub mod pull;
 pub mod remote;
 pub mod remote_policy;
 pub mod serve;
+pub mod swarm;
 pub mod tier;
 pub mod tls;
 
@@ -37,9 +49,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use stormo_manifests::{
-    read_manifest, Hash, Manifest, ManifestPaths, ManifestSignature, PublicKey, SecretKey,
-};
+use stormo_manifests::{Hash, Manifest, ManifestSignature, PublicKey, SecretKey};
 use stormo_wire::{DecodeError, FrameDecoder, Message, Piece};
 
 /// UDP socket buffer size: the default ~200 KiB drops packets of a 13 MB expert on loopback.
@@ -56,11 +66,25 @@ pub const MAX_UDP_PAYLOAD: u16 = 6500;
 /// fetches, `--peer-timeout` when that is shorter).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// An error and its causes on one line, each cause once (a cause whose text the message
+/// already ends with is not repeated): how every error reaches the user.
+pub fn error_message(e: &anyhow::Error) -> String {
+    let mut msg = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !msg.ends_with(&c) {
+            msg.push_str(": ");
+            msg.push_str(&c);
+        }
+    }
+    msg
+}
+
 /// The node's identity: the key in `path`, or a new ephemeral key (with a warning: peers
 /// cannot allow-list a key that changes every start).
 pub fn node_key(path: Option<&Path>) -> anyhow::Result<SecretKey> {
     match path {
-        Some(p) => crate::cmd::key::load_secret_key(p).context("cannot use the node key (--key)"),
+        Some(p) => identity::load_secret_key(p).context("cannot use the node key (--key)"),
         None => {
             let k = SecretKey::generate();
             tracing::warn!(
@@ -498,68 +522,6 @@ pub fn accept_manifest(
     }
     let m = Manifest::decode(bytes).context("manifest refused: not a valid manifest")?;
     Ok((m, id))
-}
-
-/// The manifest for a node of `dir`: the local file (`args.manifest` or
-/// `DIR/stormo-manifest.bin`) when it exists, else fetched from the first peer that answers;
-/// accepted only as [`accept_manifest`] says.
-pub fn resolve_manifest(
-    dir: &Path,
-    args: &crate::config::PeersConfig,
-    secret: &SecretKey,
-    rt: &tokio::runtime::Runtime,
-) -> anyhow::Result<(Manifest, Hash, Vec<u8>)> {
-    let paths = ManifestPaths::resolve(dir, args.manifest.as_deref());
-    let sig = std::fs::read(&paths.sig).ok();
-    let bytes = if paths.bin.exists() {
-        let (_, bytes) = read_manifest(&paths.bin)?;
-        bytes
-    } else {
-        anyhow::ensure!(
-            !args.peers.is_empty(),
-            "no manifest at {} and no --peer to fetch it from",
-            paths.bin.display()
-        );
-        anyhow::ensure!(
-            args.model_id.is_some() || sig.is_some(),
-            "no manifest at {}: fetching it from a peer needs --model-id ID (or its signature file there with --trust)",
-            paths.bin.display()
-        );
-        let want = match (args.model_id, &sig) {
-            (Some(id), _) => Some(id),
-            (None, Some(s)) => Some(
-                ManifestSignature::from_bytes(s)
-                    .context("the signature file")?
-                    .model_id,
-            ),
-            (None, None) => None,
-        };
-        let cfg = args.timeouts;
-        let mut last = None;
-        let mut got = None;
-        for p in &args.peers {
-            match rt.block_on(tier::fetch_manifest(secret, p, want, cfg)) {
-                Ok((_, b)) => {
-                    got = Some(b);
-                    break;
-                }
-                Err(e) => {
-                    tracing::warn!("{e:#}");
-                    last = Some(e);
-                }
-            }
-        }
-        match got {
-            Some(b) => b,
-            None => {
-                return Err(last
-                    .unwrap_or_else(|| anyhow::anyhow!("no peer"))
-                    .context("no peer supplied the manifest"))
-            }
-        }
-    };
-    let (m, id) = accept_manifest(&bytes, sig.as_deref(), &args.trust, args.model_id)?;
-    Ok((m, id, bytes))
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use stormo_manifests::PublicKey;
 
-use crate::net::PeerAddr;
+use crate::PeerAddr;
 
 /// A change to make to the node's peer set.
 #[derive(Clone, Debug, PartialEq, Eq)]

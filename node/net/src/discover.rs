@@ -23,8 +23,8 @@
 //! went away; [`Event::Looked`] ends a DHT lookup round. Nothing here is trusted: the key in an
 //! mDNS record is a claim, and a DHT address is only an address. [`drive`] turns the events
 //! into changes of a peer set through a [`book::PeerBook`]: it dials each DHT address
-//! ([`probe`]) with [`crate::net::tls::client_config_for`] under the swarm's
-//! [`crate::net::tls::Admission::Swarm`], so only a peer that proves a key with a valid
+//! ([`probe`]) with [`crate::tls::client_config_for`] under the swarm's
+//! [`crate::tls::Admission::Swarm`], so only a peer that proves a key with a valid
 //! membership certificate counts, and removes peers that go away (see [`book`]).
 //!
 //! # Privacy of the model
@@ -87,7 +87,7 @@ impl fmt::Debug for Discovered {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let key = self
             .key
-            .map_or_else(|| "?".to_string(), |k| crate::net::short_key(&k));
+            .map_or_else(|| "?".to_string(), |k| crate::short_key(&k));
         write!(f, "{key}@{:?} via {}", self.addrs, self.via)
     }
 }
@@ -240,7 +240,7 @@ pub async fn probe(d: &Dialer, addr: SocketAddr, within: Duration) -> Option<Pub
         .ok()?
         .map_err(|e| tracing::debug!("discovered address {addr}: {e}"))
         .ok()?;
-    let key = crate::net::tls::peer_key(&conn).map(|k| PublicKey::from_bytes(&k));
+    let key = crate::tls::peer_key(&conn).map(|k| PublicKey::from_bytes(&k));
     conn.close(0u32.into(), b"key learned");
     key.and_then(Result::ok)
 }
@@ -281,7 +281,7 @@ pub async fn drive(
                             if !book.answered_recently(addr, Instant::now()) && probing.insert(addr) {
                                 let (dial, ptx) = (dial.clone(), ptx.clone());
                                 tokio::spawn(async move {
-                                    let key = probe(&dial, addr, crate::net::CONNECT_TIMEOUT).await;
+                                    let key = probe(&dial, addr, crate::CONNECT_TIMEOUT).await;
                                     let _ = ptx.send((addr, key)).await;
                                 });
                             }
@@ -330,19 +330,19 @@ pub const FIND_WITHIN: Duration = Duration::from_secs(30);
 pub fn find_peers(
     rt: &tokio::runtime::Runtime,
     secret: &stormo_manifests::SecretKey,
-    sw: &crate::swarm_args::SwarmConfig,
+    sw: &crate::swarm::SwarmConfig,
     model: Hash,
     within: Duration,
-) -> anyhow::Result<Vec<crate::net::PeerAddr>> {
+) -> anyhow::Result<Vec<crate::PeerAddr>> {
     use std::sync::Mutex;
     let me = secret.public();
     let endpoint = {
         let _g = rt.enter();
-        crate::net::bind(crate::net::unspecified(false), None)?
+        crate::bind(crate::unspecified(false), None)?
     };
     let dial = Dialer {
         endpoint: endpoint.clone(),
-        client: crate::net::tls::client_config_for(
+        client: crate::tls::client_config_for(
             sw.identity(secret),
             None,
             sw.admission(&[], sw.membership.is_none()),
@@ -359,7 +359,7 @@ pub fn find_peers(
         let _g = rt.enter();
         start(&sw.discover, &announce, tx)?
     };
-    let found: Arc<Mutex<Vec<crate::net::PeerAddr>>> = Arc::default();
+    let found: Arc<Mutex<Vec<crate::PeerAddr>>> = Arc::default();
     let f = found.clone();
     let apply = move |c: Change| {
         let mut f = f.lock().expect("found peers lock");
@@ -534,11 +534,11 @@ mod tests {
         let silent_addr = silent.local_addr().expect("addr");
         rt.block_on(async {
             let dial = Dialer {
-                endpoint: crate::net::bind("127.0.0.1:0".parse().unwrap(), None).expect("ep"),
-                client: crate::net::tls::client_config_for(
-                    crate::net::tls::Identity::key(&me),
+                endpoint: crate::bind("127.0.0.1:0".parse().unwrap(), None).expect("ep"),
+                client: crate::tls::client_config_for(
+                    crate::tls::Identity::key(&me),
                     None,
-                    crate::net::tls::Admission::Any,
+                    crate::tls::Admission::Any,
                 )
                 .expect("client"),
             };
@@ -574,7 +574,7 @@ mod tests {
             tx.send(found(model(), Some(peer), at)).await.unwrap();
             assert_eq!(
                 next(&mut changes).await,
-                Some(Change::Add(crate::net::PeerAddr {
+                Some(Change::Add(crate::PeerAddr {
                     key: peer,
                     addr: at
                 }))

@@ -9,7 +9,7 @@ use stormo_engine::tiers::{usage, ExpertStats, Tier, TierConfig, TieredExperts};
 use stormo_engine::ModelFiles;
 
 use crate::config::{CacheBudget, ExpertsConfig};
-use crate::progress::human_bytes;
+use stormo_net::progress::human_bytes;
 
 /// The provider built from an [`ExpertsConfig`], with what is needed to report on it.
 #[derive(Debug)]
@@ -22,7 +22,7 @@ pub struct Experts {
 }
 
 /// The RAM available (`MemAvailable` of /proc/meminfo), if known.
-pub(crate) fn mem_available() -> Option<u64> {
+pub fn mem_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -202,6 +202,33 @@ impl Experts {
         }
         out
     }
+}
+
+/// Opens what a node in `dir` serves: the manifest (`manifest`, or `DIR/stormo-manifest.bin`),
+/// checked against the checkpoint's layout, and its experts through the tiers of `args`,
+/// restricted to `only` (an `--only-experts` spec) when given.
+pub fn open_holdings(
+    dir: &std::path::Path,
+    manifest: Option<&std::path::Path>,
+    args: &ExpertsConfig,
+    only: Option<&str>,
+) -> anyhow::Result<(stormo_net::serve::Holdings, Experts)> {
+    let mut built = None;
+    let h = stormo_net::serve::holdings(dir, manifest, only, |files, allowed| {
+        let tiers: Vec<Arc<dyn Tier>> = if allowed
+            .as_ref()
+            .is_some_and(|a| !a.iter().flatten().any(|&on| on))
+        {
+            Vec::new()
+        } else {
+            vec![Arc::new(files.disk_tier(args.io_threads.max(1), allowed)?)]
+        };
+        let e = Experts::build(files, args, 1, tiers, None)?;
+        let provider = e.provider.clone();
+        built = Some(e);
+        Ok(provider)
+    })?;
+    Ok((h, built.expect("holdings() builds the experts it returns")))
 }
 
 #[cfg(test)]

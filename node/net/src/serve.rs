@@ -70,6 +70,8 @@ pub struct Announce {
     pub held: ExpertSet,
     /// Offered: held by one of its direct peers, not by itself.
     pub offered: ExpertSet,
+    /// Its room and claims for placing replicas (`None`: it places none).
+    pub placement: Option<Arc<stormo_wire::Placement>>,
 }
 
 impl Announce {
@@ -77,7 +79,11 @@ impl Announce {
     pub fn holding(held: ExpertSet) -> Self {
         let offered = ExpertSet::new(held.layers(), held.experts_per_layer())
             .expect("the same shape as a valid set");
-        Self { held, offered }
+        Self {
+            held,
+            offered,
+            placement: None,
+        }
     }
 
     /// Whether a request for `id` is served (held or offered).
@@ -554,6 +560,9 @@ async fn control(
             experts: last.offered.clone(),
         }));
     }
+    if let Some(p) = &last.placement {
+        first.push(Message::Placement((**p).clone()));
+    }
     for m in &first {
         if super::write_message(&mut send, m).await.is_err() {
             return;
@@ -589,6 +598,7 @@ async fn control(
                 Message::Inventory(_)
                 | Message::InventoryUpdate(_)
                 | Message::Offer(_)
+                | Message::Placement(_)
                 | Message::Pong(_),
             )) => {}
             Ok(Some(Message::Error(e))) => {
@@ -641,6 +651,11 @@ pub fn announce_changes(model: Hash, last: &Announce, now: &Announce) -> Vec<Mes
             model,
             experts: now.offered.clone(),
         }));
+    }
+    if now.placement != last.placement {
+        if let Some(p) = &now.placement {
+            out.push(Message::Placement((**p).clone()));
+        }
     }
     out
 }
@@ -982,33 +997,6 @@ pub async fn record_parts(
     .context("the expert reader panicked")?
 }
 
-/// Opens what a node in `dir` serves: the manifest (`manifest`, or `DIR/stormo-manifest.bin`),
-/// checked against the checkpoint's layout, and its experts through the tiers of `args`,
-/// restricted to `only` (an `--only-experts` spec) when given.
-pub fn open_holdings(
-    dir: &std::path::Path,
-    manifest: Option<&std::path::Path>,
-    args: &crate::config::ExpertsConfig,
-    only: Option<&str>,
-) -> anyhow::Result<(Holdings, crate::experts::Experts)> {
-    let mut built = None;
-    let h = holdings(dir, manifest, only, |files, allowed| {
-        let tiers: Vec<Arc<dyn stormo_engine::tiers::Tier>> = if allowed
-            .as_ref()
-            .is_some_and(|a| !a.iter().flatten().any(|&on| on))
-        {
-            Vec::new()
-        } else {
-            vec![Arc::new(files.disk_tier(args.io_threads.max(1), allowed)?)]
-        };
-        let e = crate::experts::Experts::build(files, args, 1, tiers, None)?;
-        let provider = e.provider.clone();
-        built = Some(e);
-        Ok(provider)
-    })?;
-    Ok((h, built.expect("holdings() builds the experts it returns")))
-}
-
 /// As [`open_holdings`], serving experts through `provider`, the expert cache of a model
 /// this process also runs (`stormo serve --http` with `--listen`), so the node keeps one cache
 /// within one budget instead of two. Requests outside the inventory (`only`) are refused by
@@ -1024,7 +1012,7 @@ pub fn open_holdings_sharing(
 
 /// Opens the manifest and inventory of `dir`; `experts` makes the provider from the files
 /// and the experts allowed.
-fn holdings(
+pub fn holdings(
     dir: &std::path::Path,
     manifest: Option<&std::path::Path>,
     only: Option<&str>,
