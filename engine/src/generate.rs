@@ -123,6 +123,38 @@ pub fn sampled(
     out
 }
 
+/// [`sampled`] without the logits: each token through [`Model::forward_sample`], so a model
+/// with a screened head ([`LoadOptions::screened_head`](crate::LoadOptions::screened_head))
+/// reads only the head rows the draw needs. The same ids as [`sampled`].
+#[allow(clippy::too_many_arguments)]
+pub fn sampled_ids(
+    model: &Model,
+    sess: &mut Session,
+    prompt: &[u32],
+    max_new: usize,
+    stop: &[u32],
+    sampler: &mut Sampler,
+    mut on_token: impl FnMut(u32),
+    timings: &mut Timings,
+) -> Result<Vec<u32>> {
+    let mut state = (sampler.clone(), prompt.to_vec());
+    let out = generate(
+        model,
+        sess,
+        (prompt, max_new, stop),
+        &mut state,
+        |sess, tokens, (sampler, history): &mut (Sampler, Vec<u32>)| {
+            let tok = model.forward_sample(sess, tokens, sampler, history)?;
+            history.push(tok);
+            Ok(tok)
+        },
+        (false, |tok, _: &[f32]| on_token(tok)),
+        timings,
+    );
+    *sampler = state.0;
+    out
+}
+
 /// [`greedy`] and [`sampled`]: each step's last-position logits, and the token `choose` picks
 /// from them (with `state`, which a rolled-back step restores); the prompt, the most tokens to
 /// make and the stop tokens come as one tuple.
