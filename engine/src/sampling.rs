@@ -18,8 +18,8 @@
 //!   tokens' total weight.
 //! - **Draw, with temperature alone** (an exponential race, the Gumbel-max trick): one 64-bit
 //!   key `K` from the generator; each token `i` gets `E_i = -ln(v_i)`, `v_i` uniform in
-//!   (0, 1) from SplitMix64's mix of `K + (i + 1)·0x9e3779b97f4a7c15` (52 bits,
-//!   `v = (bits + 1/2)·2^-52`), and the token is the one with the largest
+//!   (0, 1) from wyrand's output for the state `K + (i + 1)·0xa0761d6478bd642f` (its top 52
+//!   bits, `v = (bits + 1/2)·2^-52`), and the token is the one with the largest
 //!   `s_i - ln(E_i)` (lowest id on ties), where `s_i = x_i / t - max / t` is the f32 exponent
 //!   of its weight. This picks token `i` with probability `w_i / Σ w` exactly as the
 //!   cumulative draw does (`E_i / w_i` are independent exponentials of rates `w_i`, and the
@@ -237,22 +237,17 @@ fn by_logit_desc(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
         .then(a.1.cmp(&b.1))
 }
 
-/// SplitMix64's output function.
-fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// The race's random bits for token `i` under key `key` (see the module docs).
+/// The race's random bits for token `i` under key `key` (see the module docs): wyrand
+/// (Wang Yi's generator, one 64×64→128-bit product per output) at the state it reaches after
+/// `i + 1` steps from `key`, so each token's bits cost one product, in any order.
 fn race_bits(key: u64, i: usize) -> u64 {
-    mix64(
-        key.wrapping_add(
-            (i as u64)
-                .wrapping_add(1)
-                .wrapping_mul(0x9e37_79b9_7f4a_7c15),
-        ),
-    )
+    let s = key.wrapping_add(
+        (i as u64)
+            .wrapping_add(1)
+            .wrapping_mul(0xa076_1d64_78bd_642f),
+    );
+    let t = u128::from(s) * u128::from(s ^ 0xe703_7ed1_a0b4_28db);
+    (t >> 64) as u64 ^ t as u64
 }
 
 /// `-ln(E)`, the race's noise for `bits` ([`race_bits`]): `E = -ln(v)`, `v` in (0, 1).
@@ -430,10 +425,7 @@ impl Sampler {
     ) -> Result<Option<u32>, E> {
         let n = approx.len();
         let pen = self.params.repetition_penalty;
-        if n == 0
-            || (pen != 1.0 && history.iter().any(|&id| id as usize >= n))
-            || approx.iter().any(|a| !a.is_finite())
-        {
+        if n == 0 || (pen != 1.0 && history.iter().any(|&id| id as usize >= n)) {
             return Ok(None);
         }
         let mut sc = std::mem::take(&mut self.screen);
@@ -481,9 +473,13 @@ impl Sampler {
                 (lo, hi)
             }
         };
-        let floor = (0..n)
-            .map(|i| bounds(i).0)
-            .fold(f64::NEG_INFINITY, f64::max);
+        let mut floor = f64::NEG_INFINITY;
+        for (i, a) in approx.iter().enumerate() {
+            if !a.is_finite() {
+                return Ok(None);
+            }
+            floor = floor.max(bounds(i).0);
+        }
         if floor == f64::NEG_INFINITY {
             return Ok(None);
         }
