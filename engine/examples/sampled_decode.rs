@@ -8,7 +8,9 @@
 
 use std::path::PathBuf;
 
-use stormo_engine::generate::{greedy_ids, sampled, sampled_ids, Timings};
+use stormo_engine::generate::{
+    decode_greedy_and_sampled, greedy_ids, sampled, sampled_ids, Timings,
+};
 use stormo_engine::sampling::{Sampler, SamplingParams};
 use stormo_engine::{LoadOptions, Model};
 
@@ -147,11 +149,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             rows.2 += st.full;
         }
     }
+    // As `stormo bench` would measure it: greedy and sampled tokens alternated one by one.
+    let mut sess = screened.session(prompt.len() + 2 * tokens)?;
+    let first = screened.forward_greedy(&mut sess, &prompt, None)?.token;
+    let pair = decode_greedy_and_sampled(&screened, &mut sess, first, 2 * tokens, params(99))?;
+    eprintln!("alternated token by token: {pair:?}");
     let (g, sc, wh) = (median(greedy), median(screened_s), median(whole_s));
     let ratio = median(ratios.iter().map(|r| r.0).collect());
     let ratio_whole = median(ratios.iter().map(|r| r.1).collect());
     println!(
-        "{{\"decode_greedy_tok_s\": {g:.3}, \"decode_sampled_tok_s\": {sc:.3}, \"decode_sampled_whole_head_tok_s\": {wh:.3}, \"sampled_vs_greedy\": {ratio:.3}, \"whole_head_sampled_vs_greedy\": {ratio_whole:.3}, \"sampler_alone_ms\": {{\"screened\": {alone:.3}, \"whole_logits\": {alone_full:.3}}}, \"temperature\": {temperature}, \"tokens\": {tokens}, \"runs\": {runs}, \"screened_tokens\": {}, \"exact_rows_per_screened_token\": {:.1}, \"whole_head_tokens\": {}}}",
+        "{{\"decode_greedy_tok_s\": {g:.3}, \"decode_sampled_tok_s\": {sc:.3}, \"decode_sampled_whole_head_tok_s\": {wh:.3}, \"sampled_vs_greedy\": {ratio:.3}, \"whole_head_sampled_vs_greedy\": {ratio_whole:.3}, \"sampler_alone_ms\": {{\"screened\": {alone:.3}, \"whole_logits\": {alone_full:.3}}}, \"alternated_tokens\": {{\"greedy_tok_s\": {:.3}, \"sampled_tok_s\": {:.3}, \"sampled_vs_greedy\": {:.3}}}, \"temperature\": {temperature}, \"tokens\": {tokens}, \"runs\": {runs}, \"screened_tokens\": {}, \"exact_rows_per_screened_token\": {:.1}, \"whole_head_tokens\": {}}}",
+        pair.greedy_tok_s,
+        pair.sampled_tok_s,
+        pair.sampled_tok_s / pair.greedy_tok_s,
         rows.0,
         rows.1 as f64 / rows.0.max(1) as f64,
         rows.2

@@ -161,8 +161,9 @@ pub struct LoadOptions {
     /// stored as floats are unaffected.
     pub int8_experts: bool,
     /// Keep an 8-bit copy of the output head to find greedy tokens ([`Model::forward_greedy`])
-    /// reading about half the head's bytes: the same tokens as the whole exact head, always
-    /// (see the `head` module). Costs the copy's memory (half the bytes of a bf16 head) and a
+    /// and to draw sampled ones ([`Model::forward_sample`]) reading about half the head's
+    /// bytes: the same tokens as the whole exact head, always (see the `head` module and
+    /// [`Sampler::sample_screened`]). Costs the copy's memory (half the bytes of a bf16 head) and a
     /// pass over the head at load; the exact head's mapped pages are then released and read
     /// back only for the rows needed. Ignored with `int8_attn_head` (the head is then 8-bit
     /// anyway).

@@ -459,6 +459,11 @@ impl Sampler {
         let n = approx.len();
         let pen = p.repetition_penalty;
         let cap = n / MAX_SCREENED_SHARE;
+        // Room for the most rows any call takes, so that no later token allocates.
+        sc.rows.reserve(cap.saturating_sub(sc.rows.len()));
+        sc.exact.reserve(cap.saturating_sub(sc.exact.len()));
+        sc.more.reserve(cap.saturating_sub(sc.more.len()));
+        sc.known.reserve((2 * cap).saturating_sub(sc.known.len()));
         // The exact logit's bounds, and the work value's (after the penalty).
         let raw = |i: usize| {
             let (a, r) = (approx[i] as f64, radius(i));

@@ -84,3 +84,38 @@ fn screened_sampling_gives_the_whole_heads_ids() {
         "the screen decided {screened_tokens} and gave up on {full_tokens}"
     );
 }
+
+/// `decode_greedy_and_sampled` (what `stormo bench` reports) decodes its steps, alternating,
+/// and gives both rates.
+#[test]
+fn greedy_and_sampled_decode_rates_are_measured() {
+    let opts = LoadOptions {
+        screened_head: true,
+        ..LoadOptions::default()
+    };
+    let model = Model::load(&fixture("gptoss-tiny-mxfp4"), &opts).unwrap();
+    let mut sess = model.session(64).unwrap();
+    let first = model
+        .forward_greedy(&mut sess, &[1, 2, 3], None)
+        .unwrap()
+        .token;
+    let params = SamplingParams {
+        temperature: 0.7,
+        ..SamplingParams::default()
+    };
+    let before = sess.position();
+    let pair =
+        stormo_engine::generate::decode_greedy_and_sampled(&model, &mut sess, first, 10, params)
+            .unwrap();
+    assert_eq!(sess.position(), before + 10);
+    assert!(
+        pair.greedy_tok_s.is_finite() && pair.greedy_tok_s > 0.0,
+        "{pair:?}"
+    );
+    assert!(
+        pair.sampled_tok_s.is_finite() && pair.sampled_tok_s > 0.0,
+        "{pair:?}"
+    );
+    let st = sess.screen_stats();
+    assert_eq!(st.screened + st.full, 1 + 10, "{st:?}");
+}
