@@ -261,8 +261,38 @@ fn race_noise(bits: u64) -> f64 {
 /// 2^(63 - lz(m) - 53)`, so `-ln(E) <= (lz(m) - 10)·ln 2`; the margin covers the roundings
 /// of the two logarithms (a few units in the last place of numbers below 40).
 fn race_noise_bound(bits: u64) -> f64 {
-    let m = (1u64 << 53) - 2 * (bits >> 12) - 1;
-    (m.leading_zeros() as f64 - 10.0) * std::f64::consts::LN_2 + 1e-9
+    race_noise_bound_of(race_lz(bits))
+}
+
+/// The leading zeros [`race_noise_bound`] takes (11 to 63).
+fn race_lz(bits: u64) -> u32 {
+    ((1u64 << 53) - 2 * (bits >> 12) - 1).leading_zeros()
+}
+
+/// [`race_noise_bound`] for `lz` leading zeros.
+fn race_noise_bound_of(lz: u32) -> f64 {
+    (lz as f64 - 10.0) * std::f64::consts::LN_2 + 1e-9
+}
+
+/// A work value `h` with `s_hi(h) < target`, as large as found quickly (`s_hi`, the upper
+/// bound of a row's exponent from its work value's, is nondecreasing, so every value at or
+/// below `h` is below `target` too): from the inverse of `h·it - ms`, moved down until it
+/// holds. `+inf` when nothing reaches `target` (`s_hi` never exceeds 0), `-inf` if no value
+/// was found.
+fn below(s_hi: &dyn Fn(f64) -> f64, target: f64, ms: f64, it: f64) -> f64 {
+    if target > 0.0 {
+        return f64::INFINITY;
+    }
+    let h0 = (target + ms) / it;
+    let mut d = (h0.abs() + 1.0) * 1e-6;
+    while d.is_finite() {
+        let h = h0 - d;
+        if s_hi(h) < target {
+            return h;
+        }
+        d *= 2.0;
+    }
+    f64::NEG_INFINITY
 }
 
 /// Outward margins for quantities computed in f32 (one rounding of `2^-24` relative, or a
@@ -478,23 +508,36 @@ impl Sampler {
                 (lo, hi)
             }
         };
-        let mut floor = f64::NEG_INFINITY;
+        // Round 1: the rows that can hold the largest work value: every row holding it has
+        // a bound at or above the largest lower bound, `floor`. One pass: the rows at or above
+        // the floor so far (started from every 64th row's, so that few pass early), kept to
+        // those at or above the final floor.
+        let mut floor = (0..n)
+            .step_by(64)
+            .map(|i| bounds(i).0)
+            .fold(f64::NEG_INFINITY, f64::max);
+        sc.rows.clear();
         for (i, a) in approx.iter().enumerate() {
             if !a.is_finite() {
                 return Ok(None);
             }
-            floor = floor.max(bounds(i).0);
+            let (lo, hi) = bounds(i);
+            floor = floor.max(lo);
+            if hi >= floor {
+                if sc.rows.len() == cap {
+                    // Too many early: filter what was kept before going on.
+                    sc.rows.retain(|&r| bounds(r).1 >= floor);
+                    if sc.rows.len() == cap {
+                        return Ok(None);
+                    }
+                }
+                sc.rows.push(i);
+            }
         }
         if floor == f64::NEG_INFINITY {
             return Ok(None);
         }
-        // Round 1: the rows that can hold the largest work value (every row holding it has
-        // a bound at or above the largest lower bound).
-        sc.rows.clear();
-        sc.rows.extend((0..n).filter(|&i| bounds(i).1 >= floor));
-        if sc.rows.len() > cap {
-            return Ok(None);
-        }
+        sc.rows.retain(|&r| bounds(r).1 >= floor);
         sc.known.clear();
         if !sc.fetch(&raw, exact, penalized, pen)? {
             return Ok(None);
@@ -537,15 +580,26 @@ impl Sampler {
             // Rows whose key can reach it, by the cheap bound, then by the exact noise; the
             // best lower bound of a key rises as they come.
             let mut floor_key = win.0;
+            // Per count of leading zeros (the cheap bound's input), a work value at or below
+            // which no row's key reaches `floor_key`: one comparison for most rows. Refilled
+            // when the floor rises (a lower floor's table still holds, only looser).
+            let mut table = [f64::INFINITY; 64];
+            let fill = |table: &mut [f64; 64], floor_key: f64| {
+                for (lz, t) in table.iter_mut().enumerate().skip(11) {
+                    let target = floor_key - race_noise_bound_of(lz as u32);
+                    *t = below(&s_hi, target, ms, it);
+                }
+            };
+            fill(&mut table, floor_key);
+            let mut filled = floor_key;
             sc.more.clear();
-            let mut r1 = sc.rows.iter().peekable();
             for i in 0..n {
-                if r1.peek() == Some(&&i) {
-                    r1.next();
+                let bits = race_bits(key, i);
+                let hi = bounds(i).1;
+                if hi <= table[race_lz(bits) as usize] {
                     continue;
                 }
-                let bits = race_bits(key, i);
-                if s_hi(bounds(i).1) + race_noise_bound(bits) >= floor_key {
+                if s_hi(hi) + race_noise_bound(bits) >= floor_key {
                     if sc.more.len() == cap {
                         return Ok(None);
                     }
@@ -557,8 +611,18 @@ impl Sampler {
                     if k_hi + k_hi.abs() * 1e-15 + 1e-12 >= floor_key {
                         sc.more.push((i, g));
                     }
+                    if floor_key > filled + 0.25 {
+                        fill(&mut table, floor_key);
+                        filled = floor_key;
+                    }
                 }
             }
+            // Round 1's rows are known already.
+            let mut r1 = sc.rows.iter().copied().peekable();
+            sc.more.retain(|&(i, _)| {
+                while r1.next_if(|&r| r < i).is_some() {}
+                r1.peek() != Some(&i)
+            });
             sc.rows.clear();
             for &(i, g) in &sc.more {
                 let (_, hi) = bounds(i);
