@@ -1239,6 +1239,63 @@ mod tests {
         assert!(rows_read > 0);
     }
 
+    /// Top-p set to the mass of a prefix of the sorted tokens (as f32: right at a cut, where
+    /// the unknown tail and the sums' roundings decide it): the screened sampler draws what
+    /// the whole logits draw, or gives up, never another token.
+    #[test]
+    fn top_p_at_a_cut_is_decided_exactly_or_given_up() {
+        use rand::{Rng as _, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+        let n = 3000;
+        let mut outcomes = [0usize; 2];
+        for case in 0..200 {
+            let logits = random_logits(&mut rng, n, 1);
+            let t = [0.5f32, 0.7, 1.0][case % 3];
+            let mut sorted = logits.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            let max = sorted[0];
+            let w: Vec<f64> = sorted
+                .iter()
+                .map(|&x| f64::from((x * (1.0 / t) - max * (1.0 / t)).exp()))
+                .collect();
+            let total: f64 = w.iter().sum();
+            let j = rng.gen_range(1..6);
+            let cut = (w[..j].iter().sum::<f64>() / total) as f32;
+            if !(cut > 0.0 && cut < 1.0) {
+                continue;
+            }
+            let top_p = [
+                cut,
+                f32::from_bits(cut.to_bits() + 1),
+                f32::from_bits(cut.to_bits() - 1),
+            ][case % 3];
+            let params = SamplingParams {
+                temperature: t,
+                top_p,
+                top_k: [0, 0, 50][case % 3],
+                seed: case as u64,
+                ..Default::default()
+            };
+            let radius = vec![0.01; n];
+            let approx: Vec<f32> = logits
+                .iter()
+                .map(|&x| x + rng.gen_range(-0.009f32..0.009))
+                .collect();
+            let mut full = sampler(params);
+            let mut screened = sampler(params);
+            for _ in 0..4 {
+                let want = full.sample(&logits, &[]).unwrap();
+                let mut read = 0;
+                let (got, by_screen) =
+                    screened_or_full(&mut screened, &logits, &approx, &radius, &[], &mut read);
+                assert_eq!(got, want, "case {case}: {params:?}");
+                outcomes[by_screen as usize] += 1;
+            }
+        }
+        eprintln!("top-p at a cut: {outcomes:?} (whole logits, screened)");
+        assert!(outcomes[0] > 0 && outcomes[1] > 0, "{outcomes:?}");
+    }
+
     /// An exact logit found outside its bounds (a broken screen) gives no token, and leaves
     /// the generator as it was.
     #[test]
