@@ -3,7 +3,7 @@
 use crate::error::Result;
 use crate::model::{Logits, Model, Session};
 use crate::moe::{ExpertExecutor, Settled};
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, SamplingParams};
 
 /// Index of the largest logit; the first one on ties (as `torch.argmax`). NaN never wins.
 pub fn argmax(logits: &[f32]) -> u32 {
@@ -121,6 +121,85 @@ pub fn sampled(
     );
     *sampler = state.0;
     out
+}
+
+/// [`sampled`] without the logits: each token through [`Model::forward_sample`], so a model
+/// with a screened head ([`LoadOptions::screened_head`](crate::LoadOptions::screened_head))
+/// reads only the head rows the draw needs. The same ids as [`sampled`].
+#[allow(clippy::too_many_arguments)]
+pub fn sampled_ids(
+    model: &Model,
+    sess: &mut Session,
+    prompt: &[u32],
+    max_new: usize,
+    stop: &[u32],
+    sampler: &mut Sampler,
+    mut on_token: impl FnMut(u32),
+    timings: &mut Timings,
+) -> Result<Vec<u32>> {
+    let mut state = (sampler.clone(), prompt.to_vec());
+    let out = generate(
+        model,
+        sess,
+        (prompt, max_new, stop),
+        &mut state,
+        |sess, tokens, (sampler, history): &mut (Sampler, Vec<u32>)| {
+            let tok = model.forward_sample(sess, tokens, sampler, history)?;
+            history.push(tok);
+            Ok(tok)
+        },
+        (false, |tok, _: &[f32]| on_token(tok)),
+        timings,
+    );
+    *sampler = state.0;
+    out
+}
+
+/// Decode speed of greedy and of sampled tokens measured together: `steps` tokens decoded one
+/// at a time after `first` (the next token to run) in `sess`, alternating a greedy token
+/// ([`Model::forward_greedy`], even steps) and one drawn by a sampler with `params`
+/// ([`Model::forward_sample`], odd steps), each fed the token before it; both through the
+/// model's screened head when it has one. Alternated token by token, so both see the same
+/// machine (other tenants, memory bandwidth) and the same context lengths. Needs `steps`
+/// free positions in `sess`. What `stormo bench` reports as `decode_sampled_tok_s`.
+pub fn decode_greedy_and_sampled(
+    model: &Model,
+    sess: &mut Session,
+    first: u32,
+    steps: usize,
+    params: SamplingParams,
+) -> Result<DecodePair> {
+    let mut sampler = Sampler::new(params).map_err(|e| crate::Error::Input(e.to_string()))?;
+    let mut secs = [0.0f64; 2];
+    let mut count = [0usize; 2];
+    let mut tok = first;
+    for i in 0..steps {
+        let t = std::time::Instant::now();
+        tok = if i % 2 == 0 {
+            model.forward_greedy(sess, &[tok], None)?.token
+        } else {
+            model.forward_sample(sess, &[tok], &mut sampler, &[])?
+        };
+        secs[i % 2] += t.elapsed().as_secs_f64();
+        count[i % 2] += 1;
+    }
+    let rate = |k: usize| count[k] as f64 / secs[k].max(f64::MIN_POSITIVE);
+    Ok(DecodePair {
+        greedy_tok_s: rate(0),
+        sampled_tok_s: rate(1),
+        last: tok,
+    })
+}
+
+/// What [`decode_greedy_and_sampled`] measured.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodePair {
+    /// Greedy tokens per second.
+    pub greedy_tok_s: f64,
+    /// Sampled tokens per second.
+    pub sampled_tok_s: f64,
+    /// The last token decoded.
+    pub last: u32,
 }
 
 /// [`greedy`] and [`sampled`]: each step's last-position logits, and the token `choose` picks

@@ -29,6 +29,7 @@ use crate::ops;
 use crate::profile::{self, Phase};
 use crate::rope::Rope;
 use crate::safetensors::{Checkpoint, MappedFile};
+use crate::sampling::Sampler;
 use crate::tiers::{self, disk::DiskFile, DiskTier};
 
 mod batch;
@@ -160,8 +161,9 @@ pub struct LoadOptions {
     /// stored as floats are unaffected.
     pub int8_experts: bool,
     /// Keep an 8-bit copy of the output head to find greedy tokens ([`Model::forward_greedy`])
-    /// reading about half the head's bytes: the same tokens as the whole exact head, always
-    /// (see the `head` module). Costs the copy's memory (half the bytes of a bf16 head) and a
+    /// and to draw sampled ones ([`Model::forward_sample`]) reading about half the head's
+    /// bytes: the same tokens as the whole exact head, always (see the `head` module and
+    /// [`Sampler::sample_screened`]). Costs the copy's memory (half the bytes of a bf16 head) and a
     /// pass over the head at load; the exact head's mapped pages are then released and read
     /// back only for the rows needed. Ignored with `int8_attn_head` (the head is then 8-bit
     /// anyway).
@@ -335,6 +337,8 @@ enum Head {
     Rows(usize),
     /// The greedy choice for the last position ([`Model::forward_greedy`]).
     Greedy,
+    /// Only the final norm of the last position, into `s.h` ([`Model::forward_sample`]).
+    Normed,
 }
 
 /// Which logits a forward computes.
@@ -820,6 +824,59 @@ impl Model {
         run(sess, obs)
     }
 
+    /// Runs `tokens` as [`forward`](Self::forward) does and returns the token `sampler` draws
+    /// for the last one (`history`: the tokens its repetition penalty applies to): always the
+    /// token [`Sampler::sample`] draws from the exact head's logits, drawn through the 8-bit
+    /// screen when the model has one ([`LoadOptions::screened_head`]) and it can prove the
+    /// draw ([`Sampler::sample_screened`]), else from the whole head
+    /// ([`Session::screen_stats`] counts how). Leaves [`Session::logits`] as they were.
+    pub fn forward_sample(
+        &self,
+        sess: &mut Session,
+        tokens: &[u32],
+        sampler: &mut Sampler,
+        history: &[u32],
+    ) -> Result<u32> {
+        self.check_input(sess, tokens)?;
+        if tokens.is_empty() {
+            return Err(Error::Input("no tokens to run".into()));
+        }
+        for chunk in tokens.chunks(sess.block) {
+            let is_last = chunk.as_ptr_range().end == tokens.as_ptr_range().end;
+            let head = if is_last { Head::Normed } else { Head::Rows(0) };
+            self.forward_block(sess, chunk, head, None)?;
+        }
+        let _span = profile::span(Phase::Head);
+        let s = &mut sess.s;
+        let (h, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        // The last block's length: its last position's normed state is in `s.h`.
+        let t = (tokens.len() - 1) % sess.block + 1;
+        let x = &s.h[(t - 1) * h..t * h];
+        let head_mat = self.mat(&self.lm_head);
+        if let Some(screen) = &self.screen {
+            let read =
+                |rows: &[usize], bytes: &mut [u8]| self.read_rows(&self.lm_head, rows, bytes);
+            let got = screen.sample(
+                &head_mat,
+                x,
+                sampler,
+                history,
+                &mut s.screen,
+                &mut s.screen_stats,
+                Some(&read),
+            )?;
+            if let Some(tok) = got {
+                return Ok(tok);
+            }
+        }
+        s.screen_stats.full += 1;
+        s.logits.resize(v, 0.0);
+        matmul(&head_mat, x, &mut s.logits[..v]);
+        sampler
+            .sample(&s.logits[..v], history)
+            .map_err(|e| Error::Input(e.to_string()))
+    }
+
     /// One block of `t` positions: the embedding, each layer's [attention](Self::attention)
     /// and [MLP](Self::mlp) steps, then the [head](Self::head). Computes the `head` work for
     /// its last positions: logits into `sess.s.logits`, or the greedy choice (returned).
@@ -1094,7 +1151,7 @@ impl Model {
         let need_all_norm = obs.is_some();
         let normed = match head {
             Head::Rows(n) => n,
-            Head::Greedy => 1,
+            Head::Greedy | Head::Normed => 1,
         };
         let first = if need_all_norm { 0 } else { t - normed };
         for i in first..t {
@@ -1112,6 +1169,7 @@ impl Model {
         let head_mat = self.mat(&self.lm_head);
         let logit_rows = match head {
             Head::Rows(n) => n,
+            Head::Normed => 0,
             Head::Greedy => {
                 let x = &s.h[(t - 1) * h..t * h];
                 let read =
@@ -1143,7 +1201,7 @@ impl Model {
         }
         Ok(match head {
             Head::Greedy => Some(Choice::of(&s.logits[..v])),
-            Head::Rows(_) => None,
+            Head::Rows(_) | Head::Normed => None,
         })
     }
 }

@@ -3,7 +3,7 @@
 //! checked by counting every allocation made in the process (the decoding thread, the kernels'
 //! helper threads, anything else) while tokens are decoded one at a time on each oracle
 //! fixture, every SIMD instruction set this CPU runs in turn, mapped and cached experts, with the screened
-//! head and the whole one. This file holds this one test, so no other test's allocations are
+//! head and the whole one, greedy and sampled (`forward_sample`, temperature 0.7). This file holds this one test, so no other test's allocations are
 //! counted; the cache's I/O threads are idle once every expert is loaded (checked).
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use stormo_engine::kernels::{with_isa, Isa};
+use stormo_engine::sampling::{Sampler, SamplingParams};
 use stormo_engine::tiers::{ExpertId, Tier, TierConfig, TieredExperts};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 
@@ -86,6 +87,7 @@ fn allocations_per_token(
     dir: &Path,
     experts: Experts,
     screened: bool,
+    sampled: bool,
     warm: usize,
     n: usize,
 ) -> Option<usize> {
@@ -123,12 +125,24 @@ fn allocations_per_token(
         }
     };
     let mut sess = model.session(64).unwrap();
-    let mut tok = model
-        .forward_greedy(&mut sess, &[1, 2, 3, 4], None)
-        .unwrap()
-        .token;
+    let mut sampler = Sampler::new(SamplingParams {
+        temperature: 0.7,
+        seed: 5,
+        ..SamplingParams::default()
+    })
+    .unwrap();
+    let mut step = |sess: &mut stormo_engine::Session, tokens: &[u32]| {
+        if sampled {
+            model
+                .forward_sample(sess, tokens, &mut sampler, &[])
+                .unwrap()
+        } else {
+            model.forward_greedy(sess, tokens, None).unwrap().token
+        }
+    };
+    let mut tok = step(&mut sess, &[1, 2, 3, 4]);
     for _ in 0..warm {
-        tok = model.forward_greedy(&mut sess, &[tok], None).unwrap().token;
+        tok = step(&mut sess, &[tok]);
     }
     let hits = |c: &TieredExperts| {
         let s = c.stats();
@@ -137,7 +151,7 @@ fn allocations_per_token(
     let cached_before = cache.as_deref().map(hits);
     let made = counted(|| {
         for _ in 0..n {
-            tok = model.forward_greedy(&mut sess, &[tok], None).unwrap().token;
+            tok = step(&mut sess, &[tok]);
         }
     });
     let all_hits = match (cache.as_deref().map(hits), cached_before) {
@@ -153,7 +167,9 @@ fn decoding_a_token_allocates_nothing() {
         let dir = fixture(name);
         for isa in Isa::available() {
             for experts in [Experts::Mapped, Experts::Cached] {
-                for screened in [true, false] {
+                for (screened, sampled) in
+                    [(true, false), (false, false), (true, true), (false, true)]
+                {
                     // The fewest of up to three measurements: an allocation per token shows
                     // in every one (16 or more), while a one-off in another thread of a busy
                     // machine (seen at 1 to 3 in 16 tokens under a parallel build) does not
@@ -161,7 +177,7 @@ fn decoding_a_token_allocates_nothing() {
                     let mut n = None;
                     for _ in 0..3 {
                         let m = with_isa(isa, || {
-                            allocations_per_token(&dir, experts, screened, 4, 16)
+                            allocations_per_token(&dir, experts, screened, sampled, 4, 16)
                         });
                         let m = m.unwrap_or_else(|| {
                             panic!("{name}, {experts:?}: an expert was not in RAM after preloading")
@@ -174,7 +190,7 @@ fn decoding_a_token_allocates_nothing() {
                     let n = n.expect("measured at least once");
                     assert_eq!(
                         n, 0,
-                        "{name}, {isa}, {experts:?}, screened head {screened}: \
+                        "{name}, {isa}, {experts:?}, screened head {screened}, sampled {sampled}: \
                          {n} allocations in 16 tokens"
                     );
                 }

@@ -16,14 +16,25 @@
 //! Where the bound cannot be trusted (a non-finite input or approximation, exact sums that
 //! could overflow, a winner below the bound) or would leave too many candidates, the whole
 //! exact head is computed instead; rows with non-finite weights are always candidates.
+//!
+//! Sampling uses the same bounds ([`HeadScreen::sample`]): the sampler
+//! ([`Sampler::sample_screened`](crate::sampling::Sampler::sample_screened)) decides from them
+//! which rows it needs exactly (about a hundred at gpt-oss-20b geometry on random weights at
+//! temperature 0.7), gets them through the same row kernel, and returns the token it draws
+//! from the whole exact head, or gives up and the whole head is computed.
 
 use crate::error::Result;
 use crate::kernels::{matmul, matvec, matvec_rows, Mat};
+use crate::sampling::Sampler;
 
 use super::Q8Mat;
 
 /// The unit roundoff of f32.
 const U: f64 = f32::EPSILON as f64 / 2.0;
+
+/// Added to every bound: underflow adds at most a few multiples of the smallest subnormal per
+/// operation.
+const TINY: f64 = 1e-30;
 
 /// Above this share of the rows as candidates, the whole exact head is cheaper to read.
 const MAX_CANDIDATE_SHARE: usize = 8;
@@ -81,10 +92,11 @@ impl Choice {
     }
 }
 
-/// How greedy tokens were chosen in a session.
+/// How the tokens of a session's [`Model::forward_greedy`](crate::Model::forward_greedy) and
+/// [`Model::forward_sample`](crate::Model::forward_sample) were chosen.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ScreenStats {
-    /// Tokens chosen through the screen.
+    /// Tokens chosen (greedy or drawn) through the screen.
     pub screened: u64,
     /// Exact head rows computed for them, in all.
     pub exact_rows: u64,
@@ -219,6 +231,45 @@ impl HeadScreen {
         }))
     }
 
+    /// A token for the normed hidden state `x` drawn by `sampler` through the screen, the one
+    /// it draws from the whole exact head's logits
+    /// ([`Sampler::sample_screened`](crate::sampling::Sampler::sample_screened)), or `None`
+    /// when the screen cannot prove it (the sampler is then as it was: the caller computes
+    /// the whole head and samples from it). The exact rows the sampler asks for are read as
+    /// in [`choose`](Self::choose).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn sample(
+        &self,
+        head: &Mat<'_>,
+        x: &[f32],
+        sampler: &mut Sampler,
+        history: &[u32],
+        sc: &mut ScreenScratch,
+        stats: &mut ScreenStats,
+        read: Option<ReadRows<'_>>,
+    ) -> Result<Option<u32>> {
+        let Some(l1) = self.l1_within_bound(x) else {
+            return Ok(None);
+        };
+        let mut approx = std::mem::take(&mut sc.approx);
+        approx.resize(head.rows(), 0.0);
+        matvec(&self.q8_mat(), x, &mut approx);
+        let mut rows_read = 0u64;
+        let gathered = &mut sc.gathered;
+        let mut exact = |rows: &[usize], out: &mut [f32]| {
+            rows_read += rows.len() as u64;
+            exact_rows(head, x, rows, out, gathered, read)
+        };
+        let slack = &self.slack;
+        let got = sampler.sample_screened(&approx, |i| slack[i] * l1 + TINY, &mut exact, history);
+        sc.approx = approx;
+        if let Ok(Some(_)) = got {
+            stats.screened += 1;
+            stats.exact_rows += rows_read;
+        }
+        got
+    }
+
     fn choose_inner(
         &self,
         head: &Mat<'_>,
@@ -261,8 +312,6 @@ impl HeadScreen {
         let Some(l1) = self.l1_within_bound(x) else {
             return Ok(None);
         };
-        // Underflow adds at most a few multiples of the smallest subnormal per operation.
-        const TINY: f64 = 1e-30;
         let mut floor = f64::NEG_INFINITY;
         for (&a, &s) in approx.iter().zip(&self.slack) {
             let a = a as f64;
@@ -290,26 +339,7 @@ impl HeadScreen {
         sc.exact.clear();
         sc.exact.reserve(cap);
         sc.exact.resize(sc.rows.len(), 0.0);
-        match (read, *head) {
-            (Some(read), Mat::Dense { fmt, cols, .. }) => {
-                // The same bytes through the same row kernel give the same bits, whichever
-                // rows share the matrix (`matvec_rows`).
-                let (chunk, row) = (GATHER_ROWS.min(cap).max(1), cols * fmt.size());
-                sc.gathered.resize(chunk * row, 0);
-                for (rows, out) in sc.rows.chunks(chunk).zip(sc.exact.chunks_mut(chunk)) {
-                    let bytes = &mut sc.gathered[..rows.len() * row];
-                    read(rows, bytes)?;
-                    let m = Mat::Dense {
-                        fmt,
-                        bytes,
-                        rows: rows.len(),
-                        cols,
-                    };
-                    matvec(&m, x, out);
-                }
-            }
-            _ => matvec_rows(head, &sc.rows, x, &mut sc.exact),
-        }
+        exact_rows(head, x, &sc.rows, &mut sc.exact, &mut sc.gathered, read)?;
         let choice = Choice::of_rows(sc.rows.iter().copied().zip(sc.exact.iter().copied()));
         // The row that set the floor is a candidate with a finite exact logit at or above it,
         // so the winner is a number; anything else means the bound did not hold: say so by
@@ -322,6 +352,40 @@ impl HeadScreen {
         }
         Ok(Some(choice))
     }
+}
+
+/// The exact logits of `rows` (increasing) of `head` for `x`, into `out`: read through
+/// `read` in chunks of at most [`GATHER_ROWS`] (into `gathered`) when given, else from
+/// `head`'s bytes; bit for bit the whole head's either way (the same bytes through the same
+/// row kernel give the same bits, whichever rows share the matrix: `matvec_rows`).
+fn exact_rows(
+    head: &Mat<'_>,
+    x: &[f32],
+    rows: &[usize],
+    out: &mut [f32],
+    gathered: &mut Vec<u8>,
+    read: Option<ReadRows<'_>>,
+) -> Result<()> {
+    match (read, *head) {
+        (Some(read), Mat::Dense { fmt, cols, .. }) => {
+            let cap = head.rows() / MAX_CANDIDATE_SHARE;
+            let (chunk, row) = (GATHER_ROWS.min(cap).max(1), cols * fmt.size());
+            gathered.resize(chunk * row, 0);
+            for (rows, out) in rows.chunks(chunk).zip(out.chunks_mut(chunk)) {
+                let bytes = &mut gathered[..rows.len() * row];
+                read(rows, bytes)?;
+                let m = Mat::Dense {
+                    fmt,
+                    bytes,
+                    rows: rows.len(),
+                    cols,
+                };
+                matvec(&m, x, out);
+            }
+        }
+        _ => matvec_rows(head, rows, x, out),
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -428,6 +492,83 @@ mod tests {
                 }
             });
         }
+    }
+
+    /// Draws through the screen equal the draws from the whole exact head, seed for seed and
+    /// token after token, in every ISA and float format, over temperatures, top-k, top-p, the
+    /// repetition penalty and greedy; the screen decides most of them (flat random logits, so
+    /// top-p alone mostly falls back), and its exact rows are read through the hook as the
+    /// model reads them.
+    #[test]
+    fn screened_draws_equal_the_whole_heads() {
+        use crate::sampling::{Sampler, SamplingParams};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        let (rows, cols) = (4001, 136);
+        let w = normal(&mut rng, rows * cols);
+        let mut decided = [0u64; 2];
+        for isa in Isa::available() {
+            with_isa(isa, || {
+                for fmt in [Float::BF16, Float::F16, Float::F32] {
+                    let bytes = encode(fmt, &w);
+                    let head = Mat::Dense {
+                        fmt,
+                        bytes: &bytes,
+                        rows,
+                        cols,
+                    };
+                    let screen = HeadScreen::build(&head).unwrap();
+                    let row = cols * fmt.size();
+                    let read = |rs: &[usize], out: &mut [u8]| {
+                        for (&r, o) in rs.iter().zip(out.chunks_exact_mut(row)) {
+                            o.copy_from_slice(&bytes[r * row..(r + 1) * row]);
+                        }
+                        Ok(())
+                    };
+                    for case in 0..24 {
+                        let params = SamplingParams {
+                            temperature: [0.0f32, 0.7, 0.7, 1.0, 0.3, 1.3][case % 6],
+                            top_k: [0, 0, 40, 0, 7][case % 5],
+                            top_p: [1.0f32, 1.0, 0.9, 1.0][case % 4],
+                            repetition_penalty: [1.0f32, 1.2, 1.0][case % 3],
+                            seed: case as u64,
+                        };
+                        let history = [5u32, 77, 3000];
+                        let mut full = Sampler::new(params).unwrap();
+                        let mut screened = Sampler::new(params).unwrap();
+                        let mut sc = ScreenScratch::default();
+                        let mut stats = ScreenStats::default();
+                        for step in 0..6 {
+                            // A larger input now and then: a more peaked distribution.
+                            let scale = [1.0f32, 3.0][step % 2];
+                            let x: Vec<f32> =
+                                normal(&mut rng, cols).iter().map(|v| v * scale).collect();
+                            let mut all = vec![0.0; rows];
+                            matvec(&head, &x, &mut all);
+                            let want = full.sample(&all, &history).unwrap();
+                            let before = stats.screened;
+                            let got = screen
+                                .sample(
+                                    &head,
+                                    &x,
+                                    &mut screened,
+                                    &history,
+                                    &mut sc,
+                                    &mut stats,
+                                    Some(&read),
+                                )
+                                .unwrap();
+                            let got = match got {
+                                Some(t) => t,
+                                None => screened.sample(&all, &history).unwrap(),
+                            };
+                            assert_eq!(got, want, "{isa} {fmt:?} {params:?} step {step}");
+                            decided[(stats.screened > before) as usize] += 1;
+                        }
+                    }
+                }
+            });
+        }
+        assert!(decided[1] > 2 * decided[0], "decided / not: {decided:?}");
     }
 
     /// Several states screened together (the 8-bit head read once, `approx_many`) get each
