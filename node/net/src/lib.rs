@@ -30,6 +30,7 @@ pub mod discover;
 pub mod exec;
 pub mod expert_dir;
 pub mod identity;
+pub mod load;
 pub mod placement;
 pub mod policy;
 pub mod progress;

@@ -52,6 +52,32 @@ pub const MAX_RECONNECTS: u32 = 3;
 /// The pause after the first failed reconnection attempt, doubled after each later one.
 pub const RECONNECT_PAUSE: Duration = Duration::from_millis(500);
 
+/// How long a connection may hear nothing at all, with a request of this node waiting on it,
+/// before its peer is presumed gone (killed, stopped, its host down): longer than the
+/// keep-alive interval, since a live peer acknowledges a keep-alive within a round trip. The
+/// driver closes such a connection and redials it.
+pub const SILENT_CONNECTION: Duration = Duration::from_secs(4);
+
+/// Round trips a request may go unanswered by any datagram on its connection before the peer
+/// is suspect (see [`silence_limit`]).
+pub const SILENCE_RTTS: u32 = 4;
+
+/// What [`silence_limit`] allows beyond the round trips: a peer reading a cold expert from its
+/// disk sends nothing else meanwhile.
+pub const SILENCE_GRACE: Duration = Duration::from_millis(750);
+
+/// The round trip assumed for a peer not yet measured.
+pub const DEFAULT_RTT: Duration = Duration::from_millis(100);
+
+/// How long a connection with a request waiting on it may hear nothing at all (no answer, no
+/// acknowledgement) before its peer is suspect: more than its measured latency explains,
+/// [`SILENCE_RTTS`] round trips and [`SILENCE_GRACE`], never more than [`SILENT_CONNECTION`].
+/// A load whose try waits on a suspect peer races another holder at once, and later tries
+/// go to a suspect peer only when no other holder is left.
+pub fn silence_limit(rtt: Option<Duration>) -> Duration {
+    (rtt.unwrap_or(DEFAULT_RTT).saturating_mul(SILENCE_RTTS) + SILENCE_GRACE).min(SILENT_CONNECTION)
+}
+
 /// A connection that was up and was lost: redialled with back-off, a bounded number of times.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Lost {
@@ -121,6 +147,16 @@ pub struct PeerView {
     pub races_lost: u32,
     /// Verified expert bytes received from it.
     pub bytes: u64,
+    /// Its connection is up, as far as the driver knows (set on connecting, cleared when the
+    /// connection is lost or found closed, or an attempt fails): a try at a peer that is not
+    /// up waits for a dial.
+    pub up: bool,
+    /// When its connection last received a datagram (sampled by the driver).
+    pub heard: Option<Instant>,
+    /// When a request of this node was found waiting on its connection beyond
+    /// [`silence_limit`]: suspect until the connection hears anything again
+    /// ([`PeerView::suspect`]).
+    pub silent_since: Option<Instant>,
 }
 
 impl PeerView {
@@ -175,6 +211,23 @@ impl PeerView {
     /// Whether it holds or offers `id`, or has not said what it holds (usable or not).
     pub fn announces(&self, id: ExpertId) -> bool {
         self.inventory.is_none() || self.holds(id) || self.offers(id)
+    }
+
+    /// Whether its connection was found silent with a request waiting on it and has heard
+    /// nothing since (see [`silence_limit`]).
+    pub fn suspect(&self) -> bool {
+        self.silent_since
+            .is_some_and(|t| self.heard.is_none_or(|h| h <= t))
+    }
+
+    /// Notes at `now` that a request waited on its connection beyond [`silence_limit`].
+    /// Returns true when it was not suspect already.
+    pub fn suspect_silent(&mut self, now: Instant) -> bool {
+        let new = !self.suspect();
+        if new {
+            self.silent_since = Some(now);
+        }
+        new
     }
 
     /// Whether it is waiting out a back-off at `now`.
@@ -236,10 +289,13 @@ impl PeerView {
     }
 
     /// Notes a connection made: it is neither unreachable nor lost any more.
-    pub fn connected(&mut self) {
+    pub fn connected(&mut self, now: Instant) {
         self.unreachable = None;
         self.lost = None;
         self.ever_connected = true;
+        self.up = true;
+        self.heard = Some(now);
+        self.silent_since = None;
     }
 
     /// Notes a failed connection attempt at `now`: the peer is unreachable for a back-off (see
@@ -248,6 +304,7 @@ impl PeerView {
     /// Returns the back-off.
     pub fn dial_failed(&mut self, why: &str, now: Instant) -> Duration {
         self.unreachable = Some(why.to_string());
+        self.up = false;
         let backoff = self.fail(now);
         if !self.ever_connected && self.connects == 1 {
             // The very first attempt: the peer may be starting, or slow to answer on a busy
@@ -275,6 +332,7 @@ impl PeerView {
     /// the first time) and loads without another holder wait for it. Counts as one failure
     /// however many loads saw the loss. Returns true when the loss is new.
     pub fn lose(&mut self, now: Instant) -> bool {
+        self.up = false;
         if self.lost.is_some() || !self.usable() {
             return false;
         }
@@ -303,9 +361,11 @@ impl PeerView {
     }
 }
 
-/// The best peer for `id` among `peers` (index, view) not in `tried`: holders not avoided
-/// first, then peers that offer it, then fewest in flight, then the shortest expected time. A
-/// peer that has not said what it holds may hold it: it is tried, but after the others.
+/// The best peer for `id` among `peers` (index, view) not in `tried`: holders not avoided and
+/// not suspect first, then peers that offer it, then those whose connection is up (a try
+/// never waits on a redial while another holder is connected), then fewest in flight, then the
+/// shortest expected time. A peer that has not said what it holds may hold it: it is tried,
+/// but after the others.
 pub fn choose<'a>(
     peers: impl IntoIterator<Item = (usize, &'a PeerView)>,
     id: ExpertId,
@@ -313,14 +373,20 @@ pub fn choose<'a>(
     tried: &HashSet<usize>,
     now: Instant,
 ) -> Option<usize> {
-    let mut best: Option<((bool, bool, u32), f64, usize)> = None;
+    // Avoided or suspect, offers rather than holds, needs a dial, requests in flight.
+    type Rank = (bool, bool, bool, u32);
+    let mut best: Option<(Rank, f64, usize)> = None;
     for (i, p) in peers {
         if tried.contains(&i) || !p.may_supply(id) {
             continue;
         }
         let unknown = p.inventory.is_none();
-        let avoided = unknown || p.avoided(now);
-        let cand = ((avoided, !p.holds(id), p.in_flight), p.expected(len), i);
+        let avoided = unknown || p.avoided(now) || p.suspect();
+        let cand = (
+            (avoided, !p.holds(id), !p.up, p.in_flight),
+            p.expected(len),
+            i,
+        );
         // Expected times within a tenth or 5 ms of each other are a tie (an unmeasured peer's
         // estimate differs from another's by round-trip noise): the earlier peer in the set
         // keeps it, so peers given in an order are asked in that order.
@@ -366,6 +432,7 @@ pub fn idle_holder_left<'a>(
             && p.holds(id)
             && p.in_flight == 0
             && !p.avoided(now)
+            && !p.suspect()
             && p.unreachable.is_none()
     })
 }
@@ -516,9 +583,11 @@ pub fn stripes<'a>(
     let min_stripe = min_stripe.max(chunk);
     let ready: Vec<(usize, &PeerView)> = peers
         .into_iter()
-        .filter(|(_, p)| p.usable() && p.holds(id) && !p.avoided(now) && p.unreachable.is_none())
+        .filter(|(_, p)| {
+            p.usable() && p.holds(id) && !p.avoided(now) && !p.suspect() && p.unreachable.is_none()
+        })
         .collect();
-    if ready.len() < 2 || len < 2 * min_stripe {
+    if ready.len() < 2 || len < min_stripe.saturating_mul(2) {
         return None;
     }
     // In the order `choose` would ask them.
@@ -941,7 +1010,7 @@ mod tests {
         let x = id(0, 1);
         let mut p = holding(&[x]);
         assert_eq!(p.dial(t0), Dial::Now, "a peer never tried is dialled");
-        p.connected();
+        p.connected(t0);
         assert!(p.lose(t0), "a new loss");
         assert!(!p.lose(t0), "the same loss seen by another load");
         assert_eq!(
@@ -989,7 +1058,7 @@ mod tests {
             Dial::Now,
             "tried again after the back-off"
         );
-        p.connected();
+        p.connected(now + backoff);
         assert_eq!(p.unreachable, None);
         assert!(p.lose(now), "a loss after a reconnection is a new one");
     }
