@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use stormo_manifests::{Hash, PublicKey};
 
+use stormo_net::expert_dir::budget::KeepLimit;
 use stormo_net::progress::{check_secs, parse_size, secs_arg, size_arg};
 use stormo_net::remote_policy::{RemoteConfig, RemoteExec};
 use stormo_net::tier::PeerConfig;
@@ -94,6 +95,11 @@ fn cache_size(s: &str) -> Result<String, String> {
     size_arg(s)
 }
 
+/// `--expert-dir-limit` as given, if it is "auto" or a size [`parse_size`] reads.
+fn limit_arg(s: &str) -> Result<String, String> {
+    cache_size(s)
+}
+
 /// Options of a node that fetches from peers (shared by `run` and `pull`).
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct PeerArgs {
@@ -138,18 +144,16 @@ pub struct PeerArgs {
     /// read), so later runs find them there: a tier between the local disk and the peers.
     #[arg(long, value_name = "DIR")]
     pub expert_dir: Option<PathBuf>,
-    /// The most the expert directory may hold for this model (least recently used experts
-    /// are evicted), e.g. 20GiB.
-    #[arg(
-        long,
-        default_value = "16GiB",
-        value_name = "SIZE",
-        requires = "expert_dir",
-        value_parser = size_arg
-    )]
-    pub expert_dir_limit: String,
+    /// The most the kept experts may hold for this model (least recently used experts are
+    /// evicted), e.g. 20GiB, or `auto`: half the free space of their filesystem, at most the
+    /// model's experts. Read again before each write; a full disk stops the keeping (one
+    /// warning) and serving goes on. Given without --expert-dir, experts are kept in the
+    /// state directory. Default: auto.
+    #[arg(long, value_name = "SIZE", value_parser = limit_arg)]
+    pub expert_dir_limit: Option<String>,
     /// Do not keep verified experts fetched from peers (a serving node keeps them by default,
-    /// in the state directory, and serves them to others; see --expert-dir).
+    /// in the state directory, and serves them to others; see --expert-dir). Wins over an
+    /// --expert-dir-limit from a config file or variable.
     #[arg(long, conflicts_with = "expert_dir")]
     pub no_keep: bool,
     /// Ask peers before the local disk (for a slow local disk or when peers hold the experts
@@ -176,9 +180,20 @@ pub struct PeerArgs {
     /// is sent only checked tokens), and `bench` defers its decoded tokens' checks.
     #[arg(long)]
     pub spot_check_inline: bool,
+    /// Seconds `run`, `chat` and `serve --http` wait at start, with --discover, until every
+    /// expert has a reachable holder (peers found by discovery answer a moment after they
+    /// are found); then they start anyway, saying how many experts are uncovered. 0: do not
+    /// wait.
+    #[arg(long, default_value_t = 5.0, value_name = "SECS", value_parser = secs_arg)]
+    pub wait_coverage: f64,
 }
 
 impl PeerArgs {
+    /// `--wait-coverage` as a duration.
+    pub fn wait_coverage(&self) -> Duration {
+        Duration::from_secs_f64(self.wait_coverage)
+    }
+
     /// The timeouts these options give.
     pub fn timeouts(&self) -> anyhow::Result<PeerConfig> {
         let t =
@@ -187,11 +202,18 @@ impl PeerArgs {
     }
 
     /// The typed settings. `keep_by_default`: a node that serves keeps what it fetches (in
-    /// the state directory) unless `--no-keep`.
+    /// the state directory) unless `--no-keep`; any node keeps when given `--expert-dir` or
+    /// `--expert-dir-limit`.
     pub fn resolve(&self, keep_by_default: bool) -> anyhow::Result<PeersConfig> {
-        let limit = parse_size(&self.expert_dir_limit)
-            .map_err(|e| anyhow::anyhow!("--expert-dir-limit: {e}"))?;
-        let keep = match (&self.expert_dir, keep_by_default && !self.no_keep) {
+        let limit = match self.expert_dir_limit.as_deref() {
+            None => KeepLimit::Auto,
+            Some(s) if s.trim().eq_ignore_ascii_case("auto") => KeepLimit::Auto,
+            Some(s) => KeepLimit::Bytes(
+                parse_size(s).map_err(|e| anyhow::anyhow!("--expert-dir-limit: {e}"))?,
+            ),
+        };
+        let asked = keep_by_default || self.expert_dir_limit.is_some();
+        let keep = match (&self.expert_dir, asked && !self.no_keep) {
             (Some(d), _) => Some(KeepConfig {
                 dir: Some(d.clone()),
                 limit,
@@ -383,6 +405,23 @@ impl HttpArgs {
     }
 }
 
+/// A clap value parser for `--congestion` that lists the choices in `--help`
+/// ([`stormo_net::tls::Congestion`] knows nothing of clap).
+pub fn congestion_arg() -> impl clap::builder::TypedValueParser<Value = stormo_net::tls::Congestion>
+{
+    use clap::builder::TypedValueParser as _;
+    use stormo_net::tls::Congestion;
+    clap::builder::PossibleValuesParser::new(
+        Congestion::ALL.map(|c| clap::builder::PossibleValue::new(c.name())),
+    )
+    .map(|s| {
+        Congestion::ALL
+            .into_iter()
+            .find(|c| c.name() == s)
+            .expect("the parser admits only these names")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -437,7 +476,6 @@ mod tests {
     fn peer_timeout_bounds_the_connect_timeout() {
         let args = |t: f64| PeerArgs {
             peer_timeout: t,
-            expert_dir_limit: "16GiB".into(),
             ..PeerArgs::default()
         };
         let c = args(1.0).timeouts().unwrap();
@@ -458,12 +496,31 @@ mod tests {
     fn keeping_follows_the_role_and_the_flags() {
         let base = PeerArgs {
             peer_timeout: 30.0,
-            expert_dir_limit: "1GiB".into(),
             ..PeerArgs::default()
         };
         assert_eq!(base.resolve(false).unwrap().keep, None);
         let k = base.resolve(true).unwrap().keep.unwrap();
-        assert_eq!((k.dir, k.limit), (None, 1 << 30));
+        assert_eq!((k.dir, k.limit), (None, KeepLimit::Auto));
+        // A limit alone asks for keeping, in the state directory, bounded by it.
+        let limited = PeerArgs {
+            expert_dir_limit: Some("1GiB".into()),
+            ..base.clone()
+        };
+        let k = limited.resolve(false).unwrap().keep.unwrap();
+        assert_eq!((k.dir, k.limit), (None, KeepLimit::Bytes(1 << 30)));
+        let auto = PeerArgs {
+            expert_dir_limit: Some("auto".into()),
+            ..base.clone()
+        };
+        assert_eq!(
+            auto.resolve(false).unwrap().keep.unwrap().limit,
+            KeepLimit::Auto
+        );
+        let limited_no = PeerArgs {
+            no_keep: true,
+            ..limited
+        };
+        assert_eq!(limited_no.resolve(true).unwrap().keep, None);
         let no = PeerArgs {
             no_keep: true,
             ..base.clone()
@@ -579,21 +636,4 @@ mod tests {
             );
         }
     }
-}
-
-/// A clap value parser for `--congestion` that lists the choices in `--help`
-/// ([`stormo_net::tls::Congestion`] knows nothing of clap).
-pub fn congestion_arg() -> impl clap::builder::TypedValueParser<Value = stormo_net::tls::Congestion>
-{
-    use clap::builder::TypedValueParser as _;
-    use stormo_net::tls::Congestion;
-    clap::builder::PossibleValuesParser::new(
-        Congestion::ALL.map(|c| clap::builder::PossibleValue::new(c.name())),
-    )
-    .map(|s| {
-        Congestion::ALL
-            .into_iter()
-            .find(|c| c.name() == s)
-            .expect("the parser admits only these names")
-    })
 }

@@ -188,6 +188,152 @@ fn five_nodes_on_a_loopback_dht_find_each_other_and_a_sixth_generates_exactly() 
     drop(nodes);
 }
 
+/// The README's private-DHT recipe (issue 57, item 4), on loopback: the first node gets
+/// `--dht-listen 127.0.0.1:P --dht-bootstrap 127.0.0.1:P` (the README's `0.0.0.0:6881` and
+/// `first-host:6881`, kept on loopback), the others only `--dht-bootstrap 127.0.0.1:P`, so
+/// their DHT nodes bind a random port (every interface, as documented, but they only ever send
+/// to the loopback addresses they learn). The first one is alone for a while first; then the
+/// serving nodes find each other in under 10 s, the first logs no ERROR, nobody binds 6881,
+/// and `run --discover dht` started right after them generates a local run's ids, with
+/// experts that no single node holds all of.
+#[test]
+fn the_readme_private_dht_recipe_converges_in_seconds_and_run_generates_exactly() {
+    let (m, id) = model_with_manifest();
+    let keys = tempfile::tempdir().expect("key dir");
+    let swarm = create_swarm(keys.path());
+    let port = free_udp_port();
+    let bootstrap = format!("127.0.0.1:{port}");
+    let states: Vec<_> = (0..5).map(|_| state()).collect();
+    // Each node holds half the experts, none all of them.
+    let parts = ["0,1", "2,3", "1,2"];
+    let start = |i: usize| -> Proc {
+        let (key, cert) = admit(keys.path(), &format!("recipe{i}"));
+        let mut args: Vec<String> = [
+            "serve",
+            "--model",
+            s(m.path()),
+            "--listen",
+            "127.0.0.1:0",
+            "--key",
+            s(&key),
+            "--swarm",
+            &swarm,
+            "--cert",
+            s(&cert),
+            "--discover",
+            "dht",
+            "--dht-bootstrap",
+            &bootstrap,
+            "--only-experts",
+            parts[i],
+            "--state-dir",
+            s(states[i].path()),
+            "--expert-cache",
+            "0",
+            "--no-warm",
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+        if i == 0 {
+            args.extend(["--dht-listen".to_string(), bootstrap.clone()]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Proc::start_logging(&args, Some("warn,stormo_node=info,stormo_net=info"))
+    };
+    let mut nodes = vec![start(0)];
+    // Alone long enough to have failed (or made) its first announcements and lookups.
+    std::thread::sleep(Duration::from_secs(4));
+    nodes.push(start(1));
+    nodes.push(start(2));
+    let joined = Instant::now();
+    loop {
+        let missing: Vec<(usize, usize)> = (0..nodes.len())
+            .flat_map(|i| (0..nodes.len()).map(move |j| (i, j)))
+            .filter(|&(i, j)| {
+                i != j
+                    && !nodes[i]
+                        .stderr
+                        .lock()
+                        .expect("stderr lock")
+                        .contains(&discovered(&nodes[j].line))
+            })
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        assert!(
+            joined.elapsed() < Duration::from_secs(10),
+            "10 s after the last node started, these had not found these others (i, j): \
+             {missing:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "the recipe's nodes found each other in {:?}",
+        joined.elapsed()
+    );
+    for (i, n) in nodes.iter().enumerate() {
+        let log = n.stderr.lock().expect("stderr lock");
+        assert!(!log.contains("ERROR"), "node {i} logged an error: {log}");
+        let dht = log
+            .lines()
+            .find_map(|l| l.split_once("DHT node on ").map(|(_, a)| a.to_string()))
+            .unwrap_or_else(|| panic!("no DHT node logged: {log}"));
+        let addr: std::net::SocketAddr = dht
+            .split_whitespace()
+            .next()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("not an address: {dht}"));
+        if i == 0 {
+            assert_eq!(addr.to_string(), bootstrap, "the first node's --dht-listen");
+        } else {
+            assert_ne!(
+                addr.port(),
+                6881,
+                "mainline's default port, not a random one"
+            );
+        }
+    }
+
+    // Right after them: a pull and a run that know only the bootstrap address.
+    let (key, cert) = admit(keys.path(), "recipe-client");
+    let client = |cmd: &'static str| -> Vec<&str> {
+        vec![
+            cmd,
+            "--key",
+            s(&key),
+            "--swarm",
+            &swarm,
+            "--cert",
+            s(&cert),
+            "--discover",
+            "dht",
+            "--dht-bootstrap",
+            &bootstrap,
+            "--model-id",
+            &id,
+        ]
+    };
+    let out = tempfile::tempdir().expect("pull dir");
+    let mut pull = client("pull");
+    pull.extend_from_slice(&["--out", s(out.path())]);
+    stormo(&pull);
+    let (want, _) = run_ids(m.path(), states[3].path(), &[]);
+    let mut run = client("run");
+    run.remove(0);
+    let (got, j) = run_ids(out.path(), states[4].path(), &run);
+    assert_eq!(
+        got, want,
+        "ids from the recipe's nodes differ from a local run: {j}"
+    );
+    assert!(
+        j["experts"]["peer_loads"].as_u64().unwrap_or(0) > 0,
+        "nothing came from peers: {j}"
+    );
+    drop(nodes);
+}
+
 /// The fault matrix's membership case (issue 40), through the CLI: a swarm node admits a
 /// client whose certificate is valid; a client whose certificate has expired does not start
 /// (naming it); a member whose key the server's `--revoked` file names (re-read while the

@@ -1,6 +1,7 @@
 //! Workspace integration tests, one binary with a module per area.
 
 mod batch;
+mod budget;
 mod chat;
 mod crates;
 mod demo;
@@ -15,6 +16,7 @@ mod manifests;
 mod network;
 mod node;
 mod oracle;
+mod placement;
 mod remote;
 mod stripe;
 mod swarm;

@@ -194,7 +194,7 @@ fn peer_args(f: &Fixture, peers: Vec<PeerAddr>) -> PeersConfig {
 fn keep_in(dir: &Path) -> Option<KeepConfig> {
     Some(KeepConfig {
         dir: Some(dir.to_path_buf()),
-        limit: 16 << 30,
+        limit: (16u64 << 30).into(),
     })
 }
 

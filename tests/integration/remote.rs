@@ -294,3 +294,96 @@ fn a_stalled_or_dying_executor_falls_back_to_fetching_with_exact_ids() {
         );
     }
 }
+
+/// Issue 58 (1): a holder whose copy of some experts is corrupt (its disk, not its
+/// manifest) checks each expert against the manifest before it runs it for a peer, so it
+/// never answers with rows computed from wrong weights. Alone, with `--remote-exec always
+/// --spot-check 0`, a client either prints the reference ids or fails; beside an honest
+/// holder it prints the reference ids every time.
+#[test]
+fn a_holder_whose_copy_is_corrupt_never_runs_it_for_peers() {
+    let name = "gptoss-tiny-mxfp4";
+    let (good, id) = setup(name);
+    let (bad, bad_id) = setup(name);
+    assert_eq!(id, bad_id);
+    let m = stormo_manifests::read_manifest(&good.path().join("stormo-manifest.bin"))
+        .expect("manifest")
+        .0;
+    // The last layer's experts: the first call (always checked) goes to the first layer,
+    // so only the holder's own check stands between the corrupt weights and the output.
+    let last = m.experts.iter().map(|e| e.id.layer).max().expect("experts");
+    assert!(last > 0, "the fixture has one MoE layer");
+    let mut flipped = 0;
+    for e in m.experts.iter().filter(|e| e.id.layer == last) {
+        for p in &e.parts {
+            let file = &m.files[m.tensors[p.tensor as usize].file as usize].name;
+            let path = bad.path().join(file);
+            let mut bytes = std::fs::read(&path).expect("read weights");
+            for i in (p.offset..p.offset + p.len).step_by(7) {
+                bytes[i as usize] ^= 0x5a;
+            }
+            std::fs::write(&path, bytes).expect("write weights");
+        }
+        flipped += 1;
+    }
+    assert!(flipped > 0);
+    let (prompt, want) = reference(name);
+    let serve = |dir: &Path, st: &Path| {
+        Proc::start(&[
+            "serve",
+            "--model",
+            s(dir),
+            "--listen",
+            "127.0.0.1:0",
+            "--allow-any",
+            "--state-dir",
+            s(st),
+            "--expert-cache",
+            "0",
+        ])
+    };
+    let (st_bad, st_good) = (state(), state());
+    let liar = serve(bad.path(), st_bad.path());
+    let n = N.to_string();
+    for _ in 0..2 {
+        let st = state();
+        let mut args = remote_args(good.path(), &id, &prompt, &n, st.path());
+        args.extend([
+            "--json",
+            "--peer",
+            liar.line.as_str(),
+            "--remote-exec",
+            "always",
+            "--spot-check",
+            "0",
+            "--peer-timeout",
+            "5",
+        ]);
+        let out = std::process::Command::new(crate::demo::stormo_exe())
+            .args(&args)
+            .env("RUST_LOG", "warn")
+            .output()
+            .expect("run stormo");
+        if out.status.success() {
+            let v: Value = serde_json::from_slice(&out.stdout).expect("run --json");
+            let ids: Vec<u64> = v["generated_ids"]
+                .as_array()
+                .expect("ids")
+                .iter()
+                .map(|x| x.as_u64().expect("id"))
+                .collect();
+            assert_eq!(ids, want, "wrong ids with exit 0 from a corrupt holder");
+        }
+    }
+    let honest = serve(good.path(), st_good.path());
+    for _ in 0..3 {
+        let (ids, j) = run_remote(
+            good.path(),
+            &id,
+            &prompt,
+            &[liar.line.clone(), honest.line.clone()],
+            &["--remote-exec", "always", "--spot-check", "0"],
+        );
+        assert_eq!(ids, want, "beside an honest holder: {j}");
+    }
+}

@@ -1255,7 +1255,7 @@ mod tests {
                 leaving: true,
             }),
             &[
-                &[55, 0, 0, 0],     // frame length 55
+                &[53, 0, 0, 0],     // frame length 53
                 &[15],              // tag: Placement
                 &[0x55; 32],        // model id
                 &[0xac, 0x02],      // budget 300 (varint)

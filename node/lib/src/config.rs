@@ -97,8 +97,9 @@ pub enum LocalExperts {
 pub struct KeepConfig {
     /// The folder (`None`: `experts/` in the state directory).
     pub dir: Option<PathBuf>,
-    /// The most it may hold for one model, in bytes (least recently used experts go first).
-    pub limit: u64,
+    /// The most it may hold for one model (least recently used experts go first): bytes, or
+    /// by default half the free disk, at most the model's experts (`--expert-dir-limit`).
+    pub limit: stormo_net::expert_dir::budget::KeepLimit,
 }
 
 /// The peers below the disk, and how experts from them are checked.
@@ -131,6 +132,9 @@ pub struct ListenConfig {
     pub addr: SocketAddr,
     /// Limits and admission.
     pub serve: serve::ServeConfig,
+    /// Copies of every expert the serving nodes aim to keep across the swarm
+    /// (`--replicas`; 0: this node places none). Needs kept experts and peers.
+    pub replicas: u32,
 }
 
 /// Everything a [`crate::node::Node`] is built from.

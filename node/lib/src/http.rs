@@ -309,6 +309,8 @@ struct State {
     health: Vec<HealthCheck>,
     sampling: SamplingDefaults,
     experts: Arc<Experts>,
+    /// The node the model runs on (for `/v1/swarm` and coverage in `/health`).
+    node: Arc<crate::node::Node>,
 }
 
 impl State {
@@ -404,6 +406,7 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
         health: cfg.health.clone(),
         sampling: cfg.sampling,
         experts,
+        node: tm.node.clone(),
     });
     if !state.guard.needs_key() && !addr.ip().is_loopback() {
         tracing::warn!(
@@ -778,6 +781,7 @@ fn endpoint_label(path: &str) -> &'static str {
         "/v1/completions" => "/v1/completions",
         "/health" => "/health",
         "/metrics" => "/metrics",
+        "/v1/swarm" => "/v1/swarm",
         _ => "other",
     }
 }
@@ -883,6 +887,15 @@ async fn route(
             Ok(r)
         }
         (Method::GET, "/v1/models") => Ok(models(state)),
+        (Method::GET, "/v1/swarm") => match state.node.coverage() {
+            Some(c) => Ok(json_response(StatusCode::OK, &c.json())),
+            None => Err(ApiError::bad(
+                "this node runs alone from its model folder (no manifest, no peers): there is no \
+                 swarm to report",
+            )
+            .status(StatusCode::NOT_FOUND)
+            .code("not_found")),
+        },
         (Method::GET, p) if p.starts_with("/v1/models/") => {
             let id = &p["/v1/models/".len()..];
             check_model(state, Some(id))?;
@@ -892,10 +905,16 @@ async fn route(
             chat_completions(state, read_json(state, req).await?).await
         }
         (Method::POST, "/v1/completions") => completions(state, read_json(state, req).await?).await,
-        (_, "/v1/models" | "/v1/chat/completions" | "/v1/completions" | "/health" | "/metrics") => {
-            Err(ApiError::bad(format!("{method} is not allowed on {path}"))
-                .status(StatusCode::METHOD_NOT_ALLOWED))
-        }
+        (
+            _,
+            "/v1/models"
+            | "/v1/chat/completions"
+            | "/v1/completions"
+            | "/health"
+            | "/metrics"
+            | "/v1/swarm",
+        ) => Err(ApiError::bad(format!("{method} is not allowed on {path}"))
+            .status(StatusCode::METHOD_NOT_ALLOWED)),
         _ => Err(ApiError::bad(format!("no such endpoint: {method} {path}"))
             .status(StatusCode::NOT_FOUND)
             .code("not_found")),
@@ -925,10 +944,31 @@ fn preflight() -> Response<Body> {
 /// `GET /health`: 200 `{"status":"ok"}`, or 503 `{"status":"unavailable","reason":...}`.
 fn health(state: &State) -> Response<Body> {
     match state.health() {
-        Ok(()) => json_response(
-            StatusCode::OK,
-            &json!({ "status": "ok", "model": state.name }),
-        ),
+        Ok(()) => {
+            // Every expert generation may need must have a reachable holder.
+            let uncovered = state.node.coverage().map_or(0, |c| c.uncovered().len());
+            if uncovered > 0 {
+                let mut r = json_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &json!({
+                        "status": "degraded",
+                        "model": state.name,
+                        "uncovered": uncovered,
+                        "reason": format!(
+                            "{uncovered} experts have no reachable holder: requests that \
+                             route to them fail until a peer holding them is back"
+                        ),
+                    }),
+                );
+                r.headers_mut()
+                    .insert(hyper::header::RETRY_AFTER, HeaderValue::from_static("5"));
+                return r;
+            }
+            json_response(
+                StatusCode::OK,
+                &json!({ "status": "ok", "model": state.name }),
+            )
+        }
         Err(reason) => {
             let mut r = json_response(
                 StatusCode::SERVICE_UNAVAILABLE,

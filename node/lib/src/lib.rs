@@ -12,8 +12,10 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod coverage;
 pub mod experts;
 pub mod http;
 pub mod manifest;
 pub mod node;
+pub mod placement;
 pub mod text_model;

@@ -97,6 +97,12 @@ pub struct Node {
     state: StatePaths,
     /// Running discovery (dropping it stops announcing), when asked for.
     discovery: Mutex<Option<stormo_net::discover::Discovery>>,
+    /// Replica placement, when the node serves, keeps experts and has peers.
+    replicator: Mutex<Option<Arc<crate::placement::Replicator>>>,
+    /// The experts of the model folder this node uses (with a manifest).
+    local: Option<ExpertSet>,
+    /// Peers whose connection is down are dialled again ([`Node::keep_peers_dialled`]).
+    redialling: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Node {
@@ -405,6 +411,7 @@ impl Node {
             }
             _ => None,
         };
+        let manifest_local = manifest.as_ref().map(|m| m.manifest.clone());
         let mut node = Self {
             rt,
             files,
@@ -419,8 +426,17 @@ impl Node {
             holdings: None,
             state,
             discovery: Mutex::new(None),
+            replicator: Mutex::new(None),
+            redialling: std::sync::atomic::AtomicBool::new(false),
+            local: match &manifest_local {
+                Some(m) => Some(local_held(m, allowed.as_deref())?),
+                None => None,
+            },
             cfg,
         };
+        if node.cfg.listen.is_some() {
+            node.keep_peers_dialled();
+        }
         if node.cfg.listen.is_some() {
             node.start_serving(allowed.as_deref(), dense_only)?;
         }
@@ -474,6 +490,8 @@ impl Node {
                 withheld,
             })),
             schemas: self.files.layout.schemas.clone(),
+            demand: Arc::default(),
+            verified: Arc::default(),
         });
         let h = {
             let _g = self.rt.enter();
@@ -487,6 +505,7 @@ impl Node {
             peers: self.peers.clone(),
         };
         announcer.refresh();
+        let pinned = announcer.local.clone();
         self.rt.spawn(async move {
             let mut tick = tokio::time::interval(ANNOUNCE_EVERY);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -502,6 +521,23 @@ impl Node {
                 }
             }
         });
+        if let (true, Some(dir), Some(peers)) = (listen.replicas > 0, &self.dir, &self.peers) {
+            let r = Arc::new(crate::placement::Replicator::new(
+                &m.manifest,
+                holdings.clone(),
+                dir.clone(),
+                peers.clone(),
+                pinned,
+                listen.replicas,
+                *secret.public().as_bytes(),
+            ));
+            r.spawn(self.rt.handle());
+            tracing::info!(
+                "placing replicas: aiming at {} copies of every expert across the swarm",
+                listen.replicas
+            );
+            *self.replicator.lock().expect("replicator lock") = Some(r);
+        }
         self.holdings = Some(holdings);
         *self.server.lock().expect("server lock") = Some(h);
         Ok(())
@@ -597,6 +633,147 @@ impl Node {
             }
         }
         Ok(())
+    }
+
+    /// The swarm's coverage of the model as this node sees it (see [`crate::coverage`]):
+    /// this node's experts (model folder, kept, RAM cache) and each connected peer's.
+    /// `None` without a manifest (a node alone with its model folder holds every expert).
+    pub fn coverage(&self) -> Option<crate::coverage::Coverage> {
+        use crate::coverage::{Coverage, Holder, NodeCoverage};
+        let m = self.manifest.as_ref()?;
+        let local = self.local.clone()?;
+        let mut experts: Vec<usize> = Vec::new();
+        for e in &m.manifest.experts {
+            let l = e.id.layer as usize;
+            if experts.len() <= l {
+                experts.resize(l + 1, 0);
+            }
+            experts[l] = experts[l].max(e.id.expert as usize + 1);
+        }
+        // This node: its folder's experts and kept ones for good, its RAM cache besides.
+        let mut own_durable = local.clone();
+        if let Some(d) = &self.dir {
+            for id in d.kept() {
+                let _ = own_durable.insert(id);
+            }
+        }
+        let mut own_serves = own_durable.clone();
+        if let Some(c) = &self.experts.tiered {
+            for id in c.resident() {
+                let _ = own_serves.insert(id);
+            }
+        }
+        let placement = self
+            .holdings
+            .as_ref()
+            .and_then(|h| h.announce.borrow().placement.clone());
+        let mut nodes = vec![NodeCoverage {
+            key: self
+                .secret
+                .as_ref()
+                .map_or_else(String::new, |s| s.public().to_string()),
+            addr: self.local_addr().map(|a| a.to_string()),
+            this_node: true,
+            connected: true,
+            held: own_serves.len(),
+            pinned: Some(local.len()),
+            kept: self.dir.as_ref().map(|d| d.len()),
+            budget: placement.as_ref().map(|p| p.budget),
+            used: placement.as_ref().map(|p| p.used),
+        }];
+        // Each connected peer: durable copies from its placement (pinned and kept), else its
+        // inventory; it serves its inventory and what it offers.
+        let view = self
+            .peers
+            .as_ref()
+            .map(|p| p.swarm_view())
+            .unwrap_or_default();
+        let mut sets: Vec<(ExpertSet, ExpertSet)> = Vec::new();
+        for p in &view {
+            let inv = p.inventory.clone();
+            let durable = match (&p.placement, &inv) {
+                (Some(w), _) => {
+                    let mut d = w.pinned.clone();
+                    for id in w.kept.iter() {
+                        let _ = d.insert(id);
+                    }
+                    Some(d)
+                }
+                (None, Some(i)) => Some(i.clone()),
+                (None, None) => None,
+            };
+            nodes.push(NodeCoverage {
+                key: p.addr.key.to_string(),
+                addr: Some(p.addr.addr.to_string()),
+                this_node: false,
+                connected: p.connected,
+                held: inv.as_ref().map_or(0, ExpertSet::len),
+                pinned: p.placement.as_ref().map(|w| w.pinned.len()),
+                kept: p.placement.as_ref().map(|w| w.kept.len()),
+                budget: p.placement.as_ref().map(|w| w.budget),
+                used: p.placement.as_ref().map(|w| w.used),
+            });
+            if !p.connected || p.placement.as_ref().is_some_and(|w| w.leaving) {
+                continue;
+            }
+            if let (Some(d), Some(i)) = (durable, inv) {
+                sets.push((d, i));
+            }
+        }
+        let mut holders = vec![Holder {
+            durable: &own_durable,
+            serves: &own_serves,
+        }];
+        holders.extend(sets.iter().map(|(d, i)| Holder {
+            durable: d,
+            serves: i,
+        }));
+        Some(Coverage::from_holders(&experts, &holders, nodes))
+    }
+
+    /// Keeps the peers dialled: one whose connection is down is dialled again every few
+    /// seconds, so coverage, `/health` and placement see a peer that came back (a node that
+    /// only generates dials when it fetches). A serving node does this from its start;
+    /// `serve --http` asks for it. Once per node.
+    pub fn keep_peers_dialled(&self) {
+        if let Some(t) = &self.peers {
+            if !self
+                .redialling
+                .swap(true, std::sync::atomic::Ordering::SeqCst)
+            {
+                spawn_redial(self.rt.handle(), t.clone());
+            }
+        }
+    }
+
+    /// Waits (at most `within`) until every expert has a reachable holder, for a node that
+    /// finds its peers by discovery: they answer a moment after they are found (peers named
+    /// with `--peer` were dialled at start). Returns how many experts are still uncovered (0 at once for a node with no
+    /// peers, or holding every expert), and warns when some are.
+    pub fn wait_for_coverage(&self, within: Duration) -> usize {
+        // Peers named on the command line were dialled at start (their inventories are in);
+        // only discovery finds holders later.
+        let discovering = self.cfg.swarm.as_ref().is_some_and(|s| s.discover.is_on());
+        if self.peers.is_none() || !discovering {
+            return 0;
+        }
+        let until = std::time::Instant::now() + within;
+        loop {
+            let uncovered = self.coverage().map_or(0, |c| c.uncovered().len());
+            if uncovered == 0 {
+                return 0;
+            }
+            if std::time::Instant::now() >= until {
+                tracing::warn!(
+                    "{uncovered} experts have no reachable holder after {:.1} s \
+                     (--wait-coverage): generation fails if it routes to one of them; \
+                     `stormo swarm status` shows which",
+                    within.as_secs_f64()
+                );
+                return uncovered;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// The model, loaded with `opts` over this node's experts. Call once per model instance;
@@ -750,6 +927,11 @@ impl Node {
     /// Stops the node cleanly: closes the peers' connections and the server (waiting up to
     /// `grace` for connections to close), and saves the expert usage counts.
     pub fn close(&self, grace: Duration) {
+        if let Some(r) = self.replicator.lock().expect("replicator lock").take() {
+            // Say goodbye before the connections close, so peers re-replicate at once.
+            r.leave();
+            std::thread::sleep(Duration::from_millis(300));
+        }
         if let Some(p) = &self.peers {
             p.close();
         }
@@ -891,8 +1073,10 @@ fn adopt_pulled_and_kept(cfg: &mut NodeConfig) -> anyhow::Result<()> {
 }
 
 /// The most kept experts a node holds per model when it was not told (`--expert-dir-limit`'s
-/// default).
-pub const DEFAULT_KEEP_LIMIT: u64 = 16 << 30;
+/// default): half the free space of their filesystem, at most the model's experts, read
+/// again before each write (`stormo_net::expert_dir::budget`).
+pub const DEFAULT_KEEP_LIMIT: stormo_net::expert_dir::budget::KeepLimit =
+    stormo_net::expert_dir::budget::KeepLimit::Auto;
 
 /// How long a node given no peer waits for discovery to find the first ones.
 const DISCOVERY_WAIT: Duration = Duration::from_secs(15);
@@ -901,6 +1085,48 @@ const DISCOVERY_WAIT: Duration = Duration::from_secs(15);
 /// lookups' time (a lookup dials every address it finds).
 const DISCOVERED_LOST_AFTER: Duration =
     Duration::from_secs(3 * stormo_net::discover::dht::LOOKUP_EVERY.as_secs());
+
+/// How often a peer whose connection is down is dialled again.
+const REDIAL_EVERY: Duration = Duration::from_secs(3);
+
+/// Dials again, every [`REDIAL_EVERY`], the peers whose connection is down (one that was not
+/// up yet when this node started, or one restarted): the peer tier dials on its own only when
+/// it fetches, and coverage, `/health` and placement need to see a peer that came back.
+fn spawn_redial(rt: &tokio::runtime::Handle, tier: Arc<PeerTier>) {
+    rt.spawn(async move {
+        let mut down: std::collections::HashMap<PublicKey, std::time::Instant> =
+            std::collections::HashMap::new();
+        let mut tick = tokio::time::interval(REDIAL_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let t = tier.clone();
+            let seen = std::mem::take(&mut down);
+            let Ok(next) = tokio::task::spawn_blocking(move || {
+                let now = std::time::Instant::now();
+                let mut next = std::collections::HashMap::new();
+                for p in t.swarm_view() {
+                    if p.connected {
+                        continue;
+                    }
+                    let since = seen.get(&p.addr.key).copied().unwrap_or(now);
+                    if now.duration_since(since) >= REDIAL_EVERY && t.remove_peer(&p.addr.key) {
+                        let _ = t.add_peers(std::slice::from_ref(&p.addr));
+                        next.insert(p.addr.key, now);
+                    } else {
+                        next.insert(p.addr.key, since);
+                    }
+                }
+                next
+            })
+            .await
+            else {
+                return;
+            };
+            down = next;
+        }
+    });
+}
 
 /// Recomputes what a serving node holds and offers.
 #[derive(Clone)]

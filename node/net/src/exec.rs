@@ -244,28 +244,67 @@ fn check(holdings: &Holdings, exec: &Exec) -> Result<ExpertSchema, (ErrorCode, S
             format!("expert {id} is not held here"),
         ));
     }
+    holdings.demand.record(id);
     stormo_wire::check_shape(exec, schema.hidden).map_err(|why| (ErrorCode::BAD_REQUEST, why))?;
     Ok(schema.clone())
 }
 
-/// Expert `id`'s record from the node's provider, on a blocking thread.
+/// Expert `id`'s record from the node's provider, on a blocking thread, checked against the
+/// manifest the first time this node runs it (remembered in [`Holdings::verified`]): a copy
+/// that does not match (a corrupt disk, a tampered file) is neither run nor served, so a
+/// peer never gets a result computed from wrong weights from this node.
 async fn fetch(holdings: &Holdings, id: ExpertId) -> Result<Arc<ExpertData>, (ErrorCode, String)> {
+    let refused = || {
+        (
+            ErrorCode::INTERNAL,
+            format!("expert {id}: this node's copy does not match the manifest"),
+        )
+    };
+
     let experts = holdings.experts.clone();
+    let manifest = holdings.manifest.clone();
+    let verified = holdings.verified.clone();
     let got = tokio::task::spawn_blocking(move || {
         let mut out = Vec::with_capacity(1);
         experts
             .fetch(id.layer as usize, &[id.expert as usize], &mut out)
             .map_err(|e| format!("{e}"))?;
-        out.pop()
-            .ok_or_else(|| "the provider returned no expert".to_string())
+        let data = out
+            .pop()
+            .ok_or_else(|| "the provider returned no expert".to_string())?;
+        let known = verified.lock().expect("verified lock").get(&id).copied();
+        let ok = match known {
+            Some(ok) => ok,
+            None => {
+                let record: Vec<u8> = data.parts().flatten().copied().collect();
+                let check = manifest.verify_record(id, &record);
+                if let Err(e) = &check {
+                    tracing::error!(
+                        "expert {id}: this node's copy does not match the manifest ({e}); it \
+                         is not run for peers nor served (`stormo manifest verify` lists the \
+                         mismatches)"
+                    );
+                }
+                verified
+                    .lock()
+                    .expect("verified lock")
+                    .insert(id, check.is_ok());
+                check.is_ok()
+            }
+        };
+        Ok((data, ok))
     })
     .await
     .map_err(|e| format!("the expert reader failed: {e}"))
     .and_then(|r| r);
-    got.map_err(|e| {
-        tracing::warn!("reading expert {id} to run it for a peer: {e}");
-        (ErrorCode::INTERNAL, format!("reading expert {id} failed"))
-    })
+    match got {
+        Ok((data, true)) => Ok(data),
+        Ok((_, false)) => Err(refused()),
+        Err(e) => {
+            tracing::warn!("reading expert {id} to run it for a peer: {e}");
+            Err((ErrorCode::INTERNAL, format!("reading expert {id} failed")))
+        }
+    }
 }
 
 /// Why a remote execution gave no rows (see [`super::tier::PeerTier::exec`]).

@@ -8,7 +8,9 @@
 //! against the manifest again when it is read back; a record that fails is deleted and the
 //! load fails, so the tiers below supply it. The folder is bounded by a byte limit: storing
 //! evicts the least recently used records first (use is the file's modification time, which
-//! reads refresh, so the order survives restarts).
+//! reads refresh, so the order survives restarts). The limit is `--expert-dir-limit`, or by
+//! default follows the free disk, read again before each write; a full disk stops the storing
+//! with one warning ([`budget`]).
 //!
 //! Non-goals: sharing one folder between processes that write it at the same time (each keeps
 //! its own index; they do not corrupt each other, but the limit is per process), and
@@ -25,6 +27,10 @@ use stormo_engine::moe::{ExpertData, ExpertSchema};
 use stormo_engine::tiers::{Completion, ExpertId, Priority, Tier};
 use stormo_manifests::{Hash, Manifest};
 
+pub mod budget;
+
+use budget::{FreeSpace, KeepLimit, Reason};
+
 struct Entry {
     len: u64,
     stamp: u64,
@@ -34,17 +40,28 @@ struct Entry {
     written: bool,
 }
 
-#[derive(Default)]
 struct State {
     entries: HashMap<ExpertId, Entry>,
     used: u64,
     clock: u64,
+    /// The limit in force, computed again before each write.
+    limit: u64,
+    /// Why it is what it is.
+    reason: Reason,
+    /// The disk was found full at the last write: nothing is stored until it has room again.
+    full: bool,
+    /// The one warning about a full disk was given.
+    warned_full: bool,
 }
 
 /// A bounded directory of verified experts of one model. See the module docs.
 pub struct ExpertDir {
     root: PathBuf,
-    limit: u64,
+    /// The limit asked for.
+    asked: KeepLimit,
+    /// All of the model's experts, in bytes (the most an automatic limit gives).
+    experts: u64,
+    free: FreeSpace,
     manifest: Arc<Manifest>,
     schemas: Vec<Option<ExpertSchema>>,
     state: Mutex<State>,
@@ -54,7 +71,7 @@ impl std::fmt::Debug for ExpertDir {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ExpertDir")
             .field("root", &self.root)
-            .field("limit", &self.limit)
+            .field("limit", &self.asked)
             .finish_non_exhaustive()
     }
 }
@@ -73,16 +90,35 @@ fn parse_name(name: &str) -> Option<ExpertId> {
 
 impl ExpertDir {
     /// Opens (creating it if needed) the folder of model `model` under `dir`, holding at most
-    /// `limit` bytes of records of `manifest`'s experts (`schemas`: `files.layout.schemas`).
-    /// Files that are not records of this manifest with the right length are ignored;
-    /// leftover temporary files are removed; if more than `limit` is held, the least recently
-    /// used records are evicted.
+    /// `limit` (bytes, or [`KeepLimit::Auto`]: following the free disk) of records of
+    /// `manifest`'s experts (`schemas`: `files.layout.schemas`). Files that are not records
+    /// of this manifest with the right length are ignored; leftover temporary files are
+    /// removed; if more than the limit is held, the least recently used records are evicted.
     pub fn open(
         dir: &Path,
         model: Hash,
-        limit: u64,
+        limit: impl Into<KeepLimit>,
         manifest: Arc<Manifest>,
         schemas: Vec<Option<ExpertSchema>>,
+    ) -> anyhow::Result<Self> {
+        Self::open_with(
+            dir,
+            model,
+            limit.into(),
+            manifest,
+            schemas,
+            budget::system_free_space(),
+        )
+    }
+
+    /// [`Self::open`], the free space read by `free` (tests give a fake disk).
+    pub fn open_with(
+        dir: &Path,
+        model: Hash,
+        limit: KeepLimit,
+        manifest: Arc<Manifest>,
+        schemas: Vec<Option<ExpertSchema>>,
+        free: FreeSpace,
     ) -> anyhow::Result<Self> {
         let root = dir.join(model.to_hex());
         std::fs::create_dir_all(&root)
@@ -111,7 +147,15 @@ impl ExpertDir {
             found.push((t, id, meta.len()));
         }
         found.sort();
-        let mut st = State::default();
+        let mut st = State {
+            entries: HashMap::new(),
+            used: 0,
+            clock: 0,
+            limit: 0,
+            reason: Reason::Given,
+            full: false,
+            warned_full: false,
+        };
         for (_, id, len) in found {
             st.clock += 1;
             st.used += len;
@@ -124,22 +168,27 @@ impl ExpertDir {
                 },
             );
         }
+        let experts = manifest.experts.iter().map(|x| x.len).sum();
         let me = Self {
             root,
-            limit,
+            asked: limit,
+            experts,
+            free,
             manifest,
             schemas,
             state: Mutex::new(st),
         };
         {
             let mut g = me.lock();
+            me.refresh_limit(&mut g);
             me.evict(&mut g, 0);
         }
         tracing::info!(
-            "expert directory {}: {} experts, {} bytes of at most {limit}",
+            "expert directory {}: {} experts, {} bytes of at most {}",
             me.root.display(),
             me.len(),
-            me.used()
+            me.used(),
+            me.limit()
         );
         Ok(me)
     }
@@ -174,6 +223,52 @@ impl ExpertDir {
         self.lock().entries.get(&id).is_some_and(|e| e.written)
     }
 
+    /// The experts held (written in place), in no particular order.
+    pub fn kept(&self) -> Vec<ExpertId> {
+        let g = self.lock();
+        g.entries
+            .iter()
+            .filter(|(_, e)| e.written)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// The most bytes it holds (`--expert-dir-limit`, or what the free disk gave at the last
+    /// write: see [`budget`]).
+    pub fn limit(&self) -> u64 {
+        self.lock().limit
+    }
+
+    /// The line a node prints at start: how much it keeps, where, and why (in human units).
+    pub fn describe(&self) -> String {
+        let g = self.lock();
+        budget::describe(g.limit, g.reason, &self.root)
+    }
+
+    /// Whether the disk was found full at the last write (nothing is stored until it has
+    /// room again).
+    pub fn disk_full(&self) -> bool {
+        self.lock().full
+    }
+
+    /// Reads the free space and sets the limit in force from it; returns the free space.
+    fn refresh_limit(&self, g: &mut State) -> Option<u64> {
+        let free = (self.free)(&self.root);
+        (g.limit, g.reason) = budget::effective(self.asked, free, g.used, self.experts);
+        free
+    }
+
+    /// Deletes expert `id`'s record (placement evicting a copy the swarm has enough of).
+    /// Returns whether it was held; one still being written is left to its store.
+    pub fn remove(&self, id: ExpertId) -> bool {
+        let mut g = self.lock();
+        if !g.entries.get(&id).is_some_and(|e| e.written) {
+            return false;
+        }
+        self.forget(&mut g, id);
+        true
+    }
+
     fn path(&self, id: ExpertId) -> PathBuf {
         self.root.join(file_name(id))
     }
@@ -181,7 +276,7 @@ impl ExpertDir {
     /// Evicts least recently used records until `extra` more bytes fit in the limit (never
     /// one still being written: its store owns it until then).
     fn evict(&self, g: &mut State, extra: u64) {
-        while g.used + extra > self.limit {
+        while g.used + extra > g.limit {
             let Some(id) = g
                 .entries
                 .iter()
@@ -220,11 +315,28 @@ impl ExpertDir {
             .verify_record(id, record)
             .context("the record does not match the manifest")?;
         let len = record.len() as u64;
-        anyhow::ensure!(len <= self.limit, "larger than --expert-dir-limit");
         {
             let mut g = self.lock();
             if g.entries.contains_key(&id) {
                 return Ok(());
+            }
+            // The budget and the disk, read again before every write.
+            let free = self.refresh_limit(&mut g);
+            if len > g.limit && g.reason == Reason::Given {
+                anyhow::bail!("larger than --expert-dir-limit");
+            }
+            // What evicting down to the limit would give back to the disk.
+            let freed = (g.used + len).saturating_sub(g.limit).min(g.used);
+            if len > g.limit || !budget::room_for(len, free.map(|f| f.saturating_add(freed))) {
+                self.no_room(&mut g, free);
+                return Ok(());
+            }
+            if g.full {
+                g.full = false;
+                tracing::info!(
+                    "expert directory {}: the disk has room again; keeping experts again",
+                    self.root.display()
+                );
             }
             self.evict(&mut g, len);
             // Reserve the room now so concurrent stores respect the limit.
@@ -253,15 +365,49 @@ impl ExpertDir {
                     .with_context(|| format!("renaming {} into place", tmp.display()))
             });
         let mut g = self.lock();
-        if written.is_err() {
+        if let Err(e) = &written {
             let _ = std::fs::remove_file(&tmp);
             if let Some(e) = g.entries.remove(&id) {
                 g.used -= e.len;
+            }
+            let disk_full = e.chain().any(|c| {
+                c.downcast_ref::<std::io::Error>()
+                    .is_some_and(|io| io.kind() == std::io::ErrorKind::StorageFull)
+            });
+            if disk_full {
+                let free = (self.free)(&self.root);
+                self.no_room(&mut g, free);
+                return Ok(());
             }
         } else if let Some(e) = g.entries.get_mut(&id) {
             e.written = true;
         }
         written
+    }
+
+    /// The disk has no room for another record: stop storing, saying so once (a warning the
+    /// first time in this process, quieter after), and serve on from what is held.
+    fn no_room(&self, g: &mut State, free: Option<u64>) {
+        if g.full {
+            return;
+        }
+        g.full = true;
+        let free = free.map_or_else(|| "unknown".into(), crate::progress::human_bytes);
+        if g.warned_full {
+            tracing::info!(
+                "expert directory {}: the disk is full again ({free} free); not keeping more \
+                 experts",
+                self.root.display()
+            );
+        } else {
+            g.warned_full = true;
+            tracing::warn!(
+                "expert directory {}: the disk is full ({free} free, {} kept): not keeping more \
+                 experts until it has room; serving goes on",
+                self.root.display(),
+                crate::progress::human_bytes(g.used)
+            );
+        }
     }
 
     /// Reads expert `id` back, verified against the manifest. A record that fails is deleted.

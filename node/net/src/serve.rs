@@ -60,6 +60,32 @@ pub struct Holdings {
     /// How each layer's experts are laid out (`files.layout.schemas`), to run them for peers
     /// (`Exec`). Empty: the node runs no experts for peers (answered `not found`).
     pub schemas: Vec<Option<ExpertSchema>>,
+    /// Requests for each expert since placement last took them (its demand).
+    pub demand: Arc<Demand>,
+    /// Experts checked against the manifest before this node ran them for a peer: `true`
+    /// matched, `false` did not (never run nor served again).
+    pub verified: Arc<Mutex<std::collections::HashMap<ExpertId, bool>>>,
+}
+
+/// Requests for experts a node answered (whole records and executions), counted for
+/// placement's demand and taken by it.
+#[derive(Debug, Default)]
+pub struct Demand(Mutex<std::collections::HashMap<ExpertId, u32>>);
+
+impl Demand {
+    /// Counts one request for `id`.
+    pub fn record(&self, id: ExpertId) {
+        let mut m = self.0.lock().expect("demand lock");
+        let c = m.entry(id).or_insert(0);
+        *c = c.saturating_add(1);
+    }
+
+    /// The counts since the last take, emptied.
+    pub fn take(&self) -> Vec<(ExpertId, u32)> {
+        std::mem::take(&mut *self.0.lock().expect("demand lock"))
+            .into_iter()
+            .collect()
+    }
 }
 
 /// What a node announces: the experts it holds verified (its inventory) and those it does not
@@ -818,7 +844,16 @@ async fn resolve(
                     format!("expert {expert} is not held here"),
                 ));
             };
+            if h.verified.lock().expect("verified lock").get(&expert) == Some(&false) {
+                return Err((
+                    ErrorCode::NOT_FOUND,
+                    format!("expert {expert}: this node's copy does not match the manifest"),
+                ));
+            }
             let range = req.resolve(entry.len)?;
+            if range.offset == 0 {
+                h.demand.record(expert);
+            }
             // The answer is the provider's own record (no copy): while it is sent, it is the
             // record the expert cache holds (pinned there, counted in its bytes).
             let (len, parts) = record_parts(h.experts.clone(), expert, range.offset, range.len)
@@ -1080,6 +1115,8 @@ pub fn holdings(
             withheld,
         })),
         schemas,
+        demand: Arc::default(),
+        verified: Arc::default(),
     })
 }
 

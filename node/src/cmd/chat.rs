@@ -454,6 +454,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         &load,
     )?;
     a.render.warn_for(tm.model.config().family);
+    tm.node.wait_for_coverage(a.net.wait_coverage());
     let interactive = std::io::stdin().is_terminal();
     let tty = std::io::stdout().is_terminal();
     if interactive {

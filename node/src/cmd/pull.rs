@@ -206,7 +206,7 @@ fn pull_experts(
             timeouts,
             keep: Some(stormo_node::config::KeepConfig {
                 dir: a.expert_dir.clone(),
-                limit: u64::MAX,
+                limit: u64::MAX.into(),
             }),
             peers_first: false,
             // A pull computes nothing.

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use stormo_engine::generate::{greedy, greedy_ids, sampled, Timings};
+use stormo_engine::generate::{greedy, greedy_ids, sampled, sampled_ids, Timings};
 use stormo_engine::safetensors::{self, Dtype};
 use stormo_engine::sampling::{Sampler, SamplingParams};
 use stormo_engine::{LoadOptions, Model};
@@ -142,11 +142,11 @@ struct TextPrompt {
     format: Option<ChatFormat>,
 }
 
-/// Whether `stormo run` keeps a screen of the head: unless --full-head, when every token is
-/// greedy (`sampling` is a plain argmax: no temperature, no penalty) and no logits are
-/// written.
-fn screened_head(a: &Args, sampling: &SamplingParams) -> bool {
-    !a.full_head && sampling.is_plain_argmax() && a.logits_out.is_none()
+/// Whether `stormo run` keeps a screen of the head: unless --full-head or logits are
+/// written. Greedy and sampled tokens alike go through it (sampling draws exactly the whole
+/// head's token, see `stormo_engine::sampling`).
+fn screened_head(a: &Args) -> bool {
+    !a.full_head && a.logits_out.is_none()
 }
 
 /// Refuses an output file that would overwrite part of the model in `model_dir` (the
@@ -210,11 +210,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     a.sampling.warn_unused(&sampling);
     let context = context_for(&a, prompt.len())?;
     let node = start_node(&a, context)?;
+    node.wait_for_coverage(a.net.wait_coverage());
     let model = node.load_model(&LoadOptions {
         prefill_block: a.prefill_block,
         int8_attn_head: a.int8_attn_head,
         int8_experts: a.int8_experts,
-        screened_head: screened_head(&a, &sampling),
+        screened_head: screened_head(&a),
     })?;
     match text {
         Some(tp) => run_text(&a, &node, model, &tp, &prompt, context, sampling),
@@ -517,7 +518,21 @@ fn generate_ids<W: Write>(
     mut logits: Option<&mut Vec<f32>>,
     timings: &mut Timings,
 ) -> anyhow::Result<Vec<u32>> {
-    if !sampling.is_plain_argmax() {
+    if !sampling.is_plain_argmax() && logits.is_none() {
+        // Through the screened head when the model keeps one: the whole head's draws
+        // (stormo_engine::sampling), reading only the rows that can matter.
+        let mut sampler = Sampler::new(sampling)?;
+        sampled_ids(
+            model,
+            sess,
+            prompt,
+            max_new,
+            stop,
+            &mut sampler,
+            |id| line.push(id),
+            timings,
+        )
+    } else if !sampling.is_plain_argmax() {
         let mut sampler = Sampler::new(sampling)?;
         sampled(
             model,

@@ -64,6 +64,14 @@ pub struct Args {
     /// `0:0-7,1:8-15` (layers not named: none).
     #[arg(long, value_name = "SPEC")]
     pub only_experts: Option<String>,
+    /// Copies of every expert the serving nodes keep across the swarm. A node with peers
+    /// (--peer or --discover) and room for kept experts (--expert-dir-limit) fetches, verified,
+    /// the experts with the fewest copies first until each has N, then copies of the most
+    /// asked for; it evicts what has most copies elsewhere. A model folder's own experts (a
+    /// seeder's) do not count towards N, so the swarm keeps the model when seeders leave.
+    /// 0: place nothing (keep only what this node happens to fetch).
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    pub replicas: u32,
     /// Requests of one peer served at once; more are answered busy.
     #[arg(long, default_value_t = 8, value_name = "N")]
     pub per_peer: u32,
@@ -161,6 +169,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     total: a.exec_max,
                 },
             },
+            replicas: a.replicas,
         }),
         None => None,
     };
@@ -185,6 +194,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "serving model {} ({held} experts held) on {addr} as node {key}",
             id.to_hex()
         );
+        if let Some(kept) = node.expert_dir() {
+            eprintln!("{}", kept.describe());
+        }
         // One `KEY@ADDR` line per address a peer can dial (never 0.0.0.0).
         for reachable in stormo_net::discover::reachable_addrs(addr) {
             println!("{key}@{reachable}");
@@ -207,6 +219,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let web = match (http, text) {
         (Some(cfg), Some((tokenizer, format))) => {
+            // Requests routed to an expert nobody reachable holds would fail: wait (bounded)
+            // for the peers to answer first.
+            node.keep_peers_dialled();
+            node.wait_for_coverage(a.net.wait_coverage());
             let tm = text_model_on(node.clone(), tokenizer, format, &LoadOptions::default())?;
             let w = node.runtime().block_on(start_http(tm, cfg))?;
             if node.local_addr().is_none() {

@@ -62,6 +62,35 @@ pub enum Command {
         #[arg(long, value_name = "CERT")]
         cert: PathBuf,
     },
+    /// Show which experts the swarm holds, in how many copies, and which node holds what.
+    ///
+    /// Connects to the peers (--peer, or --discover with --swarm) as `run` does, reads their
+    /// inventories and placement, and prints per layer the experts' copies (min/median/max
+    /// of the copies held for good: model folders' own experts and kept ones), the uncovered
+    /// experts (no reachable holder: generation would fail on them) and per node what it
+    /// holds. The model folder (-m, a folder from `stormo pull` is enough) gives the model's
+    /// shape and manifest; its own experts are not counted.
+    Status(Box<StatusArgs>),
+}
+
+/// `stormo swarm status`.
+#[derive(Debug, clap::Args)]
+pub struct StatusArgs {
+    /// The model folder (its manifest and shape; its experts are not counted).
+    #[arg(short, long, value_name = "DIR")]
+    pub model: PathBuf,
+    #[command(flatten)]
+    pub net: crate::args::PeerArgs,
+    #[command(flatten)]
+    pub swarm: crate::swarm_args::SwarmArgs,
+    /// Print JSON: `experts`, `min_copies`, `uncovered` (a list of "layer:expert"), per-layer
+    /// `layers` and the `nodes`.
+    #[arg(long)]
+    pub json: bool,
+    /// Seconds to wait for the peers to answer (each connected peer's inventory arrives with
+    /// its first answer; discovery may take longer).
+    #[arg(long, default_value_t = 5.0, value_name = "SECS", value_parser = stormo_net::progress::secs_arg)]
+    pub wait: f64,
 }
 
 /// Runs a swarm subcommand.
@@ -117,8 +146,60 @@ pub fn run(c: Command) -> anyhow::Result<()> {
                 Err(e) => format!("NOT VALID: {e}"),
             };
             println!("state      {state}");
+            if let Err(e) = m.verify(&m.swarm, &m.node, now, &Default::default()) {
+                anyhow::bail!("{}: not a valid certificate now: {e}", cert.display());
+            }
         }
+        Command::Status(a) => status(*a)?,
     }
+    Ok(())
+}
+
+/// `stormo swarm status`: a node that uses no expert of its own dials the peers, waits (at
+/// most `--wait`) for each to answer, and prints the coverage.
+fn status(a: StatusArgs) -> anyhow::Result<()> {
+    use stormo_node::config::{CacheBudget, ExpertsConfig, LocalExperts, NodeConfig};
+    let peers = a.net.resolve(false)?;
+    let swarm = crate::swarm_args::resolve_for_node(&a.swarm, a.net.key.as_deref())?;
+    anyhow::ensure!(
+        !peers.peers.is_empty() || swarm.as_ref().is_some_and(|s| s.discover.is_on()),
+        "swarm status needs peers to ask: --peer KEY@HOST:PORT (or --discover with --swarm)"
+    );
+    let node = stormo_node::node::Node::start(NodeConfig {
+        model: a.model.clone(),
+        state_dir: stormo_node::config::default_state_dir(),
+        experts: ExpertsConfig {
+            cache: CacheBudget::Bytes(0),
+            hot_store: false,
+            ..ExpertsConfig::default()
+        },
+        local: LocalExperts::None,
+        context: 1,
+        peers,
+        listen: None,
+        swarm,
+    })?;
+    let until = std::time::Instant::now() + std::time::Duration::from_secs_f64(a.wait);
+    let answered = || {
+        node.peer_tier().is_some_and(|t| {
+            let v = t.swarm_view();
+            !v.is_empty() && v.iter().all(|p| p.connected && p.inventory.is_some())
+        })
+    };
+    while std::time::Instant::now() < until && !answered() {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // Placement follows the inventory on the same stream: give it a moment.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let c = node
+        .coverage()
+        .context("no manifest to read the swarm's coverage against")?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&c.json())?);
+    } else {
+        print!("{}", c.table());
+    }
+    node.close(std::time::Duration::ZERO);
     Ok(())
 }
 

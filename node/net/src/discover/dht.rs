@@ -7,7 +7,9 @@
 //! - announces its QUIC port under [`super::dht_key`] (`announce_peer`; the DHT records the
 //!   address the announcement came from), again every [`REANNOUNCE`]: BEP 5 nodes forget
 //!   announcements after about 30 minutes, and mainline's storage is an LRU, so a node
-//!   re-announces well within that. A node that only fetches announces nothing;
+//!   re-announces well within that. An announcement that fails (no DHT node took it) is tried
+//!   again after 1, 2, 4... seconds, at most [`ANNOUNCE_RETRY_MAX`] apart, until one succeeds
+//!   ([`AnnounceSchedule`]). A node that only fetches announces nothing;
 //! - looks the key up (`get_peers`) at once, then after 2, 4, 8... seconds up to
 //!   `lookup_every` ([`lookup_delay`]: a node that starts before its peers finds them soon,
 //!   and then asks the DHT once a minute), reports every address found except its own, and
@@ -22,9 +24,28 @@
 //! nodes is the first node of a private DHT: it bootstraps from nobody (never from the public
 //! nodes), and the others bootstrap from it; so every node of a private DHT can be given the
 //! same `--dht-bootstrap`. Tests always pass a loopback bootstrap.
+//!
+//! Without `--dht-listen` the DHT node binds a random UDP port (mainline's own default is
+//! 6881, taken if free: two nodes on one machine, or a BitTorrent client, would fight over
+//! it). It is a client-mode node on the public DHT (mainline's adaptive mode may promote it
+//! after 15 minutes), and a full (server-mode) node on a private DHT (bootstrap nodes given)
+//! when the node serves: on a private network the nodes reach each other, and a client-mode
+//! node stores nobody's records.
+//!
+//! # How nodes of a private DHT find each other in seconds
+//! A serving node stores its record at the DHT nodes closest to the key that answer, itself
+//! included: mainline queries the address the others know it by, which on a LAN or loopback
+//! reaches itself. A lookup then reads every serving node's storage. The first node, alone,
+//! stores its record nowhere (no DHT node answers, not even itself: it has not learned its own
+//! address yet), so its announcement fails and is tried again with back-off. On a private DHT
+//! a node also looks every [`TABLE_POLL`] whether its routing table gained a node; when it
+//! did, a failing announcement is tried at once and lookups start again at
+//! [`FIRST_LOOKUP_DELAY`]: a node that bootstraps from one that was alone for an hour finds
+//! it, and is found, within seconds.
 
+use std::collections::HashSet;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures_lite::StreamExt;
@@ -40,6 +61,12 @@ pub const REANNOUNCE: Duration = Duration::from_secs(15 * 60);
 pub const LOOKUP_EVERY: Duration = Duration::from_secs(60);
 /// The wait before a node's second lookup; each later wait doubles, up to `lookup_every`.
 pub const FIRST_LOOKUP_DELAY: Duration = Duration::from_secs(2);
+/// The wait before a failed announcement is tried again; each later wait doubles.
+pub const ANNOUNCE_RETRY_FIRST: Duration = Duration::from_secs(1);
+/// The longest wait between tries of a failing announcement.
+pub const ANNOUNCE_RETRY_MAX: Duration = Duration::from_secs(30);
+/// How often a node on a private DHT looks whether its routing table gained a node.
+pub const TABLE_POLL: Duration = Duration::from_secs(1);
 
 /// How DHT discovery runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,12 +93,21 @@ impl Default for DhtConfig {
     }
 }
 
-/// The `mainline` configuration for `cfg` on a machine whose addresses are `own_ips`.
-/// Bootstrap nodes given replace the public ones (mainline falls back to its defaults only
-/// when its list is `None`); the node's own `listen` address is left out of them (with an
-/// unspecified listen address, its port at any of `own_ips`), and a node left with none
-/// bootstraps from nobody.
-pub fn mainline_config(cfg: &DhtConfig, own_ips: &[Ipv4Addr]) -> mainline::Config {
+impl DhtConfig {
+    /// Whether this is a private DHT: bootstrap nodes were given.
+    pub fn is_private(&self) -> bool {
+        !self.bootstrap.is_empty()
+    }
+}
+
+/// The `mainline` configuration for `cfg` on a machine whose addresses are `own_ips`, for a
+/// node that `serves` (announces) or not. Bootstrap nodes given replace the public ones
+/// (mainline falls back to its defaults only when its list is `None`); the node's own
+/// `listen` address is left out of them (with an unspecified listen address, its port at any
+/// of `own_ips`), and a node left with none bootstraps from nobody. Without `listen` the node
+/// binds a random port; it runs in server mode with `listen`, or when it serves on a private
+/// DHT (see the module docs).
+pub fn mainline_config(cfg: &DhtConfig, own_ips: &[Ipv4Addr], serves: bool) -> mainline::Config {
     let is_own = |b: &SocketAddrV4| {
         cfg.listen.is_some_and(|l| {
             l.port() == b.port()
@@ -87,11 +123,68 @@ pub fn mainline_config(cfg: &DhtConfig, own_ips: &[Ipv4Addr]) -> mainline::Confi
     });
     mainline::Config {
         bootstrap,
-        port: cfg.listen.map(|l| l.port()),
+        // Never mainline's default (6881 if free): a random port unless one was given.
+        port: Some(cfg.listen.map_or(0, |l| l.port())),
         bind_address: cfg.listen.map(|l| *l.ip()),
-        server_mode: cfg.listen.is_some(),
+        server_mode: cfg.listen.is_some() || (serves && cfg.is_private()),
         ..mainline::Config::default()
     }
+}
+
+/// When a serving node announces: at once, then every `every` after a success, and after a
+/// failure again in 1, 2, 4... seconds, at most [`ANNOUNCE_RETRY_MAX`] apart (time passed in).
+#[derive(Clone, Debug)]
+pub struct AnnounceSchedule {
+    due: Instant,
+    failures: u32,
+    every: Duration,
+}
+
+impl AnnounceSchedule {
+    /// Due at `now`, then every `every`.
+    pub fn new(now: Instant, every: Duration) -> Self {
+        Self {
+            due: now,
+            failures: 0,
+            every,
+        }
+    }
+
+    /// When the next announcement is due.
+    pub fn due(&self) -> Instant {
+        self.due
+    }
+
+    /// Failures since the last success.
+    pub fn failures(&self) -> u32 {
+        self.failures
+    }
+
+    /// An announcement made at `now` succeeded (`ok`) or failed.
+    pub fn record(&mut self, ok: bool, now: Instant) {
+        if ok {
+            self.failures = 0;
+            self.due = now + self.every;
+        } else {
+            self.due = now + announce_retry_delay(self.failures);
+            self.failures = self.failures.saturating_add(1);
+        }
+    }
+
+    /// The DHT gained a node at `now`: a failing announcement is tried again at once.
+    pub fn nudge(&mut self, now: Instant) {
+        if self.failures > 0 {
+            self.due = self.due.min(now);
+        }
+    }
+}
+
+/// The wait after the `failures`-th failure in a row (0: the first): [`ANNOUNCE_RETRY_FIRST`]
+/// doubled per failure, at most [`ANNOUNCE_RETRY_MAX`].
+pub fn announce_retry_delay(failures: u32) -> Duration {
+    ANNOUNCE_RETRY_FIRST
+        .checked_mul(1u32.checked_shl(failures.min(31)).unwrap_or(u32::MAX))
+        .map_or(ANNOUNCE_RETRY_MAX, |d| d.min(ANNOUNCE_RETRY_MAX))
 }
 
 /// The wait after lookup round `round` (0: the first): [`FIRST_LOOKUP_DELAY`] doubled per
@@ -113,7 +206,11 @@ impl DhtDiscovery {
     /// Starts a DHT node, announcing `me` (when it serves) and reporting peers to `out` from
     /// a task on the current tokio runtime.
     pub fn start(cfg: &DhtConfig, me: &Announce, out: mpsc::Sender<Event>) -> anyhow::Result<Self> {
-        let dht = Dht::new(mainline_config(cfg, &local_ipv4s()))
+        let serves = me.port.is_some();
+        let main = mainline_config(cfg, &local_ipv4s(), serves);
+        // The first node of a private DHT: others bootstrap from it, it from nobody.
+        let first = main.bootstrap.as_ref().is_some_and(Vec::is_empty);
+        let dht = Dht::new(main)
             .with_context(|| match cfg.listen {
                 Some(l) => format!("starting the DHT node on {l} (--dht-listen)"),
                 None => "starting the DHT node (--discover dht)".to_string(),
@@ -133,8 +230,12 @@ impl DhtDiscovery {
             dht,
             topics,
             me.port,
-            cfg.lookup_every,
-            cfg.announce_every,
+            Timing {
+                lookup_every: cfg.lookup_every,
+                announce_every: cfg.announce_every,
+                first,
+                private: cfg.is_private(),
+            },
             out,
         ));
         Ok(Self { task, local })
@@ -153,62 +254,161 @@ impl Drop for DhtDiscovery {
     }
 }
 
+/// How [`run`] paces itself.
+#[derive(Clone, Copy, Debug)]
+struct Timing {
+    lookup_every: Duration,
+    announce_every: Duration,
+    /// The first node of a private DHT (it bootstraps from nobody).
+    first: bool,
+    /// A private DHT: a node joining is worth an early lookup.
+    private: bool,
+}
+
 async fn run(
     dht: AsyncDht,
     topics: Vec<(Hash, Id)>,
     port: Option<u16>,
-    lookup_every: Duration,
-    announce_every: Duration,
+    t: Timing,
     out: mpsc::Sender<Event>,
 ) {
-    if !dht.bootstrapped().await {
+    if t.first {
+        tracing::info!(
+            "DHT: the first node of a private DHT (its --dht-listen is its --dht-bootstrap): \
+             the others bootstrap from it"
+        );
+    } else if !dht.bootstrapped().await {
         tracing::warn!(
             "DHT: not bootstrapped (are the --dht-bootstrap nodes reachable?); retrying"
         );
     }
     let own_ips = local_ipv4s();
-    let mut announced: Option<tokio::time::Instant> = None;
-    for round in 0u32.. {
-        let now = tokio::time::Instant::now();
+    let mut announce = AnnounceSchedule::new(Instant::now(), t.announce_every);
+    let mut next_lookup = Instant::now();
+    let mut round = 0u32;
+    let mut known: HashSet<String> = HashSet::new();
+    loop {
         if let Some(port) = port {
-            if announced.is_none_or(|t| now.duration_since(t) >= announce_every) {
-                for (model, id) in &topics {
-                    match dht.announce_peer(*id, Some(port)).await {
-                        Ok(_) => {
-                            tracing::debug!("DHT: announced model {} on port {port}", model.short())
-                        }
-                        Err(e) => tracing::warn!("DHT: announcing model {}: {e}", model.short()),
-                    }
-                }
-                announced = Some(now);
+            if Instant::now() >= announce.due() {
+                let ok = announce_all(&dht, &topics, port, &announce, t.first).await;
+                announce.record(ok, Instant::now());
             }
         }
-        for (model, id) in &topics {
-            let mut found = dht.get_peers(*id);
-            while let Some(batch) = found.next().await {
-                let addrs: Vec<SocketAddr> = batch
-                    .into_iter()
-                    .filter(|a| !(Some(a.port()) == port && own_ips.contains(a.ip())))
-                    .map(SocketAddr::V4)
-                    .collect();
-                for a in addrs {
-                    let d = Discovered {
-                        key: None,
-                        addrs: vec![a],
-                        model: *model,
-                        via: Source::Dht,
-                    };
-                    if out.send(Event::Found(d)).await.is_err() {
-                        return;
-                    }
-                }
+        if Instant::now() >= next_lookup {
+            if !look_up(&dht, &topics, port, &own_ips, &out).await {
+                return;
+            }
+            next_lookup = Instant::now() + lookup_delay(round, t.lookup_every);
+            round = round.saturating_add(1);
+        }
+        let mut wake = next_lookup;
+        if port.is_some() {
+            wake = wake.min(announce.due());
+        }
+        if t.private {
+            wake = wake.min(Instant::now() + TABLE_POLL);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep_until(tokio::time::Instant::from_std(wake)) => {}
+            _ = out.closed() => return,
+        }
+        if t.private {
+            // A node joined the DHT: look (and announce, if that failed) now, not on the
+            // slow schedule a node alone has reached.
+            let table = dht.to_bootstrap().await;
+            let before = known.len();
+            known.extend(table);
+            if known.len() > before {
+                tracing::debug!(
+                    "DHT: the routing table gained {} nodes",
+                    known.len() - before
+                );
+                let now = Instant::now();
+                next_lookup = now;
+                round = 0;
+                announce.nudge(now);
             }
         }
-        if out.send(Event::Looked(Source::Dht)).await.is_err() {
-            return;
-        }
-        tokio::time::sleep(lookup_delay(round, lookup_every)).await;
     }
+}
+
+/// Announces every topic on `port`; whether each succeeded. The first failure in a row is a
+/// warning (on the first node of a private DHT, alone until another joins, an info line),
+/// later ones are debug lines.
+async fn announce_all(
+    dht: &AsyncDht,
+    topics: &[(Hash, Id)],
+    port: u16,
+    schedule: &AnnounceSchedule,
+    first: bool,
+) -> bool {
+    let mut all = true;
+    for (model, id) in topics {
+        match dht.announce_peer(*id, Some(port)).await {
+            Ok(_) if schedule.failures() > 0 => tracing::info!(
+                "DHT: announced model {} on port {port} (after {} failed tries)",
+                model.short(),
+                schedule.failures()
+            ),
+            Ok(_) => tracing::debug!("DHT: announced model {} on port {port}", model.short()),
+            Err(e) => {
+                all = false;
+                let again = announce_retry_delay(schedule.failures()).as_secs();
+                if schedule.failures() > 0 {
+                    tracing::debug!(
+                        "DHT: announcing model {}: {e}; again in {again} s",
+                        model.short()
+                    );
+                } else if first {
+                    tracing::info!(
+                        "DHT: announcing model {}: {e} (no other DHT node yet); trying again \
+                         in {again} s, then less often",
+                        model.short()
+                    );
+                } else {
+                    tracing::warn!(
+                        "DHT: announcing model {}: {e}; trying again in {again} s, then less \
+                         often",
+                        model.short()
+                    );
+                }
+            }
+        }
+    }
+    all
+}
+
+/// One lookup round: every address found for every topic (but this node's own) goes to
+/// `out`, then [`Event::Looked`]. `false` when `out` closed.
+async fn look_up(
+    dht: &AsyncDht,
+    topics: &[(Hash, Id)],
+    port: Option<u16>,
+    own_ips: &[Ipv4Addr],
+    out: &mpsc::Sender<Event>,
+) -> bool {
+    for (model, id) in topics {
+        let mut found = dht.get_peers(*id);
+        while let Some(batch) = found.next().await {
+            let addrs: Vec<SocketAddr> = batch
+                .into_iter()
+                .filter(|a| !(Some(a.port()) == port && own_ips.contains(a.ip())))
+                .map(SocketAddr::V4)
+                .collect();
+            for a in addrs {
+                let d = Discovered {
+                    key: None,
+                    addrs: vec![a],
+                    model: *model,
+                    via: Source::Dht,
+                };
+                if out.send(Event::Found(d)).await.is_err() {
+                    return false;
+                }
+            }
+        }
+    }
+    out.send(Event::Looked(Source::Dht)).await.is_ok()
 }
 
 /// This machine's IPv4 addresses (loopback included), to leave its own announcement out.
@@ -325,6 +525,74 @@ mod tests {
         });
     }
 
+    /// Issue 57: the first node of a private DHT, alone for a while (its announcements
+    /// failing, its lookups already on their slower schedule), and a second serving node that
+    /// bootstraps from it (no --dht-listen: a random port) find each other within seconds:
+    /// the first announces and looks again as soon as its routing table gains the newcomer.
+    /// Alone for 7 s, its next scheduled lookup is at 14 s and its next announcement at 15 s:
+    /// finding each other within 5 s of the join takes the nudge, not the schedule.
+    #[test]
+    fn two_serving_nodes_find_each_other_in_seconds_after_the_first_was_alone() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let port = std::net::UdpSocket::bind("127.0.0.1:0")
+            .and_then(|u| u.local_addr())
+            .expect("a free UDP port")
+            .port();
+        let first_addr = SocketAddrV4::new(Ipv4Addr::LOCALHOST, port);
+        let first = DhtConfig {
+            bootstrap: vec![first_addr],
+            listen: Some(first_addr),
+            ..DhtConfig::default()
+        };
+        let second = DhtConfig {
+            bootstrap: vec![first_addr],
+            listen: None,
+            ..DhtConfig::default()
+        };
+        let model = Hash([7; 32]);
+        let swarm: PublicKey = SecretKey::from_seed(&[3; 32]).public();
+        let me = |port: u16, seed: u8| Announce {
+            node: SecretKey::from_seed(&[seed; 32]).public(),
+            port: Some(port),
+            models: vec![model],
+            swarm: Some(swarm),
+        };
+        rt.block_on(async {
+            let (tx1, mut rx1) = mpsc::channel(256);
+            let a = DhtDiscovery::start(&first, &me(42_001, 21), tx1).expect("first node");
+            assert_eq!(a.local_addr(), SocketAddr::V4(first_addr));
+            tokio::time::sleep(Duration::from_secs(7)).await;
+            let (tx2, mut rx2) = mpsc::channel(256);
+            let b = DhtDiscovery::start(&second, &me(42_002, 22), tx2).expect("second node");
+            assert_ne!(b.local_addr().port(), 6881, "a random port, not mainline's default");
+            let joined = tokio::time::Instant::now();
+            let deadline = joined + Duration::from_secs(5);
+            let (mut a_found, mut b_found) = (false, false);
+            while !(a_found && b_found) {
+                let ev = tokio::select! {
+                    e = rx1.recv() => e.map(|e| (1, e)),
+                    e = rx2.recv() => e.map(|e| (2, e)),
+                    _ = tokio::time::sleep_until(deadline) => {
+                        panic!("within 5 s: first found second {a_found}, second found first {b_found}")
+                    }
+                };
+                if let Some((who, Event::Found(d))) = ev {
+                    for addr in &d.addrs {
+                        assert_ne!(addr.port(), if who == 1 { 42_001 } else { 42_002 });
+                        a_found |= who == 1 && addr.port() == 42_002;
+                        b_found |= who == 2 && addr.port() == 42_001;
+                    }
+                }
+            }
+            eprintln!("found each other in {:?}", joined.elapsed());
+            drop((a, b));
+        });
+    }
+
     fn v4(s: &str) -> SocketAddrV4 {
         s.parse().expect("an IPv4 address and port")
     }
@@ -337,16 +605,19 @@ mod tests {
             bootstrap: vec![v4("127.0.0.1:7001"), v4("127.0.0.1:7002")],
             ..DhtConfig::default()
         };
-        let c = mainline_config(&given, &[Ipv4Addr::LOCALHOST]);
+        let c = mainline_config(&given, &[Ipv4Addr::LOCALHOST], false);
         assert_eq!(c.bootstrap, Some(given.bootstrap.clone()));
-        assert!(!c.server_mode && c.port.is_none() && c.bind_address.is_none());
+        // No --dht-listen: a random port (never mainline's 6881), every interface; a client
+        // that only fetches, a full node when it serves on this private DHT.
+        assert!(!c.server_mode && c.port == Some(0) && c.bind_address.is_none());
+        assert!(mainline_config(&given, &[Ipv4Addr::LOCALHOST], true).server_mode);
         // The first node of a private DHT: its own address is its only bootstrap node.
         let first = DhtConfig {
             bootstrap: vec![v4("127.0.0.1:7001")],
             listen: Some(v4("127.0.0.1:7001")),
             ..DhtConfig::default()
         };
-        let c = mainline_config(&first, &[Ipv4Addr::LOCALHOST]);
+        let c = mainline_config(&first, &[Ipv4Addr::LOCALHOST], true);
         assert_eq!(
             c.bootstrap,
             Some(Vec::new()),
@@ -368,11 +639,47 @@ mod tests {
         };
         let own = [Ipv4Addr::LOCALHOST, Ipv4Addr::new(10, 0, 0, 2)];
         assert_eq!(
-            mainline_config(&lan, &own).bootstrap,
+            mainline_config(&lan, &own, true).bootstrap,
             Some(vec![v4("10.0.0.3:6881"), v4("10.0.0.2:6882")])
         );
-        // Only a node given none uses the public nodes.
-        assert_eq!(mainline_config(&DhtConfig::default(), &own).bootstrap, None);
+        // Only a node given none uses the public nodes; there, without --dht-listen, a
+        // client-mode node on a random port, serving or not.
+        let public = mainline_config(&DhtConfig::default(), &own, true);
+        assert_eq!(public.bootstrap, None);
+        assert!(!public.server_mode && public.port == Some(0));
+    }
+
+    /// A failed announcement is tried again after 1, 2, 4... s, at most 30 s apart, until one
+    /// succeeds; then on the long period. A node joining nudges a failing one to now.
+    #[test]
+    fn a_failed_announce_is_retried_with_back_off_then_on_the_long_period() {
+        let d: Vec<u64> = (0..8).map(|f| announce_retry_delay(f).as_secs()).collect();
+        assert_eq!(d, [1, 2, 4, 8, 16, 30, 30, 30]);
+        assert_eq!(announce_retry_delay(u32::MAX), ANNOUNCE_RETRY_MAX);
+        let t0 = Instant::now();
+        let mut s = AnnounceSchedule::new(t0, REANNOUNCE);
+        assert_eq!(s.due(), t0, "due at once");
+        let mut now = t0;
+        let mut waits = Vec::new();
+        for _ in 0..7 {
+            s.record(false, now);
+            waits.push((s.due() - now).as_secs());
+            now = s.due();
+        }
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30]);
+        // Someone joined: the failing announcement goes at once.
+        let joined = now - Duration::from_secs(10);
+        s.nudge(joined);
+        assert_eq!(s.due(), joined);
+        s.record(true, joined);
+        assert_eq!(s.failures(), 0);
+        assert_eq!(s.due(), joined + REANNOUNCE, "then on the long period");
+        // A nudge does not hurry an announcement that succeeded.
+        s.nudge(joined + Duration::from_secs(1));
+        assert_eq!(s.due(), joined + REANNOUNCE);
+        // And a failure after a success starts the back-off over.
+        s.record(false, joined);
+        assert_eq!(s.due(), joined + ANNOUNCE_RETRY_FIRST);
     }
 
     #[test]

@@ -1,0 +1,298 @@
+//! Which experts the swarm covers, as this node sees it: per expert, the copies held for good
+//! (a model folder's own experts and kept ones, as serving nodes announce them in their
+//! placement; a node that places nothing counts with its inventory) and whether any holder is
+//! reachable now; per node, what it holds. What `stormo swarm status` prints, `GET /v1/swarm`
+//! answers, and `/health` and `--wait-coverage` judge by.
+//!
+//! "Reachable" is wider than "a copy": a peer serves what its RAM cache holds too (its
+//! inventory), and this node's own RAM cache, disk and kept experts count; an expert with no
+//! reachable holder is *uncovered*: generation would fail on it.
+
+use serde_json::{json, Value};
+use stormo_engine::tiers::ExpertId;
+use stormo_wire::ExpertSet;
+
+/// One node's holdings in a [`Coverage`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeCoverage {
+    /// Its node key (64 hex).
+    pub key: String,
+    /// Where it listens (`None`: this node, when it does not listen).
+    pub addr: Option<String>,
+    /// This node (the one asking).
+    pub this_node: bool,
+    /// Its connection is up (always true for this node).
+    pub connected: bool,
+    /// Experts it serves now (its inventory: disk, kept and RAM cache).
+    pub held: usize,
+    /// Its model folder's own experts, when it announces placement.
+    pub pinned: Option<usize>,
+    /// Experts it keeps on disk, when it announces placement.
+    pub kept: Option<usize>,
+    /// Its budget for kept experts, in bytes, when it announces placement.
+    pub budget: Option<u64>,
+    /// Bytes of that budget in use.
+    pub used: Option<u64>,
+}
+
+/// The swarm's coverage of one model. See the module docs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Coverage {
+    /// Copies held for good, per layer and expert (`[layer][expert]`).
+    pub copies: Vec<Vec<u32>>,
+    /// Whether some holder is reachable now, per layer and expert.
+    pub reachable: Vec<Vec<bool>>,
+    /// The nodes in view, this one first.
+    pub nodes: Vec<NodeCoverage>,
+}
+
+/// What one holder contributes: its durable copies and what it serves now.
+#[derive(Debug)]
+pub struct Holder<'a> {
+    /// Copies held for good (pinned and kept).
+    pub durable: &'a ExpertSet,
+    /// What it serves now (a superset of `durable` for a serving node).
+    pub serves: &'a ExpertSet,
+}
+
+impl Coverage {
+    /// Coverage of a model whose layer `l` has `experts[l]` experts (0 for a dense layer),
+    /// from `holders` (this node's and each connected peer's) and `nodes`.
+    pub fn from_holders(
+        experts: &[usize],
+        holders: &[Holder<'_>],
+        nodes: Vec<NodeCoverage>,
+    ) -> Self {
+        let mut copies: Vec<Vec<u32>> = experts.iter().map(|&n| vec![0; n]).collect();
+        let mut reachable: Vec<Vec<bool>> = experts.iter().map(|&n| vec![false; n]).collect();
+        for h in holders {
+            for id in h.durable.iter() {
+                if let Some(c) = copies
+                    .get_mut(id.layer as usize)
+                    .and_then(|l| l.get_mut(id.expert as usize))
+                {
+                    *c += 1;
+                }
+            }
+            for id in h.serves.iter().chain(h.durable.iter()) {
+                if let Some(r) = reachable
+                    .get_mut(id.layer as usize)
+                    .and_then(|l| l.get_mut(id.expert as usize))
+                {
+                    *r = true;
+                }
+            }
+        }
+        Self {
+            copies,
+            reachable,
+            nodes,
+        }
+    }
+
+    /// The number of experts (of every MoE layer).
+    pub fn experts(&self) -> usize {
+        self.copies.iter().map(Vec::len).sum()
+    }
+
+    /// The experts no reachable node holds.
+    pub fn uncovered(&self) -> Vec<ExpertId> {
+        let mut out = Vec::new();
+        for (l, layer) in self.reachable.iter().enumerate() {
+            for (e, &r) in layer.iter().enumerate() {
+                if !r {
+                    out.push(ExpertId::new(l as u16, e as u16));
+                }
+            }
+        }
+        out
+    }
+
+    /// The fewest copies any expert has (0 for a model without experts).
+    pub fn min_copies(&self) -> u32 {
+        self.copies.iter().flatten().copied().min().unwrap_or(0)
+    }
+
+    /// (min, median, max) copies of `layer`'s experts, `None` for a dense layer.
+    pub fn layer_copies(&self, layer: usize) -> Option<(u32, u32, u32)> {
+        let mut c = self.copies.get(layer)?.clone();
+        if c.is_empty() {
+            return None;
+        }
+        c.sort_unstable();
+        Some((c[0], c[c.len() / 2], c[c.len() - 1]))
+    }
+
+    /// The JSON of `stormo swarm status --json` and `GET /v1/swarm`: `experts`, `min_copies`,
+    /// `uncovered` ("layer:expert"), per-layer copies and the `nodes`.
+    pub fn json(&self) -> Value {
+        let uncovered: Vec<String> = self.uncovered().iter().map(ToString::to_string).collect();
+        let layers: Vec<Value> = (0..self.copies.len())
+            .filter_map(|l| {
+                let (min, median, max) = self.layer_copies(l)?;
+                let uncovered = self.reachable[l].iter().filter(|r| !**r).count();
+                Some(json!({
+                    "layer": l,
+                    "experts": self.copies[l].len(),
+                    "min_copies": min,
+                    "median_copies": median,
+                    "max_copies": max,
+                    "uncovered": uncovered,
+                }))
+            })
+            .collect();
+        let nodes: Vec<Value> = self
+            .nodes
+            .iter()
+            .map(|n| {
+                json!({
+                    "key": n.key,
+                    "addr": n.addr,
+                    "this_node": n.this_node,
+                    "connected": n.connected,
+                    "held": n.held,
+                    "pinned": n.pinned,
+                    "kept": n.kept,
+                    "budget": n.budget,
+                    "used": n.used,
+                })
+            })
+            .collect();
+        json!({
+            "experts": self.experts(),
+            "min_copies": self.min_copies(),
+            "uncovered": uncovered,
+            "layers": layers,
+            "nodes": nodes,
+        })
+    }
+
+    /// A table for people: per layer the copies (min/median/max) and what is uncovered, then
+    /// per node what it holds.
+    pub fn table(&self) -> String {
+        use std::fmt::Write as _;
+        let mut s = String::new();
+        let uncovered = self.uncovered();
+        let _ = writeln!(
+            s,
+            "{} experts, at least {} copies each, {} uncovered",
+            self.experts(),
+            self.min_copies(),
+            uncovered.len()
+        );
+        let _ = writeln!(s, "layer  experts  copies min/median/max  uncovered");
+        for l in 0..self.copies.len() {
+            if let Some((min, med, max)) = self.layer_copies(l) {
+                let u = self.reachable[l].iter().filter(|r| !**r).count();
+                let _ = writeln!(
+                    s,
+                    "{l:>5}  {:>7}  {:>21}  {u:>9}",
+                    self.copies[l].len(),
+                    format!("{min}/{med}/{max}")
+                );
+            }
+        }
+        if !uncovered.is_empty() {
+            let list: Vec<String> = uncovered.iter().take(20).map(ToString::to_string).collect();
+            let more = uncovered.len().saturating_sub(20);
+            let _ = writeln!(
+                s,
+                "uncovered: {}{}",
+                list.join(" "),
+                if more > 0 {
+                    format!(" (and {more} more)")
+                } else {
+                    String::new()
+                }
+            );
+        }
+        let _ = writeln!(
+            s,
+            "node      address                 up  serves  pinned    kept  budget used"
+        );
+        for n in &self.nodes {
+            let opt = |v: Option<usize>| v.map_or("-".to_string(), |v| v.to_string());
+            let bytes = match (n.used, n.budget) {
+                (Some(u), Some(b)) => format!(
+                    "{} of {}",
+                    stormo_net::progress::human_bytes(u),
+                    stormo_net::progress::human_bytes(b)
+                ),
+                _ => "-".into(),
+            };
+            let _ = writeln!(
+                s,
+                "{:<8}  {:<22}  {:>2}  {:>6}  {:>6}  {:>6}  {bytes}",
+                &n.key[..n.key.len().min(8)],
+                n.addr
+                    .as_deref()
+                    .unwrap_or(if n.this_node { "(this node)" } else { "?" }),
+                if n.connected { "up" } else { "no" },
+                n.held,
+                opt(n.pinned),
+                opt(n.kept),
+            );
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(ids: &[(u16, u16)]) -> ExpertSet {
+        let mut s = ExpertSet::new(2, 3).unwrap();
+        for &(l, e) in ids {
+            s.insert(ExpertId::new(l, e)).unwrap();
+        }
+        s
+    }
+
+    #[test]
+    fn copies_count_durable_holders_and_reachability_counts_any() {
+        // Layer 0 has 3 experts, layer 1 is dense.
+        let experts = [3, 0];
+        let a = set(&[(0, 0), (0, 1)]);
+        let a_serves = set(&[(0, 0), (0, 1), (0, 2)]);
+        let b = set(&[(0, 0)]);
+        let c = Coverage::from_holders(
+            &experts,
+            &[
+                Holder {
+                    durable: &a,
+                    serves: &a_serves,
+                },
+                Holder {
+                    durable: &b,
+                    serves: &b,
+                },
+            ],
+            Vec::new(),
+        );
+        assert_eq!(c.copies, vec![vec![2, 1, 0], vec![]]);
+        assert_eq!(c.experts(), 3);
+        assert_eq!(c.min_copies(), 0);
+        assert!(c.uncovered().is_empty(), "0:2 is in a's RAM cache");
+        assert_eq!(c.layer_copies(0), Some((0, 1, 2)));
+        assert_eq!(c.layer_copies(1), None);
+        let j = c.json();
+        assert_eq!(j["experts"], 3);
+        assert_eq!(j["min_copies"], 0);
+        assert_eq!(j["uncovered"].as_array().unwrap().len(), 0);
+        let alone = Coverage::from_holders(
+            &experts,
+            &[Holder {
+                durable: &b,
+                serves: &b,
+            }],
+            Vec::new(),
+        );
+        assert_eq!(
+            alone.uncovered(),
+            vec![ExpertId::new(0, 1), ExpertId::new(0, 2)]
+        );
+        assert_eq!(alone.json()["uncovered"], json!(["0:1", "0:2"]));
+        assert!(alone.table().contains("2 uncovered"), "{}", alone.table());
+    }
+}

@@ -1,0 +1,292 @@
+//! A swarm that holds a model no member holds (issue 57): serving nodes started from
+//! dense-only folders, each with room for 60% of the model's experts, place copies by
+//! themselves (`--replicas 2`) from a seeder that then leaves; `swarm status` shows the
+//! coverage; a node with no experts generates exactly, and still does when one more node is
+//! killed. Loopback only; every process is killed when its guard drops.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::node::{model_with_manifest, run_ids, s, state, stormo, Proc};
+
+/// A UDP port on 127.0.0.1 that was free a moment ago (the nodes must know each other's
+/// addresses before they start).
+fn free_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// A node key file in `dir` and its public key.
+fn key(dir: &Path, name: &str) -> (String, String) {
+    let path = dir.join(name);
+    let public = stormo(&["key", "generate", "--key", s(&path)]);
+    (
+        path.to_str().expect("utf-8").to_string(),
+        public.trim().to_string(),
+    )
+}
+
+/// `stormo swarm status --json` over `peers`.
+fn status(model: &Path, id: &str, peers: &[String]) -> Value {
+    let mut args = vec![
+        "swarm",
+        "status",
+        "--model",
+        s(model),
+        "--model-id",
+        id,
+        "--json",
+    ];
+    for p in peers {
+        args.extend_from_slice(&["--peer", p]);
+    }
+    serde_json::from_str(&stormo(&args)).expect("swarm status --json")
+}
+
+#[test]
+fn serving_nodes_place_two_copies_and_the_swarm_outlives_its_seeder_and_a_node() {
+    let (m, id) = model_with_manifest();
+    let manifest = stormo_manifests::read_manifest(&m.path().join("stormo-manifest.bin"))
+        .expect("manifest")
+        .0;
+    let experts: u64 = manifest.experts.iter().map(|e| e.len).sum();
+    let limit = (experts * 6 / 10).to_string();
+    let keys = tempfile::tempdir().expect("keys");
+    let seeder_state = state();
+    let seeder = Proc::start(&[
+        "serve",
+        "--model",
+        s(m.path()),
+        "--listen",
+        "127.0.0.1:0",
+        "--allow-any",
+        "--state-dir",
+        s(seeder_state.path()),
+        "--expert-cache",
+        "0",
+    ]);
+    // Dense-only folders, as `stormo pull` makes them.
+    let pull = || {
+        let out = tempfile::tempdir().expect("pull dir");
+        stormo(&[
+            "pull",
+            "--peer",
+            &seeder.line,
+            "--model-id",
+            &id,
+            "--out",
+            s(out.path()),
+        ]);
+        out
+    };
+    let folders: Vec<_> = (0..5).map(|_| pull()).collect();
+    let states: Vec<_> = (0..4).map(|_| state()).collect();
+    let nodes: Vec<(String, String, u16)> = (0..4)
+        .map(|i| {
+            let (path, public) = key(keys.path(), &format!("n{i}.key"));
+            (path, public, free_port())
+        })
+        .collect();
+    let addr_of = |i: usize| format!("{}@127.0.0.1:{}", nodes[i].1, nodes[i].2);
+    let mut procs: Vec<Option<Proc>> = Vec::new();
+    for i in 0..4 {
+        let listen = format!("127.0.0.1:{}", nodes[i].2);
+        let others: Vec<String> = (0..4).filter(|&j| j != i).map(addr_of).collect();
+        let mut args = vec![
+            "serve",
+            "--model",
+            s(folders[i].path()),
+            "--listen",
+            &listen,
+            "--key",
+            &nodes[i].0,
+            "--allow-any",
+            "--state-dir",
+            s(states[i].path()),
+            "--expert-cache",
+            "0",
+            "--expert-dir-limit",
+            &limit,
+            "--replicas",
+            "2",
+            "--peer",
+            &seeder.line,
+        ];
+        for o in &others {
+            args.extend_from_slice(&["--peer", o]);
+        }
+        procs.push(Some(Proc::start(&args)));
+    }
+    let all: Vec<String> = (0..4).map(addr_of).collect();
+    let client = folders[4].path();
+    // Placement reaches two copies of every expert across the four (the seeder's own copy
+    // does not count).
+    let until = Instant::now() + Duration::from_secs(90);
+    let mut last;
+    loop {
+        last = status(client, &id, &all);
+        if last["min_copies"].as_u64().unwrap_or(0) >= 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "no two copies of every expert within 90 s: {last:#}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_eq!(
+        last["experts"].as_u64(),
+        Some(manifest.experts.len() as u64),
+        "{last:#}"
+    );
+    assert_eq!(
+        last["uncovered"].as_array().map(Vec::len),
+        Some(0),
+        "{last:#}"
+    );
+    for n in last["nodes"].as_array().expect("nodes") {
+        if let (Some(used), Some(budget)) = (n["used"].as_u64(), n["budget"].as_u64()) {
+            assert!(
+                used <= budget,
+                "a node holds more than its budget: {last:#}"
+            );
+        }
+    }
+    // The reference: the whole model on one machine.
+    let (want, _) = run_ids(m.path(), state().path(), &[]);
+    drop(seeder);
+    let run_from = |peers: &[String]| {
+        let mut extra: Vec<&str> = vec!["--model-id", &id];
+        for p in peers {
+            extra.extend_from_slice(&["--peer", p]);
+        }
+        run_ids(client, state().path(), &extra)
+    };
+    let (got, j) = run_from(&all);
+    assert_eq!(got, want, "after the seeder left: {j}");
+    // One more node killed: every expert still has a copy on the other three.
+    procs[0] = None;
+    let (got, j) = run_from(&all[1..]);
+    assert_eq!(got, want, "after a node was killed too: {j}");
+    let after = status(client, &id, &all[1..]);
+    assert!(
+        after["uncovered"].as_array().is_some_and(Vec::is_empty),
+        "{after:#}"
+    );
+}
+
+/// `GET path` on `base` (`http://ADDR/v1`): the status and the body.
+fn get(base: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let addr = base
+        .trim_start_matches("http://")
+        .trim_end_matches("/v1")
+        .to_string();
+    let mut s = std::net::TcpStream::connect(&addr).expect("connect to the HTTP API");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("write");
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).expect("read");
+    let (head, body) = raw.split_once("\r\n\r\n").expect("a response");
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("a status");
+    (status, body.to_string())
+}
+
+/// Polls `GET /health` until its status is `want` (bounded), returning the body.
+fn health_becomes(base: &str, want: u16, within: Duration) -> String {
+    let until = Instant::now() + within;
+    loop {
+        let (status, body) = get(base, "/health");
+        if status == want {
+            return body;
+        }
+        assert!(
+            Instant::now() < until,
+            "/health stayed {status} ({body}), not {want}, for {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn health_is_degraded_while_an_expert_has_no_reachable_holder() {
+    let (m, id) = model_with_manifest();
+    let keys = tempfile::tempdir().expect("keys");
+    let (key_path, _) = key(keys.path(), "holder.key");
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let holder_state = state();
+    let holder_args = [
+        "serve",
+        "--model",
+        s(m.path()),
+        "--listen",
+        &listen,
+        "--key",
+        &key_path,
+        "--allow-any",
+        "--state-dir",
+        s(holder_state.path()),
+        "--expert-cache",
+        "0",
+    ];
+    let holder = Proc::start(&holder_args);
+    let dense = tempfile::tempdir().expect("pull dir");
+    stormo(&[
+        "pull",
+        "--peer",
+        &holder.line,
+        "--model-id",
+        &id,
+        "--out",
+        s(dense.path()),
+    ]);
+    let st = state();
+    let api = Proc::start(&[
+        "serve",
+        "--model",
+        s(dense.path()),
+        "--http",
+        "127.0.0.1:0",
+        "--context",
+        "64",
+        "--peer",
+        &holder.line,
+        "--model-id",
+        &id,
+        "--state-dir",
+        s(st.path()),
+        "--expert-cache",
+        "0",
+    ]);
+    let ok = health_becomes(&api.line, 200, Duration::from_secs(20));
+    assert!(ok.contains("\"ok\""), "{ok}");
+    let (status, swarm) = get(&api.line, "/v1/swarm");
+    assert_eq!(status, 200, "{swarm}");
+    let swarm: Value = serde_json::from_str(&swarm).expect("/v1/swarm is JSON");
+    assert_eq!(swarm["min_copies"], 1, "{swarm:#}");
+    assert_eq!(swarm["uncovered"].as_array().map(Vec::len), Some(0));
+    // The only holder goes: every expert it held is uncovered.
+    drop(holder);
+    let degraded = health_becomes(&api.line, 503, Duration::from_secs(30));
+    let d: Value = serde_json::from_str(&degraded).expect("JSON");
+    assert_eq!(d["status"], "degraded", "{d:#}");
+    assert!(d["uncovered"].as_u64().unwrap_or(0) > 0, "{d:#}");
+    // Back on the same address: covered again.
+    let _holder = Proc::start(&holder_args);
+    let again = health_becomes(&api.line, 200, Duration::from_secs(30));
+    assert!(again.contains("\"ok\""), "{again}");
+}
