@@ -157,78 +157,18 @@ impl Node {
     /// listens, starts serving.
     pub fn start(mut cfg: NodeConfig) -> anyhow::Result<Self> {
         crate::config::start_engine_threads(cfg.experts.threads)?;
-        let dir = cfg.model.clone();
         adopt_pulled_and_kept(&mut cfg)?;
-        let files = ModelFiles::open(&dir)
-            .with_context(|| format!("loading the model in {}", dir.display()))?;
-        let shape: Vec<usize> = files.layout.parts.iter().map(Vec::len).collect();
-        let dense_only = net::pull::Pulled::dense_only(&dir)?;
-        let allowed: Option<Vec<Vec<bool>>> = match (&cfg.local, dense_only) {
-            (LocalExperts::All, false) => None,
-            (LocalExperts::Only(spec), false) => Some(net::parse_only_experts(spec, &shape)?),
-            (LocalExperts::Only(_), true) => anyhow::bail!(
-                "{} was pulled without experts ({}): it has no local experts to restrict with \
-                 --only-experts",
-                dir.display(),
-                net::pull::MARKER_FILE
-            ),
-            (LocalExperts::None, _) | (LocalExperts::All, true) => {
-                Some(shape.iter().map(|&n| vec![false; n]).collect())
-            }
-        };
-        let uses_local = allowed
-            .as_ref()
-            .is_none_or(|a| a.iter().flatten().any(|&on| on));
+        let dir = cfg.model.clone();
+        let Opened {
+            files,
+            dense_only,
+            allowed,
+            uses_local,
+            discovering,
+            dials,
+            needs_manifest,
+        } = open_model(&cfg)?;
         let p = &cfg.peers;
-        let discovering = cfg.swarm.as_ref().is_some_and(|s| s.discover.is_on());
-        // Peers given, or to be found: either way the node dials out.
-        let dials = !p.peers.is_empty() || discovering;
-        let needs_manifest = dials || p.keep.is_some() || cfg.listen.is_some();
-        if !needs_manifest {
-            // These check the manifest that verifies experts from peers or kept experts; with
-            // neither, nothing would check them, and a user who set them expects a check.
-            let given: Vec<&str> = [
-                ("--trust", !p.trust.is_empty()),
-                ("--model-id", p.model_id.is_some()),
-                ("--manifest", p.manifest.is_some()),
-                ("--key", p.key.is_some()),
-            ]
-            .into_iter()
-            .filter_map(|(flag, set)| set.then_some(flag))
-            .collect();
-            anyhow::ensure!(
-                given.is_empty(),
-                "{} {} only with --peer, --expert-dir or --listen: the manifest checks verify \
-                 experts from peers or kept experts, and --key names this node to peers. The \
-                 local checkpoint is used as it is; `stormo manifest verify` checks it against \
-                 a manifest",
-                given.join(", "),
-                if given.len() == 1 { "applies" } else { "apply" }
-            );
-        }
-        if !uses_local && !dials && p.keep.is_none() && cfg.listen.is_none() {
-            anyhow::bail!(
-                "{} holds no experts this node may use{}: give --peer KEY@HOST:PORT (or \
-                 --discover with --swarm) so experts come from peers, or --expert-dir with \
-                 experts kept earlier",
-                dir.display(),
-                if dense_only {
-                    format!(
-                        " (it was pulled without them, see {})",
-                        net::pull::MARKER_FILE
-                    )
-                } else {
-                    String::new()
-                }
-            );
-        }
-        if cfg.experts.mmap {
-            anyhow::ensure!(
-                !dials && p.keep.is_none() && allowed.is_none(),
-                "--mmap-experts serves every local expert; it cannot be combined with peers, an \
-                 expert directory or expert subsets"
-            );
-        }
         let rt = NodeRuntime(Some(
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -379,36 +319,9 @@ impl Node {
             usage,
         )?);
         let remote = match &peers {
-            Some(t) if p.remote.mode != RemoteExec::Never && !cfg.experts.mmap => {
-                let hidden = files.cfg.hidden_size;
-                let client = PeerExec::new(t.clone(), hidden, p.timeouts.request_timeout);
-                let sizes = files.layout.sizes();
-                // A decoded token's experts: top-k of each MoE layer, at the layer's mean size.
-                let per_token: u64 = sizes
-                    .iter()
-                    .filter(|l| !l.is_empty())
-                    .map(|l| l.iter().sum::<u64>() / l.len() as u64 * files.cfg.top_k as u64)
-                    .sum();
-                let x = RemoteExperts::new(
-                    Arc::new(client),
-                    rt.handle().clone(),
-                    p.remote,
-                    experts.tiered.clone(),
-                    on_machine,
-                    sizes,
-                    hidden,
-                    p.timeouts.request_timeout,
-                );
-                if let Some(t) = &experts.tiered {
-                    x.set_cache(t.budget(), per_token);
-                }
-                let x = if p.remote.inline {
-                    x
-                } else {
-                    x.with_deferred_checks(files.layout.schemas.clone())
-                };
-                Some(Arc::new(x))
-            }
+            Some(t) if p.remote.mode != RemoteExec::Never && !cfg.experts.mmap => Some(
+                remote_experts(t, rt.handle(), &files, p, &experts, on_machine),
+            ),
             _ => None,
         };
         let manifest_local = manifest.as_ref().map(|m| m.manifest.clone());
@@ -1085,6 +998,147 @@ const DISCOVERY_WAIT: Duration = Duration::from_secs(15);
 /// lookups' time (a lookup dials every address it finds).
 const DISCOVERED_LOST_AFTER: Duration =
     Duration::from_secs(3 * stormo_net::discover::dht::LOOKUP_EVERY.as_secs());
+
+/// What the first phase of [`Node::start`] finds: the model folder opened, which of its experts
+/// the node uses, and what the configuration asks of the network.
+struct Opened {
+    files: ModelFiles,
+    dense_only: bool,
+    /// The local experts the node may use (`None`: all).
+    allowed: Option<Vec<Vec<bool>>>,
+    uses_local: bool,
+    discovering: bool,
+    /// The node dials out (peers given or to be found).
+    dials: bool,
+    /// A manifest is needed (to check experts from peers or kept ones, or to serve).
+    needs_manifest: bool,
+}
+
+/// Phase one of [`Node::start`]: opens the model in `cfg.model`, and refuses the combinations
+/// of settings that cannot work, naming the flags, before anything is started.
+fn open_model(cfg: &NodeConfig) -> anyhow::Result<Opened> {
+    let dir = cfg.model.clone();
+    let files = ModelFiles::open(&dir)
+        .with_context(|| format!("loading the model in {}", dir.display()))?;
+    let shape: Vec<usize> = files.layout.parts.iter().map(Vec::len).collect();
+    let dense_only = net::pull::Pulled::dense_only(&dir)?;
+    let allowed: Option<Vec<Vec<bool>>> = match (&cfg.local, dense_only) {
+        (LocalExperts::All, false) => None,
+        (LocalExperts::Only(spec), false) => Some(net::parse_only_experts(spec, &shape)?),
+        (LocalExperts::Only(_), true) => anyhow::bail!(
+            "{} was pulled without experts ({}): it has no local experts to restrict with \
+             --only-experts",
+            dir.display(),
+            net::pull::MARKER_FILE
+        ),
+        (LocalExperts::None, _) | (LocalExperts::All, true) => {
+            Some(shape.iter().map(|&n| vec![false; n]).collect())
+        }
+    };
+    let uses_local = allowed
+        .as_ref()
+        .is_none_or(|a| a.iter().flatten().any(|&on| on));
+    let p = &cfg.peers;
+    let discovering = cfg.swarm.as_ref().is_some_and(|s| s.discover.is_on());
+    // Peers given, or to be found: either way the node dials out.
+    let dials = !p.peers.is_empty() || discovering;
+    let needs_manifest = dials || p.keep.is_some() || cfg.listen.is_some();
+    if !needs_manifest {
+        // These check the manifest that verifies experts from peers or kept experts; with
+        // neither, nothing would check them, and a user who set them expects a check.
+        let given: Vec<&str> = [
+            ("--trust", !p.trust.is_empty()),
+            ("--model-id", p.model_id.is_some()),
+            ("--manifest", p.manifest.is_some()),
+            ("--key", p.key.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, set)| set.then_some(flag))
+        .collect();
+        anyhow::ensure!(
+            given.is_empty(),
+            "{} {} only with --peer, --expert-dir or --listen: the manifest checks verify \
+             experts from peers or kept experts, and --key names this node to peers. The \
+             local checkpoint is used as it is; `stormo manifest verify` checks it against \
+             a manifest",
+            given.join(", "),
+            if given.len() == 1 { "applies" } else { "apply" }
+        );
+    }
+    if !uses_local && !dials && p.keep.is_none() && cfg.listen.is_none() {
+        anyhow::bail!(
+            "{} holds no experts this node may use{}: give --peer KEY@HOST:PORT (or \
+             --discover with --swarm) so experts come from peers, or --expert-dir with \
+             experts kept earlier",
+            dir.display(),
+            if dense_only {
+                format!(
+                    " (it was pulled without them, see {})",
+                    net::pull::MARKER_FILE
+                )
+            } else {
+                String::new()
+            }
+        );
+    }
+    if cfg.experts.mmap {
+        anyhow::ensure!(
+            !dials && p.keep.is_none() && allowed.is_none(),
+            "--mmap-experts serves every local expert; it cannot be combined with peers, an \
+             expert directory or expert subsets"
+        );
+    }
+    Ok(Opened {
+        files,
+        dense_only,
+        allowed,
+        uses_local,
+        discovering,
+        dials,
+        needs_manifest,
+    })
+}
+
+/// Remote execution over `tier` (`--remote-exec auto|always`): the engine's executor that has
+/// peers holding an expert compute it. `on_machine`: the tiers on this machine, whose experts
+/// are never computed by a peer.
+fn remote_experts(
+    tier: &Arc<PeerTier>,
+    rt: &tokio::runtime::Handle,
+    files: &ModelFiles,
+    p: &crate::config::PeersConfig,
+    experts: &Experts,
+    on_machine: Vec<Arc<dyn Tier>>,
+) -> Arc<RemoteExperts> {
+    let hidden = files.cfg.hidden_size;
+    let client = PeerExec::new(tier.clone(), hidden, p.timeouts.request_timeout);
+    let sizes = files.layout.sizes();
+    // A decoded token's experts: top-k of each MoE layer, at the layer's mean size.
+    let per_token: u64 = sizes
+        .iter()
+        .filter(|l| !l.is_empty())
+        .map(|l| l.iter().sum::<u64>() / l.len() as u64 * files.cfg.top_k as u64)
+        .sum();
+    let x = RemoteExperts::new(
+        Arc::new(client),
+        rt.clone(),
+        p.remote,
+        experts.tiered.clone(),
+        on_machine,
+        sizes,
+        hidden,
+        p.timeouts.request_timeout,
+    );
+    if let Some(t) = &experts.tiered {
+        x.set_cache(t.budget(), per_token);
+    }
+    let x = if p.remote.inline {
+        x
+    } else {
+        x.with_deferred_checks(files.layout.schemas.clone())
+    };
+    Arc::new(x)
+}
 
 /// How often a peer whose connection is down is dialled again.
 const REDIAL_EVERY: Duration = Duration::from_secs(3);
