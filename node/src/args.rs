@@ -258,6 +258,11 @@ pub struct HttpArgs {
     /// requests whose Host header names this address (or an --allowed-host) are served.
     #[arg(long, value_name = "ADDR", value_parser = crate::cmd::serve::listen_addr)]
     pub http: Option<SocketAddr>,
+    /// The name the API serves the model under (repeatable: every name works in requests,
+    /// GET /v1/models lists them all, replies carry the first). Default: the model folder's
+    /// name.
+    #[arg(long, visible_alias = "served-model-name", value_name = "NAME")]
+    pub alias: Vec<String>,
     /// Requests that may wait while --parallel run; more get HTTP 429.
     #[arg(long, default_value_t = 8, value_name = "N")]
     pub http_queue: usize,
@@ -366,6 +371,12 @@ impl HttpArgs {
                  control characters"
             );
         }
+        for n in &self.alias {
+            anyhow::ensure!(
+                !n.trim().is_empty() && n.len() <= 256 && !n.chars().any(char::is_control),
+                "--alias {n:?}: give a non-empty name of at most 256 bytes"
+            );
+        }
         for h in &self.allowed_host {
             anyhow::ensure!(
                 !h.is_empty() && !h.contains(['/', ' ']),
@@ -386,6 +397,7 @@ impl HttpArgs {
         Ok(Some(
             HttpConfig {
                 addr,
+                aliases: self.alias.clone(),
                 queue: self.http_queue,
                 parallel,
                 max_body: self.http_max_body,
@@ -539,6 +551,7 @@ mod tests {
     fn args() -> HttpArgs {
         HttpArgs {
             http: Some("127.0.0.1:0".parse().expect("addr")),
+            alias: Vec::new(),
             http_queue: 8,
             parallel: Some(1),
             http_max_body: 1 << 20,

@@ -276,7 +276,6 @@ pub enum Command {
     Synth(cmd::synth::Args),
     /// Talk with a model in the terminal (streams tokens, keeps the session between turns).
     Chat(cmd::chat::Args),
-    /// Run a swarm scenario of real nodes on this machine (latency, loss, churn) and report it.
     #[cfg(feature = "lab")]
     Sim(cmd::sim::Args),
     /// Make a swarm (its owner key) and admit nodes into it (membership certificates).
@@ -572,8 +571,13 @@ mod tests {
         let mut aliases = Vec::new();
         fn walk(c: &clap::Command, path: String, out: &mut Vec<(String, String)>) {
             for a in c.get_arguments() {
+                // Visible aliases are second spellings on purpose (`--served-model-name`,
+                // vLLM's, beside `--alias`), shown in --help; hidden ones are old spellings.
+                let visible: Vec<&str> = a.get_visible_aliases().unwrap_or_default();
                 for al in a.get_all_aliases().into_iter().flatten() {
-                    out.push((path.clone(), al.to_string()));
+                    if !visible.contains(&al) {
+                        out.push((path.clone(), al.to_string()));
+                    }
                 }
             }
             for s in c.get_subcommands() {

@@ -7,6 +7,8 @@
 //! - [`cluster`]: the processes (keys, manifest, serve nodes, client runs, cleanup).
 //! - [`run_scenario`]: the named scenarios and their [`SwarmReport`].
 //! - [`faults`]: the fault matrix against real processes and its [`faults::FaultReport`].
+//! - [`bigger`]: a model no serving node has room for: nodes place the experts among
+//!   themselves from a seeder that then leaves ([`bigger::BiggerReport`]).
 //! - [`fairness`]: two bulk transfers sharing one bottleneck, paced by different congestion
 //!   controls, and each one's share ([`fairness::FairnessReport`]).
 //!
@@ -14,6 +16,7 @@
 //! binary whose path the caller gives, exactly as a user would. Non-goals: more than one
 //! machine, network namespaces, simulated time.
 
+pub mod bigger;
 pub mod cluster;
 pub mod fairness;
 pub mod faults;

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::node::{model_with_manifest, run_ids, s, state, stormo, Proc};
 
 /// A free UDP port on 127.0.0.1 (released again: the first DHT node binds it next).
-fn free_udp_port() -> u16 {
+pub(crate) fn free_udp_port() -> u16 {
     std::net::UdpSocket::bind("127.0.0.1:0")
         .and_then(|u| u.local_addr())
         .expect("a free UDP port on loopback")

@@ -1,6 +1,7 @@
 //! Workspace integration tests, one binary with a module per area.
 
 mod batch;
+mod bigger_than_disk;
 mod budget;
 mod chat;
 mod crates;

@@ -710,3 +710,34 @@ fn serve_warms_the_ram_cache_up_to_its_budget() {
     assert!(!err.contains("warmed the RAM cache"), "{err}");
     assert!(p.terminate().success());
 }
+
+/// Issue 60: `run --stats` prints the prompt's and the generation's tokens per second and the
+/// wall time, as llama-cli does.
+#[test]
+fn run_stats_prints_tokens_per_second() {
+    let out = Command::new(stormo_exe())
+        .args([
+            "run",
+            "--model",
+            s(&stormo_tests::fixture("gptoss-tiny-mxfp4")),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "6",
+            "--stats",
+            "--state-dir",
+            s(state().path()),
+        ])
+        .output()
+        .expect("run stormo");
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("prompt: 3 tokens"))
+        .unwrap_or_else(|| panic!("no speed line: {err}"));
+    assert!(
+        line.matches("tok/s").count() == 2 && line.contains("wall time"),
+        "{line}"
+    );
+}

@@ -9,16 +9,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use crate::discovery::free_udp_port;
 use crate::node::{model_with_manifest, run_ids, s, state, stormo, Proc};
-
-/// A UDP port on 127.0.0.1 that was free a moment ago (the nodes must know each other's
-/// addresses before they start).
-fn free_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .and_then(|s| s.local_addr())
-        .expect("a free port")
-        .port()
-}
 
 /// A node key file in `dir` and its public key.
 fn key(dir: &Path, name: &str) -> (String, String) {
@@ -88,7 +80,7 @@ fn serving_nodes_place_two_copies_and_the_swarm_outlives_its_seeder_and_a_node()
     let nodes: Vec<(String, String, u16)> = (0..4)
         .map(|i| {
             let (path, public) = key(keys.path(), &format!("n{i}.key"));
-            (path, public, free_port())
+            (path, public, free_udp_port())
         })
         .collect();
     let addr_of = |i: usize| format!("{}@127.0.0.1:{}", nodes[i].1, nodes[i].2);
@@ -226,7 +218,7 @@ fn health_is_degraded_while_an_expert_has_no_reachable_holder() {
     let (m, id) = model_with_manifest();
     let keys = tempfile::tempdir().expect("keys");
     let (key_path, _) = key(keys.path(), "holder.key");
-    let port = free_port();
+    let port = free_udp_port();
     let listen = format!("127.0.0.1:{port}");
     let holder_state = state();
     let holder_args = [

@@ -103,6 +103,9 @@ impl std::fmt::Debug for HealthCheck {
 pub struct HttpConfig {
     /// Where to listen.
     pub addr: SocketAddr,
+    /// The names the model is served under (`--alias`; empty: the model's own name). Replies
+    /// carry the first.
+    pub aliases: Vec<String>,
     /// Requests that may wait while `parallel` run.
     pub queue: usize,
     /// Requests generated together (continuous batching), each with its own KV cache of
@@ -139,6 +142,7 @@ impl HttpConfig {
     pub fn new(addr: SocketAddr) -> Self {
         Self {
             addr,
+            aliases: Vec::new(),
             queue: 8,
             parallel: 1,
             max_body: 1 << 20,
@@ -287,7 +291,10 @@ impl Drop for Permit {
 
 #[derive(Debug)]
 struct State {
+    /// The name replies carry (the first of `names`).
     name: String,
+    /// Every name the model is served under.
+    names: Vec<String>,
     tokenizer: Arc<Tokenizer>,
     format: ChatFormat,
     eos: Vec<TokenId>,
@@ -386,7 +393,16 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
     let (phase_tx, phase) = tokio::sync::watch::channel(Phase::Serving);
     let cfgm = tm.model.config();
     let state = Arc::new(State {
-        name: tm.name.clone(),
+        name: cfg
+            .aliases
+            .first()
+            .cloned()
+            .unwrap_or_else(|| tm.name.clone()),
+        names: if cfg.aliases.is_empty() {
+            vec![tm.name.clone()]
+        } else {
+            cfg.aliases.clone()
+        },
         tokenizer: tm.tokenizer.clone(),
         format: tm.format.clone(),
         eos: cfgm.eos_token_ids.clone(),
@@ -899,7 +915,7 @@ async fn route(
         (Method::GET, p) if p.starts_with("/v1/models/") => {
             let id = &p["/v1/models/".len()..];
             check_model(state, Some(id))?;
-            Ok(json_response(StatusCode::OK, &model_object(state)))
+            Ok(json_response(StatusCode::OK, &model_object(state, id)))
         }
         (Method::POST, "/v1/chat/completions") => {
             chat_completions(state, read_json(state, req).await?).await
@@ -986,7 +1002,7 @@ fn health(state: &State) -> Response<Body> {
 fn check_model(state: &State, model: Option<&str>) -> Result<(), ApiError> {
     match model {
         None => Ok(()),
-        Some(m) if m == state.name => Ok(()),
+        Some(m) if state.names.iter().any(|n| n == m) => Ok(()),
         Some(m) => Err(ApiError::bad(format!(
             "the model `{m}` does not exist; this server serves `{}` (as GET /v1/models lists it)",
             state.name
@@ -1011,15 +1027,13 @@ fn warn_unknown(endpoint: &str, extra: &Extra, messages: &[ChatMessage]) {
     }
 }
 
-fn model_object(state: &State) -> Value {
-    json!({ "id": state.name, "object": "model", "created": state.created, "owned_by": "stormo" })
+fn model_object(state: &State, name: &str) -> Value {
+    json!({ "id": name, "object": "model", "created": state.created, "owned_by": "stormo" })
 }
 
 fn models(state: &State) -> Response<Body> {
-    json_response(
-        StatusCode::OK,
-        &json!({ "object": "list", "data": [model_object(state)] }),
-    )
+    let data: Vec<Value> = state.names.iter().map(|n| model_object(state, n)).collect();
+    json_response(StatusCode::OK, &json!({ "object": "list", "data": data }))
 }
 
 /// Reads the body (at most `max_body` bytes) as JSON.
@@ -1070,6 +1084,7 @@ fn settings(
     c: &Common,
     max_tokens: Option<u64>,
     default_max: usize,
+    prompt_len: usize,
 ) -> Result<(SamplingParams, usize, Vec<String>), ApiError> {
     check_model(state, c.model.as_deref())?;
     if let Some(n) = c.n {
@@ -1125,8 +1140,25 @@ fn settings(
         .map_err(|e| ApiError::bad(format!("sampling settings: {e}")))?;
     let max = match max_tokens {
         Some(0) => return Err(ApiError::bad("max_tokens must be at least 1").param("max_tokens")),
-        Some(m) => usize::try_from(m).unwrap_or(usize::MAX).min(state.context),
-        None => default_max,
+        // As OpenAI answers: a completion that cannot fit is refused, not cut short.
+        Some(m)
+            if usize::try_from(m)
+                .map_or(true, |m| m > state.context.saturating_sub(prompt_len)) =>
+        {
+            return Err(ApiError::bad(format!(
+                "This model's maximum context length is {} tokens. However, you requested {} \
+                 tokens ({prompt_len} in the prompt, {m} in the completion). Please reduce the \
+                 length of the prompt or the completion (max_tokens).",
+                state.context,
+                u64::try_from(prompt_len)
+                    .unwrap_or(u64::MAX)
+                    .saturating_add(m),
+            ))
+            .param("max_tokens")
+            .code("context_length_exceeded"));
+        }
+        Some(m) => usize::try_from(m).unwrap_or(usize::MAX),
+        None => default_max.min(state.context.saturating_sub(prompt_len).max(1)),
     };
     let stop = match &c.stop {
         None => Vec::new(),
@@ -1413,8 +1445,13 @@ async fn chat_completions(state: &State, req: ChatRequest) -> Result<Response<Bo
         .render_prompt(&turns, &popts)
         .map_err(|e| ApiError::bad(format!("rendering the messages: {e}")).param("messages"))?;
     let room = state.context.saturating_sub(prompt.len()).max(1);
-    let (sampling, max, stop) =
-        settings(state, c, req.max_completion_tokens.or(c.max_tokens), room)?;
+    let (sampling, max, stop) = settings(
+        state,
+        c,
+        req.max_completion_tokens.or(c.max_tokens),
+        room,
+        prompt.len(),
+    )?;
     let opts = GenerateOptions {
         max_new_tokens: max,
         stop: state.format.stop_tokens(),
@@ -1452,7 +1489,7 @@ async fn completions(state: &State, req: CompletionRequest) -> Result<Response<B
     let logprobs = top_logprobs(req.logprobs.is_some(), req.logprobs, "logprobs")?;
     let c = &req.common;
     let prompt = prompt_ids(&state.tokenizer, &req.prompt)?;
-    let (sampling, max, stop) = settings(state, c, c.max_tokens, 16)?;
+    let (sampling, max, stop) = settings(state, c, c.max_tokens, 16, prompt.len())?;
     let opts = GenerateOptions {
         max_new_tokens: max,
         stop: state.eos.clone(),

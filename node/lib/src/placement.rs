@@ -107,6 +107,7 @@ impl Replicator {
             replicas,
             ..Config::default()
         };
+        dir.set_placed();
         let mut policy = Placement::new(me, dir.limit(), &catalog, config, now);
         for id in pinned.iter() {
             policy.handle(

@@ -65,6 +65,9 @@ pub struct ExpertDir {
     manifest: Arc<Manifest>,
     schemas: Vec<Option<ExpertSchema>>,
     state: Mutex<State>,
+    /// Placement decides what is kept ([`ExpertDir::set_placed`]): a record that does not fit
+    /// is not stored, instead of evicting the least recently used.
+    placed: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for ExpertDir {
@@ -177,6 +180,7 @@ impl ExpertDir {
             manifest,
             schemas,
             state: Mutex::new(st),
+            placed: std::sync::atomic::AtomicBool::new(false),
         };
         {
             let mut g = me.lock();
@@ -258,6 +262,14 @@ impl ExpertDir {
         free
     }
 
+    /// Hands what is kept to replica placement: from now on a record that does not fit is not
+    /// stored (it would evict a placed copy, and the swarm's copies would fall below the
+    /// replica count); placement evicts by its own rules ([`ExpertDir::remove`]).
+    pub fn set_placed(&self) {
+        self.placed
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Deletes expert `id`'s record (placement evicting a copy the swarm has enough of).
     /// Returns whether it was held; one still being written is left to its store.
     pub fn remove(&self, id: ExpertId) -> bool {
@@ -337,6 +349,12 @@ impl ExpertDir {
                     "expert directory {}: the disk has room again; keeping experts again",
                     self.root.display()
                 );
+            }
+            if self.placed.load(std::sync::atomic::Ordering::Relaxed) && g.used + len > g.limit {
+                // The copies held are placement's to evict, not least-recently-used order's:
+                // a record fetched for another reason waits for room.
+                tracing::debug!("expert directory: full; not keeping expert {id}");
+                return Ok(());
             }
             self.evict(&mut g, len);
             // Reserve the room now so concurrent stores respect the limit.

@@ -194,6 +194,7 @@ pub(crate) fn check_output_file(out: &Path, model_dir: &Path, flag: &str) -> any
 /// Runs `stormo run`: the prompt read and checked, a node started, the model loaded, then a
 /// text reply ([`run_text`]) or bare ids ([`run_ids`]).
 pub fn run(a: Args) -> anyhow::Result<()> {
+    let _ = STARTED.set(std::time::Instant::now());
     // First: the tokenizer and the probes use the pool whose size this sets.
     stormo_node::config::start_engine_threads(a.experts.threads)?;
     let (prompt, text) = read_prompt(&a)?;
@@ -402,6 +403,12 @@ fn run_text(
     node.finish_run();
     let prediction = sess.engine_session().prediction();
     if a.stats {
+        let t = Timings {
+            prefill_s: g.prefill_s,
+            decode_s: g.decode_s,
+            check_wait_s: g.check_wait_s,
+        };
+        eprintln!("{}", speed_line(&t, prompt.len(), g.ids.len(), started()));
         eprint!("{}", node.table(prediction));
     }
     if a.json {
@@ -489,6 +496,10 @@ fn run_ids(
     node.finish_run();
     let prediction = sess.prediction();
     if a.stats {
+        eprintln!(
+            "{}",
+            speed_line(&timings, prompt.len(), ids.len(), started())
+        );
         eprint!("{}", node.table(prediction));
     }
     if a.json {
@@ -579,6 +590,29 @@ fn generate_ids<W: Write>(
 
 /// --json's timings of a run that made `generated` tokens after `prompt` (the first of them
 /// at the end of the prefill, the others decoded).
+/// When the command started (for `--stats`' wall time).
+static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
+fn started() -> std::time::Instant {
+    *STARTED.get_or_init(std::time::Instant::now)
+}
+
+/// `--stats`' speed line, as llama-cli prints one: the prompt's and the generated tokens'
+/// rates and the run's wall time (from the start of the command, loading included).
+fn speed_line(t: &Timings, prompt: usize, generated: usize, started: std::time::Instant) -> String {
+    let decoded = generated.saturating_sub(1);
+    let tok_s = |n: usize, s: f64| format!("{:.2}", rate(n, s));
+    format!(
+        "prompt: {prompt} tokens in {:.2} s ({} tok/s); generation: {decoded} tokens after the \
+         first in {:.2} s ({} tok/s); wall time {:.2} s",
+        t.prefill_s,
+        tok_s(prompt, t.prefill_s),
+        t.decode_s,
+        tok_s(decoded, t.decode_s),
+        started.elapsed().as_secs_f64()
+    )
+}
+
 fn timings_json(t: &Timings, prompt: usize, generated: usize) -> serde_json::Value {
     serde_json::json!({
         "prefill_s": t.prefill_s,

@@ -9,7 +9,7 @@ use anyhow::Context;
 use stormo_simulations::swarm::{self, LinkSpec, Scenario, SwarmOptions};
 use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 
-/// Arguments of `stormo sim`.
+/// Run a swarm scenario of real nodes on this machine (latency, loss, churn) and report it.
 ///
 /// Starts real `stormo serve` processes on 127.0.0.1 (real QUIC, each behind a relay that
 /// imposes the links' delay, bandwidth and loss), lays the experts out among them, runs a
@@ -38,14 +38,18 @@ use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 ///               and loss), as cubic+cubic, bbr+cubic, bbr+bbr, tolerant+cubic and
 ///               tolerant+tolerant; prints each flow's throughput and share over --fair-secs
 ///               after a 3 s warm-up
+///   bigger-than-disk
+///               N dense-only nodes, each with room for part of the experts, place 2 copies
+///               of each (--replicas); the seeder leaves; a node with no experts generates
+///               over lan and wan links, and again after one more node is killed
 ///
 /// Without --model a small GPT-OSS-shaped model is synthesized in the scratch folder.
 /// Example: `stormo sim --scenario churn --json`.
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// The scenario: lan4, join-empty, churn, wan, wan-exec, all, stripe, faults, fair-lan or
-    /// fair-wan.
+    /// The scenario: lan4, join-empty, churn, wan, wan-exec, all, stripe, faults, fair-lan,
+    /// fair-wan or bigger-than-disk.
     #[arg(long, value_name = "NAME")]
     pub scenario: String,
     /// The checkpoint every node serves from (at least 4 experts per layer).
@@ -98,6 +102,16 @@ pub struct Args {
     /// Seconds each pair of the fairness scenarios is measured, after the warm-up (1 to 3600).
     #[arg(long, default_value_t = 20.0, value_name = "SECS")]
     pub fair_secs: f64,
+    /// bigger-than-disk: serving nodes (2 to 32).
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub nodes: usize,
+    /// bigger-than-disk: the serving nodes' --replicas (1 to --nodes - 1).
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    pub replicas: u32,
+    /// bigger-than-disk: each serving node's --expert-dir-limit, below the model's experts
+    /// (default: replicas x the model's experts / nodes x 1.5).
+    #[arg(long, value_name = "SIZE", value_parser = stormo_net::progress::size_arg)]
+    pub expert_dir_limit: Option<String>,
 }
 
 /// The fairness scenarios: their name and the link whose rate and queue the flows share.
@@ -208,14 +222,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.fair_secs.is_finite() && (1.0..=3600.0).contains(&a.fair_secs),
         "--fair-secs must be between 1 and 3600"
     );
-    let scenarios: Vec<Scenario> = if faults || fairness.is_some() {
+    let bigger = a.scenario == "bigger-than-disk";
+    let scenarios: Vec<Scenario> = if faults || fairness.is_some() || bigger {
         Vec::new()
     } else if a.scenario == "all" {
         Scenario::ALL.to_vec()
     } else {
         vec![a.scenario.parse().map_err(|e: String| {
             anyhow::anyhow!(
-                "--scenario: {e}, all (each of them but stripe), faults, fair-lan or fair-wan"
+                "--scenario: {e}, all (each of them but stripe), faults, fair-lan, fair-wan or \
+                 bigger-than-disk"
             )
         })?]
     };
@@ -298,6 +314,48 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             serde_json::to_string_pretty(&r).map_err(Into::into),
             r.table(),
         )?;
+        return Ok(());
+    }
+    if a.scenario == "bigger-than-disk" {
+        anyhow::ensure!(
+            (2..=32).contains(&a.nodes),
+            "--nodes must be between 2 and 32"
+        );
+        let budget = a
+            .expert_dir_limit
+            .as_deref()
+            .map(stormo_net::progress::parse_size)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("--expert-dir-limit: {e}"))?;
+        let b = swarm::bigger::BiggerOptions {
+            nodes: a.nodes,
+            replicas: a.replicas,
+            budget,
+            lan: link_for(&a, Scenario::Lan4)?,
+            wan: link_for(&a, Scenario::Wan)?,
+            coverage_timeout: Duration::from_secs_f64(timeout),
+        };
+        let r = swarm::bigger::run_bigger(
+            &opts_for(None),
+            &b,
+            &mut |m| eprintln!("sim: {m}"),
+            Some(&keep_reaper),
+        )
+        .context("scenario bigger-than-disk")?;
+        print_report(
+            serde_json::to_string_pretty(&r).map_err(Into::into),
+            r.table(),
+        )?;
+        anyhow::ensure!(
+            r.token_exact,
+            "bigger-than-disk: not token-exact (or failed) in: {}",
+            r.runs
+                .iter()
+                .filter(|r| !r.token_exact)
+                .map(|r| r.label.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
         return Ok(());
     }
     if faults {
