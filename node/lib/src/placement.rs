@@ -103,8 +103,13 @@ impl Replicator {
                 bytes: e.len,
             })
             .collect();
+        // A real swarm is small and its fetches are quick: a failed fetch is tried again
+        // after 5 s (not the simulated swarm's 30 s) and a full node may swap every 15 s, so
+        // coverage does not wait half a minute on one unlucky fetch.
         let config = Config {
             replicas,
+            retry_after: Duration::from_secs(5),
+            swap_interval: Duration::from_secs(15),
             ..Config::default()
         };
         dir.set_placed();
@@ -313,6 +318,7 @@ impl Replicator {
             f.insert(id, Instant::now());
         }
         tracing::info!("placement: fetching expert {id} to keep a copy");
+        self.dir.want(id);
         let me = self.clone();
         self.peers.load(
             &[id],

@@ -68,6 +68,9 @@ pub struct ExpertDir {
     /// Placement decides what is kept ([`ExpertDir::set_placed`]): a record that does not fit
     /// is not stored, instead of evicting the least recently used.
     placed: std::sync::atomic::AtomicBool,
+    /// With placement: the experts it asked to keep and that are not stored yet. Nothing else
+    /// is kept (a record fetched to answer a peer would take a placed copy's room).
+    wanted: Mutex<std::collections::HashSet<ExpertId>>,
 }
 
 impl std::fmt::Debug for ExpertDir {
@@ -181,6 +184,7 @@ impl ExpertDir {
             schemas,
             state: Mutex::new(st),
             placed: std::sync::atomic::AtomicBool::new(false),
+            wanted: Mutex::default(),
         };
         {
             let mut g = me.lock();
@@ -262,9 +266,16 @@ impl ExpertDir {
         free
     }
 
-    /// Hands what is kept to replica placement: from now on a record that does not fit is not
-    /// stored (it would evict a placed copy, and the swarm's copies would fall below the
-    /// replica count); placement evicts by its own rules ([`ExpertDir::remove`]).
+    /// With placement: keep expert `id` when it is next stored (placement is fetching it).
+    pub fn want(&self, id: ExpertId) {
+        self.wanted.lock().expect("wanted lock").insert(id);
+    }
+
+    /// Hands what is kept to replica placement: from now on only the records it asked for
+    /// ([`ExpertDir::want`]) are stored, and only when they fit (a record fetched for another
+    /// reason, or least-recently-used eviction, would take a placed copy's room and the swarm's
+    /// copies would fall below the replica count); placement evicts by its own rules
+    /// ([`ExpertDir::remove`]).
     pub fn set_placed(&self) {
         self.placed
             .store(true, std::sync::atomic::Ordering::Relaxed);
@@ -350,7 +361,12 @@ impl ExpertDir {
                     self.root.display()
                 );
             }
-            if self.placed.load(std::sync::atomic::Ordering::Relaxed) && g.used + len > g.limit {
+            let placed = self.placed.load(std::sync::atomic::Ordering::Relaxed);
+            if placed && !self.wanted.lock().expect("wanted lock").remove(&id) {
+                // Placement keeps what it asked for, nothing else.
+                return Ok(());
+            }
+            if placed && g.used + len > g.limit {
                 // The copies held are placement's to evict, not least-recently-used order's:
                 // a record fetched for another reason waits for room.
                 tracing::debug!("expert directory: full; not keeping expert {id}");
