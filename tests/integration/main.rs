@@ -12,6 +12,7 @@ mod extra_oracle;
 mod faults;
 mod hostile;
 mod http;
+mod http_names;
 mod int8;
 mod manifests;
 mod network;
