@@ -41,6 +41,15 @@ pub const TICK: Duration = Duration::from_millis(250);
 /// gone (a connection being redialled after a short loss is not a departure).
 const GONE_AFTER: Duration = Duration::from_secs(3);
 
+/// How long a starting node may wait for its view of the swarm before it places anything:
+/// until every peer it dials has answered with what it holds, or this long.
+const SETTLE_MAX: Duration = Duration::from_secs(10);
+
+/// How long a fetched expert may take to be written to the expert directory before the fetch
+/// counts as failed (the peer tier stores a verified record after handing it on, off the async
+/// threads; a record the directory refuses never appears).
+const STORE_WAIT: Duration = Duration::from_secs(5);
+
 /// What the driver remembers of one peer.
 #[derive(Debug)]
 struct Seen {
@@ -70,6 +79,12 @@ pub struct Replicator {
     leaving: AtomicBool,
     /// Results of finished fetches, fed to the policy at the next tick.
     done: Mutex<Vec<(ExpertId, bool)>>,
+    /// Fetched experts not yet written to the directory, with when they were fetched.
+    storing: Mutex<HashMap<ExpertId, Instant>>,
+    /// When the driver started, and whether its view of the swarm has settled (see
+    /// [`SETTLE_MAX`]).
+    started: Instant,
+    settled: AtomicBool,
 }
 
 impl std::fmt::Debug for Replicator {
@@ -137,6 +152,9 @@ impl Replicator {
             fetching: Mutex::default(),
             leaving: AtomicBool::new(false),
             done: Mutex::default(),
+            storing: Mutex::default(),
+            started: now,
+            settled: AtomicBool::new(false),
         }
     }
 
@@ -182,25 +200,49 @@ impl Replicator {
         let kept_now: HashSet<ExpertId> = self.dir.kept().into_iter().collect();
         {
             let mut kept = self.kept.lock().expect("kept lock");
+            let fetching = self.fetching.lock().expect("fetching lock");
             for &id in kept_now.difference(&kept) {
-                events.push((EventOwned::Holding(id), None));
+                // A fetch of placement's own ends below, as done.
+                if !fetching.contains_key(&id) {
+                    events.push((EventOwned::Holding(id), None));
+                }
             }
+            drop(fetching);
             for &id in kept.difference(&kept_now) {
                 events.push((EventOwned::Dropped(id), None));
             }
             *kept = kept_now;
         }
-        for (id, ok) in std::mem::take(&mut *self.done.lock().expect("done lock")) {
-            self.fetching.lock().expect("fetching lock").remove(&id);
-            let held = ok && self.dir.contains(id);
-            events.push((
-                if held {
-                    EventOwned::FetchDone(id)
+        // A fetch is done once its record is written: the tier stores it just after handing
+        // it on, so a fetch that loaded waits for its record (up to STORE_WAIT). Counting it
+        // failed at once freed its room for another fetch, and the record landing a moment
+        // later put the node over its budget, which evicted a copy the swarm needed.
+        {
+            let mut storing = self.storing.lock().expect("storing lock");
+            for (id, ok) in std::mem::take(&mut *self.done.lock().expect("done lock")) {
+                if ok {
+                    storing.entry(id).or_insert(now);
                 } else {
-                    EventOwned::FetchFailed(id)
-                },
-                None,
-            ));
+                    self.fetching.lock().expect("fetching lock").remove(&id);
+                    events.push((EventOwned::FetchFailed(id), None));
+                }
+            }
+            storing.retain(|&id, since| {
+                let stored = self.dir.contains(id);
+                if !stored && now.saturating_duration_since(*since) < STORE_WAIT {
+                    return true;
+                }
+                self.fetching.lock().expect("fetching lock").remove(&id);
+                events.push((
+                    if stored {
+                        EventOwned::FetchDone(id)
+                    } else {
+                        EventOwned::FetchFailed(id)
+                    },
+                    None,
+                ));
+                false
+            });
         }
         // The peers, as the peer tier follows them.
         let view = self.peers.swarm_view();
@@ -260,6 +302,21 @@ impl Replicator {
             }
         }
         let demand = self.holdings.demand.take();
+        // A node that places before it has heard from its peers fills its budget blind (the
+        // peers it dials at the same moment are still starting): wait until each peer in view
+        // is connected and has said what it holds, at most SETTLE_MAX.
+        let settled = self.settled.load(Ordering::Relaxed)
+            || now.saturating_duration_since(self.started) >= SETTLE_MAX
+            || view
+                .iter()
+                .all(|p| p.connected && (p.placement.is_some() || p.inventory.is_some()));
+        if settled && !self.settled.swap(true, Ordering::Relaxed) {
+            tracing::info!(
+                "placement: the swarm's view settled after {:.1}s ({} peers)",
+                now.saturating_duration_since(self.started).as_secs_f64(),
+                view.len()
+            );
+        }
         let mut actions = Vec::new();
         {
             let mut policy = self.policy.lock().expect("policy lock");
@@ -283,7 +340,7 @@ impl Replicator {
             for (id, count) in demand {
                 policy.handle(Event::Demand { expert: id, count }, now);
             }
-            while let Some(a) = policy.poll_action(now) {
+            while let Some(a) = settled.then(|| policy.poll_action(now)).flatten() {
                 actions.push(a);
             }
         }

@@ -348,6 +348,13 @@ struct Peer<N> {
     free: bool,
 }
 
+impl<N> Peer<N> {
+    /// Whether it could swap: full, with kept (evictable) copies.
+    fn can_swap(&self) -> bool {
+        !self.free && self.n_holds > self.n_pinned
+    }
+}
+
 impl ExpertView {
     /// Holders of it, pinned or not.
     fn counted(&self) -> u32 {
@@ -420,6 +427,9 @@ pub struct Placement<N> {
     peer_index: HashMap<N, u32>,
     vacant: Vec<u32>,
     free_peers: usize,
+    /// Peers that could swap ([`Peer::can_swap`]): the nodes a missing copy's swap lottery
+    /// is shared among.
+    swap_peers: usize,
     own: Vec<Own>,
     /// When each kept expert was fetched or found.
     held_since: HashMap<u32, Instant>,
@@ -496,6 +506,7 @@ impl<N: Copy + Eq + Hash + fmt::Debug> Placement<N> {
             peer_index: HashMap::new(),
             vacant: Vec::new(),
             free_peers: 0,
+            swap_peers: 0,
             own: vec![Own::None; n],
             held_since: HashMap::new(),
             retry_at: HashMap::new(),
@@ -931,6 +942,7 @@ impl<N: Copy + Eq + Hash + fmt::Debug> Placement<N> {
                 self.free_peers = self.free_peers.saturating_sub(1);
             }
         }
+        let could_swap = p.can_swap();
         p.n_holds = u32::try_from(holds.len()).unwrap_or(u32::MAX);
         p.n_pinned = u32::try_from(pinned.len()).unwrap_or(u32::MAX);
         let mut sets = holds;
@@ -939,6 +951,11 @@ impl<N: Copy + Eq + Hash + fmt::Debug> Placement<N> {
         p.sets = sets.into_boxed_slice();
         p.demand = demand.into_boxed_slice();
         p.free = free;
+        match (could_swap, p.can_swap()) {
+            (false, true) => self.swap_peers += 1,
+            (true, false) => self.swap_peers = self.swap_peers.saturating_sub(1),
+            _ => {}
+        }
         if let Some(s) = self.peers.get_mut(idx as usize) {
             *s = Some(p);
         }
@@ -972,6 +989,9 @@ impl<N: Copy + Eq + Hash + fmt::Debug> Placement<N> {
         }
         if p.free {
             self.free_peers = self.free_peers.saturating_sub(1);
+        }
+        if p.can_swap() {
+            self.swap_peers = self.swap_peers.saturating_sub(1);
         }
         self.vacant.push(idx);
         true
@@ -1098,17 +1118,26 @@ impl<N: Copy + Eq + Hash + fmt::Debug> Placement<N> {
         } else {
             None
         };
-        // Swap-capable slots in the swarm: copies beyond N.
+        // The full nodes that could act on a missing copy: at most one per copy beyond N
+        // (each such copy has one designated evictor) and at most the nodes with kept copies.
+        // Dividing by the copies alone made a small swarm of big nodes (4 nodes with 16 spare
+        // copies each) draw one swap per minute.
         let surplus: u64 = self
             .experts
             .iter()
             .enumerate()
             .map(|(i, v)| {
-                let own = u32::from(self.holds(i as u32));
-                u64::from((v.held + own).saturating_sub(n))
+                let own = u32::from(self.own_of(i as u32) == Own::Held);
+                u64::from(
+                    v.held
+                        .saturating_sub(self.uncounted_pinned(v))
+                        .saturating_add(own)
+                        .saturating_sub(n),
+                )
             })
             .sum();
-        let surplus = surplus.max(1) as f64;
+        let swappers = self.swap_peers as u64 + u64::from(victim.is_some());
+        let surplus = surplus.min(swappers).max(1) as f64;
 
         // (copies with claims, weight, draw, index, direct)
         let mut cover: Vec<(u32, f64, f64, u32, bool)> = Vec::new();
@@ -1122,6 +1151,12 @@ impl<N: Copy + Eq + Hash + fmt::Debug> Placement<N> {
             let Ok(iu) = u32::try_from(i) else { break };
             let c = self.copies_with_claims(iu);
             let own = self.own_of(iu);
+            // Held copies that count towards N (a seeder's pinned copy does not, by default).
+            let counted_held = self.experts.get(i).map_or(0, |v| {
+                v.held
+                    .saturating_sub(self.uncounted_pinned(v))
+                    .saturating_add(self.own_copy(iu) * u32::from(own != Own::Fetching))
+            });
             let Some(v) = self.experts.get_mut(i) else {
                 break;
             };
@@ -1133,7 +1168,7 @@ impl<N: Copy + Eq + Hash + fmt::Debug> Placement<N> {
                 v.missing_since = 0;
             }
             let (missing_since, held) = (v.missing_since, v.held);
-            if held + u32::from(matches!(own, Own::Held | Own::Pinned)) < n {
+            if counted_held < n {
                 below_n_held += 1;
             }
             if own != Own::None || held == 0 || self.retry_at.contains_key(&iu) {
@@ -1283,7 +1318,12 @@ impl<N: Copy + Eq + Hash + fmt::Debug> Placement<N> {
             let Some(v) = self.experts.get(i as usize) else {
                 continue;
             };
-            let copies = v.held.saturating_add(1);
+            // Copies that count towards N, this one included: evicting must not leave an
+            // expert whose other copy is only a seeder's (pinned, not counted) below N.
+            let copies = v
+                .held
+                .saturating_sub(self.uncounted_pinned(v))
+                .saturating_add(1);
             if safe {
                 let young = now.saturating_duration_since(since) < self.config.min_hold;
                 if copies <= n || (young && safety == Safety::Demand) {
