@@ -1,11 +1,17 @@
 //! `stormo sim`: real serve processes behind shaping relays, a node killed mid-run, and the
-//! token-exactness verdict.
+//! token-exactness verdict. `stormo swarm`: what `show` says of a certificate, and a serving
+//! node cutting off a member revoked or expired while connected (loopback only; every process
+//! is killed when its guard drops).
 
+use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 use serde_json::Value;
+use stormo_manifests::{Membership, PublicKey, SecretKey};
 
 use crate::demo::stormo_exe;
+use crate::node::{model_with_manifest, s, state, stormo, stormo_output, Proc};
 
 /// Churn: a holder is killed (SIGKILL) mid-run and restarted; with every expert held twice
 /// the run finishes with the local run's ids, and the failures are counted.
@@ -259,4 +265,275 @@ fn the_stripe_scenario_fetches_from_both_holders_and_stays_exact() {
         err.contains("needs experts of at least 2 MiB") && !err.contains("panicked"),
         "{err}"
     );
+}
+
+/// A swarm whose owner's key is `dir/owner.key`: its swarm key.
+fn create_swarm(dir: &Path) -> String {
+    let owner = dir.join("owner.key");
+    stormo(&["swarm", "create", "--owner", s(&owner)])
+        .trim()
+        .to_string()
+}
+
+/// `stormo swarm admit` of `node` (a public key or a key file) for `expires`, into
+/// `dir/NAME.cert`.
+fn admit(dir: &Path, node: &str, expires: &str, name: &str) -> std::path::PathBuf {
+    let cert = dir.join(format!("{name}.cert"));
+    stormo(&[
+        "swarm",
+        "admit",
+        "--owner",
+        s(&dir.join("owner.key")),
+        "--node",
+        node,
+        "--expires",
+        expires,
+        "--out",
+        s(&cert),
+    ]);
+    cert
+}
+
+fn unix_now() -> u64 {
+    std::time::UNIX_EPOCH
+        .elapsed()
+        .expect("a clock after 1970")
+        .as_secs()
+}
+
+/// Issue 58 (5): `stormo swarm show` exits 0 on a valid certificate only; on an expired one,
+/// one not yet valid, one edited after signing, a forgery (signed by another key under this
+/// swarm's name) and a file that is no certificate it prints why and exits 1.
+#[test]
+fn swarm_show_exits_non_zero_on_an_expired_forged_or_invalid_certificate() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let swarm: PublicKey = create_swarm(dir.path()).parse().expect("a swarm key");
+    let owner = SecretKey::load(&dir.path().join("owner.key")).expect("the owner's key");
+    let node = SecretKey::from_seed(&[31; 32]).public();
+    let valid = admit(dir.path(), &node.to_hex(), "30d", "valid");
+    let out = stormo_output(&["swarm", "show", "--cert", s(&valid)], None);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("valid now") && text.contains(&node.to_hex()),
+        "a valid certificate: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let now = unix_now();
+    let issued = |not_before: u64, expires: u64| {
+        Membership::issue(&owner, node, not_before, expires)
+            .expect("a valid period")
+            .to_bytes()
+    };
+    let mut edited = issued(now - 60, now + 3600);
+    edited[82..90].copy_from_slice(&(now + 10 * 365 * 86_400).to_le_bytes());
+    let stranger = SecretKey::from_seed(&[32; 32]);
+    let mut forged = Membership::issue(&stranger, node, now - 60, now + 3600)
+        .expect("a valid period")
+        .to_bytes();
+    forged[10..42].copy_from_slice(swarm.as_bytes());
+    let mut not_a_cert = issued(now - 60, now + 3600);
+    not_a_cert[..8].copy_from_slice(b"NOTACERT");
+    let cases: [(&str, Vec<u8>, &str); 5] = [
+        (
+            "expired",
+            issued(now - 7200, now - 3600).to_vec(),
+            "expired at",
+        ),
+        (
+            "not yet valid",
+            issued(now + 3600, now + 7200).to_vec(),
+            "not valid before",
+        ),
+        ("edited", edited.to_vec(), "signature is invalid"),
+        ("forged", forged.to_vec(), "signature is invalid"),
+        (
+            "not a certificate",
+            not_a_cert.to_vec(),
+            "not a membership certificate",
+        ),
+    ];
+    for (what, bytes, reason) in cases {
+        let path = dir.path().join(format!("{}.cert", what.replace(' ', "-")));
+        std::fs::write(&path, bytes).expect("write the certificate");
+        let out = stormo_output(&["swarm", "show", "--cert", s(&path)], None);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{what}: {err}");
+        assert!(
+            err.contains(reason) && err.contains(s(&path)) && !err.contains("panicked"),
+            "{what}: the error does not say {reason:?} of {}: {err}",
+            path.display()
+        );
+    }
+}
+
+/// A member's connection to a `stormo serve` process, its control stream open (a `Hello`
+/// each way, so the server serves it).
+struct Member {
+    endpoint: quinn::Endpoint,
+    conn: quinn::Connection,
+    _control: (quinn::SendStream, stormo_net::FramedRecv),
+}
+
+impl Member {
+    async fn connect(server: &str, me: &SecretKey, cert: &Path) -> Self {
+        use stormo_wire::{Hello, Limits, Message, NodeId, PROTOCOL_VERSION};
+        let (key, addr) = server.split_once('@').expect("KEY@ADDR");
+        let server_key: PublicKey = key.parse().expect("the server's key");
+        let cert = stormo_net::identity::read_cert(cert).expect("the certificate");
+        let endpoint = stormo_net::bind("127.0.0.1:0".parse().expect("addr"), None).expect("bind");
+        let id = stormo_net::tls::Identity {
+            secret: me,
+            membership: Some(&cert),
+        };
+        let cc = stormo_net::tls::client_config_for(
+            id,
+            Some(&server_key),
+            stormo_net::tls::Admission::Any,
+        )
+        .expect("client config");
+        let connecting = endpoint
+            .connect_with(cc, addr.parse().expect("the server's address"), "stormo")
+            .expect("connect");
+        let conn = tokio::time::timeout(Duration::from_secs(10), connecting)
+            .await
+            .expect("a handshake within 10 s")
+            .expect("a member is admitted");
+        let (mut send, recv) = conn.open_bi().await.expect("a control stream");
+        let hello = Message::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            node: NodeId(*me.public().as_bytes()),
+            models: Vec::new(),
+            limits: Limits {
+                max_concurrent_requests: 1,
+            },
+        });
+        stormo_net::write_message(&mut send, &hello)
+            .await
+            .expect("send the hello");
+        let mut recv = stormo_net::FramedRecv::new(recv, 1 << 20);
+        let answer = tokio::time::timeout(Duration::from_secs(10), recv.next())
+            .await
+            .expect("the server's hello within 10 s");
+        assert!(
+            matches!(answer, Ok(Some(Message::Hello(_)))),
+            "the server did not say hello: {answer:?}"
+        );
+        Self {
+            endpoint,
+            conn,
+            _control: (send, recv),
+        }
+    }
+
+    /// Waits at most until `until` for the server to close the connection: its code and
+    /// reason.
+    async fn closed_by(&self, until: tokio::time::Instant) -> Result<(u64, String), String> {
+        match tokio::time::timeout_at(until, self.conn.closed()).await {
+            Err(_) => Err("still open".into()),
+            Ok(quinn::ConnectionError::ApplicationClosed(c)) => Ok((
+                c.error_code.into_inner(),
+                String::from_utf8_lossy(&c.reason).into_owned(),
+            )),
+            Ok(other) => Err(format!("closed otherwise: {other}")),
+        }
+    }
+}
+
+/// Issue 58 (5) through the CLI: `stormo serve --swarm --revoked FILE` serving two members
+/// over open connections closes the first within 5 s of its key being written into FILE
+/// (beside a malformed line, which is warned about), with `forbidden` and the reason, and the
+/// second within 5 s of the expiry of its certificate (`swarm admit --expires 8s`); it logs
+/// which member and why.
+#[test]
+fn serve_cuts_off_a_member_within_5_s_of_its_revocation_or_its_expiry() {
+    let (m, _id) = model_with_manifest();
+    let keys = tempfile::tempdir().expect("key dir");
+    let swarm = create_swarm(keys.path());
+    let server_key = keys.path().join("server.key");
+    stormo(&["key", "generate", "--key", s(&server_key)]);
+    let server_cert = admit(keys.path(), s(&server_key), "30d", "server");
+    let revoked = keys.path().join("revoked.txt");
+    std::fs::write(&revoked, "# nobody yet\n").expect("revoked file");
+    let st = state();
+    let server = Proc::start_logging(
+        &[
+            "serve",
+            "--model",
+            s(m.path()),
+            "--listen",
+            "127.0.0.1:0",
+            "--key",
+            s(&server_key),
+            "--swarm",
+            &swarm,
+            "--cert",
+            s(&server_cert),
+            "--revoked",
+            s(&revoked),
+            "--state-dir",
+            s(st.path()),
+            "--expert-cache",
+            "0",
+        ],
+        Some("warn"),
+    );
+    let (cut, expiring) = (
+        SecretKey::from_seed(&[33; 32]),
+        SecretKey::from_seed(&[34; 32]),
+    );
+    let cut_cert = admit(keys.path(), &cut.public().to_hex(), "30d", "cut");
+    // Expires 8 s from now: time to connect first, on a busy machine too.
+    let expiring_cert = admit(keys.path(), &expiring.public().to_hex(), "8s", "expiring");
+    let expiry = stormo_net::identity::read_cert(&expiring_cert)
+        .expect("the certificate")
+        .expires;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let exp = Member::connect(&server.line, &expiring, &expiring_cert).await;
+        let rev = Member::connect(&server.line, &cut, &cut_cert).await;
+        std::fs::write(&revoked, format!("{}x\n{}\n", cut.public(), cut.public())).expect("revoke");
+        let within = tokio::time::Instant::now() + Duration::from_secs(5);
+        let (code, reason) = rev.closed_by(within).await.unwrap_or_else(|e| {
+            panic!("the revoked member's connection, 5 s after the revocation: {e}")
+        });
+        assert_eq!(code, 8, "not closed `forbidden`: {reason}");
+        assert!(reason.contains("is revoked"), "{reason}");
+        assert!(
+            exp.conn.close_reason().is_none(),
+            "the other member was cut off too: {:?}",
+            exp.conn.close_reason()
+        );
+
+        let left = Duration::from_secs(expiry)
+            .saturating_sub(std::time::UNIX_EPOCH.elapsed().expect("a clock after 1970"));
+        let within = tokio::time::Instant::now() + left + Duration::from_secs(5);
+        let (code, reason) = exp.closed_by(within).await.unwrap_or_else(|e| {
+            panic!("the expired member's connection, 5 s after its expiry: {e}")
+        });
+        assert_eq!(code, 8, "not closed `forbidden`: {reason}");
+        assert!(reason.contains("expired at"), "{reason}");
+        for m in [rev, exp] {
+            m.endpoint.close(0u32.into(), b"done");
+        }
+    });
+    let log = server.stderr.lock().expect("stderr lock").clone();
+    for (who, why) in [
+        (cut.public(), "is revoked"),
+        (expiring.public(), "expired at"),
+    ] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains(&format!("closing the connection of {who}")) && l.contains(why)),
+            "the server's log does not say it cut off {who} ({why}):\n{log}"
+        );
+    }
+    assert!(
+        log.contains(&format!("{} line 1: not a node key", revoked.display())),
+        "no warning for the malformed line:\n{log}"
+    );
+    drop(server);
 }

@@ -8,7 +8,9 @@
 //! expert records come from the node's expert provider (its RAM cache when hot, else its
 //! disk), fetched on tokio's blocking threads so the async threads never stall. A frame that
 //! does not decode, or a message that has no place where it arrived, closes that connection
-//! with `PROTOCOL_VIOLATION`; other connections and the node carry on.
+//! with `PROTOCOL_VIOLATION`; other connections and the node carry on. A connection whose
+//! peer is revoked, or whose membership certificate expires, while it is open is closed with
+//! `FORBIDDEN` within about a second ([`tls::LiveMembers`]).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -309,6 +311,9 @@ struct Shared {
     node_slots: Arc<Semaphore>,
     stats: Arc<ServeStats>,
     exec: super::exec::Executor,
+    /// The admitted connections, closed when their peer is revoked or its certificate expires
+    /// (`None`: the policy admits anyone, or a fixed list).
+    live: Option<Arc<tls::LiveMembers>>,
 }
 
 /// Starts serving `holdings` on `listen` as `secret`, on an endpoint of its own. Must be called
@@ -349,6 +354,7 @@ pub fn start_on(
     let stats = Arc::new(ServeStats::default());
     let exec = super::exec::Executor::new(cfg.exec)?;
     let exec_stats = exec.stats.clone();
+    let live = tls::LiveMembers::start(cfg.admission.clone());
     let shared = Arc::new(Shared {
         key: NodeId(*secret.public().as_bytes()),
         holdings,
@@ -356,6 +362,7 @@ pub fn start_on(
         cfg,
         stats: stats.clone(),
         exec,
+        live,
     });
     let ep = endpoint.clone();
     tokio::spawn(async move {
@@ -415,6 +422,9 @@ async fn connection(shared: Arc<Shared>, conn: quinn::Connection) {
         conn.close(u32::from(ErrorCode::FORBIDDEN.0).into(), b"no node key");
         return;
     };
+    // Watched until this function returns (the connection closed): a revocation or an expiry
+    // closes it meanwhile.
+    let _watched = shared.live.as_ref().and_then(|l| l.admit(&conn));
     let peer = format!("{}@{}", hex8(&key), conn.remote_address());
     shared.stats.connections.fetch_add(1, Ordering::Relaxed);
     tracing::info!("peer {peer} connected");

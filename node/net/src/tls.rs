@@ -23,6 +23,10 @@
 //!
 //! Carrying it in the handshake (rather than as the first control-stream message) keeps the
 //! check in this module: nothing is served before it, and no caller can forget it.
+//!
+//! The handshake is not the only check: a server watches the connections it admitted
+//! ([`LiveMembers`], in `tls/live.rs`) and closes those of a key revoked later, or whose
+//! certificate expired, within about a second.
 //! Raw public keys were given up because they have no room for an extension.
 //!
 //! The extension's OID is [`MEMBERSHIP_OID`], an arc under the private-enterprise branch
@@ -30,9 +34,8 @@
 
 use std::collections::HashSet;
 use std::fmt;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -44,6 +47,12 @@ use rustls::pki_types::{
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, SignatureScheme};
 use stormo_manifests::{Membership, MembershipDecodeError, MembershipError, PublicKey, SecretKey};
+
+mod list;
+mod live;
+
+pub use list::RevokedList;
+pub use live::{Admitted, Ended, LiveMembers, Watched, NO_LONGER_ADMITTED};
 
 /// DER prefix of an Ed25519 SubjectPublicKeyInfo; the 32 key bytes follow.
 const SPKI_PREFIX: [u8; 12] = [
@@ -206,91 +215,31 @@ impl Admission {
     }
 }
 
+impl Admission {
+    /// How many times the files this policy reads (`--revoked`, `--allow-file`) changed their
+    /// lists, each re-read first if it changed: a connection admitted under one generation is
+    /// judged again under the next.
+    pub fn lists_generation(&self) -> u64 {
+        match self {
+            Self::Any | Self::Keys(_) => 0,
+            Self::Listed { file, .. } => file.generation(),
+            Self::Swarm(s) => s.revoked.as_ref().map_or(0, |r| r.generation()),
+        }
+    }
+
+    /// Whether a verdict of this policy can change while a connection lives: a list file can
+    /// change, a membership certificate can expire.
+    pub fn can_change(&self) -> bool {
+        matches!(self, Self::Listed { .. } | Self::Swarm(_))
+    }
+}
+
 impl SwarmAdmission {
     fn is_revoked(&self, key: &PublicKey) -> bool {
         self.revoked
             .as_ref()
             .is_some_and(|r| r.with(|set| set.contains(key)))
     }
-}
-
-/// A file of node keys (one 64-hex key per line; blank lines and `#` comments skipped):
-/// revoked keys (`--revoked`) or allowed ones (`--allow-file`), re-read whenever its
-/// modification time or length changes. A file that turns
-/// unreadable or malformed after the start is warned about and the last good list kept.
-#[derive(Debug)]
-pub struct RevokedList {
-    path: PathBuf,
-    state: Mutex<RevokedState>,
-}
-
-#[derive(Debug)]
-struct RevokedState {
-    stamp: Option<(SystemTime, u64)>,
-    keys: HashSet<PublicKey>,
-}
-
-impl RevokedList {
-    /// Reads `path` (it must be readable and well formed now).
-    pub fn load(path: &Path) -> anyhow::Result<Self> {
-        let (stamp, keys) = read_revoked(path)?;
-        Ok(Self {
-            path: path.to_path_buf(),
-            state: Mutex::new(RevokedState {
-                stamp: Some(stamp),
-                keys,
-            }),
-        })
-    }
-
-    /// The file.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// Runs `f` on the current list, re-reading the file first if it changed.
-    pub fn with<R>(&self, f: impl FnOnce(&HashSet<PublicKey>) -> R) -> R {
-        let mut st = self
-            .state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let now = file_stamp(&self.path).ok();
-        if now.is_some() && now != st.stamp {
-            match read_revoked(&self.path) {
-                Ok((stamp, keys)) => {
-                    tracing::info!(
-                        "{}: re-read, {} revoked node keys",
-                        self.path.display(),
-                        keys.len()
-                    );
-                    st.stamp = Some(stamp);
-                    st.keys = keys;
-                }
-                Err(e) => {
-                    tracing::warn!(
-                        "--revoked {}: {}; keeping the {} keys read before",
-                        self.path.display(),
-                        crate::error_message(&e),
-                        st.keys.len()
-                    );
-                    st.stamp = now;
-                }
-            }
-        }
-        f(&st.keys)
-    }
-}
-
-fn file_stamp(path: &Path) -> std::io::Result<(SystemTime, u64)> {
-    let m = std::fs::metadata(path)?;
-    Ok((m.modified()?, m.len()))
-}
-
-fn read_revoked(path: &Path) -> anyhow::Result<((SystemTime, u64), HashSet<PublicKey>)> {
-    let stamp = file_stamp(path).with_context(|| format!("--revoked {}", path.display()))?;
-    let keys = super::allow_list(&[], Some(path))
-        .with_context(|| format!("--revoked {}", path.display()))?;
-    Ok((stamp, keys.into_iter().collect()))
 }
 
 /// The SubjectPublicKeyInfo DER of an Ed25519 public key.
@@ -333,20 +282,22 @@ fn read_peer_cert(der: &[u8]) -> Option<PeerCert> {
     Some(PeerCert { key, membership })
 }
 
-/// The key a QUIC connection's peer proved in its handshake.
-pub fn peer_key(conn: &quinn::Connection) -> Option<[u8; 32]> {
+/// What a QUIC connection's peer presented in its handshake.
+fn peer_cert(conn: &quinn::Connection) -> Option<PeerCert> {
     let id = conn.peer_identity()?;
     let certs = id.downcast::<Vec<CertificateDer<'static>>>().ok()?;
-    Some(read_peer_cert(certs.first()?.as_ref())?.key)
+    read_peer_cert(certs.first()?.as_ref())
+}
+
+/// The key a QUIC connection's peer proved in its handshake.
+pub fn peer_key(conn: &quinn::Connection) -> Option<[u8; 32]> {
+    Some(peer_cert(conn)?.key)
 }
 
 /// The membership certificate a QUIC connection's peer presented (already checked in the
 /// handshake when this node runs in a swarm).
 pub fn peer_membership(conn: &quinn::Connection) -> Option<Membership> {
-    let id = conn.peer_identity()?;
-    let certs = id.downcast::<Vec<CertificateDer<'static>>>().ok()?;
-    let bytes = read_peer_cert(certs.first()?.as_ref())?.membership?;
-    Membership::from_bytes(&bytes).ok()
+    Membership::from_bytes(&peer_cert(conn)?.membership?).ok()
 }
 
 /// This node's certificate (self-signed X.509 for its node key, with its membership in an
@@ -698,6 +649,9 @@ pub fn client_config_for(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::sync::Mutex;
+    use std::time::SystemTime;
 
     #[test]
     fn spki_round_trips_and_rejects_other_keys() {
@@ -1513,44 +1467,6 @@ mod tests {
                 "a client replaying an allowed key's certificate was admitted"
             );
         });
-    }
-
-    /// A list is re-read when its file's modification time or length changes, and only then
-    /// (one `stat` per handshake, not a read): a rewrite that keeps both is not seen until the
-    /// time moves.
-    #[test]
-    fn a_list_is_re_read_only_when_its_stamp_changes() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let path = dir.path().join("allowed");
-        let a = SecretKey::from_seed(&[43; 32]).public();
-        let b = SecretKey::from_seed(&[44; 32]).public();
-        std::fs::write(&path, format!("{a}\n")).expect("write");
-        let stamp = std::fs::metadata(&path)
-            .and_then(|m| m.modified())
-            .expect("modification time");
-        let list = RevokedList::load(&path).expect("loads");
-        assert!(list.with(|s| s.contains(&a)));
-        // Same length, same time: not re-read.
-        std::fs::write(&path, format!("{b}\n")).expect("rewrite");
-        let f = std::fs::File::options()
-            .write(true)
-            .open(&path)
-            .expect("open");
-        f.set_modified(stamp).expect("set the time back");
-        drop(f);
-        assert!(
-            list.with(|s| s.contains(&a) && !s.contains(&b)),
-            "an unchanged stamp re-read the file"
-        );
-        // The time moves: re-read.
-        let f = std::fs::File::options()
-            .write(true)
-            .open(&path)
-            .expect("open");
-        f.set_modified(stamp + Duration::from_secs(2))
-            .expect("move the time");
-        drop(f);
-        assert!(list.with(|s| s.contains(&b) && !s.contains(&a)));
     }
 
     /// A changed `--allow-file` is picked up without a restart: a key added is admitted, a key

@@ -57,6 +57,9 @@ pub enum Command {
     },
     /// Print what a membership certificate says (its swarm, node, validity), and check its
     /// signature.
+    ///
+    /// Exits 1 when the certificate is not valid now: expired, not yet valid, forged or edited
+    /// (its signature fails), or not a certificate at all.
     Show {
         /// The certificate file.
         #[arg(long, value_name = "CERT")]
@@ -140,15 +143,15 @@ pub fn run(c: Command) -> anyhow::Result<()> {
             println!("node       {}", m.node);
             println!("not before {} UTC", utc_date_time(m.not_before));
             println!("expires    {} UTC", utc_date_time(m.expires));
+            // Its own swarm and node: what is checked is the owner's signature (a forged or
+            // edited file fails it) and the validity period. Anything but valid exits 1.
             let now = unix_now()?;
-            let state = match m.verify(&m.swarm, &m.node, now, &Default::default()) {
-                Ok(()) => "valid now".to_string(),
-                Err(e) => format!("NOT VALID: {e}"),
-            };
-            println!("state      {state}");
-            if let Err(e) = m.verify(&m.swarm, &m.node, now, &Default::default()) {
-                anyhow::bail!("{}: not a valid certificate now: {e}", cert.display());
+            let verdict = m.verify(&m.swarm, &m.node, now, &Default::default());
+            match &verdict {
+                Ok(()) => println!("state      valid now"),
+                Err(e) => println!("state      NOT VALID: {e}"),
             }
+            verdict.with_context(|| format!("{}: not a valid certificate now", cert.display()))?;
         }
         Command::Status(a) => status(*a)?,
     }
