@@ -15,6 +15,7 @@ use stormo_net::tier::PeerConfig;
 use stormo_net::PeerAddr;
 use stormo_node::config::{CacheBudget, ExpertsConfig, KeepConfig, PeersConfig};
 use stormo_node::http::HttpConfig;
+use stormo_node::memory::MemoryPlan;
 use stormo_text::defaults::SamplingDefaults;
 
 /// Options for experts and their tiers.
@@ -334,10 +335,21 @@ pub struct HttpArgs {
 }
 
 impl HttpArgs {
+    /// [`Self::resolve_within`] a plan of the machine's memory read here. A command that also
+    /// starts a node reads one [`MemoryPlan`] for both (the expert cache's budget:
+    /// [`stormo_node::experts::Experts::build_within`]) and calls [`Self::resolve_within`].
+    pub fn resolve(&self, model: &Path) -> anyhow::Result<Option<HttpConfig>> {
+        self.resolve_within(model, &MemoryPlan::read())
+    }
+
     /// The settings, if `--http` was given, for the model in `model` (its
     /// generation_config.json gives the default sampling; without --parallel, its KV cache's
-    /// size sets how many requests run together).
-    pub fn resolve(&self, model: &Path) -> anyhow::Result<Option<HttpConfig>> {
+    /// size and `memory` set how many requests run together: [`MemoryPlan::parallel`]).
+    pub fn resolve_within(
+        &self,
+        model: &Path,
+        memory: &MemoryPlan,
+    ) -> anyhow::Result<Option<HttpConfig>> {
         let Some(addr) = self.http else {
             return Ok(None);
         };
@@ -389,9 +401,7 @@ impl HttpArgs {
                 let cfg = stormo_engine::ModelConfig::from_dir(model).map_err(|e| {
                     anyhow::anyhow!("loading the model in {}: {e}", model.display())
                 })?;
-                let slot =
-                    (cfg.num_layers * 2 * cfg.kv_dim() * 4) as u64 * self.http_context as u64;
-                stormo_node::http::default_parallel(slot, stormo_node::experts::mem_available())
+                memory.parallel(stormo_node::memory::kv_cache_bytes(&cfg, self.http_context))
             }
         };
         Ok(Some(
@@ -624,6 +634,41 @@ mod tests {
                 .expect("--http given");
             assert_eq!(cfg.max_per_client, n);
         }
+    }
+
+    /// Without --parallel, the number of requests run together divides the memory plan the
+    /// command read (a quarter of it in KV caches of --context positions, 1 to 4); given, it
+    /// is taken as is.
+    #[test]
+    fn the_parallel_default_comes_from_the_memory_plan() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+            "vocab_size": 201088, "num_local_experts": 32, "num_experts_per_tok": 4,
+            "intermediate_size": 2880, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+            "sliding_window": 128, "max_position_embeddings": 131072}"#,
+        )
+        .expect("config.json");
+        // 96 KiB a position: 384 MiB a cache of 4096 positions.
+        let gib = 1u64 << 30;
+        let a = HttpArgs {
+            parallel: None,
+            ..args()
+        };
+        for (avail, parallel) in [(Some(16 * gib), 4), (Some(4 * gib), 2), (Some(gib), 1)] {
+            let cfg = a
+                .resolve_within(dir.path(), &MemoryPlan::new(avail))
+                .expect("resolves")
+                .expect("--http given");
+            assert_eq!(cfg.parallel, parallel, "{avail:?}");
+        }
+        let given = args()
+            .resolve_within(dir.path(), &MemoryPlan::new(Some(64 * gib)))
+            .expect("resolves")
+            .expect("--http given");
+        assert_eq!(given.parallel, 1);
     }
 
     /// A negative or non-numeric per-client cap is refused by the command line, naming the

@@ -1,5 +1,7 @@
 //! Where a node's experts come from: the provider built from an [`ExpertsConfig`] (mapped
-//! files, or the RAM cache over disk, kept experts and peers), and its statistics.
+//! files, or the RAM cache over disk, kept experts and peers), and its statistics. The
+//! cache's budget comes from the command's [`MemoryPlan`] (one reading of the machine's
+//! memory, shared with the HTTP API's `--parallel` default).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -8,7 +10,8 @@ use stormo_engine::moe::ExpertProvider;
 use stormo_engine::tiers::{usage, ExpertStats, Tier, TierConfig, TieredExperts};
 use stormo_engine::ModelFiles;
 
-use crate::config::{CacheBudget, ExpertsConfig};
+use crate::config::ExpertsConfig;
+use crate::memory::MemoryPlan;
 use stormo_net::progress::human_bytes;
 
 /// The provider built from an [`ExpertsConfig`], with what is needed to report on it.
@@ -19,14 +22,6 @@ pub struct Experts {
     /// The cache, when tiered.
     pub tiered: Option<Arc<TieredExperts>>,
     usage_path: Option<PathBuf>,
-}
-
-/// The RAM available (`MemAvailable` of /proc/meminfo), if known.
-pub fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
 }
 
 /// Bytes of the non-expert tensors.
@@ -41,20 +36,34 @@ pub fn dense_bytes(files: &ModelFiles) -> u64 {
         .sum()
 }
 
-/// Bytes of an f32 KV cache for `context` positions (upper bound: no sliding-window savings).
+/// Bytes of an f32 KV cache for `context` positions (upper bound: no sliding-window savings;
+/// [`crate::memory::kv_cache_bytes`]).
 pub fn kv_bytes(files: &ModelFiles, context: usize) -> u64 {
-    let c = &files.cfg;
-    (c.num_layers * 2 * c.kv_dim() * 4 * context) as u64
+    crate::memory::kv_cache_bytes(&files.cfg, context)
 }
 
 impl Experts {
-    /// The provider for `files` with room for a `context`-position KV cache: the local
-    /// experts memory-mapped (`cfg.mmap`), or the RAM cache over `tiers` (tried in order),
-    /// preloading the hottest experts recorded at `usage` (when given) and recording usage
-    /// there at [`Experts::finish`].
+    /// [`Experts::build_within`] a plan of the machine's memory read here, for a caller that
+    /// has none of its own (a command that also sizes the HTTP API's `--parallel` reads one
+    /// plan for both and calls [`Experts::build_within`]).
     pub fn build(
         files: &ModelFiles,
         cfg: &ExpertsConfig,
+        context: usize,
+        tiers: Vec<Arc<dyn Tier>>,
+        usage: Option<PathBuf>,
+    ) -> anyhow::Result<Self> {
+        Self::build_within(files, cfg, &MemoryPlan::read(), context, tiers, usage)
+    }
+
+    /// The provider for `files` with room for a `context`-position KV cache: the local
+    /// experts memory-mapped (`cfg.mmap`), or the RAM cache over `tiers` (tried in order),
+    /// its budget from `memory` under `--expert-cache auto`, preloading the hottest experts
+    /// recorded at `usage` (when given) and recording usage there at [`Experts::finish`].
+    pub fn build_within(
+        files: &ModelFiles,
+        cfg: &ExpertsConfig,
+        memory: &MemoryPlan,
         context: usize,
         tiers: Vec<Arc<dyn Tier>>,
         usage: Option<PathBuf>,
@@ -68,14 +77,7 @@ impl Experts {
         }
         let sizes = files.layout.sizes();
         let all: u64 = sizes.iter().flatten().sum();
-        let budget = match cfg.cache {
-            CacheBudget::Auto => {
-                let avail = mem_available().unwrap_or(8 << 30);
-                let reserve = (avail / 10).max(1 << 30);
-                avail.saturating_sub(dense_bytes(files) + kv_bytes(files, context) + reserve)
-            }
-            CacheBudget::Bytes(b) => b,
-        };
+        let budget = memory.expert_cache(cfg.cache, dense_bytes(files), kv_bytes(files, context));
         let tc = TierConfig {
             budget: budget.min(all),
             prefetch: cfg.prefetch,

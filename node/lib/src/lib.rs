@@ -1,7 +1,8 @@
 //! stormo's node library: one [`node::Node`] that owns a running node (its runtime, QUIC
 //! endpoint, tier stack, peers and services), its typed configuration ([`config`]), the
-//! local expert tiers ([`experts`]), the manifest it runs under ([`manifest`]), a model
-//! loaded for text ([`text_model`]) and the OpenAI-compatible HTTP service ([`http`]).
+//! local expert tiers ([`experts`]), the machine's memory plan ([`memory`]), the manifest it
+//! runs under ([`manifest`]), a model loaded for text ([`text_model`]) and the
+//! OpenAI-compatible HTTP service ([`http`]).
 //!
 //! Crate map (arrows point to what a crate may import; nothing points back up):
 //! `stormo` (the binary: clap, commands, printing) → `stormo-node` (this) → `stormo-net`
@@ -16,6 +17,7 @@ pub mod coverage;
 pub mod experts;
 pub mod http;
 pub mod manifest;
+pub mod memory;
 pub mod node;
 pub mod placement;
 pub mod text_model;

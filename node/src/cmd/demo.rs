@@ -15,7 +15,8 @@
 //! is the simpler price. A build without the fixture embeds nothing and the demo then uses a
 //! fixed list of prompt ids.
 
-use std::path::PathBuf;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -108,7 +109,7 @@ fn embedded_tokenizer() -> anyhow::Result<Option<Vec<u8>>> {
 
 /// How many expert records a node has kept in `dir`, once the count has stopped growing
 /// (a serving node keeps what it fetched in the background; at most 30 s).
-fn wait_until_kept(dir: &std::path::Path) -> usize {
+fn wait_until_kept(dir: &Path) -> usize {
     let count = || std::fs::read_dir(dir).map_or(0, |d| d.count());
     let until = Instant::now() + Duration::from_secs(30);
     let (mut last, mut since) = (count(), Instant::now());
@@ -151,60 +152,128 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             eprintln!("demo: {m}");
         }
     };
+    let model = DemoModel::synthesize(scratch.path.join("model"), &a.prompt, &say)?;
+    let (mut c, relay_key) = start_holders(&exe, &model, &scratch.path, &reapers, a.nodes, &say)?;
+    let relay = start_relay(&exe, &mut c, &scratch.path, 0..a.nodes, relay_key, &say)?;
+    let runs = generate(&mut c, &model, 0..a.nodes, relay, a.max_new_tokens, &say)?;
+    let report = Report {
+        c: &c,
+        model: &model,
+        relay,
+        holders: a.nodes,
+        runs,
+    };
+    report.print(a.json, start);
+    anyhow::ensure!(
+        report.exact(),
+        "the swarm's output differs from the local run's"
+    );
+    anyhow::ensure!(
+        report.exact_after(),
+        "the output after the holders left differs from the local run's"
+    );
+    Ok(())
+}
 
-    // The model, with the real vocabulary and (when embedded) its tokenizer.
-    let model = scratch.path.join("model");
-    say(&format!(
-        "synthesizing a 4-layer GPT-OSS-shaped model with the {GPT_OSS_VOCAB}-token vocabulary"
-    ));
-    crate::cmd::sim::small_model(&model, GPT_OSS_VOCAB)?;
-    let tokenizer = match embedded_tokenizer()? {
-        Some(json) => {
-            std::fs::write(model.join("tokenizer.json"), &json)
-                .with_context(|| format!("writing {}", model.join("tokenizer.json").display()))?;
-            Some(Arc::new(
-                Tokenizer::from_json(&json).context("the embedded tokenizer")?,
-            ))
-        }
-        None => None,
-    };
-    let prompt: Vec<u32> = match &tokenizer {
-        Some(t) => {
-            let fmt = ChatFormat::for_family(stormo_engine::Family::GptOss, t.clone())?;
-            fmt.render_prompt(
-                &[Turn::new(TurnRole::User, a.prompt.clone())],
-                &PromptOptions::default(),
-            )?
-        }
-        None => vec![200_006, 17_360, 200_008, 3, 1_000, 50_000, 200_007],
-    };
-    let experts = {
-        let files = stormo_engine::ModelFiles::open(&model)?;
-        files.layout.parts.iter().map(Vec::len).max().unwrap_or(0)
-    };
+/// Prints a progress line on stderr (nothing with `--json`).
+type Say<'a> = &'a dyn Fn(&str);
 
-    // The swarm: keys, a signed manifest, nodes each holding part of the experts.
+/// The demo's model: a small GPT-OSS-shaped checkpoint with random weights and the real
+/// vocabulary, and the prompt every run generates from.
+#[derive(Debug)]
+struct DemoModel {
+    /// Its folder.
+    dir: PathBuf,
+    /// The embedded tokenizer (also written into the folder), when this build has one.
+    tokenizer: Option<Arc<Tokenizer>>,
+    /// The user's message rendered as a Harmony prompt (a fixed list of ids without a
+    /// tokenizer).
+    prompt: Vec<u32>,
+    /// Experts per layer.
+    experts: usize,
+}
+
+impl DemoModel {
+    /// Synthesizes it in `dir`, with (when embedded) its tokenizer, and renders `message`.
+    fn synthesize(dir: PathBuf, message: &str, say: Say<'_>) -> anyhow::Result<Self> {
+        say(&format!(
+            "synthesizing a 4-layer GPT-OSS-shaped model with the {GPT_OSS_VOCAB}-token vocabulary"
+        ));
+        crate::cmd::sim::small_model(&dir, GPT_OSS_VOCAB)?;
+        let tokenizer = match embedded_tokenizer()? {
+            Some(json) => {
+                std::fs::write(dir.join("tokenizer.json"), &json)
+                    .with_context(|| format!("writing {}", dir.join("tokenizer.json").display()))?;
+                Some(Arc::new(
+                    Tokenizer::from_json(&json).context("the embedded tokenizer")?,
+                ))
+            }
+            None => None,
+        };
+        let prompt: Vec<u32> = match &tokenizer {
+            Some(t) => {
+                let fmt = ChatFormat::for_family(stormo_engine::Family::GptOss, t.clone())?;
+                fmt.render_prompt(
+                    &[Turn::new(TurnRole::User, message.to_owned())],
+                    &PromptOptions::default(),
+                )?
+            }
+            None => vec![200_006, 17_360, 200_008, 3, 1_000, 50_000, 200_007],
+        };
+        let experts = {
+            let files = stormo_engine::ModelFiles::open(&dir)?;
+            files.layout.parts.iter().map(Vec::len).max().unwrap_or(0)
+        };
+        Ok(Self {
+            dir,
+            tokenizer,
+            prompt,
+            experts,
+        })
+    }
+}
+
+/// The swarm's keys and signed manifest (in `work`/swarm), and `nodes` holders on 127.0.0.1,
+/// each serving every n-th expert, their processes registered in `reapers` for Ctrl-C; with
+/// the relay's key (made first: the holders admit it beside the client).
+fn start_holders(
+    exe: &Path,
+    model: &DemoModel,
+    work: &Path,
+    reapers: &Mutex<Vec<Reaper>>,
+    nodes: usize,
+    say: Say<'_>,
+) -> anyhow::Result<(Cluster, (PathBuf, String))> {
     say("making keys and a signed manifest");
-    let mut c = Cluster::prepare(&exe, &model, &scratch.path.join("swarm"))?;
+    let mut c = Cluster::prepare(exe, &model.dir, &work.join("swarm"))?;
     reapers
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .push(c.reaper());
-    // The relay node's key is made first: the holders admit it beside the client.
     let relay_key = c.make_key("relay")?;
     c.serve_args = vec!["--allow".into(), relay_key.1.clone()];
-    for i in 0..a.nodes {
-        c.add_node(Some(share(i, a.nodes, experts)), LinkSpec::ideal())?;
+    for i in 0..nodes {
+        c.add_node(Some(share(i, nodes, model.experts)), LinkSpec::ideal())?;
     }
-    say(&format!("{} nodes serving on 127.0.0.1", a.nodes));
-    let holders = 0..a.nodes;
+    say(&format!("{nodes} nodes serving on 127.0.0.1"));
+    Ok((c, relay_key))
+}
 
-    // A node with no experts of its own: the dense weights pulled from a holder, then a
-    // `serve` that fetches from the holders, keeps what it verified and serves it on.
-    let dense = scratch.path.join("relay-model");
+/// The relay: a node with no experts of its own (the dense weights pulled from a holder into
+/// `work`), serving with `key` and fetching from the `holders`, keeping what it verified and
+/// serving it on. Its index in the cluster.
+fn start_relay(
+    exe: &Path,
+    c: &mut Cluster,
+    work: &Path,
+    holders: Range<usize>,
+    key: (PathBuf, String),
+    say: Say<'_>,
+) -> anyhow::Result<usize> {
+    let dense = work.join("relay-model");
     say("pulling the dense weights for a node with no experts");
     swarm::cluster::run_capture(
-        &exe,
+        exe,
         &[
             "pull".into(),
             "--peer".into(),
@@ -214,23 +283,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "--key".into(),
             c.client_key.to_string_lossy().into_owned(),
             "--state-dir".into(),
-            scratch
-                .path
-                .join("pull.state")
-                .to_string_lossy()
-                .into_owned(),
+            work.join("pull.state").to_string_lossy().into_owned(),
             "--out".into(),
             dense.to_string_lossy().into_owned(),
         ],
         "pulling the dense weights",
     )?;
     let mut relay_args = vec!["--trust".to_string(), c.publisher.clone()];
-    relay_args.extend(c.peer_args(holders.clone()));
+    relay_args.extend(c.peer_args(holders));
     let relay = c.add_node_with(
         NodeSpec {
             model: Some(dense),
             args: relay_args,
-            key: Some(relay_key),
+            key: Some(key),
             ..NodeSpec::default()
         },
         LinkSpec::ideal(),
@@ -239,8 +304,34 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "{} serving on 127.0.0.1 with no experts, fetching from the others",
         c.nodes[relay].name
     ));
+    Ok(relay)
+}
 
-    let base = swarm::run_args(&model, &prompt, a.max_new_tokens);
+/// The three runs the demo compares, and what the relay kept between them.
+#[derive(Debug)]
+struct Runs {
+    /// On a node with no experts that knows only the relay, the holders up.
+    remote: RunOutcome,
+    /// The same, the holders stopped: served by the relay from what it kept.
+    reserved: RunOutcome,
+    /// Every expert local.
+    local: RunOutcome,
+    /// Verified expert records the relay kept after the first run.
+    kept: usize,
+}
+
+/// Generates `max_new_tokens` from the prompt on a node with no experts that knows only the
+/// `relay`, then again once the `holders` have stopped, then with every expert local; stops
+/// every node.
+fn generate(
+    c: &mut Cluster,
+    model: &DemoModel,
+    holders: Range<usize>,
+    relay: usize,
+    max_new_tokens: usize,
+    say: Say<'_>,
+) -> anyhow::Result<Runs> {
+    let base = swarm::run_args(&model.dir, &model.prompt, max_new_tokens);
     let mut args = base.clone();
     args.extend([
         "--no-local-experts".into(),
@@ -264,7 +355,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "{} kept {kept} verified expert records; stopping every holder",
         c.nodes[relay].name
     ));
-    for i in holders.clone() {
+    for i in holders {
         c.stop(i);
     }
     say("generating again, with the holders gone");
@@ -274,56 +365,112 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let (v, wall) = c.spawn_run("local", &base)?.wait(timeout)?;
     let local = RunOutcome::from_json(&v, wall)?;
     c.stop_all();
-    let exact = remote.ids == local.ids;
-    let exact_after = reserved.ids == local.ids;
-    let text = tokenizer
-        .as_ref()
-        .and_then(|t| t.decode(&remote.ids, false).ok());
-    let held = |n: &swarm::cluster::Node| -> usize {
-        if n.name == c.nodes[relay].name {
+    Ok(Runs {
+        remote,
+        reserved,
+        local,
+        kept,
+    })
+}
+
+/// What the demo found, printed as a report or one JSON object.
+#[derive(Debug)]
+struct Report<'a> {
+    c: &'a Cluster,
+    model: &'a DemoModel,
+    /// The relay's index in the cluster.
+    relay: usize,
+    /// How many holders served (the first nodes of the cluster).
+    holders: usize,
+    runs: Runs,
+}
+
+impl Report<'_> {
+    /// Whether the swarm's ids equal the local run's.
+    fn exact(&self) -> bool {
+        self.runs.remote.ids == self.runs.local.ids
+    }
+
+    /// Whether the ids after the holders left equal the local run's.
+    fn exact_after(&self) -> bool {
+        self.runs.reserved.ids == self.runs.local.ids
+    }
+
+    /// The swarm's ids as text (random weights, so it means nothing), with a tokenizer.
+    fn text(&self) -> Option<String> {
+        self.model
+            .tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(&self.runs.remote.ids, false).ok())
+    }
+
+    /// Whether `n` is the relay.
+    fn is_relay(&self, n: &swarm::cluster::Node) -> bool {
+        n.name == self.c.nodes[self.relay].name
+    }
+
+    /// Experts per layer `n` holds.
+    fn held(&self, n: &swarm::cluster::Node) -> usize {
+        if self.is_relay(n) {
             0
         } else {
-            n.only.as_deref().map_or(experts, |s| s.split(',').count())
+            n.only
+                .as_deref()
+                .map_or(self.model.experts, |s| s.split(',').count())
         }
-    };
-    let nodes: Vec<serde_json::Value> = c
-        .nodes
-        .iter()
-        .map(|n| {
-            serde_json::json!({
-                "name": n.name,
-                "holds": n.only,
-                "experts_held": held(n),
-                "relay": n.name == c.nodes[relay].name,
-                "served": n.served,
-                "bytes_sent": n.link().down_bytes,
+    }
+
+    /// Prints it (`json`: one JSON object on stdout), `start` being when the demo started.
+    fn print(&self, json: bool, start: Instant) {
+        let nodes: Vec<serde_json::Value> = self
+            .c
+            .nodes
+            .iter()
+            .map(|n| {
+                serde_json::json!({
+                    "name": n.name,
+                    "holds": n.only,
+                    "experts_held": self.held(n),
+                    "relay": self.is_relay(n),
+                    "served": n.served,
+                    "bytes_sent": n.link().down_bytes,
+                })
             })
-        })
-        .collect();
-    let elapsed = start.elapsed().as_secs_f64();
-    if a.json {
-        println!(
-            "{}",
-            serde_json::json!({
-                "model_id": c.model_id,
-                "publisher": c.publisher,
-                "prompt_ids": prompt,
-                "swarm": remote,
-                "after_holders_left": reserved,
-                "relay_kept": kept,
-                "local": local,
-                "token_exact": exact && exact_after,
-                "nodes": nodes,
-                "text": text,
-                "elapsed_s": elapsed,
-            })
-        );
-    } else {
-        let r = &c.nodes[relay].name;
+            .collect();
+        let elapsed = start.elapsed().as_secs_f64();
+        if json {
+            let (c, r) = (self.c, &self.runs);
+            println!(
+                "{}",
+                serde_json::json!({
+                    "model_id": c.model_id,
+                    "publisher": c.publisher,
+                    "prompt_ids": self.model.prompt,
+                    "swarm": r.remote,
+                    "after_holders_left": r.reserved,
+                    "relay_kept": r.kept,
+                    "local": r.local,
+                    "token_exact": self.exact() && self.exact_after(),
+                    "nodes": nodes,
+                    "text": self.text(),
+                    "elapsed_s": elapsed,
+                })
+            );
+        } else {
+            self.print_text(elapsed);
+        }
+    }
+
+    /// The report for people: what ran, the verification, where the experts came from, the
+    /// speeds and whether the ids were exact.
+    fn print_text(&self, elapsed: f64) {
+        let (c, runs) = (self.c, &self.runs);
+        let (remote, reserved, local) = (&runs.remote, &runs.reserved, &runs.local);
+        let r = &c.nodes[self.relay].name;
         println!("stormo demo: a 4-layer GPT-OSS-shaped model with random weights and the real");
         println!(
-            "{GPT_OSS_VOCAB}-token vocabulary; {experts} experts per layer spread over {} nodes;",
-            a.nodes
+            "{GPT_OSS_VOCAB}-token vocabulary; {} experts per layer spread over {} nodes;",
+            self.model.experts, self.holders
         );
         println!("{r} holds no experts and fetches from them; the generating node knows only {r}.");
         println!();
@@ -341,9 +488,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         println!("where the experts came from");
         for n in &c.nodes {
             let role = if n.name == *r {
-                format!("holds none, kept the {kept} it fetched")
+                format!("holds none, kept the {} it fetched", runs.kept)
             } else {
-                format!("holds {} experts per layer", held(n))
+                format!("holds {} experts per layer", self.held(n))
             };
             println!(
                 "  {}  {role:<36} served {:>4} requests, sent {:>10}",
@@ -361,7 +508,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         println!(
             "  through {r}                 prefill {:>7.1} tok/s ({} prompt tokens), decode {:>7.1} tok/s",
             remote.prefill_tok_s,
-            prompt.len(),
+            self.model.prompt.len(),
             remote.decode_tok_s
         );
         println!(
@@ -376,24 +523,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let yes = |b: bool| if b { "yes" } else { "NO" };
         println!(
             "token-exact against the local run: {} ({} tokens); after the holders left: {}",
-            yes(exact),
+            yes(self.exact()),
             remote.ids.len(),
-            yes(exact_after)
+            yes(self.exact_after())
         );
         let ids: Vec<String> = remote.ids.iter().map(u32::to_string).collect();
         println!("generated ids: {}", ids.join(" "));
-        if let Some(t) = &text {
+        if let Some(t) = &self.text() {
             println!("as text (random weights, so it means nothing): {t:?}");
         }
         println!("done in {elapsed:.1}s");
     }
-    anyhow::ensure!(exact, "the swarm's output differs from the local run's");
-    anyhow::ensure!(
-        exact_after,
-        "the output after the holders left differs from the local run's"
-    );
-    anyhow::ensure!(exact, "the swarm's output differs from the local run's");
-    Ok(())
 }
 
 #[cfg(test)]
