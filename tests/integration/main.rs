@@ -13,6 +13,7 @@ mod faults;
 mod hostile;
 mod http;
 mod http_names;
+mod hung;
 mod int8;
 mod manifests;
 mod network;

@@ -811,7 +811,7 @@ impl Load {
                     .collect();
                 for id in waiting {
                     match &result {
-                        Ok(()) => self.send(id, now),
+                        Ok(()) => self.send(id, peers, now),
                         Err(e) => {
                             self.ended(id, Err(TryError::Link(e.clone())), 0, false, peers, now)
                         }
@@ -924,17 +924,21 @@ impl Load {
             watched: false,
         });
         if peers[i].view().up {
-            self.send(id, now);
+            self.send(id, peers, now);
         } else if self.dialing.insert(i) {
             self.actions.push_back(Action::Dial { peer: i });
         }
     }
 
-    /// Sends try `id`, its peer's link being up.
-    fn send(&mut self, id: TryId, now: Instant) {
+    /// Sends try `id`, its peer's link being up: from now on its connection owes a datagram
+    /// ([`PeerView::request_sent`]).
+    fn send<V: ViewMut>(&mut self, id: TryId, peers: &mut [V], now: Instant) {
         let Some(t) = self.tries.iter_mut().find(|t| t.id == id) else {
             return;
         };
+        if let Some(p) = peers.get_mut(t.peer) {
+            p.view_mut().request_sent(now);
+        }
         let s = &mut self.spans[t.span];
         t.sent = Some(now);
         let keep_spare = !t.hedge && t.buffer == BufferFrom::Kept && !self.striped;
@@ -1154,10 +1158,13 @@ impl Load {
                 continue;
             };
             let v = peers[i].view();
+            // Silent since this try was sent, or since an earlier request on the connection
+            // (one raced and cancelled since counts: the peer never acknowledged it).
             let silent = match sent {
                 Some(sent) => {
-                    let quiet =
-                        now.saturating_duration_since(v.heard.map_or(sent, |h| h.max(sent)));
+                    let quiet = now
+                        .saturating_duration_since(v.heard.map_or(sent, |h| h.max(sent)))
+                        .max(v.unanswered(now).unwrap_or_default());
                     (quiet >= policy::silence_limit(v.rtt)).then_some(quiet)
                 }
                 None => None,
@@ -1171,7 +1178,7 @@ impl Load {
                         && p.up
                         && p.holds(id)
                         && p.usable()
-                        && !p.suspect()
+                        && !p.suspect(now)
                 });
             if silent.is_none() && !dial_wait {
                 continue;
@@ -1203,7 +1210,7 @@ impl Load {
                     && p.usable()
                     && p.holds(id)
                     && p.up
-                    && !p.suspect()
+                    && !p.suspect(now)
                     && !p.avoided(now)
                     && p.unreachable.is_none()
             });
@@ -1400,6 +1407,10 @@ impl Load {
             if let (Some(sent), false, None) = (t.sent, t.watched, t.moving) {
                 let v = peers[t.peer].view();
                 let quiet = v.heard.map_or(sent, |h| h.max(sent));
+                let quiet = v
+                    .unanswered(now)
+                    .and_then(|q| now.checked_sub(q))
+                    .map_or(quiet, |owed| quiet.min(owed));
                 at(quiet + policy::silence_limit(v.rtt));
             }
         }
@@ -1852,7 +1863,7 @@ mod tests {
         assert!(sim.at(750).is_empty());
         let b = only_send(&sim.at(760));
         assert_eq!(b.peer, 1);
-        assert!(sim.peers[0].suspect());
+        assert!(sim.peers[0].suspect(sim.now));
         assert_eq!(sim.load.stats().hedges, 1);
         let out = sim.verified(800, &b);
         assert_eq!(cancels(&out), [(a.try_id, false)]);
@@ -1867,7 +1878,78 @@ mod tests {
         assert_eq!(s.peer, 1, "not the silent connection");
         // Once it hears again it is not suspect.
         sim.peers[0].heard = Some(sim.now + Duration::from_millis(1));
-        assert!(!sim.peers[0].suspect());
+        assert!(!sim.peers[0].suspect(sim.now));
+    }
+
+    /// A stopped peer whose every try is raced and won by another holder before its own
+    /// silence limit (a decode's small demand loads, hedged after tens of milliseconds) is
+    /// still found silent: its connection has owed a datagram since the first request sent on
+    /// it, so once that is longer than its latency explains, it is suspect and later loads ask
+    /// the other holder first. (Measured before the rule: a peer stopped mid-run was asked
+    /// first by every load of the rest of a 24-token run, each raced after a hedge delay that
+    /// grew with every race it lost: +5.3 s.)
+    #[test]
+    fn a_silent_peer_whose_tries_are_all_raced_is_still_found_silent() {
+        let mut sim = Sim::new(2, spec(MIB, true));
+        sim.alive = vec![1];
+        let mut first_at_0 = 0;
+        // Both were heard at 0.
+        let mut ms = 10;
+        // Loads one after another, each ended by peer 1 within 100 ms.
+        while ms < 710 {
+            let a = only_send(&sim.at(ms));
+            if a.peer == 0 {
+                first_at_0 += 1;
+                let mut t = ms;
+                let b = loop {
+                    t += 5;
+                    let out = sim.at(t);
+                    if let Some(b) = sends(&out).pop() {
+                        break b;
+                    }
+                    assert!(t < ms + 100, "peer 0's try was not raced");
+                };
+                assert_eq!(b.peer, 1);
+                let out = sim.verified(t + 1, &b);
+                assert_eq!(cancels(&out), [(a.try_id, false)]);
+                assert!(matches!(done(&out), Some(Ok(_))));
+            } else {
+                assert!(matches!(done(&sim.verified(ms + 1, &a)), Some(Ok(_))));
+            }
+            assert!(!sim.peers[0].suspect(sim.now), "at {ms} ms");
+            ms += 100;
+            sim.load = Load::new(spec(MIB, true), cfg());
+        }
+        assert!(first_at_0 >= 1, "peer 0 was asked first at least once");
+        assert_eq!(sim.in_flight(), [0, 0], "every raced try was cancelled");
+        // 4 round trips of 1 ms and the grace of 750 ms after the first request to peer 0.
+        let s = only_send(&sim.at(770));
+        assert!(sim.peers[0].suspect(sim.now));
+        assert_eq!(s.peer, 1, "not the silent connection");
+        // Heard again, it is asked as before.
+        sim.alive = vec![0, 1];
+        sim.at(800);
+        assert!(!sim.peers[0].suspect(sim.now));
+    }
+
+    /// A try sent to a connection that has owed a datagram since an earlier request is raced
+    /// when that earlier request's silence limit ends, not a whole limit after its own send.
+    #[test]
+    fn a_try_at_a_connection_already_silent_is_raced_on_the_connections_clock() {
+        let mut sim = Sim::new(2, spec(MIB, false));
+        sim.alive = vec![1];
+        // An earlier request (another load's, cancelled since), after it was last heard.
+        sim.peers[0].request_sent(sim.t0 + Duration::from_millis(10));
+        let a = only_send(&sim.at(500));
+        assert_eq!(a.peer, 0);
+        assert_eq!(
+            sim.load.poll_timeout(),
+            Some(sim.t0 + Duration::from_millis(764)),
+            "woken on the connection's clock"
+        );
+        assert!(sim.at(760).is_empty());
+        let b = only_send(&sim.at(764));
+        assert_eq!(b.peer, 1, "raced 264 ms after its own send");
     }
 
     /// A silent stripe moves at once to a connected holder, whatever its fetches in flight.

@@ -157,6 +157,12 @@ pub struct PeerView {
     /// [`silence_limit`]: suspect until the connection hears anything again
     /// ([`PeerView::suspect`]).
     pub silent_since: Option<Instant>,
+    /// When the oldest request this node sent on its connection since it last heard anything
+    /// was sent ([`PeerView::request_sent`]). A live peer acknowledges every request within a
+    /// round trip, one cancelled since included, so the connection owes a datagram from then
+    /// on, whatever became of the request: a stopped peer whose every try is raced and
+    /// cancelled before its own silence limit is still found silent.
+    pub owed_since: Option<Instant>,
 }
 
 impl PeerView {
@@ -213,17 +219,45 @@ impl PeerView {
         self.inventory.is_none() || self.holds(id) || self.offers(id)
     }
 
-    /// Whether its connection was found silent with a request waiting on it and has heard
-    /// nothing since (see [`silence_limit`]).
-    pub fn suspect(&self) -> bool {
+    /// Whether, at `now`, its connection was found silent with a request waiting on it and
+    /// has heard nothing since, or has heard nothing for [`silence_limit`] since a request was
+    /// sent on it ([`PeerView::unanswered`]).
+    pub fn suspect(&self, now: Instant) -> bool {
+        self.flagged()
+            || self
+                .unanswered(now)
+                .is_some_and(|q| q >= silence_limit(self.rtt))
+    }
+
+    /// Whether it was found silent ([`PeerView::suspect_silent`]) and has heard nothing since.
+    fn flagged(&self) -> bool {
         self.silent_since
             .is_some_and(|t| self.heard.is_none_or(|h| h <= t))
+    }
+
+    /// Notes at `now` that a request (a fetch's, an exec call's) was sent on its connection.
+    pub fn request_sent(&mut self, now: Instant) {
+        if self.owed().is_none() {
+            self.owed_since = Some(now);
+        }
+    }
+
+    /// The oldest request sent since the connection last heard anything.
+    fn owed(&self) -> Option<Instant> {
+        self.owed_since
+            .filter(|&o| self.heard.is_none_or(|h| h < o))
+    }
+
+    /// How long, at `now`, its connection has heard nothing since a request was sent on it
+    /// (`None`: it heard something after every request sent).
+    pub fn unanswered(&self, now: Instant) -> Option<Duration> {
+        self.owed().map(|o| now.saturating_duration_since(o))
     }
 
     /// Notes at `now` that a request waited on its connection beyond [`silence_limit`].
     /// Returns true when it was not suspect already.
     pub fn suspect_silent(&mut self, now: Instant) -> bool {
-        let new = !self.suspect();
+        let new = !self.flagged();
         if new {
             self.silent_since = Some(now);
         }
@@ -296,6 +330,7 @@ impl PeerView {
         self.up = true;
         self.heard = Some(now);
         self.silent_since = None;
+        self.owed_since = None;
     }
 
     /// Notes a failed connection attempt at `now`: the peer is unreachable for a back-off (see
@@ -381,7 +416,7 @@ pub fn choose<'a>(
             continue;
         }
         let unknown = p.inventory.is_none();
-        let avoided = unknown || p.avoided(now) || p.suspect();
+        let avoided = unknown || p.avoided(now) || p.suspect(now);
         let cand = (
             (avoided, !p.holds(id), !p.up, p.in_flight),
             p.expected(len),
@@ -432,7 +467,7 @@ pub fn idle_holder_left<'a>(
             && p.holds(id)
             && p.in_flight == 0
             && !p.avoided(now)
-            && !p.suspect()
+            && !p.suspect(now)
             && p.unreachable.is_none()
     })
 }
@@ -584,7 +619,11 @@ pub fn stripes<'a>(
     let ready: Vec<(usize, &PeerView)> = peers
         .into_iter()
         .filter(|(_, p)| {
-            p.usable() && p.holds(id) && !p.avoided(now) && !p.suspect() && p.unreachable.is_none()
+            p.usable()
+                && p.holds(id)
+                && !p.avoided(now)
+                && !p.suspect(now)
+                && p.unreachable.is_none()
         })
         .collect();
     if ready.len() < 2 || len < min_stripe.saturating_mul(2) {
@@ -784,6 +823,37 @@ mod tests {
 
     fn views(v: &[PeerView]) -> impl Iterator<Item = (usize, &PeerView)> {
         v.iter().enumerate()
+    }
+
+    /// A connection owes a datagram from the oldest request sent since it last heard: later
+    /// requests do not move that on, anything heard clears it, and once it is owed for the
+    /// silence limit the peer is suspect until heard (or connected) again.
+    #[test]
+    fn a_connection_owes_from_its_oldest_unanswered_request() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let mut p = PeerView {
+            rtt: Some(Duration::from_millis(1)),
+            heard: Some(t0),
+            ..PeerView::default()
+        };
+        let limit = silence_limit(p.rtt);
+        assert_eq!(limit, Duration::from_millis(754));
+        assert_eq!(p.unanswered(ms(5)), None, "nothing sent");
+        p.request_sent(ms(10));
+        p.request_sent(ms(500));
+        assert_eq!(p.unanswered(ms(600)), Some(Duration::from_millis(590)));
+        assert!(!p.suspect(ms(763)));
+        assert!(p.suspect(ms(764)), "owed since the first request");
+        // Heard: owed no more; the next request starts the clock again.
+        p.heard = Some(ms(800));
+        assert!(!p.suspect(ms(900)));
+        p.request_sent(ms(900));
+        assert!(!p.suspect(ms(1653)));
+        assert!(p.suspect(ms(1654)));
+        p.connected(ms(1700));
+        assert_eq!(p.unanswered(ms(3000)), None);
+        assert!(!p.suspect(ms(3000)));
     }
 
     /// A holder is chosen over a peer that only offers, which is chosen over one that has not

@@ -12,7 +12,7 @@ use stormo_manifests::{Hash, PublicKey};
 use stormo_wire::Message;
 
 use super::link::{link, Link, LIVENESS_SAMPLE};
-use super::{Inner, PeerTier};
+use super::{Inner, Peer, PeerTier};
 use crate::exec::ExecError;
 use crate::policy;
 use crate::{FramedRecv, ReadError};
@@ -63,9 +63,10 @@ async fn exec_at(
     // Not up (lost, or never reached) while another holder is connected: the call fails at
     // once rather than wait out a dial, which goes on in the background.
     let other_up = || {
+        let now = Instant::now();
         peers.iter().filter(|q| q.addr.key != *peer).any(|q| {
             let s = q.state();
-            s.up && s.usable() && s.holds(expert) && !s.suspect()
+            s.up && s.usable() && s.holds(expert) && !s.suspect(now)
         })
     };
     let up = p.state().up;
@@ -85,14 +86,14 @@ async fn exec_at(
         let calls = async {
             let mut out = Vec::with_capacity(rows.len());
             for chunk in rows.chunks(per_call) {
-                out.extend(exec_call(&l, inner.model, expert, chunk, hidden).await?);
+                out.extend(exec_call(&l, &p, inner.model, expert, chunk, hidden).await?);
             }
             Ok(out)
         };
         let limit = policy::silence_limit(p.state().rtt);
         tokio::select! {
             r = calls => r,
-            quiet = silence(&l, limit) => {
+            quiet = silence(&l, &p, limit) => {
                 p.state().suspect_silent(Instant::now());
                 Err(ExecError::Lost(format!(
                     "{}: its connection heard nothing for {:.1}s",
@@ -112,14 +113,18 @@ async fn exec_at(
     }
 }
 
-/// Resolves, with how long, once `l`'s connection has heard nothing for `limit`.
-async fn silence(l: &Link, limit: Duration) -> Duration {
+/// Resolves, with how long, once `l`'s connection (to `peer`) has heard nothing for `limit`
+/// since this call began or since an earlier request was sent on it
+/// ([`policy::PeerView::unanswered`]: a call sent to a connection that already owes a datagram
+/// is not given a whole limit of its own).
+async fn silence(l: &Link, peer: &Peer, limit: Duration) -> Duration {
     let started = Instant::now();
     loop {
         tokio::time::sleep(LIVENESS_SAMPLE).await;
         let now = Instant::now();
         // Silent since the call began at least, whatever the connection heard before.
-        let quiet = l.live.silent_for(now).min(now - started);
+        let owed = peer.state().unanswered(now).unwrap_or_default();
+        let quiet = l.live.silent_for(now).min((now - started).max(owed));
         if quiet >= limit && l.live.silent_beyond(&l.conn, now, limit) {
             return quiet;
         }
@@ -130,6 +135,7 @@ async fn silence(l: &Link, limit: Duration) -> Duration {
 /// one answer.
 async fn exec_call(
     l: &Link,
+    peer: &Peer,
     model: Hash,
     expert: ExpertId,
     rows: &[f32],
@@ -152,6 +158,7 @@ async fn exec_call(
     crate::write_message(&mut send, &Message::Exec(msg))
         .await
         .map_err(|e| ExecError::Lost(format!("{e:#}")))?;
+    peer.state().request_sent(Instant::now());
     let _ = send.finish();
     let mut frames = FramedRecv::new(recv, stormo_wire::MAX_EXEC_FRAME_LEN);
     match frames.next().await {
@@ -176,12 +183,13 @@ impl PeerTier {
     /// connection went silent with a call or fetch waiting on it is left out until it is heard
     /// again ([`policy::PeerView::suspect`]).
     pub fn exec_holders(&self, id: ExpertId) -> Vec<PublicKey> {
+        let now = Instant::now();
         self.inner
             .peers()
             .iter()
             .filter(|p| {
                 let s = p.state();
-                s.usable() && s.holds(id) && !s.suspect()
+                s.usable() && s.holds(id) && !s.suspect(now)
             })
             .map(|p| p.addr.key)
             .collect()
@@ -190,12 +198,13 @@ impl PeerTier {
     /// [`Self::exec_holders`] with each one's measured link: round trip and throughput
     /// (`None`: not measured yet), for remote execution's choice.
     pub fn exec_links(&self, id: ExpertId) -> Vec<(PublicKey, Option<Duration>, Option<f64>)> {
+        let now = Instant::now();
         self.inner
             .peers()
             .iter()
             .filter_map(|p| {
                 let s = p.state();
-                (s.usable() && s.holds(id) && !s.suspect()).then(|| (p.addr.key, s.rtt, s.rate))
+                (s.usable() && s.holds(id) && !s.suspect(now)).then(|| (p.addr.key, s.rtt, s.rate))
             })
             .collect()
     }
