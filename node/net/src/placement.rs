@@ -1168,7 +1168,10 @@ impl<N: Copy + Eq + Hash + fmt::Debug> Placement<N> {
                 v.missing_since = 0;
             }
             let (missing_since, held) = (v.missing_since, v.held);
-            if counted_held < n {
+            // Only the experts this node could add a copy of hold its spare room back: one it
+            // holds already (a node with room left holding the rarest expert) must not keep
+            // it from taking a third copy of another, which lets a full node swap.
+            if counted_held < n && own == Own::None {
                 below_n_held += 1;
             }
             if own != Own::None || held == 0 || self.retry_at.contains_key(&iu) {
@@ -1700,6 +1703,58 @@ mod tests {
                 "{fetchers} nodes fetched {missing} missing copies (count_pinned {count_pinned})"
             );
         }
+    }
+
+    /// Regression (the recipe, budgets 1.2x): four nodes with room for 4.8 experts of
+    /// 8 each; three are full with 4, the fourth holds 3 and among them the one expert with a
+    /// single copy; every other expert has exactly 2. Nobody can fetch that expert's second
+    /// copy directly and no full node has a spare copy to swap out, so the node with room
+    /// takes a third copy of another expert: a full holder of that one can then swap it for
+    /// the rare expert.
+    #[test]
+    fn a_node_with_room_holding_the_rare_expert_makes_a_spare_for_a_swap() {
+        let t0 = Instant::now();
+        let cat = catalog(8);
+        let id = |e: u16| ExpertId::new(0, e);
+        let budget = 480;
+        let mut p = Placement::new(1u64, budget, &cat, Config::default(), t0);
+        for e in [0, 1, 2] {
+            p.handle(
+                Event::Holding {
+                    expert: id(e),
+                    pinned: false,
+                },
+                t0,
+            );
+        }
+        let full = |held: &[u16]| Announcement {
+            held: held.iter().map(|&e| id(e)).collect(),
+            budget,
+            used: 400,
+            ..Announcement::default()
+        };
+        for (peer, held) in [(2u64, [1, 3, 4, 5]), (3, [2, 3, 6, 7]), (4, [4, 5, 6, 7])] {
+            p.handle(
+                Event::Announced {
+                    peer,
+                    announcement: &full(&held),
+                },
+                t0,
+            );
+        }
+        assert_eq!(p.copies(id(0)), Some(1));
+        let fetched: Vec<ExpertId> = (0..10)
+            .flat_map(|r| drain(&mut p, t0 + Duration::from_secs(2 * r)))
+            .filter_map(|a| match a {
+                Action::Fetch { expert, .. } => Some(expert),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(fetched.len(), 1, "one spare copy: {fetched:?}");
+        assert!(
+            (3..8).contains(&fetched[0].expert),
+            "a copy of one it does not hold: {fetched:?}"
+        );
     }
 
     #[test]
