@@ -150,6 +150,41 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// Why `dir` (whose config is `config`) is not a model folder, with what to do; `None` when
+/// its `config.json` is there (or cannot be checked: reading it then names the error).
+fn not_a_model(dir: &Path, config: &Path) -> Option<String> {
+    match std::fs::metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let mut reason = String::from("no such folder");
+            // `org/name`, relative and not there: a Hugging Face model id, most likely.
+            let parts: Vec<_> = dir.components().collect();
+            let hub_id = dir.is_relative()
+                && parts.len() == 2
+                && parts
+                    .iter()
+                    .all(|c| matches!(c, std::path::Component::Normal(_)));
+            if let (true, Some(name)) = (hub_id, dir.file_name()) {
+                let (id, name) = (dir.display(), Path::new(name).display());
+                reason.push_str(&format!(
+                    "; if {id} is a Hugging Face model, download it first \
+                     (`huggingface-cli download {id} --local-dir {name}`, then --model {name}), \
+                     or fetch it from a peer with `stormo pull`"
+                ));
+            }
+            Some(reason)
+        }
+        Ok(m) if m.is_dir() => match std::fs::metadata(config) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(
+                "no config.json (a model folder holds config.json, tokenizer.json and the \
+                 safetensors files, as published on Hugging Face)"
+                    .into(),
+            ),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
 impl ModelConfig {
     /// Reads and normalises `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
@@ -163,6 +198,12 @@ impl ModelConfig {
             ));
         }
         let path = dir.join("config.json");
+        if let Some(reason) = not_a_model(dir, &path) {
+            return Err(Error::NoModel {
+                dir: dir.to_path_buf(),
+                reason,
+            });
+        }
         let text = crate::safetensors::read_small_text(&path, crate::safetensors::SMALL_FILE_MAX)?;
         Self::from_json_str(&text, &path)
     }
@@ -760,6 +801,33 @@ mod tests {
         "num_local_experts":4,"num_experts_per_tok":2,"intermediate_size":32,"sliding_window":8,
         "rope_theta":150000,"rope_scaling":{"rope_type":"yarn","factor":32.0,"beta_fast":32.0,
         "beta_slow":1.0,"original_max_position_embeddings":4096,"truncate":false}}"#;
+
+    /// A folder without config.json, a missing folder and a Hugging Face id that is not a
+    /// folder each say what is wrong and what to do, not a bare OS error.
+    #[test]
+    fn a_folder_that_is_not_a_model_says_what_to_do() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = ModelConfig::from_dir(dir.path()).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!(
+                "no model at {}: no config.json (a model folder holds config.json, \
+                 tokenizer.json and the safetensors files, as published on Hugging Face)",
+                dir.path().display()
+            )
+        );
+        let gone = dir.path().join("gone");
+        let e = ModelConfig::from_dir(&gone).unwrap_err().to_string();
+        assert_eq!(e, format!("no model at {}: no such folder", gone.display()));
+        let e = ModelConfig::from_dir(Path::new("openai/gpt-oss-20b"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("no model at openai/gpt-oss-20b: no such folder; if openai/gpt-oss-20b is a Hugging Face model, download it first (`huggingface-cli download openai/gpt-oss-20b --local-dir gpt-oss-20b`, then --model gpt-oss-20b)"),
+            "{e}"
+        );
+        assert!(e.contains("stormo pull"), "{e}");
+    }
 
     #[test]
     fn gpt_oss_hub_form() {

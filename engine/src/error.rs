@@ -32,6 +32,14 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// The folder given as a model is not one: missing, or without `config.json`.
+    #[error("no model at {}: {reason}", dir.display())]
+    NoModel {
+        /// The folder.
+        dir: PathBuf,
+        /// What is missing, and what to do.
+        reason: String,
+    },
     /// The config names a model family the engine does not implement.
     #[error("unsupported model_type {found:?}; supported: {}", SUPPORTED_MODEL_TYPES.join(", "))]
     UnsupportedModel {

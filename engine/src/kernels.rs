@@ -2430,10 +2430,17 @@ mod tests {
         }
     }
 
+    /// Every AArch64 CPU a Linux distribution runs on has NEON (Advanced SIMD is part of
+    /// ARMv8-A's base), so on AArch64 the NEON tier must be found: otherwise the kernel tests
+    /// (`.ci/neon-emulated.sh`) would pass on the scalar tier alone without testing NEON.
     #[cfg(target_arch = "aarch64")]
     #[test]
     fn detection_finds_neon_when_the_cpu_has_it() {
         let has = std::arch::is_aarch64_feature_detected!("neon");
+        assert!(
+            has,
+            "an AArch64 CPU without NEON: the NEON kernels are not tested here"
+        );
         assert_eq!(Isa::available().contains(&Isa::Neon), has);
         assert_eq!(Isa::detected() == Isa::Neon, has);
     }

@@ -288,12 +288,12 @@ fn map_file(path: &Path, len: u64) -> Result<Arc<MappedFile>> {
             ),
         ));
     }
-    Ok(Arc::new(MappedFile {
-        path: path.to_path_buf(),
+    Ok(Arc::new(MappedFile::new(
+        path.to_path_buf(),
         len,
         map,
         file,
-    }))
+    )))
 }
 
 /// A loaded model: configuration, mapped checkpoint, dense weights, and an expert provider.
@@ -319,6 +319,9 @@ pub struct Model {
     screen: Option<HeadScreen>,
     /// Copies of the dense matrices every token reads, on huge pages (see `copy_dense`).
     copies: Vec<HugeBuf>,
+    /// Per checkpoint file, the end of its last tensor that is not an expert's: the bytes a
+    /// step may read through the mapping besides experts (norms, biases, the head).
+    dense_ends: Vec<usize>,
 }
 
 /// Receives intermediate values of a forward (for tests and diagnostics).
@@ -481,6 +484,14 @@ impl Model {
             );
         }
         let rope = Rope::new(&cfg.rope, cfg.head_dim);
+        let expert_tensors = layout.expert_tensor_names();
+        let mut dense_ends = vec![0; ckpt.files.len()];
+        for (name, t) in &ckpt.tensors {
+            if !expert_tensors.contains(name.as_str()) {
+                let end = &mut dense_ends[t.file];
+                *end = (*end).max((t.offset + t.len) as usize);
+            }
+        }
         let mut model = Self {
             cfg,
             ckpt,
@@ -497,6 +508,7 @@ impl Model {
             q8: Vec::new(),
             screen: None,
             copies: Vec::new(),
+            dense_ends,
         };
         if opts.int8_attn_head {
             model.quantize_attn_head()?;
@@ -505,7 +517,21 @@ impl Model {
             model.release(model.lm_head.loc);
         }
         model.copy_dense()?;
+        model.check_mapped()?;
         Ok(model)
+    }
+
+    /// Whether the dense bytes a step may read through the checkpoint's mapping still are
+    /// the files' ([`MappedFile::check`]): a file truncated under the model, which gave a
+    /// step zeros in place of a fault, fails that step with the file's name. One `fstat` per
+    /// file. (Experts are checked by the MoE, before and after they are computed.)
+    fn check_mapped(&self) -> Result<()> {
+        for (f, &end) in self.ckpt.files.iter().zip(&self.dense_ends) {
+            if end > 0 {
+                f.check(end)?;
+            }
+        }
+        Ok(())
     }
 
     /// Reads every dense matrix a token multiplies in full (the attention projections that
@@ -866,12 +892,14 @@ impl Model {
                 Some(&read),
             )?;
             if let Some(tok) = got {
+                self.check_mapped()?;
                 return Ok(tok);
             }
         }
         s.screen_stats.full += 1;
         s.logits.resize(v, 0.0);
         matmul(&head_mat, x, &mut s.logits[..v]);
+        self.check_mapped()?;
         sampler
             .sample(&s.logits[..v], history)
             .map_err(|e| Error::Input(e.to_string()))
@@ -931,8 +959,11 @@ impl Model {
         })();
         s.scores = scores;
         layers?;
+        self.check_mapped()?;
         sess.pos += t;
-        self.head(s, t, head, obs)
+        let choice = self.head(s, t, head, obs)?;
+        self.check_mapped()?;
+        Ok(choice)
     }
 
     /// One layer's attention step on the block's `t` rows, which are the positions of one or

@@ -304,6 +304,41 @@ impl ExpertData {
     pub fn parts(&self) -> impl Iterator<Item = &[u8]> {
         self.parts.iter().map(PartBytes::bytes)
     }
+
+    /// Whether the parts held in a file mapping still are the file's
+    /// ([`MappedFile::check`]: one `fstat` per file). Called before the bytes are used and
+    /// again after whatever was computed from them, and before it is handed on: a file
+    /// truncated in between reads as zeros, not as a fault (see `safetensors/sigbus.rs`).
+    pub fn check_mapped(&self) -> Result<()> {
+        let mut run: Option<(&Arc<MappedFile>, usize)> = None;
+        for p in &self.parts {
+            let PartBytes::Mapped(file, r) = p else {
+                continue;
+            };
+            match &mut run {
+                Some((f, end)) if Arc::ptr_eq(f, file) => *end = (*end).max(r.end),
+                _ => {
+                    if let Some((f, end)) = run {
+                        f.check(end)?;
+                    }
+                    run = Some((file, r.end));
+                }
+            }
+        }
+        match run {
+            Some((f, end)) => f.check(end),
+            None => Ok(()),
+        }
+    }
+}
+
+/// [`ExpertData::check_mapped`] as an error naming the expert (and the file).
+fn check_mapped(layer: usize, expert: usize, data: &ExpertData) -> Result<()> {
+    data.check_mapped().map_err(|e| Error::Expert {
+        layer,
+        expert,
+        reason: e.chain(),
+    })
 }
 
 /// Where experts come from: the seam between the MoE computation and the tiers.
@@ -463,6 +498,7 @@ impl ExpertProvider for MappedExperts {
                     expert: e,
                     reason: "no such expert in the checkpoint".into(),
                 })?;
+            check_mapped(layer, e, d)?;
             out.push(d.clone());
         }
         Ok(())
@@ -1001,6 +1037,10 @@ fn compute_landed(
         h,
         schema.intermediate,
     );
+    // A mapped file cut short while the kernels read it gave them zeros: found here.
+    for (d, &e) in handles.iter().zip(&s.landed) {
+        check_mapped(layer, e, d)?;
+    }
     // Where each (position, slot) of these experts finds its output row.
     s.source.clear();
     s.source.resize(t * k, None);

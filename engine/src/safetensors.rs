@@ -15,6 +15,8 @@ use memmap2::Mmap;
 
 use crate::error::{Error, Result};
 
+mod sigbus;
+
 /// The element types a safetensors file may declare.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Dtype {
@@ -134,12 +136,20 @@ impl TensorInfo {
 }
 
 /// One checkpoint file, mapped.
+///
+/// A file truncated while mapped does not end the process: a read of its mapping past the
+/// new end gives zeros and marks the mapping (see `safetensors/sigbus.rs`); whoever reads
+/// mapped bytes calls [`check`](Self::check) on the range before handing out what it
+/// computed from them.
 #[derive(Debug)]
 pub struct MappedFile {
     /// Its path.
     pub path: PathBuf,
     /// Its length when it was opened and validated.
     pub len: u64,
+    /// The mapping's place in the SIGBUS guard's table; declared before `map` so that it is
+    /// given back before the mapping is unmapped.
+    guard: sigbus::Guard,
     /// The mapping.
     pub map: Mmap,
     /// The open file, for positioned reads of bytes that are better not mapped (a few rows
@@ -149,9 +159,56 @@ pub struct MappedFile {
 }
 
 impl MappedFile {
+    /// The mapping `map` of `file` at `path`, `len` bytes when validated, guarded.
+    pub(crate) fn new(path: PathBuf, len: u64, map: Mmap, file: File) -> Self {
+        Self {
+            path,
+            len,
+            guard: sigbus::Guard::new(&map),
+            map,
+            file,
+        }
+    }
+
     /// Reads `buf.len()` bytes at `offset` with a positioned read (not through the mapping).
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         read_exact_at(&self.file, &self.path, buf, offset)
+    }
+
+    /// Whether the mapping's bytes before `end` still are the file's: an error naming the
+    /// file when a read of the mapping before `end` found the file cut short (its pages from
+    /// there on read as zeros, until the process restarts), or when the file is now shorter
+    /// than `end` (the rest of the last page past the file's end reads as zeros without any
+    /// fault). One `fstat`.
+    pub fn check(&self, end: usize) -> Result<()> {
+        if let Some(cut) = self.guard.cut() {
+            if end > cut {
+                return Err(Error::io(
+                    &self.path,
+                    std::io::Error::other(format!(
+                        "bytes from offset {cut} on could not be read through the mapping \
+                         (the file was truncated or could not be read while running); they \
+                         stay unreadable until the process restarts"
+                    )),
+                ));
+            }
+        }
+        let now = self
+            .file
+            .metadata()
+            .map_err(|e| Error::io(&self.path, e))?
+            .len();
+        if now < end as u64 {
+            return Err(Error::io(
+                &self.path,
+                std::io::Error::other(format!(
+                    "file changed size: {} bytes when opened, {now} now (truncated or \
+                     replaced while running)",
+                    self.len
+                )),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -485,19 +542,12 @@ pub fn open_file(path: &Path, file_idx: usize) -> Result<(MappedFile, Vec<(Strin
         });
     }
     // SAFETY: the mapping is read-only. A file truncated by another process while mapped
-    // would fault on access; the expert tiers read experts with positioned reads instead,
-    // and the file length is re-checked against the validated one before each such read.
+    // would fault on access: `MappedFile::new` guards the mapping (`sigbus.rs`), and readers
+    // check the ranges they read (`MappedFile::check`).
     let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-    let infos = parse_header(path, &map, len, file_idx)?;
-    Ok((
-        MappedFile {
-            path: path.to_path_buf(),
-            len,
-            map,
-            file,
-        },
-        infos,
-    ))
+    let mapped = MappedFile::new(path.to_path_buf(), len, map, file);
+    let infos = parse_header(path, &mapped.map, len, file_idx)?;
+    Ok((mapped, infos))
 }
 
 /// Writes tensors as a safetensors file (used for `--logits-out` and by tests and tools).

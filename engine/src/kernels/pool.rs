@@ -158,10 +158,29 @@ pub(crate) fn for_each_index(n: usize, f: impl Fn(usize) + Sync) {
     run_loop(n, &f);
 }
 
+/// [`for_each_index`] on this thread alone, with the same promise: every call is made, and
+/// the first panic is re-raised after the last (a loop that stopped at the panic broke it
+/// whenever another caller held the pool, which a test running beside others saw under QEMU).
+fn run_inline(n: usize, f: &(dyn Fn(usize) + Sync)) {
+    let mut first = None;
+    for i in 0..n {
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(i))) {
+            match first {
+                None => first = Some(p),
+                // As in `run_claimed`: a later payload's `Drop` may not unwind from here.
+                Some(_) => drop(catch_unwind(AssertUnwindSafe(move || drop(p)))),
+            }
+        }
+    }
+    if let Some(p) = first {
+        resume_unwind(p);
+    }
+}
+
 /// [`for_each_index`], not generic.
 fn run_loop(n: usize, f: &(dyn Fn(usize) + Sync)) {
     if n <= 1 || IN_LOOP.with(Cell::get) || rayon::current_num_threads() <= 1 {
-        return (0..n).for_each(f);
+        return run_inline(n, f);
     }
     if n > MAX_TASKS {
         // In loops of at most MAX_TASKS indices (none so large runs on the decode path).
@@ -172,12 +191,12 @@ fn run_loop(n: usize, f: &(dyn Fn(usize) + Sync)) {
     }
     let pool = pool();
     if pool.helpers == 0 {
-        return (0..n).for_each(f);
+        return run_inline(n, f);
     }
     let _caller = match pool.caller.try_lock() {
         Ok(g) => g,
         Err(TryLockError::Poisoned(p)) => p.into_inner(),
-        Err(TryLockError::WouldBlock) => return (0..n).for_each(f),
+        Err(TryLockError::WouldBlock) => return run_inline(n, f),
     };
     let sh = pool.shared;
     // SAFETY: erases the closure's lifetime; it is called only for claimed indices of this
@@ -356,6 +375,29 @@ mod tests {
                 });
             }
         });
+    }
+
+    /// The same on a caller left to run its loop alone, the pool being busy with another:
+    /// every index still runs before the panic reaches the caller.
+    #[test]
+    fn a_panic_on_a_caller_running_alone_comes_after_every_index() {
+        let _busy = pool()
+            .caller
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let ran = AtomicU32::new(0);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            for_each_index(64, |i| {
+                ran.fetch_add(1, Ordering::Relaxed);
+                assert!(i != 40 && i != 50, "index {i} fails");
+            })
+        }));
+        let msg = r.expect_err("the panic reaches the caller");
+        assert_eq!(
+            msg.downcast_ref::<String>().map(String::as_str),
+            Some("index 40 fails")
+        );
+        assert_eq!(ran.load(Ordering::Relaxed), 64);
     }
 
     /// A panic in one index reaches the caller after the others have run, and the pool

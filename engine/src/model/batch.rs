@@ -185,10 +185,12 @@ impl Model {
             q.session.s.scores = sc;
         }
         layers?;
+        self.check_mapped()?;
         for q in seqs.iter_mut() {
             q.session.pos += q.tokens.len();
         }
-        self.batch_head(batch, seqs)
+        self.batch_head(batch, seqs)?;
+        self.check_mapped()
     }
 
     /// The head of a batched step: each sequence's last row final-normed; greedy choices

@@ -294,7 +294,13 @@ impl Answer {
                 }
             }
             loop {
-                let v = match self.next().await {
+                // A client that hangs up (the connection drops the body) ends the task at once,
+                // so a request still waiting in the queue leaves it (see `batch.rs`).
+                let step = tokio::select! {
+                    step = self.next() => step,
+                    () = tx.closed() => return,
+                };
+                let v = match step {
                     Ok(Some(Step::Delta(OutputDelta::Content(t)))) => {
                         self.chunk(json!({ "content": t }), None)
                     }

@@ -28,15 +28,25 @@
 //! then, and those steps are made again. A client only ever sees checked tokens; a request
 //! ends (and its slot is free again) once its last step is checked, and when nothing is left
 //! to compute the engine waits for the checks still running.
+//!
+//! Requests wait for a slot in a [`Queue`], oldest first. A thread takes each one from the
+//! handlers' channel as it comes (the engine may be in the middle of a step) and starts a
+//! watcher on the engine's small runtime: when the request's client hangs up (its reply, and
+//! so the receiving end of its events, is dropped), the watcher takes it out of the queue at
+//! once, and its place counts against the queue limit no more. A request that hung up is
+//! never started either. A running request whose client hangs up ends at the next step, as
+//! before.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Instant;
 
 use stormo_engine::model::{Seq, Want};
 use stormo_engine::moe::{ExpertExecutor, Settled};
 use stormo_engine::sampling::{Sampler, SamplingError};
 use stormo_engine::{Batch, Model, Session};
+
+use anyhow::Context as _;
 
 use super::metrics::Metrics;
 use super::{Event, Job, JobBox};
@@ -128,6 +138,124 @@ struct Held {
     chose: Vec<(u64, TokenId, Option<TokenLogprobs>)>,
 }
 
+/// The requests waiting for a slot, oldest first; shared by the engine, the thread that
+/// fills it from the handlers' channel, and the watchers of the waiting requests' clients.
+#[derive(Default)]
+struct Queue {
+    state: Mutex<Waiting>,
+    /// Signalled when a request arrives or the queue closes.
+    ready: Condvar,
+}
+
+#[derive(Default)]
+struct Waiting {
+    jobs: VecDeque<Entry>,
+    /// The handlers' channel has closed: no more requests come.
+    closed: bool,
+    /// The engine has stopped (it panicked): requests are failed, not queued.
+    stopped: bool,
+    next_id: u64,
+}
+
+/// A waiting request. Dropping it (admitted, or gone) ends its watcher.
+struct Entry {
+    id: u64,
+    job: Job,
+    _watch: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Queue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Waiting> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes every request from `rx` into the queue, each watched on `rt`, until the channel
+    /// closes or the engine stops.
+    fn fill(self: &Arc<Self>, rx: std::sync::mpsc::Receiver<JobBox>, rt: &tokio::runtime::Handle) {
+        while let Ok(JobBox(job)) = rx.recv() {
+            if !self.push(job, rt) {
+                // Dropping `rx` makes the handlers' next send fail: "the engine has stopped".
+                return;
+            }
+        }
+        self.lock().closed = true;
+        self.ready.notify_all();
+    }
+
+    /// Queues `job` and watches its client; false (and `job` failed) when the engine stopped.
+    fn push(self: &Arc<Self>, job: Job, rt: &tokio::runtime::Handle) -> bool {
+        let events = job.events.clone();
+        let (watch, admitted) = tokio::sync::oneshot::channel();
+        let id = {
+            let mut w = self.lock();
+            if w.stopped {
+                drop(w);
+                fail(job, "the engine has stopped");
+                return false;
+            }
+            w.next_id += 1;
+            let id = w.next_id;
+            w.jobs.push_back(Entry {
+                id,
+                job,
+                _watch: watch,
+            });
+            id
+        };
+        self.ready.notify_one();
+        let queue = self.clone();
+        rt.spawn(async move {
+            tokio::select! {
+                () = events.closed() => queue.leave(id),
+                // The request left the queue (admitted, or the engine stopped).
+                _ = admitted => {}
+            }
+        });
+        true
+    }
+
+    /// Request `id`'s client hung up: it leaves the queue, and its place is free (its
+    /// `Permit` drops with it).
+    fn leave(&self, id: u64) {
+        let gone = {
+            let mut w = self.lock();
+            let i = w.jobs.iter().position(|e| e.id == id);
+            i.and_then(|i| w.jobs.remove(i))
+        };
+        if gone.is_some() {
+            tracing::debug!("HTTP: a queued request left the queue: its client hung up");
+        }
+    }
+
+    /// Moves up to `free` waiting requests into `into`, oldest first; with `wait`, first
+    /// waits until one is there. False once the queue is closed and empty (no request can
+    /// come any more).
+    fn take(&self, free: usize, wait: bool, into: &mut Vec<Job>) -> bool {
+        let mut w = self.lock();
+        while wait && w.jobs.is_empty() && !w.closed {
+            w = self.ready.wait(w).unwrap_or_else(PoisonError::into_inner);
+        }
+        if w.jobs.is_empty() && w.closed {
+            return false;
+        }
+        let n = free.min(w.jobs.len());
+        into.extend(w.jobs.drain(..n).map(|e| e.job));
+        true
+    }
+
+    /// The engine stopped: waiting requests fail, and so do any that come.
+    fn stop(&self) {
+        let jobs = {
+            let mut w = self.lock();
+            w.stopped = true;
+            std::mem::take(&mut w.jobs)
+        };
+        for e in jobs {
+            fail(e.job, "the engine has stopped");
+        }
+    }
+}
+
 /// The engine thread's state.
 pub(super) struct Engine {
     model: Arc<Model>,
@@ -140,6 +268,9 @@ pub(super) struct Engine {
     /// Steps not yet handed on, oldest first.
     held: VecDeque<Held>,
     next_id: u64,
+    queue: Arc<Queue>,
+    /// Runs the queue's filler and watchers (one worker thread); `None` once shut down.
+    rt: Option<tokio::runtime::Runtime>,
 }
 
 impl Engine {
@@ -165,6 +296,11 @@ impl Engine {
                 })
             })
             .collect::<anyhow::Result<_>>()?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("stormo-http-queue")
+            .build()
+            .context("starting the HTTP queue's runtime")?;
         let deferring = model.executor().is_some_and(|x| x.defer_checks(true));
         Ok(Self {
             model,
@@ -175,28 +311,28 @@ impl Engine {
             deferring,
             held: VecDeque::new(),
             next_id: 0,
+            queue: Arc::new(Queue::default()),
+            rt: Some(rt),
         })
     }
 
     /// Runs jobs from `rx` until it closes and every running request has finished.
     pub(super) fn run(mut self, rx: std::sync::mpsc::Receiver<JobBox>) {
-        let mut open = true;
+        let rt = self
+            .rt
+            .as_ref()
+            .expect("the runtime lives until the engine drops");
+        let (queue, handle) = (self.queue.clone(), rt.handle().clone());
+        rt.spawn_blocking(move || queue.fill(rx, &handle));
+        let mut jobs = Vec::with_capacity(self.slots.len());
         loop {
-            if self.running.is_empty() {
-                if !open {
-                    return;
-                }
-                match rx.recv() {
-                    Ok(JobBox(job)) => self.admit(job),
-                    Err(_) => return,
-                }
+            let free = self.slots.len() - self.running.len();
+            let idle = self.running.is_empty();
+            if !self.queue.take(free, idle, &mut jobs) && idle {
+                return;
             }
-            while open && self.running.len() < self.slots.len() {
-                match rx.try_recv() {
-                    Ok(JobBox(job)) => self.admit(job),
-                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
-                    Err(std::sync::mpsc::TryRecvError::Disconnected) => open = false,
-                }
+            for job in jobs.drain(..) {
+                self.admit(job);
             }
             if !self.running.is_empty() {
                 self.step();
@@ -371,7 +507,7 @@ impl Engine {
         let res = self.model.forward_batch(&mut self.batch, &mut seqs);
         drop(seqs);
         if let Err(e) = res {
-            let msg = e.to_string();
+            let msg = e.chain();
             tracing::warn!("HTTP engine step failed: {msg}");
             // The held steps' requests fail with it, and so does this step: their checks no
             // longer count.
@@ -639,6 +775,14 @@ impl Drop for Engine {
         if let Some(x) = self.deferred() {
             x.defer_checks(false);
         }
+        // After `run` the queue is closed and empty; if the engine panicked, its waiting
+        // requests fail instead of waiting for ever.
+        self.queue.stop();
+        // Without waiting: the filler may still block on the channel (it returns at the next
+        // request), and the engine may be dropped on an async thread where waiting panics.
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
     }
 }
 
@@ -759,6 +903,78 @@ mod tests {
                 want.iter().map(|g| &g.0).collect::<Vec<_>>()
             );
         }
+    }
+
+    /// A request waiting in the queue whose client hangs up leaves it at once, with no engine
+    /// step to notice it: its place is given back (the count the HTTP side admits against
+    /// drops) and the live requests keep theirs, in order. A request taken from the queue
+    /// is watched no more (its watcher's copy of the client's sender is dropped).
+    #[test]
+    fn a_waiting_request_whose_client_hung_up_leaves_the_queue_at_once() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .build()
+            .unwrap();
+        let metrics = Arc::new(Metrics::new(Arc::new(|| None)));
+        let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let queue = Arc::new(Queue::default());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let filler = {
+            let (queue, handle) = (queue.clone(), rt.handle().clone());
+            std::thread::spawn(move || queue.fill(rx, &handle))
+        };
+        let mut clients = Vec::new();
+        for n in 1..=3u32 {
+            pending.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            let (events, seen) = tokio::sync::mpsc::unbounded_channel();
+            let job = Job {
+                prompt: vec![n],
+                opts: GenerateOptions {
+                    max_new_tokens: 1,
+                    stop: Vec::new(),
+                    sampling: SamplingParams::default(),
+                },
+                logprobs: None,
+                events,
+                _permit: super::super::Permit(pending.clone(), metrics.clone()),
+            };
+            tx.send(JobBox(job)).unwrap();
+            clients.push(Some(seen));
+        }
+        let waited = |what: &str, done: &dyn Fn() -> bool| {
+            let t0 = Instant::now();
+            while !done() {
+                assert!(t0.elapsed().as_secs() < 5, "{what}");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            t0.elapsed()
+        };
+        waited("three requests queue", &|| queue.lock().jobs.len() == 3);
+        // The second client hangs up.
+        clients[1] = None;
+        let took = waited("the request leaves the queue", &|| {
+            pending.load(std::sync::atomic::Ordering::Acquire) == 2
+        });
+        assert!(took.as_millis() < 1000, "{took:?}");
+        let ids: Vec<u32> = queue.lock().jobs.iter().map(|e| e.job.prompt[0]).collect();
+        assert_eq!(ids, [1, 3]);
+        // The engine takes one: it is watched no more; the other still is.
+        let mut taken = Vec::new();
+        assert!(queue.take(1, false, &mut taken));
+        assert_eq!(taken[0].prompt, [1]);
+        let sender = taken[0].events.clone();
+        waited("the taken request's watcher ends", &|| {
+            sender.strong_count() == 2
+        });
+        drop((taken, sender));
+        // Closing the channel ends the filler; the queue closes once the last request left.
+        drop(tx);
+        filler.join().unwrap();
+        clients[2] = None;
+        waited("the last request leaves", &|| {
+            pending.load(std::sync::atomic::Ordering::Acquire) == 0
+        });
+        assert!(!queue.take(1, true, &mut Vec::new()), "closed and empty");
     }
 
     #[test]
