@@ -73,12 +73,39 @@ impl fmt::Debug for Membership {
     }
 }
 
+/// Unix seconds as a UTC date and time, `2026-12-06 18:00:00 UTC`: how certificates' times
+/// are shown to people.
+pub fn utc_date_time(secs: u64) -> String {
+    let days = i64::try_from(secs / 86_400).unwrap_or(i64::MAX / 2);
+    let rem = secs % 86_400;
+    // The inverse of days_from_civil (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
 /// Why a certificate could not be signed.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum IssueError {
     /// The validity period is empty: it would never be valid.
-    #[error("the certificate would never be valid: it expires at {expires}, not after its start {not_before} (Unix seconds)")]
+    #[error(
+        "the certificate would never be valid: it expires at {}, not after its start {}",
+        utc_date_time(*expires),
+        utc_date_time(*not_before)
+    )]
     EmptyValidity {
         /// The first valid second asked for.
         not_before: u64,
@@ -143,7 +170,11 @@ pub enum MembershipError {
         node: PublicKey,
     },
     /// Not valid yet.
-    #[error("the certificate is not valid before {not_before} (Unix seconds; now is {now}); is a clock wrong?")]
+    #[error(
+        "the certificate is not valid before {} (now is {}); is a clock wrong?",
+        utc_date_time(*not_before),
+        utc_date_time(*now)
+    )]
     NotYetValid {
         /// The first valid second.
         not_before: u64,
@@ -151,7 +182,11 @@ pub enum MembershipError {
         now: u64,
     },
     /// Expired.
-    #[error("the certificate expired at {expires} (Unix seconds; now is {now})")]
+    #[error(
+        "the certificate expired at {} (now is {})",
+        utc_date_time(*expires),
+        utc_date_time(*now)
+    )]
     Expired {
         /// The expiry.
         expires: u64,
@@ -301,6 +336,36 @@ mod tests {
     use proptest::prelude::*;
 
     const T0: u64 = 1_800_000_000;
+
+    /// Times in certificate errors are UTC dates, not Unix seconds (issue 60).
+    #[test]
+    fn certificate_times_print_as_utc_dates() {
+        assert_eq!(utc_date_time(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(utc_date_time(T0), "2027-01-15 08:00:00 UTC");
+        assert_eq!(utc_date_time(1_796_580_000), "2026-12-06 18:00:00 UTC");
+        assert_eq!(utc_date_time(951_825_599), "2000-02-29 11:59:59 UTC");
+        assert!(utc_date_time(u64::MAX).ends_with(" UTC"));
+        let e = MembershipError::Expired {
+            expires: T0,
+            now: T0 + 61,
+        };
+        assert_eq!(
+            e.to_string(),
+            "the certificate expired at 2027-01-15 08:00:00 UTC (now is 2027-01-15 08:01:01 UTC)"
+        );
+        let e = MembershipError::NotYetValid {
+            not_before: T0,
+            now: T0 - 3600,
+        };
+        assert!(e.to_string().starts_with(
+            "the certificate is not valid before 2027-01-15 08:00:00 UTC (now is 2027-01-15 07:00:00 UTC)"
+        ));
+        let e = Membership::issue(&owner(), node(), T0, T0).expect_err("empty");
+        assert!(
+            e.to_string().contains("expires at 2027-01-15 08:00:00 UTC"),
+            "{e}"
+        );
+    }
 
     fn owner() -> SecretKey {
         SecretKey::from_seed(&[1; 32])

@@ -69,6 +69,16 @@ impl Cli {
             })?;
             file = Some(f);
         }
+        if let Some(flag) = gpu_layers_flag(&args) {
+            return Err(cmd.error(
+                clap::error::ErrorKind::UnknownArgument,
+                format!(
+                    "{flag} (llama.cpp's GPU layers) is not a stormo option: stormo runs on \
+                     CPUs and has no layers to offload to a GPU; leave it out (stormo's -n is \
+                     --max-new-tokens, so -ngl would read as `-n gl`)"
+                ),
+            ));
+        }
         let m = cmd
             .try_get_matches_from_mut(old_sim_spelling(args.clone()))
             .map_err(|e| {
@@ -202,6 +212,24 @@ fn env_var_of(a: &clap::Arg, long: &str, is_set: impl Fn(&str) -> bool) -> Strin
         .map(env_name)
         .find(|n| is_set(n))
         .unwrap_or(name)
+}
+
+/// llama.cpp's GPU-layer flag among `args`, if one is there (before any `--`): `-ngl`,
+/// `--n-gpu-layers` or `--gpu-layers`, alone or with `=N`. clap would read `-ngl 99` as
+/// `-n gl` and complain about the value, which helps nobody.
+fn gpu_layers_flag(args: &[std::ffi::OsString]) -> Option<String> {
+    args.iter()
+        .skip(1)
+        .map(|a| a.to_string_lossy())
+        .take_while(|a| a != "--")
+        .find_map(|a| {
+            let flag = a.split('=').next().unwrap_or_default();
+            let gpu = flag == "-ngl"
+                || flag == "--n-gpu-layers"
+                || flag == "--gpu-layers"
+                || (flag.starts_with("-ngl") && flag[4..].bytes().all(|b| b.is_ascii_digit()));
+            gpu.then(|| flag.to_string())
+        })
 }
 
 /// The arguments with the simulator's old spelling `stormo swarm --scenario ...` (from before
@@ -850,6 +878,28 @@ mod tests {
     }
 
     /// A cause already at the end of the message is not repeated; others follow their context.
+    /// `-ngl 99`, a llama.cpp habit, is refused with a hint that stormo runs on CPUs, not
+    /// parsed as `-n gl`; a prompt that merely contains the text is left alone.
+    #[test]
+    fn llama_cpp_gpu_layers_get_a_hint() {
+        for argv in [
+            &["stormo", "run", "-m", "m", "-ngl", "99"][..],
+            &["stormo", "chat", "-m", "m", "-ngl99"],
+            &["stormo", "serve", "--n-gpu-layers=99", "-m", "m"],
+        ] {
+            let e = super::Cli::try_parse_args(argv)
+                .expect_err("refused")
+                .to_string();
+            assert!(
+                e.contains("stormo runs on CPUs") && e.contains("GPU layers"),
+                "{argv:?}: {e}"
+            );
+        }
+        let ok = super::Cli::try_parse_args(["stormo", "run", "-m", "m", "-p", "say -ngl"]);
+        assert!(ok.is_ok(), "{:?}", ok.err());
+        assert!(super::gpu_layers_flag(&["x".into(), "--".into(), "-ngl".into()]).is_none());
+    }
+
     #[test]
     fn error_message_names_each_cause_once() {
         #[derive(Debug, thiserror::Error)]

@@ -2,11 +2,16 @@
 //! `Model::forward_batch` (prompts in chunks of varying size, joining and leaving at different
 //! steps) give, bit for bit, the logits and greedy choices each gets alone through
 //! `Model::forward` / `Model::forward_greedy`. On the oracle fixtures (every instruction set
-//! this CPU runs) and on synthetic models of both families.
+//! this CPU runs) and on synthetic models of both families. And the HTTP server's queue in
+//! front of the batching engine: a waiting request whose client hung up leaves it at once.
 
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
 use stormo_engine::kernels::{with_isa, Isa};
 use stormo_engine::model::{Seq, Want};
 use stormo_engine::{Batch, LoadOptions, Logits, Model, Session};
@@ -217,4 +222,142 @@ fn batched_sequences_equal_each_alone_on_synthetic_models() {
         check(tmp.path(), preset.name(), &load, false);
         check(tmp.path(), preset.name(), &load, true);
     }
+}
+
+/// Sends one HTTP request on a new connection and returns it unread.
+fn open_request(addr: SocketAddr, path: &str, body: &Value) -> TcpStream {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    let body = body.to_string();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).expect("write head");
+    s.write_all(body.as_bytes()).expect("write body");
+    s
+}
+
+/// Reads from `s` until what was read contains `want`; what was read.
+fn read_until(s: &mut TcpStream, want: &str) -> String {
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    while !seen.contains(want) {
+        let n = s.read(&mut buf).expect("the response goes on");
+        assert!(n > 0, "the response ended before {want:?}: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    seen
+}
+
+/// The value of metric `name` in a `/metrics` scrape of `addr`.
+fn metric(addr: SocketAddr, name: &str) -> f64 {
+    let (st, text) = crate::http::request(addr, "GET", "/metrics", b"");
+    assert_eq!(st, 200, "{text}");
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} in\n{text}"))
+}
+
+/// Issue 58 item 7: requests waiting in the HTTP queue whose clients hang up (a whole answer
+/// and a stream) give their places back at once, so live clients are not turned away with
+/// 429 by requests nobody waits for; the running request is not disturbed.
+///
+/// One request runs (`--parallel 1`), two wait (`--queue 2`), a third is refused. The
+/// waiting two hang up: within a second the queue is empty while the first still runs (it
+/// has generated fewer tokens than it will, and it ends with all of them), and two new
+/// requests are taken, a third refused again.
+#[test]
+fn a_queued_http_request_whose_client_hung_up_leaves_the_queue_at_once() {
+    const LONG: u64 = 3000;
+    let srv = crate::http::Server::start_with(2, 4096, |c| c.parallel = 1);
+    let a = srv.addr;
+    let long = json!({ "prompt": "Once upon a time", "max_tokens": LONG, "stream": true,
+                       "temperature": 0, "stream_options": { "include_usage": true } });
+    let mut running = open_request(a, "/v1/completions", &long);
+    // It streams: it holds the engine's one slot now.
+    let mut first = read_until(&mut running, "data: ");
+    let chat = |stream: bool| {
+        json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 4,
+                "stream": stream })
+    };
+    let whole = open_request(
+        a,
+        "/v1/completions",
+        &json!({ "prompt": "hi", "max_tokens": 4 }),
+    );
+    let mut streamed = open_request(a, "/v1/chat/completions", &chat(true));
+    // A chat stream answers its head and first chunk before the request runs.
+    read_until(&mut streamed, "data: ");
+    let t0 = Instant::now();
+    while metric(a, "stormo_queue_depth") < 2.0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "two requests queue");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (st, v) = crate::http::post(
+        a,
+        "/v1/completions",
+        &json!({ "prompt": "hi", "max_tokens": 1 }),
+    );
+    crate::http::assert_openai_error(st, &v, 429, "rate_limit_error", "the queue is full");
+
+    drop((whole, streamed));
+    let t0 = Instant::now();
+    let (depth, active, tokens) = loop {
+        let depth = metric(a, "stormo_queue_depth");
+        let active = metric(a, "stormo_active_requests");
+        let tokens = metric(a, "stormo_tokens_generated_total");
+        if depth == 0.0 || t0.elapsed() > Duration::from_secs(5) {
+            break (depth, active, tokens);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let took = t0.elapsed();
+    assert_eq!(
+        depth, 0.0,
+        "the hung-up requests still queue after {took:?}"
+    );
+    assert!(
+        took < Duration::from_secs(1),
+        "the queue emptied only after {took:?}"
+    );
+    // The running request still held the engine: the queue emptied because its requests
+    // left, not because they ran.
+    assert_eq!(active, 1.0);
+    assert!(
+        tokens < LONG as f64,
+        "the long request had ended: {tokens} tokens"
+    );
+
+    // Two new requests are taken (a chat stream answers its head at once), a third is not.
+    let mut taken = Vec::new();
+    for _ in 0..2 {
+        let mut s = open_request(a, "/v1/chat/completions", &chat(true));
+        let head = read_until(&mut s, "\r\n\r\n");
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        taken.push(s);
+    }
+    let (st, v) = crate::http::post(
+        a,
+        "/v1/completions",
+        &json!({ "prompt": "hi", "max_tokens": 1 }),
+    );
+    crate::http::assert_openai_error(st, &v, 429, "rate_limit_error", "the queue is full again");
+    drop(taken);
+
+    // The running request was not disturbed: it ends with every token it asked for.
+    running
+        .read_to_string(&mut first)
+        .expect("the long request's stream");
+    let usage = first
+        .split("\n\n")
+        .filter_map(|e| {
+            e.trim_start_matches(|c: char| c != 'd')
+                .strip_prefix("data: ")
+        })
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find_map(|v| v["usage"]["completion_tokens"].as_u64());
+    assert_eq!(usage, Some(LONG), "the long request's usage");
 }

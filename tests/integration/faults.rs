@@ -1284,3 +1284,105 @@ fn fault_peer_process_killed_falls_over_within_the_silence_deadline() {
         "a killed peer stalled the loads for {took:?}"
     );
 }
+
+/// Issue 58 item 6: `stormo serve --http --mmap-experts` whose checkpoint is truncated while
+/// it serves (every expert's MXFP4 bytes cut off, the dense part kept) answers a request that
+/// needs an expert with an error naming the file (HTTP 500), does not die of SIGBUS (it did
+/// before: the kernels read the experts through the mapping), still
+/// answers `/health`, and serves the same answer as before once the file is back in place.
+/// (A truncation while the kernels read is caught too: the engine's
+/// `safetensors::sigbus` tests.)
+#[test]
+fn serve_mmap_experts_answers_an_error_for_a_checkpoint_truncated_under_it() {
+    use std::io::{BufRead, Seek, Write};
+    let model = crate::http::synth_model();
+    // The weights file, and the end of its dense part: only expert bytes lie after it.
+    let (file, dense_end) = {
+        let files = ModelFiles::open(model.path()).expect("the model opens");
+        assert_eq!(files.ckpt.files.len(), 1, "one weights file");
+        let experts = files.layout.expert_tensor_names();
+        let end = files
+            .ckpt
+            .tensors
+            .iter()
+            .filter(|(n, _)| !experts.contains(n.as_str()))
+            .map(|(_, t)| t.offset + t.len)
+            .max()
+            .expect("dense tensors");
+        (files.ckpt.files[0].path.clone(), end)
+    };
+    let name = file
+        .file_name()
+        .and_then(|n| n.to_str())
+        .expect("a file name")
+        .to_string();
+    let whole = std::fs::read(&file).expect("the weights");
+    assert!(
+        dense_end + 8192 < whole.len() as u64,
+        "the synthetic checkpoint keeps its experts after its dense part"
+    );
+    let cache = tempfile::tempdir().expect("temp dir");
+    let child = std::process::Command::new(crate::demo::stormo_exe())
+        .args(["serve", "--model"])
+        .arg(model.path())
+        .args(["--http", "127.0.0.1:0", "--mmap-experts", "--no-hot-store"])
+        .env("XDG_CACHE_HOME", cache.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("stormo serve starts");
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Reap(child);
+    let mut line = String::new();
+    std::io::BufReader::new(child.0.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("the server prints its URL");
+    let addr: std::net::SocketAddr = line
+        .trim()
+        .strip_prefix("http://")
+        .and_then(|s| s.strip_suffix("/v1"))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("a URL on stdout: {line:?}"));
+    let ask = serde_json::json!({ "prompt": "Once upon a time", "max_tokens": 8,
+                                  "temperature": 0 });
+    let (st, before) = crate::http::post(addr, "/v1/completions", &ask);
+    assert_eq!(st, 200, "{before}");
+
+    let set_len = |len: u64| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&file)
+            .and_then(|f| f.set_len(len))
+            .expect("truncate the weights");
+    };
+    set_len(dense_end);
+    let (st, v) = crate::http::post(addr, "/v1/completions", &ask);
+    assert_eq!(st, 500, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains(&name) && msg.contains("changed size"), "{v}");
+    assert!(
+        child.0.try_wait().expect("the server's status").is_none(),
+        "the server died"
+    );
+    let (st, health) = crate::http::request(addr, "GET", "/health", b"");
+    assert_eq!(st, 200, "{health}");
+
+    // Back in place (the same file): served as before.
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .expect("open the weights");
+    f.seek(std::io::SeekFrom::Start(dense_end))
+        .and_then(|_| f.write_all(&whole[dense_end as usize..]))
+        .expect("restore the weights");
+    drop(f);
+    let (st, after) = crate::http::post(addr, "/v1/completions", &ask);
+    assert_eq!(st, 200, "{after}");
+    assert_eq!(after["choices"][0]["text"], before["choices"][0]["text"]);
+}

@@ -1,5 +1,7 @@
 //! The network tier with real QUIC on 127.0.0.1: servers in-process (each on its own tokio
-//! runtime, so that one can be killed), a client whose experts all come from peers.
+//! runtime, so that one can be killed), a client whose experts all come from peers. The
+//! helpers here serve `network_node.rs` (a Node built as `stormo run` builds one) and
+//! `network_pull.rs` (`stormo pull`) too.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,13 +16,17 @@ use stormo_manifests::{build, BuildOptions, Hash, ManifestSignature, SecretKey};
 use stormo_net::serve::{self, Holdings, ServeConfig, ServerHandle};
 use stormo_net::tier::{PeerConfig, PeerTier};
 use stormo_net::tls::{Admission, Congestion};
-use stormo_net::{self as net, pull, PeerAddr};
+use stormo_net::{self as net, PeerAddr};
 use stormo_node::config::{ExpertsConfig, KeepConfig, LocalExperts, NodeConfig, PeersConfig};
 use stormo_simulations::swarm::{LinkSpec, Relay, ETHERNET_MTU};
 use stormo_tests::{fixture, Reference, MODEL_FIXTURES};
 
 /// `n` greedy ids after `prompt`, and the session that made them.
-fn greedy_ids(model: &Model, prompt: &[u32], n: usize) -> (Vec<u32>, stormo_engine::Session) {
+pub(crate) fn greedy_ids(
+    model: &Model,
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<u32>, stormo_engine::Session) {
     let mut sess = model.session(prompt.len() + n).expect("session");
     let got = greedy(
         model,
@@ -36,7 +42,7 @@ fn greedy_ids(model: &Model, prompt: &[u32], n: usize) -> (Vec<u32>, stormo_engi
 }
 
 /// Short timeouts so that failure cases finish quickly.
-fn quick() -> PeerConfig {
+pub(crate) fn quick() -> PeerConfig {
     PeerConfig {
         connect_timeout: Duration::from_secs(1),
         request_timeout: Duration::from_secs(3),
@@ -45,20 +51,20 @@ fn quick() -> PeerConfig {
     }
 }
 
-struct Fixture {
-    dir: tempfile::TempDir,
-    publisher: SecretKey,
-    id: Hash,
+pub(crate) struct Fixture {
+    pub(crate) dir: tempfile::TempDir,
+    pub(crate) publisher: SecretKey,
+    pub(crate) id: Hash,
 }
 
 /// A copy of fixture `name` with a manifest built and signed there.
-fn setup(name: &str) -> Fixture {
+pub(crate) fn setup(name: &str) -> Fixture {
     let dir = crate::manifests::copy_fixture(name);
     sign_dir(dir)
 }
 
 /// The model in `dir` with a manifest built and signed there.
-fn sign_dir(dir: tempfile::TempDir) -> Fixture {
+pub(crate) fn sign_dir(dir: tempfile::TempDir) -> Fixture {
     let m = build(dir.path(), &BuildOptions::default()).expect("manifest builds");
     let publisher = SecretKey::from_seed(&[42; 32]);
     std::fs::write(dir.path().join("stormo-manifest.bin"), m.encode()).expect("write manifest");
@@ -74,7 +80,7 @@ fn sign_dir(dir: tempfile::TempDir) -> Fixture {
     }
 }
 
-fn expert_args() -> ExpertsConfig {
+pub(crate) fn expert_args() -> ExpertsConfig {
     ExpertsConfig {
         prefetch: true,
         io_threads: 2,
@@ -83,23 +89,23 @@ fn expert_args() -> ExpertsConfig {
     }
 }
 
-struct Node {
-    key: SecretKey,
-    handle: Arc<ServerHandle>,
-    rt: Option<tokio::runtime::Runtime>,
+pub(crate) struct Node {
+    pub(crate) key: SecretKey,
+    pub(crate) handle: Arc<ServerHandle>,
+    pub(crate) rt: Option<tokio::runtime::Runtime>,
 }
 
 impl Node {
-    fn addr(&self) -> PeerAddr {
+    pub(crate) fn addr(&self) -> PeerAddr {
         PeerAddr {
             key: self.key.public(),
             addr: self.handle.local_addr(),
         }
     }
-    fn served(&self) -> u64 {
+    pub(crate) fn served(&self) -> u64 {
         self.handle.stats.served.load(Ordering::Relaxed)
     }
-    fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         self.handle.close();
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
@@ -113,7 +119,7 @@ impl Drop for Node {
     }
 }
 
-fn runtime() -> tokio::runtime::Runtime {
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -122,7 +128,7 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 /// Serves `holdings` as node key `seed` to `admission`.
-fn start_node(seed: u8, holdings: Holdings, admission: Admission) -> Node {
+pub(crate) fn start_node(seed: u8, holdings: Holdings, admission: Admission) -> Node {
     start_node_with(
         seed,
         holdings,
@@ -134,7 +140,7 @@ fn start_node(seed: u8, holdings: Holdings, admission: Admission) -> Node {
 }
 
 /// Serves `holdings` as node key `seed` with `cfg`.
-fn start_node_with(seed: u8, holdings: Holdings, cfg: ServeConfig) -> Node {
+pub(crate) fn start_node_with(seed: u8, holdings: Holdings, cfg: ServeConfig) -> Node {
     let key = SecretKey::from_seed(&[seed; 32]);
     let rt = runtime();
     let handle = rt
@@ -155,25 +161,25 @@ fn start_node_with(seed: u8, holdings: Holdings, cfg: ServeConfig) -> Node {
 }
 
 /// A node serving the experts of `dir` named by `only` (an --only-experts spec).
-fn serve_dir(seed: u8, dir: &Path, only: Option<&str>, admission: Admission) -> Node {
+pub(crate) fn serve_dir(seed: u8, dir: &Path, only: Option<&str>, admission: Admission) -> Node {
     let (h, _experts) =
         stormo_node::experts::open_holdings(dir, None, &expert_args(), only).expect("holdings");
     start_node(seed, h, admission)
 }
 
-const CLIENT_SEED: u8 = 1;
+pub(crate) const CLIENT_SEED: u8 = 1;
 
-fn client_key() -> SecretKey {
+pub(crate) fn client_key() -> SecretKey {
     SecretKey::from_seed(&[CLIENT_SEED; 32])
 }
 
-fn allow_client() -> Admission {
+pub(crate) fn allow_client() -> Admission {
     Admission::Keys([*client_key().public().as_bytes()].into())
 }
 
 /// Every expert `e` of `n` with `e % 3 != i`: three such nodes hold each expert twice and no
 /// node holds all.
-fn two_of_three(i: usize, n: usize) -> String {
+pub(crate) fn two_of_three(i: usize, n: usize) -> String {
     let v: Vec<String> = (0..n)
         .filter(|e| e % 3 != i)
         .map(|e| e.to_string())
@@ -181,7 +187,7 @@ fn two_of_three(i: usize, n: usize) -> String {
     v.join(",")
 }
 
-fn peer_args(f: &Fixture, peers: Vec<PeerAddr>) -> PeersConfig {
+pub(crate) fn peer_args(f: &Fixture, peers: Vec<PeerAddr>) -> PeersConfig {
     PeersConfig {
         peers,
         trust: vec![f.publisher.public()],
@@ -191,7 +197,7 @@ fn peer_args(f: &Fixture, peers: Vec<PeerAddr>) -> PeersConfig {
 }
 
 /// Keeps verified experts in `dir` (`--expert-dir DIR`, the default limit).
-fn keep_in(dir: &Path) -> Option<KeepConfig> {
+pub(crate) fn keep_in(dir: &Path) -> Option<KeepConfig> {
     Some(KeepConfig {
         dir: Some(dir.to_path_buf()),
         limit: (16u64 << 30).into(),
@@ -199,12 +205,12 @@ fn keep_in(dir: &Path) -> Option<KeepConfig> {
 }
 
 /// The peer tier of a client of `f` (key [`CLIENT_SEED`]).
-fn peer_tier(f: &Fixture, peers: Vec<PeerAddr>) -> Arc<PeerTier> {
+pub(crate) fn peer_tier(f: &Fixture, peers: Vec<PeerAddr>) -> Arc<PeerTier> {
     peer_tier_with(f, peers, quick())
 }
 
 /// Timeouts for a peer behind a slow relay: tries of `request_timeout`, a generous connect.
-fn slow_link_config(request_timeout: Duration) -> PeerConfig {
+pub(crate) fn slow_link_config(request_timeout: Duration) -> PeerConfig {
     PeerConfig {
         connect_timeout: Duration::from_secs(10),
         request_timeout,
@@ -214,7 +220,7 @@ fn slow_link_config(request_timeout: Duration) -> PeerConfig {
 }
 
 /// [`peer_tier`] with the timeouts of `cfg`.
-fn peer_tier_with(f: &Fixture, peers: Vec<PeerAddr>, cfg: PeerConfig) -> Arc<PeerTier> {
+pub(crate) fn peer_tier_with(f: &Fixture, peers: Vec<PeerAddr>, cfg: PeerConfig) -> Arc<PeerTier> {
     client_tier(f.dir.path(), &peer_args(f, peers), &client_key(), cfg)
 }
 
@@ -249,14 +255,18 @@ pub(crate) fn client_tier(
 /// Greedy ids of fixture `name` with every expert from `tier` (no local experts), at the
 /// smallest RAM budget (one layer's top-k) with prefetch, so that experts are fetched again
 /// and again.
-fn generate_from(f: &Fixture, name: &str, tier: Arc<PeerTier>) -> (Vec<u32>, Vec<u32>, u64) {
+pub(crate) fn generate_from(
+    f: &Fixture,
+    name: &str,
+    tier: Arc<PeerTier>,
+) -> (Vec<u32>, Vec<u32>, u64) {
     let (got, want, stats) = generate_with(f, name, tier, true);
     (got, want, stats.tiers[0].loads)
 }
 
 /// [`generate_from`] with or without prefetch (without, no load is left running when it
 /// returns), and the cache's statistics.
-fn generate_with(
+pub(crate) fn generate_with(
     f: &Fixture,
     name: &str,
     tier: Arc<PeerTier>,
@@ -283,7 +293,7 @@ fn generate_with(
     (got, want, t.stats())
 }
 
-fn experts_per_layer(f: &Fixture) -> usize {
+pub(crate) fn experts_per_layer(f: &Fixture) -> usize {
     let files = ModelFiles::open(f.dir.path()).expect("model files");
     files.layout.parts.iter().map(Vec::len).max().unwrap_or(0)
 }
@@ -374,7 +384,7 @@ fn a_bbr_or_tolerant_paced_peer_over_a_lossy_link_gives_the_reference_ids() {
 
 /// A copy of the model folder `src` whose experts are then corrupted (its manifest still
 /// describes the original bytes).
-fn corrupted_copy(src: &Path) -> tempfile::TempDir {
+pub(crate) fn corrupted_copy(src: &Path) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("tempdir");
     for e in std::fs::read_dir(src).expect("dir") {
         let e = e.expect("entry");
@@ -385,7 +395,7 @@ fn corrupted_copy(src: &Path) -> tempfile::TempDir {
 }
 
 /// Flips one byte of every expert tensor's data in `dir` (after the manifest was built).
-fn corrupt_experts(dir: &Path) {
+pub(crate) fn corrupt_experts(dir: &Path) {
     let files = ModelFiles::open(dir).expect("model files");
     let mut edits: Vec<(std::path::PathBuf, u64)> = Vec::new();
     for layer in &files.layout.parts {
@@ -458,7 +468,7 @@ fn corrupt_peer_is_detected_and_named_and_output_is_identical() {
 /// An expert provider that stalls far past the client's timeouts (a peer that accepts and
 /// never answers its requests).
 #[derive(Debug)]
-struct Stall;
+pub(crate) struct Stall;
 
 impl ExpertProvider for Stall {
     fn fetch(
@@ -477,10 +487,10 @@ impl ExpertProvider for Stall {
 }
 
 /// An expert provider that kills its node after a few fetches (a peer dying mid-run).
-struct KillAfter {
-    inner: Arc<dyn ExpertProvider>,
-    left: AtomicUsize,
-    handle: Arc<OnceLock<Arc<ServerHandle>>>,
+pub(crate) struct KillAfter {
+    pub(crate) inner: Arc<dyn ExpertProvider>,
+    pub(crate) left: AtomicUsize,
+    pub(crate) handle: Arc<OnceLock<Arc<ServerHandle>>>,
 }
 
 impl std::fmt::Debug for KillAfter {
@@ -584,7 +594,7 @@ fn killed_stalled_and_silent_peers_fall_back_to_another() {
 }
 
 /// Demand loads of `keys` from `tier`, each load's outcome as it completes (each within 60 s).
-fn load_all(
+pub(crate) fn load_all(
     tier: &PeerTier,
     keys: &[stormo_engine::tiers::ExpertId],
 ) -> Vec<(stormo_engine::tiers::ExpertId, Result<(), String>)> {
@@ -592,7 +602,7 @@ fn load_all(
 }
 
 /// [`load_all`] with `priority` (prefetch loads are not hedged).
-fn load_all_as(
+pub(crate) fn load_all_as(
     tier: &PeerTier,
     keys: &[stormo_engine::tiers::ExpertId],
     priority: stormo_engine::tiers::Priority,
@@ -618,7 +628,7 @@ fn load_all_as(
 /// A peer address where nothing answers: a UDP socket that swallows every packet, so QUIC
 /// handshakes to it run into the connect timeout (as with nothing listening at all, where
 /// the port could also be taken by something else meanwhile). Keep the socket alive.
-fn dead_peer() -> (PeerAddr, std::net::UdpSocket) {
+pub(crate) fn dead_peer() -> (PeerAddr, std::net::UdpSocket) {
     let sink = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
     let addr = PeerAddr {
         key: SecretKey::from_seed(&[77; 32]).public(),
@@ -812,14 +822,14 @@ fn malformed_or_oversized_message_closes_only_that_connection() {
     assert_eq!(id, f.id);
 }
 
-fn key_pub(n: &Node) -> stormo_manifests::PublicKey {
+pub(crate) fn key_pub(n: &Node) -> stormo_manifests::PublicKey {
     n.key.public()
 }
 
 /// An expert provider that answers, but only after `delay` (a slow peer).
-struct Slow {
-    inner: Arc<dyn ExpertProvider>,
-    delay: Duration,
+pub(crate) struct Slow {
+    pub(crate) inner: Arc<dyn ExpertProvider>,
+    pub(crate) delay: Duration,
 }
 
 impl std::fmt::Debug for Slow {
@@ -841,7 +851,7 @@ impl ExpertProvider for Slow {
 }
 
 /// A node serving every expert of `dir`, each answer delayed by `delay`.
-fn serve_slow(seed: u8, dir: &Path, delay: Duration, admission: Admission) -> Node {
+pub(crate) fn serve_slow(seed: u8, dir: &Path, delay: Duration, admission: Admission) -> Node {
     let (h, _e) =
         stormo_node::experts::open_holdings(dir, None, &expert_args(), None).expect("holdings");
     let h = Holdings {
@@ -1074,7 +1084,7 @@ fn the_last_holder_is_not_cut_off_while_its_chunks_keep_verifying() {
 /// Runs fixture `name` on a [`Node`](stormo_node::node::Node) built as `stormo run` builds
 /// one: the tiers from `args` (local disk unless `no_local`), the smallest RAM budget; returns
 /// the ids, the reference ids, the `--json` experts object and the node.
-fn run_node(
+pub(crate) fn run_node(
     f: &Fixture,
     name: &str,
     args: &PeersConfig,
@@ -1091,7 +1101,7 @@ fn run_node(
 
 /// [`run_node`], with the generation's error (as `stormo run` would report it) rather than a
 /// panic.
-fn try_run_node(
+pub(crate) fn try_run_node(
     f: &Fixture,
     name: &str,
     args: &PeersConfig,
@@ -1147,7 +1157,7 @@ fn try_run_node(
 }
 
 /// Waits (bounded) until the background stores into `dir` have ended.
-fn settle(dir: &net::expert_dir::ExpertDir) {
+pub(crate) fn settle(dir: &net::expert_dir::ExpertDir) {
     let until = Instant::now() + Duration::from_secs(10);
     loop {
         let n = dir.len();
@@ -1162,1033 +1172,7 @@ fn settle(dir: &net::expert_dir::ExpertDir) {
     }
 }
 
-fn num(j: &serde_json::Value, k: &str) -> u64 {
+pub(crate) fn num(j: &serde_json::Value, k: &str) -> u64 {
     j[k].as_u64()
         .unwrap_or_else(|| panic!("--json has no number {k:?}: {j}"))
-}
-
-/// A node with its own experts that asks peers first (`--peers-first`): one peer lies
-/// (corrupt files) and one dies after a few records; the run finishes with the reference ids
-/// from the local disk, and `--json` counts the peer loads, failures and fallbacks.
-#[test]
-fn peers_first_falls_back_to_the_local_disk_when_peers_lie_or_die() {
-    let name = "gptoss-tiny-mxfp4";
-    let f = setup(name);
-    let bad_dir = corrupted_copy(f.dir.path());
-    let liar = serve_dir(90, bad_dir.path(), None, allow_client());
-    let (h, _e) = stormo_node::experts::open_holdings(f.dir.path(), None, &expert_args(), None)
-        .expect("holdings");
-    let cell = Arc::new(OnceLock::new());
-    let dying = start_node(
-        91,
-        Holdings {
-            experts: Arc::new(KillAfter {
-                inner: h.experts.clone(),
-                left: AtomicUsize::new(6),
-                handle: cell.clone(),
-            }),
-            ..h
-        },
-        allow_client(),
-    );
-    cell.set(dying.handle.clone()).expect("set once");
-    let mut args = peer_args(&f, vec![dying.addr(), liar.addr()]);
-    args.peers_first = true;
-    args.timeouts = PeerConfig::with_timeout(Duration::from_secs(2));
-    let (got, want, j, tiers) = run_node(&f, name, &args, false);
-    assert_eq!(got, want, "ids when peers lie or die");
-    assert!(
-        num(&j, "peer_loads") > 0,
-        "the dying peer served nothing first: {j}"
-    );
-    assert!(num(&j, "peer_bytes") > 0, "{j}");
-    // Each peer's verified bytes, by name: at least the records they completed (the verified
-    // part of failed tries counts too). A race the local disk won (`peer_local_wins`) hands
-    // its record over through the network tier, so it counts in `peer_bytes` but is no
-    // peer's.
-    let by_peer = j["peer_bytes_by_peer"]
-        .as_object()
-        .expect("peer_bytes_by_peer");
-    assert_eq!(by_peer.len(), 2, "{j}");
-    let sum: u64 = by_peer.values().map(|v| v.as_u64().expect("bytes")).sum();
-    let largest = stormo_manifests::read_manifest(&f.dir.path().join("stormo-manifest.bin"))
-        .expect("manifest")
-        .0
-        .experts
-        .iter()
-        .map(|e| e.len)
-        .max()
-        .expect("experts");
-    let local = num(&j, "peer_local_wins") * largest;
-    assert!(sum + local >= num(&j, "peer_bytes"), "{j}");
-    assert!(
-        by_peer.contains_key(&dying.addr().to_string()),
-        "named as KEY@ADDR: {j}"
-    );
-    assert_eq!(
-        num(&j, "peer_striped_loads"),
-        0,
-        "tiny experts are never striped: {j}"
-    );
-    assert!(num(&j, "peer_failures") > 0, "{j}");
-    assert!(num(&j, "fallbacks") > 0, "{j}");
-    assert_eq!(
-        num(&j, "fallbacks"),
-        num(&j, "peer_failures"),
-        "each failure fell back: {j}"
-    );
-    assert!(num(&j, "disk_loads") > 0, "{j}");
-    let fails = tiers.peer_tier().expect("peer tier").failures();
-    assert!(fails[1].1 > 0, "the liar was not named: {fails:?}");
-}
-
-/// `--expert-dir`: experts fetched from peers are kept there; with the peers gone, the next
-/// run gets the same ids from the directory; a record damaged on disk is caught when read
-/// back and fetched again; a lower limit evicts down to it.
-#[test]
-fn expert_dir_keeps_fetched_experts_for_the_next_run() {
-    let name = "qwen3moe-tiny";
-    let f = setup(name);
-    let store = tempfile::tempdir().expect("tempdir");
-    let mut peer = serve_dir(100, f.dir.path(), None, allow_client());
-    let mut args = peer_args(&f, vec![peer.addr()]);
-    args.keep = keep_in(store.path());
-    let (got, want, j, tiers) = run_node(&f, name, &args, true);
-    assert_eq!(got, want, "first run, from the peer");
-    assert!(num(&j, "peer_loads") > 0, "{j}");
-    // Experts evicted from RAM come back from the directory, not the peer, already in run 1.
-    assert!(num(&j, "dir_loads") > 0, "{j}");
-    // Stores run in the background after each load: wait for them.
-    let dir = tiers.expert_dir().cloned().expect("expert dir");
-    settle(&dir);
-    let held = dir.len();
-    assert!(held > 0, "nothing was stored");
-    let root = dir.root().to_path_buf();
-    assert!(root.ends_with(f.id.to_hex()));
-    let files: Vec<_> = std::fs::read_dir(&root).expect("dir").flatten().collect();
-    assert_eq!(
-        files.len(),
-        held,
-        "one file per record, no temporary files left"
-    );
-    drop(tiers);
-    peer.kill();
-
-    // Second run: no peers at all, the experts come from the directory.
-    let mut again = peer_args(&f, Vec::new());
-    again.keep = keep_in(store.path());
-    let (got, _, j, _) = run_node(&f, name, &again, true);
-    assert_eq!(got, want, "second run, from the expert directory");
-    assert!(num(&j, "dir_loads") > 0, "{j}");
-    assert_eq!(num(&j, "peer_loads"), 0, "{j}");
-
-    // A damaged record is refused when read back, deleted, and fetched from a peer again.
-    let victim = files[0].path();
-    let mut b = std::fs::read(&victim).expect("record");
-    b[0] ^= 1;
-    std::fs::write(&victim, b).expect("damage");
-    let peer2 = serve_dir(101, f.dir.path(), None, allow_client());
-    let mut third = peer_args(&f, vec![peer2.addr()]);
-    third.keep = keep_in(store.path());
-    let (got, _, j, t3) = run_node(&f, name, &third, true);
-    assert_eq!(got, want, "third run, one record damaged");
-    settle(t3.expert_dir().expect("expert dir"));
-    assert!(
-        num(&j, "dir_failures") > 0,
-        "the damage was not caught: {j}"
-    );
-    assert!(num(&j, "fallbacks") > 0, "{j}");
-
-    // A smaller limit evicts down to it, files included.
-    let m = stormo_manifests::read_manifest(&f.dir.path().join("stormo-manifest.bin"))
-        .expect("manifest")
-        .0;
-    let rec = m.experts[0].len;
-    let small = net::expert_dir::ExpertDir::open(
-        store.path(),
-        f.id,
-        2 * rec,
-        Arc::new(m),
-        ModelFiles::open(f.dir.path())
-            .expect("files")
-            .layout
-            .schemas
-            .clone(),
-    )
-    .expect("reopen");
-    assert_eq!(small.len(), 2);
-    assert_eq!(std::fs::read_dir(&root).expect("dir").count(), 2);
-}
-
-/// Many concurrent fetchers (4 connections, 32 requests) against one slow server with
-/// per-peer and node-wide limits: the server answers some `busy`, every request ends with
-/// data (a busy answer is retried in a later round) or `busy` in bounded time, the server's
-/// buffered bytes stay within its limit, and it keeps serving afterwards.
-#[test]
-fn many_fetchers_get_data_or_busy_and_server_memory_stays_bounded() {
-    let name = "qwen3moe-tiny";
-    let f = setup(name);
-    let (h, _e) = stormo_node::experts::open_holdings(f.dir.path(), None, &expert_args(), None)
-        .expect("holdings");
-    let max_record = h
-        .manifest
-        .experts
-        .iter()
-        .map(|e| e.len)
-        .max()
-        .expect("experts");
-    let keys: Vec<_> = h
-        .manifest
-        .experts
-        .iter()
-        .map(|e| {
-            stormo_engine::tiers::ExpertId::from_indices(e.id.layer.into(), e.id.expert.into())
-        })
-        .collect();
-    let node_limit = 6;
-    let node = start_node_with(
-        110,
-        Holdings {
-            experts: Arc::new(Slow {
-                inner: h.experts.clone(),
-                delay: Duration::from_millis(150),
-            }),
-            ..h
-        },
-        ServeConfig {
-            per_peer: 4,
-            node_limit,
-            admission: Admission::Any,
-            ..ServeConfig::default()
-        },
-    );
-    let files = ModelFiles::open(f.dir.path()).expect("model files");
-    let manifest = Arc::new(
-        stormo_manifests::read_manifest(&f.dir.path().join("stormo-manifest.bin"))
-            .expect("manifest")
-            .0,
-    );
-    let (tx, rx) = std::sync::mpsc::channel();
-    let mut tiers = Vec::new();
-    let mut sent = 0;
-    for c in 0..4u8 {
-        let t = PeerTier::connect(
-            &SecretKey::from_seed(&[120 + c; 32]),
-            &[node.addr()],
-            manifest.clone(),
-            f.id,
-            files.layout.schemas.clone(),
-            PeerConfig {
-                hedge_max: Duration::from_secs(60),
-                hedge_min: Duration::from_secs(60),
-                ..quick()
-            },
-            None,
-        )
-        .expect("client");
-        let batch: Vec<_> = keys
-            .iter()
-            .cycle()
-            .skip(c as usize * 8)
-            .take(8)
-            .copied()
-            .collect();
-        sent += batch.len();
-        let tx = tx.clone();
-        t.load(
-            &batch,
-            stormo_engine::tiers::Priority::Demand,
-            Arc::new(
-                move |k: stormo_engine::tiers::ExpertId,
-                      r: stormo_engine::Result<Arc<ExpertData>>| {
-                    let _ = tx.send((k, r.map(|_| ()).map_err(|e| e.to_string())));
-                },
-            ),
-        );
-        tiers.push(t);
-    }
-    let (mut ok, mut busy) = (0, 0);
-    for _ in 0..sent {
-        let (k, r) = rx
-            .recv_timeout(Duration::from_secs(30))
-            .expect("a request hung");
-        match r {
-            Ok(()) => ok += 1,
-            Err(e) if e.contains("busy") => busy += 1,
-            Err(e) => panic!("expert {k}: neither data nor busy: {e}"),
-        }
-    }
-    assert_eq!(sent, 32);
-    assert!(ok > 0, "{ok} answered, {busy} busy");
-    let stats = &node.handle.stats;
-    assert!(stats.busy.load(Ordering::Relaxed) > 0);
-    let peak = stats.buffered_peak.load(Ordering::Relaxed);
-    assert!(peak > 0, "the gauge never moved");
-    assert!(
-        peak <= node_limit as u64 * max_record,
-        "{peak} bytes buffered, more than {node_limit} records"
-    );
-    for t in &tiers {
-        t.close();
-    }
-    let until = Instant::now() + Duration::from_secs(5);
-    while stats.buffered.load(Ordering::Relaxed) > 0 && Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert_eq!(
-        stats.buffered.load(Ordering::Relaxed),
-        0,
-        "answers left in memory"
-    );
-    // Still serving.
-    let rt = runtime();
-    let (id, _) = rt
-        .block_on(net::tier::fetch_manifest(
-            &client_key(),
-            &node.addr(),
-            None,
-            quick(),
-        ))
-        .expect("the node still serves");
-    assert_eq!(id, f.id);
-}
-
-/// Pull options for `f` from `node` into `out` (the test client's key trusts `f`'s publisher).
-fn pull_options(f: &Fixture, node: &Node, out: &Path, with_experts: bool) -> pull::PullOptions {
-    pull::PullOptions {
-        peers: vec![node.addr()],
-        model_id: None,
-        trust: vec![f.publisher.public()],
-        out: out.to_path_buf(),
-        with_experts,
-        force: false,
-        cfg: quick(),
-        membership: None,
-    }
-}
-
-/// `stormo pull` into an empty folder (manifest accepted by the publisher's key, its
-/// signature fetched too): a sparse dense-only folder whose dense bytes equal the source's
-/// and whose expert bytes are holes; a node with no local experts runs from it and gives
-/// exactly the fixture's ids; the source node and a pulled folder refuse to serve experts.
-#[test]
-fn pull_dense_part_then_run_from_it_with_peers() {
-    use stormo_net::pull::Pulled;
-    let name = "gptoss-tiny-mxfp4";
-    let f = setup(name);
-    let node = serve_dir(40, f.dir.path(), None, allow_client());
-    let out = tempfile::tempdir().expect("tempdir");
-    let opts = pull_options(&f, &node, out.path(), false);
-    let rt = runtime();
-    let r = pull::pull(&client_key(), &opts, &rt).expect("pull succeeds");
-    assert_eq!(r.model_id, Some(f.id));
-    assert!(
-        Pulled::dense_only(out.path()).expect("marker"),
-        "marker says dense only"
-    );
-    let m = stormo_manifests::Manifest::decode(
-        &std::fs::read(out.path().join("stormo-manifest.bin")).expect("manifest saved"),
-    )
-    .expect("manifest");
-    assert_eq!(m.model_id(), f.id);
-    for meta in &m.identity.meta {
-        assert_eq!(
-            std::fs::read(out.path().join(&meta.name)).expect("meta file"),
-            std::fs::read(f.dir.path().join(&meta.name)).expect("source"),
-            "{}",
-            meta.name
-        );
-    }
-    let experts = serve::expert_tensors(&m);
-    assert!(!experts.is_empty());
-    for (i, t) in m.tensors.iter().enumerate() {
-        let file = &m.files[t.file as usize].name;
-        let got = std::fs::read(out.path().join(file)).expect("pulled file");
-        let src = std::fs::read(f.dir.path().join(file)).expect("source file");
-        assert_eq!(got.len(), src.len());
-        let (a, b) = (t.offset as usize, (t.offset + t.len) as usize);
-        if experts.contains(&i) {
-            assert!(
-                got[a..b].iter().all(|&x| x == 0),
-                "{} is not a hole",
-                t.name
-            );
-        } else {
-            assert_eq!(got[a..b], src[a..b], "{}", t.name);
-        }
-    }
-    assert_eq!(r.tensors, m.tensors.len() - experts.len());
-    // A second pull keeps what is complete and verified.
-    let again = pull::pull(&client_key(), &opts, &rt).expect("second pull");
-    assert_eq!(again.tensors, 0, "nothing refetched");
-    // Run from the pulled folder with every expert from the peer.
-    let pulled = Fixture {
-        dir: out,
-        publisher: SecretKey::from_seed(&[42; 32]),
-        id: f.id,
-    };
-    let tier = peer_tier(&pulled, vec![node.addr()]);
-    let (got, want, loads) = generate_from(&pulled, name, tier.clone());
-    assert_eq!(got, want, "ids from the pulled folder");
-    assert!(loads > 0);
-    tier.close();
-    // The pulled folder serves no experts and no expert bytes.
-    let (h, _e) =
-        stormo_node::experts::open_holdings(pulled.dir.path(), None, &expert_args(), None)
-            .expect("holdings of the pulled folder");
-    assert_eq!(h.held().len(), 0);
-    let share = h.files.clone().expect("files shared");
-    assert!(share.dense_only);
-}
-
-/// A peer serving a corrupted dense tensor: the pull fails naming the tensor and leaves no
-/// safetensors file (final or temporary) behind.
-#[test]
-fn pull_refuses_a_corrupted_dense_tensor_and_writes_nothing_half_done() {
-    use stormo_net::pull::PullOptions;
-    let f = setup("gptoss-tiny-bf16");
-    let m = stormo_manifests::Manifest::decode(
-        &std::fs::read(f.dir.path().join("stormo-manifest.bin")).expect("manifest"),
-    )
-    .expect("manifest");
-    let experts = serve::expert_tensors(&m);
-    let (i, victim) = m
-        .tensors
-        .iter()
-        .enumerate()
-        .find(|(i, t)| !experts.contains(i) && t.len > 0)
-        .expect("a dense tensor");
-    let _ = i;
-    let path = f.dir.path().join(&m.files[victim.file as usize].name);
-    let mut bytes = std::fs::read(&path).expect("read");
-    bytes[victim.offset as usize] ^= 0xff;
-    std::fs::write(&path, bytes).expect("corrupt");
-    let node = serve_dir(41, f.dir.path(), None, allow_client());
-    let out = tempfile::tempdir().expect("tempdir");
-    let opts = PullOptions {
-        peers: vec![node.addr()],
-        model_id: Some(f.id),
-        trust: vec![],
-        out: out.path().to_path_buf(),
-        with_experts: false,
-        force: false,
-        cfg: quick(),
-        membership: None,
-    };
-    let err = format!(
-        "{:#}",
-        pull::pull(&client_key(), &opts, &runtime()).expect_err("corruption detected")
-    );
-    assert!(err.contains(&victim.name), "{err}");
-    for e in std::fs::read_dir(out.path()).expect("list") {
-        let n = e.expect("entry").file_name().to_string_lossy().into_owned();
-        assert!(!n.contains("safetensors"), "{n} left behind");
-    }
-}
-
-/// The server's file policy: names that are paths are refused before any file is opened,
-/// names the manifest does not list are not found, and ranges past a file's end are refused.
-#[test]
-fn pull_server_refuses_paths_and_unlisted_files() {
-    let f = setup("gptoss-tiny-bf16");
-    let node = serve_dir(42, f.dir.path(), None, allow_client());
-    let rt = runtime();
-    rt.block_on(async {
-        let link = net::tier::PeerLink::connect(&client_key(), &node.addr(), quick())
-            .await
-            .expect("connect");
-        for bad in ["../config.json", "..", "/etc/passwd", "sub/config.json"] {
-            // The client refuses to even send these; the server's refusal is unit-tested in
-            // wire (server.rs) and node (serve.rs).
-            assert!(link.file(f.id, bad, 0, 1).await.is_err(), "{bad}");
-        }
-        let e = format!(
-            "{:#}",
-            link.file(f.id, "reference.json", 0, 1).await.unwrap_err()
-        );
-        assert!(e.contains("not found"), "{e}");
-        let e = format!(
-            "{:#}",
-            link.file(f.id, "stormo-manifest.bin", 0, 1)
-                .await
-                .unwrap_err()
-        );
-        assert!(e.contains("not found"), "{e}");
-        let len = std::fs::metadata(f.dir.path().join("config.json"))
-            .expect("config")
-            .len();
-        let e = format!(
-            "{:#}",
-            link.file(f.id, "config.json", len, 1).await.unwrap_err()
-        );
-        assert!(e.contains("out of range"), "{e}");
-        let b = link
-            .file(f.id, "config.json", 0, len)
-            .await
-            .expect("config served");
-        assert_eq!(
-            b,
-            std::fs::read(f.dir.path().join("config.json")).expect("read")
-        );
-        link.close();
-    });
-}
-
-/// `serve --http --listen` shares one expert cache between the model it runs and the node it
-/// serves: three nodes serving two thirds of the experts each through a model's own cache
-/// (`open_holdings_sharing`) give a client the reference ids, the shared caches answer the
-/// requests (their request counts grow), and each node still announces only its inventory.
-#[test]
-fn a_node_serving_through_a_models_expert_cache_gives_the_reference_ids() {
-    let name = "gptoss-tiny-mxfp4";
-    let f = setup(name);
-    let files = ModelFiles::open(f.dir.path()).expect("model files");
-    let n = experts_per_layer(&f);
-    let shared: Vec<stormo_node::experts::Experts> = (0..3)
-        .map(|_| {
-            stormo_node::experts::Experts::local(&files, &expert_args(), 64)
-                .expect("the model's expert cache")
-        })
-        .collect();
-    let nodes: Vec<Node> = shared
-        .iter()
-        .enumerate()
-        .map(|(i, e)| {
-            let h = serve::open_holdings_sharing(
-                f.dir.path(),
-                None,
-                Some(&two_of_three(i, n)),
-                e.provider.clone(),
-            )
-            .expect("holdings");
-            assert_eq!(
-                h.held().len(),
-                files.cfg.num_layers * (n - (0..n).filter(|e| e % 3 == i).count()),
-                "node {i} announces only its share"
-            );
-            start_node(40 + i as u8, h, allow_client())
-        })
-        .collect();
-    let tier = peer_tier(&f, nodes.iter().map(Node::addr).collect());
-    let (got, want, loads) = generate_from(&f, name, tier.clone());
-    assert_eq!(
-        got, want,
-        "{name}: ids with every expert from sharing peers"
-    );
-    assert!(loads > 0, "{name}: no expert came from peers");
-    let requests: u64 = shared
-        .iter()
-        .map(|e| e.stats().expect("tiered").requests)
-        .sum();
-    assert!(
-        requests >= loads,
-        "{requests} shared-cache requests for {loads} loads"
-    );
-    tier.close();
-}
-
-/// `stormo pull --with-experts`: every file comes back byte for byte (experts included), the
-/// marker says so, the folder runs on its own (no peers, local experts) to the fixture's ids,
-/// and it can serve every expert in turn.
-#[test]
-fn pull_with_experts_gives_a_complete_folder_that_runs_and_serves() {
-    use stormo_net::pull::Pulled;
-    let name = "gptoss-tiny-mxfp4";
-    let f = setup(name);
-    let node = serve_dir(50, f.dir.path(), None, allow_client());
-    let out = tempfile::tempdir().expect("tempdir");
-    let opts = pull_options(&f, &node, out.path(), true);
-    let r = pull::pull(&client_key(), &opts, &runtime()).expect("pull succeeds");
-    assert_eq!(r.model_id, Some(f.id));
-    assert!(
-        !Pulled::dense_only(out.path()).expect("marker"),
-        "marker says experts were pulled"
-    );
-    let m = stormo_manifests::Manifest::decode(
-        &std::fs::read(out.path().join("stormo-manifest.bin")).expect("manifest saved"),
-    )
-    .expect("manifest");
-    assert_eq!(r.tensors, m.tensors.len(), "every tensor fetched");
-    for file in &m.files {
-        assert_eq!(
-            std::fs::read(out.path().join(&file.name)).expect("pulled file"),
-            std::fs::read(f.dir.path().join(&file.name)).expect("source file"),
-            "{}",
-            file.name
-        );
-    }
-    // Runs alone: local experts from the pulled files.
-    let r = Reference::open(&fixture(name));
-    let model = Model::load(out.path(), &LoadOptions::default()).expect("pulled model loads");
-    let want = r.ids("generated_ids");
-    let (got, _) = greedy_ids(&model, &r.ids("input_ids"), want.len());
-    assert_eq!(got, want, "ids from the pulled folder alone");
-    // So does `stormo run` on it, with no peer: the model id the folder pins is for checking
-    // experts from peers, and here there are none (it refused the folder before).
-    let st = crate::node::state();
-    let prompt: Vec<String> = r.ids("input_ids").iter().map(u32::to_string).collect();
-    let n = want.len().to_string();
-    let v: serde_json::Value = serde_json::from_str(&crate::node::stormo(&[
-        "run",
-        "--model",
-        crate::node::s(out.path()),
-        "--prompt-ids",
-        &prompt.join(","),
-        "--max-new-tokens",
-        &n,
-        "--json",
-        "--state-dir",
-        crate::node::s(st.path()),
-    ]))
-    .expect("run --json");
-    let ids: Vec<u32> = serde_json::from_value(v["generated_ids"].clone()).expect("ids");
-    assert_eq!(ids, want, "stormo run on the pulled folder alone");
-    // And serves every expert.
-    let (h, _e) = stormo_node::experts::open_holdings(out.path(), None, &expert_args(), None)
-        .expect("holdings of the pulled folder");
-    assert_eq!(h.held().len(), m.experts.len());
-}
-
-/// A node serving some experts (`--only-experts`) hands out no other expert's bytes through
-/// `stormo pull --with-experts` either: alone it makes the pull fail naming an expert it does
-/// not serve; listed before a node that holds everything, the pull completes byte for byte.
-#[test]
-fn pull_gets_no_expert_bytes_a_node_does_not_serve() {
-    let name = "gptoss-tiny-mxfp4";
-    let f = setup(name);
-    let some = serve_dir(52, f.dir.path(), Some("0-3"), allow_client());
-    let out = tempfile::tempdir().expect("tempdir");
-    let err = pull::pull(
-        &client_key(),
-        &pull_options(&f, &some, out.path(), true),
-        &runtime(),
-    )
-    .map(|_| ())
-    .expect_err("a node serving experts 0-3 gave every expert");
-    let err = format!("{err:#}");
-    assert!(err.contains("does not serve"), "{err}");
-    let all = serve_dir(53, f.dir.path(), None, allow_client());
-    let out = tempfile::tempdir().expect("tempdir");
-    let mut opts = pull_options(&f, &some, out.path(), true);
-    opts.peers.push(all.addr());
-    pull::pull(&client_key(), &opts, &runtime()).expect("pull with a full node after it");
-    for file in ["model.safetensors", "config.json"] {
-        assert_eq!(
-            std::fs::read(out.path().join(file)).expect("pulled file"),
-            std::fs::read(f.dir.path().join(file)).expect("source file"),
-            "{file}"
-        );
-    }
-}
-
-/// The CLI on a folder pulled without experts: `stormo run --peer --expert-dir` keeps the
-/// experts it fetches; with the server gone, `--expert-dir` alone gives the same ids; an empty
-/// directory gives a clean error naming what is missing, not a panic.
-#[test]
-fn pulled_folder_runs_from_the_expert_dir_alone() {
-    let name = "gptoss-tiny-mxfp4";
-    let f = setup(name);
-    let mut node = serve_dir(46, f.dir.path(), None, allow_client());
-    let out = tempfile::tempdir().expect("tempdir");
-    pull::pull(
-        &client_key(),
-        &pull_options(&f, &node, out.path(), false),
-        &runtime(),
-    )
-    .expect("pull succeeds");
-    let scratch = tempfile::tempdir().expect("tempdir");
-    let key = scratch.path().join("client.key");
-    client_key().write_new(&key).expect("key file");
-    let (store, empty) = (scratch.path().join("store"), scratch.path().join("empty"));
-    std::fs::create_dir(&empty).expect("empty dir");
-    let r = Reference::open(&fixture(name));
-    let prompt: Vec<String> = r.ids("input_ids").iter().map(u32::to_string).collect();
-    let want = r.ids("generated_ids");
-    let run = |dir: &Path, extra: &[String]| {
-        std::process::Command::new(crate::demo::stormo_exe())
-            .args(["run", "--json", "--model"])
-            .arg(out.path())
-            .args(["--prompt-ids", &prompt.join(",")])
-            .args(["--max-new-tokens", &want.len().to_string()])
-            .arg("--key")
-            .arg(&key)
-            .args(["--trust", &f.publisher.public().to_string()])
-            .arg("--expert-dir")
-            .arg(dir)
-            .args(extra)
-            .output()
-            .expect("running stormo")
-    };
-    let ids = |o: &std::process::Output| -> Vec<u32> {
-        assert!(
-            o.status.success(),
-            "stormo run: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        let j: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
-        serde_json::from_value(j["generated_ids"].clone()).expect("ids")
-    };
-    let peer = format!("{}@{}", node.addr().key, node.addr().addr);
-    let first = run(&store, &["--peer".into(), peer.clone()]);
-    assert_eq!(ids(&first), want, "with the peer");
-    node.kill();
-    // The gone peer fails every expert of the first layer at once: one warning, not one per
-    // expert (the rest at debug level), then the run's error.
-    let gone = run(
-        &empty,
-        &["--peer".into(), peer, "--peer-timeout".into(), "1".into()],
-    );
-    assert!(
-        !gone.status.success(),
-        "a gone peer and an empty directory cannot serve"
-    );
-    let err = String::from_utf8_lossy(&gone.stderr);
-    let warnings: Vec<&str> = err.lines().filter(|l| l.contains("WARN")).collect();
-    let per_expert = warnings.iter().filter(|l| l.contains("expert ")).count();
-    // Said once per event, never once per expert: the peer's failed connect and its
-    // reconnection, then its being avoided (warnings that name the peer), and at most two
-    // that name an expert (the loads that saw the first connect fail, then those that found
-    // the peer unreachable). Which of these a run prints depends on how its loads meet the
-    // connection's attempts, so only the bounds are fixed.
-    assert!(
-        !warnings.is_empty() && warnings.len() <= 4 && per_expert <= 2,
-        "{} warnings, {per_expert} naming an expert: {err}",
-        warnings.len()
-    );
-    let second = run(&store, &[]);
-    assert_eq!(ids(&second), want, "from the expert directory alone");
-    let none = run(&empty, &[]);
-    assert!(!none.status.success(), "an empty directory cannot serve");
-    let err = String::from_utf8_lossy(&none.stderr);
-    assert!(
-        err.contains("of layer") && err.contains("no tier holds it") && !err.contains("panicked"),
-        "{err}"
-    );
-}
-
-/// Every file in `dir` by name, with its bytes.
-fn snapshot(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
-    std::fs::read_dir(dir)
-        .expect("list")
-        .map(|e| {
-            let e = e.expect("entry");
-            let bytes = std::fs::read(e.path()).expect("read");
-            (e.file_name().to_string_lossy().into_owned(), bytes)
-        })
-        .collect()
-}
-
-/// A copy of the files of `from` in a new temporary folder, `skip` left out.
-fn copy_folder(from: &Path, skip: &[&str]) -> tempfile::TempDir {
-    let out = tempfile::tempdir().expect("tempdir");
-    for (name, bytes) in snapshot(from) {
-        if !skip.contains(&name.as_str()) {
-            std::fs::write(out.path().join(name), bytes).expect("copy");
-        }
-    }
-    out
-}
-
-/// Regression (pull into another model's folder): `stormo pull --out` into a folder that
-/// held another model replaced its config.json and weights and left its other shards beside
-/// the new ones. Now the pull is refused, naming the folder and what is there, and nothing
-/// changes, whether the folder has that model's manifest or is a bare checkpoint; with
-/// `force` the other model's files are removed and the folder ends up exactly the pulled
-/// model's, no stale shard left.
-#[test]
-fn pull_refuses_another_models_folder_and_force_leaves_no_stale_shard() {
-    let f = setup("gptoss-tiny-mxfp4");
-    let other = setup("gptoss-tiny-bf16");
-    assert_ne!(f.id, other.id);
-    let node = serve_dir(60, f.dir.path(), None, allow_client());
-    let rt = runtime();
-    let out = copy_folder(other.dir.path(), &[]);
-    let shard = "model-00002-of-00002.safetensors";
-    std::fs::write(out.path().join(shard), b"another model's shard").expect("shard");
-    let before = snapshot(out.path());
-    let opts = pull_options(&f, &node, out.path(), true);
-    let err = format!(
-        "{:#}",
-        pull::pull(&client_key(), &opts, &rt).expect_err("another model's folder refused")
-    );
-    let (folder, other_id) = (out.path().display().to_string(), other.id.to_hex());
-    for want in [&folder, "another model", &other_id, shard, "--force"] {
-        assert!(err.contains(want), "{want:?} not in {err}");
-    }
-    assert_eq!(snapshot(out.path()), before, "the folder changed");
-    // A bare checkpoint of the other model (no manifest): refused for its config.json and
-    // weights.
-    for name in ["stormo-manifest.bin", "stormo-manifest.sig", shard] {
-        std::fs::remove_file(out.path().join(name)).expect("remove");
-    }
-    let before = snapshot(out.path());
-    let err = format!(
-        "{:#}",
-        pull::pull(&client_key(), &opts, &rt).expect_err("a bare checkpoint refused")
-    );
-    assert!(
-        err.contains("config.json") && err.contains("model.safetensors"),
-        "{err}"
-    );
-    assert_eq!(snapshot(out.path()), before, "the folder changed");
-    // Forced, over the other model with its manifest and an extra shard.
-    let out = copy_folder(other.dir.path(), &[]);
-    std::fs::write(out.path().join(shard), b"another model's shard").expect("shard");
-    let forced = pull::PullOptions {
-        force: true,
-        ..pull_options(&f, &node, out.path(), true)
-    };
-    let r = pull::pull(&client_key(), &forced, &rt).expect("forced pull");
-    assert!(r.removed.contains(&out.path().join(shard)), "{r:?}");
-    let got = snapshot(out.path());
-    let mut want = snapshot(f.dir.path());
-    // Not the model's: the oracle's reference, and usage counts a `stormo run` on the
-    // fixture (the README's quick start does one) leaves beside it.
-    want.remove("reference.json");
-    want.remove("stormo-usage.json");
-    assert_eq!(
-        got.keys()
-            .filter(|n| *n != "stormo-pulled.json")
-            .collect::<Vec<_>>(),
-        want.keys().collect::<Vec<_>>(),
-        "files left of the other model"
-    );
-    for (name, bytes) in &want {
-        assert_eq!(&got[name], bytes, "{name}");
-    }
-}
-
-/// A bare copy of the same architecture whose weights differ in one dense tensor (a
-/// fine-tune, say) is not "repaired" into the pulled model: the pull is refused, naming the
-/// file, and the copy is intact.
-#[test]
-fn pull_refuses_a_folder_whose_weights_differ_in_one_tensor() {
-    let f = setup("gptoss-tiny-mxfp4");
-    let node = serve_dir(61, f.dir.path(), None, allow_client());
-    let m = stormo_manifests::Manifest::decode(
-        &std::fs::read(f.dir.path().join("stormo-manifest.bin")).expect("manifest"),
-    )
-    .expect("manifest");
-    let experts = serve::expert_tensors(&m);
-    let victim = m
-        .tensors
-        .iter()
-        .enumerate()
-        .find(|(i, t)| !experts.contains(i) && t.len > 0)
-        .map(|(_, t)| t)
-        .expect("a dense tensor");
-    let out = copy_folder(
-        f.dir.path(),
-        &[
-            "stormo-manifest.bin",
-            "stormo-manifest.sig",
-            "reference.json",
-        ],
-    );
-    let path = out.path().join("model.safetensors");
-    let mut bytes = std::fs::read(&path).expect("read");
-    bytes[victim.offset as usize] ^= 0x40;
-    std::fs::write(&path, bytes).expect("write");
-    let before = snapshot(out.path());
-    let err = format!(
-        "{:#}",
-        pull::pull(
-            &client_key(),
-            &pull_options(&f, &node, out.path(), false),
-            &runtime()
-        )
-        .expect_err("a folder with other weights refused")
-    );
-    assert!(
-        err.contains("model.safetensors") && err.contains(&victim.name),
-        "{err}"
-    );
-    assert_eq!(snapshot(out.path()), before, "the folder changed");
-}
-
-/// Regression (pull downgraded a full copy): pulling without `with_experts` into a folder
-/// that held the whole model marked it as pulled without experts, so `run` and `serve`
-/// stopped using them. Now a full copy stays full and nothing is fetched, whether it was
-/// pulled with experts or is a bare copy of the checkpoint; an expert tensor damaged in it
-/// is fetched again (and only that tensor). The other way, adding the experts to a folder
-/// pulled without them fetches only the experts.
-#[test]
-fn pull_without_experts_keeps_a_full_copy_full() {
-    use stormo_net::pull::Pulled;
-    let f = setup("gptoss-tiny-mxfp4");
-    let node = serve_dir(62, f.dir.path(), None, allow_client());
-    let rt = runtime();
-    let m = stormo_manifests::Manifest::decode(
-        &std::fs::read(f.dir.path().join("stormo-manifest.bin")).expect("manifest"),
-    )
-    .expect("manifest");
-    let experts = serve::expert_tensors(&m);
-    let source = std::fs::read(f.dir.path().join("model.safetensors")).expect("source");
-    let out = tempfile::tempdir().expect("tempdir");
-    pull::pull(
-        &client_key(),
-        &pull_options(&f, &node, out.path(), true),
-        &rt,
-    )
-    .expect("full pull");
-    let full = snapshot(out.path());
-    let dense = pull_options(&f, &node, out.path(), false);
-    let r = pull::pull(&client_key(), &dense, &rt).expect("pull without experts");
-    assert_eq!((r.tensors, r.fetched, r.reused), (0, 0, 0), "{r:?}");
-    assert!(r.experts, "{r:?}");
-    assert!(
-        !Pulled::dense_only(out.path()).expect("marker"),
-        "downgraded"
-    );
-    assert_eq!(snapshot(out.path()), full, "the folder changed");
-    // A damaged expert tensor: fetched again, the rest copied.
-    let (_, t) = m
-        .tensors
-        .iter()
-        .enumerate()
-        .find(|(i, t)| experts.contains(i) && t.len > 0)
-        .expect("an expert tensor");
-    let path = out.path().join("model.safetensors");
-    let mut bytes = std::fs::read(&path).expect("read");
-    bytes[t.offset as usize] ^= 0x01;
-    std::fs::write(&path, bytes).expect("write");
-    let r = pull::pull(&client_key(), &dense, &rt).expect("repair without experts");
-    assert_eq!((r.tensors, r.reused), (1, m.tensors.len() - 1), "{r:?}");
-    assert!(
-        !Pulled::dense_only(out.path()).expect("marker"),
-        "downgraded"
-    );
-    assert_eq!(std::fs::read(&path).expect("read"), source);
-    // A bare copy of the checkpoint (no manifest, no marker) is a full copy too.
-    let bare = copy_folder(
-        f.dir.path(),
-        &[
-            "stormo-manifest.bin",
-            "stormo-manifest.sig",
-            "reference.json",
-        ],
-    );
-    let r = pull::pull(
-        &client_key(),
-        &pull_options(&f, &node, bare.path(), false),
-        &rt,
-    )
-    .expect("pull into a bare copy");
-    assert_eq!((r.tensors, r.fetched), (0, 0), "{r:?}");
-    assert!(
-        !Pulled::dense_only(bare.path()).expect("marker"),
-        "downgraded"
-    );
-    // Dense only, then with the experts: only the experts are fetched.
-    let sparse = tempfile::tempdir().expect("tempdir");
-    pull::pull(
-        &client_key(),
-        &pull_options(&f, &node, sparse.path(), false),
-        &rt,
-    )
-    .expect("dense pull");
-    assert!(Pulled::dense_only(sparse.path()).expect("marker"));
-    let r = pull::pull(
-        &client_key(),
-        &pull_options(&f, &node, sparse.path(), true),
-        &rt,
-    )
-    .expect("adding the experts");
-    assert_eq!(
-        (r.tensors, r.reused),
-        (experts.len(), m.tensors.len() - experts.len()),
-        "{r:?}"
-    );
-    assert!(!Pulled::dense_only(sparse.path()).expect("marker"));
-    assert_eq!(
-        std::fs::read(sparse.path().join("model.safetensors")).expect("read"),
-        source
-    );
-}
-
-/// Regression (empty folder left by a failed pull): a pull that fails before storing
-/// anything (no peer reachable; a peer that does not serve the model asked for) removes the
-/// folders it created, and never a folder that was there before.
-#[test]
-fn a_failed_pull_removes_only_the_folders_it_created() {
-    let f = setup("gptoss-tiny-mxfp4");
-    let node = serve_dir(63, f.dir.path(), None, allow_client());
-    let (dead, _sink) = dead_peer();
-    let rt = runtime();
-    let scratch = tempfile::tempdir().expect("tempdir");
-    let created = scratch.path().join("new");
-    let out = created.join("deeper").join("model");
-    let unreachable = pull::PullOptions {
-        peers: vec![dead],
-        ..pull_options(&f, &node, &out, false)
-    };
-    let err = format!(
-        "{:#}",
-        pull::pull(&client_key(), &unreachable, &rt).expect_err("no peer")
-    );
-    assert!(err.contains("no peer could be reached"), "{err}");
-    assert!(!created.exists(), "{} left behind", created.display());
-    let wrong_model = pull::PullOptions {
-        model_id: Some(Hash([9; 32])),
-        trust: vec![],
-        ..pull_options(&f, &node, &out, false)
-    };
-    pull::pull(&client_key(), &wrong_model, &rt).expect_err("no such model");
-    assert!(!created.exists(), "{} left behind", created.display());
-    // A folder that was there stays, empty or not.
-    let there = scratch.path().join("there");
-    std::fs::create_dir(&there).expect("mkdir");
-    pull::pull(
-        &client_key(),
-        &pull::PullOptions {
-            out: there.clone(),
-            ..unreachable.clone()
-        },
-        &rt,
-    )
-    .expect_err("no peer");
-    assert!(there.is_dir(), "a folder that was there was removed");
-}
-
-/// Regression (`\r` in logs): pull drew its progress with carriage returns even when stderr
-/// was not a terminal. The CLI with stderr piped writes plain lines; a second pull says it is
-/// already up to date; a pull into another model's folder fails naming `--force`.
-#[test]
-fn cli_pull_writes_plain_lines_when_stderr_is_not_a_terminal() {
-    let f = setup("gptoss-tiny-mxfp4");
-    let other = setup("gptoss-tiny-bf16");
-    let node = serve_dir(64, f.dir.path(), None, allow_client());
-    let scratch = tempfile::tempdir().expect("tempdir");
-    let key = scratch.path().join("client.key");
-    client_key().write_new(&key).expect("key file");
-    let pull = |out: &Path| {
-        std::process::Command::new(crate::demo::stormo_exe())
-            .arg("pull")
-            .args([
-                "--peer",
-                &format!("{}@{}", node.addr().key, node.addr().addr),
-            ])
-            .args(["--trust", &f.publisher.public().to_string()])
-            .args(["--with-experts", "--peer-timeout", "5", "--key"])
-            .arg(&key)
-            .arg("--out")
-            .arg(out)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .expect("running stormo pull")
-    };
-    let out = scratch.path().join("model");
-    let first = pull(&out);
-    let err = String::from_utf8_lossy(&first.stderr);
-    assert!(first.status.success(), "{err}");
-    assert!(!err.contains('\r'), "carriage return in {err:?}");
-    assert!(err.contains("pull: model.safetensors: "), "{err}");
-    let second = pull(&out);
-    let err = String::from_utf8_lossy(&second.stderr);
-    assert!(second.status.success(), "{err}");
-    assert!(err.contains("already up to date"), "{err}");
-    let theirs = pull(other.dir.path());
-    let err = String::from_utf8_lossy(&theirs.stderr);
-    assert!(!theirs.status.success(), "another model's folder replaced");
-    assert!(err.contains("--force"), "{err}");
 }

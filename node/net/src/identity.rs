@@ -66,25 +66,12 @@ pub fn unix_now() -> anyhow::Result<u64> {
         .as_secs())
 }
 
-/// `YYYY-MM-DD HH:MM` (UTC) of Unix seconds.
+/// `YYYY-MM-DD HH:MM` (UTC) of Unix seconds (the seconds and the zone left off:
+/// [`stormo_manifests::membership::utc_date_time`] without its last `:SS UTC`).
 pub fn utc_date_time(secs: u64) -> String {
-    let days = i64::try_from(secs / 86_400).unwrap_or(i64::MAX / 2);
-    let rem = secs % 86_400;
-    // Inverse of days_from_civil.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}",
-        rem / 3600,
-        (rem % 3600) / 60
-    )
+    let mut s = stormo_manifests::membership::utc_date_time(secs);
+    s.truncate(s.len() - ":SS UTC".len());
+    s
 }
 
 /// Reads a membership certificate file (bounded; a file that is not one is named).

@@ -2,7 +2,9 @@
 //! and the HTTP server share (loading a model with its tokenizer, sampling options).
 //!
 //! The conversation keeps one [`ChatSession`]: each turn renders the whole conversation again
-//! and computes only what differs from the cache. On a terminal it reads messages through a
+//! and computes only what differs from the cache; a conversation that fills the context drops
+//! its oldest exchanges ([`stormo_text::shift`]), before a turn or in the middle of a reply,
+//! unless `--no-context-shift`. On a terminal it reads messages through a
 //! line editor (history, multi-line, Ctrl-C stops a reply: [`crate::cmd::chat::editor`]); from a
 //! pipe it reads one line per turn (`printf 'hi\nmore\n' | stormo chat --model DIR`).
 //! `/save` and `/load` keep conversations in JSON files ([`stormo_text::transcript`]).
@@ -24,7 +26,7 @@ use stormo_text::defaults::SamplingDefaults;
 use stormo_text::harmony::ReasoningEffort;
 use stormo_text::reply::ReplyStream;
 use stormo_text::session::{ChatSession, FinishReason, GenerateOptions, Generation};
-use stormo_text::transcript;
+use stormo_text::{shift, transcript};
 use stormo_text::{OutputDelta, PromptOptions, Turn, TurnRole};
 
 /// Sampling options shared by `run` and `chat` (the HTTP API takes them per request). Each
@@ -196,7 +198,9 @@ impl Printer {
                   Up/Down recall earlier messages (kept across sessions in the state \
                   directory), a line ending in \\ continues on the next, a paste keeps its \
                   lines in one message, and Ctrl-C stops a reply (the conversation keeps it; \
-                  the next message continues it). Sampling defaults come from the model's \
+                  the next message continues it). A conversation that fills --context drops \
+                  its oldest turns (the system prompt kept; the status line says how many) \
+                  unless --no-context-shift. Sampling defaults come from the model's \
                   generation_config.json. Commands:\n  \
                   /reset       forget the conversation\n  \
                   /save FILE   save the conversation (JSON, OpenAI's message shape)\n  \
@@ -225,6 +229,11 @@ pub struct Args {
     /// At most this many tokens per reply.
     #[arg(short = 'n', long, default_value_t = 1024, value_name = "N")]
     pub max_new_tokens: usize,
+    /// When the conversation fills the context, stop replying (until /reset) instead of
+    /// shifting it: by default the oldest turns are dropped, whole, the system prompt kept,
+    /// and the status line says how many.
+    #[arg(long)]
+    pub no_context_shift: bool,
     /// Sampling (the chat default temperature is 0.7: greedy decoding tends to loop).
     #[command(flatten)]
     pub sampling: SamplingArgs,
@@ -358,6 +367,40 @@ pub fn reply_until(
     so_far: &mut Reply,
     stop: Option<&AtomicBool>,
 ) -> anyhow::Result<Generation> {
+    reply_refitting(
+        sess,
+        stream,
+        prompt,
+        opts,
+        printer,
+        out,
+        so_far,
+        stop,
+        &mut |_| Ok(None),
+    )
+}
+
+/// Given a reply's ids so far, a shorter prompt that ends with them, if the conversation
+/// before the reply can shift ([`reply_refitting`]).
+type Refit<'a> = dyn FnMut(&[u32]) -> anyhow::Result<Option<Vec<u32>>> + 'a;
+
+/// [`reply_until`], and when the context fills before the reply ends, `refit` is given the
+/// reply's ids so far and may return a shorter prompt that ends with them (the conversation
+/// before the reply shifted): the reply then goes on after it, in the same stream. The
+/// [`Generation`] returned covers the whole reply: the first prompt's size and reuse, the
+/// times added up, the last part's finish.
+#[allow(clippy::too_many_arguments)]
+fn reply_refitting(
+    sess: &mut ChatSession,
+    stream: &mut ReplyStream,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    printer: &mut Printer,
+    out: &mut dyn Write,
+    so_far: &mut Reply,
+    stop: Option<&AtomicBool>,
+    refit: &mut Refit<'_>,
+) -> anyhow::Result<Generation> {
     let mut out = Noting {
         inner: out,
         wrote: false,
@@ -378,17 +421,54 @@ pub fn reply_until(
         }
         ControlFlow::Continue(())
     };
-    let generated = sess.generate(prompt, opts, |id| {
-        so_far.ids.push(id);
-        let flow = match stream.push(id) {
-            Some(d) => take(d, so_far, &mut out),
-            None => ControlFlow::Continue(()),
+    let mut prompt = prompt.to_vec();
+    let mut part_opts = opts.clone();
+    // The parts before the last, added up.
+    let mut before: Option<Generation> = None;
+    let generated = loop {
+        let part = sess.generate(&prompt, &part_opts, |id| {
+            so_far.ids.push(id);
+            let flow = match stream.push(id) {
+                Some(d) => take(d, so_far, &mut out),
+                None => ControlFlow::Continue(()),
+            };
+            if stop.is_some_and(|s| s.load(Ordering::SeqCst)) {
+                return ControlFlow::Break(());
+            }
+            flow
+        });
+        let part = match part {
+            Ok(g) => g,
+            Err(e) => break Err(anyhow::Error::from(e)),
         };
-        if stop.is_some_and(|s| s.load(Ordering::SeqCst)) {
-            return ControlFlow::Break(());
+        let whole = match before.take() {
+            None => part,
+            Some(b) => Generation {
+                ids: [b.ids, part.ids].concat(),
+                finish: part.finish,
+                prefill_s: b.prefill_s + part.prefill_s,
+                decode_s: b.decode_s + part.decode_s,
+                check_wait_s: b.check_wait_s + part.check_wait_s,
+                ..b
+            },
+        };
+        let left = opts.max_new_tokens.saturating_sub(whole.ids.len());
+        // (A write that failed stopped the part: its finish is `Cancelled`.)
+        if whole.finish != FinishReason::ContextFull || left == 0 {
+            break Ok(whole);
         }
-        flow
-    });
+        match refit(&whole.ids) {
+            Ok(Some(p)) => {
+                prompt = p;
+                part_opts.max_new_tokens = left;
+                // Another stream of random numbers for the rest of the reply.
+                part_opts.sampling.seed = opts.sampling.seed.wrapping_add(whole.ids.len() as u64);
+                before = Some(whole);
+            }
+            Ok(None) => break Ok(whole),
+            Err(e) => break Err(e),
+        }
+    };
     if let Some(d) = stream.finish() {
         let _ = take(d, so_far, &mut out);
     }
@@ -398,7 +478,7 @@ pub fn reply_until(
             if out.wrote && failed.is_none() {
                 let _ = printer.end(&mut out);
             }
-            return Err(e.into());
+            return Err(e);
         }
     };
     if let Some(e) = failed {
@@ -440,19 +520,22 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         // Only greedy replies use the screen; a sampled chat would hold the copy for nothing.
         screened_head: !a.full_head && sampling.is_plain_argmax(),
     };
-    let tm = load_text_model(
-        NodeConfig {
-            model: a.model.clone(),
-            state_dir: a.experts.state_dir(),
-            experts: a.experts.resolve()?,
-            local: LocalExperts::All,
-            context: a.context,
-            peers: a.net.resolve(false)?,
-            listen: None,
-            swarm: crate::swarm_args::resolve_for_node(&a.swarm, a.net.key.as_deref())?,
-        },
-        &load,
-    )?;
+    // The key file is loaded once: for the certificate's check and for the node.
+    let (swarm, host) =
+        crate::swarm_args::resolve_identity(&a.swarm, a.net.key.as_deref())?.into_host()?;
+    let cfg = NodeConfig {
+        model: a.model.clone(),
+        state_dir: a.experts.state_dir(),
+        experts: a.experts.resolve()?,
+        local: LocalExperts::All,
+        context: a.context,
+        peers: a.net.resolve(false)?,
+        listen: None,
+        swarm,
+    };
+    // The model's description, read once: the text checks and the node take it.
+    let files = stormo_node::node::open_model(&a.model)?;
+    let tm = stormo_node::text_model::load_text_model_on(cfg, host, files, &load)?;
     a.render.warn_for(tm.model.config().family);
     tm.node.wait_for_coverage(a.net.wait_coverage());
     let interactive = std::io::stdin().is_terminal();
@@ -492,6 +575,9 @@ struct Conversation<'a> {
     turns: Vec<Turn>,
     /// Turns from --system at the start (kept by /reset).
     system_turns: usize,
+    /// The first turn after the system turns that is still rendered: the context shifts
+    /// left out `turns[system..start]` (they stay in `turns` for /save).
+    start: usize,
     turn_no: u64,
     interactive: bool,
 }
@@ -535,6 +621,7 @@ impl<'a> Conversation<'a> {
             sess,
             printer: Printer::new(a.render.show_reasoning, tty),
             system_turns: turns.len(),
+            start: turns.len(),
             turns,
             turn_no: 0,
             interactive,
@@ -578,6 +665,7 @@ impl<'a> Conversation<'a> {
                     writeln!(notes, "(loaded {} messages from {file})", turns.len())?;
                     self.turns = turns;
                     self.system_turns = 0;
+                    self.start = 0;
                 }
                 Err(e) => writeln!(
                     notes,
@@ -591,6 +679,7 @@ impl<'a> Conversation<'a> {
             "/quit" | "/exit" | "/q" => return Ok(Flow::Quit),
             "/reset" => {
                 self.turns.truncate(self.system_turns);
+                self.start = self.system_turns;
                 self.sess.reset();
                 writeln!(notes, "(conversation reset)")?;
                 return Ok(Flow::Continue);
@@ -625,17 +714,46 @@ impl<'a> Conversation<'a> {
     ) -> anyhow::Result<()> {
         let (a, tm) = (self.a, self.tm);
         self.turns.push(Turn::new(TurnRole::User, text));
-        let prompt = tm.format.render_prompt(&self.turns, &self.popts)?;
-        if prompt.len() >= a.context {
+        let keep = shift::system_turns(&self.turns);
+        // Room kept for the reply when the conversation shifts: its --max-new-tokens, at most
+        // half the context.
+        let reserve = a.max_new_tokens.min(a.context / 2);
+        let budget = if a.no_context_shift {
+            usize::MAX
+        } else {
+            a.context - reserve
+        };
+        let w = shift::shift_to_fit(
+            &tm.format,
+            &self.turns,
+            keep,
+            self.start,
+            &self.popts,
+            budget,
+        )?;
+        if w.prompt.len() >= a.context {
             self.turns.pop();
-            writeln!(
-                notes,
-                "the conversation ({} tokens) no longer fits the context of {} positions: /reset to start over, or a larger --context",
-                prompt.len(),
-                a.context
-            )?;
+            if a.no_context_shift {
+                writeln!(
+                    notes,
+                    "the conversation ({} tokens) no longer fits the context of {} positions: /reset to start over, or a larger --context",
+                    w.prompt.len(),
+                    a.context
+                )?;
+            } else {
+                writeln!(
+                    notes,
+                    "this message takes {} tokens with the system prompt, more than the context of {} positions holds even without the earlier turns: send a shorter one, or give a larger --context",
+                    w.prompt.len(),
+                    a.context
+                )?;
+            }
             return Ok(());
         }
+        self.start = w.start;
+        let prompt = w.prompt;
+        // Turns and tokens the context shifts dropped for this reply (before it and during).
+        let mut shifted = (w.dropped_turns, w.dropped_tokens);
         let opts = GenerateOptions {
             max_new_tokens: a.max_new_tokens,
             stop: tm.format.stop_tokens(),
@@ -647,7 +765,28 @@ impl<'a> Conversation<'a> {
         self.turn_no += 1;
         let mut stream = ReplyStream::chat(&tm.format);
         let mut so_far = Reply::default();
-        let g = reply_until(
+        let (turns, popts, start) = (&self.turns, &self.popts, &mut self.start);
+        // A reply that fills the context shifts it again and goes on, while there is an older
+        // exchange to drop.
+        let mut refit = |ids: &[u32]| -> anyhow::Result<Option<Vec<u32>>> {
+            if a.no_context_shift {
+                return Ok(None);
+            }
+            let reserve = a
+                .max_new_tokens
+                .saturating_sub(ids.len())
+                .min(a.context / 2);
+            let budget = a.context.saturating_sub(ids.len() + reserve);
+            let w = shift::shift_to_fit(&tm.format, turns, keep, *start, popts, budget)?;
+            if w.dropped_turns == 0 || w.prompt.len() + ids.len() >= a.context {
+                return Ok(None);
+            }
+            *start = w.start;
+            shifted.0 += w.dropped_turns;
+            shifted.1 += w.dropped_tokens;
+            Ok(Some([w.prompt, ids.to_vec()].concat()))
+        };
+        let g = reply_refitting(
             &mut self.sess,
             &mut stream,
             &prompt,
@@ -656,6 +795,7 @@ impl<'a> Conversation<'a> {
             out,
             &mut so_far,
             interrupt,
+            &mut refit,
         )?;
         let Reply {
             reasoning, content, ..
@@ -677,11 +817,24 @@ impl<'a> Conversation<'a> {
                 "{dim}(stopped; the reply so far stays in the conversation){reset}"
             )?;
         }
+        let shift_note = if shifted.0 > 0 {
+            format!(
+                "context full: dropped the {} oldest turn{} ({} tokens), the system prompt kept; ",
+                shifted.0,
+                if shifted.0 == 1 { "" } else { "s" },
+                shifted.1
+            )
+        } else {
+            String::new()
+        };
+        if a.no_stats && shifted.0 > 0 {
+            writeln!(notes, "{dim}({}){reset}", shift_note.trim_end_matches("; "))?;
+        }
         if !a.no_stats {
             let decode = g.ids.len().saturating_sub(1);
             writeln!(
                 notes,
-                "{dim}[prompt {} tokens, {} reused from the cache, {} computed; reply {} tokens ({}); {:.1} tok/s{}]{reset}",
+                "{dim}[{shift_note}prompt {} tokens, {} reused from the cache, {} computed; reply {} tokens ({}); {:.1} tok/s{}]{reset}",
                 g.prompt_tokens,
                 g.reused,
                 g.prompt_tokens - g.reused,

@@ -10,7 +10,8 @@
 //! into reasoning and answer text.
 //!
 //! [`session`] keeps a conversation's KV cache between turns and reuses the longest common
-//! prefix of each new render.
+//! prefix of each new render; [`shift`] chooses the turns a full conversation still renders
+//! (the system prompt kept, the oldest exchanges dropped).
 //!
 //! [`transcript`] is a saved conversation (`stormo chat`'s /save and /load).
 //!
@@ -28,6 +29,7 @@ pub mod defaults;
 pub mod harmony;
 pub mod reply;
 pub mod session;
+pub mod shift;
 pub mod tokenizer;
 pub mod transcript;
 
