@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use stormo_engine::ModelConfig;
 use stormo_manifests::{Hash, PublicKey};
 
 use stormo_net::expert_dir::budget::KeepLimit;
@@ -336,18 +337,21 @@ pub struct HttpArgs {
 
 impl HttpArgs {
     /// [`Self::resolve_within`] a plan of the machine's memory read here. A command that also
-    /// starts a node reads one [`MemoryPlan`] for both (the expert cache's budget:
-    /// [`stormo_node::experts::Experts::build_within`]) and calls [`Self::resolve_within`].
-    pub fn resolve(&self, model: &Path) -> anyhow::Result<Option<HttpConfig>> {
-        self.resolve_within(model, &MemoryPlan::read())
+    /// starts a node reads one [`MemoryPlan`] for both (the expert cache's budget: the node's
+    /// host carries it, [`stormo_node::node::Host::with_memory`]) and calls
+    /// [`Self::resolve_within`].
+    pub fn resolve(&self, model: &Path, cfg: &ModelConfig) -> anyhow::Result<Option<HttpConfig>> {
+        self.resolve_within(model, cfg, &MemoryPlan::read())
     }
 
-    /// The settings, if `--http` was given, for the model in `model` (its
-    /// generation_config.json gives the default sampling; without --parallel, its KV cache's
-    /// size and `memory` set how many requests run together: [`MemoryPlan::parallel`]).
+    /// The settings, if `--http` was given, for the model in `model` whose config.json the
+    /// command read into `cfg` (its generation_config.json gives the default sampling; without
+    /// --parallel, its KV cache's size and `memory` set how many requests run together:
+    /// [`MemoryPlan::parallel`]).
     pub fn resolve_within(
         &self,
         model: &Path,
+        cfg: &ModelConfig,
         memory: &MemoryPlan,
     ) -> anyhow::Result<Option<HttpConfig>> {
         let Some(addr) = self.http else {
@@ -397,12 +401,7 @@ impl HttpArgs {
         }
         let parallel = match self.parallel {
             Some(n) => n,
-            None => {
-                let cfg = stormo_engine::ModelConfig::from_dir(model).map_err(|e| {
-                    anyhow::anyhow!("loading the model in {}: {e}", model.display())
-                })?;
-                memory.parallel(stormo_node::memory::kv_cache_bytes(&cfg, self.http_context))
-            }
+            None => memory.parallel(stormo_node::memory::kv_cache_bytes(cfg, self.http_context)),
         };
         Ok(Some(
             HttpConfig {
@@ -558,6 +557,17 @@ mod tests {
         );
     }
 
+    /// The config.json of a gpt-oss-20b: 96 KiB of KV cache a position.
+    const GPT_OSS_20B: &str = r#"{"model_type": "gpt_oss", "hidden_size": 2880,
+        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "vocab_size": 201088, "num_local_experts": 32,
+        "num_experts_per_tok": 4, "intermediate_size": 2880, "rms_norm_eps": 1e-5,
+        "rope_theta": 150000, "sliding_window": 128, "max_position_embeddings": 131072}"#;
+
+    fn gpt_oss() -> ModelConfig {
+        ModelConfig::from_json_str(GPT_OSS_20B, Path::new("config.json")).expect("config.json")
+    }
+
     fn args() -> HttpArgs {
         HttpArgs {
             http: Some("127.0.0.1:0".parse().expect("addr")),
@@ -579,7 +589,7 @@ mod tests {
     #[test]
     fn config_checks_the_timeout_and_connection_caps() {
         let cfg = args()
-            .resolve(Path::new("m"))
+            .resolve(Path::new("m"), &gpt_oss())
             .expect("defaults")
             .expect("--http given");
         assert_eq!(cfg.timeout, stormo_node::http::DEFAULT_TIMEOUT);
@@ -597,7 +607,7 @@ mod tests {
                 ..args()
             };
             let e = a
-                .resolve(Path::new("m"))
+                .resolve(Path::new("m"), &gpt_oss())
                 .expect_err("a bad timeout is refused");
             assert!(e.to_string().contains("--http-timeout"), "{t}: {e}");
         }
@@ -606,7 +616,9 @@ mod tests {
                 http_max_connections: n,
                 ..args()
             };
-            let e = a.resolve(Path::new("m")).expect_err("a bad cap is refused");
+            let e = a
+                .resolve(Path::new("m"), &gpt_oss())
+                .expect_err("a bad cap is refused");
             assert!(e.to_string().contains("--http-max-connections"), "{n}: {e}");
         }
         let a = HttpArgs {
@@ -614,7 +626,7 @@ mod tests {
             ..args()
         };
         let e = a
-            .resolve(Path::new("m"))
+            .resolve(Path::new("m"), &gpt_oss())
             .expect_err("a per-client cap of 0 is refused");
         assert!(e.to_string().contains("--http-max-per-client"), "{e}");
         // Above the cap in all: accepted, and only that cap applies (see conn.rs).
@@ -629,7 +641,7 @@ mod tests {
                 ..args()
             };
             let cfg = a
-                .resolve(Path::new("m"))
+                .resolve(Path::new("m"), &gpt_oss())
                 .expect("accepted")
                 .expect("--http given");
             assert_eq!(cfg.max_per_client, n);
@@ -642,15 +654,7 @@ mod tests {
     #[test]
     fn the_parallel_default_comes_from_the_memory_plan() {
         let dir = tempfile::tempdir().expect("tempdir");
-        std::fs::write(
-            dir.path().join("config.json"),
-            r#"{"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24,
-            "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-            "vocab_size": 201088, "num_local_experts": 32, "num_experts_per_tok": 4,
-            "intermediate_size": 2880, "rms_norm_eps": 1e-5, "rope_theta": 150000,
-            "sliding_window": 128, "max_position_embeddings": 131072}"#,
-        )
-        .expect("config.json");
+        let model = gpt_oss();
         // 96 KiB a position: 384 MiB a cache of 4096 positions.
         let gib = 1u64 << 30;
         let a = HttpArgs {
@@ -659,13 +663,13 @@ mod tests {
         };
         for (avail, parallel) in [(Some(16 * gib), 4), (Some(4 * gib), 2), (Some(gib), 1)] {
             let cfg = a
-                .resolve_within(dir.path(), &MemoryPlan::new(avail))
+                .resolve_within(dir.path(), &model, &MemoryPlan::new(avail))
                 .expect("resolves")
                 .expect("--http given");
             assert_eq!(cfg.parallel, parallel, "{avail:?}");
         }
         let given = args()
-            .resolve_within(dir.path(), &MemoryPlan::new(Some(64 * gib)))
+            .resolve_within(dir.path(), &model, &MemoryPlan::new(Some(64 * gib)))
             .expect("resolves")
             .expect("--http given");
         assert_eq!(given.parallel, 1);

@@ -56,6 +56,11 @@ pub struct SwarmArgs {
 }
 
 impl SwarmArgs {
+    /// Whether any swarm option was given.
+    fn given(&self) -> bool {
+        self.swarm.is_some() || self.cert.is_some() || !self.discover.is_empty()
+    }
+
     /// Checks and loads the options for the node whose key is `node` at `now` (Unix seconds):
     /// the swarm key parses, the certificate file is one, is for that swarm and this node's
     /// key, and is valid now (so a node never starts with a certificate every peer would
@@ -170,17 +175,76 @@ pub fn resolve_for_node(
     args: &SwarmArgs,
     key: Option<&std::path::Path>,
 ) -> anyhow::Result<Option<SwarmConfig>> {
-    if args.swarm.is_none() && args.cert.is_none() && args.discover.is_empty() {
-        return Ok(None);
+    resolve_identity(args, key).map(|id| id.swarm)
+}
+
+/// A node's swarm options and, when they needed it, its key, resolved once before the node
+/// starts: the key file is loaded here only to check the certificate against it, and then
+/// goes to the node ([`NodeIdentity::into_host`]) rather than being loaded again.
+#[derive(Debug)]
+pub struct NodeIdentity {
+    /// The swarm options (`None`: none given).
+    swarm: Option<SwarmConfig>,
+    /// The key of `--key`, when the swarm options loaded it.
+    key: Option<SecretKey>,
+}
+
+impl NodeIdentity {
+    /// The swarm options, and the host a node with this identity starts on: a new runtime,
+    /// with the key when it was loaded (else the node loads `--key` itself when it needs a
+    /// key).
+    pub fn into_host(self) -> anyhow::Result<(Option<SwarmConfig>, stormo_node::node::Host)> {
+        let host = stormo_node::node::Host::new()?;
+        let host = match self.key {
+            Some(k) => host.with_key(k),
+            None => host,
+        };
+        Ok((self.swarm, host))
+    }
+}
+
+/// The swarm options of a node whose key file is `key` (loaded only when a swarm option is
+/// given), resolved now, with the key it loaded.
+pub fn resolve_identity(
+    args: &SwarmArgs,
+    key: Option<&std::path::Path>,
+) -> anyhow::Result<NodeIdentity> {
+    if !args.given() {
+        return Ok(NodeIdentity {
+            swarm: None,
+            key: None,
+        });
     }
     let secret = match key {
-        Some(k) => stormo_net::identity::load_secret_key(k).context("--key")?,
+        Some(k) => Some(stormo_net::identity::load_secret_key(k).context("--key")?),
+        None => None,
+    };
+    let swarm = resolve_with_key(args, secret.as_ref())?;
+    Ok(NodeIdentity { swarm, key: secret })
+}
+
+/// The swarm options of a node whose key (from `--key`; `None`: none given) is loaded
+/// already, resolved now; `None` when no swarm option was given.
+pub fn resolve_with_key(
+    args: &SwarmArgs,
+    key: Option<&SecretKey>,
+) -> anyhow::Result<Option<SwarmConfig>> {
+    if !args.given() {
+        return Ok(None);
+    }
+    let generated;
+    let secret = match key {
+        Some(k) => k,
         None if args.cert.is_some() => {
             anyhow::bail!("--cert needs --key: the certificate names this node's key")
         }
-        None => SecretKey::generate(),
+        // No certificate to check against a key: any key resolves the rest.
+        None => {
+            generated = SecretKey::generate();
+            &generated
+        }
     };
-    args.resolve(&secret, stormo_net::identity::unix_now()?)
+    args.resolve(secret, stormo_net::identity::unix_now()?)
         .map(Some)
 }
 

@@ -358,7 +358,9 @@ impl Drop for Alive {
 }
 
 /// Starts the server on the current tokio runtime: binds `cfg.addr`, starts the engine
-/// thread, and accepts connections until closed.
+/// thread, and accepts connections until closed. A node runs it as one of its services, on
+/// its runtime and stopped with it ([`crate::node::Node::start_http`]); benches and tests may
+/// run it alone.
 pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer> {
     anyhow::ensure!(
         (1..=MAX_CONNECTIONS).contains(&cfg.max_connections),

@@ -11,12 +11,25 @@ use stormo_net::{accept_manifest, tier};
 
 /// The manifest for a node of `dir`: the local file (`args.manifest` or
 /// `DIR/stormo-manifest.bin`) when it exists, else fetched from the first peer that answers;
-/// accepted only as [`accept_manifest`] says.
+/// accepted only as [`accept_manifest`] says. A fetch dials from an endpoint of its own: for
+/// a caller with none (a node fetches from its own, [`resolve_manifest_on`]).
 pub fn resolve_manifest(
     dir: &Path,
     args: &crate::config::PeersConfig,
     secret: &SecretKey,
     rt: &tokio::runtime::Runtime,
+) -> anyhow::Result<(Manifest, Hash, Vec<u8>)> {
+    resolve_manifest_on(dir, args, secret, rt, None)
+}
+
+/// [`resolve_manifest`] fetching, when it must, from `endpoint` (the node's own, which stays
+/// open); with `None` from an endpoint of its own, closed when done.
+pub fn resolve_manifest_on(
+    dir: &Path,
+    args: &crate::config::PeersConfig,
+    secret: &SecretKey,
+    rt: &tokio::runtime::Runtime,
+    endpoint: Option<&quinn::Endpoint>,
 ) -> anyhow::Result<(Manifest, Hash, Vec<u8>)> {
     let paths = ManifestPaths::resolve(dir, args.manifest.as_deref());
     let sig = std::fs::read(&paths.sig).ok();
@@ -43,30 +56,50 @@ pub fn resolve_manifest(
             ),
             (None, None) => None,
         };
-        let cfg = args.timeouts;
-        let mut last = None;
-        let mut got = None;
-        for p in &args.peers {
-            match rt.block_on(tier::fetch_manifest(secret, p, want, cfg)) {
-                Ok((_, b)) => {
-                    got = Some(b);
-                    break;
-                }
-                Err(e) => {
-                    tracing::warn!("{e:#}");
-                    last = Some(e);
-                }
-            }
-        }
-        match got {
-            Some(b) => b,
+        match endpoint {
+            Some(ep) => fetch_from_peers(args, secret, rt, ep, want)?,
             None => {
-                return Err(last
-                    .unwrap_or_else(|| anyhow::anyhow!("no peer"))
-                    .context("no peer supplied the manifest"))
+                let own = {
+                    let _g = rt.enter();
+                    let v6 = args.peers.iter().any(|p| p.addr.is_ipv6());
+                    stormo_net::bind(stormo_net::unspecified(v6), None)?
+                };
+                let got = fetch_from_peers(args, secret, rt, &own, want);
+                own.close(0u32.into(), b"done");
+                got?
             }
         }
     };
     let (m, id) = accept_manifest(&bytes, sig.as_deref(), &args.trust, args.model_id)?;
     Ok((m, id, bytes))
+}
+
+/// The manifest's bytes (of `want`, or the peer's only model), unchecked, from the first of
+/// `args.peers` that supplies them, dialled from `endpoint`.
+fn fetch_from_peers(
+    args: &crate::config::PeersConfig,
+    secret: &SecretKey,
+    rt: &tokio::runtime::Runtime,
+    endpoint: &quinn::Endpoint,
+    want: Option<Hash>,
+) -> anyhow::Result<Vec<u8>> {
+    let mut last = None;
+    for p in &args.peers {
+        match rt.block_on(tier::fetch_manifest_on(
+            endpoint,
+            secret,
+            p,
+            want,
+            args.timeouts,
+        )) {
+            Ok((_, b)) => return Ok(b),
+            Err(e) => {
+                tracing::warn!("{e:#}");
+                last = Some(e);
+            }
+        }
+    }
+    Err(last
+        .unwrap_or_else(|| anyhow::anyhow!("no peer"))
+        .context("no peer supplied the manifest"))
 }

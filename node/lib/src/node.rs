@@ -2,19 +2,26 @@
 //!
 //! Every command that runs or serves a model builds one [`Node`] from a [`NodeConfig`] and
 //! calls it. The Node owns:
-//! - the tokio runtime (the only one in the process);
-//! - one QUIC endpoint that both accepts and dials, so peers reach this node on the port it
-//!   dials from (iroh's model: one endpoint, every protocol on it);
+//! - its [`Host`]: the tokio runtime (the only one in the process), its key, and one QUIC
+//!   endpoint that both accepts and dials, so peers reach this node on the port it dials from
+//!   (iroh's model: one endpoint, every protocol on it); the manifest is fetched through it
+//!   too. A command may build the host first and hand it over ([`Node::start_on`]);
 //! - the peer set, which can change while the node runs ([`Node::add_peers`],
 //!   [`Node::remove_peer`]; discovery feeds it);
 //! - the expert tiers, built once: the RAM cache over the local disk, the kept experts and
 //!   the peers, in that order (peers before the disk with `peers_first`);
 //! - remote expert execution over the peers (`--remote-exec`, see [`stormo_net::remote`]):
 //!   the engine's executor, given to every model the node loads;
-//! - the serving side, when it listens: it serves every expert it holds verified (its disk,
-//!   its kept experts, its RAM cache), offers what its direct peers hold (fetching it for the
-//!   asker, verified on the way through), and tells connected peers whenever either set
-//!   changes, so a swarm grows copies the way BitTorrent swarms do.
+//! - its services, stopped by [`Node::close`]: the serving side, when it listens (it serves
+//!   every expert it holds verified: its disk, its kept experts, its RAM cache; offers what
+//!   its direct peers hold, fetching it for the asker, verified on the way through; and tells
+//!   connected peers whenever either set changes, so a swarm grows copies the way BitTorrent
+//!   swarms do), discovery, and the HTTP API ([`Node::start_http`]).
+//!
+//! It starts in phases ([`Node::start_on`]): the model opened (once per command,
+//! [`open_model`]) and the configuration settled against it ([`NodeConfig::plan`]: the
+//! checks of the settings are there, none here) → identity → endpoint → manifest → tiers →
+//! services.
 //!
 //! The model folder is never written: usage counts and kept experts go to the state directory,
 //! under the model id (see [`StatePaths`]). The engine knows none of this: peers and kept
@@ -22,7 +29,7 @@
 //! `ExpertExecutor` trait.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -34,8 +41,10 @@ use stormo_engine::{LoadOptions, Model, ModelFiles};
 use stormo_manifests::{Hash, Manifest, ManifestPaths, PublicKey, SecretKey};
 use stormo_wire::ExpertSet;
 
-use crate::config::{LocalExperts, NodeConfig};
+pub use crate::config::StatePaths;
+use crate::config::{NodeConfig, NodePlan};
 use crate::experts::Experts;
+use crate::memory::MemoryPlan;
 use stormo_net::expert_dir::{DirTier, ExpertDir};
 use stormo_net::remote::{PeerExec, RemoteExperts};
 use stormo_net::remote_policy::RemoteExec;
@@ -43,33 +52,12 @@ use stormo_net::serve::{Announce, FileShare, Holdings, ServerHandle};
 use stormo_net::tier::PeerTier;
 use stormo_net::{self as net, PeerAddr};
 
+mod host;
+pub use host::Host;
+use host::NodeRuntime;
+
 /// How often a serving node recomputes what it holds and offers (and tells its peers).
 const ANNOUNCE_EVERY: Duration = Duration::from_millis(500);
-
-/// Where a node keeps its own files for one model, under the state directory.
-#[derive(Clone, Debug)]
-pub struct StatePaths {
-    /// `STATE/models/KEY`: this model's folder (KEY: the model id, or for a checkpoint with no
-    /// manifest, a hash of its folder's path).
-    pub model: PathBuf,
-    /// Where kept experts go by default (`STATE/experts`; [`ExpertDir`] adds the model id).
-    pub experts: PathBuf,
-}
-
-impl StatePaths {
-    /// The paths under `state` for the model keyed `key`.
-    pub fn new(state: &Path, key: &str) -> Self {
-        Self {
-            model: state.join("models").join(key),
-            experts: state.join("experts"),
-        }
-    }
-
-    /// The expert usage counts (the hot store).
-    pub fn usage(&self) -> PathBuf {
-        self.model.join("usage.json")
-    }
-}
 
 /// The manifest a node checks peers' bytes against.
 #[derive(Debug)]
@@ -103,6 +91,8 @@ pub struct Node {
     local: Option<ExpertSet>,
     /// Peers whose connection is down are dialled again ([`Node::keep_peers_dialled`]).
     redialling: std::sync::atomic::AtomicBool,
+    /// The HTTP API, when started ([`Node::start_http`]).
+    http: Mutex<Option<crate::http::HttpServer>>,
 }
 
 impl std::fmt::Debug for Node {
@@ -112,27 +102,6 @@ impl std::fmt::Debug for Node {
             .field("id", &self.manifest.as_ref().map(|m| m.id))
             .field("listen", &self.local_addr())
             .finish_non_exhaustive()
-    }
-}
-
-/// The node's runtime, shut down without waiting when the node goes: the last holder of a
-/// node may be a task of another runtime (an HTTP server's), where a blocking drop panics.
-struct NodeRuntime(Option<tokio::runtime::Runtime>);
-
-impl std::ops::Deref for NodeRuntime {
-    type Target = tokio::runtime::Runtime;
-    fn deref(&self) -> &tokio::runtime::Runtime {
-        self.0
-            .as_ref()
-            .expect("the runtime lives as long as the node")
-    }
-}
-
-impl Drop for NodeRuntime {
-    fn drop(&mut self) {
-        if let Some(rt) = self.0.take() {
-            rt.shutdown_background();
-        }
     }
 }
 
@@ -151,189 +120,105 @@ fn local_held(manifest: &Manifest, allowed: Option<&[Vec<bool>]>) -> anyhow::Res
     Holdings::inventory_of(manifest, allowed)
 }
 
+/// Opens the model folder `dir` (config.json parsed, the checkpoint mapped, where every expert
+/// lies): what a command reads once and passes along, to the text checks and to
+/// [`Node::start_on`].
+pub fn open_model(dir: &Path) -> anyhow::Result<ModelFiles> {
+    ModelFiles::open(dir).with_context(|| format!("loading the model in {}", dir.display()))
+}
+
 impl Node {
-    /// Builds the node `cfg` describes and starts it: opens the model, resolves the manifest
-    /// (from the folder, or from a peer), connects to the peers, builds the tiers and, when it
-    /// listens, starts serving.
-    pub fn start(mut cfg: NodeConfig) -> anyhow::Result<Self> {
+    /// Builds the node `cfg` describes and starts it on a [`Host`] of its own, opening
+    /// `cfg.model` itself: see [`Node::start_on`].
+    pub fn start(cfg: NodeConfig) -> anyhow::Result<Self> {
+        let files = open_model(&cfg.model)?;
+        Self::start_on(cfg, Host::new()?, files)
+    }
+
+    /// Builds the node `cfg` describes for the model `files` (opened from `cfg.model`,
+    /// [`open_model`]) and starts it on `host` (its runtime, and its key and endpoint when it
+    /// has them), in phases: settles the plan of `cfg` for the model ([`NodeConfig::plan`]:
+    /// every check of the settings is there), takes its identity (the host's key, else
+    /// `--key`'s), binds its one endpoint (when it dials or listens), resolves the manifest
+    /// (from the folder, or fetched from a peer through that endpoint), connects to the peers
+    /// and builds the tiers, then starts its services (serving peers, discovery; the HTTP API
+    /// once a model is loaded on it, [`Node::start_http`]).
+    pub fn start_on(
+        mut cfg: NodeConfig,
+        mut host: Host,
+        files: ModelFiles,
+    ) -> anyhow::Result<Self> {
         crate::config::start_engine_threads(cfg.experts.threads)?;
-        adopt_pulled_and_kept(&mut cfg)?;
-        let dir = cfg.model.clone();
-        let Opened {
-            files,
-            dense_only,
-            allowed,
-            uses_local,
-            discovering,
-            dials,
-            needs_manifest,
-        } = open_model(&cfg)?;
+        anyhow::ensure!(
+            files.dir == cfg.model,
+            "the model opened ({}) is not the node's ({})",
+            files.dir.display(),
+            cfg.model.display()
+        );
+        let shape: Vec<usize> = files.layout.parts.iter().map(Vec::len).collect();
+        let plan = cfg.plan(&shape)?;
         let p = &cfg.peers;
-        let rt = NodeRuntime(Some(
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .thread_name("stormo-node")
-                .enable_all()
-                .build()
-                .context("starting the node's runtime")?,
-        ));
+        let reaches = plan.dials || cfg.listen.is_some();
         // A key is needed to reach peers or be reached; kept experts alone need none, and a
         // key no peer sees is not worth a warning.
-        let secret = if dials || cfg.listen.is_some() {
-            Some(net::node_key(p.key.as_deref())?)
-        } else if needs_manifest {
-            Some(SecretKey::generate())
+        let secret = if reaches {
+            host.key_or_load(p.key.as_deref())?;
+            host.secret.take()
+        } else if plan.needs_manifest {
+            Some(host.secret.take().unwrap_or_else(SecretKey::generate))
         } else {
             None
         };
-        let endpoint = match (&cfg.listen, dials) {
-            (Some(l), _) => {
-                let _g = rt.enter();
-                Some(net::bind(l.addr, None)?)
-            }
-            (None, true) => {
-                let _g = rt.enter();
-                let v6 = p.peers.iter().any(|q| q.addr.is_ipv6());
-                Some(net::bind(net::unspecified(v6), None)?)
-            }
-            (None, false) => None,
-        };
-        let manifest = match (&secret, needs_manifest) {
+        if reaches {
+            host.endpoint_or_bind(cfg.listen.as_ref().map(|l| l.addr), &p.peers)?;
+        }
+        let Host {
+            rt,
+            endpoint,
+            memory,
+            ..
+        } = host;
+        // A node that neither dials nor listens has no endpoint (nor a peer tier).
+        let endpoint = endpoint.filter(|_| reaches);
+        let manifest = match (&secret, plan.needs_manifest) {
             (Some(secret), true) => {
-                let (m, id, bytes) =
-                    if p.peers.is_empty() && p.model_id.is_none() && p.trust.is_empty() {
-                        // No peer's bytes to check: the folder's own manifest describes what this
-                        // node serves and keeps (its peers check it against their own pin).
-                        own_manifest(&dir, p.manifest.as_deref())?
-                    } else {
-                        crate::manifest::resolve_manifest(&dir, p, secret, &rt)?
-                    };
-                net::serve::check_layout(&m, &files.layout.sizes())
-                    .context("the manifest does not describe this checkpoint")?;
-                Some(NodeManifest {
-                    manifest: Arc::new(m),
-                    id,
-                    bytes: Bytes::from(bytes),
-                })
+                Some(node_manifest(&cfg, &files, secret, &rt, endpoint.as_ref())?)
             }
             _ => None,
         };
         let key = match &manifest {
             Some(m) => m.id.to_hex(),
             None => {
-                let canon = std::fs::canonicalize(&dir).unwrap_or_else(|_| dir.clone());
+                let dir = &cfg.model;
+                let canon = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone());
                 let h = Hash::of(canon.to_string_lossy().as_bytes()).to_hex();
                 format!("path-{}", &h[..16])
             }
         };
         let state = StatePaths::new(&cfg.state_dir, &key);
-        let kept = match (&p.keep, &manifest) {
-            (Some(k), Some(m)) => {
-                let root = k.dir.clone().unwrap_or_else(|| state.experts.clone());
-                Some(Arc::new(ExpertDir::open(
-                    &root,
-                    m.id,
-                    k.limit,
-                    m.manifest.clone(),
-                    files.layout.schemas.clone(),
-                )?))
-            }
-            _ => None,
-        };
-        let disk: Option<Arc<dyn Tier>> = if uses_local && !cfg.experts.mmap {
-            Some(Arc::new(
-                files.disk_tier(cfg.experts.io_threads.max(1), allowed.clone())?,
-            ))
-        } else {
-            None
-        };
-        let peers = match (&secret, &endpoint, &manifest) {
-            (Some(secret), Some(ep), Some(m)) => {
-                let mut t = PeerTier::new(
-                    ep.clone(),
-                    rt.handle().clone(),
-                    secret,
-                    m.manifest.clone(),
-                    m.id,
-                    files.layout.schemas.clone(),
-                    p.timeouts,
-                );
-                if let Some(sw) = cfg.swarm.as_ref().filter(|s| s.membership.is_some()) {
-                    t = t.with_membership(
-                        sw.membership.as_ref().map(|m| m.cert.clone()),
-                        sw.admission(&[], false),
-                    );
-                }
-                if let Some(d) = &kept {
-                    t.set_expert_dir(d.clone());
-                }
-                if let (true, Some(d)) = (p.peers_first, &disk) {
-                    t.set_local(d.clone());
-                }
-                // One peer list for a whole swarm (a shared config file) names each node too.
-                for own in p.peers.iter().filter(|q| q.key == secret.public()) {
-                    tracing::warn!(
-                        "--peer {own} has this node's own key (--key): left out, a node does \
-                         not dial itself"
-                    );
-                }
-                t.add_peers(&p.peers)?;
-                Some(Arc::new(t))
-            }
-            _ => None,
-        };
-        // The tiers on this machine: an expert they hold is never computed by a peer.
-        let mut on_machine: Vec<Arc<dyn Tier>> = disk.iter().cloned().collect();
-        if let Some(d) = &kept {
-            on_machine.push(Arc::new(DirTier(d.clone())));
-        }
-        let mut tiers: Vec<Arc<dyn Tier>> = Vec::new();
-        if !p.peers_first {
-            tiers.extend(disk.clone());
-        }
-        if let Some(d) = &kept {
-            tiers.push(Arc::new(DirTier(d.clone())));
-        }
-        if let Some(t) = &peers {
-            tiers.push(t.clone());
-        }
-        if p.peers_first {
-            tiers.extend(disk);
-        }
-        let usage = cfg.experts.hot_store.then(|| state.usage());
-        if let Some(u) = &usage {
-            if let Some(parent) = u.parent() {
-                if let Err(e) = std::fs::create_dir_all(parent) {
-                    tracing::warn!(
-                        "cannot create the state directory {} ({e}); expert usage is not recorded",
-                        parent.display()
-                    );
-                }
-            }
-        }
-        let experts = Arc::new(Experts::build(
+        let memory = memory.unwrap_or_else(MemoryPlan::read);
+        let tiers = build_tiers(
+            &cfg,
             &files,
-            &cfg.experts,
-            cfg.context.max(1),
-            tiers,
-            usage,
-        )?);
-        let remote = match &peers {
-            Some(t) if p.remote.mode != RemoteExec::Never && !cfg.experts.mmap => Some(
-                remote_experts(t, rt.handle(), &files, p, &experts, on_machine),
-            ),
-            _ => None,
+            (&plan, &memory),
+            &state,
+            &rt,
+            secret.as_ref().zip(endpoint.as_ref()),
+            manifest.as_ref(),
+        )?;
+        let local = match &manifest {
+            Some(m) => Some(local_held(&m.manifest, plan.allowed.as_deref())?),
+            None => None,
         };
-        let manifest_local = manifest.as_ref().map(|m| m.manifest.clone());
         let mut node = Self {
             rt,
             files,
             secret,
             manifest,
-            experts,
-            peers,
-            remote,
-            dir: kept,
+            experts: tiers.experts,
+            peers: tiers.peers,
+            remote: tiers.remote,
+            dir: tiers.kept,
             endpoint,
             server: Mutex::new(None),
             holdings: None,
@@ -341,19 +226,15 @@ impl Node {
             discovery: Mutex::new(None),
             replicator: Mutex::new(None),
             redialling: std::sync::atomic::AtomicBool::new(false),
-            local: match &manifest_local {
-                Some(m) => Some(local_held(m, allowed.as_deref())?),
-                None => None,
-            },
+            http: Mutex::new(None),
+            local,
             cfg,
         };
         if node.cfg.listen.is_some() {
             node.keep_peers_dialled();
+            node.start_serving(plan.allowed.as_deref(), plan.dense_only)?;
         }
-        if node.cfg.listen.is_some() {
-            node.start_serving(allowed.as_deref(), dense_only)?;
-        }
-        if discovering {
+        if plan.discovering {
             node.start_discovery()?;
         }
         Ok(node)
@@ -408,7 +289,17 @@ impl Node {
         });
         let h = {
             let _g = self.rt.enter();
-            net::serve::start_on(ep.clone(), secret, holdings.clone(), listen.serve)?
+            // The certificate presented is the swarm's, given once (`NodeConfig::swarm`).
+            let serve = net::serve::ServeConfig {
+                membership: self
+                    .cfg
+                    .swarm
+                    .as_ref()
+                    .and_then(|s| s.membership.as_ref())
+                    .map(|m| m.cert.clone()),
+                ..listen.serve
+            };
+            net::serve::start_on(ep.clone(), secret, holdings.clone(), serve)?
         };
         let announcer = Announcer {
             holdings: holdings.clone(),
@@ -832,14 +723,53 @@ impl Node {
         self.peers.as_ref().is_some_and(|t| t.remove_peer(key))
     }
 
+    /// Starts the HTTP API ([`crate::http`]) as one of the node's services, on its runtime:
+    /// it serves `tm`, a model loaded on this node ([`crate::text_model::text_model_on`]),
+    /// with `cfg`, and keeps the peers dialled ([`Node::keep_peers_dialled`]: `/health` and
+    /// the requests routed to a peer need to see one that came back). Returns where it
+    /// listens. [`Node::close`] stops it first, gracefully (running replies get
+    /// `cfg.shutdown_grace`); until then the service holds the node (through `tm`). Once per
+    /// node.
+    pub fn start_http(
+        &self,
+        tm: crate::text_model::TextModel,
+        cfg: crate::http::HttpConfig,
+    ) -> anyhow::Result<SocketAddr> {
+        anyhow::ensure!(
+            std::ptr::eq(Arc::as_ptr(&tm.node), self),
+            "the HTTP API serves a model loaded on another node"
+        );
+        let mut slot = self.http.lock().expect("http lock");
+        anyhow::ensure!(slot.is_none(), "this node serves HTTP already");
+        self.keep_peers_dialled();
+        let server = self.rt.block_on(crate::http::start(tm, cfg))?;
+        let addr = server.local_addr();
+        *slot = Some(server);
+        Ok(addr)
+    }
+
+    /// Where the HTTP API listens, when the node serves it.
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http
+            .lock()
+            .expect("http lock")
+            .as_ref()
+            .map(crate::http::HttpServer::local_addr)
+    }
+
     /// Blocks until SIGINT (Ctrl-C) or SIGTERM.
     pub fn wait_for_shutdown(&self) -> anyhow::Result<&'static str> {
         self.rt.block_on(crate::http::shutdown_signal())
     }
 
-    /// Stops the node cleanly: closes the peers' connections and the server (waiting up to
-    /// `grace` for connections to close), and saves the expert usage counts.
+    /// Stops the node cleanly: the HTTP API first (running replies get its shutdown grace),
+    /// then the peers' connections and the server (waiting up to `grace` for connections to
+    /// close), and saves the expert usage counts.
     pub fn close(&self, grace: Duration) {
+        let http = self.http.lock().expect("http lock").take();
+        if let Some(w) = http {
+            self.rt.block_on(w.shutdown());
+        }
         if let Some(r) = self.replicator.lock().expect("replicator lock").take() {
             // Say goodbye before the connections close, so peers re-replicate at once.
             r.leave();
@@ -945,51 +875,7 @@ fn own_manifest(dir: &Path, manifest: Option<&Path>) -> anyhow::Result<(Manifest
     Ok((m, id, bytes))
 }
 
-/// What a folder and the state directory say without being asked: a folder from `stormo
-/// pull` pins the model id it was pulled for (its manifest was accepted then), and experts
-/// kept earlier for this model in the state directory (by a serving node, or `stormo pull
-/// --experts`) are used, read-only unless keeping was asked for.
-///
-/// The pin is taken only by a node that checks experts against the manifest (one that dials,
-/// keeps or listens): a folder pulled with its experts runs alone as any checkpoint does.
-fn adopt_pulled_and_kept(cfg: &mut NodeConfig) -> anyhow::Result<()> {
-    let discovering = cfg.swarm.as_ref().is_some_and(|s| s.discover.is_on());
-    let listens = cfg.listen.is_some();
-    let p = &mut cfg.peers;
-    let pinned: Option<Hash> = match net::pull::Pulled::read(&cfg.model)? {
-        Some(pulled) if p.model_id.is_none() && p.trust.is_empty() => pulled.model_id.parse().ok(),
-        _ => None,
-    };
-    if p.keep.is_none() {
-        let bin = ManifestPaths::resolve(&cfg.model, p.manifest.as_deref()).bin;
-        if let Ok(bytes) = std::fs::read(&bin) {
-            let id = Hash::of(&bytes);
-            let kept = StatePaths::new(&cfg.state_dir, "")
-                .experts
-                .join(id.to_hex());
-            let any = std::fs::read_dir(&kept).is_ok_and(|mut d| d.next().is_some());
-            let trusted = p.model_id.or(pinned) == Some(id) || !p.trust.is_empty();
-            if any && trusted {
-                tracing::info!("using the experts kept in {}", kept.display());
-                p.keep = Some(crate::config::KeepConfig {
-                    dir: None,
-                    limit: DEFAULT_KEEP_LIMIT,
-                });
-            }
-        }
-    }
-    let checks = !p.peers.is_empty() || discovering || p.keep.is_some() || listens;
-    if checks && pinned.is_some() {
-        p.model_id = pinned;
-    }
-    Ok(())
-}
-
-/// The most kept experts a node holds per model when it was not told (`--expert-dir-limit`'s
-/// default): half the free space of their filesystem, at most the model's experts, read
-/// again before each write (`stormo_net::expert_dir::budget`).
-pub const DEFAULT_KEEP_LIMIT: stormo_net::expert_dir::budget::KeepLimit =
-    stormo_net::expert_dir::budget::KeepLimit::Auto;
+pub use crate::config::DEFAULT_KEEP_LIMIT;
 
 /// How long a node given no peer waits for discovery to find the first ones.
 const DISCOVERY_WAIT: Duration = Duration::from_secs(15);
@@ -998,106 +884,6 @@ const DISCOVERY_WAIT: Duration = Duration::from_secs(15);
 /// lookups' time (a lookup dials every address it finds).
 const DISCOVERED_LOST_AFTER: Duration =
     Duration::from_secs(3 * stormo_net::discover::dht::LOOKUP_EVERY.as_secs());
-
-/// What the first phase of [`Node::start`] finds: the model folder opened, which of its experts
-/// the node uses, and what the configuration asks of the network.
-struct Opened {
-    files: ModelFiles,
-    dense_only: bool,
-    /// The local experts the node may use (`None`: all).
-    allowed: Option<Vec<Vec<bool>>>,
-    uses_local: bool,
-    discovering: bool,
-    /// The node dials out (peers given or to be found).
-    dials: bool,
-    /// A manifest is needed (to check experts from peers or kept ones, or to serve).
-    needs_manifest: bool,
-}
-
-/// Phase one of [`Node::start`]: opens the model in `cfg.model`, and refuses the combinations
-/// of settings that cannot work, naming the flags, before anything is started.
-fn open_model(cfg: &NodeConfig) -> anyhow::Result<Opened> {
-    let dir = cfg.model.clone();
-    let files = ModelFiles::open(&dir)
-        .with_context(|| format!("loading the model in {}", dir.display()))?;
-    let shape: Vec<usize> = files.layout.parts.iter().map(Vec::len).collect();
-    let dense_only = net::pull::Pulled::dense_only(&dir)?;
-    let allowed: Option<Vec<Vec<bool>>> = match (&cfg.local, dense_only) {
-        (LocalExperts::All, false) => None,
-        (LocalExperts::Only(spec), false) => Some(net::parse_only_experts(spec, &shape)?),
-        (LocalExperts::Only(_), true) => anyhow::bail!(
-            "{} was pulled without experts ({}): it has no local experts to restrict with \
-             --only-experts",
-            dir.display(),
-            net::pull::MARKER_FILE
-        ),
-        (LocalExperts::None, _) | (LocalExperts::All, true) => {
-            Some(shape.iter().map(|&n| vec![false; n]).collect())
-        }
-    };
-    let uses_local = allowed
-        .as_ref()
-        .is_none_or(|a| a.iter().flatten().any(|&on| on));
-    let p = &cfg.peers;
-    let discovering = cfg.swarm.as_ref().is_some_and(|s| s.discover.is_on());
-    // Peers given, or to be found: either way the node dials out.
-    let dials = !p.peers.is_empty() || discovering;
-    let needs_manifest = dials || p.keep.is_some() || cfg.listen.is_some();
-    if !needs_manifest {
-        // These check the manifest that verifies experts from peers or kept experts; with
-        // neither, nothing would check them, and a user who set them expects a check.
-        let given: Vec<&str> = [
-            ("--trust", !p.trust.is_empty()),
-            ("--model-id", p.model_id.is_some()),
-            ("--manifest", p.manifest.is_some()),
-            ("--key", p.key.is_some()),
-        ]
-        .into_iter()
-        .filter_map(|(flag, set)| set.then_some(flag))
-        .collect();
-        anyhow::ensure!(
-            given.is_empty(),
-            "{} {} only with --peer, --expert-dir or --listen: the manifest checks verify \
-             experts from peers or kept experts, and --key names this node to peers. The \
-             local checkpoint is used as it is; `stormo manifest verify` checks it against \
-             a manifest",
-            given.join(", "),
-            if given.len() == 1 { "applies" } else { "apply" }
-        );
-    }
-    if !uses_local && !dials && p.keep.is_none() && cfg.listen.is_none() {
-        anyhow::bail!(
-            "{} holds no experts this node may use{}: give --peer KEY@HOST:PORT (or \
-             --discover with --swarm) so experts come from peers, or --expert-dir with \
-             experts kept earlier",
-            dir.display(),
-            if dense_only {
-                format!(
-                    " (it was pulled without them, see {})",
-                    net::pull::MARKER_FILE
-                )
-            } else {
-                String::new()
-            }
-        );
-    }
-    if cfg.experts.mmap {
-        anyhow::ensure!(
-            !dials && p.keep.is_none() && allowed.is_none(),
-            "--mmap-experts serves every local expert; it cannot be combined with peers, an \
-             expert directory or expert subsets"
-        );
-    }
-    Ok(Opened {
-        files,
-        dense_only,
-        allowed,
-        uses_local,
-        discovering,
-        dials,
-        needs_manifest,
-    })
-}
 
 /// Remote execution over `tier` (`--remote-exec auto|always`): the engine's executor that has
 /// peers holding an expert compute it. `on_machine`: the tiers on this machine, whose experts
@@ -1138,6 +924,183 @@ fn remote_experts(
         x.with_deferred_checks(files.layout.schemas.clone())
     };
     Arc::new(x)
+}
+
+/// The manifest phase of [`Node::start_on`]: the folder's own manifest when there are no
+/// peers' bytes to check, else the one [`crate::manifest::resolve_manifest_on`] accepts
+/// (fetched, when the folder has none, through the node's `endpoint`); it must describe the
+/// checkpoint opened.
+fn node_manifest(
+    cfg: &NodeConfig,
+    files: &ModelFiles,
+    secret: &SecretKey,
+    rt: &tokio::runtime::Runtime,
+    endpoint: Option<&quinn::Endpoint>,
+) -> anyhow::Result<NodeManifest> {
+    let p = &cfg.peers;
+    let (m, id, bytes) = if p.peers.is_empty() && p.model_id.is_none() && p.trust.is_empty() {
+        // No peer's bytes to check: the folder's own manifest describes what this node
+        // serves and keeps (its peers check it against their own pin).
+        own_manifest(&cfg.model, p.manifest.as_deref())?
+    } else {
+        crate::manifest::resolve_manifest_on(&cfg.model, p, secret, rt, endpoint)?
+    };
+    net::serve::check_layout(&m, &files.layout.sizes())
+        .context("the manifest does not describe this checkpoint")?;
+    Ok(NodeManifest {
+        manifest: Arc::new(m),
+        id,
+        bytes: Bytes::from(bytes),
+    })
+}
+
+/// What the tiers phase of [`Node::start_on`] builds.
+struct Tiers {
+    kept: Option<Arc<ExpertDir>>,
+    peers: Option<Arc<PeerTier>>,
+    experts: Arc<Experts>,
+    remote: Option<Arc<RemoteExperts>>,
+}
+
+/// The tiers phase of [`Node::start_on`]: the kept experts, the local disk, the peers (over
+/// the node's key and endpoint, `net`, with a manifest), the RAM cache over them all (its
+/// budget from `memory` under `--expert-cache auto`), and remote execution over the peers.
+fn build_tiers(
+    cfg: &NodeConfig,
+    files: &ModelFiles,
+    (plan, memory): (&NodePlan, &MemoryPlan),
+    state: &StatePaths,
+    rt: &tokio::runtime::Runtime,
+    net: Option<(&SecretKey, &quinn::Endpoint)>,
+    manifest: Option<&NodeManifest>,
+) -> anyhow::Result<Tiers> {
+    let p = &cfg.peers;
+    let kept = match (&p.keep, manifest) {
+        (Some(k), Some(m)) => {
+            let root = k.dir.clone().unwrap_or_else(|| state.experts.clone());
+            Some(Arc::new(ExpertDir::open(
+                &root,
+                m.id,
+                k.limit,
+                m.manifest.clone(),
+                files.layout.schemas.clone(),
+            )?))
+        }
+        _ => None,
+    };
+    let disk: Option<Arc<dyn Tier>> = if plan.uses_local && !cfg.experts.mmap {
+        Some(Arc::new(files.disk_tier(
+            cfg.experts.io_threads.max(1),
+            plan.allowed.clone(),
+        )?))
+    } else {
+        None
+    };
+    let peers = match (net, manifest) {
+        (Some(net), Some(m)) => Some(Arc::new(peer_tier(
+            cfg,
+            rt,
+            net,
+            m,
+            files,
+            kept.as_ref(),
+            disk.as_ref(),
+        )?)),
+        _ => None,
+    };
+    // The tiers on this machine: an expert they hold is never computed by a peer.
+    let mut on_machine: Vec<Arc<dyn Tier>> = disk.iter().cloned().collect();
+    if let Some(d) = &kept {
+        on_machine.push(Arc::new(DirTier(d.clone())));
+    }
+    let mut tiers: Vec<Arc<dyn Tier>> = Vec::new();
+    if !p.peers_first {
+        tiers.extend(disk.clone());
+    }
+    if let Some(d) = &kept {
+        tiers.push(Arc::new(DirTier(d.clone())));
+    }
+    if let Some(t) = &peers {
+        tiers.push(t.clone());
+    }
+    if p.peers_first {
+        tiers.extend(disk);
+    }
+    let usage = cfg.experts.hot_store.then(|| state.usage());
+    if let Some(parent) = usage.as_ref().and_then(|u| u.parent()) {
+        if let Err(e) = std::fs::create_dir_all(parent) {
+            tracing::warn!(
+                "cannot create the state directory {} ({e}); expert usage is not recorded",
+                parent.display()
+            );
+        }
+    }
+    let experts = Arc::new(Experts::build_within(
+        files,
+        &cfg.experts,
+        memory,
+        cfg.context.max(1),
+        tiers,
+        usage,
+    )?);
+    let remote =
+        match &peers {
+            Some(t) if p.remote.mode != RemoteExec::Never && !cfg.experts.mmap => Some(
+                remote_experts(t, rt.handle(), files, p, &experts, on_machine),
+            ),
+            _ => None,
+        };
+    Ok(Tiers {
+        kept,
+        peers,
+        experts,
+        remote,
+    })
+}
+
+/// The peer tier of a node with a manifest `m`, dialling from `endpoint` as `secret`: the
+/// swarm's membership, the kept experts it keeps into, the local disk it races (with
+/// `peers_first`), and the peers given.
+fn peer_tier(
+    cfg: &NodeConfig,
+    rt: &tokio::runtime::Runtime,
+    (secret, endpoint): (&SecretKey, &quinn::Endpoint),
+    m: &NodeManifest,
+    files: &ModelFiles,
+    kept: Option<&Arc<ExpertDir>>,
+    disk: Option<&Arc<dyn Tier>>,
+) -> anyhow::Result<PeerTier> {
+    let p = &cfg.peers;
+    let mut t = PeerTier::new(
+        endpoint.clone(),
+        rt.handle().clone(),
+        secret,
+        m.manifest.clone(),
+        m.id,
+        files.layout.schemas.clone(),
+        p.timeouts,
+    );
+    if let Some(sw) = cfg.swarm.as_ref().filter(|s| s.membership.is_some()) {
+        t = t.with_membership(
+            sw.membership.as_ref().map(|m| m.cert.clone()),
+            sw.admission(&[], false),
+        );
+    }
+    if let Some(d) = kept {
+        t.set_expert_dir(d.clone());
+    }
+    if let (true, Some(d)) = (p.peers_first, disk) {
+        t.set_local(d.clone());
+    }
+    // One peer list for a whole swarm (a shared config file) names each node too.
+    for own in p.peers.iter().filter(|q| q.key == secret.public()) {
+        tracing::warn!(
+            "--peer {own} has this node's own key (--key): left out, a node does not dial \
+             itself"
+        );
+    }
+    t.add_peers(&p.peers)?;
+    Ok(t)
 }
 
 /// How often a peer whose connection is down is dialled again.

@@ -1,16 +1,17 @@
 //! A model loaded for text: the weights on a [`Node`], its tokenizer and chat format. What
-//! `run`, `chat` and the HTTP API share; the checks that cost no loading come first.
+//! `run`, `chat` and the HTTP API share; the checks that cost no loading come first, on the
+//! model folder opened once ([`crate::node::open_model`]: config.json is parsed there only).
 
 use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use stormo_engine::{LoadOptions, Model};
+use stormo_engine::{LoadOptions, Model, ModelFiles};
 use stormo_text::{ChatFormat, Tokenizer};
 
 use crate::config::NodeConfig;
 use crate::experts::Experts;
-use crate::node::Node;
+use crate::node::{Host, Node};
 
 /// Refuses a tokenizer that can give ids the model has no embedding for (`vocab`, the
 /// model's vocab_size): caught at load instead of failing every request that meets one.
@@ -71,19 +72,32 @@ pub struct TextModel {
     pub name: String,
 }
 
-/// Loads the model of `cfg` for text on a new node built from `cfg`: the tokenizer first (a
-/// missing one is the quickest error), then the node, then the weights.
+/// Loads the model of `cfg` for text on a new node built from `cfg`, on a host of its own:
+/// see [`load_text_model_on`].
 pub fn load_text_model(cfg: NodeConfig, load: &LoadOptions) -> anyhow::Result<TextModel> {
-    let dir = cfg.model.clone();
-    let (tokenizer, format) = check_text_model(&dir, cfg.context, load)?;
-    let node = Arc::new(Node::start(cfg)?);
+    let files = crate::node::open_model(&cfg.model)?;
+    load_text_model_on(cfg, Host::new()?, files, load)
+}
+
+/// Loads the model `files` (opened once from `cfg.model`, [`crate::node::open_model`]) for
+/// text: the tokenizer first (a missing one is the quickest error), then the node built from
+/// `cfg` on `host`, then the weights.
+pub fn load_text_model_on(
+    cfg: NodeConfig,
+    host: Host,
+    files: ModelFiles,
+    load: &LoadOptions,
+) -> anyhow::Result<TextModel> {
+    let (tokenizer, format) = check_text_model(&files, cfg.context, load)?;
+    let node = Arc::new(Node::start_on(cfg, host, files)?);
     text_model_on(node, tokenizer, format, load)
 }
 
 /// The checks of a model folder for text that cost no loading: the tokenizer (it must fit the
-/// model's vocabulary), the chat format, the context. Returns the tokenizer and the format.
+/// model's vocabulary), the chat format, the context. `files`: the model, opened
+/// ([`crate::node::open_model`]). Returns the tokenizer and the format.
 pub fn check_text_model(
-    dir: &Path,
+    files: &ModelFiles,
     context: usize,
     load: &LoadOptions,
 ) -> anyhow::Result<(Arc<Tokenizer>, ChatFormat)> {
@@ -93,10 +107,10 @@ pub fn check_text_model(
     );
     // --context in chat and serve; a library caller has no option, so it is said in words.
     anyhow::ensure!(context >= 1, "the context must be at least 1 position");
+    let dir = &files.dir;
     let tokenizer = load_tokenizer(dir)?;
     // Before the weights: a tokenizer from another model is the likelier mistake to name.
-    let cfg = stormo_engine::ModelConfig::from_dir(dir)
-        .with_context(|| format!("loading the model in {}", dir.display()))?;
+    let cfg = &files.cfg;
     check_tokenizer_fits(&tokenizer, cfg.vocab_size, dir)?;
     let max = cfg.max_position_embeddings;
     if context > max {

@@ -326,7 +326,8 @@ pub const FIND_WITHIN: Duration = Duration::from_secs(30);
 /// The peers of `sw`'s swarm serving `model` that discovery finds, for a command that fetches
 /// once (`stormo pull`) and announces nothing: it looks (as `secret`) until a DHT lookup round
 /// found at least one peer that answered (LAN only: until one peer is found, and a second
-/// more), or `within` passed. Errors when it found none.
+/// more), or `within` passed. Errors when it found none. Dials from an endpoint of its own,
+/// closed when done ([`find_peers_on`] dials from a node's).
 pub fn find_peers(
     rt: &tokio::runtime::Runtime,
     secret: &stormo_manifests::SecretKey,
@@ -334,12 +335,27 @@ pub fn find_peers(
     model: Hash,
     within: Duration,
 ) -> anyhow::Result<Vec<crate::PeerAddr>> {
-    use std::sync::Mutex;
-    let me = secret.public();
     let endpoint = {
         let _g = rt.enter();
         crate::bind(crate::unspecified(false), None)?
     };
+    let found = find_peers_on(rt, &endpoint, secret, sw, model, within);
+    endpoint.close(0u32.into(), b"done");
+    found
+}
+
+/// [`find_peers`] dialling the addresses it finds from `endpoint` (a node's own, which stays
+/// open; the connections made to learn keys are closed).
+pub fn find_peers_on(
+    rt: &tokio::runtime::Runtime,
+    endpoint: &quinn::Endpoint,
+    secret: &stormo_manifests::SecretKey,
+    sw: &crate::swarm::SwarmConfig,
+    model: Hash,
+    within: Duration,
+) -> anyhow::Result<Vec<crate::PeerAddr>> {
+    use std::sync::Mutex;
+    let me = secret.public();
     let dial = Dialer {
         endpoint: endpoint.clone(),
         client: crate::tls::client_config_for(
@@ -394,7 +410,6 @@ pub fn find_peers(
         std::thread::sleep(Duration::from_millis(100));
     }
     drop(discovery);
-    endpoint.close(0u32.into(), b"done");
     let peers = found.lock().expect("found peers lock").clone();
     anyhow::ensure!(
         !peers.is_empty(),

@@ -14,6 +14,9 @@
 //!   whose marker says `"experts": false` as `--no-local-experts`, and `serve` serves no
 //!   experts and no expert bytes from it, so the holes are never used as weights.
 //!
+//! Every peer is dialled from one endpoint: a node's own ([`pull_on`], what `stormo pull` does,
+//! sharing it with the node that fetches experts next), or one of the pull's ([`pull`]).
+//!
 //! Every file is written to a temporary name in the folder and renamed only once all of its
 //! contents verified: a failed pull leaves no half-written file under a final name.
 //! A file already present at its final name that verifies is kept (a pull resumes), and the
@@ -141,12 +144,33 @@ pub struct PullReport {
     pub removed: Vec<PathBuf>,
 }
 
-/// Pulls per `opts` as `secret`, on `rt`. A folder the pull creates is removed again if it
-/// fails before storing anything in it.
+/// Pulls per `opts` as `secret`, on `rt`, dialling from an endpoint of its own (closed when
+/// done). A folder the pull creates is removed again if it fails before storing anything in
+/// it.
 pub fn pull(
     secret: &SecretKey,
     opts: &PullOptions,
     rt: &tokio::runtime::Runtime,
+) -> anyhow::Result<PullReport> {
+    let endpoint = {
+        let _g = rt.enter();
+        crate::bind(
+            crate::unspecified(opts.peers.iter().any(|p| p.addr.is_ipv6())),
+            None,
+        )?
+    };
+    let out = pull_on(secret, opts, rt, &endpoint);
+    endpoint.close(0u32.into(), b"done");
+    out
+}
+
+/// [`pull`] dialling every peer from `endpoint` (a node's own, which stays open; the
+/// connections are closed when the pull ends).
+pub fn pull_on(
+    secret: &SecretKey,
+    opts: &PullOptions,
+    rt: &tokio::runtime::Runtime,
+    endpoint: &quinn::Endpoint,
 ) -> anyhow::Result<PullReport> {
     anyhow::ensure!(!opts.peers.is_empty(), "give at least one --peer");
     anyhow::ensure!(
@@ -156,7 +180,7 @@ pub fn pull(
     let created = first_missing(&opts.out);
     let res = std::fs::create_dir_all(&opts.out)
         .with_context(|| format!("creating {}", opts.out.display()))
-        .and_then(|()| rt.block_on(pull_async(secret, opts)));
+        .and_then(|()| rt.block_on(pull_async(endpoint, secret, opts)));
     if res.is_err() {
         if let Some(top) = created {
             remove_if_unused(&opts.out, &top);
@@ -216,21 +240,30 @@ fn remove_if_unused(out: &Path, top: &Path) {
     }
 }
 
-async fn pull_async(secret: &SecretKey, opts: &PullOptions) -> anyhow::Result<PullReport> {
+async fn pull_async(
+    endpoint: &quinn::Endpoint,
+    secret: &SecretKey,
+    opts: &PullOptions,
+) -> anyhow::Result<PullReport> {
     let mut links = Vec::new();
     for p in &opts.peers {
-        let link = match &opts.membership {
-            None => PeerLink::connect(secret, p, opts.cfg).await,
+        let client = match &opts.membership {
+            None => match tls::client_config(secret, &p.key) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!("{e:#}");
+                    continue;
+                }
+            },
             Some(m) => {
                 let id = Identity {
                     secret,
                     membership: Some(&m.cert),
                 };
-                let client = tls::client_config_for(id, Some(&p.key), m.servers.clone())?;
-                PeerLink::connect_with(secret, client, p, opts.cfg).await
+                tls::client_config_for(id, Some(&p.key), m.servers.clone())?
             }
         };
-        match link {
+        match PeerLink::connect_on(endpoint, secret, client, p, opts.cfg).await {
             Ok(l) => links.push(Arc::new(l)),
             Err(e) => tracing::warn!("{e:#}"),
         }

@@ -8,6 +8,7 @@ use anyhow::Context;
 use stormo_manifests::{Hash, PublicKey};
 
 use stormo_net::{self as net, pull, tier::PeerConfig, PeerAddr};
+use stormo_node::node::Host;
 
 /// Arguments of `stormo pull`.
 #[derive(Debug, clap::Args)]
@@ -72,27 +73,31 @@ pub struct Args {
     pub swarm: crate::swarm_args::SwarmArgs,
 }
 
-/// Runs `stormo pull`.
+/// Runs `stormo pull`: finds the peers (with `--discover`), fetches the folder, then (with
+/// `--experts`) the expert records, all on one [`Host`]: one runtime, one key, one endpoint,
+/// which the node fetching the experts starts on.
 pub fn run(a: Args) -> anyhow::Result<()> {
     let t = stormo_net::progress::check_secs(a.peer_timeout)
         .map_err(|e| anyhow::anyhow!("--peer-timeout: {e}"))?;
     let t = Duration::from_secs_f64(t);
-    let secret = net::node_key(a.key.as_deref())?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("stormo-pull")
-        .enable_all()
-        .build()
-        .context("starting the network runtime")?;
-    let swarm = crate::swarm_args::resolve_for_node(&a.swarm, a.key.as_deref())?;
+    let mut host = Host::new()?;
+    host.key_or_load(a.key.as_deref())?;
+    let given_key = a.key.as_ref().and(host.key());
+    let swarm = crate::swarm_args::resolve_with_key(&a.swarm, given_key)?;
+    let endpoint = host.endpoint_or_bind(None, &a.peers)?.clone();
+    let (rt, secret) = (
+        host.runtime(),
+        host.key().expect("loaded above: the pull's key"),
+    );
     let mut peers = a.peers.clone();
     if let Some(sw) = swarm.as_ref().filter(|s| s.discover.is_on()) {
         let id = a.model_id.context(
             "--discover needs --model-id: peers are found under a key derived from the model id",
         )?;
-        for p in stormo_net::discover::find_peers(
-            &rt,
-            &secret,
+        for p in stormo_net::discover::find_peers_on(
+            rt,
+            &endpoint,
+            secret,
             sw,
             id,
             stormo_net::discover::FIND_WITHIN,
@@ -126,7 +131,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         membership,
     };
     let started = std::time::Instant::now();
-    let r = pull::pull(&secret, &opts, &rt)
+    let r = pull::pull_on(secret, &opts, rt, &endpoint)
         .with_context(|| format!("pulling into {}", a.out.display()))?;
     let secs = started.elapsed().as_secs_f64();
     let model = r.model_id.map(|h| h.to_hex()).unwrap_or_default();
@@ -136,7 +141,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "dense only: run it with --peer or --discover to fetch experts"
     };
     if let Some(spec) = &a.experts {
-        drop(rt);
         // The peers are found: the node that fetches the experts looks no further.
         let swarm = swarm.map(|sw| crate::swarm_args::SwarmConfig {
             discover: Default::default(),
@@ -149,6 +153,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             PeerConfig::with_timeout(t),
             peers,
             swarm,
+            host,
         )?;
     }
     if r.tensors == 0 && r.fetched == 0 && r.reused == 0 {
@@ -173,7 +178,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 }
 
 /// Fetches the expert records `spec` names for the model pulled into `a.out` (id `model`),
-/// each from any peer holding it, and keeps them (verified) in the expert directory.
+/// each from any peer holding it, and keeps them (verified) in the expert directory, on a node
+/// started on the pull's `host`.
 fn pull_experts(
     a: &Args,
     spec: &str,
@@ -181,44 +187,50 @@ fn pull_experts(
     timeouts: PeerConfig,
     peers: Vec<PeerAddr>,
     swarm: Option<crate::swarm_args::SwarmConfig>,
+    host: Host,
 ) -> anyhow::Result<()> {
     use stormo_engine::tiers::{ExpertId, Priority, Tier};
     let state_dir = a
         .state_dir
         .clone()
         .unwrap_or_else(stormo_node::config::default_state_dir);
-    let node = stormo_node::node::Node::start(stormo_node::config::NodeConfig {
-        model: a.out.clone(),
-        state_dir,
-        experts: stormo_node::config::ExpertsConfig {
-            cache: stormo_node::config::CacheBudget::Bytes(0),
-            hot_store: false,
-            ..Default::default()
-        },
-        local: stormo_node::config::LocalExperts::None,
-        context: 1,
-        peers: stormo_node::config::PeersConfig {
-            peers,
-            key: a.key.clone(),
-            trust: a.trust.clone(),
-            model_id: model.or(a.model_id),
-            manifest: None,
-            timeouts,
-            keep: Some(stormo_node::config::KeepConfig {
-                dir: a.expert_dir.clone(),
-                limit: u64::MAX.into(),
-            }),
-            peers_first: false,
-            // A pull computes nothing.
-            remote: net::remote_policy::RemoteConfig {
-                mode: net::remote_policy::RemoteExec::Never,
-                spot_check: 0.0,
-                inline: false,
+    let files = stormo_node::node::open_model(&a.out)?;
+    let node = stormo_node::node::Node::start_on(
+        stormo_node::config::NodeConfig {
+            model: a.out.clone(),
+            state_dir,
+            experts: stormo_node::config::ExpertsConfig {
+                cache: stormo_node::config::CacheBudget::Bytes(0),
+                hot_store: false,
+                ..Default::default()
             },
+            local: stormo_node::config::LocalExperts::None,
+            context: 1,
+            peers: stormo_node::config::PeersConfig {
+                peers,
+                key: a.key.clone(),
+                trust: a.trust.clone(),
+                model_id: model.or(a.model_id),
+                manifest: None,
+                timeouts,
+                keep: Some(stormo_node::config::KeepConfig {
+                    dir: a.expert_dir.clone(),
+                    limit: u64::MAX.into(),
+                }),
+                peers_first: false,
+                // A pull computes nothing.
+                remote: net::remote_policy::RemoteConfig {
+                    mode: net::remote_policy::RemoteExec::Never,
+                    spot_check: 0.0,
+                    inline: false,
+                },
+            },
+            listen: None,
+            swarm,
         },
-        listen: None,
-        swarm,
-    })?;
+        host,
+        files,
+    )?;
     let shape: Vec<usize> = node.files().layout.parts.iter().map(Vec::len).collect();
     let flags = net::parse_only_experts(spec, &shape)?;
     let keys: Vec<ExpertId> = flags

@@ -14,7 +14,7 @@ use anyhow::{bail, Context};
 use stormo_engine::generate::{greedy, greedy_ids, sampled, sampled_ids, Timings};
 use stormo_engine::safetensors::{self, Dtype};
 use stormo_engine::sampling::{Sampler, SamplingParams};
-use stormo_engine::{LoadOptions, Model};
+use stormo_engine::{LoadOptions, Model, ModelFiles};
 
 use crate::args::{ExpertArgs, PeerArgs};
 use crate::cmd::chat::{
@@ -197,7 +197,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let _ = STARTED.set(std::time::Instant::now());
     // First: the tokenizer and the probes use the pool whose size this sets.
     stormo_node::config::start_engine_threads(a.experts.threads)?;
-    let (prompt, text) = read_prompt(&a)?;
+    // The model's description, read once: the prompt's checks, the context's and the node
+    // take it.
+    let files = stormo_node::node::open_model(&a.model)?;
+    let (prompt, text) = read_prompt(&a, &files.cfg)?;
     check_args(&a)?;
     // Checked before the model loads, so a bad setting costs no time.
     // A text prompt takes the model's recommended sampling (its generation_config.json) for
@@ -209,8 +212,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let sampling = a.sampling.params_with(&defaults, 0.0)?;
     a.sampling.warn_unused(&sampling);
-    let context = context_for(&a, prompt.len())?;
-    let node = start_node(&a, context)?;
+    let context = context_for(&a, &files.cfg, prompt.len())?;
+    let node = start_node(&a, context, files)?;
     node.wait_for_coverage(a.net.wait_coverage());
     let model = node.load_model(&LoadOptions {
         prefill_block: a.prefill_block,
@@ -224,14 +227,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
 }
 
-/// The prompt's ids, from --prompt (through the chat format unless --raw; then also how to
-/// read the reply), --prompt-ids or --prompt-ids-file.
-fn read_prompt(a: &Args) -> anyhow::Result<(Vec<u32>, Option<TextPrompt>)> {
+/// The prompt's ids, from --prompt (through the chat format of the model configured by `cfg`
+/// unless --raw; then also how to read the reply), --prompt-ids or --prompt-ids-file.
+fn read_prompt(
+    a: &Args,
+    cfg: &stormo_engine::ModelConfig,
+) -> anyhow::Result<(Vec<u32>, Option<TextPrompt>)> {
     match (&a.prompt, &a.prompt_ids, &a.prompt_ids_file) {
         (Some(t), _, _) => {
             let tokenizer = load_tokenizer(&a.model)?;
-            let cfg = stormo_engine::ModelConfig::from_dir(&a.model)
-                .with_context(|| format!("loading the model in {}", a.model.display()))?;
             crate::cmd::chat::check_tokenizer_fits(&tokenizer, cfg.vocab_size, &a.model)?;
             let (ids, format) = if a.raw {
                 (tokenizer.encode(t, false)?, None)
@@ -283,10 +287,8 @@ fn check_args(a: &Args) -> anyhow::Result<()> {
 }
 
 /// The positions the run needs (the prompt's and the new tokens'), checked against the
-/// model's context.
-fn context_for(a: &Args, prompt: usize) -> anyhow::Result<usize> {
-    let cfg = stormo_engine::ModelConfig::from_dir(&a.model)
-        .with_context(|| format!("loading the model in {}", a.model.display()))?;
+/// context of the model configured by `cfg`.
+fn context_for(a: &Args, cfg: &stormo_engine::ModelConfig, prompt: usize) -> anyhow::Result<usize> {
     // Saturating: an absurd --max-new-tokens must meet the context check below, not wrap.
     let context = prompt.saturating_add(a.max_new_tokens.max(1) - 1);
     if context > cfg.max_position_embeddings {
@@ -299,9 +301,12 @@ fn context_for(a: &Args, prompt: usize) -> anyhow::Result<usize> {
     Ok(context)
 }
 
-/// The node the run's model runs on: its tiers from the options, serving nothing.
-fn start_node(a: &Args, context: usize) -> anyhow::Result<Node> {
-    Node::start(NodeConfig {
+/// The node the run's model (`files`) runs on: its tiers from the options, serving nothing.
+fn start_node(a: &Args, context: usize, files: ModelFiles) -> anyhow::Result<Node> {
+    // The key file is loaded once: for the certificate's check and for the node.
+    let (swarm, host) =
+        crate::swarm_args::resolve_identity(&a.swarm, a.net.key.as_deref())?.into_host()?;
+    let cfg = NodeConfig {
         model: a.model.clone(),
         state_dir: a.experts.state_dir(),
         experts: a.experts.resolve()?,
@@ -315,8 +320,9 @@ fn start_node(a: &Args, context: usize) -> anyhow::Result<Node> {
         context,
         peers: a.net.resolve(false)?,
         listen: None,
-        swarm: crate::swarm_args::resolve_for_node(&a.swarm, a.net.key.as_deref())?,
-    })
+        swarm,
+    };
+    Node::start_on(cfg, host, files)
 }
 
 /// A text prompt's reply, streamed as text (or, with --json, one object at the end).

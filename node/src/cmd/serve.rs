@@ -1,5 +1,6 @@
 //! `stormo serve`: serve this node's manifest and experts to peers over QUIC (`--listen`),
-//! and/or an OpenAI-compatible HTTP API (`--http`, see [`stormo_node::http`]), in one process.
+//! and/or an OpenAI-compatible HTTP API (`--http`, see [`stormo_node::http`]), in one process:
+//! both are services of one [`Node`], which stops them on SIGINT or SIGTERM.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -15,6 +16,7 @@ use crate::swarm_args::SwarmConfig;
 use stormo_net::tls::{Admission, Congestion};
 use stormo_net::{self as net, serve};
 use stormo_node::config::{ListenConfig, LocalExperts, NodeConfig};
+use stormo_node::memory::MemoryPlan;
 use stormo_node::node::Node;
 
 /// How to run one node for a LAN, shown after `stormo serve --help`.
@@ -131,16 +133,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.listen.is_some() || a.http.http.is_some(),
         "give --listen, --http, or both (on the command line or in the --config file)"
     );
-    let http = a.http.resolve(&a.model)?;
-    // The checks that cost no loading come first.
-    let text = match &http {
-        Some(cfg) => Some(check_text_model(
-            &a.model,
-            cfg.context,
-            &LoadOptions::default(),
-        )?),
-        None => None,
-    };
+    // The model's description, read once: the HTTP API's settings, the text checks and the
+    // node take it; and one reading of the machine's memory gives both the --parallel default
+    // and the expert cache's budget.
+    let files = stormo_node::node::open_model(&a.model)?;
+    let memory = MemoryPlan::read();
+    let http = a.http.resolve_within(&a.model, &files.cfg, &memory)?;
     anyhow::ensure!(a.per_peer >= 1, "--per-peer must be at least 1");
     anyhow::ensure!(a.max_requests >= 1, "--max-requests must be at least 1");
     anyhow::ensure!(a.exec_per_peer >= 1, "--exec-per-peer must be at least 1");
@@ -150,7 +148,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "--exec-threads {}: at most 1024",
         a.exec_threads
     );
-    let swarm = crate::swarm_args::resolve_for_node(&a.swarm, a.net.key.as_deref())?;
+    // The checks that cost no loading (the tokenizer's) before the node starts.
+    let text = match &http {
+        Some(cfg) => Some(check_text_model(
+            &files,
+            cfg.context,
+            &LoadOptions::default(),
+        )?),
+        None => None,
+    };
+    // The key file is loaded once: for the certificate's check and for the node.
+    let (swarm, host) =
+        crate::swarm_args::resolve_identity(&a.swarm, a.net.key.as_deref())?.into_host()?;
     let listen = match a.listen {
         Some(addr) => Some(ListenConfig {
             addr,
@@ -159,10 +168,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 node_limit: a.max_requests,
                 admission: admission(&a, swarm.as_ref())?,
                 congestion: a.congestion,
-                membership: swarm
-                    .as_ref()
-                    .and_then(|s| s.membership.as_ref())
-                    .map(|m| m.cert.clone()),
+                // The node presents the certificate of `swarm`, given to it once below.
+                membership: None,
                 exec: net::exec::ExecConfig {
                     threads: a.exec_threads,
                     per_peer: a.exec_per_peer,
@@ -173,20 +180,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }),
         None => None,
     };
-    let node = Arc::new(Node::start(NodeConfig {
-        model: a.model.clone(),
-        state_dir: a.experts.state_dir(),
-        experts: a.experts.resolve()?,
-        local: match &a.only_experts {
-            Some(spec) => LocalExperts::Only(spec.clone()),
-            None => LocalExperts::All,
+    let node = Arc::new(Node::start_on(
+        NodeConfig {
+            model: a.model.clone(),
+            state_dir: a.experts.state_dir(),
+            experts: a.experts.resolve()?,
+            local: match &a.only_experts {
+                Some(spec) => LocalExperts::Only(spec.clone()),
+                None => LocalExperts::All,
+            },
+            // Every request running at once has its own KV cache.
+            context: http.as_ref().map_or(1, |c| c.context * c.parallel),
+            peers: a.net.resolve(listen.is_some())?,
+            listen,
+            swarm,
         },
-        // Every request running at once has its own KV cache.
-        context: http.as_ref().map_or(1, |c| c.context * c.parallel),
-        peers: a.net.resolve(listen.is_some())?,
-        listen,
-        swarm,
-    })?);
+        host.with_memory(memory),
+        files,
+    )?);
     if let (Some(addr), Some(key), Some(id)) = (node.local_addr(), node.node_key(), node.model_id())
     {
         let held = node.announce().map_or(0, |a| a.held.len());
@@ -217,24 +228,20 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             })
             .context("starting the warm-up thread")?;
     }
-    let web = match (http, text) {
-        (Some(cfg), Some((tokenizer, format))) => {
-            // Requests routed to an expert nobody reachable holds would fail: wait (bounded)
-            // for the peers to answer first.
-            node.keep_peers_dialled();
-            node.wait_for_coverage(a.net.wait_coverage());
-            let tm = text_model_on(node.clone(), tokenizer, format, &LoadOptions::default())?;
-            let w = node.runtime().block_on(start_http(tm, cfg))?;
-            if node.local_addr().is_none() {
-                println!("http://{}/v1", w.local_addr());
-            }
-            Some(w)
+    if let (Some(cfg), Some((tokenizer, format))) = (http, text) {
+        // Requests routed to an expert nobody reachable holds would fail: wait (bounded)
+        // for the peers to answer first.
+        node.keep_peers_dialled();
+        node.wait_for_coverage(a.net.wait_coverage());
+        let tm = text_model_on(node.clone(), tokenizer, format, &LoadOptions::default())?;
+        let name = tm.name.clone();
+        let addr = node.start_http(tm, cfg)?;
+        eprintln!("serving {name} over HTTP (OpenAI API) at http://{addr}/v1");
+        if node.local_addr().is_none() {
+            println!("http://{addr}/v1");
         }
-        _ => None,
-    };
-    let signal = node
-        .runtime()
-        .block_on(stormo_node::http::shutdown_signal())?;
+    }
+    let signal = node.wait_for_shutdown()?;
     eprintln!("{signal}: shutting down (running replies have --shutdown-grace to finish)");
     if let Some(st) = node.serve_stats() {
         eprintln!(
@@ -254,9 +261,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             );
         }
     }
-    if let Some(w) = web {
-        node.runtime().block_on(w.shutdown());
-    }
+    // The HTTP API first (running replies get --shutdown-grace), then the peers and the server.
     node.close(std::time::Duration::from_secs(2));
     Ok(())
 }
@@ -295,19 +300,6 @@ fn admission(a: &Args, swarm: Option<&SwarmConfig>) -> anyhow::Result<Admission>
     Ok(Admission::Keys(
         keys.iter().map(|k| *k.as_bytes()).collect(),
     ))
-}
-
-async fn start_http(
-    tm: crate::cmd::chat::TextModel,
-    cfg: stormo_node::http::HttpConfig,
-) -> anyhow::Result<stormo_node::http::HttpServer> {
-    let name = tm.name.clone();
-    let w = stormo_node::http::start(tm, cfg).await?;
-    eprintln!(
-        "serving {name} over HTTP (OpenAI API) at http://{}/v1",
-        w.local_addr()
-    );
-    Ok(w)
 }
 
 /// `--listen` and `--http`: an IP address and port, or a host name that resolves to one

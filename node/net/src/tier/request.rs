@@ -2,8 +2,8 @@
 //! through the wire's sans-IO [`Requests`] ([`run_request`]), straight into the buffer the
 //! kernels will read ([`Prefix`]: the verified prefix of a record or of one stripe, in its
 //! buffer), with every chunk checked against the manifest as it arrives ([`ChunkCheck`]).
-//! Also the whole requests of a pull: a manifest ([`fetch_manifest`]) and file ranges over
-//! one connection ([`PeerLink`]).
+//! Also the whole requests of a pull: a manifest ([`fetch_manifest`], [`fetch_manifest_on`] from
+//! a node's endpoint) and file ranges over one connection ([`PeerLink`]).
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -397,7 +397,8 @@ impl Drop for Outstanding<'_> {
 
 /// Fetches a manifest from `peer` and returns its bytes, unchecked (check them against the
 /// trusted key or the pinned id before use). `model` is the id to ask for; `None` asks for
-/// the peer's only model.
+/// the peer's only model. Dials from an endpoint of its own, closed when done: for a caller
+/// with no endpoint (a node dials from its own, [`fetch_manifest_on`]).
 pub async fn fetch_manifest(
     secret: &SecretKey,
     peer: &PeerAddr,
@@ -405,26 +406,43 @@ pub async fn fetch_manifest(
     cfg: PeerConfig,
 ) -> anyhow::Result<(Hash, Vec<u8>)> {
     let endpoint = client_endpoint(std::slice::from_ref(peer))?;
+    let out = fetch_manifest_on(&endpoint, secret, peer, model, cfg).await;
+    endpoint.close(0u32.into(), b"done");
+    out
+}
+
+/// [`fetch_manifest`] dialled from `endpoint` (a node's own, which stays open).
+pub async fn fetch_manifest_on(
+    endpoint: &quinn::Endpoint,
+    secret: &SecretKey,
+    peer: &PeerAddr,
+    model: Option<Hash>,
+    cfg: PeerConfig,
+) -> anyhow::Result<(Hash, Vec<u8>)> {
     let client = tls::client_config(secret, &peer.key)?;
     let me = NodeId(*secret.public().as_bytes());
-    let (conn, hello, _, control) = connect(&endpoint, client, peer, me, None, cfg.connect_timeout)
+    let (conn, hello, _, control) = connect(endpoint, client, peer, me, None, cfg.connect_timeout)
         .await
         .with_context(|| format!("peer {peer}"))?;
     control.drain();
+    let model = match (model, hello.models.as_slice()) {
+        (Some(m), models) if models.contains(&m) => Ok(m),
+        (Some(m), _) => Err(anyhow::anyhow!(
+            "peer {peer} does not serve model {}",
+            m.short()
+        )),
+        (None, [m]) => Ok(*m),
+        (None, []) => Err(anyhow::anyhow!("peer {peer} serves no model")),
+        (None, _) => Err(anyhow::anyhow!(
+            "peer {peer} serves several models; name one with --model-id"
+        )),
+    };
     let model = match model {
-        Some(m) => {
-            anyhow::ensure!(
-                hello.models.contains(&m),
-                "peer {peer} does not serve model {}",
-                m.short()
-            );
-            m
+        Ok(m) => m,
+        Err(e) => {
+            conn.close(0u32.into(), b"done");
+            return Err(e);
         }
-        None => match hello.models.as_slice() {
-            [m] => *m,
-            [] => anyhow::bail!("peer {peer} serves no model"),
-            _ => anyhow::bail!("peer {peer} serves several models; name one with --model-id"),
-        },
     };
     let reqs = LinkRequests::new(RequestsConfig {
         timeout: cfg.request_timeout,
@@ -443,7 +461,7 @@ pub async fn fetch_manifest(
     )
     .await
     .map(|c| c.bytes);
-    endpoint.close(0u32.into(), b"done");
+    conn.close(0u32.into(), b"done");
     match out {
         Ok(bytes) => Ok((model, bytes)),
         Err(e) => Err(anyhow::anyhow!("peer {peer}: fetching the manifest: {e}")),
@@ -454,7 +472,8 @@ pub async fn fetch_manifest(
 /// what `stormo pull` fetches through. Every request is bounded by the timeouts of the
 /// [`PeerConfig`] it was opened with.
 pub struct PeerLink {
-    endpoint: quinn::Endpoint,
+    /// The endpoint the link dialled from, when it is its own (closed with the link).
+    own_endpoint: Option<quinn::Endpoint>,
     conn: quinn::Connection,
     hello: Hello,
     reqs: Mutex<LinkRequests>,
@@ -485,7 +504,8 @@ impl PeerLink {
     }
 
     /// [`Self::connect`] with the client configuration `client` (made for `secret`, pinning
-    /// `peer`'s key): a swarm member's, which presents its membership certificate.
+    /// `peer`'s key): a swarm member's, which presents its membership certificate. Dials from
+    /// an endpoint of its own, closed with the link ([`Self::connect_on`] dials from a node's).
     pub async fn connect_with(
         secret: &SecretKey,
         client: quinn::ClientConfig,
@@ -493,15 +513,36 @@ impl PeerLink {
         cfg: PeerConfig,
     ) -> anyhow::Result<Self> {
         let endpoint = client_endpoint(std::slice::from_ref(peer))?;
+        match Self::connect_on(&endpoint, secret, client, peer, cfg).await {
+            Ok(mut link) => {
+                link.own_endpoint = Some(endpoint);
+                Ok(link)
+            }
+            Err(e) => {
+                endpoint.close(0u32.into(), b"done");
+                Err(e)
+            }
+        }
+    }
+
+    /// [`Self::connect_with`] dialled from `endpoint` (a node's own: closing the link leaves
+    /// it open).
+    pub async fn connect_on(
+        endpoint: &quinn::Endpoint,
+        secret: &SecretKey,
+        client: quinn::ClientConfig,
+        peer: &PeerAddr,
+        cfg: PeerConfig,
+    ) -> anyhow::Result<Self> {
         let me = NodeId(*secret.public().as_bytes());
         let (conn, hello, _, control) =
-            connect(&endpoint, client, peer, me, None, cfg.connect_timeout)
+            connect(endpoint, client, peer, me, None, cfg.connect_timeout)
                 .await
                 .with_context(|| format!("peer {peer}"))?;
         control.drain();
         let limit = hello.limits.max_concurrent_requests.clamp(1, 64);
         Ok(Self {
-            endpoint,
+            own_endpoint: None,
             conn,
             reqs: LinkRequests::new(RequestsConfig {
                 timeout: cfg.request_timeout,
@@ -563,9 +604,11 @@ impl PeerLink {
             .with_context(|| format!("fetching {name} bytes {offset}+{len}"))
     }
 
-    /// Closes the connection.
+    /// Closes the connection (and the link's own endpoint, when it has one).
     pub fn close(&self) {
         self.conn.close(0u32.into(), b"done");
-        self.endpoint.close(0u32.into(), b"done");
+        if let Some(e) = &self.own_endpoint {
+            e.close(0u32.into(), b"done");
+        }
     }
 }
