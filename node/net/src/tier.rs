@@ -66,7 +66,7 @@ mod link;
 mod request;
 
 pub use exec_client::{ExecRequest, EXEC_IN_FLIGHT};
-pub use request::{fetch_manifest, PeerLink};
+pub use request::{fetch_manifest, fetch_manifest_on, PeerLink};
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -277,7 +277,12 @@ impl Inner {
     /// One attempt at `peer`: fetches the bytes of `prefix`'s span after its verified prefix
     /// (from an earlier attempt) into its buffer (a whole record's is allocated here on the
     /// first try) and leaves the span verified in `prefix`, or extends `prefix` with what
-    /// verified.
+    /// verified. A request that fails because its link was replaced (the peer restarted and
+    /// a probe's new connection took the silent one's place: [`Link::replaced`]) is not the
+    /// peer's failure: it is sent again on the new link, resuming after what verified, at
+    /// most [`MAX_REPLACED`] times.
+    ///
+    /// [`Link::replaced`]: super::link::Link::replaced
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn attempt(
         &self,
@@ -287,19 +292,53 @@ impl Inner {
         prefix: &mut Prefix,
         priority: Priority,
         limit: TryLimit,
-        ctl: Option<&mut TryCtl<'_>>,
+        mut ctl: Option<&mut TryCtl<'_>>,
     ) -> Result<(), TryError> {
+        let mut again = 0;
+        loop {
+            let r = self
+                .attempt_once(peer, id, len, prefix, priority, limit, ctl.as_deref_mut())
+                .await;
+            match r {
+                Err(Attempt::Replaced(e)) if again < MAX_REPLACED => {
+                    again += 1;
+                    tracing::debug!(
+                        "peer {}: expert {id}'s request failed on a replaced connection ({e}); \
+                         sending it again on the new one",
+                        peer.addr
+                    );
+                }
+                Err(Attempt::Replaced(e)) => return Err(TryError::Lost(Box::new(e))),
+                Err(Attempt::Failed(e)) => return Err(e),
+                Ok(()) => return Ok(()),
+            }
+        }
+    }
+
+    /// One request of [`Self::attempt`], on the peer's link as it is.
+    #[allow(clippy::too_many_arguments)]
+    async fn attempt_once(
+        &self,
+        peer: &Arc<Peer>,
+        id: ExpertId,
+        len: u64,
+        prefix: &mut Prefix,
+        priority: Priority,
+        limit: TryLimit,
+        ctl: Option<&mut TryCtl<'_>>,
+    ) -> Result<(), Attempt> {
         // `limit` bounds the request from when it is sent. Connecting has its own bound (the
         // connect timeout), and waiting for one of the link's request slots is not counted:
         // that queue is this node's own loads, not the peer's doing, and every request holding
         // a slot is bounded.
-        let l = link(self, peer).await?;
-        let _permit = l
-            .slots
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| TryError::Other("link closed".into()))?;
+        let l = link(self, peer).await.map_err(TryError::from)?;
+        let _permit = match l.slots.clone().acquire_owned().await {
+            Ok(p) => p,
+            Err(_) if l.was_replaced() => {
+                return Err(Attempt::Replaced(TryError::Other("link replaced".into())))
+            }
+            Err(_) => return Err(TryError::Other("link closed".into()).into()),
+        };
         let wire_priority = match priority {
             Priority::Demand => stormo_wire::Priority::Now,
             Priority::Prefetch => stormo_wire::Priority::Prefetch,
@@ -330,7 +369,8 @@ impl Inner {
                 return Err(TryError::Other(format!(
                     "the buffer of bytes {}..{} was lost",
                     prefix.start, prefix.end
-                )))
+                ))
+                .into())
             }
         };
         fetch = fetch.into_buffer(buffer);
@@ -371,6 +411,9 @@ impl Inner {
                 prefix.verified = prefix.end;
                 return Ok(());
             }
+            Err(e) if l.was_replaced() && !matches!(e, TryError::Moved) => {
+                return Err(Attempt::Replaced(e))
+            }
             Err(TryError::Fetch { error: e, heard }) => {
                 let stalled = matches!(e, FetchError::Stalled { .. });
                 if !heard && (stalled || l.live.silent(&l.conn, Instant::now())) {
@@ -386,7 +429,7 @@ impl Inner {
             Err(e) => e,
         };
         if !(lost || connection_lost(&l.conn)) {
-            return Err(r);
+            return Err(r.into());
         }
         if peer.state().lose(Instant::now()) {
             tracing::info!(
@@ -394,7 +437,26 @@ impl Inner {
                 peer.addr
             );
         }
-        Err(TryError::Lost(Box::new(r)))
+        Err(TryError::Lost(Box::new(r)).into())
+    }
+}
+
+/// The most times one try's request is sent again because its link was replaced
+/// ([`Inner::attempt`]).
+const MAX_REPLACED: u32 = 2;
+
+/// How one request of a try ended, if not well.
+enum Attempt {
+    /// The peer's link was replaced under it (the peer restarted): worth sending again on
+    /// the new link.
+    Replaced(TryError),
+    /// Failed otherwise.
+    Failed(TryError),
+}
+
+impl From<TryError> for Attempt {
+    fn from(e: TryError) -> Self {
+        Self::Failed(e)
     }
 }
 

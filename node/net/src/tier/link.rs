@@ -5,8 +5,13 @@
 //!
 //! A link found closed is a lost connection, redialled with back-off ([`policy::PeerView::lose`]);
 //! whether to dial is the policy's decision ([`policy::PeerView::dial`]), not this module's.
+//! A link that owes a datagram beyond what the peer's latency explains is probed: one dial at
+//! a time in parallel ([`probe_due`]). A peer that answers it was restarted (its old
+//! connection will never be heard again): the new connection replaces the silent one at once
+//! ([`Link::replaced`]), instead of after [`policy::SILENT_CONNECTION`] and a redial. A hung
+//! peer answers no probe either, which costs nothing: the link was being waited on anyway.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -37,6 +42,92 @@ pub(crate) struct Link {
     pub(crate) exec_ids: AtomicU64,
     /// The `Exec` calls in flight on this connection ([`EXEC_IN_FLIGHT`]).
     pub(crate) exec_slots: Semaphore,
+    /// Set (before `conn` is closed) when a probe found the peer answering a new connection
+    /// while this one stayed silent: the peer restarted, and the new link took this one's
+    /// place. A try that fails on a replaced link is not the peer's failure: it is made again
+    /// on the new link.
+    pub(crate) replaced: Arc<AtomicBool>,
+}
+
+impl Link {
+    /// Whether a probe's new connection replaced this one ([`Self::replaced`]).
+    pub(crate) fn was_replaced(&self) -> bool {
+        self.replaced.load(Ordering::SeqCst)
+    }
+}
+
+/// What dialling a peer takes, from the tier: for [`link`] and the probes of [`Liveness::watch`].
+#[derive(Clone)]
+pub(crate) struct Dialer {
+    endpoint: quinn::Endpoint,
+    me: NodeId,
+    model: Hash,
+    cfg: PeerConfig,
+}
+
+impl Dialer {
+    fn of(inner: &Inner) -> Self {
+        Self {
+            endpoint: inner.endpoint.clone(),
+            me: inner.me,
+            model: inner.model,
+            cfg: inner.cfg,
+        }
+    }
+
+    /// Connects to `peer` within `timeout` ([`connect`]).
+    async fn connect(
+        &self,
+        peer: &Peer,
+        timeout: Duration,
+    ) -> anyhow::Result<(quinn::Connection, Hello, Option<ExpertSet>, Control)> {
+        connect(
+            &self.endpoint,
+            peer.client.clone(),
+            &peer.addr,
+            self.me,
+            Some(self.model),
+            timeout,
+        )
+        .await
+    }
+}
+
+/// The least time between the starts of two probe dials of one peer.
+pub(crate) const PROBE_INTERVAL: Duration = Duration::from_millis(250);
+
+/// The least time a probe dial is given: a restarted peer answers a handshake within a round
+/// trip or two, and a probe that waits longer only delays the next one, whose first packet
+/// may find the peer back (QUIC resends a handshake's first packet after a second, then two).
+pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Whether a link to a peer whose view is `view`, silent for `link_silent`, is due a probe
+/// dial at `now`, the last probe having started at `last` (none is in flight): the peer is
+/// usable and its link owes a datagram beyond [`policy::silence_limit`] (a request was sent
+/// and nothing heard since: [`policy::PeerView::unanswered`]; a peer only slow to answer, or
+/// an idle link, acknowledged what it was sent and is not probed), the link itself has heard
+/// nothing for that limit, and the last probe started [`PROBE_INTERVAL`] ago or more.
+pub(crate) fn probe_due(
+    view: &policy::PeerView,
+    link_silent: Duration,
+    last: Option<Instant>,
+    now: Instant,
+) -> bool {
+    let limit = policy::silence_limit(view.rtt);
+    view.usable()
+        && view.unanswered(now).is_some_and(|q| q >= limit)
+        && link_silent >= limit
+        && last.is_none_or(|t| now.saturating_duration_since(t) >= PROBE_INTERVAL)
+}
+
+/// How long a probe dial of a peer with round trip `rtt` is given: [`PROBE_TIMEOUT`] and four
+/// round trips (a handshake, the hellos and the inventory), never more than a dial's
+/// `connect_timeout`.
+pub(crate) fn probe_timeout(rtt: Option<Duration>, connect_timeout: Duration) -> Duration {
+    rtt.unwrap_or(policy::DEFAULT_RTT)
+        .saturating_mul(4)
+        .saturating_add(PROBE_TIMEOUT)
+        .min(connect_timeout)
 }
 
 /// How often a connection's datagram count is sampled for [`Liveness`].
@@ -93,13 +184,16 @@ impl Liveness {
 
     /// Samples `link`'s datagram count until the link is dropped or its connection closes,
     /// noting in `peer`'s view when it last heard ([`policy::PeerView::heard`], what a load's
-    /// silence rule reads). Must be called inside a tokio runtime.
-    pub(crate) fn watch(link: &Arc<Link>, peer: &Arc<Peer>) {
+    /// silence rule reads), and probing the peer with `dialer` while the link is silent
+    /// ([`probe_due`], one probe at a time: [`probe`]). Must be called inside a tokio runtime.
+    pub(crate) fn watch(link: &Arc<Link>, peer: &Arc<Peer>, dialer: Dialer) {
         let weak = Arc::downgrade(link);
         let peer = Arc::downgrade(peer);
         let mut seen = link.conn.stats().udp_rx.datagrams;
         link.live.seen.store(seen, Ordering::Relaxed);
         tokio::spawn(async move {
+            let mut probing: Option<tokio::task::JoinHandle<()>> = None;
+            let mut last_probe = None;
             loop {
                 tokio::time::sleep(LIVENESS_SAMPLE).await;
                 let Some(l) = weak.upgrade() else { return };
@@ -107,9 +201,9 @@ impl Liveness {
                     return;
                 }
                 let n = l.conn.stats().udp_rx.datagrams;
+                let now = Instant::now();
                 if n != seen {
                     seen = n;
-                    let now = Instant::now();
                     let ms = now.saturating_duration_since(l.live.start).as_millis() as u64;
                     l.live.last_ms.store(ms, Ordering::Relaxed);
                     l.live.seen.store(n, Ordering::Relaxed);
@@ -117,9 +211,62 @@ impl Liveness {
                         p.state().heard = Some(now);
                     }
                 }
+                if probing.as_ref().is_some_and(|t| !t.is_finished()) {
+                    continue;
+                }
+                probing = None;
+                let Some(p) = peer.upgrade() else { return };
+                let (due, rtt) = {
+                    let s = p.state();
+                    let due = probe_due(&s, l.live.silent_for(now), last_probe, now);
+                    (due, s.rtt)
+                };
+                if due {
+                    last_probe = Some(now);
+                    let timeout = probe_timeout(rtt, dialer.cfg.connect_timeout);
+                    probing = Some(tokio::spawn(probe(dialer.clone(), p, l, timeout)));
+                }
             }
         });
     }
+}
+
+/// One probe dial of `peer`, whose link `old` is silent, within `timeout`. If the peer
+/// answers, it was restarted (a live peer would have acknowledged on `old`): under the lock
+/// on the peer's link, the new connection replaces `old` when that is still the peer's link
+/// and still silent (or closed meanwhile), and `old` is marked replaced and closed. Otherwise
+/// the new connection is closed. A probe that gets no answer changes nothing: no back-off.
+async fn probe(dialer: Dialer, peer: Arc<Peer>, old: Arc<Link>, timeout: Duration) {
+    let Ok((conn, hello, inv, control)) = dialer.connect(&peer, timeout).await else {
+        return;
+    };
+    let mut g = peer.link.lock().await;
+    let now = Instant::now();
+    let (limit, owed) = {
+        let s = peer.state();
+        let limit = policy::silence_limit(s.rtt);
+        (limit, s.unanswered(now).is_some_and(|q| q >= limit))
+    };
+    let current = g.as_ref().is_some_and(|c| Arc::ptr_eq(c, &old));
+    // The peer answered a new connection, so it processes packets: had it been the same
+    // process, it would have acknowledged what the old one owes by now.
+    let silent = old.conn.close_reason().is_some()
+        || (owed && old.live.silent_beyond(&old.conn, now, limit));
+    if !(current && silent) {
+        conn.close(0u32.into(), b"not needed");
+        return;
+    }
+    tracing::info!(
+        "peer {}: its connection heard nothing for {:.1}s and a new one was answered (it \
+         restarted?); using the new one",
+        peer.addr,
+        old.live.silent_for(now).as_secs_f64()
+    );
+    old.replaced.store(true, Ordering::SeqCst);
+    let new = install(&dialer, &peer, conn, &hello, inv, control);
+    *g = Some(new);
+    drop(g);
+    old.conn.close(0u32.into(), b"replaced");
 }
 
 /// The outstanding requests of one connection (request ids are per connection), with the
@@ -177,13 +324,16 @@ impl Control {
     }
 
     /// Reads the peer's control messages until the stream ends, applying its inventory
-    /// updates and offers of `model` to `peer`'s state.
-    pub(crate) async fn follow(self, peer: Arc<Peer>, model: Hash) {
+    /// updates and offers of `model` to `peer`'s state. The stream of a link that was
+    /// `replaced` leaves the new link's control stream counted open.
+    pub(crate) async fn follow(self, peer: Arc<Peer>, model: Hash, replaced: Arc<AtomicBool>) {
         let Self { send, mut frames } = self;
         let _send = send;
         peer.state().control_open = true;
         Self::follow_frames(&mut frames, &peer, model).await;
-        peer.state().control_open = false;
+        if !replaced.load(Ordering::SeqCst) {
+            peer.state().control_open = false;
+        }
     }
 
     async fn follow_frames(frames: &mut FramedRecv, peer: &Arc<Peer>, model: Hash) {
@@ -356,14 +506,7 @@ pub(crate) async fn link(inner: &Inner, peer: &Arc<Peer>) -> Result<Arc<Link>, L
     }
     // On a task of its own, holding the lock: the attempt runs to its end (and a failure is
     // marked) even when the try that started it is dropped, such as a race lost to the disk.
-    let task = tokio::spawn(connect_link(
-        inner.endpoint.clone(),
-        inner.me,
-        inner.model,
-        inner.cfg,
-        peer.clone(),
-        g,
-    ));
+    let task = tokio::spawn(connect_link(Dialer::of(inner), peer.clone(), g));
     task.await.unwrap_or_else(|e| {
         Err(LinkError::Connect(format!(
             "the connecting task ended: {e}"
@@ -373,28 +516,17 @@ pub(crate) async fn link(inner: &Inner, peer: &Arc<Peer>) -> Result<Arc<Link>, L
 
 /// Connects to `peer` for [`link`], which holds `g`, and stores the link there.
 async fn connect_link(
-    endpoint: quinn::Endpoint,
-    me: NodeId,
-    model: Hash,
-    cfg: PeerConfig,
+    dialer: Dialer,
     peer: Arc<Peer>,
     mut g: tokio::sync::OwnedMutexGuard<Option<Arc<Link>>>,
 ) -> Result<Arc<Link>, LinkError> {
-    let (conn, hello, inv, control) = match connect(
-        &endpoint,
-        peer.client.clone(),
-        &peer.addr,
-        me,
-        Some(model),
-        cfg.connect_timeout,
-    )
-    .await
+    let (conn, hello, inv, control) = match dialer.connect(&peer, dialer.cfg.connect_timeout).await
     {
         Ok(c) => c,
         Err(e) => {
             let why = format!("{e:#}");
-            // Marked before the lock on the link is released, so that the calls waiting for
-            // it see the policy's answer to this failure.
+            // Marked before the lock on the link is released, so that the calls waiting
+            // for it see the policy's answer to this failure.
             let mut s = peer.state();
             let backoff = s.dial_failed(&why, Instant::now());
             let again = match s.coming_back(Instant::now()) {
@@ -408,6 +540,24 @@ async fn connect_link(
             return Err(LinkError::Connect(why));
         }
     };
+    let l = install(&dialer, &peer, conn, &hello, inv, control);
+    *g = Some(l.clone());
+    Ok(l)
+}
+
+/// Sets up a link on a new connection to `peer` (a dial's or a probe's), for the caller to
+/// store under the lock it holds on the peer's link: the link's request slots as the peer's
+/// hello allows, the peer's view connected with its inventory and round trip, its control
+/// stream followed and its liveness watched.
+fn install(
+    dialer: &Dialer,
+    peer: &Arc<Peer>,
+    conn: quinn::Connection,
+    hello: &Hello,
+    inv: Option<ExpertSet>,
+    control: Control,
+) -> Arc<Link> {
+    let cfg = dialer.cfg;
     let slots = hello.limits.max_concurrent_requests.clamp(1, 64) as usize;
     let l = Arc::new(Link {
         conn,
@@ -420,6 +570,7 @@ async fn connect_link(
         }),
         exec_ids: AtomicU64::new(1 << 63),
         exec_slots: Semaphore::new(EXEC_IN_FLIGHT),
+        replaced: Arc::new(AtomicBool::new(false)),
     });
     {
         let mut s = peer.state();
@@ -428,10 +579,9 @@ async fn connect_link(
         s.rtt = Some(l.conn.rtt());
         s.connected(Instant::now());
     }
-    tokio::spawn(control.follow(peer.clone(), model));
-    Liveness::watch(&l, &peer);
-    *g = Some(l.clone());
-    Ok(l)
+    tokio::spawn(control.follow(peer.clone(), dialer.model, l.replaced.clone()));
+    Liveness::watch(&l, peer, dialer.clone());
+    l
 }
 
 /// Whether `conn` was lost: closed by the peer or the network (a reset, an idle timeout),
@@ -439,4 +589,78 @@ async fn connect_link(
 pub(crate) fn connection_lost(conn: &quinn::Connection) -> bool {
     conn.close_reason()
         .is_some_and(|e| !matches!(e, quinn::ConnectionError::LocallyClosed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer measured at 1 ms whose connection was sent a request at `t0` and heard nothing
+    /// since: its silence limit is 0.754 s.
+    fn owing(t0: Instant) -> policy::PeerView {
+        let mut v = policy::PeerView::default();
+        v.rtt = Some(Duration::from_millis(1));
+        v.connected(t0 - Duration::from_secs(1));
+        v.request_sent(t0);
+        v
+    }
+
+    #[test]
+    fn a_link_owing_a_datagram_beyond_its_silence_limit_is_probed() {
+        let t0 = Instant::now();
+        let v = owing(t0);
+        let limit = policy::silence_limit(v.rtt);
+        let at = |ms| t0 + Duration::from_millis(ms);
+        assert!(!probe_due(&v, limit, None, at(700)), "not suspect yet");
+        assert!(probe_due(&v, limit, None, at(760)));
+        assert!(
+            !probe_due(&v, limit - Duration::from_millis(1), None, at(760)),
+            "the link itself heard something lately"
+        );
+    }
+
+    #[test]
+    fn probes_of_a_silent_link_are_paced() {
+        let t0 = Instant::now();
+        let v = owing(t0);
+        let limit = policy::silence_limit(v.rtt);
+        let at = |ms| t0 + Duration::from_millis(ms);
+        assert!(!probe_due(&v, limit, Some(at(800)), at(1000)));
+        assert!(probe_due(&v, limit, Some(at(800)), at(1050)));
+    }
+
+    #[test]
+    fn a_link_that_heard_an_answer_or_a_dropped_peer_is_not_probed() {
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let mut v = owing(t0);
+        let limit = policy::silence_limit(v.rtt);
+        v.heard = Some(at(10));
+        assert!(!probe_due(&v, limit, None, at(2000)), "nothing owed");
+        let mut v = owing(t0);
+        v.ban("bad bytes");
+        assert!(!probe_due(&v, limit, None, at(2000)), "not usable");
+        let v = policy::PeerView::default();
+        assert!(
+            !probe_due(&v, limit, None, at(2000)),
+            "never asked anything"
+        );
+        // A request found waiting (a slow read at the peer) that was acknowledged: the peer is
+        // suspect to the loads, but alive; no probe.
+        let mut v = owing(t0);
+        v.heard = Some(at(1));
+        v.suspect_silent(at(800));
+        assert!(v.suspect(at(2000)));
+        assert!(!probe_due(&v, limit, None, at(2000)), "only slow");
+    }
+
+    #[test]
+    fn a_probe_waits_a_few_round_trips_and_never_past_a_dial() {
+        let connect = Duration::from_secs(3);
+        let ms = Duration::from_millis;
+        assert_eq!(probe_timeout(Some(ms(1)), connect), ms(504));
+        assert_eq!(probe_timeout(None, connect), ms(900));
+        assert_eq!(probe_timeout(Some(ms(2000)), connect), connect);
+        assert_eq!(probe_timeout(Some(Duration::MAX), connect), connect);
+    }
 }
