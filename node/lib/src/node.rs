@@ -124,7 +124,16 @@ fn local_held(manifest: &Manifest, allowed: Option<&[Vec<bool>]>) -> anyhow::Res
 /// lies): what a command reads once and passes along, to the text checks and to
 /// [`Node::start_on`].
 pub fn open_model(dir: &Path) -> anyhow::Result<ModelFiles> {
-    ModelFiles::open(dir).with_context(|| format!("loading the model in {}", dir.display()))
+    ModelFiles::open(dir).map_err(|e| in_model(e, dir))
+}
+
+/// An engine error on the model folder `dir`, with the folder named once: an error that is
+/// about the folder itself ([`stormo_engine::Error::NoModel`]) names it already.
+pub fn in_model(e: stormo_engine::Error, dir: &Path) -> anyhow::Error {
+    match e {
+        e @ stormo_engine::Error::NoModel { .. } => e.into(),
+        e => anyhow::Error::new(e).context(format!("loading the model in {}", dir.display())),
+    }
 }
 
 impl Node {

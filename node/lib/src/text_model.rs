@@ -32,8 +32,7 @@ pub fn check_tokenizer_fits(tok: &Tokenizer, vocab: usize, dir: &Path) -> anyhow
 pub fn load_tokenizer(dir: &Path) -> anyhow::Result<Arc<Tokenizer>> {
     // A wrong model folder is the likelier mistake than a missing tokenizer: name it first.
     if !dir.join("config.json").is_file() {
-        stormo_engine::ModelConfig::from_dir(dir)
-            .with_context(|| format!("loading the model in {}", dir.display()))?;
+        stormo_engine::ModelConfig::from_dir(dir).map_err(|e| crate::node::in_model(e, dir))?;
     }
     let path = dir.join("tokenizer.json");
     if !path.is_file() {
