@@ -667,7 +667,7 @@ mod tests {
 
     /// Log lines written while a closure runs on this thread.
     #[derive(Clone, Default)]
-    struct Logs(Arc<Mutex<Vec<u8>>>);
+    pub(super) struct Logs(Arc<Mutex<Vec<u8>>>);
 
     impl std::io::Write for Logs {
         fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
@@ -680,9 +680,22 @@ mod tests {
     }
 
     impl Logs {
-        fn take(&self) -> String {
+        /// The lines logged since the last call.
+        pub(super) fn take(&self) -> String {
             String::from_utf8_lossy(&std::mem::take(&mut *self.0.lock().expect("log buffer")))
                 .into_owned()
+        }
+
+        /// Captures this thread's warnings until the guard drops.
+        pub(super) fn warnings() -> (Self, tracing::subscriber::DefaultGuard) {
+            let logs = Self::default();
+            let writer = logs.clone();
+            let subscriber = tracing_subscriber::fmt()
+                .with_writer(move || writer.clone())
+                .with_ansi(false)
+                .with_max_level(tracing::Level::WARN)
+                .finish();
+            (logs, tracing::subscriber::set_default(subscriber))
         }
     }
 
@@ -753,14 +766,7 @@ mod tests {
     /// handshake, with the reason logged; a member is admitted, both ways.
     #[test]
     fn swarm_admission_refuses_each_bad_certificate_with_its_reason() {
-        let logs = Logs::default();
-        let writer = logs.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(move || writer.clone())
-            .with_ansi(false)
-            .with_max_level(tracing::Level::WARN)
-            .finish();
-        let _guard = tracing::subscriber::set_default(subscriber);
+        let (logs, _guard) = Logs::warnings();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

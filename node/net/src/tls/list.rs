@@ -197,24 +197,9 @@ fn read_key_file(path: &Path) -> anyhow::Result<(Stamp, HashSet<PublicKey>, Vec<
 mod tests {
     use super::*;
 
-    use std::sync::Arc;
     use std::time::Duration;
 
     use stormo_manifests::SecretKey;
-
-    /// Log lines written while a closure runs on this thread.
-    #[derive(Clone, Default)]
-    struct Logs(Arc<Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Logs {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().expect("log buffer").extend_from_slice(b);
-            Ok(b.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
 
     /// A list is re-read when its file's modification time or length changes, and only then
     /// (one `stat` per handshake, not a read): a rewrite that keeps both is not seen until the
@@ -260,18 +245,8 @@ mod tests {
     /// the last list; at the start a malformed line is an error naming the file and the line.
     #[test]
     fn a_re_read_applies_every_valid_line_and_warns_about_each_malformed_one() {
-        let logs = Logs::default();
-        let writer = logs.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(move || writer.clone())
-            .with_ansi(false)
-            .with_max_level(tracing::Level::WARN)
-            .finish();
-        let _guard = tracing::subscriber::set_default(subscriber);
-        let take = || {
-            String::from_utf8_lossy(&std::mem::take(&mut *logs.0.lock().expect("log buffer")))
-                .into_owned()
-        };
+        let (logs, _guard) = crate::tls::tests::Logs::warnings();
+        let take = || logs.take();
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("revoked");
         let [a, b, c] = [45u8, 46, 47].map(|s| SecretKey::from_seed(&[s; 32]).public());
