@@ -1,9 +1,13 @@
-//! The OpenAI API's names and limits (issue 60): `--alias` names the served model, and a
-//! `max_tokens` past the context is refused as OpenAI refuses it.
+//! The OpenAI API's names, limits and defaults (issue 60): `--alias` names the served model,
+//! a `max_tokens` past the context is refused as OpenAI refuses it, and a request without
+//! sampling settings takes the model folder's.
+
+use std::time::Duration;
 
 use serde_json::{json, Value};
+use stormo_node::http::{self, HttpConfig};
 
-use crate::http::{assert_openai_error, post, request, Server};
+use crate::http::{assert_openai_error, post, request, synth_model, text_model, Server};
 
 /// Issue 60: `--alias` names the model (every alias works in requests, /v1/models lists
 /// them), and a `max_tokens` beyond what the context leaves is a 400 in OpenAI's shape, not a
@@ -54,4 +58,61 @@ fn aliases_name_the_model_and_max_tokens_past_the_context_is_refused() {
         &json!({"prompt": "hi", "max_tokens": 100000}),
     );
     assert_eq!(st, 400, "{v}");
+}
+
+/// A request that gives no temperature samples as the model folder's
+/// generation_config.json says: with `do_sample: false` it is greedy, so two requests with
+/// different seeds give the same tokens; a request's own temperature still wins.
+#[test]
+fn http_takes_default_sampling_from_generation_config() {
+    let model = synth_model();
+    let path = model.path().join("generation_config.json");
+    let mut g: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("generation_config.json"))
+            .expect("JSON");
+    g["do_sample"] = json!(false);
+    std::fs::write(&path, g.to_string()).expect("write");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let cfg = HttpConfig {
+        context: 1024,
+        ..HttpConfig::new("127.0.0.1:0".parse().expect("addr")).with_model_defaults(model.path())
+    };
+    let srv = rt
+        .block_on(http::start(text_model(model.path(), 1024), cfg))
+        .expect("server starts");
+    let a = srv.local_addr();
+    let ids = |body: Value| -> Vec<String> {
+        let (st, v) = post(a, "/v1/completions", &body);
+        assert_eq!(st, 200, "{v}");
+        let lp = &v["choices"][0]["logprobs"]["tokens"];
+        lp.as_array()
+            .expect("tokens")
+            .iter()
+            .map(|t| t.as_str().expect("token").to_string())
+            .collect()
+    };
+    let req = |seed: u64, temperature: Option<f64>| {
+        let mut b = json!({ "prompt": "Once upon a time", "max_tokens": 24, "seed": seed,
+                            "logprobs": 0 });
+        if let Some(t) = temperature {
+            b["temperature"] = json!(t);
+        }
+        b
+    };
+    let greedy = ids(req(1, None));
+    assert_eq!(greedy.len(), 24);
+    assert_eq!(ids(req(2, None)), greedy, "the model's default is greedy");
+    assert_eq!(ids(req(3, Some(0.0))), greedy);
+    // Sampling at 2.0 over a random model's nearly flat distribution: two seeds differ.
+    let hot = [ids(req(4, Some(2.0))), ids(req(5, Some(2.0)))];
+    assert!(
+        hot.iter().any(|h| *h != greedy),
+        "a request's temperature wins"
+    );
+    srv.close();
+    rt.shutdown_timeout(Duration::from_secs(2));
 }
