@@ -132,11 +132,15 @@ pub fn top_set(row: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-/// The variable that, set to 1, lets the tests that compare with Python packages (tiktoken,
-/// tokenizers, openai) pass without them; unset, a missing package fails those tests.
-pub const SKIP_PYTHON: &str = "STORMO_SKIP_PYTHON";
-
-/// Whether the Python oracles were explicitly opted out of ([`SKIP_PYTHON`] is 1).
-pub fn python_opted_out() -> bool {
-    std::env::var(SKIP_PYTHON).is_ok_and(|v| v == "1")
+/// Fails the calling test unless `python3` can import `module`: a test that needs a Python
+/// package never passes without it (`.ci/run` installs tests/requirements.txt).
+pub fn require_python(module: &str) {
+    let have = std::process::Command::new("python3")
+        .args(["-c", &format!("import {module}")])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        have,
+        "python3 with the `{module}` package is needed (pip install -r tests/requirements.txt)"
+    );
 }

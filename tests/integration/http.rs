@@ -518,21 +518,7 @@ fn http_streams_what_it_answers_whole_and_honours_stop() {
 /// The real Python `openai` package against the server, streaming and not.
 #[test]
 fn http_serves_the_python_openai_client() {
-    let have = Command::new("python3")
-        .args(["-c", "import openai"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !have {
-        let msg = "python3 with the `openai` package is not available (pip install -r tests/requirements.txt)";
-        if !stormo_tests::python_opted_out() {
-            panic!("{msg}; set {}=1 to skip it", stormo_tests::SKIP_PYTHON);
-        }
-        eprintln!(
-            "SKIPPED http_serves_the_python_openai_client ({}=1): {msg}",
-            stormo_tests::SKIP_PYTHON
-        );
-        return;
-    }
+    stormo_tests::require_python("openai");
     let srv = Server::start(4, 1024);
     let script = script_path();
     let out = Command::new("python3")
@@ -558,21 +544,7 @@ fn http_serves_the_python_openai_client() {
 /// than one request at a time.
 #[test]
 fn http_four_concurrent_greedy_streams_equal_each_alone() {
-    let have = Command::new("python3")
-        .args(["-c", "import openai"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !have {
-        let msg = "python3 with the `openai` package is not available (pip install -r tests/requirements.txt)";
-        if !stormo_tests::python_opted_out() {
-            panic!("{msg}; set {}=1 to skip it", stormo_tests::SKIP_PYTHON);
-        }
-        eprintln!(
-            "SKIPPED http_four_concurrent_greedy_streams_equal_each_alone ({}=1): {msg}",
-            stormo_tests::SKIP_PYTHON
-        );
-        return;
-    }
+    stormo_tests::require_python("openai");
     let srv = Server::start_with(4, 2048, |c| c.parallel = 4);
     let script = stormo_tests::repo_root().join("tests/integration/http_openai_batching.py");
     let out = Command::new("python3")
@@ -1284,16 +1256,7 @@ fn expected_steps(model: &Path, tm: &TextModel, ids: &[u32], n: usize, top: usiz
 /// a 404; a wrong API key a 401.
 #[test]
 fn http_logprobs_match_run_logits_through_the_openai_client() {
-    let have = Command::new("python3")
-        .args(["-c", "import openai"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !have {
-        let msg = "python3 with the `openai` package is not available (pip install -r tests/requirements.txt)";
-        assert!(std::env::var_os("CI").is_none(), "{msg}");
-        eprintln!("SKIPPED http_logprobs_match_run_logits_through_the_openai_client: {msg}");
-        return;
-    }
+    stormo_tests::require_python("openai");
     let key = "sk-stormo-test";
     let srv = Server::start_with(4, 2048, |c| c.api_key = Some(key.into()));
     let tm = text_model(srv.model.path(), 2048);

@@ -265,15 +265,7 @@ t = c.completions.create(model=m, prompt="Name three colours.", max_tokens=24, t
 assert t.choices[0].text, t
 print(repr(t.choices[0].text))
 "#;
-    let have = Command::new("python3")
-        .args(["-c", "import openai"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    assert!(
-        have || std::env::var_os("STORMO_SKIP_PYTHON").is_some(),
-        "python3 with the `openai` package is needed (pip install -r tests/requirements.txt; \
-         STORMO_SKIP_PYTHON=1 skips it)"
-    );
+    stormo_tests::require_python("openai");
     let out = Command::new("python3")
         .args(["-c", script, base])
         .output()
@@ -291,9 +283,6 @@ print(repr(t.choices[0].text))
 /// a node holding everything; `chat --peer` piped gives the same reply as a local chat.
 #[test]
 fn a_node_with_experts_on_three_peers_answers_like_a_local_one() {
-    if std::env::var_os("STORMO_SKIP_PYTHON").is_some() {
-        eprintln!("STORMO_SKIP_PYTHON set: the openai client part is skipped");
-    }
     let (m, id) = model_with_manifest();
     let states: Vec<_> = (0..5).map(|_| state()).collect();
     let thirds = ["0,3", "1", "2"];
@@ -330,14 +319,12 @@ fn a_node_with_experts_on_three_peers_answers_like_a_local_one() {
         "--state-dir",
         s(states[4].path()),
     ]);
-    if std::env::var_os("STORMO_SKIP_PYTHON").is_none() {
-        let want = openai_greedy(&local.line);
-        let got = openai_greedy(&remote.line);
-        assert_eq!(
-            got, want,
-            "the completion from peers differs from the local one"
-        );
-    }
+    let want = openai_greedy(&local.line);
+    let got = openai_greedy(&remote.line);
+    assert_eq!(
+        got, want,
+        "the completion from peers differs from the local one"
+    );
     // `chat --peer` on the dense-only folder, piped.
     let mut chat = vec![
         "chat",

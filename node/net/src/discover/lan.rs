@@ -218,10 +218,6 @@ mod tests {
     const IFACE: &str = "stv";
     /// The key seed of the first node (the others: the next ones).
     const FIRST_SEED: u8 = 30;
-    /// Set to 1, the namespaced LAN test does not run where network namespaces cannot be
-    /// made, and says so; unset, it fails there (`.ci/run` installs iproute2; the test needs
-    /// root, or CAP_SYS_ADMIN and CAP_NET_ADMIN).
-    const SKIP_NETNS: &str = "STORMO_SKIP_NETNS";
 
     fn model() -> Hash {
         Hash([5; 32])
@@ -351,23 +347,15 @@ mod tests {
     /// Issue 41 (b): three nodes with LAN discovery find each other inside network namespaces
     /// this test makes (veths on a bridge, no route to any real interface), each at its real
     /// interface address, and hear the first one leave (its goodbye). Where namespaces cannot
-    /// be made (no iproute2, not root) it fails, saying why, unless [`SKIP_NETNS`] is 1: then
-    /// it prints that it did NOT run (issue 58 item 8: no test passes without checking).
+    /// be made (no iproute2, not root) it fails, saying why (issue 58 item 8: no test passes
+    /// without checking).
     #[test]
     fn three_nodes_find_each_other_on_a_namespaced_lan() {
         let lab = match Lab::new(3) {
             Ok(l) => l,
-            Err(e) if std::env::var(SKIP_NETNS).is_ok_and(|v| v == "1") => {
-                eprintln!(
-                    "NOT RUN ({SKIP_NETNS}=1): the namespaced LAN test cannot make network \
-                     namespaces here ({e}); mDNS discovery between machines is NOT tested"
-                );
-                return;
-            }
             Err(e) => panic!(
                 "cannot make network namespaces here ({e}): this test needs iproute2 (`ip`) \
-                 and root (or CAP_SYS_ADMIN and CAP_NET_ADMIN); `.ci/run` installs iproute2. \
-                 Set {SKIP_NETNS}=1 to skip it knowingly"
+                 and root (or CAP_SYS_ADMIN and CAP_NET_ADMIN); `.ci/run` installs iproute2"
             ),
         };
         let exe = std::env::current_exe().expect("the test binary");
