@@ -185,6 +185,14 @@ fn not_a_model(dir: &Path, config: &Path) -> Option<String> {
     }
 }
 
+/// The geometry fields of gpt-oss-20b's published config.json: a fixed, real model for the
+/// arithmetic of memory plans and costs (tests and examples), without a checkpoint.
+pub const GPT_OSS_20B_CONFIG: &str = r#"{"model_type": "gpt_oss", "hidden_size": 2880,
+    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 64, "vocab_size": 201088, "num_local_experts": 32, "num_experts_per_tok": 4,
+    "intermediate_size": 2880, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+    "sliding_window": 128, "max_position_embeddings": 131072}"#;
+
 impl ModelConfig {
     /// Reads and normalises `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {

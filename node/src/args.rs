@@ -557,15 +557,13 @@ mod tests {
         );
     }
 
-    /// The config.json of a gpt-oss-20b: 96 KiB of KV cache a position.
-    const GPT_OSS_20B: &str = r#"{"model_type": "gpt_oss", "hidden_size": 2880,
-        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
-        "head_dim": 64, "vocab_size": 201088, "num_local_experts": 32,
-        "num_experts_per_tok": 4, "intermediate_size": 2880, "rms_norm_eps": 1e-5,
-        "rope_theta": 150000, "sliding_window": 128, "max_position_embeddings": 131072}"#;
-
+    /// A gpt-oss-20b: 96 KiB of KV cache a position.
     fn gpt_oss() -> ModelConfig {
-        ModelConfig::from_json_str(GPT_OSS_20B, Path::new("config.json")).expect("config.json")
+        ModelConfig::from_json_str(
+            stormo_engine::config::GPT_OSS_20B_CONFIG,
+            Path::new("config.json"),
+        )
+        .expect("config.json")
     }
 
     fn args() -> HttpArgs {

@@ -180,11 +180,7 @@ mod tests {
     /// A KV cache holds a key and a value of `kv_dim` f32s per layer and position.
     #[test]
     fn kv_cache_bytes_count_keys_and_values_in_f32() {
-        let text = r#"{"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24,
-            "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-            "vocab_size": 201088, "num_local_experts": 32, "num_experts_per_tok": 4,
-            "intermediate_size": 2880, "rms_norm_eps": 1e-5, "rope_theta": 150000,
-            "sliding_window": 128, "max_position_embeddings": 131072}"#;
+        let text = stormo_engine::config::GPT_OSS_20B_CONFIG;
         let cfg = ModelConfig::from_json_str(text, std::path::Path::new("config.json"))
             .expect("a gpt-oss config");
         // 24 layers x (key + value) x 8 heads x 64 x 4 bytes = 96 KiB a position.

@@ -174,11 +174,7 @@ mod tests {
     /// over 24 layers, two FLOPs per weight; the head 2 x 2880 x 201088 once.
     #[test]
     fn prefill_flops_at_gpt_oss_20b_geometry() {
-        let text = r#"{"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24,
-            "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-            "vocab_size": 201088, "num_local_experts": 32, "num_experts_per_tok": 4,
-            "intermediate_size": 2880, "rms_norm_eps": 1e-5, "rope_theta": 150000,
-            "sliding_window": 128, "max_position_embeddings": 131072}"#;
+        let text = stormo_engine::config::GPT_OSS_20B_CONFIG;
         let cfg =
             stormo_engine::ModelConfig::from_json_str(text, std::path::Path::new("config.json"))
                 .expect("a gpt-oss config");
