@@ -350,23 +350,10 @@ fn harmony_parse_errors_are_errors() {
 
 // ---- Python oracles ----
 
-/// Runs `script` with `input` on stdin and parses its stdout as JSON. When the Python packages
-/// are absent: a failure naming them (`None` is not returned; kept for the callers' shape).
-fn python_oracle(packages: &[&str], script: &str, input: &Value) -> Option<Value> {
-    let imports = packages.join(", ");
-    let have = Command::new("python3")
-        .args(["-c", &format!("import {imports}")])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !have {
-        let msg = format!(
-            "python3 with `{imports}` is not available (pip install {}): oracle comparison skipped",
-            packages.join(" ")
-        );
-        panic!("{msg}");
-    }
+/// Runs `script` with `input` on stdin and parses its stdout as JSON; fails where `python3`
+/// cannot import `package`.
+fn python_oracle(package: &str, script: &str, input: &Value) -> Value {
+    stormo_tests::require_python(package);
     let mut child = Command::new("python3")
         .args(["-c", script])
         .stdin(Stdio::piped())
@@ -387,7 +374,7 @@ fn python_oracle(packages: &[&str], script: &str, input: &Value) -> Option<Value
         "oracle script failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    Some(serde_json::from_slice(&out.stdout).expect("oracle prints JSON"))
+    serde_json::from_slice(&out.stdout).expect("oracle prints JSON")
 }
 
 /// A small deterministic generator for test texts (SplitMix64).
@@ -482,9 +469,7 @@ fn o200k_matches_tiktoken_on_many_texts() {
         "path": o200k_dir().join("tokenizer.json"),
         "texts": texts,
     });
-    let Some(want) = python_oracle(&["tiktoken"], TIKTOKEN_SCRIPT, &input) else {
-        return;
-    };
+    let want = python_oracle("tiktoken", TIKTOKEN_SCRIPT, &input);
     let want = want.as_array().expect("list");
     let tok = o200k();
     for (text, want) in texts.iter().zip(want) {
@@ -673,9 +658,7 @@ fn qwen_style_matches_hf_tokenizers() {
         "path": dir.path().join("tokenizer.json"),
         "texts": texts,
     });
-    let Some(want) = python_oracle(&["tokenizers"], HF_SCRIPT, &input) else {
-        return;
-    };
+    let want = python_oracle("tokenizers", HF_SCRIPT, &input);
     for (text, want) in texts.iter().zip(want.as_array().expect("list")) {
         let got = tok.encode(text, true).expect("encode");
         let short: String = text.chars().take(80).collect();
