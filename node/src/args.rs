@@ -11,7 +11,8 @@ use stormo_manifests::{Hash, PublicKey};
 
 use stormo_net::expert_dir::budget::KeepLimit;
 use stormo_net::progress::{check_secs, parse_size, secs_arg, size_arg};
-use stormo_net::remote_policy::{RemoteConfig, RemoteExec};
+use stormo_net::remote::ExecTrust;
+use stormo_net::remote_policy::{RemoteConfig, RemoteExec, VerifyExec};
 use stormo_net::tier::PeerConfig;
 use stormo_net::PeerAddr;
 use stormo_node::config::{CacheBudget, ExpertsConfig, KeepConfig, PeersConfig};
@@ -169,9 +170,17 @@ pub struct PeerArgs {
     /// always fetches. The output is the same bits either way.
     #[arg(long, default_value_t = RemoteExec::Auto, value_name = "auto|always|never")]
     pub remote_exec: RemoteExec,
+    /// Which peers may compute experts for this node: by default only members of this
+    /// node's swarm (`--swarm`); `any` lets every peer compute (each one's results
+    /// spot-checked: a peer lying now and then gets each lie past the checks with probability
+    /// 1 - the --spot-check share); a 64-hex node key lets that peer. Repeatable, or
+    /// comma-separated. Fetched experts are verified whoever sends them.
+    #[arg(long, value_name = "any|KEY", value_delimiter = ',')]
+    pub exec_trust: Vec<String>,
     /// The share of remote results also computed here and compared bit for bit (every call
     /// sent to a peer before its first answer always is); a peer whose result differs is not
-    /// asked again this session.
+    /// asked again this session, and the tokens made with its unchecked results are made
+    /// again. 0 checks only each peer's first answer: a warning says so.
     #[arg(long, default_value_t = 0.05, value_name = "FRACTION", value_parser = fraction_arg)]
     pub spot_check: f64,
     /// Hold each step back until its spot-checks end. By default `run` and `chat` use a
@@ -182,6 +191,12 @@ pub struct PeerArgs {
     /// is sent only checked tokens), and `bench` defers its decoded tokens' checks.
     #[arg(long)]
     pub spot_check_inline: bool,
+    /// `dual`: two holders compute each remote call and their rows are compared bit for bit;
+    /// a disagreement is settled here (the expert computed locally) and the holder that was
+    /// wrong is not asked again. Twice the peers' work and rows for every call; spot-checks
+    /// apply on top. With one holder left, a call goes to it alone. Default: single.
+    #[arg(long, default_value_t = VerifyExec::Single, value_name = "single|dual")]
+    pub verify_exec: VerifyExec,
     /// Seconds `run`, `chat` and `serve --http` wait at start, with --discover, until every
     /// expert has a reachable holder (peers found by discovery answer a moment after they
     /// are found); then they start anyway, saying how many experts are uncovered. 0: do not
@@ -194,6 +209,33 @@ impl PeerArgs {
     /// `--wait-coverage` as a duration.
     pub fn wait_coverage(&self) -> Duration {
         Duration::from_secs_f64(self.wait_coverage)
+    }
+
+    /// `--exec-trust` resolved: `any` (alone), or node keys.
+    pub fn exec_trust(&self) -> anyhow::Result<ExecTrust> {
+        let mut keys = Vec::new();
+        let mut any = false;
+        for w in self
+            .exec_trust
+            .iter()
+            .map(|w| w.trim())
+            .filter(|w| !w.is_empty())
+        {
+            if w.eq_ignore_ascii_case("any") {
+                any = true;
+            } else {
+                keys.push(w.parse::<PublicKey>().map_err(|e| {
+                    anyhow::anyhow!("--exec-trust {w:?}: not `any` nor a node key (64 hex): {e}")
+                })?);
+            }
+        }
+        match (any, keys.is_empty()) {
+            (true, false) => anyhow::bail!(
+                "--exec-trust: `any` already lets every peer compute; drop the keys or `any`"
+            ),
+            (true, true) => Ok(ExecTrust::Any),
+            (false, _) => Ok(ExecTrust::Members(keys)),
+        }
     }
 
     /// The timeouts these options give.
@@ -232,10 +274,12 @@ impl PeerArgs {
             timeouts: self.timeouts()?,
             keep,
             peers_first: self.peers_first,
+            exec_trust: self.exec_trust()?,
             remote: RemoteConfig {
                 mode: self.remote_exec,
                 spot_check: self.spot_check,
                 inline: self.spot_check_inline,
+                verify: self.verify_exec,
             },
         })
     }
@@ -477,6 +521,7 @@ mod tests {
                 mode: RemoteExec::Always,
                 spot_check: 1.0,
                 inline: false,
+                verify: Default::default(),
             }
         );
         for (args, named) in [
@@ -485,10 +530,44 @@ mod tests {
             (&["--spot-check=-0.1"][..], "-0.1"),
             (&["--spot-check", "NaN"][..], "NaN"),
             (&["--spot-check", "many"][..], "many"),
+            (&["--verify-exec", "triple"][..], "triple"),
         ] {
             let e = parse(args).unwrap_err().to_string();
             assert!(e.contains(named), "{args:?}: {e}");
         }
+        let c = parse(&["--verify-exec", "dual"]).unwrap().resolve(false);
+        assert_eq!(c.unwrap().remote.verify, VerifyExec::Dual);
+        // Who may compute: swarm members by default, `any`, or keys (repeated or listed).
+        assert_eq!(c_trust(&parse(&[]).unwrap()), Ok(ExecTrust::default()));
+        assert_eq!(
+            c_trust(&parse(&["--exec-trust", "any"]).unwrap()),
+            Ok(ExecTrust::Any)
+        );
+        let (a, b) = (
+            stormo_manifests::SecretKey::from_seed(&[1; 32]).public(),
+            stormo_manifests::SecretKey::from_seed(&[2; 32]).public(),
+        );
+        let (a_hex, b_hex) = (a.to_string(), b.to_string());
+        let both = format!("{a_hex},{b_hex}");
+        assert_eq!(
+            c_trust(&parse(&["--exec-trust", &both]).unwrap()),
+            Ok(ExecTrust::Members(vec![a, b]))
+        );
+        assert_eq!(
+            c_trust(&parse(&["--exec-trust", &a_hex, "--exec-trust", &b_hex]).unwrap()),
+            Ok(ExecTrust::Members(vec![a, b]))
+        );
+        for (bad, named) in [
+            (format!("any,{a_hex}"), "drop the keys or `any`"),
+            ("everyone".to_string(), "\"everyone\""),
+        ] {
+            let e = c_trust(&parse(&["--exec-trust", &bad]).unwrap()).unwrap_err();
+            assert!(e.contains(named), "{bad}: {e}");
+        }
+    }
+
+    fn c_trust(p: &PeerArgs) -> Result<ExecTrust, String> {
+        p.exec_trust().map_err(|e| e.to_string())
     }
 
     /// `--peer-timeout` bounds a whole try, so a connection attempt never gets more than it

@@ -463,6 +463,11 @@ pub fn run_scenario(
         c.client_key.to_string_lossy().into_owned(),
         "--expert-cache".into(),
         cache,
+        // The simulated holders are this machine's own processes, named by key, not members
+        // of a swarm: the client lets them compute (remote execution goes only to swarm
+        // members by default).
+        "--exec-trust".into(),
+        "any".into(),
     ]);
     let empty_manifest = work.join("joining-node").join("stormo-manifest.bin");
     match scenario {

@@ -152,7 +152,14 @@ fn run(model: &Path, id: &str, holders: &[&Holder], mode: &str, fault: impl FnOn
             "0",
             "--no-keep",
         ])
-        .args(["--model-id", id, "--remote-exec", mode]);
+        .args([
+            "--model-id",
+            id,
+            "--remote-exec",
+            mode,
+            "--exec-trust",
+            "any",
+        ]);
     for h in holders {
         cmd.args(["--peer", &h.line]);
     }

@@ -90,6 +90,9 @@ fn remote_args<'a>(
         "--no-keep",
         "--model-id",
         id,
+        // The peers are this test's own, not swarm members: let them compute.
+        "--exec-trust",
+        "any",
     ]
 }
 
@@ -386,4 +389,250 @@ fn a_holder_whose_copy_is_corrupt_never_runs_it_for_peers() {
         );
         assert_eq!(ids, want, "beside an honest holder: {j}");
     }
+}
+
+/// Issue 58 (2): a peer that answers right and then lies on every call from its `from`th on
+/// (a quarter, half or three quarters into a run's calls: its first answers are checked and
+/// agree; the later ones are mostly not drawn for a check)
+/// never changes the ids: its unchecked answers hold their steps back until a later check of
+/// it agrees, and when it is caught (a drawn check or the check forced when its answers wait
+/// too long or the generation ends) the generation goes back to its first unchecked answer.
+/// The control: with `--spot-check 0` (no check after the first answer) the same lies change
+/// the ids, so the lies matter. Alone, and beside an honest `stormo serve` holder.
+#[test]
+fn a_liar_caught_late_undoes_every_step_it_touched() {
+    let name = "gptoss-tiny-mxfp4";
+    let (dir, id) = setup(name);
+    let (prompt, want) = reference(name);
+    let st = state();
+    let honest = Proc::start(&[
+        "serve",
+        "--model",
+        s(dir.path()),
+        "--listen",
+        "127.0.0.1:0",
+        "--allow-any",
+        "--state-dir",
+        s(st.path()),
+        "--expert-cache",
+        "0",
+    ]);
+    // How many calls a run makes: the liar lies from a quarter, half and three quarters in.
+    let counter = HostilePeer::start_exec(203, dir.path(), Arc::new(|_, _| ExecAnswer::Honest));
+    let (ids, j) = run_remote(
+        dir.path(),
+        &id,
+        &prompt,
+        &[line(&counter)],
+        &["--remote-exec", "always", "--spot-check", "0"],
+    );
+    assert_eq!(ids, want, "{j}");
+    let total = execs(&counter);
+    drop(counter);
+    assert!(total >= 8, "{total} calls: {j}");
+    for from in [total / 4, total / 2, total * 3 / 4] {
+        let liar = HostilePeer::start_exec(
+            203,
+            dir.path(),
+            Arc::new({
+                let count = Arc::new(AtomicUsize::new(0));
+                move |_, _| {
+                    if count.fetch_add(1, Ordering::Relaxed) >= from {
+                        ExecAnswer::Perturb(100.0)
+                    } else {
+                        ExecAnswer::Honest
+                    }
+                }
+            }),
+        );
+        let (ids, j) = run_remote(
+            dir.path(),
+            &id,
+            &prompt,
+            &[line(&liar)],
+            &["--remote-exec", "always", "--spot-check", "0"],
+        );
+        assert_ne!(
+            ids, want,
+            "from {from} of {total}: lies that change nothing test nothing: {j}"
+        );
+        assert!(execs(&liar) > from, "from {from}: {j}");
+        for spot in ["0.05", "0.3"] {
+            let (ids, j) = run_remote(
+                dir.path(),
+                &id,
+                &prompt,
+                &[line(&liar)],
+                &["--remote-exec", "always", "--spot-check", spot],
+            );
+            assert_eq!(ids, want, "from {from}, --spot-check {spot}: {j}");
+            assert!(num(&j, "spot_check_failures") >= 1, "from {from}: {j}");
+            assert!(num(&j, "rollbacks") >= 1, "from {from}: {j}");
+        }
+        let (ids, j) = run_remote(
+            dir.path(),
+            &id,
+            &prompt,
+            &[line(&liar), honest.line.clone()],
+            &["--remote-exec", "always"],
+        );
+        assert_eq!(ids, want, "from {from}, beside an honest holder: {j}");
+    }
+}
+
+/// Issue 58 (3): remote execution goes by default only to peers the user lets compute. A
+/// plain peer (`--peer KEY@ADDR`, no swarm) computes nothing for a node that does not name it
+/// (`--remote-exec always` warns so and fetches); named with `--exec-trust KEY` it computes;
+/// members of the node's swarm compute with no `--exec-trust`. The ids are exact every time.
+#[test]
+fn remote_execution_goes_only_to_peers_allowed_to_compute() {
+    let name = "gptoss-tiny-mxfp4";
+    let (dir, id) = setup(name);
+    let (prompt, want) = reference(name);
+    let keys = tempfile::tempdir().expect("key dir");
+    let swarm = crate::swarm::create_swarm(keys.path());
+    let (server_key, client_key) = (
+        keys.path().join("server.key"),
+        keys.path().join("client.key"),
+    );
+    for k in [&server_key, &client_key] {
+        stormo(&["key", "generate", "--key", s(k)]);
+    }
+    let server_cert = crate::swarm::admit(keys.path(), s(&server_key), "30d", "server");
+    let client_cert = crate::swarm::admit(keys.path(), s(&client_key), "30d", "client");
+    let st = state();
+    let server = Proc::start(&[
+        "serve",
+        "--model",
+        s(dir.path()),
+        "--listen",
+        "127.0.0.1:0",
+        "--key",
+        s(&server_key),
+        "--swarm",
+        &swarm,
+        "--cert",
+        s(&server_cert),
+        "--allow-any",
+        "--state-dir",
+        s(st.path()),
+        "--expert-cache",
+        "0",
+    ]);
+    let server_pub = server.line.split('@').next().expect("KEY@ADDR").to_string();
+    let n = N.to_string();
+    let run = |extra: &[&str]| {
+        let st = state();
+        let mut args = vec![
+            "run",
+            "--model",
+            s(dir.path()),
+            "--no-local-experts",
+            "--prompt-ids",
+            &prompt,
+            "--max-new-tokens",
+            &n,
+            "--state-dir",
+            s(st.path()),
+            "--expert-cache",
+            "0",
+            "--no-keep",
+            "--model-id",
+            &id,
+            "--json",
+            "--peer",
+            &server.line,
+            "--remote-exec",
+            "always",
+        ];
+        args.extend_from_slice(extra);
+        let out = crate::node::stormo_output(&args, None);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{extra:?}: {stderr}");
+        let v: Value = serde_json::from_slice(&out.stdout).expect("run --json");
+        let ids: Vec<u64> = v["generated_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().expect("id"))
+            .collect();
+        assert_eq!(ids, want, "{extra:?}: {v}");
+        (num(&v["experts"], "remote_calls"), stderr)
+    };
+    let (calls, stderr) = run(&[]);
+    assert_eq!(calls, 0, "a peer not allowed to compute was asked");
+    assert!(stderr.contains("no peer may compute"), "{stderr}");
+    let (calls, _) = run(&["--exec-trust", &server_pub]);
+    assert!(calls > 0, "the peer named with --exec-trust was not asked");
+    let (calls, stderr) = run(&[
+        "--key",
+        s(&client_key),
+        "--swarm",
+        &swarm,
+        "--cert",
+        s(&client_cert),
+    ]);
+    assert!(calls > 0, "a swarm member was not asked: {stderr}");
+}
+
+/// Issue 58 (3): `--verify-exec dual` asks two holders for every call and compares their
+/// rows: beside an honest `stormo serve`, a peer lying on every call from its third is
+/// found by the comparison (with `--spot-check 0`, where nothing else would find it) and the
+/// ids stay exact; two honest holders always agree.
+#[test]
+fn dual_execution_compares_two_holders_and_settles_a_disagreement_here() {
+    let name = "gptoss-tiny-mxfp4";
+    let (dir, id) = setup(name);
+    let (prompt, want) = reference(name);
+    let serve = |st: &Path| {
+        Proc::start(&[
+            "serve",
+            "--model",
+            s(dir.path()),
+            "--listen",
+            "127.0.0.1:0",
+            "--allow-any",
+            "--state-dir",
+            s(st),
+            "--expert-cache",
+            "0",
+        ])
+    };
+    let (st1, st2) = (state(), state());
+    let (honest, other) = (serve(st1.path()), serve(st2.path()));
+    let dual = ["--remote-exec", "always", "--verify-exec", "dual"];
+    let (ids, j) = run_remote(
+        dir.path(),
+        &id,
+        &prompt,
+        &[honest.line.clone(), other.line.clone()],
+        &dual,
+    );
+    assert_eq!(ids, want, "{j}");
+    assert!(num(&j, "dual_calls") > 0, "{j}");
+    assert_eq!(num(&j, "dual_disagreements"), 0, "{j}");
+    let count = Arc::new(AtomicUsize::new(0));
+    let liar = HostilePeer::start_exec(
+        204,
+        dir.path(),
+        Arc::new(move |_, _| {
+            if count.fetch_add(1, Ordering::Relaxed) >= 2 {
+                ExecAnswer::Perturb(100.0)
+            } else {
+                ExecAnswer::Honest
+            }
+        }),
+    );
+    let mut args = dual.to_vec();
+    args.extend(["--spot-check", "0"]);
+    let (ids, j) = run_remote(
+        dir.path(),
+        &id,
+        &prompt,
+        &[honest.line.clone(), line(&liar)],
+        &args,
+    );
+    assert_eq!(ids, want, "{j}");
+    assert!(num(&j, "dual_disagreements") >= 1, "{j}");
+    assert!(execs(&liar) > 2, "the liar was not asked: {j}");
 }

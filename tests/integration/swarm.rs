@@ -268,7 +268,7 @@ fn the_stripe_scenario_fetches_from_both_holders_and_stays_exact() {
 }
 
 /// A swarm whose owner's key is `dir/owner.key`: its swarm key.
-fn create_swarm(dir: &Path) -> String {
+pub(crate) fn create_swarm(dir: &Path) -> String {
     let owner = dir.join("owner.key");
     stormo(&["swarm", "create", "--owner", s(&owner)])
         .trim()
@@ -277,7 +277,7 @@ fn create_swarm(dir: &Path) -> String {
 
 /// `stormo swarm admit` of `node` (a public key or a key file) for `expires`, into
 /// `dir/NAME.cert`.
-fn admit(dir: &Path, node: &str, expires: &str, name: &str) -> std::path::PathBuf {
+pub(crate) fn admit(dir: &Path, node: &str, expires: &str, name: &str) -> std::path::PathBuf {
     let cert = dir.join(format!("{name}.cert"));
     stormo(&[
         "swarm",

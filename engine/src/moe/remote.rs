@@ -126,8 +126,10 @@ pub trait ExpertExecutor: Send + Sync + fmt::Debug {
         0
     }
 
-    /// The deferred checks of the steps not forgotten: with `wait`, blocks until none is
-    /// running or one has disagreed. Default: [`Settled::Clear`].
+    /// The deferred checks of the steps not forgotten: with `wait` (the generation's end),
+    /// blocks until every step is settled (an executor that holds steps back for another
+    /// reason, such as answers not yet confirmed by a later check of their peer, settles them
+    /// now) or one has failed. Default: [`Settled::Clear`].
     fn settle(&self, wait: bool) -> Settled {
         let _ = wait;
         Settled::Clear
@@ -143,12 +145,13 @@ pub trait ExpertExecutor: Send + Sync + fmt::Debug {
 /// The deferred checks' state ([`ExpertExecutor::settle`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Settled {
-    /// Every deferred check of the steps not forgotten agreed, or none was drawn.
+    /// Every step not forgotten is settled: its deferred checks agreed, or none was drawn.
     Clear,
-    /// Checks of this step (the earliest with any running) have not ended; every step before
-    /// it is checked.
+    /// This step (the earliest not settled) waits on a check, or on a later check of a peer
+    /// whose answer it used unchecked; every step before it is settled.
     Pending(u64),
-    /// A check of this step (the earliest such) disagreed: the step used a wrong answer, and
-    /// so did every later one. Checks of earlier steps may still be running.
+    /// This step (the earliest such) used a wrong answer, or an unchecked answer of a peer
+    /// since caught computing wrong: it, and every later one, must be made again. Checks of
+    /// earlier steps may still be running.
     Failed(u64),
 }

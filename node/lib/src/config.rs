@@ -130,6 +130,8 @@ pub struct PeersConfig {
     pub peers_first: bool,
     /// Whether experts may be computed by the peers holding them, and spot-checks.
     pub remote: stormo_net::remote_policy::RemoteConfig,
+    /// Which peers may compute experts for this node.
+    pub exec_trust: stormo_net::remote::ExecTrust,
 }
 
 /// Serving experts to peers over QUIC.

@@ -828,6 +828,12 @@ impl Node {
                 s.deferred_checks,
                 stormo_engine::generate::rollbacks()
             );
+            if s.dual_calls > 0 {
+                out += &format!(
+                    "  --verify-exec dual: {} calls answered by two holders, {} of them differently\n",
+                    s.dual_calls, s.dual_disagreements
+                );
+            }
         }
         if let Some(d) = &self.dir {
             out += &format!(
@@ -862,6 +868,8 @@ impl Node {
         o["spot_checks"] = r.spot_checks.into();
         o["spot_check_failures"] = r.spot_check_failures.into();
         o["deferred_checks"] = r.deferred_checks.into();
+        o["dual_calls"] = r.dual_calls.into();
+        o["dual_disagreements"] = r.dual_disagreements.into();
         o["rollbacks"] = stormo_engine::generate::rollbacks().into();
         if let Some(d) = &self.dir {
             o["dir_held"] = (d.len() as u64).into();
@@ -894,6 +902,27 @@ const DISCOVERY_WAIT: Duration = Duration::from_secs(15);
 const DISCOVERED_LOST_AFTER: Duration =
     Duration::from_secs(3 * stormo_net::discover::dht::LOOKUP_EVERY.as_secs());
 
+/// Says what remote execution under `cfg` will not do that its options suggest: unchecked
+/// results (`--spot-check 0`), or `--remote-exec always` with no peer allowed to compute.
+fn warn_remote(cfg: &NodeConfig) {
+    let p = &cfg.peers;
+    if p.remote.spot_check == 0.0 {
+        tracing::warn!(
+            "--spot-check 0: a peer's results are used unchecked after its first answer, so a \
+             peer that computes wrong changes the output. Give a share above 0 (default 0.05) \
+             or --remote-exec never (fetched experts are always verified)"
+        );
+    }
+    let member = cfg.swarm.as_ref().is_some_and(|s| s.membership.is_some());
+    if p.remote.mode == RemoteExec::Always && !member && !p.exec_trust.names_peers() {
+        tracing::warn!(
+            "--remote-exec always: no peer may compute for this node (remote execution goes to \
+             members of this node's swarm and to keys given with --exec-trust; --exec-trust any \
+             lets every peer compute, its results spot-checked): experts are fetched instead"
+        );
+    }
+}
+
 /// Remote execution over `tier` (`--remote-exec auto|always`): the engine's executor that has
 /// peers holding an expert compute it. `on_machine`: the tiers on this machine, whose experts
 /// are never computed by a peer.
@@ -906,7 +935,12 @@ fn remote_experts(
     on_machine: Vec<Arc<dyn Tier>>,
 ) -> Arc<RemoteExperts> {
     let hidden = files.cfg.hidden_size;
-    let client = PeerExec::new(tier.clone(), hidden, p.timeouts.request_timeout);
+    let client = PeerExec::new(
+        tier.clone(),
+        hidden,
+        p.timeouts.request_timeout,
+        p.exec_trust.clone(),
+    );
     let sizes = files.layout.sizes();
     // A decoded token's experts: top-k of each MoE layer, at the layer's mean size.
     let per_token: u64 = sizes
@@ -1052,13 +1086,20 @@ fn build_tiers(
         tiers,
         usage,
     )?);
-    let remote =
-        match &peers {
-            Some(t) if p.remote.mode != RemoteExec::Never && !cfg.experts.mmap => Some(
-                remote_experts(t, rt.handle(), files, p, &experts, on_machine),
-            ),
-            _ => None,
-        };
+    let remote = match &peers {
+        Some(t) if p.remote.mode != RemoteExec::Never && !cfg.experts.mmap => {
+            warn_remote(cfg);
+            Some(remote_experts(
+                t,
+                rt.handle(),
+                files,
+                p,
+                &experts,
+                on_machine,
+            ))
+        }
+        _ => None,
+    };
     Ok(Tiers {
         kept,
         peers,

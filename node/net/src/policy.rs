@@ -140,6 +140,9 @@ pub struct PeerView {
     pub rate: Option<f64>,
     /// Round trip of its connection.
     pub rtt: Option<Duration>,
+    /// Its connection's certificate carries a membership of this node's swarm (checked in the
+    /// handshake): it may compute experts for this node by default ([`crate::remote::ExecTrust`]).
+    pub member: bool,
     /// Seconds of its recent whole-expert fetches, newest last (a race it lost counts with
     /// the time it had taken so far: a lower bound).
     recent: VecDeque<f64>,

@@ -31,7 +31,7 @@
 //! The calls themselves go through an [`ExecClient`] (the network tier's connections in the
 //! node; a fake in this module's tests).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -51,6 +51,10 @@ use super::remote_policy::{
     self, Choice, Holder, Link, RemoteConfig, RemotePolicy, RemoteStats, Want, UNMEASURED_RTT,
 };
 use super::tier::PeerTier;
+
+mod deferred;
+
+use deferred::{Book, Due, Next};
 
 /// Why one call gave no rows.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -88,23 +92,62 @@ pub trait ExecClient: Send + Sync + fmt::Debug + 'static {
     }
 }
 
-/// The network tier as an [`ExecClient`]: its peers numbered in the order first seen here.
+/// Which peers may compute experts for this node (`--exec-trust`). A remote result is
+/// spot-checked, not proven (a peer that lies now and then gets each lie past the checks
+/// with probability `1 - p`), so by default only peers the user lets compute are asked:
+/// members of this node's swarm (their certificate signed by the swarm's key, checked in the
+/// handshake) and keys named for it. Fetched experts are verified whoever sends them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ExecTrust {
+    /// Swarm members, and these keys (the default: none).
+    Members(Vec<PublicKey>),
+    /// Every peer this node connects to (each one's results spot-checked).
+    Any,
+}
+
+impl Default for ExecTrust {
+    fn default() -> Self {
+        Self::Members(Vec::new())
+    }
+}
+
+impl ExecTrust {
+    /// Whether the peer with `key` (`member`: it presented a membership of this node's
+    /// swarm) may compute experts for this node.
+    pub fn allows(&self, key: &PublicKey, member: bool) -> bool {
+        match self {
+            Self::Any => true,
+            Self::Members(keys) => member || keys.contains(key),
+        }
+    }
+
+    /// Whether a peer outside any swarm may compute (`any` or a key named).
+    pub fn names_peers(&self) -> bool {
+        *self != Self::default()
+    }
+}
+
+/// The network tier as an [`ExecClient`]: its peers numbered in the order first seen here;
+/// only the holders [`ExecTrust`] allows are offered.
 #[derive(Debug)]
 pub struct PeerExec {
     tier: Arc<PeerTier>,
     keys: Mutex<Vec<PublicKey>>,
     hidden: usize,
     deadline: Duration,
+    trust: ExecTrust,
 }
 
 impl PeerExec {
-    /// Calls through `tier` for a model of row width `hidden`, each bounded by `deadline`.
-    pub fn new(tier: Arc<PeerTier>, hidden: usize, deadline: Duration) -> Self {
+    /// Calls through `tier` for a model of row width `hidden`, each bounded by `deadline`,
+    /// to the peers `trust` allows.
+    pub fn new(tier: Arc<PeerTier>, hidden: usize, deadline: Duration, trust: ExecTrust) -> Self {
         Self {
             tier,
             keys: Mutex::default(),
             hidden,
             deadline,
+            trust,
         }
     }
 
@@ -129,9 +172,13 @@ impl ExecClient for PeerExec {
         self.tier
             .exec_links(id)
             .into_iter()
-            .map(|(key, rtt, rate)| Holder {
-                peer: self.index(key),
-                link: Link { rtt, rate },
+            .filter(|l| self.trust.allows(&l.key, l.member))
+            .map(|l| Holder {
+                peer: self.index(l.key),
+                link: Link {
+                    rtt: l.rtt,
+                    rate: l.rate,
+                },
             })
             .collect()
     }
@@ -177,6 +224,17 @@ struct Pending {
     /// What another holder is asked if this one fails: the expert, its rows, the choice's
     /// inputs, and the call's deadline (`None`: no call was made).
     retry: Option<Retry>,
+    /// The same call at a second holder (`--verify-exec dual`).
+    second: Option<Second>,
+}
+
+/// The second holder's call of a [`Pending`] one (`--verify-exec dual`).
+struct Second {
+    peer: usize,
+    check: bool,
+    started: Instant,
+    rtt: Duration,
+    rx: tokio::sync::oneshot::Receiver<Answer>,
 }
 
 /// A call's outcome and when it came: the call's time is measured to its arrival, not to when
@@ -186,6 +244,8 @@ type Answer = (Result<Vec<f32>, CallError>, Instant);
 /// An expert of the block being planned that the choice gave a peer.
 struct Chosen {
     peer: usize,
+    /// The second holder asked (`--verify-exec dual`), and its link.
+    second: Option<(usize, Link)>,
     /// What the choice weighed.
     want: Want,
     /// The peer's link as the choice saw it.
@@ -202,44 +262,26 @@ struct Retry {
     deadline: Instant,
 }
 
-/// The deferred checks' state, shared with the threads that make them.
-#[derive(Debug, Default)]
-struct Steps {
-    /// A generation asked for deferred checks ([`ExpertExecutor::defer_checks`]).
-    on: bool,
-    /// The last step's id.
-    current: u64,
-    /// The steps not forgotten with checks running or failed.
-    live: BTreeMap<u64, StepChecks>,
+/// An answer kept for a check: the expert, its rows and what the peer answered.
+#[derive(Debug)]
+struct Kept {
+    id: ExpertId,
+    rows: Arc<Vec<f32>>,
+    answer: Vec<f32>,
 }
 
-/// One step's deferred checks.
-#[derive(Debug, Default)]
-struct StepChecks {
-    running: u32,
-    failed: bool,
-}
-
-/// [`Steps`] and the signal of a check's end.
-#[derive(Debug, Default)]
+/// The deferred checks' [`Book`], shared with the threads that make them, and the signal of
+/// a check's end.
+#[derive(Debug)]
 struct Deferred {
-    steps: Mutex<Steps>,
+    book: Mutex<Book<Kept>>,
     ended: Condvar,
 }
 
 impl Deferred {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Steps> {
-        self.steps.lock().expect("deferred checks lock")
+    fn lock(&self) -> std::sync::MutexGuard<'_, Book<Kept>> {
+        self.book.lock().expect("deferred checks lock")
     }
-}
-
-/// One deferred check: what it needs on its thread.
-struct Check {
-    id: ExpertId,
-    peer: usize,
-    step: u64,
-    rows: Arc<Vec<f32>>,
-    answer: Vec<f32>,
 }
 
 /// The engine's executor over a node's peers. See the module docs.
@@ -261,7 +303,9 @@ pub struct RemoteExperts {
     next: AtomicU64,
     pending: Mutex<HashMap<u64, Pending>>,
     /// The peer of each collected answer awaiting a spot-check's verdict.
-    checking: Mutex<HashMap<u64, usize>>,
+    /// With a second holder whose answer differed from the first's (`--verify-exec dual`):
+    /// the verdict on the first says which of the two was wrong.
+    checking: Mutex<HashMap<u64, (usize, Option<usize>)>>,
     /// Each layer's expert schema, when checks may be deferred
     /// ([`with_deferred_checks`](Self::with_deferred_checks)).
     schemas: Option<Arc<Vec<Option<ExpertSchema>>>>,
@@ -295,6 +339,7 @@ impl RemoteExperts {
         timeout: Duration,
     ) -> Self {
         let counts: Vec<usize> = sizes.iter().map(Vec::len).collect();
+        let track = cfg.spot_check > 0.0;
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64);
@@ -312,7 +357,10 @@ impl RemoteExperts {
             pending: Mutex::default(),
             checking: Mutex::default(),
             schemas: None,
-            deferred: Arc::default(),
+            deferred: Arc::new(Deferred {
+                book: Mutex::new(Book::new(track)),
+                ended: Condvar::new(),
+            }),
         }
     }
 
@@ -325,16 +373,17 @@ impl RemoteExperts {
     }
 
     /// Checks `c` on a blocking thread of the runtime: its expert fetched through the tiers,
-    /// computed on its rows and compared with the answer bit for bit. However it ends, its
-    /// step's count of running checks goes down (a generation waits on it).
-    fn check_later(&self, c: Check) {
+    /// computed on its rows and compared with the answer bit for bit. However it ends, the
+    /// book hears of it ([`Book::ended`]; a generation waits on it).
+    fn check_later(&self, due: Due<Kept>) {
         let (cache, schemas) = (self.cache.clone(), self.schemas.clone());
         let (policy, deferred, name) = (
             self.policy.clone(),
             self.deferred.clone(),
-            self.client.name(c.peer),
+            self.client.name(due.peer),
         );
         self.rt.spawn_blocking(move || {
+            let (peer, seq, step, c) = (due.peer, due.seq, due.step, due.answer);
             let computed = match (&cache, &schemas) {
                 (Some(cache), Some(schemas)) => {
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -357,7 +406,8 @@ impl RemoteExperts {
                         tracing::warn!(
                             "remote execution: peer {name} computed expert {} wrong (a deferred \
                              spot-check disagreed); it is not asked again this session, and the \
-                             generation goes back to the step that used its answer",
+                             generation goes back to the first step that used its answers \
+                             unchecked",
                             c.id
                         );
                         Verdict::Disagreed
@@ -365,7 +415,7 @@ impl RemoteExperts {
                     policy
                         .lock()
                         .expect("remote policy lock")
-                        .verdict(c.peer, verdict);
+                        .verdict(peer, verdict);
                     agree
                 }
                 Err(e) => {
@@ -382,16 +432,11 @@ impl RemoteExperts {
                     policy
                         .lock()
                         .expect("remote policy lock")
-                        .unverifiable(c.peer);
+                        .unverifiable(peer);
                     false
                 }
             };
-            let mut s = deferred.lock();
-            if let Some(step) = s.live.get_mut(&c.step) {
-                step.running = step.running.saturating_sub(1);
-                step.failed |= !agreed;
-            }
-            drop(s);
+            deferred.lock().ended(peer, seq, step, agreed);
             deferred.ended.notify_all();
         });
     }
@@ -467,9 +512,104 @@ impl RemoteExperts {
                 together: 1,
                 rx,
                 retry: None,
+                second: None,
             },
         );
         Ticket(t)
+    }
+}
+
+impl RemoteExperts {
+    /// `--verify-exec dual`: waits for both holders' answers to `p`'s call. Both answered:
+    /// equal rows go on as the first holder's answer (`Err`, for [`collect`]'s single path,
+    /// which records it); differing rows are handed to the engine to check (it computes the
+    /// expert here and reports which was right, see [`report`]). One answered: that one's,
+    /// for the single path (the other's failure recorded). Neither: the first's failure, for
+    /// the single path (which may ask another holder).
+    ///
+    /// [`collect`]: ExpertExecutor::collect
+    /// [`report`]: ExpertExecutor::report
+    fn compare(
+        &self,
+        ticket: Ticket,
+        p: &mut Pending,
+        second: Second,
+    ) -> Result<Result<Executed, ExecFailed>, Answer> {
+        let first = receive(&mut p.rx);
+        let mut second_rx = second.rx;
+        let other = receive(&mut second_rx);
+        let mut policy = self.lock_policy();
+        let now = Instant::now();
+        let answered = |policy: &mut RemotePolicy, peer, arrived: Instant, started, rtt, n| {
+            let alone = remote_policy::alone(arrived.saturating_duration_since(started), rtt, n);
+            policy.answered(peer, arrived, alone, p.bytes);
+        };
+        match (first, other) {
+            ((Ok(a), t), (Ok(b), u)) => {
+                answered(&mut policy, second.peer, u, second.started, second.rtt, 1);
+                let same =
+                    a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+                policy.compared(same);
+                if same {
+                    return Err((Ok(a), t));
+                }
+                answered(&mut policy, p.peer, t, p.started, p.rtt, p.together);
+                drop(policy);
+                tracing::warn!(
+                    "remote execution: peers {} and {} computed expert {} differently; \
+                     computing it here to find which was wrong",
+                    self.client.name(p.peer),
+                    self.client.name(second.peer),
+                    p.retry
+                        .as_ref()
+                        .map_or_else(String::new, |r| r.id.to_string())
+                );
+                self.checking
+                    .lock()
+                    .expect("checking lock")
+                    .insert(ticket.0, (p.peer, Some(second.peer)));
+                Ok(Ok(Executed {
+                    rows: a,
+                    check: true,
+                }))
+            }
+            (first, (Ok(b), u)) => {
+                if let Err(e) = &first.0 {
+                    note_failure(&mut policy, p.peer, now, e);
+                }
+                p.peer = second.peer;
+                p.check = second.check;
+                p.started = second.started;
+                p.rtt = second.rtt;
+                p.together = 1;
+                Err((Ok(b), u))
+            }
+            (first, (Err(e), _)) => {
+                note_failure(&mut policy, second.peer, now, &e);
+                Err(first)
+            }
+        }
+    }
+}
+
+/// A call's answer from `rx` (a failure if its task ended without one).
+fn receive(rx: &mut tokio::sync::oneshot::Receiver<Answer>) -> Answer {
+    let (_tx, done) = tokio::sync::oneshot::channel();
+    std::mem::replace(rx, done)
+        .blocking_recv()
+        .unwrap_or_else(|_| {
+            (
+                Err(CallError::Failed("the call's task ended".into())),
+                Instant::now(),
+            )
+        })
+}
+
+/// A failed call of `peer` told to `policy`: a busy peer is paused briefly, a failed one longer.
+fn note_failure(policy: &mut RemotePolicy, peer: usize, now: Instant, e: &CallError) {
+    match e {
+        CallError::Busy(_) => policy.busy(peer, now),
+        _ => policy.failed(peer, now),
     }
 }
 
@@ -507,10 +647,15 @@ impl ExpertExecutor for RemoteExperts {
             };
             if let Choice::Execute { peer } = p.choose(now, &want, self.hidden, &holders) {
                 p.begin(peer);
+                let second = p.second(now, peer, &want, self.hidden, &holders);
+                if let Some(s) = second {
+                    p.begin(s);
+                }
                 chosen.insert(
                     (layer, d.expert),
                     Chosen {
                         peer,
+                        second: second.map(|s| (s, link_of(&holders, s))),
                         want,
                         link: link_of(&holders, peer),
                         together: 1,
@@ -537,6 +682,7 @@ impl ExpertExecutor for RemoteExperts {
         let (
             Some(Chosen {
                 peer,
+                second,
                 want,
                 link,
                 together,
@@ -551,7 +697,12 @@ impl ExpertExecutor for RemoteExperts {
         };
         let h = self.hidden.max(1);
         if inputs.is_empty() || !inputs.len().is_multiple_of(h) {
-            self.lock_policy().cancel(peer);
+            let mut policy = self.lock_policy();
+            policy.cancel(peer);
+            if let Some((s, _)) = second {
+                policy.cancel(s);
+            }
+            drop(policy);
             return self.failed_ticket(CallError::Failed(format!(
                 "{} inputs are not rows of {h}",
                 inputs.len()
@@ -562,6 +713,13 @@ impl ExpertExecutor for RemoteExperts {
         let rows = Arc::new(inputs.to_vec());
         let started = Instant::now();
         let rx = self.start(peer, id, rows.clone(), self.timeout);
+        let second = second.map(|(s, link)| Second {
+            peer: s,
+            check: self.lock_policy().check(s),
+            started,
+            rtt: link.rtt(),
+            rx: self.start(s, id, rows.clone(), self.timeout),
+        });
         let t = self.next.fetch_add(1, Ordering::Relaxed);
         self.pending.lock().expect("pending lock").insert(
             t,
@@ -579,6 +737,7 @@ impl ExpertExecutor for RemoteExperts {
                     want,
                     deadline: started + self.timeout,
                 }),
+                second,
             },
         );
         Ticket(t)
@@ -588,13 +747,16 @@ impl ExpertExecutor for RemoteExperts {
         let Some(mut p) = self.pending.lock().expect("pending lock").remove(&ticket.0) else {
             return Err(ExecFailed::Failed(format!("no call {}", ticket.0)));
         };
+        // Two holders asked: compared, or one answer left for the single path below.
+        let mut ready = None;
+        if let Some(second) = p.second.take() {
+            match self.compare(ticket, &mut p, second) {
+                Ok(done) => return done,
+                Err(one) => ready = Some(one),
+            }
+        }
         loop {
-            let (answer, arrived) = p.rx.blocking_recv().unwrap_or_else(|_| {
-                (
-                    Err(CallError::Failed("the call's task ended".into())),
-                    Instant::now(),
-                )
-            });
+            let (answer, arrived) = ready.take().unwrap_or_else(|| receive(&mut p.rx));
             let Some(retry) = &p.retry else {
                 return Err(match answer {
                     Err(CallError::Failed(m)) => ExecFailed::Unavailable(m),
@@ -615,27 +777,24 @@ impl ExpertExecutor for RemoteExperts {
                         ),
                         p.bytes,
                     );
-                    // A check deferred (`on` only with a cache and schemas to make it): counted
-                    // as running in the current step until its thread ends.
-                    let deferred = if p.check {
-                        let mut s = self.deferred.lock();
-                        s.on.then(|| {
-                            let step = s.current;
-                            s.live.entry(step).or_default().running += 1;
-                            step
-                        })
-                    } else {
-                        None
+                    // Deferred checks (`on` only with a cache and schemas to make them): an
+                    // answer drawn for a check is checked on another thread, counted as
+                    // running in the current step until it ends; one not drawn is recorded as
+                    // unconfirmed until a later check of its peer agrees (see `deferred`).
+                    let keep = || Kept {
+                        id: retry.id,
+                        rows: retry.rows.clone(),
+                        answer: rows.clone(),
                     };
-                    if let Some(step) = deferred {
+                    let check = self.deferred.lock().answered(p.peer, p.check, keep);
+                    if let Some((seq, step)) = check {
                         policy.deferred();
                         drop(policy);
-                        self.check_later(Check {
-                            id: retry.id,
+                        self.check_later(Due {
                             peer: p.peer,
+                            seq,
                             step,
-                            rows: retry.rows.clone(),
-                            answer: rows.clone(),
+                            answer: keep(),
                         });
                         return Ok(Executed { rows, check: false });
                     }
@@ -644,7 +803,7 @@ impl ExpertExecutor for RemoteExperts {
                         self.checking
                             .lock()
                             .expect("checking lock")
-                            .insert(ticket.0, p.peer);
+                            .insert(ticket.0, (p.peer, None));
                     }
                     return Ok(Executed {
                         rows,
@@ -705,13 +864,21 @@ impl ExpertExecutor for RemoteExperts {
     }
 
     fn report(&self, ticket: Ticket, verdict: Verdict) {
-        let Some(peer) = self
+        let Some((peer, other)) = self
             .checking
             .lock()
             .expect("checking lock")
             .remove(&ticket.0)
         else {
             return;
+        };
+        // Of two holders that disagreed, the first was right: the second was wrong.
+        let (peer, verdict) = match (verdict, other) {
+            (Verdict::Agreed, Some(o)) => {
+                self.lock_policy().verdict(peer, Verdict::Agreed);
+                (o, Verdict::Disagreed)
+            }
+            _ => (peer, verdict),
         };
         if verdict == Verdict::Disagreed {
             tracing::warn!(
@@ -725,42 +892,45 @@ impl ExpertExecutor for RemoteExperts {
 
     fn defer_checks(&self, on: bool) -> bool {
         let on = on && self.schemas.is_some() && self.cache.is_some();
-        let mut s = self.deferred.lock();
-        s.on = on;
-        if !on {
-            s.live.clear();
-        }
+        self.deferred.lock().set_on(on);
         on
     }
 
     fn begin_step(&self) -> u64 {
-        let mut s = self.deferred.lock();
-        s.current += 1;
-        s.current
+        self.deferred.lock().begin_step()
     }
 
     fn settle(&self, wait: bool) -> Settled {
-        let mut s = self.deferred.lock();
+        let mut due = Vec::new();
+        let mut book = self.deferred.lock();
         loop {
-            while let Some(e) = s.live.first_entry() {
-                if e.get().running > 0 || e.get().failed {
-                    break;
+            let next = book.settle(wait, &mut due);
+            if !due.is_empty() {
+                // Forced checks (a peer's unchecked answers waiting on a check): run them
+                // outside the lock.
+                drop(book);
+                for d in due.drain(..) {
+                    self.lock_policy().deferred();
+                    self.check_later(d);
                 }
-                e.remove();
+                book = self.deferred.lock();
+                continue;
             }
-            if let Some((&step, _)) = s.live.iter().find(|(_, c)| c.failed) {
-                return Settled::Failed(step);
-            }
-            match s.live.keys().next() {
-                None => return Settled::Clear,
-                Some(&step) if !wait => return Settled::Pending(step),
-                Some(_) => s = self.deferred.ended.wait(s).expect("deferred checks lock"),
+            match next {
+                Next::Done(s) => return s,
+                Next::Wait => {
+                    book = self
+                        .deferred
+                        .ended
+                        .wait(book)
+                        .expect("deferred checks lock")
+                }
             }
         }
     }
 
     fn forget(&self, step: u64) {
-        self.deferred.lock().live.retain(|&s, _| s < step);
+        self.deferred.lock().forget(step);
     }
 }
 
@@ -819,7 +989,7 @@ async fn futures_join_in_order(calls: Vec<CallFuture>) -> Vec<Result<Vec<f32>, C
 
 #[cfg(test)]
 mod tests {
-    use super::super::remote_policy::RemoteExec;
+    use super::super::remote_policy::{RemoteExec, VerifyExec};
     use super::*;
 
     /// How the fake peers answer.
@@ -833,6 +1003,8 @@ mod tests {
         Busy,
         /// One value short.
         Short,
+        /// `3 x` each input (wrong).
+        Triples,
     }
 
     /// Peers 0.. each behaving as given, all holding every expert.
@@ -873,6 +1045,7 @@ mod tests {
                     }
                     Peer::Busy => Err(CallError::Busy("full".into())),
                     Peer::Short => Ok(rows[1..].to_vec()),
+                    Peer::Triples => Ok(rows.iter().map(|x| 3.0 * x).collect()),
                 }
             })
         }
@@ -889,6 +1062,15 @@ mod tests {
         peers: Vec<Peer>,
         mode: RemoteExec,
     ) -> (RemoteExperts, Arc<AtomicU64>, Arc<()>) {
+        executor_verifying(rt, peers, mode, VerifyExec::Single)
+    }
+
+    fn executor_verifying(
+        rt: &tokio::runtime::Runtime,
+        peers: Vec<Peer>,
+        mode: RemoteExec,
+        verify: VerifyExec,
+    ) -> (RemoteExperts, Arc<AtomicU64>, Arc<()>) {
         let calls = Arc::new(AtomicU64::new(0));
         let live = Arc::new(());
         let fake = Fake {
@@ -904,6 +1086,7 @@ mod tests {
                 mode,
                 spot_check: 0.0,
                 inline: false,
+                verify,
             },
             None,
             Vec::new(),
@@ -1119,5 +1302,73 @@ mod tests {
         .is_empty());
         let s = x.stats();
         assert_eq!((s.calls, s.spot_check_failures), (2, 2));
+    }
+
+    /// `--verify-exec dual`: every call goes to two holders. Equal rows are used as one
+    /// answer; differing rows are handed to the engine to check, and its verdict on the
+    /// first holder's rows bans whichever was wrong. A busy second holder leaves the first's
+    /// answer.
+    #[test]
+    fn dual_calls_compare_two_holders() {
+        let rt = runtime();
+        let (x, calls, _) = executor_verifying(
+            &rt,
+            vec![Peer::Doubles, Peer::Doubles],
+            RemoteExec::Always,
+            VerifyExec::Dual,
+        );
+        assert_eq!(one_call(&x).unwrap().rows, vec![2.0; H]);
+        assert_eq!(calls.load(Ordering::Relaxed), 2, "both holders asked");
+        let s = x.stats();
+        assert_eq!((s.dual_calls, s.dual_disagreements, s.calls), (1, 0, 2));
+        for (peers, liar) in [
+            (vec![Peer::Doubles, Peer::Triples], 1),
+            (vec![Peer::Triples, Peer::Doubles], 0),
+        ] {
+            let (x, _, _) =
+                executor_verifying(&rt, peers.clone(), RemoteExec::Always, VerifyExec::Dual);
+            let t = plan(
+                &x,
+                0,
+                &[Demand {
+                    expert: 1,
+                    positions: 1,
+                }],
+                &[1.0; H],
+            );
+            let a = x.collect(t[0]).unwrap();
+            assert!(a.check, "{peers:?}: a disagreement is checked here");
+            // The engine's verdict on the rows handed over (the first holder's, peer 0).
+            let first_right = a.rows == vec![2.0; H];
+            x.report(
+                t[0],
+                if first_right {
+                    Verdict::Agreed
+                } else {
+                    Verdict::Disagreed
+                },
+            );
+            assert_eq!(x.stats().dual_disagreements, 1, "{peers:?}");
+            // The liar is banned: the next call goes to the honest one alone.
+            let t = plan(
+                &x,
+                0,
+                &[Demand {
+                    expert: 1,
+                    positions: 1,
+                }],
+                &[1.0; H],
+            );
+            assert_eq!(x.collect(t[0]).unwrap().rows, vec![2.0; H], "{peers:?}");
+            assert!(!x.lock_policy().usable(liar, Instant::now()), "{peers:?}");
+        }
+        let (x, _, _) = executor_verifying(
+            &rt,
+            vec![Peer::Doubles, Peer::Busy],
+            RemoteExec::Always,
+            VerifyExec::Dual,
+        );
+        assert_eq!(one_call(&x).unwrap().rows, vec![2.0; H]);
+        assert_eq!(x.stats().failures, 1);
     }
 }

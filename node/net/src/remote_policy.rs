@@ -114,6 +114,39 @@ impl std::fmt::Display for RemoteExec {
     }
 }
 
+/// `--verify-exec`: how a remote result is trusted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum VerifyExec {
+    /// One holder computes; its results are spot-checked.
+    #[default]
+    Single,
+    /// Two holders compute each call and their rows are compared bit for bit; a disagreement
+    /// is settled here (the expert computed locally, the wrong holder dropped). Spot-checks
+    /// apply on top. With one holder left, a call goes to it alone.
+    Dual,
+}
+
+impl std::str::FromStr for VerifyExec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "single" => Ok(Self::Single),
+            "dual" => Ok(Self::Dual),
+            _ => Err(format!("{s:?} is not one of single, dual")),
+        }
+    }
+}
+
+impl std::fmt::Display for VerifyExec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Single => "single",
+            Self::Dual => "dual",
+        })
+    }
+}
+
 /// The resolved remote-execution options.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RemoteConfig {
@@ -124,6 +157,8 @@ pub struct RemoteConfig {
     /// `--spot-check-inline`: a checked answer holds its step back until the check ends,
     /// also where the generation could roll back instead.
     pub inline: bool,
+    /// `--verify-exec`.
+    pub verify: VerifyExec,
 }
 
 impl Default for RemoteConfig {
@@ -132,6 +167,7 @@ impl Default for RemoteConfig {
             mode: RemoteExec::Auto,
             spot_check: 0.05,
             inline: false,
+            verify: VerifyExec::Single,
         }
     }
 }
@@ -244,6 +280,10 @@ pub struct RemoteStats {
     pub spot_check_failures: u64,
     /// Spot-checks made in the background (of `spot_checks`, once they end).
     pub deferred_checks: u64,
+    /// Calls answered by two holders whose rows were compared (`--verify-exec dual`).
+    pub dual_calls: u64,
+    /// Of those, the ones whose two answers differed (settled here).
+    pub dual_disagreements: u64,
 }
 
 /// The choice's state: each expert's heat, each peer's standing, the spot-check draw.
@@ -421,6 +461,35 @@ impl RemotePolicy {
         }
     }
 
+    /// With `--verify-exec dual`, the holder to ask beside `first` (which [`choose`](Self::choose)
+    /// gave): the cheapest other usable one, if any.
+    pub fn second(
+        &self,
+        now: Instant,
+        first: usize,
+        w: &Want,
+        hidden: usize,
+        holders: &[Holder],
+    ) -> Option<usize> {
+        if self.cfg.verify != VerifyExec::Dual {
+            return None;
+        }
+        holders
+            .iter()
+            .filter(|h| h.peer != first && self.usable(h.peer, now))
+            .map(|h| (h.peer, self.call_cost(now, h, w.positions, hidden)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(peer, _)| peer)
+    }
+
+    /// Two holders answered one call (`--verify-exec dual`); `agreed`: bit for bit.
+    pub fn compared(&mut self, agreed: bool) {
+        self.stats.dual_calls += 1;
+        if !agreed {
+            self.stats.dual_disagreements += 1;
+        }
+    }
+
     /// A call to `peer` was chosen: it counts as in flight from now on, so the rest of the
     /// block's choices see it (call right after [`choose`](Self::choose) answered it).
     pub fn begin(&mut self, peer: usize) {
@@ -553,6 +622,7 @@ mod tests {
                 mode,
                 spot_check,
                 inline: false,
+                verify: VerifyExec::Single,
             },
             &[32; 24],
             7,

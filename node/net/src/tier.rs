@@ -65,7 +65,7 @@ mod exec_client;
 mod link;
 mod request;
 
-pub use exec_client::{ExecRequest, EXEC_IN_FLIGHT};
+pub use exec_client::{ExecLink, ExecRequest, EXEC_IN_FLIGHT};
 pub use request::{fetch_manifest, fetch_manifest_on, PeerLink};
 
 use std::fmt;

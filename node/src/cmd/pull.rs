@@ -218,11 +218,13 @@ fn pull_experts(
                     limit: u64::MAX.into(),
                 }),
                 peers_first: false,
+                exec_trust: Default::default(),
                 // A pull computes nothing.
                 remote: net::remote_policy::RemoteConfig {
                     mode: net::remote_policy::RemoteExec::Never,
                     spot_check: 0.0,
                     inline: false,
+                    verify: Default::default(),
                 },
             },
             listen: None,

@@ -32,6 +32,19 @@ pub struct ExecRequest {
     pub rows: Vec<f32>,
 }
 
+/// A holder of an expert that remote execution may call ([`PeerTier::exec_links`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ExecLink {
+    /// The peer's key.
+    pub key: PublicKey,
+    /// Its connection's round trip (`None`: not measured yet).
+    pub rtt: Option<Duration>,
+    /// Its measured throughput, bytes a second (`None`: not measured yet).
+    pub rate: Option<f64>,
+    /// It presented a membership of this node's swarm.
+    pub member: bool,
+}
+
 /// [`PeerTier::exec`] on `inner`.
 async fn exec_at(
     inner: &Arc<Inner>,
@@ -195,16 +208,20 @@ impl PeerTier {
             .collect()
     }
 
-    /// [`Self::exec_holders`] with each one's measured link: round trip and throughput
-    /// (`None`: not measured yet), for remote execution's choice.
-    pub fn exec_links(&self, id: ExpertId) -> Vec<(PublicKey, Option<Duration>, Option<f64>)> {
+    /// [`Self::exec_holders`] with each one's measured link, for remote execution's choice.
+    pub fn exec_links(&self, id: ExpertId) -> Vec<ExecLink> {
         let now = Instant::now();
         self.inner
             .peers()
             .iter()
             .filter_map(|p| {
                 let s = p.state();
-                (s.usable() && s.holds(id) && !s.suspect(now)).then(|| (p.addr.key, s.rtt, s.rate))
+                (s.usable() && s.holds(id) && !s.suspect(now)).then(|| ExecLink {
+                    key: p.addr.key,
+                    rtt: s.rtt,
+                    rate: s.rate,
+                    member: s.member,
+                })
             })
             .collect()
     }

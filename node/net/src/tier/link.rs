@@ -63,6 +63,8 @@ pub(crate) struct Dialer {
     me: NodeId,
     model: Hash,
     cfg: PeerConfig,
+    /// The swarm this node is a member of, if any.
+    swarm: Option<stormo_manifests::PublicKey>,
 }
 
 impl Dialer {
@@ -72,6 +74,7 @@ impl Dialer {
             me: inner.me,
             model: inner.model,
             cfg: inner.cfg,
+            swarm: inner.membership.as_ref().map(|m| m.swarm),
         }
     }
 
@@ -577,11 +580,28 @@ fn install(
         s.inventory = inv;
         s.offer = None;
         s.rtt = Some(l.conn.rtt());
+        s.member = member_of(dialer.swarm.as_ref(), &peer.addr.key, &l.conn);
         s.connected(Instant::now());
     }
     tokio::spawn(control.follow(peer.clone(), dialer.model, l.replaced.clone()));
     Liveness::watch(&l, peer, dialer.clone());
     l
+}
+
+/// Whether the peer that proved `key` on `conn` is a member of `swarm` (this node's, if any):
+/// its certificate carries a membership of that swarm, signed, for its key, valid now.
+fn member_of(
+    swarm: Option<&stormo_manifests::PublicKey>,
+    key: &stormo_manifests::PublicKey,
+    conn: &quinn::Connection,
+) -> bool {
+    let (Some(swarm), Some(m)) = (swarm, crate::tls::peer_membership(conn)) else {
+        return false;
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    m.verify(swarm, key, now, &Default::default()).is_ok()
 }
 
 /// Whether `conn` was lost: closed by the peer or the network (a reset, an idle timeout),
