@@ -636,3 +636,138 @@ fn dual_execution_compares_two_holders_and_settles_a_disagreement_here() {
     assert!(num(&j, "dual_disagreements") >= 1, "{j}");
     assert!(execs(&liar) > 2, "the liar was not asked: {j}");
 }
+
+/// Issue 58 (2) in batched `serve --http`: two raw completions at once (greedy), on a
+/// synthetic GPT-OSS with the real vocabulary, from a folder pulled without experts whose one
+/// peer computes every expert and lies on every call from a quarter or half of the calls on:
+/// the texts are those of a server holding the model, at the default spot-check share. The
+/// control: at `--spot-check 0` the lies change them.
+#[test]
+fn a_liar_caught_late_changes_no_batched_completion() {
+    let model = crate::http::synth_model();
+    let dir = model.path();
+    let m = build(dir, &BuildOptions::default()).expect("manifest builds");
+    std::fs::write(dir.join("stormo-manifest.bin"), m.encode()).expect("write manifest");
+    let id = m.model_id().to_string();
+    let states: Vec<_> = (0..8).map(|_| state()).collect();
+    let st = |i: usize| s(states[i].path());
+    let server = Proc::start(&[
+        "serve",
+        "--model",
+        s(dir),
+        "--listen",
+        "127.0.0.1:0",
+        "--allow-any",
+        "--state-dir",
+        st(0),
+    ]);
+    // The client's folder: the dense weights only, so every expert comes from the peer.
+    let dense = tempfile::tempdir().expect("dense dir");
+    stormo(&[
+        "pull",
+        "--peer",
+        &server.line,
+        "--model-id",
+        &id,
+        "--out",
+        s(dense.path()),
+        "--state-dir",
+        st(1),
+    ]);
+    drop(server);
+    // Two completions sent at once (batched), greedy: their texts.
+    let texts = |api: &Proc| -> Vec<String> {
+        let addr: std::net::SocketAddr = api
+            .line
+            .trim()
+            .strip_prefix("http://")
+            .and_then(|a| a.strip_suffix("/v1"))
+            .unwrap_or_else(|| panic!("a URL: {}", api.line))
+            .parse()
+            .expect("an address");
+        let ask = |prompt: &'static str| {
+            std::thread::spawn(move || {
+                let body = serde_json::json!({
+                    "prompt": prompt, "max_tokens": 12, "temperature": 0
+                });
+                let (code, v) = crate::http::post(addr, "/v1/completions", &body);
+                assert_eq!(code, 200, "{v}");
+                v["choices"][0]["text"].as_str().expect("text").to_string()
+            })
+        };
+        let (a, b) = (ask("Tell me about the sea."), ask("And the mountains?"));
+        vec![a.join().expect("a"), b.join().expect("b")]
+    };
+    let local = Proc::start(&[
+        "serve",
+        "--model",
+        s(dir),
+        "--http",
+        "127.0.0.1:0",
+        "--state-dir",
+        st(2),
+    ]);
+    let want = texts(&local);
+    drop(local);
+    assert!(want.iter().all(|t| !t.is_empty()), "{want:?}");
+    let api = |peer: &str, spot: &'static str, i: usize| {
+        Proc::start(&[
+            "serve",
+            "--model",
+            s(dense.path()),
+            "--http",
+            "127.0.0.1:0",
+            "--parallel",
+            "2",
+            "--expert-cache",
+            "0",
+            "--no-keep",
+            "--model-id",
+            &id,
+            "--peer",
+            peer,
+            "--exec-trust",
+            "any",
+            "--remote-exec",
+            "always",
+            "--spot-check",
+            spot,
+            "--state-dir",
+            st(i),
+        ])
+    };
+    let counter = HostilePeer::start_exec(205, dir, Arc::new(|_, _| ExecAnswer::Honest));
+    let honest = api(&line(&counter), "0", 3);
+    assert_eq!(texts(&honest), want, "an honest peer");
+    drop(honest);
+    let total = execs(&counter);
+    drop(counter);
+    assert!(total >= 8, "{total} calls");
+    for (k, from) in [total / 4, total / 2].into_iter().enumerate() {
+        let liar = |seed| {
+            let count = Arc::new(AtomicUsize::new(0));
+            HostilePeer::start_exec(
+                seed,
+                dir,
+                Arc::new(move |_, _| {
+                    if count.fetch_add(1, Ordering::Relaxed) >= from {
+                        ExecAnswer::Perturb(100.0)
+                    } else {
+                        ExecAnswer::Honest
+                    }
+                }),
+            )
+        };
+        let control = liar(206);
+        let c = api(&line(&control), "0", 4 + 2 * k);
+        assert_ne!(
+            texts(&c),
+            want,
+            "from {from} of {total}: lies that change nothing test nothing"
+        );
+        drop(c);
+        let caught = liar(207);
+        let c = api(&line(&caught), "0.05", 5 + 2 * k);
+        assert_eq!(texts(&c), want, "from {from} of {total}");
+    }
+}
