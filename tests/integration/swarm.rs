@@ -86,7 +86,7 @@ fn the_fault_matrix_against_real_processes_ends_as_expected() {
         .unwrap_or_else(|e| panic!("sim --json is not JSON ({e}); stderr: {err}"));
     let rows = v["rows"].as_array().expect("rows");
     let cases: Vec<&str> = rows.iter().filter_map(|r| r["case"].as_str()).collect();
-    assert_eq!(rows.len(), 6, "{cases:?}");
+    assert_eq!(rows.len(), 10, "{cases:?}");
     for r in rows {
         assert_eq!(r["ok"], true, "{r}\nstderr: {err}");
         let want = if r["expect"] == "exact" {

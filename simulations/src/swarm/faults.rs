@@ -8,8 +8,13 @@
 //! - a holder killed (SIGKILL) while it sends, another holder left;
 //! - a holder stopped (SIGSTOP) while it sends and resumed 3 s later, another holder left;
 //! - the only holder killed while it sends and restarted on the same port a second later;
+//! - a holder stopped for good (SIGSTOP, never resumed during the run) while it sends,
+//!   another holder left: fetching, and executing remotely (`--remote-exec always`);
 //! - a holder that serves corrupt bytes (a copy of the model with a byte of every expert
 //!   flipped) ahead of an honest one;
+//! - the same corrupt holder asked to *execute* experts (`--remote-exec always --spot-check
+//!   0`, the liar of issue 58): beside an honest holder (exact), and alone (it runs none of
+//!   its corrupt experts and serves none of their bytes: a clear error);
 //! - the only holder does not admit the client's key;
 //! - a holder at `--expert-cache 0` under several concurrent clients.
 //!
@@ -123,6 +128,8 @@ struct Bench<'a> {
     one_expert: u64,
     /// The client's `stormo run` arguments without its peers.
     client: Vec<String>,
+    /// More arguments for the current case.
+    extra: Vec<String>,
 }
 
 /// A fault injected while a run goes on, once the victim has sent `after` bytes.
@@ -148,6 +155,7 @@ impl Bench<'_> {
     fn args(&self, peers: &[usize]) -> Vec<String> {
         let mut a = self.client.clone();
         a.extend(self.c.peer_args(peers.iter().copied()));
+        a.extend(self.extra.iter().cloned());
         a
     }
 
@@ -377,6 +385,7 @@ pub fn run_faults(
         local,
         one_expert,
         client,
+        extra: Vec::new(),
     };
     let mut rows = Vec::new();
     let mut done = |row: FaultRow, log: &mut dyn FnMut(&str)| {
@@ -408,6 +417,32 @@ pub fn run_faults(
         b.clear();
     }
 
+    // Hung for good: stopped and never resumed while the run lasts (resumed after it).
+    let exec = ["--remote-exec", "always", "--exec-trust", "any"].map(String::from);
+    for (name, case, extra) in [
+        (
+            "hung",
+            "holder stopped for good while sending, another left",
+            &[][..],
+        ),
+        (
+            "hung-exec",
+            "holder stopped for good while executing (--remote-exec always), another left",
+            &exec[..],
+        ),
+    ] {
+        log(case);
+        b.extra = extra.to_vec();
+        let victim = b.node(Bench::all())?;
+        let other = b.node(Bench::all())?;
+        let t = Instant::now();
+        let forever = Fault::Stop(Duration::from_secs(24 * 3600));
+        let (r, ev) = b.run_with_fault(name, &[victim, other], victim, forever)?;
+        done(b.judge(case, Expect::Exact, vec![r], t, None, ev), log);
+        b.extra.clear();
+        b.clear();
+    }
+
     let case = "sole holder killed while sending, restarted on the same port 1 s later";
     log(case);
     let sole = b.node(Bench::all())?;
@@ -426,7 +461,7 @@ pub fn run_faults(
     let bad_model = work.join("corrupt-model");
     corrupt_copy(&opts.model, &bad_model)?;
     let liar = b.node(NodeSpec {
-        model: Some(bad_model),
+        model: Some(bad_model.clone()),
         ..NodeSpec::default()
     })?;
     let honest = b.node(Bench::all())?;
@@ -439,6 +474,38 @@ pub fn run_faults(
         log,
     );
     b.clear();
+
+    // The liar of issue 58: the corrupt holder asked to compute, with no spot-check after
+    // its first answer. It checks each expert against the manifest before it runs it.
+    b.extra = exec.to_vec();
+    b.extra.extend(["--spot-check".into(), "0".into()]);
+    for (name, alone) in [("corrupt-exec", false), ("corrupt-exec-alone", true)] {
+        let case = if alone {
+            "a corrupt holder asked to execute (--spot-check 0), alone"
+        } else {
+            "a corrupt holder asked to execute (--spot-check 0), beside an honest one"
+        };
+        log(case);
+        let liar = b.node(NodeSpec {
+            model: Some(bad_model.clone()),
+            ..NodeSpec::default()
+        })?;
+        let peers = if alone {
+            vec![liar]
+        } else {
+            vec![liar, b.node(Bench::all())?]
+        };
+        let t = Instant::now();
+        let r = b.c.spawn_run(name, &b.args(&peers))?.wait(opts.timeout);
+        let (expect, blame) = if alone {
+            (Expect::ClearError, Some(liar))
+        } else {
+            (Expect::Exact, None)
+        };
+        done(b.judge(case, expect, vec![r], t, blame, Vec::new()), log);
+        b.clear();
+    }
+    b.extra.clear();
 
     let case = "the only holder does not admit the client's key";
     log(case);
