@@ -240,15 +240,25 @@ impl PeerView {
 
     /// Notes at `now` that a request (a fetch's, an exec call's) was sent on its connection.
     pub fn request_sent(&mut self, now: Instant) {
-        if self.owed().is_none() {
+        if self.sent_unheard().is_none() {
             self.owed_since = Some(now);
         }
     }
 
     /// The oldest request sent since the connection last heard anything.
-    fn owed(&self) -> Option<Instant> {
+    fn sent_unheard(&self) -> Option<Instant> {
         self.owed_since
             .filter(|&o| self.heard.is_none_or(|h| h < o))
+    }
+
+    /// Since when the connection owes a datagram: from the oldest request sent since it last
+    /// heard anything, or, while a fetch is in flight at the peer (its answer streaming or
+    /// about to), from the last datagram heard: a live peer sending an answer keeps sending,
+    /// so a fetch whose answer stalls mid-stream owes too (else a peer that died mid-answer
+    /// went unnoticed until [`SILENT_CONNECTION`]).
+    fn owed(&self) -> Option<Instant> {
+        let streaming = self.heard.filter(|_| self.in_flight > 0);
+        self.sent_unheard().or(streaming)
     }
 
     /// How long, at `now`, its connection has heard nothing since a request was sent on it
@@ -804,6 +814,34 @@ impl LoadClock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A fetch whose answer stalls mid-stream owes data from the last datagram heard (the
+    /// peer was sending), so it turns suspect once that is longer than its latency explains;
+    /// with nothing in flight, a connection heard from after its last request owes nothing.
+    #[test]
+    fn a_fetch_stalled_mid_stream_owes_from_the_last_datagram() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let mut v = PeerView {
+            rtt: Some(Duration::from_millis(1)),
+            ..PeerView::default()
+        };
+        v.connected(t0);
+        v.request_sent(ms(10));
+        v.in_flight = 1;
+        // Answer bytes arrive until 100 ms, then nothing.
+        v.heard = Some(ms(100));
+        assert_eq!(v.unanswered(ms(500)), Some(Duration::from_millis(400)));
+        assert!(!v.suspect(ms(800)));
+        assert!(v.suspect(ms(860)), "754 ms after the last datagram");
+        // The fetch ended (or was cancelled): nothing is owed.
+        v.in_flight = 0;
+        assert_eq!(v.unanswered(ms(900)), None);
+        // A new request owes from its own send, not from the last datagram.
+        v.request_sent(ms(1000));
+        v.in_flight = 1;
+        assert_eq!(v.unanswered(ms(1100)), Some(Duration::from_millis(100)));
+    }
 
     fn id(layer: u16, expert: u16) -> ExpertId {
         ExpertId { layer, expert }
