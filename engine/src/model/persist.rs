@@ -242,7 +242,7 @@ impl Session {
         r: &mut dyn Read,
         max_context: usize,
         rewind: usize,
-    ) -> Result<(Session, Vec<u8>)> {
+    ) -> Result<(Self, Vec<u8>)> {
         let mut input = Checking {
             inner: r,
             hash: blake3::Hasher::new(),
