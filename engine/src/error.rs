@@ -91,6 +91,17 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A forward stopped because the session's stop flag was raised
+    /// ([`crate::Session::set_stop`]).
+    #[error("stopped (the session's stop flag was raised)")]
+    Stopped,
+    /// A saved session ([`crate::Session::load_from`]) cannot be used: not a session file,
+    /// another version, truncated, corrupt, or made with another model or other settings.
+    #[error("{reason}")]
+    SessionFile {
+        /// What is wrong, in words.
+        reason: String,
+    },
     /// An expert could not be obtained from any tier.
     #[error("expert {expert} of layer {layer}: {reason}")]
     Expert {

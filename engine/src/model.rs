@@ -15,7 +15,8 @@
 //! the same bits per position again.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use crate::config::{Family, ModelConfig};
 use crate::error::{Error, Result};
@@ -34,9 +35,11 @@ use crate::tiers::{self, disk::DiskFile, DiskTier};
 
 mod batch;
 mod head;
+mod persist;
 pub use batch::{Batch, Seq, Want};
 pub use head::{Choice, ScreenStats};
 use head::{HeadScreen, ScreenScratch};
+pub use persist::SESSION_FILE_VERSION;
 
 #[derive(Clone, Copy, Debug)]
 struct MatSpec {
@@ -322,6 +325,8 @@ pub struct Model {
     /// Per checkpoint file, the end of its last tensor that is not an expert's: the bytes a
     /// step may read through the mapping besides experts (norms, biases, the head).
     dense_ends: Vec<usize>,
+    /// [`Model::identity`], computed once when first asked for.
+    identity: OnceLock<[u8; 32]>,
 }
 
 /// Receives intermediate values of a forward (for tests and diagnostics).
@@ -509,6 +514,7 @@ impl Model {
             screen: None,
             copies: Vec::new(),
             dense_ends,
+            identity: OnceLock::new(),
         };
         if opts.int8_attn_head {
             model.quantize_attn_head()?;
@@ -757,6 +763,7 @@ impl Model {
             kv,
             s,
             logits: Vec::new(),
+            stop: None,
         })
     }
 
@@ -935,8 +942,14 @@ impl Model {
         // The attention's scores buffer is the session's own; taken out of its scratch for
         // the block (a move, no allocation) and put back whatever happens.
         let mut scores = std::mem::take(&mut s.scores);
+        let stop = sess.stop.clone();
         let layers = (|| {
             for (l, layer) in self.layers.iter().enumerate() {
+                // Between layers: nothing of the block is committed yet (the position moves
+                // only after the last layer), so a stop leaves the session where the block began.
+                if stop.as_ref().is_some_and(|f| f.load(Ordering::Relaxed)) {
+                    return Err(Error::Stopped);
+                }
                 let mut seq = [SeqRows {
                     kv: &mut sess.kv[l],
                     scores: &mut scores,
@@ -1357,7 +1370,8 @@ impl Scratch {
     }
 }
 
-/// A conversation's state: the KV cache and the position reached.
+/// A conversation's state: the KV cache and the position reached. It can be saved to a file
+/// and loaded back by another process ([`Session::save_to`], [`Session::load_from`]).
 #[derive(Debug)]
 pub struct Session {
     pos: usize,
@@ -1366,6 +1380,8 @@ pub struct Session {
     kv: Vec<LayerKv>,
     s: Scratch,
     logits: Vec<f32>,
+    /// [`Session::set_stop`].
+    stop: Option<Arc<AtomicBool>>,
 }
 
 impl Session {
@@ -1393,6 +1409,16 @@ impl Session {
     /// The most positions this session can hold.
     pub fn max_context(&self) -> usize {
         self.max_context
+    }
+
+    /// A flag that stops this session's forwards ([`Model::forward`],
+    /// [`Model::forward_greedy`], [`Model::forward_sample`]) while it is raised: checked
+    /// before each layer of each block, so a long prefill stops within one layer's time with
+    /// [`Error::Stopped`]. The blocks finished before stay in the cache (the position says how
+    /// far it got; [`Session::truncate`] goes back); the block it stopped in is not committed.
+    /// `None` (the default) never stops.
+    pub fn set_stop(&mut self, flag: Option<Arc<AtomicBool>>) {
+        self.stop = flag;
     }
     /// Forgets everything from position `pos` on, keeping the cache before it, and returns
     /// the number of positions actually kept. That is `pos` unless a sliding layer's ring has

@@ -704,3 +704,119 @@ fn model_paths_and_gpu_layers_are_errors_that_say_what_to_do() {
 fn s_of(p: &std::path::Path) -> String {
     p.to_str().expect("utf-8 path").to_string()
 }
+
+/// `chat --session FILE`: a chat of two turns in one process equals one turn, the process
+/// ended, and a second process resuming with --session for the second turn (the same replies,
+/// greedy and sampled with a seed); the second process says what it resumed and its first
+/// status line reports the cached positions reused. A file from another model, or a damaged
+/// one, is an error at start that names what is wrong, and the file is left as it was.
+#[test]
+fn a_chat_session_resumes_in_a_new_process_as_if_it_never_stopped() {
+    let model = crate::http::synth_model();
+    let d = model.path().to_str().expect("utf-8 path");
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let reused = |l: &str| -> usize {
+        l.split(", ")
+            .find_map(|p| p.strip_suffix(" reused from the cache"))
+            .and_then(|n| n.split_whitespace().last())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("a reuse count in {l}"))
+    };
+    for sampling in [
+        &["--temperature", "0"][..],
+        &["--temperature", "0.8", "--seed", "3"],
+    ] {
+        let file = tmp.path().join(format!("chat-{}.kv", sampling.len()));
+        let f = file.to_str().expect("utf-8 path");
+        let mut base = vec![
+            "--model",
+            d,
+            "-c",
+            "512",
+            "-n",
+            "64",
+            "--show-reasoning",
+            "show",
+            "--no-hot-store",
+        ];
+        base.extend_from_slice(sampling);
+        let ok = |out: &std::process::Output| {
+            let err = String::from_utf8_lossy(&out.stderr).into_owned();
+            assert!(out.status.success(), "{err}");
+            (String::from_utf8_lossy(&out.stdout).into_owned(), err)
+        };
+        let (whole, whole_err) = ok(&chat_piped(&base, "Hello there\nAnd again?\n", tmp.path()));
+        let with_session = [&base[..], &["--session", f]].concat();
+        let (first, err1) = ok(&chat_piped(&with_session, "Hello there\n", tmp.path()));
+        assert!(err1.contains("(new session: saved to"), "{err1}");
+        assert!(file.exists(), "{err1}");
+        let (second, err2) = ok(&chat_piped(&with_session, "And again?\n", tmp.path()));
+        assert!(err2.contains("(resumed"), "{err2}");
+        // (A random-weight model's replies show as text once past Harmony's header.)
+        assert!(
+            !first.trim().is_empty() && !second.trim().is_empty(),
+            "both replies have text: {first:?} {second:?}"
+        );
+        assert_eq!(
+            first + &second,
+            whole,
+            "{sampling:?}: {whole_err}\n{err1}\n{err2}"
+        );
+        let stats = |e: &str| -> Vec<String> {
+            e.lines()
+                .filter(|l| l.starts_with("[prompt"))
+                .map(str::to_string)
+                .collect()
+        };
+        let (whole_stats, resumed_stats) = (stats(&whole_err), stats(&err2));
+        assert_eq!(resumed_stats.len(), 1, "{err2}");
+        assert!(reused(&resumed_stats[0]) > 0, "{err2}");
+        assert_eq!(
+            reused(&resumed_stats[0]),
+            reused(&whole_stats[1]),
+            "the resumed turn reuses what the uninterrupted one did: {whole_err}\n{err2}"
+        );
+    }
+
+    // Damaged or foreign files: clear errors at start, the file untouched.
+    let file = tmp.path().join("chat-2.kv");
+    let f = file.to_str().expect("utf-8 path");
+    let good = std::fs::read(&file).expect("the session file");
+    let with_context = |c: &'static str| ["--model", d, "-c", c, "--no-hot-store", "--session", f];
+    let base = with_context("512");
+    let refused = |args: &[&str], want: &str| {
+        let out = chat_piped(args, "Hello\n", tmp.path());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {err}");
+        assert!(err.contains("cannot resume the chat from"), "{err}");
+        assert!(err.contains(want), "{args:?}: wanted {want:?} in {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    };
+    std::fs::write(&file, &good[..good.len() / 2]).expect("truncate");
+    refused(&base, "the file is truncated");
+    let mut flipped = good.clone();
+    flipped[20] ^= 1;
+    std::fs::write(&file, &flipped).expect("corrupt");
+    refused(&base, "the header is corrupt");
+    std::fs::write(&file, &good).expect("restore");
+    refused(
+        &with_context("256"),
+        "saved with a context of 512 positions",
+    );
+    // The same shape, other weights.
+    let other = tempfile::tempdir().expect("temp dir");
+    let o = other.path().to_str().expect("utf-8 path");
+    let mut args = vec!["--layers", "2", "--top-k", "2", "--seed", "6", "--out", o];
+    args.extend_from_slice(crate::demo::SMALL_SHAPE);
+    crate::demo::synth(&args).expect("stormo synth writes the model");
+    std::fs::copy(
+        fixture("o200k-harmony").join("tokenizer.json"),
+        other.path().join("tokenizer.json"),
+    )
+    .expect("copy tokenizer.json");
+    refused(
+        &["--model", o, "-c", "512", "--no-hot-store", "--session", f],
+        "saved with another model",
+    );
+    assert_eq!(std::fs::read(&file).expect("the file"), good);
+}

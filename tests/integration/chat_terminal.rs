@@ -263,3 +263,92 @@ fn chat_on_a_terminal_recalls_history_and_ctrl_c_stops_a_reply() {
     t.keys(&["/quit", "Enter"]);
     t.wait("the chat to exit", |s| s.contains("CHAT-EXITED 0"));
 }
+
+/// Ctrl-C while a long prompt is computed (a loaded conversation of about 25,000 tokens)
+/// stops it within a fraction of a second: the turn ends with a note, the message is dropped
+/// (the conversation is as before it) and the chat goes on.
+#[test]
+fn ctrl_c_stops_a_long_prompt_and_the_chat_goes_on() {
+    let have = Command::new("tmux")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        have,
+        "tmux is needed to drive chat on a terminal (apt-get install tmux; .ci/run installs it)"
+    );
+    let model = crate::http::synth_model();
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let long = tmp.path().join("long.json");
+    let words: Vec<String> = (0..9000).map(|i| format!("word{i}")).collect();
+    let v = serde_json::json!({"format": "stormo-chat", "version": 1, "messages": [
+        {"role": "user", "content": words.join(" ")},
+        {"role": "assistant", "content": "Noted."},
+    ]});
+    std::fs::write(&long, v.to_string()).expect("write the long chat");
+    let q = |p: &std::path::Path| format!("'{}'", p.display());
+    let command = format!(
+        "env XDG_STATE_HOME={} XDG_CACHE_HOME={} {} chat --model {} --context 32768 \
+         --max-new-tokens 16 --temperature 0 --no-hot-store --no-history; echo CHAT-EXITED $?; \
+         sleep 60",
+        q(tmp.path()),
+        q(tmp.path()),
+        q(&crate::demo::stormo_exe()),
+        q(model.path())
+    );
+    let t = Tmux {
+        socket: format!("stormo-test-prefill-{}", std::process::id()),
+    };
+    let o = t.cmd(&[
+        "new-session",
+        "-d",
+        "-s",
+        "chat",
+        "-x",
+        "200",
+        "-y",
+        "50",
+        &command,
+    ]);
+    assert!(
+        o.status.success(),
+        "tmux: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    t.wait("the banner", |s| s.contains("stormo chat with"));
+    t.keys(&[&format!("/load {}", long.display()), "Enter"]);
+    t.wait("the load note", |s| s.contains("(loaded 2 messages from"));
+    t.keys(&["Go on.", "Enter"]);
+    // Well into the prompt (it takes seconds), with nothing shown yet.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert!(!t.screen().contains("[prompt"), "{}", t.screen());
+    t.keys(&["C-c"]);
+    let sent = std::time::Instant::now();
+    let s = t.wait("the stopped prompt's note", |s| {
+        s.contains("(stopped while reading the prompt")
+    });
+    let took = sent.elapsed();
+    assert!(s.contains("the message is dropped"), "{s}");
+    assert!(!s.contains("[prompt"), "no reply: {s}");
+    // 0.5 s on an idle machine (a layer of this model takes milliseconds); the bound leaves
+    // room for a loaded one and for tmux's polling.
+    assert!(
+        took < std::time::Duration::from_millis(1500),
+        "Ctrl-C took {took:?} to stop the prompt:\n{s}"
+    );
+    eprintln!("Ctrl-C stopped the prompt in {took:?}");
+    t.wait("the next prompt", |s| last_line(s) == ">");
+    // The conversation is the loaded one; the chat goes on.
+    let saved = tmp.path().join("after.json");
+    t.keys(&[&format!("/save {}", saved.display()), "Enter"]);
+    t.wait("the save note", |s| s.contains("(saved 2 messages to"));
+    t.wait("the next prompt", |s| last_line(s) == ">");
+    t.keys(&["/reset", "Enter"]);
+    t.wait("the reset note", |s| s.contains("(conversation reset)"));
+    t.wait("the next prompt", |s| last_line(s) == ">");
+    t.keys(&["Hello", "Enter"]);
+    t.wait("a reply's stats line", |s| s.contains("[prompt"));
+    t.wait("the next prompt", |s| last_line(s) == ">");
+    t.keys(&["/quit", "Enter"]);
+    t.wait("the chat to exit", |s| s.contains("CHAT-EXITED 0"));
+}

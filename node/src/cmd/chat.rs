@@ -7,9 +7,12 @@
 //! unless `--no-context-shift`. On a terminal it reads messages through a
 //! line editor (history, multi-line, Ctrl-C stops a reply: [`crate::cmd::chat::editor`]); from a
 //! pipe it reads one line per turn (`printf 'hi\nmore\n' | stormo chat --model DIR`).
-//! `/save` and `/load` keep conversations in JSON files ([`stormo_text::transcript`]).
+//! `/save` and `/load` keep conversations in JSON files ([`stormo_text::transcript`]);
+//! `--session FILE` keeps the conversation with its KV cache and resumes it in the next
+//! process ([`persist`]). Ctrl-C during a long prompt stops it between layers.
 
 pub mod editor;
+pub mod persist;
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::ops::ControlFlow;
@@ -198,7 +201,8 @@ impl Printer {
                   Up/Down recall earlier messages (kept across sessions in the state \
                   directory), a line ending in \\ continues on the next, a paste keeps its \
                   lines in one message, and Ctrl-C stops a reply (the conversation keeps it; \
-                  the next message continues it). A conversation that fills --context drops \
+                  the next message continues it) or, while the prompt is read, the turn (the \
+                  message is dropped). A conversation that fills --context drops \
                   its oldest turns (the system prompt kept; the status line says how many) \
                   unless --no-context-shift. Sampling defaults come from the model's \
                   generation_config.json. Commands:\n  \
@@ -208,6 +212,8 @@ impl Printer {
                   /quit        leave (also /exit, Ctrl-D, or end of input)\n  \
                   /help        this list\n\n\
                   Example: printf 'Hello\\nAnd again?\\n' | stormo chat --model DIR\n\n\
+                  Resumable: stormo chat --model DIR --session chat.kv (saved after every \
+                  turn; run it again to go on where it left off, the cache reused).\n\n\
                   A model bigger than this machine, its experts on a LAN node (`stormo serve \
                   --help`):\n  \
                   stormo pull --peer KEY@HOST:4433 --model-id ID --out ~/m   # dense weights\n  \
@@ -260,6 +266,13 @@ pub struct Args {
     /// Keep no history file (the Up arrow still recalls this session's messages).
     #[arg(long)]
     pub no_history: bool,
+    /// Keep the conversation and its KV cache in FILE: saved after every turn (atomically),
+    /// and resumed when FILE exists, the cache reused (about 2·layers·kv_dim·4 bytes per
+    /// position: 96 KiB for gpt-oss-20b). Give the same model, --context and sampling
+    /// options; a file from another model or settings, or a damaged one, is an error that
+    /// names what differs, and the file is left untouched.
+    #[arg(long, value_name = "FILE")]
+    pub session: Option<PathBuf>,
     /// Where experts come from.
     #[command(flatten)]
     pub experts: ExpertArgs,
@@ -580,6 +593,8 @@ struct Conversation<'a> {
     start: usize,
     turn_no: u64,
     interactive: bool,
+    /// Resumed from --session's file.
+    resumed: bool,
 }
 
 impl<'a> Conversation<'a> {
@@ -608,24 +623,84 @@ impl<'a> Conversation<'a> {
                 ""
             }
         );
-        let sess = ChatSession::new(tm.model.clone(), a.context)?;
         let mut turns = Vec::new();
         if let Some(s) = &a.system {
             turns.push(Turn::new(TurnRole::System, s.clone()));
         }
+        let resumed = a.session.as_deref().filter(|p| p.exists()).is_some();
+        let r = match a.session.as_deref().filter(|_| resumed) {
+            Some(path) => persist::resume(tm.model.clone(), a.context, path)?,
+            None => persist::Resumed {
+                sess: ChatSession::new(tm.model.clone(), a.context)?,
+                system_turns: turns.len(),
+                start: turns.len(),
+                turns,
+                turn_no: 0,
+            },
+        };
         Ok(Self {
             a,
             tm,
             popts,
             sampling,
-            sess,
+            sess: r.sess,
             printer: Printer::new(a.render.show_reasoning, tty),
-            system_turns: turns.len(),
-            start: turns.len(),
-            turns,
-            turn_no: 0,
+            system_turns: r.system_turns,
+            start: r.start,
+            turns: r.turns,
+            turn_no: r.turn_no,
             interactive,
+            resumed,
         })
+    }
+
+    /// With --session: a note on what was resumed, or that the file will be made.
+    fn session_note(&self, notes: &mut dyn Write) -> std::io::Result<()> {
+        let Some(path) = &self.a.session else {
+            return Ok(());
+        };
+        if self.resumed {
+            writeln!(
+                notes,
+                "(resumed {}: {} messages, {} positions of KV cache to reuse)",
+                path.display(),
+                self.turns.len(),
+                self.sess.cached().len()
+            )?;
+            if self.a.system.is_some() {
+                writeln!(
+                    notes,
+                    "(--system is ignored: the resumed conversation keeps its own)"
+                )?;
+            }
+        } else {
+            writeln!(
+                notes,
+                "(new session: saved to {} after every turn)",
+                path.display()
+            )?;
+        }
+        Ok(())
+    }
+
+    /// With --session: saves the conversation and its cache; a failure is a note.
+    fn save_session(&self, notes: &mut dyn Write) -> std::io::Result<()> {
+        let Some(path) = &self.a.session else {
+            return Ok(());
+        };
+        let saved = persist::save(
+            path,
+            &self.sess,
+            &self.tm.name,
+            &self.turns,
+            self.system_turns,
+            self.start,
+            self.turn_no,
+        );
+        if let Err(e) = saved {
+            writeln!(notes, "cannot save the session: {e:#}")?;
+        }
+        Ok(())
     }
 
     fn banner(&self, notes: &mut dyn Write) -> std::io::Result<()> {
@@ -666,6 +741,7 @@ impl<'a> Conversation<'a> {
                     self.turns = turns;
                     self.system_turns = 0;
                     self.start = 0;
+                    self.save_session(notes)?;
                 }
                 Err(e) => writeln!(
                     notes,
@@ -682,6 +758,7 @@ impl<'a> Conversation<'a> {
                 self.start = self.system_turns;
                 self.sess.reset();
                 writeln!(notes, "(conversation reset)")?;
+                self.save_session(notes)?;
                 return Ok(Flow::Continue);
             }
             "/help" | "/?" => {
@@ -702,6 +779,7 @@ impl<'a> Conversation<'a> {
             _ => {}
         }
         self.message(text, out, notes, interrupt)?;
+        self.save_session(notes)?;
         Ok(Flow::Continue)
     }
 
@@ -750,6 +828,8 @@ impl<'a> Conversation<'a> {
             }
             return Ok(());
         }
+        // As it was before the turn, for a turn stopped in its prompt.
+        let (start_before, turn_no_before) = (self.start, self.turn_no);
         self.start = w.start;
         let prompt = w.prompt;
         // Turns and tokens the context shifts dropped for this reply (before it and during).
@@ -797,6 +877,18 @@ impl<'a> Conversation<'a> {
             interrupt,
             &mut refit,
         )?;
+        if g.finish == FinishReason::Cancelled && g.ids.is_empty() {
+            // Ctrl-C while the prompt was computed: the turn never happened.
+            self.turns.pop();
+            (self.start, self.turn_no) = (start_before, turn_no_before);
+            writeln!(
+                notes,
+                "(stopped while reading the prompt, after {:.1} s: the message is dropped, the \
+                 conversation is as before it)",
+                g.prefill_s
+            )?;
+            return Ok(());
+        }
         let Reply {
             reasoning, content, ..
         } = so_far;
@@ -855,7 +947,8 @@ impl<'a> Conversation<'a> {
 
 /// The commands, for /help.
 const COMMANDS: &str = "/reset forgets the conversation; /save FILE and /load FILE keep and \
-                        restore it (JSON); /quit leaves; anything else is a message.";
+                        restore it (JSON; --session FILE keeps it with its KV cache); /quit \
+                        leaves; anything else is a message.";
 
 /// The conversation loop: reads turns from `input` (one line each), writes replies to `out`
 /// and notes (prompts, statistics, command answers) to `notes`. `interactive` shows a prompt
@@ -874,6 +967,7 @@ pub fn converse(
     if interactive {
         c.banner(notes)?;
     }
+    c.session_note(notes)?;
     // Lines as bytes: one that is not UTF-8 is skipped with a note, not the end of the chat.
     let mut lines = input.split(b'\n');
     let mut line_no = 0usize;
@@ -922,10 +1016,14 @@ pub fn converse_terminal(
     };
     let mut ed = editor::LineEditor::new(history)?;
     let interrupt = editor::Interrupt::install()?;
+    // Ctrl-C also stops a prompt being computed, between layers.
+    c.sess.set_interrupt(Some(interrupt.shared()));
     c.banner(notes)?;
+    c.session_note(notes)?;
     writeln!(
         notes,
-        "End a line with \\ to continue the message on the next; Ctrl-C stops a reply."
+        "End a line with \\ to continue the message on the next; Ctrl-C stops a reply (or a \
+         long prompt)."
     )?;
     loop {
         let line = match ed.read("> ")? {

@@ -13,9 +13,17 @@
 //! next turn's render decides whether it belongs in the cache (a `<|return|>` does not); if
 //! it does, the longest common prefix leaves it to be computed with the rest of the new turn.
 //!
-//! A prompt that does not fit the context is refused before the cache is touched.
+//! A prompt that does not fit the context is refused before the cache is touched. A prompt
+//! stopped by the session's interrupt flag ([`ChatSession::set_interrupt`], Ctrl-C in `stormo
+//! chat`) ends the turn with no reply and the cache as it was before the turn. A session
+//! can be saved to a file and resumed by another process ([`ChatSession::save`],
+//! [`ChatSession::restore`]: the `persist` module).
+
+mod persist;
+pub use persist::SessionFileError;
 
 use std::ops::ControlFlow;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -175,6 +183,8 @@ pub struct ChatSession {
     sess: Session,
     /// The ids whose keys and values are in the cache; `len() == sess.position()`.
     cached: Vec<TokenId>,
+    /// [`ChatSession::set_interrupt`].
+    interrupt: Option<Arc<AtomicBool>>,
 }
 
 /// Length of the longest common prefix.
@@ -191,6 +201,7 @@ impl ChatSession {
             model,
             sess,
             cached: Vec::new(),
+            interrupt: None,
         })
     }
 
@@ -217,6 +228,14 @@ impl ChatSession {
     /// The engine session (expert prediction statistics).
     pub fn engine_session(&self) -> &Session {
         &self.sess
+    }
+
+    /// A flag that stops a turn's prompt while it is computed (checked between layers): the
+    /// turn then ends at once, with no ids, finish reason [`FinishReason::Cancelled`] and the
+    /// cache as it was before the turn. Generated tokens are not stopped by it: `on_token`
+    /// decides that.
+    pub fn set_interrupt(&mut self, flag: Option<Arc<AtomicBool>>) {
+        self.interrupt = flag;
     }
 
     /// Forgets the conversation.
@@ -317,7 +336,27 @@ impl ChatSession {
         let deferring = checked.deferring();
         let before = deferring.then(|| sampler.clone());
         let id = checked.begin();
-        let (mut tok, mut lp) = step(&mut self.sess, rest, &history, sampler)?;
+        // Only the prompt stops on the interrupt flag; `on_token` stops the reply.
+        self.sess.set_stop(self.interrupt.clone());
+        let first = step(&mut self.sess, rest, &history, sampler);
+        self.sess.set_stop(None);
+        let (mut tok, mut lp) = match first {
+            Err(SessionError::Engine(stormo_engine::Error::Stopped)) => {
+                // Back to the cache before the turn (the blocks computed are dropped).
+                let kept = self.sess.truncate(kept);
+                self.cached.truncate(kept);
+                return Ok(Generation {
+                    ids: Vec::new(),
+                    prompt_tokens: prompt.len(),
+                    reused: kept,
+                    finish: FinishReason::Cancelled,
+                    prefill_s: t0.elapsed().as_secs_f64(),
+                    decode_s: 0.0,
+                    check_wait_s: 0.0,
+                });
+            }
+            first => first?,
+        };
         self.cached.extend_from_slice(rest);
         let prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();

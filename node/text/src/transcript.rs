@@ -7,8 +7,9 @@
 //! API as it is. Loading checks everything and names what is wrong (file, JSON position,
 //! message index); a bad file leaves the conversation as it was.
 //!
-//! Non-goals: the KV cache is not saved (the next turn recomputes the conversation, reusing
-//! nothing); tool calls.
+//! The KV cache is not saved here (the next turn recomputes the conversation, reusing
+//! nothing): `stormo chat --session FILE` saves it with the transcript ([`to_json`] inside a
+//! session file, [`crate::session::ChatSession::save`]). Non-goal: tool calls.
 
 use std::path::Path;
 
@@ -87,7 +88,25 @@ pub fn save(path: &Path, model: &str, turns: &[Turn]) -> Result<(), TranscriptEr
         path: path.display().to_string(),
         source,
     };
-    let file = File {
+    let text =
+        serde_json::to_string_pretty(&file_of(model, turns)).expect("a transcript serializes");
+    let tmp = path.with_extension("partial");
+    std::fs::write(&tmp, text + "\n").map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
+/// What [`save`] writes, as a JSON value (kept inside a session file by `chat --session`).
+pub fn to_json(model: &str, turns: &[Turn]) -> serde_json::Value {
+    serde_json::to_value(file_of(model, turns)).expect("a transcript serializes")
+}
+
+/// The turns of a value [`to_json`] made; the error says what is wrong.
+pub fn from_json(v: serde_json::Value) -> Result<Vec<Turn>, String> {
+    turns_of(serde_json::from_value(v).map_err(|e| e.to_string())?)
+}
+
+fn file_of(model: &str, turns: &[Turn]) -> File {
+    File {
         format: FORMAT.into(),
         version: 1,
         model: Some(model.into()),
@@ -100,11 +119,7 @@ pub fn save(path: &Path, model: &str, turns: &[Turn]) -> Result<(), TranscriptEr
                 name: t.name.clone(),
             })
             .collect(),
-    };
-    let text = serde_json::to_string_pretty(&file).expect("a transcript serializes");
-    let tmp = path.with_extension("partial");
-    std::fs::write(&tmp, text + "\n").map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)
+    }
 }
 
 /// Reads the turns saved in `path`.
@@ -124,27 +139,29 @@ pub fn load(path: &Path) -> Result<Vec<Turn>, TranscriptError> {
         reason,
     };
     let file: File = serde_json::from_slice(&bytes).map_err(|e| invalid(e.to_string()))?;
+    turns_of(file).map_err(invalid)
+}
+
+/// The turns of a parsed file, checked.
+fn turns_of(file: File) -> Result<Vec<Turn>, String> {
     if file.format != FORMAT {
-        return Err(invalid(format!(
-            "its format is {:?}, not {FORMAT:?}",
-            file.format
-        )));
+        return Err(format!("its format is {:?}, not {FORMAT:?}", file.format));
     }
     if file.version != 1 {
-        return Err(invalid(format!(
+        return Err(format!(
             "version {} (this stormo reads version 1)",
             file.version
-        )));
+        ));
     }
     file.messages
         .into_iter()
         .enumerate()
         .map(|(i, m)| {
             let role = TurnRole::parse(&m.role).ok_or_else(|| {
-                invalid(format!(
+                format!(
                     "messages[{i}].role {:?} is not system, developer, user, assistant or tool",
                     m.role
-                ))
+                )
             })?;
             Ok(Turn {
                 reasoning: m.reasoning_content,

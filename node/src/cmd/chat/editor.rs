@@ -208,6 +208,11 @@ impl Interrupt {
     pub fn flag(&self) -> &AtomicBool {
         &self.0
     }
+
+    /// The flag, shared (for the engine, which checks it between layers of a prompt).
+    pub fn shared(&self) -> Arc<AtomicBool> {
+        self.0.clone()
+    }
 }
 
 #[cfg(test)]
