@@ -19,6 +19,7 @@ use stormo_net::tls::{Admission, Congestion};
 use stormo_net::{self as net, PeerAddr};
 use stormo_node::config::{ExpertsConfig, KeepConfig, LocalExperts, NodeConfig, PeersConfig};
 use stormo_simulations::swarm::{LinkSpec, Relay, ETHERNET_MTU};
+pub(crate) use stormo_testing::runtime;
 use stormo_tests::{fixture, Reference, MODEL_FIXTURES};
 
 /// `n` greedy ids after `prompt`, and the session that made them.
@@ -89,43 +90,8 @@ pub(crate) fn expert_args() -> ExpertsConfig {
     }
 }
 
-pub(crate) struct Node {
-    pub(crate) key: SecretKey,
-    pub(crate) handle: Arc<ServerHandle>,
-    pub(crate) rt: Option<tokio::runtime::Runtime>,
-}
-
-impl Node {
-    pub(crate) fn addr(&self) -> PeerAddr {
-        PeerAddr {
-            key: self.key.public(),
-            addr: self.handle.local_addr(),
-        }
-    }
-    pub(crate) fn served(&self) -> u64 {
-        self.handle.stats.served.load(Ordering::Relaxed)
-    }
-    pub(crate) fn kill(&mut self) {
-        self.handle.close();
-        if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
-        }
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-pub(crate) fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
+/// A peer server on its own runtime (the shared harness), closed when dropped.
+pub(crate) type Node = stormo_testing::Server;
 
 /// Serves `holdings` as node key `seed` to `admission`.
 pub(crate) fn start_node(seed: u8, holdings: Holdings, admission: Admission) -> Node {
@@ -141,23 +107,7 @@ pub(crate) fn start_node(seed: u8, holdings: Holdings, admission: Admission) -> 
 
 /// Serves `holdings` as node key `seed` with `cfg`.
 pub(crate) fn start_node_with(seed: u8, holdings: Holdings, cfg: ServeConfig) -> Node {
-    let key = SecretKey::from_seed(&[seed; 32]);
-    let rt = runtime();
-    let handle = rt
-        .block_on(async {
-            serve::start(
-                &key,
-                "127.0.0.1:0".parse().expect("address"),
-                Arc::new(holdings),
-                cfg,
-            )
-        })
-        .expect("server starts");
-    Node {
-        key,
-        handle: Arc::new(handle),
-        rt: Some(rt),
-    }
+    Node::start(seed, holdings, cfg)
 }
 
 /// A node serving the experts of `dir` named by `only` (an --only-experts spec).
