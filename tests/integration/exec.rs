@@ -347,13 +347,7 @@ fn exec_beyond_the_limits_is_busy_and_the_rest_is_answered() {
 fn raw(server: &Server, seed: u8, bytes: Vec<u8>) -> Option<Message> {
     let rt = runtime();
     rt.block_on(async {
-        let cc = net::tls::client_config(&client(seed), &server.key.public()).expect("config");
-        let ep = net::bind("127.0.0.1:0".parse().expect("address"), None).expect("bind");
-        let conn = ep
-            .connect_with(cc, server.handle.local_addr(), "stormo")
-            .expect("connect")
-            .await
-            .expect("handshake");
+        let (ep, conn) = server.dial(&client(seed)).await;
         let (mut send, recv) = conn.open_bi().await.expect("stream");
         send.write_all(&bytes).await.expect("write");
         let _ = send.finish();

@@ -900,13 +900,7 @@ fn fault_hostile_messages_from_a_client_leave_the_server_unharmed() {
     let rt = runtime();
     for (what, bytes) in cases {
         let outcome = rt.block_on(async {
-            let cc = net::tls::client_config(&client_key(), &node.key.public()).expect("config");
-            let ep = net::bind("127.0.0.1:0".parse().expect("address"), None).expect("bind");
-            let conn = ep
-                .connect_with(cc, node.handle.local_addr(), "stormo")
-                .expect("connect")
-                .await
-                .expect("handshake");
+            let (ep, conn) = node.dial(&client_key()).await;
             let (mut send, recv) = conn.open_bi().await.expect("stream");
             send.write_all(&bytes).await.expect("write");
             let _ = send.finish();

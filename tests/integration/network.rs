@@ -742,13 +742,7 @@ fn malformed_or_oversized_message_closes_only_that_connection() {
         vec![3, 0, 0, 0, 3, 0xff, 0xff], // Get with a truncated body
     ] {
         let reason = rt.block_on(async {
-            let cc = net::tls::client_config(&key, &key_pub(&node)).expect("client config");
-            let ep = net::bind("127.0.0.1:0".parse().expect("address"), None).expect("bind");
-            let conn = ep
-                .connect_with(cc, node.handle.local_addr(), "stormo")
-                .expect("connect")
-                .await
-                .expect("handshake");
+            let (ep, conn) = node.dial(&key).await;
             let (mut send, _recv) = conn.open_bi().await.expect("stream");
             send.write_all(&garbage).await.expect("write");
             let r = tokio::time::timeout(Duration::from_secs(5), conn.closed())
@@ -770,10 +764,6 @@ fn malformed_or_oversized_message_closes_only_that_connection() {
         .block_on(net::tier::fetch_manifest(&key, &node.addr(), None, quick()))
         .expect("the node still serves");
     assert_eq!(id, f.id);
-}
-
-pub(crate) fn key_pub(n: &Node) -> stormo_manifests::PublicKey {
-    n.key.public()
 }
 
 /// An expert provider that answers, but only after `delay` (a slow peer).

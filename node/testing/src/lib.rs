@@ -3,9 +3,9 @@
 //! tests), so nothing here reaches a build of stormo, and the crates' internals stay
 //! `pub(crate)` rather than opened up for tests.
 //!
-//! What a harness takes and returns is made of other crates' types (std, tokio, quinn,
-//! `stormo-manifests`): `stormo-net`'s own unit tests link a second copy of `stormo-net`
-//! through this crate, whose types are not theirs.
+//! `stormo-net`'s own unit tests link a second copy of `stormo-net` through this crate, whose
+//! types are not theirs: what they use here ([`runtime`], [`Member`]) takes and returns only
+//! other crates' types (std, tokio, quinn, `stormo-manifests`).
 //!
 //! - [`runtime`]: a small tokio runtime for a test's servers and clients.
 //! - [`Server`]: a peer server (`stormo serve`'s serving code) on a runtime of its own. It
@@ -71,6 +71,20 @@ impl Server {
             key: self.key.public(),
             addr: self.handle.local_addr(),
         }
+    }
+
+    /// A connection to it as client `key` (admitted or not by its policy), on an endpoint of
+    /// its own on 127.0.0.1 (close the endpoint when done). Panics (the test fails) when the
+    /// handshake fails. Must be called inside a tokio runtime (the test's, not the server's).
+    pub async fn dial(&self, key: &SecretKey) -> (quinn::Endpoint, quinn::Connection) {
+        let cc = stormo_net::tls::client_config(key, &self.key.public()).expect("client config");
+        let ep = stormo_net::bind("127.0.0.1:0".parse().expect("address"), None).expect("bind");
+        let conn = ep
+            .connect_with(cc, self.handle.local_addr(), "stormo")
+            .expect("connect")
+            .await
+            .expect("handshake");
+        (ep, conn)
     }
 
     /// Requests it answered in full.
