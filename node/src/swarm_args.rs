@@ -169,15 +169,6 @@ fn bootstrap_addrs(b: &str) -> anyhow::Result<Vec<SocketAddrV4>> {
     Ok(v)
 }
 
-/// The swarm options of a node whose key file is `key` (`None`: they need none), resolved
-/// now; `None` when no swarm option was given.
-pub fn resolve_for_node(
-    args: &SwarmArgs,
-    key: Option<&std::path::Path>,
-) -> anyhow::Result<Option<SwarmConfig>> {
-    resolve_identity(args, key).map(|id| id.swarm)
-}
-
 /// A node's swarm options and, when they needed it, its key, resolved once before the node
 /// starts: the key file is loaded here only to check the certificate against it, and then
 /// goes to the node ([`NodeIdentity::into_host`]) rather than being loaded again.

@@ -20,7 +20,7 @@ use crate::chat::{ids_of, o200k};
 #[test]
 fn chat_answers_piped_turns_and_reports_reuse() {
     use clap::Parser;
-    use stormo_cli::cmd::chat::{converse, Args};
+    use stormo_cli::cmd::chat::{converse, sampling, Args};
 
     #[derive(Parser)]
     struct Wrap {
@@ -49,7 +49,11 @@ fn chat_answers_piped_turns_and_reports_reuse() {
         b"Hello there\n/bogus\n\xff\xfe\nAnd again?\n/reset\nHello there\n/quit\nnever read\n";
     let mut out = Vec::new();
     let mut notes = Vec::new();
-    converse(&w.args, &tm, input, &mut out, &mut notes, false, false).expect("conversation runs");
+    let sampling = sampling(&w.args).expect("sampling options");
+    converse(
+        &w.args, &tm, sampling, input, &mut out, &mut notes, false, false,
+    )
+    .expect("conversation runs");
     let notes = String::from_utf8(notes).expect("utf-8");
     assert!(
         notes.contains("line 3 is not UTF-8 text: skipped"),

@@ -83,3 +83,14 @@ fn the_node_library_has_no_cli() {
         );
     }
 }
+
+#[test]
+fn the_test_support_crate_is_in_no_build_of_stormo() {
+    for package in ["stormo-cli", "stormo-node", "stormo-net", "stormo-text"] {
+        let deps = normal_deps(package);
+        assert!(
+            !deps.iter().any(|d| d == "stormo-testing"),
+            "{package} depends on stormo-testing (a dev-dependency only)"
+        );
+    }
+}

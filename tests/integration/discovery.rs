@@ -6,10 +6,12 @@
 //! node given bootstrap nodes never falls back to them: `discover::dht` unit tests). Every
 //! process is killed when its guard drops.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::node::{model_with_manifest, run_ids, s, state, stormo, Proc};
+use crate::swarm::{admit_for, create_swarm};
 
 /// A free UDP port on 127.0.0.1 (released again: the first DHT node binds it next).
 pub(crate) fn free_udp_port() -> u16 {
@@ -19,29 +21,12 @@ pub(crate) fn free_udp_port() -> u16 {
         .port()
 }
 
-/// A swarm: the owner's key in `dir`, and its swarm key.
-fn create_swarm(dir: &Path) -> String {
-    let owner = dir.join("owner.key");
-    stormo(&["swarm", "create", "--out", s(&owner)])
-        .trim()
-        .to_string()
-}
-
-/// A node key and its membership certificate, signed by the owner in `dir`.
+/// A new node key `dir/NAME.key` and its membership certificate `dir/NAME.cert`, signed by
+/// the owner in `dir` for `swarm admit`'s default period.
 fn admit(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
     let key = dir.join(format!("{name}.key"));
-    let cert = dir.join(format!("{name}.cert"));
     stormo(&["key", "generate", "--out", s(&key)]);
-    stormo(&[
-        "swarm",
-        "admit",
-        "--swarm",
-        s(&dir.join("owner.key")),
-        "--node",
-        s(&key),
-        "--out",
-        s(&cert),
-    ]);
+    let cert = admit_for(dir, s(&key), None, name);
     (key, cert)
 }
 
@@ -51,61 +36,95 @@ fn discovered(line: &str) -> String {
     format!("discovered peer {}@{addr}", &key[..8])
 }
 
-/// Five serving nodes, each holding part of the experts, find each other on a loopback DHT;
-/// a pull with no `--peer` gets the dense folder from them, and a run on it with no `--peer`
-/// generates the same ids as a local run, every expert fetched from them.
-#[test]
-fn five_nodes_on_a_loopback_dht_find_each_other_and_a_sixth_generates_exactly() {
-    let (m, id) = model_with_manifest();
-    let keys = tempfile::tempdir().expect("key dir");
-    let swarm = create_swarm(keys.path());
-    assert_eq!(swarm.len(), 64, "swarm create printed {swarm:?}");
-    let bootstrap = format!("127.0.0.1:{}", free_udp_port());
-    let states: Vec<_> = (0..7).map(|_| state()).collect();
-    // Every expert of the 4 is held by some node, none by all: the sixth needs several.
-    let parts = ["0", "1", "2", "3", "0,1"];
-    let mut nodes: Vec<Proc> = Vec::new();
-    for (i, only) in parts.iter().enumerate() {
-        let (key, cert) = admit(keys.path(), &format!("node{i}"));
-        // The first node is the private DHT's bootstrap node: its --dht-listen is everyone's
-        // --dht-bootstrap (its own too, which leaves it with none).
-        let dht_listen = if i == 0 {
-            bootstrap.as_str()
-        } else {
-            "127.0.0.1:0"
-        };
-        let args = [
-            "serve",
-            "--model",
-            s(m.path()),
-            "--listen",
-            "127.0.0.1:0",
+/// A swarm on a private DHT: its key, its owner's folder, the model every node serves, and
+/// the DHT's bootstrap node (`127.0.0.1:PORT`, the first node's `--dht-listen`).
+struct DhtSwarm<'a> {
+    swarm: String,
+    keys: &'a Path,
+    model: &'a Path,
+    bootstrap: String,
+}
+
+impl DhtSwarm<'_> {
+    /// The options of the member with `key` and `cert` that discovers through the DHT.
+    fn member<'a>(&'a self, key: &'a Path, cert: &'a Path) -> Vec<&'a str> {
+        vec![
             "--key",
-            s(&key),
+            s(key),
             "--swarm",
-            &swarm,
+            &self.swarm,
             "--cert",
-            s(&cert),
+            s(cert),
             "--discover",
             "dht",
-            "--dht-listen",
-            dht_listen,
             "--dht-bootstrap",
-            &bootstrap,
+            &self.bootstrap,
+        ]
+    }
+
+    /// `stormo serve` as the new member `name`, discovering through the DHT, holding the
+    /// experts `only` with no cache, its state in `state`; `dht_listen` where its DHT node
+    /// listens (`None`: a random port), and `extra` options.
+    fn serve(
+        &self,
+        name: &str,
+        only: &str,
+        state: &Path,
+        dht_listen: Option<&str>,
+        extra: &[&str],
+    ) -> Proc {
+        let (key, cert) = admit(self.keys, name);
+        let mut args = vec!["serve", "--model", s(self.model), "--listen", "127.0.0.1:0"];
+        args.extend(self.member(&key, &cert));
+        args.extend([
             "--only-experts",
             only,
             "--state-dir",
-            s(states[i].path()),
+            s(state),
             "--expert-cache",
             "0",
-        ];
-        nodes.push(Proc::start_logging(
-            &args,
-            Some("warn,stormo_node=info,stormo_net=info"),
-        ));
+        ]);
+        if let Some(at) = dht_listen {
+            args.extend(["--dht-listen", at]);
+        }
+        args.extend_from_slice(extra);
+        Proc::start_logging(&args, Some("warn,stormo_node=info,stormo_net=info"))
     }
-    // Each finds the other four (lookups every 2, 4, 8... s at first).
-    let until = Instant::now() + Duration::from_secs(120);
+
+    /// `stormo pull` and then `stormo run` on the pulled folder, given no `--peer`: as the new
+    /// member `name`, finding the nodes through the DHT (and `extra` options). The folder is
+    /// model `id`'s, and the run generates the ids of a local run (state in `states[0]`), with
+    /// experts from the peers (state in `states[1]`).
+    fn pull_and_run_exactly(&self, name: &str, id: &str, extra: &[&str], states: [&Path; 2]) {
+        let (key, cert) = admit(self.keys, name);
+        let mut client = self.member(&key, &cert);
+        client.extend(["--model-id", id]);
+        client.extend_from_slice(extra);
+        // `pull` with no address: the dense folder, from whichever nodes discovery found.
+        let out = tempfile::tempdir().expect("pull dir");
+        let mut pull = vec!["pull", "--out", s(out.path())];
+        pull.extend_from_slice(&client);
+        stormo(&pull);
+        let marker =
+            std::fs::read_to_string(out.path().join("stormo-pulled.json")).expect("marker");
+        assert!(marker.contains(id), "{marker}");
+        // `run` on it with no address: every expert from the peers, the ids of a local run.
+        let (want, _) = run_ids(self.model, states[0], &[]);
+        let (got, j) = run_ids(out.path(), states[1], &client);
+        assert_eq!(
+            got, want,
+            "ids from discovered peers differ from a local run: {j}"
+        );
+        assert!(
+            j["experts"]["peer_loads"].as_u64().unwrap_or(0) > 0,
+            "nothing came from peers: {j}"
+        );
+    }
+}
+
+/// Waits until each of `nodes` has logged that it discovered every other, at most `within`
+/// from `since`.
+fn until_each_found_the_others(nodes: &[Proc], since: Instant, within: Duration) {
     loop {
         let missing: Vec<(usize, usize)> = (0..nodes.len())
             .flat_map(|i| (0..nodes.len()).map(move |j| (i, j)))
@@ -119,14 +138,68 @@ fn five_nodes_on_a_loopback_dht_find_each_other_and_a_sixth_generates_exactly() 
             })
             .collect();
         if missing.is_empty() {
-            break;
+            return;
         }
         assert!(
-            Instant::now() < until,
-            "within 120 s, these nodes had not found these others (i, j): {missing:?}"
+            since.elapsed() < within,
+            "within {within:?}, these nodes had not found these others (i, j): {missing:?}"
         );
-        std::thread::sleep(Duration::from_millis(250));
+        std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// Where a node's log says its DHT node is.
+fn dht_addr(log: &str) -> SocketAddr {
+    let at = log
+        .lines()
+        .find_map(|l| l.split_once("DHT node on ").map(|(_, a)| a.to_string()))
+        .unwrap_or_else(|| panic!("no DHT node logged: {log}"));
+    at.split_whitespace()
+        .next()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("not an address: {at}"))
+}
+
+/// Five serving nodes, each holding part of the experts, find each other on a loopback DHT;
+/// a pull with no `--peer` gets the dense folder from them, and a run on it with no `--peer`
+/// generates the same ids as a local run, every expert fetched from them.
+#[test]
+fn five_nodes_on_a_loopback_dht_find_each_other_and_a_sixth_generates_exactly() {
+    let (m, id) = model_with_manifest();
+    let keys = tempfile::tempdir().expect("key dir");
+    let swarm = create_swarm(keys.path());
+    assert_eq!(swarm.len(), 64, "swarm create printed {swarm:?}");
+    let dht = DhtSwarm {
+        swarm,
+        keys: keys.path(),
+        model: m.path(),
+        bootstrap: format!("127.0.0.1:{}", free_udp_port()),
+    };
+    let states: Vec<_> = (0..7).map(|_| state()).collect();
+    // Every expert of the 4 is held by some node, none by all: the sixth needs several.
+    let parts = ["0", "1", "2", "3", "0,1"];
+    let nodes: Vec<Proc> = parts
+        .iter()
+        .enumerate()
+        .map(|(i, only)| {
+            // The first node is the private DHT's bootstrap node: its --dht-listen is
+            // everyone's --dht-bootstrap (its own too, which leaves it with none).
+            let listen = if i == 0 {
+                dht.bootstrap.as_str()
+            } else {
+                "127.0.0.1:0"
+            };
+            dht.serve(
+                &format!("node{i}"),
+                only,
+                states[i].path(),
+                Some(listen),
+                &[],
+            )
+        })
+        .collect();
+    // Each finds the other four (lookups every 2, 4, 8... s at first).
+    until_each_found_the_others(&nodes, Instant::now(), Duration::from_secs(120));
     for n in &nodes {
         let log = n.stderr.lock().expect("stderr lock");
         assert!(
@@ -134,56 +207,14 @@ fn five_nodes_on_a_loopback_dht_find_each_other_and_a_sixth_generates_exactly() 
             "a node added itself: {log}"
         );
         // Its DHT node is on loopback (where --dht-listen put it), none on 0.0.0.0.
-        let dht = log
-            .lines()
-            .find_map(|l| {
-                l.split_once("DHT node on ")
-                    .map(|(_, a)| a.trim().to_string())
-            })
-            .unwrap_or_else(|| panic!("no DHT node logged: {log}"));
-        assert!(dht.starts_with("127.0.0.1:"), "a DHT node on {dht}");
+        let at = dht_addr(&log);
+        assert_eq!(at.ip().to_string(), "127.0.0.1", "a DHT node on {at}");
     }
-
-    let (key, cert) = admit(keys.path(), "client");
-    let client = |cmd: &'static str| -> Vec<&str> {
-        vec![
-            cmd,
-            "--key",
-            s(&key),
-            "--swarm",
-            &swarm,
-            "--cert",
-            s(&cert),
-            "--discover",
-            "dht",
-            "--dht-listen",
-            "127.0.0.1:0",
-            "--dht-bootstrap",
-            &bootstrap,
-            "--model-id",
-            &id,
-        ]
-    };
-    // `pull` with no address: the dense folder, from whichever nodes discovery found.
-    let out = tempfile::tempdir().expect("pull dir");
-    let mut pull = client("pull");
-    pull.extend_from_slice(&["--out", s(out.path())]);
-    stormo(&pull);
-    let marker = std::fs::read_to_string(out.path().join("stormo-pulled.json")).expect("marker");
-    assert!(marker.contains(&id), "{marker}");
-
-    // `run` on it with no address: every expert from the five, the ids of a local run.
-    let (want, _) = run_ids(m.path(), states[5].path(), &[]);
-    let mut run = client("run");
-    run.remove(0);
-    let (got, j) = run_ids(out.path(), states[6].path(), &run);
-    assert_eq!(
-        got, want,
-        "ids from discovered peers differ from a local run: {j}"
-    );
-    assert!(
-        j["experts"]["peer_loads"].as_u64().unwrap_or(0) > 0,
-        "nothing came from peers: {j}"
+    dht.pull_and_run_exactly(
+        "client",
+        &id,
+        &["--dht-listen", "127.0.0.1:0"],
+        [states[5].path(), states[6].path()],
     );
     drop(nodes);
 }
@@ -200,46 +231,19 @@ fn five_nodes_on_a_loopback_dht_find_each_other_and_a_sixth_generates_exactly() 
 fn the_readme_private_dht_recipe_converges_in_seconds_and_run_generates_exactly() {
     let (m, id) = model_with_manifest();
     let keys = tempfile::tempdir().expect("key dir");
-    let swarm = create_swarm(keys.path());
-    let port = free_udp_port();
-    let bootstrap = format!("127.0.0.1:{port}");
+    let dht = DhtSwarm {
+        swarm: create_swarm(keys.path()),
+        keys: keys.path(),
+        model: m.path(),
+        bootstrap: format!("127.0.0.1:{}", free_udp_port()),
+    };
     let states: Vec<_> = (0..5).map(|_| state()).collect();
     // Each node holds half the experts, none all of them.
     let parts = ["0,1", "2,3", "1,2"];
     let start = |i: usize| -> Proc {
-        let (key, cert) = admit(keys.path(), &format!("recipe{i}"));
-        let mut args: Vec<String> = [
-            "serve",
-            "--model",
-            s(m.path()),
-            "--listen",
-            "127.0.0.1:0",
-            "--key",
-            s(&key),
-            "--swarm",
-            &swarm,
-            "--cert",
-            s(&cert),
-            "--discover",
-            "dht",
-            "--dht-bootstrap",
-            &bootstrap,
-            "--only-experts",
-            parts[i],
-            "--state-dir",
-            s(states[i].path()),
-            "--expert-cache",
-            "0",
-            "--no-warm",
-        ]
-        .iter()
-        .map(|a| a.to_string())
-        .collect();
-        if i == 0 {
-            args.extend(["--dht-listen".to_string(), bootstrap.clone()]);
-        }
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        Proc::start_logging(&args, Some("warn,stormo_node=info,stormo_net=info"))
+        let listen = (i == 0).then_some(dht.bootstrap.as_str());
+        let name = format!("recipe{i}");
+        dht.serve(&name, parts[i], states[i].path(), listen, &["--no-warm"])
     };
     let mut nodes = vec![start(0)];
     // Alone long enough to have failed (or made) its first announcements and lookups.
@@ -247,28 +251,7 @@ fn the_readme_private_dht_recipe_converges_in_seconds_and_run_generates_exactly(
     nodes.push(start(1));
     nodes.push(start(2));
     let joined = Instant::now();
-    loop {
-        let missing: Vec<(usize, usize)> = (0..nodes.len())
-            .flat_map(|i| (0..nodes.len()).map(move |j| (i, j)))
-            .filter(|&(i, j)| {
-                i != j
-                    && !nodes[i]
-                        .stderr
-                        .lock()
-                        .expect("stderr lock")
-                        .contains(&discovered(&nodes[j].line))
-            })
-            .collect();
-        if missing.is_empty() {
-            break;
-        }
-        assert!(
-            joined.elapsed() < Duration::from_secs(10),
-            "10 s after the last node started, these had not found these others (i, j): \
-             {missing:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    until_each_found_the_others(&nodes, joined, Duration::from_secs(10));
     eprintln!(
         "the recipe's nodes found each other in {:?}",
         joined.elapsed()
@@ -276,17 +259,13 @@ fn the_readme_private_dht_recipe_converges_in_seconds_and_run_generates_exactly(
     for (i, n) in nodes.iter().enumerate() {
         let log = n.stderr.lock().expect("stderr lock");
         assert!(!log.contains("ERROR"), "node {i} logged an error: {log}");
-        let dht = log
-            .lines()
-            .find_map(|l| l.split_once("DHT node on ").map(|(_, a)| a.to_string()))
-            .unwrap_or_else(|| panic!("no DHT node logged: {log}"));
-        let addr: std::net::SocketAddr = dht
-            .split_whitespace()
-            .next()
-            .and_then(|a| a.parse().ok())
-            .unwrap_or_else(|| panic!("not an address: {dht}"));
+        let addr = dht_addr(&log);
         if i == 0 {
-            assert_eq!(addr.to_string(), bootstrap, "the first node's --dht-listen");
+            assert_eq!(
+                addr.to_string(),
+                dht.bootstrap,
+                "the first node's --dht-listen"
+            );
         } else {
             assert_ne!(
                 addr.port(),
@@ -297,39 +276,11 @@ fn the_readme_private_dht_recipe_converges_in_seconds_and_run_generates_exactly(
     }
 
     // Right after them: a pull and a run that know only the bootstrap address.
-    let (key, cert) = admit(keys.path(), "recipe-client");
-    let client = |cmd: &'static str| -> Vec<&str> {
-        vec![
-            cmd,
-            "--key",
-            s(&key),
-            "--swarm",
-            &swarm,
-            "--cert",
-            s(&cert),
-            "--discover",
-            "dht",
-            "--dht-bootstrap",
-            &bootstrap,
-            "--model-id",
-            &id,
-        ]
-    };
-    let out = tempfile::tempdir().expect("pull dir");
-    let mut pull = client("pull");
-    pull.extend_from_slice(&["--out", s(out.path())]);
-    stormo(&pull);
-    let (want, _) = run_ids(m.path(), states[3].path(), &[]);
-    let mut run = client("run");
-    run.remove(0);
-    let (got, j) = run_ids(out.path(), states[4].path(), &run);
-    assert_eq!(
-        got, want,
-        "ids from the recipe's nodes differ from a local run: {j}"
-    );
-    assert!(
-        j["experts"]["peer_loads"].as_u64().unwrap_or(0) > 0,
-        "nothing came from peers: {j}"
+    dht.pull_and_run_exactly(
+        "recipe-client",
+        &id,
+        &[],
+        [states[3].path(), states[4].path()],
     );
     drop(nodes);
 }
@@ -424,20 +375,8 @@ fn fault_expired_or_revoked_membership_is_refused_in_the_handshake() {
 
     // An expired certificate (valid for 1 s, then waited out): refused.
     let old_key = keys.path().join("old.key");
-    let old_cert = keys.path().join("old.cert");
     stormo(&["key", "generate", "--out", s(&old_key)]);
-    stormo(&[
-        "swarm",
-        "admit",
-        "--owner",
-        s(&keys.path().join("owner.key")),
-        "--node",
-        s(&old_key),
-        "--expires",
-        "1s",
-        "--out",
-        s(&old_cert),
-    ]);
+    let old_cert = admit_for(keys.path(), s(&old_key), Some("1s"), "old");
     std::thread::sleep(Duration::from_millis(2100));
     // The client itself refuses to start on it, naming the certificate and its expiry (the
     // server's refusal of an expired certificate presented anyway is

@@ -12,11 +12,12 @@ use stormo_engine::moe::{expert_forward, ExpertData, ExpertProvider, ExpertScrat
 use stormo_engine::ModelFiles;
 use stormo_manifests::{build, BuildOptions, ExpertId, Hash, SecretKey};
 use stormo_net::exec::{ExecConfig, ExecError};
-use stormo_net::serve::{self, Holdings, ServeConfig, ServerHandle};
+use stormo_net::serve::{Holdings, ServeConfig};
 use stormo_net::tier::{ExecRequest, PeerConfig, PeerTier, EXEC_IN_FLIGHT};
 use stormo_net::tls::Admission;
 use stormo_net::{self as net, PeerAddr};
 use stormo_node::config::ExpertsConfig;
+use stormo_testing::runtime;
 use stormo_tests::MODEL_FIXTURES;
 
 use crate::hostile::{ExecAnswer, ExecScript, HostilePeer, Observed};
@@ -38,70 +39,30 @@ fn expert_args() -> ExpertsConfig {
     }
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
 const SERVER_SEED: u8 = 90;
 
 fn client(seed: u8) -> SecretKey {
     SecretKey::from_seed(&[seed; 32])
 }
 
-/// A serving node on its own runtime; closed when dropped.
-struct Server {
-    key: SecretKey,
-    handle: ServerHandle,
-    _rt: tokio::runtime::Runtime,
-}
+/// A serving node on its own runtime (the shared harness); closed when dropped.
+type Server = stormo_testing::Server;
 
-impl Server {
-    fn start(holdings: Holdings, admit: &[u8], exec: ExecConfig) -> Self {
-        let key = SecretKey::from_seed(&[SERVER_SEED; 32]);
-        let rt = runtime();
-        let cfg = ServeConfig {
-            admission: Admission::Keys(
-                admit
-                    .iter()
-                    .map(|&s| *client(s).public().as_bytes())
-                    .collect(),
-            ),
-            exec,
-            ..ServeConfig::default()
-        };
-        let handle = rt
-            .block_on(async {
-                serve::start(
-                    &key,
-                    "127.0.0.1:0".parse().expect("address"),
-                    Arc::new(holdings),
-                    cfg,
-                )
-            })
-            .expect("server starts");
-        Self {
-            key,
-            handle,
-            _rt: rt,
-        }
-    }
-
-    fn addr(&self) -> PeerAddr {
-        PeerAddr {
-            key: self.key.public(),
-            addr: self.handle.local_addr(),
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.handle.close();
-    }
+/// Serves `holdings` as node key [`SERVER_SEED`] with `exec`'s limits, to the clients of key
+/// seeds `admit`.
+fn start_server(holdings: Holdings, admit: &[u8], exec: ExecConfig) -> Server {
+    let admission = Admission::Keys(
+        admit
+            .iter()
+            .map(|&s| *client(s).public().as_bytes())
+            .collect(),
+    );
+    let cfg = ServeConfig {
+        admission,
+        exec,
+        ..ServeConfig::default()
+    };
+    Server::start(SERVER_SEED, holdings, cfg)
 }
 
 /// The network tier of a client with key `seed`, connected to `server`.
@@ -199,7 +160,7 @@ fn exec_answers_bit_identical_rows() {
         let (dir, id) = setup(name);
         let (h, _e) =
             stormo_node::experts::open_holdings(dir.path(), None, &expert_args(), None).expect("h");
-        let server = Server::start(h, &[1], ExecConfig::default());
+        let server = start_server(h, &[1], ExecConfig::default());
         let t = tier(dir.path(), id, 1, &server);
         let (layers, per, hidden) = shape(dir.path());
         let over = stormo_wire::max_positions(hidden) + 3;
@@ -305,7 +266,7 @@ fn exec_beyond_the_limits_is_busy_and_the_rest_is_answered() {
         per_peer: 2,
         total: 3,
     };
-    let server = Server::start(h, &[1, 2], limits);
+    let server = start_server(h, &[1, 2], limits);
     let (a, b) = (
         Arc::new(tier(dir.path(), id, 1, &server)),
         Arc::new(tier(dir.path(), id, 2, &server)),
@@ -363,7 +324,7 @@ fn exec_beyond_the_limits_is_busy_and_the_rest_is_answered() {
     // A node with no exec threads refuses.
     let (h, _e2) =
         stormo_node::experts::open_holdings(dir.path(), None, &expert_args(), None).expect("h");
-    let off = Server::start(
+    let off = start_server(
         h,
         &[1],
         ExecConfig {
@@ -386,13 +347,7 @@ fn exec_beyond_the_limits_is_busy_and_the_rest_is_answered() {
 fn raw(server: &Server, seed: u8, bytes: Vec<u8>) -> Option<Message> {
     let rt = runtime();
     rt.block_on(async {
-        let cc = net::tls::client_config(&client(seed), &server.key.public()).expect("config");
-        let ep = net::bind("127.0.0.1:0".parse().expect("address"), None).expect("bind");
-        let conn = ep
-            .connect_with(cc, server.handle.local_addr(), "stormo")
-            .expect("connect")
-            .await
-            .expect("handshake");
+        let (ep, conn) = server.dial(&client(seed)).await;
         let (mut send, recv) = conn.open_bi().await.expect("stream");
         send.write_all(&bytes).await.expect("write");
         let _ = send.finish();
@@ -415,7 +370,7 @@ fn hostile_exec_requests_are_refused_and_the_node_is_unharmed() {
     // Serves only expert 0 of each layer.
     let (h, _e) = stormo_node::experts::open_holdings(dir.path(), None, &expert_args(), Some("0"))
         .expect("h");
-    let server = Server::start(h, &[1], ExecConfig::default());
+    let server = start_server(h, &[1], ExecConfig::default());
     let exec = |expert: ExpertId, positions: u32, len: usize, model: Hash| {
         // Hand-encoded, past the encoder's checks.
         let mut body = vec![stormo_wire::tag::EXEC];

@@ -15,12 +15,13 @@ use stormo_engine::moe::ExpertData;
 use stormo_engine::tiers::{ExpertId, Priority, Tier, TierConfig, TieredExperts};
 use stormo_engine::{LoadOptions, Model, ModelFiles};
 use stormo_manifests::{build, BuildOptions, Hash, ManifestSignature, SecretKey};
-use stormo_net::serve::{self, ServeConfig, ServerHandle};
+use stormo_net::serve::{self, ServeConfig};
 use stormo_net::tier::{PeerConfig, PeerTier};
 use stormo_net::tls::Admission;
 use stormo_net::{self as net, PeerAddr};
 use stormo_node::config::{CacheBudget, ExpertsConfig, PeersConfig};
 use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
+use stormo_testing::runtime;
 use stormo_tests::{fixture, Reference};
 
 use crate::hostile::{self, Answer, HostilePeer, Observed};
@@ -29,14 +30,6 @@ const CLIENT_SEED: u8 = 201;
 
 pub(crate) fn client_key() -> SecretKey {
     SecretKey::from_seed(&[CLIENT_SEED; 32])
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime")
 }
 
 /// A model folder with its manifest (chunks of `chunk_size`) built and signed there.
@@ -106,11 +99,15 @@ fn expert_args(cache: &str) -> ExpertsConfig {
     }
 }
 
-/// A real server (`stormo serve`'s code) on its own runtime; closed when dropped.
-pub(crate) struct Node {
-    key: SecretKey,
-    pub(crate) handle: ServerHandle,
-    rt: Option<tokio::runtime::Runtime>,
+/// A real server (`stormo serve`'s code) serving a model folder, on its own runtime (the
+/// shared harness); closed when dropped.
+pub(crate) struct Node(stormo_testing::Server);
+
+impl std::ops::Deref for Node {
+    type Target = stormo_testing::Server;
+    fn deref(&self) -> &stormo_testing::Server {
+        &self.0
+    }
 }
 
 impl Node {
@@ -119,24 +116,15 @@ impl Node {
     }
 
     fn start_at(seed: u8, dir: &Path, cache: &str, cfg: ServeConfig, at: &str) -> Self {
-        let key = SecretKey::from_seed(&[seed; 32]);
         let (h, _experts) =
             stormo_node::experts::open_holdings(dir, None, &expert_args(cache), None)
                 .expect("holdings");
-        let rt = runtime();
-        let handle = rt
-            .block_on(async { serve::start(&key, at.parse().expect("address"), Arc::new(h), cfg) })
-            .expect("server starts");
-        Self {
-            key,
-            handle,
-            rt: Some(rt),
-        }
+        let at = at.parse().expect("address");
+        Self(stormo_testing::Server::start_at(seed, h, cfg, at))
     }
 
     /// A node whose every answer waits `delay` first (so a faster liar is chosen first).
     fn start_slow(seed: u8, dir: &Path, delay: Duration) -> Self {
-        let key = SecretKey::from_seed(&[seed; 32]);
         let (h, _experts) =
             stormo_node::experts::open_holdings(dir, None, &expert_args("auto"), None)
                 .expect("holdings");
@@ -147,29 +135,7 @@ impl Node {
             }),
             ..h
         };
-        let rt = runtime();
-        let handle = rt
-            .block_on(async {
-                serve::start(
-                    &key,
-                    "127.0.0.1:0".parse().expect("address"),
-                    Arc::new(h),
-                    admit_client(),
-                )
-            })
-            .expect("server starts");
-        Self {
-            key,
-            handle,
-            rt: Some(rt),
-        }
-    }
-
-    pub(crate) fn addr(&self) -> PeerAddr {
-        PeerAddr {
-            key: self.key.public(),
-            addr: self.handle.local_addr(),
-        }
+        Self(stormo_testing::Server::start(seed, h, admit_client()))
     }
 }
 
@@ -189,15 +155,6 @@ impl stormo_engine::moe::ExpertProvider for Slow {
     ) -> stormo_engine::Result<()> {
         std::thread::sleep(self.delay);
         self.inner.fetch(layer, experts, out)
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.handle.close();
-        if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
-        }
     }
 }
 
@@ -943,13 +900,7 @@ fn fault_hostile_messages_from_a_client_leave_the_server_unharmed() {
     let rt = runtime();
     for (what, bytes) in cases {
         let outcome = rt.block_on(async {
-            let cc = net::tls::client_config(&client_key(), &node.key.public()).expect("config");
-            let ep = net::bind("127.0.0.1:0".parse().expect("address"), None).expect("bind");
-            let conn = ep
-                .connect_with(cc, node.handle.local_addr(), "stormo")
-                .expect("connect")
-                .await
-                .expect("handshake");
+            let (ep, conn) = node.dial(&client_key()).await;
             let (mut send, recv) = conn.open_bi().await.expect("stream");
             send.write_all(&bytes).await.expect("write");
             let _ = send.finish();

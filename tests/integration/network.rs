@@ -19,6 +19,7 @@ use stormo_net::tls::{Admission, Congestion};
 use stormo_net::{self as net, PeerAddr};
 use stormo_node::config::{ExpertsConfig, KeepConfig, LocalExperts, NodeConfig, PeersConfig};
 use stormo_simulations::swarm::{LinkSpec, Relay, ETHERNET_MTU};
+pub(crate) use stormo_testing::runtime;
 use stormo_tests::{fixture, Reference, MODEL_FIXTURES};
 
 /// `n` greedy ids after `prompt`, and the session that made them.
@@ -89,43 +90,8 @@ pub(crate) fn expert_args() -> ExpertsConfig {
     }
 }
 
-pub(crate) struct Node {
-    pub(crate) key: SecretKey,
-    pub(crate) handle: Arc<ServerHandle>,
-    pub(crate) rt: Option<tokio::runtime::Runtime>,
-}
-
-impl Node {
-    pub(crate) fn addr(&self) -> PeerAddr {
-        PeerAddr {
-            key: self.key.public(),
-            addr: self.handle.local_addr(),
-        }
-    }
-    pub(crate) fn served(&self) -> u64 {
-        self.handle.stats.served.load(Ordering::Relaxed)
-    }
-    pub(crate) fn kill(&mut self) {
-        self.handle.close();
-        if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
-        }
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-pub(crate) fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
+/// A peer server on its own runtime (the shared harness), closed when dropped.
+pub(crate) type Node = stormo_testing::Server;
 
 /// Serves `holdings` as node key `seed` to `admission`.
 pub(crate) fn start_node(seed: u8, holdings: Holdings, admission: Admission) -> Node {
@@ -141,23 +107,7 @@ pub(crate) fn start_node(seed: u8, holdings: Holdings, admission: Admission) -> 
 
 /// Serves `holdings` as node key `seed` with `cfg`.
 pub(crate) fn start_node_with(seed: u8, holdings: Holdings, cfg: ServeConfig) -> Node {
-    let key = SecretKey::from_seed(&[seed; 32]);
-    let rt = runtime();
-    let handle = rt
-        .block_on(async {
-            serve::start(
-                &key,
-                "127.0.0.1:0".parse().expect("address"),
-                Arc::new(holdings),
-                cfg,
-            )
-        })
-        .expect("server starts");
-    Node {
-        key,
-        handle: Arc::new(handle),
-        rt: Some(rt),
-    }
+    Node::start(seed, holdings, cfg)
 }
 
 /// A node serving the experts of `dir` named by `only` (an --only-experts spec).
@@ -792,13 +742,7 @@ fn malformed_or_oversized_message_closes_only_that_connection() {
         vec![3, 0, 0, 0, 3, 0xff, 0xff], // Get with a truncated body
     ] {
         let reason = rt.block_on(async {
-            let cc = net::tls::client_config(&key, &key_pub(&node)).expect("client config");
-            let ep = net::bind("127.0.0.1:0".parse().expect("address"), None).expect("bind");
-            let conn = ep
-                .connect_with(cc, node.handle.local_addr(), "stormo")
-                .expect("connect")
-                .await
-                .expect("handshake");
+            let (ep, conn) = node.dial(&key).await;
             let (mut send, _recv) = conn.open_bi().await.expect("stream");
             send.write_all(&garbage).await.expect("write");
             let r = tokio::time::timeout(Duration::from_secs(5), conn.closed())
@@ -820,10 +764,6 @@ fn malformed_or_oversized_message_closes_only_that_connection() {
         .block_on(net::tier::fetch_manifest(&key, &node.addr(), None, quick()))
         .expect("the node still serves");
     assert_eq!(id, f.id);
-}
-
-pub(crate) fn key_pub(n: &Node) -> stormo_manifests::PublicKey {
-    n.key.public()
 }
 
 /// An expert provider that answers, but only after `delay` (a slow peer).

@@ -498,8 +498,8 @@ fn remote_execution_goes_only_to_peers_allowed_to_compute() {
     for k in [&server_key, &client_key] {
         stormo(&["key", "generate", "--key", s(k)]);
     }
-    let server_cert = crate::swarm::admit(keys.path(), s(&server_key), "30d", "server");
-    let client_cert = crate::swarm::admit(keys.path(), s(&client_key), "30d", "client");
+    let server_cert = crate::swarm::admit_for(keys.path(), s(&server_key), Some("30d"), "server");
+    let client_cert = crate::swarm::admit_for(keys.path(), s(&client_key), Some("30d"), "client");
     let st = state();
     let server = Proc::start(&[
         "serve",

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use stormo_manifests::{Membership, PublicKey, SecretKey};
+use stormo_testing::Member;
 
 use crate::demo::stormo_exe;
 use crate::node::{model_with_manifest, s, state, stormo, stormo_output, Proc};
@@ -275,22 +276,22 @@ pub(crate) fn create_swarm(dir: &Path) -> String {
         .to_string()
 }
 
-/// `stormo swarm admit` of `node` (a public key or a key file) for `expires`, into
-/// `dir/NAME.cert`.
-pub(crate) fn admit(dir: &Path, node: &str, expires: &str, name: &str) -> std::path::PathBuf {
+/// `stormo swarm admit` of `node` (a public key or a key file) by the owner in `dir`, for
+/// `expires` (`None`: the default period), into `dir/NAME.cert`.
+pub(crate) fn admit_for(
+    dir: &Path,
+    node: &str,
+    expires: Option<&str>,
+    name: &str,
+) -> std::path::PathBuf {
     let cert = dir.join(format!("{name}.cert"));
-    stormo(&[
-        "swarm",
-        "admit",
-        "--owner",
-        s(&dir.join("owner.key")),
-        "--node",
-        node,
-        "--expires",
-        expires,
-        "--out",
-        s(&cert),
-    ]);
+    let owner = dir.join("owner.key");
+    let mut args = vec!["swarm", "admit", "--owner", s(&owner), "--node", node];
+    if let Some(e) = expires {
+        args.extend(["--expires", e]);
+    }
+    args.extend(["--out", s(&cert)]);
+    stormo(&args);
     cert
 }
 
@@ -310,7 +311,7 @@ fn swarm_show_exits_non_zero_on_an_expired_forged_or_invalid_certificate() {
     let swarm: PublicKey = create_swarm(dir.path()).parse().expect("a swarm key");
     let owner = SecretKey::load(&dir.path().join("owner.key")).expect("the owner's key");
     let node = SecretKey::from_seed(&[31; 32]).public();
-    let valid = admit(dir.path(), &node.to_hex(), "30d", "valid");
+    let valid = admit_for(dir.path(), &node.to_hex(), Some("30d"), "valid");
     let out = stormo_output(&["swarm", "show", "--cert", s(&valid)], None);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -367,79 +368,6 @@ fn swarm_show_exits_non_zero_on_an_expired_forged_or_invalid_certificate() {
     }
 }
 
-/// A member's connection to a `stormo serve` process, its control stream open (a `Hello`
-/// each way, so the server serves it).
-struct Member {
-    endpoint: quinn::Endpoint,
-    conn: quinn::Connection,
-    _control: (quinn::SendStream, stormo_net::FramedRecv),
-}
-
-impl Member {
-    async fn connect(server: &str, me: &SecretKey, cert: &Path) -> Self {
-        use stormo_wire::{Hello, Limits, Message, NodeId, PROTOCOL_VERSION};
-        let (key, addr) = server.split_once('@').expect("KEY@ADDR");
-        let server_key: PublicKey = key.parse().expect("the server's key");
-        let cert = stormo_net::identity::read_cert(cert).expect("the certificate");
-        let endpoint = stormo_net::bind("127.0.0.1:0".parse().expect("addr"), None).expect("bind");
-        let id = stormo_net::tls::Identity {
-            secret: me,
-            membership: Some(&cert),
-        };
-        let cc = stormo_net::tls::client_config_for(
-            id,
-            Some(&server_key),
-            stormo_net::tls::Admission::Any,
-        )
-        .expect("client config");
-        let connecting = endpoint
-            .connect_with(cc, addr.parse().expect("the server's address"), "stormo")
-            .expect("connect");
-        let conn = tokio::time::timeout(Duration::from_secs(10), connecting)
-            .await
-            .expect("a handshake within 10 s")
-            .expect("a member is admitted");
-        let (mut send, recv) = conn.open_bi().await.expect("a control stream");
-        let hello = Message::Hello(Hello {
-            version: PROTOCOL_VERSION,
-            node: NodeId(*me.public().as_bytes()),
-            models: Vec::new(),
-            limits: Limits {
-                max_concurrent_requests: 1,
-            },
-        });
-        stormo_net::write_message(&mut send, &hello)
-            .await
-            .expect("send the hello");
-        let mut recv = stormo_net::FramedRecv::new(recv, 1 << 20);
-        let answer = tokio::time::timeout(Duration::from_secs(10), recv.next())
-            .await
-            .expect("the server's hello within 10 s");
-        assert!(
-            matches!(answer, Ok(Some(Message::Hello(_)))),
-            "the server did not say hello: {answer:?}"
-        );
-        Self {
-            endpoint,
-            conn,
-            _control: (send, recv),
-        }
-    }
-
-    /// Waits at most until `until` for the server to close the connection: its code and
-    /// reason.
-    async fn closed_by(&self, until: tokio::time::Instant) -> Result<(u64, String), String> {
-        match tokio::time::timeout_at(until, self.conn.closed()).await {
-            Err(_) => Err("still open".into()),
-            Ok(quinn::ConnectionError::ApplicationClosed(c)) => Ok((
-                c.error_code.into_inner(),
-                String::from_utf8_lossy(&c.reason).into_owned(),
-            )),
-            Ok(other) => Err(format!("closed otherwise: {other}")),
-        }
-    }
-}
-
 /// Issue 58 (5) through the CLI: `stormo serve --swarm --revoked FILE` serving two members
 /// over open connections closes the first within 5 s of its key being written into FILE
 /// (beside a malformed line, which is warned about), with `forbidden` and the reason, and the
@@ -452,7 +380,7 @@ fn serve_cuts_off_a_member_within_5_s_of_its_revocation_or_its_expiry() {
     let swarm = create_swarm(keys.path());
     let server_key = keys.path().join("server.key");
     stormo(&["key", "generate", "--key", s(&server_key)]);
-    let server_cert = admit(keys.path(), s(&server_key), "30d", "server");
+    let server_cert = admit_for(keys.path(), s(&server_key), Some("30d"), "server");
     let revoked = keys.path().join("revoked.txt");
     std::fs::write(&revoked, "# nobody yet\n").expect("revoked file");
     let st = state();
@@ -482,19 +410,24 @@ fn serve_cuts_off_a_member_within_5_s_of_its_revocation_or_its_expiry() {
         SecretKey::from_seed(&[33; 32]),
         SecretKey::from_seed(&[34; 32]),
     );
-    let cut_cert = admit(keys.path(), &cut.public().to_hex(), "30d", "cut");
+    let cut_cert = admit_for(keys.path(), &cut.public().to_hex(), Some("30d"), "cut");
     // Expires 8 s from now: time to connect first, on a busy machine too.
-    let expiring_cert = admit(keys.path(), &expiring.public().to_hex(), "8s", "expiring");
-    let expiry = stormo_net::identity::read_cert(&expiring_cert)
-        .expect("the certificate")
-        .expires;
+    let expiring_cert = admit_for(
+        keys.path(),
+        &expiring.public().to_hex(),
+        Some("8s"),
+        "expiring",
+    );
+    let read = |cert: &Path| stormo_net::identity::read_cert(cert).expect("the certificate");
+    let (cut_cert, expiring_cert) = (read(&cut_cert), read(&expiring_cert));
+    let expiry = expiring_cert.expires;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("runtime");
     rt.block_on(async {
-        let exp = Member::connect(&server.line, &expiring, &expiring_cert).await;
-        let rev = Member::connect(&server.line, &cut, &cut_cert).await;
+        let exp = Member::connect_to(&server.line, &expiring, &expiring_cert).await;
+        let rev = Member::connect_to(&server.line, &cut, &cut_cert).await;
         std::fs::write(&revoked, format!("{}x\n{}\n", cut.public(), cut.public())).expect("revoke");
         let within = tokio::time::Instant::now() + Duration::from_secs(5);
         let (code, reason) = rev.closed_by(within).await.unwrap_or_else(|e| {
@@ -503,9 +436,9 @@ fn serve_cuts_off_a_member_within_5_s_of_its_revocation_or_its_expiry() {
         assert_eq!(code, 8, "not closed `forbidden`: {reason}");
         assert!(reason.contains("is revoked"), "{reason}");
         assert!(
-            exp.conn.close_reason().is_none(),
+            exp.close_reason().is_none(),
             "the other member was cut off too: {:?}",
-            exp.conn.close_reason()
+            exp.close_reason()
         );
 
         let left = Duration::from_secs(expiry)
@@ -517,7 +450,7 @@ fn serve_cuts_off_a_member_within_5_s_of_its_revocation_or_its_expiry() {
         assert_eq!(code, 8, "not closed `forbidden`: {reason}");
         assert!(reason.contains("expired at"), "{reason}");
         for m in [rev, exp] {
-            m.endpoint.close(0u32.into(), b"done");
+            m.close();
         }
     });
     let log = server.stderr.lock().expect("stderr lock").clone();

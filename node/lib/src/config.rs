@@ -139,8 +139,8 @@ pub struct PeersConfig {
 pub struct ListenConfig {
     /// Where to listen (UDP); the node dials its peers from the same port.
     pub addr: SocketAddr,
-    /// Limits and admission. Its `membership` is not read: the node presents the
-    /// certificate of [`NodeConfig::swarm`], the one place it is given.
+    /// Limits and admission. The certificate the node presents is that of
+    /// [`NodeConfig::swarm`], the one place it is given.
     pub serve: serve::ServeConfig,
     /// Copies of every expert the serving nodes aim to keep across the swarm
     /// (`--replicas`; 0: this node places none). Needs kept experts and peers.

@@ -299,16 +299,11 @@ impl Node {
         let h = {
             let _g = self.rt.enter();
             // The certificate presented is the swarm's, given once (`NodeConfig::swarm`).
-            let serve = net::serve::ServeConfig {
-                membership: self
-                    .cfg
-                    .swarm
-                    .as_ref()
-                    .and_then(|s| s.membership.as_ref())
-                    .map(|m| m.cert.clone()),
-                ..listen.serve
+            let id = match &self.cfg.swarm {
+                Some(s) => s.identity(secret),
+                None => net::tls::Identity::key(secret),
             };
-            net::serve::start_on(ep.clone(), secret, holdings.clone(), serve)?
+            net::serve::start_on(ep.clone(), id, holdings.clone(), listen.serve)?
         };
         let announcer = Announcer {
             holdings: holdings.clone(),

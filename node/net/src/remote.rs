@@ -1097,13 +1097,7 @@ mod tests {
         (x, calls, live)
     }
 
-    fn runtime() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap()
-    }
+    use stormo_testing::runtime;
 
     /// Delegates what the policy takes and submits to the peer chosen; returns the tickets.
     fn plan(x: &RemoteExperts, layer: usize, demand: &[Demand], rows: &[f32]) -> Vec<Ticket> {

@@ -217,8 +217,6 @@ pub struct ServeConfig {
     pub admission: Admission,
     /// How answers are paced.
     pub congestion: tls::Congestion,
-    /// This node's swarm membership certificate, presented in the handshake.
-    pub membership: Option<stormo_manifests::Membership>,
     /// Running experts for peers: threads and limits.
     pub exec: super::exec::ExecConfig,
 }
@@ -230,7 +228,6 @@ impl Default for ServeConfig {
             node_limit: 32,
             admission: Admission::Keys(Default::default()),
             congestion: tls::Congestion::default(),
-            membership: None,
             exec: super::exec::ExecConfig::default(),
         }
     }
@@ -316,9 +313,10 @@ struct Shared {
     live: Option<Arc<tls::LiveMembers>>,
 }
 
-/// Starts serving `holdings` on `listen` as `secret`, on an endpoint of its own. Must be called
-/// inside a tokio runtime; the server runs on it until closed. A node that also fetches uses
-/// [`start_on`] with the endpoint it dials from.
+/// Starts serving `holdings` on `listen` as `secret` (a node key with no swarm certificate),
+/// on an endpoint of its own. Must be called inside a tokio runtime; the server runs on it
+/// until closed. A node that also fetches, or presents a membership certificate, uses
+/// [`start_on`].
 pub fn start(
     secret: &SecretKey,
     listen: SocketAddr,
@@ -326,37 +324,35 @@ pub fn start(
     cfg: ServeConfig,
 ) -> anyhow::Result<ServerHandle> {
     let endpoint = super::bind(listen, None)?;
-    start_on(endpoint, secret, holdings, cfg)
+    start_on(endpoint, tls::Identity::key(secret), holdings, cfg)
 }
 
-/// The TLS and transport settings of a server with `cfg`'s limits.
-pub fn server_config(secret: &SecretKey, cfg: &ServeConfig) -> anyhow::Result<quinn::ServerConfig> {
+/// The TLS and transport settings of a server that is `id` (its key, and in a swarm its
+/// certificate) with `cfg`'s limits.
+fn server_config(id: tls::Identity<'_>, cfg: &ServeConfig) -> anyhow::Result<quinn::ServerConfig> {
     // Requests (and the streams a requester gave up on that the server has not yet dropped),
     // the exec calls, and the control stream.
     let streams = cfg.per_peer.saturating_mul(2).max(4) + cfg.exec.per_peer.max(1) + 1;
-    let id = tls::Identity {
-        secret,
-        membership: cfg.membership.as_ref(),
-    };
     tls::server_config_for(id, cfg.admission.clone(), streams, cfg.congestion)
 }
 
-/// Starts serving `holdings` as `secret` on `endpoint` (which may also dial: peers reach this
-/// node on the port it dials from). Must be called inside a tokio runtime.
+/// Starts serving `holdings` as `id` (the node key, and the swarm certificate it presents in
+/// the handshake) on `endpoint` (which may also dial: peers reach this node on the port it
+/// dials from). Must be called inside a tokio runtime.
 pub fn start_on(
     endpoint: quinn::Endpoint,
-    secret: &SecretKey,
+    id: tls::Identity<'_>,
     holdings: Arc<Holdings>,
     cfg: ServeConfig,
 ) -> anyhow::Result<ServerHandle> {
-    endpoint.set_server_config(Some(server_config(secret, &cfg)?));
+    endpoint.set_server_config(Some(server_config(id, &cfg)?));
     let addr = endpoint.local_addr().context("the bound address")?;
     let stats = Arc::new(ServeStats::default());
     let exec = super::exec::Executor::new(cfg.exec)?;
     let exec_stats = exec.stats.clone();
     let live = tls::LiveMembers::start(cfg.admission.clone());
     let shared = Arc::new(Shared {
-        key: NodeId(*secret.public().as_bytes()),
+        key: NodeId(*id.secret.public().as_bytes()),
         holdings,
         node_slots: Arc::new(Semaphore::new(cfg.node_limit.max(1))),
         cfg,

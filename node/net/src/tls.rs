@@ -52,7 +52,7 @@ mod list;
 mod live;
 
 pub use list::RevokedList;
-pub use live::{Admitted, Ended, LiveMembers, Watched, NO_LONGER_ADMITTED};
+pub(crate) use live::LiveMembers;
 
 /// DER prefix of an Ed25519 SubjectPublicKeyInfo; the 32 key bytes follow.
 const SPKI_PREFIX: [u8; 12] = [

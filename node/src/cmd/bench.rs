@@ -28,7 +28,6 @@ mod timed;
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use stormo_engine::{LoadOptions, ModelFiles};
 
 use crate::args::{ExpertArgs, PeerArgs};
@@ -208,9 +207,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let (plan, files) = Plan::resolve(&a)?;
     let say = Progress { quiet: a.json };
     let mut ceilings = ceilings::Ceilings::measure(plan.mem_test, plan.disk_test, &files, say)?;
-    drop(files);
     let source = peers::Source::resolve(&a, say)?;
-    let mut rig = timed::Rig::start(&a, &plan, source.local(), source.peers)?;
+    let mut rig = timed::Rig::start(&a, &plan, source.local(), source.peers, files)?;
     if a.warm {
         say.say("warming the expert cache...");
         rig.warm(&plan)?;
@@ -299,8 +297,8 @@ struct Plan {
 }
 
 impl Plan {
-    /// The plan for `a`, and the model's files (open for the disk's rate; closed before the
-    /// node starts).
+    /// The plan for `a`, and the model's files (opened once: for the disk's rate, then for
+    /// the node the run starts on).
     fn resolve(a: &Args) -> anyhow::Result<(Self, ModelFiles)> {
         anyhow::ensure!(
             !a.prompt_tokens.is_empty() && a.prompt_tokens.iter().all(|&p| p > 0),
@@ -309,8 +307,7 @@ impl Plan {
         let mem_test = parse_size(&a.mem_test).map_err(|e| anyhow::anyhow!("--mem-test: {e}"))?;
         let disk_test =
             parse_size(&a.disk_test).map_err(|e| anyhow::anyhow!("--disk-test: {e}"))?;
-        let files = ModelFiles::open(&a.model)
-            .with_context(|| format!("loading the model in {}", a.model.display()))?;
+        let files = stormo_node::node::open_model(&a.model)?;
         let svg = crate::plot::BenchSvg::resolve(
             a.svg.as_deref(),
             a.svg_llama.as_deref(),

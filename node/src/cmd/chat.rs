@@ -523,9 +523,7 @@ impl Write for Noting<'_> {
 pub fn run(a: Args) -> anyhow::Result<()> {
     // First: the tokenizer and the probes use the pool whose size this sets.
     stormo_node::config::start_engine_threads(a.experts.threads)?;
-    let defaults = SamplingDefaults::from_dir(&a.model);
-    let sampling = a.sampling.params_with(&defaults, 0.7)?;
-    a.sampling.warn_unused(&sampling);
+    let sampling = sampling(&a)?;
     let load = LoadOptions {
         prefill_block: a.prefill_block,
         int8_attn_head: a.int8_attn_head,
@@ -554,11 +552,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let interactive = std::io::stdin().is_terminal();
     let tty = std::io::stdout().is_terminal();
     if interactive {
-        converse_terminal(&a, &tm, &mut std::io::stdout(), &mut std::io::stderr(), tty)?;
+        let (out, notes) = (&mut std::io::stdout(), &mut std::io::stderr());
+        converse_terminal(&a, &tm, sampling, out, notes, tty)?;
     } else {
         converse(
             &a,
             &tm,
+            sampling,
             std::io::stdin().lock(),
             &mut std::io::stdout(),
             &mut std::io::stderr(),
@@ -568,6 +568,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     tm.node.finish_run();
     Ok(())
+}
+
+/// The chat's sampling: each option given, else the model folder's generation_config.json
+/// (read here, once a chat), else a temperature of 0.7; a warning for options it leaves unused.
+pub fn sampling(a: &Args) -> anyhow::Result<SamplingParams> {
+    let sampling = a
+        .sampling
+        .params_with(&SamplingDefaults::from_dir(&a.model), 0.7)?;
+    a.sampling.warn_unused(&sampling);
+    Ok(sampling)
 }
 
 /// What the loop does after a line.
@@ -598,10 +608,13 @@ struct Conversation<'a> {
 }
 
 impl<'a> Conversation<'a> {
-    fn new(a: &'a Args, tm: &'a TextModel, interactive: bool, tty: bool) -> anyhow::Result<Self> {
-        let sampling = a
-            .sampling
-            .params_with(&SamplingDefaults::from_dir(&a.model), 0.7)?;
+    fn new(
+        a: &'a Args,
+        tm: &'a TextModel,
+        sampling: SamplingParams,
+        interactive: bool,
+        tty: bool,
+    ) -> anyhow::Result<Self> {
         let popts = a.render.prompt_options()?;
         anyhow::ensure!(a.max_new_tokens >= 1, "--max-new-tokens must be at least 1");
         // The chat format's own tokens around an empty message (and the system prompt) must
@@ -950,20 +963,22 @@ const COMMANDS: &str = "/reset forgets the conversation; /save FILE and /load FI
                         restore it (JSON; --session FILE keeps it with its KV cache); /quit \
                         leaves; anything else is a message.";
 
-/// The conversation loop: reads turns from `input` (one line each), writes replies to `out`
-/// and notes (prompts, statistics, command answers) to `notes`. `interactive` shows a prompt
-/// and colours the notes; `tty` says whether `out` is a terminal (dimmed reasoning). A
-/// terminal is read by [`converse_terminal`] instead.
+/// The conversation loop, replying with `sampling` ([`sampling`]): reads turns from `input`
+/// (one line each), writes replies to `out` and notes (prompts, statistics, command answers)
+/// to `notes`. `interactive` shows a prompt and colours the notes; `tty` says whether `out`
+/// is a terminal (dimmed reasoning). A terminal is read by [`converse_terminal`] instead.
+#[allow(clippy::too_many_arguments)]
 pub fn converse(
     a: &Args,
     tm: &TextModel,
+    sampling: SamplingParams,
     input: impl BufRead,
     out: &mut dyn Write,
     notes: &mut dyn Write,
     interactive: bool,
     tty: bool,
 ) -> anyhow::Result<()> {
-    let mut c = Conversation::new(a, tm, interactive, tty)?;
+    let mut c = Conversation::new(a, tm, sampling, interactive, tty)?;
     if interactive {
         c.banner(notes)?;
     }
@@ -996,11 +1011,12 @@ pub fn converse(
 pub fn converse_terminal(
     a: &Args,
     tm: &TextModel,
+    sampling: SamplingParams,
     out: &mut dyn Write,
     notes: &mut dyn Write,
     tty: bool,
 ) -> anyhow::Result<()> {
-    let mut c = Conversation::new(a, tm, true, tty)?;
+    let mut c = Conversation::new(a, tm, sampling, true, tty)?;
     let history = if a.no_history {
         None
     } else {

@@ -168,8 +168,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 node_limit: a.max_requests,
                 admission: admission(&a, swarm.as_ref())?,
                 congestion: a.congestion,
-                // The node presents the certificate of `swarm`, given to it once below.
-                membership: None,
                 exec: net::exec::ExecConfig {
                     threads: a.exec_threads,
                     per_peer: a.exec_per_peer,

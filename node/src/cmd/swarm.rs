@@ -163,25 +163,32 @@ pub fn run(c: Command) -> anyhow::Result<()> {
 fn status(a: StatusArgs) -> anyhow::Result<()> {
     use stormo_node::config::{CacheBudget, ExpertsConfig, LocalExperts, NodeConfig};
     let peers = a.net.resolve(false)?;
-    let swarm = crate::swarm_args::resolve_for_node(&a.swarm, a.net.key.as_deref())?;
+    // The key file is loaded once: for the certificate's check and for the node.
+    let (swarm, host) =
+        crate::swarm_args::resolve_identity(&a.swarm, a.net.key.as_deref())?.into_host()?;
     anyhow::ensure!(
         !peers.peers.is_empty() || swarm.as_ref().is_some_and(|s| s.discover.is_on()),
         "swarm status needs peers to ask: --peer KEY@HOST:PORT (or --discover with --swarm)"
     );
-    let node = stormo_node::node::Node::start(NodeConfig {
-        model: a.model.clone(),
-        state_dir: stormo_node::config::default_state_dir(),
-        experts: ExpertsConfig {
-            cache: CacheBudget::Bytes(0),
-            hot_store: false,
-            ..ExpertsConfig::default()
+    let files = stormo_node::node::open_model(&a.model)?;
+    let node = stormo_node::node::Node::start_on(
+        NodeConfig {
+            model: a.model.clone(),
+            state_dir: stormo_node::config::default_state_dir(),
+            experts: ExpertsConfig {
+                cache: CacheBudget::Bytes(0),
+                hot_store: false,
+                ..ExpertsConfig::default()
+            },
+            local: LocalExperts::None,
+            context: 1,
+            peers,
+            listen: None,
+            swarm,
         },
-        local: LocalExperts::None,
-        context: 1,
-        peers,
-        listen: None,
-        swarm,
-    })?;
+        host,
+        files,
+    )?;
     let until = std::time::Instant::now() + std::time::Duration::from_secs_f64(a.wait);
     let answered = || {
         node.peer_tier().is_some_and(|t| {

@@ -45,7 +45,7 @@ use super::{Admission, Refusal};
 const POLL: Duration = Duration::from_secs(1);
 
 /// The code a connection is closed with when its peer is no longer admitted.
-pub const NO_LONGER_ADMITTED: ErrorCode = ErrorCode::FORBIDDEN;
+pub(crate) const NO_LONGER_ADMITTED: ErrorCode = ErrorCode::FORBIDDEN;
 
 /// One admitted connection: what its peer proved, and when it was last judged.
 #[derive(Debug)]
@@ -65,7 +65,7 @@ struct Entry<C> {
 /// The connections admitted under one policy, judged again when its lists change or a
 /// certificate expires. Sans-IO: the time is passed in, the connections to close come out.
 #[derive(Debug)]
-pub struct Admitted<C> {
+pub(crate) struct Admitted<C> {
     admission: Admission,
     next_id: u64,
     entries: HashMap<u64, Entry<C>>,
@@ -73,18 +73,18 @@ pub struct Admitted<C> {
 
 /// A connection whose peer its policy refuses now: the caller closes it.
 #[derive(Debug)]
-pub struct Ended<C> {
+pub(crate) struct Ended<C> {
     /// The connection.
-    pub handle: C,
+    pub(crate) handle: C,
     /// Its peer's node key.
-    pub key: PublicKey,
+    pub(crate) key: PublicKey,
     /// Why it is refused now.
-    pub reason: Refusal,
+    pub(crate) reason: Refusal,
 }
 
 impl<C> Admitted<C> {
     /// No connections yet, under `admission`.
-    pub fn new(admission: Admission) -> Self {
+    pub(crate) fn new(admission: Admission) -> Self {
         Self {
             admission,
             next_id: 0,
@@ -95,7 +95,7 @@ impl<C> Admitted<C> {
     /// Puts a connection on the watch: its peer proved `key` and presented `membership` (the
     /// extension's bytes, if any). It is judged at the next [`Self::sweep`], since a list may
     /// have changed between its handshake and now. Returns its id for [`Self::remove`].
-    pub fn insert(&mut self, key: PublicKey, membership: Option<Vec<u8>>, handle: C) -> u64 {
+    pub(crate) fn insert(&mut self, key: PublicKey, membership: Option<Vec<u8>>, handle: C) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
         let expires = membership
@@ -117,24 +117,26 @@ impl<C> Admitted<C> {
     }
 
     /// Takes a connection off the watch (it closed).
-    pub fn remove(&mut self, id: u64) -> Option<C> {
+    pub(crate) fn remove(&mut self, id: u64) -> Option<C> {
         self.entries.remove(&id).map(|e| e.handle)
     }
 
     /// How many connections are watched.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.entries.len()
     }
 
     /// Whether none is.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
 
     /// Judges again at `now` (Unix seconds) every connection whose verdict may have changed
     /// (a list changed since it was judged, or its certificate's expiry came), and takes those
     /// refused now off the watch, returned with the reason.
-    pub fn sweep(&mut self, now: u64) -> Vec<Ended<C>> {
+    pub(crate) fn sweep(&mut self, now: u64) -> Vec<Ended<C>> {
         let Self {
             admission, entries, ..
         } = self;
@@ -171,13 +173,13 @@ impl<C> Admitted<C> {
 /// The live connections of one server under its admission policy, and the watcher that
 /// closes those it no longer admits (see the module docs).
 #[derive(Debug)]
-pub struct LiveMembers {
+pub(crate) struct LiveMembers {
     admitted: Mutex<Admitted<quinn::Connection>>,
 }
 
 /// A connection on the watch; dropping it takes the connection off.
 #[derive(Debug)]
-pub struct Watched {
+pub(crate) struct Watched {
     members: Weak<LiveMembers>,
     id: u64,
 }
@@ -195,7 +197,7 @@ impl LiveMembers {
     /// tokio runtime (it ends once the watch is dropped). `None` when no verdict of the policy
     /// can change while a connection lives (anyone, or a fixed list of keys). Must be called
     /// inside a tokio runtime.
-    pub fn start(admission: Admission) -> Option<Arc<Self>> {
+    pub(crate) fn start(admission: Admission) -> Option<Arc<Self>> {
         if !admission.can_change() {
             return None;
         }
@@ -208,7 +210,7 @@ impl LiveMembers {
 
     /// Puts `conn` on the watch, with the key and membership its peer proved in the
     /// handshake; `None` for a connection whose peer proved no node key (never admitted).
-    pub fn admit(self: &Arc<Self>, conn: &quinn::Connection) -> Option<Watched> {
+    pub(crate) fn admit(self: &Arc<Self>, conn: &quinn::Connection) -> Option<Watched> {
         let cert = super::peer_cert(conn)?;
         let key = PublicKey::from_bytes(&cert.key).ok()?;
         let id = self.lock().insert(key, cert.membership, conn.clone());
@@ -216,16 +218,6 @@ impl LiveMembers {
             members: Arc::downgrade(self),
             id,
         })
-    }
-
-    /// How many connections are on the watch.
-    pub fn len(&self) -> usize {
-        self.lock().len()
-    }
-
-    /// Whether none is.
-    pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Admitted<quinn::Connection>> {
@@ -295,6 +287,7 @@ mod tests {
     use std::collections::HashSet;
 
     use stormo_manifests::{MembershipError, SecretKey};
+    use stormo_testing::Member;
 
     use crate::tls::{RevokedList, SwarmAdmission};
 
@@ -436,79 +429,6 @@ mod tests {
         assert!(!Admission::Keys(HashSet::new()).can_change());
     }
 
-    /// A member's connection to a real peer server on loopback, its control stream open (a
-    /// `Hello` each way, so the server's connection task runs and watches it).
-    struct Member {
-        endpoint: quinn::Endpoint,
-        conn: quinn::Connection,
-        _control: (quinn::SendStream, crate::FramedRecv),
-    }
-
-    impl Member {
-        async fn connect(
-            server: std::net::SocketAddr,
-            server_key: &PublicKey,
-            me: &SecretKey,
-            cert: &Membership,
-        ) -> Self {
-            use stormo_wire::{Hello, Limits, Message, NodeId, PROTOCOL_VERSION};
-            let endpoint = crate::bind("127.0.0.1:0".parse().expect("addr"), None).expect("bind");
-            let id = crate::tls::Identity {
-                secret: me,
-                membership: Some(cert),
-            };
-            let cc = crate::tls::client_config_for(id, Some(server_key), Admission::Any)
-                .expect("client config");
-            let conn = tokio::time::timeout(Duration::from_secs(5), async {
-                endpoint
-                    .connect_with(cc, server, "stormo")
-                    .expect("connect")
-                    .await
-            })
-            .await
-            .expect("a handshake within 5 s")
-            .expect("a member is admitted");
-            let (mut send, recv) = conn.open_bi().await.expect("a control stream");
-            let hello = Message::Hello(Hello {
-                version: PROTOCOL_VERSION,
-                node: NodeId(*me.public().as_bytes()),
-                models: Vec::new(),
-                limits: Limits {
-                    max_concurrent_requests: 1,
-                },
-            });
-            crate::write_message(&mut send, &hello)
-                .await
-                .expect("send the hello");
-            let mut recv = crate::FramedRecv::new(recv, 1 << 20);
-            let answer = tokio::time::timeout(Duration::from_secs(5), recv.next())
-                .await
-                .expect("the server's hello within 5 s");
-            assert!(
-                matches!(answer, Ok(Some(Message::Hello(_)))),
-                "the server did not say hello: {answer:?}"
-            );
-            Self {
-                endpoint,
-                conn,
-                _control: (send, recv),
-            }
-        }
-
-        /// Waits at most until `until` for the server to close the connection: its code and
-        /// reason.
-        async fn closed_by(&self, until: tokio::time::Instant) -> Result<(u64, String), String> {
-            match tokio::time::timeout_at(until, self.conn.closed()).await {
-                Err(_) => Err("still open".into()),
-                Ok(quinn::ConnectionError::ApplicationClosed(c)) => Ok((
-                    c.error_code.into_inner(),
-                    String::from_utf8_lossy(&c.reason).into_owned(),
-                )),
-                Ok(other) => Err(format!("closed otherwise: {other}")),
-            }
-        }
-    }
-
     /// The tiny GPT-OSS fixture with a manifest, as a server's holdings.
     fn fixture_holdings(dir: &std::path::Path) -> crate::serve::Holdings {
         use stormo_engine::moe::ExpertProvider;
@@ -533,11 +453,7 @@ mod tests {
     /// keeps its connection through both.
     #[test]
     fn live_connections_of_a_revoked_and_an_expired_member_close_within_5_s() {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("runtime");
+        let rt = stormo_testing::runtime();
         let model = tempfile::tempdir().expect("tempdir");
         let holdings = Arc::new(fixture_holdings(model.path()));
         let now = crate::identity::unix_now().expect("clock");
@@ -556,15 +472,19 @@ mod tests {
         }));
         // Whole seconds: this certificate expires 3-4 s from now.
         let expiry = now + 4;
+        let server_cert = issue(&server, now + 3600);
         rt.block_on(async {
             let cfg = crate::serve::ServeConfig {
                 admission,
-                membership: Some(issue(&server, now + 3600)),
                 ..crate::serve::ServeConfig::default()
             };
+            let id = crate::tls::Identity {
+                secret: &server,
+                membership: Some(&server_cert),
+            };
+            let endpoint = crate::bind("127.0.0.1:0".parse().expect("addr"), None).expect("bind");
             let handle =
-                crate::serve::start(&server, "127.0.0.1:0".parse().expect("addr"), holdings, cfg)
-                    .expect("the server starts");
+                crate::serve::start_on(endpoint, id, holdings, cfg).expect("the server starts");
             let at = handle.local_addr();
             let sk = server.public();
             let exp = Member::connect(at, &sk, &expiring, &issue(&expiring, expiry)).await;
@@ -593,12 +513,12 @@ mod tests {
             assert!(reason.contains("expired at"), "{reason}");
 
             assert!(
-                stay.conn.close_reason().is_none(),
+                stay.close_reason().is_none(),
                 "a member still admitted lost its connection: {:?}",
-                stay.conn.close_reason()
+                stay.close_reason()
             );
             for m in [rev, exp, stay] {
-                m.endpoint.close(0u32.into(), b"done");
+                m.close();
             }
             handle.close();
         });

@@ -68,7 +68,8 @@ pub(super) struct DiskRun {
 /// (the same seed), the same warming and the same number of decoded tokens, at the same RAM
 /// budget.
 pub(super) fn disk_run(a: &Args, plan: &Plan) -> anyhow::Result<DiskRun> {
-    let mut rig = Rig::start(a, plan, LocalExperts::All, PeersConfig::default())?;
+    let files = stormo_node::node::open_model(&a.model)?;
+    let mut rig = Rig::start(a, plan, LocalExperts::All, PeersConfig::default(), files)?;
     if a.warm {
         rig.warm(plan)?;
     }

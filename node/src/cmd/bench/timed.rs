@@ -12,10 +12,10 @@ use std::time::Instant;
 use stormo_engine::generate::{argmax, DecodePair};
 use stormo_engine::profile;
 use stormo_engine::tiers::ExpertStats;
-use stormo_engine::{Logits, Model, ScreenStats, Session};
+use stormo_engine::{Logits, Model, ModelFiles, ScreenStats, Session};
 use stormo_node::config::{LocalExperts, NodeConfig, PeersConfig};
 use stormo_node::experts::Experts;
-use stormo_node::node::Node;
+use stormo_node::node::{Host, Node};
 
 use super::ceilings::Ceilings;
 use super::{Args, Plan, Progress};
@@ -101,15 +101,16 @@ pub(super) struct Decoded {
 }
 
 impl Rig {
-    /// Starts a node on `a`'s model with its experts from `local` and `peers`, sessions of
-    /// `plan.context` positions, and loads the model.
+    /// Starts a node on `a`'s model (`files`, opened from `a.model`) with its experts from
+    /// `local` and `peers`, sessions of `plan.context` positions, and loads the model.
     pub(super) fn start(
         a: &Args,
         plan: &Plan,
         local: LocalExperts,
         peers: PeersConfig,
+        files: ModelFiles,
     ) -> anyhow::Result<Self> {
-        let node = Node::start(NodeConfig {
+        let cfg = NodeConfig {
             model: a.model.clone(),
             state_dir: a.experts.state_dir(),
             experts: a.experts.resolve()?,
@@ -118,7 +119,8 @@ impl Rig {
             peers,
             listen: None,
             swarm: None,
-        })?;
+        };
+        let node = Node::start_on(cfg, Host::new()?, files)?;
         let experts = node.experts().clone();
         let model = node.load_model(&plan.load)?;
         Ok(Self {
