@@ -821,7 +821,7 @@ mod tests {
                     "--prefetch",
                 ],
             ),
-            ("serve", &["--prefetch"]),
+            ("serve", &["--prefetch", "--full-head"]),
             (
                 "bench",
                 &[

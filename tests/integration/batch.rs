@@ -1,8 +1,9 @@
 //! Continuous batching in the engine: several sequences run together through
 //! `Model::forward_batch` (prompts in chunks of varying size, joining and leaving at different
 //! steps) give, bit for bit, the logits and greedy choices each gets alone through
-//! `Model::forward` / `Model::forward_greedy`. On the oracle fixtures (every instruction set
-//! this CPU runs) and on synthetic models of both families. And the HTTP server's queue in
+//! `Model::forward` / `Model::forward_greedy`, and sampled sequences the tokens each draws
+//! alone from the whole head. On the oracle fixtures (every instruction set this CPU runs)
+//! and on synthetic models of both families. And the HTTP server's queue in
 //! front of the batching engine: a waiting request whose client hung up leaves it at once.
 
 use std::io::{Read, Write};
@@ -14,7 +15,8 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use stormo_engine::kernels::{with_isa, Isa};
 use stormo_engine::model::{Seq, Want};
-use stormo_engine::{Batch, LoadOptions, Logits, Model, Session};
+use stormo_engine::sampling::{Sampler, SamplingParams};
+use stormo_engine::{Batch, LoadOptions, Logits, Model, ScreenStats, Session};
 use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 use stormo_tests::{fixture, MODEL_FIXTURES};
 
@@ -126,6 +128,7 @@ fn batched(model: &Model, prompts: &[Vec<u32>], greedy: bool) -> Vec<Trace> {
                     let l = batch.logits(j, vocab).unwrap();
                     (bits(l), stormo_engine::generate::argmax(l))
                 }
+                Want::Sample => unreachable!("this driver asks for no draw"),
             };
             r.next = Some(got.1);
             r.trace.push(got);
@@ -221,6 +224,195 @@ fn batched_sequences_equal_each_alone_on_synthetic_models() {
         };
         check(tmp.path(), preset.name(), &load, false);
         check(tmp.path(), preset.name(), &load, true);
+    }
+}
+
+/// `prompt` alone, each token drawn by a sampler with `params` from the whole head's logits
+/// (`Model::forward`, then `Sampler::sample`; the penalty over prompt and output).
+fn alone_sampled(model: &Model, prompt: &[u32], params: SamplingParams) -> Vec<u32> {
+    let mut sess = model.session(prompt.len() + NEW).unwrap();
+    let mut sampler = Sampler::new(params).unwrap();
+    let mut history = prompt.to_vec();
+    let mut input = prompt.to_vec();
+    for _ in 0..NEW {
+        let l = model
+            .forward(&mut sess, &input, Logits::Last, None)
+            .unwrap();
+        let tok = sampler.sample(l, &history).unwrap();
+        history.push(tok);
+        input = vec![tok];
+    }
+    history.split_off(prompt.len())
+}
+
+/// A sequence drawing its tokens in a batch.
+struct Drawing {
+    sess: Session,
+    sampler: Sampler,
+    /// Prompt, then the tokens drawn.
+    history: Vec<u32>,
+    prompt: usize,
+    /// Prompt tokens already run.
+    done: usize,
+}
+
+/// All prompts together through `forward_batch` (prompts in chunks of a prefill block), each
+/// token drawn with `Want::Sample` and `Model::batch_sample` by the sequence's own sampler;
+/// the tokens drawn and the sessions' screen statistics summed.
+fn batched_sampled(
+    model: &Model,
+    prompts: &[Vec<u32>],
+    params: &[SamplingParams],
+) -> (Vec<Vec<u32>>, ScreenStats) {
+    let mut batch = Batch::new();
+    let mut all: Vec<Drawing> = prompts
+        .iter()
+        .zip(params)
+        .map(|(p, &params)| Drawing {
+            sess: model.session(p.len() + NEW).unwrap(),
+            sampler: Sampler::new(params).unwrap(),
+            history: p.clone(),
+            prompt: p.len(),
+            done: 0,
+        })
+        .collect();
+    let live = |d: &Drawing| d.history.len() < d.prompt + NEW;
+    while all.iter().any(live) {
+        let mut inputs: Vec<(usize, Vec<u32>, Want)> = Vec::new();
+        for (i, d) in all.iter().enumerate().filter(|(_, d)| live(d)) {
+            if d.done < d.prompt {
+                let end = (d.done + d.sess.max_step()).min(d.prompt);
+                let want = if end == d.prompt {
+                    Want::Sample
+                } else {
+                    Want::Nothing
+                };
+                inputs.push((i, d.history[d.done..end].to_vec(), want));
+            } else {
+                inputs.push((i, vec![*d.history.last().unwrap()], Want::Sample));
+            }
+        }
+        let mut seqs: Vec<Seq<'_>> = Vec::new();
+        let mut it = inputs.iter();
+        for d in all.iter_mut().filter(|d| live(d)) {
+            let (_, tokens, want) = it.next().expect("one input per live sequence");
+            seqs.push(Seq {
+                session: &mut d.sess,
+                tokens,
+                want: *want,
+            });
+        }
+        model.forward_batch(&mut batch, &mut seqs).unwrap();
+        drop(seqs);
+        for (j, (i, tokens, want)) in inputs.iter().enumerate() {
+            let d = &mut all[*i];
+            if d.done < d.prompt {
+                d.done += tokens.len();
+            }
+            if *want == Want::Sample {
+                let tok = model
+                    .batch_sample(&mut batch, j, &mut d.sess, &mut d.sampler, &d.history)
+                    .unwrap();
+                d.history.push(tok);
+            }
+        }
+    }
+    let mut stats = ScreenStats::default();
+    for d in &all {
+        let s = d.sess.screen_stats();
+        stats.screened += s.screened;
+        stats.exact_rows += s.exact_rows;
+        stats.full += s.full;
+    }
+    let drawn = all
+        .into_iter()
+        .map(|mut d| d.history.split_off(d.prompt))
+        .collect();
+    (drawn, stats)
+}
+
+/// Sampling settings the sampled tests go through: temperature alone (the race), top-k,
+/// top-p, both, a repetition penalty, and greedy with a penalty.
+pub(crate) fn sampling_cases() -> Vec<SamplingParams> {
+    let p = |temperature, top_k, top_p, repetition_penalty| SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        repetition_penalty,
+        seed: 0,
+    };
+    vec![
+        p(0.7, 0, 1.0, 1.0),
+        p(1.0, 40, 1.0, 1.0),
+        p(0.8, 0, 0.9, 1.0),
+        p(0.6, 20, 0.95, 1.1),
+        p(0.7, 0, 1.0, 1.3),
+        p(1.3, 0, 0.5, 1.0),
+        p(0.0, 0, 1.0, 1.2),
+    ]
+}
+
+/// Sequences sampled together (`Want::Sample`, `Model::batch_sample`) draw, seed for seed,
+/// the tokens each draws alone from the whole head's logits, through the screened head and
+/// without it, over temperatures, top-k, top-p, penalties and seeds; the screen decides
+/// most of the draws, and only with a screen.
+#[test]
+fn batched_sampled_sequences_draw_the_whole_heads_tokens() {
+    let cases = sampling_cases();
+    for name in MODEL_FIXTURES {
+        let dir = fixture(name);
+        let load = |screened_head| {
+            let opts = LoadOptions {
+                prefill_block: 8,
+                screened_head,
+                ..LoadOptions::default()
+            };
+            Model::load(&dir, &opts).unwrap()
+        };
+        let (plain, screened) = (load(false), load(true));
+        assert!(screened.has_screened_head() && !plain.has_screened_head());
+        let vocab = plain.config().vocab_size;
+        let mut decided = [0u64; 2];
+        for round in 0..cases.len() as u64 {
+            let prompts = prompts(vocab, 100 + round);
+            let params: Vec<SamplingParams> = (0..prompts.len())
+                .map(|i| SamplingParams {
+                    seed: round * 31 + i as u64,
+                    ..cases[(round as usize + i) % cases.len()]
+                })
+                .collect();
+            let want: Vec<Vec<u32>> = prompts
+                .iter()
+                .zip(&params)
+                .map(|(p, &s)| alone_sampled(&plain, p, s))
+                .collect();
+            for model in [&plain, &screened] {
+                let (got, stats) = batched_sampled(model, &prompts, &params);
+                assert_eq!(
+                    got,
+                    want,
+                    "{name} round {round}, screened head {}: {params:?}",
+                    model.has_screened_head()
+                );
+                assert_eq!(stats.screened + stats.full, (prompts.len() * NEW) as u64);
+                if model.has_screened_head() {
+                    decided[0] += stats.screened;
+                    decided[1] += stats.full;
+                } else {
+                    assert_eq!(stats.screened, 0, "{name}: no screen, no screened draw");
+                }
+            }
+        }
+        eprintln!(
+            "{name}: drawn through the screen {}, whole head {}",
+            decided[0], decided[1]
+        );
+        assert!(
+            decided[0] > decided[1],
+            "{name}: the screen decided {} of {} draws",
+            decided[0],
+            decided[0] + decided[1]
+        );
     }
 }
 

@@ -896,8 +896,8 @@ mod sessions {
     /// Several turns through one session give the tokens of a full recompute each time, and
     /// reuse exactly the common prefix of the new prompt and the ids already in the cache
     /// (prompt and generated ids, all but the last generated one, which is never run).
-    /// With `screened`, the session's model finds greedy tokens through its screened head
-    /// (the sampled turns use the whole head) and the full recomputes run without one.
+    /// With `screened`, the session's model finds greedy tokens and draws sampled ones through
+    /// its screened head, and the full recomputes run without one.
     fn turns_match_full_recompute(name: &str, screened: bool) {
         let model = load_with(name, screened);
         let plain = load(name);
@@ -988,8 +988,8 @@ mod sessions {
         );
         let st = sess.screen_stats();
         if screened {
-            // The greedy turns' tokens (3 x 6 + 3), all but the sampled turns' (2 x 6).
-            assert_eq!(st.screened + st.full, 21, "{name}: greedy choices");
+            // Every turn's tokens (5 x 6 + 3), greedy and sampled.
+            assert_eq!(st.screened + st.full, 33, "{name}: tokens chosen");
             assert!(st.screened > 0, "{name}: the screen decided none");
         } else {
             assert_eq!(
@@ -1010,6 +1010,43 @@ mod sessions {
     fn session_turns_match_full_recompute_qwen3() {
         turns_match_full_recompute("qwen3moe-tiny", false);
         turns_match_full_recompute("qwen3moe-tiny", true);
+    }
+
+    /// Sampled turns through a session whose model keeps a screened head draw, seed for seed,
+    /// the tokens of a session whose model has none (the whole head), over temperatures,
+    /// top-k, top-p, penalties and seeds, turn after turn in one conversation (the cache
+    /// reused); the screen draws most of them.
+    #[test]
+    fn sampled_turns_through_the_screened_head_draw_the_whole_heads_tokens() {
+        for name in ["gptoss-tiny-mxfp4", "qwen3moe-tiny"] {
+            let (screened, plain) = (load_with(name, true), load(name));
+            let vocab = plain.config().vocab_size;
+            let mut g = Gen(0x5a3e_11ed);
+            let mut a = ChatSession::new(screened, 512).expect("session");
+            let mut b = ChatSession::new(plain, 512).expect("session");
+            let mut prompt = ids(&mut g, 12, vocab);
+            for (k, case) in crate::batch::sampling_cases().into_iter().enumerate() {
+                for seed in 0..3 {
+                    let sampling = SamplingParams {
+                        seed: seed * 7 + k as u64,
+                        ..case
+                    };
+                    let o = opts(8, sampling);
+                    let go = |s: &mut ChatSession| {
+                        s.generate(&prompt, &o, |_| ControlFlow::Continue(()))
+                            .expect("turn runs")
+                            .ids
+                    };
+                    let (got, want) = (go(&mut a), go(&mut b));
+                    assert_eq!(got, want, "{name}: {sampling:?}");
+                    prompt = [&prompt[..], &got[..], &ids(&mut g, 3, vocab)[..]].concat();
+                }
+            }
+            let st = a.screen_stats();
+            assert_eq!(st.screened + st.full, 7 * 3 * 8, "{name}: tokens chosen");
+            assert!(st.screened > st.full, "{name}: the screen drew {st:?}");
+            assert_eq!(b.screen_stats().screened, 0, "{name}: no screen");
+        }
     }
 
     /// GPT-OSS's sliding layers: a turn that goes back further than the window still reuses

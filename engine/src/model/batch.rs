@@ -8,7 +8,8 @@
 //! so one expert read serves every sequence routed to it. Every kernel computes each row on
 //! its own, whatever rows share its call (see [`crate::kernels::matmul`] and `moe_block`), so
 //! a sequence's logits are bit for bit those it gets alone through [`Model::forward`] or
-//! [`Model::forward_greedy`]: batching changes the speed, never a token.
+//! [`Model::forward_greedy`], and its sampled tokens those of [`Model::forward_sample`]:
+//! batching changes the speed, never a token.
 //!
 //! Non-goals: scheduling (which sequences join a step, how a prompt is chunked) belongs to
 //! the caller; observers ([`super::Observer`]) are not offered here.
@@ -17,6 +18,7 @@ use super::{Model, Scratch, SeqRows, Session};
 use crate::error::{Error, Result};
 use crate::kernels::matmul;
 use crate::ops;
+use crate::sampling::Sampler;
 
 use super::head::Choice;
 
@@ -30,6 +32,11 @@ pub enum Want {
     /// The greedy choice for its last token ([`Batch::choice`]): through the screened head
     /// when the model has one, as [`Model::forward_greedy`].
     Greedy,
+    /// A token its sampler draws for its last token ([`Model::batch_sample`], after the
+    /// step): through the screened head when the model has one and the sampler can prove the
+    /// draw, as [`Model::forward_sample`]; else from its logits (computed with the other
+    /// sequences' when the model has no screen).
+    Sample,
 }
 
 /// One sequence's part of a batched step.
@@ -51,6 +58,8 @@ enum Output {
     /// Its row in [`Batch::logits`].
     Row(usize),
     Choice(Choice),
+    /// Its rows in [`Batch::screen_x`] and [`Batch::screen_approx`], to sample from.
+    Screen(usize),
 }
 
 /// The buffers of batched steps, reused from step to step, and each sequence's output of the
@@ -70,6 +79,8 @@ pub struct Batch {
     /// 8-bit logits `[m, V]` (the 8-bit head read once for all of them).
     screen_x: Vec<f32>,
     screen_approx: Vec<f32>,
+    /// The whole head's logits of a sampled sequence whose draw the screen could not prove.
+    fallback: Vec<f32>,
 }
 
 impl Batch {
@@ -79,7 +90,7 @@ impl Batch {
     }
 
     /// The logits of sequence `i` of the last step, if it wanted them (or wanted a greedy
-    /// choice the screen could not make, or the model has no screen).
+    /// choice the screen could not make, or a token drawn and the model has no screen).
     pub fn logits(&self, i: usize, vocab: usize) -> Option<&[f32]> {
         match self.out.get(i) {
             Some(Output::Row(r)) => Some(&self.logits[r * vocab..(r + 1) * vocab]),
@@ -195,7 +206,8 @@ impl Model {
 
     /// The head of a batched step: each sequence's last row final-normed; greedy choices
     /// through the screen where the model has one (the sequence's own screen scratch and
-    /// statistics, as alone); every other wanted row's logits in one product.
+    /// statistics, as alone), and the 8-bit logits of the sequences to sample from; every
+    /// other wanted row's logits in one product.
     fn batch_head(&self, batch: &mut Batch, seqs: &mut [Seq<'_>]) -> Result<()> {
         let cfg = &self.cfg;
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
@@ -210,6 +222,7 @@ impl Model {
             rows,
             screen_x,
             screen_approx,
+            fallback: _,
         } = batch;
         rows.clear();
         // The last row of each sequence, final-normed.
@@ -223,11 +236,11 @@ impl Model {
             }
             let x = &mut s.h[r * h..(r + 1) * h];
             ops::rms_norm(&s.x[r * h..(r + 1) * h], &w, cfg.rms_norm_eps, x);
-            if q.want == Want::Greedy && self.screen.is_some() {
+            if matches!(q.want, Want::Greedy | Want::Sample) && self.screen.is_some() {
                 screen_x.extend_from_slice(x);
             }
         }
-        // The greedy sequences' 8-bit logits in one pass over the 8-bit head.
+        // The greedy and sampled sequences' 8-bit logits in one pass over the 8-bit head.
         if let Some(sc) = &self.screen {
             if !screen_x.is_empty() {
                 sc.approx_many(screen_x, screen_approx);
@@ -239,6 +252,12 @@ impl Model {
             let r = end - 1;
             if q.want == Want::Nothing {
                 out.push(Output::None);
+                continue;
+            }
+            if q.want == Want::Sample && self.screen.is_some() {
+                // Drawn after the step, with the sequence's sampler (`batch_sample`).
+                out.push(Output::Screen(screened));
+                screened += 1;
                 continue;
             }
             if q.want == Want::Greedy {
@@ -276,5 +295,67 @@ impl Model {
             matmul(&head_mat, &last[..n * h], &mut logits[..n * v]);
         }
         Ok(())
+    }
+
+    /// The token `sampler` draws for sequence `i` of the last [`forward_batch`](Self::forward_batch)
+    /// step, which wanted [`Want::Sample`]; `session` is that sequence's session and `history`
+    /// the tokens its repetition penalty applies to. Always the token [`Sampler::sample`]
+    /// draws from the whole exact head's logits, as [`forward_sample`](Self::forward_sample)
+    /// gives alone: through the screen when the model has one and the sampler can prove the
+    /// draw, else from the whole head ([`Session::screen_stats`] counts how).
+    pub fn batch_sample(
+        &self,
+        batch: &mut Batch,
+        i: usize,
+        session: &mut Session,
+        sampler: &mut Sampler,
+        history: &[u32],
+    ) -> Result<u32> {
+        let (h, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let sample = |sampler: &mut Sampler, logits: &[f32]| {
+            sampler
+                .sample(logits, history)
+                .map_err(|e| Error::Input(e.to_string()))
+        };
+        let k = match batch.out.get(i) {
+            Some(Output::Screen(k)) => *k,
+            Some(Output::Row(r)) => {
+                // No screen: the logits were computed with the step.
+                session.s.screen_stats.full += 1;
+                return sample(sampler, &batch.logits[r * v..(r + 1) * v]);
+            }
+            _ => {
+                return Err(Error::Input(format!(
+                    "sequence {i} of the last step did not ask for a token to be drawn"
+                )))
+            }
+        };
+        let screen = self.screen.as_ref().expect("a screened row has a screen");
+        let head_mat = self.mat(&self.lm_head);
+        let x = &batch.screen_x[k * h..(k + 1) * h];
+        let vr = head_mat.rows();
+        let approx = &batch.screen_approx[k * vr..(k + 1) * vr];
+        let read = |rows: &[usize], bytes: &mut [u8]| self.read_rows(&self.lm_head, rows, bytes);
+        let s = &mut session.s;
+        let got = screen.sample_from(
+            &head_mat,
+            x,
+            approx,
+            sampler,
+            history,
+            &mut s.screen,
+            &mut s.screen_stats,
+            Some(&read),
+        )?;
+        self.check_mapped()?;
+        if let Some(tok) = got {
+            return Ok(tok);
+        }
+        s.screen_stats.full += 1;
+        // The row alone, as `forward_sample` computes it (each row's bits are its own).
+        batch.fallback.resize(v, 0.0);
+        matmul(&head_mat, x, &mut batch.fallback[..v]);
+        self.check_mapped()?;
+        sample(sampler, &batch.fallback[..v])
     }
 }

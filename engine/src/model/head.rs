@@ -248,12 +248,37 @@ impl HeadScreen {
         stats: &mut ScreenStats,
         read: Option<ReadRows<'_>>,
     ) -> Result<Option<u32>> {
-        let Some(l1) = self.l1_within_bound(x) else {
+        // Not worth the 8-bit pass when the bound cannot hold (`sample_from` would give up).
+        if self.l1_within_bound(x).is_none() {
             return Ok(None);
-        };
+        }
         let mut approx = std::mem::take(&mut sc.approx);
         approx.resize(head.rows(), 0.0);
         matvec(&self.q8_mat(), x, &mut approx);
+        let got = self.sample_from(head, x, &approx, sampler, history, sc, stats, read);
+        sc.approx = approx;
+        got
+    }
+
+    /// [`sample`](Self::sample) for a state whose 8-bit logits `approx` were computed already
+    /// ([`approx_many`](Self::approx_many)): the same token, bit for bit (any rounding of the
+    /// 8-bit sums is within the bounds).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn sample_from(
+        &self,
+        head: &Mat<'_>,
+        x: &[f32],
+        approx: &[f32],
+        sampler: &mut Sampler,
+        history: &[u32],
+        sc: &mut ScreenScratch,
+        stats: &mut ScreenStats,
+        read: Option<ReadRows<'_>>,
+    ) -> Result<Option<u32>> {
+        debug_assert_eq!(approx.len(), head.rows());
+        let Some(l1) = self.l1_within_bound(x) else {
+            return Ok(None);
+        };
         let mut rows_read = 0u64;
         let gathered = &mut sc.gathered;
         let mut exact = |rows: &[usize], out: &mut [f32]| {
@@ -261,8 +286,7 @@ impl HeadScreen {
             exact_rows(head, x, rows, out, gathered, read)
         };
         let slack = &self.slack;
-        let got = sampler.sample_screened(&approx, |i| slack[i] * l1 + TINY, &mut exact, history);
-        sc.approx = approx;
+        let got = sampler.sample_screened(approx, |i| slack[i] * l1 + TINY, &mut exact, history);
         if let Ok(Some(_)) = got {
             stats.screened += 1;
             stats.exact_rows += rows_read;

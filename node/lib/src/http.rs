@@ -20,8 +20,9 @@
 //! `echo`, `suffix`, `n` > 1), never silently ignored; fields this server does not know are
 //! named in a warning log line. `logprobs`/`top_logprobs` are the model's own distribution:
 //! `log_softmax` of the whole output head's logits before penalty, temperature, top-k and
-//! top-p, so when they are asked the screened head (an int8 shortcut for greedy argmax) is not
-//! used for that request. The sampling a request leaves out comes from the model folder's
+//! top-p, so when they are asked the screened head (an 8-bit copy of the head that finds the
+//! greedy token, or the sampled one, computing only the rows that can matter) is not used for
+//! that request. The sampling a request leaves out comes from the model folder's
 //! `generation_config.json` (see [`stormo_text::defaults`]), else OpenAI's defaults.
 //!
 //! SIGTERM or Ctrl-C (see [`shutdown_signal`] and [`HttpServer::shutdown`]): the listener

@@ -255,9 +255,8 @@ pub struct Args {
     /// docs/design.md).
     #[arg(long, hide = true)]
     pub int8_experts: bool,
-    /// Compute the whole exact output head for every token even when sampling is greedy
-    /// (--temperature 0, no penalty), instead of screening it with an 8-bit copy (the same
-    /// tokens; docs/design.md). Lab switch (hidden).
+    /// Compute the whole exact output head for every token instead of screening it with an
+    /// 8-bit copy, greedy or sampled (the same tokens; docs/design.md). Lab switch (hidden).
     #[arg(long, hide = true)]
     pub full_head: bool,
     /// No statistics line on stderr after each reply (`run` prints them with --stats).
@@ -528,8 +527,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         prefill_block: a.prefill_block,
         int8_attn_head: a.int8_attn_head,
         int8_experts: a.int8_experts,
-        // Only greedy replies use the screen; a sampled chat would hold the copy for nothing.
-        screened_head: !a.full_head && sampling.is_plain_argmax(),
+        // Greedy and sampled replies alike go through the screen (the whole head's tokens).
+        screened_head: !a.full_head,
     };
     // The key file is loaded once: for the certificate's check and for the node.
     let (swarm, host) =

@@ -84,12 +84,11 @@ pub struct Args {
     /// gives the measured agreement and speeds).
     #[arg(long, hide = true)]
     pub int8_experts: bool,
-    /// Compute every row of the exact output head for each greedy token. By default an
-    /// 8-bit copy of the head made at load finds the few rows that can hold the largest
-    /// logit and only those are computed exactly: the same tokens, bit for bit, with about
-    /// half the head's bytes read per token (the copy replaces the bf16 head in memory).
-    /// Sampling with a temperature or a repetition penalty always uses the whole head. Lab
-    /// switch (hidden).
+    /// Compute every row of the exact output head for each token. By default an 8-bit copy
+    /// of the head made at load finds the few rows that can hold the largest logit (or, when
+    /// sampling, that can matter to the draw) and only those are computed exactly: the same
+    /// tokens, bit for bit, with about half the head's bytes read per token (the copy
+    /// replaces the bf16 head in memory). Lab switch (hidden).
     #[arg(long, hide = true)]
     pub full_head: bool,
     /// Print expert statistics (hits, loads, waits, prefetch) on stderr.

@@ -109,6 +109,11 @@ pub struct Args {
     /// With this the cache fills as peers ask.
     #[arg(long)]
     pub no_warm: bool,
+    /// The HTTP API computes the whole exact output head for every token instead of
+    /// screening it with an 8-bit copy made at load, greedy or sampled (the same tokens;
+    /// docs/design.md). Lab switch (hidden).
+    #[arg(long, hide = true)]
+    pub full_head: bool,
     /// Where experts come from (one RAM cache over the local disk, kept experts and peers,
     /// shared by the peers served and the HTTP API).
     #[command(flatten)]
@@ -231,7 +236,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         // for the peers to answer first.
         node.keep_peers_dialled();
         node.wait_for_coverage(a.net.wait_coverage());
-        let tm = text_model_on(node.clone(), tokenizer, format, &LoadOptions::default())?;
+        // Greedy and sampled requests go through the head's screen (the whole head's tokens);
+        // a request that asks for log-probabilities uses the whole head.
+        let load = LoadOptions {
+            screened_head: !a.full_head,
+            ..LoadOptions::default()
+        };
+        let tm = text_model_on(node.clone(), tokenizer, format, &load)?;
         let name = tm.name.clone();
         let addr = node.start_http(tm, cfg)?;
         eprintln!("serving {name} over HTTP (OpenAI API) at http://{addr}/v1");

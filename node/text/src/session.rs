@@ -205,7 +205,8 @@ impl ChatSession {
         })
     }
 
-    /// How this session's greedy tokens were chosen (see [`Model::forward_greedy`]).
+    /// How this session's tokens were chosen (see [`Model::forward_greedy`] and
+    /// [`Model::forward_sample`]).
     pub fn screen_stats(&self) -> stormo_engine::ScreenStats {
         self.sess.screen_stats()
     }
@@ -260,7 +261,7 @@ impl ChatSession {
     /// [`Self::generate`], and when `top` is given, each token's log-probability and the
     /// `top` most likely alternatives (see [`TokenLogprobs`]) passed to `on_token` with it.
     /// Log-probabilities need the whole output head: with `top` given, the screened head is
-    /// never used, even for greedy decoding (the tokens are the same).
+    /// never used, for greedy or sampled tokens (the tokens are the same).
     pub fn generate_with_logprobs(
         &mut self,
         prompt: &[TokenId],
@@ -305,22 +306,24 @@ impl ChatSession {
         debug_assert_eq!(self.cached.len(), self.sess.position());
         let t0 = Instant::now();
         let model = Arc::clone(&self.model);
-        // Greedy without a penalty needs only the argmax: through the model's screened head
-        // when it has one (the same token as the sampler would pick from the whole logits).
+        // Through the model's screened head when it has one: the argmax for greedy without a
+        // penalty, else the sampler's draw (the same token as from the whole logits).
         // Log-probabilities need the whole head.
-        let screened =
-            top.is_none() && model.has_screened_head() && opts.sampling.is_plain_argmax();
+        let screened = top.is_none() && model.has_screened_head();
+        let argmax = opts.sampling.is_plain_argmax();
         let step = |sess: &mut Session,
                     tokens: &[TokenId],
                     history: &[TokenId],
                     sampler: &mut Sampler|
          -> Result<(TokenId, Option<TokenLogprobs>), SessionError> {
-            if screened {
+            if screened && argmax {
                 let c = model.forward_greedy(sess, tokens, None)?;
                 if c.logit == f32::NEG_INFINITY {
                     return Err(SamplingError::NoFiniteLogit.into());
                 }
                 Ok((c.token, None))
+            } else if screened {
+                Ok((model.forward_sample(sess, tokens, sampler, history)?, None))
             } else {
                 let logits = model.forward(sess, tokens, Logits::Last, None)?;
                 let tok = sampler.sample(logits, history)?;

@@ -106,8 +106,10 @@ struct Running {
     /// The last generated token, to run next (none while the prompt runs).
     next: Option<TokenId>,
     ids: Vec<TokenId>,
-    /// Greedy through the screened head (no logits needed).
-    screened: bool,
+    /// What it wants from the head after its last token: with the model's screened head and
+    /// no log-probabilities asked, a greedy choice or a draw through the screen (the whole
+    /// head's token either way); else the logits.
+    want: Want,
     reused: usize,
     started: Instant,
     prefill_s: f64,
@@ -371,9 +373,14 @@ impl Engine {
         let kept = s.sess.truncate(want);
         s.cached.truncate(kept);
         s.busy = true;
-        let screened = job.logprobs.is_none()
-            && self.model.has_screened_head()
-            && job.opts.sampling.is_plain_argmax();
+        // Log-probabilities need the whole head's logits.
+        let want = if job.logprobs.is_some() || !self.model.has_screened_head() {
+            Want::Logits
+        } else if job.opts.sampling.is_plain_argmax() {
+            Want::Greedy
+        } else {
+            Want::Sample
+        };
         self.metrics.active.inc();
         self.next_id += 1;
         self.running.push(Running {
@@ -388,7 +395,7 @@ impl Engine {
             done: kept,
             next: None,
             ids: Vec::new(),
-            screened,
+            want,
             reused: kept,
             started: Instant::now(),
             prefill_s: 0.0,
@@ -449,11 +456,7 @@ impl Engine {
         // has ended).
         let mut inputs: Vec<(Vec<TokenId>, Want)> = Vec::with_capacity(self.running.len());
         for r in &self.running {
-            let want = if r.screened {
-                Want::Greedy
-            } else {
-                Want::Logits
-            };
+            let want = r.want;
             if r.ending.is_some() {
                 inputs.push((Vec::new(), Want::Nothing));
                 continue;
@@ -549,6 +552,18 @@ impl Engine {
                         Ok((c.token, None))
                     })
                 }
+                Want::Sample => Some(
+                    self.model
+                        .batch_sample(
+                            &mut self.batch,
+                            j,
+                            &mut slot.sess,
+                            &mut r.sampler,
+                            &r.history,
+                        )
+                        .map(|tok| (tok, None))
+                        .map_err(|e| e.chain()),
+                ),
                 Want::Logits => {
                     let logits = self.batch.logits(j, vocab).expect("logits were asked");
                     Some(match r.sampler.sample(logits, &r.history) {
@@ -902,6 +917,57 @@ mod tests {
                 got.iter().map(|g| &g.0).collect::<Vec<_>>(),
                 want.iter().map(|g| &g.0).collect::<Vec<_>>()
             );
+        }
+    }
+
+    /// Sampled requests (temperature, top-k, top-p, penalties, several seeds; greedy ones
+    /// beside them) get through a model's screened head, one at a time and batched, the tokens
+    /// they get from the whole head.
+    #[test]
+    fn sampled_requests_through_the_screened_head_get_the_whole_heads_tokens() {
+        let case = |temperature, top_k, top_p, repetition_penalty, seed| SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            repetition_penalty,
+            seed,
+        };
+        let cases = [
+            case(0.7, 0, 1.0, 1.0, 1),
+            case(0.7, 0, 1.0, 1.0, 2),
+            case(1.0, 40, 1.0, 1.0, 3),
+            case(0.8, 0, 0.9, 1.0, 4),
+            case(0.6, 20, 0.95, 1.1, 5),
+            case(0.0, 0, 1.0, 1.2, 6),
+            SamplingParams::default(),
+        ];
+        let jobs: Vec<_> = cases
+            .iter()
+            .enumerate()
+            .map(|(k, &s)| {
+                let k = k as u32;
+                let prompt = (0..3 + 4 * k).map(|i| (i * 37 + 11 * k) % 1000).collect();
+                (prompt, s, 8)
+            })
+            .collect();
+        let load = |screened_head| {
+            let opts = stormo_engine::LoadOptions {
+                screened_head,
+                ..stormo_engine::LoadOptions::default()
+            };
+            Model::load(&tiny(), &opts).unwrap()
+        };
+        let want = serve(load(false), 1, &jobs);
+        for parallel in [1, 3] {
+            let got = serve(load(true), parallel, &jobs);
+            for (k, ((ids, end), (want_ids, _))) in got.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    ids, want_ids,
+                    "request {k} ({:?}), parallel {parallel}",
+                    cases[k]
+                );
+                assert_eq!(&end.as_ref().unwrap().ids, want_ids);
+            }
         }
     }
 
