@@ -198,8 +198,11 @@ impl Executor {
         pool.spawn(move || {
             // The slots are held until the computation ends, whether or not the peer still
             // waits for it: the pool's queue stays within the limits.
+            // Mapped bytes (`--mmap-experts`) are checked against their file after the
+            // computation too: a file truncated meanwhile reads as zeros, not as a fault.
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                schema.compute(&data, &xs)
+                let rows = schema.compute(&data, &xs);
+                data.check_mapped().map(|()| rows)
             }));
             // Free before the answer leaves: a requester that sends its next call as soon as
             // this answer arrives finds the slots free.
@@ -207,7 +210,14 @@ impl Executor {
             let _ = tx.send(out);
         });
         match rx.await {
-            Ok(Ok(rows)) => Ok((rows, positions)),
+            Ok(Ok(Ok(rows))) => Ok((rows, positions)),
+            Ok(Ok(Err(e))) => {
+                tracing::error!("expert {id} cannot be run for a peer: {e}");
+                Err((
+                    ErrorCode::INTERNAL,
+                    format!("expert {id} cannot be read: its file changed under this node"),
+                ))
+            }
             Ok(Err(_)) => {
                 tracing::error!("running expert {id} for a peer panicked");
                 Err((ErrorCode::INTERNAL, format!("running expert {id} failed")))
