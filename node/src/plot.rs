@@ -1,7 +1,8 @@
 //! Pictures of measurements, as SVG: `stormo bench --svg FILE` draws the run's prefill and
 //! decode speed beside the bound memory sets for decode, and beside llama.cpp's figures when
 //! given (`--svg-llama FILE`, the JSON `llama-bench -o json` prints, as
-//! `.ci/llamacpp-side-by-side.sh` keeps it).
+//! `.ci/llamacpp-side-by-side.sh` keeps it; `--svg-llama-name` names another engine that prints
+//! it, such as ik_llama.cpp).
 //!
 //! Owns: reading the figures out of the bench JSON (the object `stormo bench --json` prints)
 //! and llama-bench's JSON, and drawing them with `plotters` (its SVG backend only, text as SVG
@@ -138,17 +139,18 @@ fn cpu_name_of(cpuinfo: &str) -> String {
 #[derive(Clone, Debug)]
 pub struct BenchSvg {
     path: std::path::PathBuf,
-    llama: Option<Speeds>,
+    /// The other engine's name and speeds.
+    llama: Option<(String, Speeds)>,
     model: String,
     machine: String,
 }
 
 impl BenchSvg {
-    /// `None` without `--svg`; reads and checks the llama-bench JSON if one is given, and
-    /// names the model (`model`, with `cfg`'s family and geometry) and this CPU for the heading.
+    /// `None` without `--svg`; reads and checks the llama-bench JSON if one is given (with the
+    /// name its engine goes by in the chart), and names the model (`model`, with `cfg`'s family and geometry) and this CPU for the heading.
     pub fn resolve(
         svg: Option<&std::path::Path>,
-        llama: Option<&std::path::Path>,
+        llama: Option<(&std::path::Path, &str)>,
         model: &std::path::Path,
         cfg: &stormo_engine::ModelConfig,
     ) -> anyhow::Result<Option<Self>> {
@@ -156,12 +158,13 @@ impl BenchSvg {
             return Ok(None);
         };
         let llama = llama
-            .map(|l| {
+            .map(|(l, engine)| {
                 let text = stormo_manifests::read_small_file(l, 16 << 20)
                     .with_context(|| format!("reading {}", l.display()))?;
                 let v: Value = serde_json::from_slice(&text)
                     .with_context(|| format!("{}: not JSON", l.display()))?;
-                llama_bench_speeds(&v).with_context(|| format!("{}", l.display()))
+                let speeds = llama_bench_speeds(&v).with_context(|| format!("{}", l.display()))?;
+                anyhow::Ok((engine.to_string(), speeds))
             })
             .transpose()?;
         let name = model
@@ -188,7 +191,8 @@ impl BenchSvg {
     /// Draws `bench` (the object `stormo bench --json` prints) and writes the SVG.
     pub fn write(&self, bench: &Value) -> anyhow::Result<()> {
         let fig = BenchFigures::from_bench_json(bench)?;
-        let svg = bench_svg(&fig, self.llama.as_ref(), &self.model, &self.machine)?;
+        let llama = self.llama.as_ref().map(|(name, s)| (name.as_str(), s));
+        let svg = bench_svg(&fig, llama, &self.model, &self.machine)?;
         std::fs::write(&self.path, svg).with_context(|| format!("writing {}", self.path.display()))
     }
 }
@@ -198,16 +202,20 @@ const LLAMA: RGBColor = RGBColor(255, 127, 14);
 const BOUND: RGBColor = RGBColor(80, 80, 80);
 
 /// The chart as SVG text: one group of bars per prefill length and one for decode, stormo's
-/// beside `llama`'s (when given), the decode bound as a dashed line over decode, and each
+/// beside `llama`'s (when given: the other engine's name and speeds), the decode bound as a dashed line over decode, and each
 /// prefill bar labelled with its share of the floating-point peak. The heading names the
 /// `model` on its first line and the `machine` (with threads and kernels) on its second.
 pub fn bench_svg(
     fig: &BenchFigures,
-    llama: Option<&Speeds>,
+    llama: Option<(&str, &Speeds)>,
     model: &str,
     machine: &str,
 ) -> anyhow::Result<String> {
     let s = &fig.speeds;
+    let (engine, llama) = match llama {
+        Some((name, speeds)) => (name, Some(speeds)),
+        None => ("", None),
+    };
     let mut groups: Vec<(String, f64, Option<f64>)> = s
         .prefill
         .iter()
@@ -321,7 +329,7 @@ pub fn bench_svg(
             chart
                 .draw_series(std::iter::empty::<Rectangle<(f64, f64)>>())
                 .map_err(draw_error)?
-                .label("llama.cpp")
+                .label(engine)
                 .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], LLAMA.filled()));
         }
         if s.decode.is_some() {
@@ -408,7 +416,7 @@ mod tests {
     }
 
     /// The SVG holds every group's name, every bar's figure and the bound, stormo's and
-    /// llama.cpp's bars in their own colours.
+    /// llama.cpp's bars in their own colours, and the other engine's name as given.
     #[test]
     fn the_chart_shows_every_figure() {
         let f = BenchFigures::from_bench_json(&bench_json()).unwrap();
@@ -416,7 +424,7 @@ mod tests {
             prefill: vec![(64, 15.0), (128, 17.5)],
             decode: Some(4.5),
         };
-        let svg = bench_svg(&f, Some(&llama), "a model", "a cpu").unwrap();
+        let svg = bench_svg(&f, Some(("llama.cpp", &llama)), "a model", "a cpu").unwrap();
         assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(80)]);
         for want in [
             "prefill, 64-token prompt",
@@ -439,5 +447,8 @@ mod tests {
         }
         let alone = bench_svg(&f, None, "m", "c").unwrap();
         assert!(!alone.contains("llama.cpp") && !alone.contains("#FF7F0E"));
+        // Another engine that prints llama-bench's JSON goes by its own name.
+        let ik = bench_svg(&f, Some(("ik_llama.cpp", &llama)), "m", "c").unwrap();
+        assert!(ik.contains("ik_llama.cpp") && ik.contains("#FF7F0E"));
     }
 }

@@ -132,6 +132,15 @@ pub struct Args {
     /// `.ci/llamacpp-side-by-side.sh` keeps it).
     #[arg(long, value_name = "FILE", requires = "svg")]
     pub svg_llama: Option<PathBuf>,
+    /// The name the chart gives the figures of --svg-llama (e.g. ik_llama.cpp, whose
+    /// `llama-bench` prints the same JSON).
+    #[arg(
+        long,
+        value_name = "NAME",
+        default_value = "llama.cpp",
+        requires = "svg_llama"
+    )]
+    pub svg_llama_name: String,
     /// Where experts come from.
     #[command(flatten)]
     pub experts: ExpertArgs,
@@ -310,7 +319,9 @@ impl Plan {
         let files = stormo_node::node::open_model(&a.model)?;
         let svg = crate::plot::BenchSvg::resolve(
             a.svg.as_deref(),
-            a.svg_llama.as_deref(),
+            a.svg_llama
+                .as_deref()
+                .map(|l| (l, a.svg_llama_name.as_str())),
             &a.model,
             &files.cfg,
         )?;
