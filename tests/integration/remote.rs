@@ -300,9 +300,9 @@ fn a_stalled_or_dying_executor_falls_back_to_fetching_with_exact_ids() {
 
 /// Issue 58 (1): a holder whose copy of some experts is corrupt (its disk, not its
 /// manifest) checks each expert against the manifest before it runs it for a peer, so it
-/// never answers with rows computed from wrong weights. Alone, with `--remote-exec always
-/// --spot-check 0`, a client either prints the reference ids or fails; beside an honest
-/// holder it prints the reference ids every time.
+/// never answers with rows computed from wrong weights. Alone, with `--remote-exec always`
+/// at `--spot-check 0` and at the default share, twice each, a client either prints the
+/// reference ids or fails; beside an honest holder it prints the reference ids every time.
 #[test]
 fn a_holder_whose_copy_is_corrupt_never_runs_it_for_peers() {
     let name = "gptoss-tiny-mxfp4";
@@ -348,7 +348,7 @@ fn a_holder_whose_copy_is_corrupt_never_runs_it_for_peers() {
     let (st_bad, st_good) = (state(), state());
     let liar = serve(bad.path(), st_bad.path());
     let n = N.to_string();
-    for _ in 0..2 {
+    for spot in ["0", "0", "0.05", "0.05"] {
         let st = state();
         let mut args = remote_args(good.path(), &id, &prompt, &n, st.path());
         args.extend([
@@ -358,7 +358,7 @@ fn a_holder_whose_copy_is_corrupt_never_runs_it_for_peers() {
             "--remote-exec",
             "always",
             "--spot-check",
-            "0",
+            spot,
             "--peer-timeout",
             "5",
         ]);
@@ -379,15 +379,18 @@ fn a_holder_whose_copy_is_corrupt_never_runs_it_for_peers() {
         }
     }
     let honest = serve(good.path(), st_good.path());
-    for _ in 0..3 {
+    for spot in ["0", "0", "0.05", "0.05"] {
         let (ids, j) = run_remote(
             good.path(),
             &id,
             &prompt,
             &[liar.line.clone(), honest.line.clone()],
-            &["--remote-exec", "always", "--spot-check", "0"],
+            &["--remote-exec", "always", "--spot-check", spot],
         );
-        assert_eq!(ids, want, "beside an honest holder: {j}");
+        assert_eq!(
+            ids, want,
+            "beside an honest holder, --spot-check {spot}: {j}"
+        );
     }
 }
 
