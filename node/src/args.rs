@@ -356,6 +356,10 @@ pub struct HttpArgs {
     /// command-line argument, other users of the machine cannot see.
     #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
+    /// Serve /metrics without --api-key's key (for a Prometheus scraper that holds none;
+    /// the counters show request rates and queue lengths, never prompts or keys).
+    #[arg(long)]
+    pub metrics_public: bool,
     /// Also serve requests whose Host header is this name (repeatable; `*`: any). Without it
     /// only the listen address is accepted (for a loopback address also `localhost`; for
     /// 0.0.0.0 or :: any IP address), so that a web page cannot reach the server through a
@@ -459,6 +463,7 @@ impl HttpArgs {
                 max_connections: self.http_max_connections,
                 max_per_client: self.http_max_per_client,
                 api_key,
+                metrics_public: self.metrics_public,
                 allowed_hosts: self.allowed_host.clone(),
                 cors: self.cors.clone(),
                 shutdown_grace: Duration::from_secs_f64(grace),
@@ -657,6 +662,7 @@ mod tests {
             http_max_connections: stormo_node::http::DEFAULT_MAX_CONNECTIONS,
             http_max_per_client: stormo_node::http::DEFAULT_MAX_PER_CLIENT,
             api_key: None,
+            metrics_public: false,
             allowed_host: Vec::new(),
             cors: Vec::new(),
             shutdown_grace: stormo_node::http::DEFAULT_SHUTDOWN_GRACE.as_secs_f64(),

@@ -1012,6 +1012,16 @@ fn http_checks_the_api_key_the_host_and_the_origin() {
     assert_eq!(st, 200, "{body}");
     let (st, _, _) = request_with(a, "GET", "/metrics", &[], b"");
     assert_eq!(st, 401, "metrics need the key");
+    // `--metrics-public`: /metrics without the key, nothing else.
+    let public = Server::start_with(2, 1024, |c| {
+        c.api_key = Some("sk-local-test".into());
+        c.metrics_public = true;
+    });
+    let (st, _, body) = request_with(public.addr, "GET", "/metrics", &[], b"");
+    assert_eq!(st, 200, "--metrics-public: {body}");
+    let (st, _, _) = request_with(public.addr, "GET", "/v1/models", &[], b"");
+    assert_eq!(st, 401, "--metrics-public opens /metrics only");
+    drop(public);
     let (st, _, body) = request_with(a, "GET", "/health", &[], b"");
     assert_eq!(st, 200, "health needs no key: {body}");
 

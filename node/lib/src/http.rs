@@ -128,6 +128,9 @@ pub struct HttpConfig {
     pub max_per_client: usize,
     /// The key every request but `/health` must give as a Bearer token.
     pub api_key: Option<String>,
+    /// `/metrics` is served without the key (`--metrics-public`), for a scraper that holds
+    /// none.
+    pub metrics_public: bool,
     /// Host names served besides the listen address (`*`: any).
     pub allowed_hosts: Vec<String>,
     /// Origins allowed to call from a browser (`*`: any).
@@ -154,6 +157,7 @@ impl HttpConfig {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_per_client: DEFAULT_MAX_PER_CLIENT,
             api_key: None,
+            metrics_public: false,
             allowed_hosts: Vec::new(),
             cors: Vec::new(),
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
@@ -312,6 +316,8 @@ struct State {
     created: u64,
     next_id: AtomicU64,
     guard: guard::Guard,
+    /// `/metrics` needs no key ([`HttpConfig::metrics_public`]).
+    metrics_public: bool,
     metrics: Arc<Metrics>,
     phase: tokio::sync::watch::Receiver<Phase>,
     /// Whether the engine thread still takes jobs.
@@ -421,6 +427,7 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
         created: now_s(),
         next_id: AtomicU64::new(1),
         guard: guard::Guard::new(addr, &cfg.allowed_hosts, &cfg.cors, cfg.api_key.as_deref()),
+        metrics_public: cfg.metrics_public,
         metrics,
         phase: phase.clone(),
         engine_alive,
@@ -850,8 +857,10 @@ fn admit(state: &State, req: &Request<Incoming>, path: &str) -> Result<Option<St
         .guard
         .origin(header_str(req, hyper::header::ORIGIN))
         .map_err(refuse)?;
-    // A preflight carries no credentials; /health is for load balancers.
-    if req.method() != Method::OPTIONS && path != "/health" {
+    // A preflight carries no credentials; /health is for load balancers, and /metrics for a
+    // scraper when --metrics-public says so.
+    let open = path == "/health" || (path == "/metrics" && state.metrics_public);
+    if req.method() != Method::OPTIONS && !open {
         state
             .guard
             .key(header_str(req, hyper::header::AUTHORIZATION))
