@@ -214,6 +214,9 @@ pub const EXEC_TIMEOUT: Duration = Duration::from_secs(5);
 struct Pending {
     peer: usize,
     check: bool,
+    /// Answers the deferred-check book had recorded when the call was sent
+    /// ([`Book::collected`]).
+    sent_after: u64,
     started: Instant,
     bytes: u64,
     /// The peer's round trip, and the calls sent to it together with this one
@@ -506,6 +509,7 @@ impl RemoteExperts {
             Pending {
                 peer: usize::MAX,
                 check: false,
+                sent_after: 0,
                 started: Instant::now(),
                 bytes: 0,
                 rtt: UNMEASURED_RTT,
@@ -712,6 +716,7 @@ impl ExpertExecutor for RemoteExperts {
         let id = ExpertId::new(l, e);
         let rows = Arc::new(inputs.to_vec());
         let started = Instant::now();
+        let sent_after = self.deferred.lock().collected();
         let rx = self.start(peer, id, rows.clone(), self.timeout);
         let second = second.map(|(s, link)| Second {
             peer: s,
@@ -726,6 +731,7 @@ impl ExpertExecutor for RemoteExperts {
             Pending {
                 peer,
                 check,
+                sent_after,
                 started,
                 bytes: 2 * 4 * inputs.len() as u64,
                 rtt: link.rtt(),
@@ -786,7 +792,10 @@ impl ExpertExecutor for RemoteExperts {
                         rows: retry.rows.clone(),
                         answer: rows.clone(),
                     };
-                    let check = self.deferred.lock().answered(p.peer, p.check, keep);
+                    let check = self
+                        .deferred
+                        .lock()
+                        .answered(p.peer, p.check, keep, p.sent_after);
                     if let Some((seq, step)) = check {
                         policy.deferred();
                         drop(policy);
@@ -855,6 +864,7 @@ impl ExpertExecutor for RemoteExperts {
                 retry.id,
                 self.client.name(peer)
             );
+            p.sent_after = self.deferred.lock().collected();
             p.rx = self.start(peer, retry.id, retry.rows.clone(), left);
             p.peer = peer;
             p.started = now;

@@ -6,8 +6,8 @@
 //! it asks for on the runtime's blocking threads. The rules:
 //! - A step is handed on ([`Settled::Pending`] past it, or [`Settled::Clear`]) only when no
 //!   check of it or of an earlier step is running, and no peer whose answer it used unchecked
-//!   is still unconfirmed: a peer's unchecked answers are confirmed by a later answer of that
-//!   peer checked and agreeing.
+//!   is still unconfirmed: a peer's unchecked answers are confirmed by a checked answer of
+//!   that peer that agrees, to a call sent after they were collected.
 //! - A peer caught (a check disagreed, or could not be made) fails the earliest step that used
 //!   any of its unconfirmed answers, not only the step of the failed check: the generation goes
 //!   back to the liar's first unchecked result since its last agreed check.
@@ -46,11 +46,15 @@ struct Used<A> {
     answer: Option<A>,
 }
 
-/// A check to run: the answer `seq` of `peer`, used in `step`. Hand its verdict to
+/// A check to run: an answer of `peer`, used in `step`. Hand its verdict to
 /// [`Book::ended`].
 #[derive(Debug, PartialEq)]
 pub(super) struct Due<A> {
     pub(super) peer: usize,
+    /// The answers of the peer it confirms when it agrees: those numbered up to this one. A
+    /// forced check is of the peer's latest answer, and confirms every earlier one (an answer
+    /// of the same block computed after it by a peer that began lying between them would
+    /// escape: a limit).
     pub(super) seq: u64,
     pub(super) step: u64,
     pub(super) answer: A,
@@ -111,15 +115,26 @@ impl<A> Book<A> {
         self.current
     }
 
-    /// An answer of `peer` used in the current step. `checked`: it was drawn for a check,
-    /// which the caller must now run: its `(seq, step)` is returned, counted as running until
-    /// [`ended`](Self::ended). Otherwise it is recorded as unconfirmed (`keep` makes what a
-    /// forced check of it needs) and `None` is returned. Off, nothing is recorded.
+    /// Answers recorded so far: what a call sent now reads as its `sent_after` for
+    /// [`answered`](Self::answered).
+    pub(super) fn collected(&self) -> u64 {
+        self.seq
+    }
+
+    /// An answer of `peer` used in the current step, to a call sent when
+    /// [`collected`](Self::collected) read `sent_after`. `checked`: it was drawn for a check,
+    /// which the caller must now run: its `(sent_after, step)` is returned, counted as running
+    /// until [`ended`](Self::ended); agreeing, it confirms only the peer's answers collected
+    /// before the checked call was sent (a peer may answer calls sent together in any order,
+    /// so an answer collected later may have been computed later). Otherwise the answer is
+    /// recorded as unconfirmed (`keep` makes what a forced check of it needs) and `None` is
+    /// returned. Off, nothing is recorded.
     pub(super) fn answered(
         &mut self,
         peer: usize,
         checked: bool,
         keep: impl FnOnce() -> A,
+        sent_after: u64,
     ) -> Option<(u64, u64)> {
         if !self.on {
             return None;
@@ -128,7 +143,7 @@ impl<A> Book<A> {
         let (seq, step) = (self.seq, self.current);
         if checked {
             self.live.entry(step).or_default().running += 1;
-            return Some((seq, step));
+            return Some((sent_after.min(seq - 1), step));
         }
         if self.track {
             let q = self.unconfirmed.entry(peer).or_default();
@@ -147,9 +162,10 @@ impl<A> Book<A> {
         None
     }
 
-    /// The check of answer `seq` of `peer`, used in `step`, ended: `agreed`, or it disagreed
-    /// or could not be made. Agreed, it confirms the peer's earlier unchecked answers; not,
-    /// it fails the earliest step that used any unconfirmed answer of the peer.
+    /// A check of `peer`'s answer used in `step` ended: `agreed`, or it disagreed or could not
+    /// be made. Agreed, it confirms the peer's unchecked answers numbered up to `seq` (see
+    /// [`answered`](Self::answered) and [`Due::seq`]); not, it fails the earliest step that
+    /// used any unconfirmed answer of the peer.
     pub(super) fn ended(&mut self, peer: usize, seq: u64, step: u64, agreed: bool) {
         if let Some(s) = self.live.get_mut(&step) {
             s.running = s.running.saturating_sub(1);
@@ -255,7 +271,7 @@ mod tests {
     /// An unchecked answer of `peer` in the current step.
     fn unchecked(b: &mut Book<u64>, peer: usize) {
         let step = b.current;
-        assert_eq!(b.answered(peer, false, || step), None);
+        assert_eq!(b.answered(peer, false, || step, b.collected()), None);
     }
 
     fn settle(b: &mut Book<u64>, wait: bool) -> (Next, Vec<Due<u64>>) {
@@ -274,10 +290,12 @@ mod tests {
         unchecked(&mut b, 0);
         to(&mut b, 3);
         unchecked(&mut b, 0);
-        let (seq1, _) = b.answered(1, true, || 3).expect("a check of peer 1");
+        let (seq1, _) = b
+            .answered(1, true, || 3, b.collected())
+            .expect("a check of peer 1");
         b.ended(1, seq1, 3, true);
         to(&mut b, 5);
-        let (seq, step) = b.answered(0, true, || 5).expect("a check");
+        let (seq, step) = b.answered(0, true, || 5, b.collected()).expect("a check");
         assert_eq!(step, 5);
         assert_eq!(settle(&mut b, false).0, Next::Done(Settled::Pending(2)));
         b.ended(0, seq, step, false);
@@ -293,16 +311,29 @@ mod tests {
         to(&mut b, 1);
         unchecked(&mut b, 0);
         to(&mut b, 2);
-        let (seq, step) = b.answered(0, true, || 2).expect("a check");
+        let (seq, step) = b.answered(0, true, || 2, b.collected()).expect("a check");
         to(&mut b, 3);
         unchecked(&mut b, 0);
         assert_eq!(settle(&mut b, false).0, Next::Done(Settled::Pending(1)));
         b.ended(0, seq, step, true);
         assert_eq!(settle(&mut b, false).0, Next::Done(Settled::Pending(3)));
         // A failed check now goes back to step 3, the first answer after the agreed one.
-        let (seq, step) = b.answered(0, true, || 3).expect("a check");
+        let (seq, step) = b.answered(0, true, || 3, b.collected()).expect("a check");
         b.ended(0, seq, step, false);
         assert_eq!(settle(&mut b, false).0, Next::Done(Settled::Failed(3)));
+    }
+
+    /// A checked call sent before an unchecked answer of its peer was collected does not
+    /// confirm it (the peer may have computed that answer later, and begun lying between).
+    #[test]
+    fn a_check_confirms_only_answers_collected_before_its_call_was_sent() {
+        let mut b = book();
+        to(&mut b, 1);
+        let sent = b.collected();
+        unchecked(&mut b, 0);
+        let (seq, step) = b.answered(0, true, || 1, sent).expect("a check");
+        b.ended(0, seq, step, true);
+        assert_eq!(settle(&mut b, false).0, Next::Done(Settled::Pending(1)));
     }
 
     /// A peer unconfirmed for FORCE_AFTER steps has its latest unchecked answer checked; so
@@ -350,7 +381,7 @@ mod tests {
     fn forgotten_steps_are_dropped() {
         let mut b = book();
         to(&mut b, 1);
-        let (seq, step) = b.answered(0, true, || 1).expect("a check");
+        let (seq, step) = b.answered(0, true, || 1, b.collected()).expect("a check");
         to(&mut b, 2);
         unchecked(&mut b, 1);
         b.forget(1);
@@ -366,17 +397,17 @@ mod tests {
         let mut b = Book::new(false);
         b.set_on(true);
         b.begin_step();
-        assert_eq!(b.answered(0, false, || 0), None);
+        assert_eq!(b.answered(0, false, || 0, 0), None);
         assert_eq!(settle(&mut b, true).0, Next::Done(Settled::Clear));
         let mut b = book();
         b.set_on(false);
         b.begin_step();
         assert_eq!(
-            b.answered(0, true, || 0),
+            b.answered(0, true, || 0, 0),
             None,
             "no check is deferred when off"
         );
-        assert_eq!(b.answered(0, false, || 0), None);
+        assert_eq!(b.answered(0, false, || 0, 0), None);
         assert!(b.unconfirmed.is_empty() && b.live.is_empty());
     }
 }
