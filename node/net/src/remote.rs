@@ -386,7 +386,7 @@ impl RemoteExperts {
             self.client.name(due.peer),
         );
         self.rt.spawn_blocking(move || {
-            let (peer, seq, step, c) = (due.peer, due.seq, due.step, due.answer);
+            let (peer, seq, own, step, c) = (due.peer, due.seq, due.own, due.step, due.answer);
             let computed = match (&cache, &schemas) {
                 (Some(cache), Some(schemas)) => {
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -439,7 +439,7 @@ impl RemoteExperts {
                     false
                 }
             };
-            deferred.lock().ended(peer, seq, step, agreed);
+            deferred.lock().ended(peer, seq, own, step, agreed);
             deferred.ended.notify_all();
         });
     }
@@ -802,6 +802,7 @@ impl ExpertExecutor for RemoteExperts {
                         self.check_later(Due {
                             peer: p.peer,
                             seq,
+                            own: None,
                             step,
                             answer: keep(),
                         });

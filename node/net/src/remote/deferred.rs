@@ -12,7 +12,8 @@
 //!   any of its unconfirmed answers, not only the step of the failed check: the generation goes
 //!   back to the liar's first unchecked result since its last agreed check.
 //! - So that a peer with no later check does not hold the output back for long, the book asks
-//!   for a check of that peer's latest unchecked answer (a *forced* check) when its oldest
+//!   for checks of that peer's latest answers (*forced* checks: each answer collected after
+//!   the latest call was sent, which no later check would confirm) when its oldest
 //!   unconfirmed step is [`FORCE_AFTER`] steps old, and at the end of a generation (`wait`).
 //!
 //! What this guarantees: a peer that computes wrong from some answer on (a corrupt copy, a
@@ -40,9 +41,12 @@ struct StepChecks {
 #[derive(Debug)]
 struct Used<A> {
     step: u64,
-    /// The sequence number of the step's last such answer.
+    /// The answer's number ([`Book::collected`] once it was recorded).
     seq: u64,
-    /// That answer, kept so that it can be checked (a forced check); taken when it is.
+    /// What [`Book::collected`] read when its call was sent.
+    sent_after: u64,
+    /// The answer, kept so that it can be checked (a forced check) while no later answer's
+    /// check would confirm it; taken when it is checked.
     answer: Option<A>,
 }
 
@@ -51,11 +55,12 @@ struct Used<A> {
 #[derive(Debug, PartialEq)]
 pub(super) struct Due<A> {
     pub(super) peer: usize,
-    /// The answers of the peer it confirms when it agrees: those numbered up to this one. A
-    /// forced check is of the peer's latest answer, and confirms every earlier one (an answer
-    /// of the same block computed after it by a peer that began lying between them would
-    /// escape: a limit).
+    /// The answers of the peer it confirms when it agrees: those collected before its call was
+    /// sent (numbered up to this). A forced check confirms its own answer too ([`Due::own`]);
+    /// the book forces a check of every answer no later answer's check would confirm.
     pub(super) seq: u64,
+    /// A forced check's own answer number (confirmed when it agrees).
+    pub(super) own: Option<u64>,
     pub(super) step: u64,
     pub(super) answer: A,
 }
@@ -147,17 +152,17 @@ impl<A> Book<A> {
         }
         if self.track {
             let q = self.unconfirmed.entry(peer).or_default();
-            match q.back_mut() {
-                Some(u) if u.step == step => {
-                    u.seq = seq;
-                    u.answer = Some(keep());
-                }
-                _ => q.push_back(Used {
-                    step,
-                    seq,
-                    answer: Some(keep()),
-                }),
+            // A check of this answer would confirm those collected before its call was sent:
+            // they need not be kept for checks of their own.
+            for u in q.iter_mut().filter(|u| u.seq <= sent_after) {
+                u.answer = None;
             }
+            q.push_back(Used {
+                step,
+                seq,
+                sent_after,
+                answer: Some(keep()),
+            });
         }
         None
     }
@@ -166,16 +171,23 @@ impl<A> Book<A> {
     /// be made. Agreed, it confirms the peer's unchecked answers numbered up to `seq` (see
     /// [`answered`](Self::answered) and [`Due::seq`]); not, it fails the earliest step that
     /// used any unconfirmed answer of the peer.
-    pub(super) fn ended(&mut self, peer: usize, seq: u64, step: u64, agreed: bool) {
+    /// `own`: the checked answer's own number, for a forced check (that answer is confirmed
+    /// too).
+    pub(super) fn ended(
+        &mut self,
+        peer: usize,
+        seq: u64,
+        own: Option<u64>,
+        step: u64,
+        agreed: bool,
+    ) {
         if let Some(s) = self.live.get_mut(&step) {
             s.running = s.running.saturating_sub(1);
         }
         let q = self.unconfirmed.get_mut(&peer);
         if agreed {
             if let Some(q) = q {
-                while q.front().is_some_and(|u| u.seq <= seq) {
-                    q.pop_front();
-                }
+                q.retain(|u| u.seq > seq && Some(u.seq) != own);
                 if q.is_empty() {
                     self.unconfirmed.remove(&peer);
                 }
@@ -212,12 +224,14 @@ impl<A> Book<A> {
             if !(wait || old) {
                 continue;
             }
-            if let Some(u) = q.back_mut() {
+            // Every answer still kept: checked, they confirm the rest (see `answered`).
+            for u in q.iter_mut() {
                 if let Some(answer) = u.answer.take() {
                     self.live.entry(u.step).or_default().running += 1;
                     due.push(Due {
                         peer,
-                        seq: u.seq,
+                        seq: u.sent_after,
+                        own: Some(u.seq),
                         step: u.step,
                         answer,
                     });
@@ -293,12 +307,12 @@ mod tests {
         let (seq1, _) = b
             .answered(1, true, || 3, b.collected())
             .expect("a check of peer 1");
-        b.ended(1, seq1, 3, true);
+        b.ended(1, seq1, None, 3, true);
         to(&mut b, 5);
         let (seq, step) = b.answered(0, true, || 5, b.collected()).expect("a check");
         assert_eq!(step, 5);
         assert_eq!(settle(&mut b, false).0, Next::Done(Settled::Pending(2)));
-        b.ended(0, seq, step, false);
+        b.ended(0, seq, None, step, false);
         assert_eq!(settle(&mut b, false).0, Next::Done(Settled::Failed(2)));
         b.forget(2);
         assert_eq!(settle(&mut b, false).0, Next::Done(Settled::Clear));
@@ -315,11 +329,11 @@ mod tests {
         to(&mut b, 3);
         unchecked(&mut b, 0);
         assert_eq!(settle(&mut b, false).0, Next::Done(Settled::Pending(1)));
-        b.ended(0, seq, step, true);
+        b.ended(0, seq, None, step, true);
         assert_eq!(settle(&mut b, false).0, Next::Done(Settled::Pending(3)));
         // A failed check now goes back to step 3, the first answer after the agreed one.
         let (seq, step) = b.answered(0, true, || 3, b.collected()).expect("a check");
-        b.ended(0, seq, step, false);
+        b.ended(0, seq, None, step, false);
         assert_eq!(settle(&mut b, false).0, Next::Done(Settled::Failed(3)));
     }
 
@@ -332,8 +346,39 @@ mod tests {
         let sent = b.collected();
         unchecked(&mut b, 0);
         let (seq, step) = b.answered(0, true, || 1, sent).expect("a check");
-        b.ended(0, seq, step, true);
+        b.ended(0, seq, None, step, true);
         assert_eq!(settle(&mut b, false).0, Next::Done(Settled::Pending(1)));
+    }
+
+    /// Answers to calls sent together (a block's) may have been computed in any order, so
+    /// the end of a generation checks each of them, not only the last collected: one
+    /// disagreeing fails the step, both agreeing settle it.
+    #[test]
+    fn answers_to_calls_sent_together_are_each_checked() {
+        for wrong in [0usize, 1] {
+            let mut b = book();
+            to(&mut b, 1);
+            let sent = b.collected();
+            assert_eq!(b.answered(0, false, || 10, sent), None);
+            assert_eq!(b.answered(0, false, || 11, sent), None);
+            let (next, due) = settle(&mut b, true);
+            assert_eq!(next, Next::Wait);
+            assert_eq!(due.iter().map(|d| d.answer).collect::<Vec<_>>(), [10, 11]);
+            b.ended(0, due[wrong].seq, due[wrong].own, 1, false);
+            let other = 1 - wrong;
+            b.ended(0, due[other].seq, due[other].own, 1, true);
+            assert_eq!(settle(&mut b, true).0, Next::Done(Settled::Failed(1)));
+        }
+        let mut b = book();
+        to(&mut b, 1);
+        let sent = b.collected();
+        assert_eq!(b.answered(0, false, || 10, sent), None);
+        assert_eq!(b.answered(0, false, || 11, sent), None);
+        let (_, due) = settle(&mut b, true);
+        for d in &due {
+            b.ended(0, d.seq, d.own, 1, true);
+        }
+        assert_eq!(settle(&mut b, true).0, Next::Done(Settled::Clear));
     }
 
     /// A peer unconfirmed for FORCE_AFTER steps has its latest unchecked answer checked; so
@@ -361,14 +406,14 @@ mod tests {
             "the latest answer, once"
         );
         assert!(settle(&mut b, false).1.is_empty(), "asked for once");
-        b.ended(0, due[0].seq, due[0].step, true);
+        b.ended(0, due[0].seq, due[0].own, due[0].step, true);
         assert_eq!(settle(&mut b, false).0, Next::Done(Settled::Clear));
         // At the end of a generation, at once.
         unchecked(&mut b, 1);
         let (next, due) = settle(&mut b, true);
         assert_eq!((next, due.len()), (Next::Wait, 1));
         assert_eq!(settle(&mut b, true), (Next::Wait, vec![]));
-        b.ended(1, due[0].seq, due[0].step, false);
+        b.ended(1, due[0].seq, due[0].own, due[0].step, false);
         assert_eq!(
             settle(&mut b, true).0,
             Next::Done(Settled::Failed(1 + FORCE_AFTER))
@@ -386,7 +431,7 @@ mod tests {
         unchecked(&mut b, 1);
         b.forget(1);
         assert_eq!(settle(&mut b, false).0, Next::Done(Settled::Clear));
-        b.ended(0, seq, step, false);
+        b.ended(0, seq, None, step, false);
         assert_eq!(settle(&mut b, true).0, Next::Done(Settled::Clear));
     }
 
