@@ -14,6 +14,30 @@ struct Tmux {
 }
 
 impl Tmux {
+    /// A tmux server on `socket` running `command` (a `stormo chat`) in a 200x50 window,
+    /// once the chat's banner shows.
+    fn chat(socket: String, command: &str) -> Self {
+        let t = Tmux { socket };
+        let o = t.cmd(&[
+            "new-session",
+            "-d",
+            "-s",
+            "chat",
+            "-x",
+            "200",
+            "-y",
+            "50",
+            command,
+        ]);
+        assert!(
+            o.status.success(),
+            "tmux: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        t.wait("the banner", |s| s.contains("stormo chat with"));
+        t
+    }
+
     fn cmd(&self, args: &[&str]) -> std::process::Output {
         Command::new("tmux")
             .args(["-L", &self.socket])
@@ -96,26 +120,7 @@ fn chat_on_a_terminal_recalls_history_and_ctrl_c_stops_a_reply() {
         q(&crate::demo::stormo_exe()),
         q(model.path())
     );
-    let t = Tmux {
-        socket: format!("stormo-test-{}", std::process::id()),
-    };
-    let o = t.cmd(&[
-        "new-session",
-        "-d",
-        "-s",
-        "chat",
-        "-x",
-        "200",
-        "-y",
-        "50",
-        &command,
-    ]);
-    assert!(
-        o.status.success(),
-        "tmux: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    t.wait("the banner", |s| s.contains("stormo chat with"));
+    let t = Tmux::chat(format!("stormo-test-{}", std::process::id()), &command);
 
     // A reply, stopped with Ctrl-C once it has started.
     t.keys(&["Hello there", "Enter"]);
@@ -296,26 +301,10 @@ fn ctrl_c_stops_a_long_prompt_and_the_chat_goes_on() {
         q(&crate::demo::stormo_exe()),
         q(model.path())
     );
-    let t = Tmux {
-        socket: format!("stormo-test-prefill-{}", std::process::id()),
-    };
-    let o = t.cmd(&[
-        "new-session",
-        "-d",
-        "-s",
-        "chat",
-        "-x",
-        "200",
-        "-y",
-        "50",
+    let t = Tmux::chat(
+        format!("stormo-test-prefill-{}", std::process::id()),
         &command,
-    ]);
-    assert!(
-        o.status.success(),
-        "tmux: {}",
-        String::from_utf8_lossy(&o.stderr)
     );
-    t.wait("the banner", |s| s.contains("stormo chat with"));
     t.keys(&[&format!("/load {}", long.display()), "Enter"]);
     t.wait("the load note", |s| s.contains("(loaded 2 messages from"));
     t.keys(&["Go on.", "Enter"]);

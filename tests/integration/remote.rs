@@ -56,12 +56,7 @@ fn run_remote(
     }
     args.extend_from_slice(extra);
     let v: Value = serde_json::from_str(&stormo(&args)).expect("run --json");
-    let ids = v["generated_ids"]
-        .as_array()
-        .expect("ids")
-        .iter()
-        .map(|x| x.as_u64().expect("id"))
-        .collect();
+    let ids = ids_of(&v);
     (ids, v["experts"].clone())
 }
 
@@ -112,6 +107,49 @@ fn execs(p: &HostilePeer) -> usize {
 /// A hand-made peer's `KEY@ADDR`.
 fn line(p: &HostilePeer) -> String {
     format!("{}@{}", p.key.public(), p.addr)
+}
+
+/// `stormo serve` of `model` on 127.0.0.1 for any key, its state in `st`, no expert cached.
+fn holder(model: &Path, st: &Path) -> Proc {
+    Proc::start(&[
+        "serve",
+        "--model",
+        s(model),
+        "--listen",
+        "127.0.0.1:0",
+        "--allow-any",
+        "--state-dir",
+        s(st),
+        "--expert-cache",
+        "0",
+    ])
+}
+
+/// A hand-made peer (node key `seed`) serving `dir` that answers its first `from` calls
+/// honestly and perturbs every later one by 100 (a liar from then on).
+fn lying_from(seed: u8, dir: &Path, from: usize) -> HostilePeer {
+    let count = AtomicUsize::new(0);
+    HostilePeer::start_exec(
+        seed,
+        dir,
+        Arc::new(move |_, _| {
+            if count.fetch_add(1, Ordering::Relaxed) >= from {
+                ExecAnswer::Perturb(100.0)
+            } else {
+                ExecAnswer::Honest
+            }
+        }),
+    )
+}
+
+/// The `generated_ids` of `run --json`'s output.
+fn ids_of(v: &Value) -> Vec<u64> {
+    v["generated_ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .map(|x| x.as_u64().expect("id"))
+        .collect()
 }
 
 /// Issue 39 (a): a node with no local experts and `--remote-exec always` generates each
@@ -331,22 +369,8 @@ fn a_holder_whose_copy_is_corrupt_never_runs_it_for_peers() {
     }
     assert!(flipped > 0);
     let (prompt, want) = reference(name);
-    let serve = |dir: &Path, st: &Path| {
-        Proc::start(&[
-            "serve",
-            "--model",
-            s(dir),
-            "--listen",
-            "127.0.0.1:0",
-            "--allow-any",
-            "--state-dir",
-            s(st),
-            "--expert-cache",
-            "0",
-        ])
-    };
     let (st_bad, st_good) = (state(), state());
-    let liar = serve(bad.path(), st_bad.path());
+    let liar = holder(bad.path(), st_bad.path());
     let n = N.to_string();
     for spot in ["0", "0", "0.05", "0.05"] {
         let st = state();
@@ -369,16 +393,11 @@ fn a_holder_whose_copy_is_corrupt_never_runs_it_for_peers() {
             .expect("run stormo");
         if out.status.success() {
             let v: Value = serde_json::from_slice(&out.stdout).expect("run --json");
-            let ids: Vec<u64> = v["generated_ids"]
-                .as_array()
-                .expect("ids")
-                .iter()
-                .map(|x| x.as_u64().expect("id"))
-                .collect();
+            let ids = ids_of(&v);
             assert_eq!(ids, want, "wrong ids with exit 0 from a corrupt holder");
         }
     }
-    let honest = serve(good.path(), st_good.path());
+    let honest = holder(good.path(), st_good.path());
     for spot in ["0", "0", "0.05", "0.05"] {
         let (ids, j) = run_remote(
             good.path(),
@@ -408,18 +427,7 @@ fn a_liar_caught_late_undoes_every_step_it_touched() {
     let (dir, id) = setup(name);
     let (prompt, want) = reference(name);
     let st = state();
-    let honest = Proc::start(&[
-        "serve",
-        "--model",
-        s(dir.path()),
-        "--listen",
-        "127.0.0.1:0",
-        "--allow-any",
-        "--state-dir",
-        s(st.path()),
-        "--expert-cache",
-        "0",
-    ]);
+    let honest = holder(dir.path(), st.path());
     // How many calls a run makes: the liar lies from a quarter, half and three quarters in.
     let counter = HostilePeer::start_exec(203, dir.path(), Arc::new(|_, _| ExecAnswer::Honest));
     let (ids, j) = run_remote(
@@ -434,20 +442,7 @@ fn a_liar_caught_late_undoes_every_step_it_touched() {
     drop(counter);
     assert!(total >= 8, "{total} calls: {j}");
     for from in [total / 4, total / 2, total * 3 / 4] {
-        let liar = HostilePeer::start_exec(
-            203,
-            dir.path(),
-            Arc::new({
-                let count = Arc::new(AtomicUsize::new(0));
-                move |_, _| {
-                    if count.fetch_add(1, Ordering::Relaxed) >= from {
-                        ExecAnswer::Perturb(100.0)
-                    } else {
-                        ExecAnswer::Honest
-                    }
-                }
-            }),
-        );
+        let liar = lying_from(203, dir.path(), from);
         let (ids, j) = run_remote(
             dir.path(),
             &id,
@@ -553,12 +548,7 @@ fn remote_execution_goes_only_to_peers_allowed_to_compute() {
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         assert!(out.status.success(), "{extra:?}: {stderr}");
         let v: Value = serde_json::from_slice(&out.stdout).expect("run --json");
-        let ids: Vec<u64> = v["generated_ids"]
-            .as_array()
-            .expect("ids")
-            .iter()
-            .map(|x| x.as_u64().expect("id"))
-            .collect();
+        let ids = ids_of(&v);
         assert_eq!(ids, want, "{extra:?}: {v}");
         (num(&v["experts"], "remote_calls"), stderr)
     };
@@ -587,22 +577,11 @@ fn dual_execution_compares_two_holders_and_settles_a_disagreement_here() {
     let name = "gptoss-tiny-mxfp4";
     let (dir, id) = setup(name);
     let (prompt, want) = reference(name);
-    let serve = |st: &Path| {
-        Proc::start(&[
-            "serve",
-            "--model",
-            s(dir.path()),
-            "--listen",
-            "127.0.0.1:0",
-            "--allow-any",
-            "--state-dir",
-            s(st),
-            "--expert-cache",
-            "0",
-        ])
-    };
     let (st1, st2) = (state(), state());
-    let (honest, other) = (serve(st1.path()), serve(st2.path()));
+    let (honest, other) = (
+        holder(dir.path(), st1.path()),
+        holder(dir.path(), st2.path()),
+    );
     let dual = ["--remote-exec", "always", "--verify-exec", "dual"];
     let (ids, j) = run_remote(
         dir.path(),
@@ -614,18 +593,7 @@ fn dual_execution_compares_two_holders_and_settles_a_disagreement_here() {
     assert_eq!(ids, want, "{j}");
     assert!(num(&j, "dual_calls") > 0, "{j}");
     assert_eq!(num(&j, "dual_disagreements"), 0, "{j}");
-    let count = Arc::new(AtomicUsize::new(0));
-    let liar = HostilePeer::start_exec(
-        204,
-        dir.path(),
-        Arc::new(move |_, _| {
-            if count.fetch_add(1, Ordering::Relaxed) >= 2 {
-                ExecAnswer::Perturb(100.0)
-            } else {
-                ExecAnswer::Honest
-            }
-        }),
-    );
+    let liar = lying_from(204, dir.path(), 2);
     let mut args = dual.to_vec();
     args.extend(["--spot-check", "0"]);
     let (ids, j) = run_remote(
@@ -747,21 +715,7 @@ fn a_liar_caught_late_changes_no_batched_completion() {
     drop(counter);
     assert!(total >= 8, "{total} calls");
     for (k, from) in [total / 4, total / 2].into_iter().enumerate() {
-        let liar = |seed| {
-            let count = Arc::new(AtomicUsize::new(0));
-            HostilePeer::start_exec(
-                seed,
-                dir,
-                Arc::new(move |_, _| {
-                    if count.fetch_add(1, Ordering::Relaxed) >= from {
-                        ExecAnswer::Perturb(100.0)
-                    } else {
-                        ExecAnswer::Honest
-                    }
-                }),
-            )
-        };
-        let control = liar(206);
+        let control = lying_from(206, dir, from);
         let c = api(&line(&control), "0", 4 + 2 * k);
         assert_ne!(
             texts(&c),
@@ -769,7 +723,7 @@ fn a_liar_caught_late_changes_no_batched_completion() {
             "from {from} of {total}: lies that change nothing test nothing"
         );
         drop(c);
-        let caught = liar(207);
+        let caught = lying_from(207, dir, from);
         let c = api(&line(&caught), "0.05", 5 + 2 * k);
         assert_eq!(texts(&c), want, "from {from} of {total}");
     }
