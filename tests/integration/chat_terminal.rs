@@ -17,7 +17,7 @@ impl Tmux {
     /// A tmux server on `socket` running `command` (a `stormo chat`) in a 200x50 window,
     /// once the chat's banner shows.
     fn chat(socket: String, command: &str) -> Self {
-        let t = Tmux { socket };
+        let t = Self { socket };
         let o = t.cmd(&[
             "new-session",
             "-d",
