@@ -498,6 +498,7 @@ fn http_streams_what_it_answers_whole_and_honours_stop() {
     assert_eq!(evs.last().map(String::as_str), Some("[DONE]"));
     let mut streamed = String::new();
     let mut usage = Value::Null;
+    let mut why = Value::Null;
     for e in &evs[..evs.len() - 1] {
         let v: Value = serde_json::from_str(e).expect("JSON");
         assert_eq!(v["object"], "chat.completion.chunk");
@@ -507,8 +508,18 @@ fn http_streams_what_it_answers_whole_and_honours_stop() {
         if !v["usage"].is_null() {
             usage = v["usage"].clone();
         }
+        if !v["choices"][0]["content_empty_reason"].is_null() {
+            why = v["choices"][0]["content_empty_reason"].clone();
+        }
     }
     assert_eq!(streamed, content);
+    // An empty answer says why, whole and streamed alike; an answer with text says nothing.
+    let whole_why = &v["choices"][0]["content_empty_reason"];
+    assert_eq!(content.is_empty(), whole_why.is_string(), "{v}");
+    assert_eq!(
+        &why, whole_why,
+        "the stream's last chunk gives the same reason"
+    );
     assert_eq!(
         usage, v["usage"],
         "the streamed usage is the whole answer's"

@@ -103,6 +103,35 @@ impl Reply {
     }
 }
 
+/// Why a chat reply's `content` is empty though tokens were generated, for the choice's
+/// `content_empty_reason` (a stormo field: OpenAI's shape has none, and an empty answer with
+/// no word of why is what a client would otherwise get): the reply was all reasoning
+/// (GPT-OSS's analysis channel, Qwen3's think block), cut by `max_tokens` or ended there, or
+/// its tokens held no message text at all. `None` when there is content or nothing was made.
+pub(super) fn empty_content_reason(
+    content_empty: bool,
+    reasoning_empty: bool,
+    finish: &str,
+    tokens: usize,
+) -> Option<String> {
+    if !content_empty || tokens == 0 {
+        return None;
+    }
+    Some(match (reasoning_empty, finish) {
+        (false, "length") => format!(
+            "the reply reached max_tokens ({tokens} tokens) while the model was still \
+             reasoning: its text so far is in reasoning_content; allow more tokens for an answer"
+        ),
+        (false, _) => "the model wrote only reasoning (in reasoning_content) and no final \
+                       answer"
+            .into(),
+        (true, _) => format!(
+            "the {tokens} generated tokens held no message text (only the chat format's own \
+             tokens, or output that does not follow the chat format)"
+        ),
+    })
+}
+
 pub(super) fn usage(prompt: usize, completion: usize) -> Value {
     json!({
         "prompt_tokens": prompt,
@@ -264,11 +293,17 @@ impl Answer {
                 if !reasoning.is_empty() {
                     message["reasoning_content"] = json!(reasoning);
                 }
+                let mut choice = json!({ "index": 0, "message": message, "logprobs": logprobs,
+                                         "finish_reason": reason });
+                let why =
+                    empty_content_reason(content.is_empty(), reasoning.is_empty(), reason, tokens);
+                if let Some(why) = why {
+                    choice["content_empty_reason"] = json!(why);
+                }
                 json!({
                     "id": self.id, "object": "chat.completion", "created": self.created,
                     "model": self.model,
-                    "choices": [{ "index": 0, "message": message, "logprobs": logprobs,
-                                  "finish_reason": reason }],
+                    "choices": [choice],
                     "usage": usage,
                 })
             }
@@ -293,6 +328,8 @@ impl Answer {
                     return;
                 }
             }
+            // What the stream has carried, for `content_empty_reason` on its last chunk.
+            let (mut content_sent, mut reasoning_sent) = (false, false);
             loop {
                 // A client that hangs up (the connection drops the body) ends the task at once,
                 // so a request still waiting in the queue leaves it (see `batch.rs`).
@@ -302,16 +339,24 @@ impl Answer {
                 };
                 let v = match step {
                     Ok(Some(Step::Delta(OutputDelta::Content(t)))) => {
+                        content_sent |= !t.is_empty();
                         self.chunk(json!({ "content": t }), None)
                     }
                     Ok(Some(Step::Delta(OutputDelta::Reasoning(t)))) => {
                         if self.kind == Kind::Text {
                             continue;
                         }
+                        reasoning_sent |= !t.is_empty();
                         self.chunk(json!({ "reasoning_content": t }), None)
                     }
                     Ok(Some(Step::End(reason, tokens))) => {
                         let mut last = self.chunk(json!({}), Some(reason));
+                        let why =
+                            empty_content_reason(!content_sent, !reasoning_sent, reason, tokens)
+                                .filter(|_| self.kind == Kind::Chat);
+                        if let Some(why) = why {
+                            last["choices"][0]["content_empty_reason"] = json!(why);
+                        }
                         if self.include_usage {
                             if tx.send(event(&last)).await.is_err() {
                                 return;
@@ -377,5 +422,25 @@ impl State {
             offset: 0,
             phase: self.phase.clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::empty_content_reason;
+
+    #[test]
+    fn an_empty_answer_says_why() {
+        assert_eq!(empty_content_reason(false, false, "length", 9), None);
+        assert_eq!(empty_content_reason(true, true, "stop", 0), None);
+        let cut = empty_content_reason(true, false, "length", 9).expect("a reason");
+        assert!(cut.contains("max_tokens (9 tokens)") && cut.contains("reasoning_content"));
+        let only = empty_content_reason(true, false, "stop", 9).expect("a reason");
+        assert!(only.contains("only reasoning"), "{only}");
+        let none = empty_content_reason(true, true, "stop", 9).expect("a reason");
+        assert!(
+            none.contains("9 generated tokens held no message text"),
+            "{none}"
+        );
     }
 }
