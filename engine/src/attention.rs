@@ -79,6 +79,73 @@ impl Attend<'_> {
         }
     }
 
+    /// Several blocks' attention (the sequences of a batched step, each over its own cache) in
+    /// one parallel region: every (block, head) pair is one call of the kernels' pool when the
+    /// blocks' work together pays for the hand-off, where [`Attend::run`] on each would keep a
+    /// decoded token's few heads on one thread. Each head is computed by the same code as
+    /// alone, so the bits are those of [`Attend::run`]. `outs[i]` and `scores[i]` are block
+    /// `i`'s buffers, as [`Attend::run`] takes them.
+    pub(crate) fn run_all(
+        blocks: &[Attend<'_>],
+        outs: &mut [&mut [f32]],
+        scores: &mut [&mut [f32]],
+    ) {
+        assert!(
+            blocks.len() == outs.len() && blocks.len() == scores.len(),
+            "one output and one scores buffer per block"
+        );
+        let work: usize = blocks
+            .iter()
+            .map(|b| b.t * (b.p0 + b.t) * b.head_dim * b.heads)
+            .sum();
+        if blocks.len() == 1 || work < PARALLEL_ELEMENTS {
+            // Small enough for one thread (or one block: its own split is the same).
+            for ((b, o), sc) in blocks.iter().zip(outs.iter_mut()).zip(scores.iter_mut()) {
+                b.run(o, sc);
+            }
+            return;
+        }
+        let isa = Isa::active();
+        // Per block: its first pair's index, its buffers, and the scores' stride per head.
+        let mut first = Vec::with_capacity(blocks.len() + 1);
+        let mut bufs = Vec::with_capacity(blocks.len());
+        let mut n = 0;
+        for ((b, o), sc) in blocks.iter().zip(outs.iter_mut()).zip(scores.iter_mut()) {
+            let (nh, d, t) = (b.heads, b.head_dim, b.t);
+            first.push(n);
+            let ctx = sc.len() / nh.max(1);
+            if nh == 0 || d == 0 || t == 0 {
+                bufs.push((SendPtr(o.as_mut_ptr()), SendPtr(sc.as_mut_ptr()), ctx));
+                continue;
+            }
+            assert!(
+                o.len() >= nh * t * d && ctx >= t,
+                "attention buffers too small"
+            );
+            bufs.push((SendPtr(o.as_mut_ptr()), SendPtr(sc.as_mut_ptr()), ctx));
+            n += nh;
+        }
+        first.push(n);
+        for_each_index(n, |k| {
+            // The block holding pair `k`: the last whose first pair is at most `k` (blocks
+            // without heads take no pairs, so the search skips them).
+            let i = first.partition_point(|&f| f <= k) - 1;
+            let (b, (o, sc, ctx)) = (&blocks[i], bufs[i]);
+            let head = k - first[i];
+            let (t, d) = (b.t, b.head_dim);
+            // SAFETY: block `i`'s head `head` slices of its `out` (`t·d`) and `scores`
+            // (`ctx`), in bounds (checked above); each pair is run by one call only, and the
+            // blocks' buffers are distinct borrows that outlive the loop.
+            let (o, sc) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(o.at(head * t * d), t * d),
+                    std::slice::from_raw_parts_mut(sc.at(head * ctx), ctx),
+                )
+            };
+            b.head(isa, head, o, sc);
+        });
+    }
+
     /// One query head's `t` outputs (`out`, `[t, head_dim]`) by the module's arithmetic, on
     /// `ISA`'s instructions where this CPU has them (else a lower ISA's: the bits are the same).
     fn head(&self, isa: Isa, head: usize, out: &mut [f32], sc: &mut [f32]) {
@@ -597,6 +664,81 @@ mod tests {
                             "{isa}: d {d}, heads {heads}/{kv_heads}, window {window:?}, p0 {p0}, t {t}, sinks {sinks}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// Blocks run together ([`Attend::run_all`], small and large enough to split, blocks
+    /// without queries among them) give each block's bits from [`Attend::run`] alone, on
+    /// every ISA.
+    #[test]
+    fn blocks_together_give_each_blocks_bits_alone() {
+        let (d, heads, kv_heads) = (64, 8, 2);
+        let kvd = kv_heads * d;
+        for shape in [
+            &[(3usize, 1usize), (10, 1), (0, 2)][..],
+            &[(40, 1), (90, 1), (0, 0), (300, 1), (12, 3)][..],
+        ] {
+            let data: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = shape
+                .iter()
+                .enumerate()
+                .map(|(i, &(p0, t))| {
+                    let cap = p0 + t;
+                    let seed = 10 * i as u64;
+                    (
+                        noise(cap * kvd, seed),
+                        noise(cap * kvd, seed + 1),
+                        noise(t * heads * d, seed + 2),
+                    )
+                })
+                .collect();
+            let blocks: Vec<Attend<'_>> = shape
+                .iter()
+                .zip(&data)
+                .map(|(&(p0, t), (k, v, q))| Attend {
+                    k,
+                    v,
+                    cap: p0 + t,
+                    q,
+                    sinks: None,
+                    window: None,
+                    p0,
+                    t,
+                    heads,
+                    kv_heads,
+                    head_dim: d,
+                })
+                .collect();
+            let bufs = |b: &Attend<'_>| {
+                (
+                    vec![f32::NAN; heads * b.t * d],
+                    vec![f32::NAN; heads * (b.p0 + b.t).max(1)],
+                )
+            };
+            for isa in Isa::available() {
+                let alone: Vec<Vec<f32>> = blocks
+                    .iter()
+                    .map(|b| {
+                        let (mut o, mut sc) = bufs(b);
+                        with_isa(isa, || b.run(&mut o, &mut sc));
+                        o
+                    })
+                    .collect();
+                let (mut outs, mut scs): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
+                    blocks.iter().map(bufs).unzip();
+                let mut o: Vec<&mut [f32]> = outs.iter_mut().map(|v| &mut v[..]).collect();
+                let mut sc: Vec<&mut [f32]> = scs.iter_mut().map(|v| &mut v[..]).collect();
+                with_isa(isa, || Attend::run_all(&blocks, &mut o, &mut sc));
+                for (i, (got, want)) in outs.iter().zip(&alone).enumerate() {
+                    assert!(
+                        got.len() == want.len()
+                            && got
+                                .iter()
+                                .zip(want)
+                                .all(|(g, w)| g.to_bits() == w.to_bits()),
+                        "{isa}: block {i} of {shape:?}"
+                    );
                 }
             }
         }

@@ -1036,10 +1036,10 @@ impl Model {
         for seq in seqs.iter_mut() {
             let SeqRows {
                 ref mut kv,
-                ref mut scores,
                 p0,
                 row,
                 t,
+                ..
             } = *seq;
             for i in row..row + t {
                 self.rope.cos_sin(p0 + i - row, &mut s.cos, &mut s.sin);
@@ -1051,9 +1051,26 @@ impl Model {
                 kv.k[slot * kvd..(slot + 1) * kvd].copy_from_slice(&s.k[i * kvd..(i + 1) * kvd]);
                 kv.v[slot * kvd..(slot + 1) * kvd].copy_from_slice(&s.v[i * kvd..(i + 1) * kvd]);
             }
-            // This sequence's heads `[heads, t, head_dim]` in its rows' share of `s.heads`.
-            let heads = &mut s.heads[row * qd..(row + t) * qd];
-            crate::attention::Attend {
+        }
+        // Every sequence's heads in one parallel region (a decoded token's heads alone are
+        // too few to split); each sequence's heads `[heads, t, head_dim]` land in its rows'
+        // share of `s.heads` (the sequences' rows are consecutive, in order).
+        let (mut outs, mut scores) = (Vec::with_capacity(seqs.len()), Vec::new());
+        let mut rest = &mut s.heads[..t * qd];
+        let mut blocks = Vec::with_capacity(seqs.len());
+        for seq in seqs.iter_mut() {
+            let SeqRows {
+                ref kv,
+                scores: ref mut sc,
+                p0,
+                row,
+                t,
+            } = *seq;
+            let (mine, after) = std::mem::take(&mut rest).split_at_mut(t * qd);
+            rest = after;
+            outs.push(mine);
+            scores.push(&mut **sc);
+            blocks.push(crate::attention::Attend {
                 k: &kv.k,
                 v: &kv.v,
                 cap: kv.cap,
@@ -1065,8 +1082,13 @@ impl Model {
                 heads: cfg.num_heads,
                 kv_heads: cfg.num_kv_heads,
                 head_dim: hd,
-            }
-            .run(heads, scores);
+            });
+        }
+        crate::attention::Attend::run_all(&blocks, &mut outs, &mut scores);
+        drop((blocks, outs, scores));
+        for seq in seqs.iter() {
+            let (row, t) = (seq.row, seq.t);
+            let heads = &s.heads[row * qd..(row + t) * qd];
             for i in 0..t {
                 for head in 0..cfg.num_heads {
                     let src = &heads[(head * t + i) * hd..(head * t + i + 1) * hd];
