@@ -189,6 +189,11 @@ pub(crate) struct Inner {
     pub(crate) membership: Option<stormo_manifests::Membership>,
     /// Which servers it accepts besides the key pinned per peer (a swarm's members).
     pub(crate) servers: tls::Admission,
+    /// The watch over the connections this node dials, under `servers`: one whose server the
+    /// policy refuses later (its key revoked, its certificate expired) is closed within about a
+    /// second, as the peer server closes those it accepted ([`tls::LiveMembers`]). `None` when
+    /// no verdict of the policy can change.
+    pub(crate) dialled: Option<Arc<tls::LiveMembers>>,
     /// Set by [`PeerTier::close`]: failures after it are the shutdown, not the peers'.
     pub(crate) closing: std::sync::atomic::AtomicBool,
     /// A local tier (the disk) that a slow demand request is raced against when no other
@@ -298,6 +303,7 @@ impl PeerTier {
             secret: SecretKey::from_seed(&secret.seed()),
             membership: None,
             servers: tls::Admission::Any,
+            dialled: None,
             closing: Default::default(),
             local: Default::default(),
             store: Default::default(),
@@ -320,9 +326,14 @@ impl PeerTier {
         membership: Option<stormo_manifests::Membership>,
         servers: tls::Admission,
     ) -> Self {
+        let dialled = {
+            let _in = self.rt.enter();
+            tls::LiveMembers::start(servers.clone())
+        };
         let inner = Arc::get_mut(&mut self.inner).expect("no peer added yet");
         inner.membership = membership;
         inner.servers = servers;
+        inner.dialled = dialled;
         self
     }
 
@@ -1386,5 +1397,77 @@ mod tests {
             (long.hedge_min, long.hedge_max, long.stripe_min),
             (d.hedge_min, d.hedge_max, d.stripe_min)
         );
+    }
+
+    /// A server this node dialled is closed within seconds once the policy it admits servers
+    /// by refuses it (here its key taken off the allow-list file; a swarm's revocation list
+    /// and a certificate's expiry take the same path), and its redial is refused in the
+    /// handshake.
+    #[test]
+    fn a_dialled_server_no_longer_admitted_is_closed_and_not_redialled() {
+        let b = bench(&[Serving::Honest]);
+        let server = b.tier.peer_addrs()[0].clone();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let allow = dir.path().join("allow.txt");
+        std::fs::write(&allow, format!("{}\n", server.key)).expect("allow file");
+        let file = Arc::new(tls::RevokedList::load(&allow).expect("allow list"));
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let endpoint = {
+            let _in = rt.enter();
+            client_endpoint(std::slice::from_ref(&server)).expect("endpoint")
+        };
+        let schemas = stormo_engine::ModelFiles::open(b._dir.path())
+            .expect("model files")
+            .layout
+            .schemas
+            .clone();
+        // The key the bench's servers admit.
+        let client = SecretKey::from_seed(&[70; 32]);
+        let t = PeerTier::new(
+            endpoint,
+            rt.handle().clone(),
+            &client,
+            b.tier.inner.manifest.clone(),
+            b.tier.inner.model,
+            schemas,
+            bench_config(),
+        )
+        .with_membership(
+            None,
+            tls::Admission::Listed {
+                keys: Default::default(),
+                file,
+            },
+        );
+        t.add_peers(std::slice::from_ref(&server))
+            .expect("peer added");
+        let peer = t.inner.peers()[0].clone();
+        let l = rt
+            .block_on(link(&t.inner, &peer))
+            .expect("admitted while on the list");
+        std::fs::write(&allow, "# nobody now\n").expect("allow file");
+        let until = Instant::now() + Duration::from_secs(5);
+        while l.conn.close_reason().is_none() {
+            assert!(
+                Instant::now() < until,
+                "the connection to a server no longer admitted stayed open 5 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(
+            matches!(
+                l.conn.close_reason(),
+                Some(quinn::ConnectionError::LocallyClosed)
+            ),
+            "closed by this node: {:?}",
+            l.conn.close_reason()
+        );
+        let again = rt.block_on(link(&t.inner, &peer));
+        assert!(again.is_err(), "a server no longer admitted was redialled");
+        t.close();
     }
 }

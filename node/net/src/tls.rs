@@ -52,7 +52,7 @@ mod list;
 mod live;
 
 pub use list::RevokedList;
-pub(crate) use live::LiveMembers;
+pub(crate) use live::{LiveMembers, Watched};
 
 /// DER prefix of an Ed25519 SubjectPublicKeyInfo; the 32 key bytes follow.
 const SPKI_PREFIX: [u8; 12] = [
@@ -599,6 +599,12 @@ pub fn server_config_for(
         .with_client_cert_verifier(Arc::new(KeyVerifier::new(admission, None, "client")))
         .with_single_cert(vec![cert], key)
         .context("the node's TLS certificate")?;
+    // No session resumption: a resumed handshake shows no certificate, so a client revoked
+    // (or whose certificate expired) since its first connection would be let in on its
+    // ticket without the admission check. Every handshake is a full one (one Ed25519
+    // signature each way).
+    cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    cfg.send_tls13_tickets = 0;
     cfg.alpn_protocols = vec![stormo_wire::ALPN.to_vec()];
     let quic = quinn::crypto::rustls::QuicServerConfig::try_from(cfg)
         .context("a QUIC server configuration from TLS 1.3")?;
@@ -637,6 +643,9 @@ pub fn client_config_for(
         .with_custom_certificate_verifier(Arc::new(verifier))
         .with_client_auth_cert(vec![cert], key)
         .context("the node's TLS certificate")?;
+    // No session resumption, as on the server side: a resumed handshake skips the server's
+    // certificate, and with it the admission check of a server revoked since the last one.
+    cfg.resumption = rustls::client::Resumption::disabled();
     cfg.alpn_protocols = vec![stormo_wire::ALPN.to_vec()];
     let quic = quinn::crypto::rustls::QuicClientConfig::try_from(cfg)
         .context("a QUIC client configuration from TLS 1.3")?;
@@ -1494,5 +1503,50 @@ mod tests {
         std::fs::write(&path, format!("# b only\n{b}\n")).expect("rewrite");
         assert!(!adm.admits(a.as_bytes()), "a removed key is still admitted");
         assert!(adm.admits(b.as_bytes()), "an added key is not admitted");
+    }
+
+    /// A peer admitted once and taken off the allow-list since is refused at its next
+    /// handshake, both ways, though it connected before with the same configurations: no
+    /// session is resumed (a resumed handshake shows no certificate, so it would skip the
+    /// admission check; both sides once let a revoked peer back in that way).
+    #[test]
+    fn a_peer_refused_since_its_last_connection_is_not_resumed_back_in() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let server = SecretKey::from_seed(&[63; 32]);
+        let client = SecretKey::from_seed(&[64; 32]);
+        let listed = |name: &str, key: PublicKey| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, format!("{key}\n")).expect("write");
+            let adm = Admission::Listed {
+                keys: HashSet::new(),
+                file: Arc::new(RevokedList::load(&path).expect("loads")),
+            };
+            (path, adm)
+        };
+        let (clients, server_adm) = listed("clients", client.public());
+        let (servers, client_adm) = listed("servers", server.public());
+        let sc = server_config_for(Identity::key(&server), server_adm, 4, Congestion::Cubic)
+            .expect("server");
+        let cc = client_config_for(Identity::key(&client), Some(&server.public()), client_adm)
+            .expect("client");
+        rt.block_on(async {
+            for _ in 0..2 {
+                let (s, c) = handshake_with(sc.clone(), cc.clone()).await;
+                assert!(s && c, "admitted both ways (server {s}, client {c})");
+            }
+            // The client taken off the server's list: the server refuses it.
+            std::fs::write(&clients, "# nobody now\n").expect("rewrite");
+            let (s, _) = handshake_with(sc.clone(), cc.clone()).await;
+            assert!(!s, "the server let a client it no longer admits back in");
+            // The server taken off the client's list: the client refuses it.
+            std::fs::write(&clients, format!("# back\n{}\n", client.public())).expect("rewrite");
+            std::fs::write(&servers, "# nobody now\n").expect("rewrite");
+            let (_, c) = handshake_with(sc.clone(), cc.clone()).await;
+            assert!(!c, "the client accepted a server it no longer admits");
+        });
     }
 }

@@ -47,6 +47,9 @@ pub(crate) struct Link {
     /// place. A try that fails on a replaced link is not the peer's failure: it is made again
     /// on the new link.
     pub(crate) replaced: Arc<AtomicBool>,
+    /// On the watch that closes it once its server is no longer admitted (a swarm's
+    /// revocation list, a certificate's expiry); off it when the link is dropped.
+    _watched: Option<crate::tls::Watched>,
 }
 
 impl Link {
@@ -65,6 +68,8 @@ pub(crate) struct Dialer {
     cfg: PeerConfig,
     /// The swarm this node is a member of, if any.
     swarm: Option<stormo_manifests::PublicKey>,
+    /// The watch over dialled connections ([`Inner::dialled`]).
+    watch: Option<Arc<crate::tls::LiveMembers>>,
 }
 
 impl Dialer {
@@ -75,6 +80,7 @@ impl Dialer {
             model: inner.model,
             cfg: inner.cfg,
             swarm: inner.membership.as_ref().map(|m| m.swarm),
+            watch: inner.dialled.clone(),
         }
     }
 
@@ -562,6 +568,7 @@ fn install(
 ) -> Arc<Link> {
     let cfg = dialer.cfg;
     let slots = hello.limits.max_concurrent_requests.clamp(1, 64) as usize;
+    let watched = dialer.watch.as_ref().and_then(|w| w.admit(&conn));
     let l = Arc::new(Link {
         conn,
         live: Liveness::new(),
@@ -574,6 +581,7 @@ fn install(
         exec_ids: AtomicU64::new(1 << 63),
         exec_slots: Semaphore::new(EXEC_IN_FLIGHT),
         replaced: Arc::new(AtomicBool::new(false)),
+        _watched: watched,
     });
     {
         let mut s = peer.state();

@@ -29,8 +29,10 @@
 //! [`Admitted`] holds the connections and is given the time; it returns those to close. It is
 //! tested without sockets; [`LiveMembers`] drives it with quinn connections and a clock.
 //!
-//! Non-goals: the connections this node dials are not watched here (the peer tier owns them;
-//! their server was admitted in the handshake by the same policy).
+//! The connections this node dials are watched the same way: the peer tier puts each link's
+//! connection on a watch under the policy it admits servers by (`tier::Inner::dialled`), so a
+//! server revoked, or whose certificate expires, while this node uses it is closed too (and
+//! its redial refused in the handshake).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
