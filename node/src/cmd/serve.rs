@@ -143,7 +143,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // and the expert cache's budget.
     let files = stormo_node::node::open_model(&a.model)?;
     let memory = MemoryPlan::read();
-    let http = a.http.resolve_within(&a.model, &files.cfg, &memory)?;
+    let mut http = a.http.resolve_within(&a.model, &files.cfg, &memory)?;
+    if let Some(cfg) = &mut http {
+        cfg.prompt_cache = a.http.prompt_cache(&a.experts.state_dir())?;
+    }
     anyhow::ensure!(a.per_peer >= 1, "--per-peer must be at least 1");
     anyhow::ensure!(a.max_requests >= 1, "--max-requests must be at least 1");
     anyhow::ensure!(a.exec_per_peer >= 1, "--exec-per-peer must be at least 1");
