@@ -689,6 +689,7 @@ mod tests {
             allowed_host: Vec::new(),
             cors: Vec::new(),
             shutdown_grace: stormo_node::http::DEFAULT_SHUTDOWN_GRACE.as_secs_f64(),
+            prompt_cache: None,
         }
     }
 

@@ -362,6 +362,36 @@ mod tests {
         );
     }
 
+    /// `--prompt-cache SIZE` parses like the other sizes and puts the cache in the state
+    /// directory's `prompt-cache` folder; 0 or no flag is off; a bad size is refused by name.
+    #[test]
+    fn prompt_cache_takes_a_size_and_lives_in_the_state_dir() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["stormo", "serve", "--model", "m", "--http", "127.0.0.1:0"];
+            argv.extend_from_slice(extra);
+            match crate::cli::Cli::try_parse_args(argv)
+                .map_err(|e| e.to_string())?
+                .command
+            {
+                crate::cli::Command::Serve(a) => a
+                    .http
+                    .prompt_cache(std::path::Path::new("/state"))
+                    .map_err(|e| format!("{e:#}")),
+                _ => unreachable!("serve parses as serve"),
+            }
+        };
+        let on = parse(&["--prompt-cache", "512MiB"]).unwrap().expect("on");
+        assert_eq!(on.dir, std::path::Path::new("/state/prompt-cache"));
+        assert_eq!(on.limit, 512 << 20);
+        assert_eq!(parse(&[]).unwrap(), None);
+        assert_eq!(parse(&["--prompt-cache", "0"]).unwrap(), None);
+        let e = parse(&["--prompt-cache", "lots"]).unwrap_err();
+        assert!(
+            e.contains("--prompt-cache") && e.contains("not a size"),
+            "{e}"
+        );
+    }
+
     /// `--http` takes what `--listen` takes: an address, or a host name that resolves.
     #[test]
     fn http_and_listen_take_host_names() {

@@ -418,8 +418,8 @@ mod tests {
     use stormo_engine::{LoadOptions, Logits};
 
     fn tiny() -> Model {
-        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fixtures/gptoss-tiny-mxfp4");
+        let dir =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/gptoss-tiny-mxfp4");
         Model::load(&dir, &LoadOptions::default()).expect("the fixture loads")
     }
 
@@ -482,8 +482,7 @@ mod tests {
         assert_eq!(pc.load(&model, &mut d, &other), (64, 64));
         // Another model's cache (other settings: 8-bit attention) finds nothing.
         let int8 = Model::load(
-            &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../fixtures/gptoss-tiny-mxfp4"),
+            &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/gptoss-tiny-mxfp4"),
             &LoadOptions {
                 int8_attn_head: true,
                 ..LoadOptions::default()
