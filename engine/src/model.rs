@@ -39,7 +39,7 @@ mod persist;
 pub use batch::{Batch, Seq, Want};
 pub use head::{Choice, ScreenStats};
 use head::{HeadScreen, ScreenScratch};
-pub use persist::SESSION_FILE_VERSION;
+pub use persist::{SESSION_FILE_VERSION, SPAN_FILE_VERSION};
 
 #[derive(Clone, Copy, Debug)]
 struct MatSpec {

@@ -24,6 +24,7 @@ mod network_pull;
 mod node;
 mod oracle;
 mod placement;
+mod prompt_cache;
 mod remote;
 mod stripe;
 mod swarm;

@@ -24,6 +24,24 @@
 //! is [`Model::identity`]: its config.json and a sample of every dense tensor, so a file is
 //! refused by a model of the same shape with other weights. Scratch buffers, the last
 //! logits and statistics are not saved: nothing the next forward computes depends on them.
+//!
+//! # Spans
+//!
+//! A span file holds the keys and values of a run of positions `start..end` only
+//! ([`Session::save_span`]), to be appended to a session that holds the positions before it
+//! ([`Session::load_span`]): a prompt cache keeps a prompt's prefix as a chain of spans, so
+//! prompts that share a prefix share its files. Its layout is the session file's with the
+//! magic `STORMOKS`, a header naming the model, its cache settings, the span and the caller's
+//! bytes, and a body of the caller's bytes then per layer the keys then the values of the
+//! span's positions. A span is loaded into the session only once all of it has been read and
+//! its checksum matched, so a bad file leaves the session as it was.
+//!
+//! A span's numbers do not depend on how its positions were computed: every kernel computes
+//! each position on its own whatever block or batch it shares (model.rs, `model/batch.rs`,
+//! [`crate::kernels`]), so a position's keys and values are the same bits whether its prompt
+//! ran in one block, in chunks or batched with other sessions, and whatever the session's
+//! context. What does change them is [`Model::kv_identity`]: the model, its 8-bit copies and,
+//! for the approximate int8-input experts, the instruction set.
 
 use std::io::{Read, Write};
 
@@ -366,6 +384,257 @@ impl Session {
     }
 }
 
+/// The version of the span file [`Session::save_span`] writes and [`Session::load_span`] reads.
+pub const SPAN_FILE_VERSION: u32 = 1;
+
+const SPAN_MAGIC: &[u8; 8] = b"STORMOKS";
+
+/// What a span file's header says.
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+struct SpanHeader {
+    /// [`Model::identity`], in hex.
+    model: String,
+    int8_attn_head: bool,
+    int8_experts: bool,
+    /// The instruction set, when the cache depends on it (int8-input experts).
+    isa: Option<String>,
+    kv_dim: usize,
+    layers: usize,
+    /// The positions held: `start..end`.
+    start: usize,
+    end: usize,
+    /// Length of the caller's bytes.
+    app_bytes: u64,
+}
+
+/// The most caller's bytes a span file carries.
+const MAX_SPAN_APP: u64 = 1 << 20;
+
+impl Model {
+    /// What the numbers in a KV cache depend on besides the tokens: the model
+    /// ([`Model::identity`]), its 8-bit copies of attention and head, and with the int8-input
+    /// experts (whose instruction sets agree only to rounding) the instruction set. Two
+    /// models with the same value compute the same bits for the same tokens at the same
+    /// positions, so their caches are interchangeable.
+    pub fn kv_identity(&self) -> Result<[u8; 32]> {
+        let mut h = blake3::Hasher::new();
+        h.update(b"stormo kv identity 1\0");
+        h.update(&self.identity()?);
+        let (int8_attn_head, int8_experts) = self.cache_settings();
+        h.update(&[u8::from(int8_attn_head), u8::from(int8_experts)]);
+        if let Some(isa) = self.cache_isa() {
+            h.update(isa.as_bytes());
+        }
+        Ok(*h.finalize().as_bytes())
+    }
+
+    /// The instruction set's name when the cache's numbers depend on it.
+    fn cache_isa(&self) -> Option<String> {
+        self.int8_experts
+            .then(|| crate::kernels::Isa::process().name().to_string())
+    }
+
+    fn span_header(&self, start: usize, end: usize, app: usize) -> Result<SpanHeader> {
+        let (int8_attn_head, int8_experts) = self.cache_settings();
+        Ok(SpanHeader {
+            model: hex(&self.identity()?),
+            int8_attn_head,
+            int8_experts,
+            isa: self.cache_isa(),
+            kv_dim: self.cfg.kv_dim(),
+            layers: self.layers.len(),
+            start,
+            end,
+            app_bytes: app as u64,
+        })
+    }
+}
+
+impl Session {
+    /// Writes the keys and values of positions `span` (a span file, see the module docs)
+    /// with `app`, the caller's bytes (at most 1 MiB), to `w`. Every layer must still hold
+    /// those positions (`span.end` at most the position; a sliding layer's ring not past
+    /// `span.start`).
+    pub fn save_span(
+        &self,
+        model: &Model,
+        span: std::ops::Range<usize>,
+        app: &[u8],
+        w: &mut dyn Write,
+    ) -> Result<()> {
+        if span.start >= span.end || span.end > self.pos {
+            return Err(Error::Input(format!(
+                "positions {span:?} are not a span of the {} positions in the session",
+                self.pos
+            )));
+        }
+        if let Some((l, kv)) = self
+            .kv
+            .iter()
+            .enumerate()
+            .find(|(_, kv)| held(self.pos, kv.cap).start > span.start)
+        {
+            return Err(Error::Input(format!(
+                "layer {l} no longer holds position {} (it keeps the last {} of {})",
+                span.start, kv.cap, self.pos
+            )));
+        }
+        if app.len() as u64 > MAX_SPAN_APP {
+            return Err(Error::Input(format!(
+                "{} bytes of the caller's in a span file: at most {MAX_SPAN_APP}",
+                app.len()
+            )));
+        }
+        let header = model.span_header(span.start, span.end, app.len())?;
+        let json = serde_json::to_vec(&header).map_err(|e| bad(e.to_string()))?;
+        let io = |e: std::io::Error| bad(format!("writing it: {e}"));
+        let mut out = Hashing {
+            inner: w,
+            hash: blake3::Hasher::new(),
+        };
+        out.put(SPAN_MAGIC).map_err(io)?;
+        out.put(&SPAN_FILE_VERSION.to_le_bytes()).map_err(io)?;
+        out.put(&(json.len() as u32).to_le_bytes()).map_err(io)?;
+        out.put(&json).map_err(io)?;
+        out.seal().map_err(io)?;
+        out.put(app).map_err(io)?;
+        let kvd = header.kv_dim;
+        let mut bytes = Vec::with_capacity(kvd * 4 * span.len());
+        for kv in &self.kv {
+            for data in [&kv.k, &kv.v] {
+                for p in span.clone() {
+                    let slot = p % kv.cap;
+                    for x in &data[slot * kvd..(slot + 1) * kvd] {
+                        bytes.extend_from_slice(&x.to_le_bytes());
+                    }
+                }
+                out.put(&bytes).map_err(io)?;
+                bytes.clear();
+            }
+        }
+        out.seal().map_err(io)?;
+        out.inner.flush().map_err(io)
+    }
+
+    /// Reads a span file [`Session::save_span`] wrote, for `model`, and appends its positions
+    /// to this session: the span must start at the session's position and fit in its
+    /// context, and the file be whole and written by a model of the same
+    /// [`Model::kv_identity`]. Nothing is changed unless all of it is right. Returns the
+    /// span and the caller's bytes.
+    pub fn load_span(
+        &mut self,
+        model: &Model,
+        r: &mut dyn Read,
+    ) -> Result<(std::ops::Range<usize>, Vec<u8>)> {
+        let mut input = Checking {
+            inner: r,
+            hash: blake3::Hasher::new(),
+        };
+        let mut magic = [0u8; 8];
+        input.get(&mut magic, "the magic number")?;
+        if &magic != SPAN_MAGIC {
+            return Err(bad(
+                "it is not a stormo span file (it does not start with STORMOKS)",
+            ));
+        }
+        let mut word = [0u8; 4];
+        input.get(&mut word, "the version")?;
+        let version = u32::from_le_bytes(word);
+        if version != SPAN_FILE_VERSION {
+            return Err(bad(format!(
+                "it is a version {version} span file; this stormo reads version \
+                 {SPAN_FILE_VERSION}"
+            )));
+        }
+        input.get(&mut word, "the header's length")?;
+        let len = u32::from_le_bytes(word) as usize;
+        if len > MAX_HEADER {
+            return Err(bad(format!(
+                "the header is corrupt: it claims {len} bytes (at most {MAX_HEADER})"
+            )));
+        }
+        let mut json = vec![0u8; len];
+        input.get(&mut json, "the header")?;
+        input.check("the header", "the header is corrupt")?;
+        let h: SpanHeader = serde_json::from_slice(&json)
+            .map_err(|e| bad(format!("the header is not what this stormo wrote: {e}")))?;
+        let want = model.span_header(h.start, h.end, h.app_bytes as usize)?;
+        if h.model != want.model {
+            return Err(bad(format!(
+                "it was saved with another model (identity {}…; this model's is {}…)",
+                h.model.get(..16).unwrap_or(&h.model),
+                &want.model[..16]
+            )));
+        }
+        if (h.int8_attn_head, h.int8_experts, &h.isa)
+            != (want.int8_attn_head, want.int8_experts, &want.isa)
+        {
+            return Err(bad(format!(
+                "it was saved with other cache settings (int8_attn_head {}, int8_experts {}, \
+                 instruction set {:?}; this model: {}, {}, {:?})",
+                h.int8_attn_head,
+                h.int8_experts,
+                h.isa,
+                want.int8_attn_head,
+                want.int8_experts,
+                want.isa
+            )));
+        }
+        if h.kv_dim != want.kv_dim || h.layers != want.layers {
+            return Err(bad(format!(
+                "the header is corrupt: {} layers of {} per position (this model: {} of {})",
+                h.layers, h.kv_dim, want.layers, want.kv_dim
+            )));
+        }
+        if h.start != self.pos || h.end <= h.start || h.end > self.max_context {
+            return Err(bad(format!(
+                "it holds positions {}..{}; this session is at position {} of {}",
+                h.start, h.end, self.pos, self.max_context
+            )));
+        }
+        if h.app_bytes > MAX_SPAN_APP {
+            return Err(bad(format!(
+                "the header is corrupt: it claims {} bytes of the caller's",
+                h.app_bytes
+            )));
+        }
+        let mut app = vec![0u8; h.app_bytes as usize];
+        input.get(&mut app, "the caller's bytes")?;
+        // Read and checked whole before the cache is touched. The length is bounded by the
+        // context, which the session holds already.
+        let n = h.end - h.start;
+        let mut body = vec![0u8; h.layers * 2 * n * h.kv_dim * 4];
+        input.get(&mut body, "the cache")?;
+        input.check("the cache", "the span is corrupt")?;
+        let mut extra = [0u8; 1];
+        match input.inner.read(&mut extra) {
+            Ok(0) => {}
+            Ok(_) => return Err(bad("it goes on after its end: corrupt or not one file")),
+            Err(e) => return Err(bad(format!("reading its end: {e}"))),
+        }
+        let kvd = h.kv_dim;
+        let mut rows = body.chunks_exact(kvd * 4);
+        for kv in &mut self.kv {
+            let LayerKv { cap, k, v } = kv;
+            for data in [k, v] {
+                for p in h.start..h.end {
+                    let row = rows.next().expect("the body holds every row");
+                    let slot = p % *cap;
+                    for (x, b) in data[slot * kvd..(slot + 1) * kvd]
+                        .iter_mut()
+                        .zip(row.chunks_exact(4))
+                    {
+                        *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    }
+                }
+            }
+        }
+        self.pos = h.end;
+        Ok((h.start..h.end, app))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -558,5 +827,113 @@ mod tests {
         }
         let junk: Vec<u8> = (0..300u32).map(|i| (i * 31) as u8).collect();
         assert!(Session::load_from(&model, &mut &junk[..], 32, 0).is_err());
+    }
+
+    /// A prompt's prefix saved as two spans by a model that ran the prompt in one block, and
+    /// loaded by the same model with another prefill block into a new session, continues with
+    /// the logits of a session that computed the prefix itself in chunks, bit for bit (both
+    /// families): a span's bits do not depend on how its positions were computed.
+    #[test]
+    fn loaded_spans_continue_bit_for_bit_whatever_computed_them() {
+        for name in ["gptoss-tiny-mxfp4", "qwen3moe-tiny"] {
+            let whole = load(name, &LoadOptions::default());
+            let chunked = load(
+                name,
+                &LoadOptions {
+                    prefill_block: 5,
+                    ..LoadOptions::default()
+                },
+            );
+            assert_eq!(whole.kv_identity().unwrap(), chunked.kv_identity().unwrap());
+            let prompt = ids(40, 11);
+            let mut a = whole.session_with_rewind(48, 48).unwrap();
+            whole
+                .forward(&mut a, &prompt[..32], Logits::Last, None)
+                .unwrap();
+            let span = |range: std::ops::Range<usize>, app: &[u8]| {
+                let mut out = Vec::new();
+                a.save_span(&whole, range, app, &mut out).expect("saved");
+                out
+            };
+            let (first, second) = (span(0..16, b"one"), span(16..32, b"two"));
+            let mut b = chunked.session_with_rewind(48, 48).unwrap();
+            assert_eq!(
+                b.load_span(&chunked, &mut &first[..]).unwrap(),
+                (0..16, b"one".to_vec())
+            );
+            assert_eq!(
+                b.load_span(&chunked, &mut &second[..]).unwrap(),
+                (16..32, b"two".to_vec())
+            );
+            assert_eq!(b.position(), 32);
+            let mut c = chunked.session_with_rewind(48, 48).unwrap();
+            chunked
+                .forward(&mut c, &prompt[..32], Logits::Last, None)
+                .unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for step in [prompt[32..].to_vec(), vec![7]] {
+                let lb = bits(chunked.forward(&mut b, &step, Logits::All, None).unwrap());
+                let lc = bits(chunked.forward(&mut c, &step, Logits::All, None).unwrap());
+                assert_eq!(lb, lc, "{name}");
+            }
+        }
+    }
+
+    /// A span that does not start at the session's position, is cut, corrupt, of another
+    /// model or of another kind of file is a named error, and leaves the session as it was.
+    #[test]
+    fn a_bad_span_is_a_named_error_and_changes_nothing() {
+        let model = load("gptoss-tiny-mxfp4", &LoadOptions::default());
+        let mut s = model.session(32).unwrap();
+        model
+            .forward(&mut s, &ids(12, 1), Logits::Last, None)
+            .unwrap();
+        let mut file = Vec::new();
+        s.save_span(&model, 4..8, b"key", &mut file).unwrap();
+        let e = s
+            .save_span(&model, 8..13, b"", &mut Vec::new())
+            .unwrap_err();
+        assert!(e.to_string().contains("not a span"), "{e}");
+        let mut t = model.session(32).unwrap();
+        model
+            .forward(&mut t, &ids(4, 1), Logits::Last, None)
+            .unwrap();
+        let try_load = |bytes: &[u8], t: &mut Session| {
+            let r = reason(t.load_span(&model, &mut &bytes[..]).unwrap_err());
+            assert_eq!(t.position(), 4, "{r}");
+            r
+        };
+        let mut at_zero = model.session(32).unwrap();
+        let r = reason(at_zero.load_span(&model, &mut &file[..]).unwrap_err());
+        assert!(
+            r.contains("positions 4..8; this session is at position 0"),
+            "{r}"
+        );
+        for cut in [0, 5, 12, 30, file.len() - 33, file.len() - 1] {
+            let r = try_load(&file[..cut], &mut t);
+            assert!(r.contains("truncated"), "cut at {cut}: {r}");
+        }
+        let mut flipped = file.clone();
+        let n = flipped.len();
+        flipped[n - 40] ^= 1;
+        assert!(try_load(&flipped, &mut t).contains("span is corrupt"));
+        let session_file = saved(&model, &s, b"");
+        assert!(try_load(&session_file, &mut t).contains("not a stormo span file"));
+        let qwen = load("qwen3moe-tiny", &LoadOptions::default());
+        let mut q = qwen.session(32).unwrap();
+        qwen.forward(&mut q, &ids(4, 1), Logits::Last, None)
+            .unwrap();
+        let r = reason(q.load_span(&qwen, &mut &file[..]).unwrap_err());
+        assert!(r.contains("another model"), "{r}");
+        for seed in 0..64u32 {
+            let mut b = file.clone();
+            let at = (seed as usize * 7919) % b.len();
+            b[at] = b[at].wrapping_add(seed as u8 + 1);
+            assert!(t.load_span(&model, &mut &b[..]).is_err());
+            assert_eq!(t.position(), 4);
+        }
+        // The good file loads.
+        assert_eq!(t.load_span(&model, &mut &file[..]).unwrap().0, 4..8);
+        assert_eq!(t.position(), 8);
     }
 }

@@ -13,7 +13,9 @@
 //! the request would get alone; requests beyond `queue` waiting ones get 429 with
 //! `Retry-After`. Because clients send the whole conversation every time, a request takes the
 //! slot whose KV cache holds the longest common prefix and computes only the rest (as
-//! [`stormo_text::session`] does).
+//! [`stormo_text::session`] does). With `--prompt-cache SIZE` the prompts' KV caches are also
+//! kept on disk, in the state directory, across restarts (`http/prompt_cache.rs`); a reply
+//! says how many prompt tokens came from a cache in `usage.prompt_tokens_details.cached_tokens`.
 //!
 //! An honest API: what is not implemented is refused with a 400 naming the field (`tools`,
 //! `functions`, `tool_choice` other than `none`/`auto`, `response_format` other than text,
@@ -77,6 +79,7 @@ mod batch;
 mod conn;
 mod guard;
 mod metrics;
+mod prompt_cache;
 mod request;
 mod stop;
 
@@ -84,6 +87,7 @@ use answer::{now_s, Kind, Reply};
 pub use batch::{default_parallel, MAX_PARALLEL};
 pub use conn::{DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_CLIENT, DEFAULT_TIMEOUT};
 use metrics::Metrics;
+pub use prompt_cache::PromptCacheConfig;
 use request::{prompt_ids, read_json, settings, turns_of};
 use stop::StopMatcher;
 
@@ -141,6 +145,8 @@ pub struct HttpConfig {
     pub sampling: SamplingDefaults,
     /// Extra checks of `/health`, beyond "the model is loaded and the engine runs".
     pub health: Vec<HealthCheck>,
+    /// The prompt cache on disk (`--prompt-cache`; `None`: off).
+    pub prompt_cache: Option<PromptCacheConfig>,
 }
 
 impl HttpConfig {
@@ -163,6 +169,7 @@ impl HttpConfig {
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             sampling: SamplingDefaults::default(),
             health: Vec::new(),
+            prompt_cache: None,
         }
     }
 
@@ -272,6 +279,8 @@ const CUT_LINGER: std::time::Duration = std::time::Duration::from_secs(3);
 /// What the engine thread sends back about one request.
 #[derive(Debug)]
 enum Event {
+    /// Sent first: how many prompt positions came from a cache (a slot's, or the disk's).
+    Cached(usize),
     Token(TokenId, Option<TokenLogprobs>),
     Done(Generation),
     Failed(String),
@@ -391,7 +400,13 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
     let experts = tm.experts.clone();
     let stats_of = experts.clone();
     let metrics = Arc::new(Metrics::new(Arc::new(move || stats_of.stats())));
-    let engine = batch::Engine::new(tm.model.clone(), cfg.context, cfg.parallel, metrics.clone())?;
+    let engine = batch::Engine::new(
+        tm.model.clone(),
+        cfg.context,
+        cfg.parallel,
+        metrics.clone(),
+        cfg.prompt_cache.as_ref(),
+    )?;
     let engine_alive = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let alive = Alive(engine_alive.clone());
     std::thread::Builder::new()

@@ -143,7 +143,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // and the expert cache's budget.
     let files = stormo_node::node::open_model(&a.model)?;
     let memory = MemoryPlan::read();
-    let http = a.http.resolve_within(&a.model, &files.cfg, &memory)?;
+    let mut http = a.http.resolve_within(&a.model, &files.cfg, &memory)?;
+    if let Some(cfg) = &mut http {
+        cfg.prompt_cache = a.http.prompt_cache(&a.experts.state_dir())?;
+    }
     anyhow::ensure!(a.per_peer >= 1, "--per-peer must be at least 1");
     anyhow::ensure!(a.max_requests >= 1, "--max-requests must be at least 1");
     anyhow::ensure!(a.exec_per_peer >= 1, "--exec-per-peer must be at least 1");
@@ -356,6 +359,36 @@ mod tests {
                 "3"
             ]),
             (0, 2, 3)
+        );
+    }
+
+    /// `--prompt-cache SIZE` parses like the other sizes and puts the cache in the state
+    /// directory's `prompt-cache` folder; 0 or no flag is off; a bad size is refused by name.
+    #[test]
+    fn prompt_cache_takes_a_size_and_lives_in_the_state_dir() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["stormo", "serve", "--model", "m", "--http", "127.0.0.1:0"];
+            argv.extend_from_slice(extra);
+            match crate::cli::Cli::try_parse_args(argv)
+                .map_err(|e| e.to_string())?
+                .command
+            {
+                crate::cli::Command::Serve(a) => a
+                    .http
+                    .prompt_cache(std::path::Path::new("/state"))
+                    .map_err(|e| format!("{e:#}")),
+                _ => unreachable!("serve parses as serve"),
+            }
+        };
+        let on = parse(&["--prompt-cache", "512MiB"]).unwrap().expect("on");
+        assert_eq!(on.dir, std::path::Path::new("/state/prompt-cache"));
+        assert_eq!(on.limit, 512 << 20);
+        assert_eq!(parse(&[]).unwrap(), None);
+        assert_eq!(parse(&["--prompt-cache", "0"]).unwrap(), None);
+        let e = parse(&["--prompt-cache", "lots"]).unwrap_err();
+        assert!(
+            e.contains("--prompt-cache") && e.contains("not a size"),
+            "{e}"
         );
     }
 

@@ -14,6 +14,8 @@ pub(super) struct Reply {
     pub(super) finished: bool,
     /// Log-probabilities of the tokens received and not yet sent (when asked).
     pub(super) logprobs: Vec<(TokenId, TokenLogprobs)>,
+    /// Prompt tokens that came from a cache.
+    pub(super) cached: usize,
 }
 
 /// One step of a [`Reply`].
@@ -38,6 +40,7 @@ impl Reply {
             ready: Default::default(),
             finished: false,
             logprobs: Vec::new(),
+            cached: 0,
         }
     }
 
@@ -62,6 +65,7 @@ impl Reply {
                 return Err(ApiError::server("the engine dropped the request"));
             };
             match ev {
+                Event::Cached(n) => self.cached = n,
                 Event::Token(id, lp) => {
                     self.tokens += 1;
                     if let Some(lp) = lp {
@@ -132,11 +136,14 @@ pub(super) fn empty_content_reason(
     })
 }
 
-pub(super) fn usage(prompt: usize, completion: usize) -> Value {
+/// OpenAI's `usage`: `cached` of the prompt's tokens came from a cache (a slot's KV cache in
+/// RAM, or the prompt cache on disk) instead of being computed.
+pub(super) fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
     json!({
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": { "cached_tokens": cached },
     })
 }
 
@@ -284,7 +291,7 @@ impl Answer {
                 Step::End(r, n) => (reason, tokens) = (r, n),
             }
         }
-        let usage = usage(self.prompt_tokens, tokens);
+        let usage = usage(self.prompt_tokens, tokens, self.reply.cached);
         let lps = std::mem::take(&mut self.reply.logprobs);
         let logprobs = self.logprobs_json(&lps);
         let v = match self.kind {
@@ -363,7 +370,7 @@ impl Answer {
                             }
                             last = self.chunk(json!({}), None);
                             last["choices"] = json!([]);
-                            last["usage"] = usage(self.prompt_tokens, tokens);
+                            last["usage"] = usage(self.prompt_tokens, tokens, self.reply.cached);
                         }
                         last
                     }

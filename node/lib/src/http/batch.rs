@@ -5,7 +5,11 @@
 //! Each request runs in a slot: an engine [`Session`] (its own KV cache and position) and the
 //! ids its cache holds. A new request takes the free slot whose cached ids share the longest
 //! prefix with its prompt (a conversation's next turn usually finds its previous turn there)
-//! and computes only the rest, as [`stormo_text::session::ChatSession`] does. Requests join
+//! and computes only the rest, as [`stormo_text::session::ChatSession`] does; with a prompt
+//! cache on disk ([`super::prompt_cache`]), the chunks of the prompt it holds beyond what the
+//! slot shares are loaded from there, and a request that ends leaves its slot's chunks there
+//! (before its client hears that it is done). The client is told how many prompt positions
+//! came from a cache before its first token ([`Event::Cached`]). Requests join
 //! and leave between steps. A prompt goes in chunks: at most one prefill block per step when
 //! nothing decodes, at most [`PREFILL_WHILE_DECODING`] positions per step while others decode,
 //! so a long prompt delays their next tokens by a few small steps instead of one long one.
@@ -49,6 +53,7 @@ use stormo_engine::{Batch, Model, Session};
 use anyhow::Context as _;
 
 use super::metrics::Metrics;
+use super::prompt_cache::{PromptCache, PromptCacheConfig};
 use super::{Event, Job, JobBox};
 use stormo_text::session::{common_prefix, FinishReason, Generation, TokenLogprobs};
 use stormo_text::TokenId;
@@ -273,15 +278,18 @@ pub(super) struct Engine {
     queue: Arc<Queue>,
     /// Runs the queue's filler and watchers (one worker thread); `None` once shut down.
     rt: Option<tokio::runtime::Runtime>,
+    /// The prompt cache on disk, if asked for.
+    cache: Option<PromptCache>,
 }
 
 impl Engine {
-    /// `parallel` slots of `context` positions each.
+    /// `parallel` slots of `context` positions each, and the prompt cache in `cache`.
     pub(super) fn new(
         model: Arc<Model>,
         context: usize,
         parallel: usize,
         metrics: Arc<Metrics>,
+        cache: Option<&PromptCacheConfig>,
     ) -> anyhow::Result<Self> {
         anyhow::ensure!(
             (1..=MAX_PARALLEL).contains(&parallel),
@@ -303,6 +311,10 @@ impl Engine {
             .thread_name("stormo-http-queue")
             .build()
             .context("starting the HTTP queue's runtime")?;
+        let cache = cache
+            .map(|c| PromptCache::open(c, &model, metrics.clone()))
+            .transpose()
+            .context("opening the prompt cache (--prompt-cache)")?;
         let deferring = model.executor().is_some_and(|x| x.defer_checks(true));
         Ok(Self {
             model,
@@ -315,6 +327,7 @@ impl Engine {
             next_id: 0,
             queue: Arc::new(Queue::default()),
             rt: Some(rt),
+            cache,
         })
     }
 
@@ -370,9 +383,23 @@ impl Engine {
         let s = &mut self.slots[slot];
         // The last prompt token is always run: its logits choose the first new token.
         let want = common_prefix(&s.cached, prompt).min(prompt.len() - 1);
-        let kept = s.sess.truncate(want);
+        let mut kept = s.sess.truncate(want);
         s.cached.truncate(kept);
+        if let Some(cache) = &mut self.cache {
+            let (held, from_disk) =
+                cache.load(&self.model, &mut s.sess, &prompt[..prompt.len() - 1]);
+            if held != kept {
+                s.cached.clear();
+                s.cached.extend_from_slice(&prompt[..held]);
+                kept = held;
+            }
+            self.metrics.prompt_cache_tokens.inc_by(from_disk as u64);
+        }
         s.busy = true;
+        if job.events.send(Event::Cached(kept)).is_err() {
+            s.busy = false;
+            return;
+        }
         // Log-probabilities need the whole head's logits.
         let want = if job.logprobs.is_some() || !self.model.has_screened_head() {
             Want::Logits
@@ -750,8 +777,13 @@ impl Engine {
         }
     }
 
-    /// Ends request `r` (its slot keeps its cache for the next request that shares it).
+    /// Ends request `r` (its slot keeps its cache for the next request that shares it, and
+    /// the prompt cache on disk its whole chunks).
     fn release(&mut self, r: Running, finish: FinishReason) {
+        if let Some(cache) = &mut self.cache {
+            let slot = &self.slots[r.slot];
+            cache.save(&self.model, &slot.sess, &slot.cached);
+        }
         self.slots[r.slot].busy = false;
         self.metrics.active.dec();
         let g = Generation {
@@ -833,7 +865,7 @@ mod tests {
         jobs: &[(Vec<TokenId>, SamplingParams, usize)],
     ) -> Vec<Seen> {
         let metrics = Arc::new(Metrics::new(Arc::new(|| None)));
-        let engine = Engine::new(Arc::new(model), 64, parallel, metrics.clone()).unwrap();
+        let engine = Engine::new(Arc::new(model), 64, parallel, metrics.clone(), None).unwrap();
         let pending = Arc::new(std::sync::atomic::AtomicUsize::new(jobs.len()));
         let (tx, rx) = std::sync::mpsc::channel();
         let mut clients = Vec::new();
@@ -862,6 +894,7 @@ mod tests {
                 loop {
                     match seen.try_recv().expect("the request ended") {
                         Event::Token(t, _) => ids.push(t),
+                        Event::Cached(_) => {}
                         Event::Done(g) => return (ids, Ok(g)),
                         Event::Failed(e) => return (ids, Err(e)),
                     }

@@ -36,6 +36,15 @@ pub(super) struct Metrics {
     /// Prompt tokens of started requests, and those of them taken from the cache.
     pub(super) prompt_tokens: Counter,
     pub(super) prompt_reused: Counter,
+    /// Of those reused, the ones read from the prompt cache on disk (`--prompt-cache`).
+    pub(super) prompt_cache_tokens: Counter,
+    /// The prompt cache's files and their bytes, all models together.
+    pub(super) prompt_cache_files: Gauge,
+    pub(super) prompt_cache_bytes: Gauge,
+    /// Files the prompt cache evicted to stay within its size, and files it removed because
+    /// they did not load (cut, corrupt, another model's).
+    pub(super) prompt_cache_evictions: Counter,
+    pub(super) prompt_cache_rejected: Counter,
     /// Requests running on the engine (at most `--parallel`).
     pub(super) active: Gauge,
     /// Forward steps of the engine, and the sequences they ran in all (their ratio is the
@@ -58,6 +67,11 @@ impl Metrics {
             tokens: Counter::default(),
             prompt_tokens: Counter::default(),
             prompt_reused: Counter::default(),
+            prompt_cache_tokens: Counter::default(),
+            prompt_cache_files: Gauge::default(),
+            prompt_cache_bytes: Gauge::default(),
+            prompt_cache_evictions: Counter::default(),
+            prompt_cache_rejected: Counter::default(),
             active: Gauge::default(),
             steps: Counter::default(),
             step_sequences: Counter::default(),
@@ -83,6 +97,33 @@ impl Metrics {
             "prompt_tokens_reused",
             "Prompt tokens taken from the KV cache instead of computed",
             m.prompt_reused.clone(),
+        );
+        registry.register(
+            "prompt_cache_tokens",
+            "Prompt tokens read from the prompt cache on disk (--prompt-cache; a part of \
+             stormo_prompt_tokens_reused_total)",
+            m.prompt_cache_tokens.clone(),
+        );
+        registry.register(
+            "prompt_cache_files",
+            "Files in the prompt cache on disk",
+            m.prompt_cache_files.clone(),
+        );
+        registry.register(
+            "prompt_cache_bytes",
+            "Bytes of the prompt cache on disk (at most --prompt-cache)",
+            m.prompt_cache_bytes.clone(),
+        );
+        registry.register(
+            "prompt_cache_evictions",
+            "Prompt cache files evicted, least recently used first, to stay within its size",
+            m.prompt_cache_evictions.clone(),
+        );
+        registry.register(
+            "prompt_cache_rejected",
+            "Prompt cache files removed because they did not load (cut, corrupt, another \
+             model's)",
+            m.prompt_cache_rejected.clone(),
         );
         registry.register(
             "active_requests",
