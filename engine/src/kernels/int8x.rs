@@ -48,8 +48,10 @@
 //!   transposed with in-lane unpacks.
 //! - **NEON**: signed weights (`2w`) by signed inputs (`SMULL`/`SMLAL` into i16 lanes, a word
 //!   of one block per four lanes), pairwise widening adds into one i32 sum per block.
-//! - Blocks past the last group of eight: one block at a time (AVX2 instructions on x86),
-//!   their sums gathered into the lanes of one step.
+//! - Blocks past the last whole group: each kernel call copies each position's into a whole
+//!   group's layout with zeros for the missing blocks ([`Tail`]), and each row's nibbles and
+//!   scale bytes likewise, and runs them as one more group (GPT-OSS's 2880 columns are 11
+//!   groups and 2 blocks).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -112,13 +114,17 @@ pub(super) fn quantize(xs: &[f32], cols: usize, out: &mut [f32]) {
                 0.0
             };
             d[b] = if finite { scale } else { f32::NAN };
-            let mut sum = 0i32;
-            for (e, &v) in xb.iter().enumerate() {
-                let v = round_i8(v * inv);
-                sum += v as i32;
-                bytes[byte_at(nb, b, e)] = v as u8;
+            let qb: [i8; 32] = std::array::from_fn(|e| round_i8(xb[e] * inv));
+            offsets[b] = f32::from_bits((-12 * qb.iter().map(|&v| v as i32).sum::<i32>()) as u32);
+            // Four elements `2 (4 j + m) + odd`, `m` in 0..4, lie side by side in every layout.
+            for j in 0..4 {
+                for odd in 0..2 {
+                    let at = byte_at(nb, b, 8 * j + odd);
+                    for m in 0..4 {
+                        bytes[at + m] = qb[2 * (4 * j + m) + odd] as u8;
+                    }
+                }
             }
-            offsets[b] = f32::from_bits((-12 * sum) as u32);
         }
     }
 }
@@ -139,8 +145,12 @@ pub(super) fn rounded(xs: &[f32], cols: usize) -> Vec<f64> {
     out
 }
 
+/// `v` rounded to the nearest integer (ties to even: adding and taking away 1.5 · 2^23 is
+/// exact arithmetic below 2^22, and not a library call as `f32::round` is on baseline x86-64),
+/// clamped to ±127; NaN gives 0.
 fn round_i8(v: f32) -> i8 {
-    v.round().clamp(-127.0, 127.0) as i8
+    const MAGIC: f32 = 12_582_912.0;
+    ((v + MAGIC) - MAGIC).clamp(-127.0, 127.0) as i8
 }
 
 /// A position's quantized inputs: int8 values, block scales, block offsets (as f32 slots).
@@ -154,29 +164,148 @@ fn position(xs: &[f32], cols: usize, q: usize) -> (&[i8], &[f32], &[f32]) {
     (bytes, &rest[..nb], &rest[nb..2 * nb])
 }
 
-/// Pointers to a position's int8 values, block scales and block offsets (see [`position`]).
+/// Where one group of eight blocks of a position's inputs lies: its 256 int8 values (in the
+/// order [`byte_at`] gives a whole group), eight block scales and eight offsets.
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-struct Inputs {
+#[derive(Clone, Copy)]
+struct GroupInputs {
     q: *const u8,
     d: *const f32,
+    /// (NEON multiplies signed weights and needs no offsets.)
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     offsets: *const i32,
 }
 
+/// A position's blocks past its last whole group, laid out as a whole group: their int8
+/// values where [`byte_at`] puts a whole group's, zeros for the missing blocks (and zero
+/// scales and offsets), so the SIMD kernels run the tail as one more group. A missing block's
+/// lane gets `fma(0, 0, acc)`, which leaves it as it is (module doc).
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-impl Inputs {
-    /// Position `q` of `xs`.
-    ///
-    /// # Safety
-    /// `xs` holds at least `q + 1` positions of `cols` slots.
-    unsafe fn at(xs: &[f32], cols: usize, q: usize) -> Self {
-        // SAFETY: within position `q` of `xs` (caller).
-        unsafe {
-            let base = xs.as_ptr().add(q * cols);
-            Self {
-                q: base as *const u8,
-                d: base.add(cols / 4),
-                offsets: base.add(cols / 4 + cols / 32) as *const i32,
+#[repr(C, align(64))]
+struct Tail {
+    q: [u8; GROUP],
+    d: [f32; LANES],
+    offsets: [i32; LANES],
+}
+
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+impl Tail {
+    /// Position `p`'s tail (all zeros if `cols / 32` is a multiple of eight).
+    fn of(xs: &[f32], cols: usize, p: usize) -> Self {
+        let nb = cols / 32;
+        let base = nb / LANES * LANES;
+        let mut t = Self {
+            q: [0; GROUP],
+            d: [0.0; LANES],
+            offsets: [0; LANES],
+        };
+        if base < nb {
+            let (v, d, offsets) = position(xs, cols, p);
+            for i in 0..nb - base {
+                // Four elements `2 (4 j + m) + odd` lie side by side in both layouts.
+                for j in 0..4 {
+                    for odd in 0..2 {
+                        let (to, from) = (
+                            byte_at(LANES, i, 8 * j + odd),
+                            byte_at(nb, base + i, 8 * j + odd),
+                        );
+                        for m in 0..4 {
+                            t.q[to + m] = v[from + m] as u8;
+                        }
+                    }
+                }
+                t.d[i] = d[base + i];
+                t.offsets[i] = offsets[base + i].to_bits() as i32;
             }
+        }
+        t
+    }
+}
+
+/// The inputs of `P` positions, group by group.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+struct Positions<const P: usize> {
+    /// Each position's first slot.
+    base: [*const f32; P],
+    cols: usize,
+    /// Whole groups of eight blocks.
+    groups: usize,
+    tails: [Tail; P],
+}
+
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+impl<const P: usize> Positions<P> {
+    /// The first `P` positions of `xs` (positions past `p` repeat position `p - 1`).
+    ///
+    /// # Panics
+    /// If `xs` holds fewer than `min(p, P)` positions of `cols` slots, or `p` is 0.
+    fn new(xs: &[f32], cols: usize, p: usize) -> Self {
+        assert!(p > 0 && xs.len() >= p.min(P) * cols);
+        let at = |q: usize| q.min(p - 1);
+        Self {
+            base: std::array::from_fn(|q| xs[at(q) * cols..].as_ptr()),
+            cols,
+            groups: cols / 32 / LANES,
+            tails: std::array::from_fn(|q| Tail::of(xs, cols, at(q))),
+        }
+    }
+
+    /// Groups of eight blocks to run, the tail included.
+    fn all_groups(&self) -> usize {
+        (self.cols / 32).div_ceil(LANES)
+    }
+
+    /// Group `g` (`< all_groups()`) of position `q`.
+    #[inline(always)]
+    fn group(&self, q: usize, g: usize) -> GroupInputs {
+        if g < self.groups {
+            let (cols, base) = (self.cols, self.base[q]);
+            // SAFETY: group `g` lies within the position (`new` checked its length); the
+            // int8 values take the first `cols / 4` slots, the scales and offsets the next
+            // `cols / 32` each.
+            unsafe {
+                GroupInputs {
+                    q: (base as *const u8).add(GROUP * g),
+                    d: base.add(cols / 4 + LANES * g),
+                    offsets: (base.add(cols / 4 + cols / 32) as *const i32).add(LANES * g),
+                }
+            }
+        } else {
+            let t = &self.tails[q];
+            GroupInputs {
+                q: t.q.as_ptr(),
+                d: t.d.as_ptr(),
+                offsets: t.offsets.as_ptr(),
+            }
+        }
+    }
+}
+
+/// The weights of group `g` of a row (nibbles at `b`, scale bytes at `s`, `nb` blocks): 128
+/// bytes of nibbles and 8 scale bytes, in place, or for the tail copied into `w` and `s8`
+/// with zeros for the missing blocks.
+///
+/// # Safety
+/// The row's `16 nb` nibble bytes and `nb` scale bytes are readable.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+unsafe fn row_group(
+    b: *const u8,
+    s: *const u8,
+    nb: usize,
+    g: usize,
+    w: &mut [u8; 16 * LANES],
+    s8: &mut [u8; LANES],
+) -> (*const u8, *const u8) {
+    // SAFETY: within the row (caller).
+    unsafe {
+        if LANES * (g + 1) <= nb {
+            (b.add(16 * LANES * g), s.add(LANES * g))
+        } else {
+            let r = nb - LANES * g;
+            std::ptr::copy_nonoverlapping(b.add(16 * LANES * g), w.as_mut_ptr(), 16 * r);
+            std::ptr::copy_nonoverlapping(s.add(LANES * g), s8.as_mut_ptr(), r);
+            (w.as_ptr(), s8.as_ptr())
         }
     }
 }
@@ -357,88 +486,6 @@ unsafe fn half_scales(s: *const u8) -> __m256 {
     _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0.5))
 }
 
-/// The biased weights (`2w + BIAS`) of a position's tail blocks: `r < 8` blocks of 16 bytes
-/// at `b`, each as its even elements then its odd ones (the tail's input order).
-///
-/// # Safety
-/// The CPU has AVX2; `16 r` bytes at `b` are readable.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tail_weights(b: *const u8, r: usize) -> [__m256i; LANES - 1] {
-    // SAFETY: the table is 32 bytes; `16 r` readable bytes at `b` (caller).
-    unsafe {
-        let table = _mm256_loadu_si256(BIASED.as_ptr() as *const __m256i);
-        let split = super::avx2::NibbleSplit::new();
-        let mut w = [_mm256_setzero_si256(); LANES - 1];
-        for (i, w) in w.iter_mut().enumerate().take(r) {
-            *w = _mm256_shuffle_epi8(table, split.split(b.add(16 * i)));
-        }
-        w
-    }
-}
-
-/// The tail's step for one position: its `r` blocks' exact sums (lane `i` for block `i` of
-/// the tail, 0 past `r`) times their factors, fused into `acc` (lanes past `r` get
-/// `fma(0, 0, acc)`).
-///
-/// # Safety
-/// The CPU has AVX2; `w` from [`tail_weights`] for the `r` blocks whose scale bytes are
-/// `s[..r]`; `x` points to the tail's `32 r` int8 values, `d` and `offsets` to its `r` block
-/// scales and offsets.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tail_step(
-    w: &[__m256i; LANES - 1],
-    half: __m256,
-    r: usize,
-    x: &Inputs,
-    acc: __m256,
-) -> __m256 {
-    let ones = _mm256_set1_epi16(1);
-    let mut v = [_mm256_setzero_si256(); LANES];
-    // SAFETY: `32 r` bytes of inputs and `r` scales and offsets readable (caller); masked
-    // loads read no lane past `r`.
-    unsafe {
-        for i in 0..r {
-            let xi = _mm256_loadu_si256(x.q.add(32 * i) as *const __m256i);
-            v[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], xi), ones);
-        }
-        // Lane `i` of the result: all eight lanes of `v[i]` summed (integers: any order).
-        let h01 = _mm256_hadd_epi32(v[0], v[1]);
-        let h23 = _mm256_hadd_epi32(v[2], v[3]);
-        let h45 = _mm256_hadd_epi32(v[4], v[5]);
-        let h67 = _mm256_hadd_epi32(v[6], v[7]);
-        let lo = _mm256_hadd_epi32(h01, h23);
-        let hi = _mm256_hadd_epi32(h45, h67);
-        let sums = _mm256_add_epi32(
-            _mm256_permute2x128_si256::<0x20>(lo, hi),
-            _mm256_permute2x128_si256::<0x31>(lo, hi),
-        );
-        let index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(r as i32), index);
-        let isum = _mm256_add_epi32(sums, _mm256_maskload_epi32(x.offsets, mask));
-        let f = _mm256_mul_ps(_mm256_maskload_ps(x.d, mask), half);
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc)
-    }
-}
-
-/// Half of the tail's `r` scales (0 past `r`, whose lanes get a zero input scale).
-///
-/// # Safety
-/// The CPU has AVX2; `r < 8` bytes at `s` are readable.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tail_half(s: *const u8, r: usize) -> __m256 {
-    let mut bytes = [0u8; 8];
-    // SAFETY: `r` readable bytes (caller) into a local of 8.
-    unsafe { std::ptr::copy_nonoverlapping(s, bytes.as_mut_ptr(), r) };
-    // SAFETY: 8 bytes of a local.
-    unsafe { half_scales(bytes.as_ptr()) }
-}
-
 /// The eight biased weight vectors of a group of eight blocks (128 bytes at `b`): vector `h`
 /// pairs with the group's input bytes `32 h .. 32 h + 32`, lane `i` of each from block `i`
 /// ([`byte_at`]): words `j` of the eight blocks gathered by in-lane unpacks (blocks `i` and
@@ -500,7 +547,7 @@ unsafe fn avx2_group_weights(b: *const u8, table: __m256i) -> [__m256i; 8] {
 /// [`avx2_group_weights`]; per position `vpmaddubsw` of each of the eight vectors with 32
 /// input bytes, four such sums added in i16 (at most 4 · 2 · 24 · 127 < 2^15) and widened by
 /// `vpmaddwd`, the block offsets added: lane `i` is block `i`'s exact sum. Then one step of the
-/// f32 lanes; the tail by [`tail_step`].
+/// f32 lanes. The tail runs as one more group ([`Tail`]).
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; rows `r0 .. r0 + n` and `P` positions are in bounds.
@@ -518,38 +565,37 @@ unsafe fn avx2_tile<const P: usize>(
     out: &mut [f32],
 ) {
     let nb = cols / 32;
-    let (groups, r) = (nb / LANES, nb % LANES);
+    let x = Positions::<P>::new(xs, cols, P);
+    let (mut wbuf, mut sbuf) = ([0u8; 16 * LANES], [0u8; LANES]);
     // SAFETY (whole body): rows `r0 .. r0 + n` of `blocks`/`scales` and `P` positions of
     // `cols` slots of `xs` are in bounds (caller); loads are unaligned.
     unsafe {
         let table = _mm256_loadu_si256(BIASED.as_ptr() as *const __m256i);
         let ones = _mm256_set1_epi16(1);
-        let x: [Inputs; P] = std::array::from_fn(|q| Inputs::at(xs, cols, q));
         for i in 0..n {
             let b = blocks.as_ptr().add((r0 + i) * nb * 16);
             let s = scales.as_ptr().add((r0 + i) * nb);
             let mut acc = [_mm256_setzero_ps(); P];
-            for g in 0..groups {
-                let wb = b.add(128 * g);
-                if P == 1 {
-                    // One position decodes slower than memory streams and the hardware
-                    // prefetcher alone keeps too few lines in flight: the weights (and
-                    // scales) PREFETCH bytes ahead (a hint, harmless past the end).
-                    _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH + 64) as *const i8);
+            for g in 0..x.all_groups() {
+                {
+                    // The hardware prefetcher alone keeps too few lines in flight: the weights
+                    // (and scales) PREFETCH bytes ahead (a hint, harmless past the end).
+                    let wb = b.wrapping_add(16 * LANES * g + PREFETCH);
+                    _mm_prefetch::<_MM_HINT_T0>(wb as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(64) as *const i8);
                     if g % 8 == 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(
-                            s.wrapping_add(8 * g + PREFETCH / 16) as *const i8
-                        );
+                        let sb = s.wrapping_add(LANES * g + PREFETCH / 16);
+                        _mm_prefetch::<_MM_HINT_T0>(sb as *const i8);
                     }
                 }
+                let (wb, sb) = row_group(b, s, nb, g, &mut wbuf, &mut sbuf);
                 let w = avx2_group_weights(wb, table);
-                let half = half_scales(s.add(8 * g));
+                let half = half_scales(sb);
                 for q in 0..P {
-                    let xq = x[q].q.add(GROUP * g);
+                    let xg = x.group(q, g);
                     macro_rules! ld {
                         ($h:expr) => {
-                            _mm256_loadu_si256(xq.add(32 * $h) as *const __m256i)
+                            _mm256_loadu_si256(xg.q.add(32 * $h) as *const __m256i)
                         };
                     }
                     let a = _mm256_add_epi16(
@@ -574,23 +620,10 @@ unsafe fn avx2_tile<const P: usize>(
                     );
                     let isum = _mm256_add_epi32(
                         _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(c, ones)),
-                        _mm256_loadu_si256(x[q].offsets.add(8 * g) as *const __m256i),
+                        _mm256_loadu_si256(xg.offsets as *const __m256i),
                     );
-                    let f = _mm256_mul_ps(_mm256_loadu_ps(x[q].d.add(8 * g)), half);
+                    let f = _mm256_mul_ps(_mm256_loadu_ps(xg.d), half);
                     acc[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc[q]);
-                }
-            }
-            if r > 0 {
-                let base = LANES * groups;
-                let w = tail_weights(b.add(16 * base), r);
-                let half = tail_half(s.add(base), r);
-                for q in 0..P {
-                    let xt = Inputs {
-                        q: x[q].q.add(32 * base),
-                        d: x[q].d.add(base),
-                        offsets: x[q].offsets.add(base),
-                    };
-                    acc[q] = tail_step(&w, half, r, &xt, acc[q]);
                 }
             }
             for q in 0..P {
@@ -637,33 +670,32 @@ macro_rules! avx512_tile {
             out: &mut [f32],
         ) {
             let nb = cols / 32;
-            let (groups, r) = (nb / LANES, nb % LANES);
+            let x = Positions::<P>::new(xs, cols, P);
+            let (mut wbuf, mut sbuf) = ([0u8; 16 * LANES], [0u8; LANES]);
             // SAFETY (whole body): rows `r0 .. r0 + n` of `blocks`/`scales` and `P` positions
             // of `cols` slots of `xs` are in bounds (caller); loads are unaligned.
             unsafe {
-                let table = _mm512_broadcast_i32x4(_mm_loadu_si128(BIASED.as_ptr() as *const __m128i));
+                let table =
+                    _mm512_broadcast_i32x4(_mm_loadu_si128(BIASED.as_ptr() as *const __m128i));
                 let nibble = _mm512_set1_epi8(0x0f);
                 let idx0 = _mm512_loadu_si512(PERMUTE[0].as_ptr() as *const __m512i);
                 let idx1 = _mm512_loadu_si512(PERMUTE[1].as_ptr() as *const __m512i);
-                let x: [Inputs; P] = std::array::from_fn(|q| Inputs::at(xs, cols, q));
                 for i in 0..n {
                     let b = blocks.as_ptr().add((r0 + i) * nb * 16);
                     let s = scales.as_ptr().add((r0 + i) * nb);
                     let mut acc = [_mm256_setzero_ps(); P];
-                    for g in 0..groups {
-                        let wb = b.add(128 * g);
-                        if P == 1 {
+                    for g in 0..x.all_groups() {
+                        {
                             // As in the AVX2 kernel.
-                            _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH) as *const i8);
-                            _mm_prefetch::<_MM_HINT_T0>(
-                                wb.wrapping_add(PREFETCH + 64) as *const i8
-                            );
+                            let wb = b.wrapping_add(16 * LANES * g + PREFETCH);
+                            _mm_prefetch::<_MM_HINT_T0>(wb as *const i8);
+                            _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(64) as *const i8);
                             if g % 8 == 0 {
-                                _mm_prefetch::<_MM_HINT_T0>(
-                                    s.wrapping_add(8 * g + PREFETCH / 16) as *const i8
-                                );
+                                let sb = s.wrapping_add(LANES * g + PREFETCH / 16);
+                                _mm_prefetch::<_MM_HINT_T0>(sb as *const i8);
                             }
                         }
+                        let (wb, sb) = row_group(b, s, nb, g, &mut wbuf, &mut sbuf);
                         let r0v = _mm512_loadu_si512(wb as *const __m512i);
                         let r1v = _mm512_loadu_si512(wb.add(64) as *const __m512i);
                         let n0 = _mm512_permutex2var_epi32(r0v, idx0, r1v);
@@ -680,31 +712,19 @@ macro_rules! avx512_tile {
                                 _mm512_and_si512(_mm512_srli_epi16::<4>(n1), nibble),
                             ),
                         ];
-                        let half = half_scales(s.add(8 * g));
+                        let half = half_scales(sb);
                         for q in 0..P {
-                            let v = $dot(&w, x[q].q.add(GROUP * g));
+                            let xg = x.group(q, g);
+                            let v = $dot(&w, xg.q);
                             let isum = _mm256_add_epi32(
                                 _mm256_add_epi32(
                                     _mm512_castsi512_si256(v),
                                     _mm512_extracti64x4_epi64::<1>(v),
                                 ),
-                                _mm256_loadu_si256(x[q].offsets.add(8 * g) as *const __m256i),
+                                _mm256_loadu_si256(xg.offsets as *const __m256i),
                             );
-                            let f = _mm256_mul_ps(_mm256_loadu_ps(x[q].d.add(8 * g)), half);
+                            let f = _mm256_mul_ps(_mm256_loadu_ps(xg.d), half);
                             acc[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc[q]);
-                        }
-                    }
-                    if r > 0 {
-                        let base = LANES * groups;
-                        let w = tail_weights(b.add(16 * base), r);
-                        let half = tail_half(s.add(base), r);
-                        for q in 0..P {
-                            let xt = Inputs {
-                                q: x[q].q.add(32 * base),
-                                d: x[q].d.add(base),
-                                offsets: x[q].offsets.add(base),
-                            };
-                            acc[q] = tail_step(&w, half, r, &xt, acc[q]);
                         }
                     }
                     for q in 0..P {
@@ -722,7 +742,8 @@ avx512_tile!(
     /// AVX-512 VNNI kernel for `P` (1-8) positions: per group of eight blocks, two permutes
     /// put the nibbles in the inputs' order and a byte lookup gives the biased weights; per
     /// position four `vpdpbusd` (one register of sums, lane `l` for block `l mod 8`), its
-    /// halves added and the offsets: lane `i` is block `i`'s exact sum. The tail as AVX2.
+    /// halves added and the offsets: lane `i` is block `i`'s exact sum. The tail runs as one more
+    /// group ([`Tail`]).
     avx512vnni_tile,
     "avx512f,avx512bw,avx512vnni,avx2,fma,f16c",
     dot_vnni
@@ -794,7 +815,7 @@ unsafe fn dot_bw(w: &[__m512i; 4], x: *const u8) -> __m512i {
 /// doubled weights; per position the sixteen 16-byte input vectors multiplied into i16 lanes
 /// (`SMULL`/`SMLAL`, at most 8 · 12 · 127 per lane), each four lanes one word of one block,
 /// then pairwise widening adds give the eight blocks' exact sums, converted and scaled into
-/// the two f32 vectors of the eight lanes. Tail blocks one at a time.
+/// the two f32 vectors of the eight lanes. The tail runs as one more group ([`Tail`]).
 ///
 /// # Safety
 /// The CPU has NEON; rows `r0 .. r0 + n` and `p <= POSITIONS` positions are in bounds.
@@ -813,19 +834,19 @@ unsafe fn neon_rows(
 ) {
     use std::arch::aarch64::*;
     let nb = cols / 32;
-    let (groups, r) = (nb / LANES, nb % LANES);
+    let x = Positions::<POSITIONS>::new(xs, cols, p);
+    let (mut wbuf, mut sbuf) = ([0u8; 16 * LANES], [0u8; LANES]);
     // SAFETY (whole body): rows `r0 .. r0 + n` of `blocks`/`scales` and `p` positions of
     // `cols` slots of `xs` are in bounds (caller).
     unsafe {
         let table = vld1q_s8(W2.as_ptr());
         let nibble = vdupq_n_u8(0x0f);
-        let x: [Inputs; POSITIONS] = std::array::from_fn(|q| Inputs::at(xs, cols, q.min(p - 1)));
         for i in 0..n {
             let b = blocks.as_ptr().add((r0 + i) * nb * 16);
             let s = scales.as_ptr().add((r0 + i) * nb);
             let mut acc = [[vdupq_n_f32(0.0); 2]; POSITIONS];
-            for g in 0..groups {
-                let wb = b.add(128 * g);
+            for g in 0..x.all_groups() {
+                let (wb, sb) = row_group(b, s, nb, g, &mut wbuf, &mut sbuf);
                 // Input vector `c` (16 bytes at `16 c` of the group) holds word
                 // `j = 2 (c / 8) + (c / 2) % 2` of blocks `4 (c % 2) .. + 4`, low nibbles
                 // for `(c / 4) % 2 == 0` ([`byte_at`]).
@@ -858,11 +879,12 @@ unsafe fn neon_rows(
                 }
                 let mut half = [0f32; LANES];
                 for (k, h) in half.iter_mut().enumerate() {
-                    *h = SCALE[*s.add(LANES * g + k) as usize] * 0.5;
+                    *h = SCALE[*sb.add(k) as usize] * 0.5;
                 }
                 let half = [vld1q_f32(half.as_ptr()), vld1q_f32(half.as_ptr().add(4))];
                 for q in 0..p {
-                    let xq = x[q].q.add(GROUP * g) as *const i8;
+                    let xg = x.group(q, g);
+                    let xq = xg.q as *const i8;
                     // Per half `h` (blocks 4h .. 4h + 4): i16 lanes of the low and high 8
                     // bytes of each vector (blocks 4h, 4h + 1 and 4h + 2, 4h + 3).
                     let mut lo16 = [vdupq_n_s16(0); 2];
@@ -875,7 +897,7 @@ unsafe fn neon_rows(
                     }
                     for h in 0..2 {
                         let sums = vpaddq_s32(vpaddlq_s16(lo16[h]), vpaddlq_s16(hi16[h]));
-                        let f = vmulq_f32(vld1q_f32(x[q].d.add(LANES * g + 4 * h)), half[h]);
+                        let f = vmulq_f32(vld1q_f32(xg.d.add(4 * h)), half[h]);
                         acc[q][h] = vfmaq_f32(acc[q][h], vcvtq_f32_s32(sums), f);
                     }
                 }
@@ -884,21 +906,6 @@ unsafe fn neon_rows(
                 let mut lanes = [0f32; LANES];
                 vst1q_f32(lanes.as_mut_ptr(), acc[q][0]);
                 vst1q_f32(lanes.as_mut_ptr().add(4), acc[q][1]);
-                for t in 0..r {
-                    let blk = LANES * groups + t;
-                    let v = vld1q_u8(b.add(16 * blk));
-                    let even = vqtbl1q_s8(table, vandq_u8(v, nibble));
-                    let odd = vqtbl1q_s8(table, vshrq_n_u8::<4>(v));
-                    let xb = x[q].q.add(32 * blk) as *const i8;
-                    let (xe, xo) = (vld1q_s8(xb), vld1q_s8(xb.add(16)));
-                    let mut s16 = vmull_s8(vget_low_s8(even), vget_low_s8(xe));
-                    s16 = vmlal_high_s8(s16, even, xe);
-                    s16 = vmlal_s8(s16, vget_low_s8(odd), vget_low_s8(xo));
-                    s16 = vmlal_high_s8(s16, odd, xo);
-                    let isum = vaddvq_s32(vpaddlq_s16(s16));
-                    let f = *x[q].d.add(blk) * (SCALE[*s.add(blk) as usize] * 0.5);
-                    lanes[t] = (isum as f32).mul_add(f, lanes[t]);
-                }
                 out[q * n + i] = tree(lanes);
             }
         }
@@ -939,7 +946,7 @@ mod tests {
             let mut sum = 0;
             for (e, &xe) in xb.iter().enumerate() {
                 let got = v[byte_at(cols / 32, b, e)];
-                assert_eq!(got, round_i8(xe / d[b]), "block {b} element {e}");
+                assert_eq!(got, round_i8(xe * (1.0 / d[b])), "block {b} element {e}");
                 sum += got as i32;
             }
             assert_eq!(offsets[b].to_bits() as i32, -12 * sum);
