@@ -591,7 +591,7 @@ unsafe fn avx2_tile<const P: usize>(
                 let (wb, sb) = row_group(b, s, nb, g, &mut wbuf, &mut sbuf);
                 let w = avx2_group_weights(wb, table);
                 let half = half_scales(sb);
-                for q in 0..P {
+                for (q, acc) in acc.iter_mut().enumerate() {
                     let xg = x.group(q, g);
                     macro_rules! ld {
                         ($h:expr) => {
@@ -623,7 +623,7 @@ unsafe fn avx2_tile<const P: usize>(
                         _mm256_loadu_si256(xg.offsets as *const __m256i),
                     );
                     let f = _mm256_mul_ps(_mm256_loadu_ps(xg.d), half);
-                    acc[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc[q]);
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, *acc);
                 }
             }
             for q in 0..P {
