@@ -1,8 +1,8 @@
 //! MXFP4 weights times int8-quantized inputs ([`Mat::Mxfp4Int8`], the opt-in
 //! `--int8-experts` path): each block of 32 inputs is rounded to int8 with one f32 scale
 //! (max |x| / 127), the 4-bit weights times two are small integers (0, ±1, ±2, ±3, ±4, ±6,
-//! ±8, ±12), and a block's 32 products are summed exactly in integers before one
-//! multiply by the two scales. Approximate (the rounding of the inputs); never the default.
+//! ±8, ±12), and a block's 32 products are summed exactly in integers before the two
+//! scales are applied once. Approximate (the rounding of the inputs); never the default.
 //!
 //! # One arithmetic on every ISA
 //!
