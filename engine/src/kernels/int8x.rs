@@ -1,14 +1,57 @@
 //! MXFP4 weights times int8-quantized inputs ([`Mat::Mxfp4Int8`], the opt-in
 //! `--int8-experts` path): each block of 32 inputs is rounded to int8 with one f32 scale
 //! (max |x| / 127), the 4-bit weights times two are small integers (0, ±1, ±2, ±3, ±4, ±6,
-//! ±8, ±12), and a block's 32 products are summed exactly in integers before one
-//! multiply by the two scales. Approximate (the rounding of the inputs); never the default.
+//! ±8, ±12), and a block's 32 products are summed exactly in integers before the two
+//! scales are applied once. Approximate (the rounding of the inputs); never the default.
+//!
+//! # One arithmetic on every ISA
+//!
+//! The result is defined by the scalar reference ([`reference_rows`]) and every ISA computes
+//! exactly it, as the exact formats do (see [`super`]'s "Same bits on every ISA"). For a row
+//! and a position: block `b`'s integer sum `isum_b` (exact: `|isum_b| <= 32 · 12 · 127 <
+//! 2^24`, so exact as an f32 too), its factor `f_b = d_b · (SCALE[s_b] · 0.5)` (the input scale
+//! times half the weights' E8M0 scale: one f32 multiply), then eight f32 lanes, block `b` going
+//! to lane `b mod 8` with one fused multiply-add `acc = fma(isum_b, f_b, acc)`, in increasing
+//! `b`, then a fixed halving tree over the lanes (`l + 4`, `l + 2`, `l + 1`). Integers are
+//! summed in whatever order an ISA likes (exact in any order); only the f32 steps have an
+//! order, and eight blocks' worth of them is one vector multiply and one vector fused
+//! multiply-add. (A lane that gets no block in a step, past the last block, is left unchanged
+//! or gets `fma(0, 0, acc)`, which is `acc`: a lane never holds -0, since it starts at +0 and
+//! every product is a multiple of 2^-149, so a sum is zero only when exact, and then +0.)
+//!
+//! # Layout of the quantized inputs
 //!
 //! Inputs reach the kernels in the layout [`quantize`] writes, in place of the f32 inputs
-//! (the same length): per position of `cols`, first the `cols / 32` block scales, then the
-//! int8 values, four to an f32 slot, each block's even elements then its odd ones (the order
-//! in which the AVX2 kernel's nibble split yields the weights). Every ISA quantizes with the
-//! same scalar code, so the integers are the same on every CPU.
+//! (the same length; every ISA quantizes with this one scalar function, so the integers are
+//! the same on every CPU). Per position of `cols` slots: first the `cols` int8 values (a
+//! quarter of the slots), then the `cols / 32` block scales `d_b`, then the blocks' offsets
+//! `-12 · Σ q` (i32, for the x86 kernels below). The int8 values of each group of eight
+//! blocks (256 bytes) are interleaved so that one 64-byte load meets a 4-byte word of each of
+//! the eight blocks twice, in the order the AVX-512 kernel decodes the weights ([`byte_at`]):
+//! integer lane `l` of every load belongs to block `l mod 8`, so summing the loads' products
+//! lane by lane and adding the register's two halves leaves one exact sum per block, with no
+//! transposition of sums. The blocks past the last whole group lie one after another, each's
+//! even elements then its odd ones.
+//!
+//! # Kernels
+//!
+//! - **AVX-512 with VNNI** (`vpdpbusd`, u8 × s8 summed by fours into i32): per group of eight
+//!   blocks and row, two loads of the nibbles, two two-source dword permutes into the order
+//!   above, a nibble split and a byte-table lookup giving `2w + 12` (in 0..=24, unsigned);
+//!   per position four `vpdpbusd` with the inputs straight from memory, one add of the
+//!   register's halves, the offsets added (`Σ (2w + 12) q − 12 Σ q = Σ 2w q`), then one
+//!   conversion, one multiply and one fused multiply-add of eight lanes.
+//! - **AVX-512 without VNNI** (BW): the same with `vpmaddubsw` (pairs into i16, at most
+//!   4 · 2 · 24 · 127 after four loads' sums) and one `vpmaddwd` by ones in place of the four
+//!   `vpdpbusd`.
+//! - **AVX2**: the same 256 bits at a time (`vpmaddubsw`, `vpmaddwd`), the weights' words
+//!   transposed with in-lane unpacks.
+//! - **NEON**: signed weights (`2w`) by signed inputs (`SMULL`/`SMLAL` into i16 lanes, a word
+//!   of one block per four lanes), pairwise widening adds into one i32 sum per block.
+//! - Blocks past the last whole group: each kernel call copies each position's into a whole
+//!   group's layout with zeros for the missing blocks ([`Tail`]), and each row's nibbles and
+//!   scale bytes likewise, and runs them as one more group (GPT-OSS's 2880 columns are 11
+//!   groups and 2 blocks).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -18,13 +61,49 @@ use super::{Mat, SCALE};
 /// Twice each FP4 value, by nibble.
 const W2: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
+/// What the x86 kernels add to each doubled weight to make it unsigned (`vpmaddubsw` and
+/// `vpdpbusd` take one unsigned operand); the layout's per-block offsets take it out again.
+#[cfg(target_arch = "x86_64")]
+const BIAS: i8 = 12;
+
+/// Lanes of the f32 accumulator (and blocks per interleaved group).
+const LANES: usize = 8;
+
+/// Bytes of int8 inputs in a group of [`LANES`] blocks.
+const GROUP: usize = 32 * LANES;
+
+/// Where, within a position's int8 values (`nb` blocks), element `e` of block `b` lies: in a
+/// whole group of eight blocks, byte `m` of 4-byte word `l` of 64-byte row `k` of the group
+/// holds, for block `l mod 8`, the low (`k` even) or high (`k` odd) nibble of the block's
+/// weight byte `4 j + m`, with `j = 2 (k / 2) + l / 8` (the order of the AVX-512 decode:
+/// words `j` = 0 and 1 of the eight blocks' nibbles in the first two rows, low then high
+/// nibbles; words 2 and 3 in the last two). Blocks past the last whole group: contiguous,
+/// even elements (low nibbles) then odd ones.
+pub(super) fn byte_at(nb: usize, b: usize, e: usize) -> usize {
+    let (t, odd) = (e / 2, e % 2);
+    if b < nb / LANES * LANES {
+        let (g, i) = (b / LANES, b % LANES);
+        let (j, m) = (t / 4, t % 4);
+        let k = 2 * (j / 2) + odd;
+        let l = i + LANES * (j % 2);
+        GROUP * g + 64 * k + 4 * l + m
+    } else {
+        32 * b + 16 * odd + t
+    }
+}
+
 /// Quantizes positions of `cols` inputs (`cols` a multiple of 32) into the layout the
 /// kernels read; `out` has the length of `xs`. A block holding a NaN or an infinity gets a
 /// NaN scale, so the outputs it feeds are NaN, as on the exact path.
 pub(super) fn quantize(xs: &[f32], cols: usize, out: &mut [f32]) {
     let nb = cols / 32;
     for (x, o) in xs.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
-        let (d, q) = o.split_at_mut(nb);
+        let (q, rest) = o.split_at_mut(cols / 4);
+        let (d, rest) = rest.split_at_mut(nb);
+        let offsets = &mut rest[..nb];
+        // SAFETY: the slots' memory as bytes: in bounds (`4 * q.len()` bytes), `u8` has no
+        // alignment or validity requirements, and `q` is not used while this view lives.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(q.as_mut_ptr() as *mut u8, cols) };
         for (b, xb) in x.chunks_exact(32).enumerate() {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
             let finite = xb.iter().all(|v| v.is_finite());
@@ -35,42 +114,243 @@ pub(super) fn quantize(xs: &[f32], cols: usize, out: &mut [f32]) {
                 0.0
             };
             d[b] = if finite { scale } else { f32::NAN };
-            let mut bytes = [0u8; 32];
-            for k in 0..16 {
-                bytes[k] = round_i8(xb[2 * k] * inv);
-                bytes[16 + k] = round_i8(xb[2 * k + 1] * inv);
-            }
-            for (slot, c) in q[b * 8..b * 8 + 8].iter_mut().zip(bytes.chunks_exact(4)) {
-                // Native order: the slot's bytes in memory are the values, as kernels read them.
-                *slot = f32::from_bits(u32::from_ne_bytes([c[0], c[1], c[2], c[3]]));
+            let qb: [i8; 32] = std::array::from_fn(|e| round_i8(xb[e] * inv));
+            offsets[b] = f32::from_bits((-12 * qb.iter().map(|&v| v as i32).sum::<i32>()) as u32);
+            // Four elements `2 (4 j + m) + odd`, `m` in 0..4, lie side by side in every layout.
+            for j in 0..4 {
+                for odd in 0..2 {
+                    let at = byte_at(nb, b, 8 * j + odd);
+                    for m in 0..4 {
+                        bytes[at + m] = qb[2 * (4 * j + m) + odd] as u8;
+                    }
+                }
             }
         }
     }
 }
 
-fn round_i8(v: f32) -> u8 {
-    v.round().clamp(-127.0, 127.0) as i8 as u8
+/// The inputs as the int8 path rounds them (`q · d`, exact in f64), in element order: what
+/// the path multiplies the weights by (a test reference).
+pub(super) fn rounded(xs: &[f32], cols: usize) -> Vec<f64> {
+    let nb = cols / 32;
+    let mut q = vec![0f32; xs.len()];
+    quantize(xs, cols, &mut q);
+    let mut out = Vec::with_capacity(xs.len());
+    for p in 0..xs.len() / cols.max(1) {
+        let (v, d, _) = position(&q, cols, p);
+        for b in 0..nb {
+            out.extend((0..32).map(|e| v[byte_at(nb, b, e)] as f64 * d[b] as f64));
+        }
+    }
+    out
 }
 
-/// The quantized block scales and int8 values of one position.
-fn position(xs: &[f32], cols: usize, q: usize) -> (&[f32], &[i8]) {
+/// `v` rounded to the nearest integer (ties to even: adding and taking away 1.5 · 2^23 is
+/// exact arithmetic below 2^22, and not a library call as `f32::round` is on baseline x86-64),
+/// clamped to ±127; NaN gives 0.
+fn round_i8(v: f32) -> i8 {
+    const MAGIC: f32 = 12_582_912.0;
+    ((v + MAGIC) - MAGIC).clamp(-127.0, 127.0) as i8
+}
+
+/// A position's quantized inputs: int8 values, block scales, block offsets (as f32 slots).
+fn position(xs: &[f32], cols: usize, q: usize) -> (&[i8], &[f32], &[f32]) {
+    let nb = cols / 32;
     let x = &xs[q * cols..(q + 1) * cols];
-    let (d, rest) = x.split_at(cols / 32);
-    // SAFETY: the slots' memory read as bytes: in bounds (`4 * rest.len()` bytes), `i8` has
-    // no alignment or validity requirements, and nothing writes `xs` while it is borrowed.
-    let bytes = unsafe { std::slice::from_raw_parts(rest.as_ptr() as *const i8, 4 * rest.len()) };
-    (d, bytes)
+    let (v, rest) = x.split_at(cols / 4);
+    // SAFETY: the slots' memory read as bytes: in bounds (`4 * v.len()` bytes), `i8` has no
+    // alignment or validity requirements, and nothing writes `xs` while it is borrowed.
+    let bytes = unsafe { std::slice::from_raw_parts(v.as_ptr() as *const i8, cols) };
+    (bytes, &rest[..nb], &rest[nb..2 * nb])
 }
 
-/// How far ahead (bytes of blocks) the one-position AVX2 kernel prefetches.
+/// Where one group of eight blocks of a position's inputs lies: its 256 int8 values (in the
+/// order [`byte_at`] gives a whole group), eight block scales and eight offsets.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[derive(Clone, Copy)]
+struct GroupInputs {
+    q: *const u8,
+    d: *const f32,
+    /// (NEON multiplies signed weights and needs no offsets.)
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    offsets: *const i32,
+}
+
+/// A position's blocks past its last whole group, laid out as a whole group: their int8
+/// values where [`byte_at`] puts a whole group's, zeros for the missing blocks (and zero
+/// scales and offsets), so the SIMD kernels run the tail as one more group. A missing block's
+/// lane gets `fma(0, 0, acc)`, which leaves it as it is (module doc).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[repr(C, align(64))]
+struct Tail {
+    q: [u8; GROUP],
+    d: [f32; LANES],
+    offsets: [i32; LANES],
+}
+
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+impl Tail {
+    /// Position `p`'s tail (all zeros if `cols / 32` is a multiple of eight).
+    fn of(xs: &[f32], cols: usize, p: usize) -> Self {
+        let nb = cols / 32;
+        let base = nb / LANES * LANES;
+        let mut t = Self {
+            q: [0; GROUP],
+            d: [0.0; LANES],
+            offsets: [0; LANES],
+        };
+        if base < nb {
+            let (v, d, offsets) = position(xs, cols, p);
+            for i in 0..nb - base {
+                // Four elements `2 (4 j + m) + odd` lie side by side in both layouts.
+                for j in 0..4 {
+                    for odd in 0..2 {
+                        let (to, from) = (
+                            byte_at(LANES, i, 8 * j + odd),
+                            byte_at(nb, base + i, 8 * j + odd),
+                        );
+                        for m in 0..4 {
+                            t.q[to + m] = v[from + m] as u8;
+                        }
+                    }
+                }
+                t.d[i] = d[base + i];
+                t.offsets[i] = offsets[base + i].to_bits() as i32;
+            }
+        }
+        t
+    }
+}
+
+/// The inputs of `P` positions, group by group.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+struct Positions<const P: usize> {
+    /// Each position's first slot.
+    base: [*const f32; P],
+    cols: usize,
+    /// Whole groups of eight blocks.
+    groups: usize,
+    tails: [Tail; P],
+}
+
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+impl<const P: usize> Positions<P> {
+    /// The first `P` positions of `xs` (positions past `p` repeat position `p - 1`).
+    ///
+    /// # Panics
+    /// If `xs` holds fewer than `min(p, P)` positions of `cols` slots, or `p` is 0.
+    fn new(xs: &[f32], cols: usize, p: usize) -> Self {
+        assert!(p > 0 && xs.len() >= p.min(P) * cols);
+        let at = |q: usize| q.min(p - 1);
+        Self {
+            base: std::array::from_fn(|q| xs[at(q) * cols..].as_ptr()),
+            cols,
+            groups: cols / 32 / LANES,
+            tails: std::array::from_fn(|q| Tail::of(xs, cols, at(q))),
+        }
+    }
+
+    /// Groups of eight blocks to run, the tail included.
+    fn all_groups(&self) -> usize {
+        (self.cols / 32).div_ceil(LANES)
+    }
+
+    /// Group `g` (`< all_groups()`) of position `q`.
+    #[inline(always)]
+    fn group(&self, q: usize, g: usize) -> GroupInputs {
+        if g < self.groups {
+            let (cols, base) = (self.cols, self.base[q]);
+            // SAFETY: group `g` lies within the position (`new` checked its length); the
+            // int8 values take the first `cols / 4` slots, the scales and offsets the next
+            // `cols / 32` each.
+            unsafe {
+                GroupInputs {
+                    q: (base as *const u8).add(GROUP * g),
+                    d: base.add(cols / 4 + LANES * g),
+                    offsets: (base.add(cols / 4 + cols / 32) as *const i32).add(LANES * g),
+                }
+            }
+        } else {
+            let t = &self.tails[q];
+            GroupInputs {
+                q: t.q.as_ptr(),
+                d: t.d.as_ptr(),
+                offsets: t.offsets.as_ptr(),
+            }
+        }
+    }
+}
+
+/// The weights of group `g` of a row (nibbles at `b`, scale bytes at `s`, `nb` blocks): 128
+/// bytes of nibbles and 8 scale bytes, in place, or for the tail copied into `w` and `s8`
+/// with zeros for the missing blocks.
+///
+/// # Safety
+/// The row's `16 nb` nibble bytes and `nb` scale bytes are readable.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+unsafe fn row_group(
+    b: *const u8,
+    s: *const u8,
+    nb: usize,
+    g: usize,
+    w: &mut [u8; 16 * LANES],
+    s8: &mut [u8; LANES],
+) -> (*const u8, *const u8) {
+    // SAFETY: within the row (caller).
+    unsafe {
+        if LANES * (g + 1) <= nb {
+            (b.add(16 * LANES * g), s.add(LANES * g))
+        } else {
+            let r = nb - LANES * g;
+            std::ptr::copy_nonoverlapping(b.add(16 * LANES * g), w.as_mut_ptr(), 16 * r);
+            std::ptr::copy_nonoverlapping(s.add(LANES * g), s8.as_mut_ptr(), r);
+            (w.as_ptr(), s8.as_ptr())
+        }
+    }
+}
+
+/// Sums the eight lanes in the reference's order: `l + 4`, then `l + 2`, then `l + 1`.
+fn tree(a: [f32; LANES]) -> f32 {
+    let s4 = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    (s4[0] + s4[2]) + (s4[1] + s4[3])
+}
+
+/// How far ahead (bytes of blocks) the one-position x86 kernels prefetch.
 #[cfg(target_arch = "x86_64")]
 const PREFETCH: usize = 4096;
 
 /// Most positions one SIMD call takes (one row's decode shared by all of them).
 pub(super) const POSITIONS: usize = 8;
 
-/// Rows `r0 .. r0 + n` for `p` quantized positions on `ISA`: the AVX2 kernel for the AVX2
-/// and AVX-512 ISAs, the NEON kernel for NEON, else the scalar reference.
+/// The x86 kernel `ISA` runs on this CPU.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum X86 {
+    Avx2,
+    Avx512Bw,
+    Avx512Vnni,
+}
+
+#[cfg(target_arch = "x86_64")]
+fn x86_kernel(isa: super::Isa) -> Option<X86> {
+    use std::sync::OnceLock;
+    static VNNI: OnceLock<bool> = OnceLock::new();
+    match isa {
+        super::Isa::Avx512 if super::avx512::supported() => {
+            let vnni = *VNNI.get_or_init(|| is_x86_feature_detected!("avx512vnni"));
+            Some(if vnni { X86::Avx512Vnni } else { X86::Avx512Bw })
+        }
+        // The AVX-512 ISA emulated in tests (a CPU without AVX-512) runs the AVX2 kernel.
+        super::Isa::Avx2 | super::Isa::Avx512 if super::avx2::supported() => Some(X86::Avx2),
+        _ => None,
+    }
+}
+
+/// Rows `r0 .. r0 + n` for `p` quantized positions on `ISA`: on the AVX-512 ISA the VNNI
+/// kernel where the CPU has VNNI, else the AVX-512 BW one; the AVX2 kernel for the AVX2 ISA
+/// (and the AVX-512 ISA emulated in tests); the NEON kernel for NEON; else the scalar
+/// reference. All give the reference's bits.
 pub(super) fn rows(
     isa: super::Isa,
     w: &Mat<'_>,
@@ -91,14 +371,12 @@ pub(super) fn rows(
         unreachable!("int8x takes only Mxfp4Int8 weights")
     };
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa, super::Isa::Avx2 | super::Isa::Avx512)
-        && p <= POSITIONS
-        && super::avx2::supported()
-    {
-        // SAFETY: the ISA was detected on this CPU (both imply AVX2 and FMA); bounds
-        // checked above.
-        unsafe { with_positions!(p, avx2_tile(blocks, scales, cols, r0, n, xs, out)) };
-        return;
+    if p <= POSITIONS {
+        if let Some(k) = x86_kernel(isa) {
+            // SAFETY: the kernel's features were detected on this CPU; bounds checked above.
+            unsafe { x86_rows(k, blocks, scales, cols, r0, n, xs, p, out) };
+            return;
+        }
     }
     #[cfg(target_arch = "aarch64")]
     if isa == super::Isa::Neon && p <= POSITIONS && super::neon::supported() {
@@ -110,10 +388,434 @@ pub(super) fn rows(
     reference_rows(blocks, scales, cols, r0, n, xs, p, out)
 }
 
-/// NEON kernel for up to [`POSITIONS`] positions: per block the nibbles index a table of
-/// twice the FP4 values (`TBL`), widening multiply-adds (`SMULL`/`SMLAL`) sum four products
-/// per 16-bit lane, a pairwise widening add gives four 32-bit sums, which are converted and
-/// scaled into f32 accumulators.
+/// Scalar reference: per block the exact integer sum of weights (times two) by quantized
+/// inputs, times `d_b · (SCALE[s_b] · 0.5)`, fused into lane `b mod 8`; then [`tree`].
+#[allow(clippy::too_many_arguments)]
+pub(super) fn reference_rows(
+    blocks: &[u8],
+    scales: &[u8],
+    cols: usize,
+    r0: usize,
+    n: usize,
+    xs: &[f32],
+    p: usize,
+    out: &mut [f32],
+) {
+    let nb = cols / 32;
+    // Where each element of each block lies (the same for every row and position).
+    let at: Vec<[usize; 32]> = (0..nb)
+        .map(|b| std::array::from_fn(|e| byte_at(nb, b, e)))
+        .collect();
+    for q in 0..p {
+        let (x, d, _) = position(xs, cols, q);
+        for i in 0..n {
+            let r = r0 + i;
+            let mut acc = [0f32; LANES];
+            for (b, at) in at.iter().enumerate() {
+                let wb = &blocks[(r * nb + b) * 16..(r * nb + b + 1) * 16];
+                let mut isum = 0i32;
+                for (t, &wbyte) in wb.iter().enumerate() {
+                    let even = W2[(wbyte & 15) as usize] as i32;
+                    let odd = W2[(wbyte >> 4) as usize] as i32;
+                    isum += even * x[at[2 * t]] as i32 + odd * x[at[2 * t + 1]] as i32;
+                }
+                let f = d[b] * (SCALE[scales[r * nb + b] as usize] * 0.5);
+                acc[b % LANES] = (isum as f32).mul_add(f, acc[b % LANES]);
+            }
+            out[q * n + i] = tree(acc);
+        }
+    }
+}
+
+/// [`rows`] on x86 kernel `k`, for `p <= POSITIONS`.
+///
+/// # Safety
+/// The CPU has `k`'s features; the arguments passed [`super::check_rows`].
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn x86_rows(
+    k: X86,
+    blocks: &[u8],
+    scales: &[u8],
+    cols: usize,
+    r0: usize,
+    n: usize,
+    xs: &[f32],
+    p: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match k {
+            X86::Avx2 => with_positions!(p, avx2_tile(blocks, scales, cols, r0, n, xs, out)),
+            X86::Avx512Bw => {
+                with_positions!(p, avx512bw_tile(blocks, scales, cols, r0, n, xs, out))
+            }
+            X86::Avx512Vnni => {
+                with_positions!(p, avx512vnni_tile(blocks, scales, cols, r0, n, xs, out))
+            }
+        }
+    }
+}
+
+/// `2w + BIAS` by nibble, for byte shuffles (both 128-bit lanes).
+#[cfg(target_arch = "x86_64")]
+const BIASED: [i8; 32] = {
+    let mut t = [0i8; 32];
+    let mut i = 0;
+    while i < 32 {
+        t[i] = W2[i % 16] + BIAS;
+        i += 1;
+    }
+    t
+};
+
+/// Half of each E8M0 scale of eight consecutive blocks (`SCALE[s] · 0.5`, exact): the scale
+/// byte shifted into an f32's exponent (255 gives +inf), 0 raised to 2^-127's bits, halved.
+///
+/// # Safety
+/// The CPU has AVX2; 8 bytes at `s` are readable.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn half_scales(s: *const u8) -> __m256 {
+    // SAFETY: 8 readable bytes (caller); unaligned load.
+    let bytes = unsafe { _mm_loadl_epi64(s as *const __m128i) };
+    let bits = _mm256_slli_epi32::<23>(_mm256_cvtepu8_epi32(bytes));
+    let bits = _mm256_max_epi32(bits, _mm256_set1_epi32(0x0040_0000));
+    _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0.5))
+}
+
+/// The eight biased weight vectors of a group of eight blocks (128 bytes at `b`): vector `h`
+/// pairs with the group's input bytes `32 h .. 32 h + 32`, lane `i` of each from block `i`
+/// ([`byte_at`]): words `j` of the eight blocks gathered by in-lane unpacks (blocks `i` and
+/// `i + 4` share a load), then low and high nibbles looked up in [`BIASED`].
+///
+/// # Safety
+/// The CPU has AVX2; 128 bytes at `b` are readable.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_group_weights(b: *const u8, table: __m256i) -> [__m256i; 8] {
+    // SAFETY: 128 readable bytes (caller); unaligned loads.
+    macro_rules! pair {
+        ($a:expr) => {
+            unsafe {
+                _mm256_inserti128_si256::<1>(
+                    _mm256_castsi128_si256(_mm_loadu_si128(b.add(16 * $a) as *const __m128i)),
+                    _mm_loadu_si128(b.add(16 * ($a + 4)) as *const __m128i),
+                )
+            }
+        };
+    }
+    let q = [pair!(0), pair!(1), pair!(2), pair!(3)];
+    let t0 = _mm256_unpacklo_epi32(q[0], q[1]);
+    let t1 = _mm256_unpackhi_epi32(q[0], q[1]);
+    let t2 = _mm256_unpacklo_epi32(q[2], q[3]);
+    let t3 = _mm256_unpackhi_epi32(q[2], q[3]);
+    // Word j of blocks 0-3 in the low lane, of blocks 4-7 in the high one.
+    let m = [
+        _mm256_unpacklo_epi64(t0, t2),
+        _mm256_unpackhi_epi64(t0, t2),
+        _mm256_unpacklo_epi64(t1, t3),
+        _mm256_unpackhi_epi64(t1, t3),
+    ];
+    let nibble = _mm256_set1_epi8(0x0f);
+    macro_rules! lo {
+        ($v:expr) => {
+            _mm256_shuffle_epi8(table, _mm256_and_si256($v, nibble))
+        };
+    }
+    macro_rules! hi {
+        ($v:expr) => {
+            _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16::<4>($v), nibble))
+        };
+    }
+    [
+        lo!(m[0]),
+        lo!(m[1]),
+        hi!(m[0]),
+        hi!(m[1]),
+        lo!(m[2]),
+        lo!(m[3]),
+        hi!(m[2]),
+        hi!(m[3]),
+    ]
+}
+
+/// AVX2 kernel for `P` (1-8) positions: per group of eight blocks, the weights of
+/// [`avx2_group_weights`]; per position `vpmaddubsw` of each of the eight vectors with 32
+/// input bytes, four such sums added in i16 (at most 4 · 2 · 24 · 127 < 2^15) and widened by
+/// `vpmaddwd`, the block offsets added: lane `i` is block `i`'s exact sum. Then one step of the
+/// f32 lanes. The tail runs as one more group ([`Tail`]).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; rows `r0 .. r0 + n` and `P` positions are in bounds.
+#[allow(clippy::too_many_arguments)]
+#[cfg(target_arch = "x86_64")]
+#[inline(never)] // a profile shows each kernel apart
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_tile<const P: usize>(
+    blocks: &[u8],
+    scales: &[u8],
+    cols: usize,
+    r0: usize,
+    n: usize,
+    xs: &[f32],
+    out: &mut [f32],
+) {
+    let nb = cols / 32;
+    let x = Positions::<P>::new(xs, cols, P);
+    let (mut wbuf, mut sbuf) = ([0u8; 16 * LANES], [0u8; LANES]);
+    // SAFETY (whole body): rows `r0 .. r0 + n` of `blocks`/`scales` and `P` positions of
+    // `cols` slots of `xs` are in bounds (caller); loads are unaligned.
+    unsafe {
+        let table = _mm256_loadu_si256(BIASED.as_ptr() as *const __m256i);
+        let ones = _mm256_set1_epi16(1);
+        for i in 0..n {
+            let b = blocks.as_ptr().add((r0 + i) * nb * 16);
+            let s = scales.as_ptr().add((r0 + i) * nb);
+            let mut acc = [_mm256_setzero_ps(); P];
+            for g in 0..x.all_groups() {
+                {
+                    // The hardware prefetcher alone keeps too few lines in flight: the weights
+                    // (and scales) PREFETCH bytes ahead (a hint, harmless past the end).
+                    let wb = b.wrapping_add(16 * LANES * g + PREFETCH);
+                    _mm_prefetch::<_MM_HINT_T0>(wb as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(64) as *const i8);
+                    if g % 8 == 0 {
+                        let sb = s.wrapping_add(LANES * g + PREFETCH / 16);
+                        _mm_prefetch::<_MM_HINT_T0>(sb as *const i8);
+                    }
+                }
+                let (wb, sb) = row_group(b, s, nb, g, &mut wbuf, &mut sbuf);
+                let w = avx2_group_weights(wb, table);
+                let half = half_scales(sb);
+                for (q, acc) in acc.iter_mut().enumerate() {
+                    let xg = x.group(q, g);
+                    macro_rules! ld {
+                        ($h:expr) => {
+                            _mm256_loadu_si256(xg.q.add(32 * $h) as *const __m256i)
+                        };
+                    }
+                    let a = _mm256_add_epi16(
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(w[0], ld!(0)),
+                            _mm256_maddubs_epi16(w[1], ld!(1)),
+                        ),
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(w[2], ld!(2)),
+                            _mm256_maddubs_epi16(w[3], ld!(3)),
+                        ),
+                    );
+                    let c = _mm256_add_epi16(
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(w[4], ld!(4)),
+                            _mm256_maddubs_epi16(w[5], ld!(5)),
+                        ),
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(w[6], ld!(6)),
+                            _mm256_maddubs_epi16(w[7], ld!(7)),
+                        ),
+                    );
+                    let isum = _mm256_add_epi32(
+                        _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(c, ones)),
+                        _mm256_loadu_si256(xg.offsets as *const __m256i),
+                    );
+                    let f = _mm256_mul_ps(_mm256_loadu_ps(xg.d), half);
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, *acc);
+                }
+            }
+            for q in 0..P {
+                // `hsum` sums `l + 4`, `l + 2`, `l + 1`: the reference's tree.
+                out[q * n + i] = super::avx2::hsum(acc[q]);
+            }
+        }
+    }
+}
+
+/// Source dwords (blocks 0-3 then 4-7, four words each) of the AVX-512 decode's two nibble
+/// registers: lane `l` takes word `l / 8` (then `2 + l / 8`) of block `l mod 8`.
+#[cfg(target_arch = "x86_64")]
+const PERMUTE: [[i32; 16]; 2] = {
+    let mut t = [[0i32; 16]; 2];
+    let mut l = 0;
+    while l < 16 {
+        t[0][l] = (4 * (l % 8) + l / 8) as i32;
+        t[1][l] = (4 * (l % 8) + 2 + l / 8) as i32;
+        l += 1;
+    }
+    t
+};
+
+/// The AVX-512 kernels, with and without VNNI: `$dot(w, x)` sums four 64-byte products of
+/// biased weights by inputs into sixteen i32 lanes.
+#[cfg(target_arch = "x86_64")]
+macro_rules! avx512_tile {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $dot:ident) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// The CPU has the features named; rows `r0 .. r0 + n` and `P` positions are in bounds.
+        #[allow(clippy::too_many_arguments)]
+        #[inline(never)] // a profile shows each kernel apart
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const P: usize>(
+            blocks: &[u8],
+            scales: &[u8],
+            cols: usize,
+            r0: usize,
+            n: usize,
+            xs: &[f32],
+            out: &mut [f32],
+        ) {
+            let nb = cols / 32;
+            let x = Positions::<P>::new(xs, cols, P);
+            let (mut wbuf, mut sbuf) = ([0u8; 16 * LANES], [0u8; LANES]);
+            // SAFETY (whole body): rows `r0 .. r0 + n` of `blocks`/`scales` and `P` positions
+            // of `cols` slots of `xs` are in bounds (caller); loads are unaligned.
+            unsafe {
+                let table =
+                    _mm512_broadcast_i32x4(_mm_loadu_si128(BIASED.as_ptr() as *const __m128i));
+                let nibble = _mm512_set1_epi8(0x0f);
+                let idx0 = _mm512_loadu_si512(PERMUTE[0].as_ptr() as *const __m512i);
+                let idx1 = _mm512_loadu_si512(PERMUTE[1].as_ptr() as *const __m512i);
+                for i in 0..n {
+                    let b = blocks.as_ptr().add((r0 + i) * nb * 16);
+                    let s = scales.as_ptr().add((r0 + i) * nb);
+                    let mut acc = [_mm256_setzero_ps(); P];
+                    for g in 0..x.all_groups() {
+                        {
+                            // As in the AVX2 kernel.
+                            let wb = b.wrapping_add(16 * LANES * g + PREFETCH);
+                            _mm_prefetch::<_MM_HINT_T0>(wb as *const i8);
+                            _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(64) as *const i8);
+                            if g % 8 == 0 {
+                                let sb = s.wrapping_add(LANES * g + PREFETCH / 16);
+                                _mm_prefetch::<_MM_HINT_T0>(sb as *const i8);
+                            }
+                        }
+                        let (wb, sb) = row_group(b, s, nb, g, &mut wbuf, &mut sbuf);
+                        let r0v = _mm512_loadu_si512(wb as *const __m512i);
+                        let r1v = _mm512_loadu_si512(wb.add(64) as *const __m512i);
+                        let n0 = _mm512_permutex2var_epi32(r0v, idx0, r1v);
+                        let n1 = _mm512_permutex2var_epi32(r0v, idx1, r1v);
+                        let w = [
+                            _mm512_shuffle_epi8(table, _mm512_and_si512(n0, nibble)),
+                            _mm512_shuffle_epi8(
+                                table,
+                                _mm512_and_si512(_mm512_srli_epi16::<4>(n0), nibble),
+                            ),
+                            _mm512_shuffle_epi8(table, _mm512_and_si512(n1, nibble)),
+                            _mm512_shuffle_epi8(
+                                table,
+                                _mm512_and_si512(_mm512_srli_epi16::<4>(n1), nibble),
+                            ),
+                        ];
+                        let half = half_scales(sb);
+                        for q in 0..P {
+                            let xg = x.group(q, g);
+                            let v = $dot(&w, xg.q);
+                            let isum = _mm256_add_epi32(
+                                _mm256_add_epi32(
+                                    _mm512_castsi512_si256(v),
+                                    _mm512_extracti64x4_epi64::<1>(v),
+                                ),
+                                _mm256_loadu_si256(xg.offsets as *const __m256i),
+                            );
+                            let f = _mm256_mul_ps(_mm256_loadu_ps(xg.d), half);
+                            acc[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc[q]);
+                        }
+                    }
+                    for q in 0..P {
+                        // `hsum` sums `l + 4`, `l + 2`, `l + 1`: the reference's tree.
+                        out[q * n + i] = super::avx2::hsum(acc[q]);
+                    }
+                }
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+avx512_tile!(
+    /// AVX-512 VNNI kernel for `P` (1-8) positions: per group of eight blocks, two permutes
+    /// put the nibbles in the inputs' order and a byte lookup gives the biased weights; per
+    /// position four `vpdpbusd` (one register of sums, lane `l` for block `l mod 8`), its
+    /// halves added and the offsets: lane `i` is block `i`'s exact sum. The tail runs as one more
+    /// group ([`Tail`]).
+    avx512vnni_tile,
+    "avx512f,avx512bw,avx512vnni,avx2,fma,f16c",
+    dot_vnni
+);
+
+#[cfg(target_arch = "x86_64")]
+avx512_tile!(
+    /// The AVX-512 kernel for CPUs without VNNI (Skylake-SP): [`avx512vnni_tile`] with each
+    /// group's four products summed by `vpmaddubsw`, i16 adds and one `vpmaddwd`.
+    avx512bw_tile,
+    "avx512f,avx512bw,avx2,fma,f16c",
+    dot_bw
+);
+
+/// Four `vpdpbusd`: the biased weights `w` by the 256 input bytes at `x`.
+///
+/// # Safety
+/// The CPU has AVX-512 F and VNNI; 256 bytes at `x` are readable.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn dot_vnni(w: &[__m512i; 4], x: *const u8) -> __m512i {
+    // SAFETY: 256 readable bytes (caller); unaligned loads.
+    unsafe {
+        macro_rules! ld {
+            ($k:expr) => {
+                _mm512_loadu_si512(x.add(64 * $k) as *const __m512i)
+            };
+        }
+        let mut v = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], ld!(0));
+        v = _mm512_dpbusd_epi32(v, w[1], ld!(1));
+        v = _mm512_dpbusd_epi32(v, w[2], ld!(2));
+        _mm512_dpbusd_epi32(v, w[3], ld!(3))
+    }
+}
+
+/// [`dot_vnni`] without VNNI: `vpmaddubsw` pairs (at most 2 · 24 · 127), four summed in i16,
+/// widened by `vpmaddwd`.
+///
+/// # Safety
+/// The CPU has AVX-512 F and BW; 256 bytes at `x` are readable.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn dot_bw(w: &[__m512i; 4], x: *const u8) -> __m512i {
+    // SAFETY: 256 readable bytes (caller); unaligned loads.
+    unsafe {
+        macro_rules! ld {
+            ($k:expr) => {
+                _mm512_loadu_si512(x.add(64 * $k) as *const __m512i)
+            };
+        }
+        let s = _mm512_add_epi16(
+            _mm512_add_epi16(
+                _mm512_maddubs_epi16(w[0], ld!(0)),
+                _mm512_maddubs_epi16(w[1], ld!(1)),
+            ),
+            _mm512_add_epi16(
+                _mm512_maddubs_epi16(w[2], ld!(2)),
+                _mm512_maddubs_epi16(w[3], ld!(3)),
+            ),
+        );
+        _mm512_madd_epi16(s, _mm512_set1_epi16(1))
+    }
+}
+
+/// NEON kernel for up to [`POSITIONS`] positions: per group of eight blocks the nibbles'
+/// words transposed (`TRN1`/`TRN2`) into the inputs' order and looked up (`TBL`) as signed
+/// doubled weights; per position the sixteen 16-byte input vectors multiplied into i16 lanes
+/// (`SMULL`/`SMLAL`, at most 8 · 12 · 127 per lane), each four lanes one word of one block,
+/// then pairwise widening adds give the eight blocks' exact sums, converted and scaled into
+/// the two f32 vectors of the eight lanes. The tail runs as one more group ([`Tail`]).
 ///
 /// # Safety
 /// The CPU has NEON; rows `r0 .. r0 + n` and `p <= POSITIONS` positions are in bounds.
@@ -132,147 +834,165 @@ unsafe fn neon_rows(
 ) {
     use std::arch::aarch64::*;
     let nb = cols / 32;
+    let x = Positions::<POSITIONS>::new(xs, cols, p);
+    let (mut wbuf, mut sbuf) = ([0u8; 16 * LANES], [0u8; LANES]);
     // SAFETY (whole body): rows `r0 .. r0 + n` of `blocks`/`scales` and `p` positions of
     // `cols` slots of `xs` are in bounds (caller).
     unsafe {
         let table = vld1q_s8(W2.as_ptr());
         let nibble = vdupq_n_u8(0x0f);
-        let d: [*const f32; POSITIONS] =
-            std::array::from_fn(|q| xs.as_ptr().add(q.min(p - 1) * cols));
-        let qx: [*const i8; POSITIONS] = std::array::from_fn(|q| d[q].add(nb) as *const i8);
         for i in 0..n {
             let b = blocks.as_ptr().add((r0 + i) * nb * 16);
             let s = scales.as_ptr().add((r0 + i) * nb);
-            let mut acc = [vdupq_n_f32(0.0); POSITIONS];
-            for blk in 0..nb {
-                let v = vld1q_u8(b.add(16 * blk));
-                let even = vqtbl1q_s8(table, vandq_u8(v, nibble));
-                let odd = vqtbl1q_s8(table, vshrq_n_u8::<4>(v));
-                let half = SCALE[*s.add(blk) as usize] * 0.5;
+            let mut acc = [[vdupq_n_f32(0.0); 2]; POSITIONS];
+            for g in 0..x.all_groups() {
+                let (wb, sb) = row_group(b, s, nb, g, &mut wbuf, &mut sbuf);
+                // Input vector `c` (16 bytes at `16 c` of the group) holds word
+                // `j = 2 (c / 8) + (c / 2) % 2` of blocks `4 (c % 2) .. + 4`, low nibbles
+                // for `(c / 4) % 2 == 0` ([`byte_at`]).
+                let mut w = [vdupq_n_s8(0); 16];
+                for h in 0..2 {
+                    let mut v = [vdupq_n_u32(0); 4];
+                    for (k, v) in v.iter_mut().enumerate() {
+                        *v = vreinterpretq_u32_u8(vld1q_u8(wb.add(16 * (4 * h + k))));
+                    }
+                    let t0 = vreinterpretq_u64_u32(vtrn1q_u32(v[0], v[1]));
+                    let t1 = vreinterpretq_u64_u32(vtrn2q_u32(v[0], v[1]));
+                    let t2 = vreinterpretq_u64_u32(vtrn1q_u32(v[2], v[3]));
+                    let t3 = vreinterpretq_u64_u32(vtrn2q_u32(v[2], v[3]));
+                    // Word j of blocks 4h .. 4h + 4.
+                    let m = [
+                        vreinterpretq_u8_u64(vtrn1q_u64(t0, t2)),
+                        vreinterpretq_u8_u64(vtrn1q_u64(t1, t3)),
+                        vreinterpretq_u8_u64(vtrn2q_u64(t0, t2)),
+                        vreinterpretq_u8_u64(vtrn2q_u64(t1, t3)),
+                    ];
+                    for c in (h..16).step_by(2) {
+                        let word = m[2 * (c / 8) + (c / 2) % 2];
+                        let nib = if (c / 4) % 2 == 0 {
+                            vandq_u8(word, nibble)
+                        } else {
+                            vshrq_n_u8::<4>(word)
+                        };
+                        w[c] = vqtbl1q_s8(table, nib);
+                    }
+                }
+                let mut half = [0f32; LANES];
+                for (k, h) in half.iter_mut().enumerate() {
+                    *h = SCALE[*sb.add(k) as usize] * 0.5;
+                }
+                let half = [vld1q_f32(half.as_ptr()), vld1q_f32(half.as_ptr().add(4))];
                 for q in 0..p {
-                    let xe = vld1q_s8(qx[q].add(32 * blk));
-                    let xo = vld1q_s8(qx[q].add(32 * blk + 16));
-                    let mut s16 = vmull_s8(vget_low_s8(even), vget_low_s8(xe));
-                    s16 = vmlal_high_s8(s16, even, xe);
-                    s16 = vmlal_s8(s16, vget_low_s8(odd), vget_low_s8(xo));
-                    s16 = vmlal_high_s8(s16, odd, xo);
-                    let sum = vcvtq_f32_s32(vpaddlq_s16(s16));
-                    acc[q] = vfmaq_n_f32(acc[q], sum, *d[q].add(blk) * half);
+                    let xg = x.group(q, g);
+                    let xq = xg.q as *const i8;
+                    // Per half `h` (blocks 4h .. 4h + 4): i16 lanes of the low and high 8
+                    // bytes of each vector (blocks 4h, 4h + 1 and 4h + 2, 4h + 3).
+                    let mut lo16 = [vdupq_n_s16(0); 2];
+                    let mut hi16 = [vdupq_n_s16(0); 2];
+                    for c in 0..16 {
+                        let xv = vld1q_s8(xq.add(16 * c));
+                        let h = c % 2;
+                        lo16[h] = vmlal_s8(lo16[h], vget_low_s8(w[c]), vget_low_s8(xv));
+                        hi16[h] = vmlal_high_s8(hi16[h], w[c], xv);
+                    }
+                    for h in 0..2 {
+                        let sums = vpaddq_s32(vpaddlq_s16(lo16[h]), vpaddlq_s16(hi16[h]));
+                        let f = vmulq_f32(vld1q_f32(xg.d.add(4 * h)), half[h]);
+                        acc[q][h] = vfmaq_f32(acc[q][h], vcvtq_f32_s32(sums), f);
+                    }
                 }
             }
             for q in 0..p {
-                out[q * n + i] = vaddvq_f32(acc[q]);
+                let mut lanes = [0f32; LANES];
+                vst1q_f32(lanes.as_mut_ptr(), acc[q][0]);
+                vst1q_f32(lanes.as_mut_ptr().add(4), acc[q][1]);
+                out[q * n + i] = tree(lanes);
             }
         }
     }
 }
 
-/// Scalar reference: per block, the exact integer sum of weights (times two) by quantized
-/// inputs, times the input scale and half the block's E8M0 scale, added in block order.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn reference_rows(
-    blocks: &[u8],
-    scales: &[u8],
-    cols: usize,
-    r0: usize,
-    n: usize,
-    xs: &[f32],
-    p: usize,
-    out: &mut [f32],
-) {
-    let nb = cols / 32;
-    for q in 0..p {
-        let (d, byte) = position(xs, cols, q);
-        for i in 0..n {
-            let r = r0 + i;
-            let mut acc = 0f32;
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The layout puts every element of every block at its own byte, within the int8 area.
+    #[test]
+    fn the_layout_is_a_permutation() {
+        for nb in [1, 3, 8, 9, 16, 90] {
+            let mut seen = vec![false; 32 * nb];
             for b in 0..nb {
-                let wb = &blocks[(r * nb + b) * 16..(r * nb + b + 1) * 16];
-                let mut isum = 0i32;
-                for (k, &wbyte) in wb.iter().enumerate() {
-                    let even = W2[(wbyte & 15) as usize] as i32;
-                    let odd = W2[(wbyte >> 4) as usize] as i32;
-                    isum += even * byte[b * 32 + k] as i32 + odd * byte[b * 32 + 16 + k] as i32;
+                for e in 0..32 {
+                    let at = byte_at(nb, b, e);
+                    assert!(!seen[at], "{nb} blocks: byte {at} twice");
+                    seen[at] = true;
                 }
-                acc += isum as f32 * (d[b] * (SCALE[scales[r * nb + b] as usize] * 0.5));
             }
-            out[q * n + i] = acc;
         }
     }
-}
 
-/// AVX2 kernel for `P` (1-8) positions: per block the nibbles index two byte tables (|2w| and
-/// 2w), `sign` moves each weight's sign onto its input, `maddubs`/`madd` sum the 32 products
-/// into eight 32-bit lanes, which are converted and scaled into f32 accumulators.
-///
-/// # Safety
-/// The CPU has AVX2 and FMA; rows `r0 .. r0 + n` and `P` positions are in bounds.
-#[allow(clippy::too_many_arguments)]
-#[cfg(target_arch = "x86_64")]
-#[inline(never)] // a profile shows each kernel apart
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn avx2_tile<const P: usize>(
-    blocks: &[u8],
-    scales: &[u8],
-    cols: usize,
-    r0: usize,
-    n: usize,
-    xs: &[f32],
-    out: &mut [f32],
-) {
-    const fn table(signed: bool) -> [i8; 32] {
-        let mut t = [0i8; 32];
-        let mut i = 0;
-        while i < 32 {
-            let v = W2[i % 16];
-            t[i] = if signed || v >= 0 { v } else { -v };
-            i += 1;
+    /// The offsets are `-12 Σ q` of each block, the scales `max |x| / 127`.
+    #[test]
+    fn quantize_writes_values_scales_and_offsets() {
+        let cols = 9 * 32;
+        let x: Vec<f32> = (0..cols).map(|i| ((i * 37) % 101) as f32 - 50.0).collect();
+        let mut q = vec![0f32; cols];
+        quantize(&x, cols, &mut q);
+        let (v, d, offsets) = position(&q, cols, 0);
+        for b in 0..cols / 32 {
+            let xb = &x[32 * b..32 * (b + 1)];
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert_eq!(d[b], amax / 127.0);
+            let mut sum = 0;
+            for (e, &xe) in xb.iter().enumerate() {
+                let got = v[byte_at(cols / 32, b, e)];
+                assert_eq!(got, round_i8(xe * (1.0 / d[b])), "block {b} element {e}");
+                sum += got as i32;
+            }
+            assert_eq!(offsets[b].to_bits() as i32, -12 * sum);
         }
-        t
     }
-    const ABS: [i8; 32] = table(false);
-    const SIGNED: [i8; 32] = table(true);
-    let nb = cols / 32;
-    // SAFETY (whole body): rows `r0 .. r0 + n` of `blocks`/`scales` and `P` positions of
-    // `cols` slots of `xs` are in bounds (caller); loads are unaligned.
-    unsafe {
-        let abs = _mm256_loadu_si256(ABS.as_ptr() as *const __m256i);
-        let signed = _mm256_loadu_si256(SIGNED.as_ptr() as *const __m256i);
-        let split = super::avx2::NibbleSplit::new();
-        let ones = _mm256_set1_epi16(1);
-        let d: [*const f32; P] = std::array::from_fn(|q| xs.as_ptr().add(q * cols));
-        let qx: [*const u8; P] = std::array::from_fn(|q| d[q].add(nb) as *const u8);
-        for i in 0..n {
-            let b = blocks.as_ptr().add((r0 + i) * nb * 16);
-            let s = scales.as_ptr().add((r0 + i) * nb);
-            let mut acc = [_mm256_setzero_ps(); P];
-            for blk in 0..nb {
-                if P == 1 && blk % 4 == 0 {
-                    // One position decodes slower than memory streams and the hardware
-                    // prefetcher alone keeps too few lines in flight: the weights (and scales)
-                    // PREFETCH bytes ahead, a line at a time (a hint, harmless past the end;
-                    // measured paired per decoded token: +7-8% decode with `--int8-experts`).
-                    _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(16 * blk + PREFETCH) as *const i8);
-                    if blk % 64 == 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(
-                            s.wrapping_add(blk + PREFETCH / 16) as *const i8
+
+    /// Each x86 kernel this CPU runs (the AVX-512 one without VNNI too, where the CPU has
+    /// VNNI) gives the reference's bits, whatever the number of positions and blocks.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_x86_kernel_gives_the_reference_bits() {
+        let mut g = super::super::Gen::new(8);
+        let mut kernels = vec![];
+        if super::super::avx2::supported() {
+            kernels.push(X86::Avx2);
+        }
+        if super::super::avx512::supported() {
+            kernels.push(X86::Avx512Bw);
+            if is_x86_feature_detected!("avx512vnni") {
+                kernels.push(X86::Avx512Vnni);
+            }
+        }
+        for nb in [1, 7, 8, 9, 17, 90] {
+            let (rows, cols) = (13, 32 * nb);
+            let (blocks, scales) = g.mxfp4(rows, cols);
+            for p in 1..=POSITIONS {
+                let mut xs = g.units(p * cols);
+                if nb == 9 {
+                    xs[3] = f32::NAN;
+                    xs[(p - 1) * cols + 270] = f32::INFINITY;
+                }
+                let mut q = vec![0f32; xs.len()];
+                quantize(&xs, cols, &mut q);
+                let mut want = vec![0f32; p * rows];
+                reference_rows(&blocks, &scales, cols, 0, rows, &q, p, &mut want);
+                for &k in &kernels {
+                    let mut got = vec![f32::NAN; p * rows];
+                    // SAFETY: `k` was detected; shapes as `check_rows` requires.
+                    unsafe { x86_rows(k, &blocks, &scales, cols, 0, rows, &q, p, &mut got) };
+                    for (j, (a, b)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            super::super::verify::same_bits(*a, *b),
+                            "{k:?}, {nb} blocks, {p} positions, output {j}: {a:e} vs {b:e}"
                         );
                     }
                 }
-                let idx = split.split(b.add(16 * blk));
-                let wa = _mm256_shuffle_epi8(abs, idx);
-                let ws = _mm256_shuffle_epi8(signed, idx);
-                let half = _mm256_set1_ps(SCALE[*s.add(blk) as usize] * 0.5);
-                for q in 0..P {
-                    let x = _mm256_loadu_si256(qx[q].add(32 * blk) as *const __m256i);
-                    let prod = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x, ws));
-                    let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
-                    let f = _mm256_mul_ps(_mm256_set1_ps(*d[q].add(blk)), half);
-                    acc[q] = _mm256_fmadd_ps(sum, f, acc[q]);
-                }
-            }
-            for q in 0..P {
-                out[q * n + i] = super::avx2::hsum(acc[q]);
             }
         }
     }

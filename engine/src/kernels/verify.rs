@@ -70,20 +70,24 @@ impl Gen {
     }
 }
 
-/// `W·x` in f64 from the dequantized rows.
+/// `W·x` in f64 from the dequantized rows (for [`Mat::Mxfp4Int8`], of the inputs as the int8
+/// path rounds them: the product that path approximates only by its f32 steps).
 pub(crate) fn reference(w: &Mat<'_>, x: &[f32]) -> Vec<f64> {
+    let x: Vec<f64> = match *w {
+        Mat::Mxfp4Int8 { cols, .. } => super::int8x::rounded(x, cols),
+        _ => x.iter().map(|&v| v as f64).collect(),
+    };
     let mut row = vec![0f32; w.cols()];
     (0..w.rows())
         .map(|r| {
             w.row_into(r, &mut row);
-            row.iter().zip(x).map(|(&a, &b)| a as f64 * b as f64).sum()
+            row.iter().zip(&x).map(|(&a, &b)| a as f64 * b).sum()
         })
         .collect()
 }
 
-/// Checks `ISA`'s kernels on `w` (see [`check_with`]); and, for the exact formats (all but
-/// [`Mat::Mxfp4Int8`]) on an ISA other than the scalar one, that they give the scalar kernels'
-/// bits (see [`check_same_bits`]).
+/// Checks `ISA`'s kernels on `w` (see [`check_with`]); and, on an ISA other than the scalar
+/// one, that they give the scalar kernels' bits (see [`check_same_bits`]).
 pub(crate) fn check_mat(
     isa: Isa,
     w: &Mat<'_>,
@@ -95,7 +99,7 @@ pub(crate) fn check_mat(
     check_with(w, block_sizes, g, kernel)
         .and_then(|()| check_rows_alone(isa, w, g))
         .and_then(|()| {
-            if isa == Isa::Scalar || matches!(w, Mat::Mxfp4Int8 { .. }) {
+            if isa == Isa::Scalar {
                 Ok(())
             } else {
                 check_same_bits(w, block_sizes, g, kernel, scalar)
@@ -226,10 +230,10 @@ pub(crate) fn check_with(
     Ok(())
 }
 
-/// Matrices of every exact format the kernels take (not the opt-in int8-input MXFP4, whose
-/// result is not the exact product), small but of odd sizes (row and column tails, several
-/// position groups, a full-width MXFP4 row), checked on `ISA` with [`check_mat`]. A few
-/// milliseconds on a SIMD ISA.
+/// Matrices of every format the kernels take, small but of odd sizes (row and column tails,
+/// several position groups, a full-width MXFP4 row; MXFP4 on int8 inputs with and without
+/// blocks past its groups of eight), checked on `ISA` with [`check_mat`]. A few milliseconds
+/// on a SIMD ISA.
 pub(crate) fn self_check(isa: Isa) -> Result<(), String> {
     let mut g = Gen::new(0x5eed);
     let block_sizes = [2, 5, 33];
@@ -270,9 +274,16 @@ pub(crate) fn self_check(isa: Isa) -> Result<(), String> {
             &mut g,
         )?;
     }
-    for (rows, cols) in [(37, 96), (5, 2880)] {
+    for (rows, cols) in [(37, 96), (6, 256), (5, 2880)] {
         let (blocks, scales) = g.mxfp4(rows, cols);
         let w = Mat::Mxfp4 {
+            blocks: &blocks,
+            scales: &scales,
+            rows,
+            cols,
+        };
+        check_mat(isa, &w, &block_sizes, &mut g)?;
+        let w = Mat::Mxfp4Int8 {
             blocks: &blocks,
             scales: &scales,
             rows,

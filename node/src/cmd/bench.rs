@@ -82,10 +82,10 @@ pub struct Args {
     #[arg(long, hide = true)]
     pub int8_attn_head: bool,
     /// Lab switch (hidden): multiply MXFP4 experts by inputs rounded to int8 in blocks of 32
-    /// (integer products; fewer instructions per weight than the exact path on AVX2 CPUs,
-    /// which matters where the expert kernel, not memory, is the limit; on AVX-512 CPUs the
-    /// exact kernel is the faster one). Approximate (the exact path is the default;
-    /// docs/design.md gives the measured agreement and speeds).
+    /// (integer products, AVX-512 VNNI where the CPU has it; fewer instructions per weight
+    /// than the exact path, which matters where the expert kernel, not memory, is the limit,
+    /// as in prefill; the same bits on every CPU). Approximate (the exact path is the
+    /// default; docs/design.md gives the measured agreement, docs/performance.md the speeds).
     #[arg(long, hide = true)]
     pub int8_experts: bool,
     /// Compute every row of the exact output head for each token (the decode and each

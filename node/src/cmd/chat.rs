@@ -251,8 +251,8 @@ pub struct Args {
     #[arg(long, hide = true)]
     pub int8_attn_head: bool,
     /// Lab switch (hidden): multiply MXFP4 experts by int8-rounded inputs (approximate;
-    /// faster on AVX2 CPUs where the expert kernel is the limit, slower on AVX-512 ones;
-    /// docs/design.md).
+    /// integer products, AVX-512 VNNI where the CPU has it: faster prefill where the expert
+    /// kernel is the limit; docs/design.md).
     #[arg(long, hide = true)]
     pub int8_experts: bool,
     /// Compute the whole exact output head for every token instead of screening it with an

@@ -77,11 +77,11 @@ pub struct Args {
     /// agreement).
     #[arg(long, hide = true)]
     pub int8_attn_head: bool,
-    /// Lab switch (hidden): multiply MXFP4 experts by inputs rounded to int8 in blocks of 32 (integer products;
-    /// fewer instructions per weight than the exact path on AVX2 CPUs, which matters where the
-    /// expert kernel, not memory, is the limit; on AVX-512 CPUs the exact kernel is the faster
-    /// one). Lab switch (hidden); approximate (the exact path is the default; docs/design.md
-    /// gives the measured agreement and speeds).
+    /// Lab switch (hidden): multiply MXFP4 experts by inputs rounded to int8 in blocks of 32 (integer products,
+    /// AVX-512 VNNI where the CPU has it; fewer instructions per weight than the exact path,
+    /// which matters where the expert kernel, not memory, is the limit, as in prefill; the
+    /// same bits on every CPU). Lab switch (hidden); approximate (the exact path is the
+    /// default; docs/design.md gives the measured agreement, docs/performance.md the speeds).
     #[arg(long, hide = true)]
     pub int8_experts: bool,
     /// Compute every row of the exact output head for each token. By default an 8-bit copy
