@@ -278,9 +278,19 @@ async fn run(
              the others bootstrap from it"
         );
     } else if !dht.bootstrapped().await {
-        tracing::warn!(
-            "DHT: not bootstrapped (are the --dht-bootstrap nodes reachable?); retrying"
-        );
+        // A real failure (the DHT crate's own error about it is not shown, see `logging.rs`
+        // in the CLI): this node found no other.
+        if t.private {
+            tracing::error!(
+                "DHT: could not bootstrap: no --dht-bootstrap node answered (are they running \
+                 and reachable?); retrying"
+            );
+        } else {
+            tracing::error!(
+                "DHT: could not bootstrap: the public bootstrap nodes did not answer (no \
+                 internet access? a private DHT takes --dht-bootstrap); retrying"
+            );
+        }
     }
     let own_ips = local_ipv4s();
     let mut announce = AnnounceSchedule::new(Instant::now(), t.announce_every);
