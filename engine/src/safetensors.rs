@@ -1,4 +1,6 @@
-//! Reading safetensors checkpoints: one file or shards listed by an index, memory-mapped.
+//! Reading safetensors checkpoints: one file or shards listed by an index, memory-mapped; or
+//! a folder holding a checkpoint's dense tensors only ([`dense`]), read as that checkpoint
+//! with its expert tensors described but absent.
 //!
 //! The parser checks everything a hostile or damaged file could get wrong before any tensor
 //! is handed out: the header length, the JSON, every dtype and shape, that each tensor's byte

@@ -94,6 +94,13 @@ fn assert_honest_dense_folder(dir: &Path, f: &Fixture, m: &stormo_manifests::Man
         }
     }
     assert_eq!(got.absent.len(), experts.len());
+    // No manifest is built from it (it would not be the model's).
+    let opts = stormo_manifests::build::BuildOptions::default();
+    let e = stormo_manifests::build::build(dir, &opts).expect_err("a manifest");
+    assert!(
+        matches!(e, stormo_manifests::build::BuildError::DenseOnly { .. }),
+        "{e}"
+    );
 }
 
 /// `stormo pull` into an empty folder (manifest accepted by the publisher's key, its

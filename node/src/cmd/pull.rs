@@ -152,7 +152,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             host,
         )?);
     }
-    eprintln!("{}", last_line(&model, &a.out, &r, kept.as_ref(), secs));
+    let total = started.elapsed().as_secs_f64();
+    eprintln!(
+        "{}",
+        last_line(&model, &a.out, &r, kept.as_ref(), [secs, total])
+    );
     Ok(())
 }
 
@@ -171,13 +175,13 @@ struct KeptExperts {
 
 /// The last line of a pull: what the folder holds now (its weight files and their size, dense
 /// only or with the experts), what it took (fetched, copied, kept), and the experts kept
-/// where (`--experts`).
+/// where (`--experts`). `secs`: the folder's pull, and the whole command.
 fn last_line(
     model: &str,
     out: &std::path::Path,
     r: &pull::PullReport,
     kept: Option<&KeptExperts>,
-    secs: f64,
+    [secs, total]: [f64; 2],
 ) -> String {
     use stormo_net::progress::human_bytes;
     let size: u64 = r.files.iter().map(|(_, n)| n).sum();
@@ -192,30 +196,35 @@ fn last_line(
     } else {
         format!("{files} ({}, dense tensors only)", human_bytes(size))
     };
-    let nothing_new =
-        r.tensors == 0 && r.fetched == 0 && r.reused == 0 && kept.is_none_or(|k| k.fetched == 0);
-    let mut line = if nothing_new {
+    let folder_new = r.tensors > 0 || r.fetched > 0 || r.reused > 0;
+    let experts_new = kept.is_some_and(|k| k.fetched > 0);
+    let mut line = if folder_new || experts_new {
+        format!(
+            "pulled model {model} into {} in {total:.1}s: {holds}",
+            out.display()
+        )
+    } else {
         format!(
             "model {model} in {} is already up to date: {holds}",
             out.display()
         )
-    } else {
+    };
+    if folder_new {
         let rate = human_bytes((r.fetched as f64 / secs.max(1e-9)) as u64);
-        let mut l = format!(
-            "pulled model {model} into {} in {secs:.1}s: {holds}; {} tensors fetched ({}, \
-             {rate}/s)",
-            out.display(),
+        line += &format!(
+            "; {} tensors fetched ({}, {rate}/s)",
             r.tensors,
-            human_bytes(r.fetched),
+            human_bytes(r.fetched)
         );
         if r.reused > 0 {
-            l += &format!(", {} copied from files already there", r.reused);
+            line += &format!(", {} copied from files already there", r.reused);
         }
         if r.kept > 0 {
-            l += &format!(", {} files already complete", r.kept);
+            line += &format!(", {} files already complete", r.kept);
         }
-        l
-    };
+    } else if experts_new {
+        line += ", already up to date";
+    }
     if let Some(k) = kept {
         line += &format!(
             "; {} experts kept in {} ({} fetched now, {})",
