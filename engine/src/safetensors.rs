@@ -361,7 +361,9 @@ impl Checkpoint {
                     });
                 }
                 match held.remove(&name) {
-                    Some(h) if (h.dtype, &h.shape, h.len) == (info.dtype, &info.shape, info.len) => {
+                    Some(h)
+                        if (h.dtype, &h.shape, h.len) == (info.dtype, &info.shape, info.len) =>
+                    {
                         tensors.insert(name, h);
                     }
                     Some(_) => {

@@ -52,6 +52,9 @@ mod tests {
         assert!(is_dht_bootstrap_error("mainline::rpc", Level::ERROR));
         assert!(!is_dht_bootstrap_error("mainline::rpc", Level::WARN));
         assert!(!is_dht_bootstrap_error("mainline_other", Level::ERROR));
-        assert!(!is_dht_bootstrap_error("stormo_net::discover::dht", Level::ERROR));
+        assert!(!is_dht_bootstrap_error(
+            "stormo_net::discover::dht",
+            Level::ERROR
+        ));
     }
 }

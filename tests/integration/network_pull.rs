@@ -81,7 +81,10 @@ fn assert_honest_dense_folder(dir: &Path, f: &Fixture, m: &stormo_manifests::Man
         if experts.contains(&i) {
             assert!(got.get(&t.name).is_none(), "{} is held", t.name);
             // Described as published (its place in the published file), held nowhere here.
-            let (a, b) = (got.info(&t.name).expect("described"), src.info(&t.name).unwrap());
+            let (a, b) = (
+                got.info(&t.name).expect("described"),
+                src.info(&t.name).unwrap(),
+            );
             assert_eq!(
                 (a.dtype, &a.shape, a.offset, a.len),
                 (b.dtype, &b.shape, b.offset, b.len),

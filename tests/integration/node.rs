@@ -514,19 +514,19 @@ fn pull_experts_fetches_records_from_partial_holders_and_runs_without_peers() {
     let out = tempfile::tempdir().expect("pull dir");
     let pulled = stormo_output(
         &[
-        "pull",
-        "--peer",
-        &h1.line,
-        "--peer",
-        &h2.line,
-        "--model-id",
-        &id,
-        "--out",
-        s(out.path()),
-        "--experts",
-        "0-3",
-        "--state-dir",
-        s(sp.path()),
+            "pull",
+            "--peer",
+            &h1.line,
+            "--peer",
+            &h2.line,
+            "--model-id",
+            &id,
+            "--out",
+            s(out.path()),
+            "--experts",
+            "0-3",
+            "--state-dir",
+            s(sp.path()),
         ],
         None,
     );
@@ -535,7 +535,10 @@ fn pull_experts_fetches_records_from_partial_holders_and_runs_without_peers() {
     let kept = sp.path().join("experts").join(&id);
     let n = std::fs::read_dir(&kept).map_or(0, |d| d.count());
     assert_eq!(n, 8, "2 layers x 4 experts kept in {}", kept.display());
-    assert!(err.contains(&format!("pull: experts: {n} of {n} experts, ")), "{err}");
+    assert!(
+        err.contains(&format!("pull: experts: {n} of {n} experts, ")),
+        "{err}"
+    );
     let last = err.lines().last().unwrap_or_default();
     let files: Vec<(String, u64)> = std::fs::read_dir(out.path())
         .expect("pulled folder")
@@ -553,7 +556,10 @@ fn pull_experts_fetches_records_from_partial_holders_and_runs_without_peers() {
         "dense tensors only".to_string(),
         format!("{n} experts kept in {}", kept.display()),
     ] {
-        assert!(last.contains(&want), "{want:?} not in the last line: {last}");
+        assert!(
+            last.contains(&want),
+            "{want:?} not in the last line: {last}"
+        );
     }
     assert!(!err.contains("files kept"), "{err}");
     drop((h1, h2));

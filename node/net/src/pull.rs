@@ -49,11 +49,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
+use stormo_engine::safetensors::dense::{self, DenseIndex, PublishedFile};
 use stormo_manifests::{
     Hash, Manifest, ManifestPaths, ManifestSignature, Membership, PublicKey, SecretKey,
     MANIFEST_FILE,
 };
-use stormo_engine::safetensors::dense::{self, DenseIndex, PublishedFile};
 use stormo_wire::MAX_FILE_RANGE_LEN;
 
 use super::tier::{PeerConfig, PeerLink};
@@ -364,7 +364,11 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
             s.dense_complete[index] && listed.is_some()
         };
         if done {
-            let shown = if with_experts { &file.name } else { &dense_name };
+            let shown = if with_experts {
+                &file.name
+            } else {
+                &dense_name
+            };
             eprintln!("pull: {shown} already complete and verified");
             report.kept += 1;
             published.extend(listed.cloned());
@@ -411,12 +415,20 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
                 header: &header,
                 place: &place,
             };
-            write_weights(links, id, &manifest, index, target, &mut sources, &mut report)
-                .await
-                .map_err(|(t, e)| match t {
-                    Some(t) => fetch_context(t, e),
-                    None => e,
-                })?;
+            write_weights(
+                links,
+                id,
+                &manifest,
+                index,
+                target,
+                &mut sources,
+                &mut report,
+            )
+            .await
+            .map_err(|(t, e)| match t {
+                Some(t) => fetch_context(t, e),
+                None => e,
+            })?;
         } else {
             // The dense tensors packed into a file of their own, in the published order.
             let parsed = stormo_engine::safetensors::parse_header(
@@ -428,7 +440,8 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
             let mut dense_tensors: Vec<(usize, &stormo_engine::safetensors::TensorInfo)> = parsed
                 .iter()
                 .filter_map(|(name, info)| {
-                    let t = tensors_of(&manifest, index).find(|&t| manifest.tensors[t].name == *name)?;
+                    let t = tensors_of(&manifest, index)
+                        .find(|&t| manifest.tensors[t].name == *name)?;
                     (!experts.contains(&t)).then_some((t, info))
                 })
                 .collect();
@@ -460,9 +473,17 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
                 header: &dense_header,
                 place: &place,
             };
-            write_weights(links, id, &manifest, index, target, &mut sources, &mut report)
-                .await
-                .map_err(|(_, e)| e)?;
+            write_weights(
+                links,
+                id,
+                &manifest,
+                index,
+                target,
+                &mut sources,
+                &mut report,
+            )
+            .await
+            .map_err(|(_, e)| e)?;
             let text = std::str::from_utf8(&header[8..])
                 .context("the published header is not UTF-8")?
                 .to_owned();
@@ -567,7 +588,9 @@ async fn write_weights(
             let te = &m.tensors[t];
             let mut copied = false;
             for src in sources.iter_mut() {
-                let Some(&from) = src.at.get(&t) else { continue };
+                let Some(&from) = src.at.get(&t) else {
+                    continue;
+                };
                 copied = copy_verified(&mut src.file, from, &mut f, at, te)
                     .with_context(|| format!("copying {} into {}", te.name, tmp.display()))
                     .map_err(|e| (None, e))?;
@@ -800,8 +823,7 @@ fn survey(dir: &Path, m: &Manifest, id: Hash, with_experts: bool) -> anyhow::Res
             || name == dense::INDEX;
         // A pull of this model without experts keeps its dense files and their index.
         let ours = owned
-            && (name == dense::INDEX
-                || m.files.iter().any(|f| dense::dense_name(&f.name) == name));
+            && (name == dense::INDEX || m.files.iter().any(|f| dense::dense_name(&f.name) == name));
         if model_file && !ours && !listed.contains(name.as_str()) && is_file(&e.path()) {
             s.foreign.push(format!(
                 "it holds {name}, which model {short} does not have"

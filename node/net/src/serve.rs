@@ -1057,9 +1057,8 @@ pub fn dense_files(
             .find(|f| f.name == file.name)
             .with_context(|| format!("{} does not list {}", dir.display(), file.name))?;
         let header = pf.header_bytes();
-        super::pull::check_header(m, i, &header).with_context(|| {
-            format!("{}: the header kept for {}", dir.display(), file.name)
-        })?;
+        super::pull::check_header(m, i, &header)
+            .with_context(|| format!("{}: the header kept for {}", dir.display(), file.name))?;
         let mut tensors = Vec::new();
         let mut path = None;
         for (t, te) in m.tensors.iter().enumerate() {

@@ -191,8 +191,7 @@ mod tests {
             sampling: Some((&p).into()),
             ..s
         };
-        let back: ChatState =
-            serde_json::from_value(serde_json::to_value(&v2).unwrap()).unwrap();
+        let back: ChatState = serde_json::from_value(serde_json::to_value(&v2).unwrap()).unwrap();
         assert_eq!(back.version, 2);
         assert_eq!(back.sampling, Some(SavedSampling::from(&p)));
     }
