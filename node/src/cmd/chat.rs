@@ -755,9 +755,7 @@ impl<'a> Conversation<'a> {
         let Some(path) = &self.a.session else {
             return Ok(());
         };
-        let saved = persist::save(
-            path,
-            &self.sess,
+        let state = persist::ChatState::now(
             &self.tm.name,
             &self.turns,
             self.system_turns,
@@ -765,6 +763,7 @@ impl<'a> Conversation<'a> {
             self.turn_no,
             &self.sampling,
         );
+        let saved = persist::save(path, &self.sess, &state);
         if let Err(e) = saved {
             writeln!(notes, "cannot save the session: {e:#}")?;
         }

@@ -143,25 +143,31 @@ pub fn resume(
     })
 }
 
-/// Saves the conversation and `sess`'s cache to `path`.
-pub fn save(
-    path: &Path,
-    sess: &ChatSession,
-    model_name: &str,
-    turns: &[Turn],
-    system_turns: usize,
-    start: usize,
-    turn_no: u64,
-    sampling: &SamplingParams,
-) -> anyhow::Result<()> {
-    let state = ChatState {
-        version: VERSION,
-        sampling: Some(sampling.into()),
-        conversation: transcript::to_json(model_name, turns),
-        system_turns,
-        start,
-        turn_no,
-    };
+impl ChatState {
+    /// The state of a conversation of `turns` with `model_name` (as `/save` writes it), its
+    /// first `system_turns` from --system, shifted to turn `start`, after `turn_no` turns run,
+    /// sampled with `sampling`: what this build saves.
+    pub fn now(
+        model_name: &str,
+        turns: &[Turn],
+        system_turns: usize,
+        start: usize,
+        turn_no: u64,
+        sampling: &SamplingParams,
+    ) -> Self {
+        Self {
+            version: VERSION,
+            sampling: Some(sampling.into()),
+            conversation: transcript::to_json(model_name, turns),
+            system_turns,
+            start,
+            turn_no,
+        }
+    }
+}
+
+/// Saves `state` and `sess`'s cache to `path`.
+pub fn save(path: &Path, sess: &ChatSession, state: &ChatState) -> anyhow::Result<()> {
     sess.save(path, &serde_json::to_value(state)?)?;
     Ok(())
 }
