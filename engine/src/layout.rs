@@ -45,7 +45,13 @@ impl ExpertLayout {
     pub fn from_checkpoint(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Self> {
         let ld = Loader::new(ckpt, cfg.family);
         let mut out = Self {
-            files: ckpt.files.iter().map(|f| (f.path.clone(), f.len)).collect(),
+            // A dense-only folder's absent tensors lie in the published files after these.
+            files: ckpt
+                .files
+                .iter()
+                .map(|f| (f.path.clone(), f.len))
+                .chain(ckpt.absent_files.iter().cloned())
+                .collect(),
             ..Self::default()
         };
         for l in 0..cfg.num_layers {

@@ -222,8 +222,26 @@ impl ModelFiles {
         tiers::store::is_store(&self.dir)
     }
 
+    /// An error when the folder holds the dense tensors only (its expert tensors are
+    /// [`absent`](Checkpoint::absent)): no expert can be read from it.
+    pub fn check_holds_experts(&self) -> Result<()> {
+        match self.ckpt.absent.keys().next() {
+            None => Ok(()),
+            Some(t) => Err(Error::config(
+                self.dir.join(crate::safetensors::dense::INDEX),
+                format!(
+                    "this folder holds the dense tensors only (pulled without its experts; \
+                     {t} and {} other expert tensors are not here): take experts from peers \
+                     (--peer or --discover) or pull them (`stormo pull --with-experts`)",
+                    self.ckpt.absent.len() - 1
+                ),
+            )),
+        }
+    }
+
     /// A provider that serves every expert from memory-mapped files.
     pub fn mapped_experts(&self) -> Result<MappedExperts> {
+        self.check_holds_experts()?;
         let maps: Vec<Arc<MappedFile>> = if self.is_store() {
             self.layout
                 .files
@@ -263,6 +281,7 @@ impl ModelFiles {
     /// A disk tier reading experts with positioned reads on `threads` I/O threads (O_DIRECT for
     /// a store where the filesystem allows it); `allowed[layer][expert]` limits what it holds.
     pub fn disk_tier(&self, threads: usize, allowed: Option<Vec<Vec<bool>>>) -> Result<DiskTier> {
+        self.check_holds_experts()?;
         let direct = self.is_store();
         let files = self
             .layout

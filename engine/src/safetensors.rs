@@ -1,4 +1,6 @@
-//! Reading safetensors checkpoints: one file or shards listed by an index, memory-mapped.
+//! Reading safetensors checkpoints: one file or shards listed by an index, memory-mapped; or
+//! a folder holding a checkpoint's dense tensors only ([`dense`]), read as that checkpoint
+//! with its expert tensors described but absent.
 //!
 //! The parser checks everything a hostile or damaged file could get wrong before any tensor
 //! is handed out: the header length, the JSON, every dtype and shape, that each tensor's byte
@@ -15,6 +17,7 @@ use memmap2::Mmap;
 
 use crate::error::{Error, Result};
 
+pub mod dense;
 mod sigbus;
 
 /// The element types a safetensors file may declare.
@@ -256,6 +259,14 @@ pub struct Checkpoint {
     pub files: Vec<Arc<MappedFile>>,
     /// Every tensor by name (sorted, for stable iteration).
     pub tensors: BTreeMap<String, TensorInfo>,
+    /// Tensors the checkpoint describes but this folder does not hold (a folder holding the
+    /// dense tensors only, [`dense`]): where the published files hold them. Their
+    /// [`TensorInfo::file`] indexes [`absent_files`](Self::absent_files) after
+    /// [`files`](Self::files) (`files.len() + i`); no bytes of them are ever read.
+    pub absent: BTreeMap<String, TensorInfo>,
+    /// The published files the absent tensors lie in (path in this folder, where they are
+    /// not, and published length).
+    pub absent_files: Vec<(PathBuf, u64)>,
 }
 
 /// Upper bound on a header we will parse (the real GPT-OSS-120B shard headers are < 1 MiB).
@@ -264,7 +275,13 @@ const MAX_HEADER_LEN: u64 = 100 << 20;
 impl Checkpoint {
     /// Opens the checkpoint in `dir`: `model.safetensors.index.json` with its shards if present,
     /// else `model.safetensors`, else the single `*.safetensors` file in the folder.
+    ///
+    /// A folder holding the dense tensors only ([`dense::INDEX`]) opens as the published
+    /// checkpoint whose expert tensors are [`absent`](Self::absent).
     pub fn open(dir: &Path) -> Result<Self> {
+        if let Some(idx) = dense::DenseIndex::read(dir)? {
+            return Self::open_dense(dir, &idx);
+        }
         let index = dir.join("model.safetensors.index.json");
         let file_names: Vec<String> = if index.exists() {
             read_index(&index)?
@@ -309,6 +326,75 @@ impl Checkpoint {
             dir: dir.to_path_buf(),
             files,
             tensors,
+            absent: BTreeMap::new(),
+            absent_files: Vec::new(),
+        })
+    }
+
+    /// Opens a dense-only folder by its index: each dense file mapped, every tensor of the
+    /// published header it stands for either held there (same dtype, shape and length, checked)
+    /// or absent. A dense file holding a tensor its published header lacks is refused.
+    fn open_dense(dir: &Path, idx: &dense::DenseIndex) -> Result<Self> {
+        let n = idx.files.len();
+        let mut files = Vec::with_capacity(n);
+        let mut tensors = BTreeMap::new();
+        let mut absent = BTreeMap::new();
+        let mut absent_files = Vec::with_capacity(n);
+        for (i, pf) in idx.files.iter().enumerate() {
+            let published = dir.join(&pf.name);
+            let head = pf.header_bytes();
+            let listed = parse_header(&published, &head, pf.len, n + i).map_err(|e| {
+                Error::config(
+                    dir.join(dense::INDEX),
+                    format!("the published header of {}: {e}", pf.name),
+                )
+            })?;
+            let path = dir.join(&pf.dense);
+            let (mapped, held) = open_file(&path, i)?;
+            let mut held: HashMap<String, TensorInfo> = held.into_iter().collect();
+            for (name, info) in listed {
+                let dup = tensors.contains_key(&name) || absent.contains_key(&name);
+                if dup {
+                    return Err(Error::Safetensors {
+                        path: published.clone(),
+                        reason: format!("tensor {name:?} appears in more than one file"),
+                    });
+                }
+                match held.remove(&name) {
+                    Some(h)
+                        if (h.dtype, &h.shape, h.len) == (info.dtype, &info.shape, info.len) =>
+                    {
+                        tensors.insert(name, h);
+                    }
+                    Some(_) => {
+                        return Err(Error::Safetensors {
+                            path,
+                            reason: format!(
+                                "tensor {name:?} differs from its published description in {}",
+                                pf.name
+                            ),
+                        })
+                    }
+                    None => {
+                        absent.insert(name, info);
+                    }
+                }
+            }
+            if let Some(extra) = held.keys().next() {
+                return Err(Error::Safetensors {
+                    path,
+                    reason: format!("it holds tensor {extra:?}, which {} does not", pf.name),
+                });
+            }
+            files.push(Arc::new(mapped));
+            absent_files.push((published, pf.len));
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            files,
+            tensors,
+            absent,
+            absent_files,
         })
     }
 
@@ -326,9 +412,9 @@ impl Checkpoint {
         })
     }
 
-    /// The description of a tensor by name.
+    /// The description of a tensor by name, held or [`absent`](Self::absent).
     pub fn info(&self, name: &str) -> Option<&TensorInfo> {
-        self.tensors.get(name)
+        self.tensors.get(name).or_else(|| self.absent.get(name))
     }
 }
 
@@ -558,6 +644,26 @@ pub fn write(
     metadata: Option<&HashMap<String, String>>,
 ) -> std::io::Result<()> {
     use std::io::Write;
+    let described: Vec<_> = tensors
+        .iter()
+        .map(|&(n, d, s, b)| (n, d, s, b.len() as u64))
+        .collect();
+    let h = header(&described, metadata);
+    let mut f = std::io::BufWriter::new(File::create(path)?);
+    f.write_all(&h)?;
+    for (_, _, _, bytes) in tensors {
+        f.write_all(bytes)?;
+    }
+    f.into_inner().map_err(|e| e.into_error())?.sync_all()
+}
+
+/// The header (length prefix included, padded to a multiple of 8) of a safetensors file
+/// holding `tensors` (name, dtype, shape, byte length) back to back in this order: their data
+/// starts right after it.
+pub fn header(
+    tensors: &[(&str, Dtype, &[usize], u64)],
+    metadata: Option<&HashMap<String, String>>,
+) -> Vec<u8> {
     let mut header = serde_json::Map::new();
     if let Some(m) = metadata {
         header.insert(
@@ -566,8 +672,8 @@ pub fn write(
         );
     }
     let mut offset = 0u64;
-    for (name, dtype, shape, bytes) in tensors {
-        let end = offset + bytes.len() as u64;
+    for (name, dtype, shape, len) in tensors {
+        let end = offset + len;
         header.insert(
             (*name).to_string(),
             serde_json::json!({"dtype": dtype.as_str(), "shape": shape, "data_offsets": [offset, end]}),
@@ -578,13 +684,9 @@ pub fn write(
     while !(8 + h.len()).is_multiple_of(8) {
         h.push(b' ');
     }
-    let mut f = std::io::BufWriter::new(File::create(path)?);
-    f.write_all(&(h.len() as u64).to_le_bytes())?;
-    f.write_all(&h)?;
-    for (_, _, _, bytes) in tensors {
-        f.write_all(bytes)?;
-    }
-    f.into_inner().map_err(|e| e.into_error())?.sync_all()
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out
 }
 
 #[cfg(test)]

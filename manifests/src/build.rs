@@ -69,6 +69,17 @@ pub enum BuildError {
     /// The safetensors files are missing or malformed.
     #[error("cannot open the checkpoint: {0}")]
     Checkpoint(#[source] stormo_engine::Error),
+    /// The folder holds the dense tensors only (pulled without its experts): a manifest is
+    /// built from a whole checkpoint.
+    #[error(
+        "the folder holds the dense tensors only ({absent} expert tensors are not there: it \
+         was pulled without its experts); a manifest is built from a whole checkpoint (the \
+         publisher's, or one pulled with `stormo pull --with-experts`)"
+    )]
+    DenseOnly {
+        /// How many tensors are absent.
+        absent: usize,
+    },
     /// The expert tensors are not what the config implies.
     #[error("the checkpoint's expert tensors do not match its config: {0}")]
     Layout(#[source] stormo_engine::Error),
@@ -150,6 +161,11 @@ fn build_with(
     }
     let cfg = ModelConfig::from_dir(dir).map_err(BuildError::Config)?;
     let ckpt = Checkpoint::open(dir).map_err(BuildError::Checkpoint)?;
+    if !ckpt.absent.is_empty() {
+        return Err(BuildError::DenseOnly {
+            absent: ckpt.absent.len(),
+        });
+    }
     let layout = ExpertLayout::from_checkpoint(&ckpt, &cfg).map_err(BuildError::Layout)?;
 
     let mut meta = Vec::new();

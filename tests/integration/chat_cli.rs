@@ -711,8 +711,9 @@ fn s_of(p: &std::path::Path) -> String {
 
 /// `chat --session FILE`: a chat of two turns in one process equals one turn, the process
 /// ended, and a second process resuming with --session for the second turn (the same replies,
-/// greedy and sampled with a seed); the second process says what it resumed and its first
-/// status line reports the cached positions reused. A file from another model, or a damaged
+/// greedy and sampled with a seed), the second process given no sampling option at all: it
+/// samples as the file was saved, and says so; it says what it resumed and its first status
+/// line reports the cached positions reused. A file from another model, or a damaged
 /// one, is an error at start that names what is wrong, and the file is left as it was.
 #[test]
 fn a_chat_session_resumes_in_a_new_process_as_if_it_never_stopped() {
@@ -743,6 +744,7 @@ fn a_chat_session_resumes_in_a_new_process_as_if_it_never_stopped() {
             "show",
             "--no-hot-store",
         ];
+        let resume = [&base[..], &["--session", f]].concat();
         base.extend_from_slice(sampling);
         let ok = |out: &std::process::Output| {
             let err = String::from_utf8_lossy(&out.stderr).into_owned();
@@ -754,8 +756,9 @@ fn a_chat_session_resumes_in_a_new_process_as_if_it_never_stopped() {
         let (first, err1) = ok(&chat_piped(&with_session, "Hello there\n", tmp.path()));
         assert!(err1.contains("(new session: saved to"), "{err1}");
         assert!(file.exists(), "{err1}");
-        let (second, err2) = ok(&chat_piped(&with_session, "And again?\n", tmp.path()));
+        let (second, err2) = ok(&chat_piped(&resume, "And again?\n", tmp.path()));
         assert!(err2.contains("(resumed"), "{err2}");
+        assert!(err2.contains("sampling as saved: temperature"), "{err2}");
         // (A random-weight model's replies show as text once past Harmony's header.)
         assert!(
             !first.trim().is_empty() && !second.trim().is_empty(),

@@ -27,10 +27,90 @@ fn pull_options(f: &Fixture, node: &Node, out: &Path, with_experts: bool) -> pul
     }
 }
 
+/// The weight files in `dir` (`*.safetensors`), with their apparent and allocated sizes
+/// (blocks of 512 bytes): no holes when they agree.
+fn weight_files(dir: &Path) -> Vec<(String, u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).expect("read dir") {
+        let e = e.expect("entry");
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".safetensors") {
+            let md = e.metadata().expect("metadata");
+            out.push((name, md.len(), md.blocks() * 512));
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Issue 60: a folder pulled without experts holds honest files: the dense tensors in files
+/// of their own (`*.dense.safetensors`, their index `stormo-dense.json`), each file's apparent
+/// size its allocated size (no holes) and all of them about the dense bytes; no published
+/// weight file; every dense tensor the source's bytes and every expert tensor absent.
+fn assert_honest_dense_folder(dir: &Path, f: &Fixture, m: &stormo_manifests::Manifest) {
+    use stormo_engine::safetensors::{dense, Checkpoint};
+    let experts = serve::expert_tensors(m);
+    let files = weight_files(dir);
+    assert_eq!(files.len(), m.files.len(), "{files:?}");
+    let dense_bytes: u64 = m
+        .tensors
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| !experts.contains(i))
+        .map(|(_, t)| t.len)
+        .sum();
+    let mut total = 0;
+    for (name, len, allocated) in &files {
+        assert!(name.ends_with(".dense.safetensors"), "{files:?}");
+        assert!(
+            *allocated >= *len,
+            "{name}: {len} bytes long but {allocated} allocated: a sparse file"
+        );
+        total += len;
+    }
+    // The headers are a few kB: the files hold the dense bytes and little else.
+    assert!(
+        total >= dense_bytes && total < dense_bytes + 64 * 1024,
+        "{total} bytes in {files:?} for {dense_bytes} dense bytes"
+    );
+    assert!(dir.join(dense::INDEX).is_file());
+    let got = Checkpoint::open(dir).expect("the dense-only folder opens");
+    let src = Checkpoint::open(f.dir.path()).expect("the source opens");
+    for (i, t) in m.tensors.iter().enumerate() {
+        if experts.contains(&i) {
+            assert!(got.get(&t.name).is_none(), "{} is held", t.name);
+            // Described as published (its place in the published file), held nowhere here.
+            let (a, b) = (
+                got.info(&t.name).expect("described"),
+                src.info(&t.name).unwrap(),
+            );
+            assert_eq!(
+                (a.dtype, &a.shape, a.offset, a.len),
+                (b.dtype, &b.shape, b.offset, b.len),
+                "{}",
+                t.name
+            );
+        } else {
+            let (a, b) = (got.get(&t.name).expect("held"), src.get(&t.name).unwrap());
+            assert_eq!(a.bytes, b.bytes, "{}", t.name);
+        }
+    }
+    assert_eq!(got.absent.len(), experts.len());
+    // No manifest is built from it (it would not be the model's).
+    let opts = stormo_manifests::build::BuildOptions::default();
+    let e = stormo_manifests::build::build(dir, &opts).expect_err("a manifest");
+    assert!(
+        matches!(e, stormo_manifests::build::BuildError::DenseOnly { .. }),
+        "{e}"
+    );
+}
+
 /// `stormo pull` into an empty folder (manifest accepted by the publisher's key, its
-/// signature fetched too): a sparse dense-only folder whose dense bytes equal the source's
-/// and whose expert bytes are holes; a node with no local experts runs from it and gives
-/// exactly the fixture's ids; the source node and a pulled folder refuse to serve experts.
+/// signature fetched too): an honest dense-only folder (see
+/// [`assert_honest_dense_folder`]); a node with no local experts runs from it and gives
+/// exactly the fixture's ids; the source node and a pulled folder refuse to serve experts;
+/// the pulled folder serves its dense part to a pull of its own, which verifies.
 #[test]
 fn pull_dense_part_then_run_from_it_with_peers() {
     use stormo_net::pull::Pulled;
@@ -61,26 +141,17 @@ fn pull_dense_part_then_run_from_it_with_peers() {
     }
     let experts = serve::expert_tensors(&m);
     assert!(!experts.is_empty());
-    for (i, t) in m.tensors.iter().enumerate() {
-        let file = &m.files[t.file as usize].name;
-        let got = std::fs::read(out.path().join(file)).expect("pulled file");
-        let src = std::fs::read(f.dir.path().join(file)).expect("source file");
-        assert_eq!(got.len(), src.len());
-        let (a, b) = (t.offset as usize, (t.offset + t.len) as usize);
-        if experts.contains(&i) {
-            assert!(
-                got[a..b].iter().all(|&x| x == 0),
-                "{} is not a hole",
-                t.name
-            );
-        } else {
-            assert_eq!(got[a..b], src[a..b], "{}", t.name);
-        }
-    }
+    assert_honest_dense_folder(out.path(), &f, &m);
     assert_eq!(r.tensors, m.tensors.len() - experts.len());
+    let written: Vec<(String, u64)> = weight_files(out.path())
+        .into_iter()
+        .map(|(n, len, _)| (n, len))
+        .collect();
+    assert_eq!(r.files, written, "the report names the files written");
     // A second pull keeps what is complete and verified.
     let again = pull::pull(&client_key(), &opts, &rt).expect("second pull");
-    assert_eq!(again.tensors, 0, "nothing refetched");
+    assert_eq!((again.tensors, again.reused), (0, 0), "nothing refetched");
+    assert_eq!(again.kept, m.identity.meta.len() + m.files.len());
     // Run from the pulled folder with every expert from the peer.
     let pulled = Fixture {
         dir: out,
@@ -99,6 +170,101 @@ fn pull_dense_part_then_run_from_it_with_peers() {
     assert_eq!(h.held().len(), 0);
     let share = h.files.clone().expect("files shared");
     assert!(share.dense_only);
+    // It serves its dense part as the published files' bytes: a pull from it verifies.
+    let relay = start_node(41, h, allow_client());
+    let again = tempfile::tempdir().expect("tempdir");
+    let r = pull::pull(
+        &client_key(),
+        &pull::PullOptions {
+            peers: vec![relay.addr()],
+            ..pull_options(&pulled, &node, again.path(), false)
+        },
+        &rt,
+    )
+    .expect("a pull from the dense-only folder");
+    assert_eq!(r.tensors, m.tensors.len() - experts.len());
+    assert_honest_dense_folder(again.path(), &pulled, &m);
+}
+
+/// A folder pulled by an older stormo without experts (its weight file at full length, the
+/// expert bytes holes) still opens and runs with peers; a pull without experts makes it
+/// honest (its dense tensors copied, nothing fetched, the sparse file removed); a pull with
+/// experts then makes it a whole copy again (the dense files and their index removed).
+#[test]
+fn an_older_sparse_folder_still_runs_and_a_pull_makes_it_honest() {
+    use stormo_engine::safetensors::dense;
+    let name = "gptoss-tiny-mxfp4";
+    let f = setup(name);
+    let node = serve_dir(43, f.dir.path(), None, allow_client());
+    let rt = runtime();
+    let m = stormo_manifests::Manifest::decode(
+        &std::fs::read(f.dir.path().join("stormo-manifest.bin")).expect("manifest"),
+    )
+    .expect("manifest");
+    let experts = serve::expert_tensors(&m);
+    // The older layout: the source's files with every expert tensor zeroed, and the marker.
+    let old = copy_folder(f.dir.path(), &["reference.json"]);
+    for file in &m.files {
+        let p = old.path().join(&file.name);
+        let mut bytes = std::fs::read(&p).expect("read");
+        for (i, t) in m.tensors.iter().enumerate() {
+            if experts.contains(&i) && m.files[t.file as usize].name == file.name {
+                bytes[t.offset as usize..(t.offset + t.len) as usize].fill(0);
+            }
+        }
+        std::fs::write(&p, bytes).expect("write");
+    }
+    std::fs::write(
+        old.path().join(pull::MARKER_FILE),
+        format!(r#"{{"model_id": "{}", "experts": false}}"#, f.id.to_hex()),
+    )
+    .expect("marker");
+    let old = Fixture {
+        dir: old,
+        publisher: SecretKey::from_seed(&[42; 32]),
+        id: f.id,
+    };
+    let tier = peer_tier(&old, vec![node.addr()]);
+    let (got, want, _) = generate_from(&old, name, tier.clone());
+    assert_eq!(got, want, "ids from the older sparse folder");
+    tier.close();
+    let r = pull::pull(
+        &client_key(),
+        &pull_options(&f, &node, old.dir.path(), false),
+        &rt,
+    )
+    .expect("a pull into the older folder");
+    assert_eq!(
+        (r.tensors, r.reused),
+        (0, m.tensors.len() - experts.len()),
+        "{r:?}"
+    );
+    assert_honest_dense_folder(old.dir.path(), &f, &m);
+    let tier = peer_tier(&old, vec![node.addr()]);
+    let (got, want, _) = generate_from(&old, name, tier.clone());
+    assert_eq!(got, want, "ids from the honest folder");
+    tier.close();
+    let r = pull::pull(
+        &client_key(),
+        &pull_options(&f, &node, old.dir.path(), true),
+        &rt,
+    )
+    .expect("adding the experts");
+    assert_eq!(
+        (r.tensors, r.reused),
+        (experts.len(), m.tensors.len() - experts.len()),
+        "{r:?}"
+    );
+    for file in &m.files {
+        assert_eq!(
+            std::fs::read(old.dir.path().join(&file.name)).expect("read"),
+            std::fs::read(f.dir.path().join(&file.name)).expect("source"),
+        );
+    }
+    assert!(!old.dir.path().join(dense::INDEX).exists());
+    assert!(weight_files(old.dir.path())
+        .iter()
+        .all(|(n, _, _)| !n.ends_with(".dense.safetensors")));
 }
 
 /// A peer serving a corrupted dense tensor: the pull fails naming the tensor and leaves no

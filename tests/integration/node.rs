@@ -502,7 +502,9 @@ fn a_read_only_checkpoint_runs_and_serves_and_is_never_written() {
 
 /// Issue 34: `stormo pull --experts SPEC` fetches a subset of expert records, each from any
 /// holder (two partial holders here), keeps them in the state directory, and a later `run` on
-/// the folder uses them with no peer at all: exact.
+/// the folder uses them with no peer at all: exact. Issue 60: its progress counts experts (not
+/// bytes named after them) and its last line says what it wrote: the dense file and its size,
+/// and the experts kept and where (it said "0 files kept").
 #[test]
 fn pull_experts_fetches_records_from_partial_holders_and_runs_without_peers() {
     let (m, id) = model_with_manifest();
@@ -510,24 +512,56 @@ fn pull_experts_fetches_records_from_partial_holders_and_runs_without_peers() {
     let h1 = serve(m.path(), s1.path(), &["--only-experts", "0,1"]);
     let h2 = serve(m.path(), s2.path(), &["--only-experts", "2,3"]);
     let out = tempfile::tempdir().expect("pull dir");
-    stormo(&[
-        "pull",
-        "--peer",
-        &h1.line,
-        "--peer",
-        &h2.line,
-        "--model-id",
-        &id,
-        "--out",
-        s(out.path()),
-        "--experts",
-        "0-3",
-        "--state-dir",
-        s(sp.path()),
-    ]);
+    let pulled = stormo_output(
+        &[
+            "pull",
+            "--peer",
+            &h1.line,
+            "--peer",
+            &h2.line,
+            "--model-id",
+            &id,
+            "--out",
+            s(out.path()),
+            "--experts",
+            "0-3",
+            "--state-dir",
+            s(sp.path()),
+        ],
+        None,
+    );
+    let err = String::from_utf8_lossy(&pulled.stderr).into_owned();
+    assert!(pulled.status.success(), "{err}");
     let kept = sp.path().join("experts").join(&id);
     let n = std::fs::read_dir(&kept).map_or(0, |d| d.count());
     assert_eq!(n, 8, "2 layers x 4 experts kept in {}", kept.display());
+    assert!(
+        err.contains(&format!("pull: experts: {n} of {n} experts, ")),
+        "{err}"
+    );
+    let last = err.lines().last().unwrap_or_default();
+    let files: Vec<(String, u64)> = std::fs::read_dir(out.path())
+        .expect("pulled folder")
+        .map(|e| e.expect("entry"))
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), e))
+        .filter(|(n, _)| n.ends_with(".dense.safetensors"))
+        .map(|(n, e)| (n, e.metadata().expect("metadata").len()))
+        .collect();
+    let [(name, dense)] = files.as_slice() else {
+        panic!("not one dense file in {}: {files:?}", out.path().display());
+    };
+    for want in [
+        format!("{name} ("),
+        stormo_net::progress::human_bytes(*dense),
+        "dense tensors only".to_string(),
+        format!("{n} experts kept in {}", kept.display()),
+    ] {
+        assert!(
+            last.contains(&want),
+            "{want:?} not in the last line: {last}"
+        );
+    }
+    assert!(!err.contains("files kept"), "{err}");
     drop((h1, h2));
     let (want, _) = run_ids(m.path(), sl.path(), &[]);
     let (got, j) = run_ids(out.path(), sp.path(), &[]);

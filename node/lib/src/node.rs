@@ -290,6 +290,7 @@ impl Node {
                 dir: self.cfg.model.clone(),
                 sig,
                 dense_only,
+                dense: net::serve::dense_files(&self.cfg.model, &m.manifest, &self.files)?,
                 withheld,
             })),
             schemas: self.files.layout.schemas.clone(),

@@ -4,10 +4,13 @@
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
-/// Reports `done` of `total` bytes with rate and ETA.
+/// Reports `done` of `total` bytes with rate and ETA, or `done` of `total` items of a kind
+/// and the bytes they came to ([`Progress::update_items`]).
 #[derive(Debug)]
 pub struct Progress {
     what: String,
+    /// What [`Progress::update_items`] counts ("experts").
+    items: String,
     start: Instant,
     last: Option<Instant>,
     tty: bool,
@@ -19,6 +22,7 @@ impl Progress {
     pub fn new(what: &str) -> Self {
         Self {
             what: what.to_string(),
+            items: String::new(),
             start: Instant::now(),
             last: None,
             tty: std::io::stderr().is_terminal(),
@@ -32,10 +36,40 @@ impl Progress {
         self
     }
 
-    /// Updates the line (rate-limited).
-    pub fn update(&mut self, done: u64, total: u64) {
-        if self.quiet {
+    /// A progress line for `what` counting `items` ("experts"): see [`Progress::update_items`].
+    pub fn counting(what: &str, items: &str) -> Self {
+        Self {
+            items: items.to_string(),
+            ..Self::new(what)
+        }
+    }
+
+    /// Updates the line with `done` of `total` items, which came to `bytes` bytes so far
+    /// (rate-limited): "pull: experts: 4 of 16 experts, 3.4 MiB, 1.1 MiB/s, ETA 3s".
+    pub fn update_items(&mut self, done: u64, total: u64, bytes: u64) {
+        let Some(secs) = self.due(done, total) else {
             return;
+        };
+        let eta = if done > 0 {
+            total.saturating_sub(done) as f64 * secs / done as f64
+        } else {
+            0.0
+        };
+        let line = format!(
+            "{}: {done} of {total} {}, {}, {}/s, ETA {eta:.0}s",
+            self.what,
+            self.items,
+            human_bytes(bytes),
+            human_bytes((bytes as f64 / secs) as u64)
+        );
+        self.draw(&line);
+    }
+
+    /// The seconds since the start when a line is due (at most one per 200 ms on a
+    /// terminal, per 5 s otherwise, and always the last).
+    fn due(&mut self, done: u64, total: u64) -> Option<f64> {
+        if self.quiet {
+            return None;
         }
         let every = if self.tty {
             Duration::from_millis(200)
@@ -44,10 +78,27 @@ impl Progress {
         };
         let now = Instant::now();
         if self.last.is_some_and(|l| now - l < every) && done < total {
-            return;
+            return None;
         }
         self.last = Some(now);
-        let secs = (now - self.start).as_secs_f64().max(1e-9);
+        Some((now - self.start).as_secs_f64().max(1e-9))
+    }
+
+    fn draw(&self, line: &str) {
+        let mut e = std::io::stderr().lock();
+        if self.tty {
+            let _ = write!(e, "\r\x1b[2K{line}");
+        } else {
+            let _ = writeln!(e, "{line}");
+        }
+        let _ = e.flush();
+    }
+
+    /// Updates the line with `done` of `total` bytes (rate-limited).
+    pub fn update(&mut self, done: u64, total: u64) {
+        let Some(secs) = self.due(done, total) else {
+            return;
+        };
         let rate = done as f64 / secs;
         let eta = if rate > 0.0 {
             (total.saturating_sub(done)) as f64 / rate
@@ -66,13 +117,7 @@ impl Progress {
             human_bytes(total),
             human_bytes(rate as u64)
         );
-        let mut e = std::io::stderr().lock();
-        if self.tty {
-            let _ = write!(e, "\r\x1b[2K{line}");
-        } else {
-            let _ = writeln!(e, "{line}");
-        }
-        let _ = e.flush();
+        self.draw(&line);
     }
 
     /// Ends the line.

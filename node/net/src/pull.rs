@@ -5,14 +5,22 @@
 //!   `--model-id` or `--trust` before anything else is fetched;
 //! - the metadata files the manifest lists (`config.json`, tokenizer files, the index), each
 //!   checked against its BLAKE3;
-//! - every safetensors file at its full length, *sparse*: its header (checked tensor by tensor
-//!   against the manifest: names, dtypes, shapes, offsets) and every dense tensor (checked
-//!   against its BLAKE3) at their offsets; the expert tensors are holes that read as zeros.
-//!   With `--with-experts` the expert tensors are fetched and checked too: a full copy;
-//! - `stormo-pulled.json` ([`MARKER_FILE`]), written *before* any safetensors file appears:
+//! - without the experts, honest files ([`stormo_engine::safetensors::dense`]): per published
+//!   safetensors file, its header fetched and checked tensor by tensor against the manifest
+//!   (names, dtypes, shapes, offsets) and kept in the index `stormo-dense.json`, and its dense
+//!   tensors (each checked against its BLAKE3) packed into `NAME.dense.safetensors`; no file
+//!   is longer than what it holds, so `ls`, `du` and a copy agree;
+//! - with `--with-experts`, every published safetensors file whole, every tensor checked: a
+//!   full copy (the dense files and their index, if any, removed once it is complete);
+//! - `stormo-pulled.json` ([`MARKER_FILE`]), written *before* any weight file appears:
 //!   `{"model_id": .., "experts": false}` until a full copy is complete. `run` takes a folder
 //!   whose marker says `"experts": false` as `--no-local-experts`, and `serve` serves no
-//!   experts and no expert bytes from it, so the holes are never used as weights.
+//!   experts and no expert bytes from it.
+//!
+//! A folder pulled without experts by an older stormo holds the published files at their full
+//! length, *sparse* (the expert tensors holes that read as zeros). It still opens and runs;
+//! a pull into it (without experts) copies its dense tensors into dense files and removes the
+//! sparse ones.
 //!
 //! Every peer is dialled from one endpoint: a node's own ([`pull_on`], what `stormo pull` does,
 //! sharing it with the node that fetches experts next), or one of the pull's ([`pull`]).
@@ -41,6 +49,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
+use stormo_engine::safetensors::dense::{self, DenseIndex, PublishedFile};
 use stormo_manifests::{
     Hash, Manifest, ManifestPaths, ManifestSignature, Membership, PublicKey, SecretKey,
     MANIFEST_FILE,
@@ -138,6 +147,9 @@ pub struct PullReport {
     pub reused: usize,
     /// Files kept because they were already complete and verified.
     pub kept: usize,
+    /// The weight files the folder holds after the pull, with their lengths: the published
+    /// files (a full copy), or the dense files (without the experts).
+    pub files: Vec<(String, u64)>,
     /// Whether the folder now holds the expert tensors (a full copy).
     pub experts: bool,
     /// Files of another model removed (with `force`).
@@ -339,77 +351,361 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
         write_atomic(&path, &b)?;
     }
     let experts = super::serve::expert_tensors(&manifest);
+    let old_index = DenseIndex::read(dir).ok().flatten();
+    let mut published = Vec::new();
     for (index, file) in manifest.files.iter().enumerate() {
-        if s.complete[index] {
-            eprintln!("pull: {} already complete and verified", file.name);
+        let dense_name = dense::dense_name(&file.name);
+        let listed = old_index
+            .as_ref()
+            .and_then(|i| i.files.iter().find(|f| f.name == file.name));
+        let done = if with_experts {
+            s.complete[index]
+        } else {
+            s.dense_complete[index] && listed.is_some()
+        };
+        if done {
+            let shown = if with_experts {
+                &file.name
+            } else {
+                &dense_name
+            };
+            eprintln!("pull: {shown} already complete and verified");
             report.kept += 1;
+            published.extend(listed.cloned());
             continue;
         }
-        let wanted: Vec<usize> = tensors_of(&manifest, index)
-            .filter(|t| with_experts || !experts.contains(t))
-            .collect();
-        let path = dir.join(&file.name);
         let header = fetch_header(links, id, &manifest, index, &mut report).await?;
-        // The file already there, if it has this layout: its tensors that verify are copied
-        // (the dense part when the experts are added, the intact part of a damaged file).
-        let mut old = std::fs::File::open(&path).ok().filter(|f| {
+        let path = dir.join(&file.name);
+        // Files already there whose tensors that verify are copied instead of fetched: the
+        // published file if it has this layout (the dense part when the experts are added, the
+        // intact part of a damaged file, an older pull's sparse file), and the dense file.
+        let mut sources = Vec::new();
+        if let Some(f) = std::fs::File::open(&path).ok().filter(|f| {
             f.metadata().is_ok_and(|md| md.len() == file.len)
                 && read_header(f).is_ok_and(|h| h == header)
-        });
-        let tmp = dir.join(format!(".{}.pull-tmp", file.name));
-        let res = async {
-            let mut f = std::fs::File::create(&tmp)
-                .with_context(|| format!("creating {}", tmp.display()))?;
-            f.set_len(file.len)
-                .with_context(|| format!("sizing {}", tmp.display()))?;
-            f.write_all(&header)?;
-            let total: u64 = wanted.iter().map(|&t| manifest.tensors[t].len).sum();
-            let mut progress = crate::progress::Progress::new(&format!("pull: {}", file.name));
-            let mut done = 0u64;
-            for &t in &wanted {
-                let te = &manifest.tensors[t];
-                // A sparse file's expert tensors are holes: not worth reading.
-                let copy = match old.as_mut() {
-                    Some(o) if !(s.sparse && experts.contains(&t)) => copy_verified(o, &mut f, te)
-                        .with_context(|| format!("copying {} from {}", te.name, path.display()))?,
-                    _ => false,
-                };
-                if copy {
-                    report.reused += 1;
-                } else {
-                    fetch_tensor(links, id, &file.name, te, &mut f, &mut report)
-                        .await
-                        .map_err(|e| {
-                            if with_experts && !opts.with_experts && experts.contains(&t) {
-                                e.context(format!(
-                                    "{} holds the expert tensors, and a pull keeps them: \
-                                     the missing ones are fetched too",
-                                    dir.display()
-                                ))
-                            } else {
-                                e
-                            }
-                        })?;
-                    report.tensors += 1;
-                }
-                done += te.len;
-                progress.update(done, total);
+        }) {
+            // A sparse file's expert tensors are holes: not worth reading.
+            let at = tensors_of(&manifest, index)
+                .filter(|t| !(s.sparse && experts.contains(t)))
+                .map(|t| (t, manifest.tensors[t].offset))
+                .collect();
+            sources.push(Source { file: f, at });
+        }
+        if let Some(src) = open_dense(dir, &manifest, index) {
+            sources.push(src);
+        }
+        let fetch_context = |t: usize, e: anyhow::Error| {
+            if with_experts && !opts.with_experts && experts.contains(&t) {
+                e.context(format!(
+                    "{} holds the expert tensors, and a pull keeps them: the missing ones \
+                     are fetched too",
+                    dir.display()
+                ))
+            } else {
+                e
             }
-            progress.finish();
-            f.sync_all()?;
-            anyhow::Ok(())
+        };
+        if with_experts {
+            let place: Vec<(usize, u64)> = tensors_of(&manifest, index)
+                .map(|t| (t, manifest.tensors[t].offset))
+                .collect();
+            let target = Target {
+                path: &path,
+                len: file.len,
+                header: &header,
+                place: &place,
+            };
+            write_weights(
+                links,
+                id,
+                &manifest,
+                index,
+                target,
+                &mut sources,
+                &mut report,
+            )
+            .await
+            .map_err(|(t, e)| match t {
+                Some(t) => fetch_context(t, e),
+                None => e,
+            })?;
+        } else {
+            // The dense tensors packed into a file of their own, in the published order.
+            let parsed = stormo_engine::safetensors::parse_header(
+                Path::new(&file.name),
+                &header,
+                file.len,
+                index,
+            )?;
+            let mut dense_tensors: Vec<(usize, &stormo_engine::safetensors::TensorInfo)> = parsed
+                .iter()
+                .filter_map(|(name, info)| {
+                    let t = tensors_of(&manifest, index)
+                        .find(|&t| manifest.tensors[t].name == *name)?;
+                    (!experts.contains(&t)).then_some((t, info))
+                })
+                .collect();
+            dense_tensors.sort_by_key(|(_, info)| info.offset);
+            let described: Vec<_> = dense_tensors
+                .iter()
+                .map(|(t, info)| {
+                    (
+                        manifest.tensors[*t].name.as_str(),
+                        info.dtype,
+                        info.shape.as_slice(),
+                        info.len,
+                    )
+                })
+                .collect();
+            let dense_header = stormo_engine::safetensors::header(&described, None);
+            let mut at = dense_header.len() as u64;
+            let place: Vec<(usize, u64)> = dense_tensors
+                .iter()
+                .map(|(t, info)| {
+                    let p = (*t, at);
+                    at += info.len;
+                    p
+                })
+                .collect();
+            let target = Target {
+                path: &dir.join(&dense_name),
+                len: at,
+                header: &dense_header,
+                place: &place,
+            };
+            write_weights(
+                links,
+                id,
+                &manifest,
+                index,
+                target,
+                &mut sources,
+                &mut report,
+            )
+            .await
+            .map_err(|(_, e)| e)?;
+            let text = std::str::from_utf8(&header[8..])
+                .context("the published header is not UTF-8")?
+                .to_owned();
+            published.push(PublishedFile {
+                name: file.name.clone(),
+                len: file.len,
+                header: text,
+                dense: dense_name,
+            });
         }
-        .await;
-        if let Err(e) = res {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
+    }
+    if with_experts {
+        // Whole files now: the dense-only layout goes (its index first, so the folder never
+        // opens as dense-only with its dense files gone).
+        remove_if_there(&dir.join(dense::INDEX))?;
+        for file in &manifest.files {
+            remove_if_there(&dir.join(dense::dense_name(&file.name)))?;
         }
-        std::fs::rename(&tmp, &path)
-            .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    } else {
+        write_atomic(
+            &dir.join(dense::INDEX),
+            &DenseIndex::new(published).to_json(),
+        )?;
+        // An older pull's sparse files, whose dense tensors the dense files now hold.
+        for file in &manifest.files {
+            let p = dir.join(&file.name);
+            if is_file(&p) {
+                eprintln!(
+                    "pull: removing {} (a sparse file of an older pull; its dense tensors are in {})",
+                    file.name,
+                    dense::dense_name(&file.name)
+                );
+                remove_if_there(&p)?;
+            }
+        }
     }
     write_marker(dir, id, with_experts)?;
     report.experts = with_experts;
+    report.files = manifest
+        .files
+        .iter()
+        .map(|f| {
+            let name = if with_experts {
+                f.name.clone()
+            } else {
+                dense::dense_name(&f.name)
+            };
+            let len = std::fs::metadata(dir.join(&name)).map_or(0, |m| m.len());
+            (name, len)
+        })
+        .collect();
     Ok(report)
+}
+
+/// A weight file to write: `header` then each tensor of `place` (a manifest tensor index and
+/// its offset in the file), `len` bytes in all.
+struct Target<'a> {
+    path: &'a Path,
+    len: u64,
+    header: &'a [u8],
+    place: &'a [(usize, u64)],
+}
+
+/// A file already in the folder whose tensors that verify a pull copies instead of fetching:
+/// where each tensor it may hold lies in it.
+struct Source {
+    file: std::fs::File,
+    at: std::collections::HashMap<usize, u64>,
+}
+
+/// Writes `target` for weight file `index` of `m` through a temporary name and a rename: each
+/// tensor copied from the first of `sources` where its bytes verify, else fetched from the
+/// peers (at the published file's offsets) and verified. On failure, the tensor that could
+/// not be had (if it was one) and why; no file is left under either name.
+async fn write_weights(
+    links: &[Arc<PeerLink>],
+    id: Hash,
+    m: &Manifest,
+    index: usize,
+    target: Target<'_>,
+    sources: &mut [Source],
+    report: &mut PullReport,
+) -> Result<(), (Option<usize>, anyhow::Error)> {
+    let file = &m.files[index];
+    let shown = target
+        .path
+        .file_name()
+        .map_or_else(|| file.name.clone(), |n| n.to_string_lossy().into_owned());
+    let tmp = target.path.with_file_name(format!(".{shown}.pull-tmp"));
+    let res = async {
+        let mut f = std::fs::File::create(&tmp)
+            .with_context(|| format!("creating {}", tmp.display()))
+            .map_err(|e| (None, e))?;
+        f.set_len(target.len)
+            .and_then(|()| f.write_all(target.header))
+            .with_context(|| format!("writing {}", tmp.display()))
+            .map_err(|e| (None, e))?;
+        let total: u64 = target.place.iter().map(|&(t, _)| m.tensors[t].len).sum();
+        let mut progress = crate::progress::Progress::new(&format!("pull: {shown}"));
+        let mut done = 0u64;
+        for &(t, at) in target.place {
+            let te = &m.tensors[t];
+            let mut copied = false;
+            for src in sources.iter_mut() {
+                let Some(&from) = src.at.get(&t) else {
+                    continue;
+                };
+                copied = copy_verified(&mut src.file, from, &mut f, at, te)
+                    .with_context(|| format!("copying {} into {}", te.name, tmp.display()))
+                    .map_err(|e| (None, e))?;
+                if copied {
+                    break;
+                }
+            }
+            if copied {
+                report.reused += 1;
+            } else {
+                fetch_tensor(links, id, &file.name, te, &mut f, at, report)
+                    .await
+                    .map_err(|e| (Some(t), e))?;
+                report.tensors += 1;
+            }
+            done += te.len;
+            progress.update(done, total);
+        }
+        progress.finish();
+        f.sync_all()
+            .with_context(|| format!("writing {}", tmp.display()))
+            .map_err(|e| (None, e))
+    }
+    .await;
+    if let Err(e) = res {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, target.path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), target.path.display()))
+        .map_err(|e| (None, e))
+}
+
+/// Removes the file at `p` if there is one.
+fn remove_if_there(p: &Path) -> anyhow::Result<()> {
+    match std::fs::remove_file(p) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(e).with_context(|| format!("removing {}", p.display()))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The dense file of weight file `index` of `m` in `dir`, as a source of tensors: where it
+/// says each of that file's tensors lies (those whose dtype, shape and length are the
+/// manifest's). `None` when there is none or its header does not parse.
+fn open_dense(dir: &Path, m: &Manifest, index: usize) -> Option<Source> {
+    let path = dir.join(dense::dense_name(&m.files[index].name));
+    let file = std::fs::File::open(&path).ok()?;
+    let len = file.metadata().ok()?.len();
+    let header = read_header(&file).ok()?;
+    let parsed = stormo_engine::safetensors::parse_header(&path, &header, len, 0).ok()?;
+    let mut at = std::collections::HashMap::new();
+    for (name, info) in parsed {
+        let Some(t) = tensors_of(m, index).find(|&t| m.tensors[t].name == name) else {
+            continue;
+        };
+        let te = &m.tensors[t];
+        let shape: Vec<u64> = info.shape.iter().map(|&d| d as u64).collect();
+        if stormo_manifests::manifest::TensorDtype::from(info.dtype) == te.dtype
+            && shape == te.shape
+            && info.len == te.len
+        {
+            at.insert(t, info.offset);
+        }
+    }
+    Some(Source { file, at })
+}
+
+/// Why the dense file of weight file `index` of `m` in `dir` is not complete: the index does
+/// not list it with a header that is the manifest's, or the file does not hold exactly that
+/// file's dense tensors (those not in `experts`), each verified.
+fn verify_dense(
+    dir: &Path,
+    m: &Manifest,
+    index: usize,
+    idx: Option<&DenseIndex>,
+    experts: &BTreeSet<usize>,
+) -> Result<(), String> {
+    let file = &m.files[index];
+    let entry = idx
+        .and_then(|i| i.files.iter().find(|f| f.name == file.name))
+        .ok_or_else(|| format!("{} does not list {}", dense::INDEX, file.name))?;
+    if entry.len != file.len || entry.dense != dense::dense_name(&file.name) {
+        return Err(format!("{} lists {} differently", dense::INDEX, file.name));
+    }
+    check_header(m, index, &entry.header_bytes()).map_err(|e| format!("{e:#}"))?;
+    let mut src = open_dense(dir, m, index).ok_or("no readable dense file")?;
+    let wanted: Vec<usize> = tensors_of(m, index)
+        .filter(|t| !experts.contains(t))
+        .collect();
+    let held = std::fs::File::open(dir.join(&entry.dense))
+        .ok()
+        .and_then(|f| read_header(&f).ok())
+        .and_then(|h| {
+            stormo_engine::safetensors::parse_header(Path::new(&entry.dense), &h, u64::MAX, 0).ok()
+        })
+        .map_or(0, |p| p.len());
+    if held != wanted.len() {
+        return Err(format!(
+            "it holds {held} tensors, not the {} dense ones",
+            wanted.len()
+        ));
+    }
+    for t in wanted {
+        let te = &m.tensors[t];
+        let ok = src
+            .at
+            .get(&t)
+            .is_some_and(|&at| tensor_verifies(&mut src.file, at, te));
+        if !ok {
+            return Err(format!("tensor {} does not match the manifest", te.name));
+        }
+    }
+    Ok(())
 }
 
 /// The names of the files manifest `m` lists: metadata (config, tokenizer), then weights.
@@ -439,6 +735,9 @@ struct Survey {
     full: bool,
     /// Whether the folder was pulled without the experts: its weight files may be sparse.
     sparse: bool,
+    /// Per weight file of the manifest: its dense file is there, listed in the dense index,
+    /// complete and verified (a folder of this model pulled without experts).
+    dense_complete: Vec<bool>,
 }
 
 /// Surveys `dir` for a pull of `m` (model `id`). Reads every weight file of the manifest
@@ -447,6 +746,7 @@ struct Survey {
 fn survey(dir: &Path, m: &Manifest, id: Hash, with_experts: bool) -> anyhow::Result<Survey> {
     let mut s = Survey {
         complete: vec![false; m.files.len()],
+        dense_complete: vec![false; m.files.len()],
         ..Survey::default()
     };
     let short = id.short();
@@ -519,8 +819,12 @@ fn survey(dir: &Path, m: &Manifest, id: Hash, with_experts: bool) -> anyhow::Res
             continue;
         };
         let model_file = name.ends_with(".safetensors")
-            || stormo_manifests::build::META_FILES.contains(&name.as_str());
-        if model_file && !listed.contains(name.as_str()) && is_file(&e.path()) {
+            || stormo_manifests::build::META_FILES.contains(&name.as_str())
+            || name == dense::INDEX;
+        // A pull of this model without experts keeps its dense files and their index.
+        let ours = owned
+            && (name == dense::INDEX || m.files.iter().any(|f| dense::dense_name(&f.name) == name));
+        if model_file && !ours && !listed.contains(name.as_str()) && is_file(&e.path()) {
             s.foreign.push(format!(
                 "it holds {name}, which model {short} does not have"
             ));
@@ -568,6 +872,12 @@ fn survey(dir: &Path, m: &Manifest, id: Hash, with_experts: bool) -> anyhow::Res
         }
     }
     s.sparse = pulled_sparse;
+    if pulled_sparse {
+        let idx = DenseIndex::read(dir).ok().flatten();
+        for index in 0..m.files.len() {
+            s.dense_complete[index] = verify_dense(dir, m, index, idx.as_ref(), &experts).is_ok();
+        }
+    }
     s.full = if owned {
         !pulled_sparse
     } else {
@@ -596,7 +906,7 @@ fn verify_local(path: &Path, m: &Manifest, index: usize, tensors: &[usize]) -> R
     check_header(m, index, &header).map_err(|e| format!("{e:#}"))?;
     for &t in tensors {
         let te = &m.tensors[t];
-        if !tensor_verifies(&mut f, te) {
+        if !tensor_verifies(&mut f, te.offset, te) {
             return Err(format!("tensor {} does not match the manifest", te.name));
         }
     }
@@ -620,26 +930,33 @@ fn read_header(mut f: &std::fs::File) -> anyhow::Result<Vec<u8>> {
     Ok(header)
 }
 
-/// Whether the bytes of tensor `te` in `f` match its hash.
-fn tensor_verifies(f: &mut std::fs::File, te: &stormo_manifests::manifest::TensorEntry) -> bool {
-    read_verified(f, te, &mut std::io::sink()).unwrap_or(false)
+/// Whether the bytes of tensor `te` at offset `at` of `f` match its hash.
+fn tensor_verifies(
+    f: &mut std::fs::File,
+    at: u64,
+    te: &stormo_manifests::manifest::TensorEntry,
+) -> bool {
+    read_verified(f, at, te, &mut std::io::sink()).unwrap_or(false)
 }
 
-/// Copies tensor `te` from `src` to `dst` at its offset; whether the bytes matched its hash
-/// (if not, whatever was copied is overwritten when it is fetched).
+/// Copies tensor `te` from offset `from` of `src` to offset `to` of `dst`; whether the bytes
+/// matched its hash (if not, whatever was copied is overwritten when it is fetched).
 fn copy_verified(
     src: &mut std::fs::File,
+    from: u64,
     dst: &mut std::fs::File,
+    to: u64,
     te: &stormo_manifests::manifest::TensorEntry,
 ) -> std::io::Result<bool> {
-    dst.seek(SeekFrom::Start(te.offset))?;
-    read_verified(src, te, dst)
+    dst.seek(SeekFrom::Start(to))?;
+    read_verified(src, from, te, dst)
 }
 
-/// Reads tensor `te` from `src` into `out`, hashing as it goes; whether `src` held all of it
-/// and its bytes matched the hash.
+/// Reads tensor `te` from offset `at` of `src` into `out`, hashing as it goes; whether `src`
+/// held all of it and its bytes matched the hash.
 fn read_verified(
     src: &mut std::fs::File,
+    at: u64,
     te: &stormo_manifests::manifest::TensorEntry,
     out: &mut impl Write,
 ) -> std::io::Result<bool> {
@@ -657,7 +974,7 @@ fn read_verified(
             self.out.flush()
         }
     }
-    src.seek(SeekFrom::Start(te.offset))?;
+    src.seek(SeekFrom::Start(at))?;
     let mut w = Hashing {
         h: blake3::Hasher::new(),
         out,
@@ -812,7 +1129,7 @@ async fn fetch_header(
 /// Checks a safetensors header (length prefix included) of weight file `index` against the
 /// manifest: every tensor it lists is the manifest's (name, dtype, shape, offset, length) and
 /// it lists them all.
-fn check_header(m: &Manifest, index: usize, header: &[u8]) -> anyhow::Result<()> {
+pub(crate) fn check_header(m: &Manifest, index: usize, header: &[u8]) -> anyhow::Result<()> {
     let file = &m.files[index];
     let parsed =
         stormo_engine::safetensors::parse_header(Path::new(&file.name), header, file.len, index)?;
@@ -858,19 +1175,21 @@ async fn fetch_whole_range(
     Ok(out)
 }
 
-/// Fetches tensor `t` of file `name` into `f` at its offset, hashing as it arrives, from one
-/// peer after another until one supplies bytes that match the manifest's BLAKE3.
+/// Fetches tensor `t` of file `name` (at its offset there) into `f` at offset `at`, hashing as
+/// it arrives, from one peer after another until one supplies bytes that match the
+/// manifest's BLAKE3.
 async fn fetch_tensor(
     links: &[Arc<PeerLink>],
     model: Hash,
     name: &str,
     t: &stormo_manifests::manifest::TensorEntry,
     f: &mut std::fs::File,
+    at: u64,
     report: &mut PullReport,
 ) -> anyhow::Result<()> {
     let mut errors = Vec::new();
     for l in links {
-        match fetch_tensor_from(l, model, name, t, f).await {
+        match fetch_tensor_from(l, model, name, t, f, at).await {
             Ok(()) => {
                 report.fetched += t.len;
                 return Ok(());
@@ -894,13 +1213,14 @@ async fn fetch_tensor_from(
     name: &str,
     t: &stormo_manifests::manifest::TensorEntry,
     f: &mut std::fs::File,
+    at: u64,
 ) -> anyhow::Result<()> {
     let mut hasher = blake3::Hasher::new();
     let end = t.offset + t.len;
     let mut next = t.offset;
     let mut inflight = VecDeque::new();
     let window = WINDOW.min(l.max_concurrent());
-    f.seek(SeekFrom::Start(t.offset))?;
+    f.seek(SeekFrom::Start(at))?;
     while next < end || !inflight.is_empty() {
         while next < end && inflight.len() < window {
             let n = (end - next).min(RANGE);

@@ -129,9 +129,13 @@ pub struct FileShare {
     pub dir: std::path::PathBuf,
     /// The manifest's signature file, served as `stormo-manifest.sig`, when there is one.
     pub sig: Option<Bytes>,
-    /// The folder was pulled without experts (its expert bytes are holes): serve only ranges
-    /// that lie outside every expert tensor.
+    /// The folder was pulled without experts (its expert bytes are holes, or not there at
+    /// all): serve only ranges that lie outside every expert tensor.
     pub dense_only: bool,
+    /// Where a dense-only folder that holds its dense tensors in files of their own
+    /// (`stormo_engine::safetensors::dense`) keeps the bytes of each published weight file:
+    /// the ranges served are put together from there.
+    pub dense: Option<Vec<DenseFile>>,
     /// The byte ranges (manifest file index, start, end) of the experts this node does not
     /// serve (`--only-experts`), which no file range it serves may overlap: a node told to
     /// serve some experts hands out no other expert's bytes, through `stormo pull` either.
@@ -825,6 +829,22 @@ async fn resolve(
                     })?;
                     Ok((vec![bytes], range.offset))
                 }
+                FileSource::Pieces(path, pieces, offset) => {
+                    let mut out = Vec::with_capacity(pieces.len());
+                    for p in pieces {
+                        out.push(match p {
+                            Piece::Mem(b) => b,
+                            Piece::Disk(at, len) => {
+                                let range = stormo_wire::ByteRange { offset: at, len };
+                                read_range(path.clone(), range).await.map_err(|e| {
+                                    tracing::warn!("reading {name} to serve it: {e:#}");
+                                    (ErrorCode::INTERNAL, format!("reading {name} failed"))
+                                })?
+                            }
+                        });
+                    }
+                    Ok((out, offset))
+                }
             }
         }
         Resource::Manifest { model } => {
@@ -882,6 +902,55 @@ async fn resolve(
     }
 }
 
+/// Where a dense-only folder keeps the bytes of one published weight file.
+#[derive(Debug, Clone)]
+pub struct DenseFile {
+    /// The published header, length prefix included: the file's first bytes.
+    pub header: Bytes,
+    /// The file holding its dense tensors.
+    pub path: std::path::PathBuf,
+    /// Per dense tensor (manifest index): its offset in the published file, its length, and
+    /// its offset in `path`.
+    pub tensors: Vec<(usize, u64, u64, u64)>,
+}
+
+impl DenseFile {
+    /// Where the bytes `offset..offset + len` of the published file lie: pieces back to back,
+    /// or the first byte that lies in no piece (one of a tensor not held here, or a gap).
+    fn pieces(&self, offset: u64, len: u64) -> Result<Vec<Piece>, u64> {
+        let (end, mut at) = (offset + len, offset);
+        let mut out = Vec::new();
+        let h = self.header.len() as u64;
+        if at < h {
+            let to = end.min(h);
+            out.push(Piece::Mem(self.header.slice(at as usize..to as usize)));
+            at = to;
+        }
+        while at < end {
+            let Some(&(_, start, n, dense_at)) = self
+                .tensors
+                .iter()
+                .find(|&&(_, start, n, _)| start <= at && at < start + n)
+            else {
+                return Err(at);
+            };
+            let to = end.min(start + n);
+            out.push(Piece::Disk(dense_at + (at - start), to - at));
+            at = to;
+        }
+        Ok(out)
+    }
+}
+
+/// A piece of a range served from a dense-only folder.
+#[derive(Debug)]
+enum Piece {
+    /// Bytes in memory (of the published header).
+    Mem(Bytes),
+    /// This many bytes at this offset of the dense file.
+    Disk(u64, u64),
+}
+
 /// Where the bytes of a `GetFile` come from.
 #[derive(Debug)]
 enum FileSource {
@@ -889,6 +958,8 @@ enum FileSource {
     Bytes(Bytes, stormo_wire::ByteRange),
     /// This range of the file of that name in the folder.
     Disk(stormo_wire::ByteRange),
+    /// Put together from a dense-only folder's header and dense file (at the range's offset).
+    Pieces(std::path::PathBuf, Vec<Piece>, u64),
 }
 
 /// Decides whether `name` may be served for `req` and from where: only a file the manifest
@@ -955,7 +1026,63 @@ fn file_source(
             ));
         }
     }
+    if let Some(dense) = share.dense.as_ref().and_then(|d| d.get(index)) {
+        let pieces = dense.pieces(range.offset, range.len).map_err(|at| {
+            (
+                ErrorCode::NOT_FOUND,
+                format!("{name} byte {at} is in no tensor this node holds"),
+            )
+        })?;
+        return Ok(FileSource::Pieces(dense.path.clone(), pieces, range.offset));
+    }
     Ok(FileSource::Disk(range))
+}
+
+/// Where a folder holding the dense tensors only in files of their own keeps each of `m`'s
+/// published weight files (`None` for any other folder): its index's headers, each checked
+/// against the manifest, and the places of its dense tensors in the opened checkpoint.
+pub fn dense_files(
+    dir: &std::path::Path,
+    m: &Manifest,
+    files: &stormo_engine::ModelFiles,
+) -> anyhow::Result<Option<Vec<DenseFile>>> {
+    let Some(idx) = stormo_engine::safetensors::dense::DenseIndex::read(dir)? else {
+        return Ok(None);
+    };
+    let mut out = Vec::with_capacity(m.files.len());
+    for (i, file) in m.files.iter().enumerate() {
+        let pf = idx
+            .files
+            .iter()
+            .find(|f| f.name == file.name)
+            .with_context(|| format!("{} does not list {}", dir.display(), file.name))?;
+        let header = pf.header_bytes();
+        super::pull::check_header(m, i, &header)
+            .with_context(|| format!("{}: the header kept for {}", dir.display(), file.name))?;
+        let mut tensors = Vec::new();
+        let mut path = None;
+        for (t, te) in m.tensors.iter().enumerate() {
+            if te.file as usize != i {
+                continue;
+            }
+            if let Some(info) = files.ckpt.tensors.get(&te.name) {
+                anyhow::ensure!(
+                    info.len == te.len,
+                    "{}: tensor {} has another length than the manifest's",
+                    dir.display(),
+                    te.name
+                );
+                path = Some(files.ckpt.files[info.file].path.clone());
+                tensors.push((t, te.offset, te.len, info.offset));
+            }
+        }
+        out.push(DenseFile {
+            header: Bytes::from(header),
+            path: path.unwrap_or_else(|| dir.join(&pf.dense)),
+            tensors,
+        });
+    }
+    Ok(Some(out))
 }
 
 /// The indices (into `m.tensors`) of the tensors that hold expert bytes.
@@ -1107,6 +1234,7 @@ pub fn holdings(
             })
         })
         .collect();
+    let dense = dense_files(dir, &m, &files)?;
     let experts = experts(&files, allowed)?;
     let schemas = files.layout.schemas.clone();
     Ok(Holdings {
@@ -1118,6 +1246,7 @@ pub fn holdings(
             dir: dir.to_path_buf(),
             sig,
             dense_only,
+            dense,
             withheld,
         })),
         schemas,

@@ -55,9 +55,10 @@ pub struct SamplingArgs {
     /// generation_config.json, else 1.
     #[arg(long, allow_negative_numbers = true, value_name = "R")]
     pub repetition_penalty: Option<f32>,
-    /// Seed of the sampler: the same seed gives the same tokens.
-    #[arg(long, default_value_t = 0, value_name = "N")]
-    pub seed: u64,
+    /// Seed of the sampler: the same seed gives the same tokens. Default: 0 (a chat resumed
+    /// with --session: the seed it was saved with).
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
 }
 
 impl SamplingArgs {
@@ -85,7 +86,7 @@ impl SamplingArgs {
                 .repetition_penalty
                 .or(d.repetition_penalty)
                 .unwrap_or(1.0),
-            seed: self.seed,
+            seed: self.seed.unwrap_or(0),
         };
         p.validate().context("sampling options")?;
         Ok(p)
@@ -98,7 +99,7 @@ impl SamplingArgs {
             let ignored: Vec<&str> = [
                 (self.top_p.is_some_and(|v| v != 1.0), "--top-p"),
                 (self.top_k.is_some_and(|v| v != 0), "--top-k"),
-                (self.seed != 0, "--seed"),
+                (self.seed.is_some_and(|v| v != 0), "--seed"),
             ]
             .into_iter()
             .filter_map(|(given, name)| given.then_some(name))
@@ -604,6 +605,26 @@ struct Conversation<'a> {
     interactive: bool,
     /// Resumed from --session's file.
     resumed: bool,
+    /// The sampling options the resumed file was saved with (a version 2 file).
+    saved_sampling: Option<persist::SavedSampling>,
+}
+
+/// The sampling of a chat resumed from a file saved with `saved`: each option given on the
+/// command line, else the saved one.
+fn resumed_sampling(
+    given: &SamplingArgs,
+    saved: &persist::SavedSampling,
+) -> anyhow::Result<SamplingParams> {
+    let p = SamplingParams {
+        temperature: given.temperature.unwrap_or(saved.temperature),
+        top_k: given.top_k.unwrap_or(saved.top_k),
+        top_p: given.top_p.unwrap_or(saved.top_p),
+        repetition_penalty: given.repetition_penalty.unwrap_or(saved.repetition_penalty),
+        seed: given.seed.unwrap_or(saved.seed),
+    };
+    p.validate()
+        .context("sampling options (the saved ones with those given)")?;
+    Ok(p)
 }
 
 impl<'a> Conversation<'a> {
@@ -643,6 +664,7 @@ impl<'a> Conversation<'a> {
         let r = match a.session.as_deref().filter(|_| resumed) {
             Some(path) => persist::resume(tm.model.clone(), a.context, path)?,
             None => persist::Resumed {
+                sampling: None,
                 sess: ChatSession::new(tm.model.clone(), a.context)?,
                 system_turns: turns.len(),
                 start: turns.len(),
@@ -650,11 +672,17 @@ impl<'a> Conversation<'a> {
                 turn_no: 0,
             },
         };
+        // A resumed chat samples as it was saved, each option given here taking over.
+        let (sampling, saved_sampling) = match r.sampling {
+            Some(saved) => (resumed_sampling(&a.sampling, &saved)?, Some(saved)),
+            None => (sampling, None),
+        };
         Ok(Self {
             a,
             tm,
             popts,
             sampling,
+            saved_sampling,
             sess: r.sess,
             printer: Printer::new(a.render.show_reasoning, tty),
             system_turns: r.system_turns,
@@ -672,9 +700,36 @@ impl<'a> Conversation<'a> {
             return Ok(());
         };
         if self.resumed {
+            let g = &self.a.sampling;
+            let p = &self.sampling;
+            let given: Vec<&str> = [
+                (g.temperature.is_some(), "--temperature"),
+                (g.top_p.is_some(), "--top-p"),
+                (g.top_k.is_some(), "--top-k"),
+                (g.repetition_penalty.is_some(), "--repetition-penalty"),
+                (g.seed.is_some(), "--seed"),
+            ]
+            .into_iter()
+            .filter_map(|(on, flag)| on.then_some(flag))
+            .collect();
+            let now = format!(
+                "temperature {}, top-p {}, top-k {}, repetition penalty {}, seed {}",
+                p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.seed
+            );
+            let sampling = match (&self.saved_sampling, given.is_empty()) {
+                (Some(_), true) => format!("sampling as saved: {now}"),
+                (Some(_), false) => format!(
+                    "sampling {now}: {} from the command line, the rest as saved",
+                    given.join(", ")
+                ),
+                (None, _) => format!(
+                    "sampling {now}: the file keeps no sampling options (an older stormo \
+                     saved it), so the command line's and the defaults"
+                ),
+            };
             writeln!(
                 notes,
-                "(resumed {}: {} messages, {} positions of KV cache to reuse)",
+                "(resumed {}: {} messages, {} positions of KV cache to reuse; {sampling})",
                 path.display(),
                 self.turns.len(),
                 self.sess.cached().len()
@@ -700,15 +755,15 @@ impl<'a> Conversation<'a> {
         let Some(path) = &self.a.session else {
             return Ok(());
         };
-        let saved = persist::save(
-            path,
-            &self.sess,
+        let state = persist::ChatState::now(
             &self.tm.name,
             &self.turns,
             self.system_turns,
             self.start,
             self.turn_no,
+            &self.sampling,
         );
+        let saved = persist::save(path, &self.sess, &state);
         if let Err(e) = saved {
             writeln!(notes, "cannot save the session: {e:#}")?;
         }
@@ -1098,5 +1153,24 @@ mod tests {
             .expect("valid");
         assert_eq!((p.temperature, p.top_p, p.top_k), (0.7, 1.0, 0));
         assert!(sampling(&["--top-p", "2"]).params_with(&qwen, 0.7).is_err());
+    }
+
+    /// A resumed chat samples as its file was saved; each option given again takes over,
+    /// `--seed 0` included (not taken for "no seed given").
+    #[test]
+    fn a_resumed_chat_samples_as_saved_unless_told_otherwise() {
+        let saved = persist::SavedSampling {
+            temperature: 0.8,
+            top_p: 0.9,
+            top_k: 7,
+            repetition_penalty: 1.1,
+            seed: 3,
+        };
+        let p = resumed_sampling(&sampling(&[]), &saved).expect("valid");
+        assert_eq!(persist::SavedSampling::from(&p), saved);
+        let p = resumed_sampling(&sampling(&["--seed", "0", "--temperature", "0"]), &saved)
+            .expect("valid");
+        assert_eq!((p.temperature, p.seed, p.top_k), (0.0, 0, 7));
+        assert!(resumed_sampling(&sampling(&["--top-p", "2"]), &saved).is_err());
     }
 }

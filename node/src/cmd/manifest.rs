@@ -460,9 +460,11 @@ fn verify(
     }
     if stormo_net::pull::Pulled::dense_only(model).unwrap_or(false) {
         println!(
-            "note: {} was pulled without experts ({}): its expert bytes are holes, so the \
-             expert tensors, the experts and the files holding them differ from the manifest \
-             by design (`stormo pull --with-experts` fetches them)",
+            "note: {} was pulled without experts ({}): it holds the dense tensors only (in \
+             *.dense.safetensors files, or, pulled by an older stormo, in files whose expert \
+             bytes are holes), so the expert tensors, the experts and the published files \
+             differ from the manifest by design (`stormo pull` into it checks the dense \
+             tensors; `stormo pull --with-experts` fetches the rest)",
             model.display(),
             stormo_net::pull::MARKER_FILE
         );

@@ -135,18 +135,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .with_context(|| format!("pulling into {}", a.out.display()))?;
     let secs = started.elapsed().as_secs_f64();
     let model = r.model_id.map(|h| h.to_hex()).unwrap_or_default();
-    let what = if r.experts {
-        "experts included"
-    } else {
-        "dense only: run it with --peer or --discover to fetch experts"
-    };
+    let mut kept = None;
     if let Some(spec) = &a.experts {
         // The peers are found: the node that fetches the experts looks no further.
         let swarm = swarm.map(|sw| crate::swarm_args::SwarmConfig {
             discover: Default::default(),
             ..sw
         });
-        pull_experts(
+        kept = Some(pull_experts(
             &a,
             spec,
             r.model_id,
@@ -154,32 +150,103 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             peers,
             swarm,
             host,
-        )?;
+        )?);
     }
-    if r.tensors == 0 && r.fetched == 0 && r.reused == 0 {
-        eprintln!(
-            "model {model} in {} is already up to date: {} files kept ({what})",
-            a.out.display(),
-            r.kept,
-        );
-    } else {
-        eprintln!(
-            "pulled model {model} into {}: {} tensors, {} fetched in {secs:.1}s ({}/s), \
-             {} tensors copied from files already there, {} files kept ({what})",
-            a.out.display(),
-            r.tensors,
-            stormo_net::progress::human_bytes(r.fetched),
-            stormo_net::progress::human_bytes((r.fetched as f64 / secs.max(1e-9)) as u64),
-            r.reused,
-            r.kept,
-        );
-    }
+    let total = started.elapsed().as_secs_f64();
+    eprintln!(
+        "{}",
+        last_line(&model, &a.out, &r, kept.as_ref(), [secs, total])
+    );
     Ok(())
+}
+
+/// What `stormo pull --experts` kept.
+#[derive(Debug)]
+struct KeptExperts {
+    /// Experts asked for.
+    asked: usize,
+    /// Of them, fetched now (the rest were kept already).
+    fetched: usize,
+    /// Their records' bytes fetched now.
+    bytes: u64,
+    /// Where they are kept.
+    dir: PathBuf,
+}
+
+/// The last line of a pull: what the folder holds now (its weight files and their size, dense
+/// only or with the experts), what it took (fetched, copied, kept), and the experts kept
+/// where (`--experts`). `secs`: the folder's pull, and the whole command.
+fn last_line(
+    model: &str,
+    out: &std::path::Path,
+    r: &pull::PullReport,
+    kept: Option<&KeptExperts>,
+    [secs, total]: [f64; 2],
+) -> String {
+    use stormo_net::progress::human_bytes;
+    let size: u64 = r.files.iter().map(|(_, n)| n).sum();
+    let names: Vec<&str> = r.files.iter().map(|(n, _)| n.as_str()).collect();
+    let files = match names.as_slice() {
+        [one] => (*one).to_string(),
+        [first, .., last] if names.len() > 3 => format!("{} files, {first} to {last}", names.len()),
+        many => many.join(", "),
+    };
+    let holds = if r.experts {
+        format!("{files} ({}, experts included)", human_bytes(size))
+    } else {
+        format!("{files} ({}, dense tensors only)", human_bytes(size))
+    };
+    let folder_new = r.tensors > 0 || r.fetched > 0 || r.reused > 0;
+    let experts_new = kept.is_some_and(|k| k.fetched > 0);
+    let mut line = if folder_new || experts_new {
+        format!(
+            "pulled model {model} into {} in {total:.1}s: {holds}",
+            out.display()
+        )
+    } else {
+        format!(
+            "model {model} in {} is already up to date: {holds}",
+            out.display()
+        )
+    };
+    if folder_new {
+        let rate = human_bytes((r.fetched as f64 / secs.max(1e-9)) as u64);
+        line += &format!(
+            "; {} tensors fetched ({}, {rate}/s)",
+            r.tensors,
+            human_bytes(r.fetched)
+        );
+        if r.reused > 0 {
+            line += &format!(", {} copied from files already there", r.reused);
+        }
+        if r.kept > 0 {
+            line += &format!(", {} files already complete", r.kept);
+        }
+    } else if experts_new {
+        line += ", already up to date";
+    }
+    if let Some(k) = kept {
+        line += &format!(
+            "; {} experts kept in {} ({} fetched now, {})",
+            k.asked,
+            k.dir.display(),
+            k.fetched,
+            human_bytes(k.bytes)
+        );
+    }
+    if !r.experts {
+        line += if kept.is_some() {
+            "; run it with --peer or --discover for the other experts"
+        } else {
+            "; run it with --peer or --discover to fetch experts"
+        };
+    }
+    line
 }
 
 /// Fetches the expert records `spec` names for the model pulled into `a.out` (id `model`),
 /// each from any peer holding it, and keeps them (verified) in the expert directory, on a node
-/// started on the pull's `host`.
+/// started on the pull's `host`. Progress counts experts and their bytes.
 fn pull_experts(
     a: &Args,
     spec: &str,
@@ -188,7 +255,7 @@ fn pull_experts(
     peers: Vec<PeerAddr>,
     swarm: Option<crate::swarm_args::SwarmConfig>,
     host: Host,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<KeptExperts> {
     use stormo_engine::tiers::{ExpertId, Priority, Tier};
     let state_dir = a
         .state_dir
@@ -254,10 +321,19 @@ fn pull_experts(
         keys.len() - todo.len(),
         dir.root().display()
     );
-    let mut progress = stormo_net::progress::Progress::new("pull: experts");
+    let mut progress = stormo_net::progress::Progress::counting("pull: experts", "experts");
     let total = todo.len() as u64;
+    let sizes = node.files().layout.sizes();
+    let size = |k: ExpertId| {
+        sizes
+            .get(usize::from(k.layer))
+            .and_then(|s| s.get(usize::from(k.expert)))
+            .copied()
+            .unwrap_or(0)
+    };
+    let (mut done, mut bytes) = (0u64, 0u64);
     // A few at a time: each load holds its whole record in memory until it is kept.
-    for (n, batch) in todo.chunks(4).enumerate() {
+    for batch in todo.chunks(4) {
         let (tx, rx) = std::sync::mpsc::channel();
         tier.load(
             batch,
@@ -269,8 +345,10 @@ fn pull_experts(
         for _ in batch {
             let (k, r) = rx.recv().context("the network tier dropped a load")?;
             r.with_context(|| format!("expert {k}"))?;
+            done += 1;
+            bytes += size(k);
+            progress.update_items(done, total, bytes);
         }
-        progress.update(((n + 1) * batch.len()).min(todo.len()) as u64, total);
     }
     progress.finish();
     // The tier keeps each verified record in the background: wait for the last ones.
@@ -284,10 +362,10 @@ fn pull_experts(
         std::thread::sleep(Duration::from_millis(50));
     }
     node.finish_run();
-    eprintln!(
-        "pull: {} experts kept in {}",
-        keys.len(),
-        dir.root().display()
-    );
-    Ok(())
+    Ok(KeptExperts {
+        asked: keys.len(),
+        fetched: todo.len(),
+        bytes,
+        dir: dir.root().to_path_buf(),
+    })
 }

@@ -158,8 +158,8 @@ fn free_port() -> Result<u16, SwarmError> {
         })
 }
 
-/// Bytes the files under `dir` take on disk (a pulled folder's shards are sparse: the holes
-/// where the experts would be take nothing).
+/// Bytes the files under `dir` take on disk (allocated blocks: a folder pulled by an older
+/// stormo had sparse shards, whose holes where the experts would be take nothing).
 fn dir_bytes(dir: &Path) -> u64 {
     let Ok(rd) = std::fs::read_dir(dir) else {
         return 0;

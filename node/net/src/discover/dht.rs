@@ -104,14 +104,17 @@ impl DhtConfig {
 /// node that `serves` (announces) or not. Bootstrap nodes given replace the public ones
 /// (mainline falls back to its defaults only when its list is `None`); the node's own
 /// `listen` address is left out of them (with an unspecified listen address, its port at any
-/// of `own_ips`), and a node left with none bootstraps from nobody. Without `listen` the node
+/// of `own_ips` or any loopback address: a machine's own name often resolves to 127.0.1.1,
+/// which no interface lists), and a node left with none bootstraps from nobody. Without `listen` the node
 /// binds a random port; it runs in server mode with `listen`, or when it serves on a private
 /// DHT (see the module docs).
 pub fn mainline_config(cfg: &DhtConfig, own_ips: &[Ipv4Addr], serves: bool) -> mainline::Config {
     let is_own = |b: &SocketAddrV4| {
         cfg.listen.is_some_and(|l| {
             l.port() == b.port()
-                && (l.ip() == b.ip() || (l.ip().is_unspecified() && own_ips.contains(b.ip())))
+                && (l.ip() == b.ip()
+                    || (l.ip().is_unspecified()
+                        && (b.ip().is_loopback() || own_ips.contains(b.ip()))))
         })
     };
     let bootstrap = (!cfg.bootstrap.is_empty()).then(|| {
@@ -278,9 +281,19 @@ async fn run(
              the others bootstrap from it"
         );
     } else if !dht.bootstrapped().await {
-        tracing::warn!(
-            "DHT: not bootstrapped (are the --dht-bootstrap nodes reachable?); retrying"
-        );
+        // A real failure (the DHT crate's own error about it is not shown, see `logging.rs`
+        // in the CLI): this node found no other.
+        if t.private {
+            tracing::error!(
+                "DHT: could not bootstrap: no --dht-bootstrap node answered (are they running \
+                 and reachable?); retrying"
+            );
+        } else {
+            tracing::error!(
+                "DHT: could not bootstrap: the public bootstrap nodes did not answer (no \
+                 internet access? a private DHT takes --dht-bootstrap); retrying"
+            );
+        }
     }
     let own_ips = local_ipv4s();
     let mut announce = AnnounceSchedule::new(Instant::now(), t.announce_every);
@@ -641,6 +654,17 @@ mod tests {
         assert_eq!(
             mainline_config(&lan, &own, true).bootstrap,
             Some(vec![v4("10.0.0.3:6881"), v4("10.0.0.2:6882")])
+        );
+        // Issue 60: the README's recipe on the first host, whose name resolves to 127.0.1.1
+        // (Debian's /etc/hosts), which no interface lists: still its own address, so it
+        // bootstraps from nobody (it bootstrapped from itself and logged an ERROR).
+        let named = DhtConfig {
+            bootstrap: vec![v4("127.0.1.1:6881")],
+            ..lan.clone()
+        };
+        assert_eq!(
+            mainline_config(&named, &own, true).bootstrap,
+            Some(Vec::new())
         );
         // Only a node given none uses the public nodes; there, without --dht-listen, a
         // client-mode node on a random port, serving or not.

@@ -4,7 +4,8 @@
 //! The file is the engine's session file ([`stormo_engine::Session::save_to`]) written by
 //! [`ChatSession::save`]: a magic, a version, the model's identity and the settings the cache
 //! depends on, the cache, and this module's [`ChatState`] (the transcript in `/save`'s shape,
-//! where the context shift got to, the turn count the sampler's seed follows). A save
+//! where the context shift got to, the turn count the sampler's seed follows, and, from
+//! version 2 on, the sampling options, which a resumed chat takes unless given again). A save
 //! replaces the file atomically. A file that cannot be resumed (another model, another
 //! --context or 8-bit option, truncated, corrupt) is an error at start that says what is
 //! wrong, and the file is left as it is: never a fresh session that would overwrite it.
@@ -12,13 +13,28 @@
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+use stormo_engine::sampling::SamplingParams;
 use stormo_text::session::ChatSession;
 use stormo_text::{transcript, Turn};
+
+/// The version of [`ChatState`] this build writes. Version 1 (no `version` field) had no
+/// sampling options; it is still read.
+pub const VERSION: u32 = 2;
+
+fn version_1() -> u32 {
+    1
+}
 
 /// What `stormo chat` keeps with the cache.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChatState {
+    /// [`VERSION`] when written by this build; absent (1) in the first.
+    #[serde(default = "version_1")]
+    pub version: u32,
+    /// The sampling options the chat ran with (version 2 on).
+    #[serde(default)]
+    pub sampling: Option<SavedSampling>,
     /// The turns, as `/save` writes them.
     pub conversation: serde_json::Value,
     /// Turns from --system at the start (kept by /reset).
@@ -29,9 +45,40 @@ pub struct ChatState {
     pub turn_no: u64,
 }
 
+/// The sampling options a session file keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SavedSampling {
+    /// Temperature (0: greedy).
+    pub temperature: f32,
+    /// Nucleus mass.
+    pub top_p: f32,
+    /// Most likely tokens kept (0: all).
+    pub top_k: usize,
+    /// Penalty on tokens already seen (1: none).
+    pub repetition_penalty: f32,
+    /// The sampler's seed (each turn's is it plus the turn count).
+    pub seed: u64,
+}
+
+impl From<&SamplingParams> for SavedSampling {
+    fn from(p: &SamplingParams) -> Self {
+        Self {
+            temperature: p.temperature,
+            top_p: p.top_p,
+            top_k: p.top_k,
+            repetition_penalty: p.repetition_penalty,
+            seed: p.seed,
+        }
+    }
+}
+
 /// A conversation to go on with: read back from a session file, or a new one.
 #[derive(Debug)]
 pub struct Resumed {
+    /// The sampling options the file was saved with (`None`: a new session, or a version 1
+    /// file, which kept none).
+    pub sampling: Option<SavedSampling>,
     /// The session, its cache restored.
     pub sess: ChatSession,
     /// The turns.
@@ -68,6 +115,13 @@ pub fn resume(
             "its conversation is not what stormo chat saves: {e}"
         ))
     })?;
+    if state.version > VERSION {
+        return Err(bad(format!(
+            "its conversation is version {}, written by a newer stormo (this one reads up to \
+             version {VERSION})",
+            state.version
+        )));
+    }
     let turns = transcript::from_json(state.conversation)
         .map_err(|e| bad(format!("its conversation: {e}")))?;
     if state.system_turns > state.start || state.start > turns.len() {
@@ -80,6 +134,7 @@ pub fn resume(
         )));
     }
     Ok(Resumed {
+        sampling: state.sampling,
         sess,
         turns,
         system_turns: state.system_turns,
@@ -88,22 +143,62 @@ pub fn resume(
     })
 }
 
-/// Saves the conversation and `sess`'s cache to `path`.
-pub fn save(
-    path: &Path,
-    sess: &ChatSession,
-    model_name: &str,
-    turns: &[Turn],
-    system_turns: usize,
-    start: usize,
-    turn_no: u64,
-) -> anyhow::Result<()> {
-    let state = ChatState {
-        conversation: transcript::to_json(model_name, turns),
-        system_turns,
-        start,
-        turn_no,
-    };
+impl ChatState {
+    /// The state of a conversation of `turns` with `model_name` (as `/save` writes it), its
+    /// first `system_turns` from --system, shifted to turn `start`, after `turn_no` turns run,
+    /// sampled with `sampling`: what this build saves.
+    pub fn now(
+        model_name: &str,
+        turns: &[Turn],
+        system_turns: usize,
+        start: usize,
+        turn_no: u64,
+        sampling: &SamplingParams,
+    ) -> Self {
+        Self {
+            version: VERSION,
+            sampling: Some(sampling.into()),
+            conversation: transcript::to_json(model_name, turns),
+            system_turns,
+            start,
+            turn_no,
+        }
+    }
+}
+
+/// Saves `state` and `sess`'s cache to `path`.
+pub fn save(path: &Path, sess: &ChatSession, state: &ChatState) -> anyhow::Result<()> {
     sess.save(path, &serde_json::to_value(state)?)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A version 1 state (no version, no sampling) still reads; this build writes version 2
+    /// with the sampling options; a newer version is refused by `resume`.
+    #[test]
+    fn chat_state_reads_version_1_and_writes_version_2() {
+        let v1 = serde_json::json!({
+            "conversation": [], "system_turns": 0, "start": 0, "turn_no": 3
+        });
+        let s: ChatState = serde_json::from_value(v1).unwrap();
+        assert_eq!((s.version, s.sampling, s.turn_no), (1, None, 3));
+        let p = SamplingParams {
+            temperature: 0.8,
+            top_k: 5,
+            top_p: 0.9,
+            repetition_penalty: 1.0,
+            seed: 3,
+        };
+        let v2 = ChatState {
+            version: VERSION,
+            sampling: Some((&p).into()),
+            ..s
+        };
+        let back: ChatState = serde_json::from_value(serde_json::to_value(&v2).unwrap()).unwrap();
+        assert_eq!(back.version, 2);
+        assert_eq!(back.sampling, Some(SavedSampling::from(&p)));
+    }
 }
