@@ -1074,37 +1074,51 @@ impl Model {
         // Every sequence's heads in one parallel region (a decoded token's heads alone are
         // too few to split); each sequence's heads `[heads, t, head_dim]` land in its rows'
         // share of `s.heads` (the sequences' rows are consecutive, in order).
-        let (mut outs, mut scores) = (Vec::with_capacity(seqs.len()), Vec::new());
-        let mut rest = &mut s.heads[..t * qd];
-        let mut blocks = Vec::with_capacity(seqs.len());
-        for seq in seqs.iter_mut() {
-            let SeqRows {
-                ref kv,
-                scores: ref mut sc,
-                p0,
-                row,
-                t,
-            } = *seq;
-            let (mine, after) = std::mem::take(&mut rest).split_at_mut(t * qd);
-            rest = after;
-            outs.push(mine);
-            scores.push(&mut **sc);
-            blocks.push(crate::attention::Attend {
+        let q = &s.q;
+        let (window, heads, kv_heads) = (layer.window, cfg.num_heads, cfg.num_kv_heads);
+        fn attend<'a>(
+            kv: &'a LayerKv,
+            q: &'a [f32],
+            sinks: Option<Vector<'a>>,
+            (window, p0, t): (Option<usize>, usize, usize),
+            (heads, kv_heads, head_dim): (usize, usize, usize),
+        ) -> crate::attention::Attend<'a> {
+            crate::attention::Attend {
                 k: &kv.k,
                 v: &kv.v,
                 cap: kv.cap,
-                q: &s.q[row * qd..(row + t) * qd],
+                q,
                 sinks,
-                window: layer.window,
+                window,
                 p0,
                 t,
-                heads: cfg.num_heads,
-                kv_heads: cfg.num_kv_heads,
-                head_dim: hd,
-            });
+                heads,
+                kv_heads,
+                head_dim,
+            }
         }
-        crate::attention::Attend::run_all(&blocks, &mut outs, &mut scores);
-        drop((blocks, outs, scores));
+        let shape = (heads, kv_heads, hd);
+        if let [one] = seqs {
+            // One sequence (`forward`'s decode and prefill): no lists, so a decoded token
+            // allocates nothing.
+            let (row, t) = (one.row, one.t);
+            let qs = &q[row * qd..(row + t) * qd];
+            attend(one.kv, qs, sinks, (window, one.p0, t), shape)
+                .run(&mut s.heads[row * qd..(row + t) * qd], one.scores);
+        } else {
+            let (mut outs, mut scores) = (Vec::with_capacity(seqs.len()), Vec::new());
+            let mut rest = &mut s.heads[..t * qd];
+            let mut blocks = Vec::with_capacity(seqs.len());
+            for seq in seqs.iter_mut() {
+                let (mine, after) = std::mem::take(&mut rest).split_at_mut(seq.t * qd);
+                rest = after;
+                outs.push(mine);
+                let qs = &q[seq.row * qd..(seq.row + seq.t) * qd];
+                blocks.push(attend(seq.kv, qs, sinks, (window, seq.p0, seq.t), shape));
+                scores.push(&mut *seq.scores);
+            }
+            crate::attention::Attend::run_all(&blocks, &mut outs, &mut scores);
+        }
         for seq in seqs.iter() {
             let (row, t) = (seq.row, seq.t);
             let heads = &s.heads[row * qd..(row + t) * qd];
