@@ -34,7 +34,7 @@ const SPARE_BYTES: usize = 64 << 20;
 /// Dropped buffers kept for reuse, the latest last, at most `limit` bytes of them.
 ///
 /// A fresh mapping costs a page fault and the kernel zeroing each 2 MiB page on first touch:
-/// measured on the network benchmark (`cargo bench -p stormo-node --bench net`, `perf`), the
+/// measured on the network benchmark (`cargo bench -p stormo-cli --bench net`, `perf`), the
 /// zeroing was 13% of the fetch phase's samples, more than hashing the bytes (8%) or copying
 /// them in (8%). A reused buffer is already faulted in.
 struct Spares {

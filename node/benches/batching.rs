@@ -14,9 +14,9 @@
 //! ```sh
 //! # the figures: a model at gpt-oss-20b geometry (about 13 GB on disk), on a quiet machine
 //! stormo synth --preset gpt-oss-20b --tokenizer fixtures/o200k-harmony/tokenizer.json --out /tmp/g20
-//! STORMO_BENCH_MODEL=/tmp/g20 cargo bench -p stormo-node --bench batching
+//! STORMO_BENCH_MODEL=/tmp/g20 cargo bench -p stormo-cli --bench batching
 //! # a smoke run on a tiny synthetic model (written to a scratch folder; figures mean nothing)
-//! cargo bench -p stormo-node --bench batching
+//! cargo bench -p stormo-cli --bench batching
 //! ```
 //!
 //! `STORMO_BENCH_TOKENS` (tokens per stream, default 64) and `STORMO_BENCH_PROMPT` (default

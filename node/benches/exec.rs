@@ -14,8 +14,8 @@
 //! default. The figures need a quiet machine: on a shared one, read only the ratios of one run.
 //!
 //! ```sh
-//! cargo bench -p stormo-node --bench exec                   # STORMO_BENCH_REPS=200
-//! STORMO_BENCH_HIDDEN=256 STORMO_BENCH_REPS=20 cargo bench -p stormo-node --bench exec  # smoke
+//! cargo bench -p stormo-cli --bench exec                   # STORMO_BENCH_REPS=200
+//! STORMO_BENCH_HIDDEN=256 STORMO_BENCH_REPS=20 cargo bench -p stormo-cli --bench exec  # smoke
 //! ```
 
 use std::sync::Arc;
@@ -67,7 +67,7 @@ fn rows(n: usize, hidden: usize) -> Vec<f32> {
 fn main() -> anyhow::Result<()> {
     // `cargo test --benches` runs this with --bench absent: do nothing heavy then.
     if !std::env::args().any(|a| a == "--bench") {
-        println!("exec bench: run with `cargo bench -p stormo-node --bench exec`");
+        println!("exec bench: run with `cargo bench -p stormo-cli --bench exec`");
         return Ok(());
     }
     let reps = env("STORMO_BENCH_REPS", 200).max(2);

@@ -17,8 +17,8 @@
 //! 13.2 MB record), a few layers and experts, written to a scratch folder and removed after.
 //!
 //! ```sh
-//! cargo bench -p stormo-node --bench net            # STORMO_BENCH_REPS=20 by default
-//! STORMO_BENCH_DIR=/tmp/scratch cargo bench -p stormo-node --bench net
+//! cargo bench -p stormo-cli --bench net            # STORMO_BENCH_REPS=20 by default
+//! STORMO_BENCH_DIR=/tmp/scratch cargo bench -p stormo-cli --bench net
 //! ```
 
 use std::io::{Read, Write};
@@ -174,7 +174,7 @@ fn decode_rate(
 fn main() -> anyhow::Result<()> {
     // `cargo test --benches` runs this with --bench absent: do nothing heavy then.
     if !std::env::args().any(|a| a == "--bench") {
-        println!("net bench: run with `cargo bench -p stormo-node --bench net`");
+        println!("net bench: run with `cargo bench -p stormo-cli --bench net`");
         return Ok(());
     }
     let reps = env("STORMO_BENCH_REPS", 20).max(2);

@@ -7,9 +7,9 @@
 //! and best of each, and an encode of a short text so a load that broke the tokenizer shows.
 //!
 //! ```sh
-//! cargo bench -p stormo-node --bench tokenizer                  # 9 rounds
-//! STORMO_BENCH_REPS=20 cargo bench -p stormo-node --bench tokenizer
-//! STORMO_TOKENIZER=/path/to/tokenizer.json cargo bench -p stormo-node --bench tokenizer
+//! cargo bench -p stormo-cli --bench tokenizer                  # 9 rounds
+//! STORMO_BENCH_REPS=20 cargo bench -p stormo-cli --bench tokenizer
+//! STORMO_TOKENIZER=/path/to/tokenizer.json cargo bench -p stormo-cli --bench tokenizer
 //! ```
 
 use std::path::PathBuf;
