@@ -192,7 +192,7 @@ fn concurrent(
 /// chooses a stop token or fills the context).
 fn ttft(
     addr: SocketAddr,
-    prompt_len: usize,
+    (prompt_len, context): (usize, usize),
     others: usize,
     seed: u64,
     vocab: u32,
@@ -203,12 +203,21 @@ fn ttft(
         .into_iter()
         .map(|p| {
             let (stop, decoding) = (stop.clone(), decoding.clone());
-            // A stream long enough to outlast the measurement; cut when it is done.
-            std::thread::spawn(move || stream(addr, &p, 100_000, &stop, &decoding))
+            // A stream long enough to outlast the measurement (as long as the context lets
+            // it: more is refused with 400); cut when it is done.
+            std::thread::spawn(move || stream(addr, &p, context - 16, &stop, &decoding))
         })
         .collect();
-    // The others are decoding (each has its first token) before the new request is sent.
+    // The others are decoding (each has its first token) before the new request is sent; one
+    // that ended before (refused, failed) ends the measurement with its error.
     while decoding.load(Ordering::Relaxed) < others {
+        if let Some(i) = background.iter().position(|h| h.is_finished()) {
+            stop.store(true, Ordering::Relaxed);
+            let mut background = background;
+            let r = background.swap_remove(i).join().expect("background thread");
+            r?;
+            anyhow::bail!("a background stream ended before it decoded");
+        }
         std::thread::sleep(Duration::from_millis(5));
     }
     let p = prompts(1, prompt_len, seed ^ 0xabcd, vocab).remove(0);
@@ -297,8 +306,8 @@ fn main() -> anyhow::Result<()> {
             rate / base
         );
     }
-    let (idle, _) = ttft(addr, prompt, 0, 2000, vocab)?;
-    let (busy, along) = ttft(addr, prompt, 4, 3000, vocab)?;
+    let (idle, _) = ttft(addr, (prompt, context), 0, 2000, vocab)?;
+    let (busy, along) = ttft(addr, (prompt, context), 4, 3000, vocab)?;
     println!(
         "time to first token, {prompt}-id prompt: {idle:.3} s idle, {busy:.3} s while 4 streams \
          decode ({:.2}x; {along} of the 4 got tokens during its prefill)",
