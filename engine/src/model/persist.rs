@@ -171,6 +171,38 @@ struct Checking<'a> {
 }
 
 impl Checking<'_> {
+    /// Reads a file's preamble: its `magic` (a stormo `kind` file), its `version` (the one
+    /// this stormo reads), and its JSON header's bytes, checked against the hash so far.
+    fn preamble(&mut self, magic: &[u8; 8], kind: &str, version: u32) -> Result<Vec<u8>> {
+        let mut got = [0u8; 8];
+        self.get(&mut got, "the magic number")?;
+        if &got != magic {
+            return Err(bad(format!(
+                "it is not a stormo {kind} file (it does not start with {})",
+                String::from_utf8_lossy(magic)
+            )));
+        }
+        let mut word = [0u8; 4];
+        self.get(&mut word, "the version")?;
+        let found = u32::from_le_bytes(word);
+        if found != version {
+            return Err(bad(format!(
+                "it is a version {found} {kind} file; this stormo reads version {version}"
+            )));
+        }
+        self.get(&mut word, "the header's length")?;
+        let len = u32::from_le_bytes(word) as usize;
+        if len > MAX_HEADER {
+            return Err(bad(format!(
+                "the header is corrupt: it claims {len} bytes (at most {MAX_HEADER})"
+            )));
+        }
+        let mut json = vec![0u8; len];
+        self.get(&mut json, "the header")?;
+        self.check("the header", "the header is corrupt")?;
+        Ok(json)
+    }
+
     fn get(&mut self, b: &mut [u8], what: &str) -> Result<()> {
         read_all(self.inner, b, what)?;
         self.hash.update(b);
@@ -265,32 +297,7 @@ impl Session {
             inner: r,
             hash: blake3::Hasher::new(),
         };
-        let mut magic = [0u8; 8];
-        input.get(&mut magic, "the magic number")?;
-        if &magic != MAGIC {
-            return Err(bad(
-                "it is not a stormo session file (it does not start with STORMOKV)",
-            ));
-        }
-        let mut word = [0u8; 4];
-        input.get(&mut word, "the version")?;
-        let version = u32::from_le_bytes(word);
-        if version != SESSION_FILE_VERSION {
-            return Err(bad(format!(
-                "it is a version {version} session file; this stormo reads version \
-                 {SESSION_FILE_VERSION}"
-            )));
-        }
-        input.get(&mut word, "the header's length")?;
-        let len = u32::from_le_bytes(word) as usize;
-        if len > MAX_HEADER {
-            return Err(bad(format!(
-                "the header is corrupt: it claims {len} bytes (at most {MAX_HEADER})"
-            )));
-        }
-        let mut json = vec![0u8; len];
-        input.get(&mut json, "the header")?;
-        input.check("the header", "the header is corrupt")?;
+        let json = input.preamble(MAGIC, "session", SESSION_FILE_VERSION)?;
         let h: Header = serde_json::from_slice(&json)
             .map_err(|e| bad(format!("the header is not what this stormo wrote: {e}")))?;
         let this = hex(&model.identity()?);
@@ -531,32 +538,7 @@ impl Session {
             inner: r,
             hash: blake3::Hasher::new(),
         };
-        let mut magic = [0u8; 8];
-        input.get(&mut magic, "the magic number")?;
-        if &magic != SPAN_MAGIC {
-            return Err(bad(
-                "it is not a stormo span file (it does not start with STORMOKS)",
-            ));
-        }
-        let mut word = [0u8; 4];
-        input.get(&mut word, "the version")?;
-        let version = u32::from_le_bytes(word);
-        if version != SPAN_FILE_VERSION {
-            return Err(bad(format!(
-                "it is a version {version} span file; this stormo reads version \
-                 {SPAN_FILE_VERSION}"
-            )));
-        }
-        input.get(&mut word, "the header's length")?;
-        let len = u32::from_le_bytes(word) as usize;
-        if len > MAX_HEADER {
-            return Err(bad(format!(
-                "the header is corrupt: it claims {len} bytes (at most {MAX_HEADER})"
-            )));
-        }
-        let mut json = vec![0u8; len];
-        input.get(&mut json, "the header")?;
-        input.check("the header", "the header is corrupt")?;
+        let json = input.preamble(SPAN_MAGIC, "span", SPAN_FILE_VERSION)?;
         let h: SpanHeader = serde_json::from_slice(&json)
             .map_err(|e| bad(format!("the header is not what this stormo wrote: {e}")))?;
         let want = model.span_header(h.start, h.end, h.app_bytes as usize)?;
