@@ -9,7 +9,9 @@
 //!
 //! Arguments: the weights (`mxfp4`, `mxfp4-int8`, `bf16`, `bf16t`: a 2880 x 2880 matrix, GPT-OSS's
 //! expert down projection, of random weights; `bf16t` input-major), the positions per call, the
-//! calls, and the ISA (default: the best this CPU runs natively).
+//! calls, and the ISA (default: the best this CPU runs natively). `KERNEL_MIN_ROWS=46080` gives
+//! the matrix that many rows (66 MB of MXFP4, more than the caches hold), so that each call
+//! streams its weights from memory as a prefill's experts do.
 
 use std::time::Instant;
 
@@ -48,7 +50,13 @@ fn run(args: &[String]) -> Result<(), String> {
     if !isa.is_native() {
         return Err(format!("this CPU does not run {isa} natively"));
     }
-    let (rows, cols) = (2880, 2880);
+    // `KERNEL_MIN_ROWS` (default 2880): more rows than the caches hold (46080 is 66 MB of
+    // MXFP4) makes each call stream its weights from memory, as a prefill's experts do.
+    let rows = match std::env::var("KERNEL_MIN_ROWS") {
+        Ok(v) => parse(&v, "KERNEL_MIN_ROWS")?,
+        Err(_) => 2880,
+    };
+    let cols = 2880;
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move || {
         state ^= state << 13;

@@ -12,8 +12,11 @@
 //! brings each lane's nibble to the bits `vpermps` reads, so its weights come out of element
 //! order and the inputs are permuted to match ([`MXFP4_ORDER`]). Decode reads a matrix as four
 //! sequential streams (rows from the four quarters of a task's range, interleaved) with a
-//! software prefetch ahead in each (a distance chosen per CPU family). Prefill decodes a slab of rows once per call of up to 32
-//! positions, as the AVX2 ISA does. Measured on Zen 4 (README, Kernels); on CPUs without
+//! software prefetch ahead in each (a distance chosen per CPU family). Prefill (up to 32
+//! positions a call) decodes each block of a tile of rows in registers and multiplies it by a
+//! tile of up to 8 positions in the same loop, so the decoding's shifts and lookups overlap
+//! the multiply-adds ([`mxfp4_fused`]; on Zen 4 1.1-1.5x the kernel that decoded into an L1
+//! buffer first, docs/performance.md). Measured on Zen 4 (README, Kernels); on CPUs without
 //! AVX-512 the tests run the ISA in software emulation (`avx512_emulated`), and where it runs
 //! natively the runtime self-check guards it.
 use std::arch::x86_64::*;
@@ -334,8 +337,8 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
 /// match), block after block, and [`hsum`] reduces
 /// the lanes. One position ([`mxfp4_dot`]) streams four rows at a time (one from each quarter
 /// of the range), decoding in registers;
-/// several ([`mxfp4_block`]) decode a slab of rows into an L1 buffer once and multiply it by
-/// every position in register tiles. So a block of positions gets exactly what each position
+/// several ([`mxfp4_fused`]) decode each block of a tile of rows in registers and multiply it
+/// by a tile of positions at once. So a block of positions gets exactly what each position
 /// gets alone.
 ///
 /// # Safety
@@ -356,7 +359,7 @@ unsafe fn mxfp4_rows(
     let (bb, sb) = (blocks.as_ptr(), scales.as_ptr());
     if p > 1 {
         // SAFETY: bounds forwarded from the caller.
-        return unsafe { mxfp4_block(bb, sb, nb, r0, n, xs, p, out) };
+        return unsafe { mxfp4_fused(bb, sb, nb, r0, n, xs, p, out) };
     }
     let x = xs.as_ptr();
     let c = Shifts::new();
@@ -388,23 +391,18 @@ unsafe fn mxfp4_rows(
 /// Most positions one MXFP4 call takes: the weights are decoded once per call, so all of an
 /// expert's positions in a prefill block of 128 tokens (about 16 on GPT-OSS) share one decode.
 pub(super) const POSITIONS: usize = 32;
-/// Rows [`mxfp4_block`] decodes at once.
-const CHUNK_ROWS: usize = 16;
-/// Most rows whose accumulators [`mxfp4_block`] keeps at once (at up to 8 positions; fewer
+/// Most rows whose accumulators [`mxfp4_fused`] keeps at once (at up to 8 positions; fewer
 /// beyond, [`ACC_VECTORS`]): half the AVX2 ISA's 64, since each accumulator is twice the size.
 const MAX_ROWS: usize = 32;
-/// Accumulator vectors [`mxfp4_block`] keeps per group of rows (16 KiB, half of Zen 4's L1
+/// Accumulator vectors [`mxfp4_fused`] keeps per group of rows (16 KiB, half of Zen 4's L1
 /// data cache): fewer rows per group as positions grow (32 rows at 8 positions, 8 at 32), so
-/// that the accumulators a slab walks stay in L1 beside the slab and the inputs; rows are
-/// packed `p` positions apart. On the Xeon (family 6, model 207), against 32 rows at every
-/// count with rows `POSITIONS` apart, eight alternations of `cargo bench -p stormo-engine
-/// --bench kernel_min -- mxfp4 P 40 avx512`: 2-14% faster at 32 positions, from 2% slower
-/// to 8% faster at 8 and 16 (one run 13%); the prefill's experts phase 3-6% faster. Zen 4 not
-/// measured.
+/// that the accumulators a slab walks stay in L1 beside the inputs; rows are packed `p`
+/// positions apart. On the Xeon (family 6, model 207), against 32 rows at every count with
+/// rows `POSITIONS` apart, eight alternations of `cargo bench -p stormo-engine --bench
+/// kernel_min -- mxfp4 P 40 avx512`: 2-14% faster at 32 positions, from 2% slower to 8%
+/// faster at 8 and 16 (one run 13%); the prefill's experts phase 3-6% faster (measured with
+/// the kernel before [`mxfp4_fused`], which decoded into an L1 buffer first).
 const ACC_VECTORS: usize = 256;
-/// Blocks per slab in [`mxfp4_block`]: one cache line of each row's weights, 512 bytes of
-/// inputs per position; the decoded slab is 8 KiB.
-const SLAB: usize = 4;
 
 /// Every dequantized MXFP4 value by E8M0 scale byte: entry `s` holds
 /// [`mxfp4_value`](super::mxfp4_value)`(nibble, s)` for the 16 nibbles (one 64-byte line per
@@ -531,28 +529,28 @@ unsafe fn mxfp4_dot<const R: usize>(
     acc.map(|v| hsum(v))
 }
 
-/// Vectors of [`mxfp4_block`]'s scratch: a group's accumulators ([`ACC_VECTORS`]: at most
-/// that many whatever the positions, as [`group_rows`] chooses), then the slab (`CHUNK_ROWS`
-/// rows of `SLAB` blocks of two vectors).
-const SCRATCH: usize = ACC_VECTORS + CHUNK_ROWS * SLAB * 2;
-
 /// Rows of a group at `p` positions: as many as keep their accumulators within
-/// [`ACC_VECTORS`], a multiple of the 4-row tiles, at most [`MAX_ROWS`].
+/// [`ACC_VECTORS`], a multiple of 4 (the tiles' row counts are 1, 2, 4 and 8), at most
+/// [`MAX_ROWS`].
 fn group_rows(p: usize) -> usize {
     (ACC_VECTORS / p / 4 * 4).clamp(4, MAX_ROWS)
 }
 
 thread_local! {
-    /// [`mxfp4_block`]'s scratch (24 KiB), kept by each thread between calls (taken while in
-    /// use).
+    /// [`mxfp4_fused`]'s accumulators (16 KiB), kept by each thread between calls (taken
+    /// while in use).
     static BLOCK_SCRATCH: std::cell::Cell<Vec<__m512>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
-/// [`mxfp4_rows`] for `2 <= p <= POSITIONS` positions, as the AVX2 ISA's prefill kernel:
-/// groups of up to [`MAX_ROWS`] rows (fewer as positions grow: [`group_rows`]) walked in
-/// slabs of [`SLAB`] blocks; for each slab, chunk after chunk of [`CHUNK_ROWS`] rows is decoded once into an L1 buffer, then tiles of 4 rows
-/// x 4 positions multiply it ([`tile`]: sixteen accumulators in registers, each input vector
-/// loaded once for four rows, each weight vector once for four positions). The group's
+/// Blocks per column slab of [`mxfp4_fused`]: a tile of 8 positions' inputs over a slab is
+/// 16 KiB (8 blocks were 2-5% slower on Zen 4, 4 blocks 3-6%).
+const FUSED_SLAB: usize = 16;
+
+/// [`mxfp4_rows`] for `2 <= p <= POSITIONS` positions, decoding in registers: the positions
+/// are split into tiles of at most 8, and for each column slab of [`FUSED_SLAB`] blocks and
+/// each tile of positions, tiles of rows (2 rows at 5-8 positions, 4 at 3-4, 8 at 2) decode
+/// their blocks and multiply them at once ([`fused`]), so the decoding's shifts and lookups
+/// run beside the multiply-adds rather than in a loop of their own. The group's
 /// accumulators live in the thread's scratch between slabs.
 ///
 /// # Safety
@@ -561,7 +559,7 @@ thread_local! {
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-unsafe fn mxfp4_block(
+unsafe fn mxfp4_fused(
     bb: *const u8,
     sb: *const u8,
     nb: usize,
@@ -575,62 +573,59 @@ unsafe fn mxfp4_block(
     let cols = nb * 32;
     let c = Shifts::new();
     let mut scratch = BLOCK_SCRATCH.take();
-    scratch.resize(SCRATCH, _mm512_setzero_ps());
-    let (acc, slab) = scratch.split_at_mut(ACC_VECTORS);
+    scratch.resize(ACC_VECTORS, _mm512_setzero_ps());
+    let acc = &mut scratch[..];
     let rows = group_rows(p);
+    // Tiles of positions as equal as possible, at most 8 each.
+    let tiles = p.div_ceil(8);
     for g0 in (0..n).step_by(rows) {
         let g = rows.min(n - g0);
         acc[..g * p].fill(_mm512_setzero_ps());
-        for b0 in (0..nb).step_by(SLAB) {
-            let k = SLAB.min(nb - b0);
-            for c0 in (0..g).step_by(CHUNK_ROWS) {
-                let m = CHUNK_ROWS.min(g - c0);
-                for (i, dst) in slab.chunks_exact_mut(SLAB * 2).take(m).enumerate() {
-                    let row = r0 + g0 + c0 + i;
-                    // SAFETY: row `row < r0 + n` and blocks `b0 .. b0 + k <= nb` (caller).
-                    let (b, s) =
-                        unsafe { (bb.add(row * nb * 16 + 16 * b0), sb.add(row * nb + b0)) };
-                    // The row's slab after next (a hint, harmless past the end).
-                    _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(2 * 16 * SLAB) as *const i8);
-                    for (j, d) in dst.chunks_exact_mut(2).take(k).enumerate() {
-                        // SAFETY: block `b0 + j` of the row (above).
-                        let w = unsafe { decode(b.add(16 * j), *s.add(j), c) };
-                        d.copy_from_slice(&w);
-                    }
-                }
+        for b0 in (0..nb).step_by(FUSED_SLAB) {
+            let k = FUSED_SLAB.min(nb - b0);
+            for i in 0..g {
+                let row = r0 + g0 + i;
+                // The row's slab after next (a hint, harmless past the end).
+                _mm_prefetch::<_MM_HINT_T0>(
+                    bb.wrapping_add(row * nb * 16 + 16 * (b0 + 2 * FUSED_SLAB)) as *const i8,
+                );
+            }
+            let mut q = 0;
+            for t in 0..tiles {
+                let qn = (p - q) / (tiles - t);
                 let mut i = 0;
-                while i < m {
-                    let r = (m - i).min(4);
-                    let mut q = 0;
-                    while q < p {
-                        // SAFETY: positions `q .. q + 4.min(p - q) <= p` hold `cols` f32 each
-                        // and the slab's blocks lie within them (caller); slab rows
-                        // `i .. i + r <= m` and accumulator rows `c0 + i + r <= g <= MAX_ROWS`.
-                        unsafe {
-                            let x = xs.as_ptr().add(q * cols + 32 * b0);
-                            let a = acc.as_mut_ptr().add((c0 + i) * p + q);
-                            let slab = slab.as_ptr();
-                            macro_rules! go {
-                                ($r:literal) => {
-                                    match (p - q).min(4) {
-                                        4 => tile::<$r, 4>(slab, i, x, cols, k, a, p),
-                                        3 => tile::<$r, 3>(slab, i, x, cols, k, a, p),
-                                        2 => tile::<$r, 2>(slab, i, x, cols, k, a, p),
-                                        _ => tile::<$r, 1>(slab, i, x, cols, k, a, p),
-                                    }
-                                };
-                            }
-                            match r {
-                                4 => go!(4),
-                                3 => go!(3),
-                                2 => go!(2),
-                                _ => go!(1),
-                            }
+                while i < g {
+                    // SAFETY: rows `g0 + i ..` of the group and positions `q .. q + qn <= p`
+                    // (caller); accumulator `(i, q)` and beyond lie within `g * p`.
+                    unsafe {
+                        let row = r0 + g0 + i;
+                        let b = bb.add(row * nb * 16 + 16 * b0);
+                        let s = sb.add(row * nb + b0);
+                        let x = xs.as_ptr().add(q * cols + 32 * b0);
+                        let a = acc.as_mut_ptr().add(i * p + q);
+                        macro_rules! go {
+                            ($r:literal, $q:literal) => {{
+                                if g - i >= $r {
+                                    fused::<$r, $q>(b, s, nb, x, cols, k, a, p, c);
+                                    $r
+                                } else {
+                                    fused::<1, $q>(b, s, nb, x, cols, k, a, p, c);
+                                    1
+                                }
+                            }};
                         }
-                        q += 4;
+                        i += match qn {
+                            8 => go!(2, 8),
+                            7 => go!(2, 7),
+                            6 => go!(2, 6),
+                            5 => go!(2, 5),
+                            4 => go!(4, 4),
+                            3 => go!(4, 3),
+                            _ => go!(8, 2),
+                        };
                     }
-                    i += r;
                 }
+                q += qn;
             }
         }
         for (i, a) in acc[..g * p].chunks_exact(p).enumerate() {
@@ -642,39 +637,42 @@ unsafe fn mxfp4_block(
     BLOCK_SCRATCH.set(scratch);
 }
 
-/// Adds `k` decoded blocks of slab rows `i .. i + R` (block `blk` of row `i` is the two
-/// vectors at `slab + (i * SLAB + blk) * 2`) times `Q` positions (`x`: the slab's first input
-/// of the first position, positions `cols` apart) to the accumulators at `acc` (row `r`,
-/// position `q` at `acc + r * p + q`), by [`mxfp4_rows`]' arithmetic.
+/// Adds blocks `0 .. k` of `R` rows (`b`, `s`: the first row's weights and scales at the
+/// slab's first block, rows `nb` blocks apart) times `Q` positions (`x`: the slab's first
+/// input of the first position, positions `cols` apart) to the accumulators at `acc` (row
+/// `r`, position `q` at `acc + r * p + q`), decoding each block once in registers, by
+/// [`mxfp4_rows`]' arithmetic.
 ///
 /// # Safety
-/// The CPU supports the ISA; `x` points to `Q` positions of `32 * k` readable f32, `cols`
-/// apart; `slab` to a whole slab, `i + R <= CHUNK_ROWS`, `k <= SLAB`; the `R x Q` accumulators
-/// are in bounds.
+/// The CPU supports the ISA; `R` rows of `k` blocks at `b`/`s`, `Q` positions of `32 * k`
+/// readable f32 at `x`, and the `R x Q` accumulators are in bounds.
+#[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-unsafe fn tile<const R: usize, const Q: usize>(
-    slab: *const __m512,
-    i: usize,
+unsafe fn fused<const R: usize, const Q: usize>(
+    b: *const u8,
+    s: *const u8,
+    nb: usize,
     x: *const f32,
     cols: usize,
     k: usize,
     acc: *mut __m512,
     p: usize,
+    c: Shifts,
 ) {
     // SAFETY (whole body): the bounds above (caller).
     unsafe {
         let at = |r: usize, q: usize| acc.add(r * p + q);
         let mut a: [[__m512; Q]; R] = std::array::from_fn(|r| std::array::from_fn(|q| *at(r, q)));
         for blk in 0..k {
-            for j in 0..2 {
-                let w: [__m512; R] =
-                    std::array::from_fn(|r| *slab.add(((i + r) * SLAB + blk) * 2 + j));
-                for q in 0..Q {
-                    let xv = _mm512_loadu_ps(x.add(q * cols + 32 * blk + 16 * j));
-                    for (ar, wr) in a.iter_mut().zip(&w) {
-                        ar[q] = _mm512_fmadd_ps(*wr, xv, ar[q]);
-                    }
+            let w: [[__m512; 2]; R] = std::array::from_fn(|r| {
+                decode(b.add(r * nb * 16 + 16 * blk), *s.add(r * nb + blk), c)
+            });
+            for q in 0..Q {
+                let x0 = _mm512_loadu_ps(x.add(q * cols + 32 * blk));
+                let x1 = _mm512_loadu_ps(x.add(q * cols + 32 * blk + 16));
+                for (ar, wr) in a.iter_mut().zip(&w) {
+                    ar[q] = _mm512_fmadd_ps(wr[1], x1, _mm512_fmadd_ps(wr[0], x0, ar[q]));
                 }
             }
         }
