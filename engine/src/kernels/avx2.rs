@@ -312,10 +312,11 @@ unsafe fn dense_dot<const FMT: u8, const R: usize, const P: usize>(
 /// registers takes a fused multiply-add per vector of 8 weights (the block's first and third
 /// vectors into the first register, its second and fourth into the second, block after block),
 /// and [`hsum_mxfp4`] reduces the lanes: the reference's arithmetic. One position
-/// ([`mxfp4_dot`]) streams four rows at a time, decoding in registers; several
-/// ([`mxfp4_block`]) decode a slab of rows into an L1 buffer once and multiply it by every
-/// position in register tiles. So a block of positions gets exactly what each position gets
-/// alone.
+/// ([`mxfp4_dot`]) streams four rows at a time, decoding in registers; up to
+/// [`FUSED_POSITIONS`] ([`mxfp4_fused`]) decode each row's blocks in registers and multiply
+/// them by tiles of up to 4 positions; more ([`mxfp4_block`]) decode a slab of rows into an
+/// L1 buffer once and multiply it by every position in register tiles. So a block of
+/// positions gets exactly what each position gets alone.
 ///
 /// # Safety
 /// As [`rows_impl`]: rows `r0 .. r0 + n` of `blocks`/`scales` and `p` positions in bounds.
@@ -336,7 +337,13 @@ unsafe fn mxfp4_rows(
     let (bb, sb) = (blocks.as_ptr(), scales.as_ptr());
     if p > 1 {
         // SAFETY: bounds forwarded from the caller.
-        return unsafe { mxfp4_block(bb, sb, nb, r0, n, xs, p, out) };
+        return unsafe {
+            if p <= FUSED_POSITIONS {
+                mxfp4_fused(bb, sb, nb, r0, n, xs, p, out)
+            } else {
+                mxfp4_block(bb, sb, nb, r0, n, xs, p, out)
+            }
+        };
     }
     let x = xs.as_ptr();
     let c = Fp4Consts::new();
@@ -585,6 +592,127 @@ unsafe fn mxfp4_tile<const R: usize, const Q: usize>(
                 *at(r, q, 0) = v[0];
                 *at(r, q, 1) = v[1];
             }
+        }
+    }
+}
+
+/// Blocks per column slab of [`mxfp4_fused`].
+const FUSED_SLAB: usize = 16;
+/// Most positions [`mxfp4_rows`] gives [`mxfp4_fused`] rather than [`mxfp4_block`]: with 16
+/// registers a tile takes 4 positions, so beyond 8 the block is decoded three times or more
+/// and decoding once into L1 wins. On Zen 4 with this ISA forced (one thread, 2880 x 2880,
+/// `cargo bench -p stormo-engine --bench kernel_min -- mxfp4 P 40 avx2`): fused 1.1-1.4x at
+/// 2 to 8 positions, 0.95x at 16 and 0.87x at 32.
+const FUSED_POSITIONS: usize = 8;
+
+/// [`mxfp4_rows`] for `2 <= p <= MXFP4_POSITIONS` positions, decoding in registers: the
+/// positions split into tiles of at most 4, and for each column slab of [`FUSED_SLAB`] blocks
+/// and each tile, row after row decodes its blocks and multiplies them by the tile's
+/// positions at once ([`fused`]), so the decoding's shuffles run beside the multiply-adds.
+/// The group's accumulators live in the thread's scratch between slabs.
+///
+/// # Safety
+/// As [`mxfp4_block`].
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn mxfp4_fused(
+    bb: *const u8,
+    sb: *const u8,
+    nb: usize,
+    r0: usize,
+    n: usize,
+    xs: &[f32],
+    p: usize,
+    out: &mut [f32],
+) {
+    debug_assert!((2..=MXFP4_POSITIONS).contains(&p));
+    let cols = nb * 32;
+    let c = Fp4Consts::new();
+    let mut scratch = BLOCK_SCRATCH.take();
+    scratch.resize(ACC_VECTORS, _mm256_setzero_ps());
+    let acc = &mut scratch[..];
+    let stride = 2 * p;
+    let rows = group_rows(p);
+    let tiles = p.div_ceil(4);
+    for g0 in (0..n).step_by(rows) {
+        let g = rows.min(n - g0);
+        acc[..g * stride].fill(_mm256_setzero_ps());
+        for b0 in (0..nb).step_by(FUSED_SLAB) {
+            let k = FUSED_SLAB.min(nb - b0);
+            for i in 0..g {
+                let row = r0 + g0 + i;
+                // The row's slab after next (a hint, harmless past the end).
+                _mm_prefetch::<_MM_HINT_T0>(
+                    bb.wrapping_add(row * nb * 16 + 16 * (b0 + 2 * FUSED_SLAB)) as *const i8,
+                );
+            }
+            let mut q = 0;
+            for t in 0..tiles {
+                let qn = (p - q) / (tiles - t);
+                for i in 0..g {
+                    // SAFETY: row `g0 + i` of the group and positions `q .. q + qn <= p`
+                    // (caller); its accumulators lie within `g * stride`.
+                    unsafe {
+                        let row = r0 + g0 + i;
+                        let b = bb.add(row * nb * 16 + 16 * b0);
+                        let s = sb.add(row * nb + b0);
+                        let x = xs.as_ptr().add(q * cols + 32 * b0);
+                        let a = acc.as_mut_ptr().add(i * stride + 2 * q);
+                        match qn {
+                            4 => fused::<4>(b, s, x, cols, k, a, c),
+                            3 => fused::<3>(b, s, x, cols, k, a, c),
+                            2 => fused::<2>(b, s, x, cols, k, a, c),
+                            _ => fused::<1>(b, s, x, cols, k, a, c),
+                        }
+                    }
+                }
+                q += qn;
+            }
+        }
+        for (i, a) in acc[..g * stride].chunks_exact(stride).enumerate() {
+            for q in 0..p {
+                out[q * n + g0 + i] = hsum_mxfp4([a[2 * q], a[2 * q + 1]]);
+            }
+        }
+    }
+    BLOCK_SCRATCH.set(scratch);
+}
+
+/// Adds blocks `0 .. k` of one row (`b`, `s`: its weights and scales at the slab's first
+/// block) times `Q` positions (`x`: the slab's first input of the first position, positions
+/// `cols` apart) to the accumulators at `acc` (position `q`: the pair of registers at
+/// `acc + 2 * q`), decoding each block once in registers, by [`mxfp4_dot`]'s arithmetic.
+///
+/// # Safety
+/// The CPU supports the ISA; `k` blocks at `b`/`s`, `Q` positions of `32 * k` readable f32 at
+/// `x`, and the `Q` accumulators are in bounds.
+#[inline(always)]
+unsafe fn fused<const Q: usize>(
+    b: *const u8,
+    s: *const u8,
+    x: *const f32,
+    cols: usize,
+    k: usize,
+    acc: *mut __m256,
+    c: Fp4Consts,
+) {
+    // SAFETY (whole body): the bounds above (caller).
+    unsafe {
+        let mut a: [[__m256; 2]; Q] =
+            std::array::from_fn(|q| [*acc.add(2 * q), *acc.add(2 * q + 1)]);
+        for blk in 0..k {
+            let w = decode_scaled(b.add(16 * blk), *s.add(blk), c);
+            for (j, wv) in w.iter().enumerate() {
+                for (q, aq) in a.iter_mut().enumerate() {
+                    let xv = _mm256_loadu_ps(x.add(q * cols + 32 * blk + 8 * j));
+                    aq[j % 2] = _mm256_fmadd_ps(*wv, xv, aq[j % 2]);
+                }
+            }
+        }
+        for (q, v) in a.iter().enumerate() {
+            *acc.add(2 * q) = v[0];
+            *acc.add(2 * q + 1) = v[1];
         }
     }
 }
