@@ -452,9 +452,9 @@ mod tests {
         }
     }
 
-    /// The congestion control a serving node uses unless told otherwise is `tolerant`, as the
-    /// README and docs/network.md say (change them with it); `--congestion cubic` opts out;
-    /// the simulator's nodes follow `serve`'s default.
+    /// The congestion control a serving node uses unless told otherwise is `tolerant`, as
+    /// docs/network.md and docs/performance.md say (change them with it); `--congestion cubic`
+    /// opts out; the simulator's nodes follow `serve`'s default.
     #[test]
     fn serve_paces_with_the_tolerant_controller_unless_told_otherwise() {
         use super::{Cli, Command};

@@ -253,8 +253,8 @@ fn hsum_mxfp4(a: [__m256; 2]) -> f32 {
 /// Dot products of `R` consecutive rows with `P` positions, `n` elements each (`2 R P`
 /// accumulator registers: at most 12 of the 16 leave room for the loads). With one
 /// position (decode) it also prefetches, a cache line at a time, the next `R` rows: each row
-/// is a stream too short for the hardware prefetcher to ramp up before it ends (README,
-/// Kernels).
+/// is a stream too short for the hardware prefetcher to ramp up before it ends
+/// (docs/performance.md, Zen 4).
 ///
 /// # Safety
 /// The CPU supports the ISA; each `w[k]` points to `n` readable elements of format `FMT` and

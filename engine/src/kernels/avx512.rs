@@ -16,7 +16,7 @@
 //! positions a call) decodes each block of a tile of rows in registers and multiplies it by a
 //! tile of up to 8 positions in the same loop, so the decoding's shifts and lookups overlap
 //! the multiply-adds ([`mxfp4_fused`]; on Zen 4 1.1-1.5x the kernel that decoded into an L1
-//! buffer first, docs/performance.md). Measured on Zen 4 (README, Kernels); on CPUs without
+//! buffer first, docs/performance.md). Measured on Zen 4 (docs/performance.md); on CPUs without
 //! AVX-512 the tests run the ISA in software emulation (`avx512_emulated`), and where it runs
 //! natively the runtime self-check guards it.
 use std::arch::x86_64::*;
@@ -469,7 +469,7 @@ impl Shifts {
 /// block: two shifts, two permutes, and the two multiply-adds of the caller. Zen 4 issues two
 /// 512-bit operations a cycle, so that is about three cycles per block at best; broadcasting
 /// the whole block to the four 128-bit lanes, as this ISA did first, is a shuffle, and
-/// measured 11-17% slower there (README, Kernels).
+/// measured 11-17% slower there (docs/performance.md, Zen 4).
 ///
 /// # Safety
 /// The CPU supports the ISA and 16 bytes at `b` are readable.
