@@ -11,14 +11,15 @@
 //! expert down projection, of random weights; `bf16t` input-major), the positions per call, the
 //! calls, and the ISA (default: the best this CPU runs natively). `KERNEL_MIN_ROWS=46080` gives
 //! the matrix that many rows (66 MB of MXFP4, more than the caches hold), so that each call
-//! streams its weights from memory as a prefill's experts do.
+//! streams its weights from memory as a prefill's experts do. `kernel_min peak [ISA]` prints
+//! one thread's f32 FMA peak and the `--int8-experts` kernel's integer dot-product peak.
 
 use std::time::Instant;
 
-use stormo_engine::kernels::{matmul, with_isa, Float, Isa, Mat};
+use stormo_engine::kernels::{matmul, peak_flops, peak_int8_ops, with_isa, Float, Isa, Mat};
 
 const USAGE: &str = "usage: kernel_min WEIGHTS POSITIONS CALLS [ISA]  \
-                     (WEIGHTS: mxfp4, mxfp4-int8, bf16 or bf16t)";
+                     (WEIGHTS: mxfp4, mxfp4-int8, bf16 or bf16t), or kernel_min peak [ISA]";
 
 fn main() {
     // `cargo bench` passes `--bench` to every bench target.
@@ -33,6 +34,11 @@ fn main() {
 }
 
 fn run(args: &[String]) -> Result<(), String> {
+    if let [peak, rest @ ..] = args {
+        if peak == "peak" {
+            return peaks(rest.first().map(String::as_str));
+        }
+    }
     let [which, t, calls, rest @ ..] = args else {
         return Err("expected at least three arguments".into());
     };
@@ -129,5 +135,35 @@ fn run(args: &[String]) -> Result<(), String> {
         best * 1e6,
         flops / best / 1e9
     );
+    Ok(())
+}
+
+/// `kernel_min peak [ISA]`: one thread's peaks, against which the kernels' GFLOP/s compare:
+/// fused multiply-adds on registers, and the `--int8-experts` path's dot-product step.
+fn peaks(isa: Option<&str>) -> Result<(), String> {
+    let isa = match isa {
+        Some(name) => Isa::parse(name).ok_or(format!("unknown ISA {name:?}"))?,
+        None => Isa::detected(),
+    };
+    if !isa.is_native() {
+        return Err(format!("this CPU does not run {isa} natively"));
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .map_err(|e| format!("a one-thread pool: {e}"))?;
+    let (fma, int8) = pool.install(|| (peak_flops(isa, 1.5), peak_int8_ops(isa, 1.5)));
+    println!(
+        "{isa}, one thread: f32 fused multiply-adds {:.1} GFLOP/s",
+        fma / 1e9
+    );
+    match int8 {
+        Some(ops) => println!(
+            "{isa}, one thread: int8 dot products (the --int8-experts kernel's step) {:.1} GOP/s, {:.2}x the f32 peak",
+            ops / 1e9,
+            ops / fma
+        ),
+        None => println!("{isa}: the int8 path has no SIMD kernel here"),
+    }
     Ok(())
 }

@@ -850,21 +850,46 @@ pub fn peak_flops(isa: Isa, seconds: f64) -> f64 {
 
 /// One round of [`peak_flops`].
 fn peak_round(isa: Isa, seconds: f64) -> f64 {
+    burst_rate(seconds, || match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::fma_burst(),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => avx512::fma_burst(),
+        _ => scalar::fma_burst(),
+    })
+}
+
+/// Operations a second of `burst` (which returns the operations it did) on every thread of
+/// the rayon pool at once, for about `seconds`.
+fn burst_rate(seconds: f64, burst: impl Fn() -> f64 + Sync) -> f64 {
     let per_thread: Vec<f64> = rayon::broadcast(|_| {
-        let mut flops = 0f64;
+        let mut ops = 0f64;
         let start = std::time::Instant::now();
         while start.elapsed().as_secs_f64() < seconds {
-            flops += match isa {
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => avx2::fma_burst(),
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 => avx512::fma_burst(),
-                _ => scalar::fma_burst(),
-            };
+            ops += burst();
         }
-        flops / start.elapsed().as_secs_f64()
+        ops / start.elapsed().as_secs_f64()
     });
     per_thread.iter().sum()
+}
+
+/// The machine's peak for the `--int8-experts` path's dot-product step on `ISA`, in integer
+/// operations a second (two per 8-bit product, so comparable with [`peak_flops`]): every
+/// thread of the rayon pool runs the step the int8 kernel uses (`vpdpbusd` with AVX-512 VNNI,
+/// `vpmaddubsw` and `vpmaddwd` without) on registers, the best of three rounds of about
+/// `seconds / 3`. `None` where that path has no x86 SIMD kernel (NEON, scalar).
+///
+/// # Panics
+/// If this CPU does not run `ISA` natively.
+pub fn peak_int8_ops(isa: Isa, seconds: f64) -> Option<f64> {
+    park_helpers();
+    assert!(isa.is_native(), "this CPU does not run {isa} natively");
+    int8x::dot_burst(isa)?;
+    Some(
+        (0..3)
+            .map(|_| burst_rate(seconds / 3.0, || int8x::dot_burst(isa).unwrap_or(0.0)))
+            .fold(0.0, f64::max),
+    )
 }
 
 /// `y = W·x` for one position, with the thread's [`Isa::active`] kernels.
@@ -2492,6 +2517,18 @@ mod tests {
         for isa in Isa::native() {
             let f = peak_flops(isa, 0.01);
             assert!(f.is_finite() && f > 1e6, "{isa}: {f} FLOP/s");
+        }
+    }
+
+    /// The int8 path's peak is measured wherever it has an x86 kernel, and only there.
+    #[test]
+    fn int8_peak_is_positive_where_the_int8_path_has_simd() {
+        for isa in Isa::native() {
+            let simd = cfg!(target_arch = "x86_64") && matches!(isa, Isa::Avx2 | Isa::Avx512);
+            match peak_int8_ops(isa, 0.01) {
+                Some(ops) => assert!(simd && ops.is_finite() && ops > 1e6, "{isa}: {ops}"),
+                None => assert!(!simd, "{isa}: no int8 peak"),
+            }
         }
     }
 

@@ -40,7 +40,16 @@
 //!   above, a nibble split and a byte-table lookup giving `2w + 12` (in 0..=24, unsigned);
 //!   per position four `vpdpbusd` with the inputs straight from memory, one add of the
 //!   register's halves, the offsets added (`Σ (2w + 12) q − 12 Σ q = Σ 2w q`), then one
-//!   conversion, one multiply and one fused multiply-add of eight lanes.
+//!   conversion, one multiply and one fused multiply-add of eight lanes. Two rows at a time,
+//!   so each 64-byte load of inputs feeds two `vpdpbusd` (1.03x on Zen 4, one thread, 8 and
+//!   16 positions); the eight-lane sums use AVX-512 VL, which lets them live in any of the 32
+//!   registers (without it LLVM spilled them to the stack; a CPU with AVX-512 BW but no VL
+//!   runs the AVX2 kernel). On Zen 4 the kernel reaches about 38% of the `vpdpbusd` peak
+//!   (`kernel_min peak`: one 512-bit `vpdpbusd` a cycle, 468 GOP/s a thread): a position
+//!   costs about 8.5 cycles per group of eight blocks where its four `vpdpbusd` need 4 (the
+//!   same steps with inputs in L1 and no weights to decode: 5.9), and a group's decode about
+//!   18. Not understood further; 16 positions a call (inputs past L1) and column slabs (inputs
+//!   kept in L1) were slower or no faster.
 //! - **AVX-512 without VNNI** (BW): the same with `vpmaddubsw` (pairs into i16, at most
 //!   4 · 2 · 24 · 127 after four loads' sums) and one `vpmaddwd` by ones in place of the four
 //!   `vpdpbusd`.
@@ -320,6 +329,10 @@ fn tree(a: [f32; LANES]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 const PREFETCH: usize = 4096;
 
+/// Rows the AVX-512 kernels take at once, sharing each load of a position's inputs.
+#[cfg(target_arch = "x86_64")]
+const ROWS: usize = 2;
+
 /// Most positions one SIMD call takes (one row's decode shared by all of them).
 pub(super) const POSITIONS: usize = 8;
 
@@ -336,8 +349,14 @@ enum X86 {
 fn x86_kernel(isa: super::Isa) -> Option<X86> {
     use std::sync::OnceLock;
     static VNNI: OnceLock<bool> = OnceLock::new();
+    static VL: OnceLock<bool> = OnceLock::new();
     match isa {
-        super::Isa::Avx512 if super::avx512::supported() => {
+        // VL: the kernels' eight-lane sums in any of the 32 registers (without it, 256-bit
+        // operations reach only the first 16, and the accumulators spilled to the stack).
+        super::Isa::Avx512
+            if super::avx512::supported()
+                && *VL.get_or_init(|| is_x86_feature_detected!("avx512vl")) =>
+        {
             let vnni = *VNNI.get_or_init(|| is_x86_feature_detected!("avx512vnni"));
             Some(if vnni { X86::Avx512Vnni } else { X86::Avx512Bw })
         }
@@ -345,6 +364,102 @@ fn x86_kernel(isa: super::Isa) -> Option<X86> {
         super::Isa::Avx2 | super::Isa::Avx512 if super::avx2::supported() => Some(X86::Avx2),
         _ => None,
     }
+}
+
+/// Integer multiply-add operations (two per u8 x s8 product, to compare with FLOPs) done by a
+/// burst of the dot-product step `ISA`'s int8 kernel uses, on 12 independent register sums
+/// (for [`super::peak_int8_ops`]): `vpdpbusd` on 512 bits where the CPU has VNNI, else
+/// `vpmaddubsw` pairs widened by `vpmaddwd` as the AVX-512 BW and AVX2 kernels sum them (four
+/// products to one widening). `None` where the path has no SIMD kernel measured here (NEON,
+/// scalar).
+pub(super) fn dot_burst(isa: super::Isa) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(k) = x86_kernel(isa) {
+        // SAFETY: the kernel's features were detected on this CPU.
+        return Some(unsafe {
+            match k {
+                X86::Avx512Vnni => vnni_burst(),
+                X86::Avx512Bw => bw_burst(),
+                X86::Avx2 => avx2_burst(),
+            }
+        });
+    }
+    let _ = isa;
+    None
+}
+
+/// Independent sums of a burst, and steps of each.
+#[cfg(target_arch = "x86_64")]
+const BURST: (usize, usize) = (12, 1 << 13);
+
+/// # Safety
+/// The CPU has AVX-512 F and VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn vnni_burst() -> f64 {
+    let (chains, steps) = BURST;
+    let w = _mm512_set1_epi8(std::hint::black_box(3));
+    let x = _mm512_set1_epi8(std::hint::black_box(-5));
+    let mut acc = [_mm512_setzero_si512(); BURST.0];
+    for _ in 0..steps {
+        for v in acc.iter_mut() {
+            *v = _mm512_dpbusd_epi32(*v, w, x);
+        }
+    }
+    std::hint::black_box(acc);
+    (2 * 64 * chains * steps) as f64
+}
+
+/// # Safety
+/// The CPU has AVX-512 F and BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn bw_burst() -> f64 {
+    let (chains, steps) = BURST;
+    let w = _mm512_set1_epi8(std::hint::black_box(3));
+    let x = _mm512_set1_epi8(std::hint::black_box(5));
+    let y = _mm512_set1_epi8(std::hint::black_box(7));
+    let z = _mm512_set1_epi8(std::hint::black_box(11));
+    let ones = _mm512_set1_epi16(1);
+    let mut acc = [_mm512_setzero_si512(); BURST.0];
+    for _ in 0..steps / 4 {
+        for v in acc.iter_mut() {
+            // Four products of the sum's own bytes (so that none is hoisted out of the loop).
+            let s = _mm512_add_epi16(
+                _mm512_add_epi16(_mm512_maddubs_epi16(w, *v), _mm512_maddubs_epi16(x, *v)),
+                _mm512_add_epi16(_mm512_maddubs_epi16(y, *v), _mm512_maddubs_epi16(z, *v)),
+            );
+            *v = _mm512_add_epi32(*v, _mm512_madd_epi16(s, ones));
+        }
+    }
+    std::hint::black_box(acc);
+    (2 * 64 * chains * (steps / 4 * 4)) as f64
+}
+
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_burst() -> f64 {
+    let (chains, steps) = BURST;
+    let w = _mm256_set1_epi8(std::hint::black_box(3));
+    let x = _mm256_set1_epi8(std::hint::black_box(5));
+    let y = _mm256_set1_epi8(std::hint::black_box(7));
+    let z = _mm256_set1_epi8(std::hint::black_box(11));
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_si256(); BURST.0];
+    for _ in 0..steps / 4 {
+        for v in acc.iter_mut() {
+            // Four products of the sum's own bytes (so that none is hoisted out of the loop).
+            let s = _mm256_add_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(w, *v), _mm256_maddubs_epi16(x, *v)),
+                _mm256_add_epi16(_mm256_maddubs_epi16(y, *v), _mm256_maddubs_epi16(z, *v)),
+            );
+            *v = _mm256_add_epi32(*v, _mm256_madd_epi16(s, ones));
+        }
+    }
+    std::hint::black_box(acc);
+    (2 * 32 * chains * (steps / 4 * 4)) as f64
 }
 
 /// Rows `r0 .. r0 + n` for `p` quantized positions on `ISA`: on the AVX-512 ISA the VNNI
@@ -680,57 +795,108 @@ macro_rules! avx512_tile {
                 let nibble = _mm512_set1_epi8(0x0f);
                 let idx0 = _mm512_loadu_si512(PERMUTE[0].as_ptr() as *const __m512i);
                 let idx1 = _mm512_loadu_si512(PERMUTE[1].as_ptr() as *const __m512i);
-                for i in 0..n {
-                    let b = blocks.as_ptr().add((r0 + i) * nb * 16);
-                    let s = scales.as_ptr().add((r0 + i) * nb);
-                    let mut acc = [_mm256_setzero_ps(); P];
-                    for g in 0..x.all_groups() {
-                        {
-                            // As in the AVX2 kernel.
-                            let wb = b.wrapping_add(16 * LANES * g + PREFETCH);
-                            _mm_prefetch::<_MM_HINT_T0>(wb as *const i8);
-                            _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(64) as *const i8);
-                            if g % 8 == 0 {
-                                let sb = s.wrapping_add(LANES * g + PREFETCH / 16);
-                                _mm_prefetch::<_MM_HINT_T0>(sb as *const i8);
+                // Each position's int8 values, block scales and offsets (whole groups).
+                let whole = x.groups;
+                let xq: [*const u8; P] = std::array::from_fn(|q| x.base[q] as *const u8);
+                let xd: [*const f32; P] = std::array::from_fn(|q| x.base[q].add(cols / 4));
+                let xo: [*const i32; P] =
+                    std::array::from_fn(|q| x.base[q].add(cols / 4 + nb) as *const i32);
+                // `R` rows at a time: each position's inputs are loaded once for all of them.
+                macro_rules! pass {
+                    ($r:literal, $i:expr) => {{
+                        let i: usize = $i;
+                        let b: [*const u8; $r] =
+                            std::array::from_fn(|k| blocks.as_ptr().add((r0 + i + k) * nb * 16));
+                        let s: [*const u8; $r] =
+                            std::array::from_fn(|k| scales.as_ptr().add((r0 + i + k) * nb));
+                        let mut acc = [[_mm256_setzero_ps(); P]; $r];
+                        for g in 0..x.all_groups() {
+                            let mut w = [[_mm512_setzero_si512(); 4]; $r];
+                            let mut half = [_mm256_setzero_ps(); $r];
+                            for k in 0..$r {
+                                // As in the AVX2 kernel.
+                                let wb = b[k].wrapping_add(16 * LANES * g + PREFETCH);
+                                _mm_prefetch::<_MM_HINT_T0>(wb as *const i8);
+                                _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(64) as *const i8);
+                                if g % 8 == 0 {
+                                    let sb = s[k].wrapping_add(LANES * g + PREFETCH / 16);
+                                    _mm_prefetch::<_MM_HINT_T0>(sb as *const i8);
+                                }
+                                let (wb, sb) = row_group(b[k], s[k], nb, g, &mut wbuf, &mut sbuf);
+                                let r0v = _mm512_loadu_si512(wb as *const __m512i);
+                                let r1v = _mm512_loadu_si512(wb.add(64) as *const __m512i);
+                                let n0 = _mm512_permutex2var_epi32(r0v, idx0, r1v);
+                                let n1 = _mm512_permutex2var_epi32(r0v, idx1, r1v);
+                                w[k] = [
+                                    _mm512_shuffle_epi8(table, _mm512_and_si512(n0, nibble)),
+                                    _mm512_shuffle_epi8(
+                                        table,
+                                        _mm512_and_si512(_mm512_srli_epi16::<4>(n0), nibble),
+                                    ),
+                                    _mm512_shuffle_epi8(table, _mm512_and_si512(n1, nibble)),
+                                    _mm512_shuffle_epi8(
+                                        table,
+                                        _mm512_and_si512(_mm512_srli_epi16::<4>(n1), nibble),
+                                    ),
+                                ];
+                                half[k] = half_scales(sb);
+                            }
+                            macro_rules! step {
+                                ($xg:expr) => {
+                                    for q in 0..P {
+                                        let xg: GroupInputs = $xg(q);
+                                        let xv: [__m512i; 4] = std::array::from_fn(|h| {
+                                            _mm512_loadu_si512(xg.q.add(64 * h) as *const __m512i)
+                                        });
+                                        let off = _mm256_loadu_si256(xg.offsets as *const __m256i);
+                                        let d = _mm256_loadu_ps(xg.d);
+                                        for k in 0..$r {
+                                            let v = $dot(&w[k], &xv);
+                                            let isum = _mm256_add_epi32(
+                                                _mm256_add_epi32(
+                                                    _mm512_castsi512_si256(v),
+                                                    _mm512_extracti64x4_epi64::<1>(v),
+                                                ),
+                                                off,
+                                            );
+                                            let f = _mm256_mul_ps(d, half[k]);
+                                            acc[k][q] = _mm256_fmadd_ps(
+                                                _mm256_cvtepi32_ps(isum),
+                                                f,
+                                                acc[k][q],
+                                            );
+                                        }
+                                    }
+                                };
+                            }
+                            if g < whole {
+                                // A whole group: each position's inputs at one offset from its
+                                // first slot, with no branch, so the positions' loop unrolls
+                                // and the accumulators stay in registers.
+                                step!(|q: usize| GroupInputs {
+                                    q: xq[q].add(GROUP * g),
+                                    d: xd[q].add(LANES * g),
+                                    offsets: xo[q].add(LANES * g),
+                                });
+                            } else {
+                                step!(|q: usize| x.group(q, g));
                             }
                         }
-                        let (wb, sb) = row_group(b, s, nb, g, &mut wbuf, &mut sbuf);
-                        let r0v = _mm512_loadu_si512(wb as *const __m512i);
-                        let r1v = _mm512_loadu_si512(wb.add(64) as *const __m512i);
-                        let n0 = _mm512_permutex2var_epi32(r0v, idx0, r1v);
-                        let n1 = _mm512_permutex2var_epi32(r0v, idx1, r1v);
-                        let w = [
-                            _mm512_shuffle_epi8(table, _mm512_and_si512(n0, nibble)),
-                            _mm512_shuffle_epi8(
-                                table,
-                                _mm512_and_si512(_mm512_srli_epi16::<4>(n0), nibble),
-                            ),
-                            _mm512_shuffle_epi8(table, _mm512_and_si512(n1, nibble)),
-                            _mm512_shuffle_epi8(
-                                table,
-                                _mm512_and_si512(_mm512_srli_epi16::<4>(n1), nibble),
-                            ),
-                        ];
-                        let half = half_scales(sb);
-                        for q in 0..P {
-                            let xg = x.group(q, g);
-                            let v = $dot(&w, xg.q);
-                            let isum = _mm256_add_epi32(
-                                _mm256_add_epi32(
-                                    _mm512_castsi512_si256(v),
-                                    _mm512_extracti64x4_epi64::<1>(v),
-                                ),
-                                _mm256_loadu_si256(xg.offsets as *const __m256i),
-                            );
-                            let f = _mm256_mul_ps(_mm256_loadu_ps(xg.d), half);
-                            acc[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc[q]);
+                        for (k, acc) in acc.iter().enumerate() {
+                            for q in 0..P {
+                                // `hsum` sums `l + 4`, `l + 2`, `l + 1`: the reference's tree.
+                                out[q * n + i + k] = super::avx2::hsum(acc[q]);
+                            }
                         }
-                    }
-                    for q in 0..P {
-                        // `hsum` sums `l + 4`, `l + 2`, `l + 1`: the reference's tree.
-                        out[q * n + i] = super::avx2::hsum(acc[q]);
-                    }
+                    }};
+                }
+                let mut i = 0;
+                while i + ROWS <= n {
+                    pass!(2, i);
+                    i += ROWS;
+                }
+                if i < n {
+                    pass!(1, i);
                 }
             }
         }
@@ -745,7 +911,7 @@ avx512_tile!(
     /// halves added and the offsets: lane `i` is block `i`'s exact sum. The tail runs as one more
     /// group ([`Tail`]).
     avx512vnni_tile,
-    "avx512f,avx512bw,avx512vnni,avx2,fma,f16c",
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
     dot_vnni
 );
 
@@ -754,60 +920,38 @@ avx512_tile!(
     /// The AVX-512 kernel for CPUs without VNNI (Skylake-SP): [`avx512vnni_tile`] with each
     /// group's four products summed by `vpmaddubsw`, i16 adds and one `vpmaddwd`.
     avx512bw_tile,
-    "avx512f,avx512bw,avx2,fma,f16c",
+    "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
     dot_bw
 );
 
-/// Four `vpdpbusd`: the biased weights `w` by the 256 input bytes at `x`.
-///
-/// # Safety
-/// The CPU has AVX-512 F and VNNI; 256 bytes at `x` are readable.
+/// Four `vpdpbusd`: the biased weights `w` by 256 input bytes `x`.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f,avx512vnni")]
-unsafe fn dot_vnni(w: &[__m512i; 4], x: *const u8) -> __m512i {
-    // SAFETY: 256 readable bytes (caller); unaligned loads.
-    unsafe {
-        macro_rules! ld {
-            ($k:expr) => {
-                _mm512_loadu_si512(x.add(64 * $k) as *const __m512i)
-            };
-        }
-        let mut v = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], ld!(0));
-        v = _mm512_dpbusd_epi32(v, w[1], ld!(1));
-        v = _mm512_dpbusd_epi32(v, w[2], ld!(2));
-        _mm512_dpbusd_epi32(v, w[3], ld!(3))
-    }
+fn dot_vnni(w: &[__m512i; 4], x: &[__m512i; 4]) -> __m512i {
+    let mut v = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x[0]);
+    v = _mm512_dpbusd_epi32(v, w[1], x[1]);
+    v = _mm512_dpbusd_epi32(v, w[2], x[2]);
+    _mm512_dpbusd_epi32(v, w[3], x[3])
 }
 
 /// [`dot_vnni`] without VNNI: `vpmaddubsw` pairs (at most 2 · 24 · 127), four summed in i16,
 /// widened by `vpmaddwd`.
-///
-/// # Safety
-/// The CPU has AVX-512 F and BW; 256 bytes at `x` are readable.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn dot_bw(w: &[__m512i; 4], x: *const u8) -> __m512i {
-    // SAFETY: 256 readable bytes (caller); unaligned loads.
-    unsafe {
-        macro_rules! ld {
-            ($k:expr) => {
-                _mm512_loadu_si512(x.add(64 * $k) as *const __m512i)
-            };
-        }
-        let s = _mm512_add_epi16(
-            _mm512_add_epi16(
-                _mm512_maddubs_epi16(w[0], ld!(0)),
-                _mm512_maddubs_epi16(w[1], ld!(1)),
-            ),
-            _mm512_add_epi16(
-                _mm512_maddubs_epi16(w[2], ld!(2)),
-                _mm512_maddubs_epi16(w[3], ld!(3)),
-            ),
-        );
-        _mm512_madd_epi16(s, _mm512_set1_epi16(1))
-    }
+fn dot_bw(w: &[__m512i; 4], x: &[__m512i; 4]) -> __m512i {
+    let s = _mm512_add_epi16(
+        _mm512_add_epi16(
+            _mm512_maddubs_epi16(w[0], x[0]),
+            _mm512_maddubs_epi16(w[1], x[1]),
+        ),
+        _mm512_add_epi16(
+            _mm512_maddubs_epi16(w[2], x[2]),
+            _mm512_maddubs_epi16(w[3], x[3]),
+        ),
+    );
+    _mm512_madd_epi16(s, _mm512_set1_epi16(1))
 }
 
 /// NEON kernel for up to [`POSITIONS`] positions: per group of eight blocks the nibbles'
