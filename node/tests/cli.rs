@@ -1194,3 +1194,40 @@ fn swarm_create_admit_show_and_their_errors() {
     let o = stormo(&["swarm", "show", "--cert", &p("edited.cert")]);
     assert!(String::from_utf8_lossy(&o.stdout).contains("signature is invalid"));
 }
+
+/// `swarm status` whose every peer is unreachable prints the empty report but exits with an
+/// error that says no peer answered (a script must not read "0 copies" as the swarm's state).
+#[test]
+fn swarm_status_without_an_answering_peer_fails() {
+    let (d, keys, [(key, _), (_, other)]) = built_manifest_and_two_keys();
+    // `manifest build` prints the model id; built again, it prints the same.
+    let o = stormo(&["manifest", "build", "--model", d.path().to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let id = String::from_utf8(o.stdout).unwrap().trim().to_string();
+    // A loopback port with nothing on it: bound, then released.
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let peer = format!("{other}@127.0.0.1:{port}");
+    let o = stormo(&[
+        "swarm",
+        "status",
+        "--model",
+        d.path().to_str().unwrap(),
+        "--key",
+        &key,
+        "--peer",
+        &peer,
+        "--model-id",
+        &id,
+        "--wait",
+        "1",
+    ]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "exit code; stderr: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    assert!(err.contains("no peer answered"), "{err}");
+    drop(keys);
+}

@@ -72,7 +72,8 @@ pub enum Command {
     /// of the copies held for good: model folders' own experts and kept ones), the uncovered
     /// experts (no reachable holder: generation would fail on them) and per node what it
     /// holds. The model folder (-m, a folder from `stormo pull` is enough) gives the model's
-    /// shape and manifest; its own experts are not counted.
+    /// shape and manifest; its own experts are not counted. Exits with an error, after the
+    /// report, when no peer answered within --wait.
     Status(Box<StatusArgs>),
 }
 
@@ -209,7 +210,24 @@ fn status(a: StatusArgs) -> anyhow::Result<()> {
     } else {
         print!("{}", c.table());
     }
+    // Peers that answered with what they hold: with none, the table counts nobody, and a
+    // script must not read "0 copies" as the swarm's state.
+    let (known, answered) = node.peer_tier().map_or((0, 0), |t| {
+        let v = t.swarm_view();
+        let answered = v
+            .iter()
+            .filter(|p| p.connected && p.inventory.is_some())
+            .count();
+        (v.len(), answered)
+    });
     node.close(std::time::Duration::ZERO);
+    anyhow::ensure!(
+        answered > 0,
+        "no peer answered within --wait {} s ({known} known; see the warnings above for why: \
+         a refused key or certificate, a wrong address, a node not running): the coverage \
+         above counts no node",
+        a.wait
+    );
     Ok(())
 }
 
