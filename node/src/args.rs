@@ -95,7 +95,30 @@ fn cache_size(s: &str) -> Result<String, String> {
     if s.trim().eq_ignore_ascii_case("auto") {
         return Ok(s.to_owned());
     }
-    size_arg(s)
+    size_arg(s).map_err(|e| format!("{e}, or auto"))
+}
+
+/// A count (a whole number, 0 or more), with an error that says what is wrong with it.
+pub fn count_arg(s: &str) -> Result<usize, String> {
+    whole(s)
+}
+
+/// A 64-bit whole number, 0 or more (a seed), with an error that says what is wrong with it.
+pub fn u64_arg(s: &str) -> Result<u64, String> {
+    whole(s)
+}
+
+fn whole<T: std::str::FromStr>(s: &str) -> Result<T, String> {
+    let t = s.trim();
+    t.parse().map_err(|_| {
+        if t.starts_with('-') {
+            format!("{s:?} is negative: give a whole number, 0 or more")
+        } else if t.parse::<f64>().is_ok() {
+            format!("{s:?} is too large or not a whole number")
+        } else {
+            format!("{s:?} is not a whole number (0 or more)")
+        }
+    })
 }
 
 /// `--expert-dir-limit` as given, if it is "auto" or a size [`parse_size`] reads.

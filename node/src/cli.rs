@@ -63,7 +63,7 @@ impl Cli {
         let mut file = None;
         if let Some(path) = crate::config_file::named(&args) {
             let f = crate::config_file::ConfigFile::read(&path)
-                .map_err(|e| cmd.error(clap::error::ErrorKind::Io, format!("{e:#}")))?;
+                .map_err(|e| clap::Error::raw(clap::error::ErrorKind::Io, format!("{e:#}\n")))?;
             cmd = f.apply(cmd).map_err(|e| {
                 clap::Error::raw(clap::error::ErrorKind::InvalidValue, format!("{e:#}\n"))
             })?;
@@ -388,7 +388,9 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("'--http-timeout"), "{e}");
-        assert!(parse(&["--temperature", "-1"]).is_ok());
+        assert!(parse(&["--temperature", "0.5"]).is_ok());
+        let e = parse(&["--temperature", "-1"]).unwrap_err();
+        assert!(e.contains("invalid value '-1' for '--temperature"), "{e}");
         // Flags and words that start with a dash are still arguments.
         assert!(parse(&["--stats"]).is_ok());
         let e = parse(&["-x"]).unwrap_err();

@@ -52,8 +52,8 @@ impl ConfigFile {
     /// Reads and parses `path` (at most 1 MiB of TOML: keys whose values are strings, numbers,
     /// booleans or arrays of those).
     pub fn read(path: &Path) -> anyhow::Result<Self> {
-        let text = stormo_engine::safetensors::read_small_text(path, 1 << 20)
-            .with_context(|| format!("--config {}", path.display()))?;
+        let text =
+            stormo_engine::safetensors::read_small_text(path, 1 << 20).context("--config")?;
         Self::parse(path, &text)
     }
 

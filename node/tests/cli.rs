@@ -304,6 +304,11 @@ fn bad_prompts() {
     assert_clean_error(&run_model(&dir, "1,-3"), &["-3"]);
     assert_clean_error(&run_model(&dir, "1,x"), &["\"x\""]);
     assert_clean_error(&run_model(&dir, " , "), &["no token ids"]);
+    // An empty text prompt is refused with and without the chat format.
+    for raw in [&[][..], &["--raw"]] {
+        let o = stormo(&[&["run", "--model", m, "--prompt", ""][..], raw].concat());
+        assert_clean_error(&o, &["--prompt is empty"]);
+    }
     assert_clean_error(
         &stormo(&["run", "--model", m, "--prompt-ids-file", "/nonexistent/ids"]),
         &["/nonexistent/ids"],
@@ -1230,4 +1235,34 @@ fn swarm_status_without_an_answering_peer_fails() {
     assert!(!err.contains("panicked"), "panic: {err}");
     assert!(err.contains("no peer answered"), "{err}");
     drop(keys);
+}
+
+/// Out-of-range sampling values and negative counts are refused as usage errors that name
+/// the flag and say what is wrong (not the engine's parameter names, not "invalid digit").
+#[test]
+fn bad_sampling_values_and_counts_name_the_flag() {
+    let model = fixture("qwen3moe-tiny");
+    let model = model.to_str().unwrap();
+    for (flag, value, says) in [
+        ("--temperature", "-1", "positive finite"),
+        ("--top-p", "1.5", "(0, 1]"),
+        ("--repetition-penalty", "0", "positive finite"),
+        ("--max-new-tokens", "-1", "negative"),
+        ("--seed", "-5", "negative"),
+        ("--top-k", "-1", "negative"),
+        ("--top-k", "two", "not a whole number"),
+    ] {
+        let o = stormo(&["run", "--model", model, "--prompt-ids", "1,2", flag, value]);
+        assert_usage_error(&o, &[flag, says]);
+    }
+    let o = stormo(&[
+        "run",
+        "--model",
+        model,
+        "--prompt-ids",
+        "1",
+        "--expert-cache",
+        "9XB",
+    ]);
+    assert_usage_error(&o, &["--expert-cache", "or auto"]);
 }

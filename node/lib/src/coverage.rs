@@ -175,9 +175,14 @@ impl Coverage {
         let uncovered = self.uncovered();
         let _ = writeln!(
             s,
-            "{} experts, at least {} copies each, {} uncovered",
+            "{} experts, at least {} {} each, {} uncovered",
             self.experts(),
             self.min_copies(),
+            if self.min_copies() == 1 {
+                "copy"
+            } else {
+                "copies"
+            },
             uncovered.len()
         );
         let _ = writeln!(s, "layer  experts  copies min/median/max  uncovered");

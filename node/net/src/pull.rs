@@ -295,9 +295,10 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
     let (manifest, id, bytes, sig) = fetch_manifest(links, opts).await?;
     report.model_id = Some(id);
     eprintln!(
-        "pull: manifest {} accepted ({} files, {} tensors, {} experts)",
+        "pull: manifest {} accepted ({} file{}, {} tensors, {} experts)",
         id.to_hex(),
         manifest.files.len(),
+        if manifest.files.len() == 1 { "" } else { "s" },
         manifest.tensors.len(),
         manifest.experts.len()
     );

@@ -41,24 +41,67 @@ pub struct SamplingArgs {
     /// model's generation_config.json, else `run` is greedy and `chat` samples at 0.7 (greedy
     /// replies tend to loop); an HTTP request that gives none samples at the model's
     /// temperature, else 1.0 as OpenAI's API does.
-    #[arg(long, allow_negative_numbers = true, value_name = "T")]
+    #[arg(long, allow_negative_numbers = true, value_name = "T", value_parser = temperature_arg)]
     pub temperature: Option<f32>,
     /// Nucleus sampling: keep the most likely tokens up to this probability mass (0, 1].
     /// Default: the model's generation_config.json, else 1 (off).
-    #[arg(long, allow_negative_numbers = true, value_name = "P")]
+    #[arg(long, allow_negative_numbers = true, value_name = "P", value_parser = top_p_arg)]
     pub top_p: Option<f32>,
     /// Keep only the K most likely tokens (0: all). Default: the model's
     /// generation_config.json, else 0.
-    #[arg(long, value_name = "K")]
+    #[arg(long, allow_negative_numbers = true, value_name = "K", value_parser = crate::args::count_arg)]
     pub top_k: Option<usize>,
     /// Penalty (> 0) on tokens already in the conversation; 1 is none. Default: the model's
     /// generation_config.json, else 1.
-    #[arg(long, allow_negative_numbers = true, value_name = "R")]
+    #[arg(long, allow_negative_numbers = true, value_name = "R", value_parser = penalty_arg)]
     pub repetition_penalty: Option<f32>,
     /// Seed of the sampler: the same seed gives the same tokens. Default: 0 (a chat resumed
     /// with --session: the seed it was saved with).
-    #[arg(long, value_name = "N")]
+    #[arg(long, allow_negative_numbers = true, value_name = "N", value_parser = crate::args::u64_arg)]
     pub seed: Option<u64>,
+}
+
+/// A number for a sampling option, or an error that names the value.
+fn sampling_number(s: &str) -> Result<f32, String> {
+    s.trim()
+        .parse::<f32>()
+        .ok()
+        .filter(|v| !v.is_nan())
+        .ok_or_else(|| format!("{s:?} is not a number"))
+}
+
+/// `--temperature`: 0 (greedy) or a positive finite number.
+fn temperature_arg(s: &str) -> Result<f32, String> {
+    let v = sampling_number(s)?;
+    if v >= 0.0 && v.is_finite() {
+        Ok(v)
+    } else {
+        Err(format!("{s} is not 0 (greedy) or a positive finite number"))
+    }
+}
+
+/// `--top-p`: a probability mass in (0, 1].
+fn top_p_arg(s: &str) -> Result<f32, String> {
+    let v = sampling_number(s)?;
+    if v > 0.0 && v <= 1.0 {
+        Ok(v)
+    } else {
+        Err(format!(
+            "{s} is outside (0, 1]: above 0, at most 1 (1 is off)"
+        ))
+    }
+}
+
+/// `--repetition-penalty`: a positive finite number.
+fn penalty_arg(s: &str) -> Result<f32, String> {
+    let v = sampling_number(s)?;
+    if v > 0.0 && v.is_finite() {
+        Ok(v)
+    } else {
+        Err(format!(
+            "{s} is not a positive finite number (1 is no penalty)"
+        ))
+    }
 }
 
 impl SamplingArgs {
@@ -234,7 +277,8 @@ pub struct Args {
     #[arg(short, long, default_value_t = 4096, value_name = "N")]
     pub context: usize,
     /// At most this many tokens per reply.
-    #[arg(short = 'n', long, default_value_t = 1024, value_name = "N")]
+    #[arg(short = 'n', long, default_value_t = 1024, value_name = "N",
+          allow_negative_numbers = true, value_parser = crate::args::count_arg)]
     pub max_new_tokens: usize,
     /// When the conversation fills the context, stop replying (until /reset) instead of
     /// shifting it: by default the oldest turns are dropped, whole, the system prompt kept,
@@ -1116,7 +1160,7 @@ pub fn converse_terminal(
 mod tests {
     use super::*;
 
-    fn sampling(argv: &[&str]) -> SamplingArgs {
+    fn try_sampling(argv: &[&str]) -> Result<SamplingArgs, clap::Error> {
         #[derive(clap::Parser)]
         struct Wrap {
             #[command(flatten)]
@@ -1124,9 +1168,11 @@ mod tests {
         }
         let mut all = vec!["x"];
         all.extend_from_slice(argv);
-        <Wrap as clap::Parser>::try_parse_from(all)
-            .expect("sampling options parse")
-            .s
+        <Wrap as clap::Parser>::try_parse_from(all).map(|w| w.s)
+    }
+
+    fn sampling(argv: &[&str]) -> SamplingArgs {
+        try_sampling(argv).expect("sampling options parse")
     }
 
     /// An option given wins over the model's generation_config.json, which wins over
@@ -1152,7 +1198,15 @@ mod tests {
             .params_with(&SamplingDefaults::default(), 0.7)
             .expect("valid");
         assert_eq!((p.temperature, p.top_p, p.top_k), (0.7, 1.0, 0));
-        assert!(sampling(&["--top-p", "2"]).params_with(&qwen, 0.7).is_err());
+        // Out of range: refused when parsed, naming the flag; from the model's defaults,
+        // refused when the settings are made.
+        let e = try_sampling(&["--top-p", "2"]).unwrap_err().to_string();
+        assert!(e.contains("--top-p") && e.contains("(0, 1]"), "{e}");
+        let bad = SamplingDefaults {
+            top_p: Some(2.0),
+            ..qwen
+        };
+        assert!(sampling(&[]).params_with(&bad, 0.7).is_err());
     }
 
     /// A resumed chat samples as its file was saved; each option given again takes over,
@@ -1171,6 +1225,10 @@ mod tests {
         let p = resumed_sampling(&sampling(&["--seed", "0", "--temperature", "0"]), &saved)
             .expect("valid");
         assert_eq!((p.temperature, p.seed, p.top_k), (0.0, 0, 7));
-        assert!(resumed_sampling(&sampling(&["--top-p", "2"]), &saved).is_err());
+        let damaged = persist::SavedSampling {
+            top_p: 2.0,
+            ..saved
+        };
+        assert!(resumed_sampling(&sampling(&[]), &damaged).is_err());
     }
 }

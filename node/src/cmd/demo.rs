@@ -57,7 +57,8 @@ pub struct Args {
     )]
     pub prompt: String,
     /// Tokens to generate.
-    #[arg(short = 'n', long, default_value_t = 24, value_name = "N")]
+    #[arg(short = 'n', long, default_value_t = 24, value_name = "N",
+          allow_negative_numbers = true, value_parser = crate::args::count_arg)]
     pub max_new_tokens: usize,
     /// Scratch folder: new or empty, kept at the end (default: a new temp folder, removed at
     /// the end).
@@ -481,14 +482,14 @@ impl Report<'_> {
             c.publisher
         );
         println!(
-            "  experts    {} loaded from {r}, each checked chunk by chunk against the manifest; {} failures",
+            "  experts    {} loads from {r} by the generating node, each checked chunk by chunk against the manifest; {} failures",
             remote.peer_loads, remote.peer_failures
         );
         println!();
         println!("where the experts came from");
         for n in &c.nodes {
             let role = if n.name == *r {
-                format!("holds none, kept the {} it fetched", runs.kept)
+                format!("held none; kept the {} it fetched", runs.kept)
             } else {
                 format!("holds {} experts per layer", self.held(n))
             };

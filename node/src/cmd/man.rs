@@ -22,7 +22,9 @@ pub struct Args {
 
 /// Prints the page, or writes every page into `--out`.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let cmd = crate::cli::Cli::command_line();
+    // Without clap's `help` subcommand, which has no page of its own: SEE ALSO lists only
+    // the pages `--out` writes.
+    let cmd = crate::cli::Cli::command_line().disable_help_subcommand(true);
     match a.out {
         Some(dir) => {
             anyhow::ensure!(

@@ -17,11 +17,7 @@ pub struct Args {
     /// A peer serving the model, as KEY@HOST:PORT (its 64-hex node key and address).
     /// Repeatable: a peer that fails or sends wrong bytes is replaced by the next. Not needed
     /// with --discover, which finds the swarm's peers serving --model-id.
-    #[arg(
-        long = "peer",
-        value_name = "KEY@HOST:PORT",
-        required_unless_present = "discover"
-    )]
+    #[arg(long = "peer", value_name = "KEY@HOST:PORT")]
     pub peers: Vec<PeerAddr>,
     /// Accept only the manifest with this model id (64 hex).
     #[arg(long, value_name = "ID")]
@@ -77,6 +73,11 @@ pub struct Args {
 /// `--experts`) the expert records, all on one [`Host`]: one runtime, one key, one endpoint,
 /// which the node fetching the experts starts on.
 pub fn run(a: Args) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !a.peers.is_empty() || !a.swarm.discover.is_empty(),
+        "pull needs peers to fetch from: --peer KEY@HOST:PORT, or --discover lan (with \
+         --swarm and --cert) to find the swarm's nodes serving --model-id"
+    );
     let t = stormo_net::progress::check_secs(a.peer_timeout)
         .map_err(|e| anyhow::anyhow!("--peer-timeout: {e}"))?;
     let t = Duration::from_secs_f64(t);

@@ -53,7 +53,8 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub prompt_ids_file: Option<PathBuf>,
     /// How many tokens to generate.
-    #[arg(short = 'n', long, default_value_t = 16, value_name = "N")]
+    #[arg(short = 'n', long, default_value_t = 16, value_name = "N",
+          allow_negative_numbers = true, value_parser = crate::args::count_arg)]
     pub max_new_tokens: usize,
     /// Stop early when the model emits one of config.json's eos_token_id (with --prompt the
     /// chat format's stop tokens always stop; with --raw these ids do).
@@ -234,6 +235,11 @@ fn read_prompt(
 ) -> anyhow::Result<(Vec<u32>, Option<TextPrompt>)> {
     match (&a.prompt, &a.prompt_ids, &a.prompt_ids_file) {
         (Some(t), _, _) => {
+            // With the chat format an empty message still renders to tokens; refused the same
+            // way in both modes (an unset shell variable is the usual cause).
+            if t.is_empty() {
+                bail!("--prompt is empty: give the text to answer (or --prompt-ids)");
+            }
             let tokenizer = load_tokenizer(&a.model)?;
             crate::cmd::chat::check_tokenizer_fits(&tokenizer, cfg.vocab_size, &a.model)?;
             let (ids, format) = if a.raw {
@@ -607,11 +613,14 @@ fn started() -> std::time::Instant {
 fn speed_line(t: &Timings, prompt: usize, generated: usize, started: std::time::Instant) -> String {
     let decoded = generated.saturating_sub(1);
     let tok_s = |n: usize, s: f64| format!("{:.2}", rate(n, s));
+    let tokens = |n: usize| if n == 1 { "token" } else { "tokens" };
     format!(
-        "prompt: {prompt} tokens in {:.2} s ({} tok/s); generation: {decoded} tokens after the \
+        "prompt: {prompt} {} in {:.2} s ({} tok/s); generation: {decoded} {} after the \
          first in {:.2} s ({} tok/s); wall time {:.2} s",
+        tokens(prompt),
         t.prefill_s,
         tok_s(prompt, t.prefill_s),
+        tokens(decoded),
         t.decode_s,
         tok_s(decoded, t.decode_s),
         started.elapsed().as_secs_f64()

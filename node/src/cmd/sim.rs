@@ -9,7 +9,7 @@ use anyhow::Context;
 use stormo_simulations::swarm::{self, LinkSpec, Scenario, SwarmOptions};
 use stormo_simulations::synth::{self, Overrides, Preset, SynthOptions};
 
-/// Run a swarm scenario of real nodes on this machine (latency, loss, churn) and report it.
+/// Run a swarm scenario of real nodes on this machine (latency, loss, churn) and report it
 ///
 /// Starts real `stormo serve` processes on 127.0.0.1 (real QUIC, each behind a relay that
 /// imposes the links' delay, bandwidth and loss), lays the experts out among them, runs a
@@ -59,7 +59,8 @@ pub struct Args {
     #[arg(long, value_name = "IDS")]
     pub prompt_ids: Option<String>,
     /// Tokens to generate.
-    #[arg(short = 'n', long, default_value_t = 48, value_name = "N")]
+    #[arg(short = 'n', long, default_value_t = 48, value_name = "N",
+          allow_negative_numbers = true, value_parser = crate::args::count_arg)]
     pub max_new_tokens: usize,
     /// One-way delay of every link, in milliseconds (default: the scenario's).
     #[arg(long, value_name = "MS")]

@@ -74,6 +74,19 @@ pub enum Command {
     /// holds. The model folder (-m, a folder from `stormo pull` is enough) gives the model's
     /// shape and manifest; its own experts are not counted. Exits with an error, after the
     /// report, when no peer answered within --wait.
+    // The fetching node's options that a status never uses stay accepted but out of --help.
+    #[command(
+        mut_arg("expert_dir", |a| a.hide(true)),
+        mut_arg("expert_dir_limit", |a| a.hide(true)),
+        mut_arg("no_keep", |a| a.hide(true)),
+        mut_arg("peers_first", |a| a.hide(true)),
+        mut_arg("remote_exec", |a| a.hide(true)),
+        mut_arg("exec_trust", |a| a.hide(true)),
+        mut_arg("spot_check", |a| a.hide(true)),
+        mut_arg("spot_check_inline", |a| a.hide(true)),
+        mut_arg("verify_exec", |a| a.hide(true)),
+        mut_arg("wait_coverage", |a| a.hide(true))
+    )]
     Status(Box<StatusArgs>),
 }
 
