@@ -1138,3 +1138,73 @@ mod sessions {
         assert_eq!(got.reused, 29);
     }
 }
+
+// ---- ReplyStream: output in and out of the chat format ----
+
+/// Reasoning and answer text `ids` give through a reply stream, cut after `n` ids.
+fn reply_of(f: &ChatFormat, ids: &[u32], n: usize) -> (String, String) {
+    let mut r = stormo_text::reply::ReplyStream::chat(f);
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for &id in &ids[..n] {
+        match r.push(id) {
+            Some(OutputDelta::Reasoning(t)) => reasoning.push_str(&t),
+            Some(OutputDelta::Content(t)) => content.push_str(&t),
+            None => {}
+        }
+    }
+    if let Some(OutputDelta::Content(t)) = r.finish() {
+        content.push_str(&t);
+    }
+    (reasoning, content)
+}
+
+/// A reply in the format gives its channels' text at every length it is cut at (a cut inside
+/// a header shows nothing of it); a reply that leaves the format right away (as a
+/// random-weight model's does) is shown as plain text from its first id, so a short reply is
+/// the start of a longer one rather than empty until 48 ids have come.
+#[test]
+fn reply_stream_judges_short_and_long_replies_alike() {
+    let f = ChatFormat::for_family(Family::GptOss, o200k().clone()).expect("Harmony vocab");
+    let tok = o200k();
+    let good = tok
+        .encode(
+            "<|channel|>analysis<|message|>Simple arithmetic.<|end|><|start|>assistant\
+             <|channel|>final<|message|>2 + 2 = 4.<|return|>",
+            true,
+        )
+        .expect("encode");
+    let (reasoning, content) = reply_of(&f, &good, good.len());
+    assert_eq!(
+        (reasoning.as_str(), content.as_str()),
+        ("Simple arithmetic.", "2 + 2 = 4.")
+    );
+    for n in 0..good.len() {
+        let (r, c) = reply_of(&f, &good, n);
+        assert!(
+            reasoning.starts_with(&r) && content.starts_with(&c),
+            "{n}: {r:?} {c:?}"
+        );
+        assert!(
+            !c.contains("final") && !r.contains("analysis"),
+            "{n}: {r:?} {c:?}"
+        );
+    }
+    // A tool call's header (recipient and content type) is a header too.
+    let call = tok
+        .encode(
+            "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{}<|call|>",
+            true,
+        )
+        .expect("encode");
+    assert_eq!(reply_of(&f, &call, call.len()).1, "{}");
+    // Out of the format from the first id: plain text at every length.
+    let bad = tok
+        .encode(" приводит pack of words that are no header at all", false)
+        .expect("encode");
+    let (_, all) = reply_of(&f, &bad, bad.len());
+    assert_eq!(all, " приводит pack of words that are no header at all");
+    for n in 1..bad.len() {
+        let (_, c) = reply_of(&f, &bad, n);
+        assert!(!c.is_empty() && all.starts_with(&c), "{n}: {c:?}");
+    }
+}

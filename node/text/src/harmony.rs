@@ -634,6 +634,57 @@ impl Harmony {
     }
 }
 
+/// Whether `text`, a header's ids so far decoded with their special tokens, can still grow
+/// into a header GPT-OSS writes: `[role] [to=NAME] <|channel|>NAME [to=NAME] [<|constrain|>]
+/// [TYPE]` (`role_known`: the role was given, as for a reply's first message). Only ASCII
+/// words and those two special tokens, at most one channel, at most six words: a model that
+/// leaves the format (random weights, a confused model) is seen at its first id that cannot
+/// belong to a header, not after [`HELD_MAX`](crate::reply::HELD_MAX) ids.
+pub fn header_prefix_ok(text: &str, role_known: bool) -> bool {
+    let word_char = |c: char| c.is_ascii_alphanumeric() || "_.:=/-".contains(c);
+    // Before the channel only a recipient may come (`to=NAME`; its last word may still be
+    // growing into one), after the role word when the role is not known yet.
+    let recipient_prefix = |w: &str| w.starts_with("to=") || "to=".starts_with(w);
+    let (mut rest, mut channel, mut words) = (text, false, 0);
+    let mut role_pending = !role_known;
+    while !rest.is_empty() {
+        if let Some(r) = rest.strip_prefix("<|channel|>") {
+            if channel || role_pending {
+                return false;
+            }
+            (channel, rest) = (true, r);
+            continue;
+        }
+        if let Some(r) = rest.strip_prefix("<|constrain|>") {
+            if !channel {
+                return false;
+            }
+            rest = r;
+            continue;
+        }
+        if rest.starts_with("<|") {
+            return false;
+        }
+        let end = rest.find("<|").unwrap_or(rest.len());
+        for w in rest[..end].split(' ') {
+            if w.is_empty() {
+                continue;
+            }
+            if !w.chars().all(word_char) {
+                return false;
+            }
+            words += 1;
+            if role_pending {
+                role_pending = false;
+            } else if !channel && !recipient_prefix(w) {
+                return false;
+            }
+        }
+        rest = &rest[end..];
+    }
+    words <= 6
+}
+
 #[derive(Debug)]
 enum State {
     ExpectStart,
@@ -716,6 +767,16 @@ impl StreamParser {
         }
     }
 
+    /// The header being read, if the parser is inside one: its ids so far, and whether its
+    /// role is already known (the first message of a reply, after the prompt's
+    /// `<|start|>assistant`) rather than still to come as the header's first word.
+    pub fn header_so_far(&self) -> Option<(&[TokenId], bool)> {
+        match &self.state {
+            State::Header(tokens) => Some((tokens, self.next_role.is_some())),
+            _ => None,
+        }
+    }
+
     fn finish_message(&mut self) {
         if let State::Content {
             mut header,
@@ -758,5 +819,53 @@ impl StreamParser {
     /// The finished messages.
     pub fn into_messages(self) -> Vec<Message> {
         self.messages
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::header_prefix_ok;
+
+    /// Headers GPT-OSS writes, and every prefix of them, pass; words or tokens no header has
+    /// do not.
+    #[test]
+    fn header_prefixes() {
+        for (h, role_known) in [
+            ("<|channel|>analysis", true),
+            ("<|channel|>final", true),
+            (
+                " to=functions.get_weather<|channel|>commentary <|constrain|>json",
+                true,
+            ),
+            (
+                "<|channel|>commentary to=functions.get_weather <|constrain|>json",
+                true,
+            ),
+            ("assistant<|channel|>final", false),
+            ("assistant to=functions.f<|channel|>commentary json", false),
+        ] {
+            for end in (0..=h.len()).filter(|&e| h.is_char_boundary(e)) {
+                // Special tokens come whole: cut only outside them.
+                let cut = &h[..end];
+                if cut.rfind('<').is_some_and(|i| !cut[i..].contains("|>")) {
+                    continue;
+                }
+                assert!(header_prefix_ok(cut, role_known), "{cut:?}");
+            }
+        }
+        for (h, role_known) in [
+            (" приводит", true),
+            ("pack", true),
+            ("hello world", false),
+            ("<|channel|>final<|channel|>x", true),
+            ("<|start|>", true),
+            ("<|channel|>", false),
+            ("<|constrain|>json", true),
+            ("assistant pack<|channel|>final", false),
+            ("<|channel|>final a b c d e f g", true),
+            ("<|channel|>final\n", true),
+        ] {
+            assert!(!header_prefix_ok(h, role_known), "{h:?}");
+        }
     }
 }

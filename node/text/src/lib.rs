@@ -281,6 +281,14 @@ pub enum OutputParser {
 }
 
 impl OutputParser {
+    /// Harmony: the header being read, if any (see [`harmony::StreamParser::header_so_far`]).
+    pub fn header_so_far(&self) -> Option<(&[TokenId], bool)> {
+        match self {
+            Self::Harmony(p) => p.header_so_far(),
+            Self::ChatMl { .. } => None,
+        }
+    }
+
     /// Takes one generated id; returns the text it completes, if any.
     pub fn push(&mut self, id: TokenId) -> Result<Option<OutputDelta>, ChatError> {
         match self {

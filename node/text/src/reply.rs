@@ -4,8 +4,10 @@
 //! think blocks) and decodes plain text otherwise. It never fails: a model that leaves the
 //! format (a random-weight checkpoint, a confused model) has the rest of its output shown as
 //! plain text (from the first id the format did not show), and an id the tokenizer does not
-//! know shows as U+FFFD. "Leaves the format" means a parse error, or [`HELD_MAX`] ids in a row
-//! that produce no text (a Harmony header that never ends).
+//! know shows as U+FFFD. "Leaves the format" means a parse error, a Harmony header that can
+//! no longer become one ([`crate::harmony::header_prefix_ok`]: seen at the first id that
+//! cannot belong to it, so a short reply and a long one are judged alike), or [`HELD_MAX`] ids
+//! in a row that produce no text.
 
 use std::sync::Arc;
 
@@ -60,10 +62,19 @@ impl ReplyStream {
                     self.held.clear();
                     return Some(d);
                 }
-                Ok(None) if self.held.len() < HELD_MAX => return None,
-                Ok(None) => {
+                Ok(None) if self.held.len() >= HELD_MAX => {
                     tracing::debug!("{HELD_MAX} ids without text: showing plain text");
                 }
+                Ok(None) => match p.header_so_far() {
+                    Some((ids, role_known))
+                        if !self.tokenizer.decode(ids, false).is_ok_and(|text| {
+                            crate::harmony::header_prefix_ok(&text, role_known)
+                        }) =>
+                    {
+                        tracing::debug!("a header that cannot be one: showing plain text");
+                    }
+                    _ => return None,
+                },
                 Err(e) => tracing::debug!("output leaves the chat format ({e}): plain text"),
             }
             self.parser = None;
