@@ -7,14 +7,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use stormo_engine::generate::{greedy, Timings};
 use stormo_engine::moe::ExpertData;
 use stormo_engine::tiers::Tier;
-use stormo_engine::ModelFiles;
+use stormo_engine::{LoadOptions, ModelFiles};
 use stormo_manifests::SecretKey;
 use stormo_net::serve::{Holdings, ServeConfig};
 use stormo_net::tier::{PeerConfig, PeerTier};
 use stormo_net::tls::Admission;
 use stormo_net::{self as net};
+use stormo_node::config::{LocalExperts, NodeConfig, PeersConfig};
+use stormo_tests::{fixture, Reference};
 
 use crate::network::*;
 
@@ -302,4 +305,148 @@ fn many_fetchers_get_data_or_busy_and_server_memory_stays_bounded() {
         ))
         .expect("the node still serves");
     assert_eq!(id, f.id);
+}
+
+/// A node as `stormo serve` builds one from a dense-only folder (no local experts, `args`'s
+/// peers), keeping its peers dialled as a server does (`run` does not), with its key and
+/// state in the returned folder.
+fn node_keeping_peers_dialled(
+    f: &Fixture,
+    args: &PeersConfig,
+) -> (stormo_node::node::Node, tempfile::TempDir) {
+    let state = tempfile::tempdir().expect("tempdir");
+    let mut args = args.clone();
+    let key = state.path().join("client.key");
+    client_key().write_new(&key).expect("key file");
+    args.key = Some(key);
+    let mut experts = expert_args();
+    experts.cache = stormo_node::config::CacheBudget::Bytes(0);
+    let node = stormo_node::node::Node::start(NodeConfig {
+        model: f.dir.path().to_path_buf(),
+        state_dir: state.path().join("state"),
+        experts,
+        local: LocalExperts::None,
+        context: 512,
+        peers: args,
+        listen: None,
+        swarm: None,
+    })
+    .expect("the node starts");
+    node.keep_peers_dialled();
+    (node, state)
+}
+
+/// Regression (`serve --http` hung on a dead sole holder): a node that keeps its peers dialled
+/// redialled a peer whose connection was down by taking it out of the peer set and adding it
+/// again, every second. Each new entry started the peer's policy over, as a peer never tried:
+/// "coming back" after its first failed attempt, so a load with no other holder waited a round
+/// for it, found the next new entry untried, and went on until its budget (32 times the peer
+/// timeout: 16 minutes at the default 30 s), while `stormo run`, which does not redial, failed
+/// in 7 s. Now a generation from a dead sole holder fails as `run`'s does, naming the peer,
+/// within a few connection attempts (3 s each).
+#[test]
+fn a_node_keeping_peers_dialled_fails_fast_when_its_only_holder_is_dead() {
+    let name = "gptoss-tiny-mxfp4";
+    let f = setup(name);
+    let (dead, _sink) = dead_peer();
+    let mut args = peer_args(&f, vec![dead.clone()]);
+    // The default: the load's budget is 960 s.
+    args.timeouts = PeerConfig::with_timeout(Duration::from_secs(30));
+    let (node, _state) = node_keeping_peers_dialled(&f, &args);
+    // A server's first request comes after some redials.
+    std::thread::sleep(Duration::from_millis(2500));
+    let prompt = Reference::open(&fixture(name)).ids("input_ids");
+    let model = node.load_model(&LoadOptions::default()).expect("model");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let started = Instant::now();
+    let generation = std::thread::spawn(move || {
+        let mut sess = model.session(prompt.len() + 4).expect("session");
+        let r = greedy(
+            &model,
+            &mut sess,
+            &prompt,
+            4,
+            &[],
+            |_, _| {},
+            &mut Timings::default(),
+        );
+        let _ = tx.send(r.map_err(|e| e.to_string()));
+    });
+    // Two or three connection attempts of 3 s and the pauses between them; `run` takes 7 s.
+    let bound = Duration::from_secs(20);
+    let got = rx.recv_timeout(bound);
+    let tier = node.peer_tier().expect("peer tier");
+    if got.is_err() {
+        // Ends the loads still waiting, so that the test ends.
+        tier.close();
+    }
+    let _ = generation.join();
+    let got = got.unwrap_or_else(|_| {
+        panic!(
+            "the generation was still loading experts from a dead peer after {:?}",
+            started.elapsed()
+        )
+    });
+    let e = got.expect_err("a dead peer supplied experts");
+    assert!(
+        e.contains("no peer could supply expert") && e.contains(&dead.to_string()),
+        "{e}"
+    );
+    assert_eq!(
+        tier.connects().len(),
+        1,
+        "the peer set grew: {:?}",
+        tier.connects()
+    );
+}
+
+/// Regression (the back-off never doubled): the redials above gave each new entry of the dead
+/// peer a back-off of 1 s, the first of a peer never tried, so it was dialled (and warned
+/// about) every second or two for as long as it stayed down. Now the peer keeps its one
+/// entry, each attempt is one more failure of it, and the attempts come further and further
+/// apart as its back-off doubles (with 1 s attempts: the second about 1 s after the first
+/// failed, then back-offs of 2, 4 and 8 s), not at a steady pace.
+#[test]
+fn a_dead_peer_kept_dialled_is_dialled_with_a_doubling_back_off() {
+    let f = setup("gptoss-tiny-mxfp4");
+    let (dead, _sink) = dead_peer();
+    let mut args = peer_args(&f, vec![dead.clone()]);
+    // Connection attempts of 1 s.
+    args.timeouts = PeerConfig::with_timeout(Duration::from_secs(1));
+    let (node, _state) = node_keeping_peers_dialled(&f, &args);
+    let tier = node.peer_tier().expect("peer tier");
+    let until = Instant::now() + Duration::from_secs(16);
+    let mut last = tier.connects();
+    let mut starts = Vec::new();
+    while Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+        let now = tier.connects();
+        assert_eq!(
+            now.len(),
+            1,
+            "the dead peer was added to the set again: {now:?}"
+        );
+        if now[0] > last[0] {
+            starts.push(Instant::now());
+        }
+        last = now;
+    }
+    let gaps: Vec<f64> = starts
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_secs_f64())
+        .collect();
+    // At a steady 1 s back-off the attempts start every 2-3 s (an attempt, the back-off, the
+    // next redial tick): 6 or more in the window.
+    assert!(
+        (2..=4).contains(&starts.len()),
+        "{} attempts in 16 s, {gaps:?} s apart",
+        starts.len()
+    );
+    assert!(
+        gaps.windows(2).all(|w| w[1] > w[0]) && gaps.last().is_some_and(|&g| g >= 5.0),
+        "attempts {gaps:?} s apart"
+    );
+    let (_, failures) = tier.failures()[0].clone();
+    assert_eq!(failures, tier.connects()[0], "each attempt one failure");
+    tier.close();
 }

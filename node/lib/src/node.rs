@@ -540,10 +540,10 @@ impl Node {
         Some(Coverage::from_holders(&experts, &holders, nodes))
     }
 
-    /// Keeps the peers dialled: one whose connection is down is dialled again every few
-    /// seconds, so coverage, `/health` and placement see a peer that came back (a node that
-    /// only generates dials when it fetches). A serving node does this from its start;
-    /// `serve --http` asks for it. Once per node.
+    /// Keeps the peers dialled: one whose connection is down is dialled again as its back-off
+    /// allows (looked at every second), so coverage, `/health` and placement see a peer that
+    /// came back (a node that only generates dials when it fetches). A serving node does this
+    /// from its start; `serve --http` asks for it. Once per node.
     pub fn keep_peers_dialled(&self) {
         if let Some(t) = &self.peers {
             if !self
@@ -1149,47 +1149,26 @@ fn peer_tier(
     Ok(t)
 }
 
-/// How often a peer whose connection is down is dialled again. A dial that gets no answer
-/// takes the connect timeout (3 s) and the loop waits for it, so a peer that stays down is
-/// dialled about every 4 s; one that was still starting when first dialled (nodes started
-/// together) is reached about 1 s after that first dial failed, not 3-6 s.
+/// How often the peers whose connection is down are looked at. A peer is dialled when its
+/// back-off allows ([`PeerTier::redial_down`]), and the loop waits for the attempts: one that
+/// was still starting when first dialled (nodes started together) is reached about 1 s after
+/// that first dial failed (its one quick retry), not 3-6 s; one that stays down is dialled
+/// after 1, 2, 4 ... 60 s, each attempt one failure of it.
 const REDIAL_EVERY: Duration = Duration::from_secs(1);
 
-/// Dials again, every [`REDIAL_EVERY`], the peers whose connection is down (one that was not
-/// up yet when this node started, or one restarted): the peer tier dials on its own only when
-/// it fetches, and coverage, `/health` and placement need to see a peer that came back.
+/// Dials again, every [`REDIAL_EVERY`], the peers whose connection is down and whose back-off
+/// is over (one that was not up yet when this node started, or one restarted): the peer tier
+/// dials on its own only when it fetches, and coverage, `/health` and placement need to see a
+/// peer that came back. The peer stays in the set meanwhile, with its policy state: taking it
+/// out and adding it again started its back-off over (1 s, never doubling) and made loads
+/// wait for it as for a peer never tried, again and again.
 fn spawn_redial(rt: &tokio::runtime::Handle, tier: Arc<PeerTier>) {
     rt.spawn(async move {
-        let mut down: std::collections::HashMap<PublicKey, std::time::Instant> =
-            std::collections::HashMap::new();
         let mut tick = tokio::time::interval(REDIAL_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let t = tier.clone();
-            let seen = std::mem::take(&mut down);
-            let Ok(next) = tokio::task::spawn_blocking(move || {
-                let now = std::time::Instant::now();
-                let mut next = std::collections::HashMap::new();
-                for p in t.swarm_view() {
-                    if p.connected {
-                        continue;
-                    }
-                    let since = seen.get(&p.addr.key).copied().unwrap_or(now);
-                    if now.duration_since(since) >= REDIAL_EVERY && t.remove_peer(&p.addr.key) {
-                        let _ = t.add_peers(std::slice::from_ref(&p.addr));
-                        next.insert(p.addr.key, now);
-                    } else {
-                        next.insert(p.addr.key, since);
-                    }
-                }
-                next
-            })
-            .await
-            else {
-                return;
-            };
-            down = next;
+            tier.redial_down().await;
         }
     });
 }

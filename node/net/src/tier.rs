@@ -377,6 +377,41 @@ impl PeerTier {
         Ok(())
     }
 
+    /// Dials again each peer of the set whose connection is down, as a load would ([`link`]):
+    /// through the policy, so that a peer that cannot be connected to is dialled again only
+    /// once its back-off is over (1 s, doubling with each failed attempt in a row up to 60 s:
+    /// [`policy::PeerView::fail`]) and a lost one as its reconnection pauses allow, and each
+    /// failed attempt is one failure of the peer's one view. A peer whose connection is up,
+    /// or that an attempt (or a load) holds, is left alone. Returns when the attempts it
+    /// started have ended. For a node that must see a peer come back without fetching from
+    /// it (coverage, `/health`, placement).
+    pub async fn redial_down(&self) {
+        if self.inner.closing.load(Ordering::SeqCst) {
+            return;
+        }
+        let tasks: Vec<_> = self
+            .inner
+            .peers()
+            .iter()
+            .filter(|p| p.state().usable())
+            .filter(|p| {
+                p.link
+                    .try_lock()
+                    .is_ok_and(|g| g.as_ref().is_none_or(|l| l.conn.close_reason().is_some()))
+            })
+            .map(|p| {
+                let (inner, p) = (self.inner.clone(), p.clone());
+                // A failure is marked (and warned about) by `link`; a refusal to dial during
+                // the back-off changes nothing.
+                self.rt
+                    .spawn(async move { link(&inner, &p).await.map(|_| ()) })
+            })
+            .collect();
+        for t in tasks {
+            let _ = t.await;
+        }
+    }
+
     /// Removes the peer with node key `key` from the peer set (closing its connection).
     /// Returns whether it was there.
     pub fn remove_peer(&self, key: &PublicKey) -> bool {
@@ -1397,6 +1432,91 @@ mod tests {
             (long.hedge_min, long.hedge_max, long.stripe_min),
             (d.hedge_min, d.hedge_max, d.stripe_min)
         );
+    }
+
+    /// The background redial ([`PeerTier::redial_down`]) goes through the peer's one view: a
+    /// peer that does not answer is dialled only when its back-off allows, each attempt is one
+    /// more failure of it, and the back-off doubles with them; a connected peer is left alone.
+    #[test]
+    fn redialling_a_dead_peer_follows_its_doubling_back_off() {
+        let b = bench(&[Serving::Honest]);
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        // Swallows every packet: each attempt runs into the connect timeout.
+        let sink = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let dead = PeerAddr {
+            key: SecretKey::from_seed(&[71; 32]).public(),
+            addr: sink.local_addr().expect("address"),
+        };
+        let endpoint = {
+            let _in = rt.enter();
+            client_endpoint(std::slice::from_ref(&dead)).expect("endpoint")
+        };
+        let schemas = stormo_engine::ModelFiles::open(b._dir.path())
+            .expect("model files")
+            .layout
+            .schemas
+            .clone();
+        let t = PeerTier::new(
+            endpoint,
+            rt.handle().clone(),
+            &SecretKey::from_seed(&[70; 32]),
+            b.tier.inner.manifest.clone(),
+            b.tier.inner.model,
+            schemas,
+            PeerConfig {
+                connect_timeout: Duration::from_millis(300),
+                ..bench_config()
+            },
+        );
+        t.add_peers(std::slice::from_ref(&dead))
+            .expect("peer added");
+        let view = |t: &PeerTier| {
+            let p = t.inner.peers()[0].clone();
+            let s = p.state();
+            (s.connects, s.failures, s.avoid_until)
+        };
+        // The first attempt failed at start: one quick retry after its pause.
+        assert_eq!(view(&t).0, 1);
+        rt.block_on(t.redial_down());
+        assert_eq!(view(&t).0, 1, "redialled during the retry's pause");
+        std::thread::sleep(policy::RECONNECT_PAUSE + Duration::from_millis(50));
+        let mut backoffs = Vec::new();
+        for n in 2..=3u32 {
+            rt.block_on(t.redial_down());
+            let (connects, failures, until) = view(&t);
+            assert_eq!((connects, failures), (n, n), "attempt {n}");
+            let left = until
+                .expect("avoided")
+                .saturating_duration_since(Instant::now());
+            backoffs.push(left);
+            // Refused during the back-off: no attempt, no failure.
+            rt.block_on(t.redial_down());
+            let (connects, failures, _) = view(&t);
+            assert_eq!(
+                (connects, failures),
+                (n, n),
+                "redialled during its back-off"
+            );
+            if n < 3 {
+                std::thread::sleep(left + Duration::from_millis(20));
+            }
+        }
+        assert!(
+            backoffs
+                .windows(2)
+                .all(|w| w[1] > w[0] + Duration::from_millis(500)),
+            "back-offs {backoffs:?}"
+        );
+        assert_eq!(t.peer_addrs(), [dead], "one entry for the peer");
+        // A connected peer is left alone.
+        let before = b.tier.connects();
+        rt.block_on(b.tier.redial_down());
+        assert_eq!(b.tier.connects(), before);
+        t.close();
     }
 
     /// A server this node dialled is closed within seconds once the policy it admits servers
