@@ -118,6 +118,15 @@ impl Server {
     }
 }
 
+impl Server {
+    /// Begins a graceful shutdown, as SIGTERM does (it runs on the server's runtime).
+    fn begin_shutdown(&mut self) {
+        let srv = self.srv.take().expect("the server runs");
+        let rt = self.rt.as_ref().expect("the runtime runs");
+        rt.spawn(srv.shutdown());
+    }
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
         if let Some(s) = self.srv.take() {
@@ -289,7 +298,8 @@ fn http_errors_are_openai_shaped_and_never_panic() {
     );
     assert_openai_error(st, &v, 400, "invalid_request_error", "temperature 1e300");
     let m = v["error"]["message"].as_str().unwrap_or_default();
-    assert!(m.contains("temperature 1000") && !m.contains("inf"), "{m}");
+    assert_eq!(m, "temperature 1e300 is outside [0, 2]", "{m}");
+    assert_eq!(v["error"]["param"], "temperature", "{v}");
     let long = "word ".repeat(400);
     let (st, v) = post(a, "/v1/completions", &json!({ "prompt": long }));
     assert_openai_error(
@@ -343,6 +353,10 @@ fn http_errors_are_openai_shaped_and_never_panic() {
     let (st, text) = request(a, "GET", "/v1/nothing", b"");
     let v: Value = serde_json::from_str(&text).expect("JSON");
     assert_openai_error(st, &v, 404, "invalid_request_error", "unknown path");
+    let (st, text) = request(a, "GET", "/", b"");
+    let v: Value = serde_json::from_str(&text).expect("JSON");
+    assert_openai_error(st, &v, 404, "invalid_request_error", "the root");
+    assert_eq!(v["error"]["message"], "no such endpoint: GET /", "{v}");
     let (st, text) = request(a, "GET", "/v1/chat/completions", b"");
     let v: Value = serde_json::from_str(&text).expect("JSON");
     assert_openai_error(st, &v, 405, "invalid_request_error", "wrong method");
@@ -929,6 +943,13 @@ fn http_health_and_metrics_answer() {
     assert!(head.contains("content-type: application/json"), "{head}");
     let v: Value = serde_json::from_str(&body).expect("JSON");
     assert_eq!(v["status"], "ok", "{v}");
+    // HEAD is answered as GET, without the body.
+    let (st, head, body) = request_with(a, "HEAD", "/health", &[], b"");
+    assert_eq!(st, 200, "{head}");
+    assert!(head.contains("content-type: application/json"), "{head}");
+    assert_eq!(body, "", "{head}");
+    let (st, head, body) = request_with(a, "HEAD", "/v1/chat/completions", &[], b"");
+    assert_eq!((st, body.as_str()), (405, ""), "{head}");
     let (st, v) = post(
         a,
         "/v1/completions",
@@ -959,6 +980,8 @@ fn http_health_and_metrics_answer() {
     );
     assert_eq!(value("stormo_queue_depth"), 0.0);
     assert_eq!(value("stormo_active_requests"), 0.0);
+    // No prompt cache here (--prompt-cache): none of its series.
+    assert!(!text.contains("stormo_prompt_cache_"), "{text}");
     assert!(value("stormo_decode_tokens_per_second") > 0.0);
     for line in [
         "# TYPE stormo_tokens_generated_total counter",
@@ -1441,4 +1464,233 @@ fn http_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0() {
     }
     // The listener is closed.
     assert!(TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_err());
+}
+
+/// Every 400 names its field in `param` and says what is wrong in the API's terms (no Rust
+/// type names); a prompt past the context is refused in the same words with or without
+/// `max_tokens`; a large number is shown compactly.
+#[test]
+fn http_400s_name_the_field_and_say_what_is_wrong() {
+    let srv = Server::start(2, 256);
+    let a = srv.addr;
+    let chat = |extra: Value| {
+        let mut b = json!({ "messages": [{ "role": "user", "content": "hi" }] });
+        for (k, v) in extra.as_object().expect("an object") {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let long = "word ".repeat(400);
+    let cases = [
+        (
+            "/v1/chat/completions",
+            chat(json!({ "top_p": 0 })),
+            "top_p",
+            "top_p 0 is outside (0, 1]",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({ "top_p": 2 })),
+            "top_p",
+            "top_p 2 is outside (0, 1]",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "repetition_penalty": 0 }),
+            "repetition_penalty",
+            "repetition_penalty 0 must be above 0",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({ "temperature": 1e308 })),
+            "temperature",
+            "temperature 1e308 is outside [0, 2]",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({ "max_tokens": "3" })),
+            "max_tokens",
+            "max_tokens must be a whole number from 0 up, not the string \"3\"",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "seed": 1.5 }),
+            "seed",
+            "seed must be a whole number",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": 5 }] }),
+            "messages[0].content",
+            "messages[0].content must be a string or an array of text parts, not 5",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": [{ "type": "image_url" }] }] }),
+            "messages[0].content",
+            "content parts of type \"image_url\" are not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "wizard", "content": "x" }] }),
+            "messages[0].role",
+            "messages[0].role \"wizard\" is not",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({ "stop": 5 })),
+            "stop",
+            "stop must be a string or an array of strings, not 5",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({ "stream_options": { "include_usage": "yes" } })),
+            "stream_options.include_usage",
+            "stream_options.include_usage must be true or false",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "max_completion_tokens": 100000 }),
+            "max_completion_tokens",
+            "in the completion). Please reduce the length of the prompt or the completion \
+             (max_completion_tokens).",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": long }),
+            "prompt",
+            "This model's maximum context length is 256 tokens. However, you requested ",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": long, "max_tokens": 10 }),
+            "prompt",
+            "This model's maximum context length is 256 tokens. However, you requested ",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": long }] }),
+            "messages",
+            "Please reduce the length of the messages.",
+        ),
+    ];
+    for (path, body, param, want) in cases {
+        let (st, v) = post(a, path, &body);
+        let what = format!("{path} {param}");
+        assert_openai_error(st, &v, 400, "invalid_request_error", &what);
+        assert_eq!(v["error"]["param"], param, "{what}: {v}");
+        let m = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(m.contains(want), "{what}: {m:?} does not say {want:?}");
+        for rust in ["untagged", "enum ", "struct ", "u64", "invalid type"] {
+            assert!(!m.contains(rust), "{what}: {m:?}");
+        }
+    }
+    // The body itself: not JSON, not an object (no field to name).
+    for (body, want) in [
+        (
+            &b"[1, 2]"[..],
+            "the body must be a JSON object, not an array",
+        ),
+        (&b"{not json"[..], "the request body is not valid JSON"),
+    ] {
+        let (st, text) = request(a, "POST", "/v1/chat/completions", body);
+        let v: Value = serde_json::from_str(&text).expect("JSON");
+        assert_openai_error(st, &v, 400, "invalid_request_error", want);
+        let m = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(m.starts_with(want), "{m:?}");
+    }
+}
+
+/// `/v1/completions` takes `max_completion_tokens` as the chat endpoint does (it was an
+/// unknown field, and the reply took the default 16 tokens).
+#[test]
+fn http_completions_take_max_completion_tokens() {
+    let srv = Server::start(2, 1024);
+    let (st, v) = post(
+        srv.addr,
+        "/v1/completions",
+        &json!({ "prompt": "Once upon a time", "max_completion_tokens": 3, "temperature": 0 }),
+    );
+    assert_eq!(st, 200, "{v}");
+    let n = v["usage"]["completion_tokens"].as_u64().expect("usage");
+    let reason = &v["choices"][0]["finish_reason"];
+    assert!(
+        n == 3 || (n < 3 && reason == "stop"),
+        "{n} tokens, {reason}: {v}"
+    );
+}
+
+/// On shutdown, requests still waiting for a slot are refused at once with 503, a stream as
+/// well as a whole reply (a stream sends no head while it waits); only the running reply gets
+/// the grace period. The tester's case: `--parallel 1`, queued requests started after SIGTERM
+/// and ran, and queued streams got a 200 with an event "cut after 0 tokens".
+#[test]
+fn http_shutdown_refuses_queued_requests_at_once() {
+    let grace = Duration::from_secs(3);
+    let mut srv = Server::start_with(4, 4096, |c| {
+        c.parallel = 1;
+        c.shutdown_grace = grace;
+    });
+    let a = srv.addr;
+    let long = json!({ "prompt": "Once upon a time", "max_tokens": 3000, "stream": true,
+                       "temperature": 0 });
+    let mut running = crate::batch::open_request(a, "/v1/completions", &long);
+    let mut seen = crate::batch::read_until(&mut running, "data: ");
+    let whole = crate::batch::open_request(
+        a,
+        "/v1/completions",
+        &json!({ "prompt": "hi", "max_tokens": 500 }),
+    );
+    let chat = json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 500,
+                       "stream": true });
+    let streams = [
+        crate::batch::open_request(a, "/v1/chat/completions", &chat),
+        crate::batch::open_request(
+            a,
+            "/v1/completions",
+            &json!({ "prompt": "hi",
+                                   "max_tokens": 500, "stream": true }),
+        ),
+    ];
+    let t0 = Instant::now();
+    while crate::batch::metric(a, "stormo_queue_depth") < 3.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "three requests queue"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let t0 = Instant::now();
+    srv.begin_shutdown();
+    for (i, mut s) in std::iter::once(whole).chain(streams).enumerate() {
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).expect("the refusal");
+        let took = t0.elapsed();
+        let (st, body) = parse_response(&String::from_utf8(raw).expect("utf-8"));
+        let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+        assert_openai_error(st, &v, 503, "server_error", &format!("queued request {i}"));
+        assert_eq!(v["error"]["code"], "server_shutting_down", "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("not started")),
+            "{v}"
+        );
+        assert!(
+            took < grace / 2,
+            "queued request {i} refused only after {took:?}"
+        );
+    }
+    // The running reply had the grace period: it finished within it or was cut cleanly
+    // at its end.
+    running
+        .read_to_string(&mut seen)
+        .expect("the running stream ends");
+    assert!(seen.contains("data: [DONE]"), "{seen}");
+    if seen.contains("server_shutting_down") {
+        assert!(
+            t0.elapsed() >= grace,
+            "the running reply was cut before the grace period"
+        );
+    }
 }

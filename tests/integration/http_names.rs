@@ -116,3 +116,28 @@ fn http_takes_default_sampling_from_generation_config() {
     srv.close();
     rt.shutdown_timeout(Duration::from_secs(2));
 }
+
+/// `GET /v1/models/{id}` takes the id percent-encoded, as clients send a name with a space
+/// or a slash; an unknown id's 404 lists every served name.
+#[test]
+fn a_model_id_in_the_path_is_percent_decoded() {
+    let srv = Server::start_with(2, 256, |c| {
+        c.aliases = vec!["my model".into(), "openai/gpt-oss-20b".into()];
+    });
+    let a = srv.addr;
+    for (path, id) in [
+        ("/v1/models/my%20model", "my model"),
+        ("/v1/models/openai%2Fgpt-oss-20b", "openai/gpt-oss-20b"),
+        ("/v1/models/openai/gpt-oss-20b", "openai/gpt-oss-20b"),
+    ] {
+        let (st, text) = request(a, "GET", path, b"");
+        assert_eq!(st, 200, "{path}: {text}");
+        let v: Value = serde_json::from_str(&text).expect("JSON");
+        assert_eq!(v["id"], id, "{path}: {v}");
+    }
+    let (st, text) = request(a, "GET", "/v1/models/other", b"");
+    let v: Value = serde_json::from_str(&text).expect("JSON");
+    assert_openai_error(st, &v, 404, "invalid_request_error", "an unknown id");
+    let m = v["error"]["message"].as_str().expect("message");
+    assert!(m.contains("`my model` and `openai/gpt-oss-20b`"), "{m}");
+}

@@ -17,7 +17,9 @@
 //! kept on disk, in the state directory, across restarts (`http/prompt_cache.rs`); a reply
 //! says how many prompt tokens came from a cache in `usage.prompt_tokens_details.cached_tokens`.
 //!
-//! An honest API: what is not implemented is refused with a 400 naming the field (`tools`,
+//! An honest API: a malformed field is refused with a 400 whose `param` names it and whose
+//! message says what it must be (`http/request.rs` checks each field the server reads before
+//! serde sees the body); what is not implemented is refused with a 400 naming the field (`tools`,
 //! `functions`, `tool_choice` other than `none`/`auto`, `response_format` other than text,
 //! `echo`, `suffix`, `n` > 1), never silently ignored; fields this server does not know are
 //! named in a warning log line. `logprobs`/`top_logprobs` are the model's own distribution:
@@ -28,9 +30,11 @@
 //! `generation_config.json` (see [`stormo_text::defaults`]), else OpenAI's defaults.
 //!
 //! SIGTERM or Ctrl-C (see [`shutdown_signal`] and [`HttpServer::shutdown`]): the listener
-//! closes, `/health` answers 503, idle keep-alive connections close, running replies may
-//! finish within the grace period; past it they are cut cleanly (a stream gets an error event
-//! and `data: [DONE]`, a whole reply a 503), then the server returns.
+//! closes, `/health` answers 503, idle keep-alive connections close, requests still waiting
+//! for a slot are refused with 503 at once (a stream sends its head only once its request
+//! runs, so a waiting one can still be refused so), running replies may finish within the
+//! grace period; past it they are cut cleanly (a stream gets an error event and
+//! `data: [DONE]`, a whole reply a 503), then the server returns.
 //!
 //! Why hyper and not axum/tower: the server has five routes, and what it needs beyond
 //! routing does not exist as tower layers in the shape needed: the connection caps act
@@ -399,7 +403,10 @@ pub async fn start(tm: TextModel, cfg: HttpConfig) -> anyhow::Result<HttpServer>
     let (tx, rx) = std::sync::mpsc::sync_channel::<JobBox>(limit);
     let experts = tm.experts.clone();
     let stats_of = experts.clone();
-    let metrics = Arc::new(Metrics::new(Arc::new(move || stats_of.stats())));
+    let metrics = Arc::new(Metrics::new(
+        Arc::new(move || stats_of.stats()),
+        cfg.prompt_cache.is_some(),
+    ));
     let engine = batch::Engine::new(
         tm.model.clone(),
         cfg.context,
@@ -594,7 +601,8 @@ struct ApiError {
     status: StatusCode,
     kind: &'static str,
     code: Option<&'static str>,
-    param: Option<&'static str>,
+    /// The request field at fault (`messages[0].content`), when there is one.
+    param: Option<std::borrow::Cow<'static, str>>,
     message: String,
     /// Headers to send with it (`Retry-After`, `WWW-Authenticate`).
     headers: Vec<(hyper::header::HeaderName, HeaderValue)>,
@@ -612,8 +620,8 @@ impl ApiError {
         }
     }
 
-    fn param(mut self, p: &'static str) -> Self {
-        self.param = Some(p);
+    fn param(mut self, p: impl Into<std::borrow::Cow<'static, str>>) -> Self {
+        self.param = Some(p.into());
         self
     }
 
@@ -725,7 +733,10 @@ type Extra = std::collections::BTreeMap<String, Value>;
 #[derive(Debug, Deserialize)]
 struct StreamOptions {
     #[serde(default)]
-    include_usage: bool,
+    include_usage: Option<bool>,
+    /// Fields this server does not read (named in a warning).
+    #[serde(flatten)]
+    extra: Extra,
 }
 
 /// Settings both endpoints share.
@@ -741,6 +752,9 @@ struct Common {
     repetition_penalty: Option<f64>,
     #[serde(default)]
     max_tokens: Option<u64>,
+    /// OpenAI's newer name for `max_tokens`; wins when both are given.
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
     #[serde(default)]
     seed: Option<i64>,
     #[serde(default)]
@@ -766,11 +780,20 @@ struct Common {
     user: Option<String>,
 }
 
+impl Common {
+    /// The completion's length the request asks, and the field that asked it.
+    fn max_tokens(&self) -> request::MaxTokens {
+        match (self.max_completion_tokens, self.max_tokens) {
+            (Some(m), _) => Some((m, "max_completion_tokens")),
+            (None, Some(m)) => Some((m, "max_tokens")),
+            (None, None) => None,
+        }
+    }
+}
+
 #[derive(Debug, Deserialize)]
 struct ChatRequest {
     messages: Vec<ChatMessage>,
-    #[serde(default)]
-    max_completion_tokens: Option<u64>,
     #[serde(default)]
     reasoning_effort: Option<String>,
     #[serde(default)]
@@ -885,7 +908,11 @@ fn admit(state: &State, req: &Request<Incoming>, path: &str) -> Result<Option<St
 }
 
 async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
-    let path = req.uri().path().trim_end_matches('/').to_string();
+    // A trailing slash is ignored, but the root stays `/` (so messages name it).
+    let path = match req.uri().path().trim_end_matches('/') {
+        "" => "/".to_string(),
+        p => p.to_string(),
+    };
     let method = req.method().clone();
     let label = endpoint_label(&path);
     let (res, allow_origin) = match admit(&state, &req, &path) {
@@ -920,7 +947,13 @@ async fn route(
     method: &Method,
     path: &str,
 ) -> Result<Response<Body>, ApiError> {
-    match (method.clone(), path) {
+    // HEAD is answered as GET is; hyper sends the head without the body.
+    let routed = if method == Method::HEAD {
+        Method::GET
+    } else {
+        method.clone()
+    };
+    match (routed, path) {
         (Method::OPTIONS, _) => Ok(preflight()),
         (Method::GET, "/health") => Ok(health(state)),
         (Method::GET, "/metrics") => {
@@ -942,14 +975,17 @@ async fn route(
             .code("not_found")),
         },
         (Method::GET, p) if p.starts_with("/v1/models/") => {
-            let id = &p["/v1/models/".len()..];
-            check_model(state, Some(id))?;
-            Ok(json_response(StatusCode::OK, &model_object(state, id)))
+            // Clients percent-encode an id with a space or a slash (`openai%2Fgpt-oss-20b`).
+            let id = percent_decode(&p["/v1/models/".len()..]);
+            check_model(state, Some(&id))?;
+            Ok(json_response(StatusCode::OK, &model_object(state, &id)))
         }
         (Method::POST, "/v1/chat/completions") => {
-            chat_completions(state, read_json(state, req).await?).await
+            chat_completions(state, read_json(state, req, &request::CHAT).await?).await
         }
-        (Method::POST, "/v1/completions") => completions(state, read_json(state, req).await?).await,
+        (Method::POST, "/v1/completions") => {
+            completions(state, read_json(state, req, &request::COMPLETION).await?).await
+        }
         (
             _,
             "/v1/models"
@@ -1033,8 +1069,9 @@ fn check_model(state: &State, model: Option<&str>) -> Result<(), ApiError> {
         None => Ok(()),
         Some(m) if state.names.iter().any(|n| n == m) => Ok(()),
         Some(m) => Err(ApiError::bad(format!(
-            "the model `{m}` does not exist; this server serves `{}` (as GET /v1/models lists it)",
-            state.name
+            "the model `{m}` does not exist; this server serves {} (as GET /v1/models lists {})",
+            served_names(&state.names),
+            if state.names.len() == 1 { "it" } else { "them" },
         ))
         .param("model")
         .status(StatusCode::NOT_FOUND)
@@ -1042,18 +1079,59 @@ fn check_model(state: &State, model: Option<&str>) -> Result<(), ApiError> {
     }
 }
 
-/// Logs the fields of a request this server does not know (they are not used).
-fn warn_unknown(endpoint: &str, extra: &Extra, messages: &[ChatMessage]) {
-    let mut names: Vec<String> = extra.keys().cloned().collect();
-    for (i, m) in messages.iter().enumerate() {
-        names.extend(m.extra.keys().map(|k| format!("messages[{i}].{k}")));
+/// The served names for a message: `a`, `a` and `b`, `a`, `b` and `c`.
+fn served_names(names: &[String]) -> String {
+    let quoted: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+    match quoted.split_last() {
+        None => String::new(),
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
     }
+}
+
+/// A path segment with its `%XX` escapes decoded; an escape that is not one is kept as it
+/// is, and bytes that are not UTF-8 are replaced (such a name is served by no model anyway).
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| char::from(c).to_digit(16);
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
+                // Two hex digits: at most 255.
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Logs the fields of a request this server does not know (they are not used).
+fn warn_unknown(endpoint: &str, extra: &Extra, common: &Common, messages: &[ChatMessage]) {
+    let names = unknown_fields(extra, common, messages);
     if !names.is_empty() {
         tracing::warn!(
             "{endpoint}: ignoring request fields this server does not know: {}",
             names.join(", ")
         );
     }
+}
+
+/// The fields of a request this server does not know, by their paths.
+fn unknown_fields(extra: &Extra, common: &Common, messages: &[ChatMessage]) -> Vec<String> {
+    let mut names: Vec<String> = extra.keys().cloned().collect();
+    if let Some(o) = &common.stream_options {
+        names.extend(o.extra.keys().map(|k| format!("stream_options.{k}")));
+    }
+    for (i, m) in messages.iter().enumerate() {
+        names.extend(m.extra.keys().map(|k| format!("messages[{i}].{k}")));
+    }
+    names
 }
 
 fn model_object(state: &State, name: &str) -> Value {
@@ -1079,14 +1157,8 @@ fn queue(
     if prompt.is_empty() {
         return Err(ApiError::bad("the prompt is empty").param("prompt"));
     }
-    if prompt.len() >= state.context {
-        return Err(ApiError::bad(format!(
-            "the prompt has {} tokens; this server's context holds {} positions (prompt and reply)",
-            prompt.len(),
-            state.context
-        ))
-        .code("context_length_exceeded"));
-    }
+    // `settings` refused a prompt that leaves no room for a reply, naming its field.
+    debug_assert!(prompt.len() < state.context);
     if let Some(&id) = prompt.iter().find(|&&id| id as usize >= state.vocab) {
         return Err(ApiError::bad(format!(
             "token id {id} is outside the vocabulary of {}",
@@ -1178,7 +1250,7 @@ fn refuse_unsupported_chat(req: &ChatRequest) -> Result<(), ApiError> {
             return Err(ApiError::bad(format!(
                 "messages[{i}].tool_calls: tool calling is not implemented by this server"
             ))
-            .param("messages")
+            .param(format!("messages[{i}].tool_calls"))
             .code("unsupported_parameter"));
         }
     }
@@ -1204,7 +1276,12 @@ async fn chat_completions(state: &State, req: ChatRequest) -> Result<Response<Bo
     // A wrong model name is the first error, as OpenAI's API reports it.
     check_model(state, req.common.model.as_deref())?;
     refuse_unsupported_chat(&req)?;
-    warn_unknown("/v1/chat/completions", &req.extra, &req.messages);
+    warn_unknown(
+        "/v1/chat/completions",
+        &req.extra,
+        &req.common,
+        &req.messages,
+    );
     if req.top_logprobs.is_some() && req.logprobs != Some(true) {
         return Err(ApiError::bad("top_logprobs needs logprobs set to true").param("top_logprobs"));
     }
@@ -1226,14 +1303,8 @@ async fn chat_completions(state: &State, req: ChatRequest) -> Result<Response<Bo
         .format
         .render_prompt(&turns, &popts)
         .map_err(|e| ApiError::bad(format!("rendering the messages: {e}")).param("messages"))?;
-    let room = state.context.saturating_sub(prompt.len()).max(1);
-    let (sampling, max, stop) = settings(
-        state,
-        c,
-        req.max_completion_tokens.or(c.max_tokens),
-        room,
-        prompt.len(),
-    )?;
+    let room = state.context.saturating_sub(prompt.len());
+    let (sampling, max, stop) = settings(state, c, c.max_tokens(), room, prompt.len(), "messages")?;
     let opts = GenerateOptions {
         max_new_tokens: max,
         stop: state.format.stop_tokens(),
@@ -1244,7 +1315,7 @@ async fn chat_completions(state: &State, req: ChatRequest) -> Result<Response<Bo
     let reply = Reply::new(events, ReplyStream::chat(&state.format), stop);
     let a = state.answer(Kind::Chat, c, n, reply, logprobs.is_some());
     if c.stream.unwrap_or(false) {
-        Ok(a.streamed())
+        a.streamed().await
     } else {
         a.whole().await
     }
@@ -1252,7 +1323,7 @@ async fn chat_completions(state: &State, req: ChatRequest) -> Result<Response<Bo
 
 async fn completions(state: &State, req: CompletionRequest) -> Result<Response<Body>, ApiError> {
     check_model(state, req.common.model.as_deref())?;
-    warn_unknown("/v1/completions", &req.extra, &[]);
+    warn_unknown("/v1/completions", &req.extra, &req.common, &[]);
     if req.echo == Some(true) {
         return Err(ApiError::unsupported(
             "echo",
@@ -1271,7 +1342,7 @@ async fn completions(state: &State, req: CompletionRequest) -> Result<Response<B
     let logprobs = top_logprobs(req.logprobs.is_some(), req.logprobs, "logprobs")?;
     let c = &req.common;
     let prompt = prompt_ids(&state.tokenizer, &req.prompt)?;
-    let (sampling, max, stop) = settings(state, c, c.max_tokens, 16, prompt.len())?;
+    let (sampling, max, stop) = settings(state, c, c.max_tokens(), 16, prompt.len(), "prompt")?;
     let opts = GenerateOptions {
         max_new_tokens: max,
         stop: state.eos.clone(),
@@ -1282,7 +1353,7 @@ async fn completions(state: &State, req: CompletionRequest) -> Result<Response<B
     let reply = Reply::new(events, ReplyStream::plain(state.tokenizer.clone()), stop);
     let a = state.answer(Kind::Text, c, n, reply, logprobs.is_some());
     if c.stream.unwrap_or(false) {
-        Ok(a.streamed())
+        a.streamed().await
     } else {
         a.whole().await
     }
@@ -1296,13 +1367,80 @@ pub fn parse_request_body(path: &str, body: &[u8]) -> Result<(), String> {
     let bad = |e: ApiError| format!("{e:?}");
     match path {
         "/v1/chat/completions" => {
-            let req: ChatRequest = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+            let req: ChatRequest = request::parse_body(body, &request::CHAT).map_err(bad)?;
             turns_of(&req.messages).map_err(bad)?;
         }
         "/v1/completions" => {
-            let _: CompletionRequest = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+            let _: CompletionRequest =
+                request::parse_body(body, &request::COMPLETION).map_err(bad)?;
         }
         other => return Err(format!("no endpoint {other}")),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_ids_in_paths_are_percent_decoded() {
+        assert_eq!(percent_decode("my%20model"), "my model");
+        assert_eq!(percent_decode("openai%2Fgpt-oss-20b"), "openai/gpt-oss-20b");
+        assert_eq!(percent_decode("openai%2fgpt"), "openai/gpt");
+        assert_eq!(percent_decode("plain"), "plain");
+        // Not escapes: kept as they are.
+        assert_eq!(percent_decode("100%"), "100%");
+        assert_eq!(percent_decode("a%2"), "a%2");
+        assert_eq!(percent_decode("a%zz"), "a%zz");
+        assert_eq!(percent_decode("caf%C3%A9"), "café");
+        assert_eq!(percent_decode("%FF"), "\u{fffd}");
+    }
+
+    #[test]
+    fn a_404_for_a_model_lists_every_served_name() {
+        let names = |v: &[&str]| served_names(&v.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert_eq!(names(&["a"]), "`a`");
+        assert_eq!(names(&["a", "b"]), "`a` and `b`");
+        assert_eq!(names(&["a", "b", "c"]), "`a`, `b` and `c`");
+    }
+
+    /// Unknown fields are warned about wherever they are: the body, `stream_options`, a
+    /// message.
+    #[test]
+    fn unknown_fields_are_named_with_their_paths() {
+        let body = br#"{"messages": [{"role": "user", "content": "hi", "mood": 1}],
+                        "stream_options": {"include_usage": true, "chunk_size": 3},
+                        "frobnicate": true}"#;
+        let req: ChatRequest = request::parse_body(body, &request::CHAT).expect("parses");
+        assert_eq!(
+            unknown_fields(&req.extra, &req.common, &req.messages),
+            [
+                "frobnicate",
+                "stream_options.chunk_size",
+                "messages[0].mood"
+            ]
+        );
+        assert_eq!(
+            req.common.stream_options.and_then(|o| o.include_usage),
+            Some(true)
+        );
+    }
+
+    #[test]
+    fn completions_take_max_completion_tokens() {
+        let req: CompletionRequest = request::parse_body(
+            br#"{"prompt": "hi", "max_completion_tokens": 3}"#,
+            &request::COMPLETION,
+        )
+        .expect("parses");
+        assert!(req.extra.is_empty(), "{:?}", req.extra);
+        assert_eq!(req.common.max_tokens(), Some((3, "max_completion_tokens")));
+        let req: CompletionRequest = request::parse_body(
+            br#"{"prompt": "hi", "max_tokens": 5, "max_completion_tokens": 3}"#,
+            &request::COMPLETION,
+        )
+        .expect("parses");
+        assert_eq!(req.common.max_tokens(), Some((3, "max_completion_tokens")));
+    }
 }

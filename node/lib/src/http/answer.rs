@@ -61,49 +61,56 @@ impl Reply {
             if self.finished {
                 return Ok(None);
             }
-            let Some(ev) = self.events.recv().await else {
-                return Err(ApiError::server("the engine dropped the request"));
-            };
-            match ev {
-                Event::Cached(n) => self.cached = n,
-                Event::Token(id, lp) => {
-                    self.tokens += 1;
-                    if let Some(lp) = lp {
-                        self.logprobs.push((id, lp));
-                    }
-                    match self.stream.push(id) {
-                        Some(OutputDelta::Content(t)) => {
-                            let hit = self.content(&t);
-                            if hit {
-                                // Closing the channel cancels the generation.
-                                self.events.close();
-                                self.finished = true;
-                                self.ready.push_back(Step::End("stop", self.tokens));
-                            }
-                        }
-                        Some(d) => self.ready.push_back(Step::Delta(d)),
-                        None => {}
-                    }
-                }
-                Event::Done(g) => {
-                    self.finished = true;
-                    let mut hit = false;
-                    if let Some(OutputDelta::Content(t)) = self.stream.finish() {
-                        hit = self.content(&t);
-                    }
-                    if !hit {
-                        let tail = self.stop.finish();
-                        if !tail.is_empty() {
-                            self.ready
-                                .push_back(Step::Delta(OutputDelta::Content(tail)));
-                        }
-                    }
-                    let reason = if hit { "stop" } else { g.finish.openai() };
-                    self.ready.push_back(Step::End(reason, self.tokens));
-                }
-                Event::Failed(msg) => return Err(ApiError::server(msg)),
-            }
+            let ev = self.events.recv().await;
+            self.take(ev)?;
         }
+    }
+
+    /// Takes one event from the engine (`None`: it dropped the request).
+    pub(super) fn take(&mut self, ev: Option<Event>) -> Result<(), ApiError> {
+        let Some(ev) = ev else {
+            return Err(ApiError::server("the engine dropped the request"));
+        };
+        match ev {
+            Event::Cached(n) => self.cached = n,
+            Event::Token(id, lp) => {
+                self.tokens += 1;
+                if let Some(lp) = lp {
+                    self.logprobs.push((id, lp));
+                }
+                match self.stream.push(id) {
+                    Some(OutputDelta::Content(t)) => {
+                        let hit = self.content(&t);
+                        if hit {
+                            // Closing the channel cancels the generation.
+                            self.events.close();
+                            self.finished = true;
+                            self.ready.push_back(Step::End("stop", self.tokens));
+                        }
+                    }
+                    Some(d) => self.ready.push_back(Step::Delta(d)),
+                    None => {}
+                }
+            }
+            Event::Done(g) => {
+                self.finished = true;
+                let mut hit = false;
+                if let Some(OutputDelta::Content(t)) = self.stream.finish() {
+                    hit = self.content(&t);
+                }
+                if !hit {
+                    let tail = self.stop.finish();
+                    if !tail.is_empty() {
+                        self.ready
+                            .push_back(Step::Delta(OutputDelta::Content(tail)));
+                    }
+                }
+                let reason = if hit { "stop" } else { g.finish.openai() };
+                self.ready.push_back(Step::End(reason, self.tokens));
+            }
+            Event::Failed(msg) => return Err(ApiError::server(msg)),
+        }
+        Ok(())
     }
 }
 
@@ -281,7 +288,32 @@ impl Answer {
         }
     }
 
+    /// Waits until the engine starts the request (its first event: the request has a slot,
+    /// or it failed). A request still waiting when the server begins to shut down is refused
+    /// with a 503 instead, and leaves the queue: only running replies get the grace period.
+    async fn start(&mut self) -> Result<(), ApiError> {
+        let mut phase = self.phase.clone();
+        tokio::select! {
+            // An event already there wins: that request had started.
+            biased;
+            ev = self.reply.events.recv() => self.reply.take(ev),
+            true = phase_reached(&mut phase, Phase::Draining) => {
+                // Closing the channel takes it out of the queue (or, had the engine just
+                // started it, cancels it at its next step).
+                self.reply.events.close();
+                Err(ApiError::server(
+                    "the server is shutting down: the request was waiting for a free slot and \
+                     was not started; send it again",
+                )
+                .status(StatusCode::SERVICE_UNAVAILABLE)
+                .code("server_shutting_down")
+                .header(hyper::header::RETRY_AFTER, "5"))
+            }
+        }
+    }
+
     pub(super) async fn whole(mut self) -> Result<Response<Body>, ApiError> {
+        self.start().await?;
         let (mut content, mut reasoning) = (String::new(), String::new());
         let (mut reason, mut tokens) = ("stop", 0);
         while let Some(step) = self.next().await? {
@@ -325,7 +357,11 @@ impl Answer {
         Ok(json_response(StatusCode::OK, &v))
     }
 
-    pub(super) fn streamed(mut self) -> Response<Body> {
+    /// The reply as server-sent events, once the request has started: while it waits in the
+    /// queue no head is sent, so a request refused before it runs (the server shutting down,
+    /// the engine failing it) gets an HTTP error rather than a 200 and an error event.
+    pub(super) async fn streamed(mut self) -> Result<Response<Body>, ApiError> {
+        self.start().await?;
         let (tx, rx) = mpsc::channel::<Bytes>(32);
         tokio::spawn(async move {
             let event = |v: &Value| Bytes::from(format!("data: {v}\n\n"));
@@ -395,7 +431,7 @@ impl Answer {
             hyper::header::CACHE_CONTROL,
             HeaderValue::from_static("no-cache"),
         );
-        r
+        Ok(r)
     }
 }
 
@@ -422,7 +458,7 @@ impl State {
             include_usage: common
                 .stream_options
                 .as_ref()
-                .is_some_and(|o| o.include_usage),
+                .is_some_and(|o| o.include_usage == Some(true)),
             reply,
             logprobs,
             tokenizer: self.tokenizer.clone(),

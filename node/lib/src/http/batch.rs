@@ -864,7 +864,7 @@ mod tests {
         parallel: usize,
         jobs: &[(Vec<TokenId>, SamplingParams, usize)],
     ) -> Vec<Seen> {
-        let metrics = Arc::new(Metrics::new(Arc::new(|| None)));
+        let metrics = Arc::new(Metrics::new(Arc::new(|| None), false));
         let engine = Engine::new(Arc::new(model), 64, parallel, metrics.clone(), None).unwrap();
         let pending = Arc::new(std::sync::atomic::AtomicUsize::new(jobs.len()));
         let (tx, rx) = std::sync::mpsc::channel();
@@ -1014,7 +1014,7 @@ mod tests {
             .worker_threads(1)
             .build()
             .unwrap();
-        let metrics = Arc::new(Metrics::new(Arc::new(|| None)));
+        let metrics = Arc::new(Metrics::new(Arc::new(|| None), false));
         let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let queue = Arc::new(Queue::default());
         let (tx, rx) = std::sync::mpsc::channel();

@@ -58,8 +58,9 @@ pub(super) struct Metrics {
 }
 
 impl Metrics {
-    /// The metrics of a server whose experts are `experts`.
-    pub(super) fn new(experts: ExpertStatsFn) -> Self {
+    /// The metrics of a server whose experts are `experts`; the prompt cache's series are
+    /// exposed only when it has one (`prompt_cache`, `--prompt-cache`).
+    pub(super) fn new(experts: ExpertStatsFn, prompt_cache: bool) -> Self {
         let mut registry = Registry::with_prefix("stormo");
         let m = Self {
             registry: Registry::default(),
@@ -98,33 +99,35 @@ impl Metrics {
             "Prompt tokens taken from the KV cache instead of computed",
             m.prompt_reused.clone(),
         );
-        registry.register(
-            "prompt_cache_tokens",
-            "Prompt tokens read from the prompt cache on disk (--prompt-cache; a part of \
-             stormo_prompt_tokens_reused_total)",
-            m.prompt_cache_tokens.clone(),
-        );
-        registry.register(
-            "prompt_cache_files",
-            "Files in the prompt cache on disk",
-            m.prompt_cache_files.clone(),
-        );
-        registry.register(
-            "prompt_cache_bytes",
-            "Bytes of the prompt cache on disk (at most --prompt-cache)",
-            m.prompt_cache_bytes.clone(),
-        );
-        registry.register(
-            "prompt_cache_evictions",
-            "Prompt cache files evicted, least recently used first, to stay within its size",
-            m.prompt_cache_evictions.clone(),
-        );
-        registry.register(
-            "prompt_cache_rejected",
-            "Prompt cache files removed because they did not load (cut, corrupt, another \
-             model's)",
-            m.prompt_cache_rejected.clone(),
-        );
+        if prompt_cache {
+            registry.register(
+                "prompt_cache_tokens",
+                "Prompt tokens read from the prompt cache on disk (--prompt-cache; a part of \
+                 stormo_prompt_tokens_reused_total)",
+                m.prompt_cache_tokens.clone(),
+            );
+            registry.register(
+                "prompt_cache_files",
+                "Files in the prompt cache on disk",
+                m.prompt_cache_files.clone(),
+            );
+            registry.register(
+                "prompt_cache_bytes",
+                "Bytes of the prompt cache on disk (at most --prompt-cache)",
+                m.prompt_cache_bytes.clone(),
+            );
+            registry.register(
+                "prompt_cache_evictions",
+                "Prompt cache files evicted, least recently used first, to stay within its size",
+                m.prompt_cache_evictions.clone(),
+            );
+            registry.register(
+                "prompt_cache_rejected",
+                "Prompt cache files removed because they did not load (cut, corrupt, another \
+                 model's)",
+                m.prompt_cache_rejected.clone(),
+            );
+        }
         registry.register(
             "active_requests",
             "Requests being generated now",
@@ -292,7 +295,7 @@ mod tests {
             }],
             ..Default::default()
         };
-        let m = Metrics::new(Arc::new(move || Some(stats.clone())));
+        let m = Metrics::new(Arc::new(move || Some(stats.clone())), false);
         m.request("/v1/completions", 200);
         m.request("/v1/completions", 200);
         m.request("/health", 503);
@@ -317,5 +320,24 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line:?} in\n{text}");
         }
+    }
+
+    /// The prompt cache's series are exposed only by a server that has one, as
+    /// docs/serving.md says.
+    #[test]
+    fn prompt_cache_series_only_with_a_prompt_cache() {
+        let series = |text: &str| {
+            text.lines()
+                .filter(|l| l.starts_with("stormo_prompt_cache_"))
+                .count()
+        };
+        let without = Metrics::new(Arc::new(|| None), false).render();
+        assert_eq!(series(&without), 0, "{without}");
+        assert!(
+            without.contains("stormo_prompt_tokens_reused_total 0"),
+            "{without}"
+        );
+        let with = Metrics::new(Arc::new(|| None), true).render();
+        assert_eq!(series(&with), 5, "{with}");
     }
 }

@@ -428,7 +428,7 @@ mod tests {
     }
 
     fn open(dir: &Path, limit: u64, model: &Model) -> PromptCache {
-        let metrics = Arc::new(Metrics::new(Arc::new(|| None)));
+        let metrics = Arc::new(Metrics::new(Arc::new(|| None), true));
         let cfg = PromptCacheConfig {
             dir: dir.to_path_buf(),
             limit,
