@@ -398,9 +398,10 @@ fn run_prompt_ids_samples_as_the_text_prompt_does() {
     args[pos] = "NaN";
     let out = stormo_bin(&args, cache.path());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    // Checked when the arguments are parsed: a usage error (exit 2) that names the flag.
+    assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("temperature") && out.stdout.is_empty(),
+        err.contains("--temperature") && out.stdout.is_empty(),
         "{err}"
     );
 }
