@@ -154,6 +154,16 @@ fn run_prints_the_reference_ids_and_json() {
         .collect();
     assert_eq!(got, want);
     assert_eq!(j["prompt_tokens"].as_u64().unwrap() as usize, ids.len());
+    // The fields a text prompt's object has, where they make sense: the prompt's ids, and
+    // why it stopped (no --stop-at-eos: the length).
+    let prompt: Vec<String> = j["prompt_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no prompt_ids: {j}"))
+        .iter()
+        .map(serde_json::Value::to_string)
+        .collect();
+    assert_eq!(prompt, ids);
+    assert_eq!(j["finish_reason"], "length", "{j}");
     assert!(j["timings"]["decode_tok_s"].as_f64().unwrap() > 0.0);
     let (lf, li) = safetensors::open_file(&logits, 0).unwrap();
     assert_eq!(li.len(), 1);
@@ -356,6 +366,24 @@ fn bad_prompts() {
     )
     .unwrap();
     assert_clean_error(&run_model(d.path(), "1,2,3,4,5,6,7,8,9"), &["context", "8"]);
+    // Issue: "the prompt (1 tokens) plus 200000 new tokens needs 200000 positions" read as a
+    // sum gone wrong; the last new token takes no position, and the message says so.
+    let o = stormo(&[
+        "run",
+        "--model",
+        d.path().to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+        "-n",
+        "200000",
+    ]);
+    assert_clean_error(
+        &o,
+        &[
+            "the prompt (1 token) and 200000 new tokens need 200000 positions",
+            "1 + 200000 - 1",
+        ],
+    );
     // fits exactly: 7 prompt + 2 new needs 8 positions
     let o = run_model(d.path(), "1,2,3,4,5,6,7");
     assert!(o.status.success(), "{}", stderr(&o));
@@ -711,6 +739,7 @@ fn run_output_made_before_a_failure_is_on_stdout() {
             "{mode}: {so_far:?} is not the start of {want:?}"
         );
         assert_eq!(j["finish_reason"], "error", "{mode}: {j}");
+        assert!(j["prompt_ids"].is_array(), "{mode}: {j}");
         assert!(
             j["error"].as_str().unwrap().contains("no tier holds it"),
             "{mode}: {j}"
@@ -1046,6 +1075,10 @@ fn bench_says_when_the_disk_test_cannot_run() {
     assert!(o.status.success(), "{}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("disk             not measured"), "{out}");
+    // A decode longer than the context: the message's sum adds up (each decoded token is
+    // fed back, twice --decode-tokens of them).
+    let o = stormo(&[&common[..8], &["--decode-tokens", "70000"]].concat());
+    assert_clean_error(&o, &["need 140002 positions (2 + 2 × 70000)"]);
     let o = stormo(&[&common[..], &["--disk-test", "0"]].concat());
     assert!(o.status.success(), "{}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
@@ -1108,6 +1141,37 @@ fn completions_and_man_page_are_printed() {
     let o = stormo(&["man"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains(".TH stormo"));
+}
+
+/// Issue: `chat --help` said resuming a --session with other sampling options is an error
+/// (they take over), and that /save's JSON is OpenAI's message shape while /load read only
+/// stormo's wrapper; `run --help` listed --json's fields loosely. The help says what happens.
+#[test]
+fn chat_and_run_help_say_what_sessions_load_and_json_do() {
+    let o = stormo(&["chat", "--help"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let help = String::from_utf8(o.stdout).unwrap();
+    let flat = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    for want in [
+        "a sampling option given again (--temperature, --top-p, --top-k, \
+         --repetition-penalty, --seed) takes over",
+        "an OpenAI chat request body ({\"messages\": [...]}) or a JSON array of messages",
+        "a message that would not fit with the conversation is not added",
+    ] {
+        assert!(
+            flat.contains(want),
+            "{want:?} missing from chat --help: {help}"
+        );
+    }
+    assert!(!flat.contains("and sampling options;"), "{help}");
+    let o = stormo(&["run", "--help"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let help = String::from_utf8(o.stdout).unwrap();
+    let flat = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        flat.contains("generated_ids, prompt_ids, prompt_tokens, finish_reason"),
+        "{help}"
+    );
 }
 
 /// `stormo swarm create` and `admit` make a certificate that `show` reads back; a bad node

@@ -94,6 +94,161 @@ fn chat_answers_piped_turns_and_reports_reuse() {
     assert_eq!(reused(stats[2]), 0, "after /reset: {}", stats[2]);
 }
 
+/// `converse` (the piped chat) with `args` after `--model DIR` on `tm`, `input` piped in:
+/// its result, and the notes it wrote.
+fn converse_in(
+    dir: &std::path::Path,
+    tm: &stormo_cli::cmd::chat::TextModel,
+    args: &[&str],
+    input: &str,
+) -> (anyhow::Result<()>, String) {
+    use clap::Parser;
+    use stormo_cli::cmd::chat::{converse, sampling, Args};
+
+    #[derive(Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        args: Args,
+    }
+    let argv = [
+        &["chat", "--model", dir.to_str().expect("utf-8 path")],
+        args,
+    ]
+    .concat();
+    let w = Wrap::try_parse_from(argv).expect("chat arguments parse");
+    let sampling = sampling(&w.args).expect("sampling options");
+    let (mut out, mut notes) = (Vec::new(), Vec::new());
+    let r = converse(
+        &w.args,
+        tm,
+        sampling,
+        input.as_bytes(),
+        &mut out,
+        &mut notes,
+        false,
+        false,
+    );
+    (r, String::from_utf8(notes).expect("utf-8"))
+}
+
+/// Issue: `/quit now` and `/reset now` were sent to the model as messages, and `/load` read
+/// only stormo's own wrapper although `/save` promised OpenAI's message shape. A known command
+/// given an argument it takes none of says so and is not sent; an unknown one, with or
+/// without an argument, is named; a line that starts with a space is a message even when it
+/// starts with `/`. `/load` reads a bare array of messages and an OpenAI chat request body;
+/// the counts say "1 message", not "1 messages".
+#[test]
+fn chat_commands_take_their_arguments_and_load_reads_openai_messages() {
+    let model = crate::http::synth_model();
+    let dir = model.path();
+    let tm = crate::http::text_model(dir, 512);
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let file = |name: &str, text: &str| {
+        let p = tmp.path().join(name);
+        std::fs::write(&p, text).expect("write");
+        p.to_str().expect("utf-8 path").to_string()
+    };
+    let bare = file("bare.json", r#"[{"role": "user", "content": "Hello."}]"#);
+    let body = file(
+        "body.json",
+        r#"{"model": "gpt-4o", "messages": [{"role": "user", "content": "Hello."},
+            {"role": "assistant", "content": "Hi!"}]}"#,
+    );
+    let saved = tmp.path().join("saved.json");
+    let s = saved.to_str().expect("utf-8 path");
+    let input = format!(
+        "/quit now\n/reset now\n/help me\n/bogus now\n/load {bare}\n/save {s}\n/load {body}\n \
+         /quit\n/save {s}\n/quit\nnever read\n"
+    );
+    let args = ["-n", "8", "--temperature", "0", "--no-hot-store"];
+    let (r, notes) = converse_in(dir, &tm, &args, &input);
+    r.expect("the chat runs");
+    for want in [
+        "/quit takes no argument",
+        "/reset takes no argument",
+        "/help takes no argument",
+        "unknown command /bogus",
+        "(loaded 1 message from",
+        "(saved 1 message to",
+        "(loaded 2 messages from",
+        "(saved 4 messages to",
+    ] {
+        assert!(notes.contains(want), "wanted {want:?} in {notes}");
+    }
+    let stats = notes.lines().filter(|l| l.starts_with("[prompt")).count();
+    assert_eq!(stats, 1, "only \" /quit\" was sent: {notes}");
+    let turns = stormo_text::transcript::load(&saved).expect("the saved chat");
+    let said: Vec<(TurnRole, &str)> = turns.iter().map(|t| (t.role, &*t.content)).collect();
+    assert_eq!(
+        said[..3],
+        [
+            (TurnRole::User, "Hello."),
+            (TurnRole::Assistant, "Hi!"),
+            (TurnRole::User, " /quit"),
+        ],
+        "{notes}"
+    );
+}
+
+/// Issue: `chat --session` to a folder that does not exist said "(new session: saved to
+/// ...)", ran every turn, failed every save and exited 0. It is now refused before the model
+/// loads, naming the path; and a save that fails later (the folder removed under a running
+/// chat) ends the chat with an error once the input is done, every turn still answered.
+#[test]
+fn a_session_that_cannot_be_saved_is_an_error() {
+    let model = crate::http::synth_model();
+    let dir = model.path();
+    let d = dir.to_str().expect("utf-8 path");
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let nowhere = tmp.path().join("nope").join("s.kv");
+    let n = nowhere.to_str().expect("utf-8 path");
+    let out = chat_piped(
+        &["--model", d, "--no-hot-store", "--session", n],
+        "x\ny\n",
+        tmp.path(),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("--session {n}")) && err.contains("create it"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("new session") && out.stdout.is_empty(),
+        "{err}"
+    );
+
+    // Past the check (the library's loop, which does not make it): every turn runs, each
+    // failed save is a note, and the chat ends with an error.
+    let tm = crate::http::text_model(dir, 512);
+    let args = [
+        "-n",
+        "4",
+        "--temperature",
+        "0",
+        "--no-hot-store",
+        "--session",
+        n,
+    ];
+    let (r, notes) = converse_in(dir, &tm, &args, "x\ny\n");
+    let e = format!("{:#}", r.expect_err("the saves failed"));
+    assert!(
+        e.contains(&format!(
+            "--session {n}: 2 saves of the conversation failed"
+        )),
+        "{e}"
+    );
+    assert_eq!(
+        notes.matches("cannot save the session").count(),
+        2,
+        "{notes}"
+    );
+    assert_eq!(
+        notes.lines().filter(|l| l.starts_with("[prompt")).count(),
+        2
+    );
+}
+
 // ---- `stormo run --prompt` and `stormo chat` through the binary ----
 
 /// Runs the stormo binary with its cache (the hot store) in a temporary folder.
@@ -243,9 +398,10 @@ fn run_prompt_ids_samples_as_the_text_prompt_does() {
     args[pos] = "NaN";
     let out = stormo_bin(&args, cache.path());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    // Checked when the arguments are parsed: a usage error (exit 2) that names the flag.
+    assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("temperature") && out.stdout.is_empty(),
+        err.contains("--temperature") && out.stdout.is_empty(),
         "{err}"
     );
 }
@@ -635,19 +791,31 @@ fn a_full_chat_context_shifts_and_goes_on_to_the_end() {
         stats[0]
     );
 
-    // The old behaviour: the turns that no longer fit are refused, the chat answers no more.
+    // --no-context-shift: the turns that no longer fit are refused, not added, and the
+    // conversation is not shifted.
     let mut no_shift = base.to_vec();
     no_shift.push("--no-context-shift");
     let out = chat_piped(&no_shift, &turns, cache.path());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
-    assert!(
-        err.contains("no longer fits the context of 128 positions"),
-        "{err}"
-    );
+    let refused = "more than the context of 128 positions holds (--no-context-shift): the \
+                   message was not added";
+    assert!(err.contains(refused), "{err}");
     assert!(!err.contains("context full: dropped"), "{err}");
     let answered = err.lines().filter(|l| l.starts_with("[prompt")).count();
     assert!(answered < 6, "{err}");
+    // Issue: the note said "/reset to start over", yet the message was only dropped: a
+    // message too long is refused, and the next one that fits is answered, without /reset.
+    let long = format!("{}\nHi.\n", "Why is the sky blue? ".repeat(40));
+    let out = chat_piped(&no_shift, &long, cache.path());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains(refused), "{err}");
+    assert_eq!(
+        err.lines().filter(|l| l.starts_with("[prompt")).count(),
+        1,
+        "the short message is answered: {err}"
+    );
 }
 
 /// Issue 60 item 8: errors that say what to do. A folder without config.json is "no model

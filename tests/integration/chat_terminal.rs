@@ -253,7 +253,7 @@ fn chat_on_a_terminal_recalls_history_and_ctrl_c_stops_a_reply() {
     let s = t.wait("the load error", |s| {
         s.contains("cannot load the conversation")
     });
-    assert!(s.contains("bad.json is not a saved stormo chat"), "{s}");
+    assert!(s.contains("bad.json is not a saved chat"), "{s}");
     assert!(s.contains("(the conversation is unchanged)"), "{s}");
     t.keys(&[&format!("/load {}", saved.display()), "Enter"]);
     t.wait("the load note", |s| s.contains("(loaded 4 messages from"));

@@ -327,10 +327,14 @@ impl Plan {
         )?;
         let max_p = *a.prompt_tokens.iter().max().expect("non-empty");
         // The greedy decode, then as many tokens alternated greedy and sampled (decode_sampled).
-        let context = max_p.saturating_add(2 * a.decode_tokens);
+        let context = max_p.saturating_add(a.decode_tokens.saturating_mul(2));
         anyhow::ensure!(
             context <= files.cfg.max_position_embeddings,
-            "the longest prompt ({max_p} tokens) and {} decoded tokens need {context} positions, more than the model's context of {} (max_position_embeddings)",
+            "the longest prompt ({}) and twice --decode-tokens {} (a greedy decode, then as many \
+             tokens greedy and sampled alternated) need {context} positions ({max_p} + 2 × {}), \
+             more than the model's context of {} (max_position_embeddings)",
+            crate::cmd::run::count(max_p, "token"),
+            a.decode_tokens,
             a.decode_tokens,
             files.cfg.max_position_embeddings
         );

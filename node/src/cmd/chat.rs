@@ -248,13 +248,17 @@ impl Printer {
                   the next message continues it) or, while the prompt is read, the turn (the \
                   message is dropped). A conversation that fills --context drops \
                   its oldest turns (the system prompt kept; the status line says how many) \
-                  unless --no-context-shift. Sampling defaults come from the model's \
+                  unless --no-context-shift (then a message that does not fit is not added). \
+                  Sampling defaults come from the model's \
                   generation_config.json. Commands:\n  \
                   /reset       forget the conversation\n  \
-                  /save FILE   save the conversation (JSON, OpenAI's message shape)\n  \
-                  /load FILE   continue a saved conversation\n  \
+                  /save FILE   save the conversation (JSON: {\"format\": \"stormo-chat\", \
+                  \"messages\": [...]}, the messages in OpenAI's shape)\n  \
+                  /load FILE   continue a conversation: one /save wrote, an OpenAI chat request \
+                  body ({\"messages\": [...]}) or a JSON array of messages\n  \
                   /quit        leave (also /exit, Ctrl-D, or end of input)\n  \
-                  /help        this list\n\n\
+                  /help        this list\n\
+                  A line that starts with a space is a message, even one that starts with /.\n\n\
                   Example: printf 'Hello\\nAnd again?\\n' | stormo chat --model DIR\n\n\
                   Resumable: stormo chat --model DIR --session chat.kv (saved after every \
                   turn; run it again to go on where it left off, the cache reused).\n\n\
@@ -280,9 +284,10 @@ pub struct Args {
     #[arg(short = 'n', long, default_value_t = 1024, value_name = "N",
           allow_negative_numbers = true, value_parser = crate::args::count_arg)]
     pub max_new_tokens: usize,
-    /// When the conversation fills the context, stop replying (until /reset) instead of
-    /// shifting it: by default the oldest turns are dropped, whole, the system prompt kept,
-    /// and the status line says how many.
+    /// When the conversation fills the context, do not shift it: a message that would not
+    /// fit with the conversation is not added (send a shorter one, or /reset). By default the
+    /// oldest turns are dropped, whole, the system prompt kept, and the status line says how
+    /// many.
     #[arg(long)]
     pub no_context_shift: bool,
     /// Sampling (the chat default temperature is 0.7: greedy decoding tends to loop).
@@ -312,9 +317,12 @@ pub struct Args {
     pub no_history: bool,
     /// Keep the conversation and its KV cache in FILE: saved after every turn (atomically),
     /// and resumed when FILE exists, the cache reused (about 2·layers·kv_dim·4 bytes per
-    /// position: 96 KiB for gpt-oss-20b). Give the same model, --context and sampling
-    /// options; a file from another model or settings, or a damaged one, is an error that
-    /// names what differs, and the file is left untouched.
+    /// position: 96 KiB for gpt-oss-20b). FILE's folder must exist and be writable (checked at
+    /// start). A resumed chat samples as it was saved; a sampling option given again
+    /// (--temperature, --top-p, --top-k, --repetition-penalty, --seed) takes over, and the
+    /// first status line says which. Give the same model and --context: a file from another
+    /// model or settings, or a damaged one, is an error that names what differs, and the
+    /// file is left untouched.
     #[arg(long, value_name = "FILE")]
     pub session: Option<PathBuf>,
     /// Where experts come from.
@@ -568,6 +576,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // First: the tokenizer and the probes use the pool whose size this sets.
     stormo_node::config::start_engine_threads(a.experts.threads)?;
     let sampling = sampling(&a)?;
+    // Before the model loads: a session that could never be saved is refused at once.
+    if let Some(path) = &a.session {
+        persist::check_writable(path)?;
+    }
     let load = LoadOptions {
         prefill_block: a.prefill_block,
         int8_attn_head: a.int8_attn_head,
@@ -595,9 +607,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     tm.node.wait_for_coverage(a.net.wait_coverage());
     let interactive = std::io::stdin().is_terminal();
     let tty = std::io::stdout().is_terminal();
-    if interactive {
+    let chat = if interactive {
         let (out, notes) = (&mut std::io::stdout(), &mut std::io::stderr());
-        converse_terminal(&a, &tm, sampling, out, notes, tty)?;
+        converse_terminal(&a, &tm, sampling, out, notes, tty)
     } else {
         converse(
             &a,
@@ -608,10 +620,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             &mut std::io::stderr(),
             false,
             tty,
-        )?;
-    }
+        )
+    };
+    // Also after an error (a --session save that failed ends the chat with one, its turns
+    // run): the network closed, the usage counts kept.
     tm.node.finish_run();
-    Ok(())
+    chat
 }
 
 /// The chat's sampling: each option given, else the model folder's generation_config.json
@@ -629,6 +643,38 @@ pub fn sampling(a: &Args) -> anyhow::Result<SamplingParams> {
 enum Flow {
     Continue,
     Quit,
+}
+
+/// A chat command: a line that starts with `/` and a name (`/reset`, `/save FILE`), and what
+/// follows the name, trimmed, if anything does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Command<'t> {
+    name: &'t str,
+    arg: Option<&'t str>,
+}
+
+impl<'t> Command<'t> {
+    /// The command `line` gives, or `None` for a message: a line that starts with a space,
+    /// or whose first word is no command name (`/` and letters, or `/?`), such as a path
+    /// (`/etc/hosts is what?`), is a message; a path alone (`/etc/hosts`) is taken for a
+    /// mistyped command, as it was before.
+    fn of(line: &'t str) -> Option<Self> {
+        if !line.starts_with('/') {
+            return None;
+        }
+        let line = line.trim_end();
+        let (name, arg) = match line.split_once(char::is_whitespace) {
+            Some((name, rest)) => (name, Some(rest.trim()).filter(|r| !r.is_empty())),
+            None => (line, None),
+        };
+        let word = name == "/?" || name[1..].chars().all(|c| c.is_ascii_alphabetic());
+        (word || arg.is_none()).then_some(Self { name, arg })
+    }
+}
+
+/// "1 message", "2 messages".
+fn messages(n: usize) -> String {
+    format!("{n} message{}", if n == 1 { "" } else { "s" })
 }
 
 /// A conversation in progress: its turns, its engine session, and how it is shown.
@@ -649,6 +695,9 @@ struct Conversation<'a> {
     interactive: bool,
     /// Resumed from --session's file.
     resumed: bool,
+    /// With --session: how many saves failed, and the last failure (the chat ends with an
+    /// error when one did: [`Conversation::finish`]).
+    save_failures: (usize, Option<anyhow::Error>),
     /// The sampling options the resumed file was saved with (a version 2 file).
     saved_sampling: Option<persist::SavedSampling>,
 }
@@ -735,6 +784,7 @@ impl<'a> Conversation<'a> {
             turn_no: r.turn_no,
             interactive,
             resumed,
+            save_failures: (0, None),
         })
     }
 
@@ -773,9 +823,9 @@ impl<'a> Conversation<'a> {
             };
             writeln!(
                 notes,
-                "(resumed {}: {} messages, {} positions of KV cache to reuse; {sampling})",
+                "(resumed {}: {}, {} positions of KV cache to reuse; {sampling})",
                 path.display(),
-                self.turns.len(),
+                messages(self.turns.len()),
                 self.sess.cached().len()
             )?;
             if self.a.system.is_some() {
@@ -794,8 +844,9 @@ impl<'a> Conversation<'a> {
         Ok(())
     }
 
-    /// With --session: saves the conversation and its cache; a failure is a note.
-    fn save_session(&self, notes: &mut dyn Write) -> std::io::Result<()> {
+    /// With --session: saves the conversation and its cache; a failure is a note, and the
+    /// chat's error when it ends ([`Self::finish`]).
+    fn save_session(&mut self, notes: &mut dyn Write) -> std::io::Result<()> {
         let Some(path) = &self.a.session else {
             return Ok(());
         };
@@ -810,8 +861,30 @@ impl<'a> Conversation<'a> {
         let saved = persist::save(path, &self.sess, &state);
         if let Err(e) = saved {
             writeln!(notes, "cannot save the session: {e:#}")?;
+            self.save_failures = (self.save_failures.0 + 1, Some(e));
         }
         Ok(())
+    }
+
+    /// The end of the chat: an error when a --session save failed, so a script sees that
+    /// the file does not hold the conversation.
+    fn finish(self) -> anyhow::Result<()> {
+        match self.save_failures {
+            (n, Some(e)) => {
+                let path = self.a.session.as_deref().unwrap_or(Path::new("?"));
+                Err(e.context(format!(
+                    "--session {}: {} of the conversation failed (the last error follows), so \
+                     the file does not hold the conversation as it ended",
+                    path.display(),
+                    if n == 1 {
+                        "a save".to_string()
+                    } else {
+                        format!("{n} saves")
+                    }
+                )))
+            }
+            _ => Ok(()),
+        }
     }
 
     fn banner(&self, notes: &mut dyn Write) -> std::io::Result<()> {
@@ -832,23 +905,24 @@ impl<'a> Conversation<'a> {
         interrupt: Option<&AtomicBool>,
     ) -> anyhow::Result<Flow> {
         let text = text.trim_end_matches(['\r', '\n']);
-        let cmd = text.trim();
-        let arg = |name: &str| {
-            cmd.strip_prefix(name)
-                .filter(|r| r.starts_with(' '))
-                .map(str::trim)
-        };
-        if let Some(file) = arg("/save") {
-            match transcript::save(Path::new(file), &self.tm.name, &self.turns) {
-                Ok(()) => writeln!(notes, "(saved {} messages to {file})", self.turns.len())?,
-                Err(e) => writeln!(notes, "cannot save the conversation: {e}")?,
+        let Some(Command { name, arg }) = Command::of(text) else {
+            if text.trim().is_empty() {
+                return Ok(Flow::Continue);
             }
+            self.message(text, out, notes, interrupt)?;
+            self.save_session(notes)?;
             return Ok(Flow::Continue);
-        }
-        if let Some(file) = arg("/load") {
-            match transcript::load(Path::new(file)) {
+        };
+        match (name, arg) {
+            ("/save", Some(file)) => {
+                match transcript::save(Path::new(file), &self.tm.name, &self.turns) {
+                    Ok(()) => writeln!(notes, "(saved {} to {file})", messages(self.turns.len()))?,
+                    Err(e) => writeln!(notes, "cannot save the conversation: {e}")?,
+                }
+            }
+            ("/load", Some(file)) => match transcript::load(Path::new(file)) {
                 Ok(turns) => {
-                    writeln!(notes, "(loaded {} messages from {file})", turns.len())?;
+                    writeln!(notes, "(loaded {} from {file})", messages(turns.len()))?;
                     self.turns = turns;
                     self.system_turns = 0;
                     self.start = 0;
@@ -858,39 +932,27 @@ impl<'a> Conversation<'a> {
                     notes,
                     "cannot load the conversation: {e} (the conversation is unchanged)"
                 )?,
-            }
-            return Ok(Flow::Continue);
-        }
-        match cmd {
-            "" => return Ok(Flow::Continue),
-            "/quit" | "/exit" | "/q" => return Ok(Flow::Quit),
-            "/reset" => {
+            },
+            ("/save" | "/load", None) => writeln!(notes, "{name} needs a file: {name} FILE")?,
+            ("/quit" | "/exit" | "/q", None) => return Ok(Flow::Quit),
+            ("/reset", None) => {
                 self.turns.truncate(self.system_turns);
                 self.start = self.system_turns;
                 self.sess.reset();
                 writeln!(notes, "(conversation reset)")?;
                 self.save_session(notes)?;
-                return Ok(Flow::Continue);
             }
-            "/help" | "/?" => {
-                writeln!(notes, "{COMMANDS}")?;
-                return Ok(Flow::Continue);
-            }
-            "/save" | "/load" => {
-                writeln!(notes, "{cmd} needs a file: {cmd} FILE")?;
-                return Ok(Flow::Continue);
-            }
-            t if t.starts_with('/') && !t.contains(char::is_whitespace) => {
-                writeln!(
-                    notes,
-                    "unknown command {t}: /help lists them (start with a space to send it as text)"
-                )?;
-                return Ok(Flow::Continue);
-            }
-            _ => {}
+            ("/help" | "/?", None) => writeln!(notes, "{COMMANDS}")?,
+            ("/quit" | "/exit" | "/q" | "/reset" | "/help" | "/?", Some(_)) => writeln!(
+                notes,
+                "{name} takes no argument (start the line with a space to send it as text)"
+            )?,
+            _ => writeln!(
+                notes,
+                "unknown command {name}: /help lists them (start the line with a space to send \
+                 it as text)"
+            )?,
         }
-        self.message(text, out, notes, interrupt)?;
-        self.save_session(notes)?;
         Ok(Flow::Continue)
     }
 
@@ -925,7 +987,9 @@ impl<'a> Conversation<'a> {
             if a.no_context_shift {
                 writeln!(
                     notes,
-                    "the conversation ({} tokens) no longer fits the context of {} positions: /reset to start over, or a larger --context",
+                    "with this message the conversation takes {} tokens, more than the context \
+                     of {} positions holds (--no-context-shift): the message was not added; \
+                     send a shorter one, /reset to start over, or give a larger --context",
                     w.prompt.len(),
                     a.context
                 )?;
@@ -1058,8 +1122,9 @@ impl<'a> Conversation<'a> {
 
 /// The commands, for /help.
 const COMMANDS: &str = "/reset forgets the conversation; /save FILE and /load FILE keep and \
-                        restore it (JSON; --session FILE keeps it with its KV cache); /quit \
-                        leaves; anything else is a message.";
+                        restore it (JSON; /load also reads OpenAI's messages; --session FILE \
+                        keeps it with its KV cache); /quit leaves; anything else is a message \
+                        (start a line with a space to send one that starts with /).";
 
 /// The conversation loop, replying with `sampling` ([`sampling`]): reads turns from `input`
 /// (one line each), writes replies to `out` and notes (prompts, statistics, command answers)
@@ -1100,7 +1165,7 @@ pub fn converse(
             break;
         }
     }
-    Ok(())
+    c.finish()
 }
 
 /// The conversation on a terminal: a line editor with history in the state directory
@@ -1153,7 +1218,7 @@ pub fn converse_terminal(
             break;
         }
     }
-    Ok(())
+    c.finish()
 }
 
 #[cfg(test)]
@@ -1207,6 +1272,28 @@ mod tests {
             ..qwen
         };
         assert!(sampling(&[]).params_with(&bad, 0.7).is_err());
+    }
+
+    /// Issue: `/quit now` and `/reset now` went to the model as messages. A command name
+    /// with or without an argument is a command (the chat then says when it takes none); a
+    /// line that starts with a space, or whose first word is a path, is a message.
+    #[test]
+    fn a_command_with_an_argument_is_still_a_command() {
+        let cmd = |name, arg| Some(Command { name, arg });
+        assert_eq!(Command::of("/quit"), cmd("/quit", None));
+        assert_eq!(Command::of("/quit now "), cmd("/quit", Some("now")));
+        assert_eq!(Command::of("/reset\tnow"), cmd("/reset", Some("now")));
+        assert_eq!(
+            Command::of("/save  a b.json"),
+            cmd("/save", Some("a b.json"))
+        );
+        assert_eq!(Command::of("/bogus now"), cmd("/bogus", Some("now")));
+        assert_eq!(Command::of("/? x"), cmd("/?", Some("x")));
+        assert_eq!(Command::of("/etc/hosts"), cmd("/etc/hosts", None));
+        assert_eq!(Command::of("/etc/hosts is what?"), None);
+        assert_eq!(Command::of(" /quit now"), None);
+        assert_eq!(Command::of("quit"), None);
+        assert_eq!(Command::of(""), None);
     }
 
     /// A resumed chat samples as its file was saved; each option given again takes over,

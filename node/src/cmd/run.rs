@@ -23,7 +23,7 @@ use crate::cmd::chat::{
 use stormo_node::config::{LocalExperts, NodeConfig};
 use stormo_node::node::Node;
 use stormo_text::reply::ReplyStream;
-use stormo_text::session::{ChatSession, GenerateOptions};
+use stormo_text::session::{ChatSession, FinishReason, GenerateOptions};
 use stormo_text::{ChatFormat, Tokenizer, Turn, TurnRole};
 
 /// Arguments of `stormo run`.
@@ -60,8 +60,11 @@ pub struct Args {
     /// chat format's stop tokens always stop; with --raw these ids do).
     #[arg(long)]
     pub stop_at_eos: bool,
-    /// Print one JSON object on stdout (ids, text with --prompt, prompt length, timings)
-    /// instead of bare ids or streamed text.
+    /// Print one JSON object on stdout instead of bare ids or streamed text: generated_ids,
+    /// prompt_ids, prompt_tokens, finish_reason ("stop": a stop or end-of-sequence id ended
+    /// it, the last id; "length": --max-new-tokens), timings and experts, and with --prompt
+    /// text and reasoning. After an error partway: what was made, finish_reason "error" and
+    /// the error.
     #[arg(long)]
     pub json: bool,
     /// Lab switch (hidden; docs/performance.md): write the logits that chose each generated
@@ -294,12 +297,17 @@ fn check_args(a: &Args) -> anyhow::Result<()> {
 /// The positions the run needs (the prompt's and the new tokens'), checked against the
 /// context of the model configured by `cfg`.
 fn context_for(a: &Args, cfg: &stormo_engine::ModelConfig, prompt: usize) -> anyhow::Result<usize> {
+    // Every token but the last new one is fed through the model and takes a position.
     // Saturating: an absurd --max-new-tokens must meet the context check below, not wrap.
-    let context = prompt.saturating_add(a.max_new_tokens.max(1) - 1);
+    let new = a.max_new_tokens.max(1);
+    let context = prompt.saturating_add(new - 1);
     if context > cfg.max_position_embeddings {
         bail!(
-            "the prompt ({prompt} tokens) plus {} new tokens needs {context} positions, more than the model's context of {} (max_position_embeddings)",
-            a.max_new_tokens,
+            "the prompt ({}) and {} need {context} positions (the prompt's and those of every \
+             new token but the last, which is not fed back: {prompt} + {new} - 1), more than \
+             the model's context of {} (max_position_embeddings)",
+            count(prompt, "token"),
+            count(new, "new token"),
             cfg.max_position_embeddings
         );
     }
@@ -485,6 +493,7 @@ fn run_ids(
                 print_partial_json(
                     serde_json::json!({
                         "generated_ids": line.ids,
+                        "prompt_ids": prompt,
                         "prompt_tokens": prompt.len(),
                         "finish_reason": "error",
                     }),
@@ -516,13 +525,24 @@ fn run_ids(
     if a.json {
         let out = serde_json::json!({
             "generated_ids": ids,
+            "prompt_ids": prompt,
             "prompt_tokens": prompt.len(),
+            "finish_reason": ids_finish(&ids, &stop).openai(),
             "timings": timings_json(&timings, prompt.len(), ids.len()),
             "experts": node.json(prediction),
         });
         println!("{out}");
     }
     Ok(())
+}
+
+/// Why a token-id generation that made `ids` with `stop` ended: at a stop id (the last one),
+/// or at --max-new-tokens (its context holds all of them: [`context_for`]).
+fn ids_finish(ids: &[u32], stop: &[u32]) -> FinishReason {
+    match ids.last() {
+        Some(last) if stop.contains(last) => FinishReason::Stop,
+        _ => FinishReason::Length,
+    }
 }
 
 /// Generates after `prompt`, each id pushed to `line` as it comes and, when `logits` is given,
@@ -692,6 +712,11 @@ fn print_partial_json(mut partial: serde_json::Value, e: &anyhow::Error) {
     let _ = writeln!(out, "{partial}").and_then(|()| out.flush());
 }
 
+/// "1 token", "2 tokens".
+pub(crate) fn count(n: usize, what: &str) -> String {
+    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
+}
+
 fn rate(n: usize, s: f64) -> f64 {
     if s > 0.0 {
         n as f64 / s
@@ -720,6 +745,16 @@ mod tests {
         kept.end().unwrap();
         assert!(kept.out.is_empty());
         assert_eq!(kept.ids, [3]);
+    }
+
+    /// `run --json` with token ids says why it ended, as a text prompt does.
+    #[test]
+    fn id_runs_finish_at_a_stop_id_or_the_length() {
+        assert_eq!(ids_finish(&[5, 9], &[9]), FinishReason::Stop);
+        assert_eq!(ids_finish(&[9, 5], &[9]), FinishReason::Length);
+        assert_eq!(ids_finish(&[5, 9], &[]), FinishReason::Length);
+        assert_eq!(count(1, "token"), "1 token");
+        assert_eq!(count(2, "new token"), "2 new tokens");
     }
 
     #[test]

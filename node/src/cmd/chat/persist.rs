@@ -166,6 +166,53 @@ impl ChatState {
     }
 }
 
+/// Checks, before any work, that a session can be saved to `path`: it is not a folder, and its
+/// folder exists and takes a new file (the save's temporary file beside `path`, made and
+/// removed). The error names the path and what is wrong.
+pub fn check_writable(path: &Path) -> anyhow::Result<()> {
+    let shown = path.display();
+    anyhow::ensure!(
+        !path.is_dir(),
+        "--session {shown} is a folder: give a file name (a new one, or a saved session)"
+    );
+    let name = path
+        .file_name()
+        .ok_or_else(|| anyhow::anyhow!("--session {shown}: give a file name"))?;
+    let folder = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    match std::fs::metadata(folder) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => anyhow::bail!("--session {shown}: {} is not a folder", folder.display()),
+        Err(e) => anyhow::bail!(
+            "--session {shown}: its folder {} cannot be used ({e}); create it, or give a file \
+             in a folder that exists",
+            folder.display()
+        ),
+    }
+    // The name the save writes before it renames (stormo_text's session persist).
+    let mut probe = name.to_os_string();
+    probe.push(".partial");
+    let probe = path.with_file_name(probe);
+    let made = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&probe);
+    match made {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => anyhow::bail!(
+            "--session {shown}: cannot write in its folder {} ({e}); give a file in a folder \
+             you can write in",
+            folder.display()
+        ),
+    }
+}
+
 /// Saves `state` and `sess`'s cache to `path`.
 pub fn save(path: &Path, sess: &ChatSession, state: &ChatState) -> anyhow::Result<()> {
     sess.save(path, &serde_json::to_value(state)?)?;
@@ -175,6 +222,33 @@ pub fn save(path: &Path, sess: &ChatSession, state: &ChatState) -> anyhow::Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue: `chat --session` in a folder that does not exist ran every turn and lost them
+    /// all. Such a path, or a folder given as FILE, is refused before any work, naming the
+    /// path; a new file in a folder that exists passes and leaves nothing behind.
+    #[test]
+    fn a_session_that_cannot_be_saved_is_refused_up_front() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let missing = dir.path().join("nope").join("s.kv");
+        let e = format!("{:#}", check_writable(&missing).expect_err("no folder"));
+        assert!(
+            e.contains(&missing.display().to_string()) && e.contains("create it"),
+            "{e}"
+        );
+        let e = format!("{:#}", check_writable(dir.path()).expect_err("a folder"));
+        assert!(e.contains("is a folder"), "{e}");
+        let file = dir.path().join("file");
+        std::fs::write(&file, b"x").expect("write");
+        let e = format!(
+            "{:#}",
+            check_writable(&file.join("s.kv")).expect_err("a file")
+        );
+        assert!(e.contains("is not a folder"), "{e}");
+        let fine = dir.path().join("s.kv");
+        check_writable(&fine).expect("a new file in a folder that exists");
+        let left: Vec<_> = std::fs::read_dir(dir.path()).expect("list").collect();
+        assert_eq!(left.len(), 1, "only `file` is left: {left:?}");
+    }
 
     /// A version 1 state (no version, no sampling) still reads; this build writes version 2
     /// with the sampling options; a newer version is refused by `resume`.
