@@ -14,6 +14,7 @@ mod extra_oracle;
 mod faults;
 mod hostile;
 mod http;
+mod http_connections;
 mod http_names;
 mod hung;
 mod int8;

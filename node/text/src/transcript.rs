@@ -256,8 +256,9 @@ fn turn_of(i: usize, m: serde_json::Value) -> Result<Turn, String> {
     })
 }
 
-/// How an error names a JSON value's kind.
-fn json_kind(v: &serde_json::Value) -> &'static str {
+/// How an error names a JSON value's kind (never the value itself, which may be large); the
+/// HTTP API's errors use it too.
+pub fn json_kind(v: &serde_json::Value) -> &'static str {
     use serde_json::Value;
     match v {
         Value::Null => "null",

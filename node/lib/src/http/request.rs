@@ -529,16 +529,7 @@ pub(super) fn prompt_ids(tokenizer: &Tokenizer, prompt: &Value) -> Result<Vec<To
 }
 
 /// What a JSON value is, for messages (never the value itself, which may be large).
-pub(super) fn json_kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
+pub(super) use stormo_text::transcript::json_kind;
 
 pub(super) fn turns_of(messages: &[ChatMessage]) -> Result<Vec<Turn>, ApiError> {
     if messages.is_empty() {
