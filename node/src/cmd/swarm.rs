@@ -105,7 +105,8 @@ pub struct StatusArgs {
     #[arg(long)]
     pub json: bool,
     /// Seconds to wait for the peers to answer (each connected peer's inventory arrives with
-    /// its first answer; discovery may take longer).
+    /// its first answer; discovery may take longer). A dial gives up within it too (at
+    /// least 0.5 s).
     #[arg(long, default_value_t = 5.0, value_name = "SECS", value_parser = stormo_net::progress::secs_arg)]
     pub wait: f64,
 }
@@ -176,7 +177,11 @@ pub fn run(c: Command) -> anyhow::Result<()> {
 /// most `--wait`) for each to answer, and prints the coverage.
 fn status(a: StatusArgs) -> anyhow::Result<()> {
     use stormo_node::config::{CacheBudget, ExpertsConfig, LocalExperts, NodeConfig};
-    let peers = a.net.resolve(false)?;
+    let mut peers = a.net.resolve(false)?;
+    // A dial gives up within --wait too (at least half a second: a handshake on a LAN takes
+    // milliseconds), so a dead peer does not hold the report for the whole connect timeout.
+    let wait = std::time::Duration::from_secs_f64(a.wait.max(0.5));
+    peers.timeouts.connect_timeout = peers.timeouts.connect_timeout.min(wait);
     // The key file is loaded once: for the certificate's check and for the node.
     let (swarm, host) =
         crate::swarm_args::resolve_identity(&a.swarm, a.net.key.as_deref())?.into_host()?;
