@@ -905,11 +905,12 @@ macro_rules! avx512_tile {
 
 #[cfg(target_arch = "x86_64")]
 avx512_tile!(
-    /// AVX-512 VNNI kernel for `P` (1-8) positions: per group of eight blocks, two permutes
-    /// put the nibbles in the inputs' order and a byte lookup gives the biased weights; per
-    /// position four `vpdpbusd` (one register of sums, lane `l` for block `l mod 8`), its
-    /// halves added and the offsets: lane `i` is block `i`'s exact sum. The tail runs as one more
-    /// group ([`Tail`]).
+    /// AVX-512 VNNI kernel for `P` (1-8) positions, [`ROWS`] rows a pass: per group of eight
+    /// blocks and row, two permutes put the nibbles in the inputs' order and a byte lookup
+    /// gives the biased weights; per position its inputs loaded once, and for each row four
+    /// `vpdpbusd` (one register of sums, lane `l` for block `l mod 8`), its halves added and
+    /// the offsets: lane `i` is block `i`'s exact sum. The tail runs as one more group
+    /// ([`Tail`]).
     avx512vnni_tile,
     "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
     dot_vnni
