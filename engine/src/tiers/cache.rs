@@ -562,7 +562,7 @@ fn unpin(g: &mut Inner, layer: usize, experts: &[usize]) {
 }
 
 impl TieredExperts {
-    /// [`fetch_each`](ExpertProvider::fetch_each), and with `whole` [`fetch`]
+    /// [`fetch_each`](ExpertProvider::fetch_each), and with `whole` [`fetch`](ExpertProvider::fetch)
     /// (ExpertProvider::fetch): nothing handed over until every expert of the request is ready,
     /// then all of them at once, in request order.
     fn serve(
