@@ -918,3 +918,49 @@ fn cli_pull_writes_plain_lines_when_stderr_is_not_a_terminal() {
     assert!(!theirs.status.success(), "another model's folder replaced");
     assert!(err.contains("--force"), "{err}");
 }
+
+/// A pull started before its only peer listens dials it again (a peer still starting, or too
+/// busy to finish a handshake within the connect timeout) and completes once it answers.
+/// Before, one attempt that ran into the 3 s connect timeout ended the pull ("no peer could
+/// be reached").
+#[test]
+fn a_pull_dials_again_a_peer_that_does_not_answer_yet() {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    use crate::node::{model_with_manifest, s, state, Proc};
+    let (m, id) = model_with_manifest();
+    let keys = tempfile::tempdir().expect("keys");
+    let (key, public) = crate::placement::key(keys.path(), "late.key");
+    let port = crate::discovery::free_udp_port();
+    let out = tempfile::tempdir().expect("out");
+    let started = Instant::now();
+    let pull = Command::new(crate::demo::stormo_exe())
+        .args(["pull", "--peer", &format!("{public}@127.0.0.1:{port}")])
+        .args(["--model-id", &id, "--out", s(out.path())])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start stormo pull");
+    // Past the first attempt's connect timeout (3 s), before the second ends.
+    std::thread::sleep(Duration::from_millis(3300).saturating_sub(started.elapsed()));
+    let st = state();
+    let _server = Proc::start(&[
+        "serve",
+        "--model",
+        s(m.path()),
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--key",
+        &key,
+        "--allow-any",
+        "--state-dir",
+        s(st.path()),
+    ]);
+    let done = pull.wait_with_output().expect("stormo pull");
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert!(done.status.success(), "the pull failed: {err}");
+    assert!(err.contains("dialling it again"), "{err}");
+    assert!(out.path().join("stormo-pulled.json").is_file(), "{err}");
+}

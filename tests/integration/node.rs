@@ -143,21 +143,40 @@ pub(crate) fn stormo_output(args: &[&str], input: Option<&str>) -> std::process:
     wait_bounded(child, Duration::from_secs(180))
 }
 
+/// Waits for `child` to end, at most `within` (then kills it and panics with its stderr).
+/// Its output is read while it runs, so a child that writes more than a pipe holds is not
+/// stopped by a full pipe.
 fn wait_bounded(mut child: Child, within: Duration) -> std::process::Output {
+    fn drain(r: Option<impl std::io::Read + Send + 'static>) -> std::thread::JoinHandle<Vec<u8>> {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut buf);
+            }
+            buf
+        })
+    }
+    let (out, err) = (drain(child.stdout.take()), drain(child.stderr.take()));
     let until = Instant::now() + within;
-    loop {
-        if child.try_wait().expect("wait").is_some() {
-            return child.wait_with_output().expect("output");
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
         }
         if Instant::now() > until {
             let _ = child.kill();
-            let out = child.wait_with_output().expect("output");
+            let _ = child.wait();
+            let err = err.join().unwrap_or_default();
             panic!(
                 "stormo ran over {within:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
+                String::from_utf8_lossy(&err)
             );
         }
         std::thread::sleep(Duration::from_millis(20));
+    };
+    std::process::Output {
+        status,
+        stdout: out.join().expect("stdout reader"),
+        stderr: err.join().expect("stderr reader"),
     }
 }
 

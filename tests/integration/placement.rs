@@ -13,7 +13,7 @@ use crate::discovery::free_udp_port;
 use crate::node::{model_with_manifest, run_ids, s, state, stormo, Proc};
 
 /// A node key file in `dir` and its public key.
-fn key(dir: &Path, name: &str) -> (String, String) {
+pub(crate) fn key(dir: &Path, name: &str) -> (String, String) {
     let path = dir.join(name);
     let public = stormo(&["key", "generate", "--key", s(&path)]);
     (

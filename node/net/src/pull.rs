@@ -23,7 +23,9 @@
 //! sparse ones.
 //!
 //! Every peer is dialled from one endpoint: a node's own ([`pull_on`], what `stormo pull` does,
-//! sharing it with the node that fetches experts next), or one of the pull's ([`pull`]).
+//! sharing it with the node that fetches experts next), or one of the pull's ([`pull`]). A peer
+//! that does not answer (starting, or too busy to finish a handshake within the connect
+//! timeout) is dialled up to three times, a refusal of a key once ([`DIAL_PAUSES`]).
 //!
 //! Every file is written to a temporary name in the folder and renamed only once all of its
 //! contents verified: a failed pull leaves no half-written file under a final name.
@@ -66,6 +68,14 @@ pub const MARKER_FILE: &str = "stormo-pulled.json";
 const RANGE: u64 = 4 << 20;
 /// File requests in flight per file.
 const WINDOW: usize = 4;
+/// The pauses between a pull's attempts to dial a peer that did not answer (one that is
+/// starting, or too busy to finish a handshake in time): three attempts in all, then the next
+/// peer. A peer that refuses this node's key, or whose key is not the one given, is not
+/// dialled again.
+const DIAL_PAUSES: [std::time::Duration; 2] = [
+    std::time::Duration::from_millis(500),
+    std::time::Duration::from_secs(2),
+];
 
 /// What a folder's [`MARKER_FILE`] says.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -275,7 +285,7 @@ async fn pull_async(
                 tls::client_config_for(id, Some(&p.key), m.servers.clone())?
             }
         };
-        match PeerLink::connect_on(endpoint, secret, client, p, opts.cfg).await {
+        match connect_retrying(endpoint, secret, client, p, opts.cfg).await {
             Ok(l) => links.push(Arc::new(l)),
             Err(e) => tracing::warn!("{e:#}"),
         }
@@ -286,6 +296,32 @@ async fn pull_async(
         l.close();
     }
     out
+}
+
+/// A link to `p`, dialled again after each of [`DIAL_PAUSES`] while the attempt fails for any
+/// reason but a refusal of either side's key.
+async fn connect_retrying(
+    endpoint: &quinn::Endpoint,
+    secret: &SecretKey,
+    client: quinn::ClientConfig,
+    p: &PeerAddr,
+    cfg: PeerConfig,
+) -> anyhow::Result<PeerLink> {
+    let mut pauses = DIAL_PAUSES.iter();
+    loop {
+        let e = match PeerLink::connect_on(endpoint, secret, client.clone(), p, cfg).await {
+            Ok(l) => return Ok(l),
+            Err(e) => e,
+        };
+        let refused = format!("{e:#}").contains("refused");
+        match pauses.next() {
+            Some(pause) if !refused => {
+                tracing::warn!("{e:#}; dialling it again in {:.1}s", pause.as_secs_f64());
+                tokio::time::sleep(*pause).await;
+            }
+            _ => return Err(e),
+        }
+    }
 }
 
 async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Result<PullReport> {
