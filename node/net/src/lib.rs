@@ -418,7 +418,7 @@ impl FramedRecv {
     }
 }
 
-/// A piece of [`FramedRecv::next_piece`]: [`Piece`] with the payload bytes held as a slice of
+/// A piece of [`FramedRecv::next_pieces`]: [`Piece`] with the payload bytes held as a slice of
 /// the received chunk.
 #[derive(Debug)]
 pub enum StreamPiece {

@@ -25,7 +25,7 @@
 //! Every peer is dialled from one endpoint: a node's own ([`pull_on`], what `stormo pull` does,
 //! sharing it with the node that fetches experts next), or one of the pull's ([`pull`]). A peer
 //! that does not answer (starting, or too busy to finish a handshake within the connect
-//! timeout) is dialled up to three times, a refusal of a key once ([`DIAL_PAUSES`]).
+//! timeout) is dialled up to three times, 0.5 s and 2 s apart; a peer that refuses a key once.
 //!
 //! Every file is written to a temporary name in the folder and renamed only once all of its
 //! contents verified: a failed pull leaves no half-written file under a final name.

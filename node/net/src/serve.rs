@@ -1165,7 +1165,7 @@ pub async fn record_parts(
     .context("the expert reader panicked")?
 }
 
-/// As [`open_holdings`], serving experts through `provider`, the expert cache of a model
+/// As [`holdings`], serving experts through `provider`, the expert cache of a model
 /// this process also runs (`stormo serve --http` with `--listen`), so the node keeps one cache
 /// within one budget instead of two. Requests outside the inventory (`only`) are refused by
 /// the server before they reach the provider.

@@ -340,7 +340,8 @@ impl PeerTier {
     /// Adds `peers` to the peer set and connects to the new ones (in parallel, each bounded by
     /// the connect timeout), returning when every attempt has ended. A peer already in the set
     /// under the same key and address is left as it is; one under the same key at another
-    /// address replaces it. Unreachable peers are warned about and retried later.
+    /// address replaces it; one removed before comes back with its view as it was (see
+    /// `Inner::add_peers`). Unreachable peers are warned about and retried later.
     pub fn add_peers(&self, peers: &[PeerAddr]) -> anyhow::Result<()> {
         let added = self.inner.add_peers(peers)?;
         if added.is_empty() {
@@ -377,7 +378,7 @@ impl PeerTier {
         Ok(())
     }
 
-    /// Dials again each peer of the set whose connection is down, as a load would ([`link`]):
+    /// Dials again each peer of the set whose connection is down, as a load would (`link`):
     /// through the policy, so that a peer that cannot be connected to is dialled again only
     /// once its back-off is over (1 s, doubling with each failed attempt in a row up to 60 s:
     /// [`policy::PeerView::fail`]) and a lost one as its reconnection pauses allow, and each
@@ -554,7 +555,15 @@ impl Inner {
         self.peers.lock().expect("peer set lock").clone()
     }
 
-    /// Adds `peers` not already in the set (see [`PeerTier::add_peers`]); returns the new ones.
+    /// Adds `peers` not already in the set (see [`PeerTier::add_peers`]); returns the new ones
+    /// and the ones back in the set.
+    ///
+    /// A peer removed before and added again at the same address gets its entry back, with
+    /// its view as it was (back-off, history, a drop for bad bytes): discovery removes a peer
+    /// it has not heard of for a while and adds it when it is heard again, and neither a new
+    /// entry each time (the set would grow by one a cycle) nor a clean slate (a peer dropped
+    /// for sending bad bytes would be trusted again) is wanted. A peer at a new address gets
+    /// a new entry, which keeps the drop of the key's earlier entries.
     pub(crate) fn add_peers(&self, peers: &[PeerAddr]) -> anyhow::Result<Vec<Arc<Peer>>> {
         let mut set = self.peers.lock().expect("peer set lock");
         let mut next: Vec<Arc<Peer>> = set.as_ref().clone();
@@ -574,6 +583,15 @@ impl Inner {
                 }
                 None => {}
             }
+            if let Some(q) = next.iter().rev().find(|q| q.addr == *p) {
+                q.state().removed = false;
+                added.push(q.clone());
+                continue;
+            }
+            let banned = next
+                .iter()
+                .filter(|q| q.addr.key == p.key)
+                .find_map(|q| q.state().banned.clone());
             let peer = Arc::new(Peer {
                 addr: p.clone(),
                 client: tls::client_config_for(
@@ -587,6 +605,7 @@ impl Inner {
                 link: Default::default(),
                 state: Mutex::new(PeerView::default()),
             });
+            peer.state().banned = banned;
             next.push(peer.clone());
             added.push(peer);
         }
@@ -1432,6 +1451,54 @@ mod tests {
             (long.hedge_min, long.hedge_max, long.stripe_min),
             (d.hedge_min, d.hedge_max, d.stripe_min)
         );
+    }
+
+    /// A peer removed and added again at its address (discovery losing it and hearing it
+    /// again) gets its entry back: the set does not grow, the peer serves again, and a drop
+    /// for bad bytes stays. One at a new address gets a new entry that keeps the drop.
+    #[test]
+    fn a_peer_removed_and_added_again_gets_its_entry_back_and_keeps_a_drop() {
+        let b = bench(&[Serving::Honest]);
+        let addr = b.tier.peer_addrs()[0].clone();
+        let entries = |b: &Bench| b.tier.inner.peers().len();
+        for round in 0..3 {
+            assert!(b.tier.remove_peer(&addr.key), "round {round}");
+            assert!(b.tier.peer_addrs().is_empty());
+            b.tier
+                .add_peers(std::slice::from_ref(&addr))
+                .expect("added");
+            assert_eq!(
+                b.tier.peer_addrs(),
+                std::slice::from_ref(&addr),
+                "round {round}"
+            );
+            assert_eq!(entries(&b), 1, "a new entry in round {round}");
+        }
+        let record = b.attempt(0, &mut b.fresh()).expect("served again");
+        assert_eq!(&record[..], &b.record[..]);
+        assert!(b.tier.inner.peers()[0].state().ban("sent bad bytes (test)"));
+        b.tier.remove_peer(&addr.key);
+        b.tier
+            .add_peers(std::slice::from_ref(&addr))
+            .expect("added");
+        assert!(
+            b.tier.inner.peers()[0].state().banned.is_some(),
+            "a dropped peer is trusted again after it was removed"
+        );
+        let moved = PeerAddr {
+            key: addr.key,
+            addr: std::net::SocketAddr::from(([127, 0, 0, 1], 9)),
+        };
+        b.tier
+            .add_peers(std::slice::from_ref(&moved))
+            .expect("added");
+        assert_eq!(b.tier.peer_addrs(), [moved]);
+        assert_eq!(entries(&b), 2);
+        assert!(
+            b.tier.inner.peers()[1].state().banned.is_some(),
+            "a dropped peer is trusted again at a new address"
+        );
+        b.tier.close();
     }
 
     /// The background redial ([`PeerTier::redial_down`]) goes through the peer's one view: a
