@@ -24,6 +24,7 @@ fn pull_options(f: &Fixture, node: &Node, out: &Path, with_experts: bool) -> pul
         force: false,
         cfg: quick(),
         membership: None,
+        experts: None,
     }
 }
 
@@ -300,6 +301,7 @@ fn pull_refuses_a_corrupted_dense_tensor_and_writes_nothing_half_done() {
         force: false,
         cfg: quick(),
         membership: None,
+        experts: None,
     };
     let err = format!(
         "{:#}",
@@ -963,4 +965,51 @@ fn a_pull_dials_again_a_peer_that_does_not_answer_yet() {
     assert!(done.status.success(), "the pull failed: {err}");
     assert!(err.contains("dialling it again"), "{err}");
     assert!(out.path().join("stormo-pulled.json").is_file(), "{err}");
+}
+
+/// `pull --experts` with a spec the model cannot meet fails once the manifest is accepted,
+/// naming `--experts`, before anything of the model is fetched (it used to fetch the dense
+/// weights first, and name `--only-experts`).
+#[test]
+fn a_pull_refuses_an_experts_spec_the_model_cannot_meet_before_fetching() {
+    use crate::node::{model_with_manifest, s, state, stormo_output, Proc};
+    let (m, id) = model_with_manifest();
+    let st = state();
+    let server = Proc::start(&[
+        "serve",
+        "--model",
+        s(m.path()),
+        "--listen",
+        "127.0.0.1:0",
+        "--allow-any",
+        "--state-dir",
+        s(st.path()),
+    ]);
+    let scratch = tempfile::tempdir().expect("scratch");
+    for (spec, says) in [
+        ("0:99", "expert 99 does not exist"),
+        ("7:0", "layer 7 does not exist"),
+        ("x", "\"x\" is not an expert number"),
+    ] {
+        let out = scratch.path().join("model");
+        let done = stormo_output(
+            &[
+                "pull",
+                "--peer",
+                &server.line,
+                "--model-id",
+                &id,
+                "--experts",
+                spec,
+                "--out",
+                s(&out),
+            ],
+            None,
+        );
+        let err = String::from_utf8_lossy(&done.stderr);
+        assert!(!done.status.success(), "{spec}: {err}");
+        assert!(err.contains(&format!("--experts: {says}")), "{spec}: {err}");
+        assert!(!err.contains("pull: model"), "{spec}: fetched first: {err}");
+        assert!(!out.exists(), "{spec}: {} left", out.display());
+    }
 }

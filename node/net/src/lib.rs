@@ -183,10 +183,20 @@ pub fn allow_list(keys: &[String], file: Option<&Path>) -> anyhow::Result<Vec<Pu
 /// layer; layers not named get none). Returns `[layer][expert]` flags for `shape` (experts per
 /// layer, 0 for dense layers).
 pub fn parse_only_experts(spec: &str, shape: &[usize]) -> anyhow::Result<Vec<Vec<bool>>> {
+    parse_expert_spec("--only-experts", spec, shape)
+}
+
+/// [`parse_only_experts`] for the option `flag` (its errors name it): `pull --experts` takes
+/// the same syntax.
+pub fn parse_expert_spec(
+    flag: &str,
+    spec: &str,
+    shape: &[usize],
+) -> anyhow::Result<Vec<Vec<bool>>> {
     let spec = spec.trim();
     anyhow::ensure!(
         !spec.is_empty(),
-        "--only-experts: empty (e.g. 0-15 or 0:0-7,1:8-15)"
+        "{flag}: empty (e.g. 0-15 or 0:0-7,1:8-15)"
     );
     let per_layer = spec.contains(':');
     let mut out: Vec<Vec<bool>> = shape.iter().map(|&n| vec![false; n]).collect();
@@ -196,7 +206,7 @@ pub fn parse_only_experts(spec: &str, shape: &[usize]) -> anyhow::Result<Vec<Vec
             Some(l) => {
                 anyhow::ensure!(
                     l < shape.len(),
-                    "--only-experts: layer {l} does not exist (the model has {} layers)",
+                    "{flag}: layer {l} does not exist (the model has {} layers)",
                     shape.len()
                 );
                 vec![l]
@@ -205,7 +215,7 @@ pub fn parse_only_experts(spec: &str, shape: &[usize]) -> anyhow::Result<Vec<Vec
         };
         anyhow::ensure!(
             hi < experts_max,
-            "--only-experts: expert {hi} does not exist (layers have {experts_max} experts)"
+            "{flag}: expert {hi} does not exist (layers have {experts_max} experts)"
         );
         for l in layers {
             let row = &mut out[l];
@@ -219,12 +229,12 @@ pub fn parse_only_experts(spec: &str, shape: &[usize]) -> anyhow::Result<Vec<Vec
     for item in spec.split(',').map(str::trim) {
         let (layer, range) = if per_layer {
             let Some((l, r)) = item.split_once(':') else {
-                anyhow::bail!("--only-experts: {item:?} has no layer (per-layer form is LAYER:A-B; do not mix with plain ranges)");
+                anyhow::bail!("{flag}: {item:?} has no layer (per-layer form is LAYER:A-B; do not mix with plain ranges)");
             };
             let l: usize = l
                 .trim()
                 .parse()
-                .map_err(|_| anyhow::anyhow!("--only-experts: {l:?} is not a layer number"))?;
+                .map_err(|_| anyhow::anyhow!("{flag}: {l:?} is not a layer number"))?;
             (Some(l), r.trim())
         } else {
             (None, item)
@@ -232,7 +242,7 @@ pub fn parse_only_experts(spec: &str, shape: &[usize]) -> anyhow::Result<Vec<Vec
         let num = |t: &str| -> anyhow::Result<usize> {
             t.trim()
                 .parse()
-                .map_err(|_| anyhow::anyhow!("--only-experts: {t:?} is not an expert number"))
+                .map_err(|_| anyhow::anyhow!("{flag}: {t:?} is not an expert number"))
         };
         let (lo, hi) = match range.split_once('-') {
             Some((a, b)) => (num(a)?, num(b)?),
@@ -241,7 +251,7 @@ pub fn parse_only_experts(spec: &str, shape: &[usize]) -> anyhow::Result<Vec<Vec
                 (n, n)
             }
         };
-        anyhow::ensure!(lo <= hi, "--only-experts: range {range:?} is backwards");
+        anyhow::ensure!(lo <= hi, "{flag}: range {range:?} is backwards");
         mark(layer, lo, hi)?;
     }
     Ok(out)

@@ -133,6 +133,10 @@ pub struct PullOptions {
     pub cfg: PeerConfig,
     /// The swarm membership to present to the peers (`--swarm`, `--cert`), if any.
     pub membership: Option<PullMembership>,
+    /// The expert records to fetch after the folder (`--experts SPEC`, fetched by the caller):
+    /// checked against the accepted manifest's experts before anything else is fetched, so a
+    /// spec naming an expert the model does not have fails at once.
+    pub experts: Option<String>,
 }
 
 /// How a pull dials as a swarm member.
@@ -324,12 +328,39 @@ async fn connect_retrying(
     }
 }
 
+/// Experts per layer as far as `m` tells: its experts' layers, and its tensors named
+/// `model.layers.N.` for layers with none (a dense layer counts 0 experts).
+fn expert_shape(m: &Manifest) -> Vec<usize> {
+    let layer_of = |name: &str| -> Option<usize> {
+        name.strip_prefix("model.layers.")?
+            .split('.')
+            .next()?
+            .parse()
+            .ok()
+    };
+    let layers = m
+        .tensors
+        .iter()
+        .filter_map(|t| layer_of(&t.name))
+        .chain(m.experts.iter().map(|e| usize::from(e.id.layer)))
+        .max()
+        .map_or(0, |l| l + 1);
+    let mut shape = vec![0; layers];
+    for e in &m.experts {
+        shape[usize::from(e.id.layer)] += 1;
+    }
+    shape
+}
+
 async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Result<PullReport> {
     let dir = &opts.out;
     let mut report = PullReport::default();
     // The manifest, accepted before anything else is fetched.
     let (manifest, id, bytes, sig) = fetch_manifest(links, opts).await?;
     report.model_id = Some(id);
+    if let Some(spec) = &opts.experts {
+        super::parse_expert_spec("--experts", spec, &expert_shape(&manifest))?;
+    }
     eprintln!(
         "pull: manifest {} accepted ({} file{}, {} tensors, {} experts)",
         id.to_hex(),

@@ -130,6 +130,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         force: a.force,
         cfg: PeerConfig::with_timeout(t),
         membership,
+        experts: a.experts.clone(),
     };
     let started = std::time::Instant::now();
     let r = pull::pull_on(secret, &opts, rt, &endpoint)
@@ -302,7 +303,7 @@ fn pull_experts(
         files,
     )?;
     let shape: Vec<usize> = node.files().layout.parts.iter().map(Vec::len).collect();
-    let flags = net::parse_only_experts(spec, &shape)?;
+    let flags = net::parse_expert_spec("--experts", spec, &shape)?;
     let keys: Vec<ExpertId> = flags
         .iter()
         .enumerate()
