@@ -38,13 +38,14 @@
 //! - **AVX-512 with VNNI** (`vpdpbusd`, u8 × s8 summed by fours into i32): per group of eight
 //!   blocks and row, two loads of the nibbles, two two-source dword permutes into the order
 //!   above, a nibble split and a byte-table lookup giving `2w + 12` (in 0..=24, unsigned);
-//!   per position four `vpdpbusd` with the inputs straight from memory, one add of the
-//!   register's halves, the offsets added (`Σ (2w + 12) q − 12 Σ q = Σ 2w q`), then one
-//!   conversion, one multiply and one fused multiply-add of eight lanes. Two rows at a time,
+//!   per position four `vpdpbusd` with the inputs straight from memory, summing onto the
+//!   blocks' offsets in the register's low half (`Σ (2w + 12) q − 12 Σ q = Σ 2w q`; 1.02x
+//!   against adding them after), one add of the register's halves, then one conversion, one
+//!   multiply and one fused multiply-add of eight lanes. Two rows at a time,
 //!   so each 64-byte load of inputs feeds two `vpdpbusd` (1.03x on Zen 4, one thread, 8 and
 //!   16 positions); the eight-lane sums use AVX-512 VL, which lets them live in any of the 32
 //!   registers (without it LLVM spilled them to the stack; a CPU with AVX-512 BW but no VL
-//!   runs the AVX2 kernel). On Zen 4 the kernel reaches about 38% of the `vpdpbusd` peak
+//!   runs the AVX2 kernel). On Zen 4 the kernel reaches about 39% of the `vpdpbusd` peak
 //!   (`kernel_min peak`: one 512-bit `vpdpbusd` a cycle, 468 GOP/s a thread): a position
 //!   costs about 8.5 cycles per group of eight blocks where its four `vpdpbusd` need 4 (the
 //!   same steps with inputs in L1 and no weights to decode: 5.9), and a group's decode about
@@ -848,16 +849,16 @@ macro_rules! avx512_tile {
                                         let xv: [__m512i; 4] = std::array::from_fn(|h| {
                                             _mm512_loadu_si512(xg.q.add(64 * h) as *const __m512i)
                                         });
-                                        let off = _mm256_loadu_si256(xg.offsets as *const __m256i);
+                                        // The offsets start the low half's sums.
+                                        let off = _mm512_zextsi256_si512(_mm256_loadu_si256(
+                                            xg.offsets as *const __m256i,
+                                        ));
                                         let d = _mm256_loadu_ps(xg.d);
                                         for k in 0..$r {
-                                            let v = $dot(&w[k], &xv);
+                                            let v = $dot(off, &w[k], &xv);
                                             let isum = _mm256_add_epi32(
-                                                _mm256_add_epi32(
-                                                    _mm512_castsi512_si256(v),
-                                                    _mm512_extracti64x4_epi64::<1>(v),
-                                                ),
-                                                off,
+                                                _mm512_castsi512_si256(v),
+                                                _mm512_extracti64x4_epi64::<1>(v),
                                             );
                                             let f = _mm256_mul_ps(d, half[k]);
                                             acc[k][q] = _mm256_fmadd_ps(
@@ -925,23 +926,23 @@ avx512_tile!(
     dot_bw
 );
 
-/// Four `vpdpbusd`: the biased weights `w` by 256 input bytes `x`.
+/// Four `vpdpbusd`: the biased weights `w` by 256 input bytes `x`, added to `init`.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f,avx512vnni")]
-fn dot_vnni(w: &[__m512i; 4], x: &[__m512i; 4]) -> __m512i {
-    let mut v = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x[0]);
+fn dot_vnni(init: __m512i, w: &[__m512i; 4], x: &[__m512i; 4]) -> __m512i {
+    let mut v = _mm512_dpbusd_epi32(init, w[0], x[0]);
     v = _mm512_dpbusd_epi32(v, w[1], x[1]);
     v = _mm512_dpbusd_epi32(v, w[2], x[2]);
     _mm512_dpbusd_epi32(v, w[3], x[3])
 }
 
 /// [`dot_vnni`] without VNNI: `vpmaddubsw` pairs (at most 2 · 24 · 127), four summed in i16,
-/// widened by `vpmaddwd`.
+/// widened by `vpmaddwd`, added to `init`.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn dot_bw(w: &[__m512i; 4], x: &[__m512i; 4]) -> __m512i {
+fn dot_bw(init: __m512i, w: &[__m512i; 4], x: &[__m512i; 4]) -> __m512i {
     let s = _mm512_add_epi16(
         _mm512_add_epi16(
             _mm512_maddubs_epi16(w[0], x[0]),
@@ -952,7 +953,7 @@ fn dot_bw(w: &[__m512i; 4], x: &[__m512i; 4]) -> __m512i {
             _mm512_maddubs_epi16(w[3], x[3]),
         ),
     );
-    _mm512_madd_epi16(s, _mm512_set1_epi16(1))
+    _mm512_add_epi32(init, _mm512_madd_epi16(s, _mm512_set1_epi16(1)))
 }
 
 /// NEON kernel for up to [`POSITIONS`] positions: per group of eight blocks the nibbles'
