@@ -1330,3 +1330,30 @@ fn bad_sampling_values_and_counts_name_the_flag() {
     ]);
     assert_usage_error(&o, &["--expert-cache", "or auto"]);
 }
+
+/// A render option given with token ids is said to be unused (ids go to the model as given);
+/// ids with an empty item between commas are refused.
+#[test]
+fn run_with_prompt_ids_says_reasoning_effort_is_unused_and_refuses_empty_items() {
+    let dir = fixture("gptoss-tiny-mxfp4");
+    let m = dir.to_str().unwrap();
+    let args = ["run", "--model", m, "--max-new-tokens", "1", "--prompt-ids"];
+    let with = |extra: &[&str], ids: &str| {
+        let mut a = args.to_vec();
+        a.push(ids);
+        a.extend_from_slice(extra);
+        stormo(&a)
+    };
+    let out = with(&["--reasoning-effort", "high"], "1,2");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("--reasoning-effort applies to --prompt"), "{err}");
+    let out = with(&[], "1,2");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(!err.contains("--reasoning-effort"), "{err}");
+    let out = with(&[], "1,,2");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("--prompt-ids: an empty item after item 1"), "{err}");
+}

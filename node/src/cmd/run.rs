@@ -117,21 +117,33 @@ pub struct Args {
     pub only_experts: Option<String>,
 }
 
-/// Parses token ids separated by commas and/or whitespace.
+/// Parses token ids separated by commas and/or whitespace. An empty item between commas
+/// (`1,,2`, or a comma first) is refused, as `bench --prompt-tokens` refuses one; a comma
+/// at the end is allowed.
 pub fn parse_ids(text: &str, what: &str) -> anyhow::Result<Vec<u32>> {
     let mut out = Vec::new();
-    for (i, tok) in text
-        .split(|c: char| c == ',' || c.is_whitespace())
-        .filter(|s| !s.is_empty())
-        .enumerate()
-    {
-        let id: u32 = tok.parse().with_context(|| {
-            format!(
-                "{what}: item {} ({tok:?}) is not a token id (a non-negative integer)",
-                i + 1
-            )
-        })?;
-        out.push(id);
+    let parts: Vec<&str> = text.split(',').collect();
+    for (k, part) in parts.iter().enumerate() {
+        let last = k + 1 == parts.len();
+        if part.trim().is_empty() && parts.len() > 1 && !last {
+            bail!(
+                "{what}: an empty item {} (two commas in a row, or a comma first)",
+                if out.is_empty() {
+                    "at the start".to_string()
+                } else {
+                    format!("after item {}", out.len())
+                }
+            );
+        }
+        for tok in part.split_whitespace() {
+            let id: u32 = tok.parse().with_context(|| {
+                format!(
+                    "{what}: item {} ({tok:?}) is not a token id (a non-negative integer)",
+                    out.len() + 1
+                )
+            })?;
+            out.push(id);
+        }
     }
     if out.is_empty() {
         bail!("{what}: no token ids given");
@@ -230,6 +242,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
 }
 
+/// Warns when a render option was given with a prompt of token ids, which are used as they
+/// are (no chat format to render them through).
+fn warn_render_unused(a: &Args) {
+    if a.render.reasoning_effort != "medium" || a.render.no_thinking {
+        eprintln!(
+            "warning: --reasoning-effort applies to --prompt (rendered through the chat \
+             format); token ids are used as given"
+        );
+    }
+}
+
 /// The prompt's ids, from --prompt (through the chat format of the model configured by `cfg`
 /// unless --raw; then also how to read the reply), --prompt-ids or --prompt-ids-file.
 fn read_prompt(
@@ -265,10 +288,14 @@ fn read_prompt(
             }
             Ok((ids, Some(TextPrompt { tokenizer, format })))
         }
-        (None, Some(s), _) => Ok((parse_ids(s, "--prompt-ids")?, None)),
+        (None, Some(s), _) => {
+            warn_render_unused(a);
+            Ok((parse_ids(s, "--prompt-ids")?, None))
+        }
         (None, None, Some(f)) => {
             // Token ids of any context that fits a model are far below 16 MiB of text; the
             // cap keeps a device or a runaway file from filling memory.
+            warn_render_unused(a);
             let text = safetensors::read_small_text(f, 16 << 20)
                 .with_context(|| format!("--prompt-ids-file {}", f.display()))?;
             Ok((parse_ids(&text, &f.display().to_string())?, None))
@@ -728,6 +755,24 @@ fn rate(n: usize, s: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ids_are_read_by_commas_and_whitespace_and_an_empty_item_is_refused() {
+        for ok in ["1,2,3", "1, 2, 3", "1 2\n3\n", "1,2,3,", " 1 ,2 , 3 "] {
+            assert_eq!(parse_ids(ok, "ids").expect(ok), [1, 2, 3], "{ok:?}");
+        }
+        let err = |t: &str| format!("{:#}", parse_ids(t, "--prompt-ids").expect_err(t));
+        assert!(
+            err("1,,2").contains("empty item after item 1"),
+            "{}",
+            err("1,,2")
+        );
+        assert!(err(",1").contains("at the start"), "{}", err(",1"));
+        assert!(err("1, ,2").contains("empty item"), "{}", err("1, ,2"));
+        assert!(err("1,x").contains("item 2 (\"x\")"), "{}", err("1,x"));
+        assert!(err(" ").contains("no token ids"), "{}", err(" "));
+        assert!(err("-1").contains("non-negative"), "{}", err("-1"));
+    }
 
     #[test]
     fn id_line_is_the_ids_joined_by_spaces_as_they_come() {
