@@ -745,9 +745,15 @@ fn run_output_made_before_a_failure_is_on_stdout() {
             "{mode}: {j}"
         );
     }
-    // An error before the first token prints nothing, with --json too.
-    let o = stormo(&["run", "--model", model, "--prompt-ids", "1,2048", "--json"]);
+    // An error before the first token prints nothing; with --json, the error as an object.
+    let o = stormo(&["run", "--model", model, "--prompt-ids", "1,2048"]);
     assert_clean_error(&o, &["2048", "vocabulary"]);
+    let o = stormo(&["run", "--model", model, "--prompt-ids", "1,2048", "--json"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).expect("--json error object");
+    assert_eq!(j["finish_reason"], "error", "{j}");
+    assert_eq!(j["generated_ids"], serde_json::json!([]), "{j}");
+    assert!(j["error"].as_str().unwrap().contains("2048"), "{j}");
 }
 
 /// Builds the fixture's manifest in a copy and makes two publisher keys; returns the copy, the
@@ -1347,7 +1353,10 @@ fn run_with_prompt_ids_says_reasoning_effort_is_unused_and_refuses_empty_items()
     let out = with(&["--reasoning-effort", "high"], "1,2");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
-    assert!(err.contains("--reasoning-effort applies to --prompt"), "{err}");
+    assert!(
+        err.contains("--reasoning-effort applies to --prompt"),
+        "{err}"
+    );
     let out = with(&[], "1,2");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
@@ -1355,5 +1364,30 @@ fn run_with_prompt_ids_says_reasoning_effort_is_unused_and_refuses_empty_items()
     let out = with(&[], "1,,2");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(err.contains("--prompt-ids: an empty item after item 1"), "{err}");
+    assert!(
+        err.contains("--prompt-ids: an empty item after item 1"),
+        "{err}"
+    );
+}
+
+/// `run --json` prints one object when it fails before generating: the error and
+/// finish_reason "error" (it printed nothing on stdout before).
+#[test]
+fn run_json_prints_an_object_for_an_error_before_generation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("no-model");
+    let out = stormo(&[
+        "run",
+        "--json",
+        "--model",
+        missing.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2",
+    ]);
+    assert!(!out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON object");
+    assert_eq!(v["finish_reason"], "error", "{v}");
+    let e = v["error"].as_str().expect("error text");
+    assert!(e.contains("no-model"), "{e}");
 }

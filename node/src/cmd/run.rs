@@ -64,7 +64,7 @@ pub struct Args {
     /// prompt_ids, prompt_tokens, finish_reason ("stop": a stop or end-of-sequence id ended
     /// it, the last id; "length": --max-new-tokens), timings and experts, and with --prompt
     /// text and reasoning. After an error partway: what was made, finish_reason "error" and
-    /// the error.
+    /// the error; after one before generation began: finish_reason "error" and the error.
     #[arg(long)]
     pub json: bool,
     /// Lab switch (hidden; docs/performance.md): write the logits that chose each generated
@@ -121,6 +121,12 @@ pub struct Args {
 /// (`1,,2`, or a comma first) is refused, as `bench --prompt-tokens` refuses one; a comma
 /// at the end is allowed.
 pub fn parse_ids(text: &str, what: &str) -> anyhow::Result<Vec<u32>> {
+    if text
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .all(str::is_empty)
+    {
+        bail!("{what}: no token ids given");
+    }
     let mut out = Vec::new();
     let parts: Vec<&str> = text.split(',').collect();
     for (k, part) in parts.iter().enumerate() {
@@ -209,6 +215,22 @@ pub(crate) fn check_output_file(out: &Path, model_dir: &Path, flag: &str) -> any
 /// Runs `stormo run`: the prompt read and checked, a node started, the model loaded, then a
 /// text reply ([`run_text`]) or bare ids ([`run_ids`]).
 pub fn run(a: Args) -> anyhow::Result<()> {
+    let json = a.json;
+    let r = run_args(a);
+    if let Err(e) = &r {
+        // With --json a failure is one object too: the partial one once generation began
+        // (printed where it failed), else the error alone.
+        if json && !PARTIAL_PRINTED.load(std::sync::atomic::Ordering::Relaxed) {
+            print_partial_json(serde_json::json!({ "finish_reason": "error" }), e);
+        }
+    }
+    r
+}
+
+/// Whether [`print_partial_json`] has printed the run's object.
+static PARTIAL_PRINTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn run_args(a: Args) -> anyhow::Result<()> {
     let _ = STARTED.set(std::time::Instant::now());
     // First: the tokenizer and the probes use the pool whose size this sets.
     stormo_node::config::start_engine_threads(a.experts.threads)?;
@@ -419,7 +441,7 @@ fn run_text(
     let g = match generated {
         Ok(g) => g,
         Err(e) => {
-            if a.json && !so_far.ids.is_empty() {
+            if a.json {
                 print_partial_json(
                     serde_json::json!({
                         "text": so_far.content,
@@ -516,7 +538,7 @@ fn run_ids(
         Err(e) => {
             // The ids made before the error are on stdout already: end their line.
             let _ = line.end();
-            if a.json && !line.ids.is_empty() {
+            if a.json {
                 print_partial_json(
                     serde_json::json!({
                         "generated_ids": line.ids,
@@ -734,6 +756,7 @@ impl<W: Write> IdLine<W> {
 /// first prints nothing, as every other error): `partial`, what was generated, with the
 /// error added. Best effort: the error itself goes to stderr either way.
 fn print_partial_json(mut partial: serde_json::Value, e: &anyhow::Error) {
+    PARTIAL_PRINTED.store(true, std::sync::atomic::Ordering::Relaxed);
     partial["error"] = crate::cli::error_message(e).into();
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{partial}").and_then(|()| out.flush());
