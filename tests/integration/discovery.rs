@@ -285,6 +285,39 @@ fn the_readme_private_dht_recipe_converges_in_seconds_and_run_generates_exactly(
     drop(nodes);
 }
 
+/// A seeder alone on its private DHT (the README's order: the seeder first, then `pull`) is
+/// found by a `pull` and a `run` that know only its DHT address. Before, a fetching node was a
+/// client-mode DHT node, which the lone seeder never took into its routing table: its
+/// announcement kept failing with "no other DHT node yet" and the pull found nobody in 30 s.
+#[test]
+fn a_lone_seeder_on_a_private_dht_is_found_by_pull_and_run() {
+    let (m, id) = model_with_manifest();
+    let keys = tempfile::tempdir().expect("key dir");
+    let dht = DhtSwarm {
+        swarm: create_swarm(keys.path()),
+        keys: keys.path(),
+        model: m.path(),
+        bootstrap: format!("127.0.0.1:{}", free_udp_port()),
+    };
+    let states: Vec<_> = (0..3).map(|_| state()).collect();
+    let seeder = dht.serve(
+        "lone-seeder",
+        "0-3",
+        states[0].path(),
+        Some(dht.bootstrap.as_str()),
+        &["--no-warm"],
+    );
+    // Alone long enough to have failed its first announcements.
+    std::thread::sleep(Duration::from_secs(3));
+    dht.pull_and_run_exactly(
+        "lone-client",
+        &id,
+        &[],
+        [states[1].path(), states[2].path()],
+    );
+    drop(seeder);
+}
+
 /// The fault matrix's membership case (issue 40), through the CLI: a swarm node admits a
 /// client whose certificate is valid; a client whose certificate has expired does not start
 /// (naming it); a member whose key the server's `--revoked` file names (re-read while the

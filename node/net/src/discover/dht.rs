@@ -28,9 +28,10 @@
 //! Without `--dht-listen` the DHT node binds a random UDP port (mainline's own default is
 //! 6881, taken if free: two nodes on one machine, or a BitTorrent client, would fight over
 //! it). It is a client-mode node on the public DHT (mainline's adaptive mode may promote it
-//! after 15 minutes), and a full (server-mode) node on a private DHT (bootstrap nodes given)
-//! when the node serves: on a private network the nodes reach each other, and a client-mode
-//! node stores nobody's records.
+//! after 15 minutes), and a full (server-mode) node on a private DHT (bootstrap nodes given),
+//! whether it serves or only fetches: on a private network the nodes reach each other, a
+//! client-mode node stores nobody's records, and a full node takes none into its routing
+//! table.
 //!
 //! # How nodes of a private DHT find each other in seconds
 //! A serving node stores its record at the DHT nodes closest to the key that answer, itself
@@ -41,7 +42,10 @@
 //! a node also looks every [`TABLE_POLL`] whether its routing table gained a node; when it
 //! did, a failing announcement is tried at once and lookups start again at
 //! [`FIRST_LOOKUP_DELAY`]: a node that bootstraps from one that was alone for an hour finds
-//! it, and is found, within seconds.
+//! it, and is found, within seconds. That holds for a node that only fetches too (`pull`,
+//! `run`, `swarm status` with `--discover dht`): it is a full node there, so the lone seeder
+//! takes it into its table, announces, and the fetching node's lookups find it (a client-mode
+//! node would never be taken in, and the seeder's record stay nowhere).
 
 use std::collections::HashSet;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
@@ -100,15 +104,14 @@ impl DhtConfig {
     }
 }
 
-/// The `mainline` configuration for `cfg` on a machine whose addresses are `own_ips`, for a
-/// node that `serves` (announces) or not. Bootstrap nodes given replace the public ones
+/// The `mainline` configuration for `cfg` on a machine whose addresses are `own_ips`. Bootstrap nodes given replace the public ones
 /// (mainline falls back to its defaults only when its list is `None`); the node's own
 /// `listen` address is left out of them (with an unspecified listen address, its port at any
 /// of `own_ips` or any loopback address: a machine's own name often resolves to 127.0.1.1,
 /// which no interface lists), and a node left with none bootstraps from nobody. Without `listen` the node
-/// binds a random port; it runs in server mode with `listen`, or when it serves on a private
-/// DHT (see the module docs).
-pub fn mainline_config(cfg: &DhtConfig, own_ips: &[Ipv4Addr], serves: bool) -> mainline::Config {
+/// binds a random port; it runs in server mode with `listen`, and on a private DHT whether it
+/// serves or only fetches (see the module docs).
+pub fn mainline_config(cfg: &DhtConfig, own_ips: &[Ipv4Addr]) -> mainline::Config {
     let is_own = |b: &SocketAddrV4| {
         cfg.listen.is_some_and(|l| {
             l.port() == b.port()
@@ -129,7 +132,7 @@ pub fn mainline_config(cfg: &DhtConfig, own_ips: &[Ipv4Addr], serves: bool) -> m
         // Never mainline's default (6881 if free): a random port unless one was given.
         port: Some(cfg.listen.map_or(0, |l| l.port())),
         bind_address: cfg.listen.map(|l| *l.ip()),
-        server_mode: cfg.listen.is_some() || (serves && cfg.is_private()),
+        server_mode: cfg.listen.is_some() || cfg.is_private(),
         ..mainline::Config::default()
     }
 }
@@ -209,8 +212,7 @@ impl DhtDiscovery {
     /// Starts a DHT node, announcing `me` (when it serves) and reporting peers to `out` from
     /// a task on the current tokio runtime.
     pub fn start(cfg: &DhtConfig, me: &Announce, out: mpsc::Sender<Event>) -> anyhow::Result<Self> {
-        let serves = me.port.is_some();
-        let main = mainline_config(cfg, &local_ipv4s(), serves);
+        let main = mainline_config(cfg, &local_ipv4s());
         // The first node of a private DHT: others bootstrap from it, it from nobody.
         let first = main.bootstrap.as_ref().is_some_and(Vec::is_empty);
         let dht = Dht::new(main)
@@ -618,19 +620,19 @@ mod tests {
             bootstrap: vec![v4("127.0.0.1:7001"), v4("127.0.0.1:7002")],
             ..DhtConfig::default()
         };
-        let c = mainline_config(&given, &[Ipv4Addr::LOCALHOST], false);
+        let c = mainline_config(&given, &[Ipv4Addr::LOCALHOST]);
         assert_eq!(c.bootstrap, Some(given.bootstrap.clone()));
-        // No --dht-listen: a random port (never mainline's 6881), every interface; a client
-        // that only fetches, a full node when it serves on this private DHT.
-        assert!(!c.server_mode && c.port == Some(0) && c.bind_address.is_none());
-        assert!(mainline_config(&given, &[Ipv4Addr::LOCALHOST], true).server_mode);
+        // No --dht-listen: a random port (never mainline's 6881), every interface; a full
+        // node on this private DHT, whether it serves or only fetches (a lone seeder takes
+        // only full nodes into its routing table, and needs one to store its record).
+        assert!(c.server_mode && c.port == Some(0) && c.bind_address.is_none());
         // The first node of a private DHT: its own address is its only bootstrap node.
         let first = DhtConfig {
             bootstrap: vec![v4("127.0.0.1:7001")],
             listen: Some(v4("127.0.0.1:7001")),
             ..DhtConfig::default()
         };
-        let c = mainline_config(&first, &[Ipv4Addr::LOCALHOST], true);
+        let c = mainline_config(&first, &[Ipv4Addr::LOCALHOST]);
         assert_eq!(
             c.bootstrap,
             Some(Vec::new()),
@@ -652,7 +654,7 @@ mod tests {
         };
         let own = [Ipv4Addr::LOCALHOST, Ipv4Addr::new(10, 0, 0, 2)];
         assert_eq!(
-            mainline_config(&lan, &own, true).bootstrap,
+            mainline_config(&lan, &own).bootstrap,
             Some(vec![v4("10.0.0.3:6881"), v4("10.0.0.2:6882")])
         );
         // Issue 60: the README's recipe on the first host, whose name resolves to 127.0.1.1
@@ -662,13 +664,10 @@ mod tests {
             bootstrap: vec![v4("127.0.1.1:6881")],
             ..lan.clone()
         };
-        assert_eq!(
-            mainline_config(&named, &own, true).bootstrap,
-            Some(Vec::new())
-        );
+        assert_eq!(mainline_config(&named, &own).bootstrap, Some(Vec::new()));
         // Only a node given none uses the public nodes; there, without --dht-listen, a
-        // client-mode node on a random port, serving or not.
-        let public = mainline_config(&DhtConfig::default(), &own, true);
+        // client-mode node on a random port.
+        let public = mainline_config(&DhtConfig::default(), &own);
         assert_eq!(public.bootstrap, None);
         assert!(!public.server_mode && public.port == Some(0));
     }
