@@ -58,7 +58,14 @@ pub struct SwarmArgs {
 impl SwarmArgs {
     /// Whether any swarm option was given.
     fn given(&self) -> bool {
-        self.swarm.is_some() || self.cert.is_some() || !self.discover.is_empty()
+        // Every option counts, so that one that needs another is refused, not ignored
+        // (`--dht-bootstrap` without `--discover dht`).
+        self.swarm.is_some()
+            || self.cert.is_some()
+            || !self.discover.is_empty()
+            || !self.lan_interface.is_empty()
+            || !self.dht_bootstrap.is_empty()
+            || self.dht_listen.is_some()
     }
 
     /// Checks and loads the options for the node whose key is `node` at `now` (Unix seconds):
@@ -303,6 +310,15 @@ mod tests {
             .unwrap()
             .resolve(&node, NOW);
         assert!(e.unwrap_err().to_string().contains("--discover dht"));
+        // ... also as a command resolves them (it skipped a discovery option given alone).
+        for alone in [
+            &["--dht-bootstrap", "127.0.0.1:1"][..],
+            &["--dht-listen", "127.0.0.1:1"],
+            &["--lan-interface", "eth0"],
+        ] {
+            let e = resolve_with_key(&parse(alone).unwrap(), None).expect_err(alone[0]);
+            assert!(e.to_string().contains("need"), "{alone:?}: {e}");
+        }
         // Bootstrap nodes are resolved once; one that gives no IPv4 address is named.
         let c = parse(&[
             "--discover",

@@ -67,7 +67,7 @@ pub enum Command {
     },
     /// Show which experts the swarm holds, in how many copies, and which node holds what.
     ///
-    /// Connects to the peers (--peer, or --discover with --swarm) as `run` does, reads their
+    /// Connects to the peers (--peer, or found with --discover) as `run` does, reads their
     /// inventories and placement, and prints per layer the experts' copies (min/median/max
     /// of the copies held for good: model folders' own experts and kept ones), the uncovered
     /// experts (no reachable holder: generation would fail on them) and per node what it
@@ -187,7 +187,8 @@ fn status(a: StatusArgs) -> anyhow::Result<()> {
         crate::swarm_args::resolve_identity(&a.swarm, a.net.key.as_deref())?.into_host()?;
     anyhow::ensure!(
         !peers.peers.is_empty() || swarm.as_ref().is_some_and(|s| s.discover.is_on()),
-        "swarm status needs peers to ask: --peer KEY@HOST:PORT (or --discover with --swarm)"
+        "swarm status needs peers to ask: --peer KEY@HOST:PORT, or --discover lan|dht (with \
+         --swarm and --cert in a swarm)"
     );
     let files = stormo_node::node::open_model(&a.model)?;
     let node = stormo_node::node::Node::start_on(
