@@ -135,6 +135,8 @@ fn serving_nodes_place_two_copies_and_the_swarm_outlives_its_seeder_and_a_node()
         Some(manifest.experts.len() as u64),
         "{last:#}"
     );
+    // None of the four holds a model folder's experts: every copy is a kept one.
+    assert_eq!(last["min_kept_copies"], last["min_copies"], "{last:#}");
     assert_eq!(
         last["uncovered"].as_array().map(Vec::len),
         Some(0),
@@ -270,6 +272,8 @@ fn health_is_degraded_while_an_expert_has_no_reachable_holder() {
     assert_eq!(status, 200, "{swarm}");
     let swarm: Value = serde_json::from_str(&swarm).expect("/v1/swarm is JSON");
     assert_eq!(swarm["min_copies"], 1, "{swarm:#}");
+    // The holder's copies are its folder's own: none kept.
+    assert_eq!(swarm["min_kept_copies"], 0, "{swarm:#}");
     assert_eq!(swarm["uncovered"].as_array().map(Vec::len), Some(0));
     // The only holder goes: every expert it held is uncovered.
     drop(holder);

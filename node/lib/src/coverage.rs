@@ -7,6 +7,10 @@
 //! "Reachable" is wider than "a copy": a peer serves what its RAM cache holds too (its
 //! inventory), and this node's own RAM cache, disk and kept experts count; an expert with no
 //! reachable holder is *uncovered*: generation would fail on it.
+//!
+//! *Kept* copies are the copies in nodes' expert directories (what placement keeps), the
+//! model folders' own experts left out: a seeder serving a whole folder holds a copy of every
+//! expert, and the swarm keeps the model once it leaves only if every expert has a kept copy.
 
 use serde_json::{json, Value};
 use stormo_engine::tiers::ExpertId;
@@ -40,6 +44,8 @@ pub struct NodeCoverage {
 pub struct Coverage {
     /// Copies held for good, per layer and expert (`[layer][expert]`).
     pub copies: Vec<Vec<u32>>,
+    /// Of them, kept copies (in expert directories; not a model folder's own).
+    pub kept: Vec<Vec<u32>>,
     /// Whether some holder is reachable now, per layer and expert.
     pub reachable: Vec<Vec<bool>>,
     /// The nodes in view, this one first.
@@ -53,6 +59,8 @@ pub struct Holder<'a> {
     pub durable: &'a ExpertSet,
     /// What it serves now (a superset of `durable` for a serving node).
     pub serves: &'a ExpertSet,
+    /// Of `durable`, its kept copies (in its expert directory), as far as it says.
+    pub kept: Option<&'a ExpertSet>,
 }
 
 impl Coverage {
@@ -64,10 +72,19 @@ impl Coverage {
         nodes: Vec<NodeCoverage>,
     ) -> Self {
         let mut copies: Vec<Vec<u32>> = experts.iter().map(|&n| vec![0; n]).collect();
+        let mut kept = copies.clone();
         let mut reachable: Vec<Vec<bool>> = experts.iter().map(|&n| vec![false; n]).collect();
         for h in holders {
             for id in h.durable.iter() {
                 if let Some(c) = copies
+                    .get_mut(id.layer as usize)
+                    .and_then(|l| l.get_mut(id.expert as usize))
+                {
+                    *c += 1;
+                }
+            }
+            for id in h.kept.iter().flat_map(|k| k.iter()) {
+                if let Some(c) = kept
                     .get_mut(id.layer as usize)
                     .and_then(|l| l.get_mut(id.expert as usize))
                 {
@@ -85,6 +102,7 @@ impl Coverage {
         }
         Self {
             copies,
+            kept,
             reachable,
             nodes,
         }
@@ -113,6 +131,12 @@ impl Coverage {
         self.copies.iter().flatten().copied().min().unwrap_or(0)
     }
 
+    /// The fewest kept copies any expert has: what the swarm holds without the model folders
+    /// (0 for a model without experts).
+    pub fn min_kept_copies(&self) -> u32 {
+        self.kept.iter().flatten().copied().min().unwrap_or(0)
+    }
+
     /// (min, median, max) copies of `layer`'s experts, `None` for a dense layer.
     pub fn layer_copies(&self, layer: usize) -> Option<(u32, u32, u32)> {
         let mut c = self.copies.get(layer)?.clone();
@@ -124,6 +148,7 @@ impl Coverage {
     }
 
     /// The JSON of `stormo swarm status --json` and `GET /v1/swarm`: `experts`, `min_copies`,
+    /// `min_kept_copies`,
     /// `uncovered` ("layer:expert"), per-layer copies and the `nodes`.
     pub fn json(&self) -> Value {
         let uncovered: Vec<String> = self.uncovered().iter().map(ToString::to_string).collect();
@@ -161,6 +186,7 @@ impl Coverage {
         json!({
             "experts": self.experts(),
             "min_copies": self.min_copies(),
+            "min_kept_copies": self.min_kept_copies(),
             "uncovered": uncovered,
             "layers": layers,
             "nodes": nodes,
@@ -173,16 +199,14 @@ impl Coverage {
         use std::fmt::Write as _;
         let mut s = String::new();
         let uncovered = self.uncovered();
+        let copies = |n: u32| if n == 1 { "copy" } else { "copies" };
         let _ = writeln!(
             s,
-            "{} experts, at least {} {} each, {} uncovered",
+            "{} experts, at least {} {} each ({} kept, model folders left out), {} uncovered",
             self.experts(),
             self.min_copies(),
-            if self.min_copies() == 1 {
-                "copy"
-            } else {
-                "copies"
-            },
+            copies(self.min_copies()),
+            self.min_kept_copies(),
             uncovered.len()
         );
         let _ = writeln!(s, "layer  experts  copies min/median/max  uncovered");
@@ -267,15 +291,26 @@ mod tests {
                 Holder {
                     durable: &a,
                     serves: &a_serves,
+                    kept: None,
                 },
                 Holder {
                     durable: &b,
                     serves: &b,
+                    kept: Some(&b),
                 },
             ],
             Vec::new(),
         );
         assert_eq!(c.copies, vec![vec![2, 1, 0], vec![]]);
+        // a's copies are its folder's own (no kept set); b keeps 0:0.
+        assert_eq!(c.kept, vec![vec![1, 0, 0], vec![]]);
+        assert_eq!(c.min_kept_copies(), 0);
+        assert!(
+            c.table()
+                .contains("at least 0 copies each (0 kept, model folders left out)"),
+            "{}",
+            c.table()
+        );
         assert_eq!(c.experts(), 3);
         assert_eq!(c.min_copies(), 0);
         assert!(c.uncovered().is_empty(), "0:2 is in a's RAM cache");
@@ -284,12 +319,14 @@ mod tests {
         let j = c.json();
         assert_eq!(j["experts"], 3);
         assert_eq!(j["min_copies"], 0);
+        assert_eq!(j["min_kept_copies"], 0);
         assert_eq!(j["uncovered"].as_array().unwrap().len(), 0);
         let alone = Coverage::from_holders(
             &experts,
             &[Holder {
                 durable: &b,
                 serves: &b,
+                kept: Some(&b),
             }],
             Vec::new(),
         );

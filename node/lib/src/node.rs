@@ -497,7 +497,7 @@ impl Node {
             .as_ref()
             .map(|p| p.swarm_view())
             .unwrap_or_default();
-        let mut sets: Vec<(ExpertSet, ExpertSet)> = Vec::new();
+        let mut sets: Vec<(ExpertSet, ExpertSet, Option<ExpertSet>)> = Vec::new();
         for p in &view {
             let inv = p.inventory.clone();
             let durable = match (&p.placement, &inv) {
@@ -526,16 +526,27 @@ impl Node {
                 continue;
             }
             if let (Some(d), Some(i)) = (durable, inv) {
-                sets.push((d, i));
+                let kept = p.placement.as_ref().map(|w| w.kept.clone());
+                sets.push((d, i, kept));
             }
         }
+        // Same dimensions as `local`, so the set is always made.
+        let own_kept = self.dir.as_ref().and_then(|d| {
+            let mut k = ExpertSet::new(local.layers(), local.experts_per_layer()).ok()?;
+            for id in d.kept() {
+                let _ = k.insert(id);
+            }
+            Some(k)
+        });
         let mut holders = vec![Holder {
             durable: &own_durable,
             serves: &own_serves,
+            kept: own_kept.as_ref(),
         }];
-        holders.extend(sets.iter().map(|(d, i)| Holder {
+        holders.extend(sets.iter().map(|(d, i, k)| Holder {
             durable: d,
             serves: i,
+            kept: k.as_ref(),
         }));
         Some(Coverage::from_holders(&experts, &holders, nodes))
     }

@@ -100,7 +100,8 @@ pub struct StatusArgs {
     pub net: crate::args::PeerArgs,
     #[command(flatten)]
     pub swarm: crate::swarm_args::SwarmArgs,
-    /// Print JSON: `experts`, `min_copies`, `uncovered` (a list of "layer:expert"), per-layer
+    /// Print JSON: `experts`, `min_copies`, `min_kept_copies` (copies in expert directories:
+    /// the seeders' folders left out), `uncovered` (a list of "layer:expert"), per-layer
     /// `layers` and the `nodes`.
     #[arg(long)]
     pub json: bool,
