@@ -212,6 +212,17 @@ impl PeerView {
         !self.removed && self.banned.is_none()
     }
 
+    /// Whether it serves now as far as this node knows: usable, its control stream open, its
+    /// connection neither lost nor failing, and not leaving. What a node offers to fetch for
+    /// its own peers, and what coverage counts, come only from peers serving now.
+    pub fn serving_now(&self) -> bool {
+        self.usable()
+            && self.control_open
+            && self.lost.is_none()
+            && self.unreachable.is_none()
+            && !self.placement.as_ref().is_some_and(|w| w.leaving)
+    }
+
     /// Whether it may supply `id`: it is usable and [`announces`](Self::announces) it.
     pub fn may_supply(&self, id: ExpertId) -> bool {
         self.usable() && self.announces(id)

@@ -429,14 +429,17 @@ impl PeerTier {
             .collect()
     }
 
-    /// The experts that peers in the set hold now (their inventories), in `shape`.
+    /// The experts that peers serving now hold (their inventories), in `shape`: a peer whose
+    /// connection is down, that is leaving or was dropped counts with nothing, so a node's
+    /// offer never outlives the holder it came from ([`policy::PeerView::serving_now`]).
     pub fn held_by_peers(&self, shape: (u16, u16)) -> Option<ExpertSet> {
         let mut out = ExpertSet::new(shape.0, shape.1).ok()?;
         for p in self.inner.peers().iter() {
-            if p.state().removed {
+            let s = p.state();
+            if !s.serving_now() {
                 continue;
             }
-            if let Some(inv) = p.state().inventory.as_ref() {
+            if let Some(inv) = s.inventory.as_ref() {
                 for e in inv.iter() {
                     let _ = out.insert(e);
                 }
@@ -1451,6 +1454,45 @@ mod tests {
             (long.hedge_min, long.hedge_max, long.stripe_min),
             (d.hedge_min, d.hedge_max, d.stripe_min)
         );
+    }
+
+    /// What a node offers to fetch for its peers comes only from peers serving now: one whose
+    /// control stream ended (it left, or its connection was lost), or that announced it is
+    /// leaving, or was dropped, counts with nothing, so an offer never outlives its holder.
+    #[test]
+    fn an_offer_comes_only_from_peers_serving_now() {
+        let b = bench(&[Serving::Honest]);
+        let peer = b.tier.inner.peers()[0].clone();
+        let shape = {
+            let s = peer.state();
+            let inv = s.inventory.as_ref().expect("the peer's inventory");
+            (inv.layers(), inv.experts_per_layer())
+        };
+        let held = |b: &Bench| b.tier.held_by_peers(shape).expect("a set").len();
+        let all = held(&b);
+        assert!(all > 0 && peer.state().serving_now());
+        peer.state().control_open = false;
+        assert_eq!(held(&b), 0, "a peer whose control stream ended");
+        peer.state().control_open = true;
+        assert_eq!(held(&b), all);
+        let mut leaving = stormo_wire::Placement {
+            model: b.tier.inner.model,
+            budget: 0,
+            used: 0,
+            pinned: ExpertSet::new(shape.0, shape.1).expect("set"),
+            kept: ExpertSet::new(shape.0, shape.1).expect("set"),
+            fetching: ExpertSet::new(shape.0, shape.1).expect("set"),
+            demand: Vec::new(),
+            leaving: true,
+        };
+        peer.state().placement = Some(leaving.clone());
+        assert_eq!(held(&b), 0, "a peer that is leaving");
+        leaving.leaving = false;
+        peer.state().placement = Some(leaving);
+        assert_eq!(held(&b), all);
+        assert!(peer.state().ban("bad bytes (test)"));
+        assert_eq!(held(&b), 0, "a dropped peer");
+        b.tier.close();
     }
 
     /// A peer removed and added again at its address (discovery losing it and hearing it
