@@ -286,3 +286,93 @@ fn health_is_degraded_while_an_expert_has_no_reachable_holder() {
     let again = health_becomes(&api.line, 200, Duration::from_secs(30));
     assert!(again.contains("\"ok\""), "{again}");
 }
+
+/// A node serving the model that dials another joins that one's peer set: A, given no peer,
+/// learns of B, which was given A, when B dials it, and offers B's experts to a client that
+/// knows only A; the client generates the ids of a local run. Before, A never heard of B and
+/// the client found no holder of B's experts.
+#[test]
+fn a_serving_node_that_dials_in_joins_the_peer_set_of_the_node_it_dialled() {
+    let (m, id) = model_with_manifest();
+    let (sa, sb) = (state(), state());
+    let a = Proc::start(&[
+        "serve",
+        "--model",
+        s(m.path()),
+        "--only-experts",
+        "0-1",
+        "--listen",
+        "127.0.0.1:0",
+        "--allow-any",
+        "--state-dir",
+        s(sa.path()),
+        "--expert-cache",
+        "0",
+        "--replicas",
+        "0",
+    ]);
+    let _b = Proc::start(&[
+        "serve",
+        "--model",
+        s(m.path()),
+        "--only-experts",
+        "2-3",
+        "--listen",
+        "127.0.0.1:0",
+        "--allow-any",
+        "--state-dir",
+        s(sb.path()),
+        "--expert-cache",
+        "0",
+        "--replicas",
+        "0",
+        "--peer",
+        &a.line,
+        "--model-id",
+        &id,
+    ]);
+    let (want, _) = run_ids(m.path(), state().path(), &[]);
+    // A takes B in when B's dial arrives, and offers B's experts within the next 0.5 s.
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let got = crate::node::stormo_output(
+            &[
+                "run",
+                "--model",
+                s(m.path()),
+                "--prompt-ids",
+                "1,2,3,4,5,6,7,8",
+                "--max-new-tokens",
+                "12",
+                "--json",
+                "--no-local-experts",
+                "--expert-cache",
+                "0",
+                "--state-dir",
+                s(state().path()),
+                "--peer",
+                &a.line,
+                "--model-id",
+                &id,
+            ],
+            None,
+        );
+        if got.status.success() {
+            let v: Value = serde_json::from_slice(&got.stdout).expect("run --json");
+            let ids: Vec<u64> = v["generated_ids"]
+                .as_array()
+                .expect("ids")
+                .iter()
+                .map(|x| x.as_u64().expect("id"))
+                .collect();
+            assert_eq!(ids, want, "{v}");
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "a client of A found no holder of B's experts within 30 s: {}",
+            String::from_utf8_lossy(&got.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}

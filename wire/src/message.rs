@@ -202,7 +202,9 @@ pub struct Hello {
     /// The sender's Ed25519 public key; must equal the key its TLS handshake proved.
     pub node: NodeId,
     /// The ids of the models whose manifest (and possibly experts) the sender serves.
-    /// At most [`MAX_MODELS`].
+    /// At most [`MAX_MODELS`]. A dialling node names the model when it serves it too (the
+    /// node it dials may dial it back at the connection's address); one that only fetches
+    /// names none.
     pub models: Vec<Hash>,
     /// What the sender will serve to this peer at once.
     pub limits: Limits,

@@ -297,6 +297,15 @@ impl Node {
             demand: Arc::default(),
             verified: Arc::default(),
         });
+        let mut serve_cfg = listen.serve.clone();
+        if let Some(tier) = &self.peers {
+            // Peers that serve the model and dial this node join its peer set; its own dials
+            // say it serves (set when the tier was made), so the peers it dials add it too.
+            let tier = tier.clone();
+            serve_cfg.serving_peers = Some(net::serve::ServingPeers(Arc::new(move |p| {
+                add_serving_peer(&tier, p);
+            })));
+        }
         let h = {
             let _g = self.rt.enter();
             // The certificate presented is the swarm's, given once (`NodeConfig::swarm`).
@@ -304,7 +313,7 @@ impl Node {
                 Some(s) => s.identity(secret),
                 None => net::tls::Identity::key(secret),
             };
-            net::serve::start_on(ep.clone(), id, holdings.clone(), listen.serve)?
+            net::serve::start_on(ep.clone(), id, holdings.clone(), serve_cfg)?
         };
         let announcer = Announcer {
             holdings: holdings.clone(),
@@ -976,6 +985,29 @@ fn remote_experts(
     Arc::new(x)
 }
 
+/// The most peers a node takes into its peer set from the serving peers that dialled it
+/// ([`add_serving_peer`]); beyond it they are left out (a bound on what strangers can add
+/// where any node may connect, `--allow-any`).
+const MAX_DIALLED_IN_PEERS: usize = 256;
+
+/// Adds `p`, a peer serving the model that dialled this node, to `tier`'s peer set unless a
+/// peer of its key is there already (under any address: one given with `--peer` or found by
+/// discovery stays as it is) or the set is full ([`MAX_DIALLED_IN_PEERS`]).
+fn add_serving_peer(tier: &PeerTier, p: PeerAddr) {
+    let known = tier.peer_addrs();
+    if known.iter().any(|q| q.key == p.key) {
+        return;
+    }
+    if known.len() >= MAX_DIALLED_IN_PEERS {
+        tracing::debug!("peer {p} dialled in serving the model: the peer set is full");
+        return;
+    }
+    tracing::info!("peer {p} dialled in serving the model: added to the peer set");
+    if let Err(e) = tier.add_peers(std::slice::from_ref(&p)) {
+        tracing::warn!("peer {p}: {e:#}");
+    }
+}
+
 /// The manifest phase of [`Node::start_on`]: the folder's own manifest when there are no
 /// peers' bytes to check, else the one [`crate::manifest::resolve_manifest_on`] accepts
 /// (fetched, when the folder has none, through the node's `endpoint`); it must describe the
@@ -1155,6 +1187,10 @@ fn peer_tier(
             "--peer {own} has this node's own key (--key): left out, a node does not dial \
              itself"
         );
+    }
+    if cfg.listen.is_some() {
+        // Its hellos say it serves from its first dials on (made before serving starts).
+        t.set_serving();
     }
     t.add_peers(&p.peers)?;
     Ok(t)

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::Context;
 use bytes::Bytes;
 use stormo_engine::moe::{ExpertProvider, ExpertSchema};
-use stormo_manifests::{ExpertId, Hash, Manifest, SecretKey};
+use stormo_manifests::{ExpertId, Hash, Manifest, PublicKey, SecretKey};
 use stormo_wire::{
     data_frame_prefix, expect_hello, ErrorCode, ExpertSet, Hello, Inventory, InventoryUpdate,
     Message, NodeId, Offer, Resource, ServeRequest, Server, ServerConfig, ServerEvent,
@@ -223,6 +223,20 @@ pub struct ServeConfig {
     pub congestion: tls::Congestion,
     /// Running experts for peers: threads and limits.
     pub exec: super::exec::ExecConfig,
+    /// Told of each admitted peer whose hello names this node's model: a node serving it
+    /// that dialled this one, with the address its connection came from (where it listens:
+    /// a serving node dials from its listening endpoint). `None`: nobody is told.
+    pub serving_peers: Option<ServingPeers>,
+}
+
+/// Where [`ServeConfig::serving_peers`] reports a serving peer that dialled in.
+#[derive(Clone)]
+pub struct ServingPeers(pub Arc<dyn Fn(super::PeerAddr) + Send + Sync>);
+
+impl std::fmt::Debug for ServingPeers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ServingPeers(..)")
+    }
 }
 
 impl Default for ServeConfig {
@@ -233,6 +247,7 @@ impl Default for ServeConfig {
             admission: Admission::Keys(Default::default()),
             congestion: tls::Congestion::default(),
             exec: super::exec::ExecConfig::default(),
+            serving_peers: None,
         }
     }
 }
@@ -563,16 +578,30 @@ async fn control(
     mut send: quinn::SendStream,
     mut recv: FramedRecv,
 ) {
-    if let Err(e) = expect_hello(first, &key) {
-        tracing::warn!("peer {peer}: {e}");
-        let _ = super::write_message(&mut send, &Message::Error(e.to_message())).await;
-        let _ = send.finish();
-        let _ = tokio::time::timeout(std::time::Duration::from_millis(200), send.stopped()).await;
-        conn.close(u32::from(e.code().0).into(), e.to_string().as_bytes());
-        return;
-    }
+    let theirs = match expect_hello(first, &key) {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::warn!("peer {peer}: {e}");
+            let _ = super::write_message(&mut send, &Message::Error(e.to_message())).await;
+            let _ = send.finish();
+            let _ =
+                tokio::time::timeout(std::time::Duration::from_millis(200), send.stopped()).await;
+            conn.close(u32::from(e.code().0).into(), e.to_string().as_bytes());
+            return;
+        }
+    };
     let h = &shared.holdings;
     let model = h.model_id();
+    if let (true, Some(tell), Ok(k)) = (
+        theirs.models.contains(&model),
+        &shared.cfg.serving_peers,
+        PublicKey::from_bytes(&key.0),
+    ) {
+        (tell.0)(super::PeerAddr {
+            key: k,
+            addr: conn.remote_address(),
+        });
+    }
     let hello = Message::Hello(Hello {
         version: PROTOCOL_VERSION,
         node: shared.key,

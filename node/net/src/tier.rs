@@ -196,6 +196,9 @@ pub(crate) struct Inner {
     pub(crate) dialled: Option<Arc<tls::LiveMembers>>,
     /// Set by [`PeerTier::close`]: failures after it are the shutdown, not the peers'.
     pub(crate) closing: std::sync::atomic::AtomicBool,
+    /// This node serves the model on the endpoint it dials from: its hello says so, and the
+    /// peers it dials may add it to their peer sets ([`PeerTier::set_serving`]).
+    pub(crate) serving: std::sync::atomic::AtomicBool,
     /// A local tier (the disk) that a slow demand request is raced against when no other
     /// peer holds the expert.
     pub(crate) local: std::sync::OnceLock<Arc<dyn Tier>>,
@@ -305,6 +308,7 @@ impl PeerTier {
             servers: tls::Admission::Any,
             dialled: None,
             closing: Default::default(),
+            serving: Default::default(),
             local: Default::default(),
             store: Default::default(),
             hedges: Default::default(),
@@ -411,6 +415,13 @@ impl PeerTier {
         for t in tasks {
             let _ = t.await;
         }
+    }
+
+    /// Marks this node as serving the model on the endpoint it dials from: the hellos of its
+    /// later dials name the model, so a peer it dials learns that it can dial it back at the
+    /// connection's address ([`crate::serve::ServeConfig::serving_peers`]).
+    pub fn set_serving(&self) {
+        self.inner.serving.store(true, Ordering::SeqCst);
     }
 
     /// Removes the peer with node key `key` from the peer set (closing its connection).

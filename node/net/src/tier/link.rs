@@ -70,6 +70,8 @@ pub(crate) struct Dialer {
     swarm: Option<stormo_manifests::PublicKey>,
     /// The watch over dialled connections ([`Inner::dialled`]).
     watch: Option<Arc<crate::tls::LiveMembers>>,
+    /// This node serves the model ([`Inner::serving`]).
+    serving: bool,
 }
 
 impl Dialer {
@@ -81,6 +83,7 @@ impl Dialer {
             cfg: inner.cfg,
             swarm: inner.membership.as_ref().map(|m| m.swarm),
             watch: inner.dialled.clone(),
+            serving: inner.serving.load(Ordering::SeqCst),
         }
     }
 
@@ -96,6 +99,7 @@ impl Dialer {
             &peer.addr,
             self.me,
             Some(self.model),
+            self.serving,
             timeout,
         )
         .await
@@ -394,6 +398,7 @@ pub(crate) async fn connect(
     peer: &PeerAddr,
     me: NodeId,
     model: Option<Hash>,
+    serving: bool,
     timeout: Duration,
 ) -> anyhow::Result<(quinn::Connection, Hello, Option<ExpertSet>, Control)> {
     let fut = async {
@@ -406,8 +411,10 @@ pub(crate) async fn connect(
         let hello = Message::Hello(Hello {
             version: PROTOCOL_VERSION,
             node: me,
-            models: Vec::new(),
-            // A fetching node serves nothing on this connection; the protocol wants at least 1.
+            // A node serving the model names it: the peer may dial it back at the address
+            // this connection comes from. A fetching node serves nothing on this connection.
+            models: model.filter(|_| serving).into_iter().collect(),
+            // The protocol wants at least 1.
             limits: stormo_wire::Limits {
                 max_concurrent_requests: 1,
             },

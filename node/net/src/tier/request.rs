@@ -421,9 +421,10 @@ pub async fn fetch_manifest_on(
 ) -> anyhow::Result<(Hash, Vec<u8>)> {
     let client = tls::client_config(secret, &peer.key)?;
     let me = NodeId(*secret.public().as_bytes());
-    let (conn, hello, _, control) = connect(endpoint, client, peer, me, None, cfg.connect_timeout)
-        .await
-        .with_context(|| format!("peer {peer}"))?;
+    let (conn, hello, _, control) =
+        connect(endpoint, client, peer, me, None, false, cfg.connect_timeout)
+            .await
+            .with_context(|| format!("peer {peer}"))?;
     control.drain();
     let model = match (model, hello.models.as_slice()) {
         (Some(m), models) if models.contains(&m) => Ok(m),
@@ -536,7 +537,7 @@ impl PeerLink {
     ) -> anyhow::Result<Self> {
         let me = NodeId(*secret.public().as_bytes());
         let (conn, hello, _, control) =
-            connect(endpoint, client, peer, me, None, cfg.connect_timeout)
+            connect(endpoint, client, peer, me, None, false, cfg.connect_timeout)
                 .await
                 .with_context(|| format!("peer {peer}"))?;
         control.drain();
