@@ -588,7 +588,7 @@ fn run_prompt_and_chat_without_a_tokenizer_are_clear_errors() {
         );
         if args.contains(&"--json") {
             // With --json the error is one object on stdout too.
-            let v: serde_json::Value =
+            let v: Value =
                 serde_json::from_slice(&out.stdout).expect("--json prints an error object");
             assert_eq!(v["finish_reason"], "error", "{v}");
             assert!(v["error"].as_str().unwrap_or("").contains(missing), "{v}");

@@ -71,6 +71,9 @@ pub const ANNOUNCE_RETRY_FIRST: Duration = Duration::from_secs(1);
 pub const ANNOUNCE_RETRY_MAX: Duration = Duration::from_secs(30);
 /// How often a node on a private DHT looks whether its routing table gained a node.
 pub const TABLE_POLL: Duration = Duration::from_secs(1);
+/// How often a node of a private DHT (not the first) pings its bootstrap nodes to notice one
+/// that restarted ([`BootstrapWatch`]).
+pub const BOOTSTRAP_CHECK: Duration = Duration::from_secs(15);
 
 /// How DHT discovery runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -215,7 +218,7 @@ impl DhtDiscovery {
         let main = mainline_config(cfg, &local_ipv4s());
         // The first node of a private DHT: others bootstrap from it, it from nobody.
         let first = main.bootstrap.as_ref().is_some_and(Vec::is_empty);
-        let dht = Dht::new(main)
+        let dht = Dht::new(main.clone())
             .with_context(|| match cfg.listen {
                 Some(l) => format!("starting the DHT node on {l} (--dht-listen)"),
                 None => "starting the DHT node (--discover dht)".to_string(),
@@ -231,8 +234,11 @@ impl DhtDiscovery {
                 (*m, Id::from_bytes(k).expect("a 20-byte key is a DHT id"))
             })
             .collect();
+        let watch = (!first && cfg.is_private())
+            .then(|| BootstrapWatch::new(main.bootstrap.clone().unwrap_or_default(), main.clone()));
         let task = tokio::spawn(run(
             dht,
+            watch,
             topics,
             me.port,
             Timing {
@@ -271,7 +277,8 @@ struct Timing {
 }
 
 async fn run(
-    dht: AsyncDht,
+    mut dht: AsyncDht,
+    mut watch: Option<BootstrapWatch>,
     topics: Vec<(Hash, Id)>,
     port: Option<u16>,
     t: Timing,
@@ -323,9 +330,26 @@ async fn run(
         if t.private {
             wake = wake.min(Instant::now() + TABLE_POLL);
         }
+        if let Some(w) = &watch {
+            wake = wake.min(w.due);
+        }
         tokio::select! {
             _ = tokio::time::sleep_until(tokio::time::Instant::from_std(wake)) => {}
             _ = out.closed() => return,
+        }
+        if let Some(w) = watch.as_mut().filter(|w| Instant::now() >= w.due) {
+            let Some((d, again)) = w.check(dht).await else {
+                return;
+            };
+            dht = d;
+            if again {
+                // Rejoined through a bootstrap node that restarted: announce and look now.
+                known.clear();
+                let now = Instant::now();
+                next_lookup = now;
+                round = 0;
+                announce = AnnounceSchedule::new(now, t.announce_every);
+            }
         }
         if t.private {
             // A node joined the DHT: look (and announce, if that failed) now, not on the
@@ -345,6 +369,112 @@ async fn run(
             }
         }
     }
+}
+
+/// Notices a bootstrap node of a private DHT that restarted, and rejoins through it.
+///
+/// The first node of a private DHT has no bootstrap list, and takes into its routing table
+/// only the nodes that ask it `find_node`, which a node does when it bootstraps. Nodes already
+/// running never ask again (their tables hold each other), so a bootstrap node that restarts
+/// knows none of them, and nodes started later find only it. Every [`BOOTSTRAP_CHECK`] this
+/// node pings each bootstrap node from a socket of its own (a KRPC `ping`: the answer names
+/// the answering node's id, and a ping adds nobody to a routing table); when one answers with
+/// another id than before, it restarted, and this node's DHT node is made again (same
+/// configuration), which bootstraps through it. Bootstrap nodes that do not answer change
+/// nothing.
+struct BootstrapWatch {
+    bootstrap: Vec<SocketAddrV4>,
+    config: mainline::Config,
+    /// The id each bootstrap node last answered with.
+    seen: std::collections::HashMap<SocketAddrV4, [u8; 20]>,
+    due: Instant,
+}
+
+impl BootstrapWatch {
+    fn new(bootstrap: Vec<SocketAddrV4>, config: mainline::Config) -> Self {
+        Self {
+            bootstrap,
+            config,
+            seen: Default::default(),
+            due: Instant::now(),
+        }
+    }
+
+    /// Pings the bootstrap nodes. When one of them restarted, `dht` is dropped (freeing a
+    /// fixed `--dht-listen` port: the old node's socket goes when its thread sees the handle
+    /// gone) and a new node made with the same configuration (or, if that port stays taken
+    /// for 5 s, on a random one); `true` then. Otherwise `dht` as it was. `None`: no DHT node
+    /// could be made again (no socket at all): discovery by DHT ends, logged.
+    async fn check(&mut self, dht: AsyncDht) -> Option<(AsyncDht, bool)> {
+        self.due = Instant::now() + BOOTSTRAP_CHECK;
+        let mut restarted = None;
+        for &b in &self.bootstrap {
+            let Some(id) = ping_id(b, Duration::from_secs(2)).await else {
+                continue;
+            };
+            if self.seen.insert(b, id).is_some_and(|old| old != id) {
+                restarted = Some(b);
+            }
+        }
+        let Some(b) = restarted else {
+            return Some((dht, false));
+        };
+        tracing::info!(
+            "DHT: bootstrap node {b} restarted (another node id): joining through it again"
+        );
+        drop(dht);
+        let mut config = self.config.clone();
+        for attempt in 0..51 {
+            if attempt == 50 {
+                tracing::warn!("DHT: port {:?} still taken: a random port", config.port);
+                config.port = Some(0);
+            }
+            if let Ok(d) = Dht::new(config.clone()) {
+                let d = d.as_async();
+                if d.bootstrapped().await {
+                    tracing::info!("DHT: joined again through {b}");
+                }
+                return Some((d, true));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tracing::error!("DHT: could not start the DHT node again: discovery by DHT stops");
+        None
+    }
+}
+
+/// The node id the DHT node at `addr` answers a KRPC `ping` with, within `within`; `None`
+/// when it does not answer.
+async fn ping_id(addr: SocketAddrV4, within: Duration) -> Option<[u8; 20]> {
+    let sock = tokio::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
+        .await
+        .ok()?;
+    let mut q = Vec::with_capacity(64);
+    q.extend_from_slice(b"d1:ad2:id20:");
+    // Any id: the answer is all that is read, and a ping adds nobody to a routing table.
+    let nonce = format!("{:?}{addr}", Instant::now());
+    q.extend_from_slice(&Hash::of(nonce.as_bytes()).0[..20]);
+    // mainline reads a 4-byte transaction id.
+    q.extend_from_slice(b"e1:q4:ping1:t4:swch1:y1:qe");
+    sock.send_to(&q, addr).await.ok()?;
+    let mut buf = [0u8; 1500];
+    let until = tokio::time::Instant::now() + within;
+    loop {
+        let (n, from) = tokio::time::timeout_at(until, sock.recv_from(&mut buf))
+            .await
+            .ok()?
+            .ok()?;
+        if from == SocketAddr::V4(addr) {
+            return krpc_id(&buf[..n]);
+        }
+    }
+}
+
+/// The `id` of a KRPC answer (`d1:rd2:id20:<20 bytes>...`).
+fn krpc_id(msg: &[u8]) -> Option<[u8; 20]> {
+    const KEY: &[u8] = b"2:id20:";
+    let at = msg.windows(KEY.len()).position(|w| w == KEY)? + KEY.len();
+    msg.get(at..at + 20)?.try_into().ok()
 }
 
 /// Announces every topic on `port`; whether each succeeded. The first failure in a row is a
@@ -670,6 +800,53 @@ mod tests {
         let public = mainline_config(&DhtConfig::default(), &own);
         assert_eq!(public.bootstrap, None);
         assert!(!public.server_mode && public.port == Some(0));
+    }
+
+    /// A KRPC answer's id is read wherever the key stands; a message without one, or cut
+    /// short, has none.
+    #[test]
+    fn a_krpc_answer_names_its_id() {
+        let id = [7u8; 20];
+        let mut msg = b"d2:ip6:\x7f\0\0\x01\x1a\xe11:rd2:id20:".to_vec();
+        msg.extend_from_slice(&id);
+        msg.extend_from_slice(b"e1:t2:sw1:y1:re");
+        assert_eq!(krpc_id(&msg), Some(id));
+        assert_eq!(krpc_id(b"d1:y1:ee"), None);
+        assert_eq!(krpc_id(b"d1:rd2:id20:short"), None);
+    }
+
+    /// A live DHT node answers the watch's ping with its id, the same each time; a port where
+    /// nothing answers gives none within the wait.
+    #[test]
+    fn a_ping_reads_a_dht_nodes_id() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let node = Dht::new(mainline::Config {
+            bootstrap: Some(Vec::new()),
+            port: Some(0),
+            bind_address: Some(Ipv4Addr::LOCALHOST),
+            server_mode: true,
+            ..mainline::Config::default()
+        })
+        .expect("a DHT node")
+        .as_async();
+        let info = rt.block_on(node.info());
+        let addr = SocketAddrV4::new(Ipv4Addr::LOCALHOST, info.local_addr().port());
+        let once = rt.block_on(ping_id(addr, Duration::from_secs(2)));
+        let twice = rt.block_on(ping_id(addr, Duration::from_secs(2)));
+        assert!(once.is_some(), "no answer from {addr}");
+        assert_eq!(once, twice);
+        assert_eq!(once.as_ref(), Some(info.id().as_bytes()));
+        let silent = std::net::UdpSocket::bind("127.0.0.1:0").expect("socket");
+        let SocketAddr::V4(quiet) = silent.local_addr().expect("address") else {
+            unreachable!("bound on IPv4")
+        };
+        assert_eq!(
+            rt.block_on(ping_id(quiet, Duration::from_millis(300))),
+            None
+        );
     }
 
     /// A failed announcement is tried again after 1, 2, 4... s, at most 30 s apart, until one
