@@ -323,7 +323,7 @@ fn a_lone_seeder_on_a_private_dht_is_found_by_pull_and_run() {
 /// finds the nodes already running (`swarm status` shows every expert covered) and generates
 /// exactly from them. Here the running nodes still have the old bootstrap node's address in
 /// their routing tables and their lookups reach the new one, so this passes without
-/// [`BootstrapWatch`] too; a bootstrap node down long enough for the others to drop it from
+/// `BootstrapWatch` too; a bootstrap node down long enough for the others to drop it from
 /// their tables (minutes) is the case the watch is for, tested only in its parts (the ping,
 /// the answer's id) in `discover::dht`.
 #[test]

@@ -72,7 +72,7 @@ pub const ANNOUNCE_RETRY_MAX: Duration = Duration::from_secs(30);
 /// How often a node on a private DHT looks whether its routing table gained a node.
 pub const TABLE_POLL: Duration = Duration::from_secs(1);
 /// How often a node of a private DHT (not the first) pings its bootstrap nodes to notice one
-/// that restarted ([`BootstrapWatch`]).
+/// that restarted (`BootstrapWatch`).
 pub const BOOTSTRAP_CHECK: Duration = Duration::from_secs(15);
 
 /// How DHT discovery runs.
