@@ -597,10 +597,16 @@ async fn control(
         &shared.cfg.serving_peers,
         PublicKey::from_bytes(&key.0),
     ) {
-        (tell.0)(super::PeerAddr {
-            key: k,
-            addr: conn.remote_address(),
-        });
+        // An IPv4 peer reaching a dual-stack endpoint shows as ::ffff:a.b.c.d: named as IPv4,
+        // which an IPv4-only endpoint can dial back.
+        let addr = match conn.remote_address() {
+            SocketAddr::V6(a) => a
+                .ip()
+                .to_ipv4_mapped()
+                .map_or(SocketAddr::V6(a), |ip| SocketAddr::new(ip.into(), a.port())),
+            a => a,
+        };
+        (tell.0)(super::PeerAddr { key: k, addr });
     }
     let hello = Message::Hello(Hello {
         version: PROTOCOL_VERSION,
