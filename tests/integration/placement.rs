@@ -376,3 +376,40 @@ fn a_serving_node_that_dials_in_joins_the_peer_set_of_the_node_it_dialled() {
         std::thread::sleep(Duration::from_millis(500));
     }
 }
+
+/// A node that cannot keep an expert says so at start instead of announcing placement it
+/// cannot do: a limit below the smallest expert record, and `--no-keep`.
+#[test]
+fn a_node_that_cannot_keep_an_expert_says_so() {
+    let (m, _) = model_with_manifest();
+    for (extra, says) in [
+        (
+            &["--expert-dir-limit", "10"][..],
+            "--expert-dir-limit 10 B holds no expert",
+        ),
+        (&["--no-keep"][..], "--no-keep: this node keeps no experts"),
+    ] {
+        let st = state();
+        let mut args = vec![
+            "serve",
+            "--model",
+            s(m.path()),
+            "--listen",
+            "127.0.0.1:0",
+            "--allow-any",
+            "--state-dir",
+            s(st.path()),
+        ];
+        args.extend_from_slice(extra);
+        let p = Proc::start_logging(&args, Some("warn"));
+        let until = Instant::now() + Duration::from_secs(10);
+        while !p.stderr.lock().expect("stderr").contains(says) {
+            assert!(
+                Instant::now() < until,
+                "{extra:?}: {}",
+                p.stderr.lock().expect("stderr")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}

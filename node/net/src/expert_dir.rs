@@ -247,6 +247,11 @@ impl ExpertDir {
         self.lock().limit
     }
 
+    /// The bytes of the model's smallest expert record (`None`: a model without experts).
+    pub fn smallest_record(&self) -> Option<u64> {
+        self.manifest.experts.iter().map(|e| e.len).min()
+    }
+
     /// The line a node prints at start: how much it keeps, where, and why (in human units).
     pub fn describe(&self) -> String {
         let g = self.lock();

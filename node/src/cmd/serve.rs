@@ -218,6 +218,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
         if let Some(kept) = node.expert_dir() {
             eprintln!("{}", kept.describe());
+            if let Some(small) = kept.smallest_record().filter(|&s| kept.limit() < s) {
+                tracing::warn!(
+                    "--expert-dir-limit {} holds no expert (the smallest is {}): this node \
+                     keeps nothing{}",
+                    stormo_net::progress::human_bytes(kept.limit()),
+                    stormo_net::progress::human_bytes(small),
+                    if a.replicas > 0 {
+                        " and places no copies (--replicas)"
+                    } else {
+                        ""
+                    }
+                );
+            }
+        } else if a.net.no_keep && a.replicas > 0 && a.listen.is_some() {
+            tracing::warn!(
+                "--no-keep: this node keeps no experts, so it places no copies of them \
+                 (--replicas {} needs kept experts)",
+                a.replicas
+            );
         }
         // One `KEY@ADDR` line per address a peer can dial (never 0.0.0.0).
         for reachable in stormo_net::discover::reachable_addrs(addr) {
