@@ -281,6 +281,20 @@ fn health_is_degraded_while_an_expert_has_no_reachable_holder() {
     let d: Value = serde_json::from_str(&degraded).expect("JSON");
     assert_eq!(d["status"], "degraded", "{d:#}");
     assert!(d["uncovered"].as_u64().unwrap_or(0) > 0, "{d:#}");
+    // A completion that needs the gone holder's experts: 503, worth a retry, not a 500.
+    let addr: std::net::SocketAddr = api
+        .line
+        .trim_start_matches("http://")
+        .trim_end_matches("/v1")
+        .parse()
+        .expect("the API's address");
+    let (status, body) = crate::http::post(
+        addr,
+        "/v1/completions",
+        &serde_json::json!({"prompt": "hi", "max_tokens": 2, "temperature": 0}),
+    );
+    assert_eq!(status, 503, "{body:#}");
+    assert_eq!(body["error"]["code"], "experts_unavailable", "{body:#}");
     // Back on the same address: covered again.
     let _holder = Proc::start(&holder_args);
     let again = health_becomes(&api.line, 200, Duration::from_secs(30));

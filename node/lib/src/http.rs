@@ -288,6 +288,8 @@ enum Event {
     Token(TokenId, Option<TokenLogprobs>),
     Done(Generation),
     Failed(String),
+    /// Failed because an expert could not be had (no reachable holder): 503, worth a retry.
+    Unavailable(String),
 }
 
 struct Job {
@@ -658,6 +660,18 @@ impl ApiError {
         ))
         .param(field)
         .code("unsupported_parameter")
+    }
+
+    /// 503: an expert the reply needed has no reachable holder now (a peer down); the
+    /// request may succeed once it is back.
+    fn unavailable(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "server_error",
+            code: Some("experts_unavailable"),
+            ..Self::server(message)
+        }
+        .header(hyper::header::RETRY_AFTER, "5")
     }
 
     fn server(message: impl Into<String>) -> Self {

@@ -109,6 +109,7 @@ impl Reply {
                 self.ready.push_back(Step::End(reason, self.tokens));
             }
             Event::Failed(msg) => return Err(ApiError::server(msg)),
+            Event::Unavailable(msg) => return Err(ApiError::unavailable(msg)),
         }
         Ok(())
     }

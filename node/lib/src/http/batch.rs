@@ -538,6 +538,7 @@ impl Engine {
         drop(seqs);
         if let Err(e) = res {
             let msg = e.chain();
+            let unavailable = matches!(e, stormo_engine::Error::Expert { .. });
             tracing::warn!("HTTP engine step failed: {msg}");
             // The held steps' requests fail with it, and so does this step: their checks no
             // longer count.
@@ -549,7 +550,11 @@ impl Engine {
                 self.slots[r.slot].reset();
                 self.slots[r.slot].busy = false;
                 self.metrics.active.dec();
-                fail(r.job, &msg);
+                if unavailable {
+                    end(r.job, Event::Unavailable(msg.clone()));
+                } else {
+                    fail(r.job, &msg);
+                }
             }
             return;
         }
@@ -835,11 +840,16 @@ impl Drop for Engine {
 
 /// Tells `job`'s client that it failed.
 fn fail(job: Job, msg: &str) {
+    end(job, Event::Failed(msg.to_string()));
+}
+
+/// Releases `job`'s place in the queue and tells its client `last`.
+fn end(job: Job, last: Event) {
     let Job {
         events, _permit, ..
     } = job;
     drop(_permit);
-    let _ = events.send(Event::Failed(msg.to_string()));
+    let _ = events.send(last);
 }
 
 #[cfg(test)]
@@ -896,7 +906,7 @@ mod tests {
                         Event::Token(t, _) => ids.push(t),
                         Event::Cached(_) => {}
                         Event::Done(g) => return (ids, Ok(g)),
-                        Event::Failed(e) => return (ids, Err(e)),
+                        Event::Failed(e) | Event::Unavailable(e) => return (ids, Err(e)),
                     }
                 }
             })
