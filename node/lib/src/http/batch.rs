@@ -538,7 +538,14 @@ impl Engine {
         drop(seqs);
         if let Err(e) = res {
             let msg = e.chain();
-            let unavailable = matches!(e, stormo_engine::Error::Expert { .. });
+            // No reachable holder of an expert (the peers' tier or none at all): 503, worth a
+            // retry once a holder is back. A local file's fault (a checkpoint changed under
+            // the node) stays a 500.
+            let unavailable = matches!(
+                &e,
+                stormo_engine::Error::Expert { reason, .. }
+                    if reason.starts_with("no tier holds it") || reason.starts_with("from peers:")
+            );
             tracing::warn!("HTTP engine step failed: {msg}");
             // The held steps' requests fail with it, and so does this step: their checks no
             // longer count.

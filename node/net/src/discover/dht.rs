@@ -107,13 +107,14 @@ impl DhtConfig {
     }
 }
 
-/// The `mainline` configuration for `cfg` on a machine whose addresses are `own_ips`. Bootstrap nodes given replace the public ones
-/// (mainline falls back to its defaults only when its list is `None`); the node's own
-/// `listen` address is left out of them (with an unspecified listen address, its port at any
-/// of `own_ips` or any loopback address: a machine's own name often resolves to 127.0.1.1,
-/// which no interface lists), and a node left with none bootstraps from nobody. Without `listen` the node
-/// binds a random port; it runs in server mode with `listen`, and on a private DHT whether it
-/// serves or only fetches (see the module docs).
+/// The `mainline` configuration for `cfg` on a machine whose addresses are `own_ips`.
+/// Bootstrap nodes given replace the public ones (mainline falls back to its defaults only
+/// when its list is `None`); the node's own `listen` address is left out of them (with an
+/// unspecified listen address, its port at any of `own_ips` or any loopback address: a
+/// machine's own name often resolves to 127.0.1.1, which no interface lists), and a node left
+/// with none bootstraps from nobody. Without `listen` the node binds a random port; it runs in
+/// server mode with `listen`, and on a private DHT whether it serves or only fetches (see the
+/// module docs).
 pub fn mainline_config(cfg: &DhtConfig, own_ips: &[Ipv4Addr]) -> mainline::Config {
     let is_own = |b: &SocketAddrV4| {
         cfg.listen.is_some_and(|l| {
