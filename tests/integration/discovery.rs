@@ -46,7 +46,18 @@ struct DhtSwarm<'a> {
     bootstrap: String,
 }
 
-impl DhtSwarm<'_> {
+impl<'m> DhtSwarm<'m> {
+    /// A new swarm (its owner in `keys`) serving `model`, on a DHT bootstrapped from a free
+    /// loopback port.
+    fn new(keys: &'m Path, model: &'m Path) -> Self {
+        Self {
+            swarm: create_swarm(keys),
+            keys,
+            model,
+            bootstrap: format!("127.0.0.1:{}", free_udp_port()),
+        }
+    }
+
     /// The options of the member with `key` and `cert` that discovers through the DHT.
     fn member<'a>(&'a self, key: &'a Path, cert: &'a Path) -> Vec<&'a str> {
         vec![
@@ -232,12 +243,7 @@ fn five_nodes_on_a_loopback_dht_find_each_other_and_a_sixth_generates_exactly() 
 fn the_readme_private_dht_recipe_converges_in_seconds_and_run_generates_exactly() {
     let (m, id) = model_with_manifest();
     let keys = tempfile::tempdir().expect("key dir");
-    let dht = DhtSwarm {
-        swarm: create_swarm(keys.path()),
-        keys: keys.path(),
-        model: m.path(),
-        bootstrap: format!("127.0.0.1:{}", free_udp_port()),
-    };
+    let dht = DhtSwarm::new(keys.path(), m.path());
     let states: Vec<_> = (0..5).map(|_| state()).collect();
     // Each node holds half the experts, none all of them.
     let parts = ["0,1", "2,3", "1,2"];
@@ -294,12 +300,7 @@ fn the_readme_private_dht_recipe_converges_in_seconds_and_run_generates_exactly(
 fn a_lone_seeder_on_a_private_dht_is_found_by_pull_and_run() {
     let (m, id) = model_with_manifest();
     let keys = tempfile::tempdir().expect("key dir");
-    let dht = DhtSwarm {
-        swarm: create_swarm(keys.path()),
-        keys: keys.path(),
-        model: m.path(),
-        bootstrap: format!("127.0.0.1:{}", free_udp_port()),
-    };
+    let dht = DhtSwarm::new(keys.path(), m.path());
     let states: Vec<_> = (0..3).map(|_| state()).collect();
     let seeder = dht.serve(
         "lone-seeder",
@@ -330,12 +331,7 @@ fn a_lone_seeder_on_a_private_dht_is_found_by_pull_and_run() {
 fn running_nodes_rejoin_a_restarted_bootstrap_node() {
     let (m, id) = model_with_manifest();
     let keys = tempfile::tempdir().expect("key dir");
-    let dht = DhtSwarm {
-        swarm: create_swarm(keys.path()),
-        keys: keys.path(),
-        model: m.path(),
-        bootstrap: format!("127.0.0.1:{}", free_udp_port()),
-    };
+    let dht = DhtSwarm::new(keys.path(), m.path());
     let states: Vec<_> = (0..6).map(|_| state()).collect();
     let boot = |name: &str, st: &Path| {
         dht.serve(name, "0", st, Some(dht.bootstrap.as_str()), &["--no-warm"])

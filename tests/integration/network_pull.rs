@@ -972,19 +972,10 @@ fn a_pull_dials_again_a_peer_that_does_not_answer_yet() {
 /// weights first, and name `--only-experts`).
 #[test]
 fn a_pull_refuses_an_experts_spec_the_model_cannot_meet_before_fetching() {
-    use crate::node::{model_with_manifest, s, state, stormo_output, Proc};
+    use crate::node::{model_with_manifest, s, serve, state, stormo_output};
     let (m, id) = model_with_manifest();
     let st = state();
-    let server = Proc::start(&[
-        "serve",
-        "--model",
-        s(m.path()),
-        "--listen",
-        "127.0.0.1:0",
-        "--allow-any",
-        "--state-dir",
-        s(st.path()),
-    ]);
+    let server = serve(m.path(), st.path(), &[]);
     let scratch = tempfile::tempdir().expect("scratch");
     for (spec, says) in [
         ("0:99", "expert 99 does not exist"),

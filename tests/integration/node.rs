@@ -205,7 +205,7 @@ pub(crate) fn s(p: &Path) -> &str {
 
 /// The arguments of `stormo serve --listen` on loopback admitting anyone, at an expert cache
 /// of `budget`.
-fn serve_args<'a>(model: &'a Path, st: &'a Path, budget: &'a str) -> Vec<&'a str> {
+pub(crate) fn serve_args<'a>(model: &'a Path, st: &'a Path, budget: &'a str) -> Vec<&'a str> {
     vec![
         "serve",
         "--model",
@@ -221,7 +221,7 @@ fn serve_args<'a>(model: &'a Path, st: &'a Path, budget: &'a str) -> Vec<&'a str
 }
 
 /// [`serve_args`] at the smallest budget, with `extra` options.
-fn serve(model: &Path, st: &Path, extra: &[&str]) -> Proc {
+pub(crate) fn serve(model: &Path, st: &Path, extra: &[&str]) -> Proc {
     let mut args = serve_args(model, st, "0");
     args.extend_from_slice(extra);
     Proc::start(&args)

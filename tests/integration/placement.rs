@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::discovery::free_udp_port;
-use crate::node::{model_with_manifest, run_ids, s, state, stormo, Proc};
+use crate::node::{model_with_manifest, run_ids, s, serve, serve_args, state, stormo, Proc};
 
 /// A node key file in `dir` and its public key.
 pub(crate) fn key(dir: &Path, name: &str) -> (String, String) {
@@ -309,42 +309,22 @@ fn health_is_degraded_while_an_expert_has_no_reachable_holder() {
 fn a_serving_node_that_dials_in_joins_the_peer_set_of_the_node_it_dialled() {
     let (m, id) = model_with_manifest();
     let (sa, sb) = (state(), state());
-    let a = Proc::start(&[
-        "serve",
-        "--model",
-        s(m.path()),
-        "--only-experts",
-        "0-1",
-        "--listen",
-        "127.0.0.1:0",
-        "--allow-any",
-        "--state-dir",
-        s(sa.path()),
-        "--expert-cache",
-        "0",
-        "--replicas",
-        "0",
-    ]);
-    let _b = Proc::start(&[
-        "serve",
-        "--model",
-        s(m.path()),
+    let a = serve(
+        m.path(),
+        sa.path(),
+        &["--only-experts", "0-1", "--replicas", "0"],
+    );
+    let b_args = [
         "--only-experts",
         "2-3",
-        "--listen",
-        "127.0.0.1:0",
-        "--allow-any",
-        "--state-dir",
-        s(sb.path()),
-        "--expert-cache",
-        "0",
         "--replicas",
         "0",
         "--peer",
         &a.line,
         "--model-id",
         &id,
-    ]);
+    ];
+    let _b = serve(m.path(), sb.path(), &b_args);
     let (want, _) = run_ids(m.path(), state().path(), &[]);
     // A takes B in when B's dial arrives, and offers B's experts within the next 0.5 s.
     let until = Instant::now() + Duration::from_secs(30);
@@ -404,16 +384,7 @@ fn a_node_that_cannot_keep_an_expert_says_so() {
         (&["--no-keep"][..], "--no-keep: this node keeps no experts"),
     ] {
         let st = state();
-        let mut args = vec![
-            "serve",
-            "--model",
-            s(m.path()),
-            "--listen",
-            "127.0.0.1:0",
-            "--allow-any",
-            "--state-dir",
-            s(st.path()),
-        ];
+        let mut args = serve_args(m.path(), st.path(), "0");
         args.extend_from_slice(extra);
         let p = Proc::start_logging(&args, Some("warn"));
         let until = Instant::now() + Duration::from_secs(10);
