@@ -115,13 +115,13 @@ fn serving_nodes_place_two_copies_and_the_swarm_outlives_its_seeder_and_a_node()
     }
     let all: Vec<String> = (0..4).map(addr_of).collect();
     let client = folders[4].path();
-    // Placement reaches two copies of every expert across the four (the seeder's own copy
-    // does not count).
+    // Placement reaches two kept copies of every expert across the four (the seeder's own
+    // copy does not count).
     let until = Instant::now() + Duration::from_secs(90);
     let mut last;
     loop {
         last = status(client, &id, &all);
-        if last["min_copies"].as_u64().unwrap_or(0) >= 2 {
+        if last["min_kept_copies"].as_u64().unwrap_or(0) >= 2 {
             break;
         }
         assert!(
@@ -135,8 +135,19 @@ fn serving_nodes_place_two_copies_and_the_swarm_outlives_its_seeder_and_a_node()
         Some(manifest.experts.len() as u64),
         "{last:#}"
     );
-    // None of the four holds a model folder's experts: every copy is a kept one.
-    assert_eq!(last["min_kept_copies"], last["min_copies"], "{last:#}");
+    // The four name the seeder (peer exchange), so the report counts its copies too, apart
+    // from the kept ones.
+    let seen = last["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .filter(|n| n["this_node"] == false)
+        .count();
+    assert_eq!(seen, 5, "the four and the seeder: {last:#}");
+    assert!(
+        last["min_copies"].as_u64() > last["min_kept_copies"].as_u64(),
+        "{last:#}"
+    );
     assert_eq!(
         last["uncovered"].as_array().map(Vec::len),
         Some(0),
@@ -327,13 +338,116 @@ fn a_serving_node_that_dials_in_joins_the_peer_set_of_the_node_it_dialled() {
     let _b = serve(m.path(), sb.path(), &b_args);
     let (want, _) = run_ids(m.path(), state().path(), &[]);
     // A takes B in when B's dial arrives, and offers B's experts within the next 0.5 s.
+    generates_through(
+        m.path(),
+        &id,
+        &a.line,
+        &want,
+        "a client of A found no holder of B's experts",
+    );
+}
+
+/// Placement in a star: four dense-only nodes, each given only the seeder, learn of each
+/// other from it (peer exchange) and place two kept copies of every expert between them
+/// within their budgets, as a full mesh does; `swarm status` given only the seeder sees all
+/// five. Without the exchange each node sees only the seeder, whose copies do not count, and
+/// the copies pile up on the same experts.
+#[test]
+fn nodes_given_only_the_seeder_place_copies_by_the_whole_swarm() {
+    let (m, id) = model_with_manifest();
+    let manifest = stormo_manifests::read_manifest(&m.path().join("stormo-manifest.bin"))
+        .expect("manifest")
+        .0;
+    let experts: u64 = manifest.experts.iter().map(|e| e.len).sum();
+    let limit = (experts * 6 / 10).to_string();
+    let seeder_state = state();
+    let seeder = Proc::start(&[
+        "serve",
+        "--model",
+        s(m.path()),
+        "--listen",
+        "127.0.0.1:0",
+        "--allow-any",
+        "--state-dir",
+        s(seeder_state.path()),
+        "--expert-cache",
+        "0",
+    ]);
+    let folders: Vec<_> = (0..4)
+        .map(|_| {
+            let out = tempfile::tempdir().expect("pull dir");
+            stormo(&[
+                "pull",
+                "--peer",
+                &seeder.line,
+                "--model-id",
+                &id,
+                "--out",
+                s(out.path()),
+            ]);
+            out
+        })
+        .collect();
+    let states: Vec<_> = (0..4).map(|_| state()).collect();
+    let _nodes: Vec<Proc> = (0..4)
+        .map(|i| {
+            Proc::start(&[
+                "serve",
+                "--model",
+                s(folders[i].path()),
+                "--listen",
+                "127.0.0.1:0",
+                "--allow-any",
+                "--state-dir",
+                s(states[i].path()),
+                "--expert-cache",
+                "0",
+                "--expert-dir-limit",
+                &limit,
+                "--replicas",
+                "2",
+                "--peer",
+                &seeder.line,
+            ])
+        })
+        .collect();
+    let until = Instant::now() + Duration::from_secs(90);
+    let mut last;
+    loop {
+        last = status(m.path(), &id, std::slice::from_ref(&seeder.line));
+        if last["min_kept_copies"].as_u64().unwrap_or(0) >= 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "no two kept copies of every expert within 90 s: {last:#}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let others: Vec<&Value> = last["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .filter(|n| n["this_node"] == false)
+        .collect();
+    assert_eq!(others.len(), 5, "the seeder and the four: {last:#}");
+    for n in others {
+        if let (Some(used), Some(budget)) = (n["used"].as_u64(), n["budget"].as_u64()) {
+            assert!(used <= budget, "over its budget: {n:#}");
+        }
+    }
+}
+
+/// Runs a client with no experts of its own and `peer` as its only peer until it generates
+/// (at most 30 s), and checks it generates `want`.
+fn generates_through(model: &Path, id: &str, peer: &str, want: &[u64], what: &str) {
     let until = Instant::now() + Duration::from_secs(30);
     loop {
         let got = crate::node::stormo_output(
             &[
                 "run",
                 "--model",
-                s(m.path()),
+                s(model),
                 "--prompt-ids",
                 "1,2,3,4,5,6,7,8",
                 "--max-new-tokens",
@@ -345,9 +459,9 @@ fn a_serving_node_that_dials_in_joins_the_peer_set_of_the_node_it_dialled() {
                 "--state-dir",
                 s(state().path()),
                 "--peer",
-                &a.line,
+                peer,
                 "--model-id",
-                &id,
+                id,
             ],
             None,
         );
@@ -360,15 +474,74 @@ fn a_serving_node_that_dials_in_joins_the_peer_set_of_the_node_it_dialled() {
                 .map(|x| x.as_u64().expect("id"))
                 .collect();
             assert_eq!(ids, want, "{v}");
-            break;
+            return;
         }
         assert!(
             Instant::now() < until,
-            "a client of A found no holder of B's experts within 30 s: {}",
+            "{what} within 30 s: {}",
             String::from_utf8_lossy(&got.stderr)
         );
         std::thread::sleep(Duration::from_millis(500));
     }
+}
+
+/// Peer exchange: B and C were each given only A, and A tells each of the other
+/// ([`stormo_wire::Peers`]), so B takes C into its peer set and offers the expert only C
+/// holds. A client that knows only B generates the ids of a local run. Without the exchange
+/// B never hears of C (offers go one hop: B's offer is what A holds) and the client finds no
+/// holder of expert 3.
+#[test]
+fn nodes_given_only_the_seeder_learn_of_each_other_from_it() {
+    let (m, id) = model_with_manifest();
+    let (sa, sb, sc) = (state(), state(), state());
+    let a = serve(
+        m.path(),
+        sa.path(),
+        &["--only-experts", "0-1", "--replicas", "0"],
+    );
+    let only_a = |experts: &'static str| {
+        [
+            "--only-experts",
+            experts,
+            "--replicas",
+            "0",
+            "--peer",
+            &a.line,
+            "--model-id",
+            &id,
+        ]
+        .map(str::to_string)
+    };
+    let b_args = only_a("2");
+    let b = serve(
+        m.path(),
+        sb.path(),
+        &b_args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let c_args = only_a("3");
+    let _c = serve(
+        m.path(),
+        sc.path(),
+        &c_args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let (want, _) = run_ids(m.path(), state().path(), &[]);
+    generates_through(
+        m.path(),
+        &id,
+        &b.line,
+        &want,
+        "a client of B found no holder of C's expert",
+    );
+    // `swarm status` given only B asks the nodes B names too: every expert has a holder.
+    let v = status(m.path(), &id, std::slice::from_ref(&b.line));
+    let connected = v["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .filter(|n| n["this_node"] == false && n["connected"] == true)
+        .count();
+    assert_eq!(connected, 3, "A, B and C: {v:#}");
+    assert_eq!(v["uncovered"], serde_json::json!([]), "{v:#}");
 }
 
 /// A node that cannot keep an expert says so at start instead of announcing placement it

@@ -100,7 +100,7 @@ mod tests {
         let e = hello(PROTOCOL_VERSION + 1, 1).check(&me).unwrap_err();
         assert_eq!(e.code(), ErrorCode::UNSUPPORTED_VERSION);
         assert_eq!(e.to_message().request_id, None);
-        assert!(e.to_string().contains("version 2"), "{e}");
+        assert!(e.to_string().contains("version 3"), "{e}");
         let e = hello(PROTOCOL_VERSION, 2).check(&me).unwrap_err();
         assert_eq!(e.code(), ErrorCode::FORBIDDEN);
         let e = expect_hello(Message::Ping(crate::Ping { nonce: 0 }), &me).unwrap_err();

@@ -82,7 +82,8 @@
 //! | 13 | [`Exec`] | request_id u64, model Hash, expert {layer u16, expert u16}, positions u32 (1..=[`MAX_EXEC_POSITIONS`]), rows (varint length + raw f32 LE `[positions, hidden]`, ≤ [`MAX_EXEC_ROWS_LEN`]) | request |
 //! | 14 | [`ExecResult`] | request_id u64, rows (varint length + raw f32 LE, ≤ [`MAX_EXEC_ROWS_LEN`]) | request |
 //! | 15 | [`Placement`] | model Hash, budget u64, used u64, pinned ExpertSet, kept ExpertSet, fetching ExpertSet, demand Vec\<(ExpertId, u32)\> (at most 256), leaving bool | control |
-//! | 16–127 | reserved | decoding yields [`DecodeError::UnknownTag`] | |
+//! | 16 | [`Peers`] | model Hash, peers Vec\<{node `[u8; 32]`, addr SocketAddr: 0 + 4 bytes or 1 + 16 bytes, then port u16}\> (at most 64) | control |
+//! | 17–127 | reserved | decoding yields [`DecodeError::UnknownTag`] | |
 //!
 //! A manifest is answered like an expert, as `Data` frames from offset 0 and `End`, so it
 //! is bounded by the requester's limit ([`MAX_MANIFEST_LEN`] by default), not by the frame size.
@@ -147,17 +148,17 @@ pub use latency::{Pinger, RttEstimator};
 pub use message::{
     check_file_name, data_frame_prefix, f32_bytes, f32s, tag, ByteRange, Cancel, Data, EncodeError,
     End, ErrorCode, ErrorMessage, Exec, ExecResult, Get, GetFile, GetManifest, Hello, Inventory,
-    InventoryUpdate, Limits, Message, NodeId, Offer, Ping, Placement, Pong, Priority, RequestId,
-    MAX_DATA_LEN, MAX_ERROR_MESSAGE_LEN, MAX_EXEC_FRAME_LEN, MAX_EXEC_POSITIONS, MAX_EXEC_ROWS_LEN,
-    MAX_FILE_NAME_LEN, MAX_FILE_RANGE_LEN, MAX_MANIFEST_LEN, MAX_MODELS, MAX_PLACEMENT_DEMAND,
-    MAX_UPDATE_EXPERTS,
+    InventoryUpdate, Limits, Message, NodeId, Offer, PeerEntry, Peers, Ping, Placement, Pong,
+    Priority, RequestId, MAX_DATA_LEN, MAX_ERROR_MESSAGE_LEN, MAX_EXEC_FRAME_LEN,
+    MAX_EXEC_POSITIONS, MAX_EXEC_ROWS_LEN, MAX_FILE_NAME_LEN, MAX_FILE_RANGE_LEN, MAX_MANIFEST_LEN,
+    MAX_MODELS, MAX_PEERS, MAX_PLACEMENT_DEMAND, MAX_UPDATE_EXPERTS,
 };
 pub use server::{DataChunks, ServeRequest, Server, ServerConfig, ServerEvent, ServerStats};
 
-/// The ALPN protocol id of stormo's wire protocol, version line 1. Both QUIC sides must offer
-/// exactly this; a peer of another line fails the TLS handshake.
-pub const ALPN: &[u8] = b"stormo/1";
+/// The ALPN protocol id of stormo's wire protocol, version line 2 (2 added [`Peers`]). Both
+/// QUIC sides must offer exactly this; a peer of another line fails the TLS handshake.
+pub const ALPN: &[u8] = b"stormo/2";
 
 /// The protocol version sent in [`Hello`]. A peer whose version differs is refused with
 /// [`ErrorCode::UNSUPPORTED_VERSION`].
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;

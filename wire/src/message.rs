@@ -56,8 +56,10 @@ pub mod tag {
     pub const EXEC_RESULT: u8 = 14;
     /// [`super::Placement`].
     pub const PLACEMENT: u8 = 15;
-    /// The first reserved tag: 16 up to and including 127 are free for new messages.
-    pub const FIRST_RESERVED: u8 = 16;
+    /// [`super::Peers`].
+    pub const PEERS: u8 = 16;
+    /// The first reserved tag: 17 up to and including 127 are free for new messages.
+    pub const FIRST_RESERVED: u8 = 17;
 }
 
 /// The largest payload of one [`Data`] message: 1 MiB.
@@ -273,6 +275,34 @@ pub struct Placement {
     pub demand: Vec<(ExpertId, u32)>,
     /// The sender is stopping.
     pub leaving: bool,
+}
+
+/// The most peers one [`Peers`] may name.
+pub const MAX_PEERS: usize = 64;
+
+/// Peer exchange: serving nodes of `model` the sender has in its peer set and that serve
+/// now, each with the address the sender reaches it at, so that nodes which were each given
+/// only one node (a star around a seeder) find each other and place copies by the whole
+/// swarm's holdings. Sent on the control stream after [`Inventory`] and when the list
+/// changes; each one replaces the sender's last of the same model. An entry is an address
+/// to try, not a fact: the receiver dials it and the connection's TLS and [`Hello`] check the
+/// key, as for a peer given on its command line.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Peers {
+    /// The model id.
+    pub model: Hash,
+    /// At most [`MAX_PEERS`] entries.
+    pub peers: Vec<PeerEntry>,
+}
+
+/// One node of a [`Peers`] list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PeerEntry {
+    /// Its Ed25519 public key.
+    pub node: NodeId,
+    /// Where the sender reaches it (IPv4 or IPv6 address and UDP port; an IPv6 address's
+    /// flow label and scope are not carried).
+    pub addr: std::net::SocketAddr,
 }
 
 /// A byte range `[offset, offset + len)` within a resource.
@@ -637,6 +667,8 @@ pub enum Message {
     ExecResult(ExecResult),
     /// Tag 15.
     Placement(Placement),
+    /// Tag 16.
+    Peers(Peers),
 }
 
 /// Why a message cannot be encoded (it breaks a limit of the protocol).
@@ -683,6 +715,7 @@ impl Message {
             Self::Exec(_) => tag::EXEC,
             Self::ExecResult(_) => tag::EXEC_RESULT,
             Self::Placement(_) => tag::PLACEMENT,
+            Self::Peers(_) => tag::PEERS,
         }
     }
 
@@ -710,6 +743,7 @@ impl Message {
             | Self::InventoryUpdate(_)
             | Self::Offer(_)
             | Self::Placement(_)
+            | Self::Peers(_)
             | Self::Ping(_)
             | Self::Pong(_) => None,
         }
@@ -740,6 +774,14 @@ impl Message {
                     return Err(format!(
                         "{} demand counts, over the limit of {MAX_PLACEMENT_DEMAND}",
                         p.demand.len()
+                    ));
+                }
+            }
+            Self::Peers(p) => {
+                if p.peers.len() > MAX_PEERS {
+                    return Err(format!(
+                        "{} peers, over the limit of {MAX_PEERS}",
+                        p.peers.len()
                     ));
                 }
             }
@@ -859,6 +901,7 @@ impl Message {
             Self::GetFile(m) => put(m, out),
             Self::Offer(m) => put(m, out),
             Self::Placement(m) => put(m, out),
+            Self::Peers(m) => put(m, out),
             Self::Exec(m) => {
                 let header = (
                     m.request_id.0,
@@ -914,6 +957,7 @@ impl Message {
             tag::GET_FILE => Self::GetFile(take_all(t, payload)?),
             tag::OFFER => Self::Offer(take_all(t, payload)?),
             tag::PLACEMENT => Self::Placement(take_all(t, payload)?),
+            tag::PEERS => Self::Peers(take_all(t, payload)?),
             tag::EXEC => Self::Exec(decode_exec(&body)?),
             tag::EXEC_RESULT => Self::ExecResult(decode_exec_result(&body)?),
             other => return Err(DecodeError::UnknownTag(other)),
@@ -945,6 +989,7 @@ pub fn tag_name(t: u8) -> Option<&'static str> {
         tag::EXEC => "Exec",
         tag::EXEC_RESULT => "ExecResult",
         tag::PLACEMENT => "Placement",
+        tag::PEERS => "Peers",
         _ => return None,
     })
 }
@@ -1126,7 +1171,8 @@ impl_from!(
     Offer,
     Exec,
     ExecResult,
-    Placement
+    Placement,
+    Peers
 );
 
 impl From<ErrorMessage> for Message {
@@ -1281,6 +1327,50 @@ mod tests {
             leaving: false,
         };
         assert!(Message::Placement(too_many).validate().is_err());
+    }
+
+    #[test]
+    fn golden_peers() {
+        golden(
+            Message::Peers(Peers {
+                model: h(0x66),
+                peers: vec![
+                    PeerEntry {
+                        node: NodeId([7; 32]),
+                        addr: "127.0.0.2:4433".parse().unwrap(),
+                    },
+                    PeerEntry {
+                        node: NodeId([8; 32]),
+                        addr: "[::1]:300".parse().unwrap(),
+                    },
+                ],
+            }),
+            &[
+                &[124, 0, 0, 0],    // frame length 124
+                &[16],              // tag: Peers
+                &[0x66; 32],        // model id
+                &[2],               // 2 peers
+                &[7; 32],           //   node key
+                &[0, 127, 0, 0, 2], //   IPv4 (variant 0), 127.0.0.2
+                &[0xd1, 0x22],      //   port 4433 (varint)
+                &[8; 32],           //   node key
+                &[1],               //   IPv6 (variant 1)
+                &[0; 15],           //   ::1
+                &[1],
+                &[0xac, 0x02], //   port 300 (varint)
+            ],
+        );
+        let too_many = Peers {
+            model: h(0),
+            peers: vec![
+                PeerEntry {
+                    node: NodeId([0; 32]),
+                    addr: "127.0.0.1:1".parse().unwrap()
+                };
+                MAX_PEERS + 1
+            ],
+        };
+        assert!(Message::Peers(too_many).validate().is_err());
     }
 
     #[test]
@@ -1745,7 +1835,7 @@ mod tests {
             assert!(c.name().is_some());
         }
         assert_eq!(ErrorCode(999).to_string(), "unknown(999)");
-        assert_eq!(crate::ALPN, b"stormo/1");
+        assert_eq!(crate::ALPN, b"stormo/2");
     }
 
     #[test]

@@ -985,9 +985,9 @@ fn remote_experts(
     Arc::new(x)
 }
 
-/// The most peers a node takes into its peer set from the serving peers that dialled it
-/// ([`add_serving_peer`]); beyond it they are left out (a bound on what strangers can add
-/// where any node may connect, `--allow-any`).
+/// The most peers a node's set takes in from the serving peers that dialled it
+/// ([`add_serving_peer`]) and those its peers named (peer exchange); beyond it they are left
+/// out (a bound on what strangers can add where any node may connect, `--allow-any`).
 const MAX_DIALLED_IN_PEERS: usize = 256;
 
 /// Adds `p`, a peer serving the model that dialled this node, to `tier`'s peer set unless a
@@ -1005,6 +1005,31 @@ fn add_serving_peer(tier: &PeerTier, p: PeerAddr) {
     tracing::info!("peer {p} dialled in serving the model: added to the peer set");
     if let Err(e) = tier.add_peers(std::slice::from_ref(&p)) {
         tracing::warn!("peer {p}: {e:#}");
+    }
+}
+
+/// Peer exchange: adds to `tier`'s set the serving nodes that its peers serving now named
+/// ([`PeerTier::told_peers`]) and that it does not have, while the set holds fewer than
+/// [`MAX_DIALLED_IN_PEERS`], and dials them (in the background inside a runtime, else
+/// before returning, each bounded by the connect timeout).
+pub fn add_told_peers(tier: &PeerTier) {
+    let told = tier.told_peers();
+    if told.is_empty() {
+        return;
+    }
+    let room = MAX_DIALLED_IN_PEERS.saturating_sub(tier.peer_addrs().len());
+    if room < told.len() {
+        tracing::debug!(
+            "{} peers named by peers left out: the peer set is full",
+            told.len() - room
+        );
+    }
+    let take: Vec<_> = told.into_iter().take(room).collect();
+    for p in &take {
+        tracing::info!("peer {p} named by a peer: added to the peer set");
+    }
+    if let Err(e) = tier.add_peers(&take) {
+        tracing::warn!("peers named by a peer: {e:#}");
     }
 }
 
@@ -1258,10 +1283,20 @@ impl Announcer {
             let _ = offered.remove(e);
         }
         let placement = self.holdings.announce.borrow().placement.clone();
+        let peers = match &self.peers {
+            Some(tier) => {
+                // Peer exchange: the serving nodes this node's peers told it of join its set
+                // (a star of nodes that were each given only the seeder becomes a mesh).
+                add_told_peers(tier);
+                tier.serving_entries()
+            }
+            None => Vec::new(),
+        };
         self.holdings.set_announce(Announce {
             held,
             offered,
             placement,
+            peers,
         });
     }
 }

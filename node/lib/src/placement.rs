@@ -45,6 +45,12 @@ const GONE_AFTER: Duration = Duration::from_secs(3);
 /// until every peer it dials has answered with what it holds, or this long.
 const SETTLE_MAX: Duration = Duration::from_secs(10);
 
+/// The least a starting node waits before it places anything: long enough for its peers'
+/// first lists of their own peers (peer exchange, sent with their inventories and then every
+/// half second) to arrive, so that a node given only the seeder sees the other nodes before
+/// it fills its budget.
+const SETTLE_MIN: Duration = Duration::from_millis(1500);
+
 /// How long a fetched expert may take to be written to the expert directory before the fetch
 /// counts as failed (the peer tier stores a verified record after handing it on, off the async
 /// threads; a record the directory refuses never appears).
@@ -304,12 +310,16 @@ impl Replicator {
         let demand = self.holdings.demand.take();
         // A node that places before it has heard from its peers fills its budget blind (the
         // peers it dials at the same moment are still starting): wait until each peer in view
-        // is connected and has said what it holds, at most SETTLE_MAX.
+        // is connected and has said what it holds, and none has named a node not in view yet
+        // (peer exchange), at least SETTLE_MIN and at most SETTLE_MAX.
+        let waited = now.saturating_duration_since(self.started);
         let settled = self.settled.load(Ordering::Relaxed)
-            || now.saturating_duration_since(self.started) >= SETTLE_MAX
-            || view
-                .iter()
-                .all(|p| p.connected && (p.placement.is_some() || p.inventory.is_some()));
+            || waited >= SETTLE_MAX
+            || (waited >= SETTLE_MIN
+                && self.peers.told_peers().is_empty()
+                && view
+                    .iter()
+                    .all(|p| p.connected && (p.placement.is_some() || p.inventory.is_some())));
         if settled && !self.settled.swap(true, Ordering::Relaxed) {
             tracing::info!(
                 "placement: the swarm's view settled after {:.1}s ({} peers)",

@@ -111,6 +111,9 @@ pub struct PeerView {
     pub inventory: Option<ExpertSet>,
     /// Its last placement announcement (room, pinned and claimed experts, demand), if any.
     pub placement: Option<stormo_wire::Placement>,
+    /// The serving nodes it last said it has in its peer set (peer exchange: addresses to
+    /// try, not facts).
+    pub told: Vec<stormo_wire::PeerEntry>,
     /// Its control stream is open (a connection is up and following its inventory).
     pub control_open: bool,
     /// The experts it can fetch for this node from its own peers (one hop).

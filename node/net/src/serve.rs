@@ -100,6 +100,10 @@ pub struct Announce {
     pub offered: ExpertSet,
     /// Its room and claims for placing replicas (`None`: it places none).
     pub placement: Option<Arc<stormo_wire::Placement>>,
+    /// The serving nodes in its peer set that serve now (peer exchange: [`stormo_wire::Peers`]),
+    /// at most [`stormo_wire::MAX_PEERS`], in a fixed order so that an unchanged set is not
+    /// sent again.
+    pub peers: Vec<stormo_wire::PeerEntry>,
 }
 
 impl Announce {
@@ -111,6 +115,7 @@ impl Announce {
             held,
             offered,
             placement: None,
+            peers: Vec::new(),
         }
     }
 
@@ -634,6 +639,12 @@ async fn control(
     if let Some(p) = &last.placement {
         first.push(Message::Placement((**p).clone()));
     }
+    if !last.peers.is_empty() {
+        first.push(Message::Peers(stormo_wire::Peers {
+            model,
+            peers: last.peers.clone(),
+        }));
+    }
     for m in &first {
         if super::write_message(&mut send, m).await.is_err() {
             return;
@@ -670,6 +681,7 @@ async fn control(
                 | Message::InventoryUpdate(_)
                 | Message::Offer(_)
                 | Message::Placement(_)
+                | Message::Peers(_)
                 | Message::Pong(_),
             )) => {}
             Ok(Some(Message::Error(e))) => {
@@ -727,6 +739,12 @@ pub fn announce_changes(model: Hash, last: &Announce, now: &Announce) -> Vec<Mes
         if let Some(p) = &now.placement {
             out.push(Message::Placement((**p).clone()));
         }
+    }
+    if now.peers != last.peers {
+        out.push(Message::Peers(stormo_wire::Peers {
+            model,
+            peers: now.peers.clone(),
+        }));
     }
     out
 }

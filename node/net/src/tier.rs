@@ -480,6 +480,67 @@ impl PeerTier {
             .collect()
     }
 
+    /// Peer exchange, what this node tells: the peers of its set that serve now, as
+    /// [`stormo_wire::PeerEntry`]s, ordered by key, at most [`stormo_wire::MAX_PEERS`].
+    pub fn serving_entries(&self) -> Vec<stormo_wire::PeerEntry> {
+        let mut out: Vec<_> = self
+            .inner
+            .peers()
+            .iter()
+            .filter(|p| p.state().serving_now())
+            .map(|p| stormo_wire::PeerEntry {
+                node: NodeId(*p.addr.key.as_bytes()),
+                addr: p.addr.addr,
+            })
+            .collect();
+        out.sort_by(|a, b| a.node.0.cmp(&b.node.0).then(a.addr.cmp(&b.addr)));
+        out.dedup_by(|a, b| a.node == b.node);
+        out.truncate(stormo_wire::MAX_PEERS);
+        out
+    }
+
+    /// Peer exchange, what this node heard: the nodes that peers serving now said they have
+    /// in their sets ([`stormo_wire::Peers`]) and that are not in this node's set, nor this
+    /// node itself; one address per key. An entry that cannot be dialled (a key that is no
+    /// Ed25519 point, port 0, an unspecified, multicast or broadcast address, or another
+    /// address family than this node's endpoint) is left out.
+    pub fn told_peers(&self) -> Vec<PeerAddr> {
+        let peers = self.inner.peers();
+        let known: std::collections::HashSet<[u8; 32]> = peers
+            .iter()
+            .filter(|p| !p.state().removed)
+            .map(|p| *p.addr.key.as_bytes())
+            .collect();
+        let v6 = self.inner.endpoint.local_addr().is_ok_and(|a| a.is_ipv6());
+        let mut seen = std::collections::HashSet::new();
+        let mut out = Vec::new();
+        for p in peers.iter() {
+            let s = p.state();
+            if !s.serving_now() {
+                continue;
+            }
+            for e in &s.told {
+                let ip = e.addr.ip();
+                let dialable = e.addr.port() != 0
+                    && !ip.is_unspecified()
+                    && !ip.is_multicast()
+                    && ip != std::net::Ipv4Addr::BROADCAST
+                    && (v6 || e.addr.is_ipv4());
+                if !dialable
+                    || e.node == self.inner.me
+                    || known.contains(&e.node.0)
+                    || !seen.insert(e.node.0)
+                {
+                    continue;
+                }
+                if let Ok(key) = PublicKey::from_bytes(&e.node.0) {
+                    out.push(PeerAddr { key, addr: e.addr });
+                }
+            }
+        }
+        out
+    }
+
     /// How many experts each peer advertised (in `peers` order; `None`: not reached).
     pub fn inventories(&self) -> Vec<Option<usize>> {
         self.inner

@@ -174,8 +174,9 @@ pub fn run(c: Command) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `stormo swarm status`: a node that uses no expert of its own dials the peers, waits (at
-/// most `--wait`) for each to answer, and prints the coverage.
+/// `stormo swarm status`: a node that uses no expert of its own dials the peers and the
+/// serving nodes they name (peer exchange), waits (at most `--wait`) for each to answer, and
+/// prints the coverage.
 fn status(a: StatusArgs) -> anyhow::Result<()> {
     use stormo_node::config::{CacheBudget, ExpertsConfig, LocalExperts, NodeConfig};
     let mut peers = a.net.resolve(false)?;
@@ -217,11 +218,22 @@ fn status(a: StatusArgs) -> anyhow::Result<()> {
             !v.is_empty() && v.iter().all(|p| p.connected && p.inventory.is_some())
         })
     };
-    while std::time::Instant::now() < until && !answered() {
-        std::thread::sleep(std::time::Duration::from_millis(100));
+    loop {
+        while std::time::Instant::now() < until && !answered() {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        // Placement and the list of the peer's own peers follow its inventory on the same
+        // stream: give them a moment.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        // The nodes the peers name (peer exchange) are asked too, within --wait: given one
+        // node of a swarm, the report covers every node that one knows.
+        match node.peer_tier() {
+            Some(t) if std::time::Instant::now() < until && !t.told_peers().is_empty() => {
+                stormo_node::node::add_told_peers(t);
+            }
+            _ => break,
+        }
     }
-    // Placement follows the inventory on the same stream: give it a moment.
-    std::thread::sleep(std::time::Duration::from_millis(200));
     let c = node
         .coverage()
         .context("no manifest to read the swarm's coverage against")?;

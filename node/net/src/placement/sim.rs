@@ -68,6 +68,10 @@ pub(crate) struct Scenario {
     pub(crate) duration_ms: u64,
     pub(crate) sample_ms: u64,
     pub(crate) config: Config,
+    /// Until then the nodes see only the seeder's announcements, not each other's (a star of
+    /// nodes given only the seeder, before peer exchange tells them of each other); then each
+    /// hears every node's last announcement, as a new connection's first messages carry it.
+    pub(crate) blind_ms: u64,
 }
 
 impl Scenario {
@@ -99,6 +103,7 @@ impl Scenario {
                 count_pinned: true,
                 ..Config::default()
             },
+            blind_ms: 0,
         }
     }
 }
@@ -360,6 +365,13 @@ pub(crate) fn run(sc: &Scenario) -> Report {
                 k += 1;
             }
         }
+        if sc.blind_ms > 0 && now_ms == sc.blind_ms {
+            for (r, node) in nodes.iter().enumerate().skip(1) {
+                if let (true, Some(a)) = (node.alive, &node.last_ann) {
+                    queue.push((now_ms, Msg::Ann(r as u32, a.clone())));
+                }
+            }
+        }
         // Deliveries.
         for (r, node) in nodes.iter_mut().enumerate() {
             if !node.alive {
@@ -369,7 +381,9 @@ pub(crate) fn run(sc: &Scenario) -> Report {
                 if t + node.delay_ms > now_ms {
                     break;
                 }
+                let blind = now_ms < sc.blind_ms && r != 0;
                 match m {
+                    Msg::Ann(from, _) if blind && *from != 0 => {}
                     Msg::Ann(from, a) if *from as usize != r => node.p.handle(
                         Event::Announced {
                             peer: *from,
@@ -650,6 +664,37 @@ mod tests {
             let last = r.last();
             assert_eq!(last.alive, 4, "the seeder left");
             assert!(last.min_copies >= 2, "{}", r.table("4 nodes"));
+        }
+    }
+
+    /// A star's start: four nodes with room for exactly their share of N = 2 copies of eight
+    /// experts (no slack), blind to each other for their first 5 s (each fills its room
+    /// seeing only the seeder), then told of each other. Every expert reaches two kept copies
+    /// for every seed. Regression: the designated evictor of a copy beyond N could be the one
+    /// holder that already held the expert missing a copy, so the others held back and the
+    /// swarm stayed at three copies of one expert and one of another.
+    #[test]
+    fn full_nodes_that_started_blind_level_their_copies() {
+        for seed in 1..=12 {
+            let mut sc = Scenario::small(4, seed);
+            sc.layers = 2;
+            sc.experts_per_layer = 4;
+            sc.expert_bytes = 7_000;
+            sc.slots = (4, 4);
+            sc.blind_ms = 5_000;
+            sc.duration_ms = 120_000;
+            sc.config = Config {
+                retry_after: Duration::from_secs(5),
+                swap_interval: Duration::from_secs(15),
+                ..Config::default()
+            };
+            let r = run(&sc);
+            let at = r.first_kept_covered_ms;
+            assert!(
+                at.is_some_and(|ms| ms <= 90_000),
+                "seed {seed}: two kept copies of every expert at {at:?} ms\n{}",
+                r.table("4 nodes, blind for 5 s")
+            );
         }
     }
 

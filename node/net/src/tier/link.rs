@@ -383,6 +383,9 @@ impl Control {
                 Ok(Some(Message::Placement(p))) if p.model == model => {
                     peer.state().placement = Some(p);
                 }
+                Ok(Some(Message::Peers(p))) if p.model == model => {
+                    peer.state().told = p.peers;
+                }
                 Ok(Some(_)) => {}
                 Ok(None) | Err(_) => return,
             }
