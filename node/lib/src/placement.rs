@@ -45,6 +45,10 @@ const GONE_AFTER: Duration = Duration::from_secs(3);
 /// until every peer it dials has answered with what it holds, or this long.
 const SETTLE_MAX: Duration = Duration::from_secs(10);
 
+/// How long the budgets in view must stay too small for `--replicas` copies before a node
+/// says so (a swarm still joining is short for its first moments).
+const ROOM_GRACE: Duration = Duration::from_secs(10);
+
 /// The least a starting node waits before it places anything: long enough for its peers'
 /// first lists of their own peers (peer exchange, sent with their inventories and then every
 /// half second) to arrive, so that a node given only the seeder sees the other nodes before
@@ -91,6 +95,14 @@ pub struct Replicator {
     /// [`SETTLE_MAX`]).
     started: Instant,
     settled: AtomicBool,
+    /// `--replicas`, and the bytes of one copy of every expert.
+    replicas: u32,
+    model_bytes: u64,
+    /// Each expert's record size.
+    sizes: HashMap<ExpertId, u64>,
+    /// Since when the swarm's budgets in view have been too small for `replicas` copies,
+    /// and whether that was said (once, until they are big enough again).
+    short: Mutex<(Option<Instant>, bool)>,
 }
 
 impl std::fmt::Debug for Replicator {
@@ -145,6 +157,8 @@ impl Replicator {
             );
         }
         let shape = (pinned.layers(), pinned.experts_per_layer());
+        let model_bytes = catalog.iter().map(|e| e.bytes).sum();
+        let sizes = catalog.iter().map(|e| (e.id, e.bytes)).collect();
         Self {
             policy: Mutex::new(policy),
             dir,
@@ -161,6 +175,64 @@ impl Replicator {
             storing: Mutex::default(),
             started: now,
             settled: AtomicBool::new(false),
+            replicas,
+            model_bytes,
+            sizes,
+            short: Mutex::new((None, false)),
+        }
+    }
+
+    /// Says (once, until it changes) when the budgets of the placing nodes in view, this
+    /// one's included, cannot hold `--replicas` copies of every expert: placement then stops
+    /// short of N whatever it does, and the seeder must not go.
+    fn check_room(&self, view: &[stormo_net::tier::PeerSnapshot]) {
+        if self.replicas == 0 || self.model_bytes == 0 {
+            return;
+        }
+        // What a node can keep: its budget, within the experts it does not hold pinned (a
+        // node holds one copy of an expert at most, and pinned copies do not count).
+        let can_keep = |budget: u64, pinned: &mut dyn Iterator<Item = ExpertId>| {
+            let pinned: u64 = pinned
+                .map(|e| self.sizes.get(&e).copied().unwrap_or(0))
+                .sum();
+            budget.min(self.model_bytes.saturating_sub(pinned))
+        };
+        let budgets: Vec<u64> = view
+            .iter()
+            .filter_map(|p| p.placement.as_ref().filter(|w| p.connected && !w.leaving))
+            .map(|w| can_keep(w.budget, &mut w.pinned.iter()))
+            .collect();
+        let own = can_keep(self.dir.limit(), &mut self.pinned.iter());
+        let room = budgets.iter().fold(own, |a, b| a.saturating_add(*b));
+        let need = self.model_bytes.saturating_mul(u64::from(self.replicas));
+        let copies = room as f64 / self.model_bytes as f64;
+        let mut g = self.short.lock().expect("short lock");
+        let (since, said) = &mut *g;
+        if room >= need {
+            *since = None;
+            if std::mem::take(said) {
+                tracing::info!(
+                    "placement: the budgets in view now hold {copies:.2} copies of the model's \
+                     experts (--replicas {})",
+                    self.replicas
+                );
+            }
+            return;
+        }
+        // Short for a while, not merely while the swarm is still joining.
+        let now = Instant::now();
+        let since = *since.get_or_insert(now);
+        if !*said && now.saturating_duration_since(since) >= ROOM_GRACE {
+            *said = true;
+            tracing::warn!(
+                "placement: the budgets of the {} placing nodes in view hold {copies:.2} copies \
+                 of the model's experts, fewer than --replicas {}: add room \
+                 (--expert-dir-limit) or nodes, and keep the seeder until `swarm status` shows \
+                 {} kept copies",
+                1 + budgets.len(),
+                self.replicas,
+                self.replicas
+            );
         }
     }
 
@@ -320,6 +392,9 @@ impl Replicator {
                 && view
                     .iter()
                     .all(|p| p.connected && (p.placement.is_some() || p.inventory.is_some())));
+        if settled {
+            self.check_room(&view);
+        }
         if settled && !self.settled.swap(true, Ordering::Relaxed) {
             tracing::info!(
                 "placement: the swarm's view settled after {:.1}s ({} peers)",

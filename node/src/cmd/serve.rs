@@ -71,9 +71,10 @@ pub struct Args {
     /// the experts with the fewest copies first until each has N, then copies of the most
     /// asked for; it evicts what has most copies elsewhere. A model folder's own experts (a
     /// seeder's) do not count towards N, so the swarm keeps the model when seeders leave.
-    /// A node counts the copies of the peers it is connected to (its --peer list, those found
-    /// by --discover, serving nodes that dialled it), not of their peers: give every node the
-    /// others, or --discover, and check `swarm status` (its kept copies) before a seeder goes.
+    /// A node counts the copies of the peers it is connected to: its --peer list, those found
+    /// by --discover, serving nodes that dialled it, and the serving nodes its peers name (peer
+    /// exchange), so nodes given only the seeder find each other. Check `swarm status` (its
+    /// kept copies) before a seeder goes.
     /// 0: place nothing (keep only what this node happens to fetch).
     #[arg(long, default_value_t = 2, value_name = "N")]
     pub replicas: u32,
