@@ -439,6 +439,35 @@ fn nodes_given_only_the_seeder_place_copies_by_the_whole_swarm() {
             assert!(used <= budget, "over its budget: {n:#}");
         }
     }
+    // `--min-kept` as a script's check that the seeder can go: met at 2, not at 5 (four
+    // nodes cannot keep five copies).
+    let check = |n: &str| {
+        crate::node::stormo_output(
+            &[
+                "swarm",
+                "status",
+                "--model",
+                s(m.path()),
+                "--model-id",
+                &id,
+                "--peer",
+                &seeder.line,
+                "--min-kept",
+                n,
+            ],
+            None,
+        )
+    };
+    let ok = check("2");
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let short = check("5");
+    assert!(!short.status.success());
+    let err = String::from_utf8_lossy(&short.stderr);
+    assert!(err.contains("--min-kept 5: some expert has only"), "{err}");
 }
 
 /// A node whose swarm's budgets cannot hold `--replicas` copies says so: beside a seeder

@@ -73,7 +73,8 @@ pub enum Command {
     /// experts (no reachable holder: generation would fail on them) and per node what it
     /// holds. The model folder (-m, a folder from `stormo pull` is enough) gives the model's
     /// shape and manifest; its own experts are not counted. Exits with an error, after the
-    /// report, when no peer answered within --wait.
+    /// report, when no peer answered within --wait, and with --min-kept N when an expert has
+    /// fewer than N kept copies or none reachable.
     // The fetching node's options that a status never uses stay accepted but out of --help.
     #[command(
         mut_arg("expert_dir", |a| a.hide(true)),
@@ -110,6 +111,11 @@ pub struct StatusArgs {
     /// least 0.5 s).
     #[arg(long, default_value_t = 5.0, value_name = "SECS", value_parser = stormo_net::progress::secs_arg)]
     pub wait: f64,
+    /// Exit with an error, after the report, unless every expert has at least N kept copies
+    /// (in expert directories: the seeders' folders left out) and none is uncovered: a
+    /// script's check that a seeder can go (`--min-kept 2` for `--replicas 2`).
+    #[arg(long, value_name = "N")]
+    pub min_kept: Option<u32>,
 }
 
 /// Runs a swarm subcommand.
@@ -237,6 +243,7 @@ fn status(a: StatusArgs) -> anyhow::Result<()> {
     let c = node
         .coverage()
         .context("no manifest to read the swarm's coverage against")?;
+    let (kept, uncovered) = (c.min_kept_copies(), c.uncovered().len());
     if a.json {
         println!("{}", serde_json::to_string_pretty(&c.json())?);
     } else {
@@ -260,6 +267,17 @@ fn status(a: StatusArgs) -> anyhow::Result<()> {
          above counts no node",
         a.wait
     );
+    if let Some(n) = a.min_kept {
+        anyhow::ensure!(
+            uncovered == 0,
+            "--min-kept {n}: {uncovered} experts have no reachable holder"
+        );
+        anyhow::ensure!(
+            kept >= n,
+            "--min-kept {n}: some expert has only {kept} kept copies (the seeders' folders \
+             left out); keep the seeders until placement has made {n}"
+        );
+    }
     Ok(())
 }
 
