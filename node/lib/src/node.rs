@@ -1010,7 +1010,7 @@ fn add_serving_peer(tier: &PeerTier, p: PeerAddr) {
 
 /// Peer exchange: adds to `tier`'s set the serving nodes that its peers serving now named
 /// ([`PeerTier::told_peers`]) and that it does not have, while the set holds fewer than
-/// [`MAX_DIALLED_IN_PEERS`], and dials them (in the background inside a runtime, else
+/// `MAX_DIALLED_IN_PEERS` (256), and dials them (in the background inside a runtime, else
 /// before returning, each bounded by the connect timeout).
 pub fn add_told_peers(tier: &PeerTier) {
     let told = tier.told_peers();

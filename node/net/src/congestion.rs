@@ -196,7 +196,7 @@ impl LossFilter {
 const RATE_SAMPLES: usize = 10;
 
 /// The rate at which the path delivers a connection's bytes: bytes acknowledged over each
-/// round trip, the largest of the last [`RATE_SAMPLES`] samples (a sample taken while the
+/// round trip, the largest of the last `RATE_SAMPLES` samples (a sample taken while the
 /// sender had less to send than its window allowed counts only when it raises the estimate).
 /// Sans-IO: time and round trips are passed in.
 #[derive(Debug, Clone, Default)]

@@ -10,7 +10,7 @@
 //! does not decode, or a message that has no place where it arrived, closes that connection
 //! with `PROTOCOL_VIOLATION`; other connections and the node carry on. A connection whose
 //! peer is revoked, or whose membership certificate expires, while it is open is closed with
-//! `FORBIDDEN` within about a second ([`tls::LiveMembers`]).
+//! `FORBIDDEN` within about a second (`tls::LiveMembers`).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -25,7 +25,7 @@
 //! check in this module: nothing is served before it, and no caller can forget it.
 //!
 //! The handshake is not the only check: a server watches the connections it admitted
-//! ([`LiveMembers`], in `tls/live.rs`) and closes those of a key revoked later, or whose
+//! (`LiveMembers`, in `tls/live.rs`) and closes those of a key revoked later, or whose
 //! certificate expired, within about a second.
 //! Raw public keys were given up because they have no room for an extension.
 //!

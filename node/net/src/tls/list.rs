@@ -19,7 +19,7 @@ use stormo_manifests::PublicKey;
 /// A file of node keys (one 64-hex key per line; blank lines and `#` comments skipped):
 /// revoked keys (`--revoked`) or allowed ones (`--allow-file`), re-read whenever its
 /// modification time or length changes (at each handshake, and every second by the watcher of
-/// live connections, [`super::LiveMembers`]).
+/// live connections, `super::LiveMembers`).
 ///
 /// At [`Self::load`] the file must be readable and every line well formed (a node does not
 /// start on a list it cannot read). A re-read applies every line that holds a key and warns
