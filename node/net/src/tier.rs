@@ -503,7 +503,8 @@ impl PeerTier {
     /// in their sets ([`stormo_wire::Peers`]) and that are not in this node's set, nor this
     /// node itself; one address per key. An entry that cannot be dialled (a key that is no
     /// Ed25519 point, port 0, an unspecified, multicast or broadcast address, or another
-    /// address family than this node's endpoint) is left out.
+    /// address family than this node's endpoint) is left out, and so is a loopback address
+    /// named by a peer that is not itself on loopback.
     pub fn told_peers(&self) -> Vec<PeerAddr> {
         let peers = self.inner.peers();
         let known: std::collections::HashSet<[u8; 32]> = peers
@@ -519,12 +520,16 @@ impl PeerTier {
             if !s.serving_now() {
                 continue;
             }
+            // A peer reached over the network that names a loopback address names this
+            // machine's own services, not its peers: only a peer on loopback may.
+            let local = p.addr.addr.ip().is_loopback();
             for e in &s.told {
                 let ip = e.addr.ip();
                 let dialable = e.addr.port() != 0
                     && !ip.is_unspecified()
                     && !ip.is_multicast()
                     && ip != std::net::Ipv4Addr::BROADCAST
+                    && (local || !ip.is_loopback())
                     && (v6 || e.addr.is_ipv4());
                 if !dialable
                     || e.node == self.inner.me
@@ -1564,6 +1569,56 @@ mod tests {
         assert_eq!(held(&b), all);
         assert!(peer.state().ban("bad bytes (test)"));
         assert_eq!(held(&b), 0, "a dropped peer");
+        b.tier.close();
+    }
+
+    /// Peer exchange: a node tells the peers that serve now, and of what a peer tells it
+    /// takes only what it can dial and does not know: not itself, not a peer it has, not a
+    /// key twice, no port 0, unspecified, multicast or broadcast address; nothing from a peer
+    /// that does not serve now. (The bench's peer is on loopback, so it may name loopback
+    /// addresses.)
+    #[test]
+    fn told_peers_keep_only_new_dialable_nodes() {
+        let b = bench(&[Serving::Honest]);
+        let peer = b.tier.inner.peers()[0].clone();
+        let known = b.tier.peer_addrs()[0].clone();
+        let told = b.tier.serving_entries();
+        assert_eq!(told.len(), 1);
+        assert_eq!(told[0].node.0, *known.key.as_bytes());
+        let key = |seed: u8| SecretKey::from_seed(&[seed; 32]).public();
+        let entry = |seed: u8, addr: &str| stormo_wire::PeerEntry {
+            node: NodeId(*key(seed).as_bytes()),
+            addr: addr.parse().expect("address"),
+        };
+        let me = stormo_wire::PeerEntry {
+            node: b.tier.inner.me,
+            addr: "127.0.0.9:9".parse().expect("address"),
+        };
+        peer.state().told = vec![
+            entry(2, "127.0.0.2:4433"),
+            entry(2, "127.0.0.3:4433"), // the same key again
+            entry(3, "127.0.0.4:0"),
+            entry(4, "0.0.0.0:4433"),
+            entry(5, "224.0.0.251:5353"),
+            entry(6, "255.255.255.255:4433"),
+            stormo_wire::PeerEntry {
+                node: NodeId(*known.key.as_bytes()),
+                addr: "127.0.0.5:1".parse().expect("address"),
+            },
+            me,
+            entry(7, "10.1.2.3:4433"),
+        ];
+        let got: Vec<String> = b
+            .tier
+            .told_peers()
+            .iter()
+            .map(|p| p.addr.to_string())
+            .collect();
+        assert_eq!(got, ["127.0.0.2:4433", "10.1.2.3:4433"]);
+        // A peer that does not serve now is not listened to, nor told of.
+        peer.state().control_open = false;
+        assert!(b.tier.told_peers().is_empty());
+        assert!(b.tier.serving_entries().is_empty());
         b.tier.close();
     }
 
