@@ -522,6 +522,70 @@ fn a_node_says_when_the_budgets_cannot_hold_the_replicas() {
     }
 }
 
+/// A node restarted with its key on another port is found again: the node it dials takes
+/// the new address in place of the old one, which no longer answers. Before, the dialled node
+/// kept dialling the old port, and status through it never saw the restarted node.
+#[test]
+fn a_node_restarted_on_another_port_is_found_at_its_new_address() {
+    let (m, id) = model_with_manifest();
+    let keys = tempfile::tempdir().expect("keys");
+    let (kb, public_b) = key(keys.path(), "b.key");
+    let (sa, sb) = (state(), state());
+    let a = serve(
+        m.path(),
+        sa.path(),
+        &["--only-experts", "0-1", "--replicas", "0"],
+    );
+    let b_args = [
+        "--only-experts",
+        "2-3",
+        "--replicas",
+        "0",
+        "--key",
+        &kb,
+        "--peer",
+        &a.line,
+        "--model-id",
+        &id,
+    ];
+    // B's entry at A, as status through A reports it: (address, connected).
+    let b_at_a = || {
+        let v = status(m.path(), &id, std::slice::from_ref(&a.line));
+        v["nodes"]
+            .as_array()
+            .expect("nodes")
+            .iter()
+            .find(|n| n["key"] == public_b.as_str())
+            .map(|n| {
+                (
+                    n["addr"].as_str().unwrap_or("").to_string(),
+                    n["connected"] == true,
+                )
+            })
+    };
+    let port_of = |line: &str| line.rsplit(':').next().expect("a port").to_string();
+    for round in 0..2 {
+        let b = serve(m.path(), sb.path(), &b_args);
+        let want = port_of(&b.line);
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let got = b_at_a();
+            if got
+                .as_ref()
+                .is_some_and(|(addr, up)| *up && port_of(addr) == want)
+            {
+                break;
+            }
+            assert!(
+                Instant::now() < until,
+                "round {round}: A does not reach B at port {want} within 30 s: {got:?}"
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        drop(b);
+    }
+}
+
 /// Runs a client with no experts of its own and `peer` as its only peer until it generates
 /// (at most 30 s), and checks it generates `want`.
 fn generates_through(model: &Path, id: &str, peer: &str, want: &[u64], what: &str) {

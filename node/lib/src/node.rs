@@ -991,19 +991,61 @@ fn remote_experts(
 const MAX_DIALLED_IN_PEERS: usize = 256;
 
 /// Adds `p`, a peer serving the model that dialled this node, to `tier`'s peer set unless a
-/// peer of its key is there already (under any address: one given with `--peer` or found by
-/// discovery stays as it is) or the set is full ([`MAX_DIALLED_IN_PEERS`]).
-fn add_serving_peer(tier: &PeerTier, p: PeerAddr) {
-    let known = tier.peer_addrs();
-    if known.iter().any(|q| q.key == p.key) {
-        return;
+/// peer of its key is there already and serves at its address (one given with `--peer` or
+/// found by discovery that works stays as it is; one that does not, such as a node restarted
+/// on another port, moves to the address the connection proved), or the set is full
+/// ([`MAX_DIALLED_IN_PEERS`]).
+fn add_serving_peer(tier: &Arc<PeerTier>, p: PeerAddr) {
+    match tier.peer_serving(&p.key) {
+        Some((addr, _)) if addr == p.addr => return,
+        Some((addr, true)) => {
+            // The entry still looks up: a node restarted elsewhere is found lost only when its
+            // old connection times out. Look again until then, and move it if it is gone
+            // (a second node with the same key, still up, keeps the entry where it is).
+            let (tier, p) = (tier.clone(), p.clone());
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let until = tokio::time::Instant::now() + MOVE_WAIT;
+                    while tokio::time::Instant::now() < until {
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        match tier.peer_serving(&p.key) {
+                            Some((a, false)) if a == addr => {
+                                move_peer(&tier, &p, addr);
+                                return;
+                            }
+                            Some((a, true)) if a == addr => {}
+                            _ => return,
+                        }
+                    }
+                });
+            }
+            return;
+        }
+        Some((addr, false)) => {
+            move_peer(tier, &p, addr);
+            return;
+        }
+        None => {}
     }
+    let known = tier.peer_addrs();
     if known.len() >= MAX_DIALLED_IN_PEERS {
         tracing::debug!("peer {p} dialled in serving the model: the peer set is full");
         return;
     }
     tracing::info!("peer {p} dialled in serving the model: added to the peer set");
     if let Err(e) = tier.add_peers(std::slice::from_ref(&p)) {
+        tracing::warn!("peer {p}: {e:#}");
+    }
+}
+
+/// How long a node that dialled in from a new address waits for its old entry to be found
+/// lost before the entry moves ([`add_serving_peer`]): the QUIC idle timeout and a margin.
+const MOVE_WAIT: Duration = Duration::from_secs(20);
+
+/// Moves `p`'s entry in `tier` from `from` to its address (the peer dialled in from there).
+fn move_peer(tier: &PeerTier, p: &PeerAddr, from: SocketAddr) {
+    tracing::info!("peer {p} dialled in serving the model: moved from {from}");
+    if let Err(e) = tier.add_peers(std::slice::from_ref(p)) {
         tracing::warn!("peer {p}: {e:#}");
     }
 }
@@ -1017,7 +1059,22 @@ pub fn add_told_peers(tier: &PeerTier) {
     if told.is_empty() {
         return;
     }
+    // A named node the set has at another address replaces that entry (no new room).
     let room = MAX_DIALLED_IN_PEERS.saturating_sub(tier.peer_addrs().len());
+    let (moved, told): (Vec<_>, Vec<_>) = told
+        .into_iter()
+        .partition(|p| tier.peer_serving(&p.key).is_some());
+    for p in &moved {
+        tracing::info!("peer {p} named by a peer: moved to this address");
+    }
+    if !moved.is_empty() {
+        if let Err(e) = tier.add_peers(&moved) {
+            tracing::warn!("peers named by a peer: {e:#}");
+        }
+    }
+    if told.is_empty() {
+        return;
+    }
     if room < told.len() {
         tracing::debug!(
             "{} peers named by peers left out: the peer set is full",

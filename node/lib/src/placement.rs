@@ -189,23 +189,40 @@ impl Replicator {
         if self.replicas == 0 || self.model_bytes == 0 {
             return;
         }
-        // What a node can keep: its budget, within the experts it does not hold pinned (a
-        // node holds one copy of an expert at most, and pinned copies do not count).
-        let can_keep = |budget: u64, pinned: &mut dyn Iterator<Item = ExpertId>| {
-            let pinned: u64 = pinned
-                .map(|e| self.sizes.get(&e).copied().unwrap_or(0))
-                .sum();
-            budget.min(self.model_bytes.saturating_sub(pinned))
+        // What a node can keep: whole experts within its budget, of those it does not hold
+        // pinned (a node holds one copy of an expert at most, and pinned copies do not count),
+        // the smallest first.
+        let experts = self.sizes.len() as u64;
+        let can_keep = |budget: u64, pinned: &ExpertSet| -> u64 {
+            let mut free: Vec<u64> = self
+                .sizes
+                .iter()
+                .filter(|(e, _)| !pinned.contains(**e))
+                .map(|(_, &b)| b)
+                .collect();
+            free.sort_unstable();
+            let mut left = budget;
+            free.iter()
+                .take_while(|&&b| {
+                    let fits = b <= left;
+                    left = left.saturating_sub(b);
+                    fits
+                })
+                .count() as u64
         };
+        // A seeder (every expert pinned) keeps nothing: the warning is for the placing nodes.
+        let own = can_keep(self.dir.limit(), &self.pinned);
+        if own == 0 && self.pinned.len() as u64 >= experts {
+            return;
+        }
         let budgets: Vec<u64> = view
             .iter()
             .filter_map(|p| p.placement.as_ref().filter(|w| p.connected && !w.leaving))
-            .map(|w| can_keep(w.budget, &mut w.pinned.iter()))
+            .map(|w| can_keep(w.budget, &w.pinned))
             .collect();
-        let own = can_keep(self.dir.limit(), &mut self.pinned.iter());
         let room = budgets.iter().fold(own, |a, b| a.saturating_add(*b));
-        let need = self.model_bytes.saturating_mul(u64::from(self.replicas));
-        let copies = room as f64 / self.model_bytes as f64;
+        let need = experts.saturating_mul(u64::from(self.replicas));
+        let copies = room as f64 / experts.max(1) as f64;
         let mut g = self.short.lock().expect("short lock");
         let (since, said) = &mut *g;
         if room >= need {

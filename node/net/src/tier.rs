@@ -480,6 +480,17 @@ impl PeerTier {
             .collect()
     }
 
+    /// The address the peer set has for `key`, and whether that peer serves now (`None`: no
+    /// such peer in the set).
+    pub fn peer_serving(&self, key: &PublicKey) -> Option<(std::net::SocketAddr, bool)> {
+        self.inner
+            .peers()
+            .iter()
+            .filter(|p| !p.state().removed && p.addr.key == *key)
+            .map(|p| (p.addr.addr, p.state().serving_now()))
+            .next()
+    }
+
     /// Peer exchange, what this node tells: the peers of its set that serve now, as
     /// [`stormo_wire::PeerEntry`]s, ordered by key, at most [`stormo_wire::MAX_PEERS`].
     pub fn serving_entries(&self) -> Vec<stormo_wire::PeerEntry> {
@@ -500,17 +511,27 @@ impl PeerTier {
     }
 
     /// Peer exchange, what this node heard: the nodes that peers serving now said they have
-    /// in their sets ([`stormo_wire::Peers`]) and that are not in this node's set, nor this
-    /// node itself; one address per key. An entry that cannot be dialled (a key that is no
+    /// in their sets ([`stormo_wire::Peers`]) and that are not in this node's set (or are, at
+    /// another address, and do not serve there now: restarted elsewhere), nor this node
+    /// itself; one address per key. An entry that cannot be dialled (a key that is no
     /// Ed25519 point, port 0, an unspecified, multicast or broadcast address, or another
     /// address family than this node's endpoint) is left out, and so is a loopback address
     /// named by a peer that is not itself on loopback.
     pub fn told_peers(&self) -> Vec<PeerAddr> {
         let peers = self.inner.peers();
-        let known: std::collections::HashSet<[u8; 32]> = peers
+        // The keys the set has, with their address while they serve there: a known key named
+        // at another address while its entry does not serve (a node restarted on a new port)
+        // is taken, and replaces the entry's address.
+        let known: std::collections::HashMap<[u8; 32], Option<std::net::SocketAddr>> = peers
             .iter()
             .filter(|p| !p.state().removed)
-            .map(|p| *p.addr.key.as_bytes())
+            .map(|p| {
+                let s = p.state();
+                (
+                    *p.addr.key.as_bytes(),
+                    s.serving_now().then_some(p.addr.addr),
+                )
+            })
             .collect();
         let v6 = self.inner.endpoint.local_addr().is_ok_and(|a| a.is_ipv6());
         let mut seen = std::collections::HashSet::new();
@@ -531,9 +552,15 @@ impl PeerTier {
                     && ip != std::net::Ipv4Addr::BROADCAST
                     && (local || !ip.is_loopback())
                     && (v6 || e.addr.is_ipv4());
+                let stale = |k: &Option<std::net::SocketAddr>| {
+                    k.is_none()
+                        && peers
+                            .iter()
+                            .any(|q| *q.addr.key.as_bytes() == e.node.0 && q.addr.addr != e.addr)
+                };
                 if !dialable
                     || e.node == self.inner.me
-                    || known.contains(&e.node.0)
+                    || known.get(&e.node.0).is_some_and(|k| !stale(k))
                     || !seen.insert(e.node.0)
                 {
                     continue;
