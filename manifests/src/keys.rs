@@ -78,7 +78,7 @@ pub enum KeyError {
         reason: &'static str,
     },
     /// Text that is not a public key.
-    #[error("{input:?} is not a public key: {reason} (expected 64 hex characters)")]
+    #[error("{input:?} is not a public key: {reason} (a node key is 64 hex characters, as `stormo key generate` prints it)")]
     Public {
         /// The text given (truncated).
         input: String,

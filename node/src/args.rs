@@ -170,8 +170,9 @@ pub struct PeerArgs {
     /// read), so later runs find them there: a tier between the local disk and the peers.
     #[arg(long, value_name = "DIR")]
     pub expert_dir: Option<PathBuf>,
-    /// The most the kept experts may hold for this model (least recently used experts are
-    /// evicted), e.g. 20GiB, or `auto`: half the free space of their filesystem, at most the
+    /// The most the kept experts may hold for this model (beyond it, least recently used
+    /// experts are evicted; on a serving node that places copies, --replicas chooses what to
+    /// keep and evict instead), e.g. 20GiB, or `auto`: half the free space of their filesystem, at most the
     /// model's experts. Read again before each write; a full disk stops the keeping (one
     /// warning) and serving goes on. Given without --expert-dir, experts are kept in the
     /// state directory. Default: auto.

@@ -189,7 +189,21 @@ impl ExpertDir {
         {
             let mut g = me.lock();
             me.refresh_limit(&mut g);
+            let (before, bytes) = (g.entries.len(), g.used);
             me.evict(&mut g, 0);
+            if g.entries.len() < before {
+                // A smaller limit than the records found (a restart with a lower
+                // --expert-dir-limit, or a fuller disk): say what went, not silently.
+                tracing::warn!(
+                    "expert directory {}: {} kept experts ({} bytes) over the limit of {} bytes; \
+                     deleted {} of them, least recently used first",
+                    me.root.display(),
+                    before,
+                    bytes,
+                    g.limit,
+                    before - g.entries.len()
+                );
+            }
         }
         tracing::info!(
             "expert directory {}: {} experts, {} bytes of at most {}",
