@@ -22,6 +22,17 @@ pub(crate) fn key(dir: &Path, name: &str) -> (String, String) {
     )
 }
 
+/// The bytes of one copy of every expert of the model in `model` (its manifest's records).
+fn experts_bytes(model: &Path) -> u64 {
+    stormo_manifests::read_manifest(&model.join("stormo-manifest.bin"))
+        .expect("manifest")
+        .0
+        .experts
+        .iter()
+        .map(|e| e.len)
+        .sum()
+}
+
 /// `stormo swarm status --json` over `peers`.
 fn status(model: &Path, id: &str, peers: &[String]) -> Value {
     let mut args = vec![
@@ -49,18 +60,7 @@ fn serving_nodes_place_two_copies_and_the_swarm_outlives_its_seeder_and_a_node()
     let limit = (experts * 6 / 10).to_string();
     let keys = tempfile::tempdir().expect("keys");
     let seeder_state = state();
-    let seeder = Proc::start(&[
-        "serve",
-        "--model",
-        s(m.path()),
-        "--listen",
-        "127.0.0.1:0",
-        "--allow-any",
-        "--state-dir",
-        s(seeder_state.path()),
-        "--expert-cache",
-        "0",
-    ]);
+    let seeder = serve(m.path(), seeder_state.path(), &[]);
     // Dense-only folders, as `stormo pull` makes them.
     let pull = || {
         let out = tempfile::tempdir().expect("pull dir");
@@ -355,27 +355,13 @@ fn a_serving_node_that_dials_in_joins_the_peer_set_of_the_node_it_dialled() {
 #[test]
 fn nodes_given_only_the_seeder_place_copies_by_the_whole_swarm() {
     let (m, id) = model_with_manifest();
-    let manifest = stormo_manifests::read_manifest(&m.path().join("stormo-manifest.bin"))
-        .expect("manifest")
-        .0;
-    let experts: u64 = manifest.experts.iter().map(|e| e.len).sum();
+    let experts = experts_bytes(m.path());
     // Room for 6 of the 8 experts each: 24 copies' room for the 16 that N = 2 needs. (With no
     // slack at all, 4 each, the four converge too, but through swaps that wait up to 15 s
     // each: slow on a loaded machine. The zero-slack case is in the simulated swarm's tests.)
     let limit = (experts * 3 / 4).to_string();
     let seeder_state = state();
-    let seeder = Proc::start(&[
-        "serve",
-        "--model",
-        s(m.path()),
-        "--listen",
-        "127.0.0.1:0",
-        "--allow-any",
-        "--state-dir",
-        s(seeder_state.path()),
-        "--expert-cache",
-        "0",
-    ]);
+    let seeder = serve(m.path(), seeder_state.path(), &[]);
     let folders: Vec<_> = (0..4)
         .map(|_| {
             let out = tempfile::tempdir().expect("pull dir");
@@ -477,22 +463,10 @@ fn nodes_given_only_the_seeder_place_copies_by_the_whole_swarm() {
 #[test]
 fn a_node_says_when_the_budgets_cannot_hold_the_replicas() {
     let (m, id) = model_with_manifest();
-    let manifest = stormo_manifests::read_manifest(&m.path().join("stormo-manifest.bin"))
-        .expect("manifest")
-        .0;
-    let experts: u64 = manifest.experts.iter().map(|e| e.len).sum();
+    let experts = experts_bytes(m.path());
     let limit = (experts * 6 / 10).to_string();
     let seeder_state = state();
-    let seeder = Proc::start(&[
-        "serve",
-        "--model",
-        s(m.path()),
-        "--listen",
-        "127.0.0.1:0",
-        "--allow-any",
-        "--state-dir",
-        s(seeder_state.path()),
-    ]);
+    let seeder = serve(m.path(), seeder_state.path(), &[]);
     let st = state();
     let mut args = serve_args(m.path(), st.path(), "0");
     args.extend_from_slice(&[
