@@ -242,8 +242,9 @@ fn pull_dense(peer: &str, id: &str) -> tempfile::TempDir {
     out
 }
 
-/// Greedy ids from `stormo run --json` with `extra` options.
-pub(crate) fn run_ids(model: &Path, st: &Path, extra: &[&str]) -> (Vec<u64>, Value) {
+/// The arguments of a greedy `stormo run --json` of 12 ids after the prompt 1..=8, with
+/// `extra` options.
+pub(crate) fn run_args<'a>(model: &'a Path, st: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec![
         "run",
         "--model",
@@ -259,14 +260,23 @@ pub(crate) fn run_ids(model: &Path, st: &Path, extra: &[&str]) -> (Vec<u64>, Val
         "0",
     ];
     args.extend_from_slice(extra);
-    let v: Value = serde_json::from_str(&stormo(&args)).expect("run --json");
-    let ids = v["generated_ids"]
+    args
+}
+
+/// The `generated_ids` of `run --json`'s answer.
+pub(crate) fn generated_ids(v: &Value) -> Vec<u64> {
+    v["generated_ids"]
         .as_array()
         .expect("ids")
         .iter()
         .map(|x| x.as_u64().expect("id"))
-        .collect();
-    (ids, v)
+        .collect()
+}
+
+/// Greedy ids from `stormo run --json` with `extra` options.
+pub(crate) fn run_ids(model: &Path, st: &Path, extra: &[&str]) -> (Vec<u64>, Value) {
+    let v: Value = serde_json::from_str(&stormo(&run_args(model, st, extra))).expect("run --json");
+    (generated_ids(&v), v)
 }
 
 /// A greedy chat completion through the Python `openai` client.

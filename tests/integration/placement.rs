@@ -10,7 +10,10 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::discovery::free_udp_port;
-use crate::node::{model_with_manifest, run_ids, s, serve, serve_args, state, stormo, Proc};
+use crate::node::{
+    generated_ids, model_with_manifest, run_args, run_ids, s, serve, serve_args, state, stormo,
+    Proc,
+};
 
 /// A node key file in `dir` and its public key.
 pub(crate) fn key(dir: &Path, name: &str) -> (String, String) {
@@ -484,16 +487,11 @@ fn a_node_says_when_the_budgets_cannot_hold_the_replicas() {
     let p = Proc::start_logging(&args, Some("warn"));
     // Said once the budgets have stayed short for 10 s (a swarm still joining is short for
     // its first moments).
-    let says = "hold 0.50 copies of the model's experts, fewer than --replicas 2";
-    let until = Instant::now() + Duration::from_secs(40);
-    while !p.stderr.lock().expect("stderr").contains(says) {
-        assert!(
-            Instant::now() < until,
-            "no warning within 40 s: {}",
-            p.stderr.lock().expect("stderr")
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    logs_within(
+        &p,
+        "hold 0.50 copies of the model's experts, fewer than --replicas 2",
+        Duration::from_secs(40),
+    );
 }
 
 /// A node restarted with its key on another port is found again: the node it dials takes
@@ -565,37 +563,12 @@ fn a_node_restarted_on_another_port_is_found_at_its_new_address() {
 fn generates_through(model: &Path, id: &str, peer: &str, want: &[u64], what: &str) {
     let until = Instant::now() + Duration::from_secs(30);
     loop {
-        let got = crate::node::stormo_output(
-            &[
-                "run",
-                "--model",
-                s(model),
-                "--prompt-ids",
-                "1,2,3,4,5,6,7,8",
-                "--max-new-tokens",
-                "12",
-                "--json",
-                "--no-local-experts",
-                "--expert-cache",
-                "0",
-                "--state-dir",
-                s(state().path()),
-                "--peer",
-                peer,
-                "--model-id",
-                id,
-            ],
-            None,
-        );
+        let st = state();
+        let extra = ["--no-local-experts", "--peer", peer, "--model-id", id];
+        let got = crate::node::stormo_output(&run_args(model, st.path(), &extra), None);
         if got.status.success() {
             let v: Value = serde_json::from_slice(&got.stdout).expect("run --json");
-            let ids: Vec<u64> = v["generated_ids"]
-                .as_array()
-                .expect("ids")
-                .iter()
-                .map(|x| x.as_u64().expect("id"))
-                .collect();
-            assert_eq!(ids, want, "{v}");
+            assert_eq!(generated_ids(&v), want, "{v}");
             return;
         }
         assert!(
@@ -604,6 +577,19 @@ fn generates_through(model: &Path, id: &str, peer: &str, want: &[u64], what: &st
             String::from_utf8_lossy(&got.stderr)
         );
         std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// Waits (at most `within`) until `p`'s log says `says`.
+fn logs_within(p: &Proc, says: &str, within: Duration) {
+    let until = Instant::now() + within;
+    while !p.stderr.lock().expect("stderr").contains(says) {
+        assert!(
+            Instant::now() < until,
+            "not said within {within:?} ({says:?}): {}",
+            p.stderr.lock().expect("stderr")
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -682,14 +668,6 @@ fn a_node_that_cannot_keep_an_expert_says_so() {
         let mut args = serve_args(m.path(), st.path(), "0");
         args.extend_from_slice(extra);
         let p = Proc::start_logging(&args, Some("warn"));
-        let until = Instant::now() + Duration::from_secs(10);
-        while !p.stderr.lock().expect("stderr").contains(says) {
-            assert!(
-                Instant::now() < until,
-                "{extra:?}: {}",
-                p.stderr.lock().expect("stderr")
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        logs_within(&p, says, Duration::from_secs(10));
     }
 }

@@ -98,8 +98,8 @@ pub struct Replicator {
     /// `--replicas`, and the bytes of one copy of every expert.
     replicas: u32,
     model_bytes: u64,
-    /// Each expert's record size.
-    sizes: HashMap<ExpertId, u64>,
+    /// Each expert's record size, smallest first.
+    sizes: Vec<(ExpertId, u64)>,
     /// Since when the swarm's budgets in view have been too small for `replicas` copies,
     /// and whether that was said (once, until they are big enough again).
     short: Mutex<(Option<Instant>, bool)>,
@@ -158,7 +158,8 @@ impl Replicator {
         }
         let shape = (pinned.layers(), pinned.experts_per_layer());
         let model_bytes = catalog.iter().map(|e| e.bytes).sum();
-        let sizes = catalog.iter().map(|e| (e.id, e.bytes)).collect();
+        let mut sizes: Vec<_> = catalog.iter().map(|e| (e.id, e.bytes)).collect();
+        sizes.sort_by_key(|&(id, b)| (b, id));
         Self {
             policy: Mutex::new(policy),
             dir,
@@ -194,16 +195,11 @@ impl Replicator {
         // the smallest first.
         let experts = self.sizes.len() as u64;
         let can_keep = |budget: u64, pinned: &ExpertSet| -> u64 {
-            let mut free: Vec<u64> = self
-                .sizes
-                .iter()
-                .filter(|(e, _)| !pinned.contains(**e))
-                .map(|(_, &b)| b)
-                .collect();
-            free.sort_unstable();
             let mut left = budget;
-            free.iter()
-                .take_while(|&&b| {
+            self.sizes
+                .iter()
+                .filter(|(e, _)| !pinned.contains(*e))
+                .take_while(|&&(_, b)| {
                     let fits = b <= left;
                     left = left.saturating_sub(b);
                     fits

@@ -519,17 +519,16 @@ impl PeerTier {
     /// named by a peer that is not itself on loopback.
     pub fn told_peers(&self) -> Vec<PeerAddr> {
         let peers = self.inner.peers();
-        // The keys the set has, with their address while they serve there: a known key named
-        // at another address while its entry does not serve (a node restarted on a new port)
-        // is taken, and replaces the entry's address.
-        let known: std::collections::HashMap<[u8; 32], Option<std::net::SocketAddr>> = peers
+        // The keys the set has, with their address and whether they serve there: a known key
+        // named at another address while its entry does not serve (a node restarted on a new
+        // port) is taken, and replaces the entry's address.
+        let known: std::collections::HashMap<[u8; 32], (std::net::SocketAddr, bool)> = peers
             .iter()
             .filter(|p| !p.state().removed)
             .map(|p| {
-                let s = p.state();
                 (
                     *p.addr.key.as_bytes(),
-                    s.serving_now().then_some(p.addr.addr),
+                    (p.addr.addr, p.state().serving_now()),
                 )
             })
             .collect();
@@ -552,15 +551,11 @@ impl PeerTier {
                     && ip != std::net::Ipv4Addr::BROADCAST
                     && (local || !ip.is_loopback())
                     && (v6 || e.addr.is_ipv4());
-                let stale = |k: &Option<std::net::SocketAddr>| {
-                    k.is_none()
-                        && peers
-                            .iter()
-                            .any(|q| *q.addr.key.as_bytes() == e.node.0 && q.addr.addr != e.addr)
-                };
                 if !dialable
                     || e.node == self.inner.me
-                    || known.get(&e.node.0).is_some_and(|k| !stale(k))
+                    || known
+                        .get(&e.node.0)
+                        .is_some_and(|&(addr, serving)| serving || addr == e.addr)
                     || !seen.insert(e.node.0)
                 {
                     continue;

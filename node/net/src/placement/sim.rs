@@ -627,6 +627,16 @@ mod tests {
         assert!(r.last_action_ms + 60_000 <= sc.duration_ms);
     }
 
+    /// The periods the node driver (`node/lib/src/placement.rs`) runs the policy with: a
+    /// failed fetch tried again after 5 s, a full node swapping every 15 s.
+    fn node_driver_config() -> Config {
+        Config {
+            retry_after: Duration::from_secs(5),
+            swap_interval: Duration::from_secs(15),
+            ..Config::default()
+        }
+    }
+
     /// A real swarm's setting (`stormo sim --scenario bigger-than-disk`, the recipe):
     /// four nodes with room for 1.5 times their share of N = 2 copies, the seeder's copy not
     /// counted, the node driver's retry and swap periods, a fifth of the fetches failing at
@@ -648,11 +658,7 @@ mod tests {
             sc.seeder_leaves_ms = Some(90_000);
             sc.fail_share = 0.2;
             sc.duration_ms = 150_000;
-            sc.config = Config {
-                retry_after: Duration::from_secs(5),
-                swap_interval: Duration::from_secs(15),
-                ..Config::default()
-            };
+            sc.config = node_driver_config();
             let r = run(&sc);
             let at = r.first_kept_covered_ms;
             eprintln!("seed {seed}: kept copies covered at {at:?} ms");
@@ -683,11 +689,7 @@ mod tests {
             sc.slots = (4, 4);
             sc.blind_ms = 5_000;
             sc.duration_ms = 120_000;
-            sc.config = Config {
-                retry_after: Duration::from_secs(5),
-                swap_interval: Duration::from_secs(15),
-                ..Config::default()
-            };
+            sc.config = node_driver_config();
             let r = run(&sc);
             let at = r.first_kept_covered_ms;
             assert!(
