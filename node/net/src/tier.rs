@@ -1555,6 +1555,16 @@ mod tests {
         );
     }
 
+    /// Waits (at most 10 s) until `peer` serves now: its control stream is followed by a task
+    /// of its own, so right after the bench connects it may not be open yet.
+    fn serving_soon(peer: &Peer) {
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while !peer.state().serving_now() {
+            assert!(std::time::Instant::now() < until, "the peer never served");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// What a node offers to fetch for its peers comes only from peers serving now: one whose
     /// control stream ended (it left, or its connection was lost), or that announced it is
     /// leaving, or was dropped, counts with nothing, so an offer never outlives its holder.
@@ -1568,8 +1578,9 @@ mod tests {
             (inv.layers(), inv.experts_per_layer())
         };
         let held = |b: &Bench| b.tier.held_by_peers(shape).expect("a set").len();
+        serving_soon(&peer);
         let all = held(&b);
-        assert!(all > 0 && peer.state().serving_now());
+        assert!(all > 0);
         peer.state().control_open = false;
         assert_eq!(held(&b), 0, "a peer whose control stream ended");
         peer.state().control_open = true;
@@ -1604,6 +1615,7 @@ mod tests {
         let b = bench(&[Serving::Honest]);
         let peer = b.tier.inner.peers()[0].clone();
         let known = b.tier.peer_addrs()[0].clone();
+        serving_soon(&peer);
         let told = b.tier.serving_entries();
         assert_eq!(told.len(), 1);
         assert_eq!(told[0].node.0, *known.key.as_bytes());
