@@ -1558,9 +1558,9 @@ mod tests {
     /// Waits (at most 10 s) until `peer` serves now: its control stream is followed by a task
     /// of its own, so right after the bench connects it may not be open yet.
     fn serving_soon(peer: &Peer) {
-        let until = std::time::Instant::now() + Duration::from_secs(10);
+        let until = Instant::now() + Duration::from_secs(10);
         while !peer.state().serving_now() {
-            assert!(std::time::Instant::now() < until, "the peer never served");
+            assert!(Instant::now() < until, "the peer never served");
             std::thread::sleep(Duration::from_millis(10));
         }
     }
