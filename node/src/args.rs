@@ -180,7 +180,8 @@ pub struct PeerArgs {
     pub expert_dir_limit: Option<String>,
     /// Do not keep verified experts fetched from peers (a serving node keeps them by default,
     /// in the state directory, and serves them to others; see --expert-dir). Wins over an
-    /// --expert-dir-limit from a config file or variable.
+    /// --expert-dir-limit from a config file or variable; with --expert-dir-limit on the
+    /// command line too, it is refused as a contradiction.
     #[arg(long, conflicts_with = "expert_dir")]
     pub no_keep: bool,
     /// Ask peers before the local disk (for a slow local disk or when peers hold the experts

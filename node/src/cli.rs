@@ -86,8 +86,35 @@ impl Cli {
                     std::env::var_os(n).is_some_and(|v| !v.is_empty())
                 })
             })?;
+        if let Some(e) = no_keep_with_a_limit(&mut cmd, &m) {
+            return Err(e);
+        }
         <Self as clap::FromArgMatches>::from_arg_matches(&m).map_err(|e| e.format(&mut cmd))
     }
+}
+
+/// A usage error when `--no-keep` and `--expert-dir-limit` are both on the command line:
+/// keeping nothing and bounding what is kept contradict each other, as `--no-keep` and
+/// `--expert-dir` do (a clap conflict). `--no-keep` still wins, silently, over a limit from a
+/// `STORMO_*` variable or the config file (its help says so), so this is checked here, on
+/// where the values came from, rather than declared as a conflict, which clap would also
+/// raise for a variable.
+fn no_keep_with_a_limit(cmd: &mut clap::Command, m: &clap::ArgMatches) -> Option<clap::Error> {
+    use clap::parser::ValueSource;
+    let (name, sub) = m.subcommand()?;
+    let on_line = |id: &str| {
+        sub.ids().any(|i| i == id) && sub.value_source(id) == Some(ValueSource::CommandLine)
+    };
+    if !(on_line("no_keep") && on_line("expert_dir_limit")) {
+        return no_keep_with_a_limit(cmd.find_subcommand_mut(name)?, sub);
+    }
+    let sub_cmd = cmd.find_subcommand_mut(name)?;
+    Some(sub_cmd.error(
+        clap::error::ErrorKind::ArgumentConflict,
+        "--no-keep and --expert-dir-limit are both given: --no-keep keeps no experts, so there \
+         is nothing for a limit to bound; give one of them (--no-keep wins over a limit from \
+         STORMO_EXPERT_DIR_LIMIT or a config file)",
+    ))
 }
 
 /// `e` saying where the value it refuses came from, when that is not the command line
@@ -900,6 +927,61 @@ mod tests {
         let ok = super::Cli::try_parse_args(["stormo", "run", "-m", "m", "-p", "say -ngl"]);
         assert!(ok.is_ok(), "{:?}", ok.err());
         assert!(super::gpu_layers_flag(&["x".into(), "--".into(), "-ngl".into()]).is_none());
+    }
+
+    /// `--no-keep` with `--expert-dir-limit`, both on the command line, is a usage error
+    /// naming both (it was accepted silently, --no-keep winning); `--no-keep` still wins over
+    /// a limit from the config file, as its help says.
+    #[test]
+    fn no_keep_with_a_limit_on_the_command_line_is_refused() {
+        use super::{Cli, Command};
+        let serve = ["stormo", "serve", "--model", "m", "--listen", "127.0.0.1:0"];
+        for extra in [
+            &["--no-keep", "--expert-dir-limit", "1GiB"][..],
+            &["--expert-dir-limit=auto", "--no-keep"],
+        ] {
+            let argv: Vec<&str> = serve.iter().chain(extra).copied().collect();
+            let e = Cli::try_parse_args(argv).expect_err("accepted").to_string();
+            assert!(
+                e.contains("--no-keep and --expert-dir-limit are both given"),
+                "{extra:?}: {e}"
+            );
+        }
+        let e = Cli::try_parse_args([
+            "stormo",
+            "run",
+            "-m",
+            "m",
+            "-p",
+            "hi",
+            "--no-keep",
+            "--expert-dir-limit",
+            "1GiB",
+        ])
+        .expect_err("accepted")
+        .to_string();
+        assert!(e.contains("--expert-dir-limit are both given"), "{e}");
+        // Each alone is fine, and a limit from the config file gives way to --no-keep.
+        for extra in [&["--no-keep"][..], &["--expert-dir-limit", "1GiB"]] {
+            let argv: Vec<&str> = serve.iter().chain(extra).copied().collect();
+            assert!(Cli::try_parse_args(argv).is_ok(), "{extra:?}");
+        }
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = dir.path().join("node.toml");
+        std::fs::write(&file, "expert-dir-limit = \"1GiB\"\n").expect("write");
+        let cfg = file.to_str().expect("utf-8");
+        let argv: Vec<&str> = serve
+            .iter()
+            .copied()
+            .chain(["--config", cfg, "--no-keep"])
+            .collect();
+        match Cli::try_parse_args(argv).expect("parses").command {
+            Command::Serve(a) => {
+                assert_eq!(a.net.expert_dir_limit.as_deref(), Some("1GiB"));
+                assert_eq!(a.net.resolve(true).expect("resolves").keep, None);
+            }
+            _ => panic!("not serve"),
+        }
     }
 
     #[test]
