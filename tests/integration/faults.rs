@@ -375,8 +375,9 @@ fn a_corrupt_chunk_is_cut_short_and_the_retry_resumes_after_the_verified_prefix(
 }
 
 /// Mutation (b): a client that accepted any server would have passed. A live server whose key
-/// is not the one pinned in `KEY@ADDR` is refused in the handshake: the server never counts
-/// a connection, and the same server under its own key is accepted.
+/// is not the one pinned in `KEY@ADDR` is refused in the handshake, the error naming the key
+/// given and the key presented (before, the key given only, in `KEY@ADDR`): the server never
+/// counts a connection, and the same server under its own key is accepted.
 #[test]
 fn a_client_refuses_a_live_server_under_another_key_than_the_pinned_one() {
     let m = fixture_copy("qwen3moe-tiny");
@@ -397,6 +398,15 @@ fn a_client_refuses_a_live_server_under_another_key_than_the_pinned_one() {
         .expect_err("a server under another key was accepted");
     let e = format!("{e:#}");
     assert!(e.contains(&impostor.to_string()), "{e}");
+    // Both keys named: the one given and the one the server presented.
+    assert!(
+        e.contains(&format!(
+            "presented node key {}, not {}",
+            node.addr().key,
+            impostor.key
+        )),
+        "{e}"
+    );
     assert_eq!(
         node.handle.stats.connections.load(Ordering::Relaxed),
         0,

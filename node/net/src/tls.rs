@@ -142,10 +142,12 @@ pub enum Refusal {
     #[error("its key is not allowed")]
     NotAllowed,
     /// A client dialled one key and the server proved another.
-    #[error("it is not the node dialled ({expected})")]
+    #[error("it is node {presented}, not the node dialled, {expected}")]
     NotDialled {
         /// The key dialled.
         expected: PublicKey,
+        /// The key the server proved.
+        presented: PublicKey,
     },
     /// In a swarm, the peer presented no membership certificate (and is not on `--allow`).
     #[error("it presented no membership certificate for swarm {swarm}")]
@@ -240,6 +242,19 @@ impl SwarmAdmission {
             .as_ref()
             .is_some_and(|r| r.with(|set| set.contains(key)))
     }
+}
+
+/// The key a dialled server presented instead of the one pinned, read from the text of the
+/// failed dial's error ([`Refusal::NotDialled`] as the verifier wrote it): quinn turns a
+/// handshake's error into its text alone, so the typed refusal cannot be had back. `None`
+/// when the text says no such thing.
+pub fn presented_key(text: &str) -> Option<PublicKey> {
+    const MARK: &str = "it is node ";
+    let at = text.find(MARK)? + MARK.len();
+    let (hex, rest) = text[at..].split_at_checked(64)?;
+    rest.starts_with(", not the node dialled")
+        .then(|| hex.parse().ok())
+        .flatten()
 }
 
 /// The SubjectPublicKeyInfo DER of an Ed25519 public key.
@@ -382,7 +397,10 @@ impl KeyVerifier {
             ));
         };
         let verdict = match self.pin {
-            Some(expected) if expected != key => Err(Refusal::NotDialled { expected }),
+            Some(expected) if expected != key => Err(Refusal::NotDialled {
+                expected,
+                presented: key,
+            }),
             _ => self
                 .admission
                 .check(&key, cert.membership.as_deref(), unix_seconds(now)),
@@ -393,7 +411,17 @@ impl KeyVerifier {
                 "refused {} {key}: {reason}",
                 self.peer_role
             );
-            rustls::Error::InvalidCertificate(CertificateError::ApplicationVerificationFailure)
+            match reason {
+                // The dialling side's own check: its reason, with both keys, is the error
+                // the dial fails with (quinn keeps only its text: see [`presented_key`]).
+                // The server is sent a handshake-failure alert, and no more.
+                Refusal::NotDialled { .. } => {
+                    rustls::Error::Other(rustls::OtherError(Arc::new(reason)))
+                }
+                _ => rustls::Error::InvalidCertificate(
+                    CertificateError::ApplicationVerificationFailure,
+                ),
+            }
         })
     }
 
@@ -901,6 +929,29 @@ mod tests {
         });
     }
 
+    /// A pin refused: the dial's error text (all quinn keeps of the verifier's error) names
+    /// the key the server presented, which [`presented_key`] reads back; no other text reads
+    /// as one.
+    #[test]
+    fn a_refused_pin_names_the_key_presented() {
+        let expected = SecretKey::from_seed(&[5; 32]).public();
+        let presented = SecretKey::from_seed(&[6; 32]).public();
+        let err = rustls::Error::Other(rustls::OtherError(Arc::new(Refusal::NotDialled {
+            expected,
+            presented,
+        })));
+        let text = format!("QUIC handshake: the cryptographic handshake failed: error 40: {err}");
+        assert!(text.contains(&expected.to_string()), "{text}");
+        assert_eq!(presented_key(&text), Some(presented), "{text}");
+        for other in [
+            "invalid peer certificate: ApplicationVerificationFailure",
+            "it is node 12, not the node dialled",
+            "it is node ",
+        ] {
+            assert_eq!(presented_key(other), None, "{other}");
+        }
+    }
+
     /// The peer's key is read from its certificate as before; a certificate with trailing
     /// bytes, or that is not one, is not read at all.
     #[test]
@@ -1011,11 +1062,18 @@ mod tests {
         };
         assert_eq!(check(Admission::Any, Some(node.public()), &der), Ok(()));
         assert_eq!(check(Admission::Any, None, &der), Ok(()));
-        assert_eq!(
-            check(Admission::Any, Some(other.public()), &der),
-            refused(),
-            "a server proving another key than the one dialled was accepted"
-        );
+        // Refused with both keys said (an `OtherError` never compares equal).
+        match check(Admission::Any, Some(other.public()), &der) {
+            Err(rustls::Error::Other(e)) => assert_eq!(
+                e.to_string(),
+                format!(
+                    "it is node {}, not the node dialled, {}",
+                    node.public(),
+                    other.public()
+                )
+            ),
+            r => panic!("a server proving another key than the one dialled: {r:?}"),
+        }
         // The pin does not replace the policy: a pinned key must be admitted too.
         let only_other = Admission::Keys([*other.public().as_bytes()].into());
         assert_eq!(

@@ -466,6 +466,18 @@ pub(crate) async fn connect(
             // A refusal is said in the user's terms alone; TLS's words for it ("error 49:
             // invalid peer certificate: ApplicationVerificationFailure") go to the debug log.
             let text = format!("{e:#}");
+            // This side refused the peer: it proved another key than the one dialled.
+            let presented =
+                crate::tls::presented_key(&text).filter(|_| !text.contains("aborted by peer"));
+            if let Some(presented) = presented {
+                tracing::debug!("{text}");
+                return anyhow::anyhow!(
+                    "a key was refused: the peer at {} presented node key {presented}, not {} \
+                     (the NODE given in NODE@ADDR)",
+                    peer.addr,
+                    peer.key
+                );
+            }
             let refused = text.contains("ApplicationVerificationFailure");
             let why = if !refused {
                 return e;
@@ -475,8 +487,9 @@ pub(crate) async fn connect(
                  keys on its --allow list, nodes with a certificate of a swarm it is in (--swarm \
                  and --cert here), or any key when it serves with --allow-any)"
             } else if text.contains("invalid peer certificate") {
-                // This side refused the peer's certificate: its key is another node's.
-                "a key was refused: the peer's key is not the NODE given in NODE@ADDR"
+                // This side refused the peer's certificate (the warning logged says why).
+                "a key was refused: this node does not admit the peer (not a member of its \
+                 swarm, or a certificate no longer valid: see the warning above)"
             } else {
                 "a key was refused (the peer's must be the NODE given in NODE@ADDR, and this \
                  node's must be on the peer's --allow list, or carry a certificate of a swarm \
