@@ -11,6 +11,13 @@
 //! *Kept* copies are the copies in nodes' expert directories (what placement keeps), the
 //! model folders' own experts left out: a seeder serving a whole folder holds a copy of every
 //! expert, and the swarm keeps the model once it leaves only if every expert has a kept copy.
+//!
+//! The nodes are those of this node's peer set: a peer whose connection is down is listed
+//! too, marked `connected: false`, serving nothing (`held` 0) and counted in no copy; what it
+//! last announced of its placement (`pinned`, `kept`, its budget) is shown as announced. So a
+//! long-running node's `/v1/swarm` shows which nodes went down, where `stormo swarm status`,
+//! a process that starts afresh, knows only the nodes it is given and those the peers name,
+//! which are serving: a node that is down shows there only when given with `--peer`.
 
 use serde_json::{json, Value};
 use stormo_engine::tiers::ExpertId;
@@ -25,9 +32,11 @@ pub struct NodeCoverage {
     pub addr: Option<String>,
     /// This node (the one asking).
     pub this_node: bool,
-    /// Its connection is up (always true for this node).
+    /// Its connection is up (always true for this node). A node that is down is listed
+    /// still, counted in no copy.
     pub connected: bool,
-    /// Experts it serves now (its inventory: disk, kept and RAM cache).
+    /// Experts it serves now (its inventory: disk, kept and RAM cache); 0 for a node that is
+    /// down.
     pub held: usize,
     /// Its model folder's own experts, when it announces placement.
     pub pinned: Option<usize>,
@@ -37,6 +46,28 @@ pub struct NodeCoverage {
     pub budget: Option<u64>,
     /// Bytes of that budget in use.
     pub used: Option<u64>,
+}
+
+impl NodeCoverage {
+    /// Peer `p` as this node sees it: what it serves now (nothing while it is down), and its
+    /// last placement announcement.
+    pub fn peer(p: &stormo_net::tier::PeerSnapshot) -> Self {
+        Self {
+            key: p.addr.key.to_string(),
+            addr: Some(p.addr.addr.to_string()),
+            this_node: false,
+            connected: p.connected,
+            held: p
+                .inventory
+                .as_ref()
+                .filter(|_| p.connected)
+                .map_or(0, ExpertSet::len),
+            pinned: p.placement.as_ref().map(|w| w.pinned.len()),
+            kept: p.placement.as_ref().map(|w| w.kept.len()),
+            budget: p.placement.as_ref().map(|w| w.budget),
+            used: p.placement.as_ref().map(|w| w.used),
+        }
+    }
 }
 
 /// The swarm's coverage of one model. See the module docs.
@@ -148,8 +179,9 @@ impl Coverage {
     }
 
     /// The JSON of `stormo swarm status --json` and `GET /v1/swarm`: `experts`, `min_copies`,
-    /// `min_kept_copies`,
-    /// `uncovered` ("layer:expert"), per-layer copies and the `nodes`.
+    /// `min_kept_copies`, `uncovered` ("layer:expert"), per-layer copies and the `nodes`
+    /// (each `key`, `addr`, `this_node`, `connected`, `held`, `pinned`, `kept`, `budget`,
+    /// `used`; see [`NodeCoverage`]).
     pub fn json(&self) -> Value {
         let uncovered: Vec<String> = self.uncovered().iter().map(ToString::to_string).collect();
         let layers: Vec<Value> = (0..self.copies.len())
@@ -336,5 +368,54 @@ mod tests {
         );
         assert_eq!(alone.json()["uncovered"], json!(["0:1", "0:2"]));
         assert!(alone.table().contains("2 uncovered"), "{}", alone.table());
+    }
+
+    /// A peer that is down is listed, marked `connected: false` and serving nothing, its
+    /// last placement shown as announced; before, it was listed serving its last inventory,
+    /// as if up but for one flag.
+    #[test]
+    fn a_peer_that_is_down_is_listed_serving_nothing() {
+        let key = stormo_manifests::SecretKey::from_seed(&[7; 32]).public();
+        let mut p = stormo_net::tier::PeerSnapshot {
+            addr: stormo_net::PeerAddr {
+                key,
+                addr: "127.0.0.1:4433".parse().unwrap(),
+            },
+            inventory: Some(set(&[(0, 0), (0, 1)])),
+            placement: Some(stormo_wire::Placement {
+                model: stormo_manifests::Hash::of(b"m"),
+                budget: 100,
+                used: 10,
+                pinned: set(&[(0, 0)]),
+                kept: set(&[(0, 1)]),
+                fetching: set(&[]),
+                demand: Vec::new(),
+                leaving: false,
+            }),
+            connected: true,
+        };
+        let up = NodeCoverage::peer(&p);
+        assert_eq!((up.connected, up.held, up.kept), (true, 2, Some(1)));
+        p.connected = false;
+        let down = NodeCoverage::peer(&p);
+        assert_eq!(
+            (down.connected, down.held, down.pinned, down.kept),
+            (false, 0, Some(1), Some(1))
+        );
+        let c = Coverage::from_holders(&[3, 0], &[], vec![down]);
+        let j = &c.json()["nodes"][0];
+        assert_eq!(
+            (&j["connected"], &j["held"]),
+            (&json!(false), &json!(0)),
+            "{j}"
+        );
+        let table = c.table();
+        let row: Vec<&str> = table
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect();
+        assert_eq!(row[1..4], ["127.0.0.1:4433", "no", "0"], "{table}");
     }
 }

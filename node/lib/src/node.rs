@@ -508,6 +508,7 @@ impl Node {
             .unwrap_or_default();
         let mut sets: Vec<(ExpertSet, ExpertSet, Option<ExpertSet>)> = Vec::new();
         for p in &view {
+            nodes.push(NodeCoverage::peer(p));
             let inv = p.inventory.clone();
             let durable = match (&p.placement, &inv) {
                 (Some(w), _) => {
@@ -520,17 +521,6 @@ impl Node {
                 (None, Some(i)) => Some(i.clone()),
                 (None, None) => None,
             };
-            nodes.push(NodeCoverage {
-                key: p.addr.key.to_string(),
-                addr: Some(p.addr.addr.to_string()),
-                this_node: false,
-                connected: p.connected,
-                held: inv.as_ref().map_or(0, ExpertSet::len),
-                pinned: p.placement.as_ref().map(|w| w.pinned.len()),
-                kept: p.placement.as_ref().map(|w| w.kept.len()),
-                budget: p.placement.as_ref().map(|w| w.budget),
-                used: p.placement.as_ref().map(|w| w.used),
-            });
             if !p.connected || p.placement.as_ref().is_some_and(|w| w.leaving) {
                 continue;
             }

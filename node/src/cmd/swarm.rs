@@ -103,7 +103,8 @@ pub struct StatusArgs {
     pub swarm: crate::swarm_args::SwarmArgs,
     /// Print JSON: `experts`, `min_copies`, `min_kept_copies` (copies in expert directories:
     /// the seeders' folders left out), `uncovered` (a list of "layer:expert"), per-layer
-    /// `layers` and the `nodes`.
+    /// `layers` and the `nodes` (a node given with --peer that is down is listed with
+    /// `"connected": false`, holding nothing), as a node's `GET /v1/swarm` answers.
     #[arg(long)]
     pub json: bool,
     /// Seconds to wait for the peers to answer (each connected peer's inventory arrives with
