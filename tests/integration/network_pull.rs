@@ -25,6 +25,7 @@ fn pull_options(f: &Fixture, node: &Node, out: &Path, with_experts: bool) -> pul
         cfg: quick(),
         membership: None,
         experts: None,
+        quiet: false,
     }
 }
 
@@ -302,6 +303,7 @@ fn pull_refuses_a_corrupted_dense_tensor_and_writes_nothing_half_done() {
         cfg: quick(),
         membership: None,
         experts: None,
+        quiet: false,
     };
     let err = format!(
         "{:#}",
@@ -919,6 +921,68 @@ fn cli_pull_writes_plain_lines_when_stderr_is_not_a_terminal() {
     let err = String::from_utf8_lossy(&theirs.stderr);
     assert!(!theirs.status.success(), "another model's folder replaced");
     assert!(err.contains("--force"), "{err}");
+}
+
+/// `stormo pull --quiet` writes nothing on stderr when it succeeds (no line per file, no
+/// progress, no summary) and still the error when it fails; without it, the summary counts
+/// the metadata files apart from the tensors. Before, there was no `--quiet`, and the
+/// summary put a 27 MiB tokenizer.json among the tensors' bytes ("N tensors fetched
+/// (27.8 MiB, ...)" for under 1 MiB of tensors).
+#[test]
+fn cli_pull_quiet_says_only_errors_and_the_summary_tells_metadata_files_apart() {
+    let dir = crate::manifests::copy_fixture("gptoss-tiny-mxfp4");
+    std::fs::copy(
+        fixture("o200k-harmony").join("tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .expect("copy the tokenizer");
+    let f = sign_dir(dir);
+    let other = setup("gptoss-tiny-bf16");
+    let node = serve_dir(65, f.dir.path(), None, allow_client());
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let key = scratch.path().join("client.key");
+    client_key().write_new(&key).expect("key file");
+    let pull = |out: &Path, extra: &[&str]| {
+        std::process::Command::new(crate::demo::stormo_exe())
+            .arg("pull")
+            .args([
+                "--peer",
+                &format!("{}@{}", node.addr().key, node.addr().addr),
+            ])
+            .args(["--trust", &f.publisher.public().to_string()])
+            .args(["--peer-timeout", "5", "--key"])
+            .arg(&key)
+            .arg("--out")
+            .arg(out)
+            .args(extra)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("running stormo pull")
+    };
+    let loud = pull(&scratch.path().join("loud"), &[]);
+    let err = String::from_utf8_lossy(&loud.stderr);
+    assert!(loud.status.success(), "{err}");
+    let summary = err.lines().last().unwrap_or_default();
+    // config.json and tokenizer.json; the tensors' bytes are the dense file's, under 1 MiB.
+    assert!(
+        summary.contains(" KiB) and 2 metadata files (26.8 MiB) at "),
+        "{summary}"
+    );
+    for quiet in ["--quiet", "-q"] {
+        let out = scratch.path().join(quiet);
+        let done = pull(&out, &[quiet]);
+        let err = String::from_utf8_lossy(&done.stderr);
+        assert!(done.status.success(), "{err}");
+        assert_eq!(err, "", "{quiet} said something");
+        assert!(out.join("tokenizer.json").is_file());
+    }
+    let theirs = pull(other.dir.path(), &["--quiet"]);
+    let err = String::from_utf8_lossy(&theirs.stderr);
+    assert!(!theirs.status.success(), "another model's folder replaced");
+    assert!(
+        err.starts_with("error: ") && err.contains("--force"),
+        "{err}"
+    );
 }
 
 /// A pull started before its only peer listens dials it again (a peer still starting, or too

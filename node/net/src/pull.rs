@@ -44,6 +44,13 @@
 //!   (its marker says so, or it was not pulled and its weight files verify in full) stays a
 //!   full copy even without `with_experts`;
 //! - a folder the pull created is removed again when the pull fails before storing anything.
+//!
+//! # What it says
+//! On stderr, what it fetches as it goes: the manifest accepted, each metadata file, each
+//! weight file's progress (redrawn on a terminal, a line every 5 s otherwise). `quiet`
+//! silences all of that; errors, warnings (logged) and the files `force` removes are still
+//! told. The [`PullReport`] counts tensors and the metadata files apart, so the caller's
+//! summary can say which bytes were which.
 
 use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -137,6 +144,8 @@ pub struct PullOptions {
     /// checked against the accepted manifest's experts before anything else is fetched, so a
     /// spec naming an expert the model does not have fails at once.
     pub experts: Option<String>,
+    /// No progress on stderr (`--quiet`): see the module docs for what is still told.
+    pub quiet: bool,
 }
 
 /// How a pull dials as a swarm member.
@@ -153,13 +162,18 @@ pub struct PullMembership {
 pub struct PullReport {
     /// The model id.
     pub model_id: Option<Hash>,
-    /// Bytes fetched from peers.
+    /// Bytes fetched from peers, in all (the metadata files' among them).
     pub fetched: u64,
     /// Tensors fetched and verified.
     pub tensors: usize,
+    /// Metadata files (`config.json`, tokenizer files, ...) fetched and verified.
+    pub meta: usize,
+    /// Of [`PullReport::fetched`], the metadata files' bytes.
+    pub meta_bytes: u64,
     /// Tensors copied, verified, from a file the folder already held instead of fetched.
     pub reused: usize,
-    /// Files kept because they were already complete and verified.
+    /// Files (weight and metadata files alike) kept because they were already complete and
+    /// verified.
     pub kept: usize,
     /// The weight files the folder holds after the pull, with their lengths: the published
     /// files (a full copy), or the dense files (without the experts).
@@ -361,14 +375,19 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
     if let Some(spec) = &opts.experts {
         super::parse_expert_spec("--experts", spec, &expert_shape(&manifest))?;
     }
-    eprintln!(
-        "pull: manifest {} accepted ({} file{}, {} tensors, {} experts)",
+    let say = |line: std::fmt::Arguments<'_>| {
+        if !opts.quiet {
+            eprintln!("pull: {line}");
+        }
+    };
+    say(format_args!(
+        "manifest {} accepted ({} weight file{}, {} tensors, {} experts)",
         id.to_hex(),
         manifest.files.len(),
         if manifest.files.len() == 1 { "" } else { "s" },
         manifest.tensors.len(),
         manifest.experts.len()
-    );
+    ));
     for f in listed_files(&manifest) {
         stormo_wire::check_file_name(f)
             .map_err(|why| anyhow::anyhow!("the manifest names a file {f:?}: {why}"))?;
@@ -393,7 +412,9 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
     // A folder that holds the experts keeps them: they are fetched too where missing.
     let with_experts = opts.with_experts || s.full;
     if with_experts && !opts.with_experts {
-        eprintln!("pull: the folder holds the expert tensors too; they are kept (a full copy)");
+        say(format_args!(
+            "the folder holds the expert tensors too; they are kept (a full copy)"
+        ));
     }
     // The marker first: no sparse file is ever there without it saying so, and it says
     // "experts" before the end only where the folder already held them all.
@@ -409,7 +430,7 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
             report.kept += 1;
             continue;
         }
-        eprintln!("pull: {} ({} bytes)", meta.name, meta.len);
+        say(format_args!("{} ({} bytes)", meta.name, meta.len));
         let b = fetch_whole(links, id, &meta.name, meta.len, &mut report).await?;
         anyhow::ensure!(
             Hash::of(&b) == meta.hash,
@@ -417,6 +438,8 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
             meta.name
         );
         write_atomic(&path, &b)?;
+        report.meta += 1;
+        report.meta_bytes += meta.len;
     }
     let experts = super::serve::expert_tensors(&manifest);
     let old_index = DenseIndex::read(dir).ok().flatten();
@@ -437,7 +460,7 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
             } else {
                 &dense_name
             };
-            eprintln!("pull: {shown} already complete and verified");
+            say(format_args!("{shown} already complete and verified"));
             report.kept += 1;
             published.extend(listed.cloned());
             continue;
@@ -482,6 +505,7 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
                 len: file.len,
                 header: &header,
                 place: &place,
+                quiet: opts.quiet,
             };
             write_weights(
                 links,
@@ -540,6 +564,7 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
                 len: at,
                 header: &dense_header,
                 place: &place,
+                quiet: opts.quiet,
             };
             write_weights(
                 links,
@@ -579,11 +604,11 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
         for file in &manifest.files {
             let p = dir.join(&file.name);
             if is_file(&p) {
-                eprintln!(
-                    "pull: removing {} (a sparse file of an older pull; its dense tensors are in {})",
+                say(format_args!(
+                    "removing {} (a sparse file of an older pull; its dense tensors are in {})",
                     file.name,
                     dense::dense_name(&file.name)
-                );
+                ));
                 remove_if_there(&p)?;
             }
         }
@@ -607,12 +632,13 @@ async fn pull_with(links: &[Arc<PeerLink>], opts: &PullOptions) -> anyhow::Resul
 }
 
 /// A weight file to write: `header` then each tensor of `place` (a manifest tensor index and
-/// its offset in the file), `len` bytes in all.
+/// its offset in the file), `len` bytes in all; `quiet`: without a progress line.
 struct Target<'a> {
     path: &'a Path,
     len: u64,
     header: &'a [u8],
     place: &'a [(usize, u64)],
+    quiet: bool,
 }
 
 /// A file already in the folder whose tensors that verify a pull copies instead of fetching:
@@ -650,7 +676,8 @@ async fn write_weights(
             .with_context(|| format!("writing {}", tmp.display()))
             .map_err(|e| (None, e))?;
         let total: u64 = target.place.iter().map(|&(t, _)| m.tensors[t].len).sum();
-        let mut progress = crate::progress::Progress::new(&format!("pull: {shown}"));
+        let mut progress =
+            crate::progress::Progress::new(&format!("pull: {shown}")).quiet(target.quiet);
         let mut done = 0u64;
         for &(t, at) in target.place {
             let te = &m.tensors[t];

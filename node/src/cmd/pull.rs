@@ -64,6 +64,10 @@ pub struct Args {
         value_parser = stormo_net::progress::secs_arg
     )]
     pub peer_timeout: f64,
+    /// No progress on stderr: no line per file, no progress lines, no summary. Errors and
+    /// warnings are still printed, and so are the files --force removes.
+    #[arg(long, short)]
+    pub quiet: bool,
     /// Swarm membership and discovery (peers found by themselves instead of --peer).
     #[command(flatten)]
     pub swarm: crate::swarm_args::SwarmArgs,
@@ -107,10 +111,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 peers.push(p);
             }
         }
-        eprintln!(
-            "pull: discovery found {} peers",
-            peers.len() - a.peers.len()
-        );
+        if !a.quiet {
+            eprintln!(
+                "pull: discovery found {} peers",
+                peers.len() - a.peers.len()
+            );
+        }
     }
     // In a swarm, the peers found or given are dialled as a member: certificate presented,
     // members admitted (and the keys given with --peer).
@@ -131,6 +137,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         cfg: PeerConfig::with_timeout(t),
         membership,
         experts: a.experts.clone(),
+        quiet: a.quiet,
     };
     let started = std::time::Instant::now();
     let r = pull::pull_on(secret, &opts, rt, &endpoint)
@@ -155,10 +162,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         )?);
     }
     let total = started.elapsed().as_secs_f64();
-    eprintln!(
-        "{}",
-        last_line(&model, &a.out, &r, kept.as_ref(), [secs, total])
-    );
+    if !a.quiet {
+        eprintln!(
+            "{}",
+            last_line(&model, &a.out, &r, kept.as_ref(), [secs, total])
+        );
+    }
     Ok(())
 }
 
@@ -176,8 +185,9 @@ struct KeptExperts {
 }
 
 /// The last line of a pull: what the folder holds now (its weight files and their size, dense
-/// only or with the experts), what it took (fetched, copied, kept), and the experts kept
-/// where (`--experts`). `secs`: the folder's pull, and the whole command.
+/// only or with the experts), what it took (tensors and metadata files fetched, each with
+/// their bytes; tensors copied; files kept), and the experts kept where (`--experts`).
+/// `secs`: the folder's pull, and the whole command.
 fn last_line(
     model: &str,
     out: &std::path::Path,
@@ -198,7 +208,7 @@ fn last_line(
     } else {
         format!("{files} ({}, dense tensors only)", human_bytes(size))
     };
-    let folder_new = r.tensors > 0 || r.fetched > 0 || r.reused > 0;
+    let folder_new = r.tensors > 0 || r.meta > 0 || r.fetched > 0 || r.reused > 0;
     let experts_new = kept.is_some_and(|k| k.fetched > 0);
     let mut line = if folder_new || experts_new {
         format!(
@@ -213,16 +223,33 @@ fn last_line(
     };
     if folder_new {
         let rate = human_bytes((r.fetched as f64 / secs.max(1e-9)) as u64);
-        line += &format!(
-            "; {} tensors fetched ({}, {rate}/s)",
-            r.tensors,
-            human_bytes(r.fetched)
+        let plural =
+            |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
+        // The weight files' headers come with their tensors' bytes.
+        let tensors = format!(
+            "{} ({})",
+            plural(r.tensors, "tensor", "tensors"),
+            human_bytes(r.fetched.saturating_sub(r.meta_bytes))
         );
+        let meta = format!(
+            "{} ({})",
+            plural(r.meta, "metadata file", "metadata files"),
+            human_bytes(r.meta_bytes)
+        );
+        let fetched = match (r.tensors > 0, r.meta > 0) {
+            (true, true) => format!("{tensors} and {meta}"),
+            (false, true) => meta,
+            _ => tensors,
+        };
+        line += &format!("; fetched {fetched} at {rate}/s");
         if r.reused > 0 {
-            line += &format!(", {} copied from files already there", r.reused);
+            line += &format!(
+                ", {} copied from files already there",
+                plural(r.reused, "tensor", "tensors")
+            );
         }
         if r.kept > 0 {
-            line += &format!(", {} files already complete", r.kept);
+            line += &format!(", {} already complete", plural(r.kept, "file", "files"));
         }
     } else if experts_new {
         line += ", already up to date";
@@ -317,13 +344,16 @@ fn pull_experts(
     let tier = node.peer_tier().context("no network tier")?.clone();
     let dir = node.expert_dir().context("no expert directory")?.clone();
     let todo: Vec<ExpertId> = keys.iter().copied().filter(|&k| !dir.contains(k)).collect();
-    eprintln!(
-        "pull: {} experts asked for, {} already kept in {}",
-        keys.len(),
-        keys.len() - todo.len(),
-        dir.root().display()
-    );
-    let mut progress = stormo_net::progress::Progress::counting("pull: experts", "experts");
+    if !a.quiet {
+        eprintln!(
+            "pull: {} experts asked for, {} already kept in {}",
+            keys.len(),
+            keys.len() - todo.len(),
+            dir.root().display()
+        );
+    }
+    let mut progress =
+        stormo_net::progress::Progress::counting("pull: experts", "experts").quiet(a.quiet);
     let total = todo.len() as u64;
     let sizes = node.files().layout.sizes();
     let size = |k: ExpertId| {
@@ -370,4 +400,48 @@ fn pull_experts(
         bytes,
         dir: dir.root().to_path_buf(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression: the summary counted the metadata files' bytes (a tokenizer.json of 27 MiB)
+    /// as the tensors', "30 tensors fetched (27.9 MiB, ...)" for 0.9 MiB of tensors. Tensors
+    /// and metadata files are counted and sized apart; files and tensors are labelled as
+    /// such, one or many.
+    #[test]
+    fn the_summary_counts_tensors_and_metadata_files_apart() {
+        let r = pull::PullReport {
+            fetched: (27 << 20) + (900 << 10),
+            tensors: 30,
+            meta: 2,
+            meta_bytes: 27 << 20,
+            kept: 1,
+            files: vec![("model.dense.safetensors".into(), 900 << 10)],
+            ..Default::default()
+        };
+        let line = last_line("ID", std::path::Path::new("/m"), &r, None, [1.0, 1.0]);
+        assert!(
+            line.contains(
+                "; fetched 30 tensors (900.0 KiB) and 2 metadata files (27.0 MiB) at 27.9 MiB/s, \
+                 1 file already complete"
+            ),
+            "{line}"
+        );
+        // Only the tokenizer again: no tensors to speak of.
+        let r = pull::PullReport {
+            fetched: 27 << 20,
+            meta: 1,
+            meta_bytes: 27 << 20,
+            kept: 2,
+            files: vec![("model.dense.safetensors".into(), 900 << 10)],
+            ..Default::default()
+        };
+        let line = last_line("ID", std::path::Path::new("/m"), &r, None, [1.0, 1.0]);
+        assert!(
+            line.contains("; fetched 1 metadata file (27.0 MiB) at 27.0 MiB/s, 2 files already"),
+            "{line}"
+        );
+    }
 }
