@@ -3,9 +3,12 @@
 //! operators `GET /health` and `GET /metrics` (Prometheus text format, see `http/metrics.rs`).
 //!
 //! Owns: parsing requests (bounded body, every malformed input a 400 in OpenAI's error shape,
-//! never a panic), who may call (`http/guard.rs`: the `Host` check against DNS rebinding,
-//! CORS origins, the API key), rendering chat requests through the model's chat format,
-//! queueing, streaming replies, and shutting down gracefully. Connections are capped, in all
+//! never a panic; only a request hyper cannot parse at all, such as a garbage request line or
+//! oversized headers, gets hyper's own bodiless 400, 414 or 431: hyper 1.x writes that
+//! response itself and has no hook to give it a body), who may call (`http/guard.rs`: the
+//! `Host` check against DNS rebinding, CORS origins, the API key), rendering chat requests
+//! through the model's chat format, queueing, streaming replies, and shutting down
+//! gracefully. Connections are capped, in all
 //! and per client address, and timed (see `http/conn.rs`): a client that stalls sending a
 //! request or taking a reply, or keeps an idle connection open, loses it after
 //! `--http-timeout`. One engine thread runs up to `parallel` requests together, one forward
