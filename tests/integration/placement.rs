@@ -114,13 +114,20 @@ fn serving_nodes_place_two_copies_and_the_swarm_outlives_its_seeder_and_a_node()
         for o in &others {
             args.extend_from_slice(&["--peer", o]);
         }
-        procs.push(Some(Proc::start(&args)));
+        // Placement's own lines kept (the test's output shows them when it fails).
+        procs.push(Some(Proc::start_logging(
+            &args,
+            Some("warn,stormo_node::placement=info"),
+        )));
     }
     let all: Vec<String> = (0..4).map(addr_of).collect();
     let client = folders[4].path();
     // Placement reaches two kept copies of every expert across the four (the seeder's own
-    // copy does not count).
-    let until = Instant::now() + Duration::from_secs(90);
+    // copy does not count). Usually within seconds; the room is exactly two copies, so a
+    // node that placed before it saw the others levels the copies through swaps, one per
+    // node every 15 s (the simulator's worst case with failing fetches: 60 s), slower on a
+    // loaded machine.
+    let until = Instant::now() + Duration::from_secs(150);
     let mut last;
     loop {
         last = status(client, &id, &all);
@@ -129,7 +136,7 @@ fn serving_nodes_place_two_copies_and_the_swarm_outlives_its_seeder_and_a_node()
         }
         assert!(
             Instant::now() < until,
-            "no two copies of every expert within 90 s: {last:#}"
+            "no two copies of every expert within 150 s: {last:#}"
         );
         std::thread::sleep(Duration::from_millis(500));
     }

@@ -60,6 +60,11 @@ const SETTLE_MIN: Duration = Duration::from_millis(1500);
 /// threads; a record the directory refuses never appears).
 const STORE_WAIT: Duration = Duration::from_secs(5);
 
+/// A fetch of placement's own still under way this long is said (info), once: it holds one of
+/// the node's few fetch slots and, in a swap, the room of the copy it evicted. The peer tier
+/// bounds it (its tries, deadlines and rounds); this only makes a long one visible.
+const FETCH_SLOW: Duration = Duration::from_secs(30);
+
 /// What the driver remembers of one peer.
 #[derive(Debug)]
 struct Seen {
@@ -84,8 +89,9 @@ pub struct Replicator {
     seen: Mutex<HashMap<[u8; 32], Seen>>,
     /// Kept experts the policy knows of.
     kept: Mutex<HashSet<ExpertId>>,
-    /// Fetches under way, with their start.
-    fetching: Mutex<HashMap<ExpertId, Instant>>,
+    /// Fetches under way, with their start and whether their slowness was said
+    /// ([`FETCH_SLOW`]).
+    fetching: Mutex<HashMap<ExpertId, (Instant, bool)>>,
     leaving: AtomicBool,
     /// Results of finished fetches, fed to the policy at the next tick.
     done: Mutex<Vec<(ExpertId, bool)>>,
@@ -304,6 +310,16 @@ impl Replicator {
             }
             *kept = kept_now;
         }
+        for (id, (since, said)) in self.fetching.lock().expect("fetching lock").iter_mut() {
+            let took = now.saturating_duration_since(*since);
+            if !*said && took >= FETCH_SLOW {
+                *said = true;
+                tracing::info!(
+                    "placement: fetching expert {id} is still under way after {:.0}s",
+                    took.as_secs_f64()
+                );
+            }
+        }
         // A fetch is done once its record is written: the tier stores it just after handing
         // it on, so a fetch that loaded waits for its record (up to STORE_WAIT). Counting it
         // failed at once freed its room for another fetch, and the record landing a moment
@@ -470,7 +486,7 @@ impl Replicator {
             if f.contains_key(&id) {
                 return;
             }
-            f.insert(id, Instant::now());
+            f.insert(id, (Instant::now(), false));
         }
         tracing::info!("placement: fetching expert {id} to keep a copy");
         self.dir.want(id);

@@ -35,6 +35,14 @@ impl<N: Copy + Eq + Hash + fmt::Debug> Placement<N> {
         let safe = safety != Safety::Budget;
         let n = self.config.replicas;
         let scale = self.demand_read_scale(now);
+        // The experts missing copies, for a swap that covers one ([`Self::designated_evictor`]).
+        let missing: Vec<u32> = if safety == Safety::Coverage {
+            (0..self.experts.len() as u32)
+                .filter(|&x| self.is_missing(x))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let mut best: Option<(Victim, u32, f64)> = None;
         for (&i, &since) in &self.held_since {
             if self.own_of(i) != Own::Held {
@@ -54,7 +62,8 @@ impl<N: Copy + Eq + Hash + fmt::Debug> Placement<N> {
                 if copies <= n || (young && safety == Safety::Demand) {
                     continue;
                 }
-                if !self.designated_evictor(i, copies - n) {
+                let gap = (safety == Safety::Coverage).then_some(&missing[..]);
+                if !self.designated_evictor(i, copies - n, gap) {
                     continue;
                 }
             }
@@ -83,19 +92,36 @@ impl<N: Copy + Eq + Hash + fmt::Debug> Placement<N> {
     }
 
     /// Whether this node is among the `spare` evictable holders of expert `i` with the highest
-    /// rendezvous score (pinned holders never evict, so they are not ranked).
-    fn designated_evictor(&self, i: u32, spare: u32) -> bool {
+    /// rendezvous score (pinned holders never evict, so they are not ranked). With `missing`
+    /// (the experts missing copies, for a swap that covers one) only the holders that lack
+    /// one of them are ranked: a holder that holds every missing expert could not use the
+    /// room, and designating it left a full swarm stuck with one expert at three copies and
+    /// another at one (every holder of the spare copy but the designated one holding back).
+    fn designated_evictor(&self, i: u32, spare: u32, missing: Option<&[u32]>) -> bool {
         let e = self.catalog.get(i as usize).map_or(0, |e| bits(e.id));
         let mine = hash3(self.me_key, e, SALT_EVICT);
         let Some(v) = self.experts.get(i as usize) else {
             return false;
         };
+        // Whether holder `h` (a peer index) lacks an expert of `missing`.
+        let could_use = |h: u32| {
+            missing.is_none_or(|m| {
+                m.iter().any(|&x| {
+                    self.experts
+                        .get(x as usize)
+                        .is_some_and(|xv| !xv.holders.contains(&h))
+                })
+            })
+        };
+        if missing.is_some_and(|m| m.iter().all(|&x| self.own_of(x) != Own::None)) {
+            return false;
+        }
         let mut above = 0u32;
         for &h in &v.holders {
             let Some(Some(p)) = self.peers.get(h as usize) else {
                 continue;
             };
-            if p.pinned().binary_search(&i).is_ok() {
+            if p.pinned().binary_search(&i).is_ok() || !could_use(h) {
                 continue;
             }
             let s = hash3(p.key, e, SALT_EVICT);
