@@ -576,6 +576,60 @@ impl CpuId {
     }
 }
 
+/// Column slabs ahead that the prefill kernels' slab walks ([`prefetch_slab_ahead`]) prefetch.
+#[cfg(target_arch = "x86_64")]
+const SLABS_AHEAD: usize = 2;
+
+/// For the multi-position MXFP4 kernels that walk a matrix in groups of `rows` rows and, within
+/// a group, in column slabs of `slab` blocks (`avx512::mxfp4_fused`, and the AVX2 kernels):
+/// at slab `b0` (its first block) of the group starting at row `g0` (of `r0 .. r0 + n`), asks
+/// for every line of the slab [`SLABS_AHEAD`] ahead in that walk (the next group's first slabs
+/// near a group's end) of every row, into L2. The walk jumps between rows, so the hardware
+/// prefetchers do not follow it, and L1 is full of the inputs and accumulators. On Zen 4 (one
+/// thread, weights streamed from memory as a prefill's experts are) this made the AVX-512 kernel
+/// 1.07-1.2x as fast at 2 to 16 positions and the 4-layer prefill's experts 1.09-1.13x, where
+/// one line of each row's slab after next into L1 was what the kernels had
+/// (docs/performance.md, "Prefill").
+///
+/// # Safety
+/// None needed beyond the arguments describing the matrix: prefetches are hints and never
+/// fault, so addresses past the matrix are harmless (`wrapping_add`).
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn prefetch_slab_ahead(
+    bb: *const u8,
+    nb: usize,
+    r0: usize,
+    n: usize,
+    g0: usize,
+    rows: usize,
+    b0: usize,
+    slab: usize,
+) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    let slabs = nb.div_ceil(slab);
+    let (mut tg, mut ts) = (g0, b0 / slab + SLABS_AHEAD);
+    if ts >= slabs {
+        (tg, ts) = (g0 + rows, ts - slabs);
+    }
+    let tb = ts * slab;
+    let bytes = 16 * slab.min(nb.saturating_sub(tb));
+    if bytes == 0 {
+        return;
+    }
+    for i in 0..rows.min(n.saturating_sub(tg)) {
+        let at = bb.wrapping_add((r0 + tg + i) * nb * 16 + 16 * tb);
+        // Every line the slab's bytes touch: from its first byte, 64 apart, and its last.
+        let mut o = 0;
+        while o < bytes + 63 {
+            // SAFETY: a prefetch is a hint: it never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(o.min(bytes - 1)) as *const i8) };
+            o += 64;
+        }
+    }
+}
+
 /// The AVX-512 decode kernels' default prefetch distance on `cpu`, chosen by paired
 /// measurement (`stormo bench --pair-prefetch A,B`: decoded tokens alternate between two
 /// distances in one process, so the host's drifting memory speed hits both alike): 512 bytes

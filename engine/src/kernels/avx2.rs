@@ -490,6 +490,7 @@ unsafe fn mxfp4_block(
         acc[..g * stride].fill(_mm256_setzero_ps());
         for b0 in (0..nb).step_by(SLAB) {
             let k = SLAB.min(nb - b0);
+            super::prefetch_slab_ahead(bb, nb, r0, n, g0, rows, b0, SLAB);
             for c0 in (0..g).step_by(CHUNK_ROWS) {
                 let m = CHUNK_ROWS.min(g - c0);
                 for (i, dst) in slab.chunks_exact_mut(SLAB * 4).take(m).enumerate() {
@@ -497,10 +498,6 @@ unsafe fn mxfp4_block(
                     // SAFETY: row `row < r0 + n` and blocks `b0 .. b0 + k <= nb` (caller).
                     let (b, s) =
                         unsafe { (bb.add(row * nb * 16 + 16 * b0), sb.add(row * nb + b0)) };
-                    // The row's slab after next, fetched while this one computes (the walk
-                    // jumps between rows, so the hardware does not see it as a stream; a hint,
-                    // harmless past the end).
-                    _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(2 * 16 * SLAB) as *const i8);
                     for (j, d) in dst.chunks_exact_mut(4).take(k).enumerate() {
                         // SAFETY: block `b0 + j` of the row (above).
                         let w = unsafe { decode_scaled(b.add(16 * j), *s.add(j), c) };
@@ -640,13 +637,7 @@ unsafe fn mxfp4_fused(
         acc[..g * stride].fill(_mm256_setzero_ps());
         for b0 in (0..nb).step_by(FUSED_SLAB) {
             let k = FUSED_SLAB.min(nb - b0);
-            for i in 0..g {
-                let row = r0 + g0 + i;
-                // The row's slab after next (a hint, harmless past the end).
-                _mm_prefetch::<_MM_HINT_T0>(
-                    bb.wrapping_add(row * nb * 16 + 16 * (b0 + 2 * FUSED_SLAB)) as *const i8,
-                );
-            }
+            super::prefetch_slab_ahead(bb, nb, r0, n, g0, rows, b0, FUSED_SLAB);
             let mut q = 0;
             for t in 0..tiles {
                 let qn = (p - q) / (tiles - t);

@@ -584,13 +584,7 @@ unsafe fn mxfp4_fused(
         acc[..g * p].fill(_mm512_setzero_ps());
         for b0 in (0..nb).step_by(FUSED_SLAB) {
             let k = FUSED_SLAB.min(nb - b0);
-            for i in 0..g {
-                let row = r0 + g0 + i;
-                // The row's slab after next (a hint, harmless past the end).
-                _mm_prefetch::<_MM_HINT_T0>(
-                    bb.wrapping_add(row * nb * 16 + 16 * (b0 + 2 * FUSED_SLAB)) as *const i8,
-                );
-            }
+            super::prefetch_slab_ahead(bb, nb, r0, n, g0, rows, b0, FUSED_SLAB);
             let mut q = 0;
             for t in 0..tiles {
                 let qn = (p - q) / (tiles - t);
