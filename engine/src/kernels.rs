@@ -587,13 +587,12 @@ const SLABS_AHEAD: usize = 2;
 /// near a group's end) of every row, into L2. The walk jumps between rows, so the hardware
 /// prefetchers do not follow it, and L1 is full of the inputs and accumulators. On Zen 4 (one
 /// thread, weights streamed from memory as a prefill's experts are) this made the AVX-512 kernel
-/// 1.07-1.2x as fast at 2 to 16 positions and the 4-layer prefill's experts 1.09-1.13x, where
-/// one line of each row's slab after next into L1 was what the kernels had
-/// (docs/performance.md, "Prefill").
+/// 1.05-1.19x as fast at 2 to 32 positions (the AVX2 kernels level, or up to 1.07x at 8), and a
+/// 24-layer prefill's experts 1.05-1.06x, where one line of each row's slab after next into L1
+/// was what the kernels had (docs/performance.md, "The weights' arrival").
 ///
-/// # Safety
-/// None needed beyond the arguments describing the matrix: prefetches are hints and never
-/// fault, so addresses past the matrix are harmless (`wrapping_add`).
+/// A safe function: a prefetch is a hint that never faults, so addresses past the matrix
+/// (`wrapping_add`) are harmless.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
