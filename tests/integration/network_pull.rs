@@ -891,22 +891,9 @@ fn cli_pull_writes_plain_lines_when_stderr_is_not_a_terminal() {
     let scratch = tempfile::tempdir().expect("tempdir");
     let key = scratch.path().join("client.key");
     client_key().write_new(&key).expect("key file");
-    let pull = |out: &Path| {
-        std::process::Command::new(crate::demo::stormo_exe())
-            .arg("pull")
-            .args([
-                "--peer",
-                &format!("{}@{}", node.addr().key, node.addr().addr),
-            ])
-            .args(["--trust", &f.publisher.public().to_string()])
-            .args(["--with-experts", "--peer-timeout", "5", "--key"])
-            .arg(&key)
-            .arg("--out")
-            .arg(out)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .expect("running stormo pull")
-    };
+    let peer = format!("{}@{}", node.addr().key, node.addr().addr);
+    let trust = f.publisher.public().to_string();
+    let pull = |out: &Path| cli_pull(&peer, &trust, &key, out, &["--with-experts"]);
     let out = scratch.path().join("model");
     let first = pull(&out);
     let err = String::from_utf8_lossy(&first.stderr);
@@ -921,6 +908,35 @@ fn cli_pull_writes_plain_lines_when_stderr_is_not_a_terminal() {
     let err = String::from_utf8_lossy(&theirs.stderr);
     assert!(!theirs.status.success(), "another model's folder replaced");
     assert!(err.contains("--force"), "{err}");
+}
+
+/// `stormo pull` from `peer` (`KEY@ADDR`), trusting `trust`, as the client whose key file is
+/// `key`, into `out`, with `extra` arguments; run to its end.
+fn cli_pull(
+    peer: &str,
+    trust: &str,
+    key: &Path,
+    out: &Path,
+    extra: &[&str],
+) -> std::process::Output {
+    std::process::Command::new(crate::demo::stormo_exe())
+        .args([
+            "pull",
+            "--peer",
+            peer,
+            "--trust",
+            trust,
+            "--peer-timeout",
+            "5",
+        ])
+        .arg("--key")
+        .arg(key)
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("running stormo pull")
 }
 
 /// `stormo pull --quiet` writes nothing on stderr when it succeeds (no line per file, no
@@ -942,23 +958,9 @@ fn cli_pull_quiet_says_only_errors_and_the_summary_tells_metadata_files_apart() 
     let scratch = tempfile::tempdir().expect("tempdir");
     let key = scratch.path().join("client.key");
     client_key().write_new(&key).expect("key file");
-    let pull = |out: &Path, extra: &[&str]| {
-        std::process::Command::new(crate::demo::stormo_exe())
-            .arg("pull")
-            .args([
-                "--peer",
-                &format!("{}@{}", node.addr().key, node.addr().addr),
-            ])
-            .args(["--trust", &f.publisher.public().to_string()])
-            .args(["--peer-timeout", "5", "--key"])
-            .arg(&key)
-            .arg("--out")
-            .arg(out)
-            .args(extra)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .expect("running stormo pull")
-    };
+    let peer = format!("{}@{}", node.addr().key, node.addr().addr);
+    let trust = f.publisher.public().to_string();
+    let pull = |out: &Path, extra: &[&str]| cli_pull(&peer, &trust, &key, out, extra);
     let loud = pull(&scratch.path().join("loud"), &[]);
     let err = String::from_utf8_lossy(&loud.stderr);
     assert!(loud.status.success(), "{err}");
