@@ -1088,8 +1088,12 @@ thread_local! {
 
 /// Positions a prefill kernel call takes at once (each weight row is read once per group).
 const GROUP: usize = 4;
-/// Most positions any row kernel takes (see [`group_for`]).
-const MAX_POSITIONS: usize = 32;
+/// Most positions any row kernel takes (see [`group_for`]; the row-lane VNNI kernel takes
+/// this many).
+const MAX_POSITIONS: usize = 64;
+/// Positions past which a product's work, for splitting it among tasks, counts no more (the
+/// weights are read about once per this many).
+const WORK_POSITIONS: usize = 32;
 
 /// Positions per row-kernel call for `w` on `ISA`: more where decoding the weights costs
 /// more than the multiply-adds (MXFP4 on AVX2, AVX-512 and NEON).
@@ -1102,7 +1106,7 @@ fn group_for(isa: Isa, w: &Mat<'_>) -> usize {
         #[cfg(target_arch = "aarch64")]
         (Isa::Neon, Mat::Mxfp4 { .. }) => neon::MXFP4_POSITIONS,
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2 | Isa::Avx512, Mat::Mxfp4Int8 { .. }) => int8x::POSITIONS,
+        (Isa::Avx2 | Isa::Avx512, Mat::Mxfp4Int8 { .. }) => int8x::positions(isa),
         #[cfg(target_arch = "aarch64")]
         (Isa::Neon, Mat::Mxfp4Int8 { .. }) => int8x::POSITIONS,
         _ => GROUP,
@@ -1281,7 +1285,7 @@ fn batch_in(isa: Isa, ps: &mut [Product<'_>]) {
     }
     // From here a product with `t == 0` has nothing left to compute.
     // Weights are read once per group of positions.
-    let work = |p: &Product<'_>, t: usize| p.w.byte_len().saturating_mul(t.min(MAX_POSITIONS));
+    let work = |p: &Product<'_>, t: usize| p.w.byte_len().saturating_mul(t.min(WORK_POSITIONS));
     let total: usize = ps.iter().zip(&t_of).map(|(p, &t)| work(p, t)).sum();
     if total == 0 {
         return;
@@ -1404,7 +1408,7 @@ fn run_tile(isa: Isa, p: &Planned<'_>, r0: usize) {
 fn dense_t_in(isa: Isa, w: &Mat<'_>, xs: &[f32], ys: &mut [f32], t: usize) {
     let (rows, cols) = (w.rows(), w.cols());
     let ptr = SendPtr(ys.as_mut_ptr());
-    let work = w.byte_len().saturating_mul(t.min(MAX_POSITIONS));
+    let work = w.byte_len().saturating_mul(t.min(WORK_POSITIONS));
     let tasks = tasks_for(work).min(rayon::current_num_threads());
     let chunk = rows.div_ceil(tasks).next_multiple_of(16).min(rows);
     let run = |c: usize| {
@@ -2336,6 +2340,26 @@ mod tests {
                     verify::same_bits(*a, *b),
                     "{isa} row {r} (scale byte {r}): {a:e} vs the scalar {b:e}"
                 );
+            }
+        }
+        // Many positions at once (every prefill kernel).
+        for t in [3, 8, 17, 32, 40] {
+            let xs = rand_x(t * cols, &mut rng);
+            let mut q = vec![0f32; xs.len()];
+            int8x::quantize(&xs, cols, &mut q);
+            let mut want = vec![0f32; t * rows];
+            int8x::reference_rows(&blocks, &scales, cols, 0, rows, &q, t, &mut want);
+            // `reference_rows` writes `[t, rows]` position by position, as `matmul` does.
+            for isa in isas() {
+                let mut ys = vec![f32::NAN; t * rows];
+                with_isa(isa, || matmul(&w, &xs, &mut ys));
+                for (j, (a, b)) in ys.iter().zip(&want).enumerate() {
+                    assert!(
+                        verify::same_bits(*a, *b),
+                        "{isa}, {t} positions, output {j} (scale byte {}): {a:e} vs {b:e}",
+                        j % rows
+                    );
+                }
             }
         }
     }
