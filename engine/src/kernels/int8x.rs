@@ -45,12 +45,13 @@
 //!   thread-local buffer lane `b mod 8` by lane, which every position then walks in that order,
 //!   so each f32 lane of the reference is one register per position (the f32 step is one
 //!   conversion, one multiply, one fused multiply-add per block and sixteen rows; the tree adds
-//!   the eight lanes' registers). Zen 4, one thread, 2880 x 2880 (`kernel_min mxfp4-int8 P`):
-//!   270-290 GFLOP/s-equivalent at 32 and 64 positions, 58-62% of the `vpdpbusd` peak,
-//!   against 182-185 for the kernel below; at 8 positions about level with it, so it takes 9
-//!   positions and more ([`LANE_MIN_POSITIONS`]).
-//! - **AVX-512 with VNNI, up to eight positions** (`vpdpbusd`, u8 × s8 summed by fours into i32): per group of eight
-//!   blocks and row, two loads of the nibbles, two two-source dword permutes into the order
+//!   the eight lanes' registers). Zen 4, one thread, 2880 x 2880 rows from cache or 46080
+//!   streamed (`kernel_min mxfp4-int8 P`): 262-295 GFLOP/s-equivalent at 32 and 64
+//!   positions, 56-63% of the `vpdpbusd` peak, against 169-185 for the kernel below; 1.2-1.4x
+//!   it at 12 and 16; level at 8, so it takes 9 positions and more ([`LANE_MIN_POSITIONS`];
+//!   docs/performance.md has the table).
+//! - **AVX-512 with VNNI, up to eight positions** (`vpdpbusd`, u8 × s8 summed by fours into
+//!   i32): per group of eight blocks and row, two loads of the nibbles, two two-source dword permutes into the order
 //!   above, a nibble split and a byte-table lookup giving `2w + 12` (in 0..=24, unsigned);
 //!   per position four `vpdpbusd` with the inputs straight from memory, summing onto the
 //!   blocks' offsets in the register's low half (`Σ (2w + 12) q − 12 Σ q = Σ 2w q`; 1.02x
