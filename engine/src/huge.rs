@@ -143,7 +143,7 @@ impl HugeBuf {
 }
 
 impl Drop for HugeBuf {
-    /// Keeps buffers of a huge page or more for [`HugeBuf::recycled`] (up to [`SPARE_BYTES`]),
+    /// Keeps buffers of a huge page or more for [`HugeBuf::recycled`] (up to `SPARE_BYTES`),
     /// unmaps the rest.
     fn drop(&mut self) {
         // SAFETY: `map` is not used again: this is the buffer's end.

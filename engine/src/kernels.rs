@@ -954,7 +954,7 @@ pub fn matvec(w: &Mat<'_>, x: &[f32], y: &mut [f32]) {
 
 /// Some rows of `W·x` for one position: `y[i]` is row `rows[i]` of what [`matvec`] gives,
 /// bit for bit (every row kernel computes each row on its own, whatever rows share its call;
-/// [`verify::check_mat`] checks it for every ISA). For a few rows of a large matrix (the
+/// `verify::check_mat` checks it for every ISA). For a few rows of a large matrix (the
 /// screened output head), on the calling thread.
 ///
 /// # Panics

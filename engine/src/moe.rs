@@ -12,7 +12,7 @@
 //! **Completion-driven.** The union is asked of the provider a group at a time (as many as its
 //! RAM budget holds, [`ExpertProvider::max_batch`]), and each group's experts are computed as
 //! they land, in whatever order ([`ExpertProvider::fetch_each`]): all the experts ready and
-//! not yet computed go through one [`experts_forward`] call (so the thread pool stays busy)
+//! not yet computed go through one `experts_forward` call (so the thread pool stays busy)
 //! while the rest still load from the disk or the network, and the next group of the same
 //! layer (known: the route is) starts loading as the computed experts free room. Each expert's
 //! rows go to its own slot rows and each position sums its slots in slot order at the end, so

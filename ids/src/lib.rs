@@ -1,4 +1,4 @@
-//! The names every stormo crate shares: [`Hash`] (a BLAKE3 digest, also the model id) and
+//! The names every stormo crate shares: [`Hash`](struct@Hash) (a BLAKE3 digest, also the model id) and
 //! [`ExpertId`] (a layer and an expert index).
 //!
 //! # Why a crate of its own
@@ -10,7 +10,7 @@
 //! `stormo_manifests::{Hash, ExpertId}` and `stormo_manifests::hash`), so its users see one
 //! type either way.
 //!
-//! A [`Hash`] prints as lowercase hex (also in JSON) and is encoded as raw bytes in postcard.
+//! A [`Hash`](struct@Hash) prints as lowercase hex (also in JSON) and is encoded as raw bytes in postcard.
 //!
 //! Non-goals: hashing files or building manifests (`stormo-manifests`), any I/O.
 

@@ -330,7 +330,7 @@ fn read_exact_at(file: &File, mut buf: &mut [u8], mut offset: u64) -> std::io::R
     Ok(())
 }
 
-/// Reads the files of `dir` named in `files` exactly as [`run`] does (same block size, I/O
+/// Reads the files of `dir` named in `files` exactly as `run` does (same block size, I/O
 /// mode and number of files at once) and only counts the bytes: the bound a build or verify
 /// is measured against. Returns the bytes read.
 pub fn read_files(

@@ -2,7 +2,7 @@
 //!
 //! This module owns the manifest's data model, its canonical binary encoding (postcard behind
 //! a magic and a version), its readable JSON view, the model id, and the decoder's checks.
-//! It does not read checkpoints (see [`crate::build`] and [`crate::verify`]) nor sign
+//! It does not read checkpoints (see [`crate::build()`] and [`crate::verify()`]) nor sign
 //! (see [`crate::signature`]).
 //!
 //! # Encoding (format version 1)

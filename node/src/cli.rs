@@ -15,7 +15,7 @@ pub struct Cli {
     /// A node config file (TOML) holding what the flags hold.
     ///
     /// Keys are the long option names (`model = "/m"`, `peer = ["KEY@HOST:PORT"]`,
-    /// `allow-any = true`). Every option can also come from a STORMO_<OPTION> variable (lists
+    /// `allow-any = true`). Every option can also come from a `STORMO_<OPTION>` variable (lists
     /// comma-separated); flags override variables, which override the file.
     #[arg(long, global = true, value_name = "FILE")]
     pub config: Option<std::path::PathBuf>,

@@ -2,7 +2,7 @@
 //!
 //! [`plan`] turns a [`Geometry`] (a [`Preset`] with optional [`Overrides`]) and a seed into a
 //! [`Plan`]: every tensor's name, dtype, shape, shard and byte offset, and the JSON files the hub
-//! ships beside the weights. [`write`] then streams the shards to disk: each shard's header is
+//! ships beside the weights. [`write()`] then streams the shards to disk: each shard's header is
 //! written from the computed offsets, and every tensor is generated in chunks, in parallel, by
 //! a counter-based generator, so nothing larger than a few chunks is ever held in memory.
 //!

@@ -213,7 +213,7 @@ pub(crate) fn check_output_file(out: &Path, model_dir: &Path, flag: &str) -> any
 }
 
 /// Runs `stormo run`: the prompt read and checked, a node started, the model loaded, then a
-/// text reply ([`run_text`]) or bare ids ([`run_ids`]).
+/// text reply (`run_text`) or bare ids (`run_ids`).
 pub fn run(a: Args) -> anyhow::Result<()> {
     let json = a.json;
     let r = run_args(a);

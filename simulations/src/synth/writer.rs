@@ -266,7 +266,7 @@ fn is_checkpoint_file(name: &str) -> bool {
         || JSON_FILES.contains(&name)
 }
 
-/// The names of the files in `dir` that [`write`] with `force` replaces (`*.safetensors`, a
+/// The names of the files in `dir` that [`write()`] with `force` replaces (`*.safetensors`, a
 /// shard left `.partial`, `config.json`, `generation_config.json`, the index), sorted; none
 /// when `dir` does not exist.
 pub fn checkpoint_files(dir: &Path) -> Result<Vec<String>, SynthError> {
