@@ -728,6 +728,57 @@ fn untrusted_or_unpinned_manifest_is_refused() {
     assert_eq!(id, f.id);
 }
 
+/// A node with no manifest of its own asks every peer at once: peers that never answer
+/// (loopback sockets that read nothing) and one serving another model cost nothing once a good
+/// peer has answered. Asked one by one, as before, each silent peer listed first held the
+/// fetch until its handshake gave up (the QUIC idle timeout, `tls::IDLE_TIMEOUT`, 10 s), so
+/// three of them 30 s, before the good one was tried.
+#[test]
+fn a_manifest_fetch_does_not_wait_for_a_silent_or_wrong_peer() {
+    let f = setup("qwen3moe-tiny");
+    let other = setup("gptoss-tiny-mxfp4");
+    let good = serve_dir(52, f.dir.path(), None, allow_client());
+    let wrong = serve_dir(53, other.dir.path(), None, allow_client());
+    // Bound and kept open, never read: QUIC's handshake gets no answer and no refusal.
+    let sockets: Vec<_> = (0..3)
+        .map(|_| std::net::UdpSocket::bind("127.0.0.1:0").expect("udp socket"))
+        .collect();
+    let mut peers: Vec<PeerAddr> = sockets
+        .iter()
+        .zip(54u8..)
+        .map(|(s, seed)| PeerAddr {
+            key: SecretKey::from_seed(&[seed; 32]).public(),
+            addr: s.local_addr().expect("address"),
+        })
+        .collect();
+    peers.extend([wrong.addr(), good.addr()]);
+    let client_dir = tempfile::tempdir().expect("tempdir");
+    let rt = runtime();
+    let mut args = peer_args(&f, peers);
+    args.trust.clear();
+    args.model_id = Some(f.id);
+    args.timeouts.connect_timeout = Duration::from_secs(60);
+    let start = Instant::now();
+    let (_, id, bytes) =
+        stormo_node::manifest::resolve_manifest(client_dir.path(), &args, &client_key(), &rt)
+            .expect("the good peer's manifest");
+    assert_eq!(id, f.id);
+    assert_eq!(Hash::of(&bytes), f.id);
+    // Less than one silent peer's handshake wait, let alone three.
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "the fetch waited {:?} for the silent peers",
+        start.elapsed()
+    );
+    // With only the wrong peer, the error says why.
+    args.peers = vec![wrong.addr()];
+    let e = stormo_node::manifest::resolve_manifest(client_dir.path(), &args, &client_key(), &rt)
+        .expect_err("another model's peer supplied the manifest");
+    let e = format!("{e:#}");
+    assert!(e.contains("no peer supplied the manifest"), "{e}");
+    assert!(e.contains("does not serve model"), "{e}");
+}
+
 /// Malformed and oversized frames close only the offending connection; the node keeps
 /// serving others.
 #[test]

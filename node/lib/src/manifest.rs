@@ -10,8 +10,8 @@ use stormo_manifests::{
 use stormo_net::{accept_manifest, tier};
 
 /// The manifest for a node of `dir`: the local file (`args.manifest` or
-/// `DIR/stormo-manifest.bin`) when it exists, else fetched from the first peer that answers;
-/// accepted only as [`accept_manifest`] says. A fetch dials from an endpoint of its own: for
+/// `DIR/stormo-manifest.bin`) when it exists, else fetched from the peers, all asked at once,
+/// the first answer that [`accept_manifest`] takes winning; accepted only as it says. A fetch dials from an endpoint of its own: for
 /// a caller with none (a node fetches from its own, [`resolve_manifest_on`]).
 pub fn resolve_manifest(
     dir: &Path,
@@ -33,73 +33,88 @@ pub fn resolve_manifest_on(
 ) -> anyhow::Result<(Manifest, Hash, Vec<u8>)> {
     let paths = ManifestPaths::resolve(dir, args.manifest.as_deref());
     let sig = std::fs::read(&paths.sig).ok();
-    let bytes = if paths.bin.exists() {
+    let accept = |bytes: &[u8]| accept_manifest(bytes, sig.as_deref(), &args.trust, args.model_id);
+    if paths.bin.exists() {
         let (_, bytes) = read_manifest(&paths.bin)?;
-        bytes
-    } else {
-        anyhow::ensure!(
-            !args.peers.is_empty(),
-            "no manifest at {} and no --peer to fetch it from",
-            paths.bin.display()
-        );
-        anyhow::ensure!(
-            args.model_id.is_some() || sig.is_some(),
-            "no manifest at {}: fetching it from a peer needs --model-id ID (or its signature file there with --trust)",
-            paths.bin.display()
-        );
-        let want = match (args.model_id, &sig) {
-            (Some(id), _) => Some(id),
-            (None, Some(s)) => Some(
-                ManifestSignature::from_bytes(s)
-                    .context("the signature file")?
-                    .model_id,
-            ),
-            (None, None) => None,
-        };
-        match endpoint {
-            Some(ep) => fetch_from_peers(args, secret, rt, ep, want)?,
-            None => {
-                let own = {
-                    let _g = rt.enter();
-                    let v6 = args.peers.iter().any(|p| p.addr.is_ipv6());
-                    stormo_net::bind(stormo_net::unspecified(v6), None)?
-                };
-                let got = fetch_from_peers(args, secret, rt, &own, want);
-                own.close(0u32.into(), b"done");
-                got?
-            }
+        let (m, id) = accept(&bytes)?;
+        return Ok((m, id, bytes));
+    }
+    anyhow::ensure!(
+        !args.peers.is_empty(),
+        "no manifest at {} and no --peer to fetch it from",
+        paths.bin.display()
+    );
+    anyhow::ensure!(
+        args.model_id.is_some() || sig.is_some(),
+        "no manifest at {}: fetching it from a peer needs --model-id ID (or its signature file there with --trust)",
+        paths.bin.display()
+    );
+    let want = match (args.model_id, &sig) {
+        (Some(id), _) => Some(id),
+        (None, Some(s)) => Some(
+            ManifestSignature::from_bytes(s)
+                .context("the signature file")?
+                .model_id,
+        ),
+        (None, None) => None,
+    };
+    let got = match endpoint {
+        Some(ep) => fetch_from_peers(args, secret, rt, ep, want, accept),
+        None => {
+            let own = {
+                let _g = rt.enter();
+                let v6 = args.peers.iter().any(|p| p.addr.is_ipv6());
+                stormo_net::bind(stormo_net::unspecified(v6), None)?
+            };
+            let got = fetch_from_peers(args, secret, rt, &own, want, accept);
+            own.close(0u32.into(), b"done");
+            got
         }
     };
-    let (m, id) = accept_manifest(&bytes, sig.as_deref(), &args.trust, args.model_id)?;
-    Ok((m, id, bytes))
+    got.map(|((m, id), bytes)| (m, id, bytes))
 }
 
-/// The manifest's bytes (of `want`, or the peer's only model), unchecked, from the first of
-/// `args.peers` that supplies them, dialled from `endpoint`.
-fn fetch_from_peers(
+/// The manifest (of `want`, or the peer's only model) from the first of `args.peers` whose
+/// bytes `accept` takes, dialled from `endpoint`. Every peer is asked at once and the answers
+/// are taken as they come: a peer that does not answer costs no more than the fastest good
+/// one takes, and one that sends bytes `accept` refuses (a manifest that is not the pinned or
+/// signed one) is warned about and passed over for the next answer, where asking the peers one
+/// by one had waited out each dead peer's connect timeout and given up at the first bad
+/// manifest.
+fn fetch_from_peers<T>(
     args: &crate::config::PeersConfig,
     secret: &SecretKey,
     rt: &tokio::runtime::Runtime,
     endpoint: &quinn::Endpoint,
     want: Option<Hash>,
-) -> anyhow::Result<Vec<u8>> {
-    let mut last = None;
-    for p in &args.peers {
-        match rt.block_on(tier::fetch_manifest_on(
-            endpoint,
-            secret,
-            p,
-            want,
-            args.timeouts,
-        )) {
-            Ok((_, b)) => return Ok(b),
-            Err(e) => {
-                tracing::warn!("{e:#}");
-                last = Some(e);
+    accept: impl Fn(&[u8]) -> anyhow::Result<T>,
+) -> anyhow::Result<(T, Vec<u8>)> {
+    use futures_util::stream::{FuturesUnordered, StreamExt};
+    rt.block_on(async {
+        let mut asks: FuturesUnordered<_> = args
+            .peers
+            .iter()
+            .map(|p| async move {
+                let got = tier::fetch_manifest_on(endpoint, secret, p, want, args.timeouts).await;
+                (p, got)
+            })
+            .collect();
+        let mut last = None;
+        while let Some((p, got)) = asks.next().await {
+            let taken = got.and_then(|(_, bytes)| {
+                let t = accept(&bytes).with_context(|| format!("the manifest from peer {p}"))?;
+                Ok((t, bytes))
+            });
+            match taken {
+                Ok(t) => return Ok(t),
+                Err(e) => {
+                    tracing::warn!("{e:#}");
+                    last = Some(e);
+                }
             }
         }
-    }
-    Err(last
-        .unwrap_or_else(|| anyhow::anyhow!("no peer"))
-        .context("no peer supplied the manifest"))
+        Err(last
+            .unwrap_or_else(|| anyhow::anyhow!("no peer"))
+            .context("no peer supplied the manifest"))
+    })
 }
