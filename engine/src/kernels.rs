@@ -1108,7 +1108,7 @@ fn group_for(isa: Isa, w: &Mat<'_>) -> usize {
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2 | Isa::Avx512, Mat::Mxfp4Int8 { .. }) => int8x::positions(isa),
         #[cfg(target_arch = "aarch64")]
-        (Isa::Neon, Mat::Mxfp4Int8 { .. }) => int8x::POSITIONS,
+        (Isa::Neon, Mat::Mxfp4Int8 { .. }) => int8x::positions(isa),
         _ => GROUP,
     }
 }

@@ -963,6 +963,7 @@ const LANE_ROWS: usize = 16;
 
 /// Most positions one call of the row-lane VNNI kernel takes: its tile's decode is shared by
 /// all of them, [`CHUNK`] at a time.
+#[cfg(target_arch = "x86_64")]
 pub(super) const LANE_POSITIONS: usize = 64;
 
 /// Positions the row-lane kernel's inner loop takes at once (their sums held in registers).
@@ -1506,6 +1507,7 @@ mod tests {
     /// included) and non-finite inputs. Where the CPU has no AVX-512 VNNI (with F, BW and VL)
     /// the kernel cannot run: the test says so on stderr and checks nothing, and `.ci/run`
     /// reports the VNNI kernels' bit tests as not run.
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_row_lane_vnni_kernel_gives_the_reference_bits() {
         if x86_kernel(super::super::Isa::Avx512) != Some(X86::Avx512Vnni) {
