@@ -484,8 +484,12 @@ fn a_dead_peer_kept_dialled_is_dialled_with_a_doubling_back_off() {
         "{} attempts in 16 s, {gaps:?} s apart",
         starts.len()
     );
+    // The gap after a 4 s back-off is the back-off, the attempt (up to 1 s) and the wait for
+    // the next redial tick (up to 1 s): 4-6 s. (It asked for 5 s, at that range's edge; this
+    // assertion failed once in a full run of the suite on a loaded machine, its gaps not
+    // recorded.)
     assert!(
-        gaps.windows(2).all(|w| w[1] > w[0]) && gaps.last().is_some_and(|&g| g >= 5.0),
+        gaps.windows(2).all(|w| w[1] > w[0]) && gaps.last().is_some_and(|&g| g >= 4.0),
         "attempts {gaps:?} s apart"
     );
     let (_, failures) = tier.failures()[0].clone();
