@@ -1127,10 +1127,12 @@ fn tile_rows(isa: Isa, w: &Mat<'_>, row_bytes: usize) -> usize {
         // each slab of inputs, once in L1, meet the most rows (measured paired in one `stormo
         // bench` run: 64-row tiles against 16-row ones, 128-token prefill 7-17% faster). The
         // AVX-512 and NEON kernels have the same structure (AVX-512 with 32-row accumulator
-        // groups; not measured: neither runs here). The int8-input kernels take 8 positions a
-        // call and copy each position's last partial group of blocks once per call, which a
-        // larger tile shares among more rows (Zen 4, one thread, 2880 x 2880: 64-row tiles
-        // 7-10% faster than 16-row ones at 8 and 64 positions; `kernel_min mxfp4-int8`).
+        // groups; not measured: neither runs here). The int8-input kernels for 1-8 positions
+        // copy each position's last partial group of blocks once per call, which a larger tile
+        // shares among more rows (Zen 4, one thread, 2880 x 2880: 64-row tiles 7-10% faster
+        // than 16-row ones at 8 and 64 positions; `kernel_min mxfp4-int8`, measured before
+        // the row-lane VNNI kernel, which decodes 16 rows at a time and so runs four such
+        // tiles per task, the next one's rows prefetched while one runs).
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2 | Isa::Avx512, Mat::Mxfp4 { .. } | Mat::Mxfp4Int8 { .. }) => MAX_TILE,
         #[cfg(target_arch = "aarch64")]

@@ -51,8 +51,9 @@
 //!   it at 12 and 16; level at 8, so it takes 9 positions and more ([`LANE_MIN_POSITIONS`];
 //!   docs/performance.md has the table).
 //! - **AVX-512 with VNNI, up to eight positions** (`vpdpbusd`, u8 × s8 summed by fours into
-//!   i32): per group of eight blocks and row, two loads of the nibbles, two two-source dword permutes into the order
-//!   above, a nibble split and a byte-table lookup giving `2w + 12` (in 0..=24, unsigned);
+//!   i32): per group of eight blocks and row, two loads of the nibbles, two two-source dword
+//!   permutes into the order above, a nibble split and a byte-table lookup giving `2w + 12`
+//!   (in 0..=24, unsigned);
 //!   per position four `vpdpbusd` with the inputs straight from memory, summing onto the
 //!   blocks' offsets in the register's low half (`Σ (2w + 12) q − 12 Σ q = Σ 2w q`; 1.02x
 //!   against adding them after), one add of the register's halves, then one conversion, one
@@ -617,6 +618,12 @@ const BIASED: [i8; 32] = {
     t
 };
 
+/// The f32 bits standing for E8M0 scale byte 0 (2^-127, a subnormal), which shifting the
+/// byte into the exponent would make 0: the floor both half-scale decodes ([`half_scales`]
+/// and the row-lane kernel's) raise the shifted bits to.
+#[cfg(target_arch = "x86_64")]
+const SCALE_0_BITS: i32 = 0x0040_0000;
+
 /// Half of each E8M0 scale of eight consecutive blocks (`SCALE[s] · 0.5`, exact): the scale
 /// byte shifted into an f32's exponent (255 gives +inf), 0 raised to 2^-127's bits, halved.
 ///
@@ -629,7 +636,7 @@ unsafe fn half_scales(s: *const u8) -> __m256 {
     // SAFETY: 8 readable bytes (caller); unaligned load.
     let bytes = unsafe { _mm_loadl_epi64(s as *const __m128i) };
     let bits = _mm256_slli_epi32::<23>(_mm256_cvtepu8_epi32(bytes));
-    let bits = _mm256_max_epi32(bits, _mm256_set1_epi32(0x0040_0000));
+    let bits = _mm256_max_epi32(bits, _mm256_set1_epi32(SCALE_0_BITS));
     _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0.5))
 }
 
@@ -1125,7 +1132,7 @@ unsafe fn lane_decode(
     unsafe {
         let table = _mm512_broadcast_i32x4(_mm_loadu_si128(BIASED.as_ptr() as *const __m128i));
         let nibble = _mm512_set1_epi8(0x0f);
-        let min_bits = _mm512_set1_epi32(0x0040_0000);
+        let min_bits = _mm512_set1_epi32(SCALE_0_BITS);
         let half = _mm512_set1_ps(0.5);
         for b in 0..nb {
             if b % 4 == 0 {
@@ -1505,6 +1512,19 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// `lane_words` (spelled out for speed) is `byte_at` of each word's first element, in
+    /// whole groups and past them.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn lane_words_are_where_byte_at_puts_each_word() {
+        for nb in [1, 7, 8, 9, 17, 90] {
+            for b in 0..nb {
+                let want: [usize; 8] = std::array::from_fn(|j| byte_at(nb, b, 8 * (j / 2) + j % 2));
+                assert_eq!(lane_words(nb, b), want, "{nb} blocks, block {b}");
             }
         }
     }
