@@ -1060,10 +1060,14 @@ impl Arrange {
         }
     }
 
-    /// `xs` arranged into `buf` (resized to fit), starting on a cache line: the slice returned.
+    /// `xs` arranged into `buf` (grown to fit), starting on a cache line: the slice returned.
+    /// What `buf` held before is not cleared (zeroing it cost more than quantizing into it):
+    /// a permutation or a copy writes every slot, and [`int8x::quantize`] every slot the
+    /// kernels read.
     fn apply(self, xs: &[f32], buf: &mut Vec<f32>) -> std::ops::Range<usize> {
-        buf.clear();
-        buf.resize(xs.len() + LINE / 4, 0.0);
+        if buf.len() < xs.len() + LINE / 4 {
+            buf.resize(xs.len() + LINE / 4, 0.0);
+        }
         let at = line_start(buf);
         let out = &mut buf[at..at + xs.len()];
         match self {

@@ -22,8 +22,9 @@
 //! # Layout of the quantized inputs
 //!
 //! Inputs reach the kernels in the layout [`quantize`] writes, in place of the f32 inputs
-//! (the same length; every ISA quantizes with this one scalar function, so the integers are
-//! the same on every CPU). Per position of `cols` slots: first the `cols` int8 values (a
+//! (the same length; every ISA quantizes with this one function, in vectors where the CPU has
+//! AVX-512 and one element at a time elsewhere, the same arithmetic either way, so the
+//! integers are the same on every CPU). Per position of `cols` slots: first the `cols` int8 values (a
 //! quarter of the slots), then the `cols / 32` block scales `d_b`, then the blocks' offsets
 //! `-12 · Σ q` (i32, for the x86 kernels below). The int8 values of each group of eight
 //! blocks (256 bytes) are interleaved so that one 64-byte load meets a 4-byte word of each of
@@ -120,8 +121,111 @@ pub(super) fn byte_at(nb: usize, b: usize, e: usize) -> usize {
 
 /// Quantizes positions of `cols` inputs (`cols` a multiple of 32) into the layout the
 /// kernels read; `out` has the length of `xs`. A block holding a NaN or an infinity gets a
-/// NaN scale, so the outputs it feeds are NaN, as on the exact path.
+/// NaN scale, so the outputs it feeds are NaN, as on the exact path. Where the CPU has
+/// AVX-512 BW and VL, [`quantize_x86`] writes the same bytes with vector arithmetic (the
+/// same f32 operations on each element, so the same integers; a test compares the two).
 pub(super) fn quantize(xs: &[f32], cols: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if quantize_x86_supported() {
+        // SAFETY: the CPU has the features (just checked).
+        return unsafe { quantize_x86(xs, cols, out) };
+    }
+    quantize_scalar(xs, cols, out);
+}
+
+/// Whether this CPU runs [`quantize_x86`] (checked once).
+#[cfg(target_arch = "x86_64")]
+fn quantize_x86_supported() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+    })
+}
+
+/// [`quantize`] in vectors: per block the largest magnitude and the finiteness test on
+/// sixteen lanes at a time, the scale and its inverse as the scalar code computes them, each
+/// element's product, rounding and clamping as [`round_i8`] does them (a NaN lane gives 0, as
+/// `as i8` does), narrowed to bytes, the block's sum for its offset, and the eight 4-byte
+/// words of [`byte_at`]'s layout taken out by one byte shuffle. The byte placement and the
+/// scalar steps are [`quantize_scalar`]'s.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VL.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn quantize_x86(xs: &[f32], cols: usize, out: &mut [f32]) {
+    let nb = cols / 32;
+    let magic = _mm512_set1_ps(12_582_912.0);
+    let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+    let abs_bits = _mm512_set1_epi32(0x7fff_ffff);
+    let inf = _mm512_set1_ps(f32::INFINITY);
+    // Per 128-bit lane, the even bytes of each 8-byte half, then its odd ones: dword `2 j +
+    // odd` of the block's 32 bytes holds elements `2 (4 j + m) + odd`, m = 0..4.
+    let words = _mm256_setr_epi8(
+        0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12,
+        14, 9, 11, 13, 15,
+    );
+    for (x, o) in xs.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
+        let (q, rest) = o.split_at_mut(cols / 4);
+        let (d, rest) = rest.split_at_mut(nb);
+        let offsets = &mut rest[..nb];
+        // SAFETY: as in `quantize_scalar`.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(q.as_mut_ptr() as *mut u8, cols) };
+        for (b, xb) in x.chunks_exact(32).enumerate() {
+            // SAFETY (block): `xb` holds 32 elements, read as two vectors of sixteen.
+            let (v0, v1) = unsafe {
+                (
+                    _mm512_loadu_ps(xb.as_ptr()),
+                    _mm512_loadu_ps(xb.as_ptr().add(16)),
+                )
+            };
+            let a0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), abs_bits));
+            let a1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), abs_bits));
+            let finite = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a0, inf)
+                & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a1, inf)
+                == 0xffff;
+            // Exact, as the scalar fold is, when every element is finite (the only case in
+            // which it is used).
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+            let scale = amax / 127.0;
+            let inv = if scale > 0.0 && finite {
+                1.0 / scale
+            } else {
+                0.0
+            };
+            d[b] = if finite { scale } else { f32::NAN };
+            let s = _mm512_set1_ps(inv);
+            let round = |v: __m512| {
+                let r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, s), magic), magic);
+                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(r, r);
+                _mm512_maskz_cvtps_epi32(!nan, _mm512_min_ps(_mm512_max_ps(r, lo), hi))
+            };
+            let (i0, i1) = (round(v0), round(v1));
+            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+            offsets[b] = f32::from_bits((-12 * sum) as u32);
+            let q = _mm256_set_m128i(_mm512_cvtepi32_epi8(i1), _mm512_cvtepi32_epi8(i0));
+            let mut w = [0u32; 8];
+            // SAFETY: `w` holds 32 bytes.
+            unsafe {
+                _mm256_storeu_si256(
+                    w.as_mut_ptr() as *mut __m256i,
+                    _mm256_shuffle_epi8(q, words),
+                )
+            };
+            for j in 0..4 {
+                for odd in 0..2 {
+                    let at = byte_at(nb, b, 8 * j + odd);
+                    bytes[at..at + 4].copy_from_slice(&w[2 * j + odd].to_le_bytes());
+                }
+            }
+        }
+    }
+}
+
+/// [`quantize`] one element at a time: the definition.
+fn quantize_scalar(xs: &[f32], cols: usize, out: &mut [f32]) {
     let nb = cols / 32;
     for (x, o) in xs.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
         let (q, rest) = o.split_at_mut(cols / 4);
@@ -1461,6 +1565,72 @@ mod tests {
                 sum += got as i32;
             }
             assert_eq!(offsets[b].to_bits() as i32, -12 * sum);
+        }
+    }
+
+    /// The vector quantization writes the scalar one's bytes: every rounding tie, blocks of
+    /// tiny, huge, subnormal, zero, NaN and infinite inputs, whole groups and the blocks past
+    /// them, over every value the slots the kernels read can hold.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_vector_quantization_writes_the_scalar_bytes() {
+        if !quantize_x86_supported() {
+            eprintln!("NOT RUN: this CPU has no AVX-512 BW and VL for the vector quantization");
+            return;
+        }
+        let cols = 11 * 32 + 64;
+        let nb = cols / 32;
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        for round in 0..300 {
+            let mut x = vec![0f32; 3 * cols];
+            for (i, v) in x.iter_mut().enumerate() {
+                let r = next();
+                let b = (i / 32) % 12;
+                *v = match (round + b) % 12 {
+                    // Halves: rounding ties once scaled (max 127 exactly).
+                    0 => ((r % 255) as f32 - 127.0) * 0.5,
+                    1 => f32::from_bits(r as u32 & 0x807f_ffff), // subnormal or zero
+                    2 => ((r % 2001) as f32 - 1000.0) * 1e30,
+                    3 if r % 7 == 0 => f32::NAN,
+                    4 if r % 9 == 0 => f32::INFINITY,
+                    5 if r % 9 == 0 => f32::NEG_INFINITY,
+                    6 => 0.0,
+                    7 => -0.0,
+                    8 => ((r % 255) as f32 - 127.0) * 1e-38,
+                    _ => {
+                        f32::from_bits((r as u32 & 0x807f_ffff) | 0x3f00_0000)
+                            * ((r >> 40) % 9) as f32
+                    }
+                };
+            }
+            let mut want = vec![f32::from_bits(0x5a5a_5a5a); x.len()];
+            let mut got = want.clone();
+            quantize_scalar(&x, cols, &mut want);
+            // SAFETY: checked above.
+            unsafe { quantize_x86(&x, cols, &mut got) };
+            for p in 0..3 {
+                let (wv, wd, wo) = position(&want, cols, p);
+                let (gv, gd, go) = position(&got, cols, p);
+                assert_eq!(wv, gv, "round {round} position {p}: int8 values");
+                for b in 0..nb {
+                    assert_eq!(
+                        wd[b].to_bits(),
+                        gd[b].to_bits(),
+                        "round {round} block {b}: scale"
+                    );
+                    assert_eq!(
+                        wo[b].to_bits(),
+                        go[b].to_bits(),
+                        "round {round} block {b}: offset"
+                    );
+                }
+            }
         }
     }
 
