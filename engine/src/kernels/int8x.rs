@@ -144,88 +144,31 @@ fn quantize_x86_supported() -> bool {
     })
 }
 
-/// [`quantize`] in vectors: per block the largest magnitude and the finiteness test on
-/// sixteen lanes at a time, the scale and its inverse as the scalar code computes them, each
-/// element's product, rounding and clamping as [`round_i8`] does them (a NaN lane gives 0, as
-/// `as i8` does), narrowed to bytes, the block's sum for its offset, and the eight 4-byte
-/// words of [`byte_at`]'s layout taken out by one byte shuffle. The byte placement and the
-/// scalar steps are [`quantize_scalar`]'s.
-///
-/// # Safety
-/// The CPU has AVX-512 F, BW and VL.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-unsafe fn quantize_x86(xs: &[f32], cols: usize, out: &mut [f32]) {
-    let nb = cols / 32;
-    let magic = _mm512_set1_ps(12_582_912.0);
-    let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
-    let abs_bits = _mm512_set1_epi32(0x7fff_ffff);
-    let inf = _mm512_set1_ps(f32::INFINITY);
-    // Per 128-bit lane, the even bytes of each 8-byte half, then its odd ones: dword `2 j +
-    // odd` of the block's 32 bytes holds elements `2 (4 j + m) + odd`, m = 0..4.
-    let words = _mm256_setr_epi8(
-        0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12,
-        14, 9, 11, 13, 15,
-    );
-    for (x, o) in xs.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
-        let (q, rest) = o.split_at_mut(cols / 4);
-        let (d, rest) = rest.split_at_mut(nb);
-        let offsets = &mut rest[..nb];
-        // SAFETY: as in `quantize_scalar`.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(q.as_mut_ptr() as *mut u8, cols) };
-        for (b, xb) in x.chunks_exact(32).enumerate() {
-            // SAFETY (block): `xb` holds 32 elements, read as two vectors of sixteen.
-            let (v0, v1) = unsafe {
-                (
-                    _mm512_loadu_ps(xb.as_ptr()),
-                    _mm512_loadu_ps(xb.as_ptr().add(16)),
-                )
-            };
-            let a0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), abs_bits));
-            let a1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), abs_bits));
-            let finite = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a0, inf)
-                & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a1, inf)
-                == 0xffff;
-            // Exact, as the scalar fold is, when every element is finite (the only case in
-            // which it is used).
-            let amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-            let scale = amax / 127.0;
-            let inv = if scale > 0.0 && finite {
-                1.0 / scale
-            } else {
-                0.0
-            };
-            d[b] = if finite { scale } else { f32::NAN };
-            let s = _mm512_set1_ps(inv);
-            let round = |v: __m512| {
-                let r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, s), magic), magic);
-                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(r, r);
-                _mm512_maskz_cvtps_epi32(!nan, _mm512_min_ps(_mm512_max_ps(r, lo), hi))
-            };
-            let (i0, i1) = (round(v0), round(v1));
-            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-            offsets[b] = f32::from_bits((-12 * sum) as u32);
-            let q = _mm256_set_m128i(_mm512_cvtepi32_epi8(i1), _mm512_cvtepi32_epi8(i0));
-            let mut w = [0u32; 8];
-            // SAFETY: `w` holds 32 bytes.
-            unsafe {
-                _mm256_storeu_si256(
-                    w.as_mut_ptr() as *mut __m256i,
-                    _mm256_shuffle_epi8(q, words),
-                )
-            };
-            for j in 0..4 {
-                for odd in 0..2 {
-                    let at = byte_at(nb, b, 8 * j + odd);
-                    bytes[at..at + 4].copy_from_slice(&w[2 * j + odd].to_le_bytes());
-                }
-            }
-        }
-    }
+/// One quantized block: its scale `d`, the sum of its 32 integers, and its bytes as eight
+/// 4-byte words, word `2 j + odd` holding elements `2 (4 j + m) + odd`, m = 0..4 (four such
+/// elements lie side by side in every layout, at [`byte_at`] of element `8 j + odd`).
+struct Block {
+    d: f32,
+    sum: i32,
+    words: [u32; 8],
 }
 
-/// [`quantize`] one element at a time: the definition.
-fn quantize_scalar(xs: &[f32], cols: usize, out: &mut [f32]) {
+/// A block's scale `d` (NaN for a block with a NaN or an infinity) and the factor its inputs
+/// are multiplied by before rounding (0 where the scale is 0 or NaN).
+fn block_scale(amax: f32, finite: bool) -> (f32, f32) {
+    let scale = amax / 127.0;
+    let inv = if scale > 0.0 && finite {
+        1.0 / scale
+    } else {
+        0.0
+    };
+    (if finite { scale } else { f32::NAN }, inv)
+}
+
+/// [`quantize`] with `block` quantizing each block of 32 inputs: the slots of each position
+/// (values, scales, offsets) written where the kernels read them.
+#[inline(always)]
+fn quantize_with(xs: &[f32], cols: usize, out: &mut [f32], block: impl Fn(&[f32]) -> Block) {
     let nb = cols / 32;
     for (x, o) in xs.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
         let (q, rest) = o.split_at_mut(cols / 4);
@@ -235,28 +178,91 @@ fn quantize_scalar(xs: &[f32], cols: usize, out: &mut [f32]) {
         // alignment or validity requirements, and `q` is not used while this view lives.
         let bytes = unsafe { std::slice::from_raw_parts_mut(q.as_mut_ptr() as *mut u8, cols) };
         for (b, xb) in x.chunks_exact(32).enumerate() {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let finite = xb.iter().all(|v| v.is_finite());
-            let scale = amax / 127.0;
-            let inv = if scale > 0.0 && finite {
-                1.0 / scale
-            } else {
-                0.0
-            };
-            d[b] = if finite { scale } else { f32::NAN };
-            let qb: [i8; 32] = std::array::from_fn(|e| round_i8(xb[e] * inv));
-            offsets[b] = f32::from_bits((-12 * qb.iter().map(|&v| v as i32).sum::<i32>()) as u32);
-            // Four elements `2 (4 j + m) + odd`, `m` in 0..4, lie side by side in every layout.
-            for j in 0..4 {
-                for odd in 0..2 {
-                    let at = byte_at(nb, b, 8 * j + odd);
-                    for m in 0..4 {
-                        bytes[at + m] = qb[2 * (4 * j + m) + odd] as u8;
-                    }
-                }
+            let k = block(xb);
+            d[b] = k.d;
+            offsets[b] = f32::from_bits((-12 * k.sum) as u32);
+            for (i, w) in k.words.iter().enumerate() {
+                let at = byte_at(nb, b, 8 * (i / 2) + i % 2);
+                bytes[at..at + 4].copy_from_slice(&w.to_le_bytes());
             }
         }
     }
+}
+
+/// [`quantize`] in vectors, block by block: the largest magnitude and the finiteness test on
+/// sixteen lanes at a time, then each element's product, rounding and clamping as
+/// [`round_i8`] does them (a NaN lane gives 0, as `as i8` does), narrowed to bytes, summed,
+/// and put in word order by one byte shuffle.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VL.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn quantize_x86(xs: &[f32], cols: usize, out: &mut [f32]) {
+    let magic = _mm512_set1_ps(12_582_912.0);
+    let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+    let abs_bits = _mm512_set1_epi32(0x7fff_ffff);
+    let inf = _mm512_set1_ps(f32::INFINITY);
+    // Per 128-bit lane, the even bytes of each 8-byte half, then its odd ones.
+    let order = _mm256_setr_epi8(
+        0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12,
+        14, 9, 11, 13, 15,
+    );
+    quantize_with(xs, cols, out, |xb| {
+        // SAFETY: `xb` holds 32 elements, read as two vectors of sixteen.
+        let (v0, v1) = unsafe {
+            (
+                _mm512_loadu_ps(xb.as_ptr()),
+                _mm512_loadu_ps(xb.as_ptr().add(16)),
+            )
+        };
+        let a0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), abs_bits));
+        let a1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), abs_bits));
+        let finite = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a0, inf)
+            & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a1, inf)
+            == 0xffff;
+        // Exact, as the scalar fold is, when every element is finite (the only case in which
+        // it is used).
+        let (d, inv) = block_scale(_mm512_reduce_max_ps(_mm512_max_ps(a0, a1)), finite);
+        let s = _mm512_set1_ps(inv);
+        let round = |v: __m512| {
+            let r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, s), magic), magic);
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(r, r);
+            _mm512_maskz_cvtps_epi32(!nan, _mm512_min_ps(_mm512_max_ps(r, lo), hi))
+        };
+        let (i0, i1) = (round(v0), round(v1));
+        let q = _mm256_set_m128i(_mm512_cvtepi32_epi8(i1), _mm512_cvtepi32_epi8(i0));
+        let mut words = [0u32; 8];
+        // SAFETY: `words` holds 32 bytes.
+        unsafe {
+            _mm256_storeu_si256(
+                words.as_mut_ptr() as *mut __m256i,
+                _mm256_shuffle_epi8(q, order),
+            )
+        };
+        Block {
+            d,
+            sum: _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)),
+            words,
+        }
+    });
+}
+
+/// [`quantize`] one element at a time: the definition.
+fn quantize_scalar(xs: &[f32], cols: usize, out: &mut [f32]) {
+    quantize_with(xs, cols, out, |xb| {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let (d, inv) = block_scale(amax, xb.iter().all(|v| v.is_finite()));
+        let qb: [i8; 32] = std::array::from_fn(|e| round_i8(xb[e] * inv));
+        Block {
+            d,
+            sum: qb.iter().map(|&v| v as i32).sum(),
+            words: std::array::from_fn(|i| {
+                let (j, odd) = (i / 2, i % 2);
+                u32::from_le_bytes(std::array::from_fn(|m| qb[8 * j + 2 * m + odd] as u8))
+            }),
+        }
+    });
 }
 
 /// The inputs as the int8 path rounds them (`q · d`, exact in f64), in element order: what
