@@ -22,9 +22,9 @@
 //! # Layout of the quantized inputs
 //!
 //! Inputs reach the kernels in the layout [`quantize`] writes, in place of the f32 inputs
-//! (the same length; every ISA quantizes with this one function, in vectors where the CPU has
-//! AVX-512 and one element at a time elsewhere, the same arithmetic either way, so the
-//! integers are the same on every CPU). Per position of `cols` slots: first the `cols` int8 values (a
+//! (the same length; every ISA quantizes with this one function, in AVX-512 or AVX2 vectors
+//! where the CPU has them and one element at a time elsewhere, the same arithmetic either way,
+//! so the integers are the same on every CPU). Per position of `cols` slots: first the `cols` int8 values (a
 //! quarter of the slots), then the `cols / 32` block scales `d_b`, then the blocks' offsets
 //! `-12 · Σ q` (i32, for the x86 kernels below). The int8 values of each group of eight
 //! blocks (256 bytes) are interleaved so that one 64-byte load meets a 4-byte word of each of
@@ -122,13 +122,20 @@ pub(super) fn byte_at(nb: usize, b: usize, e: usize) -> usize {
 /// Quantizes positions of `cols` inputs (`cols` a multiple of 32) into the layout the
 /// kernels read; `out` has the length of `xs`. A block holding a NaN or an infinity gets a
 /// NaN scale, so the outputs it feeds are NaN, as on the exact path. Where the CPU has
-/// AVX-512 BW and VL, [`quantize_x86`] writes the same bytes with vector arithmetic (the
-/// same f32 operations on each element, so the same integers; a test compares the two).
+/// AVX-512 BW and VL ([`quantize_x86`]) or AVX2 ([`quantize_avx2`]), vector arithmetic writes
+/// the same bytes (the same f32 operations on each element, so the same integers; a test
+/// compares each with [`quantize_scalar`]).
 pub(super) fn quantize(xs: &[f32], cols: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if quantize_x86_supported() {
-        // SAFETY: the CPU has the features (just checked).
-        return unsafe { quantize_x86(xs, cols, out) };
+    {
+        if quantize_x86_supported() {
+            // SAFETY: the CPU has the features (just checked).
+            return unsafe { quantize_x86(xs, cols, out) };
+        }
+        if super::avx2::supported() {
+            // SAFETY: the CPU has AVX2 (just checked).
+            return unsafe { quantize_avx2(xs, cols, out) };
+        }
     }
     quantize_scalar(xs, cols, out);
 }
@@ -192,7 +199,7 @@ fn quantize_with(xs: &[f32], cols: usize, out: &mut [f32], block: impl Fn(&[f32]
 /// [`quantize`] in vectors, block by block: the largest magnitude and the finiteness test on
 /// sixteen lanes at a time, then each element's product, rounding and clamping as
 /// [`round_i8`] does them (a NaN lane gives 0, as `as i8` does), narrowed to bytes, summed,
-/// and put in word order by one byte shuffle.
+/// and put in word order by one byte shuffle ([`block_words`]).
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VL.
@@ -203,11 +210,6 @@ unsafe fn quantize_x86(xs: &[f32], cols: usize, out: &mut [f32]) {
     let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
     let abs_bits = _mm512_set1_epi32(0x7fff_ffff);
     let inf = _mm512_set1_ps(f32::INFINITY);
-    // Per 128-bit lane, the even bytes of each 8-byte half, then its odd ones.
-    let order = _mm256_setr_epi8(
-        0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12,
-        14, 9, 11, 13, 15,
-    );
     quantize_with(xs, cols, out, |xb| {
         // SAFETY: `xb` holds 32 elements, read as two vectors of sixteen.
         let (v0, v1) = unsafe {
@@ -232,18 +234,88 @@ unsafe fn quantize_x86(xs: &[f32], cols: usize, out: &mut [f32]) {
         };
         let (i0, i1) = (round(v0), round(v1));
         let q = _mm256_set_m128i(_mm512_cvtepi32_epi8(i1), _mm512_cvtepi32_epi8(i0));
-        let mut words = [0u32; 8];
-        // SAFETY: `words` holds 32 bytes.
-        unsafe {
-            _mm256_storeu_si256(
-                words.as_mut_ptr() as *mut __m256i,
-                _mm256_shuffle_epi8(q, order),
-            )
-        };
         Block {
+            words: block_words(q),
             d,
             sum: _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)),
-            words,
+        }
+    });
+}
+
+/// A block's 32 integers, as bytes in element order, in [`Block`]'s word order: per 128-bit
+/// lane the even bytes of each 8-byte half, then its odd ones.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn block_words(q: __m256i) -> [u32; 8] {
+    let order = _mm256_setr_epi8(
+        0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12,
+        14, 9, 11, 13, 15,
+    );
+    let mut words = [0u32; 8];
+    // SAFETY: `words` holds 32 bytes.
+    unsafe {
+        _mm256_storeu_si256(
+            words.as_mut_ptr() as *mut __m256i,
+            _mm256_shuffle_epi8(q, order),
+        )
+    };
+    words
+}
+
+/// [`quantize_x86`] on eight lanes (AVX2): the four vectors' integers packed to bytes (which
+/// leaves them in 4-byte runs out of order), put back in element order by one dword permute,
+/// then in word order by [`block_words`] as the AVX-512 one does.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_avx2(xs: &[f32], cols: usize, out: &mut [f32]) {
+    let magic = _mm256_set1_ps(12_582_912.0);
+    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    let abs_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let inf = _mm256_set1_ps(f32::INFINITY);
+    // After the two packs, dword `k` holds elements `4 p[k] .. 4 p[k] + 4` with p = 0, 2, 4,
+    // 6, 1, 3, 5, 7.
+    let runs = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    quantize_with(xs, cols, out, |xb| {
+        // SAFETY: `xb` holds 32 elements, read as four vectors of eight.
+        let v: [__m256; 4] =
+            std::array::from_fn(|k| unsafe { _mm256_loadu_ps(xb.as_ptr().add(8 * k)) });
+        let a = v.map(|v| _mm256_and_ps(v, abs_bits));
+        let finite = a
+            .iter()
+            .all(|&a| _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(a, inf)) == 0xff);
+        // Exact (a maximum) when every element is finite, the only case in which it is used.
+        let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_shuffle_ps::<1>(m, m));
+        let (d, inv) = block_scale(_mm_cvtss_f32(m), finite);
+        let s = _mm256_set1_ps(inv);
+        let i = v.map(|v| {
+            let r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v, s), magic), magic);
+            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(r, r));
+            let c = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+            _mm256_andnot_si256(nan, c)
+        });
+        let sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+        let sum = _mm_add_epi32(
+            _mm256_castsi256_si128(sum),
+            _mm256_extracti128_si256::<1>(sum),
+        );
+        let sum = _mm_add_epi32(sum, _mm_unpackhi_epi64(sum, sum));
+        let sum = _mm_add_epi32(sum, _mm_shuffle_epi32::<1>(sum));
+        let q = _mm256_packs_epi16(
+            _mm256_packs_epi32(i[0], i[1]),
+            _mm256_packs_epi32(i[2], i[3]),
+        );
+        let q = _mm256_permutevar8x32_epi32(q, runs);
+        Block {
+            words: block_words(q),
+            d,
+            sum: _mm_cvtsi128_si32(sum),
         }
     });
 }
@@ -1574,15 +1646,23 @@ mod tests {
         }
     }
 
-    /// The vector quantization writes the scalar one's bytes: every rounding tie, blocks of
-    /// tiny, huge, subnormal, zero, NaN and infinite inputs, whole groups and the blocks past
-    /// them, over every value the slots the kernels read can hold.
+    /// Each vector quantization this CPU runs writes the scalar one's bytes: every rounding
+    /// tie, blocks of tiny, huge, subnormal, zero, NaN and infinite inputs, whole groups and
+    /// the blocks past them, over every slot the kernels read.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn the_vector_quantization_writes_the_scalar_bytes() {
-        if !quantize_x86_supported() {
-            eprintln!("NOT RUN: this CPU has no AVX-512 BW and VL for the vector quantization");
-            return;
+    fn the_vector_quantizations_write_the_scalar_bytes() {
+        type Quantize = unsafe fn(&[f32], usize, &mut [f32]);
+        let mut runs: Vec<(&str, Quantize)> = Vec::new();
+        if super::super::avx2::supported() {
+            runs.push(("avx2", quantize_avx2));
+        } else {
+            eprintln!("NOT RUN: this CPU has no AVX2 for its vector quantization");
+        }
+        if quantize_x86_supported() {
+            runs.push(("avx512", quantize_x86));
+        } else {
+            eprintln!("NOT RUN: this CPU has no AVX-512 BW and VL for its vector quantization");
         }
         let cols = 11 * 32 + 64;
         let nb = cols / 32;
@@ -1616,25 +1696,20 @@ mod tests {
                 };
             }
             let mut want = vec![f32::from_bits(0x5a5a_5a5a); x.len()];
-            let mut got = want.clone();
             quantize_scalar(&x, cols, &mut want);
-            // SAFETY: checked above.
-            unsafe { quantize_x86(&x, cols, &mut got) };
-            for p in 0..3 {
-                let (wv, wd, wo) = position(&want, cols, p);
-                let (gv, gd, go) = position(&got, cols, p);
-                assert_eq!(wv, gv, "round {round} position {p}: int8 values");
-                for b in 0..nb {
-                    assert_eq!(
-                        wd[b].to_bits(),
-                        gd[b].to_bits(),
-                        "round {round} block {b}: scale"
-                    );
-                    assert_eq!(
-                        wo[b].to_bits(),
-                        go[b].to_bits(),
-                        "round {round} block {b}: offset"
-                    );
+            for &(name, quantize) in &runs {
+                let mut got = vec![f32::from_bits(0x5a5a_5a5a); x.len()];
+                // SAFETY: the CPU has the features (checked above).
+                unsafe { quantize(&x, cols, &mut got) };
+                for p in 0..3 {
+                    let (wv, wd, wo) = position(&want, cols, p);
+                    let (gv, gd, go) = position(&got, cols, p);
+                    assert_eq!(wv, gv, "{name} round {round} position {p}: int8 values");
+                    for b in 0..nb {
+                        let (w, g) = ((wd[b], wo[b]), (gd[b], go[b]));
+                        assert_eq!(w.0.to_bits(), g.0.to_bits(), "{name} {round} {b}: scale");
+                        assert_eq!(w.1.to_bits(), g.1.to_bits(), "{name} {round} {b}: offset");
+                    }
                 }
             }
         }
