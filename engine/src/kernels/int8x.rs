@@ -3,9 +3,8 @@
 //! (max |x| / 127), the 4-bit weights times two are small integers (0, ±1, ±2, ±3, ±4, ±6,
 //! ±8, ±12), and a block's 32 products are summed exactly in integers before the two
 //! scales are applied once. Approximate (the rounding of the inputs); never the default.
-//! The inputs' quantization is in [`quantize`](self::quantize) (the submodule), the
-//! row-lane kernel for more than [`POSITIONS`] positions in [`lane`]; the other kernels and
-//! the reference are here.
+//! The inputs' quantization is in [`quantize`](mod@self::quantize), the row-lane kernel for
+//! more than [`POSITIONS`] positions in [`lane`]; the other kernels and the reference are here.
 //!
 //! # One arithmetic on every ISA
 //!
