@@ -1329,7 +1329,6 @@ impl Announcer {
         for e in held.iter() {
             let _ = offered.remove(e);
         }
-        let placement = self.holdings.announce.borrow().placement.clone();
         let peers = match &self.peers {
             Some(tier) => {
                 // Peer exchange: the serving nodes this node's peers told it of join its set
@@ -1339,11 +1338,8 @@ impl Announcer {
             }
             None => Vec::new(),
         };
-        self.holdings.set_announce(Announce {
-            held,
-            offered,
-            placement,
-            peers,
-        });
+        // The placement announcement is the driver's: left as it is now, not as it was when
+        // this refresh began.
+        self.holdings.set_inventory(held, offered, peers);
     }
 }

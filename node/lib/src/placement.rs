@@ -282,10 +282,11 @@ impl Replicator {
 
     /// Says goodbye: the next announcement says this node is leaving, and placement stops.
     pub fn leave(&self) {
+        // Under the policy's lock, as a step publishes: a step's announcement never lands
+        // after the goodbye.
+        let policy = self.policy.lock().expect("policy lock");
         self.leaving.store(true, Ordering::SeqCst);
-        let now = Instant::now();
-        let a = self.policy.lock().expect("policy lock").announcement(now);
-        self.publish(&a, true);
+        self.publish(&policy.announcement(Instant::now()), true);
     }
 
     /// One round: what changed in, the policy's actions out.
@@ -474,8 +475,10 @@ impl Replicator {
             }
         }
         if announce {
-            let a = self.policy.lock().expect("policy lock").announcement(now);
-            self.publish(&a, false);
+            let policy = self.policy.lock().expect("policy lock");
+            if !self.leaving.load(Ordering::SeqCst) {
+                self.publish(&policy.announcement(now), false);
+            }
         }
     }
 
@@ -528,15 +531,7 @@ impl Replicator {
             demand,
             leaving,
         };
-        self.holdings.announce.send_if_modified(|cur| {
-            if cur.placement.as_deref() == Some(&w) {
-                return false;
-            }
-            let mut next = (**cur).clone();
-            next.placement = Some(Arc::new(w));
-            *cur = Arc::new(next);
-            true
-        });
+        self.holdings.set_placement(w);
     }
 }
 

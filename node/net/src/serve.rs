@@ -165,13 +165,43 @@ impl Holdings {
         self.announce.borrow().held.clone()
     }
 
-    /// Replaces what the node announces; connected peers are told what changed.
-    pub fn set_announce(&self, a: Announce) {
+    /// Replaces what the node holds, offers and names as peers, keeping its placement
+    /// announcement; connected peers are told what changed.
+    ///
+    /// Each writer changes only its own fields, inside the channel's lock: the inventory
+    /// refresh and the placement driver run on their own schedules, and a refresh that
+    /// carried a placement read before its (slow) work would put back an older one, which
+    /// nobody sends again (a node's peers saw two of its kept copies as still fetching).
+    pub fn set_inventory(
+        &self,
+        held: ExpertSet,
+        offered: ExpertSet,
+        peers: Vec<stormo_wire::PeerEntry>,
+    ) {
         self.announce.send_if_modified(|cur| {
-            if **cur == a {
+            if cur.held == held && cur.offered == offered && cur.peers == peers {
                 return false;
             }
-            *cur = Arc::new(a);
+            *cur = Arc::new(Announce {
+                held,
+                offered,
+                placement: cur.placement.clone(),
+                peers,
+            });
+            true
+        });
+    }
+
+    /// Replaces the node's placement announcement, keeping the rest (see
+    /// [`Holdings::set_inventory`]); connected peers are told when it changed.
+    pub fn set_placement(&self, placement: stormo_wire::Placement) {
+        self.announce.send_if_modified(|cur| {
+            if cur.placement.as_deref() == Some(&placement) {
+                return false;
+            }
+            let mut next = (**cur).clone();
+            next.placement = Some(Arc::new(placement));
+            *cur = Arc::new(next);
             true
         });
     }
@@ -1355,4 +1385,70 @@ pub fn check_layout(m: &Manifest, sizes: &[Vec<u64>]) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// The tiny GPT-OSS fixture with a manifest, in `dir`, as a server's holdings.
+    pub(crate) fn fixture_holdings(dir: &std::path::Path) -> Holdings {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/gptoss-tiny-bf16");
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(src.join(f), dir.join(f)).expect("copying the fixture");
+        }
+        let m = stormo_manifests::build(dir, &stormo_manifests::BuildOptions::default())
+            .expect("manifest");
+        std::fs::write(dir.join("stormo-manifest.bin"), m.encode()).expect("manifest");
+        holdings(dir, None, None, |files, _| {
+            Ok(Arc::new(files.mapped_experts()?) as Arc<dyn ExpertProvider>)
+        })
+        .expect("holdings")
+    }
+
+    /// The inventory refresh and the placement driver write the one announcement on their own
+    /// schedules: each changes only its own fields, so neither puts back what the other
+    /// replaced (a refresh that carried the placement it read before its work undid the
+    /// driver's newer one, and the node's peers saw two of its kept copies as fetching for
+    /// good), and a write that changes nothing tells no peer.
+    #[test]
+    fn the_inventory_and_the_placement_never_undo_each_other() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let h = fixture_holdings(dir.path());
+        let held = h.held();
+        let empty = ExpertSet::new(held.layers(), held.experts_per_layer()).expect("a set");
+        let placement = |kept: &ExpertSet, used: u64| stormo_wire::Placement {
+            model: h.model_id(),
+            budget: 1 << 20,
+            used,
+            pinned: empty.clone(),
+            kept: kept.clone(),
+            fetching: empty.clone(),
+            demand: Vec::new(),
+            leaving: false,
+        };
+        let mut changes = h.announce.subscribe();
+        changes.borrow_and_update();
+
+        let first = placement(&empty, 0);
+        h.set_placement(first.clone());
+        assert!(changes.has_changed().expect("open"));
+        changes.borrow_and_update();
+        h.set_inventory(empty.clone(), held.clone(), Vec::new());
+        let now = changes.borrow_and_update().clone();
+        assert_eq!(now.placement.as_deref(), Some(&first));
+        assert_eq!((&now.held, &now.offered), (&empty, &held));
+
+        let second = placement(&held, 7);
+        h.set_placement(second.clone());
+        let now = changes.borrow_and_update().clone();
+        assert_eq!(now.placement.as_deref(), Some(&second));
+        assert_eq!((&now.held, &now.offered), (&empty, &held));
+
+        // Nothing new: no peer is told.
+        h.set_inventory(empty.clone(), held.clone(), Vec::new());
+        h.set_placement(second);
+        assert!(!changes.has_changed().expect("open"));
+    }
 }

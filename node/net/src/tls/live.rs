@@ -431,23 +431,6 @@ mod tests {
         assert!(!Admission::Keys(HashSet::new()).can_change());
     }
 
-    /// The tiny GPT-OSS fixture with a manifest, as a server's holdings.
-    fn fixture_holdings(dir: &std::path::Path) -> crate::serve::Holdings {
-        use stormo_engine::moe::ExpertProvider;
-        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fixtures/gptoss-tiny-bf16");
-        for f in ["config.json", "model.safetensors"] {
-            std::fs::copy(src.join(f), dir.join(f)).expect("copying the fixture");
-        }
-        let m = stormo_manifests::build(dir, &stormo_manifests::BuildOptions::default())
-            .expect("manifest");
-        std::fs::write(dir.join("stormo-manifest.bin"), m.encode()).expect("manifest");
-        crate::serve::holdings(dir, None, None, |files, _| {
-            Ok(Arc::new(files.mapped_experts()?) as Arc<dyn ExpertProvider>)
-        })
-        .expect("holdings")
-    }
-
     /// Issue 58 (5), in a real peer server on loopback: a member whose key is written into the
     /// server's `--revoked` file (beside a malformed line) while its connection is open loses
     /// that connection within 5 s, closed `FORBIDDEN` with the reason; a member whose
@@ -457,7 +440,7 @@ mod tests {
     fn live_connections_of_a_revoked_and_an_expired_member_close_within_5_s() {
         let rt = stormo_testing::runtime();
         let model = tempfile::tempdir().expect("tempdir");
-        let holdings = Arc::new(fixture_holdings(model.path()));
+        let holdings = Arc::new(crate::serve::tests::fixture_holdings(model.path()));
         let now = crate::identity::unix_now().expect("clock");
         let owner = key(90);
         let (server, revoked, expiring, staying) = (key(91), key(92), key(93), key(94));
