@@ -336,6 +336,48 @@ fn node_keeping_peers_dialled(
     (node, state)
 }
 
+/// A serving node does not hold its listener back for a peer that does not answer: before,
+/// building it waited for every `--peer`'s handshake, so a silent peer (a loopback socket that
+/// reads nothing) held `stormo serve` until the handshake gave up (the QUIC idle timeout,
+/// 10 s, with a longer connect timeout; 3 s with the default one). A node that only fetches
+/// (`run`) still waits, so that its first load knows what its peers hold.
+#[test]
+fn a_serving_node_does_not_wait_for_a_silent_peer_to_start() {
+    let f = setup("qwen3moe-tiny");
+    let (dead, _sink) = dead_peer();
+    let mut args = peer_args(&f, vec![dead]);
+    args.timeouts.connect_timeout = Duration::from_secs(60);
+    let state = tempfile::tempdir().expect("tempdir");
+    let key = state.path().join("server.key");
+    SecretKey::from_seed(&[91; 32])
+        .write_new(&key)
+        .expect("key file");
+    args.key = Some(key);
+    let started = Instant::now();
+    let node = stormo_node::node::Node::start(NodeConfig {
+        model: f.dir.path().to_path_buf(),
+        state_dir: state.path().join("state"),
+        experts: expert_args(),
+        local: LocalExperts::All,
+        context: 512,
+        peers: args,
+        listen: Some(stormo_node::config::ListenConfig {
+            addr: "127.0.0.1:0".parse().expect("address"),
+            serve: ServeConfig::default(),
+            replicas: 0,
+        }),
+        swarm: None,
+    })
+    .expect("the node starts");
+    let took = started.elapsed();
+    // Well below the silent peer's handshake (10 s), whatever the machine's load.
+    assert!(
+        took < Duration::from_secs(7),
+        "the serving node took {took:?} to start beside a silent peer"
+    );
+    drop(node);
+}
+
 /// Regression (`serve --http` hung on a dead sole holder): a node that keeps its peers dialled
 /// redialled a peer whose connection was down by taking it out of the peer set and adding it
 /// again, every second. Each new entry started the peer's policy over, as a peer never tried:

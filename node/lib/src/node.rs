@@ -1263,8 +1263,13 @@ fn peer_tier(
     if cfg.listen.is_some() {
         // Its hellos say it serves from its first dials on (made before serving starts).
         t.set_serving();
+        // A serving node does not hold its listener back for its peers' handshakes (a peer
+        // that does not answer takes the whole connect timeout): placement waits for them
+        // on its own (its settle time), and a load dials a peer not yet reached.
+        t.add_peers_in_background(&p.peers)?;
+    } else {
+        t.add_peers(&p.peers)?;
     }
-    t.add_peers(&p.peers)?;
     Ok(t)
 }
 

@@ -347,6 +347,17 @@ impl PeerTier {
     /// address replaces it; one removed before comes back with its view as it was (see
     /// `Inner::add_peers`). Unreachable peers are warned about and retried later.
     pub fn add_peers(&self, peers: &[PeerAddr]) -> anyhow::Result<()> {
+        self.add_and_connect(peers, true)
+    }
+
+    /// [`PeerTier::add_peers`] without waiting for the connections: they are made on the
+    /// tier's runtime while the caller goes on. For a node that serves, whose listener need not
+    /// wait for a peer that does not answer (its handshake's whole timeout).
+    pub fn add_peers_in_background(&self, peers: &[PeerAddr]) -> anyhow::Result<()> {
+        self.add_and_connect(peers, false)
+    }
+
+    fn add_and_connect(&self, peers: &[PeerAddr], wait: bool) -> anyhow::Result<()> {
         let added = self.inner.add_peers(peers)?;
         if added.is_empty() {
             return Ok(());
@@ -365,6 +376,10 @@ impl PeerTier {
                 let _ = t.await;
             }
         };
+        if !wait {
+            self.rt.spawn(connect_all);
+            return Ok(());
+        }
         match tokio::runtime::Handle::try_current() {
             // Inside a runtime (a discovery task): connect in the background.
             Ok(_) => {
