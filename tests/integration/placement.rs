@@ -600,6 +600,65 @@ fn logs_within(p: &Proc, says: &str, within: Duration) {
     }
 }
 
+/// Peer exchange on a node that only fetches: a client given only A (which holds experts 0-1
+/// and was given B, which holds 2-3) fetches B's experts from B itself, not through A's
+/// offer, and generates the ids of a local run. Before, a fetching node used only the peers
+/// it was given, so every byte of B's experts came through A, and A stopping stopped it.
+#[test]
+fn a_client_given_one_node_fetches_from_the_holders_that_node_names() {
+    let (m, id) = model_with_manifest();
+    let (sa, sb) = (state(), state());
+    let b = serve(
+        m.path(),
+        sb.path(),
+        &["--only-experts", "2-3", "--replicas", "0"],
+    );
+    let a_args = [
+        "--only-experts",
+        "0-1",
+        "--replicas",
+        "0",
+        "--peer",
+        &b.line,
+        "--model-id",
+        &id,
+    ];
+    let a = serve(m.path(), sa.path(), &a_args);
+    let (want, _) = run_ids(m.path(), state().path(), &[]);
+    let port_of = |line: &str| line.rsplit(':').next().expect("a port").to_string();
+    let (a_port, b_port) = (port_of(&a.line), port_of(&b.line));
+    // The bytes each peer sent, by its port.
+    let bytes_from = |v: &Value, port: &str| -> u64 {
+        v["experts"]["peer_bytes_by_peer"]
+            .as_object()
+            .expect("peer_bytes_by_peer")
+            .iter()
+            .filter(|(k, _)| k.rsplit(':').next() == Some(port))
+            .map(|(_, b)| b.as_u64().unwrap_or(0))
+            .sum()
+    };
+    // A names B within half a second of B's dial; a run started before that goes through A.
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let st = state();
+        let extra = ["--no-local-experts", "--peer", &a.line, "--model-id", &id];
+        let (got, v) = run_ids(m.path(), st.path(), &extra);
+        assert_eq!(got, want, "{v}");
+        if bytes_from(&v, &b_port) > 0 {
+            assert!(
+                bytes_from(&v, &a_port) > 0,
+                "A's own experts came from A: {v}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "no bytes from B, which A names, within 30 s: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 /// Peer exchange: B and C were each given only A, and A tells each of the other
 /// ([`stormo_wire::Peers`]), so B takes C into its peer set and offers the expert only C
 /// holds. A client that knows only B generates the ids of a local run. Without the exchange

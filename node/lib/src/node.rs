@@ -242,6 +242,8 @@ impl Node {
         if node.cfg.listen.is_some() {
             node.keep_peers_dialled();
             node.start_serving(plan.allowed.as_deref(), plan.dense_only)?;
+        } else {
+            node.exchange_peers();
         }
         if plan.discovering {
             node.start_discovery()?;
@@ -563,6 +565,33 @@ impl Node {
                 spawn_redial(self.rt.handle(), t.clone());
             }
         }
+    }
+
+    /// Peer exchange for a node that only fetches (`run`, `chat` and `bench` with peers; a
+    /// serving node does it in its announcer): the serving nodes its peers name join its
+    /// set, so it fetches from each holder directly instead of through the one it was given
+    /// (whose offer goes one hop), and goes on when that one stops. Once now, then every
+    /// [`ANNOUNCE_EVERY`] while the node runs.
+    fn exchange_peers(&self) {
+        let Some(t) = self.peers.clone() else {
+            return;
+        };
+        add_told_peers(&t);
+        self.rt.spawn(async move {
+            let mut tick = tokio::time::interval(ANNOUNCE_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let t = t.clone();
+                // It may dial: off the async threads.
+                if tokio::task::spawn_blocking(move || add_told_peers(&t))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        });
     }
 
     /// Waits (at most `within`) until every expert has a reachable holder, for a node that
