@@ -291,3 +291,96 @@ fn a_full_disk_stops_storing_with_one_warning_and_what_is_held_is_still_served()
         );
     }
 }
+
+/// One process owns a model's kept-experts folder (an OS lock beside it). A second opener
+/// shares it: it reads the records (verified), but stores, evicts and deletes nothing, even
+/// with a limit below what is held, so it cannot take away copies the owner keeps and
+/// announces; once the owner is gone the next opener owns it. A second serving node started
+/// on the same state directory is refused by name, and the first one's copies stay. Before,
+/// the second node deleted most of the first's experts at start while the first went on
+/// announcing them.
+#[test]
+fn a_second_process_on_a_kept_experts_folder_shares_it_and_deletes_nothing() {
+    let (m, id) = model_with_manifest();
+    let (recs, manifest, schemas) = records(m.path());
+    let st = state();
+    let root = st.path().join("experts");
+    let kept = root.join(&id);
+    let open = |limit: u64| {
+        ExpertDir::open(
+            &root,
+            manifest.model_id(),
+            limit,
+            Arc::new(manifest.clone()),
+            schemas.clone(),
+        )
+        .expect("expert dir")
+    };
+    let owner = open(u64::MAX);
+    assert!(!owner.is_shared());
+    for (id, r) in &recs {
+        owner.store(*id, r);
+    }
+    let all = held_bytes(&kept);
+    assert_eq!(all.0, recs.len());
+
+    // A limit of one byte: an owner would delete every record at open.
+    let second = open(1);
+    assert!(second.is_shared(), "the folder's owner is alive");
+    assert_eq!(
+        second.len(),
+        recs.len(),
+        "the shared opener sees the records"
+    );
+    let (id0, r0) = &recs[0];
+    assert_eq!(&second.read(*id0).expect("a shared read"), r0);
+    assert!(!second.remove(*id0), "a shared opener deletes nothing");
+    assert_eq!(held_bytes(&kept), all, "nothing deleted");
+    drop(second);
+
+    // The owner gone: the next opener owns the folder and applies its limit.
+    drop(owner);
+    let next = open(recs[0].1.len() as u64);
+    assert!(!next.is_shared());
+    assert_eq!(held_bytes(&kept).0, 1, "cut to its limit");
+    drop(next);
+
+    // Two serving nodes on one state directory: the second is refused by name.
+    for (id, r) in &recs {
+        open(u64::MAX).store(*id, r);
+    }
+    let serve = |extra: &[&str]| -> Vec<String> {
+        let mut args = vec![
+            "serve",
+            "--model",
+            s(m.path()),
+            "--listen",
+            "127.0.0.1:0",
+            "--allow-any",
+            "--state-dir",
+            s(st.path()),
+            "--expert-cache",
+            "0",
+            "--no-warm",
+        ];
+        args.extend_from_slice(extra);
+        args.into_iter().map(String::from).collect()
+    };
+    let first_args = serve(&[]);
+    let first =
+        crate::node::Proc::start(&first_args.iter().map(String::as_str).collect::<Vec<_>>());
+    let out = Command::new(stormo_exe())
+        .args(serve(&["--expert-dir-limit", "1"]))
+        .stdin(Stdio::null())
+        .output()
+        .expect("a second serve");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("is in use by another stormo process") && err.contains(&id),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(held_bytes(&kept), all, "the first node's copies stay");
+    drop(first);
+}

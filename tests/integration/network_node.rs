@@ -125,6 +125,8 @@ fn expert_dir_keeps_fetched_experts_for_the_next_run() {
         held,
         "one file per record, no temporary files left"
     );
+    // This process owns the folder while a handle lives: let go of it for the runs below.
+    drop(dir);
     drop(tiers);
     peer.kill();
 
@@ -152,24 +154,43 @@ fn expert_dir_keeps_fetched_experts_for_the_next_run() {
         "the damage was not caught: {j}"
     );
     assert!(num(&j, "fallbacks") > 0, "{j}");
+    drop(t3);
 
     // A smaller limit evicts down to it, files included.
     let m = stormo_manifests::read_manifest(&f.dir.path().join("stormo-manifest.bin"))
         .expect("manifest")
         .0;
     let rec = m.experts[0].len;
-    let small = net::expert_dir::ExpertDir::open(
-        store.path(),
-        f.id,
-        2 * rec,
+    let (m, schemas) = (
         Arc::new(m),
         ModelFiles::open(f.dir.path())
             .expect("files")
             .layout
             .schemas
             .clone(),
-    )
-    .expect("reopen");
+    );
+    // The third run's node lets go of the folder (and its lock) as its runtime's last tasks
+    // end, a moment after it is dropped.
+    let until = Instant::now() + Duration::from_secs(10);
+    let small = loop {
+        let d = net::expert_dir::ExpertDir::open(
+            store.path(),
+            f.id,
+            2 * rec,
+            m.clone(),
+            schemas.clone(),
+        )
+        .expect("reopen");
+        if !d.is_shared() {
+            break d;
+        }
+        assert!(
+            Instant::now() < until,
+            "the folder is still owned after 10 s"
+        );
+        drop(d);
+        std::thread::sleep(Duration::from_millis(50));
+    };
     assert_eq!(small.len(), 2);
     assert_eq!(std::fs::read_dir(&root).expect("dir").count(), 2);
 }

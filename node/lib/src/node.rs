@@ -1161,13 +1161,23 @@ fn build_tiers(
     let kept = match (&p.keep, manifest) {
         (Some(k), Some(m)) => {
             let root = k.dir.clone().unwrap_or_else(|| state.experts.clone());
-            Some(Arc::new(ExpertDir::open(
+            let dir = ExpertDir::open(
                 &root,
                 m.id,
                 k.limit,
                 m.manifest.clone(),
                 files.layout.schemas.clone(),
-            )?))
+            )?;
+            // Two nodes keeping copies in one folder would each announce the other's, and
+            // delete them by their own budgets.
+            anyhow::ensure!(
+                cfg.listen.is_none() || !dir.is_shared(),
+                "the expert directory {} is in use by another stormo process (a node or run \
+                 on the same --state-dir): give this node its own --state-dir (or \
+                 --expert-dir), or stop the other",
+                dir.root().display()
+            );
+            Some(Arc::new(dir))
         }
         _ => None,
     };

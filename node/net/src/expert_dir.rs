@@ -12,9 +12,17 @@
 //! default follows the free disk, read again before each write; a full disk stops the storing
 //! with one warning ([`budget`]).
 //!
-//! Non-goals: sharing one folder between processes that write it at the same time (each keeps
-//! its own index; they do not corrupt each other, but the limit is per process), and
-//! durability against power loss (a torn record fails verification and is fetched again).
+//! One process owns a model's folder: it holds an exclusive lock on `DIR/.<model id>.lock` (an OS
+//! advisory lock, `std::fs::File::try_lock`, released when the process ends, even by a
+//! crash). Another process that opens the folder meanwhile (a `run` beside the `serve` of the
+//! same `--state-dir`, or a second node started on it by mistake) uses it shared: it reads
+//! the records there, verified as always, but writes, evicts and deletes nothing, so it never
+//! takes away the copies the owner keeps and announces ([`ExpertDir::is_shared`]; a serving
+//! node refuses to start on a shared folder). Where the file system has no locks, every
+//! process owns the folder, as before.
+//!
+//! Non-goals: durability against power loss (a torn record fails verification and is
+//! fetched again).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -71,6 +79,9 @@ pub struct ExpertDir {
     /// With placement: the experts it asked to keep and that are not stored yet. Nothing else
     /// is kept (a record fetched to answer a peer would take a placed copy's room).
     wanted: Mutex<std::collections::HashSet<ExpertId>>,
+    /// The folder's lock, held while this value lives; `None`: another process owns the
+    /// folder, and this one only reads it.
+    owner: Option<std::fs::File>,
 }
 
 impl std::fmt::Debug for ExpertDir {
@@ -129,13 +140,17 @@ impl ExpertDir {
         let root = dir.join(model.to_hex());
         std::fs::create_dir_all(&root)
             .with_context(|| format!("creating the expert directory {}", root.display()))?;
+        let owner = own(&root)?;
         let mut found: Vec<(SystemTime, ExpertId, u64)> = Vec::new();
         for e in std::fs::read_dir(&root).with_context(|| format!("reading {}", root.display()))? {
             let e = e.with_context(|| format!("reading {}", root.display()))?;
             let name = e.file_name().to_string_lossy().into_owned();
             let Ok(meta) = e.metadata() else { continue };
             if name.ends_with(".tmp") && meta.is_file() {
-                let _ = std::fs::remove_file(e.path());
+                // A crash's leftover, unless the owner is writing it now.
+                if owner.is_some() {
+                    let _ = std::fs::remove_file(e.path());
+                }
                 continue;
             }
             let Some(id) = parse_name(&name) else {
@@ -185,10 +200,17 @@ impl ExpertDir {
             state: Mutex::new(st),
             placed: std::sync::atomic::AtomicBool::new(false),
             wanted: Mutex::default(),
+            owner,
         };
-        {
+        me.refresh_limit(&mut me.lock());
+        if me.is_shared() {
+            tracing::info!(
+                "expert directory {}: in use by another stormo process; reading the experts it \
+                 keeps, keeping and deleting none",
+                me.root.display()
+            );
+        } else {
             let mut g = me.lock();
-            me.refresh_limit(&mut g);
             let (before, bytes) = (g.entries.len(), g.used);
             me.evict(&mut g, 0);
             if g.entries.len() < before {
@@ -217,6 +239,12 @@ impl ExpertDir {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().expect("expert dir lock")
+    }
+
+    /// Whether another process owns the folder (see the module docs): this one reads the
+    /// records there and writes, evicts and deletes none.
+    pub fn is_shared(&self) -> bool {
+        self.owner.is_none()
     }
 
     /// The folder of this model's records.
@@ -303,6 +331,9 @@ impl ExpertDir {
     /// Deletes expert `id`'s record (placement evicting a copy the swarm has enough of).
     /// Returns whether it was held; one still being written is left to its store.
     pub fn remove(&self, id: ExpertId) -> bool {
+        if self.is_shared() {
+            return false;
+        }
         let mut g = self.lock();
         if !g.entries.get(&id).is_some_and(|e| e.written) {
             return false;
@@ -335,6 +366,9 @@ impl ExpertDir {
     fn forget(&self, g: &mut State, id: ExpertId) {
         if let Some(e) = g.entries.remove(&id) {
             g.used -= e.len;
+            if self.is_shared() {
+                return;
+            }
             if let Err(e) = std::fs::remove_file(self.path(id)) {
                 if e.kind() != std::io::ErrorKind::NotFound {
                     tracing::warn!("removing {}: {e}", self.path(id).display());
@@ -353,6 +387,9 @@ impl ExpertDir {
     }
 
     fn try_store(&self, id: ExpertId, record: &[u8]) -> anyhow::Result<()> {
+        if self.is_shared() {
+            return Ok(());
+        }
         self.manifest
             .verify_record(id, record)
             .context("the record does not match the manifest")?;
@@ -492,6 +529,31 @@ impl ExpertDir {
                 self.forget(&mut g, id);
                 Err(e)
             }
+        }
+    }
+}
+
+/// Takes `root`'s lock (`.<model id>.lock` beside the folder, so the folder holds records
+/// only): the file, locked, when this process now owns the folder; `None` when another
+/// process holds it. A file system without locks gives every process the folder.
+fn own(root: &Path) -> anyhow::Result<Option<std::fs::File>> {
+    let name = root
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    let path = root.with_file_name(format!(".{name}.lock"));
+    let f = std::fs::File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match f.try_lock() {
+        Ok(()) => Ok(Some(f)),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+        Err(std::fs::TryLockError::Error(e)) => {
+            tracing::debug!("{}: no lock ({e}); owning the folder", path.display());
+            Ok(Some(f))
         }
     }
 }

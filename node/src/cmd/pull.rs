@@ -44,7 +44,7 @@ pub struct Args {
     #[arg(long)]
     pub with_experts: bool,
     /// Also fetch these experts' records (the --only-experts syntax: `0-15`, or per layer
-    /// `0:0-7,1:8-15`), each from any peer that holds it (partial holders too), verified
+    /// `0:0-7,1:8-15`, or `all`), each from any peer that holds it (partial holders too), verified
     /// against the manifest and kept in the expert directory (--expert-dir, default the state
     /// directory), where `run`, `chat` and `serve` on this folder find and use them.
     #[arg(long, value_name = "SPEC", conflicts_with = "with_experts")]
@@ -343,6 +343,12 @@ fn pull_experts(
         .collect();
     let tier = node.peer_tier().context("no network tier")?.clone();
     let dir = node.expert_dir().context("no expert directory")?.clone();
+    anyhow::ensure!(
+        !dir.is_shared(),
+        "the expert directory {} is in use by another stormo process (a node or run on the \
+         same --state-dir): stop it, or give `pull` another --state-dir or --expert-dir",
+        dir.root().display()
+    );
     let todo: Vec<ExpertId> = keys.iter().copied().filter(|&k| !dir.contains(k)).collect();
     if !a.quiet {
         eprintln!(
