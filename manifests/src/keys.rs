@@ -78,7 +78,7 @@ pub enum KeyError {
         reason: &'static str,
     },
     /// Text that is not a public key.
-    #[error("{input:?} is not a public key: {reason} (a node key is 64 hex characters, as `stormo key generate` prints it)")]
+    #[error("{input:?} is not a public key: {reason} (a public key is 64 hex characters, as `stormo key generate` prints a node's and `stormo swarm create` a swarm's)")]
     Public {
         /// The text given (truncated).
         input: String,

@@ -357,6 +357,15 @@ pub fn main() -> std::process::ExitCode {
     crate::logging::init(cli.verbose);
     match dispatch(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // The reader of the output went away (`stormo man | head`): done, as for any filter.
+        Err(e)
+            if e.chain().any(|c| {
+                c.downcast_ref::<std::io::Error>()
+                    .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            }) =>
+        {
+            std::process::ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("error: {}", error_message(&e));
             std::process::ExitCode::FAILURE

@@ -1228,7 +1228,7 @@ fn http_400s_name_the_field_and_say_what_is_wrong() {
             "/v1/chat/completions",
             chat(json!({ "max_tokens": "3" })),
             "max_tokens",
-            "max_tokens must be a whole number from 0 up, not the string \"3\"",
+            "max_tokens must be a whole number from 1 up, not the string \"3\"",
         ),
         (
             "/v1/completions",

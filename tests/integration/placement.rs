@@ -659,6 +659,52 @@ fn a_client_given_one_node_fetches_from_the_holders_that_node_names() {
     }
 }
 
+/// `swarm status` given a node that answers and one that is down (a seeder gone, a node
+/// killed) still asks the nodes the live one names: it reports B, which A names, and no
+/// uncovered expert. Before, it waited its whole `--wait` for the dead one and then reported
+/// A and the dead one only, with B's experts uncovered.
+#[test]
+fn swarm_status_with_a_dead_peer_still_asks_the_nodes_the_live_one_names() {
+    let (m, id) = model_with_manifest();
+    let (sa, sb) = (state(), state());
+    let a = serve(
+        m.path(),
+        sa.path(),
+        &["--only-experts", "0-1", "--replicas", "0"],
+    );
+    let b_args = [
+        "--only-experts",
+        "2-3",
+        "--replicas",
+        "0",
+        "--peer",
+        &a.line,
+        "--model-id",
+        &id,
+    ];
+    let b = serve(m.path(), sb.path(), &b_args);
+    let keys = tempfile::tempdir().expect("keys");
+    let (_, dead_key) = key(keys.path(), "dead.key");
+    let dead = format!("{dead_key}@127.0.0.1:{}", free_udp_port());
+    // A learns of B when B dials it: wait until a status given A alone sees B.
+    let until = Instant::now() + Duration::from_secs(30);
+    while status(m.path(), &id, std::slice::from_ref(&a.line))["uncovered"]
+        .as_array()
+        .is_none_or(|u| !u.is_empty())
+    {
+        assert!(Instant::now() < until, "A never named B");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let v = status(m.path(), &id, &[a.line.clone(), dead]);
+    assert_eq!(v["uncovered"].as_array().map(Vec::len), Some(0), "{v:#}");
+    let b_port = b.line.rsplit(':').next().expect("port");
+    let saw_b =
+        v["nodes"].as_array().expect("nodes").iter().any(|n| {
+            n["connected"] == true && n["addr"].as_str().is_some_and(|s| s.ends_with(b_port))
+        });
+    assert!(saw_b, "B not asked: {v:#}");
+}
+
 /// Peer exchange: B and C were each given only A, and A tells each of the other
 /// ([`stormo_wire::Peers`]), so B takes C into its peer set and offers the expert only C
 /// holds. A client that knows only B generates the ids of a local run. Without the exchange

@@ -198,6 +198,9 @@ pub fn parse_expert_spec(
         !spec.is_empty(),
         "{flag}: empty (e.g. 0-15 or 0:0-7,1:8-15)"
     );
+    if spec == "all" {
+        return Ok(shape.iter().map(|&n| vec![true; n]).collect());
+    }
     let per_layer = spec.contains(':');
     let mut out: Vec<Vec<bool>> = shape.iter().map(|&n| vec![false; n]).collect();
     let experts_max = shape.iter().copied().max().unwrap_or(0);
@@ -572,7 +575,11 @@ mod tests {
             per[1],
             [false, false, false, false, false, false, false, true]
         );
-        for bad in ["", "3-1", "0-8", "x", "5:0", "0:1,2", "0:a-b"] {
+        let every = parse_only_experts(" all ", &shape).unwrap();
+        assert_eq!(every, [vec![true; 8], vec![true; 8], vec![]]);
+        for bad in [
+            "", "3-1", "0-8", "x", "5:0", "0:1,2", "0:a-b", "al", "all,0",
+        ] {
             assert!(parse_only_experts(bad, &shape).is_err(), "{bad:?} accepted");
         }
     }

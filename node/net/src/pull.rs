@@ -286,6 +286,7 @@ async fn pull_async(
     opts: &PullOptions,
 ) -> anyhow::Result<PullReport> {
     let mut links = Vec::new();
+    let mut why = Vec::new();
     for p in &opts.peers {
         let client = match &opts.membership {
             None => match tls::client_config(secret, &p.key) {
@@ -305,10 +306,22 @@ async fn pull_async(
         };
         match connect_retrying(endpoint, secret, client, p, opts.cfg).await {
             Ok(l) => links.push(Arc::new(l)),
-            Err(e) => tracing::warn!("{e:#}"),
+            Err(e) => {
+                tracing::warn!("{e:#}");
+                why.push(format!("{e:#}"));
+            }
         }
     }
-    anyhow::ensure!(!links.is_empty(), "no peer could be reached");
+    // Each peer's own reason (unreachable, or reached and refusing this node's key).
+    anyhow::ensure!(
+        !links.is_empty(),
+        "no peer could be used: {}",
+        if why.is_empty() {
+            "none given".to_string()
+        } else {
+            why.join("; ")
+        }
+    );
     let out = pull_with(&links, opts).await;
     for l in &links {
         l.close();
@@ -1295,8 +1308,20 @@ async fn fetch_tensor(
             }
         }
     }
+    // Expert tensors come whole only from a node with the whole folder (a seeder); the
+    // nodes that keep copies hand out records, which `--experts` fetches from any holder.
+    let hint = if errors
+        .iter()
+        .any(|e| e.contains("which this node does not serve"))
+    {
+        ": no peer holds this tensor's whole folder (a node that keeps some experts serves \
+         them as records, not as file bytes); pull the dense weights and fetch every expert \
+         from its holders with `--experts all` instead of --with-experts"
+    } else {
+        ""
+    };
     anyhow::bail!(
-        "tensor {} of {name}: no peer supplied it intact ({})",
+        "tensor {} of {name}: no peer supplied it intact ({}){hint}",
         t.name,
         errors.join("; ")
     )

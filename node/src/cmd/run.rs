@@ -111,8 +111,8 @@ pub struct Args {
     /// --discover; the node holds only the dense weights, routers and the manifest).
     #[arg(long)]
     pub no_local_experts: bool,
-    /// Use only these local experts: `0-15` (the same experts in every layer) or per layer
-    /// `0:0-7,1:8-15` (layers not named: none); the others come from peers.
+    /// Use only these local experts: `0-15` (the same experts in every layer), per layer
+    /// `0:0-7,1:8-15` (layers not named: none), or `all`; the others come from peers.
     #[arg(long, value_name = "SPEC", conflicts_with = "no_local_experts")]
     pub only_experts: Option<String>,
 }

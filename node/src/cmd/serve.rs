@@ -62,8 +62,8 @@ pub struct Args {
     /// Admit any node key (a public node). Must be asked for explicitly.
     #[arg(long, conflicts_with_all = ["allow", "allow_file"])]
     pub allow_any: bool,
-    /// Serve only these experts: `0-15` (the same experts in every layer) or per layer
-    /// `0:0-7,1:8-15` (layers not named: none).
+    /// Serve only these experts: `0-15` (the same experts in every layer), per layer
+    /// `0:0-7,1:8-15` (layers not named: none), or `all`.
     #[arg(long, value_name = "SPEC")]
     pub only_experts: Option<String>,
     /// Copies of every expert the serving nodes keep across the swarm. A node with peers

@@ -53,6 +53,8 @@ pub(super) enum Shape {
     Number,
     /// A whole number from 0 up.
     Count,
+    /// A whole number from 1 up (a number of tokens or choices to make).
+    Positive,
     /// A whole number in i64's range (a seed).
     Integer,
     Bool,
@@ -82,13 +84,13 @@ const COMMON_FIELDS: &[(&str, Shape)] = &[
     ("top_p", Shape::Number),
     ("top_k", Shape::Count),
     ("repetition_penalty", Shape::Number),
-    ("max_tokens", Shape::Count),
-    ("max_completion_tokens", Shape::Count),
+    ("max_tokens", Shape::Positive),
+    ("max_completion_tokens", Shape::Positive),
     ("seed", Shape::Integer),
     ("stop", Shape::Stop),
     ("stream", Shape::Bool),
     ("stream_options", Shape::StreamOptions),
-    ("n", Shape::Count),
+    ("n", Shape::Positive),
     ("model", Shape::Text),
     ("presence_penalty", Shape::Number),
     ("frequency_penalty", Shape::Number),
@@ -181,6 +183,8 @@ fn check_field(path: &str, shape: Shape, v: &Value) -> Result<(), ApiError> {
         Shape::Number => wrong("a number"),
         Shape::Count if v.as_u64().is_some() => Ok(()),
         Shape::Count => wrong("a whole number from 0 up"),
+        Shape::Positive if v.as_u64().is_some_and(|n| n >= 1) => Ok(()),
+        Shape::Positive => wrong("a whole number from 1 up"),
         Shape::Integer if v.as_i64().is_some() => Ok(()),
         Shape::Integer => wrong("a whole number from -2^63 to 2^63 - 1"),
         Shape::Bool if v.is_boolean() => Ok(()),
@@ -727,7 +731,7 @@ mod tests {
             (json!({ "messages": [], "stop": ["a", 5] }), "stop[1] is 5"),
             (
                 json!({ "messages": [], "max_tokens": "3" }),
-                "max_tokens must be a whole number from 0 up, not the string \"3\"",
+                "max_tokens must be a whole number from 1 up, not the string \"3\"",
             ),
             (
                 json!({ "messages": [], "temperature": "hot" }),
