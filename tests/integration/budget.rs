@@ -143,6 +143,10 @@ fn the_expert_dir_limit_alone_bounds_the_kept_experts_and_the_default_follows_th
             "--expert-cache",
             "0",
             "--no-warm",
+            // No replica placement: the directory itself cuts down to the limit at start (a
+            // placing node leaves that to placement, tested below).
+            "--replicas",
+            "0",
         ];
         args.extend_from_slice(extra);
         keep_line(&args, env)
@@ -383,4 +387,103 @@ fn a_second_process_on_a_kept_experts_folder_shares_it_and_deletes_nothing() {
     assert!(!err.contains("panicked"), "{err}");
     assert_eq!(held_bytes(&kept), all, "the first node's copies stay");
     drop(first);
+}
+
+/// A placing node's expert directory (`ExpertDir::open_placed`) found over its limit at open
+/// deletes nothing there: placement chooses what goes once it has seen the swarm (the copies
+/// the swarm has most of; `placement::tests::over_its_budget_at_start_a_node_evicts_the_most_
+/// copied_never_its_only_copy`), where a plain open deletes the least recently used, which
+/// could be an expert's last copy.
+#[test]
+fn a_placing_node_over_its_limit_at_start_leaves_the_choice_to_placement() {
+    let (m, id) = model_with_manifest();
+    let (recs, manifest, schemas) = records(m.path());
+    let st = state();
+    let root = st.path().join("experts");
+    let kept = root.join(&id);
+    {
+        let dir = ExpertDir::open(
+            &root,
+            manifest.model_id(),
+            u64::MAX,
+            Arc::new(manifest.clone()),
+            schemas.clone(),
+        )
+        .expect("expert dir");
+        for (id, r) in &recs {
+            dir.store(*id, r);
+        }
+    }
+    let all = held_bytes(&kept);
+    let one = recs[0].1.len() as u64;
+    let placed = ExpertDir::open_placed(
+        &root,
+        manifest.model_id(),
+        one,
+        Arc::new(manifest.clone()),
+        schemas.clone(),
+    )
+    .expect("expert dir");
+    assert_eq!(held_bytes(&kept), all, "nothing deleted at open");
+    assert_eq!(placed.len(), recs.len());
+    assert!(placed.used() > placed.limit());
+    // Placement evicts: the record goes, file and all.
+    assert!(placed.remove(recs[0].0));
+    assert_eq!(held_bytes(&kept).0, recs.len() - 1);
+    drop(placed);
+    // A plain open cuts down to the limit itself.
+    let plain = ExpertDir::open(
+        &root,
+        manifest.model_id(),
+        one,
+        Arc::new(manifest.clone()),
+        schemas,
+    )
+    .expect("expert dir");
+    assert_eq!(held_bytes(&kept).0, 1);
+    drop(plain);
+
+    // In a node: a serving node placing replicas, over its limit at start, is cut down to it
+    // by placement once its view settles (alone here: its first 1.5 s).
+    for (id, r) in &recs {
+        ExpertDir::open(
+            &root,
+            manifest.model_id(),
+            u64::MAX,
+            Arc::new(manifest.clone()),
+            Vec::new(),
+        )
+        .expect("expert dir")
+        .store(*id, r);
+    }
+    assert_eq!(held_bytes(&kept), all);
+    let limit = (all.1 / 2).to_string();
+    let node = crate::node::Proc::start(&[
+        "serve",
+        "--model",
+        s(m.path()),
+        "--listen",
+        "127.0.0.1:0",
+        "--allow-any",
+        "--state-dir",
+        s(st.path()),
+        "--expert-cache",
+        "0",
+        "--no-warm",
+        "--replicas",
+        "2",
+        "--expert-dir-limit",
+        &limit,
+    ]);
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while held_bytes(&kept).1 > all.1 / 2 {
+        assert!(
+            std::time::Instant::now() < until,
+            "still {:?} held over a limit of {limit} after 30 s",
+            held_bytes(&kept)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(held_bytes(&kept).0 > 0, "cut to the limit, not emptied");
+    drop(node);
 }

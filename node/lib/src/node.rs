@@ -1161,13 +1161,13 @@ fn build_tiers(
     let kept = match (&p.keep, manifest) {
         (Some(k), Some(m)) => {
             let root = k.dir.clone().unwrap_or_else(|| state.experts.clone());
-            let dir = ExpertDir::open(
-                &root,
-                m.id,
-                k.limit,
-                m.manifest.clone(),
-                files.layout.schemas.clone(),
-            )?;
+            // With replica placement, what goes beyond the limit is placement's to choose.
+            let (manifest, schemas) = (m.manifest.clone(), files.layout.schemas.clone());
+            let dir = if cfg.listen.as_ref().is_some_and(|l| l.replicas > 0) {
+                ExpertDir::open_placed(&root, m.id, k.limit, manifest, schemas)?
+            } else {
+                ExpertDir::open(&root, m.id, k.limit, manifest, schemas)?
+            };
             // Two nodes keeping copies in one folder would each announce the other's, and
             // delete them by their own budgets.
             anyhow::ensure!(

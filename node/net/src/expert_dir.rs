@@ -128,6 +128,29 @@ impl ExpertDir {
         )
     }
 
+    /// [`Self::open`] for a node whose replica placement decides what is kept
+    /// ([`ExpertDir::set_placed`] from the start): records found beyond the limit (a restart
+    /// with a smaller `--expert-dir-limit`, or a fuller disk) are not deleted here, least
+    /// recently used first, but left to placement, which evicts, once it has seen the swarm,
+    /// the copies the swarm has most of. Deleting by age alone could take an expert's last copy.
+    pub fn open_placed(
+        dir: &Path,
+        model: Hash,
+        limit: impl Into<KeepLimit>,
+        manifest: Arc<Manifest>,
+        schemas: Vec<Option<ExpertSchema>>,
+    ) -> anyhow::Result<Self> {
+        Self::open_impl(
+            dir,
+            model,
+            limit.into(),
+            manifest,
+            schemas,
+            budget::system_free_space(),
+            true,
+        )
+    }
+
     /// [`Self::open`], the free space read by `free` (tests give a fake disk).
     pub fn open_with(
         dir: &Path,
@@ -136,6 +159,18 @@ impl ExpertDir {
         manifest: Arc<Manifest>,
         schemas: Vec<Option<ExpertSchema>>,
         free: FreeSpace,
+    ) -> anyhow::Result<Self> {
+        Self::open_impl(dir, model, limit, manifest, schemas, free, false)
+    }
+
+    fn open_impl(
+        dir: &Path,
+        model: Hash,
+        limit: KeepLimit,
+        manifest: Arc<Manifest>,
+        schemas: Vec<Option<ExpertSchema>>,
+        free: FreeSpace,
+        placed: bool,
     ) -> anyhow::Result<Self> {
         let root = dir.join(model.to_hex());
         std::fs::create_dir_all(&root)
@@ -198,7 +233,7 @@ impl ExpertDir {
             manifest,
             schemas,
             state: Mutex::new(st),
-            placed: std::sync::atomic::AtomicBool::new(false),
+            placed: std::sync::atomic::AtomicBool::new(placed),
             wanted: Mutex::default(),
             owner,
         };
@@ -209,6 +244,17 @@ impl ExpertDir {
                  keeps, keeping and deleting none",
                 me.root.display()
             );
+        } else if placed {
+            let g = me.lock();
+            if g.used > g.limit {
+                tracing::info!(
+                    "expert directory {}: {} bytes kept, over the limit of {} bytes; placement \
+                     evicts the copies the swarm has most of once it has seen the swarm",
+                    me.root.display(),
+                    g.used,
+                    g.limit
+                );
+            }
         } else {
             let mut g = me.lock();
             let (before, bytes) = (g.entries.len(), g.used);

@@ -1548,6 +1548,50 @@ mod tests {
         assert_eq!(p.used(), 0);
     }
 
+    /// A node restarted with a smaller budget than it holds (its expert directory leaves the
+    /// excess to placement, `ExpertDir::open_placed`) gives up, once it sees the swarm, the
+    /// copies the swarm has most of, whatever their age: of an expert three other nodes hold
+    /// and one it alone holds, the first goes; the only copy stays.
+    #[test]
+    fn over_its_budget_at_start_a_node_evicts_the_most_copied_never_its_only_copy() {
+        let t0 = Instant::now();
+        let cat = catalog(4);
+        let (common, only) = (cat[0].id, cat[1].id);
+        for order in [[common, only], [only, common]] {
+            // Room for one of its two.
+            let mut p = Placement::new(1u64, 100, &cat, Config::default(), t0);
+            for id in order {
+                p.handle(
+                    Event::Holding {
+                        expert: id,
+                        pinned: false,
+                    },
+                    t0,
+                );
+            }
+            let holder = Announcement {
+                held: vec![common, cat[2].id, cat[3].id],
+                budget: 300,
+                used: 300,
+                ..Announcement::default()
+            };
+            for peer in 2..5 {
+                p.handle(
+                    Event::Announced {
+                        peer,
+                        announcement: &holder,
+                    },
+                    t0,
+                );
+            }
+            let acts = drain(&mut p, t0);
+            assert!(acts.contains(&Action::Evict { expert: common }), "{acts:?}");
+            assert!(!acts.contains(&Action::Evict { expert: only }), "{acts:?}");
+            assert!(p.holds_expert(only));
+            assert_eq!(p.used(), 100);
+        }
+    }
+
     #[test]
     fn of_a_thousand_nodes_with_one_view_only_the_missing_copies_act() {
         // Herding: 1,000 empty nodes see the same swarm (a seeder holding the one expert);
