@@ -475,10 +475,10 @@ fn a_placing_node_over_its_limit_at_start_leaves_the_choice_to_placement() {
         "--expert-dir-limit",
         &limit,
     ]);
-    let until = std::time::Instant::now() + Duration::from_secs(30);
+    let until = Instant::now() + Duration::from_secs(30);
     while held_bytes(&kept).1 > all.1 / 2 {
         assert!(
-            std::time::Instant::now() < until,
+            Instant::now() < until,
             "still {:?} held over a limit of {limit} after 30 s",
             held_bytes(&kept)
         );
