@@ -152,7 +152,11 @@ impl SwarmArgs {
         };
         Ok(SwarmConfig {
             membership,
-            discover: DiscoverConfig { lan, dht },
+            discover: DiscoverConfig {
+                lan,
+                dht,
+                wait: None,
+            },
         })
     }
 }

@@ -441,14 +441,23 @@ impl Node {
                     None => !dht && have > 0,
                 }
             };
-            let until = std::time::Instant::now() + DISCOVERY_WAIT;
+            let wait = sw.discover.wait.unwrap_or(DISCOVERY_WAIT);
+            let until = std::time::Instant::now() + wait;
             while std::time::Instant::now() < until && !ready() {
                 std::thread::sleep(Duration::from_millis(100));
             }
             if !t.inventories().iter().any(Option::is_some) {
+                // Discovery's topics derive from the swarm key: without it, only open swarms.
+                let open = if sw.membership.is_none() {
+                    " (no --swarm given: only nodes of an open swarm are found; a private \
+                     swarm's nodes are found with its --swarm key and --cert)"
+                } else {
+                    ""
+                };
                 tracing::warn!(
-                    "discovery found no peer within {} s; peers found later are used as they come",
-                    DISCOVERY_WAIT.as_secs()
+                    "discovery found no peer within {:.1} s{open}; peers found later are used \
+                     as they come",
+                    wait.as_secs_f64()
                 );
             }
         }

@@ -142,6 +142,9 @@ pub struct DiscoverConfig {
     pub lan: Option<lan::LanConfig>,
     /// The mainline DHT, if asked.
     pub dht: Option<dht::DhtConfig>,
+    /// How long a node that only fetches waits at start for what discovery finds (`None`:
+    /// the node's default, 15 s; `swarm status` gives its `--wait`).
+    pub wait: Option<Duration>,
 }
 
 impl DiscoverConfig {

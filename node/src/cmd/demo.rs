@@ -3,7 +3,8 @@
 //! A small GPT-OSS-shaped model with the real 201,088-token vocabulary is synthesized, a few
 //! nodes on 127.0.0.1 each serve part of its experts, and one more node with no experts (the
 //! dense weights pulled from a holder) fetches from them and re-serves what it verified. A
-//! node holding none that knows only that relay generates from a Harmony prompt, every
+//! node holding none that knows only that relay (the holders admit the relay alone)
+//! generates from a Harmony prompt, every
 //! expert fetched over QUIC and checked against the signed manifest; then the holders stop
 //! and it generates again, served by the relay from what it kept. Both outputs are compared
 //! with a local run of the same prompt.
@@ -236,7 +237,7 @@ impl DemoModel {
 
 /// The swarm's keys and signed manifest (in `work`/swarm), and `nodes` holders on 127.0.0.1,
 /// each serving every n-th expert, their processes registered in `reapers` for Ctrl-C; with
-/// the relay's key (made first: the holders admit it beside the client).
+/// the relay's key (made first: the holders admit it alone).
 fn start_holders(
     exe: &Path,
     model: &DemoModel,
@@ -252,9 +253,18 @@ fn start_holders(
         .unwrap_or_else(|e| e.into_inner())
         .push(c.reaper());
     let relay_key = c.make_key("relay")?;
-    c.serve_args = vec!["--allow".into(), relay_key.1.clone()];
+    // The holders admit the relay alone: the client hears of them from the relay (peer
+    // exchange) but is refused, so what it gets comes through the relay, as to a node that
+    // cannot reach the holders.
     for i in 0..nodes {
-        c.add_node(Some(share(i, nodes, model.experts)), LinkSpec::ideal())?;
+        c.add_node_with(
+            NodeSpec {
+                only: Some(share(i, nodes, model.experts)),
+                allow: Some(relay_key.1.clone()),
+                ..NodeSpec::default()
+            },
+            LinkSpec::ideal(),
+        )?;
     }
     say(&format!("{nodes} nodes serving on 127.0.0.1"));
     Ok((c, relay_key))
@@ -282,7 +292,7 @@ fn start_relay(
             "--trust".into(),
             c.publisher.clone(),
             "--key".into(),
-            c.client_key.to_string_lossy().into_owned(),
+            key.0.to_string_lossy().into_owned(),
             "--state-dir".into(),
             work.join("pull.state").to_string_lossy().into_owned(),
             "--out".into(),

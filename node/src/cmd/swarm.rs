@@ -192,14 +192,20 @@ fn status(a: StatusArgs) -> anyhow::Result<()> {
     let wait = std::time::Duration::from_secs_f64(a.wait.max(0.5));
     peers.timeouts.connect_timeout = peers.timeouts.connect_timeout.min(wait);
     // The key file is loaded once: for the certificate's check and for the node.
-    let (swarm, host) =
+    let (mut swarm, host) =
         crate::swarm_args::resolve_identity(&a.swarm, a.net.key.as_deref())?.into_host()?;
+    // Discovery at start waits within --wait too, not the node's own 15 s.
+    if let Some(sw) = swarm.as_mut() {
+        sw.discover.wait = Some(wait);
+    }
     anyhow::ensure!(
         !peers.peers.is_empty() || swarm.as_ref().is_some_and(|s| s.discover.is_on()),
         "swarm status needs peers to ask: --peer KEY@HOST:PORT, or --discover lan|dht (with \
          --swarm and --cert in a swarm)"
     );
     let files = stormo_node::node::open_model(&a.model)?;
+    // --wait bounds the whole report, discovery's first look included.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs_f64(a.wait);
     let node = stormo_node::node::Node::start_on(
         NodeConfig {
             model: a.model.clone(),
@@ -218,7 +224,6 @@ fn status(a: StatusArgs) -> anyhow::Result<()> {
         host,
         files,
     )?;
-    let until = std::time::Instant::now() + std::time::Duration::from_secs_f64(a.wait);
     let answered = || {
         node.peer_tier().is_some_and(|t| {
             let v = t.swarm_view();
