@@ -52,6 +52,26 @@ fn records(
 /// The expert layout's schemas, per layer.
 type Schemas = Vec<Option<stormo_engine::moe::ExpertSchema>>;
 
+/// `stormo serve` of `model` on loopback with state directory `st`, its RAM cache off and not
+/// warmed, then `extra`.
+fn serve_args<'a>(model: &'a Path, st: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "serve",
+        "--model",
+        s(model),
+        "--listen",
+        "127.0.0.1:0",
+        "--allow-any",
+        "--state-dir",
+        s(st),
+        "--expert-cache",
+        "0",
+        "--no-warm",
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
 /// Bytes of the records in `dir` (the kept experts of one model).
 fn held_bytes(dir: &Path) -> (usize, u64) {
     let mut n = 0;
@@ -131,23 +151,9 @@ fn the_expert_dir_limit_alone_bounds_the_kept_experts_and_the_default_follows_th
     };
     fill();
     let serve = |extra: &[&str], env: &[(&str, &str)]| -> String {
-        let mut args = vec![
-            "serve",
-            "--model",
-            s(m.path()),
-            "--listen",
-            "127.0.0.1:0",
-            "--allow-any",
-            "--state-dir",
-            s(st.path()),
-            "--expert-cache",
-            "0",
-            "--no-warm",
-            // No replica placement: the directory itself cuts down to the limit at start (a
-            // placing node leaves that to placement, tested below).
-            "--replicas",
-            "0",
-        ];
+        // No replica placement: the directory itself cuts down to the limit at start (a
+        // placing node leaves that to placement, tested below).
+        let mut args = serve_args(m.path(), st.path(), &["--replicas", "0"]);
         args.extend_from_slice(extra);
         keep_line(&args, env)
     };
@@ -353,28 +359,13 @@ fn a_second_process_on_a_kept_experts_folder_shares_it_and_deletes_nothing() {
     for (id, r) in &recs {
         open(u64::MAX).store(*id, r);
     }
-    let serve = |extra: &[&str]| -> Vec<String> {
-        let mut args = vec![
-            "serve",
-            "--model",
-            s(m.path()),
-            "--listen",
-            "127.0.0.1:0",
-            "--allow-any",
-            "--state-dir",
-            s(st.path()),
-            "--expert-cache",
-            "0",
-            "--no-warm",
-        ];
-        args.extend_from_slice(extra);
-        args.into_iter().map(String::from).collect()
-    };
-    let first_args = serve(&[]);
-    let first =
-        crate::node::Proc::start(&first_args.iter().map(String::as_str).collect::<Vec<_>>());
+    let first = crate::node::Proc::start(&serve_args(m.path(), st.path(), &[]));
     let out = Command::new(stormo_exe())
-        .args(serve(&["--expert-dir-limit", "1"]))
+        .args(serve_args(
+            m.path(),
+            st.path(),
+            &["--expert-dir-limit", "1"],
+        ))
         .stdin(Stdio::null())
         .output()
         .expect("a second serve");
@@ -458,23 +449,11 @@ fn a_placing_node_over_its_limit_at_start_leaves_the_choice_to_placement() {
     }
     assert_eq!(held_bytes(&kept), all);
     let limit = (all.1 / 2).to_string();
-    let node = crate::node::Proc::start(&[
-        "serve",
-        "--model",
-        s(m.path()),
-        "--listen",
-        "127.0.0.1:0",
-        "--allow-any",
-        "--state-dir",
-        s(st.path()),
-        "--expert-cache",
-        "0",
-        "--no-warm",
-        "--replicas",
-        "2",
-        "--expert-dir-limit",
-        &limit,
-    ]);
+    let node = crate::node::Proc::start(&serve_args(
+        m.path(),
+        st.path(),
+        &["--replicas", "2", "--expert-dir-limit", &limit],
+    ));
     let until = Instant::now() + Duration::from_secs(30);
     while held_bytes(&kept).1 > all.1 / 2 {
         assert!(

@@ -322,6 +322,35 @@ fn health_is_degraded_while_an_expert_has_no_reachable_holder() {
     assert!(again.contains("\"ok\""), "{again}");
 }
 
+/// Two nodes serving parts of the model `model` (id `id`), placing nothing: the first holds
+/// experts `first` and is given no peer, the second holds `second` and is given the first
+/// (so it dials the first). With their state directories, which must outlive them.
+fn dialling_pair(
+    model: &Path,
+    id: &str,
+    first: &str,
+    second: &str,
+) -> (Proc, Proc, [tempfile::TempDir; 2]) {
+    let states = [state(), state()];
+    let one = serve(
+        model,
+        states[0].path(),
+        &["--only-experts", first, "--replicas", "0"],
+    );
+    let args = [
+        "--only-experts",
+        second,
+        "--replicas",
+        "0",
+        "--peer",
+        &one.line,
+        "--model-id",
+        id,
+    ];
+    let two = serve(model, states[1].path(), &args);
+    (one, two, states)
+}
+
 /// A node serving the model that dials another joins that one's peer set: A, given no peer,
 /// learns of B, which was given A, when B dials it, and offers B's experts to a client that
 /// knows only A; the client generates the ids of a local run. Before, A never heard of B and
@@ -329,23 +358,7 @@ fn health_is_degraded_while_an_expert_has_no_reachable_holder() {
 #[test]
 fn a_serving_node_that_dials_in_joins_the_peer_set_of_the_node_it_dialled() {
     let (m, id) = model_with_manifest();
-    let (sa, sb) = (state(), state());
-    let a = serve(
-        m.path(),
-        sa.path(),
-        &["--only-experts", "0-1", "--replicas", "0"],
-    );
-    let b_args = [
-        "--only-experts",
-        "2-3",
-        "--replicas",
-        "0",
-        "--peer",
-        &a.line,
-        "--model-id",
-        &id,
-    ];
-    let _b = serve(m.path(), sb.path(), &b_args);
+    let (a, _b, _states) = dialling_pair(m.path(), &id, "0-1", "2-3");
     let (want, _) = run_ids(m.path(), state().path(), &[]);
     // A takes B in when B's dial arrives, and offers B's experts within the next 0.5 s.
     generates_through(
@@ -607,23 +620,7 @@ fn logs_within(p: &Proc, says: &str, within: Duration) {
 #[test]
 fn a_client_given_one_node_fetches_from_the_holders_that_node_names() {
     let (m, id) = model_with_manifest();
-    let (sa, sb) = (state(), state());
-    let b = serve(
-        m.path(),
-        sb.path(),
-        &["--only-experts", "2-3", "--replicas", "0"],
-    );
-    let a_args = [
-        "--only-experts",
-        "0-1",
-        "--replicas",
-        "0",
-        "--peer",
-        &b.line,
-        "--model-id",
-        &id,
-    ];
-    let a = serve(m.path(), sa.path(), &a_args);
+    let (b, a, _states) = dialling_pair(m.path(), &id, "2-3", "0-1");
     let (want, _) = run_ids(m.path(), state().path(), &[]);
     let port_of = |line: &str| line.rsplit(':').next().expect("a port").to_string();
     let (a_port, b_port) = (port_of(&a.line), port_of(&b.line));
@@ -666,23 +663,7 @@ fn a_client_given_one_node_fetches_from_the_holders_that_node_names() {
 #[test]
 fn swarm_status_with_a_dead_peer_still_asks_the_nodes_the_live_one_names() {
     let (m, id) = model_with_manifest();
-    let (sa, sb) = (state(), state());
-    let a = serve(
-        m.path(),
-        sa.path(),
-        &["--only-experts", "0-1", "--replicas", "0"],
-    );
-    let b_args = [
-        "--only-experts",
-        "2-3",
-        "--replicas",
-        "0",
-        "--peer",
-        &a.line,
-        "--model-id",
-        &id,
-    ];
-    let b = serve(m.path(), sb.path(), &b_args);
+    let (a, b, _states) = dialling_pair(m.path(), &id, "0-1", "2-3");
     let keys = tempfile::tempdir().expect("keys");
     let (_, dead_key) = key(keys.path(), "dead.key");
     let dead = format!("{dead_key}@127.0.0.1:{}", free_udp_port());
