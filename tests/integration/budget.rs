@@ -52,22 +52,10 @@ fn records(
 /// The expert layout's schemas, per layer.
 type Schemas = Vec<Option<stormo_engine::moe::ExpertSchema>>;
 
-/// `stormo serve` of `model` on loopback with state directory `st`, its RAM cache off and not
-/// warmed, then `extra`.
+/// [`crate::node::serve_args`] with no RAM cache, not warmed, then `extra`.
 fn serve_args<'a>(model: &'a Path, st: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = vec![
-        "serve",
-        "--model",
-        s(model),
-        "--listen",
-        "127.0.0.1:0",
-        "--allow-any",
-        "--state-dir",
-        s(st),
-        "--expert-cache",
-        "0",
-        "--no-warm",
-    ];
+    let mut args = crate::node::serve_args(model, st, "0");
+    args.push("--no-warm");
     args.extend_from_slice(extra);
     args
 }
