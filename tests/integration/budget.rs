@@ -293,8 +293,10 @@ fn a_full_disk_stops_storing_with_one_warning_and_what_is_held_is_still_served()
 /// One process owns a model's kept-experts folder (an OS lock beside it). A second opener
 /// shares it: it reads the records (verified), but stores, evicts and deletes nothing, even
 /// with a limit below what is held, so it cannot take away copies the owner keeps and
-/// announces; once the owner is gone the next opener owns it. A second serving node started
-/// on the same state directory is refused by name, and the first one's copies stay. Before,
+/// announces; once the owner is gone the next opener owns it. A second serving node that
+/// places replicas, started on the same state directory, is refused by name; one that holds
+/// every expert in its folder (places nothing) starts and only reads; the first one's copies
+/// stay. Before,
 /// the second node deleted most of the first's experts at start while the first went on
 /// announcing them.
 #[test]
@@ -343,16 +345,28 @@ fn a_second_process_on_a_kept_experts_folder_shares_it_and_deletes_nothing() {
     assert_eq!(held_bytes(&kept).0, 1, "cut to its limit");
     drop(next);
 
-    // Two serving nodes on one state directory: the second is refused by name.
+    // Two serving nodes on one state directory: the second, placing (it holds one expert of
+    // its folder), is refused by name.
     for (id, r) in &recs {
         open(u64::MAX).store(*id, r);
     }
     let first = crate::node::Proc::start(&serve_args(m.path(), st.path(), &[]));
+    let whole = crate::node::Proc::start(&serve_args(
+        m.path(),
+        st.path(),
+        &["--expert-dir-limit", "1"],
+    ));
+    drop(whole);
+    assert_eq!(
+        held_bytes(&kept),
+        all,
+        "a node of the whole folder deletes nothing"
+    );
     let out = Command::new(stormo_exe())
         .args(serve_args(
             m.path(),
             st.path(),
-            &["--expert-dir-limit", "1"],
+            &["--only-experts", "0", "--expert-dir-limit", "1"],
         ))
         .stdin(Stdio::null())
         .output()

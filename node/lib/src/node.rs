@@ -1177,10 +1177,14 @@ fn build_tiers(
             } else {
                 ExpertDir::open(&root, m.id, k.limit, manifest, schemas)?
             };
-            // Two nodes keeping copies in one folder would each announce the other's, and
-            // delete them by their own budgets.
+            // Two nodes placing copies in one folder would each announce the other's, and
+            // delete them by their own budgets. A node that holds every expert in its folder
+            // (a seeder, or two nodes of one folder on a machine) places nothing and only
+            // reads the kept ones.
+            let holds_all = plan.uses_local && !plan.dense_only && plan.allowed.is_none();
+            let places = cfg.listen.as_ref().is_some_and(|l| l.replicas > 0) && !holds_all;
             anyhow::ensure!(
-                cfg.listen.is_none() || !dir.is_shared(),
+                !places || !dir.is_shared(),
                 "the expert directory {} is in use by another stormo process (a node or run \
                  on the same --state-dir): give this node its own --state-dir (or \
                  --expert-dir), or stop the other",

@@ -18,7 +18,7 @@
 //! same `--state-dir`, or a second node started on it by mistake) uses it shared: it reads
 //! the records there, verified as always, but writes, evicts and deletes nothing, so it never
 //! takes away the copies the owner keeps and announces ([`ExpertDir::is_shared`]; a serving
-//! node refuses to start on a shared folder). Where the file system has no locks, every
+//! node that places replicas refuses to start on a shared folder). Where the file system has no locks, every
 //! process owns the folder, as before.
 //!
 //! Non-goals: durability against power loss (a torn record fails verification and is
