@@ -1171,8 +1171,9 @@ fn build_tiers(
         (Some(k), Some(m)) => {
             let root = k.dir.clone().unwrap_or_else(|| state.experts.clone());
             // With replica placement, what goes beyond the limit is placement's to choose.
+            let placing = cfg.listen.as_ref().is_some_and(|l| l.replicas > 0);
             let (manifest, schemas) = (m.manifest.clone(), files.layout.schemas.clone());
-            let dir = if cfg.listen.as_ref().is_some_and(|l| l.replicas > 0) {
+            let dir = if placing {
                 ExpertDir::open_placed(&root, m.id, k.limit, manifest, schemas)?
             } else {
                 ExpertDir::open(&root, m.id, k.limit, manifest, schemas)?
@@ -1182,9 +1183,8 @@ fn build_tiers(
             // (a seeder, or two nodes of one folder on a machine) places nothing and only
             // reads the kept ones.
             let holds_all = plan.uses_local && !plan.dense_only && plan.allowed.is_none();
-            let places = cfg.listen.as_ref().is_some_and(|l| l.replicas > 0) && !holds_all;
             anyhow::ensure!(
-                !places || !dir.is_shared(),
+                !placing || holds_all || !dir.is_shared(),
                 "the expert directory {} is in use by another stormo process (a node or run \
                  on the same --state-dir): give this node its own --state-dir (or \
                  --expert-dir), or stop the other",

@@ -12,14 +12,14 @@
 //! default follows the free disk, read again before each write; a full disk stops the storing
 //! with one warning ([`budget`]).
 //!
-//! One process owns a model's folder: it holds an exclusive lock on `DIR/.<model id>.lock` (an OS
-//! advisory lock, `std::fs::File::try_lock`, released when the process ends, even by a
-//! crash). Another process that opens the folder meanwhile (a `run` beside the `serve` of the
-//! same `--state-dir`, or a second node started on it by mistake) uses it shared: it reads
-//! the records there, verified as always, but writes, evicts and deletes nothing, so it never
-//! takes away the copies the owner keeps and announces ([`ExpertDir::is_shared`]; a serving
-//! node that places replicas refuses to start on a shared folder). Where the file system has no locks, every
-//! process owns the folder, as before.
+//! One process owns a model's folder: it holds an exclusive lock on `DIR/.<model id>.lock`
+//! (an OS advisory lock, `std::fs::File::try_lock`, released when the process ends, even by
+//! a crash). Another process that opens the folder meanwhile (a `run` beside the `serve` of
+//! the same `--state-dir`, or a second node started on it by mistake) uses it shared: it
+//! reads the records there, verified as always, but writes, evicts and deletes nothing, so it
+//! never takes away the copies the owner keeps and announces ([`ExpertDir::is_shared`]; a
+//! serving node that places replicas refuses to start on a shared folder). Where the file
+//! system has no locks, every process owns the folder, as before.
 //!
 //! Non-goals: durability against power loss (a torn record fails verification and is
 //! fetched again).
